@@ -1,0 +1,11 @@
+"""parcomp's graph IR: types, layouts, nodes, graphs, the op table and the text form."""
+from .graph import Graph, Node, describe, make_attrs
+from .ops import COLLECTIVES, LAYOUT_OPS, OPS
+from .text import parse_graph, print_graph
+from .types import (P, R, Layout, Mesh, Partial, Replicate, Shard, TensorType, layout_str,
+                    local_shape, replicated, shard_axes, shard_offsets)
+
+__all__ = ["Graph", "Node", "describe", "make_attrs", "COLLECTIVES", "LAYOUT_OPS", "OPS",
+           "parse_graph", "print_graph", "P", "R", "Layout", "Mesh", "Partial", "Replicate",
+           "Shard", "TensorType", "layout_str", "local_shape", "replicated", "shard_axes",
+           "shard_offsets"]

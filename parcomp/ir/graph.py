@@ -1,0 +1,108 @@
+"""The graph IR: an SSA list of immutable nodes (Thunder-style, not FX's linked list).
+
+A :class:`Graph` is a tuple of :class:`Node` in topological order plus the
+names of its outputs.  Every value is the single result of one node and is
+referred to by the node's name.  Passes never mutate: they build new graphs
+(``dataclasses.replace``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from .types import Layout, Mesh, TensorType, layout_str
+
+
+@dataclass(frozen=True)
+class Node:
+    """One operation and the value it defines.
+
+    Attributes:
+        name: SSA name of the value (parameters keep their state_dict names).
+        op: op name, a key of :data:`parcomp.ir.ops.OPS`.
+        inputs: names of operand values, in order.
+        type: global (unsharded) type, or the per-rank type after ``localize``.
+        attrs: sorted ``(key, value)`` pairs; values are int, float, bool, str or
+            tuples of ints.
+        layout: one placement per mesh axis, or None before ``shard-prop``.
+    """
+
+    name: str
+    op: str
+    inputs: tuple
+    type: TensorType
+    attrs: tuple = ()
+    layout: Layout | None = None
+
+    def attr(self, key: str, default=None):
+        for k, v in self.attrs:
+            if k == key:
+                return v
+        return default
+
+    def with_attrs(self, **kw) -> "Node":
+        d = dict(self.attrs)
+        d.update(kw)
+        return replace(self, attrs=tuple(sorted(d.items())))
+
+
+def make_attrs(**kw) -> tuple:
+    """Canonical (sorted) attribute tuple."""
+    return tuple(sorted(kw.items()))
+
+
+@dataclass(frozen=True)
+class Graph:
+    """A whole program: nodes in topological order, outputs, and the mesh (if any).
+
+    ``stage`` names what the graph is: ``global`` (unsharded types) or ``local``
+    (per-rank types, after ``localize``).
+    """
+
+    nodes: tuple
+    outputs: tuple
+    mesh: Mesh | None = None
+    stage: str = "global"
+    _index: dict = field(default=None, compare=False, repr=False, hash=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "_index", {n.name: n for n in self.nodes})
+
+    def __getitem__(self, name: str) -> Node:
+        return self._index[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._index
+
+    def by_op(self, *ops: str) -> list:
+        return [n for n in self.nodes if n.op in ops]
+
+    @property
+    def inputs(self) -> list:
+        return self.by_op("input")
+
+    @property
+    def params(self) -> list:
+        return self.by_op("param")
+
+    def users(self) -> dict:
+        """name -> list of consumer node names (in program order)."""
+        out = {n.name: [] for n in self.nodes}
+        for n in self.nodes:
+            for i in n.inputs:
+                out[i].append(n.name)
+        return out
+
+    def with_nodes(self, nodes, outputs=None, **kw) -> "Graph":
+        return replace(self, nodes=tuple(nodes),
+                       outputs=tuple(self.outputs if outputs is None else outputs), **kw)
+
+    def __str__(self) -> str:
+        from .text import print_graph
+
+        return print_graph(self)
+
+
+def describe(node: Node) -> str:
+    """One-line human summary used in error messages."""
+    lay = f" {layout_str(node.layout)}" if node.layout is not None else ""
+    return f"%{node.name} = {node.op}({', '.join('%' + i for i in node.inputs)}) : {node.type}{lay}"

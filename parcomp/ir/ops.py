@@ -1,0 +1,102 @@
+"""The op vocabulary: arity, shape inference and algebraic class of every op.
+
+The algebraic ``kind`` is what the sharding rules and the verifier rely on:
+
+- ``nonlinear``: never accepts a ``Partial`` input (DESIGN.md "rules that always hold").
+- ``linear``: f(sum x_k) = sum f(x_k); passes ``Partial`` through.
+- ``additive``: add/sub, linear in all operands jointly (a ``Replicate``
+  addend must be counted once, so every operand must be ``Partial`` together).
+- ``bilinear``: mul/matmul, linear in each operand separately (exactly one
+  operand may be ``Partial``).
+- ``linear0``: div, linear in the first operand only.
+- ``source``: input/param; ``collective`` and ``local`` are layout changes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from .types import TensorType
+
+
+@dataclass(frozen=True)
+class OpDef:
+    """Static semantics of one op (Thunder's *meta* function)."""
+
+    name: str
+    arity: int  # -1: any
+    kind: str
+    infer: Callable  # (in_types, node) -> TensorType
+
+
+def _same(ts, n):
+    return ts[0]
+
+
+def _broadcast(ts, n):
+    try:
+        shape = np.broadcast_shapes(*[t.shape for t in ts])
+    except ValueError as e:
+        raise ValueError(f"shapes {[t.shape for t in ts]} do not broadcast") from e
+    return TensorType(tuple(int(s) for s in shape), ts[0].dtype)
+
+
+def _matmul(ts, n):
+    a, b = ts
+    if a.rank < 1 or b.rank < 2:
+        raise ValueError(f"matmul needs a rank>=1 lhs and rank>=2 rhs, got {a} and {b}")
+    if a.shape[-1] != b.shape[-2]:
+        raise ValueError(f"matmul contracts {a.shape[-1]} with {b.shape[-2]}")
+    if b.rank > 2 and a.shape[:-2] != b.shape[:-2]:
+        raise ValueError(f"batched matmul needs equal batch dims, got {a} and {b}")
+    return TensorType(a.shape[:-1] + (b.shape[-1],), a.dtype)
+
+
+def _permute(ts, n):
+    perm = n.attr("perm")
+    if sorted(perm) != list(range(ts[0].rank)):
+        raise ValueError(f"perm {perm} is not a permutation of {ts[0].rank} dims")
+    return TensorType(tuple(ts[0].shape[p] for p in perm), ts[0].dtype)
+
+
+def _reshape(ts, n):
+    # the target shape is the node's own type; check the element count
+    if ts[0].numel != n.type.numel:
+        raise ValueError(f"reshape of {ts[0]} to {n.type} changes the element count")
+    return n.type
+
+
+def _own(ts, n):
+    return n.type
+
+
+OPS: dict = {}
+
+
+def _def(name, arity, kind, infer):
+    OPS[name] = OpDef(name, arity, kind, infer)
+
+
+for _n in ("relu", "gelu", "tanh", "exp", "sigmoid", "silu", "pow", "add_scalar"):
+    _def(_n, 1, "nonlinear", _same)
+for _n in ("neg", "scale"):
+    _def(_n, 1, "linear", _same)
+_def("add", 2, "additive", _broadcast)
+_def("sub", 2, "additive", _broadcast)
+_def("mul", 2, "bilinear", _broadcast)
+_def("div", 2, "linear0", _broadcast)
+_def("matmul", 2, "bilinear", _matmul)
+_def("permute", 1, "linear", _permute)
+_def("reshape", 1, "linear", _reshape)
+_def("input", 0, "source", _own)
+_def("param", 0, "source", _own)
+# layout changes inserted by insert-collectives (see parcomp/redistribute.py)
+for _n in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
+    _def(_n, 1, "collective", _same)
+for _n in ("shard_slice", "partial_mask"):
+    _def(_n, 1, "local", _same)
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+LAYOUT_OPS = COLLECTIVES + ("shard_slice", "partial_mask")

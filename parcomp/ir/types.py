@@ -1,0 +1,187 @@
+"""Tensor types, placements, layouts and meshes: the frozen value types of the IR.
+
+Placements follow PyTorch DTensor (``torch/distributed/tensor/placement_types.py``)
+and OneFlow SBP: one placement per mesh axis.
+
+Shard-order convention (fixed up front, see DTensor's ``_StridedShard`` for what
+happens otherwise): when several mesh axes shard the same tensor dim, the axis
+that comes first in the mesh is the *outer* one.  On a mesh ``dp=2 tp=2`` with
+layout ``[S(0), S(0)]`` the rank at coordinates ``(i, j)`` holds chunk
+``i * 2 + j`` of dim 0.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import reduce
+from typing import Union
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Replicate:
+    """Every rank of the mesh axis holds the whole tensor. Printed ``R``."""
+
+    def __str__(self) -> str:
+        return "R"
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Rank k of a mesh axis of size n holds chunk k (of n equal chunks) of ``dim``.
+
+    ``dim`` is a non-negative tensor dim. Printed ``S(dim)``.
+    """
+
+    dim: int
+
+    def __str__(self) -> str:
+        return f"S({self.dim})"
+
+
+@dataclass(frozen=True)
+class Partial:
+    """The true value is the sum over the ranks of the axis of their local values.
+
+    Only ``op="sum"`` exists today. Printed ``P`` (long form ``P(sum)``).
+    """
+
+    op: str = "sum"
+
+    def __str__(self) -> str:
+        return "P"
+
+
+Placement = Union[Replicate, Shard, Partial]
+Layout = tuple  # tuple[Placement, ...], one per mesh axis, in mesh order
+
+R = Replicate()
+P = Partial()
+
+
+def layout_str(layout: Layout) -> str:
+    """``[S(0), R]`` style text of a layout."""
+    return "[" + ", ".join(str(p) for p in layout) + "]"
+
+
+def replicated(naxes: int) -> Layout:
+    """The all-``R`` layout on a mesh with ``naxes`` axes."""
+    return tuple(R for _ in range(naxes))
+
+
+@dataclass(frozen=True)
+class TensorType:
+    """A dense tensor: ``shape`` (elements per dim) and numpy ``dtype`` name."""
+
+    shape: tuple
+    dtype: str = "float32"
+
+    @property
+    def rank(self) -> int:
+        return len(self.shape)
+
+    @property
+    def numel(self) -> int:
+        return int(reduce(lambda a, b: a * b, self.shape, 1))
+
+    @property
+    def nbytes(self) -> int:
+        """Size in bytes."""
+        return self.numel * np.dtype(self.dtype).itemsize
+
+    def with_shape(self, shape) -> "TensorType":
+        return TensorType(tuple(int(s) for s in shape), self.dtype)
+
+    def __str__(self) -> str:
+        return f"{DTYPE_SHORT[self.dtype]}[{','.join(str(s) for s in self.shape)}]"
+
+
+DTYPE_SHORT = {"float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16",
+               "int64": "i64", "int32": "i32", "bool": "bool"}
+DTYPE_LONG = {v: k for k, v in DTYPE_SHORT.items()}
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """A named device mesh, e.g. ``dp=2 tp=2``.
+
+    Ranks are numbered row-major: the *last* axis varies fastest (Megatron's
+    ``tp`` innermost), so on ``dp=2 tp=2`` rank 1 is at coordinates (0, 1).
+    """
+
+    axes: tuple  # tuple[tuple[str, int], ...]
+
+    @property
+    def names(self) -> tuple:
+        return tuple(a for a, _ in self.axes)
+
+    @property
+    def sizes(self) -> tuple:
+        return tuple(n for _, n in self.axes)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.sizes, dtype=np.int64)) if self.axes else 1
+
+    def axis_index(self, name: str) -> int:
+        return self.names.index(name)
+
+    def coords(self, rank: int) -> tuple:
+        """Mesh coordinates of a global rank (row-major, last axis fastest)."""
+        return tuple(int(c) for c in np.unravel_index(rank, self.sizes)) if self.axes else ()
+
+    def rank_of(self, coords) -> int:
+        return int(np.ravel_multi_index(tuple(coords), self.sizes)) if self.axes else 0
+
+    def groups(self, axis: int) -> list:
+        """Rank lists along mesh axis ``axis``: one list per line of the mesh, in rank order."""
+        out = {}
+        for r in range(self.size):
+            c = list(self.coords(r))
+            c[axis] = 0
+            out.setdefault(tuple(c), []).append(r)
+        return list(out.values())
+
+    def __str__(self) -> str:
+        return " ".join(f"{a}={n}" for a, n in self.axes)
+
+
+def shard_axes(layout: Layout, dim: int) -> list:
+    """Mesh axes (indices, outer first) that shard tensor dim ``dim``."""
+    return [i for i, p in enumerate(layout) if isinstance(p, Shard) and p.dim == dim]
+
+
+def local_shape(ty: TensorType, layout: Layout, mesh: Mesh) -> tuple:
+    """Per-rank shape of a tensor of type ``ty`` under ``layout`` (even shards only)."""
+    shape = list(ty.shape)
+    for i, p in enumerate(layout):
+        if isinstance(p, Shard):
+            shape[p.dim] //= mesh.sizes[i]
+    return tuple(shape)
+
+
+def shard_offsets(ty: TensorType, layout: Layout, mesh: Mesh, coords) -> tuple:
+    """(start, length) per dim of the block a rank at ``coords`` holds."""
+    out = []
+    for d, size in enumerate(ty.shape):
+        chunk, index = size, 0
+        for a in shard_axes(layout, d):  # outer axis first
+            chunk //= mesh.sizes[a]
+            index = index * mesh.sizes[a] + coords[a]
+        out.append((index * chunk, chunk))
+    return tuple(out)
+
+
+def divisibility_problem(ty: TensorType, layout: Layout, mesh: Mesh) -> str | None:
+    """Why ``layout`` cannot split ``ty`` evenly on ``mesh``, or None if it can."""
+    for d in range(ty.rank):
+        axes = shard_axes(layout, d)
+        parts = int(np.prod([mesh.sizes[a] for a in axes])) if axes else 1
+        if ty.shape[d] % parts:
+            names = "x".join(mesh.names[a] for a in axes)
+            return (f"dim {d} of size {ty.shape[d]} is not divisible by mesh axis {names} "
+                    f"of size {parts}")
+    for p in layout:
+        if isinstance(p, Shard) and not 0 <= p.dim < ty.rank:
+            return f"S({p.dim}) names a dim a rank-{ty.rank} tensor does not have"
+    return None
