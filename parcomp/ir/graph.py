@@ -24,6 +24,8 @@ class Node:
         attrs: sorted ``(key, value)`` pairs; values are int, float, bool, str or
             tuples of ints.
         layout: one placement per mesh axis, or None before ``shard-prop``.
+        in_layouts: the layout the op needs of each input (set by ``shard-prop``,
+            consumed and cleared by ``insert-collectives``), or None.
     """
 
     name: str
@@ -32,6 +34,7 @@ class Node:
     type: TensorType
     attrs: tuple = ()
     layout: Layout | None = None
+    in_layouts: tuple | None = None
 
     def attr(self, key: str, default=None):
         for k, v in self.attrs:
@@ -62,10 +65,17 @@ class Graph:
     outputs: tuple
     mesh: Mesh | None = None
     stage: str = "global"
+    output_names: tuple | None = None  # public output names (default: the value names)
     _index: dict = field(default=None, compare=False, repr=False, hash=False)
 
     def __post_init__(self):
         object.__setattr__(self, "_index", {n.name: n for n in self.nodes})
+        if self.output_names is None:
+            object.__setattr__(self, "output_names", tuple(self.outputs))
+
+    def named_outputs(self) -> list:
+        """``(public name, value name)`` pairs."""
+        return list(zip(self.output_names, self.outputs))
 
     def __getitem__(self, name: str) -> Node:
         return self._index[name]
@@ -93,6 +103,7 @@ class Graph:
         return out
 
     def with_nodes(self, nodes, outputs=None, **kw) -> "Graph":
+        """A copy with new nodes (and optionally new output values, same public names)."""
         return replace(self, nodes=tuple(nodes),
                        outputs=tuple(self.outputs if outputs is None else outputs), **kw)
 

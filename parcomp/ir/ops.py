@@ -100,3 +100,6 @@ for _n in ("shard_slice", "partial_mask"):
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 LAYOUT_OPS = COLLECTIVES + ("shard_slice", "partial_mask")
+# identity whose output layout is fixed by the spec (outputs, pinned activations);
+# insert-collectives replaces it by the redistribution it asks for
+_def("relayout", 1, "relayout", _same)

@@ -30,8 +30,11 @@ header: "mesh" axis+           -> mesh
       | "stage" CNAME          -> stage
 axis: CNAME "=" INT
 line: VALUE ":" type [layout] "=" CNAME "(" args ")" [attrs]
-args: [VALUE ("," VALUE)*]
-ret: "return" [VALUE ("," VALUE)*]
+args: [arg ("," arg)*]
+arg: VALUE [layout]
+ret: "return" [retval ("," retval)*]
+retval: VALUE ["as" RETNAME]
+RETNAME: /[A-Za-z0-9_.\-]+/
 type: CNAME "[" [INT ("," INT)*] "]"
 layout: "<" [placement ("," placement)*] ">"
 placement: "R"              -> rep
@@ -73,9 +76,16 @@ def _fmt_value(v) -> str:
     raise TypeError(f"attribute value {v!r} has no text form")
 
 
+def _fmt_layout(layout) -> str:
+    return "<" + ", ".join(str(p) for p in layout) + ">"
+
+
 def print_node(n: Node) -> str:
-    lay = "" if n.layout is None else " <" + ", ".join(str(p) for p in n.layout) + ">"
-    args = ", ".join("%" + i for i in n.inputs)
+    lay = "" if n.layout is None else " " + _fmt_layout(n.layout)
+    if n.in_layouts is None:
+        args = ", ".join("%" + i for i in n.inputs)
+    else:
+        args = ", ".join(f"%{i} {_fmt_layout(lay)}" for i, lay in zip(n.inputs, n.in_layouts))
     attrs = ""
     if n.attrs:
         attrs = " {" + ", ".join(f"{k}={_fmt_value(v)}" for k, v in n.attrs) + "}"
@@ -90,7 +100,8 @@ def print_graph(g: Graph) -> str:
     if g.stage != "global":
         lines.append(f"stage {g.stage}")
     lines += [print_node(n) for n in g.nodes]
-    lines.append("return " + ", ".join("%" + o for o in g.outputs))
+    lines.append("return " + ", ".join(
+        "%" + v + ("" if v == name else f" as {name}") for name, v in g.named_outputs()))
     return "\n".join(lines) + "\n"
 
 
@@ -148,21 +159,34 @@ class _Build(Transformer):
     def attrs(self, *kv):
         return tuple(sorted(x for x in kv if x is not None))
 
+    def retval(self, val, name):
+        return (val, str(val)[1:] if name is None else str(name))
+
     def ret(self, *vals):
-        return ("return", tuple(str(v)[1:] for v in vals if v is not None), vals)
+        vals = [v for v in vals if v is not None]
+        return ("return", tuple(str(v)[1:] for v, _ in vals), [v for v, _ in vals],
+                tuple(n for _, n in vals))
 
     def _err(self, tok, msg):
         line = getattr(tok, "line", 1) or 1
         text = self.lines[line - 1] if 0 < line <= len(self.lines) else ""
         return IRParseError(msg, SourceLoc(self.file, line, getattr(tok, "column", 1) or 1, text))
 
-    def args(self, *vals):
-        return tuple(str(a)[1:] for a in vals if a is not None)
+    def arg(self, val, layout):
+        return (str(val)[1:], layout)
+
+    def args(self, *pairs):
+        return tuple(p for p in pairs if p is not None)
 
     def line(self, name, ty, layout, op, args, attrs):
         if str(op) not in OPS:
             raise self._err(op, f"unknown op {op!s}")
-        return (Node(str(name)[1:], str(op), args, ty, attrs or (), layout), name)
+        names = tuple(a for a, _ in args)
+        ins = tuple(lay for _, lay in args)
+        if any(lay is None for lay in ins) and any(lay is not None for lay in ins):
+            raise self._err(name, "give a layout for every operand or for none")
+        in_layouts = ins if ins and ins[0] is not None else None
+        return (Node(str(name)[1:], str(op), names, ty, attrs or (), layout, in_layouts), name)
 
     def start(self, *items):
         mesh, stage, nodes, toks = None, "global", [], {}
@@ -172,7 +196,7 @@ class _Build(Transformer):
             elif it[0] == "stage":
                 stage = it[1]
             elif it[0] == "return":
-                outs, otoks = it[1], it[2]
+                outs, otoks, names = it[1], it[2], it[3]
             else:
                 node, tok = it
                 if node.name in toks:
@@ -185,7 +209,7 @@ class _Build(Transformer):
         for o, t in zip(outs, otoks):
             if o not in toks:
                 raise self._err(t, f"return of undefined value %{o}")
-        return Graph(tuple(nodes), outs, mesh, stage)
+        return Graph(tuple(nodes), outs, mesh, stage, names)
 
 
 def parse_graph(text: str, file: str = "<string>") -> Graph:

@@ -1,0 +1,1 @@
+"""parcomp backends (import name parcomp_backends): reference, torch, ascend emitters."""

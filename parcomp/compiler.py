@@ -1,0 +1,37 @@
+"""The compiler's front door: graph + spec -> sharded graph, per-rank program, report."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from .ir.graph import Graph
+from .passes.manager import forward_pipeline, run_pipeline
+from .report import build_report
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """What ``compile_graph`` returns.
+
+    Attributes:
+        unsharded: the model's graph as imported.
+        sharded: global types, every layout and every collective explicit.
+        program: per-rank types (``stage local``): what backends execute.
+        report: collectives with kind, axis, bytes and reason (see :mod:`parcomp.report`).
+    """
+
+    unsharded: Graph
+    sharded: Graph
+    program: Graph
+    report: dict
+
+
+def compile_graph(graph: Graph, spec, after: Callable | None = None) -> Compiled:
+    """Compile ``graph`` under ``spec``; ``after(pass_name, graph)`` sees each stage.
+
+    Raises:
+        parcomp.errors.ParcompError: spec/model mismatch, uneven shards, invalid IR.
+    """
+    stages = run_pipeline(graph, forward_pipeline(spec), after)
+    sharded, program = stages["insert-collectives"], stages["localize"]
+    return Compiled(graph, sharded, program, build_report(sharded, program, spec))

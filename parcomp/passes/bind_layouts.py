@@ -1,0 +1,189 @@
+"""bind-layouts: the spec's rules become layouts on params, inputs, outputs, activations.
+
+``colwise`` / ``rowwise`` are resolved by *use*, not by storage order (DESIGN.md):
+the pass follows the weight through ``permute`` / ``reshape`` to the matmul that
+consumes it as right operand ``b[k, n]``; colwise splits ``n`` (the output
+features, DTensor ColwiseParallel), rowwise splits ``k`` (the input features,
+RowwiseParallel), and the split is mapped back to the stored tensor's dim.  A
+bias added to a colwise matmul's output follows its weight unless the spec
+names it.  Outputs and pinned activations get a ``relayout`` node holding the
+layout the spec asks for; everything unnamed is replicated.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..errors import SpecError
+from ..ir.graph import Graph, Node, make_attrs
+from ..ir.types import P, R, Shard, divisibility_problem, layout_str, replicated
+from ..rules.sharding import reshape_dim_map
+from ..spec import Spec
+from ..spec.parser import check_names
+
+
+def bind_layouts(graph: Graph, spec: Spec) -> Graph:
+    """Attach the spec's layouts to ``graph`` (which must be an unsharded graph).
+
+    Raises:
+        SpecError: a rule names nothing in the model, ``colwise`` on a tensor that
+            is not a matmul weight, or a layout that splits a dim unevenly (the
+            message names tensor, dim, sizes and mesh axis, at the rule's line).
+    """
+    values = [n.name for n in graph.nodes if n.op not in ("input", "param")]
+    check_names(spec, [n.name for n in graph.params], [n.name for n in graph.inputs],
+                list(graph.output_names), values)
+    graph = replace(graph, mesh=spec.mesh)
+    layouts, bound_by = {}, {}
+    for n in graph.nodes:
+        if n.op in ("input", "param"):
+            rule = _first(spec, n.op, n.name)
+            layouts[n.name] = _resolve(graph, spec, rule, n) if rule else replicated(len(spec.mesh.axes))
+            bound_by[n.name] = rule
+    _bias_follows(graph, spec, layouts, bound_by)
+    nodes = []
+    for n in graph.nodes:
+        if n.name in layouts:
+            _check_even(n, layouts[n.name], spec, bound_by[n.name])
+            n = replace(n, layout=layouts[n.name])
+        nodes.append(n)
+    graph = graph.with_nodes(nodes)
+    graph = _pin_activations(graph, spec)
+    return _pin_outputs(graph, spec)
+
+
+def _first(spec, target, name):
+    return next((r for r in spec.rules if r.target == target and r.matches(name)), None)
+
+
+def _word_layout(spec, rule, ty):
+    lay = rule.layout
+    if lay.explicit is not None:
+        return tuple(lay.explicit)
+    a = spec.mesh.axis_index(lay.axis)
+    placement = {"replicated": R, "partial-sum": P,
+                 "split-hidden": Shard(max(ty.rank - 1, 0)),
+                 "split-seq": Shard(max(ty.rank - 2, 0))}.get(lay.word)
+    if placement is None:
+        raise SpecError(f"'{lay.word}' applies to matmul weights (params), not to this tensor",
+                        rule.loc)
+    out = list(replicated(len(spec.mesh.axes)))
+    out[a] = placement
+    return tuple(out)
+
+
+def _resolve(graph, spec, rule, node):
+    if rule.layout.word not in ("colwise", "rowwise"):
+        return _word_layout(spec, rule, node.type)
+    if node.op != "param":
+        raise SpecError(f"'{rule.layout.word}' applies to weights, but {node.name} is an input",
+                        rule.loc)
+    dim = _weight_split_dim(graph, node, rule)
+    out = list(replicated(len(spec.mesh.axes)))
+    out[spec.mesh.axis_index(rule.layout.axis)] = Shard(dim)
+    return tuple(out)
+
+
+def _weight_split_dim(graph, node, rule) -> int:
+    """Stored dim of ``node`` that colwise/rowwise splits, found through its uses."""
+    users, chain, cur = graph.users(), [], node.name
+    while True:
+        us = users[cur]
+        mm = [u for u in us if graph[u].op == "matmul" and graph[u].inputs[1] == cur]
+        if mm:
+            rb = graph[cur].type.rank
+            dim = rb - 1 if rule.layout.word == "colwise" else rb - 2
+            break
+        nxt = [u for u in us if graph[u].op in ("permute", "reshape")]
+        if len(us) != 1 or not nxt:
+            used = ", ".join(f"{graph[u].op} %{u}" for u in us) or "nothing"
+            raise SpecError(f"'{rule.layout.word}' needs {node.name} to be the right operand of "
+                            f"a matmul (a weight); it is used by {used}", rule.loc)
+        chain.append(graph[nxt[0]])
+        cur = nxt[0]
+    for n in reversed(chain):  # map the matmul-side dim back to the stored dim
+        if n.op == "permute":
+            dim = n.attr("perm")[dim]
+        else:
+            inv = {o: i for i, o in reshape_dim_map(graph[n.inputs[0]].type.shape, n.type.shape).items()}
+            if dim not in inv:
+                raise SpecError(f"cannot split {node.name} {rule.layout.word}: the reshape "
+                                f"%{n.name} merges the split dim with others", rule.loc)
+            dim = inv[dim]
+    return dim
+
+
+def _bias_follows(graph, spec, layouts, bound_by):
+    users = graph.users()
+    for name, rule in bound_by.items():
+        if rule is None or rule.layout.word != "colwise":
+            continue
+        for mm in _matmuls_of(graph, users, name):
+            adds = [u for u in users[mm] if graph[u].op == "add"]
+            for a in adds:
+                other = [i for i in graph[a].inputs if i != mm]
+                if len(other) == 1 and graph[other[0]].op == "param" and bound_by.get(other[0]) is None:
+                    b = graph[other[0]]
+                    if b.type.shape and b.type.shape[-1] == graph[mm].type.shape[-1]:
+                        layouts[b.name] = tuple(Shard(b.type.rank - 1) if isinstance(p, Shard) else p
+                                                for p in layouts[name])
+                        bound_by[b.name] = rule
+
+
+def _matmuls_of(graph, users, name):
+    out, frontier = [], [name]
+    while frontier:
+        cur = frontier.pop()
+        for u in users[cur]:
+            if graph[u].op == "matmul":
+                out.append(u)
+            elif graph[u].op in ("permute", "reshape"):
+                frontier.append(u)
+    return out
+
+
+def _check_even(node, layout, spec, rule):
+    problem = divisibility_problem(node.type, layout, spec.mesh)
+    if problem:
+        raise SpecError(f"{node.op} {node.name} {node.type} as {layout_str(layout)}: {problem} "
+                        f"(uneven sharding is not supported yet)", rule.loc if rule else None)
+
+
+def _pin(graph, name, layout, origin, suffix):
+    """Insert ``relayout(name) -> layout`` and route every consumer through it."""
+    new = f"{name}.{suffix}"
+    node = Node(new, "relayout", (name,), graph[name].type, make_attrs(origin=origin), layout)
+    nodes = []
+    for n in graph.nodes:
+        if n.name != name:
+            n = replace(n, inputs=tuple(new if i == name else i for i in n.inputs))
+        nodes.append(n)
+        if n.name == name:
+            nodes.append(node)
+    return graph.with_nodes(nodes, [new if o == name else o for o in graph.outputs])
+
+
+def _pin_activations(graph, spec):
+    for n in list(graph.nodes):
+        if n.op in ("input", "param", "relayout"):
+            continue
+        rule = _first(spec, "activation", n.name)
+        if rule:
+            lay = _word_layout(spec, rule, n.type)
+            _check_even(n, lay, spec, rule)
+            graph = _pin(graph, n.name, lay, f"the spec's activation rule at {rule.loc}", "as_spec")
+    return graph
+
+
+def _pin_outputs(graph, spec):
+    for public, value in graph.named_outputs():
+        rule = _first(spec, "output", public)
+        lay = _word_layout(spec, rule, graph[value].type) if rule else replicated(len(spec.mesh.axes))
+        if rule:
+            _check_even(graph[value], lay, spec, rule)
+        where = f" (spec {rule.loc})" if rule else " (replicated by default)"
+        new = f"{public}.as_output"
+        node = Node(new, "relayout", (value,), graph[value].type,
+                    make_attrs(origin=f"output {public}{where}"), lay)
+        outs = [new if (p, v) == (public, value) else v for p, v in graph.named_outputs()]
+        graph = graph.with_nodes(list(graph.nodes) + [node], outs)
+    return graph

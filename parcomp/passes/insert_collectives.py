@@ -1,0 +1,106 @@
+"""insert-collectives: make every producer/consumer layout mismatch explicit.
+
+For each operand whose producer layout differs from the layout the consumer's
+strategy needs, the redistribution plan (:func:`parcomp.redistribute.plan`)
+becomes a chain of collective / local nodes, each carrying ``axis``, ``dim`` and
+a ``reason`` a person can read.  A conversion of the same value to the same
+layout is made once and shared.  ``relayout`` nodes disappear: their consumers
+and the graph outputs use the converted value.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..ir.graph import Graph, Node, make_attrs
+from ..ir.types import layout_str
+from ..redistribute import plan
+
+
+def insert_collectives(graph: Graph) -> Graph:
+    """Replace ``in_layouts`` annotations by explicit layout-change nodes."""
+    st = _State(graph)
+    for n in graph.nodes:
+        if n.in_layouts is None:
+            st.out.append(replace(n, in_layouts=None))
+            continue
+        new_inputs = tuple(st.convert(i, lay, n) for i, lay in zip(n.inputs, n.in_layouts))
+        if n.op == "relayout":
+            st.alias[n.name] = new_inputs[0]
+            continue
+        st.out.append(replace(n, inputs=new_inputs, in_layouts=None))
+    outputs = [st.alias.get(o, o) for o in graph.outputs]
+    return graph.with_nodes(st.out, outputs)
+
+
+class _State:
+    def __init__(self, graph):
+        self.graph, self.out, self.alias, self.memo = graph, [], {}, {}
+        self.names = {n.name for n in graph.nodes}
+        self.types = {n.name: n.type for n in graph.nodes}
+        self.layouts = {n.name: n.layout for n in graph.nodes}
+
+    def convert(self, name, target, consumer) -> str:
+        name = self.alias.get(name, name)
+        if (name, target) in self.memo:
+            return self.memo[(name, target)]
+        src_node = self.graph[name] if name in self.graph else None
+        lay, cur, ty = self.layouts[name], name, self.types[name]
+        for step in plan(lay, target, ty.rank):
+            axis = self.graph.mesh.names[step.axis]
+            new = self._fresh(f"{name}.{step.kind}_{axis}")
+            attrs = dict(axis=axis, reason=_reason(step, axis, name, src_node, consumer, self.graph))
+            if step.dim is not None:
+                attrs["dim"] = step.dim
+            if step.src_dim is not None:
+                attrs["src_dim"] = step.src_dim
+            self.out.append(Node(new, step.kind, (cur,), ty, make_attrs(**attrs), step.after))
+            self.types[new], self.layouts[new] = ty, step.after
+            cur = new
+        self.memo[(name, target)] = cur
+        return cur
+
+    def _fresh(self, base):
+        name, k = base, 1
+        while name in self.names:
+            k += 1
+            name = f"{base}{k}"
+        self.names.add(name)
+        return name
+
+
+def _who(consumer) -> str:
+    if consumer.op == "relayout":
+        return consumer.attr("origin", f"the spec's layout for %{consumer.name}")
+    return f"{consumer.op} %{consumer.name}"
+
+
+def _why_partial(src_node, axis) -> str:
+    if src_node is None:
+        return "partial sums"
+    if src_node.op == "matmul":
+        return f"its matmul contracts a dim split over {axis} (row-parallel), so each rank holds a partial sum"
+    if src_node.op in ("input", "param"):
+        return f"the spec declares it partial-sum over {axis}"
+    return f"{src_node.op} of partial sums over {axis} is a partial sum"
+
+
+def _reason(step, axis, name, src_node, consumer, graph) -> str:
+    who, tgt = _who(consumer), layout_str(step.after)
+    if step.kind == "all_reduce":
+        return f"%{name}: {_why_partial(src_node, axis)}; {who} needs the full value {tgt}: sum once"
+    if step.kind == "reduce_scatter":
+        return (f"%{name}: {_why_partial(src_node, axis)}; {who} needs it split along dim "
+                f"{step.dim} {tgt}: sum and split in one step")
+    if step.kind == "all_gather":
+        return (f"%{name} is split along dim {step.dim} over {axis}; {who} needs that dim whole "
+                f"{tgt}: concatenate the shards (never sum)")
+    if step.kind == "all_to_all":
+        return (f"%{name} is split along dim {step.src_dim} over {axis}; {who} needs it split "
+                f"along dim {step.dim} instead {tgt}: exchange chunks")
+    if step.kind == "shard_slice":
+        return f"%{name} is whole on each rank of {axis}; {who} needs dim {step.dim} split: keep own chunk"
+    if step.kind == "partial_mask":
+        return (f"{who} adds %{name} to partial sums over {axis}: keep it on coordinate 0 and "
+                f"zeros elsewhere, so it is counted once")
+    raise ValueError(step.kind)
+

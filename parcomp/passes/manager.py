@@ -1,0 +1,57 @@
+"""Pass pipeline (xDSL ``PassPipeline`` style): named passes, verify after each.
+
+A pass is a pure function ``Graph -> Graph``.  The pipeline verifies the IR
+after every pass (xDSL's contract: verified IR in, verified IR out) and can hand
+each intermediate graph to a callback (``--print-ir-after-all``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from ..errors import VerifyError
+from ..ir.graph import Graph
+from .bind_layouts import bind_layouts
+from .insert_collectives import insert_collectives
+from .localize import localize
+from .shard_prop import shard_prop
+from .verify import verify
+
+
+@dataclass(frozen=True)
+class Pass:
+    """A named graph-to-graph function."""
+
+    name: str
+    fn: Callable
+
+    def __call__(self, graph: Graph) -> Graph:
+        return self.fn(graph)
+
+
+def forward_pipeline(spec) -> list:
+    """The passes that turn an unsharded graph into a per-rank program."""
+    return [Pass("bind-layouts", lambda g: bind_layouts(g, spec)),
+            Pass("shard-prop", shard_prop),
+            Pass("insert-collectives", insert_collectives),
+            Pass("localize", localize)]
+
+
+def run_pipeline(graph: Graph, passes, after: Callable | None = None) -> dict:
+    """Run ``passes`` in order; returns ``{pass name: graph after it}``.
+
+    Raises:
+        VerifyError: a pass produced invalid IR (names the pass and the node).
+    """
+    verify(graph)
+    out = {"input": graph}
+    for p in passes:
+        graph = p(graph)
+        try:
+            verify(graph)
+        except VerifyError as e:
+            raise VerifyError(f"after pass {p.name}: {e.message}") from None
+        out[p.name] = graph
+        if after is not None:
+            after(p.name, graph)
+    return out

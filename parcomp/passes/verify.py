@@ -1,0 +1,118 @@
+"""The IR verifier, run after every pass: invariants as a table of checks.
+
+Checks, in order: SSA well-formedness; types agree with each op's shape rule
+(global graphs); and, once layouts exist, the layout rules of DESIGN.md:
+a nonlinear op never sees ``P``; ``P + R`` never happens (an ``R`` addend must be
+made ``P`` on one rank first, so it is counted once); a product has at most one
+``P`` factor per axis; every op's (input layouts -> output layout) is a strategy
+of the rule table; every layout-change node does exactly what its kind says.
+"""
+from __future__ import annotations
+
+from ..errors import VerifyError
+from ..ir.graph import Graph, describe
+from ..ir.ops import OPS
+from ..ir.types import Partial, Replicate, Shard, divisibility_problem, layout_str
+from ..rules.sharding import is_valid_strategy
+
+
+def verify(graph: Graph) -> None:
+    """Raise :class:`VerifyError` naming the first node that breaks an invariant."""
+    _check_ssa(graph)
+    if graph.stage == "global":
+        _check_types(graph)
+    if graph.mesh is not None and all(n.layout is not None for n in graph.nodes):
+        for n in graph.nodes:
+            _check_layouts(graph, n)
+
+
+def _fail(graph, node, msg):
+    raise VerifyError(f"{msg}\n  at: {describe(node)}")
+
+
+def _check_ssa(graph):
+    seen = set()
+    for n in graph.nodes:
+        if n.op not in OPS:
+            _fail(graph, n, f"unknown op {n.op!r}")
+        if n.name in seen:
+            _fail(graph, n, f"%{n.name} is defined twice")
+        for i in n.inputs:
+            if i not in seen:
+                _fail(graph, n, f"%{i} is used before it is defined")
+        arity = OPS[n.op].arity
+        if arity >= 0 and len(n.inputs) != arity:
+            _fail(graph, n, f"{n.op} takes {arity} operands, got {len(n.inputs)}")
+        seen.add(n.name)
+    for o in graph.outputs:
+        if o not in seen:
+            raise VerifyError(f"output %{o} is not defined")
+
+
+def _check_types(graph):
+    for n in graph.nodes:
+        if OPS[n.op].kind in ("source",):
+            continue
+        try:
+            ty = OPS[n.op].infer([graph[i].type for i in n.inputs], n)
+        except ValueError as e:
+            _fail(graph, n, f"bad operand types: {e}")
+        if ty != n.type:
+            _fail(graph, n, f"type should be {ty}, not {n.type}")
+
+
+def _operand_layouts(graph, n):
+    return n.in_layouts if n.in_layouts is not None else tuple(graph[i].layout for i in n.inputs)
+
+
+def _check_partial_rules(graph, n, ins):
+    kind = OPS[n.op].kind
+    for a, axis in enumerate(graph.mesh.names):
+        parts = [isinstance(lay[a], Partial) for lay in ins]
+        if not any(parts):
+            continue
+        if kind == "nonlinear":
+            _fail(graph, n, f"nonlinear op {n.op} gets a partial-sum operand over mesh axis "
+                            f"{axis}: reduce it (all_reduce / reduce_scatter) first")
+        if kind == "additive" and not all(parts):
+            _fail(graph, n, f"{n.op} mixes a partial-sum and a non-partial operand over {axis}: "
+                            f"the non-partial one would be counted {graph.mesh.sizes[a]} times")
+        if kind == "bilinear" and sum(parts) > 1:
+            _fail(graph, n, f"{n.op} of two partial sums over {axis} is not a partial sum")
+        if kind == "linear0" and parts[1:] and any(parts[1:]):
+            _fail(graph, n, f"{n.op} by a partial-sum divisor over {axis}")
+
+
+_MOVES = {  # kind -> (placement before, placement after) on the step's axis
+    "all_reduce": lambda n: (Partial(), Replicate()),
+    "all_gather": lambda n: (Shard(n.attr("dim")), Replicate()),
+    "reduce_scatter": lambda n: (Partial(), Shard(n.attr("dim"))),
+    "all_to_all": lambda n: (Shard(n.attr("src_dim")), Shard(n.attr("dim"))),
+    "shard_slice": lambda n: (Replicate(), Shard(n.attr("dim"))),
+    "partial_mask": lambda n: (Replicate(), Partial()),
+}
+
+
+def _check_layouts(graph, n):
+    problem = divisibility_problem(n.type, n.layout, graph.mesh) if graph.stage == "global" else None
+    if problem:
+        _fail(graph, n, f"layout {layout_str(n.layout)}: {problem}")
+    if OPS[n.op].kind == "source":
+        return
+    ins = _operand_layouts(graph, n)
+    _check_partial_rules(graph, n, ins)
+    if n.op in _MOVES:
+        a = graph.mesh.names.index(n.attr("axis"))
+        before, after = _MOVES[n.op](n)
+        src = ins[0]
+        expect = src[:a] + (after,) + src[a + 1:]
+        if src[a] != before or n.layout != expect:
+            _fail(graph, n, f"{n.op} over {n.attr('axis')} must turn {before} into {after}; "
+                            f"it goes {layout_str(src)} -> {layout_str(n.layout)}")
+        return
+    if graph.stage == "global":
+        in_types = [graph[i].type for i in n.inputs]
+        if not is_valid_strategy(n, in_types, ins, n.layout, graph.mesh):
+            _fail(graph, n, f"{n.op} cannot take {', '.join(layout_str(x) for x in ins)} "
+                            f"to {layout_str(n.layout)}")
+

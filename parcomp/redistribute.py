@@ -1,0 +1,156 @@
+"""Redistribution planning: a layout change as a list of steps, before any code.
+
+The per-axis transition table (DESIGN.md "Redistribution"; DTensor
+``_redistribute.py``), for a group of n ranks and a local tensor of B bytes:
+
+==============  =================  ============================
+from -> to      step               bytes sent per rank (ring)
+==============  =================  ============================
+S(d) -> R       all_gather(d)      (n-1)/n * B_out  (concat, never sum)
+P -> R          all_reduce(sum)    2(n-1)/n * B
+P -> S(d)       reduce_scatter(d)  (n-1)/n * B
+S(d) -> S(e)    all_to_all(d, e)   (n-1)/n * B
+R -> S(d)       shard_slice(d)     0 (local)
+R -> P          partial_mask       0 (local: value on coordinate 0, zeros elsewhere)
+==============  =================  ============================
+
+Multi-axis plans respect the shard-order convention of :mod:`parcomp.ir.types`
+(first mesh axis outer): per tensor dim, the common prefix of source and target
+shard axes is kept, the rest of the source axes are gathered innermost first,
+partial axes not wanted partial are reduced, then the target's remaining axes
+are added outermost first (reduce_scatter where the axis is still partial,
+a local slice otherwise), and last ``R -> P`` masks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from .ir.types import Layout, Mesh, Partial, Replicate, Shard, TensorType, local_shape, shard_axes
+
+# alpha-beta cost model (DTensor _collective_utils.py style): seconds per collective
+# call plus seconds per byte sent per rank. Local steps cost EPSILON to break ties.
+ALPHA_S = 1e-5
+BETA_S_PER_BYTE = 1e-10
+EPSILON_S = 1e-12
+
+
+@dataclass(frozen=True)
+class Step:
+    """One redistribution step on one mesh axis.
+
+    ``kind``: all_gather | all_reduce | reduce_scatter | all_to_all | shard_slice |
+    partial_mask.  ``dim``: the tensor dim gathered/scattered/sliced (target dim
+    for all_to_all), ``src_dim``: the dim concatenated by all_to_all.
+    ``before``/``after``: the full layouts around the step.
+    """
+
+    kind: str
+    axis: int
+    dim: int | None
+    src_dim: int | None
+    before: Layout
+    after: Layout
+
+    @property
+    def is_collective(self) -> bool:
+        return self.kind not in ("shard_slice", "partial_mask")
+
+
+def step_bytes(step: Step, ty: TensorType, mesh: Mesh) -> int:
+    """Bytes one rank sends for ``step`` on a tensor of global type ``ty`` (ring algorithms)."""
+    n = mesh.sizes[step.axis]
+    itemsize = np.dtype(ty.dtype).itemsize
+    before = int(np.prod(local_shape(ty, step.before, mesh))) * itemsize
+    after = int(np.prod(local_shape(ty, step.after, mesh))) * itemsize
+    if step.kind == "all_gather":
+        return after * (n - 1) // n
+    if step.kind == "all_reduce":
+        return 2 * before * (n - 1) // n
+    if step.kind in ("reduce_scatter", "all_to_all"):
+        return before * (n - 1) // n
+    return 0
+
+
+def plan(src: Layout, tgt: Layout, rank: int) -> tuple:
+    """Steps that turn a tensor of ``rank`` dims from layout ``src`` into ``tgt``."""
+    return _plan(tuple(src), tuple(tgt), rank)
+
+
+@lru_cache(maxsize=None)
+def _plan(src, tgt, rank):
+    cur, steps = list(src), []
+
+    def emit(kind, axis, new, dim=None, src_dim=None):
+        before = tuple(cur)
+        cur[axis] = new
+        steps.append(Step(kind, axis, dim, src_dim, before, tuple(cur)))
+
+    if src == tgt:
+        return ()
+    keep = {d: _common_prefix(shard_axes(src, d), shard_axes(tgt, d)) for d in range(rank)}
+    a2a = _all_to_all_moves(src, tgt, rank)
+    for d in range(rank):  # phase A: drop shards beyond the kept prefix, innermost first
+        for a in reversed(shard_axes(src, d)[keep[d]:]):
+            if a in a2a:
+                emit("all_to_all", a, Shard(a2a[a]), dim=a2a[a], src_dim=d)
+            else:
+                emit("all_gather", a, Replicate(), dim=d)
+    for a, (s, t) in enumerate(zip(src, tgt)):  # phase B: reduce partials not wanted partial
+        if isinstance(s, Partial) and isinstance(t, Replicate):
+            emit("all_reduce", a, Replicate())
+    for d in range(rank):  # phase C: add target shards, outermost first
+        for a in shard_axes(tgt, d)[keep[d]:]:
+            if cur[a] == Shard(d):
+                continue  # arrived by all_to_all
+            if isinstance(cur[a], Partial):
+                emit("reduce_scatter", a, Shard(d), dim=d)
+            else:
+                emit("shard_slice", a, Shard(d), dim=d)
+    for a, t in enumerate(tgt):  # phase D: R -> P
+        if isinstance(t, Partial) and not isinstance(cur[a], Partial):
+            emit("partial_mask", a, Partial())
+    assert tuple(cur) == tgt, (src, tgt, cur)
+    return tuple(steps)
+
+
+def _common_prefix(xs, ys) -> int:
+    k = 0
+    while k < min(len(xs), len(ys)) and xs[k] == ys[k]:
+        k += 1
+    return k
+
+
+def _all_to_all_moves(src, tgt, rank) -> dict:
+    """Axes whose S(d) -> S(e) change can be one all_to_all: axis -> e.
+
+    Only the unambiguous case: the axis is the sole shard axis of d in the source,
+    d is unsharded in the target, and e is sharded by that axis alone in the
+    target and by nothing in the source.
+    """
+    out = {}
+    for a, (s, t) in enumerate(zip(src, tgt)):
+        if isinstance(s, Shard) and isinstance(t, Shard) and s.dim != t.dim:
+            d, e = s.dim, t.dim
+            if (shard_axes(src, d) == [a] and not shard_axes(tgt, d)
+                    and shard_axes(tgt, e) == [a] and not shard_axes(src, e)):
+                out[a] = e
+    return out
+
+
+def plan_cost(src: Layout, tgt: Layout, ty: TensorType, mesh: Mesh) -> float:
+    """Estimated seconds to redistribute ``ty`` from ``src`` to ``tgt`` (alpha-beta)."""
+    return _plan_cost(tuple(src), tuple(tgt), ty, mesh)
+
+
+@lru_cache(maxsize=None)
+def _plan_cost(src, tgt, ty, mesh):
+    total = 0.0
+    for st in plan(src, tgt, ty.rank):
+        if st.is_collective:
+            total += ALPHA_S + BETA_S_PER_BYTE * step_bytes(st, ty, mesh)
+        else:
+            total += EPSILON_S
+    return total
