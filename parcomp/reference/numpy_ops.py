@@ -49,7 +49,7 @@ NUMPY_OPS = {
 def run_unsharded(graph, feeds: dict) -> dict:
     """Evaluate a global graph on one process: ``feeds`` maps input/param names to arrays.
 
-    Returns ``{output name: array}``. Raises KeyError naming a missing feed.
+    Returns ``{public output name: array}``. Raises KeyError naming a missing feed.
     """
     env = {}
     for n in graph.nodes:
@@ -59,4 +59,4 @@ def run_unsharded(graph, feeds: dict) -> dict:
             env[n.name] = np.asarray(feeds[n.name])
         else:
             env[n.name] = NUMPY_OPS[n.op]([env[i] for i in n.inputs], n)
-    return {o: env[o] for o in graph.outputs}
+    return {name: env[v] for name, v in graph.named_outputs()}

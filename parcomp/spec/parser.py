@@ -1,0 +1,355 @@
+"""Parser of the parallel spec language (``.pcs``), grammar in ``grammar.lark``.
+
+Lark (LALR, contextual lexer) builds the tree; :class:`_Tree` turns it into raw
+statements that still carry their tokens; :class:`_Builder` checks them against
+the mesh and makes the frozen :class:`~parcomp.spec.model.Spec`.  Every problem
+is a :class:`~parcomp.errors.SpecError` at ``file:line:col`` with a caret.
+"""
+from __future__ import annotations
+
+import json
+from importlib import resources
+
+from lark import Lark, Token, Transformer, UnexpectedInput, v_args
+from lark.exceptions import VisitError
+
+from ..errors import SourceLoc, SpecError, closest
+from ..ir.types import Mesh, Partial, R, Shard
+from .model import LAYOUT_WORDS, LayoutSpec, Rule, Spec, TrainSpec, default_axis, suggest
+
+_GRAMMAR = resources.files(__package__).joinpath("grammar.lark").read_text(encoding="utf-8")
+_PARSER = Lark(_GRAMMAR, parser="lalr", propagate_positions=True, maybe_placeholders=True)
+
+_WORDS = ", ".join(LAYOUT_WORDS)
+_LAYOUT = (f"a layout: a layout word ({_WORDS}), a placement R, S(d) or P, "
+           "a per-axis list such as [S(0), R], or axis=placement such as tp=S(1)")
+_STATEMENT = ("a statement: mesh, topology, train, or a rule "
+              "'[param|input|output|activation] PATTERN LAYOUT' such as 'c_fc.weight colwise'")
+_PHRASES = {
+    "PATTERN": "a name pattern such as h.*.mlp.c_fc.weight",
+    "SIGNED_INT": "a whole number", "INT": "a tensor dim (a whole number)",
+    "NUMBER": "a number", "ESCAPED_STRING": "a quoted string",
+    "EQUAL": "'='", "LPAR": "'('", "RPAR": "')'", "COMMA": "','", "LSQB": "'['", "RSQB": "']'",
+    "OVER": "'over AXIS'", "_NL": "the end of the line", "$END": "the end of the file",
+    "REP": "a placement (R, S(d) or P)", "SHARD": "a placement (R, S(d) or P)",
+    "PART": "a placement (R, S(d) or P)",
+}
+_TOPOLOGY = ("nodes", "devices_per_node")
+_NAME_PHRASES = {"mesh": "a mesh axis such as tp=2", "topology": "nodes=N or devices_per_node=N",
+                 "train": "an option such as batch=8"}
+
+
+def _hint(name: str, known) -> str:
+    """``"; did you mean X?"`` for the closest of ``known``, or ``""``."""
+    near = closest(name, known)
+    return f"; did you mean {near}?" if near else ""
+
+
+def _loc(file: str, lines: list, line: int, col: int) -> SourceLoc:
+    line = max(line or 1, 1)
+    text = lines[line - 1] if line <= len(lines) else ""
+    return SourceLoc(file, line, max(col or 1, 1), text)
+
+
+def _expected(exp, line_text: str, col: int) -> str:
+    """Plain words for a set of lark terminal names (what the parser wanted)."""
+    exp = set(exp)
+    if "PATTERN" in exp and exp & {"MESH", "_NL"}:  # keywords may be folded into PATTERN
+        return _STATEMENT
+    if "LSQB" in exp:
+        return _LAYOUT
+    if "NUMBER" in exp:
+        return "a value: a number, a name, a quoted string or name(key=value, ...)"
+    if "OVER" in exp:
+        exp.discard("EQUAL")
+    words, before = line_text.split(), line_text[:col - 1].split()
+    out = []
+    for t in sorted(exp):
+        if t == "NAME":
+            if before and before[-1] == "over":
+                p = "a mesh axis name"
+            elif words and words[0] in _NAME_PHRASES:
+                p = _NAME_PHRASES[words[0]]
+            else:
+                p = "another axis=placement such as dp=S(0)"
+        else:
+            p = _PHRASES.get(t, f"'{t.lower()}'")
+        if p not in out:
+            out.append(p)
+    return out[0] if len(out) == 1 else ", ".join(out[:-1]) + " or " + out[-1]
+
+
+def _syntax_error(e: UnexpectedInput, file: str, lines: list) -> SpecError:
+    tok = getattr(e, "token", None)
+    line, col = e.line if e.line and e.line > 0 else 1, e.column if e.column and e.column > 0 else 1
+    text = lines[line - 1] if 0 < line <= len(lines) else ""
+    if tok is not None and tok.type == "_NL":  # point just past the code, not past a comment
+        col = min(col, len(text.split("#", 1)[0].rstrip()) + 1)
+    exp = getattr(e, "expected", None) or getattr(e, "allowed", None) or ()
+    if tok is None:
+        got = f"character {text[col - 1]!r}" if 0 < col <= len(text) else "input"
+    else:
+        got = _PHRASES[tok.type] if tok.type in ("_NL", "$END") else f"{str(tok)!r}"
+    msg = f"expected {_expected(exp, text, col)}; got {got}" if exp else f"unexpected {got}"
+    return SpecError(msg, _loc(file, lines, line, col))
+
+
+class _Tree(Transformer):
+    """Lark tree -> raw statements ``(kind, first token, payload)`` with tokens kept."""
+
+    def __init__(self, file: str, lines: list):
+        super().__init__()
+        self.file, self.lines = file, lines
+
+    def start(self, c):
+        return list(c)
+
+    def _statement(kind):  # noqa: N805 - a method factory, used in the class body only
+        return lambda self, c: (kind, c[0], c[1:])
+
+    mesh, topology, train = _statement("mesh"), _statement("topology"), _statement("train")
+    del _statement
+
+    def pair(self, c):
+        return (c[0], c[1])
+
+    mesh_axis = topo_item = option = kwarg = axis_place = pair
+
+    def first(self, c):
+        return c[0]
+
+    scalar = target = lword = first
+
+    def number(self, c):
+        s = str(c[0])
+        return int(s) if s.lstrip("+-").isdigit() else float(s)
+
+    def name(self, c):
+        return str(c[0])
+
+    def string(self, c):
+        return json.loads(str(c[0]))
+
+    def call(self, c):
+        return (c[0], [kv for kv in c[1:] if kv is not None])
+
+    def rule(self, c):
+        return ("rule", c[0] if c[0] is not None else c[1], (c[0], c[1], c[2]))
+
+    def word_layout(self, c):
+        return ("word", c[0], c[1])
+
+    @v_args(meta=True)
+    def list_layout(self, meta, c):
+        return ("list", Token("LSQB", "[", line=meta.line, column=meta.column), c)
+
+    def axis_layout(self, c):
+        return ("axes", None, c)
+
+    def over(self, c):
+        return c[1]
+
+    def rep(self, c):
+        return R
+
+    def shard(self, c):
+        return Shard(int(c[1]))
+
+    def partial(self, c):
+        if c[1] is not None and str(c[1]) != "sum":
+            loc = _loc(self.file, self.lines, c[1].line, c[1].column)
+            raise SpecError(f"only P(sum) is supported; got P({c[1]})", loc)
+        return Partial("sum")
+
+
+class _Builder:
+    """Checks raw statements against the mesh and builds the :class:`Spec`."""
+
+    def __init__(self, file: str, lines: list):
+        self.file, self.lines = file, lines
+
+    def loc(self, tok) -> SourceLoc:
+        return _loc(self.file, self.lines, tok.line, tok.column)
+
+    def err(self, tok, msg) -> SpecError:
+        return SpecError(msg, self.loc(tok))
+
+    def build(self, stmts: list) -> Spec:
+        if not stmts:
+            raise SpecError("the spec has no mesh statement; start it with one such as 'mesh tp=2'",
+                            _loc(self.file, self.lines, 1, 1))
+        kind, tok, _ = stmts[0]
+        if kind != "mesh":
+            raise self.err(tok, "the first statement must be the mesh, such as 'mesh tp=2' "
+                                "(one size per axis; the last axis varies fastest)")
+        self.mesh = self.make_mesh(stmts[0][2])
+        seen, rules, topology, train = {"mesh": tok}, [], None, None
+        for kind, tok, payload in stmts[1:]:
+            if kind != "rule":
+                if kind in seen:
+                    raise self.err(tok, f"{kind} is given twice (first on line {seen[kind].line}); "
+                                        f"a spec has at most one {kind} statement")
+                seen[kind] = tok
+            if kind == "topology":
+                topology = self.make_topology(tok, payload)
+            elif kind == "train":
+                train = TrainSpec(self.options(payload, "option"), self.loc(tok))
+            else:
+                rules.append(self.make_rule(*payload))
+        return Spec(self.mesh, tuple(rules), self.file, topology, train)
+
+    def make_mesh(self, axes) -> Mesh:
+        names = {}
+        for name, size in axes:
+            if str(name) in names:
+                raise self.err(name, f"mesh axis {name} is given twice (axis names must differ)")
+            if int(size) < 1:
+                raise self.err(size, f"mesh axis {name} has size {int(size)}; a size must be >= 1")
+            names[str(name)] = int(size)
+        return Mesh(tuple(names.items()))
+
+    def make_topology(self, tok, items) -> tuple:
+        vals = {}
+        for key, val in items:
+            k = str(key)
+            if k not in _TOPOLOGY:
+                raise self.err(key, f"unknown topology key {k!r}{_hint(k, _TOPOLOGY)} "
+                                    "(keys: nodes, devices_per_node)")
+            if k in vals:
+                raise self.err(key, f"topology key {k} is given twice")
+            if int(val) < 1:
+                raise self.err(val, f"topology {k} is {int(val)}; it must be >= 1")
+            vals[k] = int(val)
+        if len(vals) != 2:
+            raise self.err(tok, "topology needs both nodes=N and devices_per_node=N")
+        nodes, per = vals["nodes"], vals["devices_per_node"]
+        if nodes * per != self.mesh.size:
+            raise self.err(tok, f"topology has {nodes}x{per}={nodes * per} devices but mesh "
+                                f"{self.mesh} has {self.mesh.size} ranks")
+        return (nodes, per)
+
+    def options(self, items, what: str) -> tuple:
+        out = {}
+        for key, val in items:
+            if str(key) in out:
+                raise self.err(key, f"{what} {key} is given twice")
+            if isinstance(val, tuple):  # a call: name(k=v, ...)
+                val = (str(val[0]), self.options(val[1], "argument"))
+            out[str(key)] = val
+        return tuple(sorted(out.items()))
+
+    def axis(self, tok, where: str) -> str:
+        names = self.mesh.names
+        if str(tok) not in names:
+            raise self.err(tok, f"unknown mesh axis {str(tok)!r} in {where}{_hint(str(tok), names)}"
+                                f" (the mesh has axes: {', '.join(names)})")
+        return str(tok)
+
+    def axes_text(self) -> str:
+        n = len(self.mesh.axes)
+        return f"the mesh has {n} {'axis' if n == 1 else 'axes'}: {', '.join(self.mesh.names)}"
+
+    def make_rule(self, target, pattern, layout) -> Rule:
+        pat = str(pattern)
+        if "" in pat.split("."):
+            raise self.err(pattern, f"pattern {pat!r} has an empty dotted component")
+        return Rule(str(target) if target is not None else "param", pat,
+                    self.make_layout(layout), self.loc(pattern))
+
+    def make_layout(self, layout) -> LayoutSpec:
+        form, tok, body = layout
+        naxes = len(self.mesh.axes)
+        if form == "word":
+            axis = default_axis(self.mesh) if body is None else self.axis(body, "'over'")
+            if isinstance(tok, Token):
+                if str(tok) not in LAYOUT_WORDS:
+                    raise self.err(tok, f"unknown layout word {str(tok)!r}"
+                                        f"{_hint(str(tok), LAYOUT_WORDS)} "
+                                        f"(layout words: {_WORDS}; placements: R, S(d), P)")
+                return LayoutSpec(str(tok), None, axis)
+            full = [R] * naxes
+            full[self.mesh.axis_index(axis)] = tok
+            return LayoutSpec(None, tuple(full), axis)
+        if form == "list":
+            if len(body) != naxes:
+                raise self.err(tok, f"the layout has {len(body)} placement"
+                                    f"{'' if len(body) == 1 else 's'} but {self.axes_text()} "
+                                    "(one placement per axis, in mesh order)")
+            return LayoutSpec(None, tuple(body), None)
+        given = {}
+        for name, placement in body:
+            axis = self.axis(name, "an axis=placement layout")
+            if axis in given:
+                raise self.err(name, f"mesh axis {axis} is given twice in the layout")
+            given[axis] = placement
+        return LayoutSpec(None, tuple(given.get(a, R) for a in self.mesh.names), None)
+
+
+def parse_spec(text: str, file: str = "<string>") -> Spec:
+    """Parse the text of a ``.pcs`` spec into a :class:`Spec`.
+
+    Raises:
+        SpecError: a syntax error (saying what was expected), an unknown layout
+            word or mesh axis, a layout with the wrong number of placements, a
+            missing, misplaced or repeated ``mesh``, a bad mesh axis size or a
+            repeated axis name, a bad ``topology`` or a repeated ``train``.
+    """
+    lines = text.splitlines()
+    try:
+        tree = _PARSER.parse(text if text.endswith("\n") else text + "\n")
+    except UnexpectedInput as e:
+        raise _syntax_error(e, file, lines) from None
+    try:
+        stmts = _Tree(file, lines).transform(tree)
+    except VisitError as e:
+        if isinstance(e.orig_exc, SpecError):
+            raise e.orig_exc from None
+        raise
+    return _Builder(file, lines).build(stmts)
+
+
+def load_spec(path) -> Spec:
+    """Read and parse the spec file at ``path``.
+
+    Raises:
+        SpecError: the file cannot be read (naming the path), or any error of
+            :func:`parse_spec`.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise SpecError(f"spec file {str(path)!r} does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecError(f"cannot read spec file {str(path)!r}: {e}") from None
+    return parse_spec(text, str(path))
+
+
+def check_names(spec: Spec, param_names, input_names, output_names, value_names) -> None:
+    """Check that every rule of ``spec`` matches at least one name of its kind in the model.
+
+    ``param`` rules are matched against ``param_names``, ``input`` against
+    ``input_names``, ``output`` against ``output_names``, ``activation``
+    against ``value_names`` (the model's intermediate values).
+
+    Raises:
+        SpecError: at the first rule (in file order) that matches nothing, with
+            "did you mean X?" when a close name exists, else the known names.
+    """
+    kinds = {"param": ("parameter", param_names), "input": ("input", input_names),
+             "output": ("output", output_names), "activation": ("value", value_names)}
+    for rule in spec.rules:
+        noun, names = kinds[rule.target]
+        names = list(names)
+        if any(rule.matches(n) for n in names):
+            continue
+        msg = f"{rule.target} rule {rule.pattern!r} matches no {noun} of the model"
+        hint = suggest(rule.pattern, names)
+        if hint:
+            msg += f"; did you mean {hint}?"
+        elif names:
+            more = f", ... ({len(names)} in all)" if len(names) > 8 else ""
+            msg += f" (the model's {noun}s: {', '.join(names[:8])}{more})"
+        else:
+            msg += f" (the model has no {noun}s)"
+        raise SpecError(msg, rule.loc)
