@@ -49,3 +49,18 @@ def build_report(sharded, program, spec) -> dict:
         "collectives": recs,
         "totals_per_axis": totals,
     }
+
+
+def format_collectives(recs) -> str:
+    """A plain-text table of collectives, one row each, then the reasons."""
+    if not recs:
+        return "collectives: none"
+    head = ("#", "kind", "axis", "dim", "local shape", "bytes/rank", "phase", "value")
+    rows = [(str(i), r["kind"], r["axis"], "-" if r["dim"] is None else str(r["dim"]),
+             "x".join(map(str, r["local_shape"])), str(r["bytes"]), r["phase"], r["producer"])
+            for i, r in enumerate(recs)]
+    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+    lines = [f"collectives: {len(recs)}", "  ".join(h.ljust(w) for h, w in zip(head, widths))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
+    lines += [f"  [{i}] why: {r['reason']}" for i, r in enumerate(recs)]
+    return "\n".join(lines)
