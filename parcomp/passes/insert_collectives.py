@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..ir.graph import Graph, Node, make_attrs
-from ..ir.types import layout_str
+from ..ir.types import Partial, layout_str
 from ..redistribute import plan
 
 
@@ -74,6 +74,16 @@ def _who(consumer) -> str:
     return f"{consumer.op} %{consumer.name}"
 
 
+def _partial_origin(graph, node, a):
+    """Follow partial-sum operands back to the op that created the partial sum."""
+    while node.op not in ("matmul", "input", "param") and node.in_layouts is not None:
+        nxt = [graph[i] for i, lay in zip(node.inputs, node.in_layouts) if isinstance(lay[a], Partial)]
+        if not nxt:
+            break
+        node = nxt[0]
+    return node
+
+
 def _why_partial(src_node, axis) -> str:
     if src_node is None:
         return "partial sums"
@@ -86,6 +96,11 @@ def _why_partial(src_node, axis) -> str:
 
 def _reason(step, axis, name, src_node, consumer, graph) -> str:
     who, tgt = _who(consumer), layout_str(step.after)
+    if src_node is not None and step.kind in ("all_reduce", "reduce_scatter"):
+        origin = _partial_origin(graph, src_node, step.axis)
+        if origin is not src_node:
+            src_node = origin
+            name = f"{name} (partial since %{origin.name})"
     if step.kind == "all_reduce":
         return f"%{name}: {_why_partial(src_node, axis)}; {who} needs the full value {tgt}: sum once"
     if step.kind == "reduce_scatter":
