@@ -15,12 +15,16 @@ class Compiled:
 
     Attributes:
         unsharded: the model's graph as imported.
+        logical: the unsharded graph of what the program computes (with layouts
+            bound; for training, with loss, backward and update): the ground
+            truth the program must equal.
         sharded: global types, every layout and every collective explicit.
         program: per-rank types (``stage local``): what backends execute.
         report: collectives with kind, axis, bytes and reason (see :mod:`parcomp.report`).
     """
 
     unsharded: Graph
+    logical: Graph
     sharded: Graph
     program: Graph
     report: dict
@@ -34,4 +38,5 @@ def compile_graph(graph: Graph, spec, after: Callable | None = None) -> Compiled
     """
     stages = run_pipeline(graph, forward_pipeline(spec), after)
     sharded, program = stages["insert-collectives"], stages["localize"]
-    return Compiled(graph, sharded, program, build_report(sharded, program, spec))
+    logical = stages["autodiff"] if "autodiff" in stages else stages["bind-layouts"]
+    return Compiled(graph, logical, sharded, program, build_report(sharded, program, spec))

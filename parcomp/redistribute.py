@@ -35,6 +35,9 @@ from .ir.types import Layout, Mesh, Partial, Replicate, Shard, TensorType, local
 ALPHA_S = 1e-5
 BETA_S_PER_BYTE = 1e-10
 EPSILON_S = 1e-12
+# compute is priced too (as in AutoParallel's communication + compute cost), so
+# that work replicated across ranks costs more than the same work split
+SECONDS_PER_FLOP = 1e-11
 
 
 @dataclass(frozen=True)
@@ -154,3 +157,18 @@ def _plan_cost(src, tgt, ty, mesh):
         else:
             total += EPSILON_S
     return total
+
+
+def compute_cost(node, in_types, ins, out, mesh) -> float:
+    """Estimated seconds of one rank's local compute for ``node`` under a strategy.
+
+    Matmul: 2*M*N*K of the local shapes; every other op: one flop per local
+    output element.
+    """
+    local_out = int(np.prod(local_shape(node.type, out, mesh))) if node.type.rank else 1
+    if node.op == "matmul":
+        k = in_types[0].shape[-1]
+        for a in shard_axes(ins[0], in_types[0].rank - 1):
+            k //= mesh.sizes[a]
+        return SECONDS_PER_FLOP * 2 * local_out * k
+    return SECONDS_PER_FLOP * local_out

@@ -10,6 +10,14 @@ from .ir.types import layout_str
 from .redistribute import Step, step_bytes
 
 
+PHASES = (("bw.", "backward"), ("opt.", "optimizer"))
+
+
+def phase_of(value: str) -> str:
+    """forward | backward | optimizer, from the autodiff naming convention."""
+    return next((ph for prefix, ph in PHASES if value.startswith(prefix)), "forward")
+
+
 def collective_records(sharded, program) -> list:
     """One dict per collective node of ``sharded`` (global) / ``program`` (local), in order."""
     users = sharded.users()
@@ -28,7 +36,7 @@ def collective_records(sharded, program) -> list:
             "name": n.name, "kind": n.op, "axis": n.attr("axis"), "dim": n.attr("dim"),
             "dtype": n.type.dtype, "local_shape": list(program[src.name].type.shape),
             "from": layout_str(src.layout), "to": layout_str(n.layout),
-            "bytes": step_bytes(step, n.type, sharded.mesh), "phase": "forward",
+            "bytes": step_bytes(step, n.type, sharded.mesh), "phase": phase_of(src.name),
             "producer": src.name, "consumers": consumers, "reason": n.attr("reason"),
         })
     return recs

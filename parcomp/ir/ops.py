@@ -72,6 +72,33 @@ def _own(ts, n):
     return n.type
 
 
+def _sum(ts, n):
+    dims = n.attr("dims")
+    return TensorType(tuple(s for d, s in enumerate(ts[0].shape) if d not in dims), ts[0].dtype)
+
+
+def _expand(ts, n):
+    dims = n.attr("dims")
+    kept = tuple(s for d, s in enumerate(n.type.shape) if d not in dims)
+    if kept != ts[0].shape:
+        raise ValueError(f"expand along {dims} of {ts[0]} cannot give {n.type}")
+    return n.type
+
+
+def _cross_entropy(ts, n):
+    logits, labels = ts
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(f"labels {labels} must have the shape of logits {logits} less its last dim")
+    return TensorType(labels.shape, logits.dtype)
+
+
+def _cross_entropy_grad(ts, n):
+    dl, logits, labels = ts
+    if dl.shape != labels.shape or logits.shape[:-1] != labels.shape:
+        raise ValueError(f"shapes {dl}, {logits}, {labels} do not fit")
+    return logits
+
+
 OPS: dict = {}
 
 
@@ -90,6 +117,15 @@ _def("div", 2, "linear0", _broadcast)
 _def("matmul", 2, "bilinear", _matmul)
 _def("permute", 1, "linear", _permute)
 _def("reshape", 1, "linear", _reshape)
+_def("sum", 1, "reduce", _sum)  # sum over attr dims (no keepdims)
+_def("expand", 1, "expand", _expand)  # inverse of sum: broadcast along attr dims
+_def("ones", 0, "const", _own)
+# gradients of pointwise ops: op(dy, x) is linear in dy only
+for _n in ("relu_grad", "gelu_grad", "tanh_grad", "sigmoid_grad", "silu_grad", "pow_grad"):
+    _def(_n, 2, "linear0", _broadcast)
+_def("cross_entropy", 2, "cross_entropy", _cross_entropy)  # per-token loss: logsumexp - picked logit
+_def("cross_entropy_grad", 3, "cross_entropy_grad", _cross_entropy_grad)  # dl * (softmax - onehot)
+_def("adamw_param", 4, "nonlinear", _broadcast)  # (p, m, v, t) -> updated p (torch.optim.AdamW)
 _def("input", 0, "source", _own)
 _def("param", 0, "source", _own)
 # layout changes inserted by insert-collectives (see parcomp/redistribute.py)

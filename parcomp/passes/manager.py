@@ -11,6 +11,7 @@ from typing import Callable
 
 from ..errors import VerifyError
 from ..ir.graph import Graph
+from .autodiff import add_training_step
 from .bind_layouts import bind_layouts
 from .insert_collectives import insert_collectives
 from .localize import localize
@@ -30,8 +31,13 @@ class Pass:
 
 
 def forward_pipeline(spec) -> list:
-    """The passes that turn an unsharded graph into a per-rank program."""
-    return [Pass("bind-layouts", lambda g: bind_layouts(g, spec)),
+    """The passes that turn an unsharded graph into a per-rank program.
+
+    With a ``train`` line in the spec, ``autodiff`` appends loss, backward and
+    optimizer update to the global graph before anything is sharded.
+    """
+    train = [Pass("autodiff", lambda g: add_training_step(g, spec))] if spec.train else []
+    return [Pass("bind-layouts", lambda g: bind_layouts(g, spec)), *train,
             Pass("shard-prop", shard_prop),
             Pass("insert-collectives", insert_collectives),
             Pass("localize", localize)]

@@ -5,14 +5,23 @@ layouts the spec fixes.  Output: every node has ``layout`` (what it produces)
 and ``in_layouts`` (what its op consumes); ``insert-collectives`` turns the
 differences into collectives.
 
-Method: a dynamic program in topological order.  ``best[v][O]`` is the least
-cost (alpha-beta seconds of redistribution, :mod:`parcomp.redistribute`) of
-producing ``v`` natively in layout ``O``; an op's candidate strategies come from
-:mod:`parcomp.rules.sharding`; an input is charged its cheapest way to reach the
-layout the strategy wants.  A reverse pass then fixes each node's strategy
-given the layouts its consumers ask of it.  Exact on trees and chains (checked
-against brute-force enumeration in the tests); on DAGs with fan-out a shared
-producer is charged once per consumer during the forward pass.
+Cost of a solution (seconds, :mod:`parcomp.redistribute`): every node's local
+compute, plus for every value the redistributions to each *distinct* layout
+its consumers need (a conversion is made once and shared).
+
+Search, since the exact problem on a DAG is an ILP (Alpa, AutoParallel):
+
+1. a dynamic program in topological order (``best[v][O]``: least cost to
+   produce ``v`` in ``O``) and a reverse pass fixing each strategy given what
+   its consumers ask — exact on chains and trees, but on DAGs a shared
+   producer is charged once per consumer;
+2. a forward greedy pass (DTensor-style propagation: each op takes the
+   cheapest strategy given its inputs' layouts);
+3. the cheaper of the two, then moves that lower the exact cost until none
+   does: one node re-picks its strategy, and operands computed only for it
+   follow to produce the layout it then wants.
+
+Chains are checked against brute-force enumeration in the tests.
 """
 from __future__ import annotations
 
@@ -21,72 +30,153 @@ from dataclasses import replace
 from ..errors import ShardingError
 from ..ir.graph import Graph, describe
 from ..ir.types import layout_str
-from ..redistribute import plan_cost
+from ..redistribute import compute_cost, plan_cost
 from ..rules.sharding import mesh_strategies
 
 _TOL = 1e-15
 
 
 def shard_prop(graph: Graph) -> Graph:
-    """Complete the layouts of ``graph`` with the least redistribution cost.
+    """Complete the layouts of ``graph`` with the least estimated cost.
 
     Raises:
-        ShardingError: an op has no strategy whose shards are all even (names the
-            node and its shapes) or a pinned layout no strategy can produce.
+        ShardingError: a pinned layout no strategy can produce evenly (names the
+            node and its operand shapes).
     """
-    mesh = graph.mesh
-    best, cands = {}, {}
-    for n in graph.nodes:
-        if n.op in ("input", "param"):
-            best[n.name] = {n.layout: 0.0}
-            continue
-        in_types = [graph[i].type for i in n.inputs]
-        options = mesh_strategies(n, in_types, mesh)
-        if n.layout is not None:
-            options = [o for o in options if o[1] == n.layout]
-        if not options:
-            raise ShardingError(_no_strategy(graph, n))
-        scored = []
-        for ins, out in options:
-            cost = sum(_cost_to(best, graph, i, lay) for i, lay in zip(n.inputs, ins))
-            scored.append((cost, ins, out))
-        cands[n.name] = scored
-        table = {}
-        for cost, _, out in scored:
-            if out not in table or cost < table[out] - _TOL:
-                table[out] = cost
-        best[n.name] = table
-    return _reconstruct(graph, best, cands)
+    prob = _Problem(graph)
+    sol = min((prob.dp_solution(), prob.greedy_solution()), key=prob.total)
+    sol = prob.improve(sol)
+    nodes = [n if n.name not in sol else replace(n, layout=sol[n.name][1], in_layouts=sol[n.name][0])
+             for n in graph.nodes]
+    return graph.with_nodes(nodes)
 
 
-def _cost_to(best, graph, name, layout) -> float:
-    ty = graph[name].type
-    return min(c + plan_cost(o, layout, ty, graph.mesh) for o, c in best[name].items())
+class _Problem:
+    def __init__(self, graph):
+        self.g, self.mesh = graph, graph.mesh
+        self.users = graph.users()
+        self.options = {}  # name -> [(compute cost, ins, out)]
+        for n in graph.nodes:
+            if n.op in ("input", "param"):
+                continue
+            in_types = [graph[i].type for i in n.inputs]
+            opts = mesh_strategies(n, in_types, self.mesh)
+            if n.layout is not None:
+                opts = [o for o in opts if o[1] == n.layout]
+            if not opts:
+                raise ShardingError(_no_strategy(graph, n))
+            self.options[n.name] = [(compute_cost(n, in_types, i, o, self.mesh), i, o) for i, o in opts]
 
+    def layout(self, sol, name):
+        return sol[name][1] if name in sol else self.g[name].layout
 
-def _reconstruct(graph, best, cands) -> Graph:
-    required = {n.name: [] for n in graph.nodes}
-    chosen = {}
-    for n in reversed(graph.nodes):
-        if n.op in ("input", "param"):
-            chosen[n.name] = n
-            continue
-        pick, pick_cost = None, None
-        for cost, ins, out in cands[n.name]:
-            total = cost + sum(plan_cost(out, lay, n.type, graph.mesh) for lay in required[n.name])
-            if pick is None or total < pick_cost - _TOL:
-                pick, pick_cost = (ins, out), total
-        ins, out = pick
-        chosen[n.name] = replace(n, layout=out, in_layouts=ins)
-        for i, lay in zip(n.inputs, ins):
-            required[i].append(lay)
-    return graph.with_nodes([chosen[n.name] for n in graph.nodes])
+    def value_cost(self, sol, name) -> float:
+        """Redistributions of ``name`` to the distinct layouts its consumers want."""
+        want = {sol[u][0][k] for u in self.users[name] for k, i in enumerate(self.g[u].inputs) if i == name}
+        src, ty = self.layout(sol, name), self.g[name].type
+        return sum(plan_cost(src, lay, ty, self.mesh) for lay in want)
+
+    def total(self, sol) -> float:
+        compute = sum(self._compute(sol, name) for name in sol)
+        return compute + sum(self.value_cost(sol, n.name) for n in self.g.nodes)
+
+    def _compute(self, sol, name):
+        ins, out = sol[name]
+        return next(c for c, i, o in self.options[name] if i == ins and o == out)
+
+    def dp_solution(self) -> dict:
+        best = {}
+        for n in self.g.nodes:
+            if n.op in ("input", "param"):
+                best[n.name] = {n.layout: 0.0}
+                continue
+            table = {}
+            for c, ins, out in self.options[n.name]:
+                cost = c + sum(self._cost_to(best, i, lay) for i, lay in zip(n.inputs, ins))
+                if out not in table or cost < table[out] - _TOL:
+                    table[out] = cost
+            best[n.name] = table
+        required, sol = {n.name: [] for n in self.g.nodes}, {}
+        for n in reversed(self.g.nodes):
+            if n.op in ("input", "param"):
+                continue
+            pick, pick_cost = None, None
+            for c, ins, out in self.options[n.name]:
+                total = c + sum(self._cost_to(best, i, lay) for i, lay in zip(n.inputs, ins))
+                total += sum(plan_cost(out, lay, n.type, self.mesh) for lay in required[n.name])
+                if pick is None or total < pick_cost - _TOL:
+                    pick, pick_cost = (ins, out), total
+            sol[n.name] = pick
+            for i, lay in zip(n.inputs, pick[0]):
+                required[i].append(lay)
+        return sol
+
+    def _cost_to(self, best, name, layout) -> float:
+        """Cost of having ``name`` in ``layout``.  A value with several consumers
+        charges each only what its layout choice adds over its cheapest layout:
+        the shared upstream work is paid once, not once per consumer."""
+        ty, table = self.g[name].type, best[name]
+        base = min(table.values()) if len(self.users[name]) > 1 else 0.0
+        return min(c - base + plan_cost(o, layout, ty, self.mesh) for o, c in table.items())
+
+    def greedy_solution(self) -> dict:
+        sol = {}
+        for n in self.g.nodes:
+            if n.op in ("input", "param"):
+                continue
+            src = [self.layout(sol, i) for i in n.inputs]
+            types = [self.g[i].type for i in n.inputs]
+            sol[n.name] = min(
+                ((c + sum(plan_cost(s, lay, t, self.mesh) for s, lay, t in zip(src, ins, types)), k, (ins, out))
+                 for k, (c, ins, out) in enumerate(self.options[n.name])))[2]
+        return sol
+
+    def improve(self, sol, rounds: int = 8) -> dict:
+        sol = dict(sol)
+        for _ in range(rounds):
+            changed = False
+            for n in reversed(self.g.nodes):
+                if n.name in sol and self._best_move(sol, n):
+                    changed = True
+            if not changed:
+                break
+        return sol
+
+    def _best_move(self, sol, n) -> bool:
+        """Re-pick ``n``'s strategy; an operand made only for ``n`` may change with it
+        (to produce exactly the layout ``n`` then wants).  Keeps strict gains only."""
+        feeders = [i for i in dict.fromkeys(n.inputs) if i in sol and len(self.users[i]) == 1]
+        touched = set(n.inputs) | {n.name} | {j for i in feeders for j in self.g[i].inputs}
+        moved = [n.name] + feeders
+
+        def local():
+            return sum(self._compute(sol, m) for m in moved) + sum(self.value_cost(sol, v) for v in touched)
+
+        keep = {m: sol[m] for m in moved}
+        best, best_cost = dict(keep), local()
+        for _, ins, out in self.options[n.name]:
+            sol.update(keep)
+            sol[n.name] = (ins, out)
+            for i in feeders:
+                want = ins[n.inputs.index(i)]
+                fits = [(c, i_ins, o) for c, i_ins, o in self.options[i] if o == want]
+                if fits and sol[i][1] != want:
+                    sol[i] = min(fits, key=lambda f: self._feeder_cost(sol, i, f))[1:]
+            cost = local()
+            if cost < best_cost - 1e-13:
+                best, best_cost = {m: sol[m] for m in moved}, cost
+        sol.update(best)
+        return best != keep
+
+    def _feeder_cost(self, sol, i, option):
+        c, ins, out = option
+        return c + sum(plan_cost(self.layout(sol, j), lay, self.g[j].type, self.mesh)
+                       for j, lay in zip(self.g[i].inputs, ins))
 
 
 def _no_strategy(graph, n) -> str:
     shapes = ", ".join(f"%{i}: {graph[i].type}" for i in n.inputs)
-    mesh = graph.mesh
     pinned = f" producing the pinned layout {layout_str(n.layout)}" if n.layout else ""
-    return (f"no sharding strategy for {describe(n)}{pinned} on mesh {mesh}: every way to split "
-            f"it leaves an uneven shard (operands {shapes}). Make the dims divisible by the "
+    return (f"no sharding strategy for {describe(n)}{pinned} on mesh {graph.mesh}: every way to "
+            f"split it leaves an uneven shard (operands {shapes}). Make the dims divisible by the "
             f"mesh axis sizes or replicate the operands.")

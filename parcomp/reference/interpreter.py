@@ -17,6 +17,11 @@ from ..redistribute import Step, step_bytes
 from .numpy_ops import NUMPY_OPS
 
 
+def _contig(x) -> np.ndarray:
+    """A C-contiguous copy that keeps 0-d arrays 0-d (np.ascontiguousarray would not)."""
+    return np.array(x, order="C", copy=True)
+
+
 def _block(full, ty, layout, mesh, coords):
     idx = tuple(slice(s, s + n) for s, n in shard_offsets(ty, layout, mesh, coords))
     return full[idx]
@@ -50,7 +55,7 @@ def split_for_ranks(full, layout, mesh, rng=None) -> list:
                 offs = [rng.standard_normal(locs[r].shape) * 3 for _ in range(n - 1)]
                 cache[key] = offs + [-sum(offs) if offs else np.zeros(locs[r].shape)]
             locs[r] = (locs[r] / n + cache[key][coords[a]]).astype(full.dtype)
-    return [np.ascontiguousarray(x) for x in locs]
+    return [_contig(x) for x in locs]
 
 
 def assemble(locals_by_rank, layout, global_shape, mesh, dtype="float32") -> np.ndarray:
@@ -127,7 +132,7 @@ def _layout_op(program, n, run):
         xs = [run.env[r][n.inputs[0]] for r in group]
         ys = _LAYOUT_OPS[n.op](xs, n)
         for r, y in zip(group, ys):
-            run.env[r][n.name] = np.ascontiguousarray(y)
+            run.env[r][n.name] = _contig(y)
     if n.op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
         gty = TensorType(_global_shape(program, n.name), n.type.dtype)
         step = Step(n.op, a, n.attr("dim"), n.attr("src_dim"), src.layout, n.layout)

@@ -25,6 +25,49 @@ def _sigmoid(x):
     return 1.0 / (1.0 + np.exp(-x))
 
 
+def _gelu_grad(dy, x, node):
+    if node.attr("approximate", "none") == "tanh":
+        c = math.sqrt(2.0 / math.pi)
+        t = np.tanh(c * (x + 0.044715 * x ** 3))
+        d = 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * c * (1 + 3 * 0.044715 * x * x)
+    else:
+        cdf = 0.5 * (1.0 + _erf(x / math.sqrt(2.0)))
+        d = cdf + x * np.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
+    return (dy * d).astype(dy.dtype)
+
+
+def _silu_grad(dy, x):
+    s = _sigmoid(x)
+    return dy * (s + x * s * (1 - s))
+
+
+def _log_softmax(z):
+    z = z - np.max(z, axis=-1, keepdims=True)
+    return z - np.log(np.sum(np.exp(z), axis=-1, keepdims=True))
+
+
+def _cross_entropy(logits, labels):
+    picked = np.take_along_axis(_log_softmax(logits), labels[..., None].astype(np.int64), axis=-1)
+    return (-picked[..., 0]).astype(logits.dtype)
+
+
+def _cross_entropy_grad(dl, logits, labels):
+    p = np.exp(_log_softmax(logits))
+    np.put_along_axis(p, labels[..., None].astype(np.int64),
+                      np.take_along_axis(p, labels[..., None].astype(np.int64), axis=-1) - 1, axis=-1)
+    return (dl[..., None] * p).astype(logits.dtype)
+
+
+def _adamw(p, m, v, t, node):
+    """torch.optim.AdamW (decoupled weight decay), step number ``t`` counted from 1."""
+    lr, b1, b2 = node.attr("lr"), node.attr("beta1"), node.attr("beta2")
+    eps, wd = node.attr("eps"), node.attr("weight_decay")
+    p = p * (1 - lr * wd)
+    bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
+    denom = np.sqrt(v) / np.sqrt(bc2) + eps
+    return (p - (lr / bc1) * m / denom).astype(p.dtype)
+
+
 NUMPY_OPS = {
     "relu": lambda a, n: np.maximum(a[0], 0).astype(a[0].dtype),
     "gelu": lambda a, n: _gelu(a[0], n).astype(a[0].dtype),
@@ -43,6 +86,21 @@ NUMPY_OPS = {
     "matmul": lambda a, n: np.matmul(a[0], a[1]),
     "permute": lambda a, n: np.ascontiguousarray(np.transpose(a[0], n.attr("perm"))),
     "reshape": lambda a, n: a[0].reshape(n.type.shape),
+    "relayout": lambda a, n: a[0],  # layout only: the value is unchanged
+    "sum": lambda a, n: np.sum(a[0], axis=tuple(n.attr("dims"))).astype(a[0].dtype),
+    "expand": lambda a, n: np.ascontiguousarray(
+        np.broadcast_to(np.expand_dims(a[0], tuple(n.attr("dims"))), n.type.shape)),
+    "ones": lambda a, n: np.ones(n.type.shape, n.type.dtype),
+    "relu_grad": lambda a, n: a[0] * (a[1] > 0).astype(a[0].dtype),
+    "gelu_grad": lambda a, n: _gelu_grad(a[0], a[1], n),
+    "tanh_grad": lambda a, n: a[0] * (1 - a[1] * a[1]),
+    "sigmoid_grad": lambda a, n: a[0] * a[1] * (1 - a[1]),
+    "silu_grad": lambda a, n: _silu_grad(a[0], a[1]).astype(a[0].dtype),
+    "pow_grad": lambda a, n: (a[0] * n.attr("exponent") * np.power(
+        a[1], a[1].dtype.type(n.attr("exponent") - 1))).astype(a[0].dtype),
+    "cross_entropy": lambda a, n: _cross_entropy(a[0], a[1]),
+    "cross_entropy_grad": lambda a, n: _cross_entropy_grad(a[0], a[1], a[2]),
+    "adamw_param": lambda a, n: _adamw(a[0], a[1], a[2], a[3], n),
 }
 
 

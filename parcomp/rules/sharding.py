@@ -103,13 +103,47 @@ def _reshape(node, ts):
     return [((R,), R), ((P,), P)] + [((Shard(i),), Shard(o)) for i, o in dmap.items()]
 
 
+def _sum(node, ts):
+    dims = node.attr("dims")
+    out = [((R,), R), ((P,), P)]
+    for d in range(ts[0].rank):  # a sum over a split dim leaves partial sums
+        out.append(((Shard(d),), P if d in dims else Shard(d - sum(1 for x in dims if x < d))))
+    return out
+
+
+def _expand(node, ts):
+    dims = node.attr("dims")
+    kept = [d for d in range(node.type.rank) if d not in dims]
+    out = [((R,), R), ((P,), P)] + [((Shard(i),), Shard(d)) for i, d in enumerate(kept)]
+    return out + [((R,), Shard(d)) for d in dims]  # each rank expands its own chunk
+
+
+def _ones(node, ts):
+    return [((), R)] + [((), Shard(d)) for d in range(node.type.rank)]
+
+
+def _cross_entropy(node, ts):
+    batch = range(ts[1].rank)
+    return [((R, R), R)] + [((Shard(d), Shard(d)), Shard(d)) for d in batch]
+
+
+def _cross_entropy_grad(node, ts):
+    batch = range(ts[2].rank)
+    return ([((R, R, R), R), ((P, R, R), P)]
+            + [((Shard(d), Shard(d), Shard(d)), Shard(d)) for d in batch])
+
+
+def _nonlinear(node, ts):
+    return _pointwise(node, ts, linear=False) if len(ts) == 1 else _elementwise(node, ts)
+
+
 def _relayout(node, ts):
     # identity; its output layout is pinned by the spec (shard-prop keeps node.layout)
     return [((R,), R), ((P,), P)] + [((Shard(d),), Shard(d)) for d in range(ts[0].rank)]
 
 
 STRATEGY_RULES = {
-    "nonlinear": lambda n, ts: _pointwise(n, ts, linear=False),
+    "nonlinear": _nonlinear,
     "linear": lambda n, ts: _pointwise(n, ts, linear=True),
     "additive": _elementwise,
     "bilinear": _elementwise,
@@ -118,6 +152,11 @@ STRATEGY_RULES = {
     "permute": _permute,
     "reshape": _reshape,
     "relayout": _relayout,
+    "reduce": _sum,
+    "expand": _expand,
+    "const": _ones,
+    "cross_entropy": _cross_entropy,
+    "cross_entropy_grad": _cross_entropy_grad,
 }
 
 

@@ -1,0 +1,356 @@
+"""Emit a self-contained, readable ``program.py`` for torchrun from a compiled program.
+
+The program is one rank's view of the local (per-rank) graph: a PROFILE block
+(the only lines that depend on the device profile), constants describing the
+mesh, a small runtime of collectives written with ``torch.distributed`` (same
+semantics as ``parcomp/reference/interpreter.py``), one line per parameter
+slice, one line per graph node, and a ``main`` that checks the world size,
+loads, runs, writes the outputs and optionally times forward steps.  Nothing in
+it imports parcomp.  The text is deterministic: same input, same bytes.
+"""
+from __future__ import annotations
+
+import builtins
+import json
+import keyword
+import math
+import os
+import re
+import textwrap
+
+from parcomp.errors import ParcompError
+from parcomp.ir.ops import LAYOUT_OPS
+from parcomp.ir.types import DTYPE_SHORT, Partial, Replicate, layout_str, shard_axes
+
+from .profiles import get_profile
+from .runtime import MAIN, RUNTIME
+
+# op -> format string; {0}, {1}: operand variables, {name}: attribute as a Python literal
+OP_FORMATS = {
+    "relu": "torch.relu({0})",
+    "gelu": "torch.nn.functional.gelu({0}, approximate={approximate})",
+    "tanh": "torch.tanh({0})",
+    "exp": "torch.exp({0})",
+    "sigmoid": "torch.sigmoid({0})",
+    "silu": "torch.nn.functional.silu({0})",
+    "pow": "torch.pow({0}, {exponent})",
+    "add_scalar": "{0} + {value}",
+    "neg": "torch.neg({0})",
+    "scale": "{0} * {value}",
+    "add": "{0} + {1}",
+    "sub": "{0} - {1}",
+    "mul": "{0} * {1}",
+    "div": "{0} / {1}",
+    "matmul": "torch.matmul({0}, {1})",
+    "permute": "{0}.permute{perm}",
+    "reshape": "{0}.reshape({local_shape})",
+    "sum": "torch.sum({0}, dim={dims})",  # dims=() is the identity (see _code)
+    "expand": "{0}.reshape({kept_shape}).expand({local_shape})",
+    "ones": "torch.ones({local_shape}, dtype={dtype}, device=DEVICE)",
+    "relu_grad": "{0} * ({1} > 0).to({0}.dtype)",
+    "tanh_grad": "{0} * (1 - {1} * {1})",
+    "sigmoid_grad": "{0} * {1} * (1 - {1})",
+    "silu_grad": "{0} * torch.sigmoid({1}) * (1 + {1} * (1 - torch.sigmoid({1})))",
+    "pow_grad": "{0} * {exponent} * torch.pow({1}, {exponent} - 1)",
+    "all_reduce": "all_reduce({0}, {axis})",
+    "all_gather": "all_gather({0}, {dim}, {axis})",
+    "reduce_scatter": "reduce_scatter({0}, {dim}, {axis})",
+    "all_to_all": "all_to_all({0}, {src_dim}, {dim}, {axis})",
+    "shard_slice": "shard_slice({0}, {dim}, {axis})",
+    "partial_mask": "partial_mask({0}, {axis})",
+    "relayout": "{0}",
+}
+ATTR_DEFAULTS = {"gelu": {"approximate": "none"}}
+LOCAL_LAYOUT_OPS = ("shard_slice", "partial_mask")
+TORCH_DTYPES = {"float32": "torch.float32", "float64": "torch.float64", "float16": "torch.float16",
+                "bfloat16": "torch.bfloat16", "int64": "torch.int64", "int32": "torch.int32",
+                "bool": "torch.bool"}
+COMMENT_WIDTH = 108
+
+_TOP_NAMES = set(re.findall(r"^(?:def )?([A-Za-z_]\w*)", RUNTIME + MAIN, re.M))
+RESERVED = (set(keyword.kwlist) | set(dir(builtins)) | _TOP_NAMES
+            | {"torch", "dist", "p", "inp", "argparse", "importlib", "json", "math", "os", "sys", "time",
+               "PROFILE", "DIST_BACKEND", "PRELUDE", "profile_device", "MESH", "GROUP_RANKS",
+               "PARAMS", "INPUTS", "OUTPUT_LAYOUTS", "OUTPUT_GLOBAL_SHAPES", "SHARDED_OUTPUT",
+               "RUN_HINT", "load_params", "load_inputs", "forward"})
+
+
+class EmitError(ParcompError):
+    """The program cannot be emitted (an op or dtype the torch backend has no entry for)."""
+
+
+def emit_program(compiled, profile="cpu", model: str | None = None) -> str:
+    """The text of ``program.py`` for ``compiled`` (a :class:`parcomp.compiler.Compiled`).
+
+    Args:
+        compiled: uses ``compiled.program`` (local graph with mesh), ``compiled.report``.
+        profile: a name of :data:`PROFILES` or a :class:`DeviceProfile`.
+        model: what the graph was imported from, for the header (e.g. ``models.py:torch_mlp``).
+
+    Returns:
+        Python source, one statement per line, ending in a newline.
+
+    Raises:
+        EmitError: an op or dtype without a torch mapping.
+        ValueError: unknown profile name.
+    """
+    prof, program = get_profile(profile), compiled.program
+    if program.stage != "local" or program.mesh is None:
+        raise EmitError("emit_program needs the local program of a compiled graph (compiled.program)")
+    spec = compiled.report.get("spec")
+    spec_name = os.path.basename(spec) if spec else None
+    records = {r["name"]: r for r in compiled.report.get("collectives", [])}
+    names = _names(program)
+    parts = [_profile_block(prof), _constants(program), RUNTIME, _loaders(program),
+             _forward(program, names, records, spec, spec_name), MAIN]
+    head = _header(program, compiled.report, spec_name, model) + "\n" + _IMPORTS
+    return "\n\n\n".join(p.strip("\n") for p in [head] + parts) + "\n"
+
+
+def _py(v) -> str:
+    """A Python literal for an attribute value."""
+    if isinstance(v, bool) or isinstance(v, int):
+        return repr(v)
+    if isinstance(v, float):
+        return repr(v) if math.isfinite(v) else f'float("{v}")'
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, tuple):
+        return repr(tuple(int(x) for x in v))
+    raise EmitError(f"attribute value {v!r} has no Python form")
+
+
+def _names(program) -> dict:
+    """value name -> unique Python identifier (torch.fx-style: sanitized, no keywords/builtins)."""
+    out, taken = {}, set()
+    for n in program.nodes:
+        base = re.sub(r"\W", "_", n.name) or "v"
+        if base[0].isdigit():
+            base = "_" + base
+        if base in RESERVED:
+            base += "_"
+        cand, k = base, 1
+        while cand in taken:
+            cand, k = f"{base}_{k}", k + 1
+        taken.add(cand)
+        out[n.name] = cand
+    return out
+
+
+def _global_shape(program, node) -> tuple:
+    shape = list(node.attr("global_shape") or node.type.shape)
+    if node.attr("global_shape") is None:
+        for a, p in enumerate(node.layout):
+            if hasattr(p, "dim"):
+                shape[p.dim] *= program.mesh.sizes[a]
+    return tuple(shape)
+
+
+def _header(program, report, spec_name, model) -> str:
+    mesh, colls = program.mesh, report.get("collectives", [])
+    total = sum(r["bytes"] for r in colls)
+    kinds = ", ".join(f"{r['kind']} over {r['axis']}" for r in colls) or "none"
+    sharded = not _all_replicated(program)
+    out = ("rank 0 writes {output name: full tensor}" if not sharded else
+           "every rank r writes FILE with .rank{r} before the suffix: its slices, layouts, global shapes")
+    steps = textwrap.wrap(f"collectives per forward step: {len(colls)}, {total} bytes/rank in all: {kinds}",
+                          96, subsequent_indent="    ")
+    lines = [
+        "program.py: one rank's forward pass, emitted by parcomp (torch backend). Do not edit.",
+        "",
+        f"model: {(model or 'a parcomp graph').replace(chr(34) * 3, '')}",
+        f"spec:  {spec_name or '(none recorded)'}",
+        f"mesh:  {mesh} ({mesh.size} ranks; row-major, the last axis varies fastest)",
+        *steps,
+        "",
+        "Run one process per rank:",
+        f"    {_run_hint(program)} [--device cpu]",
+        "",
+        "--checkpoint  torch state_dict (.pt) or .safetensors with the full (unsharded) parameters;",
+        "              each rank keeps only its own slice",
+        "--input       .pt or .safetensors dict {input name: full tensor} (or one tensor: one input)",
+        f"--output      {out}",
+        "--device cpu  run on CPU with gloo whatever the profile (see the PROFILE block)",
+        '--bench N     N warm-up + N timed forward steps; rank 0 prints {"step_ms": [...]}',
+    ]
+    return '"""' + "\n".join(lines) + '\n"""'
+
+
+def _run_hint(program) -> str:
+    args = []
+    if program.params:
+        args.append("--checkpoint model.pt")
+    if program.inputs:
+        args.append("--input " + ("x.pt" if len(program.inputs) == 1 else "inputs.pt"))
+    args.append("--output out.pt")
+    return f"torchrun --nproc-per-node {program.mesh.size} program.py " + " ".join(args)
+
+
+_IMPORTS = """\
+import argparse
+import importlib
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist"""
+
+
+def _profile_block(prof) -> str:
+    lines = [f"# ---- PROFILE {prof.name}: the only lines that differ between device profiles ----",
+             f"PROFILE = {json.dumps(prof.name)}",
+             f"DIST_BACKEND = {json.dumps(prof.dist_backend)}",
+             f"PRELUDE = {_py_tuple(prof.prelude)}  # imported first; skipped under --device cpu",
+             "", "",
+             "def profile_device():",
+             f'    """Bind this process to its device under profile {prof.name} and return it."""']
+    if prof.check:
+        lines += [f"    if not ({prof.check}):", f"        fail(f{json.dumps(prof.check_message)})"]
+    if prof.set_device:
+        lines.append(f"    {prof.set_device}")
+    lines += [f"    return torch.device({prof.device})", "# ---- end of PROFILE ----"]
+    return "\n".join(lines)
+
+
+def _py_tuple(xs) -> str:
+    xs = [json.dumps(x) for x in xs]
+    return f"({xs[0]},)" if len(xs) == 1 else "(" + ", ".join(xs) + ")"
+
+
+def _all_replicated(program) -> bool:
+    return all(isinstance(p, Replicate) for o in program.outputs for p in program[o].layout)
+
+
+def _constants(program) -> str:
+    mesh = program.mesh
+    groups = {a: [list(g) for g in mesh.groups(i)] for i, a in enumerate(mesh.names)}
+    outs = program.named_outputs()
+    lines = [
+        f"MESH = {json.dumps(dict(mesh.axes))}  # mesh axes in order; ranks are row-major",
+        f"GROUP_RANKS = {json.dumps(groups)}  # each axis's rank groups, in coordinate order",
+        f"PARAMS = {_py_tuple(n.name for n in program.params)}",
+        f"INPUTS = {_py_tuple(n.name for n in program.inputs)}",
+        f"OUTPUT_LAYOUTS = {json.dumps({pub: layout_str(program[v].layout) for pub, v in outs})}",
+        "OUTPUT_GLOBAL_SHAPES = " + json.dumps(
+            {pub: list(_global_shape(program, program[v])) for pub, v in outs}),
+        f"SHARDED_OUTPUT = {not _all_replicated(program)}  # True: every rank writes its own slices",
+        f"RUN_HINT = {json.dumps(_run_hint(program))}",
+    ]
+    return "\n".join(lines)
+
+
+def _slice_expr(program, node, src: str) -> tuple:
+    """(expression for this rank's block of the full tensor ``src``, comment)."""
+    mesh, gshape = program.mesh, _global_shape(program, node)
+    expr, what = src, []
+    for d, size in enumerate(gshape):
+        axes = shard_axes(node.layout, d)
+        if not axes:
+            continue
+        index, chunk = None, size
+        for a in axes:  # first mesh axis outer (parcomp.ir.types.shard_offsets)
+            chunk //= mesh.sizes[a]
+            index = f"COORD[{a}]" if index is None else f"{_paren(index)} * {mesh.sizes[a]} + COORD[{a}]"
+        expr += f".narrow({d}, {_paren(index)} * {chunk}, {chunk})"
+        unit = {0: "rows", 1: "columns"}.get(d, "entries") if len(gshape) == 2 else "entries"
+        over = " then ".join(mesh.names[a] for a in axes) + (" (outer first)" if len(axes) > 1 else "")
+        what.append(f"dim {d} split over {over}: "
+                    f"this rank's {chunk} of {size} {unit}")
+    for a, p in enumerate(node.layout):
+        if isinstance(p, Partial):
+            what.append(f"partial over {mesh.names[a]}: coordinate 0 keeps it, others zeros")
+    return expr, "; ".join(what) or "replicated: every rank keeps all of it"
+
+
+def _paren(expr: str) -> str:
+    return f"({expr})" if "+" in expr else expr
+
+
+def _loaders(program) -> str:
+    out = []
+    for fn, kind, nodes, arg in (("load_params", "param", program.params, "ckpt"),
+                                 ("load_inputs", "input", program.inputs, "feeds")):
+        doc = {"param": "parameter", "input": "input"}[kind]
+        lines = [f"def {fn}({arg}):",
+                 f'    """This rank\'s slice of every {doc}, on DEVICE (full tensors are not kept)."""',
+                 "    out = {}"]
+        for n in nodes:
+            if n.type.dtype not in TORCH_DTYPES:
+                raise EmitError(f"{kind} {n.name!r} has dtype {n.type.dtype}, which has no torch name")
+            full = _global_shape(program, n)
+            sliced, what = _slice_expr(program, n, f"take({arg}, {json.dumps(n.name)}, {full!r})")
+            expr = f"place({sliced}, {TORCH_DTYPES[n.type.dtype]})"
+            for a, p in enumerate(n.layout):
+                if isinstance(p, Partial):
+                    expr = f"partial_mask({expr}, {json.dumps(program.mesh.names[a])})"
+            head = f"{n.name}: full {_ty(n.type.dtype, full)} {layout_str(n.layout)} -> {n.type}; "
+            lines += _comment(head + what, "    ")
+            lines.append(f"    out[{json.dumps(n.name)}] = {expr}")
+        lines.append("    return out")
+        out.append("\n".join(lines))
+    return "\n\n\n".join(out)
+
+
+def _ty(dtype, shape) -> str:
+    return f"{DTYPE_SHORT.get(dtype, dtype)}[{','.join(str(s) for s in shape)}]"
+
+
+def _comment(text: str, indent: str) -> list:
+    return textwrap.wrap(text, COMMENT_WIDTH, initial_indent=indent + "# ",
+                         subsequent_indent=indent + "#   ", break_long_words=False,
+                         break_on_hyphens=False)
+
+
+def _forward(program, names, records, spec, spec_name) -> str:
+    lines = ["def forward(p, inp):",
+             '    """One forward step on this rank: local slices in, {output name: local value} out."""']
+    for n in program.nodes:
+        tail = f"  # {layout_str(n.layout)} {n.type}"
+        var = names[n.name]
+        if n.op in ("input", "param"):
+            src = "p" if n.op == "param" else "inp"
+            lines.append(f"    {var} = {src}[{json.dumps(n.name)}]{tail}")
+            continue
+        if n.op in LAYOUT_OPS:
+            lines += _layout_comment(program, n, records.get(n.name), spec, spec_name)
+        code = _code(n, [names[i] for i in n.inputs])
+        lines.append(f"    {var} = {code}{tail}")
+    ret = ", ".join(f"{json.dumps(pub)}: {names[v]}" for pub, v in program.named_outputs())
+    lines.append(f"    return {{{ret}}}")
+    return "\n".join(lines)
+
+
+def _code(n, args) -> str:
+    """The right-hand side computing node ``n`` from operand variables ``args``."""
+    if n.op not in OP_FORMATS:
+        raise EmitError(f"op {n.op!r} (%{n.name}) has no torch mapping; the torch backend "
+                        f"knows: {', '.join(sorted(OP_FORMATS))}")
+    if n.op == "sum" and not n.attr("dims"):
+        return args[0]
+    if n.type.dtype not in TORCH_DTYPES:
+        raise EmitError(f"%{n.name} has dtype {n.type.dtype}, which has no torch name")
+    attrs = dict(ATTR_DEFAULTS.get(n.op, {}))
+    attrs.update(n.attrs)
+    kw = {k: _py(v) for k, v in attrs.items()}
+    kw["local_shape"] = repr(tuple(n.type.shape))
+    kw["dtype"] = TORCH_DTYPES[n.type.dtype]
+    if n.op == "expand":
+        kw["kept_shape"] = repr(tuple(1 if d in n.attr("dims") else s for d, s in enumerate(n.type.shape)))
+    return OP_FORMATS[n.op].format(*args, **kw)
+
+
+def _layout_comment(program, n, record, spec, spec_name) -> list:
+    src = program[n.inputs[0]]
+    reason = n.attr("reason", "")
+    if spec and spec_name and spec != spec_name:
+        reason = reason.replace(spec, spec_name)  # no machine-specific paths in the program
+    change = f"{layout_str(src.layout)} -> {layout_str(n.layout)}"
+    if n.op in LOCAL_LAYOUT_OPS:
+        head = f"{n.op} over {n.attr('axis')} {change} (local, no communication):"
+    else:
+        nbytes = record["bytes"] if record else "?"
+        head = f"{n.op} over {n.attr('axis')} {change}, bytes/rank {nbytes}:"
+    return _comment(f"{head} {reason}", "    ")

@@ -1,0 +1,252 @@
+"""autodiff: loss, backward and optimizer update appended to the *global* graph.
+
+The training step is differentiated before sharding, so the backward
+collectives come out of the same shard-prop / insert-collectives passes as
+the forward ones (see docs/design.md): the transposes (all_gather <->
+reduce_scatter, all_reduce <-> identity, Megatron's f/g pair) are consequences
+of the rule tables, and the tests check them.
+
+Naming: gradient values are ``bw.<value>...``, optimizer values
+``opt.<param>...``, loss values ``loss...``; the report derives each
+collective's phase from these prefixes.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..errors import SpecError, closest
+from ..ir.graph import Graph, Node, make_attrs
+from ..ir.ops import OPS
+from ..ir.types import Partial, Replicate, Shard, TensorType, replicated, shard_axes
+from ..rules.vjp import VJP_RULES
+from ..spec.model import pattern_regex
+from .train_config import train_config
+
+
+class Builder:
+    """Appends nodes to a graph under construction, with unique names and inferred types."""
+
+    def __init__(self, graph: Graph):
+        self.nodes = list(graph.nodes)
+        self.types = {n.name: n.type for n in graph.nodes}
+        self.prefix = "bw"
+
+    def type(self, name) -> TensorType:
+        return self.types[name]
+
+    def fresh(self, base: str) -> str:
+        name, k = base, 1
+        while name in self.types:
+            k += 1
+            name = f"{base}.{k}"
+        return name
+
+    def op(self, op, inputs, type=None, name=None, layout=None, **attrs) -> str:
+        name = self.fresh(name or f"{self.prefix}.{op}")
+        probe = Node(name, op, tuple(inputs), type, make_attrs(**attrs))
+        ty = type or OPS[op].infer([self.types[i] for i in inputs], probe)
+        self.nodes.append(replace(probe, type=ty, layout=layout))
+        self.types[name] = ty
+        return name
+
+
+def backward(b: Builder, graph: Graph, seeds: dict, wrt) -> dict:
+    """Gradients of ``wrt`` values given output gradients ``seeds`` {value: grad name}."""
+    needs = _needs_grad(graph, set(wrt))
+    grads = {k: [v] for k, v in seeds.items()}
+    for n in reversed(graph.nodes):
+        if n.name not in grads or n.op in ("input", "param") or not any(i in needs for i in n.inputs):
+            continue
+        if n.op not in VJP_RULES:
+            raise SpecError(f"cannot differentiate {n.op} %{n.name}: no gradient rule")
+        b.prefix = f"bw.{n.name}"
+        contribs = VJP_RULES[n.op](b, n, _total(b, grads[n.name]))
+        for i, gi in zip(n.inputs, contribs):
+            if gi is not None and i in needs:
+                grads.setdefault(i, []).append(gi)
+    out = {}
+    for w in wrt:
+        b.prefix = f"bw.{w}"
+        out[w] = _total(b, grads[w]) if w in grads else b.op("scale", [b.op("ones", [], type=b.type(w))], value=0.0)
+    return out
+
+
+def _needs_grad(graph, wrt) -> set:
+    needs = set(wrt)
+    for n in graph.nodes:
+        if any(i in needs for i in n.inputs):
+            needs.add(n.name)
+    return needs
+
+
+def _total(b, contribs):
+    total = contribs[0]
+    for c in contribs[1:]:
+        total = b.op("add", [total, c])
+    return total
+
+
+def add_training_step(graph: Graph, spec) -> Graph:
+    """Append loss, backward and the optimizer update to a layout-bound forward graph.
+
+    Outputs of the result: ``loss`` (replicated), every trainable parameter's
+    updated value (public name = the parameter's), its ``.grad``, optimizer
+    state (``.momentum_buffer`` / ``.exp_avg`` / ``.exp_avg_sq``), and ``x.grad``
+    for every float input ``x``.
+
+    Raises:
+        SpecError: non-scalar ``loss=output``, an unknown optimizer, a batch that
+            does not match the model or divide over ``dp``, a ``trainable``
+            pattern naming no parameter the graph uses.
+    """
+    cfg = train_config(spec)
+    params = _trainable(graph, cfg)
+    _check_batch(graph, spec, cfg)
+    b = Builder(graph)
+    outs = []
+    loss = _loss(b, graph, cfg)
+    b.prefix = "bw"
+    seed = b.op("ones", [], type=b.type(loss), name="bw.loss")
+    finputs = [n.name for n in graph.inputs if n.type.dtype.startswith("float")]
+    grads = backward(b, Graph(tuple(b.nodes), (loss,)), {loss: seed}, params + finputs)
+    outs.append(("loss", _pin(b, loss, replicated(len(spec.mesh.axes)), "the loss")))
+    for p in params:
+        outs += _optimizer(b, graph[p], grads[p], cfg, spec)
+    for x in finputs:
+        outs.append((f"{x}.grad", _pin(b, grads[x], graph[x].layout, f"gradient of input {x}")))
+    return dead_code_elimination(Graph(tuple(b.nodes), tuple(v for _, v in outs), graph.mesh,
+                                       graph.stage, tuple(k for k, _ in outs)))
+
+
+def dead_code_elimination(graph: Graph) -> Graph:
+    """Drop compute nodes no output depends on (sources are kept: they are the interface)."""
+    live = set(graph.outputs)
+    for n in reversed(graph.nodes):
+        if n.name in live:
+            live.update(n.inputs)
+    return graph.with_nodes([n for n in graph.nodes if n.name in live or n.op in ("input", "param")])
+
+
+def _pin(b, value, layout, what):
+    return b.op("relayout", [value], name=f"{value}.as_output", layout=layout,
+                origin=f"output {what} (layout of the training step's outputs)")
+
+
+def _trainable(graph, cfg):
+    rx = pattern_regex(cfg.trainable)
+    names = [n.name for n in graph.params if rx.fullmatch(n.name)]
+    if not names:
+        hint = closest(cfg.trainable, [n.name for n in graph.params])
+        raise SpecError(f"trainable={cfg.trainable!r} names no parameter the graph uses"
+                        + (f"; did you mean {hint!r}?" if hint else ""), cfg.loc)
+    return names
+
+
+def _check_batch(graph, spec, cfg):
+    for n in graph.inputs:
+        if cfg.batch is not None and n.type.shape and n.type.shape[0] != cfg.batch:
+            raise SpecError(f"batch={cfg.batch} but input {n.name} {n.type} has batch {n.type.shape[0]}",
+                            cfg.loc)
+    if "dp" in spec.mesh.names and cfg.batch is not None:
+        dp = spec.mesh.sizes[spec.mesh.axis_index("dp")]
+        if cfg.batch % dp:
+            raise SpecError(f"batch={cfg.batch} is not divisible by the dp axis of size {dp}", cfg.loc)
+
+
+def _model_output(graph):
+    """The model's first output, and the layout the loss's target gets.
+
+    An output the spec names keeps its pinned layout; an unnamed one is not
+    gathered for the loss (its ``relayout`` is skipped) and the target is split
+    like the batch: ``S(0)`` on every axis that splits dim 0 of a model input.
+    """
+    public, value = graph.named_outputs()[0]
+    node = graph[value]
+    if node.op == "relayout" and "by default" in node.attr("origin", ""):
+        value = node.inputs[0]
+        naxes = len(graph.mesh.axes)
+        batch = {a for n in graph.inputs for a in shard_axes(n.layout, 0)}
+        return value, tuple(Shard(0) if a in batch else Replicate() for a in range(naxes))
+    return value, node.layout
+
+
+def _loss(b, graph, cfg):
+    b.prefix = "loss"
+    y, lay = _model_output(graph)
+    ty = b.type(y)
+    if cfg.loss == "output":
+        if ty.rank:
+            raise SpecError(f"loss=output needs the model to return a scalar loss; it returns {ty}", cfg.loc)
+        return y
+    if cfg.loss == "mse":
+        target = _input(b, "target", ty, lay)
+        d = b.op("sub", [y, target])
+        per, count = b.op("pow", [d], exponent=2.0), ty.numel
+    else:
+        labels = _input(b, "labels", TensorType(ty.shape[:-1], "int64"),
+                        tuple(Replicate() if p == Shard(ty.rank - 1) else p for p in lay))
+        per, count = b.op("cross_entropy", [y, labels]), ty.numel // ty.shape[-1]
+    total = b.op("sum", [per], dims=tuple(range(b.type(per).rank)))
+    return b.op("scale", [total], value=1.0 / count, name="loss")  # global count, never mean of means
+
+
+def _input(b, name, ty, layout):
+    b.nodes.insert(0, Node(name, "input", (), ty, (), tuple(Replicate() if isinstance(p, Partial) else p
+                                                             for p in layout)))
+    b.types[name] = ty
+    return name
+
+
+def _state_layout(param, cfg, spec):
+    """The optimizer state's layout: the param's, or with ZeRO also split over dp.
+
+    ZeRO splits the first dim no other mesh axis splits (so a tp shard is not
+    re-cut in the nested order), if it divides evenly; else the state stays
+    laid out like the param.
+    """
+    lay = param.layout
+    if not cfg.zero:
+        return lay
+    a = spec.mesh.axis_index("dp")
+    if not isinstance(lay[a], Replicate):
+        return lay
+    for d, size in enumerate(param.type.shape):
+        if not shard_axes(lay, d) and size % spec.mesh.sizes[a] == 0:
+            return lay[:a] + (Shard(d),) + lay[a + 1:]
+    return lay
+
+
+def _state(b, param, suffix, layout):
+    name = f"{param.name}.{suffix}"
+    b.nodes.insert(0, Node(name, "param", (), param.type, (), layout))
+    b.types[name] = param.type
+    return name
+
+
+def _optimizer(b, param, g, cfg, spec):
+    """The update of one parameter; returns its (public name, value) outputs."""
+    b.prefix = f"opt.{param.name}"
+    p, st_lay = param.name, _state_layout(param, cfg, spec)
+    out = [(f"{p}.grad", _pin(b, g, st_lay, f"gradient of {p}"))]
+    if cfg.optimizer == "sgd":
+        if cfg.h("weight_decay"):
+            g = b.op("add", [g, b.op("scale", [p], value=cfg.h("weight_decay"))])
+        step = g
+        if cfg.h("momentum"):
+            buf = _state(b, param, "momentum_buffer", st_lay)
+            step = b.op("add", [b.op("scale", [buf], value=cfg.h("momentum")), g])
+            out.append((buf, _pin(b, step, st_lay, f"momentum of {p}")))
+        new = b.op("sub", [p, b.op("scale", [step], value=cfg.h("lr"))])
+    else:
+        b1, b2 = cfg.h("beta1"), cfg.h("beta2")
+        m, v = _state(b, param, "exp_avg", st_lay), _state(b, param, "exp_avg_sq", st_lay)
+        m_new = b.op("add", [b.op("scale", [m], value=b1), b.op("scale", [g], value=1 - b1)])
+        v_new = b.op("add", [b.op("scale", [v], value=b2),
+                             b.op("scale", [b.op("mul", [g, g])], value=1 - b2)])
+        t = "step" if "step" in b.types else _input(b, "step", TensorType((), "float32"),
+                                                     replicated(len(spec.mesh.axes)))
+        new = b.op("adamw_param", [p, m_new, v_new, t], lr=cfg.h("lr"), beta1=b1, beta2=b2,
+                   eps=cfg.h("eps"), weight_decay=cfg.h("weight_decay"))
+        out += [(m, _pin(b, m_new, st_lay, f"exp_avg of {p}")), (v, _pin(b, v_new, st_lay, f"exp_avg_sq of {p}"))]
+    out.append((p, _pin(b, new, param.layout, f"updated {p}")))
+    return out

@@ -1,0 +1,170 @@
+"""Training step: sharded loss, gradients and updates equal the unsharded step."""
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from parcomp.compiler import compile_graph
+from parcomp.errors import SpecError
+from parcomp.ir import parse_graph
+from parcomp.reference.interpreter import run_spmd
+from parcomp.reference.numpy_ops import run_unsharded
+
+from graphs import mlp_graph, random_feeds, spec
+
+# the worked MLP with the output gradient dY fed in: loss = sum(output * dy), so dL/doutput = dy
+TINY_VJP = """\
+%x: f32[1,2] = input()
+%dy: f32[1,2] = input()
+%fc1.weight: f32[4,2] = param()
+%fc1.wt: f32[2,4] = permute(%fc1.weight) {perm=(1, 0)}
+%h: f32[1,4] = matmul(%x, %fc1.wt)
+%r: f32[1,4] = relu(%h)
+%fc2.weight: f32[2,4] = param()
+%fc2.wt: f32[4,2] = permute(%fc2.weight) {perm=(1, 0)}
+%output: f32[1,2] = matmul(%r, %fc2.wt)
+%ydy: f32[1,2] = mul(%output, %dy)
+%l: f32[] = sum(%ydy) {dims=(0, 1)}
+return %l
+"""
+W1 = np.array([[1, 2, 0, 1], [0, 1, 3, 2]], "f4")
+W2 = np.array([[1, 0], [0, 1], [1, 1], [2, 0]], "f4")
+
+
+def collectives(run):
+    return [(c["kind"], c["axis"], c["dim"]) for c in run.log]
+
+
+def test_worked_backward_example_exact():
+    c = compile_graph(parse_graph(TINY_VJP), spec(
+        "mesh tp=2\nfc1.weight colwise\nfc2.weight rowwise\ninput x replicated\n"
+        "output l replicated\ntrain loss=output optimizer=sgd(lr=0.0)"))
+    feeds = {"x": np.array([[1, 2]], "f4"), "dy": np.array([[2, -1]], "f4"),
+             "fc1.weight": W1.T, "fc2.weight": W2.T}
+    run = run_spmd(c.program, feeds)
+    p = c.program
+    dh = [n.name for n in p.nodes if n.op == "relu_grad"][0]
+    assert [e[dh].tolist() for e in run.env] == [[[2, -1]], [[1, 4]]]  # dH by channel
+    dx_partial = [n.inputs[0] for n in p.nodes if n.op == "all_reduce" and n.name.startswith("bw.")][0]
+    assert [e[dx_partial].tolist() for e in run.env] == [[[0, -1]], [[4, 11]]]
+    out = run.outputs(p)
+    assert out["x.grad"].tolist() == [[4, 10]]
+    full = run_unsharded(c.logical, feeds)
+    for k in ("fc1.weight.grad", "fc2.weight.grad"):
+        np.testing.assert_array_equal(out[k], full[k])
+    # each rank's weight-gradient slice is the matching slice of the full gradient
+    g1 = [n.name for n in p.nodes if n.name == c.program.outputs[c.program.output_names.index("fc1.weight.grad")]][0]
+    np.testing.assert_array_equal(np.concatenate([e[g1] for e in run.env], axis=0), full["fc1.weight.grad"])
+
+
+def _train(mesh="tp=2", inp="replicated", opt="sgd(lr=0.1)", extra=""):
+    return spec(f"mesh {mesh}\nl0.weight colwise over tp\nl1.weight rowwise over tp\n"
+                f"input x {inp}\ntrain loss=mse optimizer={opt} {extra}\n")
+
+
+def _feeds(c, seed=0):
+    feeds = random_feeds(c.logical, seed)
+    if "step" in feeds:
+        feeds["step"] = np.array(3.0, "f4")
+    for n in c.logical.params:
+        if n.name.endswith(("exp_avg_sq",)):
+            feeds[n.name] = np.abs(feeds[n.name])
+    return feeds
+
+
+def test_megatron_mlp_fwd_bwd_one_all_reduce_each_way():
+    g = mlp_graph((2, 8), [16, 64, 16], [True, True], ["gelu"])
+    c = compile_graph(g, _train())
+    run = run_spmd(c.program, _feeds(c))
+    assert collectives(run) == [("all_reduce", "tp", None), ("all_reduce", "tp", None)]
+    phases = [r["phase"] for r in c.report["collectives"]]
+    assert phases == ["forward", "backward"]
+
+
+def test_dp_tp_one_gradient_reduction_per_param_over_dp():
+    g = mlp_graph((4, 8), [16, 32, 16], [True, True], ["gelu"])
+    c = compile_graph(g, _train("dp=2 tp=2", "[S(0), R]"))
+    recs = c.report["collectives"]
+    tp = [(r["kind"], r["phase"]) for r in recs if r["axis"] == "tp"]
+    dp = [(r["kind"], r["phase"], r["producer"]) for r in recs if r["axis"] == "dp"]
+    assert tp == [("all_reduce", "forward"), ("all_reduce", "backward")]
+    # the scalar loss is summed over dp once; each of the 4 parameters' gradients once
+    assert sorted(k for k, ph, _ in dp) == ["all_reduce"] * 5
+    assert sum(1 for _, ph, _ in dp if ph == "backward") == 4
+    run = run_spmd(c.program, _feeds(c))
+    want = run_unsharded(c.logical, _feeds(c))
+    got = run.outputs(c.program)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-5, err_msg=k)
+
+
+def test_zero_sharded_optimizer_state_reduce_scatter_then_all_gather():
+    g = mlp_graph((4, 8), [16, 32, 16], [False, False], ["relu"])
+    c = compile_graph(g, _train("dp=2 tp=2", "[S(0), R]", "adamw(lr=0.01)", "zero=1"))
+    dp = sorted(r["kind"] for r in c.report["collectives"] if r["axis"] == "dp" and r["phase"] != "forward")
+    assert dp == ["all_gather", "all_gather", "reduce_scatter", "reduce_scatter"]
+    feeds = _feeds(c)
+    got, want = run_spmd(c.program, feeds).outputs(c.program), run_unsharded(c.logical, feeds)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-5, err_msg=k)
+
+
+def test_row_parallel_bias_gradient_counted_once():
+    g = mlp_graph((4,), [4, 8, 4], [True, True], ["relu"])
+    c = compile_graph(g, _train())
+    feeds = {k: np.round(v * 3) for k, v in _feeds(c).items()}
+    got, want = run_spmd(c.program, feeds).outputs(c.program), run_unsharded(c.logical, feeds)
+    np.testing.assert_array_equal(got["l1.bias.grad"], want["l1.bias.grad"])
+    np.testing.assert_array_equal(got["l1.bias"], want["l1.bias"])
+
+
+@st.composite
+def train_case(draw):
+    nlin = draw(st.integers(1, 3))
+    dims = [draw(st.sampled_from([4, 8])) for _ in range(nlin + 1)]
+    bias = [draw(st.booleans()) for _ in range(nlin)]
+    acts = [draw(st.sampled_from(["relu", "gelu", "tanh"])) for _ in range(nlin)]
+    mesh = draw(st.sampled_from(["tp=2", "dp=2", "dp=2 tp=2"]))
+    axes = [a.split("=")[0] for a in mesh.split()]
+    rules = [f"l{i}.weight {draw(st.sampled_from(['colwise', 'rowwise', 'replicated']))} over "
+             f"{draw(st.sampled_from(axes))}" for i in range(nlin)]
+    inp = "[S(0), R]" if mesh == "dp=2 tp=2" else ("split-seq over dp" if mesh == "dp=2" else "replicated")
+    opt = draw(st.sampled_from(["sgd(lr=0.1, momentum=0.9)", "sgd(lr=0.05, weight_decay=0.1)",
+                                "adamw(lr=0.01)"]))
+    zero = draw(st.sampled_from(["", "zero=1"])) if "dp" in axes else ""
+    loss = draw(st.sampled_from(["mse", "cross_entropy"]))
+    text = (f"mesh {mesh}\n" + "\n".join(rules) + f"\ninput x {inp}\n"
+            f"train loss={loss} optimizer={opt} {zero}\n")
+    return mlp_graph((4, 2), dims, bias, acts), text
+
+
+@given(train_case(), st.integers(0, 2**16))
+def test_random_training_step_equals_unsharded(case, seed):
+    g, text = case
+    c = compile_graph(g, spec(text))
+    feeds = _feeds(c, seed)
+    if "labels" in feeds:
+        feeds["labels"] = np.random.default_rng(seed).integers(0, c.logical["labels"].type.shape and 4,
+                                                               c.logical["labels"].type.shape)
+    got, want = run_spmd(c.program, feeds).outputs(c.program), run_unsharded(c.logical, feeds)
+    for k in want:
+        scale = max(1.0, float(np.abs(want[k]).max()))
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-4 * scale, err_msg=k)
+
+
+@pytest.mark.parametrize("line,msg", [
+    ("train loss=mse optimizer=lamb", "optimizer 'lamb' is not supported"),
+    ("train loss=output", "needs the model to return a scalar loss"),
+    ("train loss=mse batch=3", "batch=3 but input x"),
+    ("train loss=mse trainable=\"l9.weight\"", "names no parameter the graph uses"),
+])
+def test_training_spec_errors_are_located(line, msg):
+    g = mlp_graph((4,), [4, 8, 4], [False, False], ["relu"])
+    with pytest.raises(SpecError) as e:
+        compile_graph(g, spec(f"mesh tp=2\n{line}\n"))
+    assert msg in str(e.value) and "test.pcs:2:1" in str(e.value)
+
+
+def test_batch_not_divisible_by_dp():
+    g = mlp_graph((6,), [4, 8, 4], [False, False], ["relu"])
+    with pytest.raises(SpecError, match="batch=6 is not divisible by the dp axis of size 4"):
+        compile_graph(g, spec("mesh dp=4\ntrain loss=mse batch=6\n"))
