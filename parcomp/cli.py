@@ -39,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--nproc", type=int, required=True)
     r.add_argument("--profile", default="cpu")
     r.add_argument("--keep", default=None, help="keep the compiled program in this directory")
+    r.add_argument("--steps", type=int, default=None, help="training steps (default: the spec's)")
     return ap
 
 

@@ -15,7 +15,9 @@ from .frontends.loader import load_model
 from .ir.text import print_graph
 from .reference.interpreter import run_spmd
 from .reference.numpy_ops import run_unsharded
-from .report import format_collectives
+from .passes.train_config import train_config
+from .reference.training import data_for, initial_state, numpy_train, torch_train
+from .report import format_collectives, format_memory
 from .spec import load_spec
 
 
@@ -112,6 +114,8 @@ def compare(got: dict, want: dict) -> dict:
 
 def check(args):
     compiled, module, example = _compile(args)
+    if compiled.report.get("training"):
+        return _check_training(args, compiled, module, example)
     graph = compiled.unsharded
     feeds = feeds_for(graph, module, example, args.seed)
     run = run_spmd(compiled.program, feeds)
@@ -130,10 +134,73 @@ def _print_result(args, compiled, result, how):
           f"(output scale {result['output_scale']:.3e}) {verdict}")
 
 
+def _train_feeds(compiled, module, example, seed):
+    feeds = feeds_for(compiled.unsharded, module, example, seed)
+    feeds.update(data_for(compiled.logical, seed))
+    return feeds
+
+
+def training_errors(got: dict, want: dict, params) -> dict:
+    """Max abs errors of loss, gradients (``*.grad`` of params) and updated params."""
+    def err(keys):
+        keys = [k for k in keys if k in want and k in got]
+        return max((float(np.max(np.abs(np.asarray(got[k], np.float64) - want[k]))) for k in keys),
+                   default=0.0)
+    scale = max(1.0, max(float(np.max(np.abs(want[k]))) for k in want))
+    out = {"max_loss_err": err(["loss"]), "max_grad_err": err([f"{p}.grad" for p in params]),
+           "max_param_err": err(params), "max_abs_err": err(list(want))}
+    out["ok"] = out["max_abs_err"] <= 1e-4 * scale
+    return out
+
+
+def _torch_reference(compiled, module, example, feeds, steps):
+    cfg = train_config(compiled.spec)
+    names = [n.name for n in compiled.unsharded.inputs]
+    ref = torch_train(module, example, names, feeds, cfg, steps)
+    want = {"loss": np.array(ref["losses"][-1], "float32"), **ref["params"], **ref["input_grads"],
+            **{f"{k}.grad": v for k, v in ref["grads"].items()}}
+    return ref["losses"], want
+
+
+def _check_training(args, compiled, module, example):
+    feeds = _train_feeds(compiled, module, example, args.seed)
+    state = initial_state(compiled.logical, feeds)
+    if "step" in compiled.logical:
+        state["step"] = np.array(1.0, "float32")
+    got = run_spmd(compiled.program, state).outputs(compiled.program)
+    params = [n.name for n in compiled.unsharded.params]
+    result = training_errors(got, run_unsharded(compiled.logical, state), params)
+    result["losses"] = [float(got["loss"])]
+    if module is not None:
+        _, want = _torch_reference(compiled, module, example, feeds, 1)
+        vs_torch = training_errors(got, want, params)
+        result["vs_torch"] = vs_torch
+        result["ok"] = result["ok"] and vs_torch["ok"]
+    if not args.json:
+        print(format_collectives(compiled.report["collectives"]))
+        print(format_memory(compiled.report))
+        _print_training(result, "numpy interpreter, one step")
+    return {**result, "collectives": _summary(compiled.report["collectives"]),
+            "world_size": compiled.program.mesh.size}
+
+
+def _print_training(result, how):
+    print(f"{how}: losses {', '.join(f'{x:.6f}' for x in result['losses'])}")
+    print(f"  vs unsharded step: loss {result['max_loss_err']:.2e}  grads {result['max_grad_err']:.2e}"
+          f"  params {result['max_param_err']:.2e}")
+    if "vs_torch" in result:
+        t = result["vs_torch"]
+        print(f"  vs torch.optim:    loss {t['max_loss_err']:.2e}  grads {t['max_grad_err']:.2e}"
+              f"  params {t['max_param_err']:.2e}")
+    print("  OK" if result["ok"] else "  MISMATCH")
+
+
 def run(args):
     from parcomp_backends.torch.launch import assemble_outputs, run_torchrun, write_inputs
 
     compiled, module, example = _compile(args)
+    if compiled.report.get("training"):
+        return _run_training(args, compiled, module, example)
     size = compiled.program.mesh.size
     if args.nproc != size:
         raise ParcompError(f"--nproc {args.nproc} but the spec's mesh {compiled.program.mesh} has "
@@ -162,3 +229,61 @@ def run(args):
     result = compare(got, reference_outputs(graph, module, example, feeds))
     _print_result(args, compiled, result, f"torchrun, {size} gloo ranks")
     return {**result, "collectives": _summary(compiled.report["collectives"]), "world_size": size}
+
+
+def _launch(compiled, work, feeds, nproc, extra):
+    from parcomp_backends.torch.launch import run_torchrun, write_inputs
+    import torch
+
+    graph = compiled.unsharded
+    torch.save({n.name: torch.from_numpy(np.ascontiguousarray(feeds[n.name])) for n in graph.params},
+               os.path.join(work, "model.pt"))
+    data = {n.name: feeds[n.name] for n in compiled.program.inputs if n.name in feeds}
+    write_inputs(data, os.path.join(work, "inputs.pt"))
+    out_path = os.path.join(work, "outputs.pt")
+    proc = run_torchrun(work, nproc, os.path.join(work, "model.pt"), os.path.join(work, "inputs.pt"),
+                        out_path, extra_args=("--device", "cpu", *extra))
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
+        raise ParcompError(f"the program failed on {nproc} ranks (exit {proc.returncode}); "
+                           f"its output is above")
+    return out_path
+
+
+def _run_training(args, compiled, module, example):
+    from parcomp_backends.torch.launch import assemble_outputs, read_losses
+
+    size = compiled.program.mesh.size
+    if args.nproc != size:
+        raise ParcompError(f"--nproc {args.nproc} but the spec's mesh {compiled.program.mesh} has "
+                           f"{size} ranks")
+    steps = args.steps or train_config(compiled.spec).steps
+    feeds = _train_feeds(compiled, module, example, 0)
+    work = args.keep or tempfile.mkdtemp(prefix="parcomp-run-")
+    try:
+        write_dir_atomic(work, program_files(compiled, "torch", args.profile))
+        out_path = _launch(compiled, work, feeds, size, ("--steps", str(steps)))
+        got, losses = assemble_outputs(out_path, compiled.program), read_losses(out_path)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    params = [n.name for n in compiled.unsharded.params]
+    if module is not None:
+        ref_losses, want = _torch_reference(compiled, module, example, feeds, steps)
+    else:
+        ref = numpy_train(compiled.logical, feeds, steps)
+        ref_losses, want = ref["losses"], ref["outputs"]
+    want = {k: v for k, v in want.items() if k in params or k == "loss"}
+    result = training_errors(got, want, params)
+    result["losses"], result["reference_losses"] = losses, ref_losses
+    result["max_loss_err"] = max(abs(a - b) for a, b in zip(losses, ref_losses))
+    result["ok"] = result["ok"] and len(losses) == steps and result["max_loss_err"] <= 1e-4 * max(
+        1.0, max(abs(x) for x in ref_losses))
+    if not args.json:
+        print(format_collectives(compiled.report["collectives"]))
+        _print_training({**result, "max_grad_err": result["max_grad_err"]},
+                        f"torchrun, {size} gloo ranks, {steps} steps (vs "
+                        f"{'torch.optim' if module is not None else 'unsharded numpy'})")
+        print(f"  reference losses: {', '.join(f'{x:.6f}' for x in ref_losses)}")
+    return {**result, "collectives": _summary(compiled.report["collectives"]), "world_size": size,
+            "steps": steps}

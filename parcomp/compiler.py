@@ -28,6 +28,7 @@ class Compiled:
     sharded: Graph
     program: Graph
     report: dict
+    spec: object = None
 
 
 def compile_graph(graph: Graph, spec, after: Callable | None = None) -> Compiled:
@@ -39,4 +40,4 @@ def compile_graph(graph: Graph, spec, after: Callable | None = None) -> Compiled
     stages = run_pipeline(graph, forward_pipeline(spec), after)
     sharded, program = stages["insert-collectives"], stages["localize"]
     logical = stages["autodiff"] if "autodiff" in stages else stages["bind-layouts"]
-    return Compiled(graph, logical, sharded, program, build_report(sharded, program, spec))
+    return Compiled(graph, logical, sharded, program, build_report(sharded, program, spec, [n.name for n in graph.params]), spec)

@@ -42,8 +42,47 @@ def collective_records(sharded, program) -> list:
     return recs
 
 
-def build_report(sharded, program, spec) -> dict:
-    """The whole report: mesh, collectives, per-axis totals."""
+def memory(program, model_params) -> dict:
+    """Per-rank bytes: weights, gradients, optimizer state, saved activations.
+
+    Saved activations are forward values (not params) that a backward op reads:
+    what autograd would keep alive between forward and backward.
+    """
+    users = program.users()
+    grads = {v for p, v in program.named_outputs() if p.endswith(".grad") and p[:-5] in model_params}
+
+    def nbytes(names):
+        return int(sum(program[n].type.nbytes for n in set(names)))
+
+    saved = [n.name for n in program.nodes
+             if n.op not in ("input", "param") and phase_of(n.name) == "forward"
+             and any(phase_of(u) == "backward" for u in users[n.name])]
+    saved += [n.name for n in program.inputs if any(phase_of(u) == "backward" for u in users[n.name])]
+    return {"weights": nbytes(p for p in model_params if p in program),
+            "gradients": nbytes(grads),
+            "optimizer_state": nbytes(n.name for n in program.params if n.name not in model_params),
+            "saved_activations": nbytes(saved)}
+
+
+def training_summary(spec, program) -> dict | None:
+    """Loss, optimizer and batch arithmetic: global batch = microbatch x dp."""
+    if getattr(spec, "train", None) is None:
+        return None
+    from .passes.train_config import train_config
+
+    cfg = train_config(spec)
+    dp = spec.mesh.sizes[spec.mesh.axis_index("dp")] if "dp" in spec.mesh.names else 1
+    batch = cfg.batch or next((n.attr("global_shape")[0] for n in program.inputs
+                               if n.attr("global_shape")), None)
+    return {"loss": cfg.loss, "optimizer": cfg.optimizer, "hyperparameters": dict(cfg.hyper),
+            "zero": cfg.zero, "steps": cfg.steps, "dp": dp, "global_batch": batch,
+            "microbatch_per_dp_rank": None if batch is None else batch // dp,
+            "batch_note": f"global batch {batch} = microbatch {None if batch is None else batch // dp}"
+                          f" x dp {dp}"}
+
+
+def build_report(sharded, program, spec, model_params=()) -> dict:
+    """The whole report: mesh, collectives, per-axis totals, memory, training."""
     recs = collective_records(sharded, program)
     totals = {}
     for r in recs:
@@ -56,6 +95,8 @@ def build_report(sharded, program, spec) -> dict:
         "spec": getattr(spec, "file", None),
         "collectives": recs,
         "totals_per_axis": totals,
+        "memory_bytes_per_rank": memory(program, set(model_params)),
+        "training": training_summary(spec, program),
     }
 
 
@@ -72,3 +113,12 @@ def format_collectives(recs) -> str:
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
     lines += [f"  [{i}] why: {r['reason']}" for i, r in enumerate(recs)]
     return "\n".join(lines)
+
+
+def format_memory(report) -> str:
+    """One line of per-rank memory, in KiB, plus the batch arithmetic when training."""
+    m = report["memory_bytes_per_rank"]
+    line = "memory per rank: " + ", ".join(f"{k.replace('_', ' ')} {v / 1024:.1f} KiB" for k, v in m.items())
+    if report.get("training"):
+        line += "\n" + report["training"]["batch_note"]
+    return line

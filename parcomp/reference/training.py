@@ -1,0 +1,99 @@
+"""Ground truth for training: the unsharded step run K times (numpy), and torch.optim.
+
+``numpy_train`` runs the compiler's own unsharded training graph; ``torch_train``
+trains the original torch module with ``torch.optim`` and autograd, an
+independent reference that shares no code with parcomp.
+"""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+
+from .numpy_ops import run_unsharded
+
+
+def initial_state(graph, feeds: dict) -> dict:
+    """Feeds plus zero optimizer state (torch.optim starts from zero buffers)."""
+    out = dict(feeds)
+    for n in graph.params:
+        if n.name not in out:
+            out[n.name] = np.zeros(n.type.shape, n.type.dtype)
+    return out
+
+
+def data_for(graph, seed=0) -> dict:
+    """Seeded training data for the loss inputs: ``target`` (mse) or ``labels`` (cross-entropy)."""
+    rng = np.random.default_rng(seed + 1000)
+    out = {}
+    if "target" in graph:
+        t = graph["target"].type
+        out["target"] = rng.standard_normal(t.shape).astype(t.dtype)
+    if "labels" in graph:
+        classes = next(n.type.shape[-1] for n in graph.nodes if n.op == "cross_entropy"
+                       for n in [graph[n.inputs[0]]])
+        out["labels"] = rng.integers(0, classes, graph["labels"].type.shape).astype("int64")
+    return out
+
+
+def numpy_train(graph, feeds: dict, steps: int) -> dict:
+    """Run the unsharded step ``steps`` times, carrying params and optimizer state.
+
+    Returns ``{"losses": [...], "outputs": outputs of the last step}``.
+    """
+    state, losses, out = initial_state(graph, feeds), [], {}
+    params = {n.name for n in graph.params}
+    for k in range(1, steps + 1):
+        if "step" in graph:
+            state["step"] = np.array(float(k), "float32")
+        out = run_unsharded(graph, state)
+        losses.append(float(out["loss"]))
+        state.update({k2: v for k2, v in out.items() if k2 in params})
+    return {"losses": losses, "outputs": out}
+
+
+def torch_train(module, example, input_names, data: dict, cfg, steps: int) -> dict:
+    """Train a copy of ``module`` with torch.optim for ``steps`` steps on the same batch.
+
+    Returns ``{"losses": [...], "params": {name: array after the last update},
+    "grads": {name: array of the last step}, "input_grads": {name: array}}``.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    from ..spec.model import pattern_regex
+
+    torch.manual_seed(0)
+    m = copy.deepcopy(module).eval()
+    rx = pattern_regex(cfg.trainable)
+    named = [(k, p) for k, p in m.named_parameters() if rx.fullmatch(k)]
+    for k, p in m.named_parameters():
+        p.requires_grad_(rx.fullmatch(k) is not None)
+    h = dict(cfg.hyper)
+    if cfg.optimizer == "sgd":
+        opt = torch.optim.SGD([p for _, p in named], lr=h["lr"], momentum=h["momentum"],
+                              weight_decay=h["weight_decay"])
+    else:
+        opt = torch.optim.AdamW([p for _, p in named], lr=h["lr"], betas=(h["beta1"], h["beta2"]),
+                                eps=h["eps"], weight_decay=h["weight_decay"])
+    xs = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in example]
+    losses, grads = [], {}
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        for x in xs:
+            x.grad = None
+        y = m(*xs)
+        if cfg.loss == "mse":
+            loss = F.mse_loss(y, torch.from_numpy(data["target"]))
+        elif cfg.loss == "cross_entropy":
+            loss = F.cross_entropy(y.reshape(-1, y.shape[-1]), torch.from_numpy(data["labels"]).reshape(-1))
+        else:
+            loss = y
+        loss.backward()
+        losses.append(float(loss.detach()))
+        grads = {k: p.grad.detach().numpy().copy() for k, p in named}
+        opt.step()
+    return {"losses": losses, "params": {k: p.detach().numpy().copy() for k, p in named},
+            "grads": grads,
+            "input_grads": {f"{n}.grad": x.grad.numpy().copy() for n, x in zip(input_names, xs)
+                            if x.grad is not None}}
