@@ -1,0 +1,97 @@
+"""The parcomp command: located errors, exit codes, nothing half-written, JSON last line."""
+import json
+import os
+
+import pytest
+
+from parcomp.cli import main
+
+from test_megatron import TINY
+
+SPEC_OK = "mesh tp=2\nfc1.weight colwise\nfc2.weight rowwise\ninput x replicated\noutput output replicated\n"
+
+
+@pytest.fixture
+def files(tmp_path):
+    (tmp_path / "tiny.pcir").write_text(TINY)
+    return tmp_path
+
+
+def write(tmp_path, name, text):
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+def test_check_json_last_line(files, capsys):
+    spec = write(files, "ok.pcs", SPEC_OK)
+    assert main(["check", str(files / "tiny.pcir"), "--spec", spec, "--json"]) == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last["max_abs_err"] < 1e-6
+    assert [(c["kind"], c["axis"], c["phase"]) for c in last["collectives"]] == [("all_reduce", "tp", "forward")]
+    assert last["collectives"][0]["bytes"] == 8
+
+
+def test_compile_writes_program_report_and_ir(files, capsys):
+    spec = write(files, "ok.pcs", SPEC_OK)
+    out = files / "out"
+    assert main(["compile", str(files / "tiny.pcir"), "--spec", spec, "-o", str(out)]) == 0
+    assert sorted(os.listdir(out)) == ["program.pcir", "program.py", "report.json", "sharded.pcir"]
+    report = json.loads((out / "report.json").read_text())
+    assert [c["kind"] for c in report["collectives"]] == ["all_reduce"]
+
+
+@pytest.mark.parametrize("spec_text,needle", [
+    ("mesh tp=2\nfc1.weight colwize\n", "ok.pcs:2:12"),                      # unknown word
+    ("mesh tp=2\nfc1.wieght colwise\n", "did you mean fc1.weight"),           # unknown param
+    ("mesh tp=3\nfc1.weight colwise\n", "not divisible by mesh axis tp of size 3"),
+    ("mesh tp=2\nfc1.weight colwise\n[\n", "ok.pcs:3:1"),                     # syntax error
+])
+def test_bad_spec_is_located_exit_2_and_writes_nothing(files, capsys, spec_text, needle):
+    spec = write(files, "ok.pcs", spec_text)
+    out = files / "out"
+    assert main(["compile", str(files / "tiny.pcir"), "--spec", spec, "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+    assert not out.exists()
+    assert not [p for p in os.listdir(files) if p.startswith(".parcomp-")]
+
+
+def test_failed_compile_leaves_previous_output_untouched(files, capsys):
+    spec = write(files, "ok.pcs", SPEC_OK)
+    out = files / "out"
+    assert main(["compile", str(files / "tiny.pcir"), "--spec", spec, "-o", str(out)]) == 0
+    before = (out / "program.py").read_text()
+    bad = write(files, "bad.pcs", "mesh tp=2\nfc9.weight colwise\n")
+    assert main(["compile", str(files / "tiny.pcir"), "--spec", bad, "-o", str(out)]) == 2
+    assert (out / "program.py").read_text() == before
+
+
+def test_bad_ir_text_is_located(files, capsys):
+    bad = write(files, "bad.pcir", TINY.replace("relu(%h)", "relu(%nope)"))
+    spec = write(files, "ok.pcs", SPEC_OK)
+    assert main(["check", bad, "--spec", spec]) == 2
+    err = capsys.readouterr().err
+    assert "bad.pcir:5:1" in err and "%r uses %nope before it is defined" in err
+
+
+def test_unsupported_op_names_op_and_module(tmp_path, capsys):
+    model = write(tmp_path, "m.py", (
+        "import torch\n"
+        "class M(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(); self.fc = torch.nn.Linear(4, 4)\n"
+        "    def forward(self, x):\n"
+        "        return torch.cumsum(self.fc(x), -1)\n"
+        "def make():\n"
+        "    return M(), (torch.ones(2, 4),)\n"))
+    spec = write(tmp_path, "s.pcs", "mesh tp=2\nfc.weight colwise\n")
+    assert main(["check", f"{model}:make", "--spec", spec]) == 2
+    err = capsys.readouterr().err
+    assert "aten.cumsum" in err and "m.py:6" in err and "Traceback" not in err
+
+
+def test_run_nproc_must_match_mesh(files, capsys):
+    spec = write(files, "ok.pcs", SPEC_OK)
+    assert main(["run", str(files / "tiny.pcir"), "--spec", spec, "--nproc", "3"]) == 2
+    assert "--nproc 3 but the spec's mesh tp=2 has 2 ranks" in capsys.readouterr().err
