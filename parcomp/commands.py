@@ -48,15 +48,22 @@ def write_dir_atomic(out: str, files: dict) -> None:
         raise
 
 
-def program_files(compiled, target: str, profile: str | None) -> dict:
-    """The files ``parcomp compile`` writes for ``target``."""
+def program_files(compiled, target: str, profile: str | None, model: str | None = None) -> dict:
+    """The files ``parcomp compile`` writes for ``target``.
+
+    Raises ParcompError when ``--target ascend`` is given another profile.
+    """
+    if target == "ascend" and profile not in (None, "ascend"):
+        raise ParcompError(f"--target ascend emits the ascend (torch_npu/HCCL) profile; "
+                           f"--profile {profile} contradicts it (use --target torch --profile {profile})")
     files = {"report.json": json.dumps(compiled.report, indent=2, sort_keys=True) + "\n",
              "sharded.pcir": print_graph(compiled.sharded),
              "program.pcir": print_graph(compiled.program)}
     if target in ("torch", "ascend"):
         from parcomp_backends.torch import emit_program
 
-        files["program.py"] = emit_program(compiled, profile or ("ascend" if target == "ascend" else "cpu"))
+        files["program.py"] = emit_program(compiled, profile or ("ascend" if target == "ascend" else "cpu"),
+                                           model=model)
     return files
 
 
@@ -65,10 +72,17 @@ def compile(args):  # noqa: A001 - the subcommand's name
         print(f"// ----- IR after {name} -----\n{print_graph(graph)}")
 
     compiled, _, _ = _compile(args, show if args.print_ir_after_all else None)
-    write_dir_atomic(args.out, program_files(compiled, args.target, args.profile))
+    write_dir_atomic(args.out, program_files(compiled, args.target, args.profile,
+                                             os.path.basename(args.model)))
     recs = compiled.report["collectives"]
     if not args.json:
         print(format_collectives(recs))
+        print(format_memory(compiled.report))
+        place = compiled.report["placement"]
+        if place["nodes"] is not None:
+            print(f"placement: {len(place['nodes'])} nodes; inside a node: "
+                  f"{', '.join(place['intra_node_axes']) or '-'}; across nodes: "
+                  f"{', '.join(place['cross_node_axes']) or '-'}")
         print(f"wrote {args.out}/")
     return {"ok": True, "out": args.out, "collectives": _summary(recs)}
 

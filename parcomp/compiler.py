@@ -6,6 +6,7 @@ from typing import Callable
 
 from .ir.graph import Graph
 from .passes.manager import forward_pipeline, run_pipeline
+from .passes.topology import check_topology
 from .report import build_report
 
 
@@ -35,9 +36,13 @@ def compile_graph(graph: Graph, spec, after: Callable | None = None) -> Compiled
     """Compile ``graph`` under ``spec``; ``after(pass_name, graph)`` sees each stage.
 
     Raises:
-        parcomp.errors.ParcompError: spec/model mismatch, uneven shards, invalid IR.
+        parcomp.errors.ParcompError: spec/model mismatch, uneven shards, invalid IR, a
+            ``tp`` group that spans nodes of the spec's topology.
     """
+    placement = check_topology(spec)
     stages = run_pipeline(graph, forward_pipeline(spec), after)
     sharded, program = stages["insert-collectives"], stages["localize"]
     logical = stages["autodiff"] if "autodiff" in stages else stages["bind-layouts"]
-    return Compiled(graph, logical, sharded, program, build_report(sharded, program, spec, [n.name for n in graph.params]), spec)
+    report = build_report(sharded, program, spec, [n.name for n in graph.params])
+    report["placement"] = placement
+    return Compiled(graph, logical, sharded, program, report, spec)

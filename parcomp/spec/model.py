@@ -127,6 +127,7 @@ class Spec:
     file: str
     topology: tuple | None = None  # (nodes, devices_per_node)
     train: TrainSpec | None = None
+    topology_loc: SourceLoc | None = None  # where the topology statement is
 
     def default_axis(self) -> str:
         """The mesh axis a layout word without ``over`` applies to.

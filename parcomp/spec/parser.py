@@ -196,7 +196,8 @@ class _Builder:
                 train = TrainSpec(self.options(payload, "option"), self.loc(tok))
             else:
                 rules.append(self.make_rule(*payload))
-        return Spec(self.mesh, tuple(rules), self.file, topology, train)
+        topo_loc = self.loc(seen["topology"]) if "topology" in seen else None
+        return Spec(self.mesh, tuple(rules), self.file, topology, train, topo_loc)
 
     def make_mesh(self, axes) -> Mesh:
         names = {}
