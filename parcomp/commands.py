@@ -198,9 +198,9 @@ def _check_training(args, compiled, module, example):
             "world_size": compiled.program.mesh.size}
 
 
-def _print_training(result, how):
+def _print_training(result, how, label="vs unsharded step"):
     print(f"{how}: losses {', '.join(f'{x:.6f}' for x in result['losses'])}")
-    print(f"  vs unsharded step: loss {result['max_loss_err']:.2e}  grads {result['max_grad_err']:.2e}"
+    print(f"  {label + ':':18} loss {result['max_loss_err']:.2e}  grads {result['max_grad_err']:.2e}"
           f"  params {result['max_param_err']:.2e}")
     if "vs_torch" in result:
         t = result["vs_torch"]
@@ -265,7 +265,7 @@ def _launch(compiled, work, feeds, nproc, extra):
 
 
 def _run_training(args, compiled, module, example):
-    from parcomp_backends.torch.launch import assemble_outputs, read_losses
+    from parcomp_backends.torch import assemble_training_outputs
 
     size = compiled.program.mesh.size
     if args.nproc != size:
@@ -277,7 +277,7 @@ def _run_training(args, compiled, module, example):
     try:
         write_dir_atomic(work, program_files(compiled, "torch", args.profile))
         out_path = _launch(compiled, work, feeds, size, ("--steps", str(steps)))
-        got, losses = assemble_outputs(out_path, compiled.program), read_losses(out_path)
+        got, losses = assemble_training_outputs(out_path, compiled.program)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -287,7 +287,8 @@ def _run_training(args, compiled, module, example):
     else:
         ref = numpy_train(compiled.logical, feeds, steps)
         ref_losses, want = ref["losses"], ref["outputs"]
-    want = {k: v for k, v in want.items() if k in params or k == "loss"}
+    want = {k: v for k, v in want.items()
+            if k in params or k == "loss" or (k.endswith(".grad") and k[:-5] in params)}
     result = training_errors(got, want, params)
     result["losses"], result["reference_losses"] = losses, ref_losses
     result["max_loss_err"] = max(abs(a - b) for a, b in zip(losses, ref_losses))
@@ -295,9 +296,8 @@ def _run_training(args, compiled, module, example):
         1.0, max(abs(x) for x in ref_losses))
     if not args.json:
         print(format_collectives(compiled.report["collectives"]))
-        _print_training({**result, "max_grad_err": result["max_grad_err"]},
-                        f"torchrun, {size} gloo ranks, {steps} steps (vs "
-                        f"{'torch.optim' if module is not None else 'unsharded numpy'})")
+        ref_name = "torch.optim" if module is not None else "unsharded numpy"
+        _print_training(result, f"torchrun, {size} gloo ranks, {steps} steps", f"vs {ref_name}")
         print(f"  reference losses: {', '.join(f'{x:.6f}' for x in ref_losses)}")
     return {**result, "collectives": _summary(compiled.report["collectives"]), "world_size": size,
             "steps": steps}

@@ -95,3 +95,24 @@ def test_run_nproc_must_match_mesh(files, capsys):
     spec = write(files, "ok.pcs", SPEC_OK)
     assert main(["run", str(files / "tiny.pcir"), "--spec", spec, "--nproc", "3"]) == 2
     assert "--nproc 3 but the spec's mesh tp=2 has 2 ranks" in capsys.readouterr().err
+
+
+TRAIN_SPEC = SPEC_OK.replace("output output replicated\n", "") + "train loss=mse optimizer=sgd(lr=0.1, momentum=0.9) steps=2\n"
+
+
+def test_check_training_json_has_grad_param_errors_and_losses(files, capsys):
+    spec = write(files, "train.pcs", TRAIN_SPEC)
+    assert main(["check", str(files / "tiny.pcir"), "--spec", spec, "--json"]) == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last["ok"] and len(last["losses"]) == 1
+    assert last["max_grad_err"] < 1e-6 and last["max_param_err"] < 1e-6
+    assert [(c["kind"], c["phase"]) for c in last["collectives"]] == [("all_reduce", "forward"),
+                                                                       ("all_reduce", "backward")]
+
+
+def test_run_training_two_ranks_matches_unsharded_steps(files, capsys):
+    spec = write(files, "train.pcs", TRAIN_SPEC)
+    assert main(["run", str(files / "tiny.pcir"), "--spec", spec, "--nproc", "2", "--json"]) == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last["ok"] and last["steps"] == 2 and len(last["losses"]) == 2
+    assert max(abs(a - b) for a, b in zip(last["losses"], last["reference_losses"])) < 1e-5

@@ -154,8 +154,8 @@ def test_names_are_valid_unique_identifiers():
 def test_op_without_torch_mapping_is_an_emit_error():
     from parcomp_backends.torch import EmitError
 
-    node = Node("loss", "cross_entropy", ("a0", "a1"), TensorType((2,)))
-    with pytest.raises(EmitError, match="'cross_entropy' .* no torch mapping"):
+    node = Node("loss", "no_such_op", ("a0", "a1"), TensorType((2,)))
+    with pytest.raises(EmitError, match="'no_such_op' .* no torch mapping"):
         _code(node, ["a0", "a1"])
 
 
@@ -173,7 +173,9 @@ OP_CASES = {  # op: (operand shapes, result shape, attrs)
 }
 
 
-COMPUTE_OPS = sorted(set(OP_FORMATS) - set(LAYOUT_OPS) - {"relayout"})
+# ops with int64 or 3-4 operands are checked with proper operands in test_torch_training.py
+COMPUTE_OPS = sorted(set(OP_FORMATS) - set(LAYOUT_OPS) - {"relayout", "adamw_param", "cross_entropy",
+                                                            "cross_entropy_grad"})
 
 
 @pytest.mark.parametrize("case", sorted(set(OP_CASES) | set(COMPUTE_OPS)))

@@ -3,11 +3,15 @@
 - :func:`emit_program` turns a :class:`parcomp.compiler.Compiled` into program text.
 - :data:`PROFILES` holds the device profiles (``cpu``/gloo, ``cuda``/nccl, ``ascend``/hccl).
 - :func:`run_torchrun` launches a program locally; :func:`assemble_outputs` reads its outputs.
+- A training program (``train_step`` in a loop, see :func:`training_facts`) also writes every
+  step's loss: :func:`assemble_training_outputs` returns ``(outputs, losses)``.
 """
-from .emit import EmitError, emit_program
+from .emit import EmitError, Training, emit_program, training_facts
 from .launch import (assemble_outputs, free_port, run_torchrun, write_checkpoint, write_inputs,
                      write_program)
 from .profiles import PROFILES, DeviceProfile, get_profile
+from .runtime import assemble_training_outputs, read_losses
 
 __all__ = ["emit_program", "EmitError", "PROFILES", "DeviceProfile", "get_profile", "run_torchrun",
-           "assemble_outputs", "free_port", "write_checkpoint", "write_inputs", "write_program"]
+           "assemble_outputs", "free_port", "write_checkpoint", "write_inputs", "write_program",
+           "Training", "training_facts", "assemble_training_outputs", "read_losses"]

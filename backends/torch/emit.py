@@ -7,6 +7,11 @@ semantics as ``parcomp/reference/interpreter.py``), one line per parameter
 slice, one line per graph node, and a ``main`` that checks the world size,
 loads, runs, writes the outputs and optionally times forward steps.  Nothing in
 it imports parcomp.  The text is deterministic: same input, same bytes.
+
+A training program (outputs ``loss`` and, under the params' own names, their
+next values) becomes ``train_step`` plus a loop: ``--steps K`` steps, each
+feeding its CARRIED outputs back as params and optimizer state (the state
+starts at zeros), the ``step`` input set to 1..K (see :mod:`.runtime`).
 """
 from __future__ import annotations
 
@@ -17,13 +22,14 @@ import math
 import os
 import re
 import textwrap
+from typing import NamedTuple
 
 from parcomp.errors import ParcompError
 from parcomp.ir.ops import LAYOUT_OPS
 from parcomp.ir.types import DTYPE_SHORT, Partial, Replicate, layout_str, shard_axes
 
 from .profiles import get_profile
-from .runtime import MAIN, RUNTIME
+from .runtime import FORWARD_HELP, IMPORTS, MAIN, RUNTIME, TRAIN_HELP, TRAIN_MAIN, TRAIN_RUNTIME
 
 # op -> format string; {0}, {1}: operand variables, {name}: attribute as a Python literal
 OP_FORMATS = {
@@ -52,6 +58,14 @@ OP_FORMATS = {
     "sigmoid_grad": "{0} * {1} * (1 - {1})",
     "silu_grad": "{0} * torch.sigmoid({1}) * (1 + {1} * (1 - torch.sigmoid({1})))",
     "pow_grad": "{0} * {exponent} * torch.pow({1}, {exponent} - 1)",
+    "gelu_grad": "torch.ops.aten.gelu_backward({0}, {1}, approximate={approximate})",
+    "cross_entropy": ("torch.nn.functional.cross_entropy({0}.reshape(-1, {0}.shape[-1]), {1}.reshape(-1), "
+                      'reduction="none").reshape({local_shape})'),
+    "cross_entropy_grad": ("{0}.unsqueeze(-1) * (torch.softmax({1}, dim=-1) - "
+                           "torch.nn.functional.one_hot({2}, {1}.shape[-1]).to({1}.dtype))"),
+    # torch.optim.AdamW's update (numpy_ops._adamw): decay, then m / (sqrt(v) / sqrt(bc2) + eps)
+    "adamw_param": ("{0} * (1 - {lr} * {weight_decay}) - {lr} / (1 - {beta1} ** {3}) * {1} "
+                    "/ (torch.sqrt({2}) / torch.sqrt(1 - {beta2} ** {3}) + {eps})"),
     "all_reduce": "all_reduce({0}, {axis})",
     "all_gather": "all_gather({0}, {dim}, {axis})",
     "reduce_scatter": "reduce_scatter({0}, {dim}, {axis})",
@@ -60,32 +74,62 @@ OP_FORMATS = {
     "partial_mask": "partial_mask({0}, {axis})",
     "relayout": "{0}",
 }
-ATTR_DEFAULTS = {"gelu": {"approximate": "none"}}
+ATTR_DEFAULTS = {"gelu": {"approximate": "none"}, "gelu_grad": {"approximate": "none"}}
 LOCAL_LAYOUT_OPS = ("shard_slice", "partial_mask")
 TORCH_DTYPES = {"float32": "torch.float32", "float64": "torch.float64", "float16": "torch.float16",
                 "bfloat16": "torch.bfloat16", "int64": "torch.int64", "int32": "torch.int32",
                 "bool": "torch.bool"}
 COMMENT_WIDTH = 108
 
-_TOP_NAMES = set(re.findall(r"^(?:def )?([A-Za-z_]\w*)", RUNTIME + MAIN, re.M))
+STATE_SUFFIXES = ("momentum_buffer", "exp_avg", "exp_avg_sq")  # optimizer state: <param>.<suffix>
+
+_TOP_NAMES = set(re.findall(r"^(?:def )?([A-Za-z_]\w*)", RUNTIME + MAIN + TRAIN_MAIN, re.M))
 RESERVED = (set(keyword.kwlist) | set(dir(builtins)) | _TOP_NAMES
             | {"torch", "dist", "p", "inp", "argparse", "importlib", "json", "math", "os", "sys", "time",
                "PROFILE", "DIST_BACKEND", "PRELUDE", "profile_device", "MESH", "GROUP_RANKS",
                "PARAMS", "INPUTS", "OUTPUT_LAYOUTS", "OUTPUT_GLOBAL_SHAPES", "SHARDED_OUTPUT",
-               "RUN_HINT", "load_params", "load_inputs", "forward"})
+               "RUN_HINT", "load_params", "load_inputs", "forward", "STATE", "CARRIED", "STEP_INPUT",
+               "TRAIN_STEPS", "train_step"})
 
 
 class EmitError(ParcompError):
     """The program cannot be emitted (an op or dtype the torch backend has no entry for)."""
 
 
-def emit_program(compiled, profile="cpu", model: str | None = None) -> str:
+class Training(NamedTuple):
+    """A training program's loop facts (see :func:`training_facts`)."""
+
+    carried: tuple  # public output names equal to param names: next step's params and state
+    state: tuple  # optimizer state params (<param>.momentum_buffer etc.): zeros at step 1
+    step: str | None  # the input fed the step number k = 1..K (AdamW's), or None
+    steps: int  # the default of --steps
+
+
+def training_facts(program, steps: int | None = None) -> Training | None:
+    """The :class:`Training` facts of a local program, or None for a forward-only program.
+
+    A program trains when it has a ``loss`` output and outputs named like its params.
+    ``steps`` is the default of ``--steps`` (None: 1).
+    """
+    outs = [pub for pub, _ in program.named_outputs()]
+    params = [n.name for n in program.params]
+    carried = tuple(pub for pub in outs if pub in params)
+    if not carried or "loss" not in outs:
+        return None
+    state = tuple(n for n in carried if any(n == f"{p}.{s}" for p in carried for s in STATE_SUFFIXES))
+    step = next((n.name for n in program.inputs if n.name == "step" and n.type.shape == ()), None)
+    return Training(carried, state, step, int(steps or 1))
+
+
+def emit_program(compiled, profile="cpu", model: str | None = None, steps: int | None = None) -> str:
     """The text of ``program.py`` for ``compiled`` (a :class:`parcomp.compiler.Compiled`).
 
     Args:
         compiled: uses ``compiled.program`` (local graph with mesh), ``compiled.report``.
         profile: a name of :data:`PROFILES` or a :class:`DeviceProfile`.
         model: what the graph was imported from, for the header (e.g. ``models.py:torch_mlp``).
+        steps: a training program's default ``--steps``; default: the spec's (the report's
+            ``training.steps``), else 1. Ignored for forward programs.
 
     Returns:
         Python source, one statement per line, ending in a newline.
@@ -101,9 +145,11 @@ def emit_program(compiled, profile="cpu", model: str | None = None) -> str:
     spec_name = os.path.basename(spec) if spec else None
     records = {r["name"]: r for r in compiled.report.get("collectives", [])}
     names = _names(program)
-    parts = [_profile_block(prof), _constants(program), RUNTIME, _loaders(program),
-             _forward(program, names, records, spec, spec_name), MAIN]
-    head = _header(program, compiled.report, spec_name, model) + "\n" + _IMPORTS
+    train = training_facts(program, steps or (compiled.report.get("training") or {}).get("steps"))
+    parts = [_profile_block(prof), _constants(program, train), TRAIN_RUNTIME if train else RUNTIME,
+             _loaders(program, train), _forward(program, names, records, spec, spec_name, train),
+             TRAIN_MAIN if train else MAIN]
+    head = _header(program, compiled.report, spec_name, model, train) + "\n" + IMPORTS
     return "\n\n\n".join(p.strip("\n") for p in [head] + parts) + "\n"
 
 
@@ -146,17 +192,19 @@ def _global_shape(program, node) -> tuple:
     return tuple(shape)
 
 
-def _header(program, report, spec_name, model) -> str:
+def _header(program, report, spec_name, model, train) -> str:
     mesh, colls = program.mesh, report.get("collectives", [])
     total = sum(r["bytes"] for r in colls)
-    kinds = ", ".join(f"{r['kind']} over {r['axis']}" for r in colls) or "none"
+    kinds = ", ".join(f"{r['kind']} over {r['axis']}" + (f" ({r['phase']})" if train else "")
+                      for r in colls) or "none"
     sharded = not _all_replicated(program)
     out = ("rank 0 writes {output name: full tensor}" if not sharded else
            "every rank r writes FILE with .rank{r} before the suffix: its slices, layouts, global shapes")
-    steps = textwrap.wrap(f"collectives per forward step: {len(colls)}, {total} bytes/rank in all: {kinds}",
-                          96, subsequent_indent="    ")
+    steps = textwrap.wrap(f"collectives per {'training' if train else 'forward'} step: {len(colls)}, "
+                          f"{total} bytes/rank in all: {kinds}", 96, subsequent_indent="    ")
     lines = [
-        "program.py: one rank's forward pass, emitted by parcomp (torch backend). Do not edit.",
+        f"program.py: one rank's {'training steps' if train else 'forward pass'}, emitted by parcomp "
+        "(torch backend). Do not edit.",
         "",
         f"model: {(model or 'a parcomp graph').replace(chr(34) * 3, '')}",
         f"spec:  {spec_name or '(none recorded)'}",
@@ -166,12 +214,9 @@ def _header(program, report, spec_name, model) -> str:
         "Run one process per rank:",
         f"    {_run_hint(program)} [--device cpu]",
         "",
-        "--checkpoint  torch state_dict (.pt) or .safetensors with the full (unsharded) parameters;",
-        "              each rank keeps only its own slice",
-        "--input       .pt or .safetensors dict {input name: full tensor} (or one tensor: one input)",
-        f"--output      {out}",
-        "--device cpu  run on CPU with gloo whatever the profile (see the PROFILE block)",
-        '--bench N     N warm-up + N timed forward steps; rank 0 prints {"step_ms": [...]}',
+        *(TRAIN_HELP if train else FORWARD_HELP).format(
+            out=out, steps=train and train.steps,
+            step=f"; input {train.step} = k" if train and train.step else "").split("\n"),
     ]
     return '"""' + "\n".join(lines) + '\n"""'
 
@@ -184,19 +229,6 @@ def _run_hint(program) -> str:
         args.append("--input " + ("x.pt" if len(program.inputs) == 1 else "inputs.pt"))
     args.append("--output out.pt")
     return f"torchrun --nproc-per-node {program.mesh.size} program.py " + " ".join(args)
-
-
-_IMPORTS = """\
-import argparse
-import importlib
-import json
-import math
-import os
-import sys
-import time
-
-import torch
-import torch.distributed as dist"""
 
 
 def _profile_block(prof) -> str:
@@ -224,7 +256,7 @@ def _all_replicated(program) -> bool:
     return all(isinstance(p, Replicate) for o in program.outputs for p in program[o].layout)
 
 
-def _constants(program) -> str:
+def _constants(program, train) -> str:
     mesh = program.mesh
     groups = {a: [list(g) for g in mesh.groups(i)] for i, a in enumerate(mesh.names)}
     outs = program.named_outputs()
@@ -232,14 +264,33 @@ def _constants(program) -> str:
         f"MESH = {json.dumps(dict(mesh.axes))}  # mesh axes in order; ranks are row-major",
         f"GROUP_RANKS = {json.dumps(groups)}  # each axis's rank groups, in coordinate order",
         f"PARAMS = {_py_tuple(n.name for n in program.params)}",
-        f"INPUTS = {_py_tuple(n.name for n in program.inputs)}",
+        f"INPUTS = {_py_tuple(n.name for n in _data_inputs(program, train))}",
         f"OUTPUT_LAYOUTS = {json.dumps({pub: layout_str(program[v].layout) for pub, v in outs})}",
         "OUTPUT_GLOBAL_SHAPES = " + json.dumps(
             {pub: list(_global_shape(program, program[v])) for pub, v in outs}),
         f"SHARDED_OUTPUT = {not _all_replicated(program)}  # True: every rank writes its own slices",
         f"RUN_HINT = {json.dumps(_run_hint(program))}",
     ]
+    if train:
+        lines += ["# optimizer state: zeros at step 1, not read from the checkpoint",
+                  *_wrap(f"STATE = {_py_tuple(train.state)}"),
+                  "# outputs named like params: the next step's params and state",
+                  *_wrap(f"CARRIED = {_py_tuple(train.carried)}"),
+                  f"STEP_INPUT = {json.dumps(train.step) if train.step else None}"
+                  "  # fed the step number k = 1..K (0-d float32)",
+                  f"TRAIN_STEPS = {train.steps}  # default of --steps"]
     return "\n".join(lines)
+
+
+def _wrap(line: str) -> list:
+    """A long ``NAME = (...)`` assignment as lines of at most 108 characters."""
+    return textwrap.wrap(line, COMMENT_WIDTH, subsequent_indent="    ", break_long_words=False,
+                         break_on_hyphens=False)
+
+
+def _data_inputs(program, train) -> list:
+    """The inputs read from ``--input`` (a training program sets its step input itself)."""
+    return [n for n in program.inputs if not train or n.name != train.step]
 
 
 def _slice_expr(program, node, src: str) -> tuple:
@@ -269,10 +320,10 @@ def _paren(expr: str) -> str:
     return f"({expr})" if "+" in expr else expr
 
 
-def _loaders(program) -> str:
-    out = []
+def _loaders(program, train) -> str:
+    out, state = [], train.state if train else ()
     for fn, kind, nodes, arg in (("load_params", "param", program.params, "ckpt"),
-                                 ("load_inputs", "input", program.inputs, "feeds")):
+                                 ("load_inputs", "input", _data_inputs(program, train), "feeds")):
         doc = {"param": "parameter", "input": "input"}[kind]
         lines = [f"def {fn}({arg}):",
                  f'    """This rank\'s slice of every {doc}, on DEVICE (full tensors are not kept)."""',
@@ -281,12 +332,17 @@ def _loaders(program) -> str:
             if n.type.dtype not in TORCH_DTYPES:
                 raise EmitError(f"{kind} {n.name!r} has dtype {n.type.dtype}, which has no torch name")
             full = _global_shape(program, n)
+            head = f"{n.name}: full {_ty(n.type.dtype, full)} {layout_str(n.layout)} -> {n.type}; "
+            if n.name in state:  # optimizer state: not in the checkpoint
+                lines += [f"    # {head}optimizer state, zeros at step 1",
+                          f"    out[{json.dumps(n.name)}] = torch.zeros({tuple(n.type.shape)!r}, "
+                          f"dtype={TORCH_DTYPES[n.type.dtype]}, device=DEVICE)"]
+                continue
             sliced, what = _slice_expr(program, n, f"take({arg}, {json.dumps(n.name)}, {full!r})")
             expr = f"place({sliced}, {TORCH_DTYPES[n.type.dtype]})"
             for a, p in enumerate(n.layout):
                 if isinstance(p, Partial):
                     expr = f"partial_mask({expr}, {json.dumps(program.mesh.names[a])})"
-            head = f"{n.name}: full {_ty(n.type.dtype, full)} {layout_str(n.layout)} -> {n.type}; "
             lines += _comment(head + what, "    ")
             lines.append(f"    out[{json.dumps(n.name)}] = {expr}")
         lines.append("    return out")
@@ -304,9 +360,10 @@ def _comment(text: str, indent: str) -> list:
                          break_on_hyphens=False)
 
 
-def _forward(program, names, records, spec, spec_name) -> str:
-    lines = ["def forward(p, inp):",
-             '    """One forward step on this rank: local slices in, {output name: local value} out."""']
+def _forward(program, names, records, spec, spec_name, train) -> str:
+    fn, doc = ("train_step", "One training step (forward, backward, update)") if train else (
+        "forward", "One forward step on this rank")
+    lines = [f"def {fn}(p, inp):", f'    """{doc}: local slices in, {{output name: local value}} out."""']
     for n in program.nodes:
         tail = f"  # {layout_str(n.layout)} {n.type}"
         var = names[n.name]

@@ -1,10 +1,12 @@
 """Run an emitted ``program.py`` with torchrun on this machine, and read back what it wrote.
 
 :func:`run_torchrun` starts ``python -m torch.distributed.run`` on a free
-localhost port with ``OMP_NUM_THREADS=1`` and a hard timeout (the whole process
-group is killed).  :func:`write_checkpoint` / :func:`write_inputs` write the
-files the program reads; :func:`assemble_outputs` rebuilds full output arrays
-from either output form the program writes.
+localhost port with ``OMP_NUM_THREADS=1`` and a hard timeout (the launcher and
+every worker under it are killed).  :func:`run_torchrun_multinode` simulates a
+multi-node job: one torchrun launcher per node, c10d or static rendezvous on
+127.0.0.1.  :func:`write_checkpoint` / :func:`write_inputs` write the files the
+program reads; :func:`assemble_outputs` rebuilds full output arrays from either
+output form the program writes.
 """
 from __future__ import annotations
 
@@ -13,6 +15,9 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
+import uuid
 
 import numpy as np
 
@@ -27,6 +32,56 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _descendants(pid: int) -> list:
+    """Every live process under ``pid`` (children first level first), read from /proc; [] without /proc."""
+    children = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="utf-8", errors="replace") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(0), ()):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _kill_tree(proc) -> None:
+    """SIGKILL a launcher started with ``start_new_session=True`` and every process under it.
+
+    torchrun starts each worker in a session of its own, so killing the launcher's
+    process group alone would leave the workers running: the launcher is stopped
+    first (it can start nothing more), then its descendants and their groups are
+    killed by pid, then the launcher's group.
+    """
+    def signal_group(pgid, sig):
+        try:
+            os.killpg(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    signal_group(proc.pid, signal.SIGSTOP)
+    for pid in _descendants(proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+            if os.getpgid(pid) == pid:
+                signal_group(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    signal_group(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def _torch():
@@ -55,20 +110,26 @@ def write_checkpoint(module_or_state_dict, path) -> str:
 
 
 def write_inputs(inputs, path) -> str:
-    """Write inputs (dict name -> tensor/array, or one tensor) for ``--input``. Returns ``path``."""
+    """Write inputs for ``--input``: a dict name -> tensor/array, one tensor, or (training)
+    a list of such dicts, one per step. Returns ``path``."""
     torch = _torch()
     if isinstance(inputs, dict):
         return write_checkpoint(inputs, path)
+    if isinstance(inputs, list):
+        torch.save([{k: torch.as_tensor(v).detach().cpu().contiguous() for k, v in step.items()}
+                    for step in inputs], str(path))
+        return str(path)
     torch.save(torch.as_tensor(inputs).detach().cpu().contiguous(), str(path))
     return str(path)
 
 
-def write_program(compiled, directory, profile="cpu", model: str | None = None) -> str:
+def write_program(compiled, directory, profile="cpu", model: str | None = None,
+                  steps: int | None = None) -> str:
     """Emit ``compiled`` into ``directory/program.py``; returns the file's path."""
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(str(directory), "program.py")
     with open(path, "w", encoding="utf-8") as f:
-        f.write(emit_program(compiled, profile, model))
+        f.write(emit_program(compiled, profile, model, steps))
     return path
 
 
@@ -76,6 +137,17 @@ def _file_arg(value, directory, name, writer):
     if value is None or isinstance(value, (str, os.PathLike)):
         return None if value is None else os.path.abspath(value)
     return writer(value, os.path.join(str(directory), name))
+
+
+def _program_args(program_dir, checkpoint, inputs, output) -> list:
+    args = []
+    for flag, value, name, writer in (("--checkpoint", checkpoint, "model.pt", write_checkpoint),
+                                      ("--input", inputs, "inputs.pt", write_inputs),
+                                      ("--output", output, None, None)):
+        path = _file_arg(value, program_dir, name, writer)
+        if path is not None:
+            args += [flag, path]
+    return args
 
 
 def run_torchrun(program_dir, nproc: int, checkpoint=None, inputs=None, output=None, extra_args=(),
@@ -88,7 +160,7 @@ def run_torchrun(program_dir, nproc: int, checkpoint=None, inputs=None, output=N
         inputs: a file path, or a dict/tensor (written to program_dir/inputs.pt).
         output: where the program writes its outputs (``--output``), or None.
         extra_args: more program arguments, e.g. ``("--device", "cpu")`` or ``("--bench", "5")``.
-        timeout: seconds before the whole process group is killed.
+        timeout: seconds before the launcher and every worker under it are killed.
         env: extra environment variables (``OMP_NUM_THREADS=1`` is the default).
 
     Returns:
@@ -98,13 +170,7 @@ def run_torchrun(program_dir, nproc: int, checkpoint=None, inputs=None, output=N
         subprocess.TimeoutExpired: the run exceeded ``timeout`` (carries the output so far).
     """
     program_dir = os.path.abspath(program_dir)
-    args = []
-    for flag, value, name, writer in (("--checkpoint", checkpoint, "model.pt", write_checkpoint),
-                                      ("--input", inputs, "inputs.pt", write_inputs),
-                                      ("--output", output, None, None)):
-        path = _file_arg(value, program_dir, name, writer)
-        if path is not None:
-            args += [flag, path]
+    args = _program_args(program_dir, checkpoint, inputs, output)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
            "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), program, *args, *map(str, extra_args)]
@@ -115,10 +181,95 @@ def run_torchrun(program_dir, nproc: int, checkpoint=None, inputs=None, output=N
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        _kill_tree(proc)
         out, err = proc.communicate()
         raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def run_torchrun_multinode(program_dir, nnodes: int, nproc_per_node: int, checkpoint=None,
+                           inputs=None, output=None, extra_args=(), timeout: float = 120,
+                           rdzv: str = "c10d", program: str = "program.py", env: dict | None = None,
+                           grace: float = 15) -> list:
+    """Simulate a ``nnodes``-node torchrun job on this machine: one launcher per node, started together.
+
+    Launcher ``i`` is what a user starts on node ``i``; all run ``program_dir/program.py``
+    with ``--nnodes nnodes --nproc-per-node nproc_per_node`` and a rendezvous on 127.0.0.1:
+
+    - ``rdzv="c10d"``: ``--rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT --rdzv-id ID``
+      (one shared id, a free port).  torchrun ignores ``--node-rank`` here, so none is
+      passed: the rendezvous numbers the nodes (sorted by host name, then launcher pid),
+      so which launcher gets ranks ``0..nproc_per_node-1`` is not fixed; each launcher
+      still gets a contiguous block of ``nproc_per_node`` global ranks.
+    - ``rdzv="static"``: ``--node-rank i --master-addr 127.0.0.1 --master-port PORT``;
+      launcher ``i`` gets global ranks ``i*nproc_per_node .. (i+1)*nproc_per_node-1``.
+
+    Every launcher (and so every worker it starts) has ``PARCOMP_SIM_NODE=i`` in its
+    environment, so a worker can tell which simulated node it runs on.
+
+    Args:
+        checkpoint, inputs, output, extra_args, env: as for :func:`run_torchrun`
+            (files are written once, before any launcher starts).
+        timeout: seconds for the whole job; then every launcher and its workers are killed.
+        grace: once one launcher has failed, seconds the others get to exit before they
+            are killed (a peer of a failed node may otherwise wait for the rendezvous).
+
+    Returns:
+        One ``CompletedProcess`` per launcher, in launcher order (not raised on; a launcher
+        killed after another failed has a negative ``returncode``).
+
+    Raises:
+        subprocess.TimeoutExpired: the job exceeded ``timeout``; every launcher was killed
+            (its ``output``/``stderr`` hold all launchers' output, each under a header).
+        ValueError: unknown ``rdzv``.
+    """
+    if rdzv not in ("c10d", "static"):
+        raise ValueError(f"rdzv must be 'c10d' or 'static', not {rdzv!r}")
+    program_dir = os.path.abspath(program_dir)
+    args = _program_args(program_dir, checkpoint, inputs, output)
+    port, run_id = free_port(), f"parcomp-{uuid.uuid4().hex[:12]}"
+    base = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
+            "--nproc-per-node", str(nproc_per_node)]
+    procs, cmds, logs = [], [], []
+    try:
+        for i in range(nnodes):
+            if rdzv == "c10d":
+                how = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                       "--rdzv-id", run_id]
+            else:
+                how = ["--node-rank", str(i), "--master-addr", "127.0.0.1", "--master-port", str(port)]
+            cmd = [*base, *how, program, *args, *map(str, extra_args)]
+            full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                            PARCOMP_SIM_NODE=str(i))
+            full_env.update(env or {})
+            out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+            logs.append((out, err))
+            cmds.append(cmd)
+            procs.append(subprocess.Popen(cmd, cwd=program_dir, env=full_env, stdout=out, stderr=err,
+                                          text=True, start_new_session=True))
+        deadline, timed_out = time.monotonic() + timeout, False
+        while any(p.poll() is None for p in procs):
+            if any(p.returncode not in (None, 0) for p in procs):
+                deadline = min(deadline, time.monotonic() + grace)
+            if time.monotonic() > deadline:
+                timed_out = not any(p.returncode not in (None, 0) for p in procs)
+                break
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                _kill_tree(p)
+    texts = []
+    for out, err in logs:
+        out.seek(0)
+        err.seek(0)
+        texts.append((out.read(), err.read()))
+        out.close()
+        err.close()
+    if timed_out:
+        both = ["".join(f"==== launcher {i} ====\n{t[k]}" for i, t in enumerate(texts)) for k in (0, 1)]
+        raise subprocess.TimeoutExpired(cmds[0], timeout, output=both[0], stderr=both[1])
+    return [subprocess.CompletedProcess(c, p.returncode, o, e) for c, p, (o, e) in zip(cmds, procs, texts)]
 
 
 def rank_path(path, rank: int) -> str:
@@ -149,6 +300,7 @@ def assemble_outputs(output_path, program) -> dict:
     outs = program.named_outputs()
     if all(isinstance(p, Replicate) for _, v in outs for p in program[v].layout):
         data = torch.load(str(output_path), map_location="cpu", weights_only=True)
+        data = {k: v for k, v in data.items() if k != "losses"}  # a training program's loss history
         if sorted(data) != sorted(pub for pub, _ in outs):
             raise ValueError(f"{output_path} holds {sorted(data)}, expected {[p for p, _ in outs]}")
         return {pub: _numpy(data[pub]) for pub, _ in outs}

@@ -9,6 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from parcomp.errors import ParcompError
+
+
+class ProfileError(ParcompError, ValueError):
+    """An unknown device profile name (a ``ValueError`` too, so the CLI reports it cleanly)."""
+
 
 @dataclass(frozen=True)
 class DeviceProfile:
@@ -38,14 +44,19 @@ PROFILES: dict = {p.name: p for p in (
     DeviceProfile("cpu", "gloo", '"cpu"'),
     DeviceProfile("cuda", "nccl", 'f"cuda:{LOCAL_RANK}"',
                   set_device="torch.cuda.set_device(LOCAL_RANK)",
-                  check="torch.cuda.device_count() > LOCAL_RANK",
-                  check_message="profile cuda: torch sees {torch.cuda.device_count()} CUDA GPUs, "
-                                "too few for LOCAL_RANK {LOCAL_RANK}; or use --device cpu"),
+                  check="torch.cuda.is_available() and torch.cuda.device_count() > LOCAL_RANK",
+                  check_message="profile cuda: CUDA is not available or has too few GPUs: torch "
+                                "{torch.__version__} (CUDA build: {torch.version.cuda}) sees "
+                                "{torch.cuda.device_count()} GPUs, LOCAL_RANK {LOCAL_RANK} needs "
+                                "{LOCAL_RANK + 1}; install a CUDA build of torch, check "
+                                "CUDA_VISIBLE_DEVICES, or rerun with --device cpu (CPU/gloo, no GPU)"),
     DeviceProfile("ascend", "hccl", 'f"npu:{LOCAL_RANK}"', prelude=("torch_npu",),
                   set_device="torch.npu.set_device(LOCAL_RANK)",
                   check="torch.npu.device_count() > LOCAL_RANK",
                   check_message="profile ascend: torch_npu sees {torch.npu.device_count()} NPUs, "
-                                "too few for LOCAL_RANK {LOCAL_RANK}; or use --device cpu"),
+                                "LOCAL_RANK {LOCAL_RANK} needs {LOCAL_RANK + 1}; check "
+                                "ASCEND_RT_VISIBLE_DEVICES and the CANN environment (source "
+                                "set_env.sh), or rerun with --device cpu (CPU/gloo, no NPU)"),
 )}
 
 
@@ -53,10 +64,10 @@ def get_profile(name) -> DeviceProfile:
     """The profile called ``name`` (a :class:`DeviceProfile` passes through).
 
     Raises:
-        ValueError: unknown name; the message lists the known profiles.
+        ProfileError: (a ``ValueError``) unknown name; the message lists the known profiles.
     """
     if isinstance(name, DeviceProfile):
         return name
     if name not in PROFILES:
-        raise ValueError(f"unknown device profile {name!r}; known: {', '.join(sorted(PROFILES))}")
+        raise ProfileError(f"unknown device profile {name!r}; known: {', '.join(sorted(PROFILES))}")
     return PROFILES[name]

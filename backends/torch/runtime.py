@@ -8,13 +8,27 @@ the generated ``forward``.  Both use only names the emitter defines: ``MESH``,
 ``DIST_BACKEND``, ``PRELUDE``, ``profile_device``, ``load_params``,
 ``load_inputs``, ``forward``.
 
+A training program (one whose outputs feed its own params) uses
+:data:`TRAIN_RUNTIME` and :data:`TRAIN_MAIN` instead: the same pieces, with a
+loop of ``train_step`` calls, ``--steps`` and per-step inputs; besides the names
+above they use ``STATE``, ``CARRIED``, ``STEP_INPUT``, ``TRAIN_STEPS`` and
+``train_step``.  Both kinds are assembled from the same chunks below, so a
+forward program's text does not depend on the training parts.
+
 The collectives follow ``parcomp/reference/interpreter.py`` exactly (groups in
 coordinate order, concatenation never sums) and never modify their inputs.
 Single-tensor gathers and scatters always work on dim 0 of a ``movedim`` copy:
 gloo accepts only the concatenated dim-0 form of ``all_gather_single``.
-"""
 
-RUNTIME = '''\
+:func:`read_losses` and :func:`assemble_training_outputs` run on the host: they
+read back what a training program wrote.
+"""
+from __future__ import annotations
+
+import os
+
+# ---- chunks of program text, joined by blank lines into RUNTIME, MAIN, TRAIN_* (at the end) ----
+_PROCESS = '''\
 RANK = int(os.environ.get("RANK", "0"))
 LOCAL_RANK = int(os.environ.get("LOCAL_RANK", "0"))
 WORLD_SIZE = int(os.environ.get("WORLD_SIZE", "0"))
@@ -109,9 +123,9 @@ def read_tensors(path, what):
             return load_file(path, device="cpu")
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any reader error becomes one clear message
-        fail(f"cannot read {what} file {path}: {type(e).__name__}: {e}")
+        fail(f"cannot read {what} file {path}: {type(e).__name__}: {e}")'''
 
-
+_READ_INPUTS = '''\
 def read_inputs(path):
     """The inputs file as {input name: tensor}; a bare tensor is the model's only input."""
     feeds = read_tensors(path, "input")
@@ -119,9 +133,9 @@ def read_inputs(path):
         feeds = {INPUTS[0]: feeds}
     if not isinstance(feeds, dict):
         fail(f"input file {path} must hold a dict {{input name: tensor}} for inputs {list(INPUTS)}")
-    return feeds
+    return feeds'''
 
-
+_TAKE_PLACE = '''\
 def take(tensors, name, shape):
     """The full tensor ``name`` of a loaded file, checked against its full (unsharded) shape."""
     what = "param" if name in PARAMS else "input"
@@ -139,13 +153,13 @@ def place(t, dtype):
     """A compact copy of ``t`` on DEVICE (so the full tensor it was cut from can be freed)."""
     return torch.empty(t.shape, dtype=dtype, device=DEVICE).copy_(t)'''
 
-MAIN = '''\
+_RANK_PATH = '''\
 def rank_path(path, rank):
     """``out.pt`` -> ``out.rank{rank}.pt``: where a rank writes its slices of sharded outputs."""
     root, ext = os.path.splitext(path)
-    return f"{root}.rank{rank}{ext}"
+    return f"{root}.rank{rank}{ext}"'''
 
-
+_WRITE_OUTPUTS = '''\
 def write_outputs(outputs, path):
     """Rank 0 writes {name: full tensor}; with a sharded output every rank writes its slices."""
     local = {name: value.detach().cpu() for name, value in outputs.items()}
@@ -154,31 +168,32 @@ def write_outputs(outputs, path):
             torch.save(local, path)
         return
     torch.save({"rank": RANK, "coords": list(COORD), "outputs": local, "layouts": OUTPUT_LAYOUTS,
-                "global_shapes": OUTPUT_GLOBAL_SHAPES}, rank_path(path, RANK))
+                "global_shapes": OUTPUT_GLOBAL_SHAPES}, rank_path(path, RANK))'''
 
-
+_SYNC = '''\
 def sync():
     """Wait for the device to finish queued work (no-op on CPU)."""
     if DEVICE.type != "cpu":
-        getattr(torch, DEVICE.type).synchronize()
+        getattr(torch, DEVICE.type).synchronize()'''
 
-
+# STEP_FN, STEP_WHAT: the step function and what it does, filled in by _bench()
+_BENCH = '''\
 def bench(params, inputs, steps):
-    """``steps`` warm-up then ``steps`` timed forward steps; rank 0 prints the max over ranks (ms)."""
+    """``steps`` warm-up then ``steps`` timed STEP_WHAT; rank 0 prints the max over ranks (ms)."""
     times = []
     for i in range(2 * steps):
         dist.barrier()
         start = time.perf_counter()
-        forward(params, inputs)
+        STEP_FN(params, inputs)
         sync()
         elapsed = torch.tensor([(time.perf_counter() - start) * 1e3], device=DEVICE)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         if i >= steps:
             times.append(round(elapsed.item(), 4))
     if RANK == 0:
-        print(json.dumps({"step_ms": times}), flush=True)
+        print(json.dumps({"step_ms": times}), flush=True)'''
 
-
+_PARSE_ARGS = '''\
 def parse_args(argv):
     """Command line (see the module docstring)."""
     ap = argparse.ArgumentParser(description=f"parcomp program for mesh {MESH_TEXT}; run: {RUN_HINT}")
@@ -187,9 +202,9 @@ def parse_args(argv):
     ap.add_argument("--output", help="where to write the outputs (.pt)")
     ap.add_argument("--device", choices=sorted({"cpu", PROFILE}), default=PROFILE)
     ap.add_argument("--bench", type=int, default=0, metavar="N", help="time N forward steps")
-    return ap.parse_args(argv)
+    return ap.parse_args(argv)'''
 
-
+_WORLD = '''\
 def check_world():
     """Exit 2 unless started by torchrun with exactly one process per mesh rank."""
     if "WORLD_SIZE" not in os.environ:
@@ -205,9 +220,9 @@ def import_prelude():
         try:
             importlib.import_module(name)
         except ImportError as e:
-            fail(f"profile {PROFILE} needs the module {name} ({e}); install it or rerun with --device cpu")
+            fail(f"profile {PROFILE} needs the module {name} ({e}); install it or rerun with --device cpu")'''
 
-
+_RUN = '''\
 def run(args):
     """Everything between init_process_group and destroy_process_group."""
     make_groups()
@@ -218,9 +233,9 @@ def run(args):
         if args.bench > 0:
             bench(params, inputs, args.bench)
     if args.output:
-        write_outputs(outputs, args.output)
+        write_outputs(outputs, args.output)'''
 
-
+_MAIN_FN = '''\
 def main(argv=None):
     """Check the world, pick the device, start torch.distributed, run, always shut it down."""
     global DEVICE
@@ -240,3 +255,181 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()'''
+
+# ---- training programs only (see :data:`TRAIN_MAIN`) ----
+_TRAIN_WRITE_OUTPUTS = '''\
+def write_outputs(outputs, losses, path):
+    """The last step's outputs, written as a forward program writes its outputs, plus
+    "losses": [every step's loss] in the file (rank 0's) or in every rank's file."""
+    local = {name: value.detach().cpu() for name, value in outputs.items()}
+    if not SHARDED_OUTPUT:
+        if RANK == 0:
+            torch.save({**local, "losses": losses}, path)
+        return
+    torch.save({"rank": RANK, "coords": list(COORD), "outputs": local, "layouts": OUTPUT_LAYOUTS,
+                "global_shapes": OUTPUT_GLOBAL_SHAPES, "losses": losses}, rank_path(path, RANK))'''
+
+_TRAIN_PARSE_ARGS = '''\
+def parse_args(argv):
+    """Command line (see the module docstring)."""
+    ap = argparse.ArgumentParser(description=f"parcomp program for mesh {MESH_TEXT}; run: {RUN_HINT}")
+    ap.add_argument("--checkpoint", required=True, help=".pt state_dict or .safetensors")
+    ap.add_argument("--input", required=bool(INPUTS),
+                    help=".pt dict of inputs for every step, or a list of one dict per step")
+    ap.add_argument("--output", help="where to write the last step's outputs and the losses (.pt)")
+    ap.add_argument("--steps", type=int, default=TRAIN_STEPS, metavar="K",
+                    help=f"training steps (default {TRAIN_STEPS})")
+    ap.add_argument("--device", choices=sorted({"cpu", PROFILE}), default=PROFILE)
+    ap.add_argument("--bench", type=int, default=0, metavar="N",
+                    help="time N training steps from the loaded parameters (not applied)")
+    return ap.parse_args(argv)'''
+
+_TRAIN_LOOP = '''\
+def read_batches(path, steps):
+    """This rank's slices of every step's inputs: one dict {input name: tensor} serves
+    every step; a list holds one such dict per step."""
+    feeds = read_tensors(path, "input")
+    if isinstance(feeds, torch.Tensor) and len(INPUTS) == 1:
+        feeds = {INPUTS[0]: feeds}
+    if isinstance(feeds, dict):
+        return [load_inputs(feeds)] * steps
+    if not isinstance(feeds, (list, tuple)) or not all(isinstance(f, dict) for f in feeds):
+        fail(f"input file {path} must hold a dict {{input name: tensor}} for inputs {list(INPUTS)} "
+             f"or a list of one such dict per step")
+    if len(feeds) != steps:
+        fail(f"input file {path} holds the inputs of {len(feeds)} steps but --steps is {steps}")
+    return [load_inputs(f) for f in feeds]
+
+
+def with_step(inputs, k):
+    """The inputs of step ``k`` (counted from 1), with the step number the optimizer reads."""
+    if STEP_INPUT is None:
+        return inputs
+    return {**inputs, STEP_INPUT: torch.tensor(float(k), dtype=torch.float32, device=DEVICE)}
+
+
+def train(params, batches):
+    """One train_step per batch; the CARRIED outputs are the next step's params and state.
+
+    Rank 0 prints each step's loss. Returns the last step's outputs and every loss (floats).
+    """
+    outputs, losses = {}, []
+    for k, inputs in enumerate(batches, start=1):
+        outputs = train_step(params, with_step(inputs, k))
+        params = {**params, **{name: outputs[name] for name in CARRIED}}
+        losses.append(outputs["loss"])
+        if RANK == 0:
+            print(f"step {k} loss {outputs['loss'].item():.6g}", flush=True)
+    return outputs, [loss.item() for loss in losses]
+
+
+def run(args):
+    """Everything between init_process_group and destroy_process_group."""
+    make_groups()
+    if args.steps < 1:
+        fail(f"--steps {args.steps}: train at least one step")
+    params = load_params(read_tensors(args.checkpoint, "checkpoint"))
+    batches = read_batches(args.input, args.steps) if INPUTS else [{}] * args.steps
+    with torch.no_grad():  # the backward pass is explicit in train_step: no autograd state
+        outputs, losses = train(params, batches)
+        if args.bench > 0:
+            bench(params, with_step(batches[0], 1), args.bench)
+    if args.output:
+        write_outputs(outputs, losses, args.output)'''
+
+
+# ---- the header: imports and the option lines of the docstring ({out}: where outputs go) ----
+IMPORTS = """\
+import argparse
+import importlib
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist"""
+
+# the option lines of the module docstring; {out}: where the outputs go
+FORWARD_HELP = """\
+--checkpoint  torch state_dict (.pt) or .safetensors with the full (unsharded) parameters;
+              each rank keeps only its own slice
+--input       .pt or .safetensors dict {{input name: full tensor}} (or one tensor: one input)
+--output      {out}
+--device cpu  run on CPU with gloo whatever the profile (see the PROFILE block)
+--bench N     N warm-up + N timed forward steps; rank 0 prints {{"step_ms": [...]}}\
+"""
+
+TRAIN_HELP = """\
+--checkpoint  torch state_dict (.pt) or .safetensors with the full (unsharded) parameters;
+              each rank keeps only its own slice; optimizer state starts at zeros
+--input       .pt dict {{input name: full tensor}} used by every step, or a list of one such
+              dict per step (.safetensors: one dict)
+--steps K     train steps k = 1..K (default {steps}){step}; rank 0 prints "step k loss L"
+--output      the last step's outputs, and "losses": [loss of every step] in the file(s):
+              {out}
+--device cpu  run on CPU with gloo whatever the profile (see the PROFILE block)
+--bench N     N warm-up + N timed training steps (not applied); rank 0 prints {{"step_ms": [...]}}\
+"""
+
+
+def _join(*chunks) -> str:
+    """Chunks of program text, two blank lines apart."""
+    return "\n\n\n".join(chunks)
+
+
+def _bench(fn: str, what: str) -> str:
+    """``bench`` timing ``fn(params, inputs)``, described as ``what``."""
+    return _BENCH.replace("STEP_FN", fn).replace("STEP_WHAT", what)
+
+
+RUNTIME = _join(_PROCESS, _READ_INPUTS, _TAKE_PLACE)
+MAIN = _join(_RANK_PATH, _WRITE_OUTPUTS, _SYNC, _bench("forward", "forward steps"), _PARSE_ARGS,
+             _WORLD, _RUN, _MAIN_FN)
+TRAIN_RUNTIME = _join(_PROCESS, _TAKE_PLACE)
+TRAIN_MAIN = _join(_RANK_PATH, _TRAIN_WRITE_OUTPUTS, _SYNC,
+                   _bench("train_step", "training steps"), _TRAIN_PARSE_ARGS, _WORLD,
+                   _TRAIN_LOOP, _MAIN_FN)
+
+
+def read_losses(output_path) -> list:
+    """The per-step losses a training ``program.py --output PATH`` wrote (floats, step 1 first).
+
+    Reads ``PATH`` (replicated outputs) or, if absent, rank 0's ``PATH`` with ``.rank0``.
+    """
+    import torch
+
+    path = output_path
+    if not os.path.exists(path):
+        root, ext = os.path.splitext(str(path))
+        path = f"{root}.rank0{ext}"
+    return list(torch.load(str(path), map_location="cpu", weights_only=True)["losses"])
+
+
+def assemble_training_outputs(output_path, program) -> tuple:
+    """``(outputs, losses)`` from what a training ``program.py --output PATH`` wrote.
+
+    ``outputs`` is :func:`parcomp_backends.torch.launch.assemble_outputs` of the last
+    step (``{public name: full np.ndarray}``), ``losses`` is :func:`read_losses`.
+    """
+    import torch
+
+    from parcomp.ir.types import Replicate
+
+    from .launch import assemble_outputs
+
+    losses = read_losses(output_path)
+    outs = program.named_outputs()
+    if not all(isinstance(p, Replicate) for _, v in outs for p in program[v].layout):
+        return assemble_outputs(output_path, program), losses
+    # one file {name: tensor, "losses": [...]}; assemble_outputs wants the names alone
+    data = torch.load(str(output_path), map_location="cpu", weights_only=True)
+    data.pop("losses", None)
+    if sorted(data) != sorted(pub for pub, _ in outs):
+        raise ValueError(f"{output_path} holds {sorted(data)}, expected {[p for p, _ in outs]}")
+    full = {}
+    for pub, _ in outs:
+        t = data[pub]
+        full[pub] = (t.float() if t.dtype == torch.bfloat16 else t).numpy()
+    return full, losses

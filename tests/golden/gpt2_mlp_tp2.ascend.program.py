@@ -1,0 +1,330 @@
+"""program.py: one rank's forward pass, emitted by parcomp (torch backend). Do not edit.
+
+model: models.py:gpt2_mlp
+spec:  gpt2_mlp_tp2.pcs
+mesh:  tp=2 (2 ranks; row-major, the last axis varies fastest)
+collectives per forward step: 1, 2048 bytes/rank in all: all_reduce over tp
+
+Run one process per rank:
+    torchrun --nproc-per-node 2 program.py --checkpoint model.pt --input x.pt --output out.pt [--device cpu]
+
+--checkpoint  torch state_dict (.pt) or .safetensors with the full (unsharded) parameters;
+              each rank keeps only its own slice
+--input       .pt or .safetensors dict {input name: full tensor} (or one tensor: one input)
+--output      rank 0 writes {output name: full tensor}
+--device cpu  run on CPU with gloo whatever the profile (see the PROFILE block)
+--bench N     N warm-up + N timed forward steps; rank 0 prints {"step_ms": [...]}
+"""
+import argparse
+import importlib
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+
+# ---- PROFILE ascend: the only lines that differ between device profiles ----
+PROFILE = "ascend"
+DIST_BACKEND = "hccl"
+PRELUDE = ("torch_npu",)  # imported first; skipped under --device cpu
+
+
+def profile_device():
+    """Bind this process to its device under profile ascend and return it."""
+    if not (torch.npu.device_count() > LOCAL_RANK):
+        fail(f"profile ascend: torch_npu sees {torch.npu.device_count()} NPUs, LOCAL_RANK {LOCAL_RANK} needs {LOCAL_RANK + 1}; check ASCEND_RT_VISIBLE_DEVICES and the CANN environment (source set_env.sh), or rerun with --device cpu (CPU/gloo, no NPU)")
+    torch.npu.set_device(LOCAL_RANK)
+    return torch.device(f"npu:{LOCAL_RANK}")
+# ---- end of PROFILE ----
+
+
+MESH = {"tp": 2}  # mesh axes in order; ranks are row-major
+GROUP_RANKS = {"tp": [[0, 1]]}  # each axis's rank groups, in coordinate order
+PARAMS = ("c_fc.weight", "c_fc.bias", "c_proj.weight", "c_proj.bias")
+INPUTS = ("x",)
+OUTPUT_LAYOUTS = {"output": "[R]"}
+OUTPUT_GLOBAL_SHAPES = {"output": [2, 8, 32]}
+SHARDED_OUTPUT = False  # True: every rank writes its own slices
+RUN_HINT = "torchrun --nproc-per-node 2 program.py --checkpoint model.pt --input x.pt --output out.pt"
+
+
+RANK = int(os.environ.get("RANK", "0"))
+LOCAL_RANK = int(os.environ.get("LOCAL_RANK", "0"))
+WORLD_SIZE = int(os.environ.get("WORLD_SIZE", "0"))
+MESH_SIZE = math.prod(MESH.values())
+MESH_TEXT = " ".join(f"{axis}={size}" for axis, size in MESH.items())
+AXIS = {axis: i for i, axis in enumerate(MESH)}
+DEVICE = torch.device("cpu")  # set by main()
+GROUPS = {}  # mesh axis -> this rank's process group, set by make_groups()
+
+
+def fail(message):
+    """Print ``message`` on stderr and exit with status 2."""
+    print(f"program.py (rank {RANK}): error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def mesh_coords(rank):
+    """Mesh coordinates of a global rank (row-major: the last axis varies fastest)."""
+    coords = []
+    for size in reversed(list(MESH.values())):
+        coords.append(rank % size)
+        rank //= size
+    return tuple(reversed(coords))
+
+
+COORD = mesh_coords(RANK)
+
+
+def make_groups():
+    """One process group per line of each mesh axis; every rank creates all of them, in order."""
+    for axis, lines in GROUP_RANKS.items():
+        for ranks in lines:
+            group = dist.new_group(ranks)
+            if RANK in ranks:
+                GROUPS[axis] = group
+
+
+# ---- layout changes; semantics: parcomp/reference/interpreter.py (_LAYOUT_OPS) ----
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_reduce(x, axis):
+    """P -> R: the sum over the group of mesh axis ``axis`` (``x`` is left unchanged)."""
+    y = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(y, op=dist.ReduceOp.SUM, group=GROUPS[axis])
+    return y
+
+
+def all_gather(x, dim, axis):
+    """S(dim) -> R: concatenate the group's shards along ``dim``, in coordinate order."""
+    x0 = x.movedim(dim, 0).contiguous()
+    out = x0.new_empty((MESH[axis] * x0.shape[0],) + tuple(x0.shape[1:]))
+    _all_gather_single(out, x0, group=GROUPS[axis])
+    return out.movedim(0, dim).contiguous()
+
+
+def reduce_scatter(x, dim, axis):
+    """P -> S(dim): sum over the group, keep this rank's chunk of ``dim``."""
+    x0 = x.movedim(dim, 0).contiguous()
+    out = x0.new_empty((x0.shape[0] // MESH[axis],) + tuple(x0.shape[1:]))
+    _reduce_scatter_single(out, x0, op=dist.ReduceOp.SUM, group=GROUPS[axis])
+    return out.movedim(0, dim).contiguous()
+
+
+def all_to_all(x, src_dim, dim, axis):
+    """S(src_dim) -> S(dim): chunk j of ``dim`` goes to coordinate j; concatenate along ``src_dim``."""
+    send = [c.contiguous() for c in x.chunk(MESH[axis], dim)]
+    recv = [torch.empty_like(c) for c in send]
+    dist.all_to_all(recv, send, group=GROUPS[axis])
+    return torch.cat(recv, dim=src_dim)
+
+
+def shard_slice(x, dim, axis):
+    """R -> S(dim): keep this rank's chunk of ``dim`` (local, no communication)."""
+    return x.chunk(MESH[axis], dim)[COORD[AXIS[axis]]].contiguous()
+
+
+def partial_mask(x, axis):
+    """R -> P: coordinate 0 of ``axis`` keeps the value, the others hold zeros (local)."""
+    return x if COORD[AXIS[axis]] == 0 else torch.zeros_like(x)
+
+
+# ---- loading ----
+def read_tensors(path, what):
+    """{name: tensor} (on CPU) from a .safetensors or torch .pt file; exits 2 if unreadable."""
+    if not os.path.isfile(path):
+        fail(f"{what} file {path} does not exist")
+    try:
+        if path.endswith(".safetensors"):
+            from safetensors.torch import load_file
+            return load_file(path, device="cpu")
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any reader error becomes one clear message
+        fail(f"cannot read {what} file {path}: {type(e).__name__}: {e}")
+
+
+def read_inputs(path):
+    """The inputs file as {input name: tensor}; a bare tensor is the model's only input."""
+    feeds = read_tensors(path, "input")
+    if isinstance(feeds, torch.Tensor) and len(INPUTS) == 1:
+        feeds = {INPUTS[0]: feeds}
+    if not isinstance(feeds, dict):
+        fail(f"input file {path} must hold a dict {{input name: tensor}} for inputs {list(INPUTS)}")
+    return feeds
+
+
+def take(tensors, name, shape):
+    """The full tensor ``name`` of a loaded file, checked against its full (unsharded) shape."""
+    what = "param" if name in PARAMS else "input"
+    if name not in tensors:
+        have = ", ".join(sorted(map(str, tensors))[:10]) or "nothing"
+        fail(f"{what} {name!r} (full shape {list(shape)}) is missing; the file has: {have}")
+    t = tensors[name]
+    if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shape):
+        got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        fail(f"{what} {name!r} has shape {got}, expected the full (unsharded) shape {list(shape)}")
+    return t
+
+
+def place(t, dtype):
+    """A compact copy of ``t`` on DEVICE (so the full tensor it was cut from can be freed)."""
+    return torch.empty(t.shape, dtype=dtype, device=DEVICE).copy_(t)
+
+
+def load_params(ckpt):
+    """This rank's slice of every parameter, on DEVICE (full tensors are not kept)."""
+    out = {}
+    # c_fc.weight: full f32[32,128] [S(1)] -> f32[32,64]; dim 1 split over tp: this rank's 64 of 128 columns
+    out["c_fc.weight"] = place(take(ckpt, "c_fc.weight", (32, 128)).narrow(1, COORD[0] * 64, 64), torch.float32)
+    # c_fc.bias: full f32[128] [S(0)] -> f32[64]; dim 0 split over tp: this rank's 64 of 128 entries
+    out["c_fc.bias"] = place(take(ckpt, "c_fc.bias", (128,)).narrow(0, COORD[0] * 64, 64), torch.float32)
+    # c_proj.weight: full f32[128,32] [S(0)] -> f32[64,32]; dim 0 split over tp: this rank's 64 of 128 rows
+    out["c_proj.weight"] = place(take(ckpt, "c_proj.weight", (128, 32)).narrow(0, COORD[0] * 64, 64), torch.float32)
+    # c_proj.bias: full f32[32] [R] -> f32[32]; replicated: every rank keeps all of it
+    out["c_proj.bias"] = place(take(ckpt, "c_proj.bias", (32,)), torch.float32)
+    return out
+
+
+def load_inputs(feeds):
+    """This rank's slice of every input, on DEVICE (full tensors are not kept)."""
+    out = {}
+    # x: full f32[2,8,32] [R] -> f32[2,8,32]; replicated: every rank keeps all of it
+    out["x"] = place(take(feeds, "x", (2, 8, 32)), torch.float32)
+    return out
+
+
+def forward(p, inp):
+    """One forward step on this rank: local slices in, {output name: local value} out."""
+    c_fc_weight = p["c_fc.weight"]  # [S(1)] f32[32,64]
+    c_fc_bias = p["c_fc.bias"]  # [S(0)] f32[64]
+    c_proj_weight = p["c_proj.weight"]  # [S(0)] f32[64,32]
+    c_proj_bias = p["c_proj.bias"]  # [R] f32[32]
+    x = inp["x"]  # [R] f32[2,8,32]
+    view = x.reshape((16, 32))  # [R] f32[16,32]
+    addmm_mm = torch.matmul(view, c_fc_weight)  # [S(1)] f32[16,64]
+    addmm = addmm_mm + c_fc_bias  # [S(1)] f32[16,64]
+    view_1 = addmm.reshape((2, 8, 64))  # [S(2)] f32[2,8,64]
+    mul = view_1 * 0.5  # [S(2)] f32[2,8,64]
+    pow_1 = torch.pow(view_1, 3.0)  # [S(2)] f32[2,8,64]
+    mul_1 = pow_1 * 0.044715  # [S(2)] f32[2,8,64]
+    add = view_1 + mul_1  # [S(2)] f32[2,8,64]
+    mul_2 = add * 0.7978845608028654  # [S(2)] f32[2,8,64]
+    tanh = torch.tanh(mul_2)  # [S(2)] f32[2,8,64]
+    add_1 = tanh + 1.0  # [S(2)] f32[2,8,64]
+    mul_3 = mul * add_1  # [S(2)] f32[2,8,64]
+    view_2 = mul_3.reshape((16, 64))  # [S(1)] f32[16,64]
+    addmm_1_mm = torch.matmul(view_2, c_proj_weight)  # [P] f32[16,32]
+    # all_reduce over tp [P] -> [R], bytes/rank 2048: %addmm_1_mm: its matmul contracts a dim split over tp
+    #   (row-parallel), so each rank holds a partial sum; add %addmm_1 needs the full value [R]: sum once
+    addmm_1_mm_all_reduce_tp = all_reduce(addmm_1_mm, "tp")  # [R] f32[16,32]
+    addmm_1 = addmm_1_mm_all_reduce_tp + c_proj_bias  # [R] f32[16,32]
+    output = addmm_1.reshape((2, 8, 32))  # [R] f32[2,8,32]
+    return {"output": output}
+
+
+def rank_path(path, rank):
+    """``out.pt`` -> ``out.rank{rank}.pt``: where a rank writes its slices of sharded outputs."""
+    root, ext = os.path.splitext(path)
+    return f"{root}.rank{rank}{ext}"
+
+
+def write_outputs(outputs, path):
+    """Rank 0 writes {name: full tensor}; with a sharded output every rank writes its slices."""
+    local = {name: value.detach().cpu() for name, value in outputs.items()}
+    if not SHARDED_OUTPUT:
+        if RANK == 0:
+            torch.save(local, path)
+        return
+    torch.save({"rank": RANK, "coords": list(COORD), "outputs": local, "layouts": OUTPUT_LAYOUTS,
+                "global_shapes": OUTPUT_GLOBAL_SHAPES}, rank_path(path, RANK))
+
+
+def sync():
+    """Wait for the device to finish queued work (no-op on CPU)."""
+    if DEVICE.type != "cpu":
+        getattr(torch, DEVICE.type).synchronize()
+
+
+def bench(params, inputs, steps):
+    """``steps`` warm-up then ``steps`` timed forward steps; rank 0 prints the max over ranks (ms)."""
+    times = []
+    for i in range(2 * steps):
+        dist.barrier()
+        start = time.perf_counter()
+        forward(params, inputs)
+        sync()
+        elapsed = torch.tensor([(time.perf_counter() - start) * 1e3], device=DEVICE)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        if i >= steps:
+            times.append(round(elapsed.item(), 4))
+    if RANK == 0:
+        print(json.dumps({"step_ms": times}), flush=True)
+
+
+def parse_args(argv):
+    """Command line (see the module docstring)."""
+    ap = argparse.ArgumentParser(description=f"parcomp program for mesh {MESH_TEXT}; run: {RUN_HINT}")
+    ap.add_argument("--checkpoint", required=bool(PARAMS), help=".pt state_dict or .safetensors")
+    ap.add_argument("--input", required=bool(INPUTS), help=".pt or .safetensors dict of inputs")
+    ap.add_argument("--output", help="where to write the outputs (.pt)")
+    ap.add_argument("--device", choices=sorted({"cpu", PROFILE}), default=PROFILE)
+    ap.add_argument("--bench", type=int, default=0, metavar="N", help="time N forward steps")
+    return ap.parse_args(argv)
+
+
+def check_world():
+    """Exit 2 unless started by torchrun with exactly one process per mesh rank."""
+    if "WORLD_SIZE" not in os.environ:
+        fail(f"start this program with torchrun, one process per rank: {RUN_HINT}")
+    if WORLD_SIZE != MESH_SIZE:
+        fail(f"program compiled for mesh {MESH_TEXT} ({MESH_SIZE} ranks) but started with "
+             f"WORLD_SIZE={WORLD_SIZE}; run: {RUN_HINT}")
+
+
+def import_prelude():
+    """Import the profile's device modules (e.g. torch_npu); exit 2 naming a missing one."""
+    for name in PRELUDE:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            fail(f"profile {PROFILE} needs the module {name} ({e}); install it or rerun with --device cpu")
+
+
+def run(args):
+    """Everything between init_process_group and destroy_process_group."""
+    make_groups()
+    params = load_params(read_tensors(args.checkpoint, "checkpoint")) if PARAMS else {}
+    inputs = load_inputs(read_inputs(args.input)) if INPUTS else {}
+    with torch.inference_mode():
+        outputs = forward(params, inputs)
+        if args.bench > 0:
+            bench(params, inputs, args.bench)
+    if args.output:
+        write_outputs(outputs, args.output)
+
+
+def main(argv=None):
+    """Check the world, pick the device, start torch.distributed, run, always shut it down."""
+    global DEVICE
+    args = parse_args(argv)
+    check_world()
+    if args.device == "cpu":
+        backend, DEVICE = "gloo", torch.device("cpu")
+    else:
+        import_prelude()
+        backend, DEVICE = DIST_BACKEND, profile_device()
+    dist.init_process_group(backend)
+    try:
+        run(args)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
