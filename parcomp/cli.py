@@ -23,6 +23,7 @@ def _common(p):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser of ``parcomp compile | check | run``."""
     ap = argparse.ArgumentParser(prog="parcomp", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("compile", help="write program.py, report.json and sharded.pcir")
@@ -44,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    """Run the command line ``argv``; returns the exit status (0 ok, 1 mismatch, 2 user error)."""
     args = build_parser().parse_args(argv)
     from . import commands
 

@@ -68,6 +68,7 @@ def program_files(compiled, target: str, profile: str | None, model: str | None 
 
 
 def compile(args):  # noqa: A001 - the subcommand's name
+    """``parcomp compile``: write program.py, report.json, sharded.pcir, program.pcir atomically."""
     def show(name, graph):
         print(f"// ----- IR after {name} -----\n{print_graph(graph)}")
 
@@ -127,6 +128,8 @@ def compare(got: dict, want: dict) -> dict:
 
 
 def check(args):
+    """``parcomp check``: every rank in the numpy interpreter against the unsharded model
+    (for training: one step against the unsharded step and, for torch models, torch.optim)."""
     compiled, module, example = _compile(args)
     if compiled.report.get("training"):
         return _check_training(args, compiled, module, example)
@@ -210,6 +213,8 @@ def _print_training(result, how, label="vs unsharded step"):
 
 
 def run(args):
+    """``parcomp run``: launch program.py on ``--nproc`` local gloo ranks with torchrun and compare
+    with the unsharded module (for training: K steps against torch.optim / the unsharded step)."""
     from parcomp_backends.torch.launch import assemble_outputs, run_torchrun, write_inputs
 
     compiled, module, example = _compile(args)

@@ -37,12 +37,14 @@ class Node:
     in_layouts: tuple | None = None
 
     def attr(self, key: str, default=None):
+        """The value of attribute ``key``, or ``default``."""
         for k, v in self.attrs:
             if k == key:
                 return v
         return default
 
     def with_attrs(self, **kw) -> "Node":
+        """A copy with attributes added or replaced (kept sorted)."""
         d = dict(self.attrs)
         d.update(kw)
         return replace(self, attrs=tuple(sorted(d.items())))
@@ -84,6 +86,7 @@ class Graph:
         return name in self._index
 
     def by_op(self, *ops: str) -> list:
+        """Nodes whose op is one of ``ops``, in program order."""
         return [n for n in self.nodes if n.op in ops]
 
     @property

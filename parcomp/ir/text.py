@@ -81,6 +81,7 @@ def _fmt_layout(layout) -> str:
 
 
 def print_node(n: Node) -> str:
+    """One node as one line of ``.pcir`` text."""
     lay = "" if n.layout is None else " " + _fmt_layout(n.layout)
     if n.in_layouts is None:
         args = ", ".join("%" + i for i in n.inputs)

@@ -77,6 +77,7 @@ class _Problem:
         return sum(plan_cost(src, lay, ty, self.mesh) for lay in want)
 
     def total(self, sol) -> float:
+        """Exact cost (seconds) of a solution: compute plus each distinct conversion once."""
         compute = sum(self._compute(sol, name) for name in sol)
         return compute + sum(self.value_cost(sol, n.name) for n in self.g.nodes)
 
@@ -85,6 +86,7 @@ class _Problem:
         return next(c for c, i, o in self.options[name] if i == ins and o == out)
 
     def dp_solution(self) -> dict:
+        """Forward DP over ``best[v][layout]``, then a reverse pass fixing each strategy."""
         best = {}
         for n in self.g.nodes:
             if n.op in ("input", "param"):
@@ -120,6 +122,7 @@ class _Problem:
         return min(c - base + plan_cost(o, layout, ty, self.mesh) for o, c in table.items())
 
     def greedy_solution(self) -> dict:
+        """DTensor-style propagation: each op takes the cheapest strategy given its inputs."""
         sol = {}
         for n in self.g.nodes:
             if n.op in ("input", "param"):
@@ -132,6 +135,7 @@ class _Problem:
         return sol
 
     def improve(self, sol, rounds: int = 8) -> dict:
+        """Apply strictly improving moves (see :meth:`_best_move`) until none is left."""
         sol = dict(sol)
         for _ in range(rounds):
             changed = False
