@@ -360,10 +360,59 @@ def _comment(text: str, indent: str) -> list:
                          break_on_hyphens=False)
 
 
+# ops whose result is a new contiguous tensor (safe to all_reduce in place when unshared)
+FRESH_OPS = ("matmul", "add", "sub", "mul", "div", "scale", "neg", "sum")
+
+
+def _fusions(program) -> tuple:
+    """Peepholes: ``{node: code}`` replacing a node's expression, and nodes folded into others.
+
+    - ``matmul(a, permute(w){perm=(1, 0)})`` -> ``F.linear(a, w)`` (no transposed copy);
+      followed by its only user ``add(., b)`` with a 1-D bias -> ``F.linear(a, w, b)``;
+    - ``add(matmul(a, w), b)`` with 2-D ``a``, ``w`` and 1-D ``b`` -> ``torch.addmm(b, a, w)``.
+    """
+    users, code, folded = program.users(), {}, set()
+    for n in program.nodes:
+        if n.op != "matmul":
+            continue
+        a, w = (program[i] for i in n.inputs)
+        lin = w.op == "permute" and w.attr("perm") == (1, 0) and a.type.rank >= 1
+        if not lin and not (a.type.rank == 2 and w.type.rank == 2):
+            continue
+        wsrc = w.inputs[0] if lin else w.name
+        if lin:
+            code[n.name] = ("linear", a.name, wsrc, None)
+        add = program[users[n.name][0]] if len(users[n.name]) == 1 else None
+        if add is not None and add.op == "add" and add.inputs[0] == n.name and n.name not in program.outputs:
+            b = program[add.inputs[1]]
+            if b.type.rank == 1 and b.type.shape[0] == n.type.shape[-1] and add.type == n.type:
+                code[add.name] = ("linear" if lin else "addmm", a.name, wsrc, b.name)
+                folded.add(n.name)
+    for n in program.nodes:  # a transpose read only by F.linear calls is not needed
+        if n.op == "permute" and users[n.name] and n.name not in program.outputs and all(
+                u in code and code[u][0] == "linear" and program[u].inputs[1] == n.name for u in users[n.name]):
+            folded.add(n.name)
+    return code, folded
+
+
+def _fused_code(kind, a, w, b) -> str:
+    if kind == "linear":
+        return f"torch.nn.functional.linear({a}, {w}{', ' + b if b else ''})"
+    return f"torch.addmm({b}, {a}, {w})"
+
+
+def _in_place_ok(program, users, n) -> bool:
+    """An all_reduce may reuse its input's buffer: a fresh value nothing else reads."""
+    src = program[n.inputs[0]]
+    return (src.op in FRESH_OPS and len(users[src.name]) == 1 and src.name not in program.outputs)
+
+
 def _forward(program, names, records, spec, spec_name, train) -> str:
     fn, doc = ("train_step", "One training step (forward, backward, update)") if train else (
         "forward", "One forward step on this rank")
     lines = [f"def {fn}(p, inp):", f'    """{doc}: local slices in, {{output name: local value}} out."""']
+    fused, folded = _fusions(program)
+    users = program.users()
     for n in program.nodes:
         tail = f"  # {layout_str(n.layout)} {n.type}"
         var = names[n.name]
@@ -371,9 +420,17 @@ def _forward(program, names, records, spec, spec_name, train) -> str:
             src = "p" if n.op == "param" else "inp"
             lines.append(f"    {var} = {src}[{json.dumps(n.name)}]{tail}")
             continue
+        if n.name in folded:
+            continue
         if n.op in LAYOUT_OPS:
             lines += _layout_comment(program, n, records.get(n.name), spec, spec_name)
-        code = _code(n, [names[i] for i in n.inputs])
+        if n.name in fused:
+            kind, a, w, b = fused[n.name]
+            code = _fused_code(kind, names[a], names[w], names[b] if b else None)
+        else:
+            code = _code(n, [names[i] for i in n.inputs])
+            if n.op == "all_reduce" and _in_place_ok(program, users, n):
+                code = code.replace("all_reduce(", "all_reduce_(", 1)
         lines.append(f"    {var} = {code}{tail}")
     ret = ", ".join(f"{json.dumps(pub)}: {names[v]}" for pub, v in program.named_outputs())
     lines.append(f"    return {{{ret}}}")

@@ -78,6 +78,12 @@ def all_reduce(x, axis):
     return y
 
 
+def all_reduce_(x, axis):
+    """P -> R in place: for a fresh contiguous value nothing else reads (saves a copy)."""
+    dist.all_reduce(x, op=dist.ReduceOp.SUM, group=GROUPS[axis])
+    return x
+
+
 def all_gather(x, dim, axis):
     """S(dim) -> R: concatenate the group's shards along ``dim``, in coordinate order."""
     x0 = x.movedim(dim, 0).contiguous()
@@ -236,11 +242,24 @@ def run(args):
         write_outputs(outputs, args.output)'''
 
 _MAIN_FN = '''\
+def keep_freed_memory():
+    """glibc only: keep freed activation buffers in the allocator instead of returning them to
+    the OS, so each step does not page-fault them in again (measured in bench/tp_mlp.py)."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: 32 MiB
+        libc.mallopt(-1, 256 << 20)  # M_TRIM_THRESHOLD: 256 MiB
+    except (OSError, AttributeError):
+        pass  # not glibc: the default allocator behaviour is kept
+
+
 def main(argv=None):
     """Check the world, pick the device, start torch.distributed, run, always shut it down."""
     global DEVICE
     args = parse_args(argv)
     check_world()
+    keep_freed_memory()
     if args.device == "cpu":
         backend, DEVICE = "gloo", torch.device("cpu")
     else:

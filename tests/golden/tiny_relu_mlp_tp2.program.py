@@ -98,6 +98,12 @@ def all_reduce(x, axis):
     return y
 
 
+def all_reduce_(x, axis):
+    """P -> R in place: for a fresh contiguous value nothing else reads (saves a copy)."""
+    dist.all_reduce(x, op=dist.ReduceOp.SUM, group=GROUPS[axis])
+    return x
+
+
 def all_gather(x, dim, axis):
     """S(dim) -> R: concatenate the group's shards along ``dim``, in coordinate order."""
     x0 = x.movedim(dim, 0).contiguous()
@@ -196,16 +202,14 @@ def forward(p, inp):
     """One forward step on this rank: local slices in, {output name: local value} out."""
     x = inp["x"]  # [R] f32[1,2]
     fc1_weight = p["fc1.weight"]  # [S(0)] f32[2,2]
-    t = fc1_weight.permute(1, 0)  # [S(1)] f32[2,2]
-    h = torch.matmul(x, t)  # [S(1)] f32[1,2]
+    h = torch.nn.functional.linear(x, fc1_weight)  # [S(1)] f32[1,2]
     r = torch.relu(h)  # [S(1)] f32[1,2]
     fc2_weight = p["fc2.weight"]  # [S(1)] f32[2,2]
-    t2 = fc2_weight.permute(1, 0)  # [S(0)] f32[2,2]
-    output = torch.matmul(r, t2)  # [P] f32[1,2]
+    output = torch.nn.functional.linear(r, fc2_weight)  # [P] f32[1,2]
     # all_reduce over tp [P] -> [R], bytes/rank 8: %output: its matmul contracts a dim split over tp
     #   (row-parallel), so each rank holds a partial sum; output output (spec tiny_relu_mlp_tp2.pcs:7:8)
     #   needs the full value [R]: sum once
-    output_all_reduce_tp = all_reduce(output, "tp")  # [R] f32[1,2]
+    output_all_reduce_tp = all_reduce_(output, "tp")  # [R] f32[1,2]
     return {"output": output_all_reduce_tp}
 
 
@@ -290,11 +294,24 @@ def run(args):
         write_outputs(outputs, args.output)
 
 
+def keep_freed_memory():
+    """glibc only: keep freed activation buffers in the allocator instead of returning them to
+    the OS, so each step does not page-fault them in again (measured in bench/tp_mlp.py)."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: 32 MiB
+        libc.mallopt(-1, 256 << 20)  # M_TRIM_THRESHOLD: 256 MiB
+    except (OSError, AttributeError):
+        pass  # not glibc: the default allocator behaviour is kept
+
+
 def main(argv=None):
     """Check the world, pick the device, start torch.distributed, run, always shut it down."""
     global DEVICE
     args = parse_args(argv)
     check_world()
+    keep_freed_memory()
     if args.device == "cpu":
         backend, DEVICE = "gloo", torch.device("cpu")
     else:
