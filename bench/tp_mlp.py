@@ -242,6 +242,7 @@ def micro(h: int, program_path: str, reps: int) -> dict:
     def emitted(clone):
         prog.all_reduce = ((lambda t, axis: t.clone(memory_format=torch.contiguous_format)) if clone
                            else (lambda t, axis: t))
+        prog.all_reduce_ = prog.all_reduce  # the in-place variant (emitted for unshared values)
         return lambda: prog.forward(params, inputs)
 
     cases = [
