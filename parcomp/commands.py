@@ -27,17 +27,33 @@ def _compile(args, after=None):
     return compile_graph(graph, spec, after), module, example
 
 
+MARKER = ".parcomp-output"  # written into every directory parcomp writes
+
+
 def write_dir_atomic(out: str, files: dict) -> None:
     """Write ``{name: text}`` into directory ``out``, all or nothing.
 
     The files go to a temporary sibling directory first, which then replaces
-    ``out``; on any error nothing at ``out`` changes.
+    ``out``; on any error nothing at ``out`` changes.  An existing ``out`` is
+    replaced only if it is empty or was written by parcomp (it holds
+    ``.parcomp-output``): parcomp never deletes a directory of the user's.
+
+    Raises:
+        ParcompError: ``out`` is a file, or a non-empty directory parcomp did not write.
     """
-    parent = os.path.dirname(os.path.abspath(out)) or "."
+    out = os.path.abspath(out)
+    if out == os.getcwd() or os.getcwd().startswith(out + os.sep):
+        raise ParcompError(f"-o {out}: that is the current directory (or holds it); give a new one")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ParcompError(f"-o {out}: a file of that name exists; give a directory name")
+    if os.path.isdir(out) and os.listdir(out) and not os.path.exists(os.path.join(out, MARKER)):
+        raise ParcompError(f"-o {out}: the directory exists, is not empty and was not written by "
+                           f"parcomp; it is left alone. Give a new or empty directory.")
+    parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".parcomp-", dir=parent)
     try:
-        for name, text in files.items():
+        for name, text in {**files, MARKER: "written by parcomp; replaced by the next compile\n"}.items():
             with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
                 f.write(text)
         if os.path.isdir(out):

@@ -36,7 +36,8 @@ def test_compile_writes_program_report_and_ir(files, capsys):
     spec = write(files, "ok.pcs", SPEC_OK)
     out = files / "out"
     assert main(["compile", str(files / "tiny.pcir"), "--spec", spec, "-o", str(out)]) == 0
-    assert sorted(os.listdir(out)) == ["program.pcir", "program.py", "report.json", "sharded.pcir"]
+    assert sorted(os.listdir(out)) == [".parcomp-output", "program.pcir", "program.py", "report.json",
+                                       "sharded.pcir"]
     report = json.loads((out / "report.json").read_text())
     assert [c["kind"] for c in report["collectives"]] == ["all_reduce"]
 
@@ -116,3 +117,18 @@ def test_run_training_two_ranks_matches_unsharded_steps(files, capsys):
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert last["ok"] and last["steps"] == 2 and len(last["losses"]) == 2
     assert max(abs(a - b) for a, b in zip(last["losses"], last["reference_losses"])) < 1e-5
+
+
+def test_compile_never_deletes_a_users_directory(files, capsys, monkeypatch):
+    spec = write(files, "ok.pcs", SPEC_OK)
+    mine = files / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("important")
+    assert main(["compile", str(files / "tiny.pcir"), "--spec", spec, "-o", str(mine)]) == 2
+    assert "not written by parcomp; it is left alone" in capsys.readouterr().err
+    assert (mine / "notes.txt").read_text() == "important"
+    monkeypatch.chdir(files)
+    assert main(["compile", "tiny.pcir", "--spec", spec, "-o", "."]) == 2
+    assert "current directory" in capsys.readouterr().err and (files / "tiny.pcir").exists()
+    assert main(["compile", "tiny.pcir", "--spec", spec, "-o", "ok.pcs"]) == 2
+    assert "a file of that name exists" in capsys.readouterr().err
