@@ -28,7 +28,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from .ir.types import Layout, Mesh, Partial, Replicate, Shard, TensorType, local_shape, shard_axes
+from .ir.types import DTYPE_BYTES, Layout, Mesh, Partial, Replicate, Shard, TensorType, local_shape, shard_axes
 
 # alpha-beta cost model (DTensor _collective_utils.py style): seconds per collective
 # call plus seconds per byte sent per rank. Local steps cost EPSILON to break ties.
@@ -65,7 +65,7 @@ class Step:
 def step_bytes(step: Step, ty: TensorType, mesh: Mesh) -> int:
     """Bytes one rank sends for ``step`` on a tensor of global type ``ty`` (ring algorithms)."""
     n = mesh.sizes[step.axis]
-    itemsize = np.dtype(ty.dtype).itemsize
+    itemsize = DTYPE_BYTES[ty.dtype]
     before = int(np.prod(local_shape(ty, step.before, mesh))) * itemsize
     after = int(np.prod(local_shape(ty, step.after, mesh))) * itemsize
     if step.kind == "all_gather":

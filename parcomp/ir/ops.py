@@ -139,3 +139,12 @@ LAYOUT_OPS = COLLECTIVES + ("shard_slice", "partial_mask")
 # identity whose output layout is fixed by the spec (outputs, pinned activations);
 # insert-collectives replaces it by the redistribution it asks for
 _def("relayout", 1, "relayout", _same)
+
+# attributes an op cannot do without (checked by the verifier)
+REQUIRED_ATTRS = {
+    "pow": ("exponent",), "pow_grad": ("exponent",), "scale": ("value",), "add_scalar": ("value",),
+    "permute": ("perm",), "sum": ("dims",), "expand": ("dims",),
+    "adamw_param": ("lr", "beta1", "beta2", "eps", "weight_decay"),
+    **{op: ("axis",) for op in LAYOUT_OPS},
+}
+ATTR_CHOICES = {("gelu", "approximate"): ("none", "tanh"), ("gelu_grad", "approximate"): ("none", "tanh")}

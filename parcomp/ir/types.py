@@ -87,7 +87,7 @@ class TensorType:
     @property
     def nbytes(self) -> int:
         """Size in bytes."""
-        return self.numel * np.dtype(self.dtype).itemsize
+        return self.numel * DTYPE_BYTES[self.dtype]
 
     def with_shape(self, shape) -> "TensorType":
         return TensorType(tuple(int(s) for s in shape), self.dtype)
@@ -96,6 +96,8 @@ class TensorType:
         return f"{DTYPE_SHORT[self.dtype]}[{','.join(str(s) for s in self.shape)}]"
 
 
+DTYPE_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
+               "bool": 1}  # numpy has no bfloat16, so sizes come from this table
 DTYPE_SHORT = {"float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16",
                "int64": "i64", "int32": "i32", "bool": "bool"}
 DTYPE_LONG = {v: k for k, v in DTYPE_SHORT.items()}

@@ -15,6 +15,7 @@ from dataclasses import replace
 
 from ..errors import SpecError
 from ..ir.graph import Graph, Node, make_attrs
+from ..ir.ops import LAYOUT_OPS
 from ..ir.types import P, R, Shard, divisibility_problem, layout_str, replicated
 from ..rules.sharding import reshape_dim_map
 from ..spec import Spec
@@ -29,6 +30,10 @@ def bind_layouts(graph: Graph, spec: Spec) -> Graph:
             is not a matmul weight, or a layout that splits a dim unevenly (the
             message names tensor, dim, sizes and mesh axis, at the rule's line).
     """
+    inserted = [n for n in graph.nodes if n.op in LAYOUT_OPS + ("relayout",)]
+    if inserted:
+        raise SpecError(f"%{inserted[0].name} is a {inserted[0].op}: layout changes are inserted by "
+                        f"parcomp; a model graph given to it cannot contain them")
     values = [n.name for n in graph.nodes if n.op not in ("input", "param")]
     check_names(spec, [n.name for n in graph.params], [n.name for n in graph.inputs],
                 list(graph.output_names), values)
@@ -144,8 +149,9 @@ def _matmuls_of(graph, users, name):
 def _check_even(node, layout, spec, rule):
     problem = divisibility_problem(node.type, layout, spec.mesh)
     if problem:
-        raise SpecError(f"{node.op} {node.name} {node.type} as {layout_str(layout)}: {problem} "
-                        f"(uneven sharding is not supported yet)", rule.loc if rule else None)
+        note = " (uneven sharding is not supported yet)" if "not divisible" in problem else ""
+        raise SpecError(f"{node.op} {node.name} {node.type} as {layout_str(layout)}: {problem}{note}",
+                        rule.loc if rule else None)
 
 
 def _pin(graph, name, layout, origin, suffix):

@@ -64,13 +64,30 @@ def train_config(spec) -> TrainConfig:
     for k, v in args:
         if k not in hyper:
             raise SpecError(f"{name} has no hyperparameter {k!r}; it takes {', '.join(hyper)}", t.loc)
-        hyper[k] = float(v)
-    zero = int(t.get("zero", 0))
+        hyper[k] = _number(v, f"{name}({k}=...)", t.loc, float)
+        if hyper[k] < 0:
+            raise SpecError(f"{name}({k}={v}) must not be negative", t.loc)
+    zero = _number(t.get("zero", 0), "zero", t.loc, int)
     if zero not in (0, 1, 2):
         raise SpecError(f"zero={zero}: only 0, 1 and 2 exist", t.loc)
     if zero and "dp" not in spec.mesh.names:
         raise SpecError("zero=1/2 shards optimizer state over a 'dp' mesh axis, and the mesh has none",
                         t.loc)
     batch = t.get("batch")
-    return TrainConfig(loss, name, tuple(sorted(hyper.items())), None if batch is None else int(batch),
-                       int(t.get("steps", 1)), zero, str(t.get("trainable", "**")), t.loc)
+    batch = None if batch is None else _number(batch, "batch", t.loc, int)
+    steps = _number(t.get("steps", 1), "steps", t.loc, int)
+    if steps < 1 or (batch is not None and batch < 1):
+        raise SpecError(f"steps and batch must be at least 1 (steps={steps}, batch={batch})", t.loc)
+    return TrainConfig(loss, name, tuple(sorted(hyper.items())), batch, steps, zero,
+                       str(t.get("trainable", "**")), t.loc)
+
+
+def _number(value, what, loc, kind):
+    """``value`` as an int or float; SpecError naming ``what`` if it is not one."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if ok and kind is int and float(value) != int(value):
+        ok = False
+    if not ok:
+        raise SpecError(f"{what} must be {'a whole number' if kind is int else 'a number'}, "
+                        f"not {value!r}", loc)
+    return kind(value)

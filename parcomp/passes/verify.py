@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ..errors import VerifyError
 from ..ir.graph import Graph, describe
-from ..ir.ops import OPS
+from ..ir.ops import ATTR_CHOICES, OPS, REQUIRED_ATTRS
 from ..ir.types import Partial, Replicate, Shard, divisibility_problem, layout_str
 from ..rules.sharding import is_valid_strategy
 
@@ -43,10 +43,24 @@ def _check_ssa(graph):
         arity = OPS[n.op].arity
         if arity >= 0 and len(n.inputs) != arity:
             _fail(graph, n, f"{n.op} takes {arity} operands, got {len(n.inputs)}")
+        _check_attrs(graph, n)
         seen.add(n.name)
     for o in graph.outputs:
         if o not in seen:
             raise VerifyError(f"output %{o} is not defined")
+
+
+def _check_attrs(graph, n):
+    for key in REQUIRED_ATTRS.get(n.op, ()):
+        if n.attr(key) is None:
+            _fail(graph, n, f"{n.op} needs the attribute {key}")
+    for key in ("exponent", "value", "lr", "beta1", "beta2", "eps", "weight_decay"):
+        v = n.attr(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            _fail(graph, n, f"attribute {key} of {n.op} must be a number, not {v!r}")
+    for (op, key), choices in ATTR_CHOICES.items():
+        if n.op == op and n.attr(key, choices[0]) not in choices:
+            _fail(graph, n, f"{op} {key}={n.attr(key)!r}: choose one of {', '.join(choices)}")
 
 
 def _check_types(graph):

@@ -70,7 +70,7 @@ def assemble(locals_by_rank, layout, global_shape, mesh, dtype="float32") -> np.
         coords = mesh.coords(r)
         key = tuple(c if not isinstance(p, Replicate) else 0 for c, p in zip(coords, layout))
         if key in seen:
-            if any(isinstance(p, Replicate) for p in layout) and not np.array_equal(seen[key], local):
+            if any(isinstance(p, Replicate) for p in layout) and not np.array_equal(seen[key], local, equal_nan=True):
                 raise ValueError(f"replicas differ: rank {r} vs another rank at coords {key}")
             continue
         seen[key] = local
