@@ -60,3 +60,8 @@ def test_nan_outputs_identical_on_every_replica_are_not_a_divergence():
     np.testing.assert_array_equal(assemble([x, x.copy()], (R,), (2,), mesh), x)
     with pytest.raises(ValueError, match="replicas differ"):
         assemble([x, np.array([2.0, np.nan], "f4")], (R,), (2,), mesh)
+
+
+def test_a_rule_shadowed_by_an_earlier_one_is_an_error(tmp_path, capsys):
+    rc, err = run_cli(tmp_path, capsys, BASE, "mesh tp=2\nw* colwise\nw2 rowwise\n")
+    assert rc == 2 and "s.pcs:3:1" in err and "never applies" in err and "'w*' at " in err

@@ -37,6 +37,9 @@ def bind_layouts(graph: Graph, spec: Spec) -> Graph:
     values = [n.name for n in graph.nodes if n.op not in ("input", "param")]
     check_names(spec, [n.name for n in graph.params], [n.name for n in graph.inputs],
                 list(graph.output_names), values)
+    _check_shadowed(spec, {"param": [n.name for n in graph.params],
+                           "input": [n.name for n in graph.inputs],
+                           "output": list(graph.output_names), "activation": values})
     graph = replace(graph, mesh=spec.mesh)
     layouts, bound_by = {}, {}
     for n in graph.nodes:
@@ -54,6 +57,20 @@ def bind_layouts(graph: Graph, spec: Spec) -> Graph:
     graph = graph.with_nodes(nodes)
     graph = _pin_activations(graph, spec)
     return _pin_outputs(graph, spec)
+
+
+def _check_shadowed(spec, names_by_target):
+    """The first matching rule wins; a rule that never wins is a mistake, so say so."""
+    for i, rule in enumerate(spec.rules):
+        names = [n for n in names_by_target[rule.target] if rule.matches(n)]
+        if not names:
+            continue
+        winners = [n for n in names if _first(spec, rule.target, n) is rule]
+        if not winners:
+            first = _first(spec, rule.target, names[0])
+            raise SpecError(f"this rule never applies: {names[0]} is matched first by "
+                            f"'{first.pattern}' at {first.loc} (the first matching rule wins); "
+                            f"put the more specific rule first", rule.loc)
 
 
 def _first(spec, target, name):
