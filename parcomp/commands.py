@@ -86,7 +86,7 @@ def program_files(compiled, target: str, profile: str | None, model: str | None 
 def compile(args):  # noqa: A001 - the subcommand's name
     """``parcomp compile``: write program.py, report.json, sharded.pcir, program.pcir atomically."""
     def show(name, graph):
-        print(f"// ----- IR after {name} -----\n{print_graph(graph)}")
+        print(f"# ----- IR after {name} -----\n{print_graph(graph)}")
 
     compiled, _, _ = _compile(args, show if args.print_ir_after_all else None)
     write_dir_atomic(args.out, program_files(compiled, args.target, args.profile,
