@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Run parcomp's benchmarks: tp_mlp (emitted TP program vs DTensor / hand-written / unsharded)
-# and compile_time (import, compile_graph, emit_program). Other arguments go to every script,
+# Run parcomp's benchmarks: tp_mlp (emitted TP forward program vs DTensor / hand-written /
+# unsharded), tp_mlp_train (the same for one training step: fwd+bwd+SGD) and compile_time
+# (import, compile_graph, emit_program). Other arguments go to every script,
 # e.g. `bash bench/run_all.sh --quick` (smoke run, < 1 min) or `--plain` (no rich tables).
-# `--json PREFIX` writes PREFIX.tp_mlp.json and PREFIX.compile_time.json.
+# `--json PREFIX` writes PREFIX.tp_mlp.json, PREFIX.tp_mlp_train.json and PREFIX.compile_time.json.
 # PY selects the interpreter (default: the repo's .venv, else python3).
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
@@ -16,7 +17,7 @@ while [ $# -gt 0 ]; do
 done
 echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null) (timings assume an otherwise idle machine)"
 rc=0
-for b in tp_mlp compile_time; do
+for b in tp_mlp tp_mlp_train compile_time; do
   extra=()
   [ -n "$json" ] && extra=(--json "$json.$b.json")
   echo "=== $b ${args[*]:-}"

@@ -69,6 +69,9 @@ def program_files(compiled, target: str, profile: str | None, model: str | None 
 
     Raises ParcompError when ``--target ascend`` is given another profile.
     """
+    if target == "reference" and profile is not None:
+        raise ParcompError(f"--target reference writes no program.py, so --profile {profile} has "
+                           f"no effect; drop it or use --target torch")
     if target == "ascend" and profile not in (None, "ascend"):
         raise ParcompError(f"--target ascend emits the ascend (torch_npu/HCCL) profile; "
                            f"--profile {profile} contradicts it (use --target torch --profile {profile})")

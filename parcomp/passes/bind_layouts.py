@@ -116,7 +116,12 @@ def _weight_split_dim(graph, node, rule) -> int:
             dim = rb - 1 if rule.layout.word == "colwise" else rb - 2
             break
         nxt = [u for u in us if graph[u].op in ("permute", "reshape")]
-        if len(us) != 1 or not nxt:
+        if len(us) > 1:
+            used = ", ".join(f"{graph[u].op} %{u}" for u in us)
+            raise SpecError(f"'{rule.layout.word}' follows {node.name} along one chain of uses to "
+                            f"its matmul, but it is used {len(us)} times ({used}); give it an "
+                            f"explicit layout such as [S(0)] instead", rule.loc)
+        if not nxt:
             used = ", ".join(f"{graph[u].op} %{u}" for u in us) or "nothing"
             raise SpecError(f"'{rule.layout.word}' needs {node.name} to be the right operand of "
                             f"a matmul (a weight); it is used by {used}", rule.loc)
