@@ -388,6 +388,20 @@ def _fusions(program) -> tuple:
             if b.type.rank == 1 and b.type.shape[0] == n.type.shape[-1] and add.type == n.type:
                 code[add.name] = ("linear" if lin else "addmm", a.name, wsrc, b.name)
                 folded.add(n.name)
+    for n in program.nodes:
+        src = program[n.inputs[0]] if n.inputs else None
+        # (A @ B).T as B.T @ A.T: the weight gradient comes out in the weight's own layout
+        if (n.op == "permute" and n.attr("perm") == (1, 0) and src.op == "matmul"
+                and src.name not in code and len(users[src.name]) == 1 and src.type.rank == 2
+                and all(program[i].type.rank == 2 for i in src.inputs)):
+            code[n.name] = ("swapped", src.inputs[0], src.inputs[1], None)
+            folded.add(src.name)
+        # p - lr * g in one pass (torch.optim.SGD's update)
+        if (n.op == "sub" and program[n.inputs[1]].op == "scale" and len(users[n.inputs[1]]) == 1
+                and program[n.inputs[1]].type == n.type and program[n.inputs[0]].type == n.type):
+            g = program[n.inputs[1]]
+            code[n.name] = ("axpy", n.inputs[0], g.inputs[0], -g.attr("value"))
+            folded.add(g.name)
     for n in program.nodes:  # a transpose read only by F.linear calls is not needed
         if n.op == "permute" and users[n.name] and n.name not in program.outputs and all(
                 u in code and code[u][0] == "linear" and program[u].inputs[1] == n.name for u in users[n.name]):
@@ -396,6 +410,10 @@ def _fusions(program) -> tuple:
 
 
 def _fused_code(kind, a, w, b) -> str:
+    if kind == "swapped":
+        return f"torch.matmul({w}.t(), {a}.t())"
+    if kind == "axpy":
+        return f"torch.add({a}, {w}, alpha={_py(float(b))})"
     if kind == "linear":
         return f"torch.nn.functional.linear({a}, {w}{', ' + b if b else ''})"
     return f"torch.addmm({b}, {a}, {w})"
@@ -426,7 +444,7 @@ def _forward(program, names, records, spec, spec_name, train) -> str:
             lines += _layout_comment(program, n, records.get(n.name), spec, spec_name)
         if n.name in fused:
             kind, a, w, b = fused[n.name]
-            code = _fused_code(kind, names[a], names[w], names[b] if b else None)
+            code = _fused_code(kind, names[a], names[w], names[b] if isinstance(b, str) else b)
         else:
             code = _code(n, [names[i] for i in n.inputs])
             if n.op == "all_reduce" and _in_place_ok(program, users, n):
@@ -444,6 +462,8 @@ def _code(n, args) -> str:
                         f"knows: {', '.join(sorted(OP_FORMATS))}")
     if n.op == "sum" and not n.attr("dims"):
         return args[0]
+    if n.op == "pow_grad" and n.attr("exponent") == 2.0:  # d(x**2) = 2 x dy, without pow(x, 1)
+        return f"{args[0]} * ({args[1]} * 2.0)"
     if n.type.dtype not in TORCH_DTYPES:
         raise EmitError(f"%{n.name} has dtype {n.type.dtype}, which has no torch name")
     attrs = dict(ATTR_DEFAULTS.get(n.op, {}))
