@@ -32,7 +32,9 @@ from .ir.types import DTYPE_BYTES, Layout, Mesh, Partial, Replicate, Shard, Tens
 
 # alpha-beta cost model (DTensor _collective_utils.py style): seconds per collective
 # call plus seconds per byte sent per rank. Local steps cost EPSILON to break ties.
-ALPHA_S = 1e-5
+# One model for every device profile (the Program must not change between them); see
+# docs/design.md for why alpha is 1e-4 s.
+ALPHA_S = 1e-4
 BETA_S_PER_BYTE = 1e-10
 EPSILON_S = 1e-12
 # compute is priced too (as in AutoParallel's communication + compute cost), so
