@@ -25,13 +25,22 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # keep the profiler quiet
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 
+import sys  # noqa: E402
+
+# --malloc-tuned: rerun the script with glibc's malloc told to keep freed memory (as
+# program.py's main() does with mallopt); spawned workers inherit it. Done here, before
+# torch is imported, for every benchmark that imports this module.
+MALLOC_TUNED = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(256 << 20)}
+if "--malloc-tuned" in sys.argv and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+    os.environ.update(MALLOC_TUNED)
+    os.execv(sys.executable, [sys.executable] + sys.argv)
+
 import json  # noqa: E402
 import platform  # noqa: E402
 import queue  # noqa: E402
 import resource  # noqa: E402
 import socket  # noqa: E402
 import statistics  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 import warnings  # noqa: E402

@@ -57,12 +57,6 @@ from __future__ import annotations
 import os
 import sys
 
-# --malloc-tuned: rerun this script with glibc's malloc told to keep freed memory (no
-# mmap/munmap + page faults for every large temporary); spawned workers inherit it.
-MALLOC_TUNED = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(256 << 20)}
-if "--malloc-tuned" in sys.argv and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
-    os.environ.update(MALLOC_TUNED)
-    os.execv(sys.executable, [sys.executable] + sys.argv)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402,I001  (sets the thread environment before torch is imported)
 
@@ -290,7 +284,7 @@ def torchrun_bench(h: int, directory: str, program_path: str, steps: int) -> dic
 
 def main():
     t_start = time.perf_counter()
-    malloc = ", ".join(f"{k}={os.environ[k]}" for k in MALLOC_TUNED if k in os.environ) or "glibc defaults"
+    malloc = ", ".join(f"{k}={os.environ[k]}" for k in C.MALLOC_TUNED if k in os.environ) or "glibc defaults"
     print(f"tp_mlp: Linear(h,4h)+GELU+Linear(4h,h), x {B}x{S}xh, fp32, forward only, TP=2 on gloo; "
           f"{C.env_line()}; malloc: {malloc}")
     results, rows = {"_env": {"loadavg_start": C.loadavg(), "malloc": malloc}}, []

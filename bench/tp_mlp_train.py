@@ -76,12 +76,6 @@ from __future__ import annotations
 import os
 import sys
 
-# --malloc-tuned: rerun with glibc's malloc told to keep freed memory (as program.py's main()
-# does with mallopt); spawned workers inherit it.
-MALLOC_TUNED = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(256 << 20)}
-if "--malloc-tuned" in sys.argv and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
-    os.environ.update(MALLOC_TUNED)
-    os.execv(sys.executable, [sys.executable] + sys.argv)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402,I001  (sets the thread environment before torch is imported)
 
@@ -586,7 +580,7 @@ WHAT = {
 
 def main():
     t_start = time.perf_counter()
-    malloc = ", ".join(f"{k}={os.environ[k]}" for k in MALLOC_TUNED if k in os.environ) or "glibc defaults"
+    malloc = ", ".join(f"{k}={os.environ[k]}" for k in C.MALLOC_TUNED if k in os.environ) or "glibc defaults"
     print(f"tp_mlp_train: Linear(h,4h)+GELU+Linear(4h,h), x/target {B}x{S}xh, fp32, mse, SGD lr={LR}, "
           f"fwd+bwd+update, TP=2 on gloo; {C.env_line()}; malloc: {malloc}", flush=True)
     results, rows = {"_env": {"loadavg_start": C.loadavg(), "malloc": malloc}}, []
