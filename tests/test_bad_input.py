@@ -65,3 +65,8 @@ def test_nan_outputs_identical_on_every_replica_are_not_a_divergence():
 def test_a_rule_shadowed_by_an_earlier_one_is_an_error(tmp_path, capsys):
     rc, err = run_cli(tmp_path, capsys, BASE, "mesh tp=2\nw* colwise\nw2 rowwise\n")
     assert rc == 2 and "s.pcs:3:1" in err and "never applies" in err and "'w*' at " in err
+
+
+def test_ir_verify_errors_point_at_the_line(tmp_path, capsys):
+    rc, err = run_cli(tmp_path, capsys, BASE.replace("%h: f32[4,16]", "%h: f32[4,15]"), SPEC)
+    assert rc == 2 and "m.pcir:4:1" in err and "type should be f32[4,16], not f32[4,15]" in err

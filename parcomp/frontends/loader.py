@@ -12,9 +12,10 @@ import importlib.util
 import os
 import sys
 
-from ..errors import FrontendError, closest
+from ..errors import FrontendError, SourceLoc, VerifyError, closest
 from ..ir.graph import Graph
 from ..ir.text import parse_graph
+from ..passes.verify import verify
 
 USAGE = "a model reference is FILE.pcir, FILE.py:FACTORY or package.module:factory"
 
@@ -53,7 +54,18 @@ def _read_pcir(path: str) -> Graph:
             text = f.read()
     except OSError as e:
         raise FrontendError(f"cannot read model {path!r}: {e.strerror}") from None
-    return parse_graph(text, file=path)
+    graph = parse_graph(text, file=path)
+    try:
+        verify(graph)
+    except VerifyError as e:  # point at the offending line of the file
+        name = getattr(e, "node", None)
+        lines = text.splitlines()
+        at = next((i for i, ln in enumerate(lines) if name and ln.lstrip().startswith(f"%{name}:")), None)
+        if at is None:
+            raise
+        col = len(lines[at]) - len(lines[at].lstrip()) + 1
+        raise VerifyError(e.message, SourceLoc(path, at + 1, col, lines[at])) from None
+    return graph
 
 
 def _import(where: str, ref: str):

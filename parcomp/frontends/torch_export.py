@@ -275,7 +275,9 @@ def _lower(b: _Builder, n) -> str | None:
 
 def _export(module, example_inputs: tuple):
     try:
-        ep = torch.export.export(module.eval(), tuple(example_inputs), strict=False)
+        # traced in the mode it is given (not switched to eval: the user's module is not
+        # changed); dropout with p > 0 in training mode is then a clear error
+        ep = torch.export.export(module, tuple(example_inputs), strict=False)
     except Exception as e:  # torch raises many types; the user needs the summary
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise FrontendError(f"torch.export could not trace {type(module).__name__}: "
@@ -319,7 +321,8 @@ def import_torch(module: torch.nn.Module, example_inputs: tuple,
     """Trace ``module`` with torch.export and lower it to a global parcomp Graph.
 
     Args:
-        module: the model; it is put in eval mode.
+        module: the model, traced in the mode it is in (call ``.eval()`` first for
+            inference; dropout with p > 0 in training mode is rejected).
         example_inputs: tuple of tensors with the static shapes to compile for.
         input_names: names of the ``input`` nodes; default: ``forward``'s argument
             names, else ``input_0``, ``input_1``...

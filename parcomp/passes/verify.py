@@ -27,7 +27,9 @@ def verify(graph: Graph) -> None:
 
 
 def _fail(graph, node, msg):
-    raise VerifyError(f"{msg}\n  at: {describe(node)}")
+    err = VerifyError(f"{msg}\n  at: {describe(node)}")
+    err.node = node.name  # lets a caller with the source text point at the line
+    raise err
 
 
 def _check_ssa(graph):
