@@ -199,3 +199,14 @@ def test_replicated_input_of_column_parallel_gets_its_gradient_all_reduced():
     assert [(r["kind"], r["axis"]) for r in bwd] == [("all_reduce", "tp")]
     dx = c.sharded[c.sharded.outputs[c.sharded.output_names.index("x.grad")]]
     assert dx.op == "all_reduce"  # the gradient of x is the reduced value, nothing else is
+
+
+def test_input_grads_no_drops_dx_and_its_all_reduce():
+    g = mlp_graph((4, 8), [16, 32, 16], [True, True], ["relu"])
+    c = compile_graph(g, _train(extra="input_grads=no"))
+    assert "x.grad" not in c.program.output_names
+    assert [(r["kind"], r["phase"]) for r in c.report["collectives"]] == [("all_reduce", "forward")]
+    feeds = _feeds(c)
+    got, want = run_spmd(c.program, feeds).outputs(c.program), run_unsharded(c.logical, feeds)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-5, err_msg=k)

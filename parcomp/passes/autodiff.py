@@ -92,7 +92,7 @@ def add_training_step(graph: Graph, spec) -> Graph:
     Outputs of the result: ``loss`` (replicated), every trainable parameter's
     updated value (public name = the parameter's), its ``.grad``, optimizer
     state (``.momentum_buffer`` / ``.exp_avg`` / ``.exp_avg_sq``), and ``x.grad``
-    for every float input ``x``.
+    for every float input ``x`` (unless the spec says ``input_grads=no``).
 
     Raises:
         SpecError: non-scalar ``loss=output``, an unknown optimizer, a batch that
@@ -107,7 +107,7 @@ def add_training_step(graph: Graph, spec) -> Graph:
     loss = _loss(b, graph, cfg)
     b.prefix = "bw"
     seed = b.op("ones", [], type=b.type(loss), name="bw.loss")
-    finputs = [n.name for n in graph.inputs if n.type.dtype.startswith("float")]
+    finputs = [n.name for n in graph.inputs if n.type.dtype.startswith("float")] if cfg.input_grads else []
     grads = backward(b, Graph(tuple(b.nodes), (loss,)), {loss: seed}, params + finputs)
     outs.append(("loss", _pin(b, loss, replicated(len(spec.mesh.axes)), "the loss")))
     for p in params:

@@ -28,6 +28,8 @@ class TrainConfig:
             optimizer state over the ``dp`` axis (ZeRO-1/2: reduce_scatter of
             gradients, local update, all_gather of parameters).
         trainable: name pattern of the trained parameters.
+        input_grads: whether float model inputs get gradients (``x.grad``): yes for a
+            layer inside a larger model (Megatron's dx all_reduce), no for data inputs.
     """
 
     loss: str
@@ -38,6 +40,7 @@ class TrainConfig:
     zero: int
     trainable: str
     loc: object
+    input_grads: bool = True
 
     def h(self, key):
         return dict(self.hyper)[key]
@@ -46,7 +49,7 @@ class TrainConfig:
 def train_config(spec) -> TrainConfig:
     """Read and check ``spec.train``. Raises SpecError at the train line."""
     t = spec.train
-    known = {"loss", "optimizer", "batch", "steps", "zero", "trainable"}
+    known = {"loss", "optimizer", "batch", "steps", "zero", "trainable", "input_grads"}
     for k, _ in t.options:
         if k not in known:
             hint = closest(k, known)
@@ -78,8 +81,11 @@ def train_config(spec) -> TrainConfig:
     steps = _number(t.get("steps", 1), "steps", t.loc, int)
     if steps < 1 or (batch is not None and batch < 1):
         raise SpecError(f"steps and batch must be at least 1 (steps={steps}, batch={batch})", t.loc)
+    input_grads = t.get("input_grads", "yes")
+    if input_grads not in ("yes", "no"):
+        raise SpecError(f"input_grads={input_grads!r}: say yes or no", t.loc)
     return TrainConfig(loss, name, tuple(sorted(hyper.items())), batch, steps, zero,
-                       str(t.get("trainable", "**")), t.loc)
+                       str(t.get("trainable", "**")), t.loc, input_grads == "yes")
 
 
 def _number(value, what, loc, kind):
