@@ -11,23 +11,12 @@ from parcomp.reference.numpy_ops import run_unsharded
 
 from graphs import mlp_graph, random_feeds, spec
 
+from test_megatron import TINY, W1, W2  # the worked example of the forward tests
+
 # the worked MLP with the output gradient dY fed in: loss = sum(output * dy), so dL/doutput = dy
-TINY_VJP = """\
-%x: f32[1,2] = input()
-%dy: f32[1,2] = input()
-%fc1.weight: f32[4,2] = param()
-%fc1.wt: f32[2,4] = permute(%fc1.weight) {perm=(1, 0)}
-%h: f32[1,4] = matmul(%x, %fc1.wt)
-%r: f32[1,4] = relu(%h)
-%fc2.weight: f32[2,4] = param()
-%fc2.wt: f32[4,2] = permute(%fc2.weight) {perm=(1, 0)}
-%output: f32[1,2] = matmul(%r, %fc2.wt)
-%ydy: f32[1,2] = mul(%output, %dy)
-%l: f32[] = sum(%ydy) {dims=(0, 1)}
-return %l
-"""
-W1 = np.array([[1, 2, 0, 1], [0, 1, 3, 2]], "f4")
-W2 = np.array([[1, 0], [0, 1], [1, 1], [2, 0]], "f4")
+TINY_VJP = (TINY.replace("%x: f32[1,2] = input()\n", "%x: f32[1,2] = input()\n%dy: f32[1,2] = input()\n")
+            .replace("return %output\n", "%ydy: f32[1,2] = mul(%output, %dy)\n"
+                     "%l: f32[] = sum(%ydy) {dims=(0, 1)}\nreturn %l\n"))
 
 
 def collectives(run):
