@@ -70,3 +70,23 @@ def test_a_rule_shadowed_by_an_earlier_one_is_an_error(tmp_path, capsys):
 def test_ir_verify_errors_point_at_the_line(tmp_path, capsys):
     rc, err = run_cli(tmp_path, capsys, BASE.replace("%h: f32[4,16]", "%h: f32[4,15]"), SPEC)
     assert rc == 2 and "m.pcir:4:1" in err and "type should be f32[4,16], not f32[4,15]" in err
+
+
+def test_model_returning_one_tensor_twice(tmp_path, capsys):
+    model = tmp_path / "twice.py"
+    model.write_text(
+        "import torch\nfrom torch import nn\n"
+        "class Twice(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(); self.fc1 = nn.Linear(8, 16); self.fc2 = nn.Linear(16, 8)\n"
+        "    def forward(self, x):\n"
+        "        y = self.fc2(torch.relu(self.fc1(x)))\n"
+        "        return y, y\n"
+        "def make():\n"
+        "    torch.manual_seed(0)\n"
+        "    return Twice().eval(), (torch.randn(2, 8),), ['x']\n")
+    (tmp_path / "s.pcs").write_text("mesh tp=2\nfc1.weight colwise\nfc2.weight rowwise\n")
+    assert main(["check", f"{model}:make", "--spec", str(tmp_path / "s.pcs"), "--json"]) == 0
+    import json
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last["ok"] and [c["kind"] for c in last["collectives"]] == ["all_reduce"]

@@ -370,4 +370,6 @@ def import_torch(module: torch.nn.Module, example_inputs: tuple,
         raise FrontendError("forward() must return only tensors")
     nodes, outs = _name_outputs(b.nodes, outs, wanted)
     used = set(outs) | {i for n in nodes for i in n.inputs}  # drop unused params/buffers
-    return Graph(tuple(n for n in nodes if n.op != "param" or n.name in used), tuple(outs))
+    names = tuple(wanted) if len(set(outs)) < len(outs) else None  # `return y, y`: two names, one value
+    return Graph(tuple(n for n in nodes if n.op != "param" or n.name in used), tuple(outs),
+                 output_names=names)
