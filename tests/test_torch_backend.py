@@ -225,6 +225,14 @@ def test_world_size_mismatch_is_a_clear_error(tmp_path, nproc):
 
 
 @pytest.mark.slow
+def test_output_into_a_missing_directory_fails_before_computing(tmp_path):
+    write_program(tiny_compiled(), tmp_path)
+    res = run_torchrun(tmp_path, 2, TINY_PARAMS, {"x": TINY_X}, str(tmp_path / "nodir" / "out.pt"),
+                       timeout=TIMEOUT)
+    assert res.returncode != 0 and "its directory does not exist" in res.stderr
+
+
+@pytest.mark.slow
 def test_missing_or_misshapen_param_is_a_clear_error(tmp_path):
     write_program(tiny_compiled(), tmp_path)
     bad = {"fc1.weight": TINY_PARAMS["fc1.weight"], "fc2.weight": np.zeros((4, 2), "f4")}

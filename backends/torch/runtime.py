@@ -259,6 +259,8 @@ def main(argv=None):
     global DEVICE
     args = parse_args(argv)
     check_world()
+    if args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
+        fail(f"--output {args.output}: its directory does not exist")
     keep_freed_memory()
     if args.device == "cpu":
         backend, DEVICE = "gloo", torch.device("cpu")
