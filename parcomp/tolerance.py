@@ -1,0 +1,307 @@
+"""How far two computations of one graph may differ: forward error bounds and the comparison.
+
+Every numerical check (``parcomp check``/``run``, the test suite) goes through
+:func:`compare`: the allowed difference per element is
+
+    SAFETY * (bound_a + bound_b)
+
+where ``bound`` is a first-order forward error bound of the computation against
+exact arithmetic, propagated through the *global logical graph* with the rule
+table :data:`parcomp.rules.error.ERROR_RULES` (Higham, "Accuracy and Stability of
+Numerical Algorithms", 2nd ed., ch. 2-3; e.g. a matmul contributes
+``gamma_k |A||B|``). The bound holds for every summation order, so one bound
+serves the numpy interpreter, the sharded program, torch and any BLAS kernel
+(OpenBLAS Haswell vs SkylakeX sum in different orders); comparing two of them
+allows twice the bound. ``SAFETY = 2`` covers what first-order analysis drops
+(products of errors, library functions a little worse than the ulps charged,
+torch writing a formula in a different but equivalent way).
+
+Inf and NaN are never within tolerance: positions where either side is not
+finite must match exactly (same NaN positions, same infs with the same sign),
+and matching non-finite values still fail unless ``allow_nonfinite=True``: a
+check cannot vouch for a result that overflowed. See docs/design.md.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .reference.numpy_ops import NUMPY_OPS
+from .reference.training import initial_state
+from .rules.error import ERROR_RULES, GRAPH_RULES, gamma, unit_roundoff
+
+SAFETY = 2.0
+
+
+def _f64(x):
+    x = np.asarray(x)
+    return x.astype(np.float64) if x.dtype.kind in "fc" else x
+
+
+def propagate(graph, feeds: dict, errors: dict | None = None) -> tuple[dict, dict]:
+    """Evaluate a global graph (as :func:`run_unsharded`) and bound every value's error.
+
+    ``errors`` maps input/param names to initial error bounds (default 0: a feed is
+    exact). Returns ``(values, bounds)``, both ``{value name: array}``; values are
+    in the graph's dtypes, bounds float64 arrays of the same shapes.
+
+    Raises KeyError naming a missing feed or an op without an error rule.
+    """
+    errors = errors or {}
+    env, err = {}, {}
+    for n in graph.nodes:
+        if n.op in ("input", "param"):
+            if n.name not in feeds:
+                raise KeyError(f"no value given for {n.op} {n.name!r}")
+            env[n.name] = np.asarray(feeds[n.name])
+            err[n.name] = np.broadcast_to(np.asarray(errors.get(n.name, 0.0), np.float64),
+                                          env[n.name].shape)
+            continue
+        if n.op not in ERROR_RULES:
+            raise KeyError(f"op {n.op!r} (%{n.name}) has no error rule in parcomp.rules.error")
+        env[n.name], err[n.name] = op_bound(n, [env[i] for i in n.inputs], [err[i] for i in n.inputs])
+        if n.op in GRAPH_RULES:
+            with np.errstate(all="ignore"):
+                e = GRAPH_RULES[n.op](n, graph, env, err, unit_roundoff(n.type.dtype))
+            if e is not None:
+                err[n.name] = np.broadcast_to(np.asarray(e, np.float64), np.shape(env[n.name]))
+    return env, err
+
+
+def output_bounds(graph, feeds: dict, errors: dict | None = None) -> dict:
+    """``{public output name: error bound}`` of ``graph`` evaluated on ``feeds``."""
+    _, err = propagate(graph, feeds, errors)
+    return {name: err[v] for name, v in graph.named_outputs()}
+
+
+def training_bounds(graph, feeds, steps: int) -> dict:
+    """Error bounds of ``steps`` training steps (as :func:`numpy_train` runs them).
+
+    ``feeds``: one dict for every step, or a list of one dict per step. Params and
+    optimizer state are carried with their bounds, so step k's bound includes the
+    error of the state it starts from. Returns ``{"losses": [bound per step],
+    "outputs": {public name: bound of the last step}}``.
+    """
+    per_step = feeds if isinstance(feeds, (list, tuple)) else [feeds] * steps
+    state = initial_state(graph, per_step[0])
+    errs = {}
+    carried = {n.name for n in graph.params}
+    losses, out = [], {}
+    for k in range(1, steps + 1):
+        state.update({key: v for key, v in per_step[k - 1].items() if key not in carried})
+        if "step" in graph:
+            state["step"] = np.array(float(k), "float32")
+        env, err = propagate(graph, state, errs)
+        out = {name: err[v] for name, v in graph.named_outputs()}
+        losses.append(float(out["loss"]))
+        for name, v in graph.named_outputs():
+            if name in carried:
+                state[name], errs[name] = env[v], err[v]
+    return {"losses": losses, "outputs": out}
+
+
+def spmd_errors(program, run, split_inputs: bool = False) -> list:
+    """Per-rank error bounds of a local program as the interpreter ran it.
+
+    ``run`` is the :class:`SPMDRun` of :func:`run_spmd`. Propagates per rank through
+    compute ops (local shapes) and layout ops (a reducing collective adds
+    ``gamma_{n-1}`` times the summed magnitudes). With ``split_inputs`` (the run used
+    ``partial_rng``), a partial-sum input starts with the rounding of its random split
+    (:func:`split_bound` of its pieces). Returns ``[{value name: bound}]`` by rank.
+    """
+    from .reference.interpreter import _LAYOUT_OPS
+
+    mesh = program.mesh
+    errs = [{} for _ in range(mesh.size)]
+    for n in program.nodes:
+        u = unit_roundoff(n.type.dtype)
+        if n.op in ("input", "param"):
+            for r, e in enumerate(_input_errors(n, run, mesh, split_inputs)):
+                errs[r][n.name] = e
+        elif n.op in _LAYOUT_OPS:
+            a = mesh.names.index(n.attr("axis"))
+            for group in mesh.groups(a):
+                es = _LAYOUT_OPS[n.op]([errs[r][n.inputs[0]] for r in group], n)
+                if n.op in ("all_reduce", "reduce_scatter"):
+                    mags = _LAYOUT_OPS[n.op]([np.abs(_f64(run.env[r][n.inputs[0]])) for r in group], n)
+                    es = [e + gamma(len(group) - 1, u) * m for e, m in zip(es, mags)]
+                for r, e in zip(group, es):
+                    errs[r][n.name] = np.array(e, np.float64)
+        else:
+            for r in range(mesh.size):
+                errs[r][n.name] = op_bound(n, [run.env[r][i] for i in n.inputs],
+                                           [errs[r][i] for i in n.inputs], run.env[r][n.name])[1]
+    return errs
+
+
+def spmd_bounds(program, run, split_inputs: bool = False) -> dict:
+    """``{public output name: bound}`` of ``run.outputs(program)`` (see :func:`spmd_errors`)."""
+    errs, full = spmd_errors(program, run, split_inputs), run.outputs(program)
+    out = {}
+    for public, value in program.named_outputs():
+        node = program[value]
+        out[public] = assemble_bound([e[value] for e in errs], [e[value] for e in run.env], node.layout,
+                                     full[public].shape, program.mesh, node.type.dtype)
+    return out
+
+
+def assemble_bound(local_bounds, local_values, layout, shape, mesh, dtype) -> np.ndarray:
+    """The bound of :func:`assemble` of ``local_values``: the locals' bounds assembled the
+    same way, plus the rounding of the sum of partial pieces, gamma_n sum |piece|."""
+    from .ir.types import Partial
+    from .reference.interpreter import assemble
+
+    b = assemble(local_bounds, layout, shape, mesh, "float64")
+    if any(isinstance(p, Partial) for p in layout):
+        mags = assemble([np.abs(_f64(x)) for x in local_values], layout, shape, mesh, "float64")
+        b = b + gamma(mesh.size, unit_roundoff(dtype)) * mags
+    return b
+
+
+def op_bound(node, operands, errors=None, out=None) -> tuple:
+    """One op on ``operands`` (arrays): ``(value, error bound)``; ``errors`` default 0.
+
+    ``out`` is the op's value if already computed (else NUMPY_OPS computes it)."""
+    out = NUMPY_OPS[node.op](list(operands), node) if out is None else out
+    errors = [0.0] * len(operands) if errors is None else errors
+    with np.errstate(all="ignore"):
+        e = ERROR_RULES[node.op]([_f64(x) for x in operands], [np.asarray(e, np.float64) for e in errors],
+                                 node, _f64(out), unit_roundoff(node.type.dtype))
+    return out, np.broadcast_to(np.asarray(e, np.float64), np.shape(out))
+
+
+def _input_errors(n, run, mesh, split_inputs) -> list:
+    from .ir.types import Partial
+
+    locs = [run.env[r][n.name] for r in range(mesh.size)]
+    axes = [a for a, p in enumerate(n.layout) if isinstance(p, Partial)]
+    if not axes or not split_inputs:
+        return [np.zeros(np.shape(x)) for x in locs]
+    groups = {}
+    for r in range(mesh.size):
+        groups.setdefault(tuple(c for a, c in enumerate(mesh.coords(r)) if a not in axes), []).append(locs[r])
+    return [split_bound(groups[tuple(c for a, c in enumerate(mesh.coords(r)) if a not in axes)], n.type.dtype)
+            for r in range(mesh.size)]
+
+
+def split_bound(pieces, dtype) -> np.ndarray:
+    """Bound on |sum(pieces) - x| for the n pieces of a random partial split of x
+    (:func:`split_for_ranks` with ``rng``: x/n + o_c rounded, the last offset minus the
+    sum of the others): ``2 (n + 1) u sum |piece|``."""
+    mags = sum(np.abs(_f64(p)) for p in pieces)
+    return 2 * (len(pieces) + 1) * unit_roundoff(dtype) * mags
+
+
+def compare(got, want, bound, bound_want=None, allow_nonfinite: bool = False) -> dict:
+    """Compare two computations of one value elementwise.
+
+    ``bound`` / ``bound_want``: error bounds of ``got`` and ``want`` against exact
+    arithmetic (``bound_want`` defaults to ``bound``: both computed the same graph).
+    Allowed per element: ``SAFETY * (bound + bound_want)``.
+
+    Returns a dict: ``max_abs_err`` (over elements where both are finite; inf when
+    the non-finite positions differ), ``tolerance`` (allowed error at the worst
+    element), ``err_over_tol`` (max error/allowed; <= 1 passes; an error where
+    nothing is allowed is inf), ``worst`` (its index), ``nonfinite_mismatch``,
+    ``nonfinite`` (matching inf/NaN), ``ok`` and ``why`` (empty when ok).
+    """
+    g, w = _f64(got), _f64(want)
+    if g.shape != w.shape:
+        return _result(np.inf, 0.0, np.inf, None, 0, 0, f"shape {g.shape} != {w.shape}")
+    bw = bound if bound_want is None else bound_want
+    allowed = SAFETY * (np.broadcast_to(bound, g.shape) + np.broadcast_to(bw, g.shape))
+    fin = np.isfinite(g) & np.isfinite(w)
+    same = ~fin & ((np.isnan(g) & np.isnan(w)) | (g == w))
+    bad = int(np.count_nonzero(~fin & ~same))
+    with np.errstate(all="ignore"):
+        err = np.where(fin, np.abs(g - w), 0.0)
+        bounded = np.isfinite(allowed) & (allowed > 0)
+        ratio = np.where(err == 0, 0.0, np.where(bounded, err / np.where(bounded, allowed, 1.0), np.inf))
+    worst = np.unravel_index(int(np.argmax(ratio)), g.shape) if g.size else None
+    r = float(ratio[worst]) if g.size else 0.0
+    tol = float(allowed[worst]) if g.size else 0.0
+    why = []
+    if bad:
+        why.append(f"{bad} inf/NaN value(s) where the other side differs")
+    if r > 1 and np.isfinite(tol):
+        why.append(f"error {float(err[worst]):.3e} > tolerance {tol:.3e} at {[int(i) for i in worst]}")
+    elif r > 1:
+        why.append(f"error {float(err[worst]):.3e} at {[int(i) for i in worst]} where the error bound is not "
+                   f"finite (ill-conditioned, e.g. a division by a value near 0)")
+    nonfinite = int(np.count_nonzero(same))
+    if nonfinite and not allow_nonfinite:
+        why.append(f"{nonfinite} inf/NaN value(s) on both sides (overflow?): nothing to vouch for")
+    max_err = np.inf if bad else (float(err.max()) if g.size else 0.0)
+    return _result(max_err, tol, r, worst, bad, nonfinite, "; ".join(why))
+
+
+def _result(max_err, tol, ratio, worst, bad, nonfinite, why):
+    return {"max_abs_err": max_err, "tolerance": tol, "err_over_tol": ratio,
+            "worst": None if worst is None else [int(i) for i in worst],
+            "nonfinite_mismatch": bad, "nonfinite": nonfinite, "ok": not why, "why": why}
+
+
+def compare_all(got: dict, want: dict, bounds: dict, keys=None, **kw) -> dict:
+    """:func:`compare` over ``keys`` (default: every key of ``want``), summarised.
+
+    Returns ``max_abs_err`` (max over keys), the ``tolerance``/``err_over_tol``/
+    ``worst`` of the key with the largest error/tolerance (``worst`` is
+    ``"name[i, j]"``), ``ok`` (every key ok), ``why`` (the failing keys' reasons) and
+    ``per_key`` ({key: compare result}). A key missing from ``got`` is a failure.
+    """
+    keys = list(want) if keys is None else list(keys)
+    per = {}
+    for k in keys:
+        if k not in got:
+            per[k] = _result(np.inf, 0.0, np.inf, None, 0, 0, "missing")
+        else:
+            per[k] = compare(got[k], want[k], bounds[k], **kw)
+    if not per:
+        return {"max_abs_err": 0.0, "tolerance": 0.0, "err_over_tol": 0.0, "worst": None,
+                "ok": True, "why": "", "per_key": per}
+    top = max(per, key=lambda k: per[k]["err_over_tol"])
+    t = per[top]
+    where = top + (str(t["worst"]).replace(" ", "") if t["worst"] else "")  # 0-d: the bare name
+    return {"max_abs_err": max(p["max_abs_err"] for p in per.values()), "tolerance": t["tolerance"],
+            "err_over_tol": t["err_over_tol"], "worst": where, "ok": all(p["ok"] for p in per.values()),
+            "why": "; ".join(f"{k}: {p['why']}" for k, p in per.items() if p["why"]), "per_key": per}
+
+
+def max_abs(x) -> float:
+    """max |x| over the finite elements (0 for none): the output scale the CLI reports."""
+    x = _f64(x)
+    fin = np.abs(x[np.isfinite(x)]) if x.size else x
+    return float(fin.max()) if fin.size else 0.0
+
+
+def compare_outputs(got: dict, want: dict, bounds: dict) -> dict:
+    """The verdict of ``parcomp check``/``run`` on a forward program: :func:`compare_all`
+    over every output, plus ``output_scale`` (max |want|) and ``rel_err`` (error/scale)."""
+    res = compare_all(got, want, bounds)
+    scale = max((max_abs(want[k]) for k in want), default=0.0)
+    return {"max_abs_err": res["max_abs_err"], "output_scale": scale,
+            "rel_err": res["max_abs_err"] / max(scale, 1e-30),
+            **{k: res[k] for k in ("tolerance", "err_over_tol", "worst", "ok", "why")}}
+
+
+def training_errors(got: dict, want: dict, params, bounds: dict) -> dict:
+    """Max abs errors of loss, gradients (``*.grad`` of params) and updated params, and the
+    verdict of :func:`compare_all` over every key both sides have (``bounds``: per key)."""
+    keys = [k for k in want if k in got]
+    res = compare_all(got, want, bounds, keys)
+
+    def err(names):
+        return max((res["per_key"][k]["max_abs_err"] for k in names if k in res["per_key"]), default=0.0)
+
+    return {"max_loss_err": err(["loss"]), "max_grad_err": err([f"{p}.grad" for p in params]),
+            "max_param_err": err(params), "max_abs_err": res["max_abs_err"],
+            **{k: res[k] for k in ("tolerance", "err_over_tol", "worst", "ok", "why")}}
+
+
+def loss_errors(losses, ref_losses, loss_bounds) -> dict:
+    """Per-step losses against the reference's, each within its step's bound
+    (:func:`training_bounds`); a different number of steps is a failure."""
+    if len(losses) != len(ref_losses) or len(losses) > len(loss_bounds):
+        return _result(np.inf, 0.0, np.inf, None, 0, 0,
+                       f"{len(losses)} losses against {len(ref_losses)} reference losses")
+    return compare(np.array(losses, np.float64), np.array(ref_losses, np.float64),
+                   np.array(loss_bounds[:len(losses)], np.float64))
