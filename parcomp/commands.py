@@ -18,6 +18,8 @@ from .reference.numpy_ops import run_unsharded
 from .passes.train_config import train_config
 from .reference.training import data_for, initial_state, numpy_train, torch_train
 from .report import format_collectives, format_memory
+from .tolerance import (compare_outputs as compare, loss_errors, output_bounds, training_bounds,
+                        training_errors)
 from .spec import load_spec
 
 
@@ -139,31 +141,6 @@ def reference_outputs(graph, module, example, feeds) -> dict:
     return {name: o.detach().cpu().numpy() for name, o in zip(graph.output_names, outs)}
 
 
-def max_diff(got, want) -> float:
-    """max |got - want|; NaN where both are NaN counts as equal, NaN on one side as inf."""
-    g, w = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    if g.size == 0:
-        return 0.0
-    d = np.atleast_1d(np.abs(g - w))
-    g, w = np.broadcast_to(g, d.shape), np.broadcast_to(w, d.shape)
-    d[np.isnan(g) & np.isnan(w)] = 0.0
-    d[np.isnan(d)] = np.inf
-    return float(d.max())
-
-
-def max_abs(x) -> float:
-    x = np.asarray(x, np.float64)
-    return float(np.nanmax(np.abs(x))) if x.size and not np.isnan(x).all() else 0.0
-
-
-def compare(got: dict, want: dict) -> dict:
-    """Max abs error and the output scale (max |want|) over all outputs."""
-    err = max(max_diff(got[k], want[k]) for k in want)
-    scale = max(max_abs(want[k]) for k in want)
-    return {"max_abs_err": err, "output_scale": scale, "rel_err": err / max(scale, 1e-30),
-            "ok": err <= 1e-5 * scale or err == 0.0}
-
-
 def check(args):
     """``parcomp check``: every rank in the numpy interpreter against the unsharded model
     (for training: one step against the unsharded step and, for torch models, torch.optim)."""
@@ -173,7 +150,8 @@ def check(args):
     graph = compiled.unsharded
     feeds = feeds_for(graph, module, example, args.seed)
     run = run_spmd(compiled.program, feeds)
-    result = compare(run.outputs(compiled.program), reference_outputs(graph, module, example, feeds))
+    result = compare(run.outputs(compiled.program), reference_outputs(graph, module, example, feeds),
+                     output_bounds(compiled.logical, feeds))
     _print_result(args, compiled, result, f"numpy interpreter, {compiled.program.mesh.size} ranks")
     return {**result, "collectives": _summary(compiled.report["collectives"]),
             "world_size": compiled.program.mesh.size}
@@ -183,27 +161,20 @@ def _print_result(args, compiled, result, how):
     if args.json:
         return
     print(format_collectives(compiled.report["collectives"]))
-    verdict = "OK" if result["ok"] else "MISMATCH"
+    verdict = "OK" if result["ok"] else f"MISMATCH: {result['why']}"
     print(f"{how}: max abs error vs unsharded {result['max_abs_err']:.3e} "
-          f"(output scale {result['output_scale']:.3e}) {verdict}")
+          f"(output scale {result['output_scale']:.3e}; {_vs_tolerance(result)}) {verdict}")
+
+
+def _vs_tolerance(result) -> str:
+    return (f"error/tolerance {result['err_over_tol']:.2g} at {result['worst']}, tolerance "
+            f"{result['tolerance']:.2e} from the error bound")
 
 
 def _train_feeds(compiled, module, example, seed):
     feeds = feeds_for(compiled.unsharded, module, example, seed)
     feeds.update(data_for(compiled.logical, seed))
     return feeds
-
-
-def training_errors(got: dict, want: dict, params) -> dict:
-    """Max abs errors of loss, gradients (``*.grad`` of params) and updated params."""
-    def err(keys):
-        keys = [k for k in keys if k in want and k in got]
-        return max((max_diff(got[k], want[k]) for k in keys), default=0.0)
-    scale = max(max_abs(want[k]) for k in want)
-    out = {"max_loss_err": err(["loss"]), "max_grad_err": err([f"{p}.grad" for p in params]),
-           "max_param_err": err(params), "max_abs_err": err(list(want))}
-    out["ok"] = out["max_abs_err"] <= 1e-4 * scale or out["max_abs_err"] == 0.0
-    return out
 
 
 def _torch_reference(compiled, module, example, feeds, steps):
@@ -222,11 +193,12 @@ def _check_training(args, compiled, module, example):
         state["step"] = np.array(1.0, "float32")
     got = run_spmd(compiled.program, state).outputs(compiled.program)
     params = [n.name for n in compiled.unsharded.params]
-    result = training_errors(got, run_unsharded(compiled.logical, state), params)
+    bounds = output_bounds(compiled.logical, state)
+    result = training_errors(got, run_unsharded(compiled.logical, state), params, bounds)
     result["losses"] = [float(got["loss"])]
     if module is not None:
         _, want = _torch_reference(compiled, module, example, feeds, 1)
-        vs_torch = training_errors(got, want, params)
+        vs_torch = training_errors(got, want, params, bounds)
         result["vs_torch"] = vs_torch
         result["ok"] = result["ok"] and vs_torch["ok"]
     if not args.json:
@@ -240,12 +212,14 @@ def _check_training(args, compiled, module, example):
 def _print_training(result, how, label="vs unsharded step"):
     print(f"{how}: losses {', '.join(f'{x:.6f}' for x in result['losses'])}")
     print(f"  {label + ':':18} loss {result['max_loss_err']:.2e}  grads {result['max_grad_err']:.2e}"
-          f"  params {result['max_param_err']:.2e}")
+          f"  params {result['max_param_err']:.2e}  ({_vs_tolerance(result)})")
+    why = [result["why"]]
     if "vs_torch" in result:
         t = result["vs_torch"]
         print(f"  vs torch.optim:    loss {t['max_loss_err']:.2e}  grads {t['max_grad_err']:.2e}"
-              f"  params {t['max_param_err']:.2e}")
-    print("  OK" if result["ok"] else "  MISMATCH")
+              f"  params {t['max_param_err']:.2e}  ({_vs_tolerance(t)})")
+        why.append(t["why"] and f"vs torch.optim: {t['why']}")
+    print("  OK" if result["ok"] else f"  MISMATCH: {'; '.join(w for w in why if w)}")
 
 
 def run(args):
@@ -281,7 +255,8 @@ def run(args):
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-    result = compare(got, reference_outputs(graph, module, example, feeds))
+    result = compare(got, reference_outputs(graph, module, example, feeds),
+                     output_bounds(compiled.logical, feeds))
     _print_result(args, compiled, result, f"torchrun, {size} gloo ranks")
     return {**result, "collectives": _summary(compiled.report["collectives"]), "world_size": size}
 
@@ -330,11 +305,13 @@ def _run_training(args, compiled, module, example):
         ref_losses, want = ref["losses"], ref["outputs"]
     want = {k: v for k, v in want.items()
             if k in params or k == "loss" or (k.endswith(".grad") and k[:-5] in params)}
-    result = training_errors(got, want, params)
+    bounds = training_bounds(compiled.logical, feeds, steps)
+    result = training_errors(got, want, params, bounds["outputs"])
     result["losses"], result["reference_losses"] = losses, ref_losses
-    result["max_loss_err"] = max(abs(a - b) for a, b in zip(losses, ref_losses))
-    result["ok"] = result["ok"] and len(losses) == steps and result["max_loss_err"] <= 1e-4 * max(
-        abs(x) for x in ref_losses)
+    by_step = loss_errors(losses, ref_losses, bounds["losses"])
+    result["max_loss_err"], result["loss_err_over_tol"] = by_step["max_abs_err"], by_step["err_over_tol"]
+    result["ok"] = result["ok"] and len(losses) == steps and by_step["ok"]
+    result["why"] = "; ".join(w for w in (result["why"], by_step["why"] and f"losses: {by_step['why']}") if w)
     if not args.json:
         print(format_collectives(compiled.report["collectives"]))
         ref_name = "torch.optim" if module is not None else "unsharded numpy"
