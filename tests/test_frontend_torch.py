@@ -16,6 +16,9 @@ from parcomp.frontends.loader import load_model  # noqa: E402
 from parcomp.frontends.torch_export import import_torch, supported_ops  # noqa: E402
 from parcomp.ir.text import parse_graph, print_graph  # noqa: E402
 from parcomp.reference.numpy_ops import run_unsharded  # noqa: E402
+from parcomp.tolerance import output_bounds  # noqa: E402
+
+from numerics import assert_equivalent  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("_test_specs_models", ROOT / "specs" / "models.py")
@@ -30,17 +33,21 @@ FACTORIES = {
 }
 
 
-def run_graph(graph, module, inputs):
+def graph_feeds(graph, module, inputs):
     feeds = {k: v.detach().numpy() for k, v in module.state_dict().items()}
     feeds.update({n.name: t.numpy() for n, t in zip(graph.inputs, inputs)})
-    return run_unsharded(graph, feeds)
+    return feeds
 
 
-def assert_close(got, want):
+def run_graph(graph, module, inputs):
+    return run_unsharded(graph, graph_feeds(graph, module, inputs))
+
+
+def assert_close(got, want, graph, module, inputs, name="output"):
+    """numpy's run of ``graph`` equals torch's, within the graph's error bound."""
     want = want.detach().numpy()
     assert got.shape == want.shape and got.dtype == want.dtype
-    scale = max(1.0, float(np.abs(want).max()))
-    assert float(np.abs(got - want).max()) <= 1e-5 * scale
+    assert_equivalent(got, want, output_bounds(graph, graph_feeds(graph, module, inputs))[name], what=name)
 
 
 def check_against_torch(module, inputs, names=None):
@@ -50,7 +57,7 @@ def check_against_torch(module, inputs, names=None):
     want = want if isinstance(want, tuple) else (want,)
     assert len(graph.outputs) == len(want)
     for name, w in zip(graph.outputs, want):
-        assert_close(outs[name], w)
+        assert_close(outs[name], w, graph, module, inputs, name)
     return graph
 
 
@@ -190,7 +197,7 @@ def test_load_model_file_factory(monkeypatch):
     monkeypatch.chdir(ROOT)
     graph, module, inputs = load_model("specs/models.py:torch_mlp")
     assert isinstance(module, nn.Module) and inputs[0].shape == (2, 8, 32)
-    assert_close(run_graph(graph, module, inputs)["output"], module(*inputs))
+    assert_close(run_graph(graph, module, inputs)["output"], module(*inputs), graph, module, inputs)
 
 
 def test_load_model_module_factory(tmp_path, monkeypatch):

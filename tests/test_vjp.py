@@ -6,7 +6,11 @@ from parcomp.ir import parse_graph
 from parcomp.ir.graph import Graph
 from parcomp.passes.autodiff import Builder, backward
 from parcomp.reference.numpy_ops import run_unsharded
+from parcomp.rules.error import unit_roundoff
 from parcomp.rules.vjp import VJP_RULES
+from parcomp.tolerance import output_bounds
+
+from numerics import assert_equivalent
 
 CASES = {  # op -> (pcir body with inputs %a [%b], output %y), inputs positive where needed
     "relu": "%y: f64[3,4] = relu(%a)",
@@ -68,15 +72,30 @@ def test_vjp_matches_central_differences(case):
     gg = Graph(tuple(b.nodes), tuple(grads[w] for w in wrt))
     got = run_unsharded(gg, feeds)
     eps = 1e-6
+    bounds = output_bounds(gg, feeds)
     for w, gname in zip(wrt, gg.outputs):
-        num = np.zeros_like(feeds[w])
-        for idx in np.ndindex(feeds[w].shape):
-            for sign in (1, -1):
-                f = dict(feeds)
-                f[w] = feeds[w].copy()
-                f[w][idx] += sign * eps
-                num[idx] += sign * run_unsharded(g, f)["loss"] / (2 * eps)
-        np.testing.assert_allclose(got[gname], num, rtol=1e-5, atol=1e-6, err_msg=f"d/d{w}")
+        num, num2 = _central(g, feeds, w, eps), _central(g, feeds, w, 2 * eps)
+        assert_equivalent(got[gname], num, bounds[gname], _fd_error(g, feeds, w, eps, num, num2),
+                          what=f"d/d{w}")
+
+
+def _central(g, feeds, w, eps):
+    num = np.zeros_like(feeds[w])
+    for idx in np.ndindex(feeds[w].shape):
+        for sign in (1, -1):
+            f = dict(feeds)
+            f[w] = feeds[w].copy()
+            f[w][idx] += sign * eps
+            num[idx] += sign * run_unsharded(g, f)["loss"] / (2 * eps)
+    return num
+
+
+def _fd_error(g, feeds, w, eps, num, num2):
+    """Error of a central difference with step eps: truncation |D(2h) - D(h)| (3x Richardson's
+    estimate of the h**2 term), the loss's rounding over 2h, and the rounding of x +- h."""
+    u = unit_roundoff("float64")
+    loss_bound = output_bounds(g, feeds)["loss"]
+    return np.abs(num2 - num) + loss_bound / eps + u * np.abs(feeds[w]) / eps * np.abs(num)
 
 
 def test_every_differentiable_op_has_a_case():
