@@ -1,6 +1,7 @@
 """Tests of the parallel spec language (.pcs): parsing, patterns, errors, name checks."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ from hypothesis import strategies as st
 from parcomp.errors import SourceLoc, SpecError
 from parcomp.ir.types import Mesh, P, R, Shard
 from parcomp.spec import LayoutSpec, Rule, Spec, TrainSpec, check_names, load_spec, parse_spec
+from parcomp.spec.model import MAX_MESH_RANKS
 
 SPECS = sorted((Path(__file__).resolve().parent.parent / "specs").glob("*.pcs"))
 WORDS = ("replicated", "split-hidden", "split-seq", "partial-sum", "colwise", "rowwise")
@@ -344,6 +346,11 @@ PLACEMENT = st.one_of(st.just(R), st.just(P), st.builds(Shard, st.integers(0, 5)
                 unique_by=lambda a: a[0]))
 def test_mesh_property(axes):
     text = "mesh " + "  ".join(f"{a}={n}" for a, n in axes) + "\nw colwise\n"
+    if math.prod(n for _, n in axes) > MAX_MESH_RANKS:  # the bound, at the mesh line
+        with pytest.raises(SpecError, match=f"more than parcomp's limit of {MAX_MESH_RANKS}") as info:
+            parse_spec(text)
+        assert info.value.loc.line == 1
+        return
     spec = parse_spec(text)
     assert spec.mesh == Mesh(tuple(axes))
     names = [a for a, _ in axes]

@@ -15,7 +15,7 @@ from lark.exceptions import VisitError
 
 from ..errors import SourceLoc, SpecError, closest
 from ..ir.types import Mesh, Partial, R, Shard
-from .model import LAYOUT_WORDS, LayoutSpec, Rule, Spec, TrainSpec, default_axis, suggest
+from .model import LAYOUT_WORDS, LayoutSpec, Rule, Spec, TrainSpec, check_mesh_size, default_axis, suggest
 
 _GRAMMAR = resources.files(__package__).joinpath("grammar.lark").read_text(encoding="utf-8")
 _PARSER = Lark(_GRAMMAR, parser="lalr", propagate_positions=True, maybe_placeholders=True)
@@ -200,6 +200,7 @@ class _Builder:
         return Spec(self.mesh, tuple(rules), self.file, topology, train, topo_loc)
 
     def make_mesh(self, axes) -> Mesh:
+        check_mesh_size(axes, self.err)
         names = {}
         for name, size in axes:
             if str(name) in names:
