@@ -9,6 +9,7 @@ import tempfile
 
 import numpy as np
 
+from .budget import check_memory
 from .compiler import compile_graph
 from .errors import ParcompError
 from .frontends.loader import load_model
@@ -17,7 +18,7 @@ from .reference.interpreter import run_spmd
 from .reference.numpy_ops import run_unsharded
 from .passes.train_config import train_config
 from .reference.training import data_for, initial_state, numpy_train, torch_train
-from .report import format_collectives, format_memory
+from .report import format_collectives, format_memory, plural
 from .spec import load_spec
 
 
@@ -100,7 +101,7 @@ def compile(args):  # noqa: A001 - the subcommand's name
         print(format_memory(compiled.report))
         place = compiled.report["placement"]
         if place["nodes"] is not None:
-            print(f"placement: {len(place['nodes'])} nodes; inside a node: "
+            print(f"placement: {plural(place['nodes'], 'node')}; inside a node: "
                   f"{', '.join(place['intra_node_axes']) or '-'}; across nodes: "
                   f"{', '.join(place['cross_node_axes']) or '-'}")
         print(f"wrote {args.out}/")
@@ -168,13 +169,14 @@ def check(args):
     """``parcomp check``: every rank in the numpy interpreter against the unsharded model
     (for training: one step against the unsharded step and, for torch models, torch.optim)."""
     compiled, module, example = _compile(args)
+    check_memory(compiled, "check")
     if compiled.report.get("training"):
         return _check_training(args, compiled, module, example)
     graph = compiled.unsharded
     feeds = feeds_for(graph, module, example, args.seed)
     run = run_spmd(compiled.program, feeds)
     result = compare(run.outputs(compiled.program), reference_outputs(graph, module, example, feeds))
-    _print_result(args, compiled, result, f"numpy interpreter, {compiled.program.mesh.size} ranks")
+    _print_result(args, compiled, result, f"numpy interpreter, {plural(compiled.program.mesh.size, 'rank')}")
     return {**result, "collectives": _summary(compiled.report["collectives"]),
             "world_size": compiled.program.mesh.size}
 
@@ -254,12 +256,13 @@ def run(args):
     from parcomp_backends.torch.launch import assemble_outputs, run_torchrun, write_inputs
 
     compiled, module, example = _compile(args)
+    check_memory(compiled, "run")
     if compiled.report.get("training"):
         return _run_training(args, compiled, module, example)
     size = compiled.program.mesh.size
     if args.nproc != size:
         raise ParcompError(f"--nproc {args.nproc} but the spec's mesh {compiled.program.mesh} has "
-                           f"{size} ranks")
+                           f"{plural(size, 'rank')}")
     graph = compiled.unsharded
     feeds = feeds_for(graph, module, example)
     work = args.keep or tempfile.mkdtemp(prefix="parcomp-run-")
@@ -275,14 +278,14 @@ def run(args):
                             out_path, extra_args=("--device", "cpu"))
         if proc.returncode != 0:
             sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
-            raise ParcompError(f"the program failed on {size} ranks (exit {proc.returncode}); "
+            raise ParcompError(f"the program failed on {plural(size, 'rank')} (exit {proc.returncode}); "
                                f"its output is above")
         got = assemble_outputs(out_path, compiled.program)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     result = compare(got, reference_outputs(graph, module, example, feeds))
-    _print_result(args, compiled, result, f"torchrun, {size} gloo ranks")
+    _print_result(args, compiled, result, f"torchrun, {plural(size, 'gloo rank')}")
     return {**result, "collectives": _summary(compiled.report["collectives"]), "world_size": size}
 
 
@@ -300,7 +303,7 @@ def _launch(compiled, work, feeds, nproc, extra):
                         out_path, extra_args=("--device", "cpu", *extra))
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
-        raise ParcompError(f"the program failed on {nproc} ranks (exit {proc.returncode}); "
+        raise ParcompError(f"the program failed on {plural(nproc, 'rank')} (exit {proc.returncode}); "
                            f"its output is above")
     return out_path
 
@@ -311,7 +314,7 @@ def _run_training(args, compiled, module, example):
     size = compiled.program.mesh.size
     if args.nproc != size:
         raise ParcompError(f"--nproc {args.nproc} but the spec's mesh {compiled.program.mesh} has "
-                           f"{size} ranks")
+                           f"{plural(size, 'rank')}")
     steps = args.steps or train_config(compiled.spec).steps
     feeds = _train_feeds(compiled, module, example, 0)
     work = args.keep or tempfile.mkdtemp(prefix="parcomp-run-")
@@ -338,7 +341,7 @@ def _run_training(args, compiled, module, example):
     if not args.json:
         print(format_collectives(compiled.report["collectives"]))
         ref_name = "torch.optim" if module is not None else "unsharded numpy"
-        _print_training(result, f"torchrun, {size} gloo ranks, {steps} steps", f"vs {ref_name}")
+        _print_training(result, f"torchrun, {plural(size, 'gloo rank')}, {plural(steps, 'step')}", f"vs {ref_name}")
         print(f"  reference losses: {', '.join(f'{x:.6f}' for x in ref_losses)}")
     return {**result, "collectives": _summary(compiled.report["collectives"]), "world_size": size,
             "steps": steps}

@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 from parcomp.errors import ParcompError
 from parcomp.ir.ops import LAYOUT_OPS
+from parcomp.report import plural
 from parcomp.ir.types import DTYPE_SHORT, Partial, Replicate, layout_str, shard_axes
 
 from .profiles import get_profile
@@ -208,7 +209,7 @@ def _header(program, report, spec_name, model, train) -> str:
         "",
         f"model: {(model or 'a parcomp graph').replace(chr(34) * 3, '')}",
         f"spec:  {spec_name or '(none recorded)'}",
-        f"mesh:  {mesh} ({mesh.size} ranks; row-major, the last axis varies fastest)",
+        f"mesh:  {mesh} ({plural(mesh.size, 'rank')}; row-major, the last axis varies fastest)",
         *steps,
         "",
         "Run one process per rank:",
@@ -338,8 +339,9 @@ def _loaders(program, train) -> str:
                           f"    out[{json.dumps(n.name)}] = torch.zeros({tuple(n.type.shape)!r}, "
                           f"dtype={TORCH_DTYPES[n.type.dtype]}, device=DEVICE)"]
                 continue
-            sliced, what = _slice_expr(program, n, f"take({arg}, {json.dumps(n.name)}, {full!r})")
-            expr = f"place({sliced}, {TORCH_DTYPES[n.type.dtype]})"
+            sliced, what = _slice_expr(program, n, f"take({arg}, {json.dumps(n.name)}, {full!r}, "
+                                                   f"{TORCH_DTYPES[n.type.dtype]})")
+            expr = f"place({sliced})"
             for a, p in enumerate(n.layout):
                 if isinstance(p, Partial):
                     expr = f"partial_mask({expr}, {json.dumps(program.mesh.names[a])})"
