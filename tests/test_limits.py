@@ -155,7 +155,7 @@ def test_check_estimate_counts_every_value_of_every_rank():
     compiled = tiny_tp2()
     est = check_estimate(compiled)
     local = sum(n.type.nbytes for n in compiled.program.nodes)
-    assert est["ranks"] == 2 and est["per_rank"] == local + 128 * len(compiled.program.nodes)
+    assert est["ranks"] == 2 and est["per_rank"] == 1024 + local + 128 * len(compiled.program.nodes)
     assert est["total"] == 2 * est["per_rank"] + est["reference"]
     assert check_memory(compiled, "check", available=2 * est["total"])["limit"] == est["total"]
     with pytest.raises(ParcompError) as info:

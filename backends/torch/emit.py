@@ -26,8 +26,9 @@ from typing import NamedTuple
 
 from parcomp.errors import ParcompError
 from parcomp.ir.ops import LAYOUT_OPS
-from parcomp.report import plural
 from parcomp.ir.types import DTYPE_SHORT, Partial, Replicate, layout_str, shard_axes
+from parcomp.passes.topology import axis_groups, group_ranks
+from parcomp.report import plural
 
 from .profiles import get_profile
 from .runtime import FORWARD_HELP, IMPORTS, MAIN, RUNTIME, TRAIN_HELP, TRAIN_MAIN, TRAIN_RUNTIME
@@ -259,7 +260,7 @@ def _all_replicated(program) -> bool:
 
 def _constants(program, train) -> str:
     mesh = program.mesh
-    groups = {a: [list(g) for g in mesh.groups(i)] for i, a in enumerate(mesh.names)}
+    groups = {a: group_ranks(axis_groups(mesh, i)) for i, a in enumerate(mesh.names)}
     outs = program.named_outputs()
     lines = [
         f"MESH = {json.dumps(dict(mesh.axes))}  # mesh axes in order; ranks are row-major",
