@@ -243,9 +243,9 @@ def test_program_refuses_a_float64_checkpoint_and_notes_unused_keys(tmp_path):
     assert res.returncode != 0
     assert (f"param 'fc1.weight' in {tmp_path / 'model.pt'} has dtype torch.float64, but the program "
             f"was compiled for torch.float32; nothing is cast") in res.stderr
-    notes = [ln for ln in res.stderr.splitlines() if "program.py: note:" in ln]
-    assert notes == [f"program.py: note: checkpoint file {tmp_path / 'model.pt'} has 2 keys this "
-                     f"program does not use: extra, fc3.weight"]
+    assert res.stderr.count("program.py: note:") == 1  # rank 0 only, once
+    assert (f"program.py: note: checkpoint file {tmp_path / 'model.pt'} has 2 keys this "
+            f"program does not use: extra, fc3.weight\n") in res.stderr
 
 
 # --- 5. human units -------------------------------------------------------------------------

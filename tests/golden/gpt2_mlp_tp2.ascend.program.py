@@ -64,8 +64,9 @@ FILES = {}  # "checkpoint" / "input" -> the path read (for messages), set by rea
 
 
 def fail(message):
-    """Print ``message`` on stderr and exit with status 2."""
-    print(f"program.py (rank {RANK}): error: {message}", file=sys.stderr, flush=True)
+    """Print ``message`` on stderr (one write, so ranks' lines do not interleave) and exit 2."""
+    sys.stderr.write(f"program.py (rank {RANK}): error: {message}\n")
+    sys.stderr.flush()
     sys.exit(2)
 
 
@@ -201,8 +202,9 @@ def note_unused(tensors, used, what):
     if unused:
         shown = ", ".join(unused[:20]) + (", ..." if len(unused) > 20 else "")
         keys = "1 key" if len(unused) == 1 else f"{len(unused)} keys"
-        print(f"program.py: note: {what} file {FILES.get(what)} has {keys} this program does not "
-              f"use: {shown}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"program.py: note: {what} file {FILES.get(what)} has {keys} this program "
+                         f"does not use: {shown}\n")
+        sys.stderr.flush()
 
 
 def load_checkpoint(path):
