@@ -341,7 +341,8 @@ def _run_training(args, compiled, module, example):
     if not args.json:
         print(format_collectives(compiled.report["collectives"]))
         ref_name = "torch.optim" if module is not None else "unsharded numpy"
-        _print_training(result, f"torchrun, {plural(size, 'gloo rank')}, {plural(steps, 'step')}", f"vs {ref_name}")
+        _print_training(result, f"torchrun, {plural(size, 'gloo rank')}, {plural(steps, 'step')}",
+                        f"vs {ref_name}")
         print(f"  reference losses: {', '.join(f'{x:.6f}' for x in ref_losses)}")
     return {**result, "collectives": _summary(compiled.report["collectives"]), "world_size": size,
             "steps": steps}

@@ -255,7 +255,8 @@ def test_topology_dp2_tp2_on_two_nodes_keeps_tp_inside_a_node():
 
 def test_topology_absent_places_nothing():
     got = check_topology(load_spec(SPECS / "gpt2_mlp_tp2.pcs"))
-    assert got == {"nodes": None, "devices_per_node": None, "groups": {"tp": {"size": 2, "stride": 1, "count": 1}},
+    assert got == {"nodes": None, "devices_per_node": None,
+                   "groups": {"tp": {"size": 2, "stride": 1, "count": 1}},
                    "intra_node_axes": [], "cross_node_axes": []}
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 
 from ..errors import SpecError
+from ..report import plural
 
 __all__ = ["check_topology", "axis_groups", "group_ranks"]
 
@@ -78,7 +79,7 @@ def check_topology(spec) -> dict:
     nodes, per_node = spec.topology
     if nodes * per_node != mesh.size:  # the parser already rejects this
         raise SpecError(f"{spec.file}: topology nodes={nodes} devices_per_node={per_node} has "
-                        f"{nodes * per_node} devices but mesh {mesh} has {mesh.size} ranks")
+                        f"{nodes * per_node} devices but mesh {mesh} has {plural(mesh.size, 'rank')}")
     intra, cross = [], []
     for name, g in groups.items():
         spans = g["size"] > 1 and per_node % (g["size"] * g["stride"]) != 0
