@@ -256,7 +256,8 @@ def run(args):
     from parcomp_backends.torch.launch import assemble_outputs, run_torchrun, write_inputs
 
     compiled, module, example = _compile(args)
-    check_memory(compiled, "run")
+    if args.nproc == compiled.program.mesh.size:  # else the --nproc error below comes first
+        check_memory(compiled, "run")
     if compiled.report.get("training"):
         return _run_training(args, compiled, module, example)
     size = compiled.program.mesh.size
