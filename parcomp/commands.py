@@ -16,8 +16,8 @@ from .frontends.loader import load_model
 from .ir.text import print_graph
 from .reference.interpreter import run_spmd
 from .reference.numpy_ops import run_unsharded
-from .passes.train_config import train_config
-from .reference.training import data_for, initial_state, numpy_train, torch_train
+from .passes.train_config import check_steps, train_config
+from .reference.training import data_for, numpy_train, torch_train, train_steps
 from .report import format_collectives, format_memory, plural
 from .spec import load_spec
 
@@ -167,7 +167,8 @@ def compare(got: dict, want: dict) -> dict:
 
 def check(args):
     """``parcomp check``: every rank in the numpy interpreter against the unsharded model
-    (for training: one step against the unsharded step and, for torch models, torch.optim)."""
+    (for training: the spec's ``steps`` steps against the unsharded steps and, for torch
+    models, torch.optim; every carried value is compared, buffers and optimizer state too)."""
     compiled, module, example = _compile(args)
     check_memory(compiled, "check")
     if compiled.report.get("training"):
@@ -209,44 +210,72 @@ def training_errors(got: dict, want: dict, params) -> dict:
 
 
 def _torch_reference(compiled, module, example, feeds, steps):
+    """torch.optim's run of ``steps`` steps, keyed as the program's carried values and
+    outputs: every param and buffer of the graph, optimizer state, last gradients, losses."""
     cfg = train_config(compiled.spec)
-    names = [n.name for n in compiled.unsharded.inputs]
-    ref = torch_train(module, example, names, feeds, cfg, steps)
-    want = {"loss": np.array(ref["losses"][-1], "float32"), **ref["params"], **ref["input_grads"],
+    graph = compiled.unsharded
+    names = [n.name for n in graph.inputs]
+    output = graph.output_names.index(cfg.output) if cfg.output else 0
+    ref = torch_train(module, example, names, feeds, cfg, steps, output)
+    want = {"loss": np.array(ref["losses"][-1], "float32"), "losses": np.array(ref["losses"], "float32"),
+            **{n.name: ref["sources"][n.name] for n in graph.params if n.name in ref["sources"]},
+            **ref["state"],
+            **(ref["input_grads"] if cfg.input_grads else {}),
             **{f"{k}.grad": v for k, v in ref["grads"].items()}}
     return ref["losses"], want
 
 
+def _carried(run) -> dict:
+    """A :func:`train_steps` result as one dict: the last step's outputs, every carried
+    value after the last step, and ``losses`` (one per step)."""
+    return {**run["outputs"], **run["state"], "losses": np.array(run["losses"], "float32")}
+
+
+def _training_result(got: dict, want: dict, params) -> dict:
+    """:func:`training_errors` of two carried-value dicts, the loss error taken over every
+    step, and a failure when ``want`` has a value ``got`` lacks or a step is missing."""
+    result = training_errors(got, want, params)
+    missing = sorted(set(want) - set(got))
+    same_steps = np.shape(got["losses"]) == np.shape(want["losses"])
+    result["max_loss_err"] = max_diff(got["losses"], want["losses"]) if same_steps else float("inf")
+    if missing:
+        result["missing"] = missing
+    result["ok"] = result["ok"] and same_steps and not missing
+    return result
+
+
 def _check_training(args, compiled, module, example):
+    steps = train_config(compiled.spec).steps
     feeds = _train_feeds(compiled, module, example, args.seed)
-    state = initial_state(compiled.logical, feeds)
-    if "step" in compiled.logical:
-        state["step"] = np.array(1.0, "float32")
-    got = run_spmd(compiled.program, state).outputs(compiled.program)
+    prog = compiled.program
+    got = _carried(train_steps(lambda state: run_spmd(prog, state).outputs(prog), compiled.logical,
+                               feeds, steps))
     params = [n.name for n in compiled.unsharded.params]
-    result = training_errors(got, run_unsharded(compiled.logical, state), params)
-    result["losses"] = [float(got["loss"])]
+    result = _training_result(got, _carried(numpy_train(compiled.logical, feeds, steps)), params)
+    result["losses"] = [float(x) for x in got["losses"]]
     if module is not None:
-        _, want = _torch_reference(compiled, module, example, feeds, 1)
-        vs_torch = training_errors(got, want, params)
+        _, want = _torch_reference(compiled, module, example, feeds, steps)
+        vs_torch = _training_result(got, want, params)
         result["vs_torch"] = vs_torch
         result["ok"] = result["ok"] and vs_torch["ok"]
     if not args.json:
         print(format_collectives(compiled.report["collectives"]))
         print(format_memory(compiled.report))
-        _print_training(result, "numpy interpreter, one step")
+        _print_training(result, f"numpy interpreter, {steps} step{'s' if steps > 1 else ''}",
+                        f"vs unsharded {'steps' if steps > 1 else 'step'}")
     return {**result, "collectives": _summary(compiled.report["collectives"]),
-            "world_size": compiled.program.mesh.size}
+            "world_size": compiled.program.mesh.size, "steps": steps}
 
 
 def _print_training(result, how, label="vs unsharded step"):
     print(f"{how}: losses {', '.join(f'{x:.6f}' for x in result['losses'])}")
-    print(f"  {label + ':':18} loss {result['max_loss_err']:.2e}  grads {result['max_grad_err']:.2e}"
-          f"  params {result['max_param_err']:.2e}")
-    if "vs_torch" in result:
-        t = result["vs_torch"]
-        print(f"  vs torch.optim:    loss {t['max_loss_err']:.2e}  grads {t['max_grad_err']:.2e}"
-              f"  params {t['max_param_err']:.2e}")
+    for name, r in ((label, result), ("vs torch.optim", result.get("vs_torch"))):
+        if r is None:
+            continue
+        print(f"  {name + ':':18} loss {r['max_loss_err']:.2e}  grads {r['max_grad_err']:.2e}"
+              f"  params {r['max_param_err']:.2e}  all carried {r['max_abs_err']:.2e}")
+        if r.get("missing"):
+            print(f"    missing from the program: {', '.join(r['missing'])}")
     print("  OK" if result["ok"] else "  MISMATCH")
 
 
@@ -260,6 +289,9 @@ def run(args):
         check_memory(compiled, "run")
     if compiled.report.get("training"):
         return _run_training(args, compiled, module, example)
+    if args.steps is not None:
+        raise ParcompError(f"--steps {args.steps}: the spec has no train line, so the program is "
+                           f"one forward pass; drop --steps or add a train line")
     size = compiled.program.mesh.size
     if args.nproc != size:
         raise ParcompError(f"--nproc {args.nproc} but the spec's mesh {compiled.program.mesh} has "
@@ -316,29 +348,28 @@ def _run_training(args, compiled, module, example):
     if args.nproc != size:
         raise ParcompError(f"--nproc {args.nproc} but the spec's mesh {compiled.program.mesh} has "
                            f"{plural(size, 'rank')}")
-    steps = args.steps or train_config(compiled.spec).steps
+    steps = train_config(compiled.spec).steps if args.steps is None else check_steps(args.steps)
     feeds = _train_feeds(compiled, module, example, 0)
     work = args.keep or tempfile.mkdtemp(prefix="parcomp-run-")
     try:
         write_dir_atomic(work, program_files(compiled, "torch", args.profile))
         out_path = _launch(compiled, work, feeds, size, ("--steps", str(steps)))
-        got, losses = assemble_training_outputs(out_path, compiled.program)
+        outputs, losses = assemble_training_outputs(out_path, compiled.program)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     params = [n.name for n in compiled.unsharded.params]
+    # what program.py carries: the checkpoint, with each step's outputs named like params
+    # replacing them (buffers and frozen params stay as loaded)
+    got = {**{n.name: feeds[n.name] for n in compiled.logical.params if n.name in feeds}, **outputs,
+           "losses": np.array(losses, "float32")}
     if module is not None:
         ref_losses, want = _torch_reference(compiled, module, example, feeds, steps)
     else:
         ref = numpy_train(compiled.logical, feeds, steps)
-        ref_losses, want = ref["losses"], ref["outputs"]
-    want = {k: v for k, v in want.items()
-            if k in params or k == "loss" or (k.endswith(".grad") and k[:-5] in params)}
-    result = training_errors(got, want, params)
+        ref_losses, want = ref["losses"], _carried(ref)
+    result = _training_result(got, want, params)
     result["losses"], result["reference_losses"] = losses, ref_losses
-    result["max_loss_err"] = max(abs(a - b) for a, b in zip(losses, ref_losses))
-    result["ok"] = result["ok"] and len(losses) == steps and result["max_loss_err"] <= 1e-4 * max(
-        abs(x) for x in ref_losses)
     if not args.json:
         print(format_collectives(compiled.report["collectives"]))
         ref_name = "torch.optim" if module is not None else "unsharded numpy"

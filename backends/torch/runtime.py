@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import os
 
+from parcomp.passes.train_config import MAX_STEPS  # the bound of --steps, as in the spec
+
 # ---- chunks of program text, joined by blank lines into RUNTIME, MAIN, TRAIN_* (at the end) ----
 _PROCESS = '''\
 RANK = int(os.environ.get("RANK", "0"))
@@ -323,6 +325,14 @@ def write_outputs(outputs, losses, path):
                 "global_shapes": OUTPUT_GLOBAL_SHAPES, "losses": losses}, rank_path(path, RANK))'''
 
 _TRAIN_PARSE_ARGS = '''\
+def step_count(text):
+    """The value of --steps: a whole number of steps from 1 to MAX_STEPS."""
+    steps = int(text)  # argparse reports a ValueError as an invalid value
+    if not 1 <= steps <= MAX_STEPS:
+        raise argparse.ArgumentTypeError(f"{text}: give 1 to MAX_STEPS training steps")
+    return steps
+
+
 def parse_args(argv):
     """Command line (see the module docstring)."""
     ap = argparse.ArgumentParser(description=f"parcomp program for mesh {MESH_TEXT}; run: {RUN_HINT}")
@@ -330,7 +340,7 @@ def parse_args(argv):
     ap.add_argument("--input", required=bool(INPUTS),
                     help=".pt dict of inputs for every step, or a list of one dict per step")
     ap.add_argument("--output", help="where to write the last step's outputs and the losses (.pt)")
-    ap.add_argument("--steps", type=int, default=TRAIN_STEPS, metavar="K",
+    ap.add_argument("--steps", type=step_count, default=TRAIN_STEPS, metavar="K",
                     help=f"training steps (default {TRAIN_STEPS})")
     ap.add_argument("--device", choices=sorted({"cpu", PROFILE}), default=PROFILE)
     ap.add_argument("--bench", type=int, default=0, metavar="N",
@@ -381,8 +391,6 @@ def train(params, batches):
 def run(args):
     """Everything between init_process_group and destroy_process_group."""
     make_groups()
-    if args.steps < 1:
-        fail(f"--steps {args.steps}: train at least one step")
     params = load_checkpoint(args.checkpoint)
     batches = read_batches(args.input, args.steps) if INPUTS else [{}] * args.steps
     with torch.no_grad():  # the backward pass is explicit in train_step: no autograd state
@@ -444,8 +452,9 @@ MAIN = _join(_RANK_PATH, _WRITE_OUTPUTS, _SYNC, _bench("forward", "forward steps
              _WORLD, _RUN, _MAIN_FN)
 TRAIN_RUNTIME = _join(_PROCESS, _TAKE_PLACE)
 TRAIN_MAIN = _join(_RANK_PATH, _TRAIN_WRITE_OUTPUTS, _SYNC,
-                   _bench("train_step", "training steps"), _TRAIN_PARSE_ARGS, _WORLD,
-                   _TRAIN_LOOP, _MAIN_FN)
+                   _bench("train_step", "training steps"),
+                   _TRAIN_PARSE_ARGS.replace("MAX_STEPS", f"{MAX_STEPS:_}"), _WORLD, _TRAIN_LOOP,
+                   _MAIN_FN)
 
 
 def read_losses(output_path) -> list:

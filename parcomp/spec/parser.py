@@ -15,6 +15,7 @@ from lark.exceptions import VisitError
 
 from ..errors import SourceLoc, SpecError, closest
 from ..ir.types import Mesh, Partial, R, Shard
+from ..passes.train_config import train_config
 from .model import LAYOUT_WORDS, LayoutSpec, Rule, Spec, TrainSpec, check_mesh_size, default_axis, suggest
 
 _GRAMMAR = resources.files(__package__).joinpath("grammar.lark").read_text(encoding="utf-8")
@@ -121,8 +122,8 @@ class _Tree(Transformer):
     scalar = target = lword = first
 
     def number(self, c):
-        s = str(c[0])
-        return int(s) if s.lstrip("+-").isdigit() else float(s)
+        s = str(c[0])  # a whole number of thousands of digits is a float (inf), checked later
+        return int(s) if s.lstrip("+-").isdigit() and len(s) < 400 else float(s)
 
     def name(self, c):
         return str(c[0])
@@ -194,6 +195,7 @@ class _Builder:
                 topology = self.make_topology(tok, payload)
             elif kind == "train":
                 train = TrainSpec(self.options(payload, "option"), self.loc(tok))
+                train_config(Spec(self.mesh, (), self.file, train=train))  # options and ranges
             else:
                 rules.append(self.make_rule(*payload))
         topo_loc = self.loc(seen["topology"]) if "topology" in seen else None
@@ -294,7 +296,8 @@ def parse_spec(text: str, file: str = "<string>") -> Spec:
         SpecError: a syntax error (saying what was expected), an unknown layout
             word or mesh axis, a layout with the wrong number of placements, a
             missing, misplaced or repeated ``mesh``, a bad mesh axis size or a
-            repeated axis name, a bad ``topology`` or a repeated ``train``.
+            repeated axis name, a bad ``topology``, a repeated ``train`` or a
+            train option out of its range (see :mod:`parcomp.passes.train_config`).
     """
     lines = text.splitlines()
     try:
