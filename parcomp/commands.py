@@ -9,16 +9,17 @@ import tempfile
 
 import numpy as np
 
+from .budget import check_memory
 from .compiler import compile_graph
 from .errors import ParcompError
 from .frontends.loader import load_model
 from .ir.text import print_graph
 from .reference.interpreter import run_spmd
 from .reference.numpy_ops import run_unsharded
-from .passes.train_config import train_config
-from .reference.training import data_for, initial_state, numpy_train, torch_train
-from .report import format_collectives, format_memory
-from .tolerance import (compare_outputs as compare, loss_errors, output_bounds, training_bounds,
+from .passes.train_config import check_steps, train_config
+from .reference.training import data_for, numpy_train, torch_train, train_steps
+from .report import format_collectives, format_memory, plural
+from .tolerance import (compare_outputs as compare, output_bounds, training_bounds,
                         training_errors)
 from .spec import load_spec
 
@@ -102,7 +103,7 @@ def compile(args):  # noqa: A001 - the subcommand's name
         print(format_memory(compiled.report))
         place = compiled.report["placement"]
         if place["nodes"] is not None:
-            print(f"placement: {len(place['nodes'])} nodes; inside a node: "
+            print(f"placement: {plural(place['nodes'], 'node')}; inside a node: "
                   f"{', '.join(place['intra_node_axes']) or '-'}; across nodes: "
                   f"{', '.join(place['cross_node_axes']) or '-'}")
         print(f"wrote {args.out}/")
@@ -143,8 +144,10 @@ def reference_outputs(graph, module, example, feeds) -> dict:
 
 def check(args):
     """``parcomp check``: every rank in the numpy interpreter against the unsharded model
-    (for training: one step against the unsharded step and, for torch models, torch.optim)."""
+    (for training: the spec's ``steps`` steps against the unsharded steps and, for torch
+    models, torch.optim; every carried value is compared, buffers and optimizer state too)."""
     compiled, module, example = _compile(args)
+    check_memory(compiled, "check")
     if compiled.report.get("training"):
         return _check_training(args, compiled, module, example)
     graph = compiled.unsharded
@@ -152,7 +155,7 @@ def check(args):
     run = run_spmd(compiled.program, feeds)
     result = compare(run.outputs(compiled.program), reference_outputs(graph, module, example, feeds),
                      output_bounds(compiled.logical, feeds))
-    _print_result(args, compiled, result, f"numpy interpreter, {compiled.program.mesh.size} ranks")
+    _print_result(args, compiled, result, f"numpy interpreter, {plural(compiled.program.mesh.size, 'rank')}")
     return {**result, "collectives": _summary(compiled.report["collectives"]),
             "world_size": compiled.program.mesh.size}
 
@@ -178,48 +181,77 @@ def _train_feeds(compiled, module, example, seed):
 
 
 def _torch_reference(compiled, module, example, feeds, steps):
+    """torch.optim's run of ``steps`` steps, keyed as the program's carried values and
+    outputs: every param and buffer of the graph, optimizer state, last gradients, losses."""
     cfg = train_config(compiled.spec)
-    names = [n.name for n in compiled.unsharded.inputs]
-    ref = torch_train(module, example, names, feeds, cfg, steps)
-    want = {"loss": np.array(ref["losses"][-1], "float32"), **ref["params"], **ref["input_grads"],
+    graph = compiled.unsharded
+    names = [n.name for n in graph.inputs]
+    output = graph.output_names.index(cfg.output) if cfg.output else 0
+    ref = torch_train(module, example, names, feeds, cfg, steps, output)
+    want = {"loss": np.array(ref["losses"][-1], "float32"), "losses": np.array(ref["losses"], "float32"),
+            **{n.name: ref["sources"][n.name] for n in graph.params if n.name in ref["sources"]},
+            **ref["state"],
+            **(ref["input_grads"] if cfg.input_grads else {}),
             **{f"{k}.grad": v for k, v in ref["grads"].items()}}
     return ref["losses"], want
 
 
+def _carried(run) -> dict:
+    """A :func:`train_steps` result as one dict: the last step's outputs, every carried
+    value after the last step, and ``losses`` (one per step)."""
+    return {**run["outputs"], **run["state"], "losses": np.array(run["losses"], "float32")}
+
+
+def _training_result(got: dict, want: dict, params, bounds: dict) -> dict:
+    """:func:`training_errors` of two carried-value dicts within their error ``bounds``
+    (:func:`training_bounds` as :func:`_carried`), the loss error taken over every step
+    (a missing step is a shape mismatch), and a failure when ``want`` has a value ``got`` lacks."""
+    result = training_errors(got, want, params, bounds)
+    missing = sorted(set(want) - set(got))
+    if missing:
+        result["missing"] = missing
+        result["why"] = "; ".join(w for w in (result["why"], f"missing: {', '.join(missing)}") if w)
+    result["ok"] = result["ok"] and not missing
+    return result
+
+
 def _check_training(args, compiled, module, example):
+    steps = train_config(compiled.spec).steps
     feeds = _train_feeds(compiled, module, example, args.seed)
-    state = initial_state(compiled.logical, feeds)
-    if "step" in compiled.logical:
-        state["step"] = np.array(1.0, "float32")
-    got = run_spmd(compiled.program, state).outputs(compiled.program)
+    prog = compiled.program
+    got = _carried(train_steps(lambda state: run_spmd(prog, state).outputs(prog), compiled.logical,
+                               feeds, steps))
     params = [n.name for n in compiled.unsharded.params]
-    bounds = output_bounds(compiled.logical, state)
-    result = training_errors(got, run_unsharded(compiled.logical, state), params, bounds)
-    result["losses"] = [float(got["loss"])]
+    bounds = _carried(training_bounds(compiled.logical, feeds, steps))
+    result = _training_result(got, _carried(numpy_train(compiled.logical, feeds, steps)), params, bounds)
+    result["losses"] = [float(x) for x in got["losses"]]
     if module is not None:
-        _, want = _torch_reference(compiled, module, example, feeds, 1)
-        vs_torch = training_errors(got, want, params, bounds)
+        _, want = _torch_reference(compiled, module, example, feeds, steps)
+        vs_torch = _training_result(got, want, params, bounds)
         result["vs_torch"] = vs_torch
         result["ok"] = result["ok"] and vs_torch["ok"]
     if not args.json:
         print(format_collectives(compiled.report["collectives"]))
         print(format_memory(compiled.report))
-        _print_training(result, "numpy interpreter, one step")
+        _print_training(result, f"numpy interpreter, {steps} step{'s' if steps > 1 else ''}",
+                        f"vs unsharded {'steps' if steps > 1 else 'step'}")
     return {**result, "collectives": _summary(compiled.report["collectives"]),
-            "world_size": compiled.program.mesh.size}
+            "world_size": compiled.program.mesh.size, "steps": steps}
 
 
 def _print_training(result, how, label="vs unsharded step"):
     print(f"{how}: losses {', '.join(f'{x:.6f}' for x in result['losses'])}")
-    print(f"  {label + ':':18} loss {result['max_loss_err']:.2e}  grads {result['max_grad_err']:.2e}"
-          f"  params {result['max_param_err']:.2e}  ({_vs_tolerance(result)})")
-    why = [result["why"]]
-    if "vs_torch" in result:
-        t = result["vs_torch"]
-        print(f"  vs torch.optim:    loss {t['max_loss_err']:.2e}  grads {t['max_grad_err']:.2e}"
-              f"  params {t['max_param_err']:.2e}  ({_vs_tolerance(t)})")
-        why.append(t["why"] and f"vs torch.optim: {t['why']}")
-    print("  OK" if result["ok"] else f"  MISMATCH: {'; '.join(w for w in why if w)}")
+    why = []
+    for name, r in ((label, result), ("vs torch.optim", result.get("vs_torch"))):
+        if r is None:
+            continue
+        print(f"  {name + ':':18} loss {r['max_loss_err']:.2e}  grads {r['max_grad_err']:.2e}"
+              f"  params {r['max_param_err']:.2e}  all carried {r['max_abs_err']:.2e}"
+              f"  ({_vs_tolerance(r)})")
+        if r.get("missing"):
+            print(f"    missing from the program: {', '.join(r['missing'])}")
+        why += [f"{name}: {r['why']}"] if r["why"] else []
+    print("  OK" if result["ok"] else f"  MISMATCH: {'; '.join(why)}")
 
 
 def run(args):
@@ -228,12 +260,17 @@ def run(args):
     from parcomp_backends.torch.launch import assemble_outputs, run_torchrun, write_inputs
 
     compiled, module, example = _compile(args)
+    if args.nproc == compiled.program.mesh.size:  # else the --nproc error below comes first
+        check_memory(compiled, "run")
     if compiled.report.get("training"):
         return _run_training(args, compiled, module, example)
+    if args.steps is not None:
+        raise ParcompError(f"--steps {args.steps}: the spec has no train line, so the program is "
+                           f"one forward pass; drop --steps or add a train line")
     size = compiled.program.mesh.size
     if args.nproc != size:
         raise ParcompError(f"--nproc {args.nproc} but the spec's mesh {compiled.program.mesh} has "
-                           f"{size} ranks")
+                           f"{plural(size, 'rank')}")
     graph = compiled.unsharded
     feeds = feeds_for(graph, module, example)
     work = args.keep or tempfile.mkdtemp(prefix="parcomp-run-")
@@ -249,7 +286,7 @@ def run(args):
                             out_path, extra_args=("--device", "cpu"))
         if proc.returncode != 0:
             sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
-            raise ParcompError(f"the program failed on {size} ranks (exit {proc.returncode}); "
+            raise ParcompError(f"the program failed on {plural(size, 'rank')} (exit {proc.returncode}); "
                                f"its output is above")
         got = assemble_outputs(out_path, compiled.program)
     finally:
@@ -257,7 +294,7 @@ def run(args):
             shutil.rmtree(work, ignore_errors=True)
     result = compare(got, reference_outputs(graph, module, example, feeds),
                      output_bounds(compiled.logical, feeds))
-    _print_result(args, compiled, result, f"torchrun, {size} gloo ranks")
+    _print_result(args, compiled, result, f"torchrun, {plural(size, 'gloo rank')}")
     return {**result, "collectives": _summary(compiled.report["collectives"]), "world_size": size}
 
 
@@ -275,7 +312,7 @@ def _launch(compiled, work, feeds, nproc, extra):
                         out_path, extra_args=("--device", "cpu", *extra))
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
-        raise ParcompError(f"the program failed on {nproc} ranks (exit {proc.returncode}); "
+        raise ParcompError(f"the program failed on {plural(nproc, 'rank')} (exit {proc.returncode}); "
                            f"its output is above")
     return out_path
 
@@ -286,36 +323,34 @@ def _run_training(args, compiled, module, example):
     size = compiled.program.mesh.size
     if args.nproc != size:
         raise ParcompError(f"--nproc {args.nproc} but the spec's mesh {compiled.program.mesh} has "
-                           f"{size} ranks")
-    steps = args.steps or train_config(compiled.spec).steps
+                           f"{plural(size, 'rank')}")
+    steps = train_config(compiled.spec).steps if args.steps is None else check_steps(args.steps)
     feeds = _train_feeds(compiled, module, example, 0)
     work = args.keep or tempfile.mkdtemp(prefix="parcomp-run-")
     try:
         write_dir_atomic(work, program_files(compiled, "torch", args.profile))
         out_path = _launch(compiled, work, feeds, size, ("--steps", str(steps)))
-        got, losses = assemble_training_outputs(out_path, compiled.program)
+        outputs, losses = assemble_training_outputs(out_path, compiled.program)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     params = [n.name for n in compiled.unsharded.params]
+    # what program.py carries: the checkpoint, with each step's outputs named like params
+    # replacing them (buffers and frozen params stay as loaded)
+    got = {**{n.name: feeds[n.name] for n in compiled.logical.params if n.name in feeds}, **outputs,
+           "losses": np.array(losses, "float32")}
     if module is not None:
         ref_losses, want = _torch_reference(compiled, module, example, feeds, steps)
     else:
         ref = numpy_train(compiled.logical, feeds, steps)
-        ref_losses, want = ref["losses"], ref["outputs"]
-    want = {k: v for k, v in want.items()
-            if k in params or k == "loss" or (k.endswith(".grad") and k[:-5] in params)}
-    bounds = training_bounds(compiled.logical, feeds, steps)
-    result = training_errors(got, want, params, bounds["outputs"])
+        ref_losses, want = ref["losses"], _carried(ref)
+    result = _training_result(got, want, params, _carried(training_bounds(compiled.logical, feeds, steps)))
     result["losses"], result["reference_losses"] = losses, ref_losses
-    by_step = loss_errors(losses, ref_losses, bounds["losses"])
-    result["max_loss_err"], result["loss_err_over_tol"] = by_step["max_abs_err"], by_step["err_over_tol"]
-    result["ok"] = result["ok"] and len(losses) == steps and by_step["ok"]
-    result["why"] = "; ".join(w for w in (result["why"], by_step["why"] and f"losses: {by_step['why']}") if w)
     if not args.json:
         print(format_collectives(compiled.report["collectives"]))
         ref_name = "torch.optim" if module is not None else "unsharded numpy"
-        _print_training(result, f"torchrun, {size} gloo ranks, {steps} steps", f"vs {ref_name}")
+        _print_training(result, f"torchrun, {plural(size, 'gloo rank')}, {plural(steps, 'step')}",
+                        f"vs {ref_name}")
         print(f"  reference losses: {', '.join(f'{x:.6f}' for x in ref_losses)}")
     return {**result, "collectives": _summary(compiled.report["collectives"]), "world_size": size,
             "steps": steps}

@@ -146,7 +146,11 @@ def _all_to_all_moves(src, tgt, rank) -> dict:
 
 
 def plan_cost(src: Layout, tgt: Layout, ty: TensorType, mesh: Mesh) -> float:
-    """Estimated seconds to redistribute ``ty`` from ``src`` to ``tgt`` (alpha-beta)."""
+    """Estimated seconds to redistribute ``ty`` from ``src`` to ``tgt`` (alpha-beta).
+
+    Steps over a mesh axis of size 1 are free: one rank holds the same data in
+    every placement, and insert-collectives plans nothing over such an axis.
+    """
     return _plan_cost(tuple(src), tuple(tgt), ty, mesh)
 
 
@@ -154,6 +158,8 @@ def plan_cost(src: Layout, tgt: Layout, ty: TensorType, mesh: Mesh) -> float:
 def _plan_cost(src, tgt, ty, mesh):
     total = 0.0
     for st in plan(src, tgt, ty.rank):
+        if mesh.sizes[st.axis] == 1:
+            continue  # one rank: every placement is the same data (insert-collectives drops it)
         if st.is_collective:
             total += ALPHA_S + BETA_S_PER_BYTE * step_bytes(st, ty, mesh)
         else:

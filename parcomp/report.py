@@ -100,13 +100,43 @@ def build_report(sharded, program, spec, model_params=()) -> dict:
     }
 
 
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+
+
+def format_bytes(n) -> str:
+    """A byte count for people: ``"512 B"``, ``"1.5 MiB"``, ``"7.3 TiB"``.
+
+    Below 1024 the exact count in B; above, one decimal in the largest binary
+    unit (KiB = 1024 B ... TiB) whose value is below 1024 after rounding, so
+    1048575 B is ``"1.0 MiB"``, never ``"1024.0 KiB"``.  TiB is the largest unit.
+
+    Raises:
+        ValueError: ``n`` is negative.
+    """
+    n = int(n)
+    if n < 0:
+        raise ValueError(f"a byte count is never negative; got {n}")
+    if n < 1024:
+        return f"{n} B"
+    for power, unit in enumerate(_UNITS[1:], start=1):
+        value = round(n / 1024 ** power, 1)
+        if value < 1024 or unit == _UNITS[-1]:
+            return f"{value:.1f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def plural(count: int, word: str, many: str | None = None) -> str:
+    """``"1 rank"``, ``"2 ranks"``: a count with its noun in the right number."""
+    return f"{count} {word if count == 1 else many or word + 's'}"
+
+
 def format_collectives(recs) -> str:
-    """A plain-text table of collectives, one row each, then the reasons."""
+    """A plain-text table of collectives, one row each, then the reasons (bytes in human units)."""
     if not recs:
         return "collectives: none"
     head = ("#", "kind", "axis", "dim", "local shape", "bytes/rank", "phase", "value")
     rows = [(str(i), r["kind"], r["axis"], "-" if r["dim"] is None else str(r["dim"]),
-             "x".join(map(str, r["local_shape"])), str(r["bytes"]), r["phase"], r["producer"])
+             "x".join(map(str, r["local_shape"])), format_bytes(r["bytes"]), r["phase"], r["producer"])
             for i, r in enumerate(recs)]
     widths = [max(len(x) for x in col) for col in zip(head, *rows)]
     lines = [f"collectives: {len(recs)}", "  ".join(h.ljust(w) for h, w in zip(head, widths))]
@@ -116,9 +146,10 @@ def format_collectives(recs) -> str:
 
 
 def format_memory(report) -> str:
-    """One line of per-rank memory, in KiB, plus the batch arithmetic when training."""
+    """One line of per-rank memory in human units (:func:`format_bytes`), plus the batch
+    arithmetic when training."""
     m = report["memory_bytes_per_rank"]
-    line = "memory per rank: " + ", ".join(f"{k.replace('_', ' ')} {v / 1024:.1f} KiB" for k, v in m.items())
+    line = "memory per rank: " + ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in m.items())
     if report.get("training"):
         line += "\n" + report["training"]["batch_note"]
     return line

@@ -74,17 +74,19 @@ def output_bounds(graph, feeds: dict, errors: dict | None = None) -> dict:
 
 
 def training_bounds(graph, feeds, steps: int) -> dict:
-    """Error bounds of ``steps`` training steps (as :func:`numpy_train` runs them).
+    """Error bounds of ``steps`` training steps, run as :func:`train_steps` runs them.
 
-    ``feeds``: one dict for every step, or a list of one dict per step. Params and
-    optimizer state are carried with their bounds, so step k's bound includes the
-    error of the state it starts from. Returns ``{"losses": [bound per step],
-    "outputs": {public name: bound of the last step}}``.
+    ``feeds``: one dict for every step, or a list of one dict per step. Outputs named
+    like a ``param`` of ``graph`` (updated params, optimizer state) replace it for the
+    next step, with their bounds, so step k's bound includes the error of the state it
+    starts from. Returns ``{"losses": [bound per step], "outputs": {public name: bound
+    of the last step}, "state": {param name: bound after the last step}}`` (buffers and
+    frozen params keep bound 0).
     """
     per_step = feeds if isinstance(feeds, (list, tuple)) else [feeds] * steps
     state = initial_state(graph, per_step[0])
-    errs = {}
     carried = {n.name for n in graph.params}
+    errs = {}
     losses, out = [], {}
     for k in range(1, steps + 1):
         state.update({key: v for key, v in per_step[k - 1].items() if key not in carried})
@@ -96,7 +98,8 @@ def training_bounds(graph, feeds, steps: int) -> dict:
         for name, v in graph.named_outputs():
             if name in carried:
                 state[name], errs[name] = env[v], err[v]
-    return {"losses": losses, "outputs": out}
+    zeros = {n.name: np.zeros(n.type.shape) for n in graph.params}
+    return {"losses": losses, "outputs": out, "state": {p: errs.get(p, zeros[p]) for p in zeros}}
 
 
 def spmd_errors(program, run, split_inputs: bool = False) -> list:
@@ -253,6 +256,8 @@ def compare_all(got: dict, want: dict, bounds: dict, keys=None, **kw) -> dict:
     for k in keys:
         if k not in got:
             per[k] = _result(np.inf, 0.0, np.inf, None, 0, 0, "missing")
+        elif k not in bounds:
+            per[k] = _result(np.inf, 0.0, np.inf, None, 0, 0, "no error bound for it")
         else:
             per[k] = compare(got[k], want[k], bounds[k], **kw)
     if not per:
@@ -284,15 +289,16 @@ def compare_outputs(got: dict, want: dict, bounds: dict) -> dict:
 
 
 def training_errors(got: dict, want: dict, params, bounds: dict) -> dict:
-    """Max abs errors of loss, gradients (``*.grad`` of params) and updated params, and the
-    verdict of :func:`compare_all` over every key both sides have (``bounds``: per key)."""
+    """Max abs errors of the loss (``loss``, and ``losses``: one per step), gradients
+    (``*.grad`` of params) and updated params, and the verdict of :func:`compare_all` over
+    every key both sides have (``bounds``: per key)."""
     keys = [k for k in want if k in got]
     res = compare_all(got, want, bounds, keys)
 
     def err(names):
         return max((res["per_key"][k]["max_abs_err"] for k in names if k in res["per_key"]), default=0.0)
 
-    return {"max_loss_err": err(["loss"]), "max_grad_err": err([f"{p}.grad" for p in params]),
+    return {"max_loss_err": err(["loss", "losses"]), "max_grad_err": err([f"{p}.grad" for p in params]),
             "max_param_err": err(params), "max_abs_err": res["max_abs_err"],
             **{k: res[k] for k in ("tolerance", "err_over_tol", "worst", "ok", "why")}}
 

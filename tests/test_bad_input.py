@@ -31,6 +31,8 @@ def run_cli(tmp_path, capsys, pcir, spec, cmd="check"):
     (("relu(%h)", 'gelu(%h) {approximate="bogus"}'), "choose one of none, tanh"),
     (("relu(%h)", 'add_scalar(%h) {value="x"}'), "attribute value of add_scalar must be a number"),
     (("relu(%h)", 'all_reduce(%h) {axis="tp"}'), "layout changes are inserted by parcomp"),
+    (("%w2: f32[16,8] = param()", '%w2: f32[16,8] = param() {trainable="no"}'),
+     "attribute trainable of param must be true or false, not 'no'"),
 ])
 def test_bad_ir_attributes_and_ops(tmp_path, capsys, edit, needle):
     rc, err = run_cli(tmp_path, capsys, BASE.replace(*edit), SPEC)
@@ -39,10 +41,14 @@ def test_bad_ir_attributes_and_ops(tmp_path, capsys, edit, needle):
 
 @pytest.mark.parametrize("line,needle", [
     ("train loss=mse optimizer=sgd(lr=abc)", "sgd(lr=...) must be a number, not 'abc'"),
-    ("train loss=mse steps=0", "steps and batch must be at least 1"),
+    ("train loss=mse steps=0", "steps=0 is out of range: it must be at least 1 and at most 1,000,000"),
     ("train loss=mse zero=1.5", "zero must be a whole number"),
     ("train loss=mse batch=many", "batch must be a whole number"),
     ("train loss=mse optimizer=sgd(lr=-1)", "must not be negative"),
+    ("train optimizer=adamw(lr=1e-3, beta1=1.5)", "adamw(beta1=1.5) must be less than 1"),
+    ("train optimizer=sgd(lr=1e400)", "sgd(lr=...) must be a finite number, not inf"),
+    ("train steps=100000000000", "steps=100000000000 is out of range"),
+    ("train loss=mse output=z", "output='z' is not an output of the model (its outputs: y)"),
 ])
 def test_bad_train_options_are_located(tmp_path, capsys, line, needle):
     rc, err = run_cli(tmp_path, capsys, BASE, SPEC.replace("output y replicated\n", "") + line + "\n")

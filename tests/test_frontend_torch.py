@@ -144,8 +144,11 @@ def test_scalar_inplace_and_layout_ops_match_torch():
     assert {p.name for p in graph.params} == {"w", "shift"}
     for n in graph.nodes:
         for _, v in n.attrs:
-            assert type(v) in (float, str, tuple, int)
+            assert type(v) in (float, str, tuple, int, bool)
             assert not isinstance(v, tuple) or all(type(i) is int for i in v)
+    # the buffer is marked: training never updates it; the mark survives the text form
+    assert graph["shift"].attrs == (("trainable", False),) and graph["w"].attrs == ()
+    assert "%shift: f32[4] = param() {trainable=false}" in print_graph(graph)
     assert parse_graph(print_graph(graph)) == graph
 
 

@@ -30,7 +30,7 @@ from parcomp.commands import feeds_for  # noqa: E402
 from parcomp.compiler import compile_graph  # noqa: E402
 from parcomp.errors import SpecError  # noqa: E402
 from parcomp.frontends.loader import load_model  # noqa: E402
-from parcomp.passes.topology import check_topology  # noqa: E402
+from parcomp.passes.topology import check_topology, group_ranks  # noqa: E402
 from parcomp.spec import load_spec, parse_spec  # noqa: E402
 from parcomp.tolerance import output_bounds  # noqa: E402
 from parcomp_backends.torch import PROFILES, assemble_outputs, emit_program, run_torchrun  # noqa: E402
@@ -182,8 +182,9 @@ def test_two_node_launch_equals_module_and_tp_groups_stay_in_a_node(gpt2, tmp_pa
     assert placement["intra_node_axes"] == ["tp"] and placement["cross_node_axes"] == ["dp"]
 
     text = emit_program(dp2tp2, "cpu")
-    group_ranks = json.loads(re.search(r"^GROUP_RANKS = (.*?)  #", text, re.M).group(1))
-    assert group_ranks == placement["groups"]  # the program's process groups are the placement's
+    program_groups = json.loads(re.search(r"^GROUP_RANKS = (.*?)  #", text, re.M).group(1))
+    # the program's process groups are the placement's
+    assert program_groups == {a: group_ranks(g) for a, g in placement["groups"].items()}
 
     write_program(dp2tp2, tmp_path, "cpu")
     (tmp_path / "probe.py").write_text(PROBE)
@@ -208,10 +209,10 @@ def test_two_node_launch_equals_module_and_tp_groups_stay_in_a_node(gpt2, tmp_pa
     if rdzv == "static":  # --node-rank i: launcher i runs ranks 2i, 2i+1
         assert node_of == {0: 0, 1: 0, 2: 1, 3: 1}
     # the tp groups the program creates run inside one launcher; the dp groups span both
-    for g in group_ranks["tp"]:
+    for g in program_groups["tp"]:
         assert len({node_of[r] for r in g}) == 1, (g, node_of)
         assert len({r // 2 for r in g}) == 1
-    for g in group_ranks["dp"]:
+    for g in program_groups["dp"]:
         assert len({node_of[r] for r in g}) == 2, (g, node_of)
 
 
@@ -251,13 +252,18 @@ def alive(pid) -> bool:
 
 def test_topology_dp2_tp2_on_two_nodes_keeps_tp_inside_a_node():
     got = check_topology(load_spec(SPECS / "gpt2_mlp_dp2_tp2.pcs"))
-    assert got == {"nodes": [[0, 1], [2, 3]], "groups": {"dp": [[0, 2], [1, 3]], "tp": [[0, 1], [2, 3]]},
+    assert got == {"nodes": 2, "devices_per_node": 2,
+                   "groups": {"dp": {"size": 2, "stride": 2, "count": 2},
+                              "tp": {"size": 2, "stride": 1, "count": 2}},
                    "intra_node_axes": ["tp"], "cross_node_axes": ["dp"]}
+    assert [group_ranks(got["groups"][a]) for a in ("dp", "tp")] == [[[0, 2], [1, 3]], [[0, 1], [2, 3]]]
 
 
 def test_topology_absent_places_nothing():
     got = check_topology(load_spec(SPECS / "gpt2_mlp_tp2.pcs"))
-    assert got == {"nodes": None, "groups": {"tp": [[0, 1]]}, "intra_node_axes": [], "cross_node_axes": []}
+    assert got == {"nodes": None, "devices_per_node": None,
+                   "groups": {"tp": {"size": 2, "stride": 1, "count": 1}},
+                   "intra_node_axes": [], "cross_node_axes": []}
 
 
 def test_topology_tp4_on_two_nodes_of_two_is_an_error():
@@ -282,7 +288,7 @@ def test_topology_tp_outer_spans_nodes_and_is_an_error():
 def test_topology_other_axes_may_span_nodes():
     spec = parse_spec("mesh dp=2 pp=2 tp=2\ntopology nodes=4 devices_per_node=2\n", "pp.pcs")
     got = check_topology(spec)
-    assert got["nodes"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert (got["nodes"], got["devices_per_node"]) == (4, 2)
     assert got["intra_node_axes"] == ["tp"] and got["cross_node_axes"] == ["dp", "pp"]
     with pytest.raises(SpecError, match="not a multiple of the 2 consecutive ranks"):
         check_topology(parse_spec("mesh dp=3 tp=2\ntopology nodes=2 devices_per_node=3\n", "odd.pcs"))

@@ -1,6 +1,7 @@
 """Tests of the parallel spec language (.pcs): parsing, patterns, errors, name checks."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ from hypothesis import strategies as st
 from parcomp.errors import SourceLoc, SpecError
 from parcomp.ir.types import Mesh, P, R, Shard
 from parcomp.spec import LayoutSpec, Rule, Spec, TrainSpec, check_names, load_spec, parse_spec
+from parcomp.spec.model import MAX_MESH_RANKS
 
 SPECS = sorted((Path(__file__).resolve().parent.parent / "specs").glob("*.pcs"))
 WORDS = ("replicated", "split-hidden", "split-seq", "partial-sum", "colwise", "rowwise")
@@ -132,13 +134,14 @@ def test_every_layout_word():
 def test_topology_and_train():
     spec = parse_spec("# header\n\nmesh dp=2 tp=2 # rank order: tp fastest\n"
                       "topology nodes=1 devices_per_node=4\n"
-                      "train loss=mse optimizer=sgd(momentum=0.9, lr=0.1) batch=8 steps=3"
-                      ' lr=3e-4 tag="a b" opt2=adamw()\n')
+                      "train loss=mse optimizer=sgd(momentum=0.9, lr=3e-4) batch=8 steps=3"
+                      ' trainable="a b" output=out\n')
     assert spec.topology == (1, 4)
     assert spec.train == TrainSpec(
-        (("batch", 8), ("loss", "mse"), ("lr", 3e-4), ("opt2", ("adamw", ())),
-         ("optimizer", ("sgd", (("lr", 0.1), ("momentum", 0.9)))), ("steps", 3), ("tag", "a b")),
+        (("batch", 8), ("loss", "mse"), ("optimizer", ("sgd", (("lr", 3e-4), ("momentum", 0.9)))),
+         ("output", "out"), ("steps", 3), ("trainable", "a b")),
         SourceLoc("<string>", 5, 1, spec.train.loc.text))
+    assert parse_spec("mesh tp=2\ntrain optimizer=adamw()\n").train.get("optimizer") == ("adamw", ())
     assert spec.train.get("batch") == 8 and spec.train.get("nope", 7) == 7
     assert spec.rules == ()
 
@@ -287,6 +290,41 @@ def test_error_train():
     assert_at(spec_error("mesh tp=2\ntrain\ntrain\n"), 3, 1, "train is given twice")
 
 
+BIG = "1" * 500  # a whole number too large for a float
+
+
+@pytest.mark.parametrize("options,msg", [
+    ("optimizer=adamw(lr=1e-3, beta1=1.5)", "adamw(beta1=1.5) must be less than 1 (legal: 0 <= x < 1)"),
+    ("optimizer=adamw(beta2=1)", "adamw(beta2=1) must be less than 1 (legal: 0 <= x < 1)"),
+    ("optimizer=adamw(beta1=-0.1)", "adamw(beta1=-0.1) must not be negative (legal: 0 <= x < 1)"),
+    ("optimizer=adamw(eps=-1e-8)", "adamw(eps=-1e-08) must not be negative (legal: 0 <= x)"),
+    ("optimizer=adamw(weight_decay=-0.01)", "adamw(weight_decay=-0.01) must not be negative"),
+    ("optimizer=sgd(lr=-1)", "sgd(lr=-1) must not be negative (legal: 0 <= x)"),
+    ("optimizer=sgd(momentum=-0.5)", "sgd(momentum=-0.5) must not be negative"),
+    ("optimizer=sgd(lr=1e400)", "sgd(lr=...) must be a finite number, not inf"),
+    (f"optimizer=sgd(lr={BIG})", "sgd(lr=...) must be a finite number, not inf"),
+    ("steps=100000000000", "steps=100000000000 is out of range: it must be at least 1 and at most 1,000,000"),
+    ("steps=1e400", "steps must be a finite number, not inf"),
+    (f"steps={BIG}", "steps must be a finite number, not inf"),
+    ("steps=-3", "steps=-3 is out of range"),
+    ("batch=0", "batch=0 is out of range: it must be at least 1 and at most 16,777,216"),
+    ("batch=16777217", "batch=16777217 is out of range"),
+    ("zero=1e400", "zero must be a finite number"),
+    ("output=3", "output=3: name a model output"),
+    ("loss=hinge", "loss 'hinge' is not supported"),
+    ("optimiser=sgd", "unknown train option 'optimiser'; did you mean 'optimizer'?"),
+])
+def test_train_options_are_checked_with_their_ranges_when_parsed(options, msg):
+    assert_at(spec_error(f"mesh tp=2\ntrain loss=mse {options}\n".replace("loss=mse loss=", "loss=")),
+              2, 1, msg)
+
+
+def test_train_options_at_their_limits_are_accepted():
+    spec = parse_spec("mesh dp=2\ntrain optimizer=adamw(lr=0, beta1=0, beta2=0.999999, eps=0, "
+                      "weight_decay=0) steps=1000000 batch=16777216 zero=2 output=\"a.b\"\n")
+    assert spec.train.get("steps") == 1_000_000 and spec.train.get("output") == "a.b"
+
+
 def test_error_partial_op_and_empty_component():
     assert_at(spec_error("mesh tp=2\nx P(max)\n"), 2, 5, "only P(sum) is supported")
     assert_at(spec_error("mesh tp=2\na..b R\n"), 2, 1, "empty dotted component")
@@ -344,6 +382,11 @@ PLACEMENT = st.one_of(st.just(R), st.just(P), st.builds(Shard, st.integers(0, 5)
                 unique_by=lambda a: a[0]))
 def test_mesh_property(axes):
     text = "mesh " + "  ".join(f"{a}={n}" for a, n in axes) + "\nw colwise\n"
+    if math.prod(n for _, n in axes) > MAX_MESH_RANKS:  # the bound, at the mesh line
+        with pytest.raises(SpecError, match=f"more than parcomp's limit of {MAX_MESH_RANKS}") as info:
+            parse_spec(text)
+        assert info.value.loc.line == 1
+        return
     spec = parse_spec(text)
     assert spec.mesh == Mesh(tuple(axes))
     names = [a for a, _ in axes]

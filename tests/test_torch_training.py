@@ -169,7 +169,8 @@ def train_run(tmp_path, compiled, nproc, module, inputs, extra=("--steps", str(S
 def error_bounds(compiled, module, batches):
     """Error bounds of the STEPS steps trained on ``batches`` (one dict per step, or one for all)."""
     batches = batches if isinstance(batches, list) else [batches] * STEPS
-    params = {k: v.detach().numpy() for k, v in module.state_dict().items()}
+    tensors = {**dict(module.named_buffers()), **module.state_dict()}  # non-persistent buffers too
+    params = {k: v.detach().numpy() for k, v in tensors.items()}
     return training_bounds(compiled.logical, [{**params, **{k: v.numpy() for k, v in b.items()}}
                                               for b in batches], STEPS)
 
@@ -299,3 +300,81 @@ def test_per_step_inputs_must_match_steps(tmp_path):
                        ("--device", "cpu", "--steps", "3"), timeout=TIMEOUT)
     assert res.returncode != 0
     assert "holds the inputs of 2 steps but --steps is 3" in res.stderr
+
+
+# --- buffers and frozen params are never trained; several outputs; --steps bounds ---------------
+
+
+def _factory(name):
+    import train_models
+
+    return getattr(train_models, name)()
+
+
+@pytest.mark.parametrize("factory,frozen", [("buffer_mlp", {"s"}), ("frozen_bias_mlp", {"s", "fc1.bias"})])
+def test_buffers_and_frozen_params_get_no_gradient_state_or_update(factory, frozen):
+    from parcomp.frontends.torch_export import import_torch
+    from train_models import BUFFER_SPEC
+
+    graph = import_torch(*_factory(factory))
+    assert {n.name for n in graph.params if n.attr("trainable") is False} == frozen
+    c = compile_graph(graph, parse_spec(BUFFER_SPEC.replace("sgd(lr=0.5)", "sgd(lr=0.5, momentum=0.9)"),
+                                        "buf.pcs"))
+    names = set(c.program.output_names)
+    for p in frozen:
+        assert {p, f"{p}.grad", f"{p}.momentum_buffer"}.isdisjoint(names)
+        assert f"{p}.momentum_buffer" not in c.program
+    assert {"fc1.weight", "fc2.bias.grad", "fc2.weight.momentum_buffer"} <= names
+    assert frozen.isdisjoint(training_facts(c.program).carried)  # program.py keeps them as loaded
+
+
+def test_program_steps_out_of_range_is_an_argument_error(tmp_path):
+    import subprocess
+    import sys
+
+    from train_models import BUFFER_SPEC
+
+    from parcomp.frontends.torch_export import import_torch
+
+    c = compile_graph(import_torch(*_factory("buffer_mlp")), parse_spec(BUFFER_SPEC, "buf.pcs"))
+    program = write_program(c, tmp_path)
+    for steps in ("100000000000", "0"):
+        res = subprocess.run([sys.executable, program, "--checkpoint", "none.pt", "--input", "none.pt",
+                              "--steps", steps], capture_output=True, text=True, timeout=TIMEOUT)
+        assert res.returncode == 2 and "Traceback" not in res.stderr
+        assert f"argument --steps: {steps}: give 1 to 1_000_000 training steps" in res.stderr
+
+
+@pytest.mark.slow
+def test_buffer_model_three_steps_on_two_ranks_like_torch(tmp_path):
+    """Issue 7: ``fc2(relu(fc1(x)) * s)`` with a buffer ``s``, tp=2, 3 SGD steps."""
+    from train_models import BUFFER_SPEC
+
+    from parcomp.frontends.torch_export import import_torch
+
+    module, example, names = _factory("buffer_mlp")
+    c = compile_graph(import_torch(module, example, names), parse_spec(BUFFER_SPEC, "buf.pcs"))
+    batches = _batches(example, 8, per_step=False)
+    s_before = module.s.clone()
+    out, losses, res = train_run(tmp_path, c, 2, module, batches[0], extra=())  # the spec's steps=3
+    want = torch_training(module, lambda p: torch.optim.SGD(p, lr=0.5), batches, _mse)
+    assert_trained_like_torch(out, losses, res, want, error_bounds(c, module, batches))  # every step
+    assert "s" not in out and "s.grad" not in out  # s is neither updated nor differentiated
+    assert torch.equal(module.s, s_before) and set(want[0]) == {"fc1.weight", "fc1.bias", "fc2.weight",
+                                                                "fc2.bias"}
+
+
+@pytest.mark.slow
+def test_run_two_output_model_with_loss_on_the_named_output(tmp_path, capsys):
+    import json
+
+    from parcomp.cli import main
+    from train_models import MODELS
+
+    spec = tmp_path / "two.pcs"
+    spec.write_text("mesh tp=2\nfc.weight colwise\ninput x replicated\n"
+                    "train loss=mse optimizer=sgd(lr=0.1, momentum=0.9) output=output_1 steps=2\n")
+    assert main(["run", f"{MODELS}:two_outputs", "--spec", str(spec), "--nproc", "2", "--json"]) == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last["ok"] and last["steps"] == 2 and len(last["losses"]) == 2 and not last.get("missing")
+    assert last["err_over_tol"] <= 1  # every step's loss and every carried value within its bound

@@ -9,10 +9,10 @@ from parcomp.ir import parse_graph
 from parcomp.reference.interpreter import run_spmd
 from parcomp.reference.numpy_ops import run_unsharded
 
-from parcomp.tolerance import output_bounds
+from parcomp.tolerance import output_bounds, training_bounds
 
 from graphs import mlp_graph, random_feeds, spec
-from numerics import assert_all_equivalent
+from numerics import assert_all_equivalent, assert_equivalent
 
 from test_megatron import TINY, W1, W2  # the worked example of the forward tests
 
@@ -194,3 +194,95 @@ def test_input_grads_no_drops_dx_and_its_all_reduce():
     feeds = _feeds(c)
     got, want = run_spmd(c.program, feeds).outputs(c.program), run_unsharded(c.logical, feeds)
     assert_all_equivalent(got, want, output_bounds(c.logical, feeds))
+
+
+# --- what is not a trainable parameter is never updated; several outputs ------------------------
+
+BUFFERED = """\
+%x: f32[4,8] = input()
+%w1: f32[8,16] = param()
+%s: f32[16] = param() {trainable=false}
+%w2: f32[16,8] = param()
+%h: f32[4,16] = matmul(%x, %w1)
+%r: f32[4,16] = relu(%h)
+%hs: f32[4,16] = mul(%r, %s)
+%y: f32[4,8] = matmul(%hs, %w2)
+return %y
+"""
+BUFFERED_SPEC = ("mesh tp=2\nw1 colwise\nw2 rowwise\ninput x replicated\n"
+                 "train loss=mse optimizer=sgd(lr=0.02, momentum=0.9) steps=3{extra}\n")
+
+
+def _train_spmd(c, feeds, steps):
+    from parcomp.reference.training import train_steps
+
+    return train_steps(lambda s: run_spmd(c.program, s).outputs(c.program), c.logical, feeds, steps)
+
+
+def test_a_param_marked_not_trainable_gets_no_gradient_state_or_update():
+    c = compile_graph(parse_graph(BUFFERED), spec(BUFFERED_SPEC.format(extra="")))
+    assert {"s", "s.grad", "s.momentum_buffer"}.isdisjoint(c.program.output_names)
+    assert "s.momentum_buffer" not in c.program
+    assert {"w1", "w2", "w1.grad", "w2.momentum_buffer"} <= set(c.program.output_names)
+    # no collective serves a gradient of s (it was an all_gather of the column-split s.grad)
+    assert [(r["kind"], r["phase"]) for r in c.report["collectives"]] == [("all_reduce", "forward"),
+                                                                          ("all_reduce", "backward")]
+    feeds = random_feeds(c.unsharded, 1, scale=0.5)
+    feeds["target"] = np.random.default_rng(2).standard_normal((4, 8)).astype("f4")
+    from parcomp.reference.training import numpy_train
+
+    got, want = _train_spmd(c, feeds, 3), numpy_train(c.logical, feeds, 3)
+    bounds = training_bounds(c.logical, feeds, 3)
+    np.testing.assert_array_equal(got["state"]["s"], feeds["s"])  # carried 3 steps, unchanged
+    assert_equivalent(np.array(got["losses"]), np.array(want["losses"]), np.array(bounds["losses"]))
+    assert got["losses"][2] < got["losses"][0]  # w1, w2 were trained
+    assert_all_equivalent(got["state"], want["state"], bounds["state"], ("w1", "w2", "w2.momentum_buffer"))
+
+
+def test_trainable_pattern_naming_only_frozen_params_is_an_error():
+    with pytest.raises(SpecError) as e:
+        compile_graph(parse_graph(BUFFERED), spec(BUFFERED_SPEC.format(extra=' trainable="s"')))
+    assert "test.pcs:5:1" in str(e.value)
+    assert "trainable='s' names only buffers or frozen (requires_grad=False) parameters" in str(e.value)
+
+
+TWO_OUT = """\
+%x: f32[4,8] = input()
+%w1: f32[8,8] = param()
+%w2: f32[8,8] = param()
+%y0: f32[4,8] = matmul(%x, %w1)
+%y1: f32[4,8] = matmul(%x, %w2)
+return %y0, %y1
+"""
+
+
+@pytest.mark.parametrize("out,trained,untouched", [("y0", "w1", "w2"), ("y1", "w2", "w1")])
+def test_loss_on_the_named_output_and_only_what_reaches_it_is_trained(out, trained, untouched):
+    c = compile_graph(parse_graph(TWO_OUT), spec(
+        f"mesh tp=2\nw1 colwise\nw2 colwise\ninput x replicated\ntrain loss=mse optimizer=adamw(lr=0.01)"
+        f" output={out}\n"))
+    names = set(c.program.output_names)
+    assert {trained, f"{trained}.grad", f"{trained}.exp_avg"} <= names
+    # as in torch.optim: no gradient reaches it, so no update (not even AdamW's weight decay)
+    assert not any(n.startswith(untouched) for n in names)
+    from parcomp.reference.training import initial_state
+
+    rand = random_feeds(c.logical, 3)
+    feeds = initial_state(c.logical, {k: rand[k] for k in ("x", "w1", "w2", "target")})  # zero state
+    feeds["step"] = np.array(1.0, "f4")
+    got = run_spmd(c.program, feeds).outputs(c.program)
+    y = feeds["x"].astype("f8") @ feeds[trained]
+    want = np.mean((y - feeds["target"]) ** 2)  # float64: exact next to float32's bound
+    assert_equivalent(got["loss"], want, output_bounds(c.logical, feeds)["loss"], 0.0)
+
+
+@pytest.mark.parametrize("line,msg", [
+    ("train loss=mse", "the model has 2 outputs (y0, y1); say which one the loss is computed on, "
+                       "e.g. 'train ... output=y0'"),
+    ("train loss=mse output=yy", "output='yy' is not an output of the model (its outputs: y0, y1)"),
+    ("train loss=mse output=y00", "output='y00' is not an output of the model; did you mean 'y0'?"),
+])
+def test_several_outputs_need_the_loss_output_named(line, msg):
+    with pytest.raises(SpecError) as e:
+        compile_graph(parse_graph(TWO_OUT), spec(f"mesh tp=2\nw1 colwise\n{line}\n"))
+    assert msg in str(e.value) and "test.pcs:3:1" in str(e.value)

@@ -27,6 +27,8 @@ from typing import NamedTuple
 from parcomp.errors import ParcompError
 from parcomp.ir.ops import LAYOUT_OPS
 from parcomp.ir.types import DTYPE_SHORT, Partial, Replicate, layout_str, shard_axes
+from parcomp.passes.topology import axis_groups, group_ranks
+from parcomp.report import plural
 
 from .profiles import get_profile
 from .runtime import FORWARD_HELP, IMPORTS, MAIN, RUNTIME, TRAIN_HELP, TRAIN_MAIN, TRAIN_RUNTIME
@@ -208,7 +210,7 @@ def _header(program, report, spec_name, model, train) -> str:
         "",
         f"model: {(model or 'a parcomp graph').replace(chr(34) * 3, '')}",
         f"spec:  {spec_name or '(none recorded)'}",
-        f"mesh:  {mesh} ({mesh.size} ranks; row-major, the last axis varies fastest)",
+        f"mesh:  {mesh} ({plural(mesh.size, 'rank')}; row-major, the last axis varies fastest)",
         *steps,
         "",
         "Run one process per rank:",
@@ -258,7 +260,7 @@ def _all_replicated(program) -> bool:
 
 def _constants(program, train) -> str:
     mesh = program.mesh
-    groups = {a: [list(g) for g in mesh.groups(i)] for i, a in enumerate(mesh.names)}
+    groups = {a: group_ranks(axis_groups(mesh, i)) for i, a in enumerate(mesh.names)}
     outs = program.named_outputs()
     lines = [
         f"MESH = {json.dumps(dict(mesh.axes))}  # mesh axes in order; ranks are row-major",
@@ -338,8 +340,9 @@ def _loaders(program, train) -> str:
                           f"    out[{json.dumps(n.name)}] = torch.zeros({tuple(n.type.shape)!r}, "
                           f"dtype={TORCH_DTYPES[n.type.dtype]}, device=DEVICE)"]
                 continue
-            sliced, what = _slice_expr(program, n, f"take({arg}, {json.dumps(n.name)}, {full!r})")
-            expr = f"place({sliced}, {TORCH_DTYPES[n.type.dtype]})"
+            sliced, what = _slice_expr(program, n, f"take({arg}, {json.dumps(n.name)}, {full!r}, "
+                                                   f"{TORCH_DTYPES[n.type.dtype]})")
+            expr = f"place({sliced})"
             for a, p in enumerate(n.layout):
                 if isinstance(p, Partial):
                     expr = f"partial_mask({expr}, {json.dumps(program.mesh.names[a])})"

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import os
 
+from parcomp.passes.train_config import MAX_STEPS  # the bound of --steps, as in the spec
+
 # ---- chunks of program text, joined by blank lines into RUNTIME, MAIN, TRAIN_* (at the end) ----
 _PROCESS = '''\
 RANK = int(os.environ.get("RANK", "0"))
@@ -37,11 +39,13 @@ MESH_TEXT = " ".join(f"{axis}={size}" for axis, size in MESH.items())
 AXIS = {axis: i for i, axis in enumerate(MESH)}
 DEVICE = torch.device("cpu")  # set by main()
 GROUPS = {}  # mesh axis -> this rank's process group, set by make_groups()
+FILES = {}  # "checkpoint" / "input" -> the path read (for messages), set by read_tensors()
 
 
 def fail(message):
-    """Print ``message`` on stderr and exit with status 2."""
-    print(f"program.py (rank {RANK}): error: {message}", file=sys.stderr, flush=True)
+    """Print ``message`` on stderr (one write, so ranks' lines do not interleave) and exit 2."""
+    sys.stderr.write(f"program.py (rank {RANK}): error: {message}\\n")
+    sys.stderr.flush()
     sys.exit(2)
 
 
@@ -121,6 +125,7 @@ def partial_mask(x, axis):
 # ---- loading ----
 def read_tensors(path, what):
     """{name: tensor} (on CPU) from a .safetensors or torch .pt file; exits 2 if unreadable."""
+    FILES[what] = path
     if not os.path.isfile(path):
         fail(f"{what} file {path} does not exist")
     try:
@@ -139,11 +144,13 @@ def read_inputs(path):
         feeds = {INPUTS[0]: feeds}
     if not isinstance(feeds, dict):
         fail(f"input file {path} must hold a dict {{input name: tensor}} for inputs {list(INPUTS)}")
+    note_unused(feeds, INPUTS, "input")
     return feeds'''
 
 _TAKE_PLACE = '''\
-def take(tensors, name, shape):
-    """The full tensor ``name`` of a loaded file, checked against its full (unsharded) shape."""
+def take(tensors, name, shape, dtype):
+    """The full tensor ``name`` of a loaded file, checked against its full (unsharded) shape
+    and the dtype the program was compiled for (never cast: a mismatch exits 2)."""
     what = "param" if name in PARAMS else "input"
     if name not in tensors:
         have = ", ".join(sorted(map(str, tensors))[:10]) or "nothing"
@@ -152,12 +159,38 @@ def take(tensors, name, shape):
     if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shape):
         got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
         fail(f"{what} {name!r} has shape {got}, expected the full (unsharded) shape {list(shape)}")
+    if t.dtype != dtype:
+        source = FILES.get("checkpoint" if what == "param" else "input", "the file")
+        fail(f"{what} {name!r} in {source} has dtype {t.dtype}, but the program was compiled for "
+             f"{dtype}; nothing is cast: save it as {dtype} (tensor.to({dtype})) or compile a "
+             f"model whose {what} is {t.dtype}")
     return t
 
 
-def place(t, dtype):
+def place(t):
     """A compact copy of ``t`` on DEVICE (so the full tensor it was cut from can be freed)."""
-    return torch.empty(t.shape, dtype=dtype, device=DEVICE).copy_(t)'''
+    return torch.empty(t.shape, dtype=t.dtype, device=DEVICE).copy_(t)
+
+
+def note_unused(tensors, used, what):
+    """Rank 0 lists, on one line of stderr, the keys of a loaded ``what`` file that the
+    program does not read (a note, not an error)."""
+    if RANK != 0 or not isinstance(tensors, dict):
+        return
+    unused = sorted(str(k) for k in tensors if k not in used)
+    if unused:
+        shown = ", ".join(unused[:20]) + (", ..." if len(unused) > 20 else "")
+        keys = "1 key" if len(unused) == 1 else f"{len(unused)} keys"
+        sys.stderr.write(f"program.py: note: {what} file {FILES.get(what)} has {keys} this program "
+                         f"does not use: {shown}\\n")
+        sys.stderr.flush()
+
+
+def load_checkpoint(path):
+    """This rank's slices of the params in the checkpoint at ``path`` (unused keys noted)."""
+    ckpt = read_tensors(path, "checkpoint")
+    note_unused(ckpt, PARAMS, "checkpoint")
+    return load_params(ckpt)'''
 
 _RANK_PATH = '''\
 def rank_path(path, rank):
@@ -216,7 +249,8 @@ def check_world():
     if "WORLD_SIZE" not in os.environ:
         fail(f"start this program with torchrun, one process per rank: {RUN_HINT}")
     if WORLD_SIZE != MESH_SIZE:
-        fail(f"program compiled for mesh {MESH_TEXT} ({MESH_SIZE} ranks) but started with "
+        ranks = "1 rank" if MESH_SIZE == 1 else f"{MESH_SIZE} ranks"
+        fail(f"program compiled for mesh {MESH_TEXT} ({ranks}) but started with "
              f"WORLD_SIZE={WORLD_SIZE}; run: {RUN_HINT}")
 
 
@@ -232,7 +266,7 @@ _RUN = '''\
 def run(args):
     """Everything between init_process_group and destroy_process_group."""
     make_groups()
-    params = load_params(read_tensors(args.checkpoint, "checkpoint")) if PARAMS else {}
+    params = load_checkpoint(args.checkpoint) if PARAMS else {}
     inputs = load_inputs(read_inputs(args.input)) if INPUTS else {}
     with torch.inference_mode():
         outputs = forward(params, inputs)
@@ -291,6 +325,14 @@ def write_outputs(outputs, losses, path):
                 "global_shapes": OUTPUT_GLOBAL_SHAPES, "losses": losses}, rank_path(path, RANK))'''
 
 _TRAIN_PARSE_ARGS = '''\
+def step_count(text):
+    """The value of --steps: a whole number of steps from 1 to MAX_STEPS."""
+    steps = int(text)  # argparse reports a ValueError as an invalid value
+    if not 1 <= steps <= MAX_STEPS:
+        raise argparse.ArgumentTypeError(f"{text}: give 1 to MAX_STEPS training steps")
+    return steps
+
+
 def parse_args(argv):
     """Command line (see the module docstring)."""
     ap = argparse.ArgumentParser(description=f"parcomp program for mesh {MESH_TEXT}; run: {RUN_HINT}")
@@ -298,7 +340,7 @@ def parse_args(argv):
     ap.add_argument("--input", required=bool(INPUTS),
                     help=".pt dict of inputs for every step, or a list of one dict per step")
     ap.add_argument("--output", help="where to write the last step's outputs and the losses (.pt)")
-    ap.add_argument("--steps", type=int, default=TRAIN_STEPS, metavar="K",
+    ap.add_argument("--steps", type=step_count, default=TRAIN_STEPS, metavar="K",
                     help=f"training steps (default {TRAIN_STEPS})")
     ap.add_argument("--device", choices=sorted({"cpu", PROFILE}), default=PROFILE)
     ap.add_argument("--bench", type=int, default=0, metavar="N",
@@ -313,12 +355,14 @@ def read_batches(path, steps):
     if isinstance(feeds, torch.Tensor) and len(INPUTS) == 1:
         feeds = {INPUTS[0]: feeds}
     if isinstance(feeds, dict):
+        note_unused(feeds, INPUTS, "input")
         return [load_inputs(feeds)] * steps
     if not isinstance(feeds, (list, tuple)) or not all(isinstance(f, dict) for f in feeds):
         fail(f"input file {path} must hold a dict {{input name: tensor}} for inputs {list(INPUTS)} "
              f"or a list of one such dict per step")
     if len(feeds) != steps:
         fail(f"input file {path} holds the inputs of {len(feeds)} steps but --steps is {steps}")
+    note_unused(feeds[0] if feeds else {}, INPUTS, "input")
     return [load_inputs(f) for f in feeds]
 
 
@@ -347,9 +391,7 @@ def train(params, batches):
 def run(args):
     """Everything between init_process_group and destroy_process_group."""
     make_groups()
-    if args.steps < 1:
-        fail(f"--steps {args.steps}: train at least one step")
-    params = load_params(read_tensors(args.checkpoint, "checkpoint"))
+    params = load_checkpoint(args.checkpoint)
     batches = read_batches(args.input, args.steps) if INPUTS else [{}] * args.steps
     with torch.no_grad():  # the backward pass is explicit in train_step: no autograd state
         outputs, losses = train(params, batches)
@@ -410,8 +452,9 @@ MAIN = _join(_RANK_PATH, _WRITE_OUTPUTS, _SYNC, _bench("forward", "forward steps
              _WORLD, _RUN, _MAIN_FN)
 TRAIN_RUNTIME = _join(_PROCESS, _TAKE_PLACE)
 TRAIN_MAIN = _join(_RANK_PATH, _TRAIN_WRITE_OUTPUTS, _SYNC,
-                   _bench("train_step", "training steps"), _TRAIN_PARSE_ARGS, _WORLD,
-                   _TRAIN_LOOP, _MAIN_FN)
+                   _bench("train_step", "training steps"),
+                   _TRAIN_PARSE_ARGS.replace("MAX_STEPS", f"{MAX_STEPS:_}"), _WORLD, _TRAIN_LOOP,
+                   _MAIN_FN)
 
 
 def read_losses(output_path) -> list:

@@ -56,12 +56,12 @@ class _Builder:
         self.types[node.name] = node.type
         return node.name
 
-    def source(self, op: str, name: str, fx) -> str:
+    def source(self, op: str, name: str, fx, **attrs) -> str:
         if not _NAME_OK.match(name) or name in self.taken:
             what = "is used twice" if name in self.taken else "has characters outside [A-Za-z0-9_.]"
             raise FrontendError(f"{op} name {name!r} {what}")
         self.taken.add(name)
-        return self.add(Node(name, op, (), _type_of(fx, self)))
+        return self.add(Node(name, op, (), _type_of(fx, self), make_attrs(**attrs)))
 
     def val(self, arg) -> str:
         """The value name of an fx operand that must be a tensor."""
@@ -316,6 +316,14 @@ def _name_outputs(nodes: list, outs: list, wanted: list) -> tuple:
     return nodes, [ren.get(v, v) for v in outs]
 
 
+def _frozen(module, sig, fx_name: str) -> dict:
+    """``{"trainable": False}`` for a buffer or a ``requires_grad=False`` parameter, else ``{}``."""
+    if fx_name in sig.inputs_to_buffers:
+        return {"trainable": False}
+    param = module.get_parameter(sig.inputs_to_parameters[fx_name])
+    return {} if param.requires_grad else {"trainable": False}
+
+
 def import_torch(module: torch.nn.Module, example_inputs: tuple,
                  input_names: list | None = None) -> Graph:
     """Trace ``module`` with torch.export and lower it to a global parcomp Graph.
@@ -329,7 +337,8 @@ def import_torch(module: torch.nn.Module, example_inputs: tuple,
 
     Returns:
         A Graph whose ``param`` nodes are named by ``state_dict`` keys (unused ones
-        dropped), ``input`` nodes in argument order, and outputs named ``output``
+        dropped; buffers and ``requires_grad=False`` parameters carry
+        ``{trainable=false}``: training never updates them), ``input`` nodes in argument order, and outputs named ``output``
         (one) or ``output_0``, ``output_1``... (several; an output that is itself an
         input or param keeps its name). Shapes are those of ``example_inputs``.
 
@@ -347,7 +356,7 @@ def import_torch(module: torch.nn.Module, example_inputs: tuple,
         if n.op != "placeholder":
             continue
         if n.name in sources:
-            b.env[n] = b.source("param", sources[n.name], n)
+            b.env[n] = b.source("param", sources[n.name], n, **_frozen(module, sig, n.name))
         elif n.name in users:
             b.env[n] = b.source("input", users[n.name], n)
         else:

@@ -9,6 +9,9 @@ Example::
     %y: f32[8,64] <S(1)> = gelu(%h) {approximate="tanh"}
     return %y
 
+A ``param`` training must never update (a buffer, a frozen parameter) carries
+``{trainable=false}``.
+
 The printer is canonical: the same graph always gives the same bytes
 (attributes sorted, floats by ``repr``).  ``parse_graph(print_graph(g)) == g``
 is a hypothesis property in the tests.

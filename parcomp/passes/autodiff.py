@@ -97,7 +97,8 @@ def add_training_step(graph: Graph, spec) -> Graph:
     Raises:
         SpecError: non-scalar ``loss=output``, an unknown optimizer, a batch that
             does not match the model or divide over ``dp``, a ``trainable``
-            pattern naming no parameter the graph uses.
+            pattern naming no trainable parameter the graph uses, several model
+            outputs and no ``output=`` naming one of them.
     """
     cfg = train_config(spec)
     params = _trainable(graph, cfg)
@@ -105,6 +106,7 @@ def add_training_step(graph: Graph, spec) -> Graph:
     b = Builder(graph)
     outs = []
     loss = _loss(b, graph, cfg)
+    params = _reaching(b, loss, params, cfg)
     b.prefix = "bw"
     seed = b.op("ones", [], type=b.type(loss), name="bw.loss")
     finputs = [n.name for n in graph.inputs if n.type.dtype.startswith("float")] if cfg.input_grads else []
@@ -133,13 +135,34 @@ def _pin(b, value, layout, what):
 
 
 def _trainable(graph, cfg):
+    """Names of the params ``trainable=`` matches, less buffers and frozen params
+    (``{trainable=false}``): those get no gradient, no state and no update."""
     rx = pattern_regex(cfg.trainable)
-    names = [n.name for n in graph.params if rx.fullmatch(n.name)]
+    matched = [n.name for n in graph.params if rx.fullmatch(n.name)]
+    names = [m for m in matched if graph[m].attr("trainable", True)]
+    if matched and not names:
+        raise SpecError(f"trainable={cfg.trainable!r} names only buffers or frozen (requires_grad="
+                        f"False) parameters, which training never updates: {', '.join(matched[:8])}",
+                        cfg.loc)
     if not names:
         hint = closest(cfg.trainable, [n.name for n in graph.params])
         raise SpecError(f"trainable={cfg.trainable!r} names no parameter the graph uses"
                         + (f"; did you mean {hint!r}?" if hint else ""), cfg.loc)
     return names
+
+
+def _reaching(b, loss, params, cfg):
+    """The ``params`` the loss depends on: as in torch.optim, one the loss does not
+    reach has no gradient and is not updated (not even by weight decay)."""
+    live = {loss}
+    for n in reversed(b.nodes):
+        if n.name in live:
+            live.update(n.inputs)
+    kept = [p for p in params if p in live]
+    if not kept:
+        raise SpecError(f"no trainable parameter reaches the loss (trainable={cfg.trainable!r}: "
+                        f"{', '.join(params[:8])}); nothing would be trained", cfg.loc)
+    return kept
 
 
 def _check_batch(graph, spec, cfg):
@@ -153,14 +176,17 @@ def _check_batch(graph, spec, cfg):
             raise SpecError(f"batch={cfg.batch} is not divisible by the dp axis of size {dp}", cfg.loc)
 
 
-def _model_output(graph):
-    """The model's first output, and the layout the loss's target gets.
+def _model_output(graph, cfg):
+    """The model output the loss is computed on, and the layout the loss's target gets.
+
+    That is the output ``cfg.output`` names, else the model's only output; a
+    model with several outputs and no ``output=`` is a SpecError listing them.
 
     An output the spec names keeps its pinned layout; an unnamed one is not
     gathered for the loss (its ``relayout`` is skipped) and the target is split
     like the batch: ``S(0)`` on every axis that splits dim 0 of a model input.
     """
-    public, value = graph.named_outputs()[0]
+    public, value = _loss_output(graph, cfg)
     node = graph[value]
     if node.op == "relayout" and "by default" in node.attr("origin", ""):
         value = node.inputs[0]
@@ -170,9 +196,26 @@ def _model_output(graph):
     return value, node.layout
 
 
+def _loss_output(graph, cfg):
+    """``(public name, value)`` of the output the loss is on (see :func:`_model_output`)."""
+    named = graph.named_outputs()
+    names = [p for p, _ in named]
+    if cfg.output is None and len(named) == 1:
+        return named[0]
+    if cfg.output is None:
+        raise SpecError(f"the model has {len(named)} outputs ({', '.join(names)}); say which one "
+                        f"the loss is computed on, e.g. 'train ... output={names[0]}'", cfg.loc)
+    if cfg.output not in names:
+        hint = closest(cfg.output, names)
+        raise SpecError(f"output={cfg.output!r} is not an output of the model"
+                        + (f"; did you mean {hint!r}?" if hint else f" (its outputs: {', '.join(names)})"),
+                        cfg.loc)
+    return named[names.index(cfg.output)]
+
+
 def _loss(b, graph, cfg):
     b.prefix = "loss"
-    y, lay = _model_output(graph)
+    y, lay = _model_output(graph, cfg)
     ty = b.type(y)
     if cfg.loss == "output":
         if ty.rank:

@@ -12,12 +12,13 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..ir.graph import Graph, Node, make_attrs
-from ..ir.types import Partial, layout_str
+from ..ir.types import Partial, R, layout_str
 from ..redistribute import plan
 
 
 def insert_collectives(graph: Graph) -> Graph:
     """Replace ``in_layouts`` annotations by explicit layout-change nodes."""
+    graph = drop_unit_axes(graph)
     st = _State(graph)
     for n in graph.nodes:
         if n.in_layouts is None:
@@ -30,6 +31,20 @@ def insert_collectives(graph: Graph) -> Graph:
         st.out.append(replace(n, inputs=new_inputs, in_layouts=None))
     outputs = [st.alias.get(o, o) for o in graph.outputs]
     return graph.with_nodes(st.out, outputs)
+
+
+def drop_unit_axes(graph: Graph) -> Graph:
+    """``graph`` with every placement (``layout`` and ``in_layouts``) on a mesh axis of size 1
+    written as ``R``: the same data, and no layout change over that axis is left to plan."""
+    unit = {a for a, n in enumerate(graph.mesh.sizes) if n == 1}
+    if not unit:
+        return graph
+
+    def canon(lay):
+        return None if lay is None else tuple(R if a in unit else p for a, p in enumerate(lay))
+
+    return graph.with_nodes(replace(n, layout=canon(n.layout), in_layouts=None if n.in_layouts is None
+                                    else tuple(canon(x) for x in n.in_layouts)) for n in graph.nodes)
 
 
 class _State:

@@ -11,57 +11,112 @@ the axis and every axis after it fit in one node.
 
 Tensor parallelism all-reduces activations in every layer and must use the
 intra-node links: a ``tp`` group that spans nodes is a :class:`SpecError`.
+
+Everything here is arithmetic on the axis sizes: nothing enumerates the ranks
+of the mesh, so a check costs the same on 2 ranks as on a million.  An axis of
+size ``n`` whose later axes hold ``s`` ranks (its *stride*) has groups
+``{b + k*s : k < n}`` inside blocks of ``n*s`` consecutive ranks; every such
+group stays inside a node exactly when ``n == 1`` or ``n*s`` divides
+``devices_per_node`` (any node boundary inside a block cuts some group).
 """
 from __future__ import annotations
 
-from ..errors import SpecError
+import math
 
-__all__ = ["check_topology"]
+from ..errors import SpecError
+from ..report import plural
+
+__all__ = ["check_topology", "axis_groups", "group_ranks"]
+
+
+def axis_groups(mesh, axis: int) -> dict:
+    """How the ranks of mesh axis ``axis`` form groups, without listing them.
+
+    Returns:
+        ``{"size": n, "stride": s, "count": world // n}``: each of the ``count``
+        groups holds ``n`` ranks ``b, b + s, ..., b + (n-1)s``, where ``b`` runs
+        over the ranks whose coordinate on ``axis`` is 0, in rank order (the
+        order of :meth:`parcomp.ir.types.Mesh.groups`).
+    """
+    n = mesh.sizes[axis]
+    return {"size": n, "stride": math.prod(mesh.sizes[axis + 1:]), "count": mesh.size // n}
+
+
+def group_ranks(groups: dict) -> list:
+    """The rank lists an :func:`axis_groups` dict describes, in rank order (as
+    :meth:`parcomp.ir.types.Mesh.groups`); O(world size), for programs and tests."""
+    n, s, count = groups["size"], groups["stride"], groups["count"]
+    return [list(range(block * n * s + j, (block + 1) * n * s, s))
+            for block in range(count // s) for j in range(s)]
 
 
 def check_topology(spec) -> dict:
     """The placement of ``spec``'s mesh ranks on its topology's nodes; rejects a ``tp`` that spans nodes.
+
+    O(number of mesh axes): no rank is enumerated.
 
     Args:
         spec: a :class:`parcomp.spec.model.Spec` (``spec.topology`` is
             ``(nodes, devices_per_node)`` or None).
 
     Returns:
-        ``{"nodes": [[ranks of node 0], [ranks of node 1], ...],
-        "groups": {axis: [[ranks], ...]} (each mesh axis's groups, as Mesh.groups),
+        ``{"nodes": N, "devices_per_node": D` (rank r runs on node r // D),
+        "groups": {axis: axis_groups(...)} (each mesh axis's groups, see :func:`axis_groups`),
         "intra_node_axes": [axes whose every group is inside one node],
         "cross_node_axes": [axes with a group spanning nodes]}``, axes in mesh order.
-        Without a topology, ``nodes`` is None and both axis lists are empty (placement unknown).
+        Without a topology, ``nodes`` and ``devices_per_node`` are None and both axis
+        lists are empty (placement unknown).
 
     Raises:
-        SpecError: a group of mesh axis ``tp`` spans nodes; the message names the group,
-            its nodes and the fix, at the ``topology`` statement's location.
+        SpecError: a group of mesh axis ``tp`` spans nodes; the message names the first
+            such group, its nodes and the fix, at the ``topology`` statement's location.
     """
     mesh = spec.mesh
-    groups = {name: [list(g) for g in mesh.groups(i)] for i, name in enumerate(mesh.names)}
+    groups = {name: axis_groups(mesh, i) for i, name in enumerate(mesh.names)}
     if spec.topology is None:
-        return {"nodes": None, "groups": groups, "intra_node_axes": [], "cross_node_axes": []}
+        return {"nodes": None, "devices_per_node": None, "groups": groups,
+                "intra_node_axes": [], "cross_node_axes": []}
     nodes, per_node = spec.topology
     if nodes * per_node != mesh.size:  # the parser already rejects this
         raise SpecError(f"{spec.file}: topology nodes={nodes} devices_per_node={per_node} has "
-                        f"{nodes * per_node} devices but mesh {mesh} has {mesh.size} ranks")
+                        f"{nodes * per_node} devices but mesh {mesh} has {plural(mesh.size, 'rank')}")
     intra, cross = [], []
-    for name, lines in groups.items():
-        spanning = next((g for g in lines if len({r // per_node for r in g}) > 1), None)
-        (cross if spanning else intra).append(name)
-        if spanning and name == "tp":
-            raise SpecError(_tp_message(spec, spanning, per_node), getattr(spec, "topology_loc", None))
-    return {"nodes": [list(range(n * per_node, (n + 1) * per_node)) for n in range(nodes)],
-            "groups": groups, "intra_node_axes": intra, "cross_node_axes": cross}
+    for name, g in groups.items():
+        spans = g["size"] > 1 and per_node % (g["size"] * g["stride"]) != 0
+        (cross if spans else intra).append(name)
+        if spans and name == "tp":
+            raise SpecError(_tp_message(spec, _first_spanning(g, per_node), per_node),
+                            getattr(spec, "topology_loc", None))
+    return {"nodes": nodes, "devices_per_node": per_node, "groups": groups,
+            "intra_node_axes": intra, "cross_node_axes": cross}
+
+
+def _first_spanning(g, per_node) -> range:
+    """The lowest-ranked group of ``g`` (an :func:`axis_groups` dict) that spans nodes.
+
+    The first node boundary is at rank ``per_node``; it lies at offset ``o`` inside
+    the block of ``n*s`` ranks that holds it, and the first group of that block with
+    a rank before ``o`` and one at or after it starts at ``max(0, o - (n-1)s)``.
+    """
+    n, s = g["size"], g["stride"]
+    block, o = divmod(per_node, n * s)
+    base = block * n * s + max(0, o - (n - 1) * s)
+    return range(base, base + n * s, s)
+
+
+def _short(xs, unit: str, limit: int = 8) -> str:
+    """``0, 1, 2``, or ``0, 1, 2, ..., 99 (100 ranks)`` for a long sequence ``xs``."""
+    if len(xs) <= limit:
+        return ", ".join(map(str, xs))
+    return f"{', '.join(map(str, xs[:limit - 1]))}, ..., {xs[-1]} ({len(xs)} {unit})"
 
 
 def _tp_message(spec, group, per_node) -> str:
     mesh, (nodes, _) = spec.mesh, spec.topology
     tp = mesh.axis_index("tp")
-    spanned = sorted({r // per_node for r in group})
-    inner = 1
-    for size in mesh.sizes[tp:]:
-        inner *= size
+    first, last = group[0] // per_node, group[-1] // per_node
+    spanned = range(first, last + 1) if group.step <= per_node else [r // per_node for r in group]
+    inner = math.prod(mesh.sizes[tp:])
     if mesh.sizes[tp] > per_node:
         fix = f"tp={mesh.sizes[tp]} is larger than devices_per_node={per_node}: make tp <= {per_node}"
     elif inner > per_node:
@@ -73,7 +128,7 @@ def _tp_message(spec, group, per_node) -> str:
         fix = (f"devices_per_node={per_node} is not a multiple of the {inner} consecutive ranks of "
                f"a tp group's block, so some group straddles a node boundary: make "
                f"devices_per_node a multiple of {inner}")
-    return (f"{spec.file}: mesh axis tp group {group} spans nodes "
-            f"{', '.join(map(str, spanned))} of topology nodes={nodes} devices_per_node={per_node} "
+    return (f"{spec.file}: mesh axis tp group [{_short(group, 'ranks')}] spans nodes "
+            f"{_short(spanned, 'nodes')} of topology nodes={nodes} devices_per_node={per_node} "
             f"(rank r runs on node r // {per_node}, as torchrun --nproc-per-node {per_node} "
             f"places it); tensor parallelism must stay inside a node. {fix}")

@@ -1,19 +1,33 @@
 """The ``train`` line of a spec, checked: loss, optimizer and its hyperparameters.
 
 Defaults follow torch.optim: SGD(momentum=0, weight_decay=0), AdamW(lr=1e-3,
-betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01).
+betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01).  Every number is checked
+against its legal range (:data:`HYPER_RANGES`, torch.optim's) and the step and
+batch counts against :data:`MAX_STEPS` / :data:`MAX_BATCH` when the spec is
+parsed, so a bad value is an error at the train line, never torch.optim's
+ValueError or an out-of-memory after compiling.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from ..errors import SpecError, closest
+from ..errors import ParcompError, SpecError, closest
 
 LOSSES = ("mse", "cross_entropy", "output")
 OPTIMIZERS = {
     "sgd": {"lr": 0.01, "momentum": 0.0, "weight_decay": 0.0},
     "adamw": {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01},
 }
+#: hyperparameter -> (low, high or None, whether high itself is allowed): torch.optim's ranges
+HYPER_RANGES = {
+    "lr": (0.0, None, False), "momentum": (0.0, None, False), "weight_decay": (0.0, None, False),
+    "eps": (0.0, None, False), "beta1": (0.0, 1.0, False), "beta2": (0.0, 1.0, False),
+}
+#: most steps one ``train steps=K`` / ``--steps K`` may ask for (the program keeps every loss)
+MAX_STEPS = 1_000_000
+#: largest global batch (dim 0 of the inputs) a ``train batch=N`` may name
+MAX_BATCH = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -30,6 +44,8 @@ class TrainConfig:
         trainable: name pattern of the trained parameters.
         input_grads: whether float model inputs get gradients (``x.grad``): yes for a
             layer inside a larger model (Megatron's dx all_reduce), no for data inputs.
+        output: public name of the model output the loss is computed on, or None
+            (the model's only output; several outputs need it).
     """
 
     loss: str
@@ -41,6 +57,7 @@ class TrainConfig:
     trainable: str
     loc: object
     input_grads: bool = True
+    output: str | None = None
 
     def h(self, key):
         return dict(self.hyper)[key]
@@ -49,7 +66,7 @@ class TrainConfig:
 def train_config(spec) -> TrainConfig:
     """Read and check ``spec.train``. Raises SpecError at the train line."""
     t = spec.train
-    known = {"loss", "optimizer", "batch", "steps", "zero", "trainable", "input_grads"}
+    known = {"loss", "optimizer", "batch", "steps", "zero", "trainable", "input_grads", "output"}
     for k, _ in t.options:
         if k not in known:
             hint = closest(k, known)
@@ -68,8 +85,7 @@ def train_config(spec) -> TrainConfig:
         if k not in hyper:
             raise SpecError(f"{name} has no hyperparameter {k!r}; it takes {', '.join(hyper)}", t.loc)
         hyper[k] = _number(v, f"{name}({k}=...)", t.loc, float)
-        if hyper[k] < 0:
-            raise SpecError(f"{name}({k}={v}) must not be negative", t.loc)
+        _check_range(f"{name}({k}={v})", hyper[k], HYPER_RANGES[k], t.loc)
     zero = _number(t.get("zero", 0), "zero", t.loc, int)
     if zero not in (0, 1, 2):
         raise SpecError(f"zero={zero}: only 0, 1 and 2 exist", t.loc)
@@ -77,22 +93,62 @@ def train_config(spec) -> TrainConfig:
         raise SpecError("zero=1/2 shards optimizer state over a 'dp' mesh axis, and the mesh has none",
                         t.loc)
     batch = t.get("batch")
-    batch = None if batch is None else _number(batch, "batch", t.loc, int)
-    steps = _number(t.get("steps", 1), "steps", t.loc, int)
-    if steps < 1 or (batch is not None and batch < 1):
-        raise SpecError(f"steps and batch must be at least 1 (steps={steps}, batch={batch})", t.loc)
+    batch = None if batch is None else _count(batch, "batch", MAX_BATCH, t.loc)
+    steps = _count(t.get("steps", 1), "steps", MAX_STEPS, t.loc)
     input_grads = t.get("input_grads", "yes")
     if input_grads not in ("yes", "no"):
         raise SpecError(f"input_grads={input_grads!r}: say yes or no", t.loc)
+    output = t.get("output")
+    if output is not None and not isinstance(output, str):
+        raise SpecError(f"output={output!r}: name a model output (quote a name with dots: "
+                        f'output="a.b")', t.loc)
     return TrainConfig(loss, name, tuple(sorted(hyper.items())), batch, steps, zero,
-                       str(t.get("trainable", "**")), t.loc, input_grads == "yes")
+                       str(t.get("trainable", "**")), t.loc, input_grads == "yes", output)
+
+
+def check_steps(steps, what: str = "--steps") -> int:
+    """``steps`` if it is a whole number in 1..:data:`MAX_STEPS`.
+
+    Raises ParcompError naming the option ``what`` otherwise.
+    """
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS:
+        raise ParcompError(f"{what} {steps}: give 1 to {MAX_STEPS:,} training steps")
+    return steps
+
+
+def _count(value, what, most, loc) -> int:
+    """A whole number option in 1..``most``; SpecError naming ``what`` otherwise."""
+    n = _number(value, what, loc, int)
+    if not 1 <= n <= most:
+        raise SpecError(f"{what}={value} is out of range: it must be at least 1 and at most {most:,}",
+                        loc)
+    return n
+
+
+def _check_range(what, x, bounds, loc) -> None:
+    """SpecError at ``loc`` unless ``low <= x`` and ``x < high`` (or ``<=`` if allowed)."""
+    low, high, high_ok = bounds
+    legal = f"{low:g} <= x" + ("" if high is None else f" {'<=' if high_ok else '<'} {high:g}")
+    if x < low:
+        raise SpecError(f"{what} must not be {'negative' if low == 0 else f'below {low:g}'} "
+                        f"(legal: {legal})", loc)
+    if high is not None and (x > high or (x == high and not high_ok)):
+        raise SpecError(f"{what} must be {'at most' if high_ok else 'less than'} {high:g} "
+                        f"(legal: {legal})", loc)
 
 
 def _number(value, what, loc, kind):
-    """``value`` as an int or float; SpecError naming ``what`` if it is not one."""
+    """``value`` as a finite int or float; SpecError naming ``what`` if it is not one."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if ok and kind is int and float(value) != int(value):
-        ok = False
+    if ok:
+        try:
+            x = float(value)
+        except OverflowError:  # an int of hundreds of digits
+            x = math.inf
+        if not math.isfinite(x):
+            raise SpecError(f"{what} must be a finite number, not {value!r} (a float holds at most "
+                            f"1.8e308)", loc)
+        ok = kind is float or x == int(value)
     if not ok:
         raise SpecError(f"{what} must be {'a whole number' if kind is int else 'a number'}, "
                         f"not {value!r}", loc)

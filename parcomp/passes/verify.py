@@ -60,6 +60,8 @@ def _check_attrs(graph, n):
         v = n.attr(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
             _fail(graph, n, f"attribute {key} of {n.op} must be a number, not {v!r}")
+    if n.op == "param" and not isinstance(n.attr("trainable", True), bool):
+        _fail(graph, n, f"attribute trainable of param must be true or false, not {n.attr('trainable')!r}")
     for (op, key), choices in ATTR_CHOICES.items():
         if n.op == op and n.attr(key, choices[0]) not in choices:
             _fail(graph, n, f"{op} {key}={n.attr(key)!r}: choose one of {', '.join(choices)}")

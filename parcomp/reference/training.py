@@ -36,27 +36,47 @@ def data_for(graph, seed=0) -> dict:
     return out
 
 
-def numpy_train(graph, feeds: dict, steps: int) -> dict:
-    """Run the unsharded step ``steps`` times, carrying params and optimizer state.
+def train_steps(run_step, graph, feeds: dict, steps: int) -> dict:
+    """Run ``run_step(state) -> outputs`` ``steps`` times, as program.py's loop does.
 
-    Returns ``{"losses": [...], "outputs": outputs of the last step}``.
+    Each step's outputs whose public name is a ``param`` of ``graph`` (updated
+    parameters, optimizer state) replace it for the next step; every other
+    source (buffers, frozen params, inputs) keeps its value.  ``step`` (AdamW's
+    counter) is 1, 2, ... when the graph has it.
+
+    Returns ``{"losses": [float per step], "outputs": outputs of the last step,
+    "state": {param name: value after the last step}}`` (state: every ``param``
+    of ``graph``, buffers and optimizer state included).
     """
     state, losses, out = initial_state(graph, feeds), [], {}
-    params = {n.name for n in graph.params}
+    params = [n.name for n in graph.params]
+    carried = set(params)
     for k in range(1, steps + 1):
         if "step" in graph:
             state["step"] = np.array(float(k), "float32")
-        out = run_unsharded(graph, state)
+        out = run_step(state)
         losses.append(float(out["loss"]))
-        state.update({k2: v for k2, v in out.items() if k2 in params})
-    return {"losses": losses, "outputs": out}
+        state.update({k2: v for k2, v in out.items() if k2 in carried})
+    return {"losses": losses, "outputs": out, "state": {p: state[p] for p in params}}
 
 
-def torch_train(module, example, input_names, data: dict, cfg, steps: int) -> dict:
+def numpy_train(graph, feeds: dict, steps: int) -> dict:
+    """The unsharded step of ``graph`` run ``steps`` times (see :func:`train_steps`)."""
+    return train_steps(lambda state: run_unsharded(graph, state), graph, feeds, steps)
+
+
+def torch_train(module, example, input_names, data: dict, cfg, steps: int, output: int = 0) -> dict:
     """Train a copy of ``module`` with torch.optim for ``steps`` steps on the same batch.
 
+    The parameters ``cfg.trainable`` matches that have ``requires_grad`` are
+    trained; the loss is on the model's output number ``output`` (when it returns
+    a tuple).
+
     Returns ``{"losses": [...], "params": {name: array after the last update},
-    "grads": {name: array of the last step}, "input_grads": {name: array}}``.
+    "sources": {state_dict and buffer name: array after the last step},
+    "grads": {name: array of the last step}, "state": {"<param>.<optimizer state>":
+    array}, "input_grads": {name: array}}`` (a parameter or input the loss does not
+    reach has no gradient and, as in torch.optim, is not updated).
     """
     import torch
     import torch.nn.functional as F
@@ -66,9 +86,9 @@ def torch_train(module, example, input_names, data: dict, cfg, steps: int) -> di
     torch.manual_seed(0)
     m = copy.deepcopy(module).eval()
     rx = pattern_regex(cfg.trainable)
-    named = [(k, p) for k, p in m.named_parameters() if rx.fullmatch(k)]
+    named = [(k, p) for k, p in m.named_parameters() if rx.fullmatch(k) and p.requires_grad]
     for k, p in m.named_parameters():
-        p.requires_grad_(rx.fullmatch(k) is not None)
+        p.requires_grad_(any(p is q for _, q in named))
     h = dict(cfg.hyper)
     if cfg.optimizer == "sgd":
         opt = torch.optim.SGD([p for _, p in named], lr=h["lr"], momentum=h["momentum"],
@@ -83,6 +103,7 @@ def torch_train(module, example, input_names, data: dict, cfg, steps: int) -> di
         for x in xs:
             x.grad = None
         y = m(*xs)
+        y = y[output] if isinstance(y, (tuple, list)) else y
         if cfg.loss == "mse":
             loss = F.mse_loss(y, torch.from_numpy(data["target"]))
         elif cfg.loss == "cross_entropy":
@@ -91,9 +112,13 @@ def torch_train(module, example, input_names, data: dict, cfg, steps: int) -> di
             loss = y
         loss.backward()
         losses.append(float(loss.detach()))
-        grads = {k: p.grad.detach().numpy().copy() for k, p in named}
+        grads = {k: p.grad.detach().numpy().copy() for k, p in named if p.grad is not None}
         opt.step()
+    state = {f"{k}.{s}": v.detach().numpy().copy() for k, p in named
+             for s, v in opt.state[p].items() if s != "step" and isinstance(v, torch.Tensor)}
+    sources = {**dict(m.named_buffers()), **m.state_dict()}
     return {"losses": losses, "params": {k: p.detach().numpy().copy() for k, p in named},
-            "grads": grads,
+            "sources": {k: v.detach().numpy().copy() for k, v in sources.items()},
+            "grads": grads, "state": state,
             "input_grads": {f"{n}.grad": x.grad.numpy().copy() for n, x in zip(input_names, xs)
                             if x.grad is not None}}

@@ -14,6 +14,7 @@ layout in them has already been checked against the mesh.
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from functools import lru_cache
@@ -33,6 +34,62 @@ LAYOUT_WORDS = {
 
 #: Rule targets: what kind of model name a rule's pattern is matched against.
 TARGETS = ("param", "input", "output", "activation")
+
+#: The most ranks a mesh may have: 2^20 = 1,048,576, about ten times the largest
+#: training clusters built so far (~10^5 accelerators).  Up to it everything that
+#: is per rank (program.py's process-group table, the numpy interpreter's ranks)
+#: stays within seconds and megabytes; beyond it a typo (``tp=1000000000000``)
+#: would make those loops run for hours.  See docs/design.md, "Limits".
+MAX_MESH_RANKS = 2 ** 20
+
+
+def check_mesh_size(axes, err) -> None:
+    """Reject a mesh with more than :data:`MAX_MESH_RANKS` ranks, at the size that passes it.
+
+    Cheap on any input: a size of more than 18 digits is over the limit without
+    being converted, so a size of a thousand digits costs nothing.  Sizes are
+    read in order up to the first one below 1 (the parser reports that one).
+
+    Args:
+        axes: ``[(name token, size token), ...]`` of the ``mesh`` statement, in order.
+        err: ``err(token, message) -> SpecError`` locating the message at a token.
+
+    Raises:
+        SpecError: from ``err``, at the size token where the running product of
+            the sizes first exceeds :data:`MAX_MESH_RANKS`.
+    """
+    sizes = [str(size).lstrip("+") for _, size in axes]
+    total = 1
+    for i, ((_, size), digits) in enumerate(zip(axes, sizes)):
+        if digits.startswith("-") or set(digits) <= {"0"}:
+            return
+        total *= int(digits) if len(digits) <= 18 else MAX_MESH_RANKS + 1
+        if total > MAX_MESH_RANKS:
+            raise err(size, f"mesh {_mesh_text(axes)} has {_rank_count(sizes)} ranks, more than "
+                            f"parcomp's limit of {MAX_MESH_RANKS} (2^20, about ten times the "
+                            f"largest clusters built); "
+                            f"{'the product of the sizes up to here' if i else 'this size'}"
+                            f" passes it: check the sizes for a typo")
+
+
+def _mesh_text(axes) -> str:
+    """``tp=2 dp=4`` from mesh tokens; a size of more than 20 digits is shortened."""
+    out = []
+    for name, size in axes:
+        d = str(size).lstrip("+")
+        short = d if len(d) <= 20 else f"{d[:8]}...{d[-4:]} ({len(d)} digits)"
+        out.append(f"{name}={short}")
+    return " ".join(out)
+
+
+def _rank_count(sizes) -> str:
+    """The product of the mesh sizes (digit strings), or ``at least ...`` if it is not exact."""
+    bad = next((i for i, d in enumerate(sizes) if d.startswith("-") or set(d) <= {"0"}), len(sizes))
+    good = sizes[:bad]
+    if sum(len(d) for d in good) > 40:
+        return f"at least 10^{sum(len(d) - 1 for d in good)}"
+    count = str(math.prod(int(d) for d in good))
+    return count if bad == len(sizes) else f"at least {count}"
 
 
 @dataclass(frozen=True)

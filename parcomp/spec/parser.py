@@ -15,7 +15,8 @@ from lark.exceptions import VisitError
 
 from ..errors import SourceLoc, SpecError, closest
 from ..ir.types import Mesh, Partial, R, Shard
-from .model import LAYOUT_WORDS, LayoutSpec, Rule, Spec, TrainSpec, default_axis, suggest
+from ..passes.train_config import train_config
+from .model import LAYOUT_WORDS, LayoutSpec, Rule, Spec, TrainSpec, check_mesh_size, default_axis, suggest
 
 _GRAMMAR = resources.files(__package__).joinpath("grammar.lark").read_text(encoding="utf-8")
 _PARSER = Lark(_GRAMMAR, parser="lalr", propagate_positions=True, maybe_placeholders=True)
@@ -121,8 +122,8 @@ class _Tree(Transformer):
     scalar = target = lword = first
 
     def number(self, c):
-        s = str(c[0])
-        return int(s) if s.lstrip("+-").isdigit() else float(s)
+        s = str(c[0])  # a whole number of thousands of digits is a float (inf), checked later
+        return int(s) if s.lstrip("+-").isdigit() and len(s) < 400 else float(s)
 
     def name(self, c):
         return str(c[0])
@@ -194,12 +195,14 @@ class _Builder:
                 topology = self.make_topology(tok, payload)
             elif kind == "train":
                 train = TrainSpec(self.options(payload, "option"), self.loc(tok))
+                train_config(Spec(self.mesh, (), self.file, train=train))  # options and ranges
             else:
                 rules.append(self.make_rule(*payload))
         topo_loc = self.loc(seen["topology"]) if "topology" in seen else None
         return Spec(self.mesh, tuple(rules), self.file, topology, train, topo_loc)
 
     def make_mesh(self, axes) -> Mesh:
+        check_mesh_size(axes, self.err)
         names = {}
         for name, size in axes:
             if str(name) in names:
@@ -293,7 +296,8 @@ def parse_spec(text: str, file: str = "<string>") -> Spec:
         SpecError: a syntax error (saying what was expected), an unknown layout
             word or mesh axis, a layout with the wrong number of placements, a
             missing, misplaced or repeated ``mesh``, a bad mesh axis size or a
-            repeated axis name, a bad ``topology`` or a repeated ``train``.
+            repeated axis name, a bad ``topology``, a repeated ``train`` or a
+            train option out of its range (see :mod:`parcomp.passes.train_config`).
     """
     lines = text.splitlines()
     try:

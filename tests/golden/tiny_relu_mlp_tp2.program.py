@@ -57,11 +57,13 @@ MESH_TEXT = " ".join(f"{axis}={size}" for axis, size in MESH.items())
 AXIS = {axis: i for i, axis in enumerate(MESH)}
 DEVICE = torch.device("cpu")  # set by main()
 GROUPS = {}  # mesh axis -> this rank's process group, set by make_groups()
+FILES = {}  # "checkpoint" / "input" -> the path read (for messages), set by read_tensors()
 
 
 def fail(message):
-    """Print ``message`` on stderr and exit with status 2."""
-    print(f"program.py (rank {RANK}): error: {message}", file=sys.stderr, flush=True)
+    """Print ``message`` on stderr (one write, so ranks' lines do not interleave) and exit 2."""
+    sys.stderr.write(f"program.py (rank {RANK}): error: {message}\n")
+    sys.stderr.flush()
     sys.exit(2)
 
 
@@ -141,6 +143,7 @@ def partial_mask(x, axis):
 # ---- loading ----
 def read_tensors(path, what):
     """{name: tensor} (on CPU) from a .safetensors or torch .pt file; exits 2 if unreadable."""
+    FILES[what] = path
     if not os.path.isfile(path):
         fail(f"{what} file {path} does not exist")
     try:
@@ -159,11 +162,13 @@ def read_inputs(path):
         feeds = {INPUTS[0]: feeds}
     if not isinstance(feeds, dict):
         fail(f"input file {path} must hold a dict {{input name: tensor}} for inputs {list(INPUTS)}")
+    note_unused(feeds, INPUTS, "input")
     return feeds
 
 
-def take(tensors, name, shape):
-    """The full tensor ``name`` of a loaded file, checked against its full (unsharded) shape."""
+def take(tensors, name, shape, dtype):
+    """The full tensor ``name`` of a loaded file, checked against its full (unsharded) shape
+    and the dtype the program was compiled for (never cast: a mismatch exits 2)."""
     what = "param" if name in PARAMS else "input"
     if name not in tensors:
         have = ", ".join(sorted(map(str, tensors))[:10]) or "nothing"
@@ -172,21 +177,47 @@ def take(tensors, name, shape):
     if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shape):
         got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
         fail(f"{what} {name!r} has shape {got}, expected the full (unsharded) shape {list(shape)}")
+    if t.dtype != dtype:
+        source = FILES.get("checkpoint" if what == "param" else "input", "the file")
+        fail(f"{what} {name!r} in {source} has dtype {t.dtype}, but the program was compiled for "
+             f"{dtype}; nothing is cast: save it as {dtype} (tensor.to({dtype})) or compile a "
+             f"model whose {what} is {t.dtype}")
     return t
 
 
-def place(t, dtype):
+def place(t):
     """A compact copy of ``t`` on DEVICE (so the full tensor it was cut from can be freed)."""
-    return torch.empty(t.shape, dtype=dtype, device=DEVICE).copy_(t)
+    return torch.empty(t.shape, dtype=t.dtype, device=DEVICE).copy_(t)
+
+
+def note_unused(tensors, used, what):
+    """Rank 0 lists, on one line of stderr, the keys of a loaded ``what`` file that the
+    program does not read (a note, not an error)."""
+    if RANK != 0 or not isinstance(tensors, dict):
+        return
+    unused = sorted(str(k) for k in tensors if k not in used)
+    if unused:
+        shown = ", ".join(unused[:20]) + (", ..." if len(unused) > 20 else "")
+        keys = "1 key" if len(unused) == 1 else f"{len(unused)} keys"
+        sys.stderr.write(f"program.py: note: {what} file {FILES.get(what)} has {keys} this program "
+                         f"does not use: {shown}\n")
+        sys.stderr.flush()
+
+
+def load_checkpoint(path):
+    """This rank's slices of the params in the checkpoint at ``path`` (unused keys noted)."""
+    ckpt = read_tensors(path, "checkpoint")
+    note_unused(ckpt, PARAMS, "checkpoint")
+    return load_params(ckpt)
 
 
 def load_params(ckpt):
     """This rank's slice of every parameter, on DEVICE (full tensors are not kept)."""
     out = {}
     # fc1.weight: full f32[4,2] [S(0)] -> f32[2,2]; dim 0 split over tp: this rank's 2 of 4 rows
-    out["fc1.weight"] = place(take(ckpt, "fc1.weight", (4, 2)).narrow(0, COORD[0] * 2, 2), torch.float32)
+    out["fc1.weight"] = place(take(ckpt, "fc1.weight", (4, 2), torch.float32).narrow(0, COORD[0] * 2, 2))
     # fc2.weight: full f32[2,4] [S(1)] -> f32[2,2]; dim 1 split over tp: this rank's 2 of 4 columns
-    out["fc2.weight"] = place(take(ckpt, "fc2.weight", (2, 4)).narrow(1, COORD[0] * 2, 2), torch.float32)
+    out["fc2.weight"] = place(take(ckpt, "fc2.weight", (2, 4), torch.float32).narrow(1, COORD[0] * 2, 2))
     return out
 
 
@@ -194,7 +225,7 @@ def load_inputs(feeds):
     """This rank's slice of every input, on DEVICE (full tensors are not kept)."""
     out = {}
     # x: full f32[1,2] [R] -> f32[1,2]; replicated: every rank keeps all of it
-    out["x"] = place(take(feeds, "x", (1, 2)), torch.float32)
+    out["x"] = place(take(feeds, "x", (1, 2), torch.float32))
     return out
 
 
@@ -268,7 +299,8 @@ def check_world():
     if "WORLD_SIZE" not in os.environ:
         fail(f"start this program with torchrun, one process per rank: {RUN_HINT}")
     if WORLD_SIZE != MESH_SIZE:
-        fail(f"program compiled for mesh {MESH_TEXT} ({MESH_SIZE} ranks) but started with "
+        ranks = "1 rank" if MESH_SIZE == 1 else f"{MESH_SIZE} ranks"
+        fail(f"program compiled for mesh {MESH_TEXT} ({ranks}) but started with "
              f"WORLD_SIZE={WORLD_SIZE}; run: {RUN_HINT}")
 
 
@@ -284,7 +316,7 @@ def import_prelude():
 def run(args):
     """Everything between init_process_group and destroy_process_group."""
     make_groups()
-    params = load_params(read_tensors(args.checkpoint, "checkpoint")) if PARAMS else {}
+    params = load_checkpoint(args.checkpoint) if PARAMS else {}
     inputs = load_inputs(read_inputs(args.input)) if INPUTS else {}
     with torch.inference_mode():
         outputs = forward(params, inputs)
