@@ -389,7 +389,7 @@ def test_a_form_feed_does_not_shift_line_numbers():
 
 
 @pytest.mark.parametrize("text, col", [
-    ("mesh tp=1" + "0" * 5000 + "\n", 9),
+    ("mesh tp=2\nx tp=S(" + "9" * 5000 + ")\n", 8),
     ("mesh tp=2\nx [S(" + "9" * 30 + ")]\n", 6),
     ("mesh tp=2\ntopology nodes=1 devices_per_node=" + "7" * 20 + "\n", 35),
 ])
