@@ -1,9 +1,11 @@
 """The ``parcomp`` command: compile, check, run.
 
-Every user error (:class:`parcomp.errors.ParcompError`) is printed as a located
-message and exits with status 2; output directories are written atomically
-(a temporary directory renamed into place), so a failed compile leaves nothing.
-With ``--json`` the last line printed is one JSON object.
+Every user error (:class:`parcomp.errors.ParcompError`, a bad command line, a
+file that cannot be written) is printed as a located message and exits with
+status 2, never a traceback.  Output directories are written all or nothing,
+and parcomp replaces only files it wrote there (see :mod:`parcomp.outdir`).
+With ``--json`` the last line printed is one JSON object, also on failure:
+``{"ok": false, "error": MESSAGE, "where": "file:line:col" or the thing named, "kind": ...}``.
 """
 from __future__ import annotations
 
@@ -16,6 +18,35 @@ from .errors import ParcompError
 TARGETS = ("torch", "ascend", "reference")
 
 
+class UsageError(Exception):
+    """A command line argparse rejects (exit 2)."""
+
+    def __init__(self, message: str, usage: str, prog: str):
+        super().__init__(message)
+        self.message, self.usage, self.prog = message, usage, prog
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but an error is raised (so ``--json`` can report it), not printed and exited."""
+
+    def error(self, message):
+        raise UsageError(message, self.format_usage(), self.prog)
+
+
+def _count(least: int):
+    """An argparse type: a whole number >= ``least``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < least:
+            raise argparse.ArgumentTypeError(f"give a whole number >= {least}, not {text!r}")
+        return value
+    parse.__name__ = f"whole number >= {least}"
+    return parse
+
+
 def _common(p):
     p.add_argument("model", help="a .pcir file, FILE.py:FACTORY or package.module:factory")
     p.add_argument("--spec", required=True, help="the parallel spec (.pcs)")
@@ -23,39 +54,68 @@ def _common(p):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argparse parser of ``parcomp compile | check | run``."""
-    ap = argparse.ArgumentParser(prog="parcomp", description=__doc__.splitlines()[0])
+    """The argparse parser of ``parcomp compile | check | run`` (errors raise :class:`UsageError`)."""
+    ap = _Parser(prog="parcomp", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("compile", help="write program.py, report.json and sharded.pcir")
     _common(c)
     c.add_argument("--target", choices=TARGETS, default="torch")
     c.add_argument("--profile", default=None, help="device profile: cpu | cuda | ascend")
-    c.add_argument("-o", "--out", required=True, help="output directory (replaced atomically)")
+    c.add_argument("-o", "--out", required=True,
+                   help="output directory (parcomp's files replaced all or nothing; others kept)")
     c.add_argument("--print-ir-after-all", action="store_true")
     k = sub.add_parser("check", help="run every rank in the numpy interpreter, compare with unsharded")
     _common(k)
-    k.add_argument("--seed", type=int, default=0)
+    k.add_argument("--seed", type=_count(0), default=0)
     r = sub.add_parser("run", help="launch the torch program on N local gloo ranks, compare")
     _common(r)
-    r.add_argument("--nproc", type=int, required=True)
+    r.add_argument("--nproc", type=_count(1), required=True)
     r.add_argument("--profile", default="cpu")
     r.add_argument("--keep", default=None, help="keep the compiled program in this directory")
     r.add_argument("--steps", type=int, default=None, help="training steps (default: the spec's)")
     return ap
 
 
+def _fail_json(kind: str, message: str, where) -> None:
+    print(json.dumps({"ok": False, "error": message, "where": where, "kind": kind}, sort_keys=True))
+
+
 def main(argv=None) -> int:
-    """Run the command line ``argv``; returns the exit status (0 ok, 1 mismatch, 2 user error)."""
-    args = build_parser().parse_args(argv)
+    """Run the command line ``argv``; returns the exit status (0 ok, 1 mismatch, 2 user error,
+    130 interrupted).  With ``--json`` the last stdout line is the result, or the error."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    want_json = "--json" in argv
+    try:
+        args = build_parser().parse_args(argv)
+    except UsageError as e:
+        print(f"{e.usage}{e.prog}: error: {e.message}", file=sys.stderr)
+        if want_json:
+            _fail_json("UsageError", e.message, "command line")
+        return 2
     from . import commands
 
     try:
         result = getattr(commands, args.cmd)(args)
     except ParcompError as e:
         print(e.render(), file=sys.stderr)
+        if args.json:
+            _fail_json(type(e).__name__, e.message, e.where)
+        return 2
+    except OSError as e:  # reading or writing a file the user named, outside parcomp's checks
+        where = e.filename if isinstance(e.filename, str) else None
+        msg = f"{e.strerror or e}" + (f": {where}" if where else "")
+        print(f"error: {msg}", file=sys.stderr)
+        if args.json:
+            _fail_json("OSError", msg, where)
         return 2
     except KeyboardInterrupt:
+        if args.json:
+            _fail_json("KeyboardInterrupt", "interrupted", None)
         return 130
+    except Exception as e:  # a bug in parcomp: keep the traceback, but end the JSON stream
+        if args.json:
+            _fail_json("InternalError", f"internal error: {type(e).__name__}: {e}", None)
+        raise
     if args.json and result is not None:
         print(json.dumps(result, sort_keys=True))
     return 0 if result is None or result.get("ok", True) else 1

@@ -12,8 +12,9 @@ import numpy as np
 from .budget import check_memory
 from .compiler import compile_graph
 from .errors import ParcompError
-from .frontends.loader import load_model
+from .frontends.loader import load_model, pointing_into
 from .ir.text import print_graph
+from .outdir import MARKER, write_dir_atomic  # noqa: F401 - MARKER: part of this module's API
 from .reference.interpreter import run_spmd
 from .reference.numpy_ops import run_unsharded
 from .passes.train_config import check_steps, train_config
@@ -27,44 +28,8 @@ from .spec import load_spec
 def _compile(args, after=None):
     graph, module, example = load_model(args.model)
     spec = load_spec(args.spec)
-    return compile_graph(graph, spec, after), module, example
-
-
-MARKER = ".parcomp-output"  # written into every directory parcomp writes
-
-
-def write_dir_atomic(out: str, files: dict) -> None:
-    """Write ``{name: text}`` into directory ``out``, all or nothing.
-
-    The files go to a temporary sibling directory first, which then replaces
-    ``out``; on any error nothing at ``out`` changes.  An existing ``out`` is
-    replaced only if it is empty or was written by parcomp (it holds
-    ``.parcomp-output``): parcomp never deletes a directory of the user's.
-
-    Raises:
-        ParcompError: ``out`` is a file, or a non-empty directory parcomp did not write.
-    """
-    out = os.path.abspath(out)
-    if out == os.getcwd() or os.getcwd().startswith(out + os.sep):
-        raise ParcompError(f"-o {out}: that is the current directory (or holds it); give a new one")
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise ParcompError(f"-o {out}: a file of that name exists; give a directory name")
-    if os.path.isdir(out) and os.listdir(out) and not os.path.exists(os.path.join(out, MARKER)):
-        raise ParcompError(f"-o {out}: the directory exists, is not empty and was not written by "
-                           f"parcomp; it is left alone. Give a new or empty directory.")
-    parent = os.path.dirname(out)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".parcomp-", dir=parent)
-    try:
-        for name, text in {**files, MARKER: "written by parcomp; replaced by the next compile\n"}.items():
-            with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
-                f.write(text)
-        if os.path.isdir(out):
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with pointing_into(args.model):  # a .pcir model's layout problems: at its line
+        return compile_graph(graph, spec, after), module, example
 
 
 def program_files(compiled, target: str, profile: str | None, model: str | None = None) -> dict:
@@ -95,8 +60,8 @@ def compile(args):  # noqa: A001 - the subcommand's name
         print(f"# ----- IR after {name} -----\n{print_graph(graph)}")
 
     compiled, _, _ = _compile(args, show if args.print_ir_after_all else None)
-    write_dir_atomic(args.out, program_files(compiled, args.target, args.profile,
-                                             os.path.basename(args.model)))
+    kept = write_dir_atomic(args.out, program_files(compiled, args.target, args.profile,
+                                                    os.path.basename(args.model)))
     recs = compiled.report["collectives"]
     if not args.json:
         print(format_collectives(recs))
@@ -107,7 +72,25 @@ def compile(args):  # noqa: A001 - the subcommand's name
                   f"{', '.join(place['intra_node_axes']) or '-'}; across nodes: "
                   f"{', '.join(place['cross_node_axes']) or '-'}")
         print(f"wrote {args.out}/")
-    return {"ok": True, "out": args.out, "collectives": _summary(recs)}
+        print_kept(args.out, kept)
+    return {"ok": True, "out": args.out, "collectives": _summary(recs), "kept": kept}
+
+
+RUN_FILES = ("model.pt", "inputs.pt", "outputs.pt")  # what ``run`` writes besides the program
+
+
+def print_kept(out: str, kept: list) -> None:
+    """Say (one line) which entries of ``out`` parcomp left alone because they are not its own."""
+    if kept:
+        print(f"kept {len(kept)} {'entry' if len(kept) == 1 else 'entries'} in {out}/ that "
+              f"parcomp did not write: {', '.join(kept)}")
+
+
+def _write_work(args, work: str, compiled) -> None:
+    kept = write_dir_atomic(work, program_files(compiled, "torch", args.profile), RUN_FILES,
+                            flag="--keep" if args.keep else "the work directory")
+    if args.keep and not args.json:
+        print_kept(work, kept)
 
 
 def _summary(recs) -> list:
@@ -275,7 +258,7 @@ def run(args):
     feeds = feeds_for(graph, module, example)
     work = args.keep or tempfile.mkdtemp(prefix="parcomp-run-")
     try:
-        write_dir_atomic(work, program_files(compiled, "torch", args.profile))
+        _write_work(args, work, compiled)
         import torch
 
         torch.save({k: torch.from_numpy(np.ascontiguousarray(feeds[k])) for k in
@@ -328,7 +311,7 @@ def _run_training(args, compiled, module, example):
     feeds = _train_feeds(compiled, module, example, 0)
     work = args.keep or tempfile.mkdtemp(prefix="parcomp-run-")
     try:
-        write_dir_atomic(work, program_files(compiled, "torch", args.profile))
+        _write_work(args, work, compiled)
         out_path = _launch(compiled, work, feeds, size, ("--steps", str(steps)))
         outputs, losses = assemble_training_outputs(out_path, compiled.program)
     finally:

@@ -7,6 +7,7 @@ from typing import Callable
 from .ir.graph import Graph
 from .passes.manager import forward_pipeline, run_pipeline
 from .passes.topology import check_topology
+from .passes.verify import check_model_mesh
 from .report import build_report
 
 
@@ -37,8 +38,10 @@ def compile_graph(graph: Graph, spec, after: Callable | None = None) -> Compiled
 
     Raises:
         parcomp.errors.ParcompError: spec/model mismatch, uneven shards, invalid IR, a
-            ``tp`` group that spans nodes of the spec's topology.
+            ``tp`` group that spans nodes of the spec's topology, a model whose own
+            mesh line or layouts do not fit the spec's mesh.
     """
+    check_model_mesh(graph, spec.mesh)
     placement = check_topology(spec)
     stages = run_pipeline(graph, forward_pipeline(spec), after)
     sharded, program = stages["insert-collectives"], stages["localize"]

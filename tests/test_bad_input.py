@@ -96,3 +96,129 @@ def test_model_returning_one_tensor_twice(tmp_path, capsys):
     import json
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert last["ok"] and [c["kind"] for c in last["collectives"]] == ["all_reduce"]
+
+
+# ---- .pcir text: strings, numbers, repeated things, layouts that do not fit the mesh ----------
+
+def pcir_error(text: str):
+    from parcomp.errors import IRParseError
+    from parcomp.ir.text import parse_graph
+    with pytest.raises(IRParseError) as info:
+        parse_graph(text, "m.pcir")
+    return info.value
+
+
+def test_pcir_string_with_a_raw_tab_is_a_tab_and_prints_escaped():
+    from parcomp.ir.text import parse_graph, print_graph
+    g = parse_graph(BASE.replace("relu(%h)", 'relu(%h) {note="a\tb"}'))
+    assert g["r"].attr("note") == "a\tb"
+    assert '{note="a\\tb"}' in print_graph(g) and parse_graph(print_graph(g)) == g
+
+
+@pytest.mark.parametrize("attr, col, needle", [
+    ('{note="\\q"}', 33, "unknown escape `\\q` in a string; the escapes are"),
+    ('{note="ab\\x41"}', 35, "unknown escape `\\x`"),
+    ('{note="\\ud800"}', 32, "half a surrogate pair"),
+])
+def test_pcir_bad_string_is_located(attr, col, needle):
+    err = pcir_error(BASE.replace("relu(%h)", f"relu(%h) {attr}"))
+    assert (err.loc.line, err.loc.col) == (5, col) and needle in err.message
+
+
+@pytest.mark.parametrize("edit, line, col, needle", [
+    (("f32[4,8] = input", "f32[4" + "0" * 30 + ",8] = input"), 1, 9, "a dim has 31 digits; at most 18"),
+    (("relu(%h)", 'pow(%h) {exponent=2, exponent="x"}'), 5, 38, "attribute exponent is given twice"),
+    (("return %y", "return %y, %r as y"), 7, 8, "output name 'y' is given twice"),
+    (("%x: f32", "mesh tp=0\n%x: f32"), 1, 9, "mesh axis tp has size 0"),
+    (("%x: f32", "mesh tp=2 tp=2\n%x: f32"), 1, 11, "mesh axis tp is given twice"),
+    (("%x: f32", "mesh tp=2\nmesh tp=4\n%x: f32"), 2, 1, "a second mesh line (the first is on line 1)"),
+    (("%x: f32", "stage sharded\n%x: f32"), 1, 7, "stage global` (the default"),
+    (("relu(%h)", "relu(%h) {s=(1" + "0" * 20 + ",)}"), 5, 30, "a tuple entry has 21 digits"),
+])
+def test_pcir_transformer_errors_are_located(edit, line, col, needle):
+    err = pcir_error(BASE.replace(*edit))
+    assert (err.loc.line, err.loc.col) == (line, col) and needle in err.message, err
+
+
+@pytest.mark.parametrize("text, line, needle", [
+    ("%x: f32[1,2] <> = input()\n%y: f32[1,2] = relu(%x)\nreturn %y\n", 1,
+     "layout []: 0 placements but mesh tp=2 has 1 axis"),
+    ("%x: f32[1,2] = input()\n%y: f32[1,2] <R, R> = relu(%x)\nreturn %y\n", 2,
+     "layout [R, R]: 2 placements but mesh tp=2 has 1 axis"),
+    ("%x: f32[1,2] <S(5)> = input()\n%y: f32[1,2] = relu(%x)\nreturn %y\n", 1,
+     "S(5) splits dim 5, but f32[1,2] has 2 dims"),
+    ("mesh tp=2\n%x: f32[1,2] <R> = input()\n%y: f32[1,2] <R> = relu(%x <R, R>)\nreturn %y\n", 3,
+     "operand %x's layout [R, R]: 2 placements"),
+    ("mesh tp=2\n%x: f32[1,2] <> = input()\n%y: f32[1,2] <> = relu(%x)\nreturn %y\n", 2,
+     "layout []: 0 placements"),
+    ("mesh tp=4\n%x: f32[1,4] = input()\n%y: f32[1,4] = relu(%x)\nreturn %y\n", 1,
+     "the model says mesh tp=4 but the spec's mesh is tp=2"),
+    ("stage local\n%x: f32[1,4] = input()\n%y: f32[1,4] = relu(%x)\nreturn %y\n", 1,
+     "a model is a global graph"),
+    ("%x: f32[2] = input()\nreturn\n", 2, "the model returns nothing"),
+])
+def test_a_layout_or_mesh_that_does_not_fit_is_located(tmp_path, capsys, text, line, needle):
+    rc, err = run_cli(tmp_path, capsys, text, "mesh tp=2\n")
+    assert rc == 2 and f"m.pcir:{line}:1\n" in err and needle in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("text, line, col, words", [
+    ("%x: f32[1,2] = input()\n", 1, 23, "expected a line `%name: dtype[shape] = op(%operands)`, a line "
+     "`return %value` or attributes `{key=value, ...}`; got the end of the file"),
+    ("%x: f32[1,2] = input()\nreturn %x return\n", 2, 11, "expected `as NAME` or `,`; got `return`"),
+    ("%x: f32[1,2] = input()\n%y: f32[1,2] = relu(x)\nreturn %y\n", 2, 21,
+     "expected a value name such as `%x`"),
+    ("%x: f32[1,2] <Q> = input()\nreturn %x\n", 1, 15, "expected `>` or a placement R, S(d) or P; got `Q`"),
+    ("%x f32[1,2] = input()\nreturn %x\n", 1, 4, "expected `:` and the type; got `f32`"),
+])
+def test_pcir_syntax_errors_in_words(text, line, col, words):
+    err = pcir_error(text)
+    assert (err.loc.line, err.loc.col) == (line, col) and words in err.message, err.message
+    assert not [t for t in ("LBRACE", "RETURN", "VALUE", "COMMA", "$END", "CNAME") if t in err.message]
+
+
+@pytest.mark.parametrize("text", ["", "\n\n  \n", "# just a comment\n", "\ufeff"])
+def test_an_empty_pcir_says_it_is_empty(text):
+    err = pcir_error(text)
+    assert err.message.startswith("the file is empty: a .pcir has one line per value")
+
+
+def test_pcir_byte_order_mark_non_ascii_and_line_numbers(tmp_path, capsys):
+    from parcomp.ir.text import parse_graph
+    assert parse_graph("\ufeff" + BASE) == parse_graph(BASE)
+    err = pcir_error(BASE.replace("%w1: f32", "%w\u00e91: f32"))
+    assert (err.loc.line, err.loc.col) == (2, 3)
+    assert "the character '\u00e9' (U+00E9) is not allowed in a name" in err.message
+    err = pcir_error(BASE.replace("%x: f32[4,8] = input()", "%x: f32[4,8] = input()\x0c"
+                                  ).replace("relu(%h)", "relu(%nope)"))
+    assert err.loc.line == 5 and "%nope" in err.loc.text  # \f is no line break for lark
+    (tmp_path / "b.pcir").write_bytes(b"%x: f32[2] = input()\nreturn %\xffx\n")
+    (tmp_path / "s.pcs").write_text(SPEC)
+    assert main(["check", str(tmp_path / "b.pcir"), "--spec", str(tmp_path / "s.pcs")]) == 2
+    err = capsys.readouterr().err
+    assert "b.pcir:2:9" in err and "not UTF-8 text: byte 0xff at offset 29" in err
+
+
+def test_source_lines_render_printable_and_windowed():
+    from parcomp.errors import SourceLoc
+    shown = SourceLoc("f", 1, 4, "a\tb\x00c\x1b[2J").render().splitlines()
+    assert shown[1] == "    a\tb?c?[2J" and shown[2] == "     \t ^"  # the caret under the NUL
+    shown = SourceLoc("f", 1, 5000, "y" * 4999 + "!" + "z" * 5000).render().splitlines()
+    assert len(shown[1]) < 120 and shown[2].index("^") == shown[1].index("!")
+
+
+@pytest.mark.parametrize("attrs, needle", [
+    ("{perm=5}", "attribute perm of permute must be a tuple of whole numbers"),
+    ('{perm="ab"}', "attribute perm of permute must be a tuple of whole numbers"),
+])
+def test_tuple_attributes_of_the_wrong_kind(tmp_path, capsys, attrs, needle):
+    text = "%x: f32[2,4] = input()\n%y: f32[4,2] = permute(%x) " + attrs + "\nreturn %y\n"
+    rc, err = run_cli(tmp_path, capsys, text, "mesh tp=2\n")
+    assert rc == 2 and "m.pcir:2:1" in err and needle in err and "Traceback" not in err
+
+
+def test_a_collective_over_an_unknown_axis_is_located(tmp_path, capsys):
+    text = ("mesh tp=2\n%x: f32[2,4] <P> = input()\n"
+            '%y: f32[2,4] <R> = all_reduce(%x) {axis="dp"}\nreturn %y\n')
+    rc, err = run_cli(tmp_path, capsys, text, "mesh tp=2\n")
+    assert rc == 2 and "m.pcir:3:1" in err and "all_reduce over 'dp': not an axis of mesh tp=2" in err

@@ -191,3 +191,210 @@ def test_run_steps_without_a_train_line_is_an_error(files, capsys):
     spec = write(files, "ok.pcs", SPEC_OK)
     assert main(["run", str(files / "tiny.pcir"), "--spec", spec, "--nproc", "2", "--steps", "2"]) == 2
     assert "--steps 2: the spec has no train line" in capsys.readouterr().err
+
+
+# ---- --json on failure: the last line is {"ok": false, "error", "where"}, exit 2 ---------------
+
+def last_json(out: str) -> dict:
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("argv, where, needle", [
+    (["check", "{d}/tiny.pcir", "--spec", "{d}/bad.pcs"], "{d}/bad.pcs:2:12", "unknown layout word"),
+    (["check", "{d}/tiny.pcir", "--spec", "{d}/nope.pcs"], "{d}/nope.pcs", "does not exist"),
+    (["compile", "{d}/tiny.pcir", "--spec", "{d}/ok.pcs", "-o", "{d}/ok.pcs/sub"], "{d}/ok.pcs/sub",
+     "ok.pcs is a file, not a directory"),
+    (["check", "{d}/tiny.pcir", "--spec"], "command line", "expected one argument"),
+    (["run", "{d}/tiny.pcir", "--spec", "{d}/ok.pcs", "--nproc", "0"], "command line",
+     "argument --nproc: give a whole number >= 1, not '0'"),
+    (["check", "{d}/m.py", "--spec", "{d}/ok.pcs"], "{d}/m.py", "name the factory, as"),
+])
+def test_json_error_line(files, capsys, argv, where, needle):
+    write(files, "ok.pcs", SPEC_OK)
+    write(files, "bad.pcs", "mesh tp=2\nfc1.weight colwize\n")
+    write(files, "m.py", "")
+    argv = [a.format(d=files) for a in argv] + ["--json"]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    last = last_json(out)
+    assert last["ok"] is False and last["where"] == where.format(d=files) and needle in last["error"]
+    assert needle in err and "Traceback" not in err
+
+
+# ---- output directories: parcomp replaces only its own files, all or nothing ------------------
+
+def compile_into(files, out, *extra, json_out=False):
+    spec = write(files, "ok.pcs", SPEC_OK)
+    argv = ["compile", str(files / "tiny.pcir"), "--spec", spec, "-o", str(out), *extra]
+    return main(argv + (["--json"] if json_out else []))
+
+
+def test_compile_again_keeps_the_users_files_and_says_so(files, capsys):
+    out = files / "out"
+    assert compile_into(files, out) == 0
+    (out / "my_checkpoint.pt").write_bytes(b"\x80weights")
+    (out / "NOTES.txt").write_text("mine")
+    (out / "runs").mkdir()
+    capsys.readouterr()
+    assert compile_into(files, out) == 0
+    assert (out / "my_checkpoint.pt").read_bytes() == b"\x80weights"
+    assert (out / "NOTES.txt").read_text() == "mine" and (out / "runs").is_dir()
+    assert (f"kept 3 entries in {out}/ that parcomp did not write: NOTES.txt, my_checkpoint.pt, runs"
+            in capsys.readouterr().out)
+    assert compile_into(files, out, json_out=True) == 0
+    assert last_json(capsys.readouterr().out)["kept"] == ["NOTES.txt", "my_checkpoint.pt", "runs"]
+    manifest = json.loads((out / ".parcomp-output").read_text())["files"]
+    assert sorted(manifest) == ["program.pcir", "program.py", "report.json", "sharded.pcir"]
+
+
+@pytest.mark.parametrize("fail_at", range(1, 10))  # 4 old files moved aside, then 5 new moved in
+def test_a_failed_write_leaves_the_previous_set(files, capsys, monkeypatch, fail_at):
+    out = files / "out"
+    assert compile_into(files, out, "--target", "reference") == 0
+    (out / "NOTES.txt").write_text("mine")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    real, calls = os.replace, []
+
+    def flaky(src, dst):  # one rename fails, halfway through parcomp's set of files
+        calls.append(dst)
+        if len(calls) == fail_at:
+            raise OSError(28, "No space left on device")
+        return real(src, dst)
+    monkeypatch.setattr(os, "replace", flaky)
+    assert compile_into(files, out) == 2  # torch target: program.py would be new
+    assert "cannot write the output there: No space left on device" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # nothing new, no temp files
+
+
+def test_a_file_of_parcomps_the_user_changed_or_replaced_is_theirs(files, capsys):
+    out = files / "out"
+    assert compile_into(files, out) == 0
+    with open(out / "program.py", "a") as f:
+        f.write("# my edit\n")
+    assert compile_into(files, out) == 2
+    assert "program.py is not parcomp's (not written by it, or changed or replaced since)" in \
+        capsys.readouterr().err
+    assert (out / "program.py").read_text().endswith("# my edit\n")
+    (out / "program.py").unlink()
+    (out / "program.py").mkdir()
+    (out / "program.py" / "data").write_text("mine")
+    assert compile_into(files, out) == 2  # the new output needs that name: refused
+    assert (out / "program.py" / "data").read_text() == "mine"
+    capsys.readouterr()
+    assert compile_into(files, out, "--target", "reference") == 0  # it does not: kept
+    assert (out / "program.py" / "data").read_text() == "mine"
+    assert "that parcomp did not write: program.py" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("marker", ["garbage\x00\xff", '{"files": {"../victim.txt": null}}',
+                                    '{"files": ["program.py"]}', "[1, 2]"])
+def test_a_garbage_marker_deletes_and_overwrites_nothing(files, capsys, marker):
+    out = files / "out"
+    assert compile_into(files, out) == 0
+    (out / ".parcomp-output").write_text(marker, errors="surrogateescape")
+    (files / "victim.txt").write_text("outside")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert compile_into(files, out) == 2
+    err = capsys.readouterr().err
+    assert "are not parcomp's" in err and "lists no files of parcomp's" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert (files / "victim.txt").read_text() == "outside"
+
+
+def test_a_directory_written_before_manifests_is_still_parcomps(files, capsys):
+    out = files / "out"
+    assert compile_into(files, out) == 0
+    (out / ".parcomp-output").write_text("written by parcomp; replaced by the next compile\n")
+    (out / "NOTES.txt").write_text("mine")
+    assert compile_into(files, out, "--target", "reference") == 0
+    assert sorted(os.listdir(out)) == [".parcomp-output", "NOTES.txt", "program.pcir", "report.json",
+                                       "sharded.pcir"]
+
+
+def test_output_paths_the_os_refuses_are_clean_errors(files, capsys, monkeypatch):
+    import tempfile
+
+    def denied(*a, **k):
+        raise PermissionError(13, "Permission denied", "/ro/.parcomp-x")
+    monkeypatch.setattr(tempfile, "mkdtemp", denied)
+    assert compile_into(files, files / "new", json_out=True) == 2
+    out, err = capsys.readouterr()
+    assert "-o " in err and "cannot write the output there: Permission denied" in err
+    assert last_json(out)["where"] == str(files / "new") and "Traceback" not in err
+
+
+def test_run_keep_never_overwrites_a_users_checkpoint(files, capsys):
+    keep = files / "keep"
+    assert compile_into(files, keep) == 0
+    (keep / "model.pt").write_bytes(b"my real checkpoint")
+    spec = str(files / "ok.pcs")
+    assert main(["run", str(files / "tiny.pcir"), "--spec", spec, "--nproc", "2",
+                 "--keep", str(keep)]) == 2
+    assert "--keep" in capsys.readouterr().err and (keep / "model.pt").read_bytes() == b"my real checkpoint"
+
+
+# ---- careless model references and files: located errors, exit 2, no traceback ----------------
+
+MOD = "import torch\nfrom torch import nn\n"
+CARELESS = [  # (files to write, model argument, needle)
+    ({}, "{d}/nope.pcir", "cannot read model"),
+    ({"d.pcir/x": ""}, "{d}/d.pcir", "Is a directory"),
+    ({"d.py/x": ""}, "{d}/d.py:f", "is a directory; give a .py file"),
+    ({"e.pcir": ""}, "{d}/e.pcir", "the file is empty"),
+    ({"g.pcir": b"\x00\x01\xfe\xff garbage"}, "{d}/g.pcir", "not UTF-8 text: byte 0xfe at offset 2"),
+    ({"g.py": b"\x00\x01garbage"}, "{d}/g.py:f", "source code string cannot contain null bytes"),
+    ({"n.py": MOD}, "{d}/n.py", "name the factory, as"),
+    ({"n.py": MOD}, "{d}/n.py:make", "factory 'make' does not exist"),
+    ({"s.py": "def f(:\n    pass\n"}, "{d}/s.py:f", "s.py:1:7"),
+    ({"x.py": "import sys\nsys.exit(3)\n"}, "{d}/x.py:f", "x.py:2:1"),
+    ({"r.py": MOD + "def f():\n    raise ValueError('boom')\n"}, "{d}/r.py:f", "r.py:4:1"),
+    ({"r.py": MOD + "def f():\n    raise ValueError('boom')\n"}, "{d}/r.py:f", "ValueError: boom"),
+    ({"w.py": MOD + "def f():\n    return nn.ReLU()\n"}, "{d}/w.py:f", "got ReLU"),
+    ({"w.py": MOD + "def f():\n    return nn.ReLU(), (torch.ones(2),), 5\n"}, "{d}/w.py:f",
+     "input names must be a list of strings"),
+    ({"w.py": MOD + "def f(x):\n    return x\n"}, "{d}/w.py:f", "missing 1 required positional"),
+    ({"w.py": MOD + "f = 3\n"}, "{d}/w.py:f", "factory 'f' is not callable"),
+    ({}, "{d}/w.py:", "FACTORY is a Python name"),
+    ({}, "a..b:f", "is neither a module name (package.module) nor a .py file"),
+    ({}, "no_such_pkg_xyz.mod:f", "no module named 'no_such_pkg_xyz' on the Python path or in"),
+    ({"a.txt": "x"}, "{d}/a.txt", "a model reference is FILE.pcir, FILE.py:FACTORY"),
+    ({"p.pcir": "%x: f32[2] = input()\n%y: f32[2] = relu(%x)\nreturn %y\n"}, "{d}/p.pcir",
+     "the spec is empty"),
+]
+
+
+@pytest.mark.parametrize("made, model, needle", CARELESS)
+def test_careless_inputs(tmp_path, capsys, made, model, needle):
+    for name, data in made.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(data if isinstance(data, bytes) else data.encode())
+    (tmp_path / "empty.pcs").write_text("")
+    (tmp_path / "ok.pcs").write_text("mesh tp=2\n")
+    spec = "empty.pcs" if model.endswith("p.pcir") else "ok.pcs"
+    assert main(["check", model.format(d=tmp_path), "--spec", str(tmp_path / spec), "--json"]) == 2
+    out, err = capsys.readouterr()
+    assert needle in err and "Traceback" not in err and last_json(out)["ok"] is False
+
+
+def test_wrong_example_shape_prints_one_clean_error(tmp_path, capfd):
+    model = write(tmp_path, "m.py", MOD + (
+        "def make():\n    torch.manual_seed(0)\n"
+        "    return nn.Sequential(nn.Linear(8, 16), nn.ReLU()), (torch.randn(2, 5),)\n"))
+    spec = write(tmp_path, "s.pcs", "mesh tp=2\n0.weight colwise\n")
+    assert main(["check", f"{model}:make", "--spec", spec]) == 2
+    err = capfd.readouterr().err  # fd level: torch's loggers write to the real stderr
+    assert "could not trace Sequential on example inputs of shape (2, 5): RuntimeError" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_package_module_in_the_current_directory_needs_no_pythonpath(tmp_path, monkeypatch, capsys):
+    import sys
+    pkg = tmp_path / "cwd_models_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "zoo.py").write_text(MOD + "def relu():\n    return nn.ReLU(), (torch.randn(2, 4),)\n")
+    write(tmp_path, "s.pcs", "mesh tp=2\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    assert main(["check", "cwd_models_pkg.zoo:relu", "--spec", "s.pcs"]) == 0, capsys.readouterr().err
+    assert str(tmp_path) not in sys.path  # only for that import

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -27,8 +28,12 @@ def assert_at(err: SpecError, line: int, col: int, *fragments: str) -> None:
     """``err`` renders as file:line:col, the source line, a caret under col, the message."""
     rendered = str(err).split("\n")
     assert rendered[0] == f"t.pcs:{line}:{col}"
-    assert rendered[1] == "    " + err.loc.text.rstrip()
-    assert rendered[2] == "    " + " " * (col - 1) + "^"
+    text = err.loc.text.rstrip()
+    if len(text) <= 100 and text.isprintable():
+        assert rendered[1] == "    " + text
+        assert rendered[2] == "    " + " " * (col - 1) + "^"
+    else:  # shown printable, as a window around the column: the caret under its character
+        assert len(rendered[1]) < 120 and rendered[1][rendered[2].index("^")] in text[col - 1:col] + "?"
     assert rendered[3].startswith("error: ")
     for frag in fragments:
         assert frag in err.message, (frag, err.message)
@@ -254,8 +259,8 @@ def test_error_missing_mesh():
               "the first statement must be the mesh")
     err = spec_error("# nothing here\n\n")
     assert_at(err, 1, 1, "no mesh statement")
-    assert str(spec_error("")) == "t.pcs:1:1\nerror: the spec has no mesh statement; " \
-                                  "start it with one such as 'mesh tp=2'"
+    assert str(spec_error("")) == "t.pcs:1:1\nerror: the spec is empty: it has no statements, " \
+                                  "so no mesh statement; start it with one such as 'mesh tp=2'"
 
 
 def test_error_repeated_mesh():
@@ -343,6 +348,97 @@ def test_load_spec_reports_the_file_name(tmp_path):
     with pytest.raises(SpecError) as info:
         load_spec(path)
     assert str(info.value).startswith(f"{path}:2:3\n    w colwize\n      ^\n")
+
+
+# --- careless text: BOM, non-ASCII, control characters, huge numbers, words ----------
+
+
+def test_a_leading_byte_order_mark_is_accepted(tmp_path):
+    path = tmp_path / "bom.pcs"
+    path.write_bytes(b"\xef\xbb\xbfmesh tp=2\nw colwise\n")
+    spec = load_spec(path)
+    assert spec.mesh == Mesh((("tp", 2),)) and [r.pattern for r in spec.rules] == ["w"]
+    assert_at(spec_error("\ufeffmesh tp=2\nw colwize\n"), 2, 3, "unknown layout word")
+
+
+def test_a_non_ascii_character_in_a_name_is_named_with_its_column():
+    err = spec_error("mesh tp=2\nfc1.w\u00e9ight colwise\n")
+    assert_at(err, 2, 6, "the character '\u00e9' (U+00E9) is not allowed in a name",
+              "names use A-Z, a-z, 0-9, _ and .")
+    assert "expected a layout" not in err.message
+
+
+@pytest.mark.parametrize("text, line, col, needle", [
+    ("mesh tp=2\nx\x00 R\n", 2, 2, "the character '\\x00' (U+0000) is not allowed in a name"),
+    ("mesh tp=2\n\u2003x R\n", 2, 1, "the character '\\u2003' (U+2003) is not allowed outside"),
+    ("mesh tp=2\nx R \x1b[31m\n", 2, 5, "the character '\\x1b' (U+001B) is not allowed outside"),
+])
+def test_control_and_odd_characters_are_named(text, line, col, needle):
+    err = spec_error(text)
+    assert err.loc.line == line and err.loc.col == col and needle in err.message
+    assert all(c == "\n" or c.isprintable() for c in str(err))  # shown, never sent to the terminal
+
+
+def test_a_form_feed_does_not_shift_line_numbers():
+    # str.splitlines() breaks at \f and \x1c; lark does not: the caret must show lark's line
+    err = spec_error("mesh tp=2\f\nw\x1c colwise\nx colwize\n")
+    assert err.loc.line == 2 and "w" in err.loc.text
+    err = spec_error("mesh tp=2\f\nw colwise\fq\nx R\n")
+    assert str(err) == ("t.pcs:2:11\n    w colwise?q\n              ^\n"
+                        "error: expected 'over AXIS' or the end of the line; got 'q'")
+
+
+@pytest.mark.parametrize("text, col", [
+    ("mesh tp=2\nx tp=S(" + "9" * 5000 + ")\n", 8),
+    ("mesh tp=2\nx [S(" + "9" * 30 + ")]\n", 6),
+    ("mesh tp=2\ntopology nodes=1 devices_per_node=" + "7" * 20 + "\n", 35),
+])
+def test_numbers_too_large_are_located(text, col):
+    err = spec_error(text)
+    assert err.loc.col == col and "digits; at most 18" in err.message
+    assert max(len(x) for x in str(err).splitlines()) < 140  # the long line shown as a window
+
+
+def test_a_very_long_line_is_shown_as_a_window_around_the_column():
+    err = spec_error("mesh tp=2\n" + "x" * 10000 + " @\n")
+    shown = str(err).splitlines()
+    assert shown[0] == "t.pcs:2:10002" and shown[1].endswith("x @") and shown[1].startswith("    ...")
+    assert shown[2].index("^") == shown[1].index("@")
+
+
+def test_every_terminal_of_both_grammars_has_words():
+    from parcomp.ir import text as pcir
+    from parcomp.spec import parser as pcs
+    for mod in (pcir, pcs):
+        names = {t.name for t in mod._PARSER.terminals} | {"$END"}
+        assert names - set(mod.WORDS) == set(), mod.__name__
+        assert not [w for w in mod.WORDS.values() if re.fullmatch(r"[A-Z_$]+", w)]  # words
+
+
+TERMINALS = ("LSQB", "RSQB", "LPAR", "EQUAL", "_NL", "$END", "ESCAPED_STRING", "SIGNED_INT",
+             "PATTERN ", "NAME,", "OVER,", "MESH", "WS_INLINE", "__IGNORE")
+
+
+@pytest.mark.parametrize("text", ["mesh tp=2\nx [R,\n", "mesh tp=2\nx tp=S(\n", "mesh tp=\n",
+                                  "mesh tp=2\ntrain a=b(c=)\n", "mesh tp=2\nx colwise over\n",
+                                  "mesh tp=2\ntopology nodes\n", "mesh tp=2\nx P(\n", "mesh tp=2\n)\n"])
+def test_syntax_errors_never_name_grammar_tokens(text):
+    err = spec_error(text)
+    assert err.message.startswith(("expected ", "unexpected ")), err.message
+    assert not [t for t in TERMINALS if t in err.message], err.message
+
+
+def test_an_empty_spec_says_it_is_empty():
+    for text in ("", "\n\n", "# only a comment\n", "\ufeff"):
+        assert "the spec is empty" in spec_error(text).message
+
+
+def test_load_spec_not_utf8(tmp_path):
+    path = tmp_path / "b.pcs"
+    path.write_bytes(b"mesh tp=2\n\xff\n")
+    with pytest.raises(SpecError, match="is not UTF-8 text: byte 0xff at offset 10") as info:
+        load_spec(path)
+    assert info.value.where == str(path)
 
 
 # --- check_names ----------------------------------------------------------------------

@@ -11,7 +11,9 @@ param -> permute -> matmul rhs direct so later passes can find the weight's role
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
+import logging
 import re
 import warnings
 
@@ -273,14 +275,36 @@ def _lower(b: _Builder, n) -> str | None:
 
 # ---- driver --------------------------------------------------------------------
 
+# torch loggers that print a traceback of their own before export raises; the error is
+# reported once, as a FrontendError, so they are quiet while parcomp traces
+_NOISY_LOGGERS = ("torch._subclasses.fake_tensor", "torch.fx.experimental.symbolic_shapes",
+                  "torch.export", "torch._export")
+
+
+@contextlib.contextmanager
+def _quiet_torch_logs():
+    loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
+    saved = [lg.disabled for lg in loggers]
+    for lg in loggers:
+        lg.disabled = True
+    try:
+        yield
+    finally:
+        for lg, was in zip(loggers, saved):
+            lg.disabled = was
+
+
 def _export(module, example_inputs: tuple):
     try:
         # traced in the mode it is given (not switched to eval: the user's module is not
         # changed); dropout with p > 0 in training mode is then a clear error
-        ep = torch.export.export(module, tuple(example_inputs), strict=False)
+        with _quiet_torch_logs():
+            ep = torch.export.export(module, tuple(example_inputs), strict=False)
     except Exception as e:  # torch raises many types; the user needs the summary
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise FrontendError(f"torch.export could not trace {type(module).__name__}: "
+        shapes = ", ".join(str(tuple(getattr(x, "shape", ()))) for x in example_inputs)
+        raise FrontendError(f"torch.export could not trace {type(module).__name__} on "
+                            f"{'example inputs of shape ' + shapes if shapes else 'no inputs'}: "
                             f"{type(e).__name__}: {first}") from e
     mutates = any(n.op == "call_function" and getattr(n.target, "_schema", None) is not None
                   and n.target._schema.is_mutable for n in ep.graph.nodes)

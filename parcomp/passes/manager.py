@@ -56,7 +56,9 @@ def run_pipeline(graph: Graph, passes, after: Callable | None = None) -> dict:
         try:
             verify(graph)
         except VerifyError as e:
-            raise VerifyError(f"after pass {p.name}: {e.message}") from None
+            err = VerifyError(f"after pass {p.name}: {e.message}")
+            err.node = getattr(e, "node", None)  # lets a caller point at a .pcir line
+            raise err from None
         out[p.name] = graph
         if after is not None:
             after(p.name, graph)

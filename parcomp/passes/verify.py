@@ -21,9 +21,62 @@ def verify(graph: Graph) -> None:
     _check_ssa(graph)
     if graph.stage == "global":
         _check_types(graph)
+    if graph.mesh is not None:
+        check_layout_shapes(graph, graph.mesh)
     if graph.mesh is not None and all(n.layout is not None for n in graph.nodes):
         for n in graph.nodes:
             _check_layouts(graph, n)
+
+
+def check_model_mesh(graph: Graph, mesh) -> None:
+    """A model graph fits the spec's ``mesh``: it is a global graph, its own ``mesh``
+    line (if any) is that mesh, and its layouts (pins) have that mesh's shape.
+
+    Raises:
+        VerifyError: with ``err.anchor`` (``"mesh"`` / ``"stage"``) or ``err.node``
+            naming where in a ``.pcir`` text the problem is.
+    """
+    if graph.stage != "global":
+        err = VerifyError(f"a model is a global graph (unsharded types); this one is stage "
+                          f"{graph.stage}, a per-rank program: give the model it came from")
+        err.anchor = "stage"
+        raise err
+    if graph.mesh is not None and graph.mesh != mesh:
+        err = VerifyError(f"the model says mesh {graph.mesh} but the spec's mesh is {mesh}; "
+                          f"drop the model's mesh line (the spec's is used) or make them equal")
+        err.anchor = "mesh"
+        raise err
+    check_layout_shapes(graph, mesh)
+
+
+def check_layout_shapes(graph: Graph, mesh) -> None:
+    """Every layout in ``graph`` (of a value or an operand) has one placement per axis
+    of ``mesh``, and every ``S(d)`` splits a dim its tensor has.
+
+    Raises:
+        VerifyError: naming the node (``err.node``, so a caller holding the
+            ``.pcir`` text can point at its line).
+    """
+    for n in graph.nodes:
+        pairs = [("layout", n.layout, n.type)]
+        if n.in_layouts is not None:
+            pairs += [(f"operand %{i}'s layout", lay, graph[i].type if i in graph else None)
+                      for i, lay in zip(n.inputs, n.in_layouts)]
+        for what, lay, ty in pairs:
+            problem = None if lay is None else _layout_shape_problem(lay, ty, mesh)
+            if problem:
+                _fail(graph, n, f"{what} {layout_str(lay)}: {problem}")
+
+
+def _layout_shape_problem(layout, ty, mesh) -> str | None:
+    k, naxes = len(layout), len(mesh.axes)
+    if k != naxes:
+        return (f"{k} placement{'' if k == 1 else 's'} but mesh {mesh} has {naxes} "
+                f"ax{'is' if naxes == 1 else 'es'} (one placement per axis, in mesh order)")
+    for p in layout:
+        if isinstance(p, Shard) and ty is not None and not 0 <= p.dim < ty.rank:
+            return f"{p} splits dim {p.dim}, but {ty} has {ty.rank} dim{'' if ty.rank == 1 else 's'}"
+    return None
 
 
 def _fail(graph, node, msg):
@@ -62,6 +115,12 @@ def _check_attrs(graph, n):
             _fail(graph, n, f"attribute {key} of {n.op} must be a number, not {v!r}")
     if n.op == "param" and not isinstance(n.attr("trainable", True), bool):
         _fail(graph, n, f"attribute trainable of param must be true or false, not {n.attr('trainable')!r}")
+    for key in ("perm", "dims"):
+        v = n.attr(key)
+        if v is not None and not (isinstance(v, tuple) and all(
+                isinstance(x, int) and not isinstance(x, bool) for x in v)):
+            _fail(graph, n, f"attribute {key} of {n.op} must be a tuple of whole numbers such as "
+                            f"(1, 0), not {v!r}")
     for (op, key), choices in ATTR_CHOICES.items():
         if n.op == op and n.attr(key, choices[0]) not in choices:
             _fail(graph, n, f"{op} {key}={n.attr(key)!r}: choose one of {', '.join(choices)}")
@@ -111,6 +170,14 @@ _MOVES = {  # kind -> (placement before, placement after) on the step's axis
 }
 
 
+_DIM_ATTRS = {"dim": ("all_gather", "reduce_scatter", "all_to_all", "shard_slice"),
+              "src_dim": ("all_to_all",)}
+
+
+def _is_dim(d, ty) -> bool:
+    return isinstance(d, int) and not isinstance(d, bool) and 0 <= d < ty.rank
+
+
 def _check_layouts(graph, n):
     problem = divisibility_problem(n.type, n.layout, graph.mesh) if graph.stage == "global" else None
     if problem:
@@ -120,6 +187,11 @@ def _check_layouts(graph, n):
     ins = _operand_layouts(graph, n)
     _check_partial_rules(graph, n, ins)
     if n.op in _MOVES:
+        if n.attr("axis") not in graph.mesh.names:
+            _fail(graph, n, f"{n.op} over {n.attr('axis')!r}: not an axis of mesh {graph.mesh}")
+        for key in ("dim", "src_dim"):
+            if n.op in _DIM_ATTRS.get(key, ()) and not _is_dim(n.attr(key), n.type):
+                _fail(graph, n, f"{n.op} needs {key}= a dim of {n.type}, not {n.attr(key)!r}")
         a = graph.mesh.names.index(n.attr("axis"))
         before, after = _MOVES[n.op](n)
         src = ins[0]

@@ -3,17 +3,20 @@
 Lark (LALR, contextual lexer) builds the tree; :class:`_Tree` turns it into raw
 statements that still carry their tokens; :class:`_Builder` checks them against
 the mesh and makes the frozen :class:`~parcomp.spec.model.Spec`.  Every problem
-is a :class:`~parcomp.errors.SpecError` at ``file:line:col`` with a caret.
+is a :class:`~parcomp.errors.SpecError` at ``file:line:col`` with a caret; a
+syntax error says in words (:data:`WORDS`, one phrase per grammar terminal) what
+was expected, a character that cannot be in a name says which one.  A leading
+UTF-8 byte order mark is skipped.
 """
 from __future__ import annotations
 
 import json
 from importlib import resources
 
-from lark import Lark, Token, Transformer, UnexpectedInput, v_args
+from lark import Lark, Token, Transformer, UnexpectedCharacters, UnexpectedInput, v_args
 from lark.exceptions import VisitError
 
-from ..errors import SourceLoc, SpecError, closest
+from ..errors import SourceLoc, SpecError, bad_char, char_name, closest, join_words, source_lines
 from ..ir.types import Mesh, Partial, R, Shard
 from ..passes.train_config import train_config
 from .model import LAYOUT_WORDS, LayoutSpec, Rule, Spec, TrainSpec, check_mesh_size, default_axis, suggest
@@ -24,17 +27,28 @@ _PARSER = Lark(_GRAMMAR, parser="lalr", propagate_positions=True, maybe_placehol
 _WORDS = ", ".join(LAYOUT_WORDS)
 _LAYOUT = (f"a layout: a layout word ({_WORDS}), a placement R, S(d) or P, "
            "a per-axis list such as [S(0), R], or axis=placement such as tp=S(1)")
-_STATEMENT = ("a statement: mesh, topology, train, or a rule "
-              "'[param|input|output|activation] PATTERN LAYOUT' such as 'c_fc.weight colwise'")
-_PHRASES = {
+_STATEMENT = ("a statement: mesh, topology, train, or a rule such as 'c_fc.weight colwise' "
+              "(a name pattern and a layout, after param, input, output or activation if you like)")
+_PLACEMENT = "a placement (R, S(d) or P)"
+WORDS = {  # every terminal of grammar.lark, as a syntax error says it
     "PATTERN": "a name pattern such as h.*.mlp.c_fc.weight",
-    "SIGNED_INT": "a whole number", "INT": "a tensor dim (a whole number)",
+    "NAME": "a name", "SIGNED_INT": "a whole number", "INT": "a tensor dim (a whole number)",
     "NUMBER": "a number", "ESCAPED_STRING": "a quoted string",
     "EQUAL": "'='", "LPAR": "'('", "RPAR": "')'", "COMMA": "','", "LSQB": "'['", "RSQB": "']'",
     "OVER": "'over AXIS'", "_NL": "the end of the line", "$END": "the end of the file",
-    "REP": "a placement (R, S(d) or P)", "SHARD": "a placement (R, S(d) or P)",
-    "PART": "a placement (R, S(d) or P)",
+    "REP": _PLACEMENT, "SHARD": _PLACEMENT, "PART": _PLACEMENT,
+    "MESH": "'mesh'", "TOPOLOGY": "'topology'", "TRAIN": "'train'",
+    "PARAM": "a rule target (param, input, output or activation)",
+    "INPUT": "a rule target (param, input, output or activation)",
+    "OUTPUT": "a rule target (param, input, output or activation)",
+    "ACTIVATION": "a rule target (param, input, output or activation)",
+    "COMMENT": "a comment", "WS_INLINE": "a space",
 }
+_PHRASES = WORDS  # the name this table had before
+_ALPHABET = ("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
+             "_*.-+=,()[]#\"")  # what the grammar uses outside strings and comments
+_NAME_CHARS = "names use A-Z, a-z, 0-9, _ and . (patterns also *, layout words and keys also -)"
+MAX_DIGITS = 18  # a whole number must fit in int64
 _TOPOLOGY = ("nodes", "devices_per_node")
 _NAME_PHRASES = {"mesh": "a mesh axis such as tp=2", "topology": "nodes=N or devices_per_node=N",
                  "train": "an option such as batch=8"}
@@ -44,6 +58,21 @@ def _hint(name: str, known) -> str:
     """``"; did you mean X?"`` for the closest of ``known``, or ``""``."""
     near = closest(name, known)
     return f"; did you mean {near}?" if near else ""
+
+
+def _int(tok, file: str, lines: list) -> int:
+    """``int(tok)``; a SpecError at the token when it has more than :data:`MAX_DIGITS` digits."""
+    digits = str(tok).lstrip("+-").lstrip("0")
+    if len(digits) > MAX_DIGITS:
+        raise SpecError(f"this number has {len(digits)} digits; at most {MAX_DIGITS}",
+                        _loc(file, lines, getattr(tok, "line", 1), getattr(tok, "column", 1)))
+    return int(str(tok))
+
+
+def _show(tok, most: int = 60) -> str:
+    """``repr`` of a token, cut to ``most`` characters."""
+    s = str(tok)
+    return repr(s) if len(s) <= most else repr(s[:most]) + "..."
 
 
 def _loc(file: str, lines: list, line: int, col: int) -> SourceLoc:
@@ -65,7 +94,7 @@ def _expected(exp, line_text: str, col: int) -> str:
         exp.discard("EQUAL")
     words, before = line_text.split(), line_text[:col - 1].split()
     out = []
-    for t in sorted(exp):
+    for t in sorted(exp, key=lambda t: (t in ("_NL", "$END"), t)):
         if t == "NAME":
             if before and before[-1] == "over":
                 p = "a mesh axis name"
@@ -74,10 +103,9 @@ def _expected(exp, line_text: str, col: int) -> str:
             else:
                 p = "another axis=placement such as dp=S(0)"
         else:
-            p = _PHRASES.get(t, f"'{t.lower()}'")
-        if p not in out:
-            out.append(p)
-    return out[0] if len(out) == 1 else ", ".join(out[:-1]) + " or " + out[-1]
+            p = WORDS.get(t, t)
+        out.append(p)
+    return join_words(out)
 
 
 def _syntax_error(e: UnexpectedInput, file: str, lines: list) -> SpecError:
@@ -88,9 +116,14 @@ def _syntax_error(e: UnexpectedInput, file: str, lines: list) -> SpecError:
         col = min(col, len(text.split("#", 1)[0].rstrip()) + 1)
     exp = getattr(e, "expected", None) or getattr(e, "allowed", None) or ()
     if tok is None:
-        got = f"character {text[col - 1]!r}" if 0 < col <= len(text) else "input"
+        c = text[col - 1] if 0 < col <= len(text) else ""
+        problem = bad_char(c, text[col - 2] if col > 1 else "", _ALPHABET, _NAME_CHARS,
+                           "outside comments and strings")
+        if problem:
+            return SpecError(problem, _loc(file, lines, line, col))
+        got = f"the character {char_name(c)}" if c else "input"
     else:
-        got = _PHRASES[tok.type] if tok.type in ("_NL", "$END") else f"{str(tok)!r}"
+        got = WORDS[tok.type] if tok.type in ("_NL", "$END") else _show(tok)
     msg = f"expected {_expected(exp, text, col)}; got {got}" if exp else f"unexpected {got}"
     return SpecError(msg, _loc(file, lines, line, col))
 
@@ -154,7 +187,7 @@ class _Tree(Transformer):
         return R
 
     def shard(self, c):
-        return Shard(int(c[1]))
+        return Shard(_int(c[1], self.file, self.lines))
 
     def partial(self, c):
         if c[1] is not None and str(c[1]) != "sum":
@@ -177,7 +210,8 @@ class _Builder:
 
     def build(self, stmts: list) -> Spec:
         if not stmts:
-            raise SpecError("the spec has no mesh statement; start it with one such as 'mesh tp=2'",
+            raise SpecError("the spec is empty: it has no statements, so no mesh statement; "
+                            "start it with one such as 'mesh tp=2'",
                             _loc(self.file, self.lines, 1, 1))
         kind, tok, _ = stmts[0]
         if kind != "mesh":
@@ -205,6 +239,7 @@ class _Builder:
         check_mesh_size(axes, self.err)
         names = {}
         for name, size in axes:
+            _int(size, self.file, self.lines)
             if str(name) in names:
                 raise self.err(name, f"mesh axis {name} is given twice (axis names must differ)")
             if int(size) < 1:
@@ -216,6 +251,7 @@ class _Builder:
         vals = {}
         for key, val in items:
             k = str(key)
+            _int(val, self.file, self.lines)
             if k not in _TOPOLOGY:
                 raise self.err(key, f"unknown topology key {k!r}{_hint(k, _TOPOLOGY)} "
                                     "(keys: nodes, devices_per_node)")
@@ -299,7 +335,8 @@ def parse_spec(text: str, file: str = "<string>") -> Spec:
             repeated axis name, a bad ``topology``, a repeated ``train`` or a
             train option out of its range (see :mod:`parcomp.passes.train_config`).
     """
-    lines = text.splitlines()
+    text = text[1:] if text.startswith("\ufeff") else text
+    lines = source_lines(text)
     try:
         tree = _PARSER.parse(text if text.endswith("\n") else text + "\n")
     except UnexpectedInput as e:
@@ -309,7 +346,10 @@ def parse_spec(text: str, file: str = "<string>") -> Spec:
     except VisitError as e:
         if isinstance(e.orig_exc, SpecError):
             raise e.orig_exc from None
-        raise
+        meta = getattr(e.obj, "meta", e.obj)  # a Tree's meta, or the Token itself
+        raise SpecError(f"cannot read this {e.rule}: {type(e.orig_exc).__name__}: {e.orig_exc}",
+                        _loc(file, lines, getattr(meta, "line", 1), getattr(meta, "column", 1))
+                        ) from None
     return _Builder(file, lines).build(stmts)
 
 
@@ -324,9 +364,13 @@ def load_spec(path) -> Spec:
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except FileNotFoundError:
-        raise SpecError(f"spec file {str(path)!r} does not exist") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise SpecError(f"cannot read spec file {str(path)!r}: {e}") from None
+        raise SpecError(f"spec file {str(path)!r} does not exist", where=str(path)) from None
+    except UnicodeDecodeError as e:
+        raise SpecError(f"spec file {str(path)!r} is not UTF-8 text: byte 0x{e.object[e.start]:02x}"
+                        f" at offset {e.start}", where=str(path)) from None
+    except OSError as e:
+        raise SpecError(f"cannot read spec file {str(path)!r}: {e.strerror or e}",
+                        where=str(path)) from None
     return parse_spec(text, str(path))
 
 
@@ -348,7 +392,7 @@ def check_names(spec: Spec, param_names, input_names, output_names, value_names)
         names = list(names)
         if any(rule.matches(n) for n in names):
             continue
-        msg = f"{rule.target} rule {rule.pattern!r} matches no {noun} of the model"
+        msg = f"{rule.target} rule {_show(rule.pattern)} matches no {noun} of the model"
         hint = suggest(rule.pattern, names)
         if hint:
             msg += f"; did you mean {hint}?"

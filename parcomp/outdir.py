@@ -1,0 +1,231 @@
+"""Output directories: parcomp replaces the files it wrote and keeps everything else.
+
+Every directory parcomp writes holds a marker file, ``.parcomp-output``: a JSON
+manifest of the files parcomp wrote there, name -> sha256 of the content (or
+``null`` for a file a program writes afterwards, such as ``run --keep``'s
+``model.pt``).  Writing into such a directory again replaces only the files of
+the manifest that are still what parcomp wrote (a regular file with that
+content); it never deletes or overwrites anything else:
+
+- a file or directory the user added (a checkpoint, notes) is kept, and the
+  caller reports it (``kept``);
+- a manifest file the user has since edited, or replaced by a directory or a
+  link, is the user's now: kept if the new output does not have that name,
+  otherwise the write is refused, naming it;
+- a marker that is not a manifest (garbage) lists nothing, so nothing is
+  replaced and a name clash is refused; a marker from before manifests
+  (``written by parcomp; ...``) lists the files ``compile`` wrote then.
+
+All or nothing for parcomp's own files: the new files go to temporary files
+in the directory first, the old ones are moved aside, the new ones renamed into
+place, and only then are the old ones deleted; any failure puts the old set back.
+A directory that does not exist yet is written as a temporary sibling and
+renamed into place.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+
+from .errors import ParcompError
+
+MARKER = ".parcomp-output"
+LEGACY = ("report.json", "sharded.pcir", "program.pcir", "program.py")  # before manifests
+_NOTE = ("written by parcomp: writing into this directory again replaces only the files listed "
+         "here, if unchanged; everything else is left alone")
+
+
+def write_dir_atomic(out: str, files: dict, later=(), flag: str = "-o") -> list:
+    """Write ``{name: text}`` into directory ``out``; returns what it kept (sorted names).
+
+    Args:
+        out: the directory (created with its parents if missing).
+        files: file name -> text (UTF-8).
+        later: names of files the caller writes into ``out`` afterwards; they go
+            into the manifest (without a hash), and an old one of parcomp's is removed.
+        flag: the option that named ``out``, for messages (``-o``, ``--keep``).
+
+    Returns:
+        The names in ``out`` that are not parcomp's (kept untouched), sorted.
+
+    Raises:
+        ParcompError: naming ``out`` (``where``): it is a file, a file stands where
+            a parent directory should be, it is or holds the current directory, it
+            is a non-empty directory parcomp did not write, it holds a file of the
+            new output's name that is not parcomp's, or writing fails (the OS's reason).
+    """
+    out = os.path.abspath(out)
+    _check_target(out, flag)
+    try:
+        if not os.path.lexists(out):
+            _write_fresh(out, files, later)
+            return []
+        return _write_into(out, files, later, flag)
+    except OSError as e:
+        at = f" ({e.filename})" if isinstance(e.filename, str) and e.filename != out else ""
+        raise ParcompError(f"{flag} {out}: cannot write the output there: {e.strerror or e}{at}",
+                           where=out) from None
+
+
+def _fail(flag, out, msg) -> ParcompError:
+    return ParcompError(f"{flag} {out}: {msg}", where=out)
+
+
+def _check_target(out: str, flag: str) -> None:
+    cwd = os.getcwd()
+    if out == cwd or cwd.startswith(out.rstrip(os.sep) + os.sep):
+        raise _fail(flag, out, "that is the current directory (or holds it); give a new one")
+    if os.path.lexists(out) and not os.path.isdir(out):
+        raise _fail(flag, out, "a file of that name exists; give a directory name")
+    parent = os.path.dirname(out)
+    while not os.path.lexists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise _fail(flag, out, f"{parent} is a file, not a directory")
+
+
+def _write_fresh(out: str, files: dict, later) -> None:
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".parcomp-", dir=parent)
+    try:
+        os.chmod(tmp, 0o777 & ~_umask())
+        for name, text in files.items():
+            _write(os.path.join(tmp, name), text)
+        _write(os.path.join(tmp, MARKER), _manifest(files, later))
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _write_into(out: str, files: dict, later, flag: str) -> list:
+    entries = set(os.listdir(out))
+    marker = os.path.join(out, MARKER)
+    if entries and MARKER not in entries:
+        raise _fail(flag, out, "the directory exists, is not empty and was not written by "
+                               "parcomp; it is left alone. Give a new or empty directory.")
+    if MARKER in entries and (os.path.islink(marker) or not os.path.isfile(marker)):
+        raise _fail(flag, out, f"its {MARKER} is not parcomp's marker file (a directory or a "
+                               f"link); the directory is left alone")
+    listed = _read_manifest(marker) if MARKER in entries else {}
+    ours = {n for n, digest in listed.items()
+            if n in entries and _unchanged(os.path.join(out, n), digest)}
+    new = set(files) | set(later)
+    blocked = sorted(n for n in new if n in entries and n not in ours)
+    if blocked:
+        raise _fail(flag, out, f"{', '.join(blocked)} {'is' if len(blocked) == 1 else 'are'} not "
+                               f"parcomp's (not written by it, or changed or replaced since) and "
+                               f"would be overwritten; move {'it' if len(blocked) == 1 else 'them'}"
+                               f" away or give another directory"
+                               + ("" if listed else f" ({MARKER} lists no files of parcomp's)"))
+    replaced = sorted(ours) + ([MARKER] if MARKER in entries else [])
+    _swap(out, {**files, MARKER: _manifest(files, later)}, replaced)
+    return sorted(set(os.listdir(out)) - new - {MARKER})
+
+
+def _swap(out: str, texts: dict, old: list) -> None:
+    """Write ``texts`` to temporary files, move ``old`` aside, rename the new ones in;
+    on any failure put ``old`` back.  Then delete ``old``."""
+    temps, aside, placed = {}, {}, []
+    try:
+        for name, text in texts.items():
+            temps[name] = _temp(out)
+            _write(temps[name], text)
+        for name in old:
+            tmp = _temp(out)
+            try:
+                os.replace(os.path.join(out, name), tmp)
+            except BaseException:
+                _remove(tmp)
+                raise
+            aside[name] = tmp  # only once it holds the old file
+        for name, tmp in temps.items():
+            os.replace(tmp, os.path.join(out, name))
+            placed.append(name)
+    except BaseException:
+        for name in placed:
+            _remove(os.path.join(out, name))
+        for name, tmp in aside.items():
+            try:
+                os.replace(tmp, os.path.join(out, name))
+            except OSError:  # left under its temporary name: moved, not lost
+                pass
+        for name, tmp in temps.items():
+            if name not in placed:
+                _remove(tmp)
+        raise
+    for tmp in aside.values():
+        _remove(tmp)
+
+
+def _manifest(files: dict, later) -> str:
+    listed = {n: _digest(t.encode("utf-8")) for n, t in files.items()}
+    listed.update({n: None for n in later})
+    return json.dumps({"note": _NOTE, "files": listed}, indent=1, sort_keys=True) + "\n"
+
+
+def _read_manifest(marker: str) -> dict:
+    """``{name: sha256 or None}`` of the files parcomp wrote, from the marker file
+    (``{}`` for a missing, unreadable or garbage marker)."""
+    try:
+        with open(marker, "rb") as f:
+            raw = f.read(1 << 20)
+    except OSError:
+        return {}
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except ValueError:  # not JSON (or not UTF-8)
+        return dict.fromkeys(LEGACY) if raw.startswith(b"written by parcomp;") else {}
+    files = data.get("files") if isinstance(data, dict) else None
+    if not isinstance(files, dict):
+        return {}
+    return {n: d for n, d in files.items()
+            if _plain_name(n) and n != MARKER and (d is None or isinstance(d, str))}
+
+
+def _plain_name(name) -> bool:
+    return (isinstance(name, str) and name not in ("", ".", "..") and "\0" not in name
+            and os.path.basename(name) == name and "/" not in name and os.sep not in name)
+
+
+def _unchanged(path: str, digest: str | None) -> bool:
+    """``path`` is still the regular file parcomp wrote (same content, if it has a digest)."""
+    if os.path.islink(path) or not os.path.isfile(path):
+        return False
+    if digest is None:
+        return True
+    with open(path, "rb") as f:
+        return _digest(f.read()) == digest
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+def _temp(out: str) -> str:
+    fd, path = tempfile.mkstemp(prefix=".parcomp-tmp-", dir=out)
+    os.close(fd)
+    os.chmod(path, 0o666 & ~_umask())
+    return path
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
