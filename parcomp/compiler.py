@@ -8,6 +8,7 @@ from .ir.graph import Graph
 from .passes.manager import forward_pipeline, run_pipeline
 from .passes.topology import check_topology
 from .passes.verify import check_model_mesh
+from .program import Program, build_program
 from .report import build_report
 
 
@@ -21,8 +22,12 @@ class Compiled:
             bound; for training, with loss, backward and update): the ground
             truth the program must equal.
         sharded: global types, every layout and every collective explicit.
-        program: per-rank types (``stage local``): what backends execute.
-        report: collectives with kind, axis, bytes and reason (see :mod:`parcomp.report`).
+        program: per-rank types (``stage local``): the graph backends execute.
+        report: collectives with kind, axis, bytes and reason (see :mod:`parcomp.report`),
+            derived from ``program_``.
+        spec: the parsed spec.
+        program_: the :class:`parcomp.program.Program` (``program`` with mesh groups, train
+            loop, phases, provenance, collectives): what backends read.
     """
 
     unsharded: Graph
@@ -31,6 +36,7 @@ class Compiled:
     program: Graph
     report: dict
     spec: object = None
+    program_: Program | None = None
 
 
 def compile_graph(graph: Graph, spec, after: Callable | None = None) -> Compiled:
@@ -46,6 +52,7 @@ def compile_graph(graph: Graph, spec, after: Callable | None = None) -> Compiled
     stages = run_pipeline(graph, forward_pipeline(spec), after)
     sharded, program = stages["insert-collectives"], stages["localize"]
     logical = stages["autodiff"] if "autodiff" in stages else stages["bind-layouts"]
-    report = build_report(sharded, program, spec, [n.name for n in graph.params])
+    prog = build_program(sharded, program, spec)
+    report = build_report(prog, [n.name for n in graph.params])
     report["placement"] = placement
-    return Compiled(graph, logical, sharded, program, report, spec)
+    return Compiled(graph, logical, sharded, program, report, spec, prog)

@@ -1,102 +1,68 @@
 """The compile report: every collective, why it is there, and what it costs.
 
-``report.json`` is this dict.  Bytes are bytes sent per rank by a ring
+``report.json`` is this dict, derived from the :class:`parcomp.program.Program`
+(which holds every fact as a field).  Bytes are bytes sent per rank by a ring
 algorithm (:func:`parcomp.redistribute.step_bytes`); shapes are per-rank.
 """
 from __future__ import annotations
-
-from .ir.ops import COLLECTIVES
-from .ir.types import layout_str
-from .redistribute import Step, step_bytes
-
-
-PHASES = (("bw.", "backward"), ("opt.", "optimizer"))
-
-
-def phase_of(value: str) -> str:
-    """forward | backward | optimizer, from the autodiff naming convention."""
-    return next((ph for prefix, ph in PHASES if value.startswith(prefix)), "forward")
-
-
-def collective_records(sharded, program) -> list:
-    """One dict per collective node of ``sharded`` (global) / ``program`` (local), in order."""
-    users = sharded.users()
-    outs = {v: p for p, v in sharded.named_outputs()}
-    recs = []
-    for n in sharded.nodes:
-        if n.op not in COLLECTIVES:
-            continue
-        src = sharded[n.inputs[0]]
-        a = sharded.mesh.names.index(n.attr("axis"))
-        step = Step(n.op, a, n.attr("dim"), n.attr("src_dim"), src.layout, n.layout)
-        consumers = [f"{sharded[u].op} %{u}" for u in users[n.name]]
-        if n.name in outs:
-            consumers.append(f"output {outs[n.name]}")
-        recs.append({
-            "name": n.name, "kind": n.op, "axis": n.attr("axis"), "dim": n.attr("dim"),
-            "dtype": n.type.dtype, "local_shape": list(program[src.name].type.shape),
-            "from": layout_str(src.layout), "to": layout_str(n.layout),
-            "bytes": step_bytes(step, n.type, sharded.mesh), "phase": phase_of(src.name),
-            "producer": src.name, "consumers": consumers, "reason": n.attr("reason"),
-        })
-    return recs
 
 
 def memory(program, model_params) -> dict:
     """Per-rank bytes: weights, gradients, optimizer state, saved activations.
 
-    Saved activations are forward values (not params) that a backward op reads:
-    what autograd would keep alive between forward and backward.
+    ``program`` is a :class:`parcomp.program.Program`.  Saved activations are
+    values computed before the backward pass (phase ``forward`` or ``loss``, not
+    params) that a backward node reads: what autograd would keep alive between
+    forward and backward.
     """
-    users = program.users()
-    grads = {v for p, v in program.named_outputs() if p.endswith(".grad") and p[:-5] in model_params}
+    graph, phase = program.graph, program.phases
+    users = graph.users()
+    grads = {v for p, v in graph.named_outputs() if p.endswith(".grad") and p[:-5] in model_params}
 
     def nbytes(names):
-        return int(sum(program[n].type.nbytes for n in set(names)))
+        return int(sum(graph[n].type.nbytes for n in set(names)))
 
-    saved = [n.name for n in program.nodes
-             if n.op not in ("input", "param") and phase_of(n.name) == "forward"
-             and any(phase_of(u) == "backward" for u in users[n.name])]
-    saved += [n.name for n in program.inputs if any(phase_of(u) == "backward" for u in users[n.name])]
-    return {"weights": nbytes(p for p in model_params if p in program),
+    def read_by_backward(name):
+        return any(phase[u] == "backward" for u in users[name])
+
+    saved = [n.name for n in graph.nodes if n.op not in ("input", "param")
+             and phase[n.name] in ("forward", "loss") and read_by_backward(n.name)]
+    saved += [n.name for n in graph.inputs if read_by_backward(n.name)]
+    return {"weights": nbytes(p for p in model_params if p in graph),
             "gradients": nbytes(grads),
-            "optimizer_state": nbytes(n.name for n in program.params if n.name not in model_params),
+            "optimizer_state": nbytes(n.name for n in graph.params if n.name not in model_params),
             "saved_activations": nbytes(saved)}
 
 
-def training_summary(spec, program) -> dict | None:
-    """Loss, optimizer and batch arithmetic: global batch = microbatch x dp."""
-    if getattr(spec, "train", None) is None:
+def training_summary(program) -> dict | None:
+    """Loss, optimizer and batch arithmetic (global batch = microbatch x dp), or None."""
+    t = program.train
+    if t is None:
         return None
-    from .passes.train_config import train_config
-
-    cfg = train_config(spec)
-    dp = spec.mesh.sizes[spec.mesh.axis_index("dp")] if "dp" in spec.mesh.names else 1
-    batch = cfg.batch or next((n.attr("global_shape")[0] for n in program.inputs
-                               if n.attr("global_shape")), None)
-    return {"loss": cfg.loss, "optimizer": cfg.optimizer, "hyperparameters": dict(cfg.hyper),
-            "zero": cfg.zero, "steps": cfg.steps, "dp": dp, "global_batch": batch,
-            "microbatch_per_dp_rank": None if batch is None else batch // dp,
-            "batch_note": f"global batch {batch} = microbatch {None if batch is None else batch // dp}"
-                          f" x dp {dp}"}
+    micro = None if t.batch is None else t.batch // t.dp
+    return {"loss": t.loss, "optimizer": t.optimizer, "hyperparameters": dict(t.hyperparameters),
+            "zero": t.zero, "steps": t.steps, "dp": t.dp, "global_batch": t.batch,
+            "microbatch_per_dp_rank": micro,
+            "batch_note": f"global batch {t.batch} = microbatch {micro} x dp {t.dp}"}
 
 
-def build_report(sharded, program, spec, model_params=()) -> dict:
-    """The whole report: mesh, collectives, per-axis totals, memory, training."""
-    recs = collective_records(sharded, program)
+def build_report(program, model_params=()) -> dict:
+    """The whole report of a :class:`parcomp.program.Program`: mesh, collectives, per-axis
+    totals, memory, training (derived from the Program, never the other way round)."""
+    recs = [c.record() for c in program.collectives]
     totals = {}
     for r in recs:
         t = totals.setdefault(r["axis"], {"count": 0, "bytes": 0})
         t["count"] += 1
         t["bytes"] += r["bytes"]
     return {
-        "mesh": dict(sharded.mesh.axes),
-        "world_size": sharded.mesh.size,
-        "spec": getattr(spec, "file", None),
+        "mesh": dict(program.mesh.axes),
+        "world_size": program.mesh.size,
+        "spec": program.spec_file,
         "collectives": recs,
         "totals_per_axis": totals,
         "memory_bytes_per_rank": memory(program, set(model_params)),
-        "training": training_summary(spec, program),
+        "training": training_summary(program),
     }
 
 

@@ -123,14 +123,14 @@ def test_training_program_text():
     assert 'INPUTS = ("target", "x")' in text  # the step number is not read from --input
     assert re.search(r'out\["c_fc.weight.exp_avg"\] = torch.zeros\(\(32, 64\), dtype=torch.float32', text)
     assert "all_reduce over tp (backward)" in text and "torch.no_grad()" in text
-    facts = training_facts(c.program)
-    assert facts.step == "step" and facts.steps == 1 and len(facts.state) == 8
+    facts = training_facts(c)
+    assert facts.step == "step" and facts.steps == 3 and len(facts.state) == 8
     assert set(facts.carried) == {n.name for n in c.program.params}
     assert "TRAIN_STEPS = 3" in emit_program(c)  # the spec's steps=3, from the report
     assert "TRAIN_STEPS = 5" in emit_program(c, steps=5)
     forward = compile_graph(_model("gpt2_mlp")[0], parse_spec(
         "mesh tp=2\nc_fc.weight colwise\nc_proj.weight rowwise\ninput x replicated\n", "f.pcs"))
-    assert training_facts(forward.program) is None and "def forward(p, inp):" in emit_program(forward)
+    assert training_facts(forward) is None and "def forward(p, inp):" in emit_program(forward)
 
 
 # --- torchrun runs against torch.optim on one process -----------------------------------
@@ -325,7 +325,7 @@ def test_buffers_and_frozen_params_get_no_gradient_state_or_update(factory, froz
         assert {p, f"{p}.grad", f"{p}.momentum_buffer"}.isdisjoint(names)
         assert f"{p}.momentum_buffer" not in c.program
     assert {"fc1.weight", "fc2.bias.grad", "fc2.weight.momentum_buffer"} <= names
-    assert frozen.isdisjoint(training_facts(c.program).carried)  # program.py keeps them as loaded
+    assert frozen.isdisjoint(training_facts(c).carried)  # program.py keeps them as loaded
 
 
 def test_program_steps_out_of_range_is_an_argument_error(tmp_path):

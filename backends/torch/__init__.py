@@ -7,10 +7,9 @@
   step's loss: :func:`assemble_training_outputs` returns ``(outputs, losses)``.
 """
 from .emit import EmitError, Training, emit_program, training_facts
-from .launch import (assemble_outputs, free_port, run_torchrun, write_checkpoint, write_inputs,
-                     write_program)
+from .launch import (assemble_outputs, assemble_training_outputs, free_port, read_losses, run_torchrun,
+                     write_checkpoint, write_inputs, write_program)
 from .profiles import PROFILES, DeviceProfile, get_profile
-from .runtime import assemble_training_outputs, read_losses
 
 __all__ = ["emit_program", "EmitError", "PROFILES", "DeviceProfile", "get_profile", "run_torchrun",
            "assemble_outputs", "free_port", "write_checkpoint", "write_inputs", "write_program",

@@ -8,10 +8,13 @@ slice, one line per graph node, and a ``main`` that checks the world size,
 loads, runs, writes the outputs and optionally times forward steps.  Nothing in
 it imports parcomp.  The text is deterministic: same input, same bytes.
 
-A training program (outputs ``loss`` and, under the params' own names, their
-next values) becomes ``train_step`` plus a loop: ``--steps K`` steps, each
-feeding its CARRIED outputs back as params and optimizer state (the state
-starts at zeros), the ``step`` input set to 1..K (see :mod:`.runtime`).
+Everything it prints comes from fields of the :class:`parcomp.program.Program`:
+a training program (``Program.train``) becomes ``train_step`` plus a loop:
+``--steps K`` steps, each feeding its CARRIED outputs back as params and
+optimizer state (the state starts at zeros), the step input set to 1..K (see
+:mod:`.runtime`).  Variables are named after the model's modules where the
+frontend knew them (``c_fc``, ``c_proj_matmul``), and every line a spec rule
+caused ends with that rule's ``spec.pcs:LINE``.
 """
 from __future__ import annotations
 
@@ -19,16 +22,13 @@ import builtins
 import json
 import keyword
 import math
-import os
 import re
 import textwrap
-from typing import NamedTuple
+from dataclasses import replace
 
-from parcomp.errors import ParcompError
 from parcomp.ir.ops import LAYOUT_OPS
 from parcomp.ir.types import DTYPE_SHORT, Partial, Replicate, layout_str, shard_axes
-from parcomp.passes.topology import axis_groups, group_ranks
-from parcomp.report import plural
+from parcomp.program import MAX_STEPS, ParcompError, Program, TrainLoop, plural
 
 from .profiles import get_profile
 from .runtime import FORWARD_HELP, IMPORTS, MAIN, RUNTIME, TRAIN_HELP, TRAIN_MAIN, TRAIN_RUNTIME
@@ -83,55 +83,44 @@ TORCH_DTYPES = {"float32": "torch.float32", "float64": "torch.float64", "float16
                 "bool": "torch.bool"}
 COMMENT_WIDTH = 108
 
-STATE_SUFFIXES = ("momentum_buffer", "exp_avg", "exp_avg_sq")  # optimizer state: <param>.<suffix>
-
 _TOP_NAMES = set(re.findall(r"^(?:def )?([A-Za-z_]\w*)", RUNTIME + MAIN + TRAIN_MAIN, re.M))
 RESERVED = (set(keyword.kwlist) | set(dir(builtins)) | _TOP_NAMES
             | {"torch", "dist", "p", "inp", "argparse", "importlib", "json", "math", "os", "sys", "time",
                "PROFILE", "DIST_BACKEND", "PRELUDE", "profile_device", "MESH", "GROUP_RANKS",
                "PARAMS", "INPUTS", "OUTPUT_LAYOUTS", "OUTPUT_GLOBAL_SHAPES", "SHARDED_OUTPUT",
                "RUN_HINT", "load_params", "load_inputs", "forward", "STATE", "CARRIED", "STEP_INPUT",
-               "TRAIN_STEPS", "train_step"})
+               "TRAIN_STEPS", "MAX_STEPS", "train_step"})
 
 
 class EmitError(ParcompError):
     """The program cannot be emitted (an op or dtype the torch backend has no entry for)."""
 
 
-class Training(NamedTuple):
-    """A training program's loop facts (see :func:`training_facts`)."""
-
-    carried: tuple  # public output names equal to param names: next step's params and state
-    state: tuple  # optimizer state params (<param>.momentum_buffer etc.): zeros at step 1
-    step: str | None  # the input fed the step number k = 1..K (AdamW's), or None
-    steps: int  # the default of --steps
+Training = TrainLoop  # the name this backend exported before the Program held the facts
 
 
-def training_facts(program, steps: int | None = None) -> Training | None:
-    """The :class:`Training` facts of a local program, or None for a forward-only program.
+def training_facts(compiled) -> TrainLoop | None:
+    """The training loop facts of a compiled graph (or a Program), or None for a forward program."""
+    return _program_of(compiled).train
 
-    A program trains when it has a ``loss`` output and outputs named like its params.
-    ``steps`` is the default of ``--steps`` (None: 1).
-    """
-    outs = [pub for pub, _ in program.named_outputs()]
-    params = [n.name for n in program.params]
-    carried = tuple(pub for pub in outs if pub in params)
-    if not carried or "loss" not in outs:
-        return None
-    state = tuple(n for n in carried if any(n == f"{p}.{s}" for p in carried for s in STATE_SUFFIXES))
-    step = next((n.name for n in program.inputs if n.name == "step" and n.type.shape == ()), None)
-    return Training(carried, state, step, int(steps or 1))
+
+def _program_of(compiled) -> Program:
+    prog = compiled if isinstance(compiled, Program) else getattr(compiled, "program_", None)
+    if not isinstance(prog, Program) or prog.graph.stage != "local" or prog.mesh is None:
+        raise EmitError("emit_program needs a compiled graph (compile_graph) or its Program")
+    return prog
 
 
 def emit_program(compiled, profile="cpu", model: str | None = None, steps: int | None = None) -> str:
     """The text of ``program.py`` for ``compiled`` (a :class:`parcomp.compiler.Compiled`).
 
     Args:
-        compiled: uses ``compiled.program`` (local graph with mesh), ``compiled.report``.
+        compiled: a :class:`parcomp.compiler.Compiled` (its ``program_``) or a
+            :class:`parcomp.program.Program`: the only facts this backend reads.
         profile: a name of :data:`PROFILES` or a :class:`DeviceProfile`.
         model: what the graph was imported from, for the header (e.g. ``models.py:torch_mlp``).
-        steps: a training program's default ``--steps``; default: the spec's (the report's
-            ``training.steps``), else 1. Ignored for forward programs.
+        steps: a training program's default ``--steps``; default: the spec's
+            (``Program.train.steps``). Ignored for forward programs.
 
     Returns:
         Python source, one statement per line, ending in a newline.
@@ -140,18 +129,14 @@ def emit_program(compiled, profile="cpu", model: str | None = None, steps: int |
         EmitError: an op or dtype without a torch mapping.
         ValueError: unknown profile name.
     """
-    prof, program = get_profile(profile), compiled.program
-    if program.stage != "local" or program.mesh is None:
-        raise EmitError("emit_program needs the local program of a compiled graph (compiled.program)")
-    spec = compiled.report.get("spec")
-    spec_name = os.path.basename(spec) if spec else None
-    records = {r["name"]: r for r in compiled.report.get("collectives", [])}
-    names = _names(program)
-    train = training_facts(program, steps or (compiled.report.get("training") or {}).get("steps"))
-    parts = [_profile_block(prof), _constants(program, train), TRAIN_RUNTIME if train else RUNTIME,
-             _loaders(program, train), _forward(program, names, records, spec, spec_name, train),
-             TRAIN_MAIN if train else MAIN]
-    head = _header(program, compiled.report, spec_name, model, train) + "\n" + IMPORTS
+    prof, prog = get_profile(profile), _program_of(compiled)
+    program, train = prog.graph, prog.train
+    if train is not None and steps:
+        train = replace(train, steps=int(steps))
+    names = _names(prog)
+    parts = [_profile_block(prof), _constants(prog, train), TRAIN_RUNTIME if train else RUNTIME,
+             _loaders(prog, train), _forward(prog, names, train), TRAIN_MAIN if train else MAIN]
+    head = _header(prog, model, train) + "\n" + IMPORTS
     return "\n\n\n".join(p.strip("\n") for p in [head] + parts) + "\n"
 
 
@@ -168,11 +153,16 @@ def _py(v) -> str:
     raise EmitError(f"attribute value {v!r} has no Python form")
 
 
-def _names(program) -> dict:
-    """value name -> unique Python identifier (torch.fx-style: sanitized, no keywords/builtins)."""
-    out, taken = {}, set()
+def _names(prog) -> dict:
+    """value name -> unique Python identifier (sanitized, no keywords/builtins).
+
+    A node the frontend traced inside a model module is named after the module
+    path (``c_fc``; the module's earlier nodes ``c_fc_<op>``), any other after its value.
+    """
+    out, taken, program = {}, set(), prog.graph
+    bases = _module_bases(prog)
     for n in program.nodes:
-        base = re.sub(r"\W", "_", n.name) or "v"
+        base = re.sub(r"\W", "_", bases.get(n.name, n.name)) or "v"
         if base[0].isdigit():
             base = "_" + base
         if base in RESERVED:
@@ -185,6 +175,26 @@ def _names(program) -> dict:
     return out
 
 
+def _module_bases(prog) -> dict:
+    """value -> ``path`` for the last computing node of each module path, ``path_op`` for the rest."""
+    by_path = {}
+    for n in prog.graph.nodes:
+        path = prog.provenance[n.name].source
+        if path and n.op not in ("input", "param", "relayout"):
+            by_path.setdefault(path, []).append(n)
+    out = {}
+    for path, nodes in by_path.items():
+        out.update({n.name: f"{path}_{n.op}" for n in nodes[:-1]})
+        out[nodes[-1].name] = path
+    return out
+
+
+def _spec_ref(prog, name) -> str:
+    """``"  # spec.pcs:LINE"`` for a line the spec rule at that line caused, else ``""``."""
+    ref = prog.provenance[name].spec_ref
+    return f"  # {ref}" if ref else ""
+
+
 def _global_shape(program, node) -> tuple:
     shape = list(node.attr("global_shape") or node.type.shape)
     if node.attr("global_shape") is None:
@@ -194,11 +204,11 @@ def _global_shape(program, node) -> tuple:
     return tuple(shape)
 
 
-def _header(program, report, spec_name, model, train) -> str:
-    mesh, colls = program.mesh, report.get("collectives", [])
-    total = sum(r["bytes"] for r in colls)
-    kinds = ", ".join(f"{r['kind']} over {r['axis']}" + (f" ({r['phase']})" if train else "")
-                      for r in colls) or "none"
+def _header(prog, model, train) -> str:
+    program, mesh, colls, spec_name = prog.graph, prog.mesh, prog.collectives, prog.spec_name
+    total = sum(c.bytes for c in colls)
+    kinds = ", ".join(f"{c.kind} over {c.axis}" + (f" ({c.phase})" if train else "")
+                      for c in colls) or "none"
     sharded = not _all_replicated(program)
     out = ("rank 0 writes {output name: full tensor}" if not sharded else
            "every rank r writes FILE with .rank{r} before the suffix: its slices, layouts, global shapes")
@@ -258,9 +268,9 @@ def _all_replicated(program) -> bool:
     return all(isinstance(p, Replicate) for o in program.outputs for p in program[o].layout)
 
 
-def _constants(program, train) -> str:
-    mesh = program.mesh
-    groups = {a: group_ranks(axis_groups(mesh, i)) for i, a in enumerate(mesh.names)}
+def _constants(prog, train) -> str:
+    program, mesh = prog.graph, prog.mesh
+    groups = {a: prog.group_ranks(a) for a in mesh.names}
     outs = program.named_outputs()
     lines = [
         f"MESH = {json.dumps(dict(mesh.axes))}  # mesh axes in order; ranks are row-major",
@@ -280,7 +290,8 @@ def _constants(program, train) -> str:
                   *_wrap(f"CARRIED = {_py_tuple(train.carried)}"),
                   f"STEP_INPUT = {json.dumps(train.step) if train.step else None}"
                   "  # fed the step number k = 1..K (0-d float32)",
-                  f"TRAIN_STEPS = {train.steps}  # default of --steps"]
+                  f"TRAIN_STEPS = {train.steps}  # default of --steps",
+                  f"MAX_STEPS = {MAX_STEPS:_}  # the most --steps allows (as a spec's steps=)"]
     return "\n".join(lines)
 
 
@@ -322,8 +333,8 @@ def _paren(expr: str) -> str:
     return f"({expr})" if "+" in expr else expr
 
 
-def _loaders(program, train) -> str:
-    out, state = [], train.state if train else ()
+def _loaders(prog, train) -> str:
+    program, out, state = prog.graph, [], train.state if train else ()
     for fn, kind, nodes, arg in (("load_params", "param", program.params, "ckpt"),
                                  ("load_inputs", "input", _data_inputs(program, train), "feeds")):
         doc = {"param": "parameter", "input": "input"}[kind]
@@ -347,7 +358,7 @@ def _loaders(program, train) -> str:
                 if isinstance(p, Partial):
                     expr = f"partial_mask({expr}, {json.dumps(program.mesh.names[a])})"
             lines += _comment(head + what, "    ")
-            lines.append(f"    out[{json.dumps(n.name)}] = {expr}")
+            lines.append(f"    out[{json.dumps(n.name)}] = {expr}{_spec_ref(prog, n.name)}")
         lines.append("    return out")
         out.append("\n".join(lines))
     return "\n\n\n".join(out)
@@ -428,14 +439,15 @@ def _in_place_ok(program, users, n) -> bool:
     return (src.op in FRESH_OPS and len(users[src.name]) == 1 and src.name not in program.outputs)
 
 
-def _forward(program, names, records, spec, spec_name, train) -> str:
+def _forward(prog, names, train) -> str:
     fn, doc = ("train_step", "One training step (forward, backward, update)") if train else (
         "forward", "One forward step on this rank")
     lines = [f"def {fn}(p, inp):", f'    """{doc}: local slices in, {{output name: local value}} out."""']
+    program = prog.graph
     fused, folded = _fusions(program)
     users = program.users()
     for n in program.nodes:
-        tail = f"  # {layout_str(n.layout)} {n.type}"
+        tail = f"  # {layout_str(n.layout)} {n.type}" + _spec_ref(prog, n.name).replace("  #", ";", 1)
         var = names[n.name]
         if n.op in ("input", "param"):
             src = "p" if n.op == "param" else "inp"
@@ -444,7 +456,7 @@ def _forward(program, names, records, spec, spec_name, train) -> str:
         if n.name in folded:
             continue
         if n.op in LAYOUT_OPS:
-            lines += _layout_comment(program, n, records.get(n.name), spec, spec_name)
+            lines += _layout_comment(program, n, prog.collective(n.name))
         if n.name in fused:
             kind, a, w, b = fused[n.name]
             code = _fused_code(kind, names[a], names[w], names[b] if isinstance(b, str) else b)
@@ -479,15 +491,15 @@ def _code(n, args) -> str:
     return OP_FORMATS[n.op].format(*args, **kw)
 
 
-def _layout_comment(program, n, record, spec, spec_name) -> list:
+def _layout_comment(program, n, record) -> list:
+    """The comment above a layout change: kind, axis, layouts, bytes, the reason (whose spec
+    references are basenames: no machine path reaches a program)."""
     src = program[n.inputs[0]]
-    reason = n.attr("reason", "")
-    if spec and spec_name and spec != spec_name:
-        reason = reason.replace(spec, spec_name)  # no machine-specific paths in the program
+    reason = record.reason if record else n.attr("reason", "")
     change = f"{layout_str(src.layout)} -> {layout_str(n.layout)}"
     if n.op in LOCAL_LAYOUT_OPS:
         head = f"{n.op} over {n.attr('axis')} {change} (local, no communication):"
     else:
-        nbytes = record["bytes"] if record else "?"
+        nbytes = record.bytes if record else "?"
         head = f"{n.op} over {n.attr('axis')} {change}, bytes/rank {nbytes}:"
     return _comment(f"{head} {reason}", "    ")

@@ -6,7 +6,8 @@ every worker under it are killed).  :func:`run_torchrun_multinode` simulates a
 multi-node job: one torchrun launcher per node, c10d or static rendezvous on
 127.0.0.1.  :func:`write_checkpoint` / :func:`write_inputs` write the files the
 program reads; :func:`assemble_outputs` rebuilds full output arrays from either
-output form the program writes.
+output form the program writes; :func:`read_losses` and
+:func:`assemble_training_outputs` read what a training program wrote.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import uuid
 import numpy as np
 
 from parcomp.ir.types import Replicate, layout_str
-from parcomp.reference.interpreter import assemble
+from parcomp.program import assemble
 
 from .emit import emit_program
 
@@ -320,3 +321,41 @@ def assemble_outputs(output_path, program) -> dict:
         result[pub] = assemble([_numpy(d["outputs"][pub]) for d in per_rank], node.layout, gshape,
                                mesh, dtype)
     return result
+
+
+def read_losses(output_path) -> list:
+    """The per-step losses a training ``program.py --output PATH`` wrote (floats, step 1 first).
+
+    Reads ``PATH`` (replicated outputs) or, if absent, rank 0's ``PATH`` with ``.rank0``.
+    """
+    import torch
+
+    path = output_path
+    if not os.path.exists(path):
+        root, ext = os.path.splitext(str(path))
+        path = f"{root}.rank0{ext}"
+    return list(torch.load(str(path), map_location="cpu", weights_only=True)["losses"])
+
+
+def assemble_training_outputs(output_path, program) -> tuple:
+    """``(outputs, losses)`` from what a training ``program.py --output PATH`` wrote.
+
+    ``outputs`` is :func:`parcomp_backends.torch.launch.assemble_outputs` of the last
+    step (``{public name: full np.ndarray}``), ``losses`` is :func:`read_losses`.
+    """
+    import torch
+
+    losses = read_losses(output_path)
+    outs = program.named_outputs()
+    if not all(isinstance(p, Replicate) for _, v in outs for p in program[v].layout):
+        return assemble_outputs(output_path, program), losses
+    # one file {name: tensor, "losses": [...]}; assemble_outputs wants the names alone
+    data = torch.load(str(output_path), map_location="cpu", weights_only=True)
+    data.pop("losses", None)
+    if sorted(data) != sorted(pub for pub, _ in outs):
+        raise ValueError(f"{output_path} holds {sorted(data)}, expected {[p for p, _ in outs]}")
+    full = {}
+    for pub, _ in outs:
+        t = data[pub]
+        full[pub] = (t.float() if t.dtype == torch.bfloat16 else t).numpy()
+    return full, losses

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parcomp.errors import ParcompError
+from parcomp.program import ParcompError
 
 
 class ProfileError(ParcompError, ValueError):

@@ -16,6 +16,7 @@ import inspect
 import logging
 import re
 import warnings
+from dataclasses import replace
 
 import torch
 
@@ -54,6 +55,8 @@ class _Builder:
         return FrontendError(msg + _where(self.cur) if self.cur is not None else msg)
 
     def add(self, node: Node) -> str:
+        if self.cur is not None and node.op not in ("input", "param"):
+            node = replace(node, source=_module_path(self.cur))
         self.nodes.append(node)
         self.types[node.name] = node.type
         return node.name
@@ -94,6 +97,13 @@ def _type_of(fx, b: _Builder) -> TensorType:
     if not all(isinstance(s, int) for s in val.shape):
         raise b.fail(f"%{fx.name} has a dynamic shape {tuple(val.shape)}; only static shapes work")
     return TensorType(tuple(int(s) for s in val.shape), DTYPES[val.dtype])
+
+
+def _module_path(fx) -> str | None:
+    """The path of the innermost user module an fx node was traced in (``mlp.c_fc``), or None."""
+    stack = fx.meta.get("nn_module_stack") or {}
+    path = list(stack.values())[-1][0] if stack else ""
+    return path or None
 
 
 def _where(fx) -> str:
@@ -335,8 +345,8 @@ def _name_outputs(nodes: list, outs: list, wanted: list) -> tuple:
     for v, w in zip(outs, wanted):
         if ops[v] not in ("input", "param"):
             ren.setdefault(v, w)
-    nodes = [Node(ren.get(n.name, n.name), n.op, tuple(ren.get(i, i) for i in n.inputs),
-                  n.type, n.attrs) for n in nodes]
+    nodes = [replace(n, name=ren.get(n.name, n.name), inputs=tuple(ren.get(i, i) for i in n.inputs))
+             for n in nodes]
     return nodes, [ren.get(v, v) for v in outs]
 
 

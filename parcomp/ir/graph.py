@@ -12,6 +12,10 @@ from dataclasses import dataclass, field, replace
 from .types import Layout, Mesh, TensorType, layout_str
 
 
+#: the phases of a training step, in order; a forward program is all ``forward``
+PHASES = ("forward", "loss", "backward", "optimizer")
+
+
 @dataclass(frozen=True)
 class Node:
     """One operation and the value it defines.
@@ -26,6 +30,11 @@ class Node:
         layout: one placement per mesh axis, or None before ``shard-prop``.
         in_layouts: the layout the op needs of each input (set by ``shard-prop``,
             consumed and cleared by ``insert-collectives``), or None.
+        phase: which part of a step computes it: one of :data:`PHASES` (set by
+            ``autodiff``; collectives take their operand's). Not part of equality.
+        source: the model module path the frontend traced it from (``mlp.c_fc``), or None.
+        spec_loc: the :class:`parcomp.errors.SourceLoc` of the spec rule that caused it
+            (a layout rule, or the rule behind a collective), or None.
     """
 
     name: str
@@ -35,6 +44,9 @@ class Node:
     attrs: tuple = ()
     layout: Layout | None = None
     in_layouts: tuple | None = None
+    phase: str = field(default="forward", compare=False)
+    source: str | None = field(default=None, compare=False)
+    spec_loc: object = field(default=None, compare=False)
 
     def attr(self, key: str, default=None):
         """The value of attribute ``key``, or ``default``."""
@@ -111,7 +123,7 @@ class Graph:
                        outputs=tuple(self.outputs if outputs is None else outputs), **kw)
 
     def __str__(self) -> str:
-        from .text import print_graph
+        from .printer import print_graph
 
         return print_graph(self)
 

@@ -7,8 +7,10 @@ reduce_scatter, all_reduce <-> identity, Megatron's f/g pair) are consequences
 of the rule tables, and the tests check them.
 
 Naming: gradient values are ``bw.<value>...``, optimizer values
-``opt.<param>...``, loss values ``loss...``; the report derives each
-collective's phase from these prefixes.
+``opt.<param>...``, loss values ``loss...``, for people reading the IR.  The
+phase of every node is the :attr:`parcomp.ir.graph.Node.phase` field, set here
+(``loss``, ``backward``, ``optimizer``; the model's nodes stay ``forward``),
+never derived from a name: a model module called ``opt`` is forward code.
 """
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ class Builder:
         self.nodes = list(graph.nodes)
         self.types = {n.name: n.type for n in graph.nodes}
         self.prefix = "bw"
+        self.phase = "backward"  # the phase of the nodes op() appends
+        self.phases = {n.name: n.phase for n in graph.nodes}
 
     def type(self, name) -> TensorType:
         return self.types[name]
@@ -43,10 +47,17 @@ class Builder:
 
     def op(self, op, inputs, type=None, name=None, layout=None, **attrs) -> str:
         name = self.fresh(name or f"{self.prefix}.{op}")
-        probe = Node(name, op, tuple(inputs), type, make_attrs(**attrs))
+        probe = Node(name, op, tuple(inputs), type, make_attrs(**attrs), phase=self.phase)
         ty = type or OPS[op].infer([self.types[i] for i in inputs], probe)
         self.nodes.append(replace(probe, type=ty, layout=layout))
         self.types[name] = ty
+        self.phases[name] = self.phase
+        return name
+
+    def source(self, name, op, ty, layout, phase) -> str:
+        """Insert an ``input``/``param`` node ``name`` first in the graph."""
+        self.nodes.insert(0, Node(name, op, (), ty, (), layout, phase=phase))
+        self.types[name], self.phases[name] = ty, phase
         return name
 
 
@@ -107,13 +118,14 @@ def add_training_step(graph: Graph, spec) -> Graph:
     outs = []
     loss = _loss(b, graph, cfg)
     params = _reaching(b, loss, params, cfg)
-    b.prefix = "bw"
+    b.prefix, b.phase = "bw", "backward"
     seed = b.op("ones", [], type=b.type(loss), name="bw.loss")
     finputs = [n.name for n in graph.inputs if n.type.dtype.startswith("float")] if cfg.input_grads else []
     grads = backward(b, Graph(tuple(b.nodes), (loss,)), {loss: seed}, params + finputs)
     outs.append(("loss", _pin(b, loss, replicated(len(spec.mesh.axes)), "the loss")))
     for p in params:
         outs += _optimizer(b, graph[p], grads[p], cfg, spec)
+    b.phase = "backward"
     for x in finputs:
         outs.append((f"{x}.grad", _pin(b, grads[x], graph[x].layout, f"gradient of input {x}")))
     return dead_code_elimination(Graph(tuple(b.nodes), tuple(v for _, v in outs), graph.mesh,
@@ -130,8 +142,12 @@ def dead_code_elimination(graph: Graph) -> Graph:
 
 
 def _pin(b, value, layout, what):
-    return b.op("relayout", [value], name=f"{value}.as_output", layout=layout,
-                origin=f"output {what} (layout of the training step's outputs)")
+    """``relayout(value) -> layout`` for an output; in the phase of ``value``."""
+    phase, b.phase = b.phase, b.phases[value]
+    out = b.op("relayout", [value], name=f"{value}.as_output", layout=layout,
+               origin=f"output {what} (layout of the training step's outputs)")
+    b.phase = phase
+    return out
 
 
 def _trainable(graph, cfg):
@@ -188,7 +204,7 @@ def _model_output(graph, cfg):
     """
     public, value = _loss_output(graph, cfg)
     node = graph[value]
-    if node.op == "relayout" and "by default" in node.attr("origin", ""):
+    if node.op == "relayout" and node.attr("default", False):
         value = node.inputs[0]
         naxes = len(graph.mesh.axes)
         batch = {a for n in graph.inputs for a in shard_axes(n.layout, 0)}
@@ -214,7 +230,7 @@ def _loss_output(graph, cfg):
 
 
 def _loss(b, graph, cfg):
-    b.prefix = "loss"
+    b.prefix, b.phase = "loss", "loss"
     y, lay = _model_output(graph, cfg)
     ty = b.type(y)
     if cfg.loss == "output":
@@ -233,11 +249,9 @@ def _loss(b, graph, cfg):
     return b.op("scale", [total], value=1.0 / count, name="loss")  # global count, never mean of means
 
 
-def _input(b, name, ty, layout):
-    b.nodes.insert(0, Node(name, "input", (), ty, (), tuple(Replicate() if isinstance(p, Partial) else p
-                                                             for p in layout)))
-    b.types[name] = ty
-    return name
+def _input(b, name, ty, layout, phase="loss"):
+    return b.source(name, "input", ty, tuple(Replicate() if isinstance(p, Partial) else p for p in layout),
+                    phase)
 
 
 def _state_layout(param, cfg, spec):
@@ -261,14 +275,12 @@ def _state_layout(param, cfg, spec):
 
 def _state(b, param, suffix, layout):
     name = f"{param.name}.{suffix}"
-    b.nodes.insert(0, Node(name, "param", (), param.type, (), layout))
-    b.types[name] = param.type
-    return name
+    return b.source(name, "param", param.type, layout, "optimizer")
 
 
 def _optimizer(b, param, g, cfg, spec):
     """The update of one parameter; returns its (public name, value) outputs."""
-    b.prefix = f"opt.{param.name}"
+    b.prefix, b.phase = f"opt.{param.name}", "optimizer"
     p, st_lay = param.name, _state_layout(param, cfg, spec)
     out = [(f"{p}.grad", _pin(b, g, st_lay, f"gradient of {p}"))]
     if cfg.optimizer == "sgd":
@@ -287,7 +299,7 @@ def _optimizer(b, param, g, cfg, spec):
         v_new = b.op("add", [b.op("scale", [v], value=b2),
                              b.op("scale", [b.op("mul", [g, g])], value=1 - b2)])
         t = "step" if "step" in b.types else _input(b, "step", TensorType((), "float32"),
-                                                     replicated(len(spec.mesh.axes)))
+                                                     replicated(len(spec.mesh.axes)), "optimizer")
         new = b.op("adamw_param", [p, m_new, v_new, t], lr=cfg.h("lr"), beta1=b1, beta2=b2,
                    eps=cfg.h("eps"), weight_decay=cfg.h("weight_decay"))
         out += [(m, _pin(b, m_new, st_lay, f"exp_avg of {p}")), (v, _pin(b, v_new, st_lay, f"exp_avg_sq of {p}"))]

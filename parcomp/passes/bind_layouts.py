@@ -11,6 +11,7 @@ layout the spec asks for; everything unnamed is replicated.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 from ..errors import SpecError
@@ -52,7 +53,8 @@ def bind_layouts(graph: Graph, spec: Spec) -> Graph:
     for n in graph.nodes:
         if n.name in layouts:
             _check_even(n, layouts[n.name], spec, bound_by[n.name])
-            n = replace(n, layout=layouts[n.name])
+            rule = bound_by[n.name]
+            n = replace(n, layout=layouts[n.name], spec_loc=rule.loc if rule else None)
         nodes.append(n)
     graph = graph.with_nodes(nodes)
     graph = _pin_activations(graph, spec)
@@ -176,10 +178,11 @@ def _check_even(node, layout, spec, rule):
                         rule.loc if rule else None)
 
 
-def _pin(graph, name, layout, origin, suffix):
+def _pin(graph, name, layout, origin, suffix, rule):
     """Insert ``relayout(name) -> layout`` and route every consumer through it."""
     new = f"{name}.{suffix}"
-    node = Node(new, "relayout", (name,), graph[name].type, make_attrs(origin=origin), layout)
+    node = Node(new, "relayout", (name,), graph[name].type, make_attrs(origin=origin), layout,
+                source=graph[name].source, spec_loc=rule.loc)
     nodes = []
     for n in graph.nodes:
         if n.name != name:
@@ -190,6 +193,11 @@ def _pin(graph, name, layout, origin, suffix):
     return graph.with_nodes(nodes, [new if o == name else o for o in graph.outputs])
 
 
+def where(loc) -> str:
+    """``file.pcs:LINE`` of a spec rule: the basename, so no machine path reaches a program."""
+    return f"{os.path.basename(loc.file)}:{loc.line}"
+
+
 def _pin_activations(graph, spec):
     for n in list(graph.nodes):
         if n.op in ("input", "param", "relayout"):
@@ -198,7 +206,8 @@ def _pin_activations(graph, spec):
         if rule:
             lay = _word_layout(spec, rule, n.type)
             _check_even(n, lay, spec, rule)
-            graph = _pin(graph, n.name, lay, f"the spec's activation rule at {rule.loc}", "as_spec")
+            graph = _pin(graph, n.name, lay, f"the spec's activation rule at {where(rule.loc)}",
+                         "as_spec", rule)
     return graph
 
 
@@ -208,10 +217,11 @@ def _pin_outputs(graph, spec):
         lay = _word_layout(spec, rule, graph[value].type) if rule else replicated(len(spec.mesh.axes))
         if rule:
             _check_even(graph[value], lay, spec, rule)
-        where = f" (spec {rule.loc})" if rule else " (replicated by default)"
+        said = f" (spec {where(rule.loc)})" if rule else " (replicated by default)"
+        attrs = make_attrs(origin=f"output {public}{said}", **({} if rule else {"default": True}))
         new = f"{public}.as_output"
-        node = Node(new, "relayout", (value,), graph[value].type,
-                    make_attrs(origin=f"output {public}{where}"), lay)
+        node = Node(new, "relayout", (value,), graph[value].type, attrs, lay,
+                    source=graph[value].source, spec_loc=rule.loc if rule else None)
         outs = [new if (p, v) == (public, value) else v for p, v in graph.named_outputs()]
         graph = graph.with_nodes(list(graph.nodes) + [node], outs)
     return graph

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..ir.graph import Graph, Node, make_attrs
-from ..ir.types import Partial, R, layout_str
+from ..ir.types import Partial, R, Replicate, layout_str
 from ..redistribute import plan
 
 
@@ -68,7 +68,10 @@ class _State:
                 attrs["dim"] = step.dim
             if step.src_dim is not None:
                 attrs["src_dim"] = step.src_dim
-            self.out.append(Node(new, step.kind, (cur,), ty, make_attrs(**attrs), step.after))
+            self.out.append(Node(new, step.kind, (cur,), ty, make_attrs(**attrs), step.after,
+                                 phase=src_node.phase if src_node else "forward",
+                                 source=src_node.source if src_node else None,
+                                 spec_loc=consumer.spec_loc or _cause(self.graph, src_node, step.axis)))
             self.types[new], self.layouts[new] = ty, step.after
             cur = new
         self.memo[(name, target)] = cur
@@ -87,6 +90,21 @@ def _who(consumer) -> str:
     if consumer.op == "relayout":
         return consumer.attr("origin", f"the spec's layout for %{consumer.name}")
     return f"{consumer.op} %{consumer.name}"
+
+
+def _cause(graph, node, a):
+    """The spec rule behind ``node``'s layout on mesh axis ``a``: the nearest node at or
+    before it (operands first, in order) with a rule's location and not replicated on ``a``."""
+    seen, frontier = set(), [node] if node is not None else []
+    while frontier:
+        n = frontier.pop(0)
+        if n.spec_loc is not None and n.layout is not None and not isinstance(n.layout[a], Replicate):
+            return n.spec_loc
+        for i in n.inputs:
+            if i not in seen:
+                seen.add(i)
+                frontier.append(graph[i])
+    return None
 
 
 def _partial_origin(graph, node, a):

@@ -218,11 +218,11 @@ def load_params(ckpt):
     """This rank's slice of every parameter, on DEVICE (full tensors are not kept)."""
     out = {}
     # c_fc.weight: full f32[32,128] [S(1)] -> f32[32,64]; dim 1 split over tp: this rank's 64 of 128 columns
-    out["c_fc.weight"] = place(take(ckpt, "c_fc.weight", (32, 128), torch.float32).narrow(1, COORD[0] * 64, 64))
+    out["c_fc.weight"] = place(take(ckpt, "c_fc.weight", (32, 128), torch.float32).narrow(1, COORD[0] * 64, 64))  # gpt2_mlp_tp2.pcs:4
     # c_fc.bias: full f32[128] [S(0)] -> f32[64]; dim 0 split over tp: this rank's 64 of 128 entries
-    out["c_fc.bias"] = place(take(ckpt, "c_fc.bias", (128,), torch.float32).narrow(0, COORD[0] * 64, 64))
+    out["c_fc.bias"] = place(take(ckpt, "c_fc.bias", (128,), torch.float32).narrow(0, COORD[0] * 64, 64))  # gpt2_mlp_tp2.pcs:4
     # c_proj.weight: full f32[128,32] [S(0)] -> f32[64,32]; dim 0 split over tp: this rank's 64 of 128 rows
-    out["c_proj.weight"] = place(take(ckpt, "c_proj.weight", (128, 32), torch.float32).narrow(0, COORD[0] * 64, 64))
+    out["c_proj.weight"] = place(take(ckpt, "c_proj.weight", (128, 32), torch.float32).narrow(0, COORD[0] * 64, 64))  # gpt2_mlp_tp2.pcs:5
     # c_proj.bias: full f32[32] [R] -> f32[32]; replicated: every rank keeps all of it
     out["c_proj.bias"] = place(take(ckpt, "c_proj.bias", (32,), torch.float32))
     return out
@@ -232,36 +232,36 @@ def load_inputs(feeds):
     """This rank's slice of every input, on DEVICE (full tensors are not kept)."""
     out = {}
     # x: full f32[2,8,32] [R] -> f32[2,8,32]; replicated: every rank keeps all of it
-    out["x"] = place(take(feeds, "x", (2, 8, 32), torch.float32))
+    out["x"] = place(take(feeds, "x", (2, 8, 32), torch.float32))  # gpt2_mlp_tp2.pcs:6
     return out
 
 
 def forward(p, inp):
     """One forward step on this rank: local slices in, {output name: local value} out."""
-    c_fc_weight = p["c_fc.weight"]  # [S(1)] f32[32,64]
-    c_fc_bias = p["c_fc.bias"]  # [S(0)] f32[64]
-    c_proj_weight = p["c_proj.weight"]  # [S(0)] f32[64,32]
+    c_fc_weight = p["c_fc.weight"]  # [S(1)] f32[32,64]; gpt2_mlp_tp2.pcs:4
+    c_fc_bias = p["c_fc.bias"]  # [S(0)] f32[64]; gpt2_mlp_tp2.pcs:4
+    c_proj_weight = p["c_proj.weight"]  # [S(0)] f32[64,32]; gpt2_mlp_tp2.pcs:5
     c_proj_bias = p["c_proj.bias"]  # [R] f32[32]
-    x = inp["x"]  # [R] f32[2,8,32]
-    view = x.reshape((16, 32))  # [R] f32[16,32]
-    addmm = torch.addmm(c_fc_bias, view, c_fc_weight)  # [S(1)] f32[16,64]
-    view_1 = addmm.reshape((2, 8, 64))  # [S(2)] f32[2,8,64]
-    mul = view_1 * 0.5  # [S(2)] f32[2,8,64]
-    pow_1 = torch.pow(view_1, 3.0)  # [S(2)] f32[2,8,64]
-    mul_1 = pow_1 * 0.044715  # [S(2)] f32[2,8,64]
-    add = view_1 + mul_1  # [S(2)] f32[2,8,64]
-    mul_2 = add * 0.7978845608028654  # [S(2)] f32[2,8,64]
-    tanh = torch.tanh(mul_2)  # [S(2)] f32[2,8,64]
-    add_1 = tanh + 1.0  # [S(2)] f32[2,8,64]
-    mul_3 = mul * add_1  # [S(2)] f32[2,8,64]
-    view_2 = mul_3.reshape((16, 64))  # [S(1)] f32[16,64]
-    addmm_1_mm = torch.matmul(view_2, c_proj_weight)  # [P] f32[16,32]
+    x = inp["x"]  # [R] f32[2,8,32]; gpt2_mlp_tp2.pcs:6
+    c_fc_reshape = x.reshape((16, 32))  # [R] f32[16,32]
+    c_fc_add = torch.addmm(c_fc_bias, c_fc_reshape, c_fc_weight)  # [S(1)] f32[16,64]
+    c_fc = c_fc_add.reshape((2, 8, 64))  # [S(2)] f32[2,8,64]
+    act_scale = c_fc * 0.5  # [S(2)] f32[2,8,64]
+    act_pow = torch.pow(c_fc, 3.0)  # [S(2)] f32[2,8,64]
+    act_scale_1 = act_pow * 0.044715  # [S(2)] f32[2,8,64]
+    act_add = c_fc + act_scale_1  # [S(2)] f32[2,8,64]
+    act_scale_2 = act_add * 0.7978845608028654  # [S(2)] f32[2,8,64]
+    act_tanh = torch.tanh(act_scale_2)  # [S(2)] f32[2,8,64]
+    act_add_scalar = act_tanh + 1.0  # [S(2)] f32[2,8,64]
+    act = act_scale * act_add_scalar  # [S(2)] f32[2,8,64]
+    c_proj_reshape = act.reshape((16, 64))  # [S(1)] f32[16,64]
+    c_proj_matmul = torch.matmul(c_proj_reshape, c_proj_weight)  # [P] f32[16,32]
     # all_reduce over tp [P] -> [R], bytes/rank 2048: %addmm_1_mm: its matmul contracts a dim split over tp
     #   (row-parallel), so each rank holds a partial sum; add %addmm_1 needs the full value [R]: sum once
-    addmm_1_mm_all_reduce_tp = all_reduce_(addmm_1_mm, "tp")  # [R] f32[16,32]
-    addmm_1 = addmm_1_mm_all_reduce_tp + c_proj_bias  # [R] f32[16,32]
-    output = addmm_1.reshape((2, 8, 32))  # [R] f32[2,8,32]
-    return {"output": output}
+    c_proj_all_reduce = all_reduce_(c_proj_matmul, "tp")  # [R] f32[16,32]; gpt2_mlp_tp2.pcs:5
+    c_proj_add = c_proj_all_reduce + c_proj_bias  # [R] f32[16,32]
+    c_proj = c_proj_add.reshape((2, 8, 32))  # [R] f32[2,8,32]
+    return {"output": c_proj}
 
 
 def rank_path(path, rank):
@@ -287,13 +287,13 @@ def sync():
         getattr(torch, DEVICE.type).synchronize()
 
 
-def bench(params, inputs, steps):
-    """``steps`` warm-up then ``steps`` timed forward steps; rank 0 prints the max over ranks (ms)."""
+def bench(step_fn, params, inputs, steps):
+    """``steps`` warm-up then ``steps`` timed steps of ``step_fn``; rank 0 prints the max over ranks (ms)."""
     times = []
     for i in range(2 * steps):
         dist.barrier()
         start = time.perf_counter()
-        forward(params, inputs)
+        step_fn(params, inputs)
         sync()
         elapsed = torch.tensor([(time.perf_counter() - start) * 1e3], device=DEVICE)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
@@ -341,7 +341,7 @@ def run(args):
     with torch.inference_mode():
         outputs = forward(params, inputs)
         if args.bench > 0:
-            bench(params, inputs, args.bench)
+            bench(forward, params, inputs, args.bench)
     if args.output:
         write_outputs(outputs, args.output)
 

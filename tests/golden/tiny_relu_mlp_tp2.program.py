@@ -215,9 +215,9 @@ def load_params(ckpt):
     """This rank's slice of every parameter, on DEVICE (full tensors are not kept)."""
     out = {}
     # fc1.weight: full f32[4,2] [S(0)] -> f32[2,2]; dim 0 split over tp: this rank's 2 of 4 rows
-    out["fc1.weight"] = place(take(ckpt, "fc1.weight", (4, 2), torch.float32).narrow(0, COORD[0] * 2, 2))
+    out["fc1.weight"] = place(take(ckpt, "fc1.weight", (4, 2), torch.float32).narrow(0, COORD[0] * 2, 2))  # tiny_relu_mlp_tp2.pcs:4
     # fc2.weight: full f32[2,4] [S(1)] -> f32[2,2]; dim 1 split over tp: this rank's 2 of 4 columns
-    out["fc2.weight"] = place(take(ckpt, "fc2.weight", (2, 4), torch.float32).narrow(1, COORD[0] * 2, 2))
+    out["fc2.weight"] = place(take(ckpt, "fc2.weight", (2, 4), torch.float32).narrow(1, COORD[0] * 2, 2))  # tiny_relu_mlp_tp2.pcs:5
     return out
 
 
@@ -225,22 +225,22 @@ def load_inputs(feeds):
     """This rank's slice of every input, on DEVICE (full tensors are not kept)."""
     out = {}
     # x: full f32[1,2] [R] -> f32[1,2]; replicated: every rank keeps all of it
-    out["x"] = place(take(feeds, "x", (1, 2), torch.float32))
+    out["x"] = place(take(feeds, "x", (1, 2), torch.float32))  # tiny_relu_mlp_tp2.pcs:6
     return out
 
 
 def forward(p, inp):
     """One forward step on this rank: local slices in, {output name: local value} out."""
-    x = inp["x"]  # [R] f32[1,2]
-    fc1_weight = p["fc1.weight"]  # [S(0)] f32[2,2]
+    x = inp["x"]  # [R] f32[1,2]; tiny_relu_mlp_tp2.pcs:6
+    fc1_weight = p["fc1.weight"]  # [S(0)] f32[2,2]; tiny_relu_mlp_tp2.pcs:4
     h = torch.nn.functional.linear(x, fc1_weight)  # [S(1)] f32[1,2]
     r = torch.relu(h)  # [S(1)] f32[1,2]
-    fc2_weight = p["fc2.weight"]  # [S(1)] f32[2,2]
+    fc2_weight = p["fc2.weight"]  # [S(1)] f32[2,2]; tiny_relu_mlp_tp2.pcs:5
     output = torch.nn.functional.linear(r, fc2_weight)  # [P] f32[1,2]
     # all_reduce over tp [P] -> [R], bytes/rank 8: %output: its matmul contracts a dim split over tp
-    #   (row-parallel), so each rank holds a partial sum; output output (spec tiny_relu_mlp_tp2.pcs:7:8)
-    #   needs the full value [R]: sum once
-    output_all_reduce_tp = all_reduce_(output, "tp")  # [R] f32[1,2]
+    #   (row-parallel), so each rank holds a partial sum; output output (spec tiny_relu_mlp_tp2.pcs:7) needs
+    #   the full value [R]: sum once
+    output_all_reduce_tp = all_reduce_(output, "tp")  # [R] f32[1,2]; tiny_relu_mlp_tp2.pcs:7
     return {"output": output_all_reduce_tp}
 
 
@@ -267,13 +267,13 @@ def sync():
         getattr(torch, DEVICE.type).synchronize()
 
 
-def bench(params, inputs, steps):
-    """``steps`` warm-up then ``steps`` timed forward steps; rank 0 prints the max over ranks (ms)."""
+def bench(step_fn, params, inputs, steps):
+    """``steps`` warm-up then ``steps`` timed steps of ``step_fn``; rank 0 prints the max over ranks (ms)."""
     times = []
     for i in range(2 * steps):
         dist.barrier()
         start = time.perf_counter()
-        forward(params, inputs)
+        step_fn(params, inputs)
         sync()
         elapsed = torch.tensor([(time.perf_counter() - start) * 1e3], device=DEVICE)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
@@ -321,7 +321,7 @@ def run(args):
     with torch.inference_mode():
         outputs = forward(params, inputs)
         if args.bench > 0:
-            bench(params, inputs, args.bench)
+            bench(forward, params, inputs, args.bench)
     if args.output:
         write_outputs(outputs, args.output)
 

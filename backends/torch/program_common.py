@@ -1,0 +1,322 @@
+"""The fixed part of every emitted ``program.py`` that forward and training programs share.
+
+Real, importable Python (tested directly: tests/test_runtime.py); the emitter
+(:mod:`.runtime`) pastes the sections between ``# >>> program.py: NAME`` and
+``# <<< program.py`` into each program, in the order it needs.  Nothing else of
+this file reaches a program: the names below the imports stand for what the
+emitter generates before the runtime (the mesh, the params, the PROFILE block),
+so that this module imports and runs on its own as a one-rank program.
+
+The collectives follow ``parcomp/reference/interpreter.py`` exactly (groups in
+coordinate order, concatenation never sums) and never modify their inputs
+(``all_reduce_`` aside).  Single-tensor gathers and scatters always work on dim 0
+of a ``movedim`` copy: gloo accepts only the concatenated dim-0 form of
+``all_gather_single``.
+"""
+# flake8: noqa: E402 (the sections keep program.py's layout)
+import argparse
+import importlib
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+# ---- stand-ins for what the emitter generates (never pasted): a one-rank program ----
+PROFILE = "cpu"
+DIST_BACKEND = "gloo"
+PRELUDE = ()
+MESH = {"x": 1}
+GROUP_RANKS = {"x": [[0]]}
+PARAMS = ()
+INPUTS = ()
+OUTPUT_LAYOUTS = {}
+OUTPUT_GLOBAL_SHAPES = {}
+SHARDED_OUTPUT = False
+RUN_HINT = "torchrun --nproc-per-node 1 program.py --output out.pt"
+
+
+def profile_device():
+    """Stand-in: the PROFILE block's device binding."""
+    return torch.device("cpu")
+
+
+def load_params(ckpt):
+    """Stand-in: program.py's generated parameter loader."""
+    return {}
+
+
+def load_inputs(feeds):
+    """Stand-in: program.py's generated input loader."""
+    return {}
+
+
+def run(args):
+    """Stand-in: :mod:`.program_forward` or :mod:`.program_train` defines it."""
+    raise NotImplementedError("program_common alone runs nothing; see program_forward/program_train")
+
+
+# >>> program.py: process
+RANK = int(os.environ.get("RANK", "0"))
+LOCAL_RANK = int(os.environ.get("LOCAL_RANK", "0"))
+WORLD_SIZE = int(os.environ.get("WORLD_SIZE", "0"))
+MESH_SIZE = math.prod(MESH.values())
+MESH_TEXT = " ".join(f"{axis}={size}" for axis, size in MESH.items())
+AXIS = {axis: i for i, axis in enumerate(MESH)}
+DEVICE = torch.device("cpu")  # set by main()
+GROUPS = {}  # mesh axis -> this rank's process group, set by make_groups()
+FILES = {}  # "checkpoint" / "input" -> the path read (for messages), set by read_tensors()
+
+
+def fail(message):
+    """Print ``message`` on stderr (one write, so ranks' lines do not interleave) and exit 2."""
+    sys.stderr.write(f"program.py (rank {RANK}): error: {message}\n")
+    sys.stderr.flush()
+    sys.exit(2)
+
+
+def mesh_coords(rank):
+    """Mesh coordinates of a global rank (row-major: the last axis varies fastest)."""
+    coords = []
+    for size in reversed(list(MESH.values())):
+        coords.append(rank % size)
+        rank //= size
+    return tuple(reversed(coords))
+
+
+COORD = mesh_coords(RANK)
+
+
+def make_groups():
+    """One process group per line of each mesh axis; every rank creates all of them, in order."""
+    for axis, lines in GROUP_RANKS.items():
+        for ranks in lines:
+            group = dist.new_group(ranks)
+            if RANK in ranks:
+                GROUPS[axis] = group
+
+
+# ---- layout changes; semantics: parcomp/reference/interpreter.py (_LAYOUT_OPS) ----
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_reduce(x, axis):
+    """P -> R: the sum over the group of mesh axis ``axis`` (``x`` is left unchanged)."""
+    y = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(y, op=dist.ReduceOp.SUM, group=GROUPS[axis])
+    return y
+
+
+def all_reduce_(x, axis):
+    """P -> R in place: for a fresh contiguous value nothing else reads (saves a copy)."""
+    dist.all_reduce(x, op=dist.ReduceOp.SUM, group=GROUPS[axis])
+    return x
+
+
+def all_gather(x, dim, axis):
+    """S(dim) -> R: concatenate the group's shards along ``dim``, in coordinate order."""
+    x0 = x.movedim(dim, 0).contiguous()
+    out = x0.new_empty((MESH[axis] * x0.shape[0],) + tuple(x0.shape[1:]))
+    _all_gather_single(out, x0, group=GROUPS[axis])
+    return out.movedim(0, dim).contiguous()
+
+
+def reduce_scatter(x, dim, axis):
+    """P -> S(dim): sum over the group, keep this rank's chunk of ``dim``."""
+    x0 = x.movedim(dim, 0).contiguous()
+    out = x0.new_empty((x0.shape[0] // MESH[axis],) + tuple(x0.shape[1:]))
+    _reduce_scatter_single(out, x0, op=dist.ReduceOp.SUM, group=GROUPS[axis])
+    return out.movedim(0, dim).contiguous()
+
+
+def all_to_all(x, src_dim, dim, axis):
+    """S(src_dim) -> S(dim): chunk j of ``dim`` goes to coordinate j; concatenate along ``src_dim``."""
+    send = [c.contiguous() for c in x.chunk(MESH[axis], dim)]
+    recv = [torch.empty_like(c) for c in send]
+    dist.all_to_all(recv, send, group=GROUPS[axis])
+    return torch.cat(recv, dim=src_dim)
+
+
+def shard_slice(x, dim, axis):
+    """R -> S(dim): keep this rank's chunk of ``dim`` (local, no communication)."""
+    return x.chunk(MESH[axis], dim)[COORD[AXIS[axis]]].contiguous()
+
+
+def partial_mask(x, axis):
+    """R -> P: coordinate 0 of ``axis`` keeps the value, the others hold zeros (local)."""
+    return x if COORD[AXIS[axis]] == 0 else torch.zeros_like(x)
+
+
+# ---- loading ----
+def read_tensors(path, what):
+    """{name: tensor} (on CPU) from a .safetensors or torch .pt file; exits 2 if unreadable."""
+    FILES[what] = path
+    if not os.path.isfile(path):
+        fail(f"{what} file {path} does not exist")
+    try:
+        if path.endswith(".safetensors"):
+            from safetensors.torch import load_file
+            return load_file(path, device="cpu")
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any reader error becomes one clear message
+        fail(f"cannot read {what} file {path}: {type(e).__name__}: {e}")
+# <<< program.py
+
+
+# >>> program.py: read_inputs
+def read_inputs(path):
+    """The inputs file as {input name: tensor}; a bare tensor is the model's only input."""
+    feeds = read_tensors(path, "input")
+    if isinstance(feeds, torch.Tensor) and len(INPUTS) == 1:
+        feeds = {INPUTS[0]: feeds}
+    if not isinstance(feeds, dict):
+        fail(f"input file {path} must hold a dict {{input name: tensor}} for inputs {list(INPUTS)}")
+    note_unused(feeds, INPUTS, "input")
+    return feeds
+# <<< program.py
+
+
+# >>> program.py: take_place
+def take(tensors, name, shape, dtype):
+    """The full tensor ``name`` of a loaded file, checked against its full (unsharded) shape
+    and the dtype the program was compiled for (never cast: a mismatch exits 2)."""
+    what = "param" if name in PARAMS else "input"
+    if name not in tensors:
+        have = ", ".join(sorted(map(str, tensors))[:10]) or "nothing"
+        fail(f"{what} {name!r} (full shape {list(shape)}) is missing; the file has: {have}")
+    t = tensors[name]
+    if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shape):
+        got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        fail(f"{what} {name!r} has shape {got}, expected the full (unsharded) shape {list(shape)}")
+    if t.dtype != dtype:
+        source = FILES.get("checkpoint" if what == "param" else "input", "the file")
+        fail(f"{what} {name!r} in {source} has dtype {t.dtype}, but the program was compiled for "
+             f"{dtype}; nothing is cast: save it as {dtype} (tensor.to({dtype})) or compile a "
+             f"model whose {what} is {t.dtype}")
+    return t
+
+
+def place(t):
+    """A compact copy of ``t`` on DEVICE (so the full tensor it was cut from can be freed)."""
+    return torch.empty(t.shape, dtype=t.dtype, device=DEVICE).copy_(t)
+
+
+def note_unused(tensors, used, what):
+    """Rank 0 lists, on one line of stderr, the keys of a loaded ``what`` file that the
+    program does not read (a note, not an error)."""
+    if RANK != 0 or not isinstance(tensors, dict):
+        return
+    unused = sorted(str(k) for k in tensors if k not in used)
+    if unused:
+        shown = ", ".join(unused[:20]) + (", ..." if len(unused) > 20 else "")
+        keys = "1 key" if len(unused) == 1 else f"{len(unused)} keys"
+        sys.stderr.write(f"program.py: note: {what} file {FILES.get(what)} has {keys} this program "
+                         f"does not use: {shown}\n")
+        sys.stderr.flush()
+
+
+def load_checkpoint(path):
+    """This rank's slices of the params in the checkpoint at ``path`` (unused keys noted)."""
+    ckpt = read_tensors(path, "checkpoint")
+    note_unused(ckpt, PARAMS, "checkpoint")
+    return load_params(ckpt)
+# <<< program.py
+
+
+# >>> program.py: rank_path
+def rank_path(path, rank):
+    """``out.pt`` -> ``out.rank{rank}.pt``: where a rank writes its slices of sharded outputs."""
+    root, ext = os.path.splitext(path)
+    return f"{root}.rank{rank}{ext}"
+# <<< program.py
+
+
+# >>> program.py: sync
+def sync():
+    """Wait for the device to finish queued work (no-op on CPU)."""
+    if DEVICE.type != "cpu":
+        getattr(torch, DEVICE.type).synchronize()
+# <<< program.py
+
+
+# >>> program.py: bench
+def bench(step_fn, params, inputs, steps):
+    """``steps`` warm-up then ``steps`` timed steps of ``step_fn``; rank 0 prints the max over ranks (ms)."""
+    times = []
+    for i in range(2 * steps):
+        dist.barrier()
+        start = time.perf_counter()
+        step_fn(params, inputs)
+        sync()
+        elapsed = torch.tensor([(time.perf_counter() - start) * 1e3], device=DEVICE)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        if i >= steps:
+            times.append(round(elapsed.item(), 4))
+    if RANK == 0:
+        print(json.dumps({"step_ms": times}), flush=True)
+# <<< program.py
+
+
+# >>> program.py: world
+def check_world():
+    """Exit 2 unless started by torchrun with exactly one process per mesh rank."""
+    if "WORLD_SIZE" not in os.environ:
+        fail(f"start this program with torchrun, one process per rank: {RUN_HINT}")
+    if WORLD_SIZE != MESH_SIZE:
+        ranks = "1 rank" if MESH_SIZE == 1 else f"{MESH_SIZE} ranks"
+        fail(f"program compiled for mesh {MESH_TEXT} ({ranks}) but started with "
+             f"WORLD_SIZE={WORLD_SIZE}; run: {RUN_HINT}")
+
+
+def import_prelude():
+    """Import the profile's device modules (e.g. torch_npu); exit 2 naming a missing one."""
+    for name in PRELUDE:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            fail(f"profile {PROFILE} needs the module {name} ({e}); install it or rerun with --device cpu")
+# <<< program.py
+
+
+# >>> program.py: main
+def keep_freed_memory():
+    """glibc only: keep freed activation buffers in the allocator instead of returning them to
+    the OS, so each step does not page-fault them in again (measured in bench/tp_mlp.py)."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: 32 MiB
+        libc.mallopt(-1, 256 << 20)  # M_TRIM_THRESHOLD: 256 MiB
+    except (OSError, AttributeError):
+        pass  # not glibc: the default allocator behaviour is kept
+
+
+def main(argv=None):
+    """Check the world, pick the device, start torch.distributed, run, always shut it down."""
+    global DEVICE
+    args = parse_args(argv)
+    check_world()
+    if args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
+        fail(f"--output {args.output}: its directory does not exist")
+    keep_freed_memory()
+    if args.device == "cpu":
+        backend, DEVICE = "gloo", torch.device("cpu")
+    else:
+        import_prelude()
+        backend, DEVICE = DIST_BACKEND, profile_device()
+    dist.init_process_group(backend)
+    try:
+        run(args)
+    finally:
+        dist.destroy_process_group()
+# <<< program.py
+
+
+# >>> program.py: entry
+if __name__ == "__main__":
+    main()
+# <<< program.py

@@ -1,0 +1,120 @@
+"""The fixed part of a training ``program.py`` (sections pasted by :mod:`.runtime`).
+
+Real, importable Python; it runs with :mod:`.program_common` (whose sections
+program.py holds too) and the stand-ins below for what the emitter generates.
+"""
+# flake8: noqa: E402,F403,F405 (program.py is one namespace: the common sections are in it)
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+
+from .program_common import *
+from .program_common import FILES, GROUPS  # noqa: F401 (shared state, for tests)
+
+# ---- stand-ins for what the emitter generates (never pasted) ----
+MAX_STEPS = 1_000_000  # parcomp.program.MAX_STEPS, emitted as a constant
+STATE = ()
+CARRIED = ()
+STEP_INPUT = None
+TRAIN_STEPS = 1
+
+
+def train_step(params, inputs):
+    """Stand-in: program.py's generated training step."""
+    return {"loss": torch.zeros(())}
+
+
+# >>> program.py: write_outputs
+def write_outputs(outputs, losses, path):
+    """The last step's outputs, written as a forward program writes its outputs, plus
+    "losses": [every step's loss] in the file (rank 0's) or in every rank's file."""
+    local = {name: value.detach().cpu() for name, value in outputs.items()}
+    if not SHARDED_OUTPUT:
+        if RANK == 0:
+            torch.save({**local, "losses": losses}, path)
+        return
+    torch.save({"rank": RANK, "coords": list(COORD), "outputs": local, "layouts": OUTPUT_LAYOUTS,
+                "global_shapes": OUTPUT_GLOBAL_SHAPES, "losses": losses}, rank_path(path, RANK))
+# <<< program.py
+
+
+# >>> program.py: parse_args
+def step_count(text):
+    """The value of --steps: a whole number of steps from 1 to MAX_STEPS."""
+    steps = int(text)  # argparse reports a ValueError as an invalid value
+    if not 1 <= steps <= MAX_STEPS:
+        raise argparse.ArgumentTypeError(f"{text}: give 1 to {MAX_STEPS:_} training steps")
+    return steps
+
+
+def parse_args(argv):
+    """Command line (see the module docstring)."""
+    ap = argparse.ArgumentParser(description=f"parcomp program for mesh {MESH_TEXT}; run: {RUN_HINT}")
+    ap.add_argument("--checkpoint", required=True, help=".pt state_dict or .safetensors")
+    ap.add_argument("--input", required=bool(INPUTS),
+                    help=".pt dict of inputs for every step, or a list of one dict per step")
+    ap.add_argument("--output", help="where to write the last step's outputs and the losses (.pt)")
+    ap.add_argument("--steps", type=step_count, default=TRAIN_STEPS, metavar="K",
+                    help=f"training steps (default {TRAIN_STEPS})")
+    ap.add_argument("--device", choices=sorted({"cpu", PROFILE}), default=PROFILE)
+    ap.add_argument("--bench", type=int, default=0, metavar="N",
+                    help="time N training steps from the loaded parameters (not applied)")
+    return ap.parse_args(argv)
+# <<< program.py
+
+
+# >>> program.py: loop
+def read_batches(path, steps):
+    """This rank's slices of every step's inputs: one dict {input name: tensor} serves
+    every step; a list holds one such dict per step."""
+    feeds = read_tensors(path, "input")
+    if isinstance(feeds, torch.Tensor) and len(INPUTS) == 1:
+        feeds = {INPUTS[0]: feeds}
+    if isinstance(feeds, dict):
+        note_unused(feeds, INPUTS, "input")
+        return [load_inputs(feeds)] * steps
+    if not isinstance(feeds, (list, tuple)) or not all(isinstance(f, dict) for f in feeds):
+        fail(f"input file {path} must hold a dict {{input name: tensor}} for inputs {list(INPUTS)} "
+             f"or a list of one such dict per step")
+    if len(feeds) != steps:
+        fail(f"input file {path} holds the inputs of {len(feeds)} steps but --steps is {steps}")
+    note_unused(feeds[0] if feeds else {}, INPUTS, "input")
+    return [load_inputs(f) for f in feeds]
+
+
+def with_step(inputs, k):
+    """The inputs of step ``k`` (counted from 1), with the step number the optimizer reads."""
+    if STEP_INPUT is None:
+        return inputs
+    return {**inputs, STEP_INPUT: torch.tensor(float(k), dtype=torch.float32, device=DEVICE)}
+
+
+def train(params, batches):
+    """One train_step per batch; the CARRIED outputs are the next step's params and state.
+
+    Rank 0 prints each step's loss. Returns the last step's outputs and every loss (floats).
+    """
+    outputs, losses = {}, []
+    for k, inputs in enumerate(batches, start=1):
+        outputs = train_step(params, with_step(inputs, k))
+        params = {**params, **{name: outputs[name] for name in CARRIED}}
+        losses.append(outputs["loss"])
+        if RANK == 0:
+            print(f"step {k} loss {outputs['loss'].item():.6g}", flush=True)
+    return outputs, [loss.item() for loss in losses]
+
+
+def run(args):
+    """Everything between init_process_group and destroy_process_group."""
+    make_groups()
+    params = load_checkpoint(args.checkpoint)
+    batches = read_batches(args.input, args.steps) if INPUTS else [{}] * args.steps
+    with torch.no_grad():  # the backward pass is explicit in train_step: no autograd state
+        outputs, losses = train(params, batches)
+        if args.bench > 0:
+            bench(train_step, params, with_step(batches[0], 1), args.bench)
+    if args.output:
+        write_outputs(outputs, losses, args.output)
+# <<< program.py

@@ -1,0 +1,211 @@
+"""The Program: everything a backend needs to print one rank's code, as fields.
+
+A :class:`Program` is what ``compile_graph`` hands to every backend (and what
+``report.json`` is derived from): the per-rank graph (``stage local``), the mesh
+and its process groups (arithmetic, never a list of the world's ranks), the
+training loop's facts, each collective's bytes, reason and cause, and every
+node's phase and provenance.  A backend reads these fields; it never parses a
+name, a report dict or a reason string to recover them.
+
+Backends import only :mod:`parcomp.ir` and this module; what else of the
+compiler they use is re-exported here (see ``__all__``).  No torch here.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from .errors import ParcompError
+from .ir.graph import PHASES, Graph
+from .ir.ops import COLLECTIVES
+from .ir.types import layout_str
+from .passes.topology import axis_groups, group_ranks
+from .passes.train_config import MAX_STEPS, train_config
+from .redistribute import Step, step_bytes
+from .reference.interpreter import assemble
+from .report import plural
+
+__all__ = ["Program", "Collective", "Provenance", "TrainLoop", "build_program", "PHASES",
+           "ParcompError", "MAX_STEPS", "axis_groups", "group_ranks", "assemble", "plural"]
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """Why a node exists: the spec rule that caused it and the model code it came from.
+
+    Attributes:
+        spec_file: basename of the spec file (``tp2.pcs``; never a machine path), or None.
+        spec_line: 1-based line of the rule in that file, or None.
+        source: module path in the model (``mlp.c_fc``) where the frontend knows it, or None.
+    """
+
+    spec_file: str | None = None
+    spec_line: int | None = None
+    source: str | None = None
+
+    @property
+    def spec_ref(self) -> str | None:
+        """``tp2.pcs:7``, or None when no spec rule caused the node."""
+        return f"{self.spec_file}:{self.spec_line}" if self.spec_file else None
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective (or local layout change) of the program, with its cost and cause.
+
+    ``bytes`` are bytes sent per rank by a ring algorithm
+    (:func:`parcomp.redistribute.step_bytes`); ``local_shape`` is its operand's per-rank shape.
+    """
+
+    name: str
+    kind: str
+    axis: str
+    dim: int | None
+    dtype: str
+    local_shape: tuple
+    src_layout: str
+    dst_layout: str
+    bytes: int
+    phase: str
+    producer: str
+    consumers: tuple
+    reason: str
+    provenance: Provenance
+
+    def record(self) -> dict:
+        """The ``report.json`` record of this collective."""
+        return {"name": self.name, "kind": self.kind, "axis": self.axis, "dim": self.dim,
+                "dtype": self.dtype, "local_shape": list(self.local_shape), "from": self.src_layout,
+                "to": self.dst_layout, "bytes": self.bytes, "phase": self.phase,
+                "producer": self.producer, "consumers": list(self.consumers), "reason": self.reason,
+                "spec_line": self.provenance.spec_ref}
+
+
+@dataclass(frozen=True)
+class TrainLoop:
+    """A training program's loop: what each step carries to the next.
+
+    Attributes:
+        steps: the spec's ``steps`` (the default of a program's ``--steps``).
+        carried: public output names that are the next step's params and optimizer state
+            (each is the name of the param it replaces).
+        state: the optimizer-state params: zeros at step 1, not read from a checkpoint.
+        step: the input fed the step number k = 1..K (AdamW's), or None.
+        loss_output: public name of the loss output.
+        loss, optimizer: ``mse`` ..., ``sgd`` | ``adamw``; ``hyperparameters``: sorted pairs.
+        zero: ZeRO stage (0, 1, 2); ``dp``: size of the dp axis (1 without one);
+        batch: global batch (dim 0 of the inputs), or None.
+    """
+
+    steps: int
+    carried: tuple
+    state: tuple
+    step: str | None
+    loss_output: str
+    loss: str
+    optimizer: str
+    hyperparameters: tuple
+    zero: int
+    dp: int
+    batch: int | None
+
+
+@dataclass(frozen=True, eq=False)
+class Program:
+    """One rank's program and the facts about it every backend and the report read.
+
+    Attributes:
+        graph: the per-rank graph (``stage local``, with its mesh).
+        groups: ``{mesh axis: axis_groups(...)}`` (size, stride, count: no rank lists).
+        spec_file: the spec's path as given (for the report), or None.
+        phases: ``{value: forward | loss | backward | optimizer}`` for every node.
+        provenance: ``{value: Provenance}`` for every node.
+        collectives: the collectives and local layout changes, in program order.
+        train: the loop facts of a training program, or None for a forward program.
+    """
+
+    graph: Graph
+    groups: dict
+    spec_file: str | None
+    phases: dict
+    provenance: dict
+    collectives: tuple
+    train: TrainLoop | None
+
+    @property
+    def mesh(self):
+        return self.graph.mesh
+
+    @property
+    def spec_name(self) -> str | None:
+        """The spec file's basename (what a program may print), or None."""
+        return os.path.basename(self.spec_file) if self.spec_file else None
+
+    def group_ranks(self, axis: str) -> list:
+        """The rank lists of mesh axis ``axis``, in coordinate order (O(world size))."""
+        return group_ranks(self.groups[axis])
+
+    def collective(self, name: str) -> Collective | None:
+        """The :class:`Collective` record of node ``name``, or None."""
+        return next((c for c in self.collectives if c.name == name), None)
+
+
+def build_program(sharded: Graph, local: Graph, spec) -> Program:
+    """The :class:`Program` of a compiled graph.
+
+    Args:
+        sharded: the global graph with every collective (after ``insert-collectives``).
+        local: the per-rank graph (after ``localize``); same node names.
+        spec: the parsed spec (its ``file`` and ``train`` line).
+
+    Raises:
+        parcomp.errors.SpecError: a bad ``train`` line (already checked by then).
+    """
+    mesh = local.mesh
+    groups = {a: axis_groups(mesh, i) for i, a in enumerate(mesh.names)}
+    prov = {n.name: _provenance(n) for n in local.nodes}
+    return Program(local, groups, getattr(spec, "file", None), {n.name: n.phase for n in local.nodes},
+                   prov, _collectives(sharded, local, prov), _train_loop(local, spec))
+
+
+def _provenance(node) -> Provenance:
+    loc = node.spec_loc
+    if loc is None:
+        return Provenance(source=node.source)
+    return Provenance(os.path.basename(loc.file), loc.line, node.source)
+
+
+def _collectives(sharded, local, prov) -> tuple:
+    users, outs = sharded.users(), {v: p for p, v in sharded.named_outputs()}
+    recs = []
+    for n in sharded.nodes:
+        if n.op not in COLLECTIVES:
+            continue
+        src = sharded[n.inputs[0]]
+        a = sharded.mesh.names.index(n.attr("axis"))
+        step = Step(n.op, a, n.attr("dim"), n.attr("src_dim"), src.layout, n.layout)
+        consumers = [f"{sharded[u].op} %{u}" for u in users[n.name]]
+        if n.name in outs:
+            consumers.append(f"output {outs[n.name]}")
+        recs.append(Collective(
+            n.name, n.op, n.attr("axis"), n.attr("dim"), n.type.dtype, tuple(local[src.name].type.shape),
+            layout_str(src.layout), layout_str(n.layout), step_bytes(step, n.type, sharded.mesh),
+            n.phase, src.name, tuple(consumers), n.attr("reason"), prov[n.name]))
+    return tuple(recs)
+
+
+def _train_loop(local, spec) -> TrainLoop | None:
+    """The loop facts, from the phases ``autodiff`` set (nothing is read from a name's shape)."""
+    if getattr(spec, "train", None) is None:
+        return None
+    cfg = train_config(spec)
+    params = {n.name for n in local.params}
+    carried = tuple(pub for pub, _ in local.named_outputs() if pub in params)
+    state = tuple(n.name for n in local.params if n.phase == "optimizer")
+    state = tuple(c for c in carried if c in state)
+    step = next((n.name for n in local.inputs if n.phase == "optimizer"), None)
+    dp = spec.mesh.sizes[spec.mesh.axis_index("dp")] if "dp" in spec.mesh.names else 1
+    batch = cfg.batch or next((n.attr("global_shape")[0] for n in local.inputs
+                               if n.attr("global_shape")), None)
+    return TrainLoop(cfg.steps, carried, state, step, "loss", cfg.loss, cfg.optimizer, cfg.hyper,
+                     cfg.zero, dp, batch)
