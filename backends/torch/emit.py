@@ -176,13 +176,17 @@ def _names(prog) -> dict:
 
 
 def _module_bases(prog) -> dict:
-    """value -> ``path`` for the last computing node of each module path, ``path_op`` for the rest."""
-    by_path = {}
+    """value -> ``path`` for the last computing node of each module path, ``path_op`` for its
+    other nodes and its collectives (which may sit far from the module, where a value is used)."""
+    by_path, out = {}, {}
     for n in prog.graph.nodes:
         path = prog.provenance[n.name].source
-        if path and n.op not in ("input", "param", "relayout"):
+        if not path or n.op in ("input", "param", "relayout"):
+            continue
+        if n.op in LAYOUT_OPS:
+            out[n.name] = f"{path}_{n.op}"
+        else:
             by_path.setdefault(path, []).append(n)
-    out = {}
     for path, nodes in by_path.items():
         out.update({n.name: f"{path}_{n.op}" for n in nodes[:-1]})
         out[nodes[-1].name] = path

@@ -13,8 +13,7 @@ coordinate order, concatenation never sums) and never modify their inputs
 of a ``movedim`` copy: gloo accepts only the concatenated dim-0 form of
 ``all_gather_single``.
 """
-# flake8: noqa: E402 (the sections keep program.py's layout)
-import argparse
+# flake8: noqa: E402 (the sections keep program.py's layout; argparse is imported by the modules that parse)
 import importlib
 import json
 import math
@@ -52,6 +51,11 @@ def load_params(ckpt):
 def load_inputs(feeds):
     """Stand-in: program.py's generated input loader."""
     return {}
+
+
+def parse_args(argv):
+    """Stand-in: :mod:`.program_forward` or :mod:`.program_train` defines it."""
+    raise NotImplementedError("program_common alone parses nothing; see program_forward/program_train")
 
 
 def run(args):

@@ -5,13 +5,10 @@ program.py holds too) and the stand-ins below for what the emitter generates.
 """
 # flake8: noqa: E402,F403,F405 (program.py is one namespace: the common sections are in it)
 import argparse
-import os
 
 import torch
-import torch.distributed as dist
 
 from .program_common import *
-from .program_common import FILES, GROUPS  # noqa: F401 (shared state, for tests)
 
 # ---- stand-ins for what the emitter generates (never pasted) ----
 def forward(params, inputs):
