@@ -217,6 +217,18 @@ def test_tuple_attributes_of_the_wrong_kind(tmp_path, capsys, attrs, needle):
     assert rc == 2 and "m.pcir:2:1" in err and needle in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("line, needle", [
+    ('%y: f32[2,4] <R> = all_gather(%x) {axis="tp"}', "all_gather needs the attribute dim"),
+    ('%y: f32[2,4] <R> = all_reduce(%x) {axis=1}', "attribute axis of all_reduce must be a string"),
+    ('%y: f32[2,4] <R> = all_gather(%x) {axis="tp", dim=0.5}',
+     "attribute dim of all_gather must be a whole number, not 0.5"),
+])
+def test_layout_op_attributes_are_checked_by_the_schema(tmp_path, capsys, line, needle):
+    text = "mesh tp=2\n%x: f32[2,4] <P> = input()\n" + line + "\nreturn %y\n"
+    rc, err = run_cli(tmp_path, capsys, text, "mesh tp=2\n")
+    assert rc == 2 and "m.pcir:3:1" in err and needle in err and "Traceback" not in err
+
+
 def test_a_collective_over_an_unknown_axis_is_located(tmp_path, capsys):
     text = ("mesh tp=2\n%x: f32[2,4] <P> = input()\n"
             '%y: f32[2,4] <R> = all_reduce(%x) {axis="dp"}\nreturn %y\n')

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ..errors import VerifyError
 from ..ir.graph import Graph, describe
-from ..ir.ops import ATTR_CHOICES, OPS, REQUIRED_ATTRS
+from ..ir.ops import OPS, attr_problem
 from ..ir.types import Partial, Replicate, Shard, divisibility_problem, layout_str
 from ..rules.sharding import is_valid_strategy
 
@@ -106,24 +106,9 @@ def _check_ssa(graph):
 
 
 def _check_attrs(graph, n):
-    for key in REQUIRED_ATTRS.get(n.op, ()):
-        if n.attr(key) is None:
-            _fail(graph, n, f"{n.op} needs the attribute {key}")
-    for key in ("exponent", "value", "lr", "beta1", "beta2", "eps", "weight_decay"):
-        v = n.attr(key)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
-            _fail(graph, n, f"attribute {key} of {n.op} must be a number, not {v!r}")
-    if n.op == "param" and not isinstance(n.attr("trainable", True), bool):
-        _fail(graph, n, f"attribute trainable of param must be true or false, not {n.attr('trainable')!r}")
-    for key in ("perm", "dims"):
-        v = n.attr(key)
-        if v is not None and not (isinstance(v, tuple) and all(
-                isinstance(x, int) and not isinstance(x, bool) for x in v)):
-            _fail(graph, n, f"attribute {key} of {n.op} must be a tuple of whole numbers such as "
-                            f"(1, 0), not {v!r}")
-    for (op, key), choices in ATTR_CHOICES.items():
-        if n.op == op and n.attr(key, choices[0]) not in choices:
-            _fail(graph, n, f"{op} {key}={n.attr(key)!r}: choose one of {', '.join(choices)}")
+    problem = attr_problem(n.op, n.attrs)  # the op's declared schema (parcomp/ir/ops.py)
+    if problem:
+        _fail(graph, n, problem)
 
 
 def _check_types(graph):
