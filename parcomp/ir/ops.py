@@ -18,6 +18,7 @@ from typing import Callable
 
 import numpy as np
 
+from .transitions import TRANSITIONS
 from .types import TensorType
 
 
@@ -200,8 +201,8 @@ _def("all_to_all", 1, "collective", _same, {**_MOVE, "dim": _DIM, "src_dim": _DI
 _def("shard_slice", 1, "local", _same, {**_MOVE, "dim": _DIM})
 _def("partial_mask", 1, "local", _same, _MOVE)
 
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
-LAYOUT_OPS = COLLECTIVES + ("shard_slice", "partial_mask")
+COLLECTIVES = tuple(op for op, t in TRANSITIONS.items() if t.collective)  # from the one table
+LAYOUT_OPS = COLLECTIVES + tuple(op for op, t in TRANSITIONS.items() if not t.collective)
 # identity whose output layout is fixed by the spec (outputs, pinned activations);
 # insert-collectives replaces it by the redistribution it asks for
 _def("relayout", 1, "relayout", _same, {"origin": Attr("str")})  # origin: the spec rule, in words

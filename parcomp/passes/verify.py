@@ -12,7 +12,8 @@ from __future__ import annotations
 from ..errors import VerifyError
 from ..ir.graph import Graph, describe
 from ..ir.ops import OPS, attr_problem
-from ..ir.types import Partial, Replicate, Shard, divisibility_problem, layout_str
+from ..ir.transitions import TRANSITIONS
+from ..ir.types import Partial, Shard, divisibility_problem, layout_str
 from ..rules.sharding import is_valid_strategy
 
 
@@ -145,20 +146,6 @@ def _check_partial_rules(graph, n, ins):
             _fail(graph, n, f"{n.op} by a partial-sum divisor over {axis}")
 
 
-_MOVES = {  # kind -> (placement before, placement after) on the step's axis
-    "all_reduce": lambda n: (Partial(), Replicate()),
-    "all_gather": lambda n: (Shard(n.attr("dim")), Replicate()),
-    "reduce_scatter": lambda n: (Partial(), Shard(n.attr("dim"))),
-    "all_to_all": lambda n: (Shard(n.attr("src_dim")), Shard(n.attr("dim"))),
-    "shard_slice": lambda n: (Replicate(), Shard(n.attr("dim"))),
-    "partial_mask": lambda n: (Replicate(), Partial()),
-}
-
-
-_DIM_ATTRS = {"dim": ("all_gather", "reduce_scatter", "all_to_all", "shard_slice"),
-              "src_dim": ("all_to_all",)}
-
-
 def _is_dim(d, ty) -> bool:
     return isinstance(d, int) and not isinstance(d, bool) and 0 <= d < ty.rank
 
@@ -171,14 +158,14 @@ def _check_layouts(graph, n):
         return
     ins = _operand_layouts(graph, n)
     _check_partial_rules(graph, n, ins)
-    if n.op in _MOVES:
+    if n.op in TRANSITIONS:
         if n.attr("axis") not in graph.mesh.names:
             _fail(graph, n, f"{n.op} over {n.attr('axis')!r}: not an axis of mesh {graph.mesh}")
         for key in ("dim", "src_dim"):
-            if n.op in _DIM_ATTRS.get(key, ()) and not _is_dim(n.attr(key), n.type):
+            if key in OPS[n.op].attrs and not _is_dim(n.attr(key), n.type):
                 _fail(graph, n, f"{n.op} needs {key}= a dim of {n.type}, not {n.attr(key)!r}")
         a = graph.mesh.names.index(n.attr("axis"))
-        before, after = _MOVES[n.op](n)
+        before, after = TRANSITIONS[n.op].placements(n.attr("dim"), n.attr("src_dim"))
         src = ins[0]
         expect = src[:a] + (after,) + src[a + 1:]
         if src[a] != before or n.layout != expect:
