@@ -151,3 +151,19 @@ def test_planner_verifier_and_interpreter_agree_with_the_transition_table(op):
     node = Node("y", op, ("x",), ty, (("axis", "tp"), ("dim", 1), ("src_dim", 0)))
     ys = _LAYOUT_OPS[op](split_for_ranks(full, (before,), mesh), node)
     np.testing.assert_array_equal(assemble(ys, (after,), full.shape, mesh), full)
+
+
+def test_one_fresh_name_generator_gives_each_name_once():
+    from parcomp.ir.names import NameGen
+    names = NameGen(["h", "h_2"])
+    assert [names.fresh("h"), names.fresh("h"), names.fresh("y"), names.fresh("y")] == ["h_3", "h_4", "y", "y_2"]
+    assert names.take("w") == "w" and names.fresh("w") == "w_2" and "w" in names
+
+
+def test_a_pinned_output_never_takes_a_models_value_name(tmp_path, capsys):
+    from parcomp.cli import main
+    (tmp_path / "m.pcir").write_text("%x: f32[2,4] = input()\n%x.as_output: f32[2,4] = relu(%x)\n"
+                                     "return %x, %x.as_output as z\n")
+    (tmp_path / "s.pcs").write_text("mesh tp=2\n")
+    rc = main(["check", str(tmp_path / "m.pcir"), "--spec", str(tmp_path / "s.pcs")])
+    assert rc == 0, capsys.readouterr().err

@@ -16,6 +16,7 @@ from dataclasses import replace
 
 from ..errors import SpecError, closest
 from ..ir.graph import Graph, Node, make_attrs
+from ..ir.names import NameGen
 from ..ir.ops import OPS
 from ..ir.types import Partial, Replicate, Shard, TensorType, replicated, shard_axes
 from ..rules.vjp import VJP_RULES
@@ -29,17 +30,14 @@ class Builder:
     def __init__(self, graph: Graph):
         self.nodes = list(graph.nodes)
         self.types = {n.name: n.type for n in graph.nodes}
+        self.names = NameGen(self.types)
         self.prefix = "bw"
 
     def type(self, name) -> TensorType:
         return self.types[name]
 
     def fresh(self, base: str) -> str:
-        name, k = base, 1
-        while name in self.types:
-            k += 1
-            name = f"{base}.{k}"
-        return name
+        return self.names.fresh(base)
 
     def op(self, op, inputs, type=None, name=None, layout=None, **attrs) -> str:
         name = self.fresh(name or f"{self.prefix}.{op}")
@@ -236,7 +234,7 @@ def _loss(b, graph, cfg):
 def _input(b, name, ty, layout):
     b.nodes.insert(0, Node(name, "input", (), ty, (), tuple(Replicate() if isinstance(p, Partial) else p
                                                              for p in layout)))
-    b.types[name] = ty
+    b.types[b.names.take(name)] = ty
     return name
 
 
@@ -262,7 +260,7 @@ def _state_layout(param, cfg, spec):
 def _state(b, param, suffix, layout):
     name = f"{param.name}.{suffix}"
     b.nodes.insert(0, Node(name, "param", (), param.type, (), layout))
-    b.types[name] = param.type
+    b.types[b.names.take(name)] = param.type
     return name
 
 

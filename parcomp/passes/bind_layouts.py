@@ -15,6 +15,7 @@ from dataclasses import replace
 
 from ..errors import SpecError
 from ..ir.graph import Graph, Node, make_attrs
+from ..ir.names import NameGen
 from ..ir.ops import LAYOUT_OPS
 from ..ir.types import P, R, Shard, divisibility_problem, layout_str, replicated
 from ..rules.sharding import reshape_dim_map
@@ -178,7 +179,7 @@ def _check_even(node, layout, spec, rule):
 
 def _pin(graph, name, layout, origin, suffix):
     """Insert ``relayout(name) -> layout`` and route every consumer through it."""
-    new = f"{name}.{suffix}"
+    new = NameGen(n.name for n in graph.nodes).fresh(f"{name}.{suffix}")
     node = Node(new, "relayout", (name,), graph[name].type, make_attrs(origin=origin), layout)
     nodes = []
     for n in graph.nodes:
@@ -209,7 +210,7 @@ def _pin_outputs(graph, spec):
         if rule:
             _check_even(graph[value], lay, spec, rule)
         where = f" (spec {rule.loc})" if rule else " (replicated by default)"
-        new = f"{public}.as_output"
+        new = NameGen(n.name for n in graph.nodes).fresh(f"{public}.as_output")
         node = Node(new, "relayout", (value,), graph[value].type,
                     make_attrs(origin=f"output {public}{where}"), lay)
         outs = [new if (p, v) == (public, value) else v for p, v in graph.named_outputs()]
