@@ -167,3 +167,15 @@ def test_a_pinned_output_never_takes_a_models_value_name(tmp_path, capsys):
     (tmp_path / "s.pcs").write_text("mesh tp=2\n")
     rc = main(["check", str(tmp_path / "m.pcir"), "--spec", str(tmp_path / "s.pcs")])
     assert rc == 0, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text", ["[S(0), R]", "[R, P]", "[S(1), S(0)]"])
+def test_one_layout_notation_in_ir_text_specs_and_reports(text):
+    from parcomp.ir.types import layout_str, parse_layout
+    from parcomp.spec import parse_spec
+    lay = parse_layout(text)
+    assert layout_str(lay) == text
+    ir = parse_graph(f"mesh dp=2 tp=2\n%x: f32[4,4] {text} = input()\nreturn %x\n")
+    assert ir["x"].layout == lay and f"%x: f32[4,4] {text} = input()" in print_graph(ir)
+    spec = parse_spec(f"mesh dp=2 tp=2\ninput x {text}\n")
+    assert spec.rules[0].layout.explicit == lay
