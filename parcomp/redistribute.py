@@ -1,18 +1,7 @@
 """Redistribution planning: a layout change as a list of steps, before any code.
 
-The per-axis transition table (DESIGN.md "Redistribution"; DTensor
-``_redistribute.py``), for a group of n ranks and a local tensor of B bytes:
-
-==============  =================  ============================
-from -> to      step               bytes sent per rank (ring)
-==============  =================  ============================
-S(d) -> R       all_gather(d)      (n-1)/n * B_out  (concat, never sum)
-P -> R          all_reduce(sum)    2(n-1)/n * B
-P -> S(d)       reduce_scatter(d)  (n-1)/n * B
-S(d) -> S(e)    all_to_all(d, e)   (n-1)/n * B
-R -> S(d)       shard_slice(d)     0 (local)
-R -> P          partial_mask       0 (local: value on coordinate 0, zeros elsewhere)
-==============  =================  ============================
+The per-axis steps, their placements and bytes come from the one transition
+table, :data:`parcomp.ir.transitions.TRANSITIONS` (DESIGN.md "Redistribution").
 
 Multi-axis plans respect the shard-order convention of :mod:`parcomp.ir.types`
 (first mesh axis outer): per tensor dim, the common prefix of source and target
@@ -28,6 +17,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from .ir.transitions import TRANSITIONS
 from .ir.types import DTYPE_BYTES, Layout, Mesh, Partial, Replicate, Shard, TensorType, local_shape, shard_axes
 
 # alpha-beta cost model (DTensor _collective_utils.py style): seconds per collective
@@ -61,22 +51,15 @@ class Step:
 
     @property
     def is_collective(self) -> bool:
-        return self.kind not in ("shard_slice", "partial_mask")
+        return TRANSITIONS[self.kind].collective
 
 
 def step_bytes(step: Step, ty: TensorType, mesh: Mesh) -> int:
     """Bytes one rank sends for ``step`` on a tensor of global type ``ty`` (ring algorithms)."""
-    n = mesh.sizes[step.axis]
     itemsize = DTYPE_BYTES[ty.dtype]
     before = int(np.prod(local_shape(ty, step.before, mesh))) * itemsize
     after = int(np.prod(local_shape(ty, step.after, mesh))) * itemsize
-    if step.kind == "all_gather":
-        return after * (n - 1) // n
-    if step.kind == "all_reduce":
-        return 2 * before * (n - 1) // n
-    if step.kind in ("reduce_scatter", "all_to_all"):
-        return before * (n - 1) // n
-    return 0
+    return TRANSITIONS[step.kind].sent(mesh.sizes[step.axis], before, after)
 
 
 def plan(src: Layout, tgt: Layout, rank: int) -> tuple:
@@ -88,7 +71,9 @@ def plan(src: Layout, tgt: Layout, rank: int) -> tuple:
 def _plan(src, tgt, rank):
     cur, steps = list(src), []
 
-    def emit(kind, axis, new, dim=None, src_dim=None):
+    def emit(kind, axis, dim=None, src_dim=None):
+        was, new = TRANSITIONS[kind].placements(dim, src_dim)
+        assert cur[axis] == was, (kind, cur, axis)
         before = tuple(cur)
         cur[axis] = new
         steps.append(Step(kind, axis, dim, src_dim, before, tuple(cur)))
@@ -100,23 +85,23 @@ def _plan(src, tgt, rank):
     for d in range(rank):  # phase A: drop shards beyond the kept prefix, innermost first
         for a in reversed(shard_axes(src, d)[keep[d]:]):
             if a in a2a:
-                emit("all_to_all", a, Shard(a2a[a]), dim=a2a[a], src_dim=d)
+                emit("all_to_all", a, dim=a2a[a], src_dim=d)
             else:
-                emit("all_gather", a, Replicate(), dim=d)
+                emit("all_gather", a, dim=d)
     for a, (s, t) in enumerate(zip(src, tgt)):  # phase B: reduce partials not wanted partial
         if isinstance(s, Partial) and isinstance(t, Replicate):
-            emit("all_reduce", a, Replicate())
+            emit("all_reduce", a)
     for d in range(rank):  # phase C: add target shards, outermost first
         for a in shard_axes(tgt, d)[keep[d]:]:
             if cur[a] == Shard(d):
                 continue  # arrived by all_to_all
             if isinstance(cur[a], Partial):
-                emit("reduce_scatter", a, Shard(d), dim=d)
+                emit("reduce_scatter", a, dim=d)
             else:
-                emit("shard_slice", a, Shard(d), dim=d)
+                emit("shard_slice", a, dim=d)
     for a, t in enumerate(tgt):  # phase D: R -> P
         if isinstance(t, Partial) and not isinstance(cur[a], Partial):
-            emit("partial_mask", a, Partial())
+            emit("partial_mask", a)
     assert tuple(cur) == tgt, (src, tgt, cur)
     return tuple(steps)
 

@@ -141,15 +141,15 @@ def test_pcir_transformer_errors_are_located(edit, line, col, needle):
 
 
 @pytest.mark.parametrize("text, line, needle", [
-    ("%x: f32[1,2] <> = input()\n%y: f32[1,2] = relu(%x)\nreturn %y\n", 1,
+    ("%x: f32[1,2] [] = input()\n%y: f32[1,2] = relu(%x)\nreturn %y\n", 1,
      "layout []: 0 placements but mesh tp=2 has 1 axis"),
-    ("%x: f32[1,2] = input()\n%y: f32[1,2] <R, R> = relu(%x)\nreturn %y\n", 2,
+    ("%x: f32[1,2] = input()\n%y: f32[1,2] [R, R] = relu(%x)\nreturn %y\n", 2,
      "layout [R, R]: 2 placements but mesh tp=2 has 1 axis"),
-    ("%x: f32[1,2] <S(5)> = input()\n%y: f32[1,2] = relu(%x)\nreturn %y\n", 1,
+    ("%x: f32[1,2] [S(5)] = input()\n%y: f32[1,2] = relu(%x)\nreturn %y\n", 1,
      "S(5) splits dim 5, but f32[1,2] has 2 dims"),
-    ("mesh tp=2\n%x: f32[1,2] <R> = input()\n%y: f32[1,2] <R> = relu(%x <R, R>)\nreturn %y\n", 3,
+    ("mesh tp=2\n%x: f32[1,2] [R] = input()\n%y: f32[1,2] [R] = relu(%x [R, R])\nreturn %y\n", 3,
      "operand %x's layout [R, R]: 2 placements"),
-    ("mesh tp=2\n%x: f32[1,2] <> = input()\n%y: f32[1,2] <> = relu(%x)\nreturn %y\n", 2,
+    ("mesh tp=2\n%x: f32[1,2] [] = input()\n%y: f32[1,2] [] = relu(%x)\nreturn %y\n", 2,
      "layout []: 0 placements"),
     ("mesh tp=4\n%x: f32[1,4] = input()\n%y: f32[1,4] = relu(%x)\nreturn %y\n", 1,
      "the model says mesh tp=4 but the spec's mesh is tp=2"),
@@ -168,7 +168,9 @@ def test_a_layout_or_mesh_that_does_not_fit_is_located(tmp_path, capsys, text, l
     ("%x: f32[1,2] = input()\nreturn %x return\n", 2, 11, "expected `as NAME` or `,`; got `return`"),
     ("%x: f32[1,2] = input()\n%y: f32[1,2] = relu(x)\nreturn %y\n", 2, 21,
      "expected a value name such as `%x`"),
-    ("%x: f32[1,2] <Q> = input()\nreturn %x\n", 1, 15, "expected `>` or a placement R, S(d) or P; got `Q`"),
+    ("%x: f32[1,2] [Q] = input()\nreturn %x\n", 1, 15, "expected a placement R, S(d) or P or `]`; got `Q`"),
+    ("%x: f32[1,2] <S(0)> = input()\nreturn %x\n", 1, 14, "layouts are written [S(0), R], not <S(0), R>"),
+    ("%x: f32[1,2] @ = input()\nreturn %x\n", 1, 14, "expected `=` or a layout such as `[S(0), R]`"),
     ("%x f32[1,2] = input()\nreturn %x\n", 1, 4, "expected `:` and the type; got `f32`"),
 ])
 def test_pcir_syntax_errors_in_words(text, line, col, words):
@@ -217,8 +219,20 @@ def test_tuple_attributes_of_the_wrong_kind(tmp_path, capsys, attrs, needle):
     assert rc == 2 and "m.pcir:2:1" in err and needle in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("line, needle", [
+    ('%y: f32[2,4] [R] = all_gather(%x) {axis="tp"}', "all_gather needs the attribute dim"),
+    ('%y: f32[2,4] [R] = all_reduce(%x) {axis=1}', "attribute axis of all_reduce must be a string"),
+    ('%y: f32[2,4] [R] = all_gather(%x) {axis="tp", dim=0.5}',
+     "attribute dim of all_gather must be a whole number, not 0.5"),
+])
+def test_layout_op_attributes_are_checked_by_the_schema(tmp_path, capsys, line, needle):
+    text = "mesh tp=2\n%x: f32[2,4] [P] = input()\n" + line + "\nreturn %y\n"
+    rc, err = run_cli(tmp_path, capsys, text, "mesh tp=2\n")
+    assert rc == 2 and "m.pcir:3:1" in err and needle in err and "Traceback" not in err
+
+
 def test_a_collective_over_an_unknown_axis_is_located(tmp_path, capsys):
-    text = ("mesh tp=2\n%x: f32[2,4] <P> = input()\n"
-            '%y: f32[2,4] <R> = all_reduce(%x) {axis="dp"}\nreturn %y\n')
+    text = ("mesh tp=2\n%x: f32[2,4] [P] = input()\n"
+            '%y: f32[2,4] [R] = all_reduce(%x) {axis="dp"}\nreturn %y\n')
     rc, err = run_cli(tmp_path, capsys, text, "mesh tp=2\n")
     assert rc == 2 and "m.pcir:3:1" in err and "all_reduce over 'dp': not an axis of mesh tp=2" in err

@@ -94,11 +94,11 @@ def test_bias_added_on_every_rank_is_caught():
     """Hand-written IR that adds the row-parallel bias to the partial sums on every rank."""
     bad = parse_graph("""\
 mesh tp=2
-%x: f32[1,4] <S(1)> = input()
-%w: f32[4,2] <S(0)> = param()
-%b: f32[2] <R> = param()
-%y: f32[1,2] <P> = matmul(%x, %w)
-%z: f32[1,2] <P> = add(%y, %b)
+%x: f32[1,4] [S(1)] = input()
+%w: f32[4,2] [S(0)] = param()
+%b: f32[2] [R] = param()
+%y: f32[1,2] [P] = matmul(%x, %w)
+%z: f32[1,2] [P] = add(%y, %b)
 return %z
 """)
     with pytest.raises(VerifyError, match="counted 2 times"):
@@ -108,10 +108,10 @@ return %z
 def test_nonlinear_on_partial_is_rejected():
     bad = parse_graph("""\
 mesh tp=2
-%x: f32[1,4] <S(1)> = input()
-%w: f32[4,2] <S(0)> = param()
-%y: f32[1,2] <P> = matmul(%x, %w)
-%z: f32[1,2] <P> = gelu(%y)
+%x: f32[1,4] [S(1)] = input()
+%w: f32[4,2] [S(0)] = param()
+%y: f32[1,2] [P] = matmul(%x, %w)
+%z: f32[1,2] [P] = gelu(%y)
 return %z
 """)
     with pytest.raises(VerifyError, match="nonlinear op gelu gets a partial-sum operand over mesh axis tp"):

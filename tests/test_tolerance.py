@@ -101,11 +101,11 @@ def _bugged(program_text, bug):
     ar = re.search(r"^%l1.mm.all_reduce_tp: .*\n", program_text, re.M).group(0)
     add = re.search(r"^%l1.out: .*\n", program_text, re.M).group(0)
     if bug == "bias on both ranks":
-        body = ("%bug: f32[4,4] <P> = add(%l1.mm, %l1.bias)\n"
-                "%l1.out: f32[4,4] <R> = all_reduce(%bug) {axis=\"tp\"}\n")
+        body = ("%bug: f32[4,4] [P] = add(%l1.mm, %l1.bias)\n"
+                "%l1.out: f32[4,4] [R] = all_reduce(%bug) {axis=\"tp\"}\n")
         return program_text.replace(ar, "").replace(add, body)
     # one rank's partial sum dropped before the reduction
-    drop = "%bug: f32[4,4] <P> = partial_mask(%l1.mm) {axis=\"tp\"}\n"
+    drop = "%bug: f32[4,4] [P] = partial_mask(%l1.mm) {axis=\"tp\"}\n"
     return program_text.replace(ar, drop + ar.replace("all_reduce(%l1.mm)", "all_reduce(%bug)"))
 
 

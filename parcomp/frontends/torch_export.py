@@ -22,6 +22,7 @@ import torch
 
 from ..errors import FrontendError
 from ..ir.graph import Graph, Node, make_attrs
+from ..ir.names import NameGen
 from ..ir.ops import OPS
 from ..ir.types import TensorType
 
@@ -39,17 +40,12 @@ class _Builder:
     """Accumulates parcomp nodes while walking one exported fx graph."""
 
     def __init__(self):
-        self.nodes, self.types, self.taken = [], {}, set()
+        self.nodes, self.types, self.taken = [], {}, NameGen()
         self.env = {}  # fx node -> parcomp value name (None: no value)
         self.cur = None  # fx node being lowered, for error messages
 
     def fresh(self, base: str) -> str:
-        base = re.sub(r"[^A-Za-z0-9_.]", "_", base) or "v"
-        name, i = base, 1
-        while name in self.taken:
-            name, i = f"{base}_{i}", i + 1
-        self.taken.add(name)
-        return name
+        return self.taken.fresh(re.sub(r"[^A-Za-z0-9_.]", "_", base) or "v")
 
     def fail(self, msg: str) -> FrontendError:
         return FrontendError(msg + _where(self.cur) if self.cur is not None else msg)
@@ -65,7 +61,7 @@ class _Builder:
         if not _NAME_OK.match(name) or name in self.taken:
             what = "is used twice" if name in self.taken else "has characters outside [A-Za-z0-9_.]"
             raise FrontendError(f"{op} name {name!r} {what}")
-        self.taken.add(name)
+        self.taken.take(name)
         return self.add(Node(name, op, (), _type_of(fx, self), make_attrs(**attrs)))
 
     def val(self, arg) -> str:

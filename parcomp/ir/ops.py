@@ -13,22 +13,72 @@ The algebraic ``kind`` is what the sharding rules and the verifier rely on:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 
+from .transitions import TRANSITIONS
 from .types import TensorType
 
 
 @dataclass(frozen=True)
+class Attr:
+    """One attribute an op takes: value ``type`` (a key of :data:`ATTR_TYPES`), whether
+    it must be given, the value meant when it is not, and the allowed values (if limited)."""
+
+    type: str
+    required: bool = False
+    default: object = None
+    choices: tuple = ()
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# attribute value type -> (test, what a message says the value must be)
+ATTR_TYPES = {
+    "number": (lambda v: _is_int(v) or isinstance(v, float), "a number"),
+    "int": (_is_int, "a whole number"),
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "str": (lambda v: isinstance(v, str), 'a string such as "tanh"'),
+    "ints": (lambda v: isinstance(v, tuple) and all(_is_int(x) for x in v),
+             "a tuple of whole numbers such as (1, 0)"),
+}
+
+
+@dataclass(frozen=True)
 class OpDef:
-    """Static semantics of one op (Thunder's *meta* function)."""
+    """Static semantics of one op (Thunder's *meta* function) and its attribute schema."""
 
     name: str
     arity: int  # -1: any
     kind: str
     infer: Callable  # (in_types, node) -> TensorType
+    attrs: dict = field(default_factory=dict)  # attribute name -> Attr
+
+
+def attr_problem(op: str, attrs) -> str | None:
+    """What is wrong with the ``(key, value)`` pairs ``attrs`` of an ``op`` node, or None.
+
+    Checks the op's schema: every required attribute is there, every declared one
+    has its type and one of its choices.  Attributes the schema does not declare
+    are let through (passes may annotate nodes).
+    """
+    given = dict(attrs)
+    for key, a in OPS[op].attrs.items():
+        if key not in given:
+            if a.required:
+                return f"{op} needs the attribute {key}"
+            continue
+        v = given[key]
+        test, what = ATTR_TYPES[a.type]
+        if not test(v):
+            return f"attribute {key} of {op} must be {what}, not {v!r}"
+        if a.choices and v not in a.choices:
+            return f"{op} {key}={v!r}: choose one of {', '.join(map(str, a.choices))}"
+    return None
 
 
 def _same(ts, n):
@@ -102,49 +152,63 @@ def _cross_entropy_grad(ts, n):
 OPS: dict = {}
 
 
-def _def(name, arity, kind, infer):
-    OPS[name] = OpDef(name, arity, kind, infer)
+def _def(name, arity, kind, infer, attrs=None):
+    """Declare op ``name``: operand count (-1: any), algebraic kind, shape rule, and
+    ``attrs`` (attribute name -> :class:`Attr`; None: the op takes none)."""
+    OPS[name] = OpDef(name, arity, kind, infer, dict(attrs or {}))
 
 
-for _n in ("relu", "gelu", "tanh", "exp", "sigmoid", "silu", "pow", "add_scalar"):
+_NUM = Attr("number", required=True)
+_GELU = {"approximate": Attr("str", default="none", choices=("none", "tanh"))}
+for _n in ("relu", "tanh", "exp", "sigmoid", "silu"):
     _def(_n, 1, "nonlinear", _same)
-for _n in ("neg", "scale"):
-    _def(_n, 1, "linear", _same)
+_def("gelu", 1, "nonlinear", _same, _GELU)
+_def("pow", 1, "nonlinear", _same, {"exponent": _NUM})
+_def("add_scalar", 1, "nonlinear", _same, {"value": _NUM})
+_def("neg", 1, "linear", _same)
+_def("scale", 1, "linear", _same, {"value": _NUM})
 _def("add", 2, "additive", _broadcast)
 _def("sub", 2, "additive", _broadcast)
 _def("mul", 2, "bilinear", _broadcast)
 _def("div", 2, "linear0", _broadcast)
 _def("matmul", 2, "bilinear", _matmul)
-_def("permute", 1, "linear", _permute)
+_def("permute", 1, "linear", _permute, {"perm": Attr("ints", required=True)})
 _def("reshape", 1, "linear", _reshape)
-_def("sum", 1, "reduce", _sum)  # sum over attr dims (no keepdims)
-_def("expand", 1, "expand", _expand)  # inverse of sum: broadcast along attr dims
+_def("sum", 1, "reduce", _sum, {"dims": Attr("ints", required=True)})  # no keepdims
+_def("expand", 1, "expand", _expand, {"dims": Attr("ints", required=True)})  # inverse of sum
 _def("ones", 0, "const", _own)
 # gradients of pointwise ops: op(dy, x) is linear in dy only
-for _n in ("relu_grad", "gelu_grad", "tanh_grad", "sigmoid_grad", "silu_grad", "pow_grad"):
+for _n in ("relu_grad", "tanh_grad", "sigmoid_grad", "silu_grad"):
     _def(_n, 2, "linear0", _broadcast)
+_def("gelu_grad", 2, "linear0", _broadcast, _GELU)
+_def("pow_grad", 2, "linear0", _broadcast, {"exponent": _NUM})
 _def("cross_entropy", 2, "cross_entropy", _cross_entropy)  # per-token loss: logsumexp - picked logit
 _def("cross_entropy_grad", 3, "cross_entropy_grad", _cross_entropy_grad)  # dl * (softmax - onehot)
-_def("adamw_param", 4, "nonlinear", _broadcast)  # (p, m, v, t) -> updated p (torch.optim.AdamW)
-_def("input", 0, "source", _own)
-_def("param", 0, "source", _own)
-# layout changes inserted by insert-collectives (see parcomp/redistribute.py)
-for _n in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
-    _def(_n, 1, "collective", _same)
-for _n in ("shard_slice", "partial_mask"):
-    _def(_n, 1, "local", _same)
+_def("adamw_param", 4, "nonlinear", _broadcast,  # (p, m, v, t) -> updated p (torch.optim.AdamW)
+     {k: _NUM for k in ("lr", "beta1", "beta2", "eps", "weight_decay")})
+_SOURCE = {"global_shape": Attr("ints")}  # set by localize: the full shape
+_def("input", 0, "source", _own, _SOURCE)
+_def("param", 0, "source", _own, {**_SOURCE, "trainable": Attr("bool", default=True)})
+# layout changes inserted by insert-collectives (see parcomp/redistribute.py); ``dim``:
+# the tensor dim gathered/scattered/sliced (the target dim of all_to_all), ``src_dim``:
+# the dim all_to_all concatenates; ``reason``: why (for reports and comments)
+_MOVE = {"axis": Attr("str", required=True), "reason": Attr("str")}
+_DIM = Attr("int", required=True)
+_def("all_reduce", 1, "collective", _same, _MOVE)
+_def("all_gather", 1, "collective", _same, {**_MOVE, "dim": _DIM})
+_def("reduce_scatter", 1, "collective", _same, {**_MOVE, "dim": _DIM})
+_def("all_to_all", 1, "collective", _same, {**_MOVE, "dim": _DIM, "src_dim": _DIM})
+_def("shard_slice", 1, "local", _same, {**_MOVE, "dim": _DIM})
+_def("partial_mask", 1, "local", _same, _MOVE)
 
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
-LAYOUT_OPS = COLLECTIVES + ("shard_slice", "partial_mask")
+COLLECTIVES = tuple(op for op, t in TRANSITIONS.items() if t.collective)  # from the one table
+LAYOUT_OPS = COLLECTIVES + tuple(op for op, t in TRANSITIONS.items() if not t.collective)
 # identity whose output layout is fixed by the spec (outputs, pinned activations);
 # insert-collectives replaces it by the redistribution it asks for
-_def("relayout", 1, "relayout", _same)
+_def("relayout", 1, "relayout", _same, {"origin": Attr("str"),  # origin: the spec rule, in words
+                                         "default": Attr("bool", default=False)})  # unnamed output
 
-# attributes an op cannot do without (checked by the verifier)
-REQUIRED_ATTRS = {
-    "pow": ("exponent",), "pow_grad": ("exponent",), "scale": ("value",), "add_scalar": ("value",),
-    "permute": ("perm",), "sum": ("dims",), "expand": ("dims",),
-    "adamw_param": ("lr", "beta1", "beta2", "eps", "weight_decay"),
-    **{op: ("axis",) for op in LAYOUT_OPS},
-}
-ATTR_CHOICES = {("gelu", "approximate"): ("none", "tanh"), ("gelu_grad", "approximate"): ("none", "tanh")}
+# derived views of the schemas (read-only conveniences; declare attributes with _def)
+REQUIRED_ATTRS = {op: tuple(k for k, a in d.attrs.items() if a.required)
+                  for op, d in OPS.items() if any(a.required for a in d.attrs.values())}
+ATTR_CHOICES = {(op, k): a.choices for op, d in OPS.items() for k, a in d.attrs.items() if a.choices}

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 
+from .types import layout_str
+
 
 def _fmt_value(v) -> str:
     if isinstance(v, bool):
@@ -22,17 +24,13 @@ def _fmt_value(v) -> str:
     raise TypeError(f"attribute value {v!r} has no text form")
 
 
-def _fmt_layout(layout) -> str:
-    return "<" + ", ".join(str(p) for p in layout) + ">"
-
-
 def print_node(n: Node) -> str:
     """One node as one line of ``.pcir`` text."""
-    lay = "" if n.layout is None else " " + _fmt_layout(n.layout)
+    lay = "" if n.layout is None else " " + layout_str(n.layout)
     if n.in_layouts is None:
         args = ", ".join("%" + i for i in n.inputs)
     else:
-        args = ", ".join(f"%{i} {_fmt_layout(lay)}" for i, lay in zip(n.inputs, n.in_layouts))
+        args = ", ".join(f"%{i} {layout_str(lay)}" for i, lay in zip(n.inputs, n.in_layouts))
     attrs = ""
     if n.attrs:
         attrs = " {" + ", ".join(f"{k}={_fmt_value(v)}" for k, v in n.attrs) + "}"

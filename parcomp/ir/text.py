@@ -3,11 +3,14 @@
 Example::
 
     mesh tp=2
-    %x: f32[8,16] <R> = input()
-    %fc1.weight: f32[16,64] <S(1)> = param()
-    %h: f32[8,64] <S(1)> = matmul(%x, %fc1.weight)
-    %y: f32[8,64] <S(1)> = gelu(%h) {approximate="tanh"}
+    %x: f32[8,16] [R] = input()
+    %fc1.weight: f32[16,64] [S(1)] = param()
+    %h: f32[8,64] [S(1)] = matmul(%x, %fc1.weight)
+    %y: f32[8,64] [S(1)] = gelu(%h) {approximate="tanh"}
     return %y
+
+Layouts are written as everywhere else in parcomp (:func:`parcomp.ir.types.layout_str`,
+the ``.pcs`` explicit form): one placement per mesh axis, ``[S(0), R]``.
 
 A ``param`` training must never update (a buffer, a frozen parameter) carries
 ``{trainable=false}``.
@@ -33,9 +36,9 @@ from lark.exceptions import VisitError
 
 from ..errors import IRParseError, SourceLoc, bad_char, char_name, join_words, source_lines
 from .graph import Graph, Node
-from .printer import print_graph, print_node  # noqa: F401 (re-exported)
 from .ops import OPS
-from .types import DTYPE_LONG, DTYPE_SHORT, Mesh, P, R, Shard, TensorType
+from .printer import print_graph, print_node  # noqa: F401 (re-exported)
+from .types import DTYPE_LONG, DTYPE_SHORT, Mesh, TensorType, make_placement
 
 GRAMMAR = r"""
 start: header* line* ret
@@ -49,10 +52,10 @@ ret: "return" [retval ("," retval)*]
 retval: VALUE ["as" RETNAME]
 RETNAME: /[A-Za-z0-9_.\-]+/
 type: CNAME "[" [INT ("," INT)*] "]"
-layout: "<" [placement ("," placement)*] ">"
+layout: "[" [placement ("," placement)*] "]"
 placement: "R"              -> rep
          | "S" "(" INT ")"  -> shard
-         | "P" ("(" "sum" ")")? -> partial
+         | "P" ["(" CNAME ")"] -> partial
 attrs: "{" [attr ("," attr)*] "}"
 attr: CNAME "=" value
 ?value: SIGNED_NUMBER -> number
@@ -76,17 +79,17 @@ _PARSER = Lark(GRAMMAR, parser="lalr", propagate_positions=True)
 
 
 _PLACEMENT = "a placement R, S(d) or P"
+_LAYOUT = "a layout such as `[S(0), R]`"
 WORDS = {  # every terminal of GRAMMAR, as a syntax error says it
     "MESH": "a line `mesh AXIS=SIZE ...`", "STAGE": "a line `stage global` or `stage local`",
     "VALUE": "a line `%name: dtype[shape] = op(%operands)`", "RETURN": "a line `return %value`",
     "COLON": "`:` and the type", "CNAME": "a name (a dtype such as f32, an op, an attribute or axis)",
     "LSQB": "`[` and the shape", "RSQB": "`]`", "INT": "a whole number", "SIGNED_INT": "a whole number",
     "SIGNED_NUMBER": "a number", "ESCAPED_STRING": 'a quoted string such as "tanh"',
-    "TRUE": "`true` or `false`", "FALSE": "`true` or `false`", "LESSTHAN": "a layout such as `<S(0)>`",
-    "MORETHAN": "`>`", "R": _PLACEMENT, "S": _PLACEMENT, "P": _PLACEMENT, "SUM": "`sum`",
+    "TRUE": "`true` or `false`", "FALSE": "`true` or `false`", "R": _PLACEMENT, "S": _PLACEMENT, "P": _PLACEMENT,
     "EQUAL": "`=`", "LPAR": "`(`", "RPAR": "`)`", "COMMA": "`,`",
     "LBRACE": "attributes `{key=value, ...}`", "RBRACE": "`}`", "AS": "`as NAME`",
-    "RETNAME": "an output name", "WS": "a space or a line break", "COMMENT": "a comment `# ...`",
+    "RETNAME": "an output name", "LAYOUT": _LAYOUT, "WS": "a space or a line break", "COMMENT": "a comment `# ...`",
     "$END": "the end of the file",
 }
 _FIRST = {"MESH": 0, "STAGE": 1, "VALUE": 2, "RETURN": 3}  # line kinds first, in file order
@@ -94,12 +97,14 @@ _OPERAND = "a value name such as `%x`"  # VALUE where no new line may start
 _NAME_CHARS = "names use A-Z, a-z, 0-9 and _ (value names also . and -)"
 MAX_DIGITS = 18  # a whole number must fit in int64
 _ALPHABET = ("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
-             "_%:[],<>()={}\"#.-+")  # what the grammar uses outside strings and comments
+             "_%:[],()={}\"#.-+")  # what the grammar uses outside strings and comments
 _ESCAPES = r'\\, \", \/, \b, \f, \n, \r, \t or \uXXXX'
 
 
 def _expected_words(exp) -> str:
     exp = set(exp)
+    if "LSQB" in exp and ("EQUAL" in exp or "RPAR" in exp):  # `[` here opens a layout
+        exp = (exp - {"LSQB"}) | {"LAYOUT"}
     phrases = [(_OPERAND if t == "VALUE" and "RETURN" not in exp else WORDS.get(t, t))
                for t in sorted(exp, key=lambda t: (_FIRST.get(t, 9), t))]
     return join_words(phrases)
@@ -123,7 +128,9 @@ def _syntax_error(e: UnexpectedInput, file: str, lines: list) -> IRParseError:
         c = src[col - 1] if 0 < col <= len(src) else ""
         msg = bad_char(c, src[col - 2] if col > 1 else "", _ALPHABET, _NAME_CHARS,
                        "outside strings and comments")
-        if msg is None:
+        if c == "<" and "LSQB" in exp:
+            msg = "layouts are written [S(0), R], not <S(0), R> (one notation everywhere, as in .pcs specs)"
+        elif msg is None:
             msg = f"expected {_expected_words(exp)}; got the character {char_name(c)}"
     else:
         tok = getattr(e, "token", None)
@@ -187,13 +194,16 @@ class _Build(Transformer):
                           DTYPE_LONG[str(dt)])
 
     def rep(self):
-        return R
+        return make_placement("R")
 
     def shard(self, d):
-        return Shard(self._int(d, "the dim of S(d)"))
+        return make_placement("S", self._int(d, "the dim of S(d)"))
 
-    def partial(self):
-        return P
+    def partial(self, op):
+        try:
+            return make_placement("P", None if op is None else str(op))
+        except ValueError as e:
+            raise self._err(op, str(e)) from None
 
     def layout(self, *ps):
         return tuple(p for p in ps if p is not None)

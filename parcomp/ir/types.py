@@ -11,6 +11,7 @@ layout ``[S(0), S(0)]`` the rank at coordinates ``(i, j)`` holds chunk
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from functools import reduce
 from typing import Union
@@ -60,8 +61,54 @@ P = Partial()
 
 
 def layout_str(layout: Layout) -> str:
-    """``[S(0), R]`` style text of a layout."""
+    """The one text form of a layout, ``[S(0), R]`` (one placement per mesh axis): in
+    ``.pcir`` files, ``.pcs`` specs, reports, emitted comments and error messages."""
     return "[" + ", ".join(str(p) for p in layout) + "]"
+
+
+def make_placement(letter: str, arg=None) -> Placement:
+    """The placement text names: ``R``, ``S(arg)`` (``arg`` a dim >= 0) or ``P`` / ``P(sum)``.
+
+    Both parsers (``.pcir`` and ``.pcs``) build placements with this function.
+
+    Raises:
+        ValueError: a negative or non-integer dim, a reduction other than ``sum``,
+            an unknown letter (the caller adds the file location).
+    """
+    if letter == "R" and arg is None:
+        return R
+    if letter == "S":
+        if isinstance(arg, bool) or not isinstance(arg, int) or arg < 0:
+            raise ValueError(f"S({arg}): a dim is a whole number >= 0")
+        return Shard(arg)
+    if letter == "P":
+        if arg not in (None, "sum"):
+            raise ValueError(f"only P(sum) is supported; got P({arg})")
+        return P
+    raise ValueError(f"{letter}{'' if arg is None else f'({arg})'} is not a placement R, S(d) or P")
+
+
+_PLACEMENT_RE = re.compile(r"\s*([A-Za-z]+)\s*(?:\(\s*([A-Za-z0-9_+-]*)\s*\))?\s*")
+
+
+def parse_layout(text: str) -> Layout:
+    """The layout :func:`layout_str` printed: ``"[S(0), R]"`` -> ``(Shard(0), R)``.
+
+    Raises:
+        ValueError: the text is not ``[placement, ...]``.
+    """
+    body = text.strip()
+    if not (body.startswith("[") and body.endswith("]")):
+        raise ValueError(f"{text!r} is not a layout such as [S(0), R]")
+    parts = body[1:-1].split(",") if body[1:-1].strip() else []
+    out = []
+    for part in parts:
+        m = _PLACEMENT_RE.fullmatch(part)
+        if m is None:
+            raise ValueError(f"{part.strip()!r} is not a placement R, S(d) or P")
+        arg = m.group(2)
+        out.append(make_placement(m.group(1), int(arg) if arg and arg.lstrip("+-").isdigit() else arg))
+    return tuple(out)
 
 
 def replicated(naxes: int) -> Layout:

@@ -18,6 +18,7 @@ from dataclasses import replace
 
 from ..errors import SpecError, closest
 from ..ir.graph import Graph, Node, make_attrs
+from ..ir.names import NameGen
 from ..ir.ops import OPS
 from ..ir.types import Partial, Replicate, Shard, TensorType, replicated, shard_axes
 from ..rules.vjp import VJP_RULES
@@ -31,6 +32,7 @@ class Builder:
     def __init__(self, graph: Graph):
         self.nodes = list(graph.nodes)
         self.types = {n.name: n.type for n in graph.nodes}
+        self.names = NameGen(self.types)
         self.prefix = "bw"
         self.phase = "backward"  # the phase of the nodes op() appends
         self.phases = {n.name: n.phase for n in graph.nodes}
@@ -39,11 +41,7 @@ class Builder:
         return self.types[name]
 
     def fresh(self, base: str) -> str:
-        name, k = base, 1
-        while name in self.types:
-            k += 1
-            name = f"{base}.{k}"
-        return name
+        return self.names.fresh(base)
 
     def op(self, op, inputs, type=None, name=None, layout=None, **attrs) -> str:
         name = self.fresh(name or f"{self.prefix}.{op}")
@@ -57,7 +55,7 @@ class Builder:
     def source(self, name, op, ty, layout, phase) -> str:
         """Insert an ``input``/``param`` node ``name`` first in the graph."""
         self.nodes.insert(0, Node(name, op, (), ty, (), layout, phase=phase))
-        self.types[name], self.phases[name] = ty, phase
+        self.types[self.names.take(name)], self.phases[name] = ty, phase
         return name
 
 

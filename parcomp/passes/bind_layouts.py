@@ -16,6 +16,7 @@ from dataclasses import replace
 
 from ..errors import SpecError
 from ..ir.graph import Graph, Node, make_attrs
+from ..ir.names import NameGen
 from ..ir.ops import LAYOUT_OPS
 from ..ir.types import P, R, Shard, divisibility_problem, layout_str, replicated
 from ..rules.sharding import reshape_dim_map
@@ -180,7 +181,7 @@ def _check_even(node, layout, spec, rule):
 
 def _pin(graph, name, layout, origin, suffix, rule):
     """Insert ``relayout(name) -> layout`` and route every consumer through it."""
-    new = f"{name}.{suffix}"
+    new = NameGen(n.name for n in graph.nodes).fresh(f"{name}.{suffix}")
     node = Node(new, "relayout", (name,), graph[name].type, make_attrs(origin=origin), layout,
                 source=graph[name].source, spec_loc=rule.loc)
     nodes = []
@@ -219,7 +220,7 @@ def _pin_outputs(graph, spec):
             _check_even(graph[value], lay, spec, rule)
         said = f" (spec {where(rule.loc)})" if rule else " (replicated by default)"
         attrs = make_attrs(origin=f"output {public}{said}", **({} if rule else {"default": True}))
-        new = f"{public}.as_output"
+        new = NameGen(n.name for n in graph.nodes).fresh(f"{public}.as_output")
         node = Node(new, "relayout", (value,), graph[value].type, attrs, lay,
                     source=graph[value].source, spec_loc=rule.loc if rule else None)
         outs = [new if (p, v) == (public, value) else v for p, v in graph.named_outputs()]

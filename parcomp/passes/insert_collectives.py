@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..ir.graph import Graph, Node, make_attrs
+from ..ir.names import NameGen
 from ..ir.types import Partial, R, Replicate, layout_str
 from ..redistribute import plan
 
@@ -50,7 +51,7 @@ def drop_unit_axes(graph: Graph) -> Graph:
 class _State:
     def __init__(self, graph):
         self.graph, self.out, self.alias, self.memo = graph, [], {}, {}
-        self.names = {n.name for n in graph.nodes}
+        self.names = NameGen(n.name for n in graph.nodes)
         self.types = {n.name: n.type for n in graph.nodes}
         self.layouts = {n.name: n.layout for n in graph.nodes}
 
@@ -62,7 +63,7 @@ class _State:
         lay, cur, ty = self.layouts[name], name, self.types[name]
         for step in plan(lay, target, ty.rank):
             axis = self.graph.mesh.names[step.axis]
-            new = self._fresh(f"{name}.{step.kind}_{axis}")
+            new = self.names.fresh(f"{name}.{step.kind}_{axis}")
             attrs = dict(axis=axis, reason=_reason(step, axis, name, src_node, consumer, self.graph))
             if step.dim is not None:
                 attrs["dim"] = step.dim
@@ -76,14 +77,6 @@ class _State:
             cur = new
         self.memo[(name, target)] = cur
         return cur
-
-    def _fresh(self, base):
-        name, k = base, 1
-        while name in self.names:
-            k += 1
-            name = f"{base}{k}"
-        self.names.add(name)
-        return name
 
 
 def _who(consumer) -> str:

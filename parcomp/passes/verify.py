@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from ..errors import VerifyError
 from ..ir.graph import Graph, describe
-from ..ir.ops import ATTR_CHOICES, OPS, REQUIRED_ATTRS
-from ..ir.types import Partial, Replicate, Shard, divisibility_problem, layout_str
+from ..ir.ops import OPS, attr_problem
+from ..ir.transitions import TRANSITIONS
+from ..ir.types import Partial, Shard, divisibility_problem, layout_str
 from ..rules.sharding import is_valid_strategy
 
 
@@ -106,24 +107,9 @@ def _check_ssa(graph):
 
 
 def _check_attrs(graph, n):
-    for key in REQUIRED_ATTRS.get(n.op, ()):
-        if n.attr(key) is None:
-            _fail(graph, n, f"{n.op} needs the attribute {key}")
-    for key in ("exponent", "value", "lr", "beta1", "beta2", "eps", "weight_decay"):
-        v = n.attr(key)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
-            _fail(graph, n, f"attribute {key} of {n.op} must be a number, not {v!r}")
-    if n.op == "param" and not isinstance(n.attr("trainable", True), bool):
-        _fail(graph, n, f"attribute trainable of param must be true or false, not {n.attr('trainable')!r}")
-    for key in ("perm", "dims"):
-        v = n.attr(key)
-        if v is not None and not (isinstance(v, tuple) and all(
-                isinstance(x, int) and not isinstance(x, bool) for x in v)):
-            _fail(graph, n, f"attribute {key} of {n.op} must be a tuple of whole numbers such as "
-                            f"(1, 0), not {v!r}")
-    for (op, key), choices in ATTR_CHOICES.items():
-        if n.op == op and n.attr(key, choices[0]) not in choices:
-            _fail(graph, n, f"{op} {key}={n.attr(key)!r}: choose one of {', '.join(choices)}")
+    problem = attr_problem(n.op, n.attrs)  # the op's declared schema (parcomp/ir/ops.py)
+    if problem:
+        _fail(graph, n, problem)
 
 
 def _check_types(graph):
@@ -160,20 +146,6 @@ def _check_partial_rules(graph, n, ins):
             _fail(graph, n, f"{n.op} by a partial-sum divisor over {axis}")
 
 
-_MOVES = {  # kind -> (placement before, placement after) on the step's axis
-    "all_reduce": lambda n: (Partial(), Replicate()),
-    "all_gather": lambda n: (Shard(n.attr("dim")), Replicate()),
-    "reduce_scatter": lambda n: (Partial(), Shard(n.attr("dim"))),
-    "all_to_all": lambda n: (Shard(n.attr("src_dim")), Shard(n.attr("dim"))),
-    "shard_slice": lambda n: (Replicate(), Shard(n.attr("dim"))),
-    "partial_mask": lambda n: (Replicate(), Partial()),
-}
-
-
-_DIM_ATTRS = {"dim": ("all_gather", "reduce_scatter", "all_to_all", "shard_slice"),
-              "src_dim": ("all_to_all",)}
-
-
 def _is_dim(d, ty) -> bool:
     return isinstance(d, int) and not isinstance(d, bool) and 0 <= d < ty.rank
 
@@ -186,14 +158,14 @@ def _check_layouts(graph, n):
         return
     ins = _operand_layouts(graph, n)
     _check_partial_rules(graph, n, ins)
-    if n.op in _MOVES:
+    if n.op in TRANSITIONS:
         if n.attr("axis") not in graph.mesh.names:
             _fail(graph, n, f"{n.op} over {n.attr('axis')!r}: not an axis of mesh {graph.mesh}")
         for key in ("dim", "src_dim"):
-            if n.op in _DIM_ATTRS.get(key, ()) and not _is_dim(n.attr(key), n.type):
+            if key in OPS[n.op].attrs and not _is_dim(n.attr(key), n.type):
                 _fail(graph, n, f"{n.op} needs {key}= a dim of {n.type}, not {n.attr(key)!r}")
         a = graph.mesh.names.index(n.attr("axis"))
-        before, after = _MOVES[n.op](n)
+        before, after = TRANSITIONS[n.op].placements(n.attr("dim"), n.attr("src_dim"))
         src = ins[0]
         expect = src[:a] + (after,) + src[a + 1:]
         if src[a] != before or n.layout != expect:

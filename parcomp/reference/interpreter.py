@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..ir.graph import Graph
+from ..ir.transitions import TRANSITIONS
 from ..ir.types import Partial, Replicate, TensorType, shard_offsets
 from ..redistribute import Step, step_bytes
 from .numpy_ops import NUMPY_OPS
@@ -133,7 +134,7 @@ def _layout_op(program, n, run):
         ys = _LAYOUT_OPS[n.op](xs, n)
         for r, y in zip(group, ys):
             run.env[r][n.name] = _contig(y)
-    if n.op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
+    if TRANSITIONS[n.op].collective:  # local ops send nothing and are not logged
         gty = TensorType(_global_shape(program, n.name), n.type.dtype)
         step = Step(n.op, a, n.attr("dim"), n.attr("src_dim"), src.layout, n.layout)
         run.log.append({"kind": n.op, "axis": n.attr("axis"), "dim": n.attr("dim"),
@@ -148,7 +149,7 @@ def _sum(xs):
     return total
 
 
-_LAYOUT_OPS = {
+_LAYOUT_OPS = {  # the simulation of each op of the transition table (TRANSITIONS)
     "all_reduce": lambda xs, n: [_sum(xs)] * len(xs),
     "all_gather": lambda xs, n: [np.concatenate(xs, axis=n.attr("dim"))] * len(xs),
     "reduce_scatter": lambda xs, n: np.split(_sum(xs), len(xs), axis=n.attr("dim")),
@@ -158,3 +159,4 @@ _LAYOUT_OPS = {
     "shard_slice": lambda xs, n: [np.split(x, len(xs), axis=n.attr("dim"))[c] for c, x in enumerate(xs)],
     "partial_mask": lambda xs, n: [x if c == 0 else np.zeros_like(x) for c, x in enumerate(xs)],
 }
+assert set(_LAYOUT_OPS) == set(TRANSITIONS), "one simulation per layout op of the transition table"

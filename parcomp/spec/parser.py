@@ -17,7 +17,7 @@ from lark import Lark, Token, Transformer, UnexpectedCharacters, UnexpectedInput
 from lark.exceptions import VisitError
 
 from ..errors import SourceLoc, SpecError, bad_char, char_name, closest, join_words, source_lines
-from ..ir.types import Mesh, Partial, R, Shard
+from ..ir.types import Mesh, R, make_placement
 from ..passes.train_config import train_config
 from .model import LAYOUT_WORDS, LayoutSpec, Rule, Spec, TrainSpec, check_mesh_size, default_axis, suggest
 
@@ -184,16 +184,16 @@ class _Tree(Transformer):
         return c[1]
 
     def rep(self, c):
-        return R
+        return make_placement("R")
 
     def shard(self, c):
-        return Shard(_int(c[1], self.file, self.lines))
+        return make_placement("S", _int(c[1], self.file, self.lines))
 
     def partial(self, c):
-        if c[1] is not None and str(c[1]) != "sum":
-            loc = _loc(self.file, self.lines, c[1].line, c[1].column)
-            raise SpecError(f"only P(sum) is supported; got P({c[1]})", loc)
-        return Partial("sum")
+        try:
+            return make_placement("P", None if c[1] is None else str(c[1]))
+        except ValueError as e:
+            raise SpecError(str(e), _loc(self.file, self.lines, c[1].line, c[1].column)) from None
 
 
 class _Builder:

@@ -1,0 +1,68 @@
+"""The one per-axis transition table: which layout op turns which placement into which.
+
+DESIGN.md "Redistribution" (DTensor ``_redistribute.py``), for one mesh axis of
+``n`` ranks; ``before`` / ``after``: bytes of one rank's local tensor around the op.
+
+==============  =================  ============================
+from -> to      op                 bytes sent per rank (ring)
+==============  =================  ============================
+P -> R          all_reduce(sum)    2(n-1)/n * before
+S(d) -> R       all_gather(d)      (n-1)/n * after  (concat, never sum)
+P -> S(d)       reduce_scatter(d)  (n-1)/n * before
+S(e) -> S(d)    all_to_all(e, d)   (n-1)/n * before
+R -> S(d)       shard_slice(d)     0 (local)
+R -> P          partial_mask       0 (local: value on coordinate 0, zeros elsewhere)
+==============  =================  ============================
+
+Read by the planner (:mod:`parcomp.redistribute`: the step each change needs and
+its bytes), the verifier (each layout op's input -> output placements) and the
+reference interpreter (which simulation runs, which ops are logged as traffic).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from .types import Partial, Replicate, Shard
+
+
+@dataclass(frozen=True)
+class Transition:
+    """One layout op on one mesh axis.
+
+    ``source`` / ``target``: ``(dim, src_dim) -> placement`` before and after
+    (``dim``: the tensor dim gathered, scattered or sliced, the target dim of
+    all_to_all; ``src_dim``: the dim all_to_all concatenates).  ``sent``:
+    ``(n, before, after) -> bytes`` one rank sends (``before`` / ``after``: local
+    bytes around the op, ``n``: ranks on the axis).  ``collective``: talks to the
+    other ranks (a local op only slices or masks its own data).
+    """
+
+    op: str
+    source: Callable
+    target: Callable
+    sent: Callable
+    collective: bool = True
+
+    def placements(self, dim=None, src_dim=None) -> tuple:
+        """``(before, after)`` placements on the op's axis."""
+        return self.source(dim, src_dim), self.target(dim, src_dim)
+
+
+def _no_bytes(n, before, after) -> int:
+    return 0
+
+
+TRANSITIONS = {t.op: t for t in (
+    Transition("all_reduce", lambda d, s: Partial(), lambda d, s: Replicate(),
+               lambda n, before, after: 2 * before * (n - 1) // n),
+    Transition("all_gather", lambda d, s: Shard(d), lambda d, s: Replicate(),
+               lambda n, before, after: after * (n - 1) // n),
+    Transition("reduce_scatter", lambda d, s: Partial(), lambda d, s: Shard(d),
+               lambda n, before, after: before * (n - 1) // n),
+    Transition("all_to_all", lambda d, s: Shard(s), lambda d, s: Shard(d),
+               lambda n, before, after: before * (n - 1) // n),
+    Transition("shard_slice", lambda d, s: Replicate(), lambda d, s: Shard(d), _no_bytes, False),
+    Transition("partial_mask", lambda d, s: Replicate(), lambda d, s: Partial(), _no_bytes, False),
+)}
+"""layout op -> :class:`Transition`; the keys are :data:`parcomp.ir.ops.LAYOUT_OPS`."""
