@@ -21,7 +21,8 @@ class Compiled:
             bound; for training, with loss, backward and update): the ground
             truth the program must equal.
         sharded: global types, every layout and every collective explicit.
-        program: per-rank types (``stage local``): what backends execute.
+        program: per-rank types (``stage local``), lowered (parcomp/passes/lower.py):
+            what the interpreter and the backends execute, op for op.
         report: collectives with kind, axis, bytes and reason (see :mod:`parcomp.report`).
     """
 
@@ -44,7 +45,7 @@ def compile_graph(graph: Graph, spec, after: Callable | None = None) -> Compiled
     check_model_mesh(graph, spec.mesh)
     placement = check_topology(spec)
     stages = run_pipeline(graph, forward_pipeline(spec), after)
-    sharded, program = stages["insert-collectives"], stages["localize"]
+    sharded, program = stages["insert-collectives"], list(stages.values())[-1]  # lowered
     logical = stages["autodiff"] if "autodiff" in stages else stages["bind-layouts"]
     report = build_report(sharded, program, spec, [n.name for n in graph.params])
     report["placement"] = placement

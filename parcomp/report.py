@@ -43,11 +43,15 @@ def collective_records(sharded, program) -> list:
 
 
 def memory(program, model_params) -> dict:
-    """Per-rank bytes: weights, gradients, optimizer state, saved activations.
+    """Per-rank bytes: weights, gradients, optimizer state, saved activations, peak live.
 
     Saved activations are forward values (not params) that a backward op reads:
-    what autograd would keep alive between forward and backward.
+    what autograd would keep alive between forward and backward. ``peak_live`` is the
+    most bytes live at once while the (lowered) program runs, by the liveness the
+    interpreter and program.py's ``del`` lines follow (:func:`parcomp.passes.lower.peak_bytes`).
     """
+    from .passes.lower import peak_bytes
+
     users = program.users()
     grads = {v for p, v in program.named_outputs() if p.endswith(".grad") and p[:-5] in model_params}
 
@@ -61,7 +65,7 @@ def memory(program, model_params) -> dict:
     return {"weights": nbytes(p for p in model_params if p in program),
             "gradients": nbytes(grads),
             "optimizer_state": nbytes(n.name for n in program.params if n.name not in model_params),
-            "saved_activations": nbytes(saved)}
+            "saved_activations": nbytes(saved), "peak_live": peak_bytes(program)}
 
 
 def training_summary(spec, program) -> dict | None:

@@ -109,6 +109,23 @@ def all_reduce_(x, axis):
     return x
 
 
+def all_reduce_start(x, axis):
+    """Start all_reduce(x, axis) without waiting; ``wait(handle)`` returns the sum."""
+    return all_reduce_start_(x.clone(memory_format=torch.contiguous_format), axis)
+
+
+def all_reduce_start_(x, axis):
+    """Start an in-place all_reduce of a fresh contiguous value nothing else reads."""
+    return x, dist.all_reduce(x, op=dist.ReduceOp.SUM, group=GROUPS[axis], async_op=True)
+
+
+def wait(handle):
+    """The value of a started collective, once it has arrived."""
+    x, work = handle
+    work.wait()
+    return x
+
+
 def all_gather(x, dim, axis):
     """S(dim) -> R: concatenate the group's shards along ``dim``, in coordinate order."""
     x0 = x.movedim(dim, 0).contiguous()
@@ -245,22 +262,35 @@ def forward(p, inp):
     x = inp["x"]  # [R] f32[2,8,32]
     view = x.reshape((16, 32))  # [R] f32[16,32]
     addmm = torch.addmm(c_fc_bias, view, c_fc_weight)  # [S(1)] f32[16,64]
+    del view
     view_1 = addmm.reshape((2, 8, 64))  # [S(2)] f32[2,8,64]
+    del addmm
     mul = view_1 * 0.5  # [S(2)] f32[2,8,64]
     pow_1 = torch.pow(view_1, 3.0)  # [S(2)] f32[2,8,64]
     mul_1 = pow_1 * 0.044715  # [S(2)] f32[2,8,64]
+    del pow_1
     add = view_1 + mul_1  # [S(2)] f32[2,8,64]
+    del view_1, mul_1
     mul_2 = add * 0.7978845608028654  # [S(2)] f32[2,8,64]
+    del add
     tanh = torch.tanh(mul_2)  # [S(2)] f32[2,8,64]
+    del mul_2
     add_1 = tanh + 1.0  # [S(2)] f32[2,8,64]
+    del tanh
     mul_3 = mul * add_1  # [S(2)] f32[2,8,64]
+    del mul, add_1
     view_2 = mul_3.reshape((16, 64))  # [S(1)] f32[16,64]
+    del mul_3
     addmm_1_mm = torch.matmul(view_2, c_proj_weight)  # [P] f32[16,32]
+    del view_2
     # all_reduce over tp [P] -> [R], bytes/rank 2048: %addmm_1_mm: its matmul contracts a dim split over tp
     #   (row-parallel), so each rank holds a partial sum; add %addmm_1 needs the full value [R]: sum once
     addmm_1_mm_all_reduce_tp = all_reduce_(addmm_1_mm, "tp")  # [R] f32[16,32]
+    del addmm_1_mm
     addmm_1 = addmm_1_mm_all_reduce_tp + c_proj_bias  # [R] f32[16,32]
+    del addmm_1_mm_all_reduce_tp
     output = addmm_1.reshape((2, 8, 32))  # [R] f32[2,8,32]
+    del addmm_1
     return {"output": output}
 
 
