@@ -412,8 +412,8 @@ def run(args):
     batches = read_batches(args.input, args.steps) if INPUTS else [{}] * args.steps
     with torch.no_grad():  # the backward pass is explicit in train_step: no autograd state
         outputs, losses = train(params, batches)
-        if args.bench > 0:
-            bench(params, with_step(batches[0], 1), args.bench)
+        if args.bench > 0:  # on copies: train_step updates params and state in place
+            bench({k: v.clone() for k, v in params.items()}, with_step(batches[0], 1), args.bench)
     if args.output:
         write_outputs(outputs, losses, args.output)'''
 

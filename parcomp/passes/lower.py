@@ -213,9 +213,9 @@ def _mutable(graph, n, roots, pos, users, outs) -> bool:
     src = graph[r]
     if graph[x].type != n.type or any(roots[i] == r for i in n.inputs[1:]):
         return False
-    if src.op == "input" or (src.op == "param" and phase_of(n.name) != "optimizer"):
+    if src.op == "input" or src.op in MAYBE_VIEW_OPS or (src.op == "param" and phase_of(n.name) != "optimizer"):
         return False
-    if n.op == "all_reduce" and (r != x or src.op in SOURCES or src.op in MAYBE_VIEW_OPS):
+    if n.op == "all_reduce" and (r != x or src.op in SOURCES):  # a fresh contiguous buffer
         return False
     sharing = [v for v, rv in roots.items() if rv == r]
     if any(v in outs for v in sharing):
