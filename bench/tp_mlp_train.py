@@ -567,7 +567,7 @@ def torchrun_bench(h: int, directory: str, program_path: str, steps: int) -> dic
 
 # ---------------------------------------------------------------------------------- main
 WHAT = {
-    "parcomp": "emitted train_step: loss, dW, dx, out-of-place SGD; params carried (collectives: see report)",
+    "parcomp": "emitted train_step: loss, dW, dx, in-place SGD; params carried (collectives: see report)",
     "dtensor": "DTensor fwd, mse_loss, backward (dx too), torch.optim.SGD on DTensor params",
     "hand": "Megatron f/g autograd, mse_loss, backward (dx too), torch.optim.SGD",
     "ref-1t": "unsharded, 1 process, 1 thread: loss, backward (dx too), SGD",
