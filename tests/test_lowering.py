@@ -90,7 +90,7 @@ def test_interpreter_runs_the_emitted_statements_in_order(spec_name):
     assert [sorted(d) for _, d in stmts] == [sorted(frees_of(c.program[s])) for s, _ in stmts]
     assert run.peak_bytes == [c.report["memory_bytes_per_rank"]["peak_live"]] * c.program.mesh.size
     # the lowered program computes what the unlowered one does (the interpreter is the judge)
-    assert any(n.op in ("linear", "addmm") for n in c.program.nodes)
+    assert any(n.op in ("dense", "addmm") for n in c.program.nodes)
 
 
 @pytest.mark.parametrize("spec_name", [s for s in SHIPPED if s.endswith("_train")])
@@ -164,13 +164,13 @@ def test_in_place_refused_when_the_buffer_is_read_later_or_is_an_output():
     text = """\
 mesh tp=2
 stage local
-%a: f32[4] <P> = input() {global_shape=(4,)}
-%b: f32[4] <P> = input() {global_shape=(4,)}
-%s: f32[4] <P> = add(%a, %b)
-%r: f32[4] <R> = all_reduce(%s) {axis="tp"}
-%t: f32[4] <P> = add(%s, %a)
-%u: f32[4] <P> = add(%a, %b)
-%q: f32[4] <R> = all_reduce(%u) {axis="tp"}
+%a: f32[4] [P] = input() {global_shape=(4,)}
+%b: f32[4] [P] = input() {global_shape=(4,)}
+%s: f32[4] [P] = add(%a, %b)
+%r: f32[4] [R] = all_reduce(%s) {axis="tp"}
+%t: f32[4] [P] = add(%s, %a)
+%u: f32[4] [P] = add(%a, %b)
+%q: f32[4] [R] = all_reduce(%u) {axis="tp"}
 return %r, %t, %u, %q
 """
     g = in_place(parse_graph(text))
@@ -182,10 +182,10 @@ def test_no_overlap_without_independent_work():
     text = """\
 mesh tp=2
 stage local
-%a: f32[4] <P> = input() {global_shape=(4,)}
-%s: f32[4] <P> = add(%a, %a)
-%r: f32[4] <R> = all_reduce(%s) {axis="tp"}
-%t: f32[4] <R> = relu(%r)
+%a: f32[4] [P] = input() {global_shape=(4,)}
+%s: f32[4] [P] = add(%a, %a)
+%r: f32[4] [R] = all_reduce(%s) {axis="tp"}
+%t: f32[4] [R] = relu(%r)
 return %t
 """
     g = parse_graph(text)
@@ -195,8 +195,8 @@ return %t
 # every lowered op and its in-place form, evaluated with torch, equals the numpy reference
 _ADAMW = {"lr": 0.01, "beta1": 0.8, "beta2": 0.99, "eps": 1e-6, "weight_decay": 0.05}
 LOWERED_CASES = {  # case: (op, operand shapes, result shape, attrs); "abs:" non-negative, "t": step 3
-    "linear": ("linear", ((2, 5, 3), (4, 3)), (2, 5, 4), {}),
-    "linear_bias": ("linear", ((2, 3), (4, 3), (4,)), (2, 4), {}),
+    "dense": ("dense", ((2, 5, 3), (4, 3)), (2, 5, 4), {}),
+    "dense_bias": ("dense", ((2, 3), (4, 3), (4,)), (2, 4), {}),
     "addmm": ("addmm", ((4,), (2, 3), (3, 4)), (2, 4), {}),
     "matmul_t": ("matmul_t", ((2, 3), (3, 4)), (4, 2), {}),
     "add_scaled": ("add_scaled", ((2, 3), (2, 3)), (2, 3), {"b": -0.1}),

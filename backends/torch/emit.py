@@ -76,7 +76,7 @@ OP_FORMATS = {
     "partial_mask": "partial_mask({0}, {axis})",
     "relayout": "{0}",
     # lowered ops (parcomp/passes/lower.py)
-    "linear": "torch.nn.functional.linear({args})",
+    "dense": "torch.nn.functional.linear({args})",
     "addmm": "torch.addmm({0}, {1}, {2})",
     "matmul_t": "torch.matmul({1}.t(), {0}.t())",
     "add_scaled": "torch.add({0}, {1}, alpha={b})",

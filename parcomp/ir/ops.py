@@ -212,7 +212,7 @@ _def("relayout", 1, "relayout", _same, {"origin": Attr("str")})  # origin: the s
 # ``inplace`` (the result is written into the first operand's buffer, dead afterwards),
 # ``async_op`` (an all_reduce that a ``wait`` completes) and ``frees`` (values dying after it)
 _INPLACE = {"inplace": Attr("bool", default=False)}
-_def("linear", -1, "lowered", _own)  # (a, w[, b]) -> a @ w.T (+ b), w stored [out, in]
+_def("dense", -1, "lowered", _own)  # (a, w[, b]) -> a @ w.T (+ b), w stored [out, in]: F.linear
 _def("addmm", 3, "lowered", _own)  # (b, a, w) -> b + a @ w, 2-D a and w, 1-D b
 _def("matmul_t", 2, "lowered", _own)  # (a, b) -> (a @ b).T computed as b.T @ a.T
 _def("add_scaled", 2, "lowered", _own, {"b": _NUM, **_INPLACE})  # x + b * y (SGD's p - lr g)

@@ -6,7 +6,7 @@ verified.  They replace patterns of the op vocabulary by the lowered ops of
 freed, so the reference interpreter executes exactly the statements an emitter
 prints (one statement per node, plus ``del``):
 
-- ``fuse-matmuls``: ``matmul(a, permute(w){perm=(1, 0)}) [+ b]`` -> ``linear(a, w[, b])``;
+- ``fuse-matmuls``: ``matmul(a, permute(w){perm=(1, 0)}) [+ b]`` -> ``dense(a, w[, b])`` (F.linear);
   ``add(matmul(a, w), b)`` (2-D, 1-D bias) -> ``addmm(b, a, w)``; ``permute(matmul(a, b))``
   -> ``matmul_t(a, b)`` (the weight gradient comes out in the weight's own layout);
 - ``fuse-mse``: ``sum(pow(y - t, 2))`` -> ``mse_sum(y, t)`` and its gradient
@@ -98,7 +98,7 @@ def _lowered(n: Node, op: str, inputs, **attrs) -> Node:
 
 
 def fuse_matmuls(graph: Graph) -> Graph:
-    """``linear``, ``addmm`` and ``matmul_t`` for the matmul patterns (module docstring)."""
+    """``dense``, ``addmm`` and ``matmul_t`` for the matmul patterns (module docstring)."""
     users, outs, new, dead = graph.users(), set(graph.outputs), {}, set()
     for n in graph.by_op("matmul"):
         a, w = (graph[i] for i in n.inputs)
@@ -107,13 +107,13 @@ def fuse_matmuls(graph: Graph) -> Graph:
             continue
         wsrc = w.inputs[0] if lin else w.name
         if lin:
-            new[n.name] = _lowered(n, "linear", (a.name, wsrc))
+            new[n.name] = _lowered(n, "dense", (a.name, wsrc))
             dead.add(w.name)
         add = graph[users[n.name][0]] if len(users[n.name]) == 1 else None
         if add is not None and add.op == "add" and add.inputs[0] == n.name and n.name not in outs:
             b = graph[add.inputs[1]]
             if b.type.rank == 1 and b.type.shape[0] == n.type.shape[-1] and add.type == n.type:
-                new[add.name] = (_lowered(add, "linear", (a.name, wsrc, b.name)) if lin
+                new[add.name] = (_lowered(add, "dense", (a.name, wsrc, b.name)) if lin
                                  else _lowered(add, "addmm", (b.name, a.name, w.name)))
                 dead.add(n.name)
     for n in graph.by_op("permute"):

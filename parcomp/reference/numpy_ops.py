@@ -102,7 +102,7 @@ NUMPY_OPS = {
     "cross_entropy_grad": lambda a, n: _cross_entropy_grad(a[0], a[1], a[2]),
     "adamw_param": lambda a, n: _adamw(a[0], a[1], a[2], a[3], n),
     # lowered ops (parcomp/passes/lower.py); ``inplace`` changes where torch writes, not the value
-    "linear": lambda a, n: np.matmul(a[0], np.swapaxes(a[1], -1, -2)) + (a[2] if len(a) > 2 else 0),
+    "dense": lambda a, n: np.matmul(a[0], np.swapaxes(a[1], -1, -2)) + (a[2] if len(a) > 2 else 0),
     "addmm": lambda a, n: a[0] + np.matmul(a[1], a[2]),
     "matmul_t": lambda a, n: np.ascontiguousarray(np.swapaxes(np.matmul(a[0], a[1]), -1, -2)),
     "add_scaled": lambda a, n: a[0] + a[1] * a[1].dtype.type(n.attr("b")),

@@ -291,7 +291,7 @@ def adamw_joint(node, graph, env, err, u):
     return vary + _adamw([p, m, v, t], rest, node, np.asarray(env[node.name], np.float64), u)
 
 
-def _linear(vals, errs, node, out, u):
+def _dense(vals, errs, node, out, u):
     """a @ w.T (+ b): the matmul rule on the transposed weight, then the bias addition."""
     (a, w), (ea, ew) = vals[:2], errs[:2]
     ewt = np.swapaxes(np.broadcast_to(ew, w.shape), -1, -2)
@@ -358,7 +358,7 @@ ERROR_RULES = {
     "cross_entropy": _cross_entropy,
     "cross_entropy_grad": _cross_entropy_grad,
     "adamw_param": _adamw,
-    "linear": _linear,
+    "dense": _dense,
     "addmm": _addmm,
     "matmul_t": _matmul_t,
     "add_scaled": _axpby,
