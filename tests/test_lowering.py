@@ -201,6 +201,7 @@ LOWERED_CASES = {  # case: (op, operand shapes, result shape, attrs); "abs:" non
     "matmul_t": ("matmul_t", ((2, 3), (3, 4)), (4, 2), {}),
     "add_scaled": ("add_scaled", ((2, 3), (2, 3)), (2, 3), {"b": -0.1}),
     "add_scaled_inplace": ("add_scaled", ((2, 3), (2, 3)), (2, 3), {"b": -0.1, "inplace": True}),
+    "add_inplace": ("add", ((2, 3), (3,)), (2, 3), {"inplace": True}),
     "axpby": ("axpby", ((2, 3), (2, 3)), (2, 3), {"a": 0.9, "b": 0.1}),
     "axpby_inplace": ("axpby", ((2, 3), (2, 3)), (2, 3), {"a": 0.9, "b": 1.0, "inplace": True}),
     "mse_sum": ("mse_sum", ((2, 3), (2, 3)), (), {}),

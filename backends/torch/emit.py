@@ -88,6 +88,7 @@ OP_FORMATS = {
 # ``inplace=true``: the result is written into the first operand (torch.optim's own updates)
 IN_PLACE_FORMATS = {
     "all_reduce": "all_reduce_({0}, {axis})",
+    "add": "{0}.add_({1})",
     "add_scaled": "{0}.add_({1}, alpha={b})",
     "axpby": "{0}.mul_({a}).add_({1}, alpha={b})",
     "adamw_param": ("{0}.mul_(1 - {lr} * {weight_decay}).sub_({lr} / (1 - {beta1} ** {3}) * {1} "

@@ -16,9 +16,10 @@ prints (one statement per node, plus ``del``):
 - ``overlap-collectives``: an ``all_reduce`` with independent work after it becomes
   ``all_reduce{async_op=true}`` (started as early as its operand allows) plus a ``wait``
   placed just before the first use (program order otherwise kept: deterministic);
-- ``in-place``: ``inplace=true`` on an ``all_reduce`` of a fresh buffer, and on an update
-  whose first operand (a parameter, optimizer state or a fresh value) nothing reads
-  afterwards: the result is written into that operand's buffer, as ``torch.optim`` does;
+- ``in-place``: ``inplace=true`` on an ``all_reduce`` of a fresh buffer, and on an ``add`` or
+  update whose first operand (a parameter, optimizer state or a fresh value) nothing reads
+  afterwards: the result is written into that operand's buffer, as ``torch.optim`` does
+  (and hand-written Megatron's ``y.add_(b)`` after the reduce);
 - ``free-dead``: ``frees="a b"`` on the node after which values die (``del a, b``).
 
 :func:`storage_roots` and :func:`peak_bytes` are the liveness model shared by the
@@ -38,7 +39,7 @@ SOURCES = ("input", "param")
 VIEW_OPS = ("permute", "reshape", "relayout", "expand", "wait")
 # results that may alias their operand (a local slice, coordinate 0 of a mask)
 MAYBE_VIEW_OPS = ("shard_slice", "partial_mask")
-IN_PLACE_OPS = ("all_reduce", "add_scaled", "axpby", "adamw_param")
+IN_PLACE_OPS = ("all_reduce", "add", "add_scaled", "axpby", "adamw_param")
 
 
 def _is_view(n: Node) -> bool:

@@ -269,7 +269,7 @@ def forward(p, inp):
     pow_1 = torch.pow(view_1, 3.0)  # [S(2)] f32[2,8,64]
     mul_1 = pow_1 * 0.044715  # [S(2)] f32[2,8,64]
     del pow_1
-    add = view_1 + mul_1  # [S(2)] f32[2,8,64]
+    add = view_1.add_(mul_1)  # [S(2)] f32[2,8,64]
     del view_1, mul_1
     mul_2 = add * 0.7978845608028654  # [S(2)] f32[2,8,64]
     del add
@@ -287,7 +287,7 @@ def forward(p, inp):
     #   (row-parallel), so each rank holds a partial sum; add %addmm_1 needs the full value [R]: sum once
     addmm_1_mm_all_reduce_tp = all_reduce_(addmm_1_mm, "tp")  # [R] f32[16,32]
     del addmm_1_mm
-    addmm_1 = addmm_1_mm_all_reduce_tp + c_proj_bias  # [R] f32[16,32]
+    addmm_1 = addmm_1_mm_all_reduce_tp.add_(c_proj_bias)  # [R] f32[16,32]
     del addmm_1_mm_all_reduce_tp
     output = addmm_1.reshape((2, 8, 32))  # [R] f32[2,8,32]
     del addmm_1
