@@ -155,7 +155,7 @@ def emit(h: int, directory: str) -> tuple:
 
 
 TUNED_HELPER = '''
-def all_reduce_start(x, axis):
+def bench_all_reduce_start(x, axis):
     """Start an in-place all_reduce of a fresh value; the caller waits on the handle (bench patch)."""
     return dist.all_reduce(x, op=dist.ReduceOp.SUM, group=GROUPS[axis], async_op=True)
 '''
@@ -217,7 +217,7 @@ def tune_program(text: str) -> tuple:
         if j is None or not between:
             continue
         lines[i] = f"    {src}_work.wait()\n    {out} = {src}{cmt}"
-        lines[j] += f"\n    {src}_work = all_reduce_start({src}, {axis})  # bench patch: overlap"
+        lines[j] += f"\n    {src}_work = bench_all_reduce_start({src}, {axis})  # bench patch: overlap"
         k += 1
     if k:
         applied.append(f"overlap x{k}")
@@ -241,7 +241,8 @@ def strip_comm(prog):
     prog.all_reduce = prog.all_reduce_ = lambda t, axis: t
     prog.reduce_scatter = lambda t, dim, axis: t.chunk(n, dim)[0].contiguous()
     prog.all_gather = lambda t, dim, axis: torch.cat([t] * n, dim)
-    prog.all_reduce_start = lambda t, axis: NoWork
+    prog.bench_all_reduce_start = lambda t, axis: NoWork
+    prog.all_reduce_start = prog.all_reduce_start_ = lambda t, axis: (t, NoWork)  # wait() returns t
     return prog
 
 
@@ -566,7 +567,7 @@ def torchrun_bench(h: int, directory: str, program_path: str, steps: int) -> dic
 
 # ---------------------------------------------------------------------------------- main
 WHAT = {
-    "parcomp": "emitted train_step: loss, dW, dx, out-of-place SGD; params carried (collectives: see report)",
+    "parcomp": "emitted train_step: loss, dW, dx, in-place SGD; params carried (collectives: see report)",
     "dtensor": "DTensor fwd, mse_loss, backward (dx too), torch.optim.SGD on DTensor params",
     "hand": "Megatron f/g autograd, mse_loss, backward (dx too), torch.optim.SGD",
     "ref-1t": "unsharded, 1 process, 1 thread: loss, backward (dx too), SGD",

@@ -22,7 +22,8 @@ class Compiled:
             bound; for training, with loss, backward and update): the ground
             truth the program must equal.
         sharded: global types, every layout and every collective explicit.
-        program: per-rank types (``stage local``): the graph backends execute.
+        program: per-rank types (``stage local``), lowered (parcomp/passes/lower.py):
+            what the interpreter and the backends execute, op for op.
         report: collectives with kind, axis, bytes and reason (see :mod:`parcomp.report`),
             derived from ``program_``.
         spec: the parsed spec.
@@ -50,7 +51,7 @@ def compile_graph(graph: Graph, spec, after: Callable | None = None) -> Compiled
     check_model_mesh(graph, spec.mesh)
     placement = check_topology(spec)
     stages = run_pipeline(graph, forward_pipeline(spec), after)
-    sharded, program = stages["insert-collectives"], stages["localize"]
+    sharded, program = stages["insert-collectives"], list(stages.values())[-1]  # lowered
     logical = stages["autodiff"] if "autodiff" in stages else stages["bind-layouts"]
     prog = build_program(sharded, program, spec)
     report = build_report(prog, [n.name for n in graph.params])

@@ -8,13 +8,17 @@ from __future__ import annotations
 
 
 def memory(program, model_params) -> dict:
-    """Per-rank bytes: weights, gradients, optimizer state, saved activations.
+    """Per-rank bytes: weights, gradients, optimizer state, saved activations, peak live.
 
     ``program`` is a :class:`parcomp.program.Program`.  Saved activations are
     values computed before the backward pass (phase ``forward`` or ``loss``, not
     params) that a backward node reads: what autograd would keep alive between
-    forward and backward.
+    forward and backward. ``peak_live`` is the most bytes live at once while the
+    (lowered) program runs, by the liveness the interpreter and program.py's ``del``
+    lines follow (:func:`parcomp.passes.lower.peak_bytes`).
     """
+    from .passes.lower import peak_bytes
+
     graph, phase = program.graph, program.phases
     users = graph.users()
     grads = {v for p, v in graph.named_outputs() if p.endswith(".grad") and p[:-5] in model_params}
@@ -31,7 +35,7 @@ def memory(program, model_params) -> dict:
     return {"weights": nbytes(p for p in model_params if p in graph),
             "gradients": nbytes(grads),
             "optimizer_state": nbytes(n.name for n in graph.params if n.name not in model_params),
-            "saved_activations": nbytes(saved)}
+            "saved_activations": nbytes(saved), "peak_live": peak_bytes(graph)}
 
 
 def training_summary(program) -> dict | None:

@@ -271,7 +271,7 @@ def test_memory_and_collective_tables_use_human_units():
     report = tiny_tp2().report
     line = format_memory(report)
     assert line == ("memory per rank: weights 32 B, gradients 0 B, optimizer state 0 B, "
-                    "saved activations 0 B")
+                    "saved activations 0 B, peak live 56 B")
     huge = {"memory_bytes_per_rank": {"weights": 2 * 10 ** 12}}
     assert format_memory(huge) == "memory per rank: weights 1.8 TiB"
     table = format_collectives(report["collectives"])

@@ -53,7 +53,8 @@ def test_training_phases_are_marked_by_autodiff_not_read_from_names():
         assert prog.phases[name] == "forward"
     assert prog.phases["loss"] == "loss" and prog.phases["target"] == "loss"
     assert {prog.phases[f"{p}.momentum_buffer"] for p in ("opt.weight", "bw.weight")} == {"optimizer"}
-    assert any(ph == "backward" for n, ph in prog.phases.items() if graph[n].op == "matmul")
+    assert any(ph == "backward" for n, ph in prog.phases.items()
+               if graph[n].op in ("matmul", "matmul_t", "dense", "addmm"))
     t = prog.train
     assert t.state == ("opt.weight.momentum_buffer", "bw.weight.momentum_buffer")
     assert set(t.carried) == {n.name for n in graph.params} and t.step is None

@@ -93,6 +93,10 @@ EXEMPT = {
     **{(_T["torch_frontend"], op): _BY_AUTODIFF
        for op in _GRADS + ("cross_entropy", "adamw_param", "ones")},
     (_T["torch_frontend"], "relayout"): "made by bind-layouts from the spec's output/activation rules",
+    **{(_T[t], "kind:lowered"): why for t, why in (
+        ("sharding", "made after sharding by parcomp/passes/lower.py from ops whose layouts were checked"),
+        ("VJP", "made by lowering, after autodiff; never differentiated"),
+        ("torch_frontend", "made by lowering (parcomp/passes/lower.py), never by a frontend"))},
     (_T["torch_frontend"], "sum"): "no aten lowering yet (aten.sum.dim_IntList would map here); "
                                    "made by autodiff's unbroadcast",
     (_T["torch_frontend"], "expand"): "no aten lowering yet (aten.expand.default would map here); "

@@ -95,6 +95,7 @@ def test_every_strategy_of_the_rule_table_is_sound(case):
 def test_every_op_kind_with_strategies_has_a_case():
     from parcomp.ir.ops import OPS
     covered = {CASES[c].split(" = ")[-1].split("(")[0] for c in CASES}
-    needing = {op for op, d in OPS.items() if d.kind not in ("source", "collective", "local", "relayout")}
+    needing = {op for op, d in OPS.items()  # lowered ops exist only after sharding (passes/lower.py)
+               if d.kind not in ("source", "collective", "local", "relayout", "lowered")}
     assert needing <= covered, needing - covered
     assert set(STRATEGY_RULES)  # the table exists

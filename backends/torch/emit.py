@@ -75,7 +75,27 @@ OP_FORMATS = {
     "shard_slice": "shard_slice({0}, {dim}, {axis})",
     "partial_mask": "partial_mask({0}, {axis})",
     "relayout": "{0}",
+    # lowered ops (parcomp/passes/lower.py)
+    "dense": "torch.nn.functional.linear({args})",
+    "addmm": "torch.addmm({0}, {1}, {2})",
+    "matmul_t": "torch.matmul({1}.t(), {0}.t())",
+    "add_scaled": "torch.add({0}, {1}, alpha={b})",
+    "axpby": "torch.add({0} * {a}, {1}, alpha={b})",
+    "mse_sum": 'torch.nn.functional.mse_loss({0}, {1}, reduction="sum")',
+    "mse_grad": "({1} - {2}).mul_({0} * 2.0)",
+    "wait": "wait({0})",
 }
+# ``inplace=true``: the result is written into the first operand (torch.optim's own updates)
+IN_PLACE_FORMATS = {
+    "all_reduce": "all_reduce_({0}, {axis})",
+    "add": "{0}.add_({1})",
+    "add_scaled": "{0}.add_({1}, alpha={b})",
+    "axpby": "{0}.mul_({a}).add_({1}, alpha={b})",
+    "adamw_param": ("{0}.mul_(1 - {lr} * {weight_decay}).sub_({lr} / (1 - {beta1} ** {3}) * {1} "
+                    "/ (torch.sqrt({2}) / torch.sqrt(1 - {beta2} ** {3}) + {eps}))"),
+}
+# ``async_op=true``: start the collective, ``wait`` returns its value (key + "_": in place)
+ASYNC_FORMATS = {"all_reduce": "all_reduce_start({0}, {axis})", "all_reduce_": "all_reduce_start_({0}, {axis})"}
 ATTR_DEFAULTS = {"gelu": {"approximate": "none"}, "gelu_grad": {"approximate": "none"}}
 LOCAL_LAYOUT_OPS = ("shard_slice", "partial_mask")
 TORCH_DTYPES = {"float32": "torch.float32", "float64": "torch.float64", "float16": "torch.float16",
@@ -378,78 +398,13 @@ def _comment(text: str, indent: str) -> list:
                          break_on_hyphens=False)
 
 
-# ops whose result is a new contiguous tensor (safe to all_reduce in place when unshared)
-FRESH_OPS = ("matmul", "add", "sub", "mul", "div", "scale", "neg", "sum")
-
-
-def _fusions(program) -> tuple:
-    """Peepholes: ``{node: code}`` replacing a node's expression, and nodes folded into others.
-
-    - ``matmul(a, permute(w){perm=(1, 0)})`` -> ``F.linear(a, w)`` (no transposed copy);
-      followed by its only user ``add(., b)`` with a 1-D bias -> ``F.linear(a, w, b)``;
-    - ``add(matmul(a, w), b)`` with 2-D ``a``, ``w`` and 1-D ``b`` -> ``torch.addmm(b, a, w)``.
-    """
-    users, code, folded = program.users(), {}, set()
-    for n in program.nodes:
-        if n.op != "matmul":
-            continue
-        a, w = (program[i] for i in n.inputs)
-        lin = w.op == "permute" and w.attr("perm") == (1, 0) and a.type.rank >= 1
-        if not lin and not (a.type.rank == 2 and w.type.rank == 2):
-            continue
-        wsrc = w.inputs[0] if lin else w.name
-        if lin:
-            code[n.name] = ("linear", a.name, wsrc, None)
-        add = program[users[n.name][0]] if len(users[n.name]) == 1 else None
-        if add is not None and add.op == "add" and add.inputs[0] == n.name and n.name not in program.outputs:
-            b = program[add.inputs[1]]
-            if b.type.rank == 1 and b.type.shape[0] == n.type.shape[-1] and add.type == n.type:
-                code[add.name] = ("linear" if lin else "addmm", a.name, wsrc, b.name)
-                folded.add(n.name)
-    for n in program.nodes:
-        src = program[n.inputs[0]] if n.inputs else None
-        # (A @ B).T as B.T @ A.T: the weight gradient comes out in the weight's own layout
-        if (n.op == "permute" and n.attr("perm") == (1, 0) and src.op == "matmul"
-                and src.name not in code and len(users[src.name]) == 1 and src.type.rank == 2
-                and all(program[i].type.rank == 2 for i in src.inputs)):
-            code[n.name] = ("swapped", src.inputs[0], src.inputs[1], None)
-            folded.add(src.name)
-        # p - lr * g in one pass (torch.optim.SGD's update)
-        if (n.op == "sub" and program[n.inputs[1]].op == "scale" and len(users[n.inputs[1]]) == 1
-                and program[n.inputs[1]].type == n.type and program[n.inputs[0]].type == n.type):
-            g = program[n.inputs[1]]
-            code[n.name] = ("axpy", n.inputs[0], g.inputs[0], -g.attr("value"))
-            folded.add(g.name)
-    for n in program.nodes:  # a transpose read only by F.linear calls is not needed
-        if n.op == "permute" and users[n.name] and n.name not in program.outputs and all(
-                u in code and code[u][0] == "linear" and program[u].inputs[1] == n.name for u in users[n.name]):
-            folded.add(n.name)
-    return code, folded
-
-
-def _fused_code(kind, a, w, b) -> str:
-    if kind == "swapped":
-        return f"torch.matmul({w}.t(), {a}.t())"
-    if kind == "axpy":
-        return f"torch.add({a}, {w}, alpha={_py(float(b))})"
-    if kind == "linear":
-        return f"torch.nn.functional.linear({a}, {w}{', ' + b if b else ''})"
-    return f"torch.addmm({b}, {a}, {w})"
-
-
-def _in_place_ok(program, users, n) -> bool:
-    """An all_reduce may reuse its input's buffer: a fresh value nothing else reads."""
-    src = program[n.inputs[0]]
-    return (src.op in FRESH_OPS and len(users[src.name]) == 1 and src.name not in program.outputs)
-
-
 def _forward(prog, names, train) -> str:
+    """The step function: one statement per node of the lowered program, in its order,
+    then ``del`` of the values the node ``frees`` (parcomp/passes/lower.py)."""
     fn, doc = ("train_step", "One training step (forward, backward, update)") if train else (
         "forward", "One forward step on this rank")
     lines = [f"def {fn}(p, inp):", f'    """{doc}: local slices in, {{output name: local value}} out."""']
     program = prog.graph
-    fused, folded = _fusions(program)
-    users = program.users()
     for n in program.nodes:
         tail = f"  # {layout_str(n.layout)} {n.type}" + _spec_ref(prog, n.name).replace("  #", ";", 1)
         var = names[n.name]
@@ -457,26 +412,22 @@ def _forward(prog, names, train) -> str:
             src = "p" if n.op == "param" else "inp"
             lines.append(f"    {var} = {src}[{json.dumps(n.name)}]{tail}")
             continue
-        if n.name in folded:
-            continue
         if n.op in LAYOUT_OPS:
             lines += _layout_comment(program, n, prog.collective(n.name))
-        if n.name in fused:
-            kind, a, w, b = fused[n.name]
-            code = _fused_code(kind, names[a], names[w], names[b] if isinstance(b, str) else b)
-        else:
-            code = _code(n, [names[i] for i in n.inputs])
-            if n.op == "all_reduce" and _in_place_ok(program, users, n):
-                code = code.replace("all_reduce(", "all_reduce_(", 1)
-        lines.append(f"    {var} = {code}{tail}")
+        lines.append(f"    {var} = {_code(n, [names[i] for i in n.inputs])}{tail}")
+        if n.attr("frees"):
+            lines.append("    del " + ", ".join(names[v] for v in n.attr("frees").split()))
     ret = ", ".join(f"{json.dumps(pub)}: {names[v]}" for pub, v in program.named_outputs())
     lines.append(f"    return {{{ret}}}")
     return "\n".join(lines)
 
 
 def _code(n, args) -> str:
-    """The right-hand side computing node ``n`` from operand variables ``args``."""
-    if n.op not in OP_FORMATS:
+    """The right-hand side computing node ``n`` from operand variables ``args``
+    (``inplace``: :data:`IN_PLACE_FORMATS`; ``async_op``: :data:`ASYNC_FORMATS`)."""
+    table = (ASYNC_FORMATS if n.attr("async_op") else IN_PLACE_FORMATS if n.attr("inplace") else OP_FORMATS)
+    key = n.op + ("_" if n.attr("async_op") and n.attr("inplace") else "")
+    if key not in table:
         raise EmitError(f"op {n.op!r} (%{n.name}) has no torch mapping; the torch backend "
                         f"knows: {', '.join(sorted(OP_FORMATS))}")
     if n.op == "sum" and not n.attr("dims"):
@@ -490,9 +441,10 @@ def _code(n, args) -> str:
     kw = {k: _py(v) for k, v in attrs.items()}
     kw["local_shape"] = repr(tuple(n.type.shape))
     kw["dtype"] = TORCH_DTYPES[n.type.dtype]
+    kw["args"] = ", ".join(args)
     if n.op == "expand":
         kw["kept_shape"] = repr(tuple(1 if d in n.attr("dims") else s for d, s in enumerate(n.type.shape)))
-    return OP_FORMATS[n.op].format(*args, **kw)
+    return table[key].format(*args, **kw)
 
 
 def _layout_comment(program, n, record) -> list:

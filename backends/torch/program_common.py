@@ -121,6 +121,23 @@ def all_reduce_(x, axis):
     return x
 
 
+def all_reduce_start(x, axis):
+    """Start all_reduce(x, axis) without waiting; ``wait(handle)`` returns the sum."""
+    return all_reduce_start_(x.clone(memory_format=torch.contiguous_format), axis)
+
+
+def all_reduce_start_(x, axis):
+    """Start an in-place all_reduce of a fresh contiguous value nothing else reads."""
+    return x, dist.all_reduce(x, op=dist.ReduceOp.SUM, group=GROUPS[axis], async_op=True)
+
+
+def wait(handle):
+    """The value of a started collective, once it has arrived."""
+    x, work = handle
+    work.wait()
+    return x
+
+
 def all_gather(x, dim, axis):
     """S(dim) -> R: concatenate the group's shards along ``dim``, in coordinate order."""
     x0 = x.movedim(dim, 0).contiguous()

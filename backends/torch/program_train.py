@@ -111,7 +111,9 @@ def run(args):
     with torch.no_grad():  # the backward pass is explicit in train_step: no autograd state
         outputs, losses = train(params, batches)
         if args.bench > 0:
-            bench(train_step, params, with_step(batches[0], 1), args.bench)
+            # on copies: train_step updates params and state in place
+            copies = {k: v.clone() for k, v in params.items()}
+            bench(train_step, copies, with_step(batches[0], 1), args.bench)
     if args.output:
         write_outputs(outputs, losses, args.output)
 # <<< program.py

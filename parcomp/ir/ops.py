@@ -208,6 +208,20 @@ LAYOUT_OPS = COLLECTIVES + tuple(op for op, t in TRANSITIONS.items() if not t.co
 _def("relayout", 1, "relayout", _same, {"origin": Attr("str"),  # origin: the spec rule, in words
                                          "default": Attr("bool", default=False)})  # unnamed output
 
+# lowered ops: made by parcomp/passes/lower.py from the ops above, only in local programs
+# (their layout rules were checked on the ops they replace). Lowering annotates nodes with
+# ``inplace`` (the result is written into the first operand's buffer, dead afterwards),
+# ``async_op`` (an all_reduce that a ``wait`` completes) and ``frees`` (values dying after it)
+_INPLACE = {"inplace": Attr("bool", default=False)}
+_def("dense", -1, "lowered", _own)  # (a, w[, b]) -> a @ w.T (+ b), w stored [out, in]: F.linear
+_def("addmm", 3, "lowered", _own)  # (b, a, w) -> b + a @ w, 2-D a and w, 1-D b
+_def("matmul_t", 2, "lowered", _own)  # (a, b) -> (a @ b).T computed as b.T @ a.T
+_def("add_scaled", 2, "lowered", _own, {"b": _NUM, **_INPLACE})  # x + b * y (SGD's p - lr g)
+_def("axpby", 2, "lowered", _own, {"a": _NUM, "b": _NUM, **_INPLACE})  # a x + b y (momentum)
+_def("mse_sum", 2, "lowered", _own)  # (y, t) -> sum((y - t)**2) over all dims (0-d)
+_def("mse_grad", 3, "lowered", _own)  # (dl, y, t) -> dl * 2 * (y - t), dl broadcast
+_def("wait", 1, "lowered", _same)  # the value of an all_reduce started with async_op=true
+
 # derived views of the schemas (read-only conveniences; declare attributes with _def)
 REQUIRED_ATTRS = {op: tuple(k for k, a in d.attrs.items() if a.required)
                   for op, d in OPS.items() if any(a.required for a in d.attrs.values())}

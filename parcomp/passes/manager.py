@@ -15,6 +15,7 @@ from .autodiff import add_training_step
 from .bind_layouts import bind_layouts
 from .insert_collectives import insert_collectives
 from .localize import localize
+from .lower import LOWERING
 from .shard_prop import shard_prop
 from .verify import verify
 
@@ -34,13 +35,15 @@ def forward_pipeline(spec) -> list:
     """The passes that turn an unsharded graph into a per-rank program.
 
     With a ``train`` line in the spec, ``autodiff`` appends loss, backward and
-    optimizer update to the global graph before anything is sharded.
+    optimizer update to the global graph before anything is sharded. The lowering
+    passes of :mod:`.lower` (fusions, overlap, in-place, frees) come last.
     """
     train = [Pass("autodiff", lambda g: add_training_step(g, spec))] if spec.train else []
     return [Pass("bind-layouts", lambda g: bind_layouts(g, spec)), *train,
             Pass("shard-prop", shard_prop),
             Pass("insert-collectives", insert_collectives),
-            Pass("localize", localize)]
+            Pass("localize", localize),
+            *(Pass(name, fn) for name, fn in LOWERING)]
 
 
 def run_pipeline(graph: Graph, passes, after: Callable | None = None) -> dict:

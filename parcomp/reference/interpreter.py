@@ -3,7 +3,9 @@
 It runs a *local* program (after ``localize``) on all ranks of the mesh in
 lockstep, node by node.  Compute ops use :data:`NUMPY_OPS`; collectives combine
 the group's local arrays in coordinate order and are logged, so tests can pin
-the exact collectives that ran.
+the exact collectives that ran. It runs the lowered program (parcomp/passes/lower.py):
+the same op sequence, frees and in-place writes as the emitted program.py. An
+``all_reduce{async_op=true}`` completes at once; its ``wait`` passes the value on.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import numpy as np
 from ..ir.graph import Graph
 from ..ir.transitions import TRANSITIONS
 from ..ir.types import Partial, Replicate, TensorType, shard_offsets
+from ..passes.lower import frees_of, storage_roots
 from ..redistribute import Step, step_bytes
 from .numpy_ops import NUMPY_OPS
 
@@ -82,10 +85,13 @@ def assemble(locals_by_rank, layout, global_shape, mesh, dtype="float32") -> np.
 
 @dataclass
 class SPMDRun:
-    """Result of :func:`run_spmd`: per-rank environments and the collective log."""
+    """Result of :func:`run_spmd`: per-rank values, the collective log, the executed op
+    sequence (node names, in order) and each rank's peak live bytes."""
 
     env: list
     log: list = field(default_factory=list)
+    ops: list = field(default_factory=list)
+    peak_bytes: list = field(default_factory=list)
 
     def outputs(self, program: Graph) -> dict:
         """Full output arrays, assembled from the ranks' local values."""
@@ -108,32 +114,55 @@ def _global_shape(program, value):
 
 
 def run_spmd(program: Graph, feeds: dict, partial_rng=None) -> SPMDRun:
-    """Run a local program on every rank. ``feeds``: full arrays for inputs and params."""
+    """Run a local program on every rank. ``feeds``: full arrays for inputs and params.
+
+    Nodes run in program order, as program.py's statements do: a value is dropped after
+    the node whose ``frees`` names it, and the first operand of an ``inplace`` node is
+    overwritten (reading either afterwards is a KeyError). ``run.env`` keeps every value
+    for inspection; ``run.peak_bytes[r]`` is the most bytes rank r held at once, values
+    sharing a buffer (views, in-place results: :func:`storage_roots`) counted once.
+    """
     mesh = program.mesh
     ranks = range(mesh.size)
-    run = SPMDRun([{} for _ in ranks])
+    run = SPMDRun([{} for _ in ranks], peak_bytes=[0] * mesh.size)
+    live, roots, size = [{} for _ in ranks], storage_roots(program), [{} for _ in ranks]
     for n in program.nodes:
+        run.ops.append(n.name)
         if n.op in ("input", "param"):
             full = np.asarray(feeds[n.name], dtype=n.type.dtype)
             for r, local in enumerate(split_for_ranks(full, n.layout, mesh, partial_rng)):
-                run.env[r][n.name] = local
+                live[r][n.name] = local
         elif n.op in _LAYOUT_OPS:
-            _layout_op(program, n, run)
+            _layout_op(program, n, run, live)
         else:
             for r in ranks:
-                run.env[r][n.name] = NUMPY_OPS[n.op]([run.env[r][i] for i in n.inputs], n)
+                live[r][n.name] = NUMPY_OPS[n.op]([live[r][i] for i in n.inputs], n)
+        for r in ranks:
+            _account(n, live[r], roots, size[r], run, r)
     return run
 
 
-def _layout_op(program, n, run):
+def _account(n, live, roots, size, run, r):
+    """Record ``n``'s value, drop what it overwrote or freed, update rank r's peak."""
+    run.env[r][n.name] = live[n.name]
+    size.setdefault(roots[n.name], int(np.asarray(live[n.name]).nbytes))
+    if n.attr("inplace"):
+        del live[n.inputs[0]]  # its buffer now holds n's value
+    held = sum(size[b] for b in {roots[v] for v in live})
+    run.peak_bytes[r] = max(run.peak_bytes[r], held)
+    for v in frees_of(n):
+        live.pop(v, None)
+
+
+def _layout_op(program, n, run, live):
     mesh = program.mesh
     a = mesh.names.index(n.attr("axis"))
     src = program[n.inputs[0]]
     for group in mesh.groups(a):
-        xs = [run.env[r][n.inputs[0]] for r in group]
+        xs = [live[r][n.inputs[0]] for r in group]
         ys = _LAYOUT_OPS[n.op](xs, n)
         for r, y in zip(group, ys):
-            run.env[r][n.name] = _contig(y)
+            live[r][n.name] = _contig(y)
     if TRANSITIONS[n.op].collective:  # local ops send nothing and are not logged
         gty = TensorType(_global_shape(program, n.name), n.type.dtype)
         step = Step(n.op, a, n.attr("dim"), n.attr("src_dim"), src.layout, n.layout)

@@ -101,6 +101,15 @@ NUMPY_OPS = {
     "cross_entropy": lambda a, n: _cross_entropy(a[0], a[1]),
     "cross_entropy_grad": lambda a, n: _cross_entropy_grad(a[0], a[1], a[2]),
     "adamw_param": lambda a, n: _adamw(a[0], a[1], a[2], a[3], n),
+    # lowered ops (parcomp/passes/lower.py); ``inplace`` changes where torch writes, not the value
+    "dense": lambda a, n: np.matmul(a[0], np.swapaxes(a[1], -1, -2)) + (a[2] if len(a) > 2 else 0),
+    "addmm": lambda a, n: a[0] + np.matmul(a[1], a[2]),
+    "matmul_t": lambda a, n: np.ascontiguousarray(np.swapaxes(np.matmul(a[0], a[1]), -1, -2)),
+    "add_scaled": lambda a, n: a[0] + a[1] * a[1].dtype.type(n.attr("b")),
+    "axpby": lambda a, n: a[0] * a[0].dtype.type(n.attr("a")) + a[1] * a[1].dtype.type(n.attr("b")),
+    "mse_sum": lambda a, n: np.sum((a[0] - a[1]) * (a[0] - a[1])).astype(a[0].dtype),
+    "mse_grad": lambda a, n: ((a[0] * a[0].dtype.type(2.0)) * (a[1] - a[2])).astype(a[1].dtype),
+    "wait": lambda a, n: a[0],
 }
 
 

@@ -291,6 +291,53 @@ def adamw_joint(node, graph, env, err, u):
     return vary + _adamw([p, m, v, t], rest, node, np.asarray(env[node.name], np.float64), u)
 
 
+def _dense(vals, errs, node, out, u):
+    """a @ w.T (+ b): the matmul rule on the transposed weight, then the bias addition."""
+    (a, w), (ea, ew) = vals[:2], errs[:2]
+    ewt = np.swapaxes(np.broadcast_to(ew, w.shape), -1, -2)
+    e = _matmul([a, np.swapaxes(w, -1, -2)], [ea, ewt], node, out, u)
+    return e + (errs[2] + u * np.abs(out) + _tiny(node) if len(vals) > 2 else 0.0)
+
+
+def _addmm(vals, errs, node, out, u):
+    """b + a @ w: the matmul rule, then the bias addition."""
+    return _matmul(vals[1:], errs[1:], node, out, u) + errs[0] + u * np.abs(out) + _tiny(node)
+
+
+def _matmul_t(vals, errs, node, out, u):
+    return np.swapaxes(_matmul(vals, errs, node, np.swapaxes(out, -1, -2), u), -1, -2)
+
+
+def _axpby(vals, errs, node, out, u):
+    """a x + b y (add_scaled: a = 1): the scale rule on each term, then the addition
+    (a fused multiply-add rounds less, so torch's ``add_(y, alpha=b)`` is covered)."""
+    (x, y), (ex, ey) = vals, errs
+    a, b = float(node.attr("a", 1.0)), float(node.attr("b"))
+    return (abs(a) * ex + abs(b) * ey + 2 * u * (np.abs(a * x) + np.abs(b * y)) + u * np.abs(out)
+            + 2 * _tiny(node))
+
+
+def _mse_parts(y, t, ey, et, u):
+    d = y - t
+    return d, ey + et + u * np.abs(d)
+
+
+def _mse_sum(vals, errs, node, out, u):
+    """sum (y - t)^2: per element 2|d| e_d + e_d^2 + u d^2, summed with gamma_{k-1} sum d^2."""
+    d, ed = _mse_parts(*vals, *errs, u)
+    k = d.size
+    return (np.sum(2 * np.abs(d) * ed + ed * ed + u * d * d) + gamma(max(k - 1, 0), u) * np.sum(d * d)
+            + (k + 1) * _tiny(node))
+
+
+def _mse_grad(vals, errs, node, out, u):
+    """2 dl (y - t): the product rule on 2 dl (exact doubling) and d = y - t."""
+    dl, y, t = vals
+    edl, ey, et = errs
+    d, ed = _mse_parts(y, t, ey, et, u)
+    return 2 * (np.abs(dl) * ed + edl * np.abs(d) + edl * ed) + u * np.abs(out) + _tiny(node)
+
+
 ERROR_RULES = {
     **{op: _pointwise for op in _DERIV},
     **{op: _pointwise_grad for op in _GRAD_ROUND},
@@ -311,6 +358,14 @@ ERROR_RULES = {
     "cross_entropy": _cross_entropy,
     "cross_entropy_grad": _cross_entropy_grad,
     "adamw_param": _adamw,
+    "dense": _dense,
+    "addmm": _addmm,
+    "matmul_t": _matmul_t,
+    "add_scaled": _axpby,
+    "axpby": _axpby,
+    "mse_sum": _mse_sum,
+    "mse_grad": _mse_grad,
+    "wait": _move,
 }
 """op -> rule ``(vals, errs, node, out, u) -> err`` for every op of :data:`parcomp.ir.ops.OPS`
 that computes (sources and collectives are handled by :mod:`parcomp.tolerance`)."""

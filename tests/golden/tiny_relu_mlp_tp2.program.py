@@ -106,6 +106,23 @@ def all_reduce_(x, axis):
     return x
 
 
+def all_reduce_start(x, axis):
+    """Start all_reduce(x, axis) without waiting; ``wait(handle)`` returns the sum."""
+    return all_reduce_start_(x.clone(memory_format=torch.contiguous_format), axis)
+
+
+def all_reduce_start_(x, axis):
+    """Start an in-place all_reduce of a fresh contiguous value nothing else reads."""
+    return x, dist.all_reduce(x, op=dist.ReduceOp.SUM, group=GROUPS[axis], async_op=True)
+
+
+def wait(handle):
+    """The value of a started collective, once it has arrived."""
+    x, work = handle
+    work.wait()
+    return x
+
+
 def all_gather(x, dim, axis):
     """S(dim) -> R: concatenate the group's shards along ``dim``, in coordinate order."""
     x0 = x.movedim(dim, 0).contiguous()
@@ -235,12 +252,15 @@ def forward(p, inp):
     fc1_weight = p["fc1.weight"]  # [S(0)] f32[2,2]; tiny_relu_mlp_tp2.pcs:4
     h = torch.nn.functional.linear(x, fc1_weight)  # [S(1)] f32[1,2]
     r = torch.relu(h)  # [S(1)] f32[1,2]
+    del h
     fc2_weight = p["fc2.weight"]  # [S(1)] f32[2,2]; tiny_relu_mlp_tp2.pcs:5
     output = torch.nn.functional.linear(r, fc2_weight)  # [P] f32[1,2]
+    del r
     # all_reduce over tp [P] -> [R], bytes/rank 8: %output: its matmul contracts a dim split over tp
     #   (row-parallel), so each rank holds a partial sum; output output (spec tiny_relu_mlp_tp2.pcs:7) needs
     #   the full value [R]: sum once
     output_all_reduce_tp = all_reduce_(output, "tp")  # [R] f32[1,2]; tiny_relu_mlp_tp2.pcs:7
+    del output
     return {"output": output_all_reduce_tp}
 
 
