@@ -9,7 +9,7 @@ import tempfile
 
 import numpy as np
 
-from .budget import check_memory
+from .budget import CHECK_SECONDS_ANNOUNCE, PROGRESS_EVERY_S, check_memory, check_time
 from .compiler import compile_graph
 from .errors import ParcompError
 from .frontends.loader import load_model, pointing_into
@@ -131,8 +131,16 @@ def check(args):
     models, torch.optim; every carried value is compared, buffers and optimizer state too)."""
     compiled, module, example = _compile(args)
     check_memory(compiled, "check")
-    if compiled.report.get("training"):
-        return _check_training(args, compiled, module, example)
+    training = compiled.report.get("training")
+    if not training and getattr(args, "steps", None) is not None:
+        raise ParcompError(f"--steps {args.steps}: the spec has no train line, so the program is "
+                           f"one forward pass; drop --steps or add a train line")
+    steps = _check_steps(args, compiled) if training else 1
+    est = check_time(compiled, steps)
+    if est > CHECK_SECONDS_ANNOUNCE:
+        print(f"parcomp check: this takes about {est:,.0f} s", file=sys.stderr, flush=True)
+    if training:
+        return _check_training(args, compiled, module, example, steps)
     graph = compiled.unsharded
     feeds = feeds_for(graph, module, example, args.seed)
     run = run_spmd(compiled.program, feeds)
@@ -141,6 +149,12 @@ def check(args):
     _print_result(args, compiled, result, f"numpy interpreter, {plural(compiled.program.mesh.size, 'rank')}")
     return {**result, "collectives": _summary(compiled.report["collectives"]),
             "world_size": compiled.program.mesh.size}
+
+
+def _check_steps(args, compiled) -> int:
+    """The training steps ``check`` runs: ``--steps`` or the spec's."""
+    given = getattr(args, "steps", None)
+    return train_config(compiled.spec).steps if given is None else check_steps(given)
 
 
 def _print_result(args, compiled, result, how):
@@ -198,19 +212,47 @@ def _training_result(got: dict, want: dict, params, bounds: dict) -> dict:
     return result
 
 
-def _check_training(args, compiled, module, example):
-    steps = train_config(compiled.spec).steps
+def _note_unbounded(result: dict, step, steps: int) -> None:
+    """Say why a training check cannot vouch when the error bound overflowed from ``step`` on."""
+    if step is not None and not result["ok"]:
+        result["why"] = (f"the worst-case error bound grows with every step (rounding compounds, and "
+                         f"a ReLU-style kink may flip) and is not finite from step {step} of {steps} on, "
+                         f"so parcomp cannot vouch for the result; check fewer steps "
+                         f"(--steps {max(step - 1, 1)}); " + result["why"])
+
+
+def _progress(step_fn, steps: int, what: str):
+    """``step_fn`` that prints ``what: step k of steps`` on stderr every
+    :data:`PROGRESS_EVERY_S` seconds."""
+    import time
+
+    state = {"k": 0, "last": time.monotonic()}
+
+    def run(*a):
+        state["k"] += 1
+        now = time.monotonic()
+        if now - state["last"] >= PROGRESS_EVERY_S:
+            state["last"] = now
+            print(f"parcomp check: {what}: step {state['k']:,} of {steps:,}", file=sys.stderr, flush=True)
+        return step_fn(*a)
+    return run
+
+
+def _check_training(args, compiled, module, example, steps):
     feeds = _train_feeds(compiled, module, example, args.seed)
     prog = compiled.program
-    got = _carried(train_steps(lambda state: run_spmd(prog, state).outputs(prog), compiled.logical,
-                               feeds, steps))
+    got = _carried(train_steps(_progress(lambda state: run_spmd(prog, state).outputs(prog), steps,
+                                         "numpy interpreter"), compiled.logical, feeds, steps))
     params = [n.name for n in compiled.unsharded.params]
-    bounds = _carried(training_bounds(compiled.logical, feeds, steps))
+    tb = training_bounds(compiled.logical, feeds, steps)
+    bounds = _carried(tb)
     result = _training_result(got, _carried(numpy_train(compiled.logical, feeds, steps)), params, bounds)
+    _note_unbounded(result, tb["unbounded_from"], steps)
     result["losses"] = [float(x) for x in got["losses"]]
     if module is not None:
         _, want = _torch_reference(compiled, module, example, feeds, steps)
         vs_torch = _training_result(got, want, params, bounds)
+        _note_unbounded(vs_torch, tb["unbounded_from"], steps)
         result["vs_torch"] = vs_torch
         result["ok"] = result["ok"] and vs_torch["ok"]
     if not args.json:
