@@ -11,7 +11,7 @@ import numpy as np
 
 from .budget import CHECK_SECONDS_ANNOUNCE, PROGRESS_EVERY_S, check_memory, check_time
 from .compiler import compile_graph
-from .errors import ParcompError
+from .errors import ParcompError, VerifyError
 from .frontends.loader import load_model, pointing_into
 from .ir.text import print_graph
 from .outdir import MARKER, write_dir_atomic  # noqa: F401 - MARKER: part of this module's API
@@ -25,11 +25,34 @@ from .tolerance import (compare_outputs as compare, output_bounds, training_boun
 from .spec import load_spec
 
 
-def _compile(args, after=None):
+def _compile(args, after=None, numeric: str | None = None):
+    """Load and compile ``args.model`` with ``args.spec``; ``numeric`` names a command that
+    computes with numpy/torch on this machine (``check``/``run``), which then refuses
+    dtypes numpy cannot compute in (:func:`require_numpy_dtypes`)."""
     graph, module, example = load_model(args.model)
     spec = load_spec(args.spec)
     with pointing_into(args.model):  # a .pcir model's layout problems: at its line
+        if numeric:
+            require_numpy_dtypes(graph, numeric)
         return compile_graph(graph, spec, after), module, example
+
+
+#: dtypes numpy has no type for; check/run compute with numpy, so they refuse them
+NO_NUMPY_DTYPES = ("bfloat16",)
+
+
+def require_numpy_dtypes(graph, command: str) -> None:
+    """VerifyError naming the first value of ``graph`` whose dtype numpy lacks (bfloat16).
+
+    Raised inside :func:`pointing_into`, a ``.pcir`` model's error is at that value's line.
+    """
+    for n in graph.nodes:
+        if n.type.dtype in NO_NUMPY_DTYPES:
+            err = VerifyError(f"%{n.name} is {n.type}: parcomp {command} computes with numpy, which "
+                              f"has no {n.type.dtype}; check the model in float32 (e.g. "
+                              f"model.float()) and compile the {n.type.dtype} one", where=f"%{n.name}")
+            err.node = n.name
+            raise err
 
 
 def program_files(compiled, target: str, profile: str | None, model: str | None = None) -> dict:
@@ -121,7 +144,7 @@ def reference_outputs(graph, module, example, feeds) -> dict:
 
     with torch.no_grad():
         out = module.eval()(*example)
-    outs = out if isinstance(out, (tuple, list)) else (out,)
+    outs = torch.utils._pytree.tree_leaves(out)  # tuples, lists, dicts: torch.export's order
     return {name: o.detach().cpu().numpy() for name, o in zip(graph.output_names, outs)}
 
 
@@ -129,7 +152,7 @@ def check(args):
     """``parcomp check``: every rank in the numpy interpreter against the unsharded model
     (for training: the spec's ``steps`` steps against the unsharded steps and, for torch
     models, torch.optim; every carried value is compared, buffers and optimizer state too)."""
-    compiled, module, example = _compile(args)
+    compiled, module, example = _compile(args, numeric="check")
     check_memory(compiled, "check")
     training = compiled.report.get("training")
     if not training and getattr(args, "steps", None) is not None:
@@ -284,7 +307,7 @@ def run(args):
     with the unsharded module (for training: K steps against torch.optim / the unsharded step)."""
     from parcomp_backends.torch.launch import assemble_outputs, run_torchrun, write_inputs
 
-    compiled, module, example = _compile(args)
+    compiled, module, example = _compile(args, numeric="run")
     if args.nproc == compiled.program.mesh.size:  # else the --nproc error below comes first
         check_memory(compiled, "run")
     if compiled.report.get("training"):

@@ -217,7 +217,7 @@ def compare(got, want, bound, bound_want=None, allow_nonfinite: bool = False) ->
     nothing is allowed is inf), ``worst`` (its index), ``nonfinite_mismatch``,
     ``nonfinite`` (matching inf/NaN), ``ok`` and ``why`` (empty when ok).
     """
-    g, w = _f64(got), _f64(want)
+    g, w = _exact(_f64(got)), _exact(_f64(want))  # ints and bools: compared exactly (bound 0)
     if g.shape != w.shape:
         return _result(np.inf, 0.0, np.inf, None, 0, 0, f"shape {g.shape} != {w.shape}")
     bw = bound if bound_want is None else bound_want
@@ -246,6 +246,11 @@ def compare(got, want, bound, bound_want=None, allow_nonfinite: bool = False) ->
         why.append(f"{nonfinite} inf/NaN value(s) on both sides (overflow?): nothing to vouch for")
     max_err = np.inf if bad else (float(err.max()) if g.size else 0.0)
     return _result(max_err, tol, r, worst, bad, nonfinite, "; ".join(why))
+
+
+def _exact(x: np.ndarray) -> np.ndarray:
+    """Bools as int64 (0/1), so that differences exist; other arrays unchanged."""
+    return x.astype(np.int64) if x.dtype.kind == "b" else x
 
 
 def _result(max_err, tol, ratio, worst, bad, nonfinite, why):
