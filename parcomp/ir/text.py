@@ -29,6 +29,7 @@ order mark is skipped.  Every problem is an :class:`IRParseError` at
 from __future__ import annotations
 
 import json
+import math
 import re
 
 from lark import Lark, Transformer, UnexpectedCharacters, UnexpectedInput, v_args
@@ -210,7 +211,13 @@ class _Build(Transformer):
 
     def number(self, tok):
         s = str(tok)
-        return float(s) if any(c in s for c in ".eE") else self._int(tok, "the number")
+        if not any(c in s for c in ".eE"):
+            return self._int(tok, "the number")
+        x = float(s)
+        if not math.isfinite(x):
+            raise self._err(tok, f"the number {s} is not finite in float64 (which holds at most "
+                                 f"1.8e308); an attribute must be a finite number")
+        return x
 
     def string(self, tok):
         try:
@@ -305,6 +312,55 @@ def _is_empty(lines) -> bool:
     return all(not ln.strip() or ln.lstrip().startswith("#") for ln in lines)
 
 
+def _code(line: str):
+    """``(code, strings)`` of one line: ``code`` with strings blanked and the comment cut,
+    ``strings``: the columns (0-based) of opening quotes with no closing quote."""
+    out, i, unclosed = [], 0, []
+    while i < len(line):
+        c = line[i]
+        if c == "#":
+            break
+        if c == '"':
+            j = i + 1
+            while j < len(line) and line[j] != '"':
+                j += 2 if line[j] == "\\" else 1
+            if j >= len(line):
+                unclosed.append(i)
+                break
+            out.append('"' + " " * (j - i - 1) + '"')
+            i = j + 1
+            continue
+        out.append(c)
+        i += 1
+    return "".join(out), unclosed
+
+
+def _prescan(lines: list, file: str) -> None:
+    """Errors the grammar would report badly: a non-ASCII character in a name, a string with
+    no closing quote, a second ``return`` line (IRParseError at the spot)."""
+    returns = []
+    for k, line in enumerate(lines):
+        code, unclosed = _code(line)
+        if unclosed:
+            raise IRParseError('this string has no closing quote `"` (a string ends on its line)',
+                               SourceLoc(file, k + 1, unclosed[0] + 1, line))
+        for col, c in enumerate(code):
+            if not c.isascii():
+                msg = bad_char(c, code[col - 1] if col else "", _ALPHABET, _NAME_CHARS,
+                               "outside strings and comments")
+                if col and (code[col - 1] == "%" or code[col - 1] in "_.-"):
+                    msg = f"the character {char_name(c)} is not allowed in a name; {_NAME_CHARS}"
+                raise IRParseError(msg or f"the character {char_name(c)} is not allowed here",
+                                   SourceLoc(file, k + 1, col + 1, line))
+        if code.lstrip().startswith("return") and code.lstrip()[6:7] in ("", " ", "\t", "%"):
+            returns.append(k)
+    if len(returns) > 1:
+        at = returns[1]
+        raise IRParseError(f"`return` must be the last line, and it appears twice (lines "
+                           f"{returns[0] + 1} and {at + 1}); return every output on one line: "
+                           f"`return %a, %b`", SourceLoc(file, at + 1, 1, lines[at]))
+
+
 def parse_graph(text: str, file: str = "<string>") -> Graph:
     """Parse ``.pcir`` text (a leading byte order mark is skipped).
 
@@ -320,6 +376,7 @@ def parse_graph(text: str, file: str = "<string>") -> Graph:
         raise IRParseError("the file is empty: a .pcir has one line per value, "
                            "`%name: dtype[shape] = op(%operands)`, and ends with `return %value` "
                            "(see specs/tiny_relu_mlp.pcir)", SourceLoc(file, 1, 1, ""))
+    _prescan(lines, file)
     try:
         tree = _PARSER.parse(text)
     except UnexpectedInput as e:
