@@ -136,6 +136,21 @@ def feeds_for(graph, module, example, seed=0) -> dict:
     return feeds
 
 
+def require_finite(graph, feeds: dict) -> None:
+    """ParcompError naming the first input or param of ``graph`` whose value in ``feeds``
+    holds NaN or inf (and where): a check cannot vouch for what is computed from it."""
+    for n in graph.nodes:
+        x = feeds.get(n.name) if n.op in ("input", "param") else None
+        if x is None or np.asarray(x).dtype.kind not in "fc":
+            continue
+        bad = ~np.isfinite(np.asarray(x))
+        if bad.any():
+            at = [int(i) for i in np.argwhere(bad)[0]]
+            raise ParcompError(f"{n.op} {n.name} holds {int(bad.sum())} NaN/inf value(s) (the first, "
+                               f"{np.asarray(x)[tuple(at)]}, at {at}): parcomp check cannot vouch for "
+                               f"results computed from them; give finite values", where=n.name)
+
+
 def reference_outputs(graph, module, example, feeds) -> dict:
     """The unsharded answer: the torch module itself when there is one, else numpy."""
     if module is None:
@@ -166,6 +181,7 @@ def check(args):
         return _check_training(args, compiled, module, example, steps)
     graph = compiled.unsharded
     feeds = feeds_for(graph, module, example, args.seed)
+    require_finite(graph, feeds)
     run = run_spmd(compiled.program, feeds)
     result = compare(run.outputs(compiled.program), reference_outputs(graph, module, example, feeds),
                      output_bounds(compiled.logical, feeds))
@@ -263,6 +279,7 @@ def _progress(step_fn, steps: int, what: str):
 
 def _check_training(args, compiled, module, example, steps):
     feeds = _train_feeds(compiled, module, example, args.seed)
+    require_finite(compiled.unsharded, feeds)
     prog = compiled.program
     got = _carried(train_steps(_progress(lambda state: run_spmd(prog, state).outputs(prog), steps,
                                          "numpy interpreter"), compiled.logical, feeds, steps))

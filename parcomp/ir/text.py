@@ -97,6 +97,7 @@ _FIRST = {"MESH": 0, "STAGE": 1, "VALUE": 2, "RETURN": 3}  # line kinds first, i
 _OPERAND = "a value name such as `%x`"  # VALUE where no new line may start
 _NAME_CHARS = "names use A-Z, a-z, 0-9 and _ (value names also . and -)"
 MAX_DIGITS = 18  # a whole number must fit in int64
+MAX_ELEMENTS = 1 << 48  # elements of one value: beyond, sizes overflow float64 sums and int64 bytes
 _ALPHABET = ("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
              "_%:[],()={}\"#.-+")  # what the grammar uses outside strings and comments
 _ESCAPES = r'\\, \", \/, \b, \f, \n, \r, \t or \uXXXX'
@@ -191,8 +192,13 @@ class _Build(Transformer):
     def type(self, dt, *dims):
         if str(dt) not in DTYPE_LONG:
             raise self._err(dt, f"unknown dtype {dt!s}; known: {', '.join(DTYPE_SHORT.values())}")
-        return TensorType(tuple(self._int(d, "a dim") for d in dims if d is not None),
-                          DTYPE_LONG[str(dt)])
+        shape = tuple(self._int(d, "a dim") for d in dims if d is not None)
+        numel = math.prod(shape)
+        if numel > MAX_ELEMENTS:
+            raise self._err(dt, f"{dt!s}{list(shape)} has {numel:.3g} elements, more than parcomp's "
+                                f"limit of 2^48 ({MAX_ELEMENTS:.3g}, a petabyte of float32): "
+                                f"check the dims for a typo")
+        return TensorType(shape, DTYPE_LONG[str(dt)])
 
     def rep(self):
         return make_placement("R")
