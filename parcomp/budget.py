@@ -36,7 +36,19 @@ RANK_OVERHEAD_BYTES = 1024
 #: 235 MiB measured for ``import torch, torch.distributed`` (torch 2.13 CPU), rounded up.
 PROCESS_OVERHEAD_BYTES = 256 * 1024 ** 2
 
-__all__ = ["MEMORY_FRACTION", "available_memory", "memory_limit", "check_estimate",
+#: Seconds ``parcomp check`` may plan to spend (its estimate, :func:`check_seconds`); above it
+#: check refuses and names a ``--steps`` that fits.
+CHECK_SECONDS_BUDGET = 600.0
+#: Above this estimate check says on stderr how long it expects to take (and, training,
+#: prints a progress line every :data:`PROGRESS_EVERY_S` seconds).
+CHECK_SECONDS_ANNOUNCE = 10.0
+PROGRESS_EVERY_S = 10.0
+#: Seconds per op evaluation (one node on one rank, or one node of the unsharded graph)
+#: and per element it touches: measured about 10-30 us and 1-3 ns on a 2020 laptop core,
+#: rounded up.
+OP_SECONDS, ELEMENT_SECONDS = 3e-5, 5e-9
+
+__all__ = ["CHECK_SECONDS_BUDGET", "check_seconds", "check_time", "MEMORY_FRACTION", "available_memory", "memory_limit", "check_estimate",
            "run_estimate", "check_memory"]
 
 
@@ -142,3 +154,40 @@ def check_memory(compiled, command: str, available: int | None = None) -> dict:
         f"%{big.name} {big.type} ({format_bytes(big.type.nbytes)}). The limit is "
         f"{format_bytes(est['limit'])} ({source}). Use a smaller model or mesh for "
         f"'parcomp {command}', or compile it and run program.py on machines that hold it")
+
+
+def check_seconds(compiled, steps: int = 1) -> float:
+    """Estimated seconds of ``parcomp check`` for ``steps`` steps (1: a forward check).
+
+    Per step: every node of the local program on every rank, and the unsharded graph
+    three times (reference, error bound, torch), at :data:`OP_SECONDS` per node and
+    :data:`ELEMENT_SECONDS` per element.
+    """
+    prog, logical = compiled.program, compiled.logical
+    ranks = prog.mesh.size
+    calls = ranks * len(prog.nodes) + 3 * len(logical.nodes)
+    elements = (ranks * sum(n.type.numel for n in prog.nodes)
+                + 3 * sum(n.type.numel for n in logical.nodes))
+    return steps * (calls * OP_SECONDS + elements * ELEMENT_SECONDS)
+
+
+def check_time(compiled, steps: int = 1) -> float:
+    """Refuse a ``parcomp check`` estimated (:func:`check_seconds`) above
+    :data:`CHECK_SECONDS_BUDGET`; returns the estimate in seconds.
+
+    Raises:
+        ParcompError: naming the estimate, the ranks, ops and steps it comes from, and
+            for training the largest ``--steps`` that fits.
+    """
+    est = check_seconds(compiled, steps)
+    if est <= CHECK_SECONDS_BUDGET:
+        return est
+    ranks, ops = compiled.program.mesh.size, len(compiled.program.nodes)
+    hint = ("use a smaller mesh for 'parcomp check', or compile it and run program.py"
+            if steps == 1 else
+            f"check fewer steps, e.g. --steps {max(1, int(steps * CHECK_SECONDS_BUDGET / est))}")
+    times = "" if steps == 1 else " x " + plural(steps, "step")
+    raise ParcompError(
+        f"parcomp check would take about {est:,.0f} s ({plural(ranks, 'rank')} x {plural(ops, 'op')}"
+        f"{times} in the numpy interpreter, plus the "
+        f"unsharded reference); the limit is {CHECK_SECONDS_BUDGET:.0f} s: {hint}")

@@ -67,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     k = sub.add_parser("check", help="run every rank in the numpy interpreter, compare with unsharded")
     _common(k)
     k.add_argument("--seed", type=_count(0), default=0)
+    k.add_argument("--steps", type=int, default=None, help="training steps (default: the spec's)")
     r = sub.add_parser("run", help="launch the torch program on N local gloo ranks, compare")
     _common(r)
     r.add_argument("--nproc", type=_count(1), required=True)

@@ -9,9 +9,9 @@ import tempfile
 
 import numpy as np
 
-from .budget import check_memory
+from .budget import CHECK_SECONDS_ANNOUNCE, PROGRESS_EVERY_S, check_memory, check_time
 from .compiler import compile_graph
-from .errors import ParcompError
+from .errors import ParcompError, VerifyError
 from .frontends.loader import load_model, pointing_into
 from .ir.text import print_graph
 from .outdir import MARKER, write_dir_atomic  # noqa: F401 - MARKER: part of this module's API
@@ -25,11 +25,34 @@ from .tolerance import (compare_outputs as compare, output_bounds, training_boun
 from .spec import load_spec
 
 
-def _compile(args, after=None):
+def _compile(args, after=None, numeric: str | None = None):
+    """Load and compile ``args.model`` with ``args.spec``; ``numeric`` names a command that
+    computes with numpy/torch on this machine (``check``/``run``), which then refuses
+    dtypes numpy cannot compute in (:func:`require_numpy_dtypes`)."""
     graph, module, example = load_model(args.model)
     spec = load_spec(args.spec)
     with pointing_into(args.model):  # a .pcir model's layout problems: at its line
+        if numeric:
+            require_numpy_dtypes(graph, numeric)
         return compile_graph(graph, spec, after), module, example
+
+
+#: dtypes numpy has no type for; check/run compute with numpy, so they refuse them
+NO_NUMPY_DTYPES = ("bfloat16",)
+
+
+def require_numpy_dtypes(graph, command: str) -> None:
+    """VerifyError naming the first value of ``graph`` whose dtype numpy lacks (bfloat16).
+
+    Raised inside :func:`pointing_into`, a ``.pcir`` model's error is at that value's line.
+    """
+    for n in graph.nodes:
+        if n.type.dtype in NO_NUMPY_DTYPES:
+            err = VerifyError(f"%{n.name} is {n.type}: parcomp {command} computes with numpy, which "
+                              f"has no {n.type.dtype}; check the model in float32 (e.g. "
+                              f"model.float()) and compile the {n.type.dtype} one", where=f"%{n.name}")
+            err.node = n.name
+            raise err
 
 
 def program_files(compiled, target: str, profile: str | None, model: str | None = None) -> dict:
@@ -113,6 +136,21 @@ def feeds_for(graph, module, example, seed=0) -> dict:
     return feeds
 
 
+def require_finite(graph, feeds: dict) -> None:
+    """ParcompError naming the first input or param of ``graph`` whose value in ``feeds``
+    holds NaN or inf (and where): a check cannot vouch for what is computed from it."""
+    for n in graph.nodes:
+        x = feeds.get(n.name) if n.op in ("input", "param") else None
+        if x is None or np.asarray(x).dtype.kind not in "fc":
+            continue
+        bad = ~np.isfinite(np.asarray(x))
+        if bad.any():
+            at = [int(i) for i in np.argwhere(bad)[0]]
+            raise ParcompError(f"{n.op} {n.name} holds {int(bad.sum())} NaN/inf value(s) (the first, "
+                               f"{np.asarray(x)[tuple(at)]}, at {at}): parcomp check cannot vouch for "
+                               f"results computed from them; give finite values", where=n.name)
+
+
 def reference_outputs(graph, module, example, feeds) -> dict:
     """The unsharded answer: the torch module itself when there is one, else numpy."""
     if module is None:
@@ -121,7 +159,7 @@ def reference_outputs(graph, module, example, feeds) -> dict:
 
     with torch.no_grad():
         out = module.eval()(*example)
-    outs = out if isinstance(out, (tuple, list)) else (out,)
+    outs = torch.utils._pytree.tree_leaves(out)  # tuples, lists, dicts: torch.export's order
     return {name: o.detach().cpu().numpy() for name, o in zip(graph.output_names, outs)}
 
 
@@ -129,18 +167,33 @@ def check(args):
     """``parcomp check``: every rank in the numpy interpreter against the unsharded model
     (for training: the spec's ``steps`` steps against the unsharded steps and, for torch
     models, torch.optim; every carried value is compared, buffers and optimizer state too)."""
-    compiled, module, example = _compile(args)
+    compiled, module, example = _compile(args, numeric="check")
     check_memory(compiled, "check")
-    if compiled.report.get("training"):
-        return _check_training(args, compiled, module, example)
+    training = compiled.report.get("training")
+    if not training and getattr(args, "steps", None) is not None:
+        raise ParcompError(f"--steps {args.steps}: the spec has no train line, so the program is "
+                           f"one forward pass; drop --steps or add a train line")
+    steps = _check_steps(args, compiled) if training else 1
+    est = check_time(compiled, steps)
+    if est > CHECK_SECONDS_ANNOUNCE:
+        print(f"parcomp check: this takes about {est:,.0f} s", file=sys.stderr, flush=True)
+    if training:
+        return _check_training(args, compiled, module, example, steps)
     graph = compiled.unsharded
     feeds = feeds_for(graph, module, example, args.seed)
+    require_finite(graph, feeds)
     run = run_spmd(compiled.program, feeds)
     result = compare(run.outputs(compiled.program), reference_outputs(graph, module, example, feeds),
                      output_bounds(compiled.logical, feeds))
     _print_result(args, compiled, result, f"numpy interpreter, {plural(compiled.program.mesh.size, 'rank')}")
     return {**result, "collectives": _summary(compiled.report["collectives"]),
             "world_size": compiled.program.mesh.size}
+
+
+def _check_steps(args, compiled) -> int:
+    """The training steps ``check`` runs: ``--steps`` or the spec's."""
+    given = getattr(args, "steps", None)
+    return train_config(compiled.spec).steps if given is None else check_steps(given)
 
 
 def _print_result(args, compiled, result, how):
@@ -198,19 +251,48 @@ def _training_result(got: dict, want: dict, params, bounds: dict) -> dict:
     return result
 
 
-def _check_training(args, compiled, module, example):
-    steps = train_config(compiled.spec).steps
+def _note_unbounded(result: dict, step, steps: int) -> None:
+    """Say why a training check cannot vouch when the error bound overflowed from ``step`` on."""
+    if step is not None and not result["ok"]:
+        result["why"] = (f"the worst-case error bound grows with every step (rounding compounds, and "
+                         f"a ReLU-style kink may flip) and is not finite from step {step} of {steps} on, "
+                         f"so parcomp cannot vouch for the result; check fewer steps "
+                         f"(--steps {max(step - 1, 1)}); " + result["why"])
+
+
+def _progress(step_fn, steps: int, what: str):
+    """``step_fn`` that prints ``what: step k of steps`` on stderr every
+    :data:`PROGRESS_EVERY_S` seconds."""
+    import time
+
+    state = {"k": 0, "last": time.monotonic()}
+
+    def run(*a):
+        state["k"] += 1
+        now = time.monotonic()
+        if now - state["last"] >= PROGRESS_EVERY_S:
+            state["last"] = now
+            print(f"parcomp check: {what}: step {state['k']:,} of {steps:,}", file=sys.stderr, flush=True)
+        return step_fn(*a)
+    return run
+
+
+def _check_training(args, compiled, module, example, steps):
     feeds = _train_feeds(compiled, module, example, args.seed)
+    require_finite(compiled.unsharded, feeds)
     prog = compiled.program
-    got = _carried(train_steps(lambda state: run_spmd(prog, state).outputs(prog), compiled.logical,
-                               feeds, steps))
+    got = _carried(train_steps(_progress(lambda state: run_spmd(prog, state).outputs(prog), steps,
+                                         "numpy interpreter"), compiled.logical, feeds, steps))
     params = [n.name for n in compiled.unsharded.params]
-    bounds = _carried(training_bounds(compiled.logical, feeds, steps))
+    tb = training_bounds(compiled.logical, feeds, steps)
+    bounds = _carried(tb)
     result = _training_result(got, _carried(numpy_train(compiled.logical, feeds, steps)), params, bounds)
+    _note_unbounded(result, tb["unbounded_from"], steps)
     result["losses"] = [float(x) for x in got["losses"]]
     if module is not None:
         _, want = _torch_reference(compiled, module, example, feeds, steps)
         vs_torch = _training_result(got, want, params, bounds)
+        _note_unbounded(vs_torch, tb["unbounded_from"], steps)
         result["vs_torch"] = vs_torch
         result["ok"] = result["ok"] and vs_torch["ok"]
     if not args.json:
@@ -242,7 +324,7 @@ def run(args):
     with the unsharded module (for training: K steps against torch.optim / the unsharded step)."""
     from parcomp_backends.torch.launch import assemble_outputs, run_torchrun, write_inputs
 
-    compiled, module, example = _compile(args)
+    compiled, module, example = _compile(args, numeric="run")
     if args.nproc == compiled.program.mesh.size:  # else the --nproc error below comes first
         check_memory(compiled, "run")
     if compiled.report.get("training"):

@@ -24,6 +24,8 @@ renamed into place.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -33,6 +35,7 @@ import tempfile
 from .errors import ParcompError
 
 MARKER = ".parcomp-output"
+TEMP_PREFIX = ".parcomp-tmp-"  # parcomp's temporary files: never the user's entries
 LEGACY = ("report.json", "sharded.pcir", "program.pcir", "program.py")  # before manifests
 _NOTE = ("written by parcomp: writing into this directory again replaces only the files listed "
          "here, if unchanged; everything else is left alone")
@@ -60,14 +63,29 @@ def write_dir_atomic(out: str, files: dict, later=(), flag: str = "-o") -> list:
     out = os.path.abspath(out)
     _check_target(out, flag)
     try:
-        if not os.path.lexists(out):
-            _write_fresh(out, files, later)
-            return []
-        return _write_into(out, files, later, flag)
+        with _locked(os.path.dirname(out)):
+            if not os.path.lexists(out):
+                _write_fresh(out, files, later)
+                return []
+            return _write_into(out, files, later, flag)
     except OSError as e:
         at = f" ({e.filename})" if isinstance(e.filename, str) and e.filename != out else ""
         raise ParcompError(f"{flag} {out}: cannot write the output there: {e.strerror or e}{at}",
                            where=out) from None
+
+
+@contextlib.contextmanager
+def _locked(parent: str):
+    """Hold an exclusive ``flock`` on directory ``parent`` (created if missing): parcomp
+    processes writing outputs into one directory take turns instead of racing (a lock on
+    the directory itself, so no lock file is left behind)."""
+    os.makedirs(parent, exist_ok=True)
+    fd = os.open(parent, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _fail(flag, out, msg) -> ParcompError:
@@ -124,7 +142,7 @@ def _write_into(out: str, files: dict, later, flag: str) -> list:
                                + ("" if listed else f" ({MARKER} lists no files of parcomp's)"))
     replaced = sorted(ours) + ([MARKER] if MARKER in entries else [])
     _swap(out, {**files, MARKER: _manifest(files, later)}, replaced)
-    return sorted(set(os.listdir(out)) - new - {MARKER})
+    return sorted(n for n in set(os.listdir(out)) - new - {MARKER} if not n.startswith(TEMP_PREFIX))
 
 
 def _swap(out: str, texts: dict, old: list) -> None:
@@ -212,7 +230,7 @@ def _write(path: str, text: str) -> None:
 
 
 def _temp(out: str) -> str:
-    fd, path = tempfile.mkstemp(prefix=".parcomp-tmp-", dir=out)
+    fd, path = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=out)
     os.close(fd)
     os.chmod(path, 0o666 & ~_umask())
     return path

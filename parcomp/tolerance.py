@@ -63,7 +63,7 @@ def propagate(graph, feeds: dict, errors: dict | None = None) -> tuple[dict, dic
             with np.errstate(all="ignore"):
                 e = GRAPH_RULES[n.op](n, graph, env, err, unit_roundoff(n.type.dtype))
             if e is not None:
-                err[n.name] = np.broadcast_to(np.asarray(e, np.float64), np.shape(env[n.name]))
+                err[n.name] = np.broadcast_to(_no_nan(e), np.shape(env[n.name]))
     return env, err
 
 
@@ -87,7 +87,7 @@ def training_bounds(graph, feeds, steps: int) -> dict:
     state = initial_state(graph, per_step[0])
     carried = {n.name for n in graph.params}
     errs = {}
-    losses, out = [], {}
+    losses, out, unbounded = [], {}, None
     for k in range(1, steps + 1):
         state.update({key: v for key, v in per_step[k - 1].items() if key not in carried})
         if "step" in graph:
@@ -98,8 +98,11 @@ def training_bounds(graph, feeds, steps: int) -> dict:
         for name, v in graph.named_outputs():
             if name in carried:
                 state[name], errs[name] = env[v], err[v]
+        if unbounded is None and not all(np.isfinite(e).all() for e in out.values()):
+            unbounded = k
     zeros = {n.name: np.zeros(n.type.shape) for n in graph.params}
-    return {"losses": losses, "outputs": out, "state": {p: errs.get(p, zeros[p]) for p in zeros}}
+    return {"losses": losses, "outputs": out, "state": {p: errs.get(p, zeros[p]) for p in zeros},
+            "unbounded_from": unbounded}
 
 
 def spmd_errors(program, run, split_inputs: bool = False) -> list:
@@ -169,7 +172,14 @@ def op_bound(node, operands, errors=None, out=None) -> tuple:
     with np.errstate(all="ignore"):
         e = ERROR_RULES[node.op]([_f64(x) for x in operands], [np.asarray(e, np.float64) for e in errors],
                                  node, _f64(out), unit_roundoff(node.type.dtype))
-    return out, np.broadcast_to(np.asarray(e, np.float64), np.shape(out))
+    return out, np.broadcast_to(_no_nan(e), np.shape(out))
+
+
+def _no_nan(e) -> np.ndarray:
+    """A bound as float64 with NaN (inf - inf, 0 * inf of a bound that overflowed) made inf:
+    an unknown error is an unbounded one, never a NaN tolerance."""
+    e = np.asarray(e, np.float64)
+    return np.where(np.isnan(e), np.inf, e) if np.isnan(e).any() else e
 
 
 def _input_errors(n, run, mesh, split_inputs) -> list:
@@ -207,7 +217,7 @@ def compare(got, want, bound, bound_want=None, allow_nonfinite: bool = False) ->
     nothing is allowed is inf), ``worst`` (its index), ``nonfinite_mismatch``,
     ``nonfinite`` (matching inf/NaN), ``ok`` and ``why`` (empty when ok).
     """
-    g, w = _f64(got), _f64(want)
+    g, w = _exact(_f64(got)), _exact(_f64(want))  # ints and bools: compared exactly (bound 0)
     if g.shape != w.shape:
         return _result(np.inf, 0.0, np.inf, None, 0, 0, f"shape {g.shape} != {w.shape}")
     bw = bound if bound_want is None else bound_want
@@ -229,12 +239,18 @@ def compare(got, want, bound, bound_want=None, allow_nonfinite: bool = False) ->
         why.append(f"error {float(err[worst]):.3e} > tolerance {tol:.3e} at {[int(i) for i in worst]}")
     elif r > 1:
         why.append(f"error {float(err[worst]):.3e} at {[int(i) for i in worst]} where the error bound is not "
-                   f"finite (ill-conditioned, e.g. a division by a value near 0)")
+                   f"finite: the worst-case rounding analysis overflowed there, so parcomp cannot vouch "
+                   f"for it")
     nonfinite = int(np.count_nonzero(same))
     if nonfinite and not allow_nonfinite:
         why.append(f"{nonfinite} inf/NaN value(s) on both sides (overflow?): nothing to vouch for")
     max_err = np.inf if bad else (float(err.max()) if g.size else 0.0)
     return _result(max_err, tol, r, worst, bad, nonfinite, "; ".join(why))
+
+
+def _exact(x: np.ndarray) -> np.ndarray:
+    """Bools as int64 (0/1), so that differences exist; other arrays unchanged."""
+    return x.astype(np.int64) if x.dtype.kind == "b" else x
 
 
 def _result(max_err, tol, ratio, worst, bad, nonfinite, why):

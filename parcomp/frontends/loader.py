@@ -77,9 +77,32 @@ def _read_pcir(path: str) -> Graph:
         at = next((i for i, ln in enumerate(lines) if ln.lstrip().startswith("return")), 0)
         raise FrontendError("the model returns nothing: name its outputs, as `return %value`",
                             SourceLoc(path, at + 1, 1, lines[at]))
+    _declared_attrs_only(graph, path, source_lines(text[1:] if text.startswith("\ufeff") else text))
     with pointing_into(path, text):
         verify(graph)
     return graph
+
+
+def _declared_attrs_only(graph: Graph, path: str, lines: list) -> None:
+    """FrontendError at the attribute when a node of a model ``.pcir`` carries an attribute
+    its op does not declare (:data:`parcomp.ir.ops.OPS`; passes' annotations such as
+    ``reason`` are not the user's to write)."""
+    from ..ir.ops import OPS
+
+    for n in graph.nodes:
+        extra = [k for k, _ in n.attrs if k not in OPS[n.op].attrs]
+        if not extra:
+            continue
+        at = next((i for i, ln in enumerate(lines) if ln.lstrip().startswith(f"%{n.name}:")), 0)
+        line = lines[at] if at < len(lines) else ""
+        col = line.find(f"{extra[0]}=", line.find("{") + 1) + 1 or 1
+        takes = OPS[n.op].attrs
+        hint = (f"it takes {', '.join(sorted(takes))}" if takes else "it takes none")
+        if n.op == "reshape":
+            hint += " (the result type gives the shape)"
+        elif extra[0] == "trainable":
+            hint += " (trainable=false is for a param)"
+        raise FrontendError(f"{n.op} has no attribute {extra[0]}; {hint}", SourceLoc(path, at + 1, col, line))
 
 
 def _line_of(err: VerifyError, lines: list) -> int | None:

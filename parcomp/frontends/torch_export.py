@@ -346,6 +346,17 @@ def _name_outputs(nodes: list, outs: list, wanted: list) -> tuple:
     return nodes, [ren.get(v, v) for v in outs]
 
 
+def _dict_keys(ep, count: int) -> list | None:
+    """The keys of a ``forward`` that returns a flat dict of ``count`` tensors with string
+    keys that are names (``{"a": y, "b": z}``: outputs ``a`` and ``b``), else None."""
+    spec = getattr(getattr(ep, "call_spec", None), "out_spec", None)
+    if spec is None or spec.type is not dict or spec.num_leaves != count:
+        return None
+    keys = list(spec.context)
+    ok = all(isinstance(k, str) and k.replace(".", "_").isidentifier() for k in keys)
+    return keys if ok and len(keys) == count else None  # count leaves in count keys: flat
+
+
 def _frozen(module, sig, fx_name: str) -> dict:
     """``{"trainable": False}`` for a buffer or a ``requires_grad=False`` parameter, else ``{}``."""
     if fx_name in sig.inputs_to_buffers:
@@ -397,7 +408,8 @@ def import_torch(module: torch.nn.Module, example_inputs: tuple,
         raise FrontendError(f"the model mutates {bad[0].target!r} ({bad[0].kind.name}); "
                             "only side-effect-free forward() is supported")
     out_fx = [n for n in fx_nodes if n.op == "output"][0].args[0]
-    wanted = ([b.fresh("output")] if len(out_fx) == 1
+    keys = _dict_keys(ep, len(out_fx))
+    wanted = ([b.fresh(k) for k in keys] if keys else [b.fresh("output")] if len(out_fx) == 1
               else [b.fresh(f"output_{i}") for i in range(len(out_fx))])
     for n in fx_nodes:
         if n.op == "call_function":

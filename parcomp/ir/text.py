@@ -29,6 +29,7 @@ order mark is skipped.  Every problem is an :class:`IRParseError` at
 from __future__ import annotations
 
 import json
+import math
 import re
 
 from lark import Lark, Transformer, UnexpectedCharacters, UnexpectedInput, v_args
@@ -96,6 +97,7 @@ _FIRST = {"MESH": 0, "STAGE": 1, "VALUE": 2, "RETURN": 3}  # line kinds first, i
 _OPERAND = "a value name such as `%x`"  # VALUE where no new line may start
 _NAME_CHARS = "names use A-Z, a-z, 0-9 and _ (value names also . and -)"
 MAX_DIGITS = 18  # a whole number must fit in int64
+MAX_ELEMENTS = 1 << 48  # elements of one value: beyond, sizes overflow float64 sums and int64 bytes
 _ALPHABET = ("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
              "_%:[],()={}\"#.-+")  # what the grammar uses outside strings and comments
 _ESCAPES = r'\\, \", \/, \b, \f, \n, \r, \t or \uXXXX'
@@ -190,8 +192,13 @@ class _Build(Transformer):
     def type(self, dt, *dims):
         if str(dt) not in DTYPE_LONG:
             raise self._err(dt, f"unknown dtype {dt!s}; known: {', '.join(DTYPE_SHORT.values())}")
-        return TensorType(tuple(self._int(d, "a dim") for d in dims if d is not None),
-                          DTYPE_LONG[str(dt)])
+        shape = tuple(self._int(d, "a dim") for d in dims if d is not None)
+        numel = math.prod(shape)
+        if numel > MAX_ELEMENTS:
+            raise self._err(dt, f"{dt!s}{list(shape)} has {numel:.3g} elements, more than parcomp's "
+                                f"limit of 2^48 ({MAX_ELEMENTS:.3g}, a petabyte of float32): "
+                                f"check the dims for a typo")
+        return TensorType(shape, DTYPE_LONG[str(dt)])
 
     def rep(self):
         return make_placement("R")
@@ -210,7 +217,13 @@ class _Build(Transformer):
 
     def number(self, tok):
         s = str(tok)
-        return float(s) if any(c in s for c in ".eE") else self._int(tok, "the number")
+        if not any(c in s for c in ".eE"):
+            return self._int(tok, "the number")
+        x = float(s)
+        if not math.isfinite(x):
+            raise self._err(tok, f"the number {s} is not finite in float64 (which holds at most "
+                                 f"1.8e308); an attribute must be a finite number")
+        return x
 
     def string(self, tok):
         try:
@@ -305,6 +318,55 @@ def _is_empty(lines) -> bool:
     return all(not ln.strip() or ln.lstrip().startswith("#") for ln in lines)
 
 
+def _code(line: str):
+    """``(code, strings)`` of one line: ``code`` with strings blanked and the comment cut,
+    ``strings``: the columns (0-based) of opening quotes with no closing quote."""
+    out, i, unclosed = [], 0, []
+    while i < len(line):
+        c = line[i]
+        if c == "#":
+            break
+        if c == '"':
+            j = i + 1
+            while j < len(line) and line[j] != '"':
+                j += 2 if line[j] == "\\" else 1
+            if j >= len(line):
+                unclosed.append(i)
+                break
+            out.append('"' + " " * (j - i - 1) + '"')
+            i = j + 1
+            continue
+        out.append(c)
+        i += 1
+    return "".join(out), unclosed
+
+
+def _prescan(lines: list, file: str) -> None:
+    """Errors the grammar would report badly: a non-ASCII character in a name, a string with
+    no closing quote, a second ``return`` line (IRParseError at the spot)."""
+    returns = []
+    for k, line in enumerate(lines):
+        code, unclosed = _code(line)
+        if unclosed:
+            raise IRParseError('this string has no closing quote `"` (a string ends on its line)',
+                               SourceLoc(file, k + 1, unclosed[0] + 1, line))
+        for col, c in enumerate(code):
+            if not c.isascii():
+                msg = bad_char(c, code[col - 1] if col else "", _ALPHABET, _NAME_CHARS,
+                               "outside strings and comments")
+                if col and (code[col - 1] == "%" or code[col - 1] in "_.-"):
+                    msg = f"the character {char_name(c)} is not allowed in a name; {_NAME_CHARS}"
+                raise IRParseError(msg or f"the character {char_name(c)} is not allowed here",
+                                   SourceLoc(file, k + 1, col + 1, line))
+        if code.lstrip().startswith("return") and code.lstrip()[6:7] in ("", " ", "\t", "%"):
+            returns.append(k)
+    if len(returns) > 1:
+        at = returns[1]
+        raise IRParseError(f"`return` must be the last line, and it appears twice (lines "
+                           f"{returns[0] + 1} and {at + 1}); return every output on one line: "
+                           f"`return %a, %b`", SourceLoc(file, at + 1, 1, lines[at]))
+
+
 def parse_graph(text: str, file: str = "<string>") -> Graph:
     """Parse ``.pcir`` text (a leading byte order mark is skipped).
 
@@ -320,6 +382,7 @@ def parse_graph(text: str, file: str = "<string>") -> Graph:
         raise IRParseError("the file is empty: a .pcir has one line per value, "
                            "`%name: dtype[shape] = op(%operands)`, and ends with `return %value` "
                            "(see specs/tiny_relu_mlp.pcir)", SourceLoc(file, 1, 1, ""))
+    _prescan(lines, file)
     try:
         tree = _PARSER.parse(text)
     except UnexpectedInput as e:

@@ -86,6 +86,7 @@ def train_config(spec) -> TrainConfig:
             raise SpecError(f"{name} has no hyperparameter {k!r}; it takes {', '.join(hyper)}", t.loc)
         hyper[k] = _number(v, f"{name}({k}=...)", t.loc, float)
         _check_range(f"{name}({k}={v})", hyper[k], HYPER_RANGES[k], t.loc)
+        _check_float32(f"{name}({k}={v})", hyper[k], HYPER_RANGES[k], t.loc)
     zero = _number(t.get("zero", 0), "zero", t.loc, int)
     if zero not in (0, 1, 2):
         raise SpecError(f"zero={zero}: only 0, 1 and 2 exist", t.loc)
@@ -135,6 +136,35 @@ def _check_range(what, x, bounds, loc) -> None:
     if high is not None and (x > high or (x == high and not high_ok)):
         raise SpecError(f"{what} must be {'at most' if high_ok else 'less than'} {high:g} "
                         f"(legal: {legal})", loc)
+
+
+#: the largest finite float32: hyperparameters must survive the model's float32 arithmetic
+F32_MAX = 3.4028234663852886e38
+
+
+def _check_float32(what, x, bounds, loc) -> None:
+    """SpecError at ``loc`` unless ``x`` is representable in float32 and stays inside its legal
+    range there (``beta1=0.99999999999`` is < 1 but rounds to 1.0 in float32, and its bias
+    correction 1 - beta**t is then 0)."""
+    if abs(x) > F32_MAX:
+        raise SpecError(f"{what} is not representable in float32, the model's arithmetic "
+                        f"(legal: 0 <= x <= {F32_MAX:.4g})", loc)
+    low, high, high_ok = bounds
+    if high is not None and not high_ok and float(_f32(x)) >= high:
+        raise SpecError(f"{what} rounds to {float(_f32(x)):g} in float32, the model's arithmetic, "
+                        f"which is not less than {high:g}; use at most {float(_below(high)):.9g}", loc)
+
+
+def _f32(x):
+    import numpy as np
+
+    return np.float32(x)
+
+
+def _below(high):
+    import numpy as np
+
+    return np.nextafter(np.float32(high), np.float32(0))
 
 
 def _number(value, what, loc, kind):

@@ -103,7 +103,7 @@ def torch_train(module, example, input_names, data: dict, cfg, steps: int, outpu
         for x in xs:
             x.grad = None
         y = m(*xs)
-        y = y[output] if isinstance(y, (tuple, list)) else y
+        y = torch.utils._pytree.tree_leaves(y)[output]  # tuples, lists, dicts: torch.export's order
         if cfg.loss == "mse":
             loss = F.mse_loss(y, torch.from_numpy(data["target"]))
         elif cfg.loss == "cross_entropy":
