@@ -200,9 +200,10 @@ def _print_result(args, compiled, result, how):
     if args.json:
         return
     print(format_collectives(compiled.report["collectives"]))
-    verdict = "OK" if result["ok"] else f"MISMATCH: {result['why']}"
+    word = verdict(result)
     print(f"{how}: max abs error vs unsharded {result['max_abs_err']:.3e} "
-          f"(output scale {result['output_scale']:.3e}; {_vs_tolerance(result)}) {verdict}")
+          f"(output scale {result['output_scale']:.3e}; {_vs_tolerance(result)}) "
+          f"{word}{'' if result['ok'] else ': ' + result['why']}")
 
 
 def _vs_tolerance(result) -> str:
@@ -252,12 +253,32 @@ def _training_result(got: dict, want: dict, params, bounds: dict) -> dict:
 
 
 def _note_unbounded(result: dict, step, steps: int) -> None:
-    """Say why a training check cannot vouch when the error bound overflowed from ``step`` on."""
-    if step is not None and not result["ok"]:
-        result["why"] = (f"the worst-case error bound grows with every step (rounding compounds, and "
-                         f"a ReLU-style kink may flip) and is not finite from step {step} of {steps} on, "
-                         f"so parcomp cannot vouch for the result; check fewer steps "
-                         f"(--steps {max(step - 1, 1)}); " + result["why"])
+    """Say why a training check cannot vouch when the error bound overflowed from ``step`` on.
+
+    When every failing value failed only there (``unbounded``: no error seen beyond a finite
+    bound), ``why`` becomes that one sentence; a real mismatch elsewhere keeps its reasons."""
+    if step is None or result["ok"]:
+        return
+    note = (f"the worst-case error bound grows with every step (rounding compounds, and a "
+            f"ReLU-style kink may flip) and is not finite from step {step} of {steps} on, so parcomp "
+            f"cannot vouch for the result (no error beyond the bound was seen before that); check "
+            f"fewer steps (--steps {max(step - 1, 1)})")
+    result["why"] = note if result.get("unbounded") else f"{note}; {result['why']}"
+
+
+def verdict(*results) -> str:
+    """``OK``, ``CANNOT VOUCH`` (every failure is only an error bound that overflowed) or
+    ``MISMATCH``, over the comparison results given (None entries skipped)."""
+    failed = [r for r in results if r is not None and not r["ok"]]
+    if not failed:
+        return "OK"
+    return "CANNOT VOUCH" if all(r.get("unbounded") for r in failed) else "MISMATCH"
+
+
+def _short_losses(losses) -> str:
+    """The per-step losses, the first and last five when there are more than twelve."""
+    xs = [f"{x:.6f}" for x in losses]
+    return ", ".join(xs if len(xs) <= 12 else xs[:5] + [f"... ({len(xs) - 10} more)"] + xs[-5:])
 
 
 def _progress(step_fn, steps: int, what: str):
@@ -295,6 +316,7 @@ def _check_training(args, compiled, module, example, steps):
         _note_unbounded(vs_torch, tb["unbounded_from"], steps)
         result["vs_torch"] = vs_torch
         result["ok"] = result["ok"] and vs_torch["ok"]
+    result["verdict"] = verdict(result, result.get("vs_torch"))
     if not args.json:
         print(format_collectives(compiled.report["collectives"]))
         print(format_memory(compiled.report))
@@ -305,7 +327,7 @@ def _check_training(args, compiled, module, example, steps):
 
 
 def _print_training(result, how, label="vs unsharded step"):
-    print(f"{how}: losses {', '.join(f'{x:.6f}' for x in result['losses'])}")
+    print(f"{how}: losses {_short_losses(result['losses'])}")
     why = []
     for name, r in ((label, result), ("vs torch.optim", result.get("vs_torch"))):
         if r is None:
@@ -315,8 +337,10 @@ def _print_training(result, how, label="vs unsharded step"):
               f"  ({_vs_tolerance(r)})")
         if r.get("missing"):
             print(f"    missing from the program: {', '.join(r['missing'])}")
-        why += [f"{name}: {r['why']}"] if r["why"] else []
-    print("  OK" if result["ok"] else f"  MISMATCH: {'; '.join(why)}")
+        if r["why"] and r["why"] not in [w for _, w in why]:
+            why.append((name, r["why"]))
+    word = verdict(result, result.get("vs_torch"))
+    print("  OK" if word == "OK" else f"  {word}: " + "; ".join(f"{n}: {w}" for n, w in why))
 
 
 def run(args):
@@ -409,13 +433,16 @@ def _run_training(args, compiled, module, example):
     else:
         ref = numpy_train(compiled.logical, feeds, steps)
         ref_losses, want = ref["losses"], _carried(ref)
-    result = _training_result(got, want, params, _carried(training_bounds(compiled.logical, feeds, steps)))
+    tb = training_bounds(compiled.logical, feeds, steps)
+    result = _training_result(got, want, params, _carried(tb))
+    _note_unbounded(result, tb["unbounded_from"], steps)
+    result["verdict"] = verdict(result)
     result["losses"], result["reference_losses"] = losses, ref_losses
     if not args.json:
         print(format_collectives(compiled.report["collectives"]))
         ref_name = "torch.optim" if module is not None else "unsharded numpy"
         _print_training(result, f"torchrun, {plural(size, 'gloo rank')}, {plural(steps, 'step')}",
                         f"vs {ref_name}")
-        print(f"  reference losses: {', '.join(f'{x:.6f}' for x in ref_losses)}")
+        print(f"  reference losses: {_short_losses(ref_losses)}")
     return {**result, "collectives": _summary(compiled.report["collectives"]), "world_size": size,
             "steps": steps}

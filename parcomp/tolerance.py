@@ -245,7 +245,9 @@ def compare(got, want, bound, bound_want=None, allow_nonfinite: bool = False) ->
     if nonfinite and not allow_nonfinite:
         why.append(f"{nonfinite} inf/NaN value(s) on both sides (overflow?): nothing to vouch for")
     max_err = np.inf if bad else (float(err.max()) if g.size else 0.0)
-    return _result(max_err, tol, r, worst, bad, nonfinite, "; ".join(why))
+    res = _result(max_err, tol, r, worst, bad, nonfinite, "; ".join(why))
+    res["unbounded"] = len(why) == 1 and r > 1 and not np.isfinite(tol) and not bad
+    return res
 
 
 def _exact(x: np.ndarray) -> np.ndarray:
@@ -256,7 +258,8 @@ def _exact(x: np.ndarray) -> np.ndarray:
 def _result(max_err, tol, ratio, worst, bad, nonfinite, why):
     return {"max_abs_err": max_err, "tolerance": tol, "err_over_tol": ratio,
             "worst": None if worst is None else [int(i) for i in worst],
-            "nonfinite_mismatch": bad, "nonfinite": nonfinite, "ok": not why, "why": why}
+            "nonfinite_mismatch": bad, "nonfinite": nonfinite, "ok": not why, "why": why,
+            "unbounded": False}
 
 
 def compare_all(got: dict, want: dict, bounds: dict, keys=None, **kw) -> dict:
@@ -282,9 +285,12 @@ def compare_all(got: dict, want: dict, bounds: dict, keys=None, **kw) -> dict:
     top = max(per, key=lambda k: per[k]["err_over_tol"])
     t = per[top]
     where = top + (str(t["worst"]).replace(" ", "") if t["worst"] else "")  # 0-d: the bare name
+    ok = all(p["ok"] for p in per.values())
     return {"max_abs_err": max(p["max_abs_err"] for p in per.values()), "tolerance": t["tolerance"],
-            "err_over_tol": t["err_over_tol"], "worst": where, "ok": all(p["ok"] for p in per.values()),
-            "why": "; ".join(f"{k}: {p['why']}" for k, p in per.items() if p["why"]), "per_key": per}
+            "err_over_tol": t["err_over_tol"], "worst": where, "ok": ok,
+            "why": "; ".join(f"{k}: {p['why']}" for k, p in per.items() if p["why"]), "per_key": per,
+            # failing only where the bound overflowed: no error seen, but nothing vouched for
+            "unbounded": not ok and all(p["ok"] or p["unbounded"] for p in per.values())}
 
 
 def max_abs(x) -> float:
@@ -301,7 +307,7 @@ def compare_outputs(got: dict, want: dict, bounds: dict) -> dict:
     scale = max((max_abs(want[k]) for k in want), default=0.0)
     return {"max_abs_err": res["max_abs_err"], "output_scale": scale,
             "rel_err": res["max_abs_err"] / max(scale, 1e-30),
-            **{k: res[k] for k in ("tolerance", "err_over_tol", "worst", "ok", "why")}}
+            **{k: res[k] for k in ("tolerance", "err_over_tol", "worst", "ok", "why", "unbounded")}}
 
 
 def training_errors(got: dict, want: dict, params, bounds: dict) -> dict:
@@ -316,7 +322,7 @@ def training_errors(got: dict, want: dict, params, bounds: dict) -> dict:
 
     return {"max_loss_err": err(["loss", "losses"]), "max_grad_err": err([f"{p}.grad" for p in params]),
             "max_param_err": err(params), "max_abs_err": res["max_abs_err"],
-            **{k: res[k] for k in ("tolerance", "err_over_tol", "worst", "ok", "why")}}
+            **{k: res[k] for k in ("tolerance", "err_over_tol", "worst", "ok", "why", "unbounded")}}
 
 
 def loss_errors(losses, ref_losses, loss_bounds) -> dict:

@@ -122,6 +122,18 @@ def test_many_relu_steps_bound_is_never_nan(play, capsys):
     out = capsys.readouterr().out
     assert "nan" not in out.lower() and "division" not in out
     assert f"not finite from step {b['unbounded_from']} of 300" in out and "--steps" in out
+    # the verdict says what happened: no error was seen, the bound gave out; said once, not per value
+    assert "CANNOT VOUCH" in out and "MISMATCH" not in out and out.count("cannot vouch") == 1
+    assert "... (290 more)" in out  # 300 losses are shortened
+
+
+def test_verdict_words():
+    from parcomp.commands import verdict
+
+    ok, bad = {"ok": True}, {"ok": False, "unbounded": False}
+    unb = {"ok": False, "unbounded": True}
+    assert verdict(ok, None) == "OK" and verdict(unb, ok) == "CANNOT VOUCH"
+    assert verdict(unb, bad) == "MISMATCH" and verdict(bad) == "MISMATCH"
 
 
 # 9, 10: check estimates its work
