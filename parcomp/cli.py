@@ -13,6 +13,8 @@ import argparse
 import json
 import sys
 
+import numpy as np
+
 from .errors import ParcompError
 
 TARGETS = ("torch", "ascend", "reference")
@@ -96,7 +98,10 @@ def main(argv=None) -> int:
     from . import commands
 
     try:
-        result = getattr(commands, args.cmd)(args)
+        # overflow and 0/0 in the interpreter are reported by the comparison (inf/NaN is never
+        # OK), so numpy's RuntimeWarnings would only repeat it as noise with a source line
+        with np.errstate(all="ignore"):
+            result = getattr(commands, args.cmd)(args)
     except ParcompError as e:
         print(e.render(), file=sys.stderr)
         if args.json:

@@ -22,7 +22,9 @@ def _gelu(x, node):
 
 
 def _sigmoid(x):
-    return 1.0 / (1.0 + np.exp(-x))
+    """1 / (1 + exp(-x)) without overflow: exp of -|x| only (the same value in every dtype)."""
+    e = np.exp(-np.abs(x))
+    return np.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e)).astype(np.result_type(x, np.float32))
 
 
 def _gelu_grad(dy, x, node):
