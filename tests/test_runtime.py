@@ -57,6 +57,17 @@ def test_steps_argument_is_checked(capsys):
     assert "--checkpoint" in capsys.readouterr().err
 
 
+def test_bench_argument_is_bounded(capsys):
+    assert program_forward.parse_args(["--bench", "3"]).bench == 3
+    assert program_train.parse_args(["--checkpoint", "m.pt", "--bench", "0"]).bench == 0
+    for parse in (program_forward.parse_args, lambda a: program_train.parse_args(["--checkpoint", "m.pt", *a])):
+        for bad in ("-1", "100001", "1e12", "x"):
+            with pytest.raises(SystemExit) as info:
+                parse(["--bench", bad])
+            assert info.value.code == 2
+    assert "give 0 to 100_000 timed steps" in capsys.readouterr().err
+
+
 def test_forward_arguments_and_fail_exit_2(capsys):
     args = program_forward.parse_args(["--output", "o.pt", "--bench", "3"])
     assert (args.output, args.bench, args.device) == ("o.pt", 3, "cpu")

@@ -14,6 +14,7 @@ of a ``movedim`` copy: gloo accepts only the concatenated dim-0 form of
 ``all_gather_single``.
 """
 # flake8: noqa: E402 (the sections keep program.py's layout; argparse is imported by the modules that parse)
+import argparse
 import importlib
 import json
 import math
@@ -265,6 +266,20 @@ def sync():
 
 
 # >>> program.py: bench
+MAX_BENCH = 100_000  # --bench N runs 2N steps: bounded, as --steps is
+
+
+def bench_count(text):
+    """``--bench N``: 0 (off) to MAX_BENCH timed steps, else an argparse error giving the range."""
+    try:
+        count = int(text)
+    except ValueError:
+        count = -1
+    if not 0 <= count <= MAX_BENCH:
+        raise argparse.ArgumentTypeError(f"{text}: give 0 to {MAX_BENCH:_} timed steps")
+    return count
+
+
 def bench(step_fn, params, inputs, steps):
     """``steps`` warm-up then ``steps`` timed steps of ``step_fn``; rank 0 prints the max over ranks (ms)."""
     times = []

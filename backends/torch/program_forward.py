@@ -37,7 +37,7 @@ def parse_args(argv):
     ap.add_argument("--input", required=bool(INPUTS), help=".pt or .safetensors dict of inputs")
     ap.add_argument("--output", help="where to write the outputs (.pt)")
     ap.add_argument("--device", choices=sorted({"cpu", PROFILE}), default=PROFILE)
-    ap.add_argument("--bench", type=int, default=0, metavar="N", help="time N forward steps")
+    ap.add_argument("--bench", type=bench_count, default=0, metavar="N", help="time N forward steps")
     return ap.parse_args(argv)
 # <<< program.py
 

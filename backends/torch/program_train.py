@@ -56,7 +56,7 @@ def parse_args(argv):
     ap.add_argument("--steps", type=step_count, default=TRAIN_STEPS, metavar="K",
                     help=f"training steps (default {TRAIN_STEPS})")
     ap.add_argument("--device", choices=sorted({"cpu", PROFILE}), default=PROFILE)
-    ap.add_argument("--bench", type=int, default=0, metavar="N",
+    ap.add_argument("--bench", type=bench_count, default=0, metavar="N",
                     help="time N training steps from the loaded parameters (not applied)")
     return ap.parse_args(argv)
 # <<< program.py

@@ -317,6 +317,20 @@ def sync():
         getattr(torch, DEVICE.type).synchronize()
 
 
+MAX_BENCH = 100_000  # --bench N runs 2N steps: bounded, as --steps is
+
+
+def bench_count(text):
+    """``--bench N``: 0 (off) to MAX_BENCH timed steps, else an argparse error giving the range."""
+    try:
+        count = int(text)
+    except ValueError:
+        count = -1
+    if not 0 <= count <= MAX_BENCH:
+        raise argparse.ArgumentTypeError(f"{text}: give 0 to {MAX_BENCH:_} timed steps")
+    return count
+
+
 def bench(step_fn, params, inputs, steps):
     """``steps`` warm-up then ``steps`` timed steps of ``step_fn``; rank 0 prints the max over ranks (ms)."""
     times = []
@@ -340,7 +354,7 @@ def parse_args(argv):
     ap.add_argument("--input", required=bool(INPUTS), help=".pt or .safetensors dict of inputs")
     ap.add_argument("--output", help="where to write the outputs (.pt)")
     ap.add_argument("--device", choices=sorted({"cpu", PROFILE}), default=PROFILE)
-    ap.add_argument("--bench", type=int, default=0, metavar="N", help="time N forward steps")
+    ap.add_argument("--bench", type=bench_count, default=0, metavar="N", help="time N forward steps")
     return ap.parse_args(argv)
 
 
