@@ -458,6 +458,7 @@ def test_check_names_ok():
     ("input  xx replicated", 8, "input rule 'xx' matches no input of the model; did you mean x?"),
     ("output out replicated", 8, "did you mean output?"),
     ("activation zzz split-hidden", 12, "(the model's values: h1, h2)"),
+    ("* colwise", 1, "`*` stops at a `.` and `**` crosses it"),
 ])
 def test_check_names_errors(line, col, hint):
     spec = parse_spec(f"mesh tp=2\n{line}\n", "t.pcs")

@@ -401,4 +401,6 @@ def check_names(spec: Spec, param_names, input_names, output_names, value_names)
             msg += f" (the model's {noun}s: {', '.join(names[:8])}{more})"
         else:
             msg += f" (the model has no {noun}s)"
+        if "*" in rule.pattern and "**" not in rule.pattern and any("." in n for n in names):
+            msg += "; `*` stops at a `.` and `**` crosses it (`**.weight`, `h.*.mlp.**`)"
         raise SpecError(msg, rule.loc)
