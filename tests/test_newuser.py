@@ -10,6 +10,7 @@ import pytest
 
 from parcomp.cli import main
 from parcomp.tolerance import compare, training_bounds
+from test_cli import write  # the suite's one file-writing helper
 
 FACTORIES = '''
 import torch
@@ -41,9 +42,6 @@ def play(tmp_path):
     return tmp_path
 
 
-def _write(d, name, text):
-    (d / name).write_text(text)
-    return str(d / name)
 
 
 def _fails(argv, capsys, *needles):
@@ -58,20 +56,20 @@ def _fails(argv, capsys, *needles):
 
 # 1-3: dtypes numpy cannot compute in; bool/int outputs
 def test_bf16_model_check_names_the_value(play, capsys):
-    spec = _write(play, "lin.pcs", LIN)
+    spec = write(play, "lin.pcs", LIN)
     _fails(["check", f"{play}/odd.py:bf16", "--spec", spec], capsys,
            "%0.weight is bf16[16,8]", "numpy, which has no bfloat16")
 
 
 def test_bf16_pcir_check_is_located(tmp_path, capsys):
-    m = _write(tmp_path, "b.pcir", "%x: bf16[2,2] = input()\n%y: bf16[2,2] = exp(%x)\nreturn %y\n")
-    spec = _write(tmp_path, "s.pcs", "mesh tp=2\n")
+    m = write(tmp_path, "b.pcir", "%x: bf16[2,2] = input()\n%y: bf16[2,2] = exp(%x)\nreturn %y\n")
+    spec = write(tmp_path, "s.pcs", "mesh tp=2\n")
     _fails(["check", m, "--spec", spec], capsys, "b.pcir:1:1", "%x is bf16[2,2]")
 
 
 def test_bool_output_is_compared_exactly(tmp_path, capsys):
-    m = _write(tmp_path, "b.pcir", "%x: bool[2,2] = input()\nreturn %x\n")
-    spec = _write(tmp_path, "s.pcs", "mesh tp=2\n")
+    m = write(tmp_path, "b.pcir", "%x: bool[2,2] = input()\nreturn %x\n")
+    spec = write(tmp_path, "s.pcs", "mesh tp=2\n")
     assert main(["check", m, "--spec", spec]) == 0
     r = compare(np.array([True, False]), np.array([True, True]), 0.0)
     assert not r["ok"] and r["max_abs_err"] == 1 and r["tolerance"] == 0
@@ -80,7 +78,7 @@ def test_bool_output_is_compared_exactly(tmp_path, capsys):
 
 # 4: dict outputs
 def test_dict_outputs_named_by_keys(play, capsys):
-    spec = _write(play, "s.pcs", "mesh tp=2\ninput x replicated\n")
+    spec = write(play, "s.pcs", "mesh tp=2\ninput x replicated\n")
     assert main(["check", f"{play}/odd.py:dict_out", "--spec", spec, "--json"]) == 0
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert last["ok"] and last["worst"].split("[")[0] in ("a", "b")
@@ -92,16 +90,16 @@ def test_dict_outputs_named_by_keys(play, capsys):
     ("adamw(beta1=0.99999999999)", "rounds to 1 in float32"),
 ])
 def test_hyperparameters_must_fit_float32(play, capsys, opt, needle):
-    spec = _write(play, "t.pcs", LIN + f"train optimizer={opt}\n")
+    spec = write(play, "t.pcs", LIN + f"train optimizer={opt}\n")
     _fails(["check", f"{play}/odd.py:lin", "--spec", spec], capsys, "t.pcs:5:", needle)
 
 
 # 6: shapes beyond 2^48 elements
 def test_huge_shape_is_located(tmp_path, capsys):
     big = "f32[4000000000,4000000000]"
-    m = _write(tmp_path, "h.pcir", f"%x: {big} = input()\n%w: {big} = param()\n"
+    m = write(tmp_path, "h.pcir", f"%x: {big} = input()\n%w: {big} = param()\n"
                                     f"%y: {big} = matmul(%x, %w)\nreturn %y\n")
-    spec = _write(tmp_path, "h.pcs", "mesh tp=2\nw colwise\ntrain optimizer=adamw\n")
+    spec = write(tmp_path, "h.pcs", "mesh tp=2\nw colwise\ntrain optimizer=adamw\n")
     _fails(["compile", m, "--spec", spec, "-o", str(tmp_path / "o")], capsys,
            "h.pcir:1:5", "1.6e+19 elements", "2^48")
     assert not os.path.exists(tmp_path / "o")
@@ -112,7 +110,7 @@ def test_many_relu_steps_bound_is_never_nan(play, capsys):
     from parcomp.commands import _compile, _train_feeds
 
     class A:
-        model, spec = f"{play}/odd.py:lin", _write(play, "t.pcs", LIN + "train steps=300\n")
+        model, spec = f"{play}/odd.py:lin", write(play, "t.pcs", LIN + "train steps=300\n")
     compiled, module, example = _compile(A)
     b = training_bounds(compiled.logical, _train_feeds(compiled, module, example, 0), 300)
     assert not np.isnan(b["losses"]).any()
@@ -138,7 +136,7 @@ def test_verdict_words():
 
 # 9, 10: check estimates its work
 def test_check_refuses_a_million_steps_and_suggests_steps(play, capsys):
-    spec = _write(play, "t.pcs", LIN + "train steps=1000000\n")
+    spec = write(play, "t.pcs", LIN + "train steps=1000000\n")
     err = _fails(["check", f"{play}/odd.py:lin", "--spec", spec], capsys,
                  "parcomp check would take about", "x 1000000 steps", "--steps ")
     steps = int(err.split("--steps ")[1].split()[0].rstrip(")"))
@@ -147,7 +145,7 @@ def test_check_refuses_a_million_steps_and_suggests_steps(play, capsys):
 
 
 def test_check_steps_needs_a_train_line(play, capsys):
-    spec = _write(play, "s.pcs", LIN)
+    spec = write(play, "s.pcs", LIN)
     _fails(["check", f"{play}/odd.py:lin", "--spec", spec, "--steps", "3"], capsys,
            "--steps 3: the spec has no train line")
 
@@ -187,21 +185,21 @@ def test_big_mesh_check_is_estimated():
      "reshape has no attribute shape"),
 ])
 def test_pcir_messages(tmp_path, capsys, text, where, needle):
-    m = _write(tmp_path, "m.pcir", text)
-    spec = _write(tmp_path, "s.pcs", "mesh tp=2\n")
+    m = write(tmp_path, "m.pcir", text)
+    spec = write(tmp_path, "s.pcs", "mesh tp=2\n")
     _fails(["check", m, "--spec", spec], capsys, where, needle)
 
 
 # 15: NaN in an input
 def test_nan_input_is_named(play, capsys):
-    spec = _write(play, "lin.pcs", LIN)
+    spec = write(play, "lin.pcs", LIN)
     _fails(["check", f"{play}/odd.py:nan_in", "--spec", spec], capsys,
            "input x holds 1 NaN/inf value(s) (the first, nan, at [1, 2])")
 
 
 # 16: concurrent compiles into one directory take turns
 def test_concurrent_compiles_into_one_directory(play):
-    spec = _write(play, "lin.pcs", LIN)
+    spec = write(play, "lin.pcs", LIN)
     out = play / "out"
     cmd = [sys.executable, "-m", "parcomp.cli", "compile", f"{play}/odd.py:lin", "--spec", spec, "-o", str(out)]
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
