@@ -197,6 +197,7 @@ def _check_steps(args, compiled) -> int:
 
 
 def _print_result(args, compiled, result, how):
+    result["verdict"] = verdict(result)  # in the --json result too, as for training
     if args.json:
         return
     print(format_collectives(compiled.report["collectives"]))

@@ -125,6 +125,13 @@ def test_many_relu_steps_bound_is_never_nan(play, capsys):
     assert "... (290 more)" in out  # 300 losses are shortened
 
 
+def test_forward_check_json_has_the_verdict(capsys):
+    specs = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "specs")
+    assert main(["check", os.path.join(specs, "tiny_relu_mlp.pcir"), "--spec",
+                 os.path.join(specs, "tiny_relu_mlp_tp2.pcs"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["verdict"] == "OK"
+
+
 def test_verdict_words():
     from parcomp.commands import verdict
 
