@@ -308,7 +308,7 @@ def _constants(prog, train) -> str:
         f"RUN_HINT = {json.dumps(_run_hint(program))}",
     ]
     if train:
-        lines += ["# optimizer state: zeros at step 1, not read from the checkpoint",
+        lines += ["# optimizer state: zeros at step 1 (--replay files carry it)",
                   *_wrap(f"STATE = {_py_tuple(train.state)}"),
                   "# outputs named like params: the next step's params and state",
                   *_wrap(f"CARRIED = {_py_tuple(train.carried)}"),
@@ -370,17 +370,19 @@ def _loaders(prog, train) -> str:
                 raise EmitError(f"{kind} {n.name!r} has dtype {n.type.dtype}, which has no torch name")
             full = _global_shape(program, n)
             head = f"{n.name}: full {_ty(n.type.dtype, full)} {layout_str(n.layout)} -> {n.type}; "
-            if n.name in state:  # optimizer state: not in the checkpoint
-                lines += [f"    # {head}optimizer state, zeros at step 1",
-                          f"    out[{json.dumps(n.name)}] = torch.zeros({tuple(n.type.shape)!r}, "
-                          f"dtype={TORCH_DTYPES[n.type.dtype]}, device=DEVICE)"]
-                continue
             sliced, what = _slice_expr(program, n, f"take({arg}, {json.dumps(n.name)}, {full!r}, "
                                                    f"{TORCH_DTYPES[n.type.dtype]})")
             expr = f"place({sliced})"
             for a, p in enumerate(n.layout):
                 if isinstance(p, Partial):
                     expr = f"partial_mask({expr}, {json.dumps(program.mesh.names[a])})"
+            if n.name in state:  # optimizer state: the checkpoint's (--replay), else zeros
+                lines += _comment(f"{head}optimizer state: zeros at step 1 unless the checkpoint "
+                                  f"holds it (--replay); {what}", "    ")
+                lines += [f"    out[{json.dumps(n.name)}] = ({expr} if {json.dumps(n.name)} in {arg} "
+                          f"else", f"        torch.zeros({tuple(n.type.shape)!r}, "
+                          f"dtype={TORCH_DTYPES[n.type.dtype]}, device=DEVICE))"]
+                continue
             lines += _comment(head + what, "    ")
             lines.append(f"    out[{json.dumps(n.name)}] = {expr}{_spec_ref(prog, n.name)}")
         lines.append("    return out")
