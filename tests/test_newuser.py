@@ -218,3 +218,12 @@ def test_concurrent_compiles_into_one_directory(play):
         assert "kept" not in stdout and ".parcomp-" not in stdout + stderr
     assert sorted(os.listdir(out)) == [".parcomp-output", "program.pcir", "program.py", "report.json",
                                        "sharded.pcir"]
+
+
+def test_trainable_with_regex_characters_says_only_stars_are_wildcards(tmp_path, capsys):
+    spec = write(tmp_path, "t.pcs", "mesh tp=2\nfc1.weight colwise\nfc2.weight rowwise\n"
+                                    'train optimizer=sgd(lr=0.1) trainable="fc[12].*"\n')
+    models = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "specs", "models.py")
+    err = _fails(["check", f"{models}:tiny_relu_mlp", "--spec", spec], capsys,
+                 "t.pcs:4", "names no parameter", "only wildcards are '*'", "'**'", "[ ] are matched literally")
+    assert err.count("error:") == 1

@@ -415,7 +415,7 @@ def _forward(prog, names, train) -> str:
             lines.append(f"    {var} = {src}[{json.dumps(n.name)}]{tail}")
             continue
         if n.op in LAYOUT_OPS:
-            lines += _layout_comment(program, n, prog.collective(n.name))
+            lines += _layout_comment(program, n, prog.collective(n.name), names)
         lines.append(f"    {var} = {_code(n, [names[i] for i in n.inputs])}{tail}")
         if n.attr("frees"):
             lines.append("    del " + ", ".join(names[v] for v in n.attr("frees").split()))
@@ -449,11 +449,13 @@ def _code(n, args) -> str:
     return table[key].format(*args, **kw)
 
 
-def _layout_comment(program, n, record) -> list:
+def _layout_comment(program, n, record, names) -> list:
     """The comment above a layout change: kind, axis, layouts, bytes, the reason (whose spec
-    references are basenames: no machine path reaches a program)."""
+    references are basenames: no machine path reaches a program), a value it names written
+    as the program's variable (``%linear_1_mm`` -> ``_2_dense``) where the program has it."""
     src = program[n.inputs[0]]
     reason = record.reason if record else n.attr("reason", "")
+    reason = re.sub(r"%([\w.]+)", lambda m: names.get(m.group(1), m.group(0)), reason)
     change = f"{layout_str(src.layout)} -> {layout_str(n.layout)}"
     if n.op in LOCAL_LAYOUT_OPS:
         head = f"{n.op} over {n.attr('axis')} {change} (local, no communication):"
