@@ -207,7 +207,7 @@ def test_op_without_rule_is_a_located_error(tmp_path, capsys):
         load_onnx(path)
     msg = e.value.message
     assert f"{path}: node 'attn_softmax' (Softmax -> y): no rule for ONNX op Softmax" in msg
-    assert "supported ops: Add, Cast, Constant," in msg and "MatMul" in msg
+    assert "supported ops: Add, Cast, CastLike, Constant," in msg and "MatMul" in msg
     assert e.value.where == f"{path}: node attn_softmax"
     assert cli(["check", path, "--spec", str(ROOT / "specs" / "torch_mlp_tp2.pcs"), "--json"]) == 2
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -289,3 +289,27 @@ def test_torchrun_two_gloo_ranks_equal_the_torch_modules(exported, tmp_path):
         out = assemble_outputs(work / "out.pt", c.program)["output"]
         feeds = {**model.feeds(graph), "x": inputs[0].numpy()}
         assert_equivalent(out, _torch_out(module, inputs), output_bounds(c.logical, feeds)["output"])
+
+
+def _cast_model(path, to) -> str:
+    """y = Cast(x, to) * Cast(Shape(x)[-1]) (the shape arithmetic exporters write, folded)."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])
+    y = helper.make_tensor_value_info("y", to, [2, 3])
+    n = helper.make_node
+    nodes = [n("Shape", ["x"], ["s"], start=-1), n("Cast", ["s"], ["sf"], to=to),
+             n("Cast", ["x"], ["xc"], "the_cast", to=to), n("Mul", ["xc", "sf"], ["y"])]
+    g = helper.make_graph(nodes, "cast", [x], [y])
+    return _write(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
+
+
+def test_cast_of_a_constant_folds_cast_to_the_same_dtype_is_identity(tmp_path):
+    graph, model, _ = load_onnx(_cast_model(tmp_path / "c.onnx", TensorProto.FLOAT))
+    assert [(n.op, n.attr("value")) for n in graph.nodes] == [("input", None), ("scale", 3.0)]
+    feeds = model.feeds(graph)
+    np.testing.assert_array_equal(run_unsharded(graph, feeds)["y"], model.reference_outputs(graph, feeds)["y"])
+
+
+def test_cast_to_another_dtype_is_refused_where_it_is(tmp_path):
+    with pytest.raises(FrontendError) as e:
+        load_onnx(_cast_model(tmp_path / "c.onnx", TensorProto.DOUBLE))
+    assert "node 'the_cast' (Cast -> xc): Cast of a computed f32[2,3] value to float64" in e.value.message

@@ -382,13 +382,35 @@ def import_onnx(model, path: str = "model.onnx") -> OnnxImport:
         if not isinstance(b.env.get(o.name), str) and o.name not in b.inits:
             b.names.take(ir_name(o.name))
     nodes = _nodes(model)
-    pre = {n.outputs[0]: _constant(n) for n in nodes if n.op == "Constant" and n.outputs}
+    pre = _scalars(nodes)
     nodes = rewrite_gelu(nodes, lambda v: _const_scalar(b, pre, v))
     for n in _live(nodes, [o.name for o in graph_proto.output]):
         for o, r in zip(n.outputs, _lower(b, n)):
             if o:
                 _bind(b, o, r)
     return _finish(b, [o.name for o in graph_proto.output])
+
+
+def _scalars(nodes: list) -> dict:
+    """``{value: array}`` of the one-element constants the nodes make: ``Constant`` outputs
+    and what is computed from them alone (``CastLike(2.0, x)``, ``Sqrt`` of it): the numbers
+    the GELU patterns look for."""
+    from onnx.reference import ReferenceEvaluator
+
+    pre = {}
+    for n in nodes:
+        if n.op == "Constant" and n.outputs:
+            pre[n.outputs[0]] = _constant(n)
+        elif n.op == "CastLike" and n.inputs[0] in pre:
+            pre[n.outputs[0]] = pre[n.inputs[0]]
+        elif n.inputs and n.proto is not None and n.op not in NO_FOLD + SHAPE_ONLY and \
+                all(i in pre and pre[i].size == 1 for i in n.inputs if i):
+            try:
+                outs = ReferenceEvaluator(n.proto).run(None, {i: pre[i] for i in n.inputs if i})
+            except Exception:  # noqa: BLE001 - left to the importer, which reports it
+                continue
+            pre.update(zip(n.outputs, (np.asarray(o) for o in outs)))
+    return pre
 
 
 def _const_scalar(b: _Builder, pre: dict, name: str):

@@ -45,21 +45,19 @@ def _scalar(b, name: str, like: str):
 
 
 def _operands(b, n):
-    """(x, y, constant x as float or None, constant y as float or None); a constant
-    operand that is not a scalar is an error."""
+    """(x, y, constant x as float or None, constant y as float or None): the IR values of a
+    binary op's operands, one of them possibly a constant; a constant operand that is not
+    a scalar is an error."""
     x, y = n.inputs[:2]
-    if b.static(x) is not None and b.static(y) is None:
-        cx = _scalar(b, x, y)
-        if cx is None:
-            raise b.fail(f"operand {x!r} is a constant of shape {list(b.static(x).shape)} that "
+    for c, other in ((x, y), (y, x)):
+        if b.static(c) is None:
+            continue
+        v = _float(b, b.value(other), n.op)
+        k = _scalar(b, c, v)
+        if k is None:
+            raise b.fail(f"operand {c!r} is a constant of shape {list(b.static(c).shape)} that "
                          f"is not one repeated number; only scalar constants fold into {n.op}")
-        return x, _float(b, b.value(y), n.op), cx, None
-    if b.static(y) is not None:
-        cy = _scalar(b, y, x)
-        if cy is None:
-            raise b.fail(f"operand {y!r} is a constant of shape {list(b.static(y).shape)} that "
-                         f"is not one repeated number; only scalar constants fold into {n.op}")
-        return _float(b, b.value(x), n.op), y, None, cy
+        return (c, v, k, None) if c == x else (v, c, None, k)
     return _float(b, b.value(x), n.op), _float(b, b.value(y), n.op), None, None
 
 
@@ -102,7 +100,7 @@ def _div(b, n):
 def _pow(b, n):
     x, e = n.inputs[:2]
     v = _float(b, b.value(x), "Pow")
-    c = _scalar(b, e, x)
+    c = _scalar(b, e, v)
     if c is None:
         raise b.fail(f"the exponent {e!r} must be a scalar constant (parcomp's pow takes its "
                      f"exponent as an attribute)")
@@ -138,6 +136,19 @@ def _cast(b, n):
     if to != b.type(v).dtype:
         raise b.fail(f"Cast of a computed {b.type(v)} value to {to}: parcomp does not cast "
                      f"(only a Cast to the same dtype, or of a constant, is supported)")
+    return [v]
+
+
+def _cast_like(b, n):
+    """CastLike(x, like): of a constant, the constant in ``like``'s dtype; of a computed
+    value, only to its own dtype (parcomp does not cast)."""
+    to = b.onnx_type(n.inputs[1]).dtype
+    c = b.static(n.inputs[0])
+    if c is not None:
+        return [c.astype(np.dtype(to)) if to != "bfloat16" else c]
+    v = b.value(n.inputs[0])
+    if b.type(v).dtype != to:
+        raise b.fail(f"CastLike of a computed {b.type(v)} value to {to}: parcomp does not cast")
     return [v]
 
 
@@ -245,7 +256,8 @@ def _squeeze(b, n):
 def _flatten(b, n):
     v = b.value(n.inputs[0])
     shape = b.type(v).shape
-    axis = int(n.attrs.get("axis", 1)) % (len(shape) + 1) if shape else 0
+    axis = int(n.attrs.get("axis", 1))
+    axis = axis + len(shape) if axis < 0 else axis
     return [_reshape_to(b, v, (math.prod(shape[:axis]), math.prod(shape[axis:])))]
 
 
@@ -278,11 +290,11 @@ TABLE = {
     "Sqrt": _unary("pow", exponent=0.5), "Reciprocal": _unary("pow", exponent=-1.0),
     "Reshape": _reshape, "Transpose": _transpose, "Flatten": _flatten,
     "Unsqueeze": _unsqueeze, "Squeeze": _squeeze,
-    "Identity": _identity, "Dropout": _dropout, "Cast": _cast,
+    "Identity": _identity, "Dropout": _dropout, "Cast": _cast, "CastLike": _cast_like,
     "Shape": _shape, "Size": _size,
 }
 #: ops whose result is known at import even when an input is computed (it reads only the type)
-SHAPE_ONLY = ("Shape", "Size")
+SHAPE_ONLY = ("Shape", "Size", "CastLike")
 #: ops that are never folded although their inputs are constant (they draw random numbers)
 NO_FOLD = ("RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
            "Bernoulli")

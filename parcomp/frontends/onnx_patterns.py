@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 #: (float32 rounding is 6e-8; exporters that print 7 significant digits stay within this)
 CONST_RTOL = 1e-6
 _DEPTH = 6  # how many nested Mul/Div a product is read through
+_ADDS = ("Add", "Sum")  # a two-input Sum is an Add (onnx's own function bodies write it)
 
 
 @dataclass(frozen=True)
@@ -62,9 +63,9 @@ def _factors(name, prod, scalar, depth=0) -> tuple:
 
 
 def _one_plus(name, prod, scalar, op):
-    """The input of ``op`` when ``name`` is ``Add(op(t), 1)`` (either order), else None."""
+    """The input of ``op`` when ``name`` is ``Add(op(t), 1)`` (either order; or Sum), else None."""
     n = prod.get(name)
-    if n is None or n.op != "Add" or len(n.inputs) != 2:
+    if n is None or n.op not in _ADDS or len(n.inputs) != 2:
         return None
     for a, b in (n.inputs, n.inputs[::-1]):
         t = prod.get(a)
@@ -88,7 +89,7 @@ def _tanh_arg_ok(name, x, prod, scalar) -> bool:
     """``name`` is ``sqrt(2/pi) * (x + 0.044715 * x^3)``."""
     c, fs = _factors(name, prod, scalar)
     s = prod.get(fs[0]) if len(fs) == 1 and _near(c, math.sqrt(2 / math.pi)) else None
-    if s is None or s.op != "Add" or len(s.inputs) != 2:
+    if s is None or s.op not in _ADDS or len(s.inputs) != 2:
         return False
     return any(a == x and _is_cube_term(b, x, prod, scalar) for a, b in (s.inputs, s.inputs[::-1]))
 
