@@ -24,7 +24,7 @@ from ..ir.graph import Graph
 from ..ir.text import parse_graph
 from ..passes.verify import verify
 
-USAGE = "a model reference is FILE.pcir, FILE.onnx, FILE.py:FACTORY or package.module:factory"
+USAGE = "a model reference is FILE.pcir, FILE.py:FACTORY, package.module:factory or FILE.onnx"
 
 
 def load_model(ref: str) -> tuple:

@@ -22,6 +22,19 @@ import numpy as np
 from ..ir.types import TensorType
 
 FLOATS = ("float32", "float64", "float16", "bfloat16")
+#: ONNX TensorProto element type -> parcomp dtype
+DTYPES = {1: "float32", 11: "float64", 10: "float16", 16: "bfloat16", 7: "int64", 6: "int32",
+          9: "bool"}
+
+
+def dtype_of(elem_type: int) -> str:
+    """The parcomp dtype of an ONNX element type; ValueError for one parcomp lacks."""
+    if elem_type not in DTYPES:
+        import onnx
+
+        raise ValueError(f"element type {onnx.TensorProto.DataType.Name(elem_type)} is not "
+                         f"supported; known: {', '.join(DTYPES.values())}")
+    return DTYPES[elem_type]
 
 
 def _float(b, v: str, what: str) -> str:
@@ -129,8 +142,6 @@ def _dropout(b, n):
 
 
 def _cast(b, n):
-    from .onnx import dtype_of
-
     v = b.value(n.inputs[0])
     to = dtype_of(n.attrs["to"])
     if to != b.type(v).dtype:
