@@ -313,3 +313,11 @@ def test_cast_to_another_dtype_is_refused_where_it_is(tmp_path):
     with pytest.raises(FrontendError) as e:
         load_onnx(_cast_model(tmp_path / "c.onnx", TensorProto.DOUBLE))
     assert "node 'the_cast' (Cast -> xc): Cast of a computed f32[2,3] value to float64" in e.value.message
+
+
+def test_training_spec_checks_an_onnx_model(exported, capsys):
+    """A train spec on the ONNX export: 3 AdamW steps on dp=2 x tp=2 equal the unsharded steps."""
+    path = exported["gpt2_mlp"][0]
+    assert cli(["check", path, "--spec", str(ROOT / "specs" / "gpt2_mlp_dp2_tp2_train.pcs"), "--json"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["ok"] and res["steps"] == 3 and res["world_size"] == 4 and "vs_torch" not in res

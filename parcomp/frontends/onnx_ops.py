@@ -134,9 +134,11 @@ def _identity(b, n):
 
 
 def _dropout(b, n):
-    training = b.static(n.inputs[2]) if len(n.inputs) > 2 and n.inputs[2] else None
-    if training is not None and bool(training) and (len(n.inputs) < 2 or not n.inputs[1]
-                                                    or float(b.static(n.inputs[1])) > 0):
+    """Inference Dropout is the identity; training mode (a constant true ``training_mode``)
+    with a ratio that is not a constant 0 is an error."""
+    arg = lambda i: b.static(n.inputs[i]) if len(n.inputs) > i and n.inputs[i] else None  # noqa: E731
+    training, ratio = arg(2), arg(1)
+    if training is not None and bool(training) and (ratio is None or float(ratio) > 0):
         raise b.fail("Dropout in training mode; export the model in eval mode")
     return [b.value(n.inputs[0])]
 
