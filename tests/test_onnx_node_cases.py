@@ -117,7 +117,9 @@ def run_case(case) -> str | None:
 
 def test_onnx_node_cases_pass_for_every_supported_op():
     results = {}
-    for case in collect_testcases():
+    with np.errstate(all="ignore"):  # onnx builds some cases' data with overflowing casts
+        cases = collect_testcases()
+    for case in cases:
         op = _op_of(case)
         if op is not None and case.kind == "node" and case.data_sets:
             results.setdefault(op, []).append((case.name, run_case(case)))
