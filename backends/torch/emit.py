@@ -31,7 +31,8 @@ from parcomp.ir.types import DTYPE_SHORT, Partial, Replicate, layout_str, shard_
 from parcomp.program import MAX_STEPS, ParcompError, Program, TrainLoop, plural
 
 from .profiles import get_profile
-from .runtime import FORWARD_HELP, IMPORTS, MAIN, RUNTIME, TRAIN_HELP, TRAIN_MAIN, TRAIN_RUNTIME
+from .runtime import (FORWARD_HELP, IMPORTS, MAIN, ONNX_READER, RUNTIME, TRAIN_HELP, TRAIN_MAIN,
+                      TRAIN_RUNTIME)
 
 # op -> format string; {0}, {1}: operand variables, {name}: attribute as a Python literal
 OP_FORMATS = {
@@ -103,7 +104,8 @@ TORCH_DTYPES = {"float32": "torch.float32", "float64": "torch.float64", "float16
                 "bool": "torch.bool"}
 COMMENT_WIDTH = 108
 
-_TOP_NAMES = set(re.findall(r"^(?:def )?([A-Za-z_]\w*)", RUNTIME + MAIN + TRAIN_MAIN, re.M))
+_TOP_NAMES = set(re.findall(r"^(?:def )?([A-Za-z_]\w*)", RUNTIME + MAIN + TRAIN_MAIN + ONNX_READER,
+                            re.M))
 RESERVED = (set(keyword.kwlist) | set(dir(builtins)) | _TOP_NAMES
             | {"torch", "dist", "p", "inp", "argparse", "importlib", "json", "math", "os", "sys", "time",
                "PROFILE", "DIST_BACKEND", "PRELUDE", "profile_device", "MESH", "GROUP_RANKS",
@@ -138,7 +140,8 @@ def emit_program(compiled, profile="cpu", model: str | None = None, steps: int |
         compiled: a :class:`parcomp.compiler.Compiled` (its ``program_``) or a
             :class:`parcomp.program.Program`: the only facts this backend reads.
         profile: a name of :data:`PROFILES` or a :class:`DeviceProfile`.
-        model: what the graph was imported from, for the header (e.g. ``models.py:torch_mlp``).
+        model: what the graph was imported from, for the header (e.g. ``models.py:torch_mlp``);
+            a ``.onnx`` file's program also reads that file as its checkpoint.
         steps: a training program's default ``--steps``; default: the spec's
             (``Program.train.steps``). Ignored for forward programs.
 
@@ -154,7 +157,10 @@ def emit_program(compiled, profile="cpu", model: str | None = None, steps: int |
     if train is not None and steps:
         train = replace(train, steps=int(steps))
     names = _names(prog)
-    parts = [_profile_block(prof), _constants(prog, train), TRAIN_RUNTIME if train else RUNTIME,
+    runtime = TRAIN_RUNTIME if train else RUNTIME
+    if model and model.endswith(".onnx"):
+        runtime += "\n\n\n" + ONNX_READER
+    parts = [_profile_block(prof), _constants(prog, train), runtime,
              _loaders(prog, train), _forward(prog, names, train), TRAIN_MAIN if train else MAIN]
     head = _header(prog, model, train) + "\n" + IMPORTS
     return "\n\n\n".join(p.strip("\n") for p in [head] + parts) + "\n"
@@ -248,7 +254,7 @@ def _header(prog, model, train) -> str:
         *steps,
         "",
         "Run one process per rank:",
-        f"    {_run_hint(program)} [--device cpu]",
+        f"    {_run_hint(program, model)} [--device cpu]",
         "",
         *(TRAIN_HELP if train else FORWARD_HELP).format(
             out=out, steps=train and train.steps,
@@ -257,10 +263,11 @@ def _header(prog, model, train) -> str:
     return '"""' + "\n".join(lines) + '\n"""'
 
 
-def _run_hint(program) -> str:
+def _run_hint(program, model=None) -> str:
     args = []
     if program.params:
-        args.append("--checkpoint model.pt")
+        onnx = model and model.endswith(".onnx")
+        args.append(f"--checkpoint {model.rsplit('/', 1)[-1] if onnx else 'model.pt'}")
     if program.inputs:
         args.append("--input " + ("x.pt" if len(program.inputs) == 1 else "inputs.pt"))
     args.append("--output out.pt")
