@@ -258,6 +258,12 @@ TABLE = {
 # ops with no value that only assert facts torch already checked
 SKIP = {aten._assert_tensor_metadata.default}
 
+# ---- attention part (issue 17): views, sdpa, RoPE's ops (parcomp/frontends/torch_attention.py) ----
+from .torch_attention import ATTENTION_TABLE, GETITEM, MULTI  # noqa: E402
+
+TABLE.update(ATTENTION_TABLE)
+# ---- end of the attention part ----
+
 
 def supported_ops() -> list:
     """Sorted names (``aten.linear.default`` ...) of the aten ops the frontend lowers."""
@@ -268,11 +274,15 @@ def _lower(b: _Builder, n) -> str | None:
     b.cur = n
     if n.target in SKIP:
         return None
+    if n.target is GETITEM and isinstance(b.env.get(n.args[0]), list):  # one result of a split
+        return b.env[n.args[0]][n.args[1]]
     fn = TABLE.get(n.target)
     if fn is None:
         raise FrontendError(f"unsupported op {n.target} (fx node %{n.name}){_where(n)}\n"
                             f"supported ops: {', '.join(supported_ops())}")
     out = fn(b, n, _bind(n))
+    if n.target in MULTI:  # several results, picked by getitem
+        return out
     want = _type_of(n, b)
     if b.types[out] != want:
         raise b.fail(f"lowering %{n.name} ({n.target}) gives {b.types[out]}, torch computes {want}")

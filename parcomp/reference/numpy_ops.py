@@ -114,6 +114,12 @@ NUMPY_OPS = {
     "wait": lambda a, n: a[0],
 }
 
+# ---- attention part (issue 17): views, RoPE pointwise ops, sdpa ----
+from .numpy_attn import NUMPY_ATTN  # noqa: E402
+
+NUMPY_OPS.update(NUMPY_ATTN)
+# ---- end of the attention part ----
+
 
 def run_unsharded(graph, feeds: dict) -> dict:
     """Evaluate a global graph on one process: ``feeds`` maps input/param names to arrays.
