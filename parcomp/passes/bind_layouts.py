@@ -22,6 +22,7 @@ from ..ir.types import P, R, Shard, divisibility_problem, layout_str, replicated
 from ..rules.sharding import reshape_dim_map
 from ..spec import Spec
 from ..spec.parser import check_names
+from .heads import check_heads  # attention part (issue 17)
 
 
 def bind_layouts(graph: Graph, spec: Spec) -> Graph:
@@ -50,6 +51,7 @@ def bind_layouts(graph: Graph, spec: Spec) -> Graph:
             layouts[n.name] = _resolve(graph, spec, rule, n) if rule else replicated(len(spec.mesh.axes))
             bound_by[n.name] = rule
     _bias_follows(graph, spec, layouts, bound_by)
+    check_heads(graph, spec, layouts, bound_by, _matmuls_of)  # attention part (issue 17)
     nodes = []
     for n in graph.nodes:
         if n.name in layouts:

@@ -1,0 +1,133 @@
+"""Attention (issue 17, attention part): sdpa with heads split over tp, GQA with fewer kv
+heads than ranks, RoPE under a heads split, heads not divisible by tp, against the
+unsharded model through ``parcomp check`` (interpreter; error bounds from tolerance.py)."""
+import json
+import pathlib
+
+import numpy as np
+import pytest
+import torch
+
+from parcomp.cli import main
+from parcomp.commands import feeds_for
+from parcomp.compiler import compile_graph
+from parcomp.frontends.torch_export import import_torch
+from parcomp.reference.interpreter import run_spmd
+from parcomp.tolerance import output_bounds
+
+from graphs import spec
+from numerics import assert_equivalent
+
+MODELS = str(pathlib.Path(__file__).with_name("attention_models.py"))
+LLAMA_TP = ("attn.q_proj.weight colwise\nattn.k_proj.weight colwise\nattn.v_proj.weight colwise\n"
+            "attn.o_proj.weight rowwise\n")
+
+
+def _check(tmp_path, capsys, factory, spec_text):
+    path = tmp_path / "s.pcs"
+    path.write_text(spec_text)
+    rc = main(["check", f"{MODELS}:{factory}", "--spec", str(path), "--json"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    return rc, out
+
+
+def _kinds(out, phase=None):
+    return [c["kind"] for c in out["collectives"] if phase is None or c["phase"] == phase]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_llama_attention_heads_split_is_one_all_reduce(tmp_path, capsys, tp):
+    rc, out = _check(tmp_path, capsys, "llama_attention", f"mesh tp={tp}\n" + LLAMA_TP)
+    assert rc == 0 and out["ok"], out
+    assert _kinds(out) == ["all_reduce"]  # Megatron: only the row-parallel o_proj's sum
+
+
+def test_llama_attention_training_is_megatrons_two_all_reduces(tmp_path, capsys):
+    rc, out = _check(tmp_path, capsys, "llama_attention", "mesh tp=2\n" + LLAMA_TP + "train loss=mse steps=2\n")
+    assert rc == 0 and out["ok"], out
+    assert _kinds(out) == ["all_reduce", "all_reduce"]  # g forward, f backward
+    assert out["err_over_tol"] <= 1
+
+
+def test_two_kv_heads_on_four_ranks_equal_unsharded_forward_and_gradients(tmp_path, capsys):
+    # 8 query heads, 2 kv heads, tp=4: each kv head serves the query heads of 2 ranks
+    rc, out = _check(tmp_path, capsys, "llama_attention_kv2_h8",
+                     "mesh tp=4\n" + LLAMA_TP + "train loss=mse steps=2\n")
+    assert rc == 0 and out["ok"], out
+    assert out["err_over_tol"] <= 1 and out["max_grad_err"] is not None
+
+
+def test_two_kv_heads_on_four_ranks_replicate_the_kv_projections():
+    from attention_models import llama_attention_kv2_h8
+    module, example, names = llama_attention_kv2_h8()
+    g = import_torch(module, example, names)
+    c = compile_graph(g, spec("mesh tp=4\n" + LLAMA_TP))
+    lay = {n.name: str(n.layout[0]) for n in c.program.params}
+    assert lay == {"attn.q_proj.weight": "S(0)", "attn.k_proj.weight": "R", "attn.v_proj.weight": "R",
+                   "attn.o_proj.weight": "S(1)", "rope.inv_freq": "R"}
+    feeds = feeds_for(g, module, example)
+    got = run_spmd(c.program, feeds).outputs(c.program)["output"]
+    want = module(*example).detach().numpy()
+    assert_equivalent(got, want, output_bounds(g, feeds)["output"], what="output")
+
+
+def test_heads_not_divisible_by_tp_is_a_located_spec_error(tmp_path, capsys):
+    (tmp_path / "s.pcs").write_text("mesh tp=4\n" + LLAMA_TP)
+    rc = main(["check", f"{MODELS}:llama_attention_h6", "--spec", str(tmp_path / "s.pcs")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err
+    assert "s.pcs:2" in err and "attn.q_proj.weight" in err and "tp" in err and "6 heads" in err, err
+
+
+def test_rope_under_a_heads_split_equals_unsharded(tmp_path, capsys):
+    rc, out = _check(tmp_path, capsys, "rope", "mesh tp=2\ninput q [S(1)]\ninput k [S(1)]\n"
+                     "output output_0 [S(1)]\noutput output_1 [S(1)]\n")
+    assert rc == 0 and out["ok"], out
+    assert _kinds(out) == []  # head_dim stays whole: the rotation is local to each head
+
+
+def test_rope_lowers_to_slice_neg_cat_with_cos_sin_tables():
+    from attention_models import rope
+    module, example, names = rope()
+    ops = [n.op for n in import_torch(module, example, names).nodes]
+    assert {"arange", "cos", "sin", "slice", "neg", "cat", "mul", "add"} <= set(ops), ops
+
+
+def test_gqa_sdpa_repeats_kv_heads_like_repeat_interleave():
+    q, k, v = torch.randn(1, 4, 3, 2), torch.randn(1, 2, 3, 2), torch.randn(1, 2, 3, 2)
+
+    class M(torch.nn.Module):
+        def forward(self, q, k, v):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    g = import_torch(M(), (q, k, v))
+    assert [n.op for n in g.nodes if n.op not in ("input",)] == ["expand", "reshape", "expand", "reshape", "sdpa"]
+    feeds = {"q": q.numpy(), "k": k.numpy(), "v": v.numpy()}
+    c = compile_graph(g, spec("mesh tp=2\ninput q [S(1)]\ninput k [S(1)]\ninput v [S(1)]\noutput output [S(1)]"))
+    run = run_spmd(c.program, feeds)
+    assert run.log == []
+    want = M()(q, k, v).numpy()
+    assert_equivalent(run.outputs(c.program)["output"], want, output_bounds(g, feeds)["output"])
+
+
+def test_attn_mask_is_refused_with_the_op_named():
+    from parcomp.errors import FrontendError
+
+    class M(torch.nn.Module):
+        def forward(self, q, m):
+            return torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=m)
+
+    with pytest.raises(FrontendError, match="attn_mask"):
+        import_torch(M(), (torch.randn(1, 2, 3, 2), torch.ones(3, 3, dtype=torch.bool)))
+
+
+def test_sdpa_numpy_matches_torch_causal_and_scaled():
+    from parcomp.ir import parse_graph
+    from parcomp.reference.numpy_ops import run_unsharded
+    g = parse_graph("".join(f"%{x}: f32[2,3,5,4] = input()\n" for x in "qkv")
+                    + "%y: f32[2,3,5,4] = sdpa(%q, %k, %v) {causal=true, scale=0.3}\nreturn %y\n")
+    rng = np.random.default_rng(0)
+    feeds = {x: rng.standard_normal((2, 3, 5, 4)).astype("f4") for x in "qkv"}
+    want = torch.nn.functional.scaled_dot_product_attention(
+        *(torch.from_numpy(feeds[x]) for x in "qkv"), is_causal=True, scale=0.3).numpy()
+    assert_equivalent(run_unsharded(g, feeds)["y"], want, output_bounds(g, feeds)["y"])
