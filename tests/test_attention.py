@@ -131,3 +131,13 @@ def test_sdpa_numpy_matches_torch_causal_and_scaled():
     want = torch.nn.functional.scaled_dot_product_attention(
         *(torch.from_numpy(feeds[x]) for x in "qkv"), is_causal=True, scale=0.3).numpy()
     assert_equivalent(run_unsharded(g, feeds)["y"], want, output_bounds(g, feeds)["y"])
+
+
+@pytest.mark.slow
+def test_llama_attention_trains_under_torchrun_like_torch(tmp_path, capsys):
+    """The emitted program (sdpa, its three gradients via torch.func.vjp, RoPE's arange/cos/sin)
+    on 2 gloo ranks against torch.optim on the unsharded module."""
+    (tmp_path / "s.pcs").write_text("mesh tp=2\n" + LLAMA_TP + "train loss=mse steps=2\n")
+    rc = main(["run", f"{MODELS}:llama_attention", "--spec", str(tmp_path / "s.pcs"), "--nproc", "2", "--json"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and out["ok"] and out["err_over_tol"] <= 1, out
