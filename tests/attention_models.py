@@ -6,6 +6,7 @@ expects. Llama's block includes its rotary embedding (cos/sin computed from the
 """
 import torch
 from transformers import GPT2Config, LlamaConfig
+from transformers.masking_utils import create_causal_mask
 from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
@@ -35,6 +36,18 @@ class LlamaBlockAttention(torch.nn.Module):
     def forward(self, x):
         cos, sin = self.rope(x, torch.arange(x.shape[1]).unsqueeze(0))
         return self.attn(x, (cos, sin), None)[0]
+
+
+class MaskedLlamaAttention(LlamaBlockAttention):
+    """Llama attention with the causal mask transformers' LlamaModel builds (masking_utils:
+    arange positions, packed-sequence detection, an explicit boolean [B, 1, S, S] mask)."""
+
+    def forward(self, x):
+        pos = torch.arange(x.shape[1]).unsqueeze(0).expand(x.shape[0], -1)
+        mask = create_causal_mask(config=self.attn.config, inputs_embeds=x, attention_mask=None,
+                                  cache=None, position_ids=pos)
+        cos, sin = self.rope(x, pos)
+        return self.attn(x, (cos, sin), mask)[0]
 
 
 class Rope(torch.nn.Module):
@@ -78,3 +91,8 @@ def llama_attention_h6():  # 6 heads of 4, no GQA: not splittable over 4 ranks
 def rope():
     torch.manual_seed(0)
     return Rope().eval(), (torch.randn(2, 4, 8, 8), torch.randn(2, 4, 8, 8)), ["q", "k"]
+
+
+def llama_attention_masked():
+    torch.manual_seed(0)
+    return MaskedLlamaAttention().eval(), _x(), ["x"]

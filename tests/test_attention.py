@@ -110,7 +110,7 @@ def test_gqa_sdpa_repeats_kv_heads_like_repeat_interleave():
     assert_equivalent(run.outputs(c.program)["output"], want, output_bounds(g, feeds)["output"])
 
 
-def test_attn_mask_is_refused_with_the_op_named():
+def test_a_mask_from_an_input_is_refused_with_the_op_named():
     from parcomp.errors import FrontendError
 
     class M(torch.nn.Module):
@@ -141,3 +141,29 @@ def test_llama_attention_trains_under_torchrun_like_torch(tmp_path, capsys):
     rc = main(["run", f"{MODELS}:llama_attention", "--spec", str(tmp_path / "s.pcs"), "--nproc", "2", "--json"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and out["ok"] and out["err_over_tol"] <= 1, out
+
+
+def test_transformers_causal_mask_is_folded_into_a_causal_sdpa(tmp_path, capsys):
+    """LlamaModel passes sdpa an explicit boolean mask built from arange (masking_utils); it is
+    evaluated at import, found causal, and none of its ops reaches the graph."""
+    from attention_models import llama_attention_masked
+    module, example, names = llama_attention_masked()
+    g = import_torch(module, example, names)
+    assert [n.attrs for n in g.nodes if n.op == "sdpa"] == [(("causal", True), ("scale", 0.5))]
+    rc, out = _check(tmp_path, capsys, "llama_attention_masked", "mesh tp=2\n" + LLAMA_TP)
+    assert rc == 0 and out["ok"] and _kinds(out) == ["all_reduce"], out
+
+
+@pytest.mark.parametrize("kind, what", [("band", "neither causal"), ("bias", "float bias")])
+def test_a_mask_that_is_not_causal_is_refused(kind, what):
+    from parcomp.errors import FrontendError
+
+    class M(torch.nn.Module):
+        def forward(self, q):
+            i = torch.arange(3)
+            d = i[:, None] - i[None, :]
+            m = d.abs() <= 1 if kind == "band" else d.to(torch.float32) * 0.5
+            return torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=m)
+
+    with pytest.raises(FrontendError, match=what):
+        import_torch(M(), (torch.randn(1, 2, 3, 2),))

@@ -10,7 +10,9 @@ the ops that return several tensors: ``split``, ``split_with_sizes``, ``chunk``,
 - ``cat``; ``stack`` -> ``reshape`` (unsqueeze) of each operand + ``cat``;
 - ``unsqueeze``/``squeeze`` -> ``reshape``; ``expand`` -> ``reshape`` dropping the size-1
   dims it broadcasts + ``expand`` inserting them;
-- ``scaled_dot_product_attention`` -> ``sdpa`` (no attention mask, no dropout); k/v with
+- ``scaled_dot_product_attention`` -> ``sdpa`` (no dropout; an ``attn_mask`` only when it is
+  fixed by the shapes, as transformers' causal mask built from ``arange`` is: it is evaluated
+  at import, must be causal or all true, and the nodes only it used are not lowered); k/v with
   fewer heads than q (GQA, ``enable_gqa``) are first repeated explicitly, as transformers'
   ``repeat_kv`` does (kv head j serves q heads j*rep .. j*rep+rep-1): ``expand`` on a new
   dim after heads, then ``reshape``. Under a heads split the repeat is local, and fewer kv
@@ -151,10 +153,63 @@ def repeat_heads(b, x: str, heads: int, suffix: str) -> str:
     return b.emit("reshape", [e], suffix, ty=TensorType((bb, heads, s, d), b.types[x].dtype))
 
 
+def _evaluate(b, fx, memo):
+    """The value of fx node ``fx`` computed now with torch: it must not depend on a model
+    input, parameter or buffer (transformers builds its causal mask from ``arange``)."""
+    if fx in memo:
+        return memo[fx]
+    if fx.op != "call_function":
+        raise b.fail(f"scaled_dot_product_attention's attn_mask depends on %{fx.name} ({fx.op}): "
+                     "only a mask fixed by the shapes (causal, or all true) is supported; "
+                     "nearest supported op: sdpa with is_causal=True")
+    args, kwargs = torch.fx.node.map_arg((fx.args, fx.kwargs), lambda x: _evaluate(b, x, memo))
+    memo[fx] = fx.target(*args, **kwargs)
+    return memo[fx]
+
+
+def _mask_is_causal(b, mask_fx, q, k) -> bool:
+    """Whether the constant ``attn_mask`` is the causal mask (True) or keeps everything (False).
+
+    Raises:
+        FrontendError: the mask depends on inputs, or keeps some other pattern (padding,
+            packed sequences), or is an additive float bias rather than a 0 / -inf mask.
+    """
+    mask = _evaluate(b, mask_fx, {})
+    if mask.dtype != torch.bool:
+        keep = mask > torch.finfo(mask.dtype).min / 2
+        if torch.any(mask[keep] != 0):
+            raise b.fail("scaled_dot_product_attention's attn_mask is a float bias, not a mask; "
+                         "nearest supported op: sdpa with is_causal=True")
+        mask = keep
+    sq, sk = b.types[q].shape[2], b.types[k].shape[2]
+    shape = b.types[q].shape[:2] + (sq, sk)
+    mask = torch.broadcast_to(mask, shape)
+    if bool(torch.all(mask)):
+        return False
+    if bool(torch.equal(mask, torch.broadcast_to(torch.ones(sq, sk, dtype=torch.bool).tril(), shape))):
+        return True
+    raise b.fail("scaled_dot_product_attention's attn_mask is neither causal nor all true (padding "
+                 "or packed sequences?): not supported; nearest supported op: sdpa with is_causal=True")
+
+
+def mask_only_nodes(fx_nodes, skip) -> set:
+    """fx nodes used only to build sdpa attention masks (folded by :func:`_mask_is_causal`,
+    so not lowered); ``skip``: ops that only assert facts (their use does not count)."""
+    sdpa = aten.scaled_dot_product_attention.default
+    masks = {n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask")
+             for n in fx_nodes if n.op == "call_function" and n.target is sdpa}
+    out = set()
+    for n in reversed(fx_nodes):
+        if n.op != "call_function" or n.target in skip:
+            continue
+        users = [u for u in n.users if u.target not in skip]
+        as_mask = n in masks and all(u.target is sdpa and n not in u.args[:3] for u in users)
+        if users and (as_mask or all(u in out for u in users)):
+            out.add(n)
+    return out
+
+
 def _sdpa(b, n, a):
-    if a["attn_mask"] is not None:
-        raise b.fail("scaled_dot_product_attention with an attn_mask is not supported "
-                     "(is_causal=True is); nearest supported op: sdpa without a mask")
     if a["dropout_p"]:
         raise b.fail(f"scaled_dot_product_attention with dropout_p={a['dropout_p']}; call module.eval()")
     q, k, v = (b.val(a[key]) for key in ("query", "key", "value"))
@@ -167,8 +222,9 @@ def _sdpa(b, n, a):
         if heads % kv:
             raise b.fail(f"{heads} query heads cannot share {kv} kv heads (not a multiple)")
         k, v = repeat_heads(b, k, heads, "_k_repeat"), repeat_heads(b, v, heads, "_v_repeat")
+    causal = bool(a["is_causal"]) or (a["attn_mask"] is not None and _mask_is_causal(b, a["attn_mask"], q, k))
     scale = a["scale"] if a["scale"] is not None else 1.0 / math.sqrt(tq.shape[-1])
-    return b.emit("sdpa", [q, k, v], causal=bool(a["is_causal"]), scale=float(scale))
+    return b.emit("sdpa", [q, k, v], causal=causal, scale=float(scale))
 
 
 def _to(b, n, a):
@@ -194,7 +250,7 @@ ATTENTION_TABLE = {
     aten.scaled_dot_product_attention.default: _sdpa,
     aten.cos.default: lambda b, n, a: b.emit("cos", [b.val(a["self"])]),
     aten.sin.default: lambda b, n, a: b.emit("sin", [b.val(a["self"])]),
-    aten.to.dtype: _to, aten.to.device: _to, aten._to_copy.default: _to,
+    aten.to.dtype: _to, aten.to.device: _to, aten.to.dtype_layout: _to, aten._to_copy.default: _to,
     aten.arange.default: _arange, aten.arange.start: _arange, aten.arange.start_step: _arange,
 }
 MULTI = (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int)

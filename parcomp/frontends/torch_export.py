@@ -43,6 +43,7 @@ class _Builder:
         self.nodes, self.types, self.taken = [], {}, NameGen()
         self.env = {}  # fx node -> parcomp value name (None: no value)
         self.cur = None  # fx node being lowered, for error messages
+        self.folded = set()  # fx nodes evaluated at import, not lowered (attention masks)
 
     def fresh(self, base: str) -> str:
         return self.taken.fresh(re.sub(r"[^A-Za-z0-9_.]", "_", base) or "v")
@@ -259,7 +260,7 @@ TABLE = {
 SKIP = {aten._assert_tensor_metadata.default}
 
 # ---- attention part (issue 17): views, sdpa, RoPE's ops (parcomp/frontends/torch_attention.py) ----
-from .torch_attention import ATTENTION_TABLE, GETITEM, MULTI  # noqa: E402
+from .torch_attention import ATTENTION_TABLE, GETITEM, MULTI, mask_only_nodes  # noqa: E402
 
 TABLE.update(ATTENTION_TABLE)
 # ---- end of the attention part ----
@@ -272,7 +273,7 @@ def supported_ops() -> list:
 
 def _lower(b: _Builder, n) -> str | None:
     b.cur = n
-    if n.target in SKIP:
+    if n.target in SKIP or n in b.folded:
         return None
     if n.target is GETITEM and isinstance(b.env.get(n.args[0]), list):  # one result of a split
         return b.env[n.args[0]][n.args[1]]
@@ -403,6 +404,7 @@ def import_torch(module: torch.nn.Module, example_inputs: tuple,
     sources = {**sig.inputs_to_parameters, **sig.inputs_to_buffers}
     users = dict(zip(sig.user_inputs, _input_names(module, len(sig.user_inputs), input_names)))
     fx_nodes = list(ep.graph.nodes)
+    b.folded = mask_only_nodes(fx_nodes, SKIP)  # attention part (issue 17)
     for n in fx_nodes:
         if n.op != "placeholder":
             continue
