@@ -12,6 +12,7 @@ import numpy as np
 from .budget import CHECK_SECONDS_ANNOUNCE, PROGRESS_EVERY_S, check_memory, check_time
 from .compiler import compile_graph
 from .errors import ParcompError, VerifyError
+from .frontends.fused import to_view_shapes  # attention part (issue 17)
 from .frontends.loader import load_model, pointing_into
 from .ir.text import print_graph
 from .outdir import MARKER, write_dir_atomic  # noqa: F401 - MARKER: part of this module's API
@@ -231,7 +232,7 @@ def _torch_reference(compiled, module, example, feeds, steps):
             **ref["state"],
             **(ref["input_grads"] if cfg.input_grads else {}),
             **{f"{k}.grad": v for k, v in ref["grads"].items()}}
-    return ref["losses"], want
+    return ref["losses"], to_view_shapes(want, graph)  # fused weights per part (issue 17)
 
 
 def _carried(run) -> dict:
@@ -427,8 +428,8 @@ def _run_training(args, compiled, module, example):
     params = [n.name for n in compiled.unsharded.params]
     # what program.py carries: the checkpoint, with each step's outputs named like params
     # replacing them (buffers and frozen params stay as loaded)
-    got = {**{n.name: feeds[n.name] for n in compiled.logical.params if n.name in feeds}, **outputs,
-           "losses": np.array(losses, "float32")}
+    got = {**to_view_shapes({n.name: feeds[n.name] for n in compiled.logical.params if n.name in feeds},
+                            compiled.logical), **outputs, "losses": np.array(losses, "float32")}
     if module is not None:
         ref_losses, want = _torch_reference(compiled, module, example, feeds, steps)
     else:

@@ -391,8 +391,12 @@ def _loaders(prog, train) -> str:
                           f"    out[{json.dumps(n.name)}] = torch.zeros({tuple(n.type.shape)!r}, "
                           f"dtype={TORCH_DTYPES[n.type.dtype]}, device=DEVICE)"]
                 continue
-            sliced, what = _slice_expr(program, n, f"take({arg}, {json.dumps(n.name)}, {full!r}, "
-                                                   f"{TORCH_DTYPES[n.type.dtype]})")
+            src = f"take({arg}, {json.dumps(n.name)}, {full!r}, {TORCH_DTYPES[n.type.dtype]})"
+            if n.attr("stored_shape"):  # a fused weight: stored whole, viewed per part (issue 17)
+                src = (f"take({arg}, {json.dumps(n.name)}, {tuple(n.attr('stored_shape'))!r}, "
+                       f"{TORCH_DTYPES[n.type.dtype]}).reshape({full!r})")
+                head += f"stored {_ty(n.type.dtype, n.attr('stored_shape'))}, viewed per part; "
+            sliced, what = _slice_expr(program, n, src)
             expr = f"place({sliced})"
             for a, p in enumerate(n.layout):
                 if isinstance(p, Partial):

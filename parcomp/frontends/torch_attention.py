@@ -34,8 +34,7 @@ _BIG = 2 ** 62  # torch writes an open slice end as 2**63 - 1
 
 
 def _ty(b, n):
-    from .torch_export import _type_of
-    return _type_of(n, b)
+    return b.type_of(n)
 
 
 def _dim(d, rank: int) -> int:

@@ -65,6 +65,10 @@ class _Builder:
         self.taken.take(name)
         return self.add(Node(name, op, (), _type_of(fx, self), make_attrs(**attrs)))
 
+    def type_of(self, fx) -> TensorType:
+        """The parcomp type of fx node ``fx``'s value (torch's static shape and dtype)."""
+        return _type_of(fx, self)
+
     def val(self, arg) -> str:
         """The value name of an fx operand that must be a tensor."""
         if isinstance(arg, torch.fx.Node) and self.env.get(arg) is not None:
@@ -260,6 +264,7 @@ TABLE = {
 SKIP = {aten._assert_tensor_metadata.default}
 
 # ---- attention part (issue 17): views, sdpa, RoPE's ops (parcomp/frontends/torch_attention.py) ----
+from .fused import split_fused_weights  # noqa: E402
 from .torch_attention import ATTENTION_TABLE, GETITEM, MULTI, mask_only_nodes  # noqa: E402
 
 TABLE.update(ATTENTION_TABLE)
@@ -434,5 +439,6 @@ def import_torch(module: torch.nn.Module, example_inputs: tuple,
     nodes, outs = _name_outputs(b.nodes, outs, wanted)
     used = set(outs) | {i for n in nodes for i in n.inputs}  # drop unused params/buffers
     names = tuple(wanted) if len(set(outs)) < len(outs) else None  # `return y, y`: two names, one value
-    return Graph(tuple(n for n in nodes if n.op != "param" or n.name in used), tuple(outs),
-                 output_names=names)
+    graph = Graph(tuple(n for n in nodes if n.op != "param" or n.name in used), tuple(outs),
+                  output_names=names)
+    return split_fused_weights(graph)  # attention part (issue 17): fused q|k|v, gate|up per part

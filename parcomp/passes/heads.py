@@ -62,9 +62,23 @@ def _repeated(graph, users, start, limit=64) -> bool:
     return False
 
 
-def check_heads(graph, spec, layouts, bound_by, matmuls_of):
+def _matmuls_of(graph, users, name):
+    """The matmuls weight ``name`` feeds as right operand, through permute/reshape and the
+    part slices of a fused weight (parcomp/frontends/fused.py)."""
+    out, frontier = [], [name]
+    while frontier:
+        cur = frontier.pop()
+        for u in users[cur]:
+            if graph[u].op == "matmul" and graph[u].inputs[1] == cur:
+                out.append(u)
+            elif graph[u].op in ("permute", "reshape", "slice"):
+                frontier.append(u)
+    return out
+
+
+def check_heads(graph, spec, layouts, bound_by):
     """Apply the rules of this module to the colwise weights of ``bound_by`` (in place on
-    ``layouts``). ``matmuls_of(graph, users, name)``: the matmuls a weight feeds.
+    ``layouts``).
 
     Raises:
         SpecError: a colwise weight's heads cannot be split evenly (not a GQA repeat).
@@ -77,7 +91,7 @@ def check_heads(graph, spec, layouts, bound_by, matmuls_of):
         ranks = spec.mesh.sizes[axis]
         if ranks == 1 or not isinstance(layouts[name][axis], Shard):
             continue
-        for mm in matmuls_of(graph, users, name):
+        for mm in _matmuls_of(graph, users, name):
             for reshape, heads in head_splits(graph, users, mm):
                 if heads % ranks == 0:
                     continue

@@ -52,6 +52,15 @@ def _arange(node):
     return (start + step * np.arange(n, dtype=np.float64)).astype(node.type.dtype)
 
 
+def source_array(node, x):
+    """A feed ``x`` for source ``node`` as the graph holds it: a fused view param's stored
+    tensor reshaped to the view (the global shape on a local program)."""
+    x = np.asarray(x)
+    if node.attr("stored_shape") and tuple(x.shape) == tuple(node.attr("stored_shape")):
+        return x.reshape(node.attr("global_shape") or node.type.shape)
+    return x
+
+
 NUMPY_ATTN = {
     "slice": lambda a, n: np.ascontiguousarray(a[0][slice_index(n, a[0].ndim)]),
     "slice_grad": lambda a, n: _slice_grad(a[0], n),

@@ -64,7 +64,29 @@ ATTENTION_VJPS = {
 }
 
 
-# ---- error bounds ------------------------------------------------------------------
+# ---- error bounds (the helpers of parcomp.rules.error, which imports this module) -------
+
+def gamma(k, u: float) -> float:
+    """Higham's gamma_k = k u / (1 - k u); inf when k u >= 1."""
+    ku = float(k) * u
+    return ku / (1.0 - ku) if ku < 1.0 else float("inf")
+
+
+def tiny(dtype) -> float:
+    """The smallest normal number of a float dtype (bfloat16's is float32's), else 0."""
+    if str(dtype) == "bfloat16":
+        return 2.0 ** -126
+    dt = np.dtype(dtype)
+    return float(np.finfo(dt).tiny) if dt.kind == "f" else 0.0
+
+
+def _max_slope(df, x, e):
+    """max |f'| over x - e, x, x + e."""
+    d = np.abs(df(x))
+    if np.any(e):
+        d = np.maximum(d, np.maximum(np.abs(df(x + e)), np.abs(df(x - e))))
+    return d
+
 
 def _t(x):
     return np.swapaxes(x, -1, -2)
@@ -72,7 +94,6 @@ def _t(x):
 
 def _mm_err(a, b, ea, eb, u, k=None):
     """The matmul rule |A| e_B + e_A |B| + e_A e_B + gamma_k |A||B| for a @ b."""
-    from .error import gamma
     ea, eb = np.broadcast_to(ea, a.shape), np.broadcast_to(eb, b.shape)
     aa, ab = np.abs(a), np.abs(b)
     k = a.shape[-1] if k is None else k
@@ -81,7 +102,6 @@ def _mm_err(a, b, ea, eb, u, k=None):
 
 def _probs_err(q, k, eq, ek, node, u, tiny):
     """(p, bound on |p_computed - p|) of the attention probabilities softmax(scale q k^T)."""
-    from .error import gamma
     c, dim, sk = abs(float(node.attr("scale"))), q.shape[-1], k.shape[-2]
     s = np.matmul(q, _t(k)) * c
     es = c * _mm_err(q, _t(k), eq, _t(np.broadcast_to(ek, k.shape)), u, dim + 4) + dim * tiny
@@ -94,7 +114,6 @@ def _probs_err(q, k, eq, ek, node, u, tiny):
 
 
 def _sdpa_err(vals, errs, node, out, u):
-    from .error import tiny
     q, k, v = vals
     t = tiny(node.type.dtype)
     p, ep = _probs_err(q, k, errs[0], errs[1], node, u, t)
@@ -103,7 +122,6 @@ def _sdpa_err(vals, errs, node, out, u):
 
 def _sdpa_grad_err(vals, errs, node, out, u):
     """dv = p^T dy; ds = p (dy v^T - rowsum(p dy v^T)); dq = c ds k; dk = c ds^T q."""
-    from .error import gamma, tiny
     dy, q, k, v = vals
     edy, eq, ek, ev = (np.broadcast_to(e, x.shape) for e, x in zip(errs, vals))
     t, sk = tiny(node.type.dtype), k.shape[-2]
@@ -130,7 +148,6 @@ def _sdpa_grad_err(vals, errs, node, out, u):
 
 def _trig(f, df):
     def rule(vals, errs, node, out, u):
-        from .error import _max_slope, tiny
         x, e = vals[0], errs[0]
         return _max_slope(df, x, e) * e + 8 * u * np.abs(out) + 2 * u + tiny(node.type.dtype)
     return rule
