@@ -96,3 +96,26 @@ def rope():
 def llama_attention_masked():
     torch.manual_seed(0)
     return MaskedLlamaAttention().eval(), _x(), ["x"]
+
+
+def gpt2_attention_h3():  # 3 heads of 4: not splittable over 2 ranks
+    torch.manual_seed(0)
+    return GptAttention(3, 12).eval(), _x(hidden=12), ["x"]
+
+
+class FusedGateUp(torch.nn.Module):
+    """A Llama-style MLP with gate|up fused in one Linear [2 * ffn, hidden]."""
+
+    def __init__(self, hidden=8, ffn=12):
+        super().__init__()
+        self.gate_up = torch.nn.Linear(hidden, 2 * ffn, bias=False)
+        self.down = torch.nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(torch.nn.functional.silu(gate) * up)
+
+
+def fused_gate_up():
+    torch.manual_seed(0)
+    return FusedGateUp().eval(), (torch.randn(2, 4, 8),), ["x"]

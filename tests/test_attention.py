@@ -167,3 +167,52 @@ def test_a_mask_that_is_not_causal_is_refused(kind, what):
 
     with pytest.raises(FrontendError, match=what):
         import_torch(M(), (torch.randn(1, 2, 3, 2),))
+
+
+# ---- fused weights, split per part (parcomp/frontends/fused.py) ---------------------
+
+GPT2_TP = "attn.c_attn.weight colwise\nattn.c_proj.weight rowwise\n"
+
+
+def test_gpt2_c_attn_colwise_splits_each_of_q_k_v_by_heads(tmp_path, capsys):
+    rc, out = _check(tmp_path, capsys, "gpt2_attention", "mesh tp=2\n" + GPT2_TP + "train loss=mse steps=2\n")
+    assert rc == 0 and out["ok"] and out["err_over_tol"] <= 1, out
+    assert _kinds(out, "forward") == ["all_reduce"] and _kinds(out, "backward") == ["all_reduce"]
+
+
+def test_c_attn_rank_holds_its_heads_of_each_part_exactly():
+    from attention_models import gpt2_attention
+    module, example, names = gpt2_attention()
+    g = import_torch(module, example, names)
+    w = g["attn.c_attn.weight"]
+    assert w.type.shape == (16, 3, 16) and w.attr("stored_shape") == (16, 48)
+    c = compile_graph(g, spec("mesh tp=2\n" + GPT2_TP))
+    stored = np.arange(16 * 48, dtype="f4").reshape(16, 48)
+    feeds = {**feeds_for(g, module, example), "attn.c_attn.weight": stored}
+    run = run_spmd(c.program, feeds)
+    for r in (0, 1):  # rank r: columns p*16 + 8r .. p*16 + 8r + 7 of q (p=0), k (p=1) and v (p=2)
+        want = np.stack([stored[:, p * 16 + 8 * r: p * 16 + 8 * r + 8] for p in range(3)], axis=1)
+        np.testing.assert_array_equal(run.env[r]["attn.c_attn.weight"], want)
+    assert str(c.program["attn.c_attn.bias"].layout[0]) == "S(1)"  # the bias follows, per part
+
+
+def test_fused_gate_up_colwise_is_one_all_reduce(tmp_path, capsys):
+    rc, out = _check(tmp_path, capsys, "fused_gate_up",
+                     "mesh tp=2\ngate_up.weight colwise\ndown.weight rowwise\ntrain loss=mse steps=2\n")
+    assert rc == 0 and out["ok"] and out["err_over_tol"] <= 1, out
+    assert _kinds(out) == ["all_reduce", "all_reduce"]
+
+
+def test_fused_heads_not_divisible_is_a_located_spec_error(tmp_path, capsys):
+    (tmp_path / "s.pcs").write_text("mesh tp=2\n" + GPT2_TP)
+    rc = main(["check", f"{MODELS}:gpt2_attention_h3", "--spec", str(tmp_path / "s.pcs")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "s.pcs:2" in err and "attn.c_attn.weight" in err and "3 heads" in err, err
+
+
+@pytest.mark.slow
+def test_gpt2_attention_fused_c_attn_trains_under_torchrun_like_torch(tmp_path, capsys):
+    (tmp_path / "s.pcs").write_text("mesh tp=2\n" + GPT2_TP + "train loss=mse steps=2 optimizer=adamw(lr=0.01)\n")
+    rc = main(["run", f"{MODELS}:gpt2_attention", "--spec", str(tmp_path / "s.pcs"), "--nproc", "2", "--json"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and out["ok"] and out["err_over_tol"] <= 1, out
