@@ -7,6 +7,7 @@ import pathlib
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from parcomp.cli import main
 from parcomp.commands import feeds_for
@@ -216,3 +217,43 @@ def test_gpt2_attention_fused_c_attn_trains_under_torchrun_like_torch(tmp_path, 
     rc = main(["run", f"{MODELS}:gpt2_attention", "--spec", str(tmp_path / "s.pcs"), "--nproc", "2", "--json"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and out["ok"] and out["err_over_tol"] <= 1, out
+
+
+# ---- random attention configs x layouts (interpreter, forward and training) ---------
+
+@st.composite
+def attention_case(draw):
+    tp = draw(st.sampled_from([2, 4]))
+    kv = draw(st.sampled_from([1, 2, 4]))
+    heads = kv * draw(st.sampled_from([1, 2, 4]))
+    b, s, d = draw(st.sampled_from([1, 2])), draw(st.sampled_from([3, 4])), draw(st.sampled_from([2, 4]))
+    causal = draw(st.booleans())
+    lines = [f"%x: f32[{b},{heads},{s},{d}] = input()", f"%w: f32[{d}] = param()",
+             f"%q: f32[{b},{heads},{s},{d}] = mul(%x, %w)"]  # a parameter, for training
+    lines += [f"%{x}: f32[{b},{kv},{s},{d}] = input()" for x in "kv"]
+    for x in "kv":  # transformers' repeat_kv: head h reads kv head h // (heads // kv)
+        if kv != heads:
+            lines.append(f"%{x}e: f32[{b},{kv},{heads // kv},{s},{d}] = expand(%{x}) {{dims=(2,)}}")
+            lines.append(f"%{x}r: f32[{b},{heads},{s},{d}] = reshape(%{x}e)")
+    kk, vv = ("kr", "vr") if kv != heads else ("k", "v")
+    lines.append(f"%y: f32[{b},{heads},{s},{d}] = sdpa(%q, %{kk}, %{vv}) "
+                 f"{{causal={str(causal).lower()}, scale={1 / d ** 0.5}}}")
+    lines.append("return %y as output")
+    ok = [p for p, n in (("[S(0)]", b), ("[S(1)]", heads)) if n % tp == 0]
+    lay = {x: draw(st.sampled_from(["replicated"] + ok)) for x in ("q", "output")}
+    lay["kv"] = draw(st.sampled_from(["replicated"] + (["[S(1)]"] if kv % tp == 0 else [])))
+    rules = [f"input x {lay['q']}", f"input k {lay['kv']}", f"input v {lay['kv']}", f"output output {lay['output']}"]
+    train = draw(st.booleans())
+    return ("\n".join(lines) + "\n", f"mesh tp={tp}\n" + "\n".join(rules) + "\n"
+            + ("train loss=mse steps=1\n" if train else ""))
+
+
+@settings(max_examples=25, deadline=None)
+@given(attention_case())
+def test_random_attention_sharded_equals_unsharded(tmp_path_factory, case):
+    text, spec_text = case
+    d = tmp_path_factory.mktemp("attn")
+    (d / "m.pcir").write_text(text)
+    (d / "s.pcs").write_text(spec_text)
+    rc = main(["check", str(d / "m.pcir"), "--spec", str(d / "s.pcs"), "--json"])
+    assert rc == 0, (text, spec_text)
