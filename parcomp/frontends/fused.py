@@ -127,25 +127,29 @@ def _parts(graph, m, slices, names):
 
 
 def split_fused_weights(graph: Graph) -> Graph:
-    """Rewrite every fused weight of ``graph`` (see the module docstring); others unchanged."""
+    """Rewrite every fused weight of ``graph`` (see the module docstring); others unchanged.
+    One pass: the patterns of different weights share no node."""
     users = graph.users()
     names = NameGen(n.name for n in graph.nodes)
+    at, views, gone = {}, {}, set()  # mm name -> part nodes; param name -> view; nodes dropped
     for n in graph.nodes:
         slices = _equal_parts(graph, users, n.name)
         m = _match(graph, users, n.name) if slices else None
         if m is None:
             continue
-        new, wv, bv = _parts(graph, m, slices, names)
-        gone = {m["mm"].name, *slices, *(r.name for r in m["chain"])}
+        at[m["mm"].name], wv, bv = _parts(graph, m, slices, names)
+        views.update({v.name: v for v in (wv, bv) if v is not None})
+        gone |= {m["mm"].name, *slices, *(r.name for r in m["chain"])}
         gone |= {x.name for x in (m["add"], m["wt"]) if x is not None}
-        nodes = []
-        for x in graph.nodes:
-            if x.name == m["mm"].name:
-                nodes += new
-            elif x.name not in gone:
-                nodes.append(wv if x.name == wv.name else bv if bv and x.name == bv.name else x)
-        return split_fused_weights(graph.with_nodes(nodes))  # the next fused weight, if any
-    return graph
+    if not at:
+        return graph
+    nodes = []
+    for x in graph.nodes:
+        if x.name in at:
+            nodes += at[x.name]
+        elif x.name not in gone:
+            nodes.append(views.get(x.name, x))
+    return graph.with_nodes(nodes)
 
 
 def fused_split_dim(node, word: str) -> int:
