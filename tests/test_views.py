@@ -179,3 +179,15 @@ def test_aten_view_ops_lower_and_run_sharded_over_the_batch():
     c = compile_graph(g, spec("mesh tp=2\ninput x [S(0)]"))
     got = run_spmd(c.program, {"x": x.numpy()}).outputs(c.program)["output"]
     np.testing.assert_array_equal(got, want)
+
+
+def test_a_slice_is_a_view_so_nothing_adds_into_it_in_place():
+    """torch's slice is a view of its operand: an in-place add into it would change the
+    operand, which is read again later (parcomp/passes/lower.py VIEW_OPS)."""
+    g = parse_graph("%x: f32[4,6] = input()\n%b: f32[4,3] = input()\n%h: f32[4,6] = relu(%x)\n"
+                    "%s: f32[4,3] = slice(%h) {dim=1, start=0, stop=3}\n%y: f32[4,3] = add(%s, %b)\n"
+                    "%t: f32[4,3] = slice(%h) {dim=1, start=3, stop=6}\n%z: f32[4,3] = add(%y, %t)\n"
+                    "return %z\n")
+    c = compile_graph(g, spec("mesh tp=2\ninput x [S(0)]\ninput b [S(0)]\noutput z [S(0)]"))
+    assert not c.program["y"].attr("inplace")
+    assert c.program["z"].attr("inplace")  # y is a fresh buffer: adding into it is fine
