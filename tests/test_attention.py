@@ -257,3 +257,13 @@ def test_random_attention_sharded_equals_unsharded(tmp_path_factory, case):
     (d / "s.pcs").write_text(spec_text)
     rc = main(["check", str(d / "m.pcir"), "--spec", str(d / "s.pcs"), "--json"])
     assert rc == 0, (text, spec_text)
+
+
+def test_gqa_replication_touches_only_the_kv_projections_a_wildcard_rule_names():
+    from attention_models import llama_attention_kv2_h8
+    module, example, names = llama_attention_kv2_h8()
+    g = import_torch(module, example, names)
+    c = compile_graph(g, spec("mesh tp=4\nattn.*_proj.weight colwise\n"))
+    lay = {n.name: str(n.layout[0]) for n in c.program.params}
+    assert lay["attn.q_proj.weight"] == "S(0)" and lay["attn.o_proj.weight"] == "S(0)"
+    assert lay["attn.k_proj.weight"] == lay["attn.v_proj.weight"] == "R"

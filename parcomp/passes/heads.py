@@ -76,6 +76,12 @@ def _matmuls_of(graph, users, name):
     return out
 
 
+def _biases(graph, users, mm, bound_by, rule):
+    """The params added to matmul ``mm``'s output that follow the weight's ``rule``."""
+    adds = [graph[u] for u in users[mm] if graph[u].op == "add"]
+    return [i for a in adds for i in a.inputs if i != mm and bound_by.get(i) is rule]
+
+
 def check_heads(graph, spec, layouts, bound_by):
     """Apply the rules of this module to the colwise weights of ``bound_by`` (in place on
     ``layouts``).
@@ -96,9 +102,8 @@ def check_heads(graph, spec, layouts, bound_by):
                 if heads % ranks == 0:
                     continue
                 if ranks % heads == 0 and _repeated(graph, users, reshape.name):
-                    for other, r in bound_by.items():  # the weight and the bias that follows it
-                        if r is rule and other in layouts:
-                            layouts[other] = layouts[other][:axis] + (R,) + layouts[other][axis + 1:]
+                    for other in (name, *_biases(graph, users, mm, bound_by, rule)):
+                        layouts[other] = layouts[other][:axis] + (R,) + layouts[other][axis + 1:]
                     continue
                 size = reshape.type.shape[-1]
                 raise SpecError(
