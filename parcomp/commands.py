@@ -12,6 +12,7 @@ import numpy as np
 from .budget import CHECK_SECONDS_ANNOUNCE, check_memory, check_time
 from .compiler import compile_graph
 from .errors import ParcompError, VerifyError
+from .frontends.fused import to_view_shapes  # attention part (issue 17)
 from .frontends.loader import load_model, pointing_into
 from .frontends.model_file import ModelFile
 from .ir.text import print_graph
@@ -372,8 +373,9 @@ def _run_training(args, compiled, module, example):
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     params = [n.name for n in compiled.unsharded.params]
-    kept = {n.name: feeds[n.name] for n in compiled.logical.params if n.name in feeds}
-    result = _training_result({**replay["starts"][-1], **replayed,
+    kept = to_view_shapes({n.name: feeds[n.name] for n in compiled.logical.params if n.name in feeds},
+                          compiled.logical)
+    result = _training_result({**to_view_shapes(replay["starts"][-1], compiled.logical), **replayed,
                                "losses": np.array(replayed_losses, "float32")},
                               replay["want"], params, replay["bounds"])
     # the free-running trajectory: what program.py carries, the checkpoint's buffers and frozen

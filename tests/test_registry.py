@@ -29,7 +29,8 @@ def _torch_frontend_ops() -> set:
     """Ops the torch.export frontend can produce: op names written as string constants in
     parcomp/frontends/torch_export.py (``b.emit("matmul", ...)``, ``_unary(op)`` tuples),
     not counting subscripts such as ``a["input"]`` (aten argument names)."""
-    src = pathlib.Path(parcomp.frontends.__file__).with_name("torch_export.py").read_text()
+    here = pathlib.Path(parcomp.frontends.__file__)
+    src = "\n".join(here.with_name(f).read_text() for f in ("torch_export.py", "torch_attention.py"))
     tree = ast.parse(src)
     keys = {id(n.slice) for n in ast.walk(tree) if isinstance(n, ast.Subscript)}
     return {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)
@@ -99,8 +100,10 @@ EXEMPT = {
         ("torch_frontend", "made by lowering (parcomp/passes/lower.py), never by a frontend"))},
     (_T["torch_frontend"], "sum"): "no aten lowering yet (aten.sum.dim_IntList would map here); "
                                    "made by autodiff's unbroadcast",
-    (_T["torch_frontend"], "expand"): "no aten lowering yet (aten.expand.default would map here); "
-                                      "made by autodiff as the VJP of sum",
+    # attention part (issue 17)
+    **{(_T["torch_frontend"], op): _BY_AUTODIFF for op in ("slice_grad", "sdpa_grad")},
+    **{(_T["VJP"], op): "gradients are not differentiated again (no second derivatives)"
+       for op in ("sdpa_grad",)},
 }
 
 

@@ -85,6 +85,19 @@ OP_FORMATS = {
     "mse_sum": 'torch.nn.functional.mse_loss({0}, {1}, reduction="sum")',
     "mse_grad": "({1} - {2}).mul_({0} * 2.0)",
     "wait": "wait({0})",
+    # ---- attention part (issue 17): views, sdpa, RoPE pointwise ops ----
+    "slice": "torch.ops.aten.slice({0}, {dim}, {start}, {stop}, {step})",
+    "slice_grad": ("torch.ops.aten.slice_scatter(torch.zeros({local_shape}, dtype={dtype}, device=DEVICE), "
+                   "{0}, {dim}, {start}, {stop}, {step})"),
+    "cat": "torch.cat(({args},), dim={dim})",
+    "sdpa": "torch.nn.functional.scaled_dot_product_attention({0}, {1}, {2}, is_causal={causal}, scale={scale})",
+    "sdpa_grad": ("torch.func.vjp(lambda q, k, v: torch.nn.functional.scaled_dot_product_attention("
+                  "q, k, v, is_causal={causal}, scale={scale}), {1}, {2}, {3})[1]({0})[{wrt_index}]"),
+    "cos": "torch.cos({0})",
+    "sin": "torch.sin({0})",
+    "cast": "{0}.to({dtype})",
+    "arange": "torch.arange({local_shape}[0], dtype=torch.float64, device=DEVICE).mul({step}).add({start}).to({dtype})",
+    # ---- end of the attention part ----
 }
 # ``inplace=true``: the result is written into the first operand (torch.optim's own updates)
 IN_PLACE_FORMATS = {
@@ -97,7 +110,10 @@ IN_PLACE_FORMATS = {
 }
 # ``async_op=true``: start the collective, ``wait`` returns its value (key + "_": in place)
 ASYNC_FORMATS = {"all_reduce": "all_reduce_start({0}, {axis})", "all_reduce_": "all_reduce_start_({0}, {axis})"}
-ATTR_DEFAULTS = {"gelu": {"approximate": "none"}, "gelu_grad": {"approximate": "none"}}
+ATTR_DEFAULTS = {"gelu": {"approximate": "none"}, "gelu_grad": {"approximate": "none"},
+                 # attention part (issue 17)
+                 **{op: {"causal": False} for op in ("sdpa", "sdpa_grad")},
+                 **{op: {"step": 1} for op in ("slice", "slice_grad")}, "arange": {"start": 0, "step": 1}}
 LOCAL_LAYOUT_OPS = ("shard_slice", "partial_mask")
 TORCH_DTYPES = {"float32": "torch.float32", "float64": "torch.float64", "float16": "torch.float16",
                 "bfloat16": "torch.bfloat16", "int64": "torch.int64", "int32": "torch.int32",
@@ -377,8 +393,12 @@ def _loaders(prog, train) -> str:
                 raise EmitError(f"{kind} {n.name!r} has dtype {n.type.dtype}, which has no torch name")
             full = _global_shape(program, n)
             head = f"{n.name}: full {_ty(n.type.dtype, full)} {layout_str(n.layout)} -> {n.type}; "
-            sliced, what = _slice_expr(program, n, f"take({arg}, {json.dumps(n.name)}, {full!r}, "
-                                                   f"{TORCH_DTYPES[n.type.dtype]})")
+            src = f"take({arg}, {json.dumps(n.name)}, {full!r}, {TORCH_DTYPES[n.type.dtype]})"
+            if n.attr("stored_shape"):  # a fused weight: stored whole, viewed per part (issue 17)
+                src = (f"take({arg}, {json.dumps(n.name)}, {tuple(n.attr('stored_shape'))!r}, "
+                       f"{TORCH_DTYPES[n.type.dtype]}).reshape({full!r})")
+                head += f"stored {_ty(n.type.dtype, n.attr('stored_shape'))}, viewed per part; "
+            sliced, what = _slice_expr(program, n, src)
             expr = f"place({sliced})"
             for a, p in enumerate(n.layout):
                 if isinstance(p, Partial):
@@ -453,6 +473,8 @@ def _code(n, args) -> str:
     kw["args"] = ", ".join(args)
     if n.op == "expand":
         kw["kept_shape"] = repr(tuple(1 if d in n.attr("dims") else s for d, s in enumerate(n.type.shape)))
+    if n.op == "sdpa_grad":  # attention part (issue 17): which of torch.func.vjp's (dq, dk, dv)
+        kw["wrt_index"] = "qkv".index(n.attr("wrt"))
     return table[key].format(*args, **kw)
 
 

@@ -43,6 +43,7 @@ class _Builder:
         self.nodes, self.types, self.taken = [], {}, NameGen()
         self.env = {}  # fx node -> parcomp value name (None: no value)
         self.cur = None  # fx node being lowered, for error messages
+        self.folded = set()  # fx nodes evaluated at import, not lowered (attention masks)
 
     def fresh(self, base: str) -> str:
         return self.taken.fresh(re.sub(r"[^A-Za-z0-9_.]", "_", base) or "v")
@@ -63,6 +64,10 @@ class _Builder:
             raise FrontendError(f"{op} name {name!r} {what}")
         self.taken.take(name)
         return self.add(Node(name, op, (), _type_of(fx, self), make_attrs(**attrs)))
+
+    def type_of(self, fx) -> TensorType:
+        """The parcomp type of fx node ``fx``'s value (torch's static shape and dtype)."""
+        return _type_of(fx, self)
 
     def val(self, arg) -> str:
         """The value name of an fx operand that must be a tensor."""
@@ -258,6 +263,13 @@ TABLE = {
 # ops with no value that only assert facts torch already checked
 SKIP = {aten._assert_tensor_metadata.default}
 
+# ---- attention part (issue 17): views, sdpa, RoPE's ops (parcomp/frontends/torch_attention.py) ----
+from .fused import split_fused_weights  # noqa: E402
+from .torch_attention import ATTENTION_TABLE, GETITEM, MULTI, mask_only_nodes  # noqa: E402
+
+TABLE.update(ATTENTION_TABLE)
+# ---- end of the attention part ----
+
 
 def supported_ops() -> list:
     """Sorted names (``aten.linear.default`` ...) of the aten ops the frontend lowers."""
@@ -266,13 +278,17 @@ def supported_ops() -> list:
 
 def _lower(b: _Builder, n) -> str | None:
     b.cur = n
-    if n.target in SKIP:
+    if n.target in SKIP or n in b.folded:
         return None
+    if n.target is GETITEM and isinstance(b.env.get(n.args[0]), list):  # one result of a split
+        return b.env[n.args[0]][n.args[1]]
     fn = TABLE.get(n.target)
     if fn is None:
         raise FrontendError(f"unsupported op {n.target} (fx node %{n.name}){_where(n)}\n"
                             f"supported ops: {', '.join(supported_ops())}")
     out = fn(b, n, _bind(n))
+    if n.target in MULTI:  # several results, picked by getitem
+        return out
     want = _type_of(n, b)
     if b.types[out] != want:
         raise b.fail(f"lowering %{n.name} ({n.target}) gives {b.types[out]}, torch computes {want}")
@@ -393,6 +409,7 @@ def import_torch(module: torch.nn.Module, example_inputs: tuple,
     sources = {**sig.inputs_to_parameters, **sig.inputs_to_buffers}
     users = dict(zip(sig.user_inputs, _input_names(module, len(sig.user_inputs), input_names)))
     fx_nodes = list(ep.graph.nodes)
+    b.folded = mask_only_nodes(fx_nodes, SKIP)  # attention part (issue 17)
     for n in fx_nodes:
         if n.op != "placeholder":
             continue
@@ -422,5 +439,6 @@ def import_torch(module: torch.nn.Module, example_inputs: tuple,
     nodes, outs = _name_outputs(b.nodes, outs, wanted)
     used = set(outs) | {i for n in nodes for i in n.inputs}  # drop unused params/buffers
     names = tuple(wanted) if len(set(outs)) < len(outs) else None  # `return y, y`: two names, one value
-    return Graph(tuple(n for n in nodes if n.op != "param" or n.name in used), tuple(outs),
-                 output_names=names)
+    graph = Graph(tuple(n for n in nodes if n.op != "param" or n.name in used), tuple(outs),
+                  output_names=names)
+    return split_fused_weights(graph)  # attention part (issue 17): fused q|k|v, gate|up per part
