@@ -103,9 +103,9 @@ def _one_step(graph, start: dict, out: dict, bounds: dict) -> tuple:
     (buffers and frozen params keep their ``start`` value), the outputs, and ``losses``
     (one entry); and their bounds (0 for what the step does not touch)."""
     kept = to_view_shapes({n.name: start[n.name] for n in graph.params if n.name not in out}, graph)
+    untouched = {n.name: np.zeros(n.type.shape) for n in graph.params if n.name not in bounds}
     return ({**kept, **out, "losses": np.array([out["loss"]], "float32")},
-            {**{k: np.zeros(np.shape(v)) for k, v in kept.items()}, **bounds,
-             "losses": np.array([bounds["loss"]])})
+            {**untouched, **bounds, "losses": np.array([bounds["loss"]])})
 
 
 def lockstep(compiled, module, example, feeds, steps: int) -> dict:
