@@ -166,6 +166,7 @@ def replay_reference(compiled, module, example, feeds, steps: int) -> dict:
         want, bounds = _one_step(graph, start, out, b)
         losses.append(float(out["loss"]))
         loss_bounds.append(float(b["loss"]))
-    starts = [to_stored_shapes({n.name: s[n.name] for n in graph.params}, graph) for s in ref["starts"]]
+    starts = [to_stored_shapes({n.name: s[n.name] for n in graph.params}, graph, derived=False)
+              for s in ref["starts"]]
     return {"starts": starts, "want": {**want, "losses": np.array(losses, "float32")},
             "bounds": {**bounds, "losses": np.array(loss_bounds)}}

@@ -186,14 +186,15 @@ def to_view_shapes(values: dict, graph) -> dict:
     return out
 
 
-def to_stored_shapes(values: dict, graph) -> dict:
-    """The inverse of :func:`to_view_shapes`: each fused view param's entries (and its
-    ``name.exp_avg``, ...) in the view shape reshaped to the stored (checkpoint) shape, as
-    torch modules and program.py's loader hold them (``--replay`` states, torch.optim starts)."""
+def to_stored_shapes(values: dict, graph, derived: bool = True) -> dict:
+    """The inverse of :func:`to_view_shapes`: each fused view param's entry in the view shape
+    reshaped to the stored (checkpoint) shape, and with ``derived`` its ``name.exp_avg``, ...
+    too: torch.optim holds those in the param's shape (torch starts), program.py's loader
+    reads them per part (``--replay`` states: ``derived=False``)."""
     views = {n.name: n for n in graph.params if n.attr("stored_shape")}
     out = dict(values)
     for key, v in values.items():
-        base = next((p for p in views if key == p or key.startswith(p + ".")), None)
+        base = next((p for p in views if key == p or (derived and key.startswith(p + "."))), None)
         if base is not None and tuple(np.shape(v)) == tuple(views[base].type.shape):
             out[key] = np.asarray(v).reshape(views[base].attr("stored_shape"))
     return out
