@@ -183,21 +183,23 @@ MASKS = {
     "bool triu (not causal)": (lambda a, b: torch.ones(a, b, dtype=torch.bool).triu(), False),
     "additive -1e4 (not -inf)": (lambda a, b: torch.zeros(a, b).masked_fill(~_tril(a, b), -1e4), False),
     "bottom-right aligned (lq < lk)": (lambda a, b: torch.ones(a, b, dtype=torch.bool).tril(b - a), False),
+    "all true (no mask)": (lambda a, b: torch.ones(1, 1, a, b, dtype=torch.bool), None),
+    "all zero additive (no mask)": (lambda a, b: torch.zeros(a, b), None),
 }
 
 
 @pytest.mark.parametrize("case", sorted(MASKS))
-def test_sdpa_causal_mask_rewritten_to_is_causal(case):
+def test_sdpa_causal_mask_rewritten_to_is_causal(case):  # causal: True, False, None (mask dropped)
     make, causal = MASKS[case]
     lq = 3 if "lq < lk" in case else 5
     q, k, v = torch.randn(2, 4, lq, 8), torch.randn(2, 4, 5, 8), torch.randn(2, 4, 5, 8)
     ep = _export(Attention(make), (q, k, v))
     consts = fold(ep)
-    assert causal_attention(ep, consts, _bind) == int(causal)
+    assert causal_attention(ep, consts, _bind) == int(causal is not False)
     (n,) = [n for n in ep.graph.nodes if "scaled_dot_product" in str(n.target)]
     a = _bind(n)
-    assert (a["attn_mask"] is None, a["is_causal"]) == (causal, causal)
-    if causal:  # the rewritten graph computes what the masked one did
+    assert (a["attn_mask"] is None, a["is_causal"]) == (causal is not False, bool(causal))
+    if causal is not False:  # the rewritten graph computes what the masked one did
         want = Attention(make)(q, k, v)
         assert_equivalent(ep.module()(q, k, v).numpy(), want.numpy(),
                           np.full(want.shape, 16 * np.finfo(np.float32).eps))

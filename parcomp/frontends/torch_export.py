@@ -70,7 +70,7 @@ class _Builder:
         return self.add(Node(name, op, (), _type_of(fx, self), make_attrs(**attrs)))
 
     def type_of(self, fx) -> TensorType:
-        """The static type torch computed for fx node ``fx``."""
+        """The parcomp type of fx node ``fx``'s value (torch's static shape and dtype)."""
         return _type_of(fx, self)
 
     def val(self, arg) -> str:
@@ -315,11 +315,11 @@ def import_torch(module: torch.nn.Module, example_inputs: tuple,
             nearest supported op), a shape is dynamic, or a dtype is unknown.
     """
     ep = _export(module, example_inputs)
+    consts = fold(ep)  # fx node -> value, for what depends on constants and buffers only
+    causal_attention(ep, consts, _bind)
     sig, b = ep.graph_signature, _Builder()
     sources = {**sig.inputs_to_parameters, **sig.inputs_to_buffers}
     users = dict(zip(sig.user_inputs, _input_names(module, len(sig.user_inputs), input_names)))
-    consts = fold(ep)  # fx node -> value, for what depends on constants and buffers only
-    causal_attention(ep, consts, _bind)
     fx_nodes = list(ep.graph.nodes)
     for n in fx_nodes:
         if n.op != "placeholder":
@@ -341,6 +341,7 @@ def import_torch(module: torch.nn.Module, example_inputs: tuple,
                                   "param", (), _type_of(n, b), make_attrs(trainable=False),
                                   source=_module_path(at)))
             values[b.env[n]] = value.clone()
+    remember(module, values)
     bad = [s for s in sig.output_specs if s.kind.name != "USER_OUTPUT"]
     if bad:
         raise FrontendError(f"the model mutates {bad[0].target!r} ({bad[0].kind.name}); "
@@ -358,7 +359,6 @@ def import_torch(module: torch.nn.Module, example_inputs: tuple,
         raise FrontendError("forward() must return only tensors")
     nodes, outs = name_outputs(b.nodes, outs, wanted)
     used = set(outs) | {i for n in nodes for i in n.inputs}  # drop unused params/buffers
-    remember(module, {k: v for k, v in values.items() if k in used})
     names = tuple(wanted) if len(set(outs)) < len(outs) else None  # `return y, y`: two names, one value
     return Graph(tuple(n for n in nodes if n.op != "param" or n.name in used), tuple(outs),
                  output_names=names)

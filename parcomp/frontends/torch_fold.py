@@ -11,7 +11,8 @@ op is needed for them, and none of them gets a gradient or a collective of its o
 
 :func:`causal_attention` rewrites ``scaled_dot_product_attention`` whose ``attn_mask``
 folds to exactly the causal mask (bool lower triangle, or 0 / -inf additive) into
-``is_causal=True`` without a mask, so the mask is not kept at all.
+``is_causal=True`` without a mask, and drops a mask that keeps everything, so neither
+mask is kept at all.
 
 Not folded: anything that reads a model input or a parameter (trainable or frozen:
 a frozen parameter can still be loaded from a checkpoint), and random ops (dropout,
@@ -122,25 +123,28 @@ def same_value(x: torch.Tensor, y: torch.Tensor) -> bool:
         x.dtype.is_floating_point and ((x == y) | (x.isnan() & y.isnan())).all()))
 
 
-def _is_causal(mask: torch.Tensor, q_len: int, k_len: int) -> bool:
-    """Whether ``mask`` (broadcast over batch and heads) is torch's ``is_causal`` mask:
-    ``tril(ones(q_len, k_len))`` as bool, or 0 there and -inf (or the dtype's lowest
-    value) elsewhere."""
+def _mask_kind(mask: torch.Tensor, q_len: int, k_len: int) -> str | None:
+    """``"causal"`` when ``mask`` (broadcast over batch and heads) is torch's ``is_causal``
+    mask, ``tril(ones(q_len, k_len))`` as bool or 0 there and -inf (or the dtype's lowest
+    value) elsewhere; ``"none"`` when it keeps everything (all true, or all 0); else None."""
     if mask.dim() < 2 or tuple(mask.shape[-2:]) != (q_len, k_len):
-        return False
-    keep = torch.ones(q_len, k_len, dtype=torch.bool).tril()
+        return None
     if mask.dtype == torch.bool:
-        return bool((mask == keep).all())
-    if not mask.dtype.is_floating_point:
-        return False
-    low = mask <= torch.finfo(mask.dtype).min
-    return bool(((mask == 0) == keep).all() and (low == ~keep).all())
+        keep = mask
+    elif mask.dtype.is_floating_point and bool(((mask == 0) | (mask <= torch.finfo(mask.dtype).min)).all()):
+        keep = mask == 0
+    else:
+        return None
+    if bool(keep.all()):
+        return "none"
+    causal = torch.ones(q_len, k_len, dtype=torch.bool).tril()
+    return "causal" if bool((keep == causal).all()) else None
 
 
 def causal_attention(ep, vals: dict, bind) -> int:
-    """Rewrite each ``scaled_dot_product_attention`` of ``ep`` whose mask folds to the
-    causal mask into ``is_causal=True`` with no mask; ``bind(fx)`` gives the node's
-    arguments by schema name.  Returns how many were rewritten."""
+    """Drop the mask of each ``scaled_dot_product_attention`` of ``ep`` whose mask folds to
+    the causal mask (then ``is_causal=True``) or to a mask that keeps everything;
+    ``bind(fx)`` gives the node's arguments by schema name.  Returns how many changed."""
     count = 0
     for n in ep.graph.nodes:
         if n.op != "call_function" or n.target is not aten.scaled_dot_product_attention.default:
@@ -150,8 +154,10 @@ def causal_attention(ep, vals: dict, bind) -> int:
         if a["is_causal"] or not isinstance(mask, torch.fx.Node) or mask not in vals:
             continue
         q_len, k_len = a["query"].meta["val"].shape[-2], a["key"].meta["val"].shape[-2]
-        if isinstance(vals[mask], torch.Tensor) and _is_causal(vals[mask], int(q_len), int(k_len)):
-            a.update(attn_mask=None, is_causal=True)
+        kind = (_mask_kind(vals[mask], int(q_len), int(k_len))
+                if isinstance(vals[mask], torch.Tensor) else None)
+        if kind is not None:
+            a.update(attn_mask=None, is_causal=kind == "causal")
             n.args = (a.pop("query"), a.pop("key"), a.pop("value"))
             n.kwargs = a
             count += 1
