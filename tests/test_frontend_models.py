@@ -15,9 +15,10 @@ pytest.importorskip("transformers")
 
 from parcomp.cli import main  # noqa: E402
 from parcomp.errors import FrontendError  # noqa: E402
-from parcomp.frontends.torch_export import (_bind, _export, import_torch, op_inventory,  # noqa: E402
-                                            supported_ops)
-from parcomp.frontends.torch_fold import causal_attention, fold, materialized, module_sources  # noqa: E402
+from parcomp.frontends.torch_export import (_bind, _export, _module_path, import_torch,  # noqa: E402
+                                            op_inventory, supported_ops)
+from parcomp.frontends.torch_fold import (causal_attention, defining, fold, materialized,  # noqa: E402
+                                          module_sources)
 from parcomp.reference.numpy_ops import run_unsharded  # noqa: E402
 from parcomp.tolerance import output_bounds  # noqa: E402
 
@@ -105,21 +106,25 @@ def _folded(module, inputs):
     consts = fold(ep)
     causal_attention(ep, consts, _bind)
     sdpa = [_bind(n) for n in ep.graph.nodes if "scaled_dot_product" in str(n.target)]
-    return [consts[n] for n in materialized(ep, consts)], sdpa
+    kept = materialized(ep, consts)
+    names = {f"{_module_path(defining(n))}.{defining(n).name}" for n in kept}  # the params' names
+    return [consts[n] for n in kept], sdpa, names
 
 
 def test_gpt2_folds_position_ids_and_the_causal_mask():
     module, inputs, _ = models.gpt2_lm()
-    values, sdpa = _folded(module, inputs)
+    values, sdpa, names = _folded(module, inputs)
     assert len(sdpa) == 2 and all(a["attn_mask"] is None and a["is_causal"] for a in sdpa)
+    assert names == {"transformer.arange"}
     (pos,) = values  # the mask is gone: only wpe's position ids remain
     np.testing.assert_array_equal(pos.numpy(), np.arange(8)[None, :])
 
 
 def test_llama_folds_rope_tables_and_the_causal_mask():
     module, inputs, _ = models.llama_lm()
-    values, sdpa = _folded(module, inputs)
+    values, sdpa, names = _folded(module, inputs)
     assert len(sdpa) == 2 and all(a["attn_mask"] is None and a["is_causal"] for a in sdpa)
+    assert names == {"model.rotary_emb.cos", "model.rotary_emb.sin"}
     x = torch.zeros(1, 8, 64)
     cos, sin = module.model.rotary_emb(x, torch.arange(8)[None, :])
     assert len(values) == 4  # cos and sin for each of the 2 layers: one param each after dedup
@@ -129,18 +134,17 @@ def test_llama_folds_rope_tables_and_the_causal_mask():
 
 def test_whole_model_matches_transformers_or_names_the_missing_op(made):
     """With every op lowered (issue 17 merged), the numpy run of the graph equals the
-    transformers model; before that, the import fails at the first op another part
-    lowers, naming it and its module."""
+    transformers model; before that, the import fails at an op another part lowers,
+    naming it, its module and the nearest supported op."""
     name, (module, inputs, names) = made
-    missing = set(LOWERED[name]) - set(supported_ops())
-    if missing:
-        with pytest.raises(FrontendError) as info:
-            import_torch(module, inputs, names)
-        msg = str(info.value)
-        op = msg.split("unsupported op ")[1].split(" ")[0]
-        assert op in missing and op in OTHER_PARTS and "in module '" in msg and "nearest supported op" in msg
+    try:
+        graph = import_torch(module, inputs, names)
+    except FrontendError as e:
+        msg = str(e)
+        op = msg.split("unsupported op ")[1].split(" ")[0] if "unsupported op " in msg else msg
+        assert op in set(LOWERED[name]) - set(supported_ops()) and op in OTHER_PARTS, msg
+        assert "in module '" in msg and "nearest supported op" in msg
         return
-    graph = import_torch(module, inputs, names)
     assert graph.output_names == ("logits",)
     state = {k: v.detach().numpy() for k, v in module_sources(module).items()}
     feeds = {**{p.name: state[p.name] for p in graph.params}, "input_ids": inputs[0].numpy()}

@@ -99,16 +99,18 @@ def materialized(ep, vals: dict) -> list:
     return out
 
 
-# ops that only reshape, convert or copy their one tensor operand: a folded value is
-# named after the op below them (RoPE's ``cos.unsqueeze(1)`` after ``cos``'s chain)
+# ops that only reshape, convert or copy their one tensor operand (or, with one tensor
+# operand, add a number to it or scale it): a folded value is named after the op below
+# them (RoPE's ``(cos * scaling).to(dtype).unsqueeze(1)`` after ``cos``)
 _VIEWS = {"unsqueeze", "squeeze", "view", "reshape", "_unsafe_view", "expand", "to", "_to_copy",
           "alias", "clone", "contiguous", "detach", "type_as", "permute", "transpose", "t",
-          "mul", "div"}
+          "mul", "div", "add", "sub"}
 
 
 def defining(n):
     """The fx node a folded value is named after: ``n`` past the view-like ops (and
-    products with a Python number: RoPE's ``cos * attention_scaling``) above it."""
+    arithmetic with a Python number: RoPE's ``cos * attention_scaling``, GPT-2's
+    ``arange(seq) + past_length``) above it."""
     while n.op == "call_function" and str(n.target).split(".")[1:2] in [[v] for v in _VIEWS]:
         srcs = list(dict.fromkeys(_inputs(n)))
         if len(srcs) != 1 or srcs[0].op != "call_function":
