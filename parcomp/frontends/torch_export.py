@@ -1,9 +1,11 @@
 """torch.export frontend: an ``nn.Module`` becomes a parcomp :class:`Graph`.
 
-The module is traced with ``torch.export.export(strict=False)``; every aten op
-of the exported fx graph is lowered through :data:`TABLE`, a dict from aten
-op overload to a small lowering function.  Parameters and buffers become
-``param`` nodes named by their ``state_dict`` key, user inputs ``input`` nodes.
+The module is traced with ``torch.export.export(strict=False)``; what depends only on
+constants and buffers is folded (:mod:`.torch_fold`), every other aten op of the
+exported fx graph is lowered through :data:`TABLE` (:mod:`.aten_table`), a dict from
+aten op overload to a small lowering function, and the outputs are named after what
+``forward`` returns (:mod:`.torch_outputs`).  Parameters and buffers become ``param``
+nodes named by their ``state_dict`` key, user inputs ``input`` nodes.
 
 ``nn.Linear`` (``aten.linear``, weight stored ``[out, in]``) lowers to
 ``permute{perm=(1,0)}(W) -> matmul(x, .) -> add(., b)``, keeping the chain
@@ -119,11 +121,9 @@ def _where(fx) -> str:
         path, cls = list(stack.values())[-1]
         cls = getattr(cls, "__qualname__", cls)
         out += f" in module {path!r} ({cls})" if path else f" in the top-level module ({cls})"
-    frames = _FRAME.findall(fx.meta.get("stack_trace") or "")
-    if frames:
-        user = [f for f in frames if not f[0].startswith(_TORCH_DIR)] or frames
-        file, line, text = user[-1]
-        out += f"\n  at {file}:{line}: {text.strip()}"
+    loc = _user_frame(fx)
+    if loc is not None:
+        out += f"\n  at {loc.file}:{loc.line}: {loc.text.strip()}"
     return out
 
 
@@ -140,16 +140,21 @@ def _user_frame(fx) -> SourceLoc | None:
     return SourceLoc(file, int(line), 1, text)
 
 
+def _base(op) -> str:
+    """``aten.sum.dim_IntList`` -> ``sum``: an overload's op name."""
+    parts = str(op).split(".")
+    return parts[1] if len(parts) >= 3 else str(op)
+
+
 def _unsupported(fx) -> FrontendError:
     """The error for an aten op with no lowering: the op, the fx node, the module path
     (from ``nn_module_stack``), the nearest supported op (difflib on the op's base name)
     and, as its location, the user's source line."""
     import difflib
 
-    base = lambda op: str(op).split(".")[1] if str(op).count(".") >= 2 else str(op)  # noqa: E731
     ops = supported_ops()
-    near = difflib.get_close_matches(base(fx.target), sorted({base(o) for o in ops}), n=1, cutoff=0)
-    nearest = [o for o in ops if base(o) == near[0]] if near else ops[:1]
+    near = difflib.get_close_matches(_base(fx.target), sorted({_base(o) for o in ops}), n=1, cutoff=0)
+    nearest = [o for o in ops if _base(o) == near[0]] if near else ops[:1]
     where = _where(fx).split("\n")[0]
     return FrontendError(f"unsupported op {fx.target} (fx node %{fx.name}){where}: parcomp has no "
                          f"lowering for it; nearest supported op: {', '.join(nearest)} "
