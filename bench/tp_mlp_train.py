@@ -489,7 +489,7 @@ def micro(h: int, program_path: str, reps: int) -> dict:
     grads_t = [grads[0].t().contiguous().t(), grads[1], grads[2].t().contiguous().t(), grads[3]]
     ws = [w1.clone(), b1.clone(), w2.clone(), b2.clone()]
 
-    def emitted_loss():  # the emitted loss + loss-gradient chain (copied from program.py)
+    def emitted_loss():  # the loss + loss-gradient chain emitted before issue 8's lowering
         sub = y - target
         loss = torch.sum(torch.pow(sub, 2.0), dim=(0, 1, 2)) * (1.0 / n)
         one = torch.ones((), dtype=torch.float32) * (1.0 / n)
@@ -520,13 +520,13 @@ def micro(h: int, program_path: str, reps: int) -> dict:
         ("pinned train_step (+ activation output replicated), no comm", lambda: prog_p.train_step(params, inputs)),
         ("tuned train_step (pinned + bench edits), no comm", lambda: prog_t.train_step(params, inputs)),
         ("hand step (autograd + SGD), no comm", hand),
-        ("  loss + dloss/dy, emitted (sub, pow, sum, scale, expand, *2, pow^1)", emitted_loss),
-        ("  loss + dloss/dy, fused (sub, dot, scale in place)", fused_loss),
-        ("  SGD update, emitted (w - g*lr, dW read transposed: 8 new tensors)", emitted_update),
+        ("  loss + dloss/dy, pre-lowering emission (sub, pow, sum, scale, expand, *2, pow^1)", emitted_loss),
+        ("  loss + dloss/dy, fused (sub, dot, scale in place; ~ lowered mse_sum/mse_grad)", fused_loss),
+        ("  SGD update, pre-lowering emission (w - g*lr, dW transposed: 8 new tensors)", emitted_update),
         ("  SGD update, tuned (torch.add(w, g, alpha=-lr), dW contiguous)", tuned_update),
-        ("  SGD update, torch.optim (w.add_(g, alpha=-lr), in place)", inplace_update),
-        ("  dW2 matmul, emitted (matmul(a^T, dy) then a permute view)", emitted_dw2),
-        ("  dW2 matmul, autograd / tuned (dy^T @ a, contiguous)", autograd_dw2),
+        ("  SGD update, in place (torch.optim; lowered add_scaled emits the same)", inplace_update),
+        ("  dW2 matmul, pre-lowering emission (matmul(a^T, dy) then a permute view)", emitted_dw2),
+        ("  dW2 matmul, autograd / lowered matmul_t (dy^T @ a, contiguous)", autograd_dw2),
     ]
     ts = {name: [] for name, _ in cases}
     faults = {name: [] for name, _ in cases}

@@ -73,7 +73,7 @@ def output_bounds(graph, feeds: dict, errors: dict | None = None) -> dict:
     return {name: err[v] for name, v in graph.named_outputs()}
 
 
-def training_bounds(graph, feeds, steps: int) -> dict:
+def training_bounds(graph, feeds, steps: int, first: int = 1) -> dict:
     """Error bounds of ``steps`` training steps, run as :func:`train_steps` runs them.
 
     ``feeds``: one dict for every step, or a list of one dict per step. Outputs named
@@ -81,7 +81,8 @@ def training_bounds(graph, feeds, steps: int) -> dict:
     next step, with their bounds, so step k's bound includes the error of the state it
     starts from. Returns ``{"losses": [bound per step], "outputs": {public name: bound
     of the last step}, "state": {param name: bound after the last step}}`` (buffers and
-    frozen params keep bound 0).
+    frozen params keep bound 0). ``first``: the number of the first step (AdamW's
+    ``step``); a lockstep check bounds one step from a recorded state with ``steps=1``.
     """
     per_step = feeds if isinstance(feeds, (list, tuple)) else [feeds] * steps
     state = initial_state(graph, per_step[0])
@@ -91,7 +92,7 @@ def training_bounds(graph, feeds, steps: int) -> dict:
     for k in range(1, steps + 1):
         state.update({key: v for key, v in per_step[k - 1].items() if key not in carried})
         if "step" in graph:
-            state["step"] = np.array(float(k), "float32")
+            state["step"] = np.array(float(first + k - 1), "float32")
         env, err = propagate(graph, state, errs)
         out = {name: err[v] for name, v in graph.named_outputs()}
         losses.append(float(out["loss"]))

@@ -130,6 +130,16 @@ def test_worked_example_text_matches_golden_and_is_deterministic():
     assert text == GOLDEN.read_text(), "program changed; rerun with PARCOMP_ACCEPT=1 if intended"
 
 
+def test_collective_comments_name_the_programs_variables():
+    """A reason names values as program.py spells them (``c_proj_matmul``), not as IR values
+    (``%addmm_1_mm``) the reader cannot find; an IR name survives only if the program lacks it."""
+    text = (GOLDEN.parent / "gpt2_mlp_tp2.cpu.program.py").read_text()
+    comments = " ".join(ln for ln in text.splitlines() if ln.strip().startswith("#"))
+    assert "c_proj_matmul: its matmul contracts" in comments and "add c_proj_add needs" in comments
+    defined = set(re.findall(r"^\s+(\w+) = ", text, re.M))
+    assert not [m for m in re.findall(r"%([\w.]+)", comments) if m in defined]
+
+
 def test_profiles_differ_only_inside_the_profile_block():
     texts = {name: emit_program(tiny_compiled(), name) for name in PROFILES}
     assert {"cpu", "cuda", "ascend"} <= set(texts)

@@ -31,7 +31,8 @@ from parcomp.ir.types import DTYPE_SHORT, Partial, Replicate, layout_str, shard_
 from parcomp.program import MAX_STEPS, ParcompError, Program, TrainLoop, plural
 
 from .profiles import get_profile
-from .runtime import FORWARD_HELP, IMPORTS, MAIN, RUNTIME, TRAIN_HELP, TRAIN_MAIN, TRAIN_RUNTIME
+from .runtime import (FORWARD_HELP, IMPORTS, MAIN, ONNX_READER, RUNTIME, TRAIN_HELP, TRAIN_MAIN,
+                      TRAIN_RUNTIME)
 
 # op -> format string; {0}, {1}: operand variables, {name}: attribute as a Python literal
 OP_FORMATS = {
@@ -103,7 +104,8 @@ TORCH_DTYPES = {"float32": "torch.float32", "float64": "torch.float64", "float16
                 "bool": "torch.bool"}
 COMMENT_WIDTH = 108
 
-_TOP_NAMES = set(re.findall(r"^(?:def )?([A-Za-z_]\w*)", RUNTIME + MAIN + TRAIN_MAIN, re.M))
+_TOP_NAMES = set(re.findall(r"^(?:def )?([A-Za-z_]\w*)", RUNTIME + MAIN + TRAIN_MAIN + ONNX_READER,
+                            re.M))
 RESERVED = (set(keyword.kwlist) | set(dir(builtins)) | _TOP_NAMES
             | {"torch", "dist", "p", "inp", "argparse", "importlib", "json", "math", "os", "sys", "time",
                "PROFILE", "DIST_BACKEND", "PRELUDE", "profile_device", "MESH", "GROUP_RANKS",
@@ -138,7 +140,8 @@ def emit_program(compiled, profile="cpu", model: str | None = None, steps: int |
         compiled: a :class:`parcomp.compiler.Compiled` (its ``program_``) or a
             :class:`parcomp.program.Program`: the only facts this backend reads.
         profile: a name of :data:`PROFILES` or a :class:`DeviceProfile`.
-        model: what the graph was imported from, for the header (e.g. ``models.py:torch_mlp``).
+        model: what the graph was imported from, for the header (e.g. ``models.py:torch_mlp``);
+            a ``.onnx`` file's program also reads that file as its checkpoint.
         steps: a training program's default ``--steps``; default: the spec's
             (``Program.train.steps``). Ignored for forward programs.
 
@@ -154,7 +157,10 @@ def emit_program(compiled, profile="cpu", model: str | None = None, steps: int |
     if train is not None and steps:
         train = replace(train, steps=int(steps))
     names = _names(prog)
-    parts = [_profile_block(prof), _constants(prog, train), TRAIN_RUNTIME if train else RUNTIME,
+    runtime = TRAIN_RUNTIME if train else RUNTIME
+    if model and model.endswith(".onnx"):
+        runtime += "\n\n\n" + ONNX_READER
+    parts = [_profile_block(prof), _constants(prog, train), runtime,
              _loaders(prog, train), _forward(prog, names, train), TRAIN_MAIN if train else MAIN]
     head = _header(prog, model, train) + "\n" + IMPORTS
     return "\n\n\n".join(p.strip("\n") for p in [head] + parts) + "\n"
@@ -248,7 +254,7 @@ def _header(prog, model, train) -> str:
         *steps,
         "",
         "Run one process per rank:",
-        f"    {_run_hint(program)} [--device cpu]",
+        f"    {_run_hint(program, model)} [--device cpu]",
         "",
         *(TRAIN_HELP if train else FORWARD_HELP).format(
             out=out, steps=train and train.steps,
@@ -257,10 +263,11 @@ def _header(prog, model, train) -> str:
     return '"""' + "\n".join(lines) + '\n"""'
 
 
-def _run_hint(program) -> str:
+def _run_hint(program, model=None) -> str:
     args = []
     if program.params:
-        args.append("--checkpoint model.pt")
+        onnx = model and model.endswith(".onnx")
+        args.append(f"--checkpoint {model.rsplit('/', 1)[-1] if onnx else 'model.pt'}")
     if program.inputs:
         args.append("--input " + ("x.pt" if len(program.inputs) == 1 else "inputs.pt"))
     args.append("--output out.pt")
@@ -308,7 +315,7 @@ def _constants(prog, train) -> str:
         f"RUN_HINT = {json.dumps(_run_hint(program))}",
     ]
     if train:
-        lines += ["# optimizer state: zeros at step 1, not read from the checkpoint",
+        lines += ["# optimizer state: zeros at step 1 (--replay files carry it)",
                   *_wrap(f"STATE = {_py_tuple(train.state)}"),
                   "# outputs named like params: the next step's params and state",
                   *_wrap(f"CARRIED = {_py_tuple(train.carried)}"),
@@ -370,17 +377,19 @@ def _loaders(prog, train) -> str:
                 raise EmitError(f"{kind} {n.name!r} has dtype {n.type.dtype}, which has no torch name")
             full = _global_shape(program, n)
             head = f"{n.name}: full {_ty(n.type.dtype, full)} {layout_str(n.layout)} -> {n.type}; "
-            if n.name in state:  # optimizer state: not in the checkpoint
-                lines += [f"    # {head}optimizer state, zeros at step 1",
-                          f"    out[{json.dumps(n.name)}] = torch.zeros({tuple(n.type.shape)!r}, "
-                          f"dtype={TORCH_DTYPES[n.type.dtype]}, device=DEVICE)"]
-                continue
             sliced, what = _slice_expr(program, n, f"take({arg}, {json.dumps(n.name)}, {full!r}, "
                                                    f"{TORCH_DTYPES[n.type.dtype]})")
             expr = f"place({sliced})"
             for a, p in enumerate(n.layout):
                 if isinstance(p, Partial):
                     expr = f"partial_mask({expr}, {json.dumps(program.mesh.names[a])})"
+            if n.name in state:  # optimizer state: the checkpoint's (--replay), else zeros
+                lines += _comment(f"{head}optimizer state: zeros at step 1 unless the checkpoint "
+                                  f"holds it (--replay); {what}", "    ")
+                lines += [f"    out[{json.dumps(n.name)}] = ({expr} if {json.dumps(n.name)} in {arg} "
+                          f"else", f"        torch.zeros({tuple(n.type.shape)!r}, "
+                          f"dtype={TORCH_DTYPES[n.type.dtype]}, device=DEVICE))"]
+                continue
             lines += _comment(head + what, "    ")
             lines.append(f"    out[{json.dumps(n.name)}] = {expr}{_spec_ref(prog, n.name)}")
         lines.append("    return out")
@@ -413,7 +422,7 @@ def _forward(prog, names, train) -> str:
             lines.append(f"    {var} = {src}[{json.dumps(n.name)}]{tail}")
             continue
         if n.op in LAYOUT_OPS:
-            lines += _layout_comment(program, n, prog.collective(n.name))
+            lines += _layout_comment(program, n, prog.collective(n.name), names)
         lines.append(f"    {var} = {_code(n, [names[i] for i in n.inputs])}{tail}")
         if n.attr("frees"):
             lines.append("    del " + ", ".join(names[v] for v in n.attr("frees").split()))
@@ -447,11 +456,13 @@ def _code(n, args) -> str:
     return table[key].format(*args, **kw)
 
 
-def _layout_comment(program, n, record) -> list:
+def _layout_comment(program, n, record, names) -> list:
     """The comment above a layout change: kind, axis, layouts, bytes, the reason (whose spec
-    references are basenames: no machine path reaches a program)."""
+    references are basenames: no machine path reaches a program), a value it names written
+    as the program's variable (``%linear_1_mm`` -> ``_2_dense``) where the program has it."""
     src = program[n.inputs[0]]
     reason = record.reason if record else n.attr("reason", "")
+    reason = re.sub(r"%([\w.]+)", lambda m: names.get(m.group(1), m.group(0)), reason)
     change = f"{layout_str(src.layout)} -> {layout_str(n.layout)}"
     if n.op in LOCAL_LAYOUT_OPS:
         head = f"{n.op} over {n.attr('axis')} {change} (local, no communication):"

@@ -58,6 +58,9 @@ def parse_args(argv):
     ap.add_argument("--device", choices=sorted({"cpu", PROFILE}), default=PROFILE)
     ap.add_argument("--bench", type=bench_count, default=0, metavar="N",
                     help="time N training steps from the loaded parameters (not applied)")
+    ap.add_argument("--replay", metavar="FILE",
+                    help="a .pt list of K full checkpoints (optimizer state included): step k starts "
+                         "from the k-th instead of step k-1's result (parcomp run's step-by-step check)")
     return ap.parse_args(argv)
 # <<< program.py
 
@@ -88,13 +91,26 @@ def with_step(inputs, k):
     return {**inputs, STEP_INPUT: torch.tensor(float(k), dtype=torch.float32, device=DEVICE)}
 
 
-def train(params, batches):
-    """One train_step per batch; the CARRIED outputs are the next step's params and state.
+def read_replay(path, steps):
+    """This rank's slices of the K checkpoints of a --replay file (a list, K = --steps)."""
+    states = read_tensors(path, "replay")
+    if not isinstance(states, (list, tuple)) or not all(isinstance(s, dict) for s in states):
+        fail(f"replay file {path} must hold a list of one checkpoint dict per step")
+    if len(states) != steps:
+        fail(f"replay file {path} holds {len(states)} checkpoints but --steps is {steps}")
+    return [load_params(s) for s in states]
+
+
+def train(params, batches, starts=None):
+    """One train_step per batch; the CARRIED outputs are the next step's params and state
+    (with ``starts``, step k starts from ``starts[k-1]`` instead).
 
     Rank 0 prints each step's loss. Returns the last step's outputs and every loss (floats).
     """
     outputs, losses = {}, []
     for k, inputs in enumerate(batches, start=1):
+        if starts is not None:
+            params = {**params, **starts[k - 1]}
         outputs = train_step(params, with_step(inputs, k))
         params = {**params, **{name: outputs[name] for name in CARRIED}}
         losses.append(outputs["loss"])
@@ -109,7 +125,8 @@ def run(args):
     params = load_checkpoint(args.checkpoint)
     batches = read_batches(args.input, args.steps) if INPUTS else [{}] * args.steps
     with torch.no_grad():  # the backward pass is explicit in train_step: no autograd state
-        outputs, losses = train(params, batches)
+        starts = read_replay(args.replay, args.steps) if args.replay else None
+        outputs, losses = train(params, batches, starts)
         if args.bench > 0:
             # on copies: train_step updates params and state in place
             copies = {k: v.clone() for k, v in params.items()}

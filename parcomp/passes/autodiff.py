@@ -14,6 +14,8 @@ never derived from a name: a model module called ``opt`` is forward code.
 """
 from __future__ import annotations
 
+import re
+
 from dataclasses import replace
 
 from ..errors import SpecError, closest
@@ -160,8 +162,12 @@ def _trainable(graph, cfg):
                         cfg.loc)
     if not names:
         hint = closest(cfg.trainable, [n.name for n in graph.params])
+        meta = sorted(set(re.findall(r"[\[\]?+(){}|^$\\]", cfg.trainable)))
+        note = (f"; a pattern's only wildcards are '*' (within one name part) and '**' (across "
+                f"'.'): {' '.join(meta)} {'is' if len(meta) == 1 else 'are'} matched literally"
+                if meta else "")
         raise SpecError(f"trainable={cfg.trainable!r} names no parameter the graph uses"
-                        + (f"; did you mean {hint!r}?" if hint else ""), cfg.loc)
+                        + (f"; did you mean {hint!r}?" if hint else "") + note, cfg.loc)
     return names
 
 

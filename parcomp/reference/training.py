@@ -36,7 +36,7 @@ def data_for(graph, seed=0) -> dict:
     return out
 
 
-def train_steps(run_step, graph, feeds: dict, steps: int) -> dict:
+def train_steps(run_step, graph, feeds: dict, steps: int, record: bool = False) -> dict:
     """Run ``run_step(state) -> outputs`` ``steps`` times, as program.py's loop does.
 
     Each step's outputs whose public name is a ``param`` of ``graph`` (updated
@@ -46,18 +46,26 @@ def train_steps(run_step, graph, feeds: dict, steps: int) -> dict:
 
     Returns ``{"losses": [float per step], "outputs": outputs of the last step,
     "state": {param name: value after the last step}}`` (state: every ``param``
-    of ``graph``, buffers and optimizer state included).
+    of ``graph``, buffers and optimizer state included). With ``record``, also
+    ``"starts"``: the state each step started from (``step`` included) and
+    ``"per_step"``: each step's outputs, for a step-by-step (lockstep) check.
     """
     state, losses, out = initial_state(graph, feeds), [], {}
     params = [n.name for n in graph.params]
     carried = set(params)
+    starts, per_step = [], []
     for k in range(1, steps + 1):
         if "step" in graph:
             state["step"] = np.array(float(k), "float32")
+        if record:
+            starts.append(dict(state))  # the step returns new arrays: a shallow copy suffices
         out = run_step(state)
+        if record:
+            per_step.append(out)
         losses.append(float(out["loss"]))
         state.update({k2: v for k2, v in out.items() if k2 in carried})
-    return {"losses": losses, "outputs": out, "state": {p: state[p] for p in params}}
+    result = {"losses": losses, "outputs": out, "state": {p: state[p] for p in params}}
+    return {**result, "starts": starts, "per_step": per_step} if record else result
 
 
 def numpy_train(graph, feeds: dict, steps: int) -> dict:
@@ -65,12 +73,15 @@ def numpy_train(graph, feeds: dict, steps: int) -> dict:
     return train_steps(lambda state: run_unsharded(graph, state), graph, feeds, steps)
 
 
-def torch_train(module, example, input_names, data: dict, cfg, steps: int, output: int = 0) -> dict:
+def torch_train(module, example, input_names, data: dict, cfg, steps: int, output: int = 0,
+                start: dict | None = None, first: int = 1) -> dict:
     """Train a copy of ``module`` with torch.optim for ``steps`` steps on the same batch.
 
     The parameters ``cfg.trainable`` matches that have ``requires_grad`` are
     trained; the loss is on the model's output number ``output`` (when it returns
-    a tuple).
+    a tuple). ``start``: carried values to begin from (``{state_dict name: array}`` and
+    optimizer state ``"<param>.exp_avg"`` etc., as :func:`train_steps` records them), the
+    first step being number ``first`` (AdamW's bias correction counts from it).
 
     Returns ``{"losses": [...], "params": {name: array after the last update},
     "sources": {state_dict and buffer name: array after the last step},
@@ -96,6 +107,8 @@ def torch_train(module, example, input_names, data: dict, cfg, steps: int, outpu
     else:
         opt = torch.optim.AdamW([p for _, p in named], lr=h["lr"], betas=(h["beta1"], h["beta2"]),
                                 eps=h["eps"], weight_decay=h["weight_decay"])
+    if start is not None:
+        _load_start(m, opt, named, start, first, cfg.optimizer)
     xs = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in example]
     losses, grads = [], {}
     for _ in range(steps):
@@ -124,3 +137,24 @@ def torch_train(module, example, input_names, data: dict, cfg, steps: int, outpu
             "grads": grads, "state": state,
             "input_grads": {f"{n}.grad": x.grad.numpy().copy() for n, x in zip(input_names, xs)
                             if x.grad is not None}}
+
+
+_OPTIMIZER_STATE = {"sgd": ("momentum_buffer",), "adamw": ("exp_avg", "exp_avg_sq")}
+
+
+def _load_start(m, opt, named, start: dict, first: int, optimizer: str) -> None:
+    """Set ``m``'s parameters and buffers and ``opt``'s state from ``start`` (see
+    :func:`torch_train`): torch.optim keeps ``step`` = steps taken, so ``first - 1``."""
+    import torch
+
+    with torch.no_grad():
+        for k, t in [*m.named_parameters(), *m.named_buffers()]:
+            if k in start:
+                t.copy_(torch.from_numpy(np.asarray(start[k])))
+    for k, p in named:
+        st = {s: torch.from_numpy(np.array(start[f"{k}.{s}"])) for s in _OPTIMIZER_STATE[optimizer]
+              if f"{k}.{s}" in start}
+        if optimizer == "adamw":
+            st["step"] = torch.tensor(float(first - 1))
+        if st:
+            opt.state[p] = st

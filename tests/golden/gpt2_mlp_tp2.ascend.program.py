@@ -283,8 +283,9 @@ def forward(p, inp):
     del act
     c_proj_matmul = torch.matmul(c_proj_reshape, c_proj_weight)  # [P] f32[16,32]
     del c_proj_reshape
-    # all_reduce over tp [P] -> [R], bytes/rank 2048: %addmm_1_mm: its matmul contracts a dim split over tp
-    #   (row-parallel), so each rank holds a partial sum; add %addmm_1 needs the full value [R]: sum once
+    # all_reduce over tp [P] -> [R], bytes/rank 2048: c_proj_matmul: its matmul contracts a dim split over
+    #   tp (row-parallel), so each rank holds a partial sum; add c_proj_add needs the full value [R]: sum
+    #   once
     c_proj_all_reduce = all_reduce_(c_proj_matmul, "tp")  # [R] f32[16,32]; gpt2_mlp_tp2.pcs:5
     del c_proj_matmul
     c_proj_add = c_proj_all_reduce.add_(c_proj_bias)  # [R] f32[16,32]

@@ -256,7 +256,7 @@ def forward(p, inp):
     fc2_weight = p["fc2.weight"]  # [S(1)] f32[2,2]; tiny_relu_mlp_tp2.pcs:5
     output = torch.nn.functional.linear(r, fc2_weight)  # [P] f32[1,2]
     del r
-    # all_reduce over tp [P] -> [R], bytes/rank 8: %output: its matmul contracts a dim split over tp
+    # all_reduce over tp [P] -> [R], bytes/rank 8: output: its matmul contracts a dim split over tp
     #   (row-parallel), so each rank holds a partial sum; output output (spec tiny_relu_mlp_tp2.pcs:7) needs
     #   the full value [R]: sum once
     output_all_reduce_tp = all_reduce_(output, "tp")  # [R] f32[1,2]; tiny_relu_mlp_tp2.pcs:7

@@ -1,0 +1,168 @@
+"""Checking a training program: step by step (lockstep) against the unsharded step and torch.optim.
+
+Why lockstep (docs/design.md, "Checking training"): the claim parcomp makes is that the
+sharded *step function* equals the unsharded one. Comparing two free-running
+trajectories after K steps needs an error bound that carries step k's error into step
+k+1, and worst-case bounds compound: AdamW's update is nearly scale-free in the
+gradient (step 1 is lr g / (|g| + eps)), so a rounding-sized change of a near-zero
+gradient moves a weight by up to ~lr; after a few steps such a bound exceeds the weights'
+whole movement and an "OK" under it says nothing. So every step k starts both sides from
+the same state, the unsharded run's state before step k, and is compared within that one
+step's error bound, which never compounds. How far two free-running trajectories drift
+apart is a property of float arithmetic, not of the compiler; ``parcomp run`` reports it.
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+
+from .budget import PROGRESS_EVERY_S
+from .passes.train_config import train_config
+from .reference.interpreter import run_spmd
+from .reference.numpy_ops import run_unsharded
+from .reference.training import data_for, torch_train, train_steps
+from .tolerance import training_bounds, training_errors
+
+
+def train_feeds(compiled, module, example, seed, feeds_for) -> dict:
+    """The model inputs (``feeds_for``) plus the seeded loss data (``target`` / ``labels``)."""
+    feeds = feeds_for(compiled.unsharded, module, example, seed)
+    feeds.update(data_for(compiled.logical, seed))
+    return feeds
+
+
+def torch_reference(compiled, module, example, feeds, steps, start=None, first=1):
+    """torch.optim's run of ``steps`` steps (from ``start``, step number ``first``: see
+    :func:`parcomp.reference.training.torch_train`), keyed as the program's carried values
+    and outputs: every param and buffer of the graph, optimizer state, last gradients, losses.
+    Returns ``(losses, values)``."""
+    cfg = train_config(compiled.spec)
+    graph = compiled.unsharded
+    names = [n.name for n in graph.inputs]
+    output = graph.output_names.index(cfg.output) if cfg.output else 0
+    ref = torch_train(module, example, names, feeds, cfg, steps, output, start, first)
+    want = {"loss": np.array(ref["losses"][-1], "float32"), "losses": np.array(ref["losses"], "float32"),
+            **{n.name: ref["sources"][n.name] for n in graph.params if n.name in ref["sources"]},
+            **ref["state"],
+            **(ref["input_grads"] if cfg.input_grads else {}),
+            **{f"{k}.grad": v for k, v in ref["grads"].items()}}
+    return ref["losses"], want
+
+
+def carried(run) -> dict:
+    """A :func:`train_steps` result as one dict: the last step's outputs, every carried
+    value after the last step, and ``losses`` (one per step)."""
+    return {**run["outputs"], **run["state"], "losses": np.array(run["losses"], "float32")}
+
+
+def training_result(got: dict, want: dict, params, bounds: dict) -> dict:
+    """:func:`training_errors` of two carried-value dicts within their error ``bounds``,
+    the loss error taken over every step (a missing step is a shape mismatch), and a
+    failure when ``want`` has a value ``got`` lacks."""
+    result = training_errors(got, want, params, bounds)
+    missing = sorted(set(want) - set(got))
+    if missing:
+        result["missing"] = missing
+        result["why"] = "; ".join(w for w in (result["why"], f"missing: {', '.join(missing)}") if w)
+    result["ok"] = result["ok"] and not missing
+    return result
+
+
+def verdict(*results) -> str:
+    """``OK``, ``CANNOT VOUCH`` (every failure is only an error bound that overflowed) or
+    ``MISMATCH``, over the comparison results given (None entries skipped)."""
+    failed = [r for r in results if r is not None and not r["ok"]]
+    if not failed:
+        return "OK"
+    return "CANNOT VOUCH" if all(r.get("unbounded") for r in failed) else "MISMATCH"
+
+
+def merge_steps(results: list) -> dict:
+    """One result over the per-step results of a lockstep check: the largest errors, the
+    worst error/tolerance (its place prefixed ``step k:``), every failing step's reason."""
+    worst_k = max(range(len(results)), key=lambda i: results[i]["err_over_tol"])
+    worst = results[worst_k]
+    out = {k: max(r[k] for r in results) for k in
+           ("max_loss_err", "max_grad_err", "max_param_err", "max_abs_err")}
+    failed = [(k, r) for k, r in enumerate(results, 1) if not r["ok"]]
+    missing = sorted({m for r in results for m in r.get("missing", ())})
+    return {**out, "tolerance": worst["tolerance"], "err_over_tol": worst["err_over_tol"],
+            "worst": f"step {worst_k + 1}: {worst['worst']}", "ok": not failed,
+            "why": "; ".join(f"step {k}: {r['why']}" for k, r in failed[:3]),
+            "unbounded": bool(failed) and all(r.get("unbounded") for _, r in failed),
+            **({"missing": missing} if missing else {})}
+
+
+def _one_step(graph, start: dict, out: dict, bounds: dict) -> tuple:
+    """A step's carried values, as the torch side has them: every param of ``graph``
+    (buffers and frozen params keep their ``start`` value), the outputs, and ``losses``
+    (one entry); and their bounds (0 for what the step does not touch)."""
+    kept = {n.name: start[n.name] for n in graph.params if n.name not in out}
+    return ({**kept, **out, "losses": np.array([out["loss"]], "float32")},
+            {**{k: np.zeros(np.shape(v)) for k, v in kept.items()}, **bounds,
+             "losses": np.array([bounds["loss"]])})
+
+
+def lockstep(compiled, module, example, feeds, steps: int) -> dict:
+    """Every step of the sharded program (numpy interpreter, all ranks) from the state the
+    unsharded run starts that step from, against the unsharded step and, for a torch
+    model, torch.optim's step from the same state, each within that step's error bound.
+
+    Returns ``{"vs_unsharded": result, "vs_torch": result or None, "losses": sharded
+    loss of each step, "reference_losses": the unsharded run's}`` (results as
+    :func:`merge_steps`)."""
+    graph, prog = compiled.logical, compiled.program
+    params = [n.name for n in compiled.unsharded.params]
+    tick = _progress(steps, "numpy interpreter")
+    ref = train_steps(lambda s: run_unsharded(graph, s), graph, feeds, steps, record=True)
+    vs_ref, vs_torch, losses = [], [], []
+    for k, (start, want) in enumerate(zip(ref["starts"], ref["per_step"]), 1):
+        tick()
+        got = run_spmd(prog, start).outputs(prog)
+        losses.append(float(got["loss"]))
+        got, bounds = _one_step(graph, start, got, training_bounds(graph, start, 1, first=k)["outputs"])
+        want = _one_step(graph, start, want, {"loss": 0})[0]
+        vs_ref.append(training_result(got, want, params, bounds))
+        if module is not None:
+            _, want_t = torch_reference(compiled, module, example, feeds, 1, start, k)
+            vs_torch.append(training_result(got, want_t, params, bounds))
+    return {"vs_unsharded": merge_steps(vs_ref), "vs_torch": merge_steps(vs_torch) if vs_torch else None,
+            "losses": losses, "reference_losses": ref["losses"]}
+
+
+def _progress(steps: int, what: str):
+    """A function to call once per step: prints ``what: step k of steps`` on stderr every
+    :data:`PROGRESS_EVERY_S` seconds."""
+    state = {"k": 0, "last": time.monotonic()}
+
+    def tick():
+        state["k"] += 1
+        now = time.monotonic()
+        if now - state["last"] >= PROGRESS_EVERY_S:
+            state["last"] = now
+            print(f"parcomp check: {what}: step {state['k']:,} of {steps:,}", file=sys.stderr, flush=True)
+    return tick
+
+
+def replay_reference(compiled, module, example, feeds, steps: int) -> dict:
+    """What ``program.py --replay`` must produce: each step k run from the unsharded run's
+    state before step k, by the reference (torch.optim for a torch model, else the
+    unsharded numpy step), with that one step's bounds.
+
+    Returns ``{"starts": [{param: full array}] per step (for the replay file), "want":
+    step K's carried values plus ``losses`` (every step's), "bounds": the same keys}``."""
+    graph = compiled.logical
+    ref = train_steps(lambda s: run_unsharded(graph, s), graph, feeds, steps, record=True)
+    losses, loss_bounds, want, bounds = [], [], {}, {}
+    for k, (start, out) in enumerate(zip(ref["starts"], ref["per_step"]), 1):
+        b = training_bounds(graph, start, 1, first=k)["outputs"]
+        if module is not None:
+            _, out = torch_reference(compiled, module, example, feeds, 1, start, k)
+        want, bounds = _one_step(graph, start, out, b)
+        losses.append(float(out["loss"]))
+        loss_bounds.append(float(b["loss"]))
+    starts = [{n.name: s[n.name] for n in graph.params} for s in ref["starts"]]
+    return {"starts": starts, "want": {**want, "losses": np.array(losses, "float32")},
+            "bounds": {**bounds, "losses": np.array(loss_bounds)}}
