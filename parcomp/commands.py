@@ -135,7 +135,9 @@ def feeds_for(graph, module, example, seed=0) -> dict:
         rng = np.random.default_rng(seed)
         return {n.name: rng.standard_normal(n.type.shape).astype(n.type.dtype)
                 for n in graph.nodes if n.op in ("input", "param")}
-    tensors = {**dict(module.named_buffers()), **module.state_dict()}  # non-persistent buffers too
+    from .frontends.torch_fold import module_sources
+
+    tensors = module_sources(module)  # non-persistent buffers and folded constants too
     state = {k: v.detach().cpu().numpy() for k, v in tensors.items()}
     feeds = {n.name: state[n.name] for n in graph.params}
     for node, x in zip(graph.inputs, example):
@@ -169,7 +171,7 @@ def reference_outputs(graph, module, example, feeds) -> dict:
 
     with torch.no_grad():
         out = module.eval()(*example)
-    outs = torch.utils._pytree.tree_leaves(out)  # tuples, lists, dicts: torch.export's order
+    outs = [o for o in torch.utils._pytree.tree_leaves(out) if o is not None]  # torch.export's order
     return {name: o.detach().cpu().numpy() for name, o in zip(graph.output_names, outs)}
 
 
