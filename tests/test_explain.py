@@ -162,3 +162,58 @@ def test_plain_text_when_not_a_terminal_and_rich_tables_otherwise():
     buf = io.StringIO()
     render_rich(blocks(x), buf)
     assert "all_reduce over tp" in buf.getvalue() and "┃" in buf.getvalue()  # a rich table frame
+
+
+def _svg_texts(path) -> str:
+    import xml.etree.ElementTree as ET
+
+    root = ET.parse(path).getroot()  # SVG is XML: parse errors fail the test
+    assert root.tag.endswith("svg")
+    drawn = [e for e in root.iter() if e.tag.rsplit("}", 1)[-1] in ("path", "text", "rect", "polygon", "use")]
+    assert len(drawn) > 10, f"{path} is blank"
+    return " ".join("".join(e.itertext()) for e in root.iter() if e.tag.endswith("text"))
+
+
+def test_plots_render_and_keep_what_parcomp_did_not_write(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("transformers")
+    out = tmp_path / "plots"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    spec = str(SPECS / "gpt2_mlp_dp2_tp2_train.pcs")
+    args = ["explain", f"{MODELS}:gpt2_mlp", "--spec", spec, "--plots", str(out), "--json"]
+    assert main(args) == 2  # a non-empty directory parcomp did not write: refused, untouched
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    capsys.readouterr()
+    (out / "notes.txt").unlink()
+    assert main(args) == 0
+    plots = _json(capsys)["plots"]
+    assert plots["files"] == ["devices.svg", "graph.svg", "memory.svg", "trace.json"]
+    (out / "notes.txt").write_text("mine")
+    assert main(args) == 0 and _json(capsys)["plots"]["kept"] == ["notes.txt"]  # written again, kept
+    assert (out / "notes.txt").read_text() == "mine"
+    graph = _svg_texts(out / "graph.svg")
+    assert "all_reduce" in graph and "all_gather" in graph and "[S(0), P]" in graph
+    devices = _svg_texts(out / "devices.svg")
+    assert all(f"r{r}" in devices for r in range(4)) and "node 1" in devices and "tp groups" in devices
+    assert "peak live" in _svg_texts(out / "memory.svg")
+    trace = json.loads((out / "trace.json").read_text())
+    slices = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    c = _compiled("gpt2_mlp_dp2_tp2_train")
+    assert len(slices) == 4 * len(c.program_.collectives)
+    first = [e for e in slices if e["tid"] == 3]
+    assert [e["args"]["value"] for e in first] == [n.name for n in c.program.nodes if c.program_.collective(n.name)]
+    assert all(e["dur"] > 0 for e in first) and first[0]["args"]["group"] in ([2, 3], [1, 3])
+    assert all(b["ts"] >= a["ts"] + a["dur"] - 1e-6 for a, b in zip(first, first[1:]))
+
+
+def test_graph_dot_source_marks_collectives_and_labels_layouts():
+    from parcomp.plots_graph import dot_source, layered_positions
+
+    c = _compiled("tiny_relu_mlp_tp2")
+    cols = {k.name: k for k in c.program_.collectives}
+    src = dot_source(c.sharded, cols)
+    assert src.startswith("digraph") and 'fillcolor="#f4a3a3"' in src and 'label="[P]"' in src
+    pos = layered_positions(c.sharded, list(c.sharded.nodes))
+    for n in c.sharded.nodes:  # every node below its operands
+        assert all(pos[i][1] < pos[n.name][1] for i in n.inputs)
