@@ -19,11 +19,11 @@ stays text (``svg.fonttype: none``) so the files are small and searchable.
 """
 from __future__ import annotations
 
-import io
 import json
 
 from .errors import ParcompError
 from .outdir import write_dir_atomic
+from .plots_graph import graph_svg, svg_text
 from .report import format_bytes
 
 #: ranks drawn in the device map and memory bars, and tracks in the trace
@@ -48,8 +48,6 @@ def write_plots(compiled, x: dict, out: str) -> dict:
     except ImportError:
         raise ParcompError("--plots needs matplotlib: pip install 'parcomp[plots]' (or matplotlib)",
                            where="--plots") from None
-    from .plots_graph import graph_svg
-
     prog = compiled.program_
     collectives = {c.name: c for c in prog.collectives}
     graph, drawn_by = graph_svg(compiled.sharded, collectives)
@@ -58,16 +56,6 @@ def write_plots(compiled, x: dict, out: str) -> dict:
              "trace.json": json.dumps(chrome_trace(prog, x), indent=1) + "\n"}
     kept = write_dir_atomic(out, files, flag="--plots")
     return {"files": sorted(files), "kept": kept, "graph_drawn_by": drawn_by}
-
-
-def svg_text(fig) -> str:
-    """The SVG of matplotlib Figure ``fig`` (text as text, no date: the same plan, the same file)."""
-    import matplotlib
-
-    buf = io.StringIO()
-    with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "parcomp"}):
-        fig.savefig(buf, format="svg", bbox_inches="tight", metadata={"Date": None})
-    return buf.getvalue()
 
 
 def _nodes(mesh, placement) -> tuple:

@@ -8,6 +8,7 @@ ordered by its operands' positions.
 """
 from __future__ import annotations
 
+import io
 import shutil
 import subprocess
 
@@ -75,9 +76,17 @@ def graph_svg(graph, collectives) -> tuple:
                 return proc.stdout, "dot"
         except (OSError, subprocess.TimeoutExpired):
             pass
-    from .plots import svg_text
-
     return svg_text(draw_graph(graph, collectives)), "matplotlib"
+
+
+def svg_text(fig) -> str:
+    """The SVG of matplotlib Figure ``fig`` (text as text, no date: the same plan, the same file)."""
+    import matplotlib
+
+    buf = io.StringIO()
+    with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "parcomp"}):
+        fig.savefig(buf, format="svg", bbox_inches="tight", metadata={"Date": None})
+    return buf.getvalue()
 
 
 def layered_positions(graph, nodes) -> dict:
