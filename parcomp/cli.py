@@ -56,7 +56,7 @@ def _common(p):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argparse parser of ``parcomp compile | check | run`` (errors raise :class:`UsageError`)."""
+    """The argparse parser of ``parcomp compile | check | run | explain`` (errors raise :class:`UsageError`)."""
     ap = _Parser(prog="parcomp", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("compile", help="write program.py, report.json and sharded.pcir")
@@ -76,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--profile", default="cpu")
     r.add_argument("--keep", default=None, help="keep the compiled program in this directory")
     r.add_argument("--steps", type=int, default=None, help="training steps (default: the spec's)")
+    e = sub.add_parser("explain", help="each collective, why, its cost and the alternatives; no run")
+    e.add_argument("model", help="a .pcir file, FILE.py:FACTORY or package.module:factory")
+    e.add_argument("specs", nargs="*", help="specs (.pcs); two or more are set side by side")
+    e.add_argument("--spec", action="append", help="a spec (.pcs); may be repeated")
+    e.add_argument("--json", action="store_true", help="end with one JSON line")
+    e.add_argument("--plots", default=None, help="write SVG pictures and a Chrome trace to this directory")
     return ap
 
 

@@ -421,3 +421,11 @@ def _print_run_training(result, size, steps, ref_name, ref_losses):
     word = result["verdict"]
     why = [w for w in (result["why"], free["why"] if not free["ok"] else "") if w]
     print("  OK" if word == "OK" else f"  {word}: " + "; ".join(why))
+
+
+def explain(args):
+    """``parcomp explain``: each collective, why, what the alternatives cost, per-rank memory
+    (:mod:`parcomp.explain_cmd`)."""
+    from .explain_cmd import explain_command
+
+    return explain_command(args)

@@ -185,6 +185,7 @@ class Spec:
     topology: tuple | None = None  # (nodes, devices_per_node)
     train: TrainSpec | None = None
     topology_loc: SourceLoc | None = None  # where the topology statement is
+    links: tuple = ()  # the topology's link keys, sorted (key, value) pairs (parcomp/links.py)
 
     def default_axis(self) -> str:
         """The mesh axis a layout word without ``over`` applies to.

@@ -18,6 +18,7 @@ from lark.exceptions import VisitError
 
 from ..errors import SourceLoc, SpecError, bad_char, char_name, closest, join_words, source_lines
 from ..ir.types import Mesh, R, make_placement
+from ..links import LINK_KEYS, LINKS
 from ..passes.train_config import train_config
 from .model import LAYOUT_WORDS, LayoutSpec, Rule, Spec, TrainSpec, check_mesh_size, default_axis, suggest
 
@@ -50,7 +51,7 @@ _ALPHABET = ("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
 _NAME_CHARS = "names use A-Z, a-z, 0-9, _ and . (patterns also *, layout words and keys also -)"
 MAX_DIGITS = 18  # a whole number must fit in int64
 _TOPOLOGY = ("nodes", "devices_per_node")
-_NAME_PHRASES = {"mesh": "a mesh axis such as tp=2", "topology": "nodes=N or devices_per_node=N",
+_NAME_PHRASES = {"mesh": "a mesh axis such as tp=2", "topology": "nodes=N, devices_per_node=N or intra=nvlink",
                  "train": "an option such as batch=8"}
 
 
@@ -218,7 +219,7 @@ class _Builder:
             raise self.err(tok, "the first statement must be the mesh, such as 'mesh tp=2' "
                                 "(one size per axis; the last axis varies fastest)")
         self.mesh = self.make_mesh(stmts[0][2])
-        seen, rules, topology, train = {"mesh": tok}, [], None, None
+        seen, rules, topology, train, links = {"mesh": tok}, [], None, None, ()
         for kind, tok, payload in stmts[1:]:
             if kind != "rule":
                 if kind in seen:
@@ -226,14 +227,14 @@ class _Builder:
                                         f"a spec has at most one {kind} statement")
                 seen[kind] = tok
             if kind == "topology":
-                topology = self.make_topology(tok, payload)
+                topology, links = self.make_topology(tok, payload)
             elif kind == "train":
                 train = TrainSpec(self.options(payload, "option"), self.loc(tok))
                 train_config(Spec(self.mesh, (), self.file, train=train))  # options and ranges
             else:
                 rules.append(self.make_rule(*payload))
         topo_loc = self.loc(seen["topology"]) if "topology" in seen else None
-        return Spec(self.mesh, tuple(rules), self.file, topology, train, topo_loc)
+        return Spec(self.mesh, tuple(rules), self.file, topology, train, topo_loc, links)
 
     def make_mesh(self, axes) -> Mesh:
         check_mesh_size(axes, self.err)
@@ -248,25 +249,40 @@ class _Builder:
         return Mesh(tuple(names.items()))
 
     def make_topology(self, tok, items) -> tuple:
-        vals = {}
+        """``((nodes, devices_per_node) or None, link pairs)``: node keys need both or neither."""
+        vals, links = {}, {}
         for key, val in items:
             k = str(key)
-            _int(val, self.file, self.lines)
-            if k not in _TOPOLOGY:
-                raise self.err(key, f"unknown topology key {k!r}{_hint(k, _TOPOLOGY)} "
-                                    "(keys: nodes, devices_per_node)")
-            if k in vals:
+            if k not in _TOPOLOGY and k not in LINK_KEYS:
+                raise self.err(key, f"unknown topology key {k!r}{_hint(k, (*_TOPOLOGY, *LINK_KEYS))} "
+                                    f"(keys: nodes, devices_per_node, {', '.join(LINK_KEYS)})")
+            if k in vals or k in links:
                 raise self.err(key, f"topology key {k} is given twice")
-            if int(val) < 1:
-                raise self.err(val, f"topology {k} is {int(val)}; it must be >= 1")
-            vals[k] = int(val)
+            links_key = k in LINK_KEYS
+            self.check_topo_value(k, val, LINK_KEYS.get(k, "a count"))
+            (links if links_key else vals)[k] = str(val) if val.type == "NAME" else int(val)
+        if not vals and links:
+            return None, tuple(sorted(links.items()))
         if len(vals) != 2:
             raise self.err(tok, "topology needs both nodes=N and devices_per_node=N")
         nodes, per = vals["nodes"], vals["devices_per_node"]
         if nodes * per != self.mesh.size:
             raise self.err(tok, f"topology has {nodes}x{per}={nodes * per} devices but mesh "
                                 f"{self.mesh} has {self.mesh.size} ranks")
-        return (nodes, per)
+        return (nodes, per), tuple(sorted(links.items()))
+
+    def check_topo_value(self, key, val, wants: str) -> None:
+        """A topology value of the right kind: a link class name, or a whole number >= 1."""
+        if wants == "a link class":
+            if val.type != "NAME" or str(val) not in LINKS:
+                raise self.err(val, f"topology {key}={val}: not a link class{_hint(str(val), LINKS)} "
+                                    f"(classes: {', '.join(LINKS)})")
+            return
+        if val.type == "NAME":
+            raise self.err(val, f"topology {key}={val}: give a whole number ({wants}), such as {key}=2")
+        _int(val, self.file, self.lines)
+        if int(val) < 1:
+            raise self.err(val, f"topology {key} is {int(val)}; it must be >= 1")
 
     def options(self, items, what: str) -> tuple:
         out = {}

@@ -1,0 +1,222 @@
+"""``parcomp explain``: every layout change of a compiled program, why, and what it costs.
+
+An *edge* is one value converted to one layout a consumer needs: the chain of layout ops
+insert-collectives made for it (:mod:`parcomp.passes.insert_collectives`), usually one
+collective.  For each edge the explanation names the producer and the consumers (op,
+model module path, spec line), the two layouts, the steps chosen with their bytes and
+estimated seconds, the reason in words, and the alternatives the planner
+(:func:`parcomp.redistribute.plan`) would produce through one intermediate layout, with
+their bytes and seconds.  Bytes are bytes sent per rank by ring algorithms
+(:func:`parcomp.redistribute.step_bytes`, the count the reference interpreter logs);
+seconds come from the alpha-beta model of :mod:`parcomp.links`, per mesh axis's link class.
+Edges are grouped per model module; totals are per mesh axis and per phase.
+
+Everything here reads the :class:`parcomp.compiler.Compiled` result; nothing runs.
+"""
+from __future__ import annotations
+
+from .ir.ops import LAYOUT_OPS
+from .ir.types import Partial, Replicate, Shard, layout_str, shard_axes
+from .links import axis_links, collective_seconds
+from .redistribute import plan, step_bytes
+from .report import format_bytes
+
+#: at most this many alternatives are listed per edge (cheapest first)
+MAX_ALTERNATIVES = 3
+
+
+def explain(compiled) -> dict:
+    """The explanation of ``compiled`` (a :class:`parcomp.compiler.Compiled`) as a JSON-able dict.
+
+    Keys: ``spec``, ``mesh``, ``links`` (per mesh axis), ``edges`` (program order),
+    ``modules`` (module path -> edge indices), ``totals`` (``per_axis``, ``per_phase``,
+    ``per_axis_phase``: ``{"count", "bytes", "seconds"}``, bytes per rank per step),
+    ``memory_bytes_per_rank``, ``estimated_comm_seconds`` (the sum over every collective).
+
+    Raises:
+        parcomp.errors.SpecError: an unknown link class in the spec's topology.
+    """
+    sharded, prog = compiled.sharded, compiled.program_
+    links = axis_links(compiled.spec, compiled.report["placement"])
+    edges = [_edge(sharded, prog, chain, links) for chain in _chains(sharded)]
+    modules = {}
+    for i, e in enumerate(edges):
+        modules.setdefault(e["module"], []).append(i)
+    return {"spec": prog.spec_file, "mesh": dict(prog.mesh.axes), "world_size": prog.mesh.size,
+            "links": {a: l.record() for a, l in links.items()},
+            "placement": {k: compiled.report["placement"][k] for k in
+                          ("nodes", "devices_per_node", "intra_node_axes", "cross_node_axes")},
+            "edges": edges, "modules": modules, "totals": totals(edges),
+            "memory_bytes_per_rank": compiled.report["memory_bytes_per_rank"],
+            "estimated_comm_seconds": sum(e["seconds"] for e in edges),
+            "training": compiled.report.get("training") is not None}
+
+
+def _chains(sharded) -> list:
+    """The layout-op chains of ``sharded`` in program order: lists of nodes, each reading the
+    previous one, the first reading a value that is not a layout op's."""
+    chains, by_last = [], {}
+    for n in sharded.nodes:
+        if n.op not in LAYOUT_OPS:
+            continue
+        src = n.inputs[0]
+        if src in by_last and sharded[src].op in LAYOUT_OPS:
+            chain = by_last.pop(src)
+            chain.append(n)
+        else:
+            chain = [n]
+            chains.append(chain)
+        by_last[n.name] = chain
+    return chains
+
+
+def _where(prog, sharded, name: str) -> dict:
+    """Op, module path and spec line of node ``name``."""
+    prov = prog.provenance.get(name)
+    node = sharded[name] if name in sharded else None
+    return {"name": name, "op": node.op if node is not None else None,
+            "source": prov.source if prov else (node.source if node is not None else None),
+            "spec_line": prov.spec_ref if prov else None}
+
+
+def _consumers(sharded, prog, last) -> list:
+    users = sharded.users()[last.name]
+    out = [_where(prog, sharded, u) for u in users]
+    out += [{"name": pub, "op": "output", "source": None, "spec_line": None}
+            for pub, v in sharded.named_outputs() if v == last.name]
+    return out
+
+
+def _edge(sharded, prog, chain, links) -> dict:
+    mesh = sharded.mesh
+    root = sharded[chain[0].inputs[0]]
+    ty, src, tgt = root.type, root.layout, chain[-1].layout
+    steps = []
+    for n in chain:
+        rec = prog.collective(n.name)
+        axis = n.attr("axis")
+        nbytes = rec.bytes if rec is not None else 0
+        steps.append({"name": n.name, "kind": n.op, "axis": axis, "dim": n.attr("dim"),
+                      "bytes": nbytes, "seconds": collective_seconds(
+                          n.op, mesh.sizes[mesh.names.index(axis)], nbytes, links[axis]),
+                      "phase": n.phase, "reason": n.attr("reason"),
+                      "spec_line": rec.provenance.spec_ref if rec is not None else _spec_ref(n)})
+    producer = _where(prog, sharded, root.name)
+    consumers = _consumers(sharded, prog, chain[-1])
+    chosen = {"bytes": sum(s["bytes"] for s in steps), "seconds": sum(s["seconds"] for s in steps)}
+    return {"value": root.name, "dtype": ty.dtype, "shape": list(ty.shape),
+            "from": layout_str(src), "to": layout_str(tgt), "producer": producer,
+            "consumers": consumers, "steps": steps, "phase": chain[0].phase,
+            "module": producer["source"] or next((c["source"] for c in consumers if c["source"]),
+                                                 None) or "(top level)",
+            "kinds": " + ".join(_step_text(s) for s in steps), **chosen,
+            "alternatives": alternatives(src, tgt, ty, mesh, links, [_key(s) for s in steps])}
+
+
+def _spec_ref(node):
+    loc = node.spec_loc
+    return f"{loc.file.rsplit('/', 1)[-1]}:{loc.line}" if loc is not None else None
+
+
+def _key(step) -> tuple:
+    return (step["kind"], step["axis"], step["dim"])
+
+
+def _step_text(s) -> str:
+    dim = "" if s["dim"] is None else f"(dim {s['dim']})"
+    return f"{s['kind']}{dim} over {s['axis']}"
+
+
+def alternatives(src, tgt, ty, mesh, links, chosen_keys=()) -> list:
+    """Other step sequences from layout ``src`` to ``tgt`` of global type ``ty``: the planner's
+    plan through one intermediate layout (``src`` or ``tgt`` with one mesh axis's placement
+    changed), cheapest first, at most :data:`MAX_ALTERNATIVES`, each
+    ``{"via", "steps": [{"kind", "axis", "dim", "bytes", "seconds"}], "bytes", "seconds"}``.
+
+    Only shards that divide the tensor evenly are considered, and an intermediate partial
+    placement only where the source is partial on that axis (``R -> P -> R`` sums zeros).
+    """
+    seen, out = {tuple(chosen_keys)}, []
+    for mid in _intermediates(src, tgt, ty, mesh):
+        steps = _steps(src, mid, ty, mesh, links) + _steps(mid, tgt, ty, mesh, links)
+        key = tuple(_key(s) for s in steps)
+        if not steps or key in seen:
+            continue
+        seen.add(key)
+        out.append({"via": layout_str(mid), "steps": steps, "kinds": " + ".join(map(_step_text, steps)),
+                    "bytes": sum(s["bytes"] for s in steps),
+                    "seconds": sum(s["seconds"] for s in steps)})
+    out.sort(key=lambda a: (a["seconds"], a["bytes"], a["kinds"]))
+    return out[:MAX_ALTERNATIVES]
+
+
+def _steps(a, b, ty, mesh, links) -> list:
+    out = []
+    for st in plan(a, b, ty.rank):
+        n = mesh.sizes[st.axis]
+        if n == 1:
+            continue
+        axis = mesh.names[st.axis]
+        nbytes = step_bytes(st, ty, mesh) if st.is_collective else 0
+        out.append({"kind": st.kind, "axis": axis, "dim": st.dim, "bytes": nbytes,
+                    "seconds": collective_seconds(st.kind, n, nbytes, links[axis])})
+    return out
+
+
+def _intermediates(src, tgt, ty, mesh):
+    """Layouts one placement away from ``src`` or ``tgt`` (not either), even, no new partial."""
+    for base in (src, tgt):
+        for a in range(len(base)):
+            options = [Replicate()] + [Shard(d) for d in range(ty.rank)]
+            if isinstance(src[a], Partial):
+                options.append(src[a])
+            for p in options:
+                mid = tuple(p if i == a else q for i, q in enumerate(base))
+                if mid not in (tuple(src), tuple(tgt)) and _even(mid, ty, mesh):
+                    yield mid
+
+
+def _even(layout, ty, mesh) -> bool:
+    for d in range(ty.rank):
+        parts = 1
+        for a in shard_axes(layout, d):
+            parts *= mesh.sizes[a]
+        if ty.shape[d] % parts:
+            return False
+    return True
+
+
+def totals(edges) -> dict:
+    """``per_axis``, ``per_phase`` and ``per_axis_phase`` (``"tp/forward"``) sums of the edges'
+    collective steps: ``{"count", "bytes", "seconds"}`` (bytes per rank per step)."""
+    out = {"per_axis": {}, "per_phase": {}, "per_axis_phase": {}}
+    for e in edges:
+        for s in e["steps"]:
+            if s["bytes"] == 0 and s["seconds"] == 0:
+                continue  # a local layout op
+            for table, key in (("per_axis", s["axis"]), ("per_phase", s["phase"]),
+                               ("per_axis_phase", f"{s['axis']}/{s['phase']}")):
+                t = out[table].setdefault(key, {"count": 0, "bytes": 0, "seconds": 0.0})
+                t["count"] += 1
+                t["bytes"] += s["bytes"]
+                t["seconds"] += s["seconds"]
+    return out
+
+
+def format_seconds(s: float) -> str:
+    """``"12.3 us"``, ``"4.56 ms"``, ``"1.20 s"``: an estimate for people."""
+    if s == 0:
+        return "0"
+    if s < 1e-3:
+        return f"{s * 1e6:.1f} us"
+    if s < 1:
+        return f"{s * 1e3:.2f} ms"
+    return f"{s:.2f} s"
+
+
+def cost_words(alt, chosen) -> str:
+    """How an alternative compares with the chosen steps, in words."""
+    db, dt = alt["bytes"] - chosen["bytes"], alt["seconds"] - chosen["seconds"]
+    b = "the same bytes" if db == 0 else f"{format_bytes(abs(db))} {'more' if db > 0 else 'fewer'} bytes"
+    t = f"{format_seconds(abs(dt))} {'slower' if dt > 0 else 'faster'}" if dt else "the same time"
+    return f"{b}, {t}"

@@ -1,0 +1,71 @@
+"""The body of ``parcomp explain`` (argument parsing is in :mod:`parcomp.cli`).
+
+``parcomp explain MODEL --spec SPEC [--json] [--plots DIR]`` explains one spec;
+``parcomp explain MODEL A.pcs B.pcs`` (or ``--spec A.pcs --spec B.pcs``) sets two or more
+side by side.  Nothing runs: the model is compiled and the explanation read off the
+:class:`parcomp.program.Program` (:mod:`parcomp.explain`).
+"""
+from __future__ import annotations
+
+import os
+
+from .compiler import compile_graph
+from .errors import ParcompError
+from .explain import explain
+from .explain_text import blocks, compare_blocks, show
+from .frontends.loader import load_model, pointing_into
+from .spec import load_spec
+
+
+def spec_paths(args) -> list:
+    """The specs named on the command line (positional after MODEL, then ``--spec``), in order.
+
+    Raises:
+        ParcompError: none given.
+    """
+    paths = list(args.specs or []) + list(args.spec or [])
+    if not paths:
+        raise ParcompError("parcomp explain needs a spec: --spec SPEC.pcs (or two specs to compare: "
+                           "parcomp explain MODEL A.pcs B.pcs)", where="--spec")
+    return paths
+
+
+def compile_for(model: str, graph, path: str):
+    """``graph`` compiled under the spec at ``path`` (its errors at the spec's or model's line)."""
+    spec = load_spec(path)
+    with pointing_into(model):
+        return compile_graph(graph, spec)
+
+
+def explain_command(args) -> dict:
+    """``parcomp explain``: print the explanation (or the comparison); returns the JSON result
+    ``{"ok": true, "explain": ...}`` or ``{"ok": true, "compare": [...], "specs": [...]}``."""
+    paths = spec_paths(args)
+    graph, _, _ = load_model(args.model)
+    compiled = [compile_for(args.model, graph, p) for p in paths]
+    xs = [explain(c) for c in compiled]
+    written = None
+    if args.plots:
+        if len(compiled) > 1:
+            raise ParcompError("--plots draws one spec; give one --spec with --plots", where="--plots")
+        from .plots import write_plots
+
+        written = write_plots(compiled[0], xs[0], args.plots)
+    if len(xs) == 1:
+        if not args.json:
+            show(blocks(xs[0]))
+            _say_written(args.plots, written)
+        return {"ok": True, "explain": xs[0], "plots": written}
+    names = [os.path.basename(p) for p in paths]
+    if not args.json:
+        show(compare_blocks(xs, names))
+    return {"ok": True, "specs": paths, "compare": xs}
+
+
+def _say_written(out, written) -> None:
+    if written is None:
+        return
+    print(f"wrote {out}/: {', '.join(written['files'])}")
+    if written["kept"]:
+        print(f"kept {len(written['kept'])} entries in {out}/ that parcomp did not write: "
+              f"{', '.join(written['kept'])}")
