@@ -67,6 +67,7 @@ def build_report(program, model_params=()) -> dict:
         "totals_per_axis": totals,
         "memory_bytes_per_rank": memory(program, set(model_params)),
         "training": training_summary(program),
+        "search": program.search,
     }
 
 
@@ -122,4 +123,19 @@ def format_memory(report) -> str:
     line = "memory per rank: " + ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in m.items())
     if report.get("training"):
         line += "\n" + report["training"]["batch_note"]
+    if report.get("search"):
+        line += "\n" + format_search(report["search"])
     return line
+
+
+_SEARCHES = {"dp": "dynamic program (exact: every value is read once)",
+             "ilp": "integer program (HiGHS)", "heuristic": "DP + greedy + local moves"}
+
+
+def format_search(search) -> str:
+    """One line: which search chose the layouts, its estimated cost, and whether it is
+    proven optimal under the cost model."""
+    proof = ("proven optimal under the cost model" if search["proven_optimal"]
+             else "not proven optimal (time budget ran out; best plan found)")
+    return (f"layouts: {_SEARCHES[search['search']]}, {proof}; estimated "
+            f"{search['cost_s'] * 1e6:.1f} us per step, searched in {search['seconds']:.2f} s")

@@ -25,6 +25,7 @@ Chains are checked against brute-force enumeration in the tests.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 from ..errors import ShardingError
@@ -32,23 +33,38 @@ from ..ir.graph import Graph, describe
 from ..ir.types import layout_str
 from ..redistribute import compute_cost, plan_cost
 from ..rules.sharding import mesh_strategies
+from .layout_ilp import DEFAULT_SECONDS, solve_ilp
 
 _TOL = 1e-15
 
 
-def shard_prop(graph: Graph) -> Graph:
+def shard_prop(graph: Graph, seconds: float = DEFAULT_SECONDS) -> Graph:
     """Complete the layouts of ``graph`` with the least estimated cost.
+
+    On a tree (every value read once) the DP is exact; otherwise the ILP of
+    :mod:`.layout_ilp` runs for at most ``seconds``, started from the heuristic's
+    plan.  The returned graph's ``search`` says which search produced the plan,
+    its cost (seconds) and whether it is proven optimal under the cost model.
 
     Raises:
         ShardingError: a pinned layout no strategy can produce evenly (names the
             node and its operand shapes).
     """
+    t0 = time.perf_counter()
     prob = _Problem(graph)
-    sol = min((prob.dp_solution(), prob.greedy_solution()), key=prob.total)
-    sol = prob.improve(sol)
+    dp = prob.dp_solution()
+    if all(len(u) <= 1 for u in prob.users.values()):
+        sol, search, proven = dp, "dp", True
+    else:
+        sol = prob.improve(min((dp, prob.greedy_solution()), key=prob.total))
+        ilp, proven = solve_ilp(prob, sol, seconds)
+        search = "ilp" if proven or prob.total(ilp) < prob.total(sol) - _TOL else "heuristic"
+        sol = ilp if prob.total(ilp) <= prob.total(sol) else sol
+    info = {"search": search, "proven_optimal": proven, "cost_s": prob.total(sol),
+            "seconds": round(time.perf_counter() - t0, 6)}
     nodes = [n if n.name not in sol else replace(n, layout=sol[n.name][1], in_layouts=sol[n.name][0])
              for n in graph.nodes]
-    return graph.with_nodes(nodes)
+    return graph.with_nodes(nodes, search=info)
 
 
 class _Problem:
