@@ -67,9 +67,26 @@ def build_report(program, model_params=()) -> dict:
         "totals_per_axis": totals,
         "memory_bytes_per_rank": memory(program, set(model_params)),
         "training": training_summary(program),
-        "search": program.search,
+        "search": _with_note(program.search, recs),
     }
 
+
+def _with_note(search, recs):
+    """The search record, with a note when activations are gathered over ``dp``: a reader
+    of "data parallel" expects gradient all_reduce, so the report says why it is not."""
+    gathers = [r for r in recs if r["axis"] == "dp" and r["kind"] == "all_gather"
+               and r["phase"] in ("forward", "loss")]
+    if search is None or not gathers:
+        return search
+    moved = sum(r["bytes"] for r in gathers)
+    note = (f"activations are all-gathered over dp ({plural(len(gathers), 'all_gather')}, "
+            f"{format_bytes(moved)} per rank) instead of all-reducing every weight gradient "
+            "over dp: with this batch that moves fewer bytes, the cost model's measure "
+            "(alpha-beta seconds plus compute)")
+    note += ("; the plan fits the spec's memory limit" if "memory_limit" in search else
+             "; memory is not limited (add `memory SIZE`, which bounds weights, inputs and "
+             "saved activations per rank, or pin with an `activation` rule)")
+    return {**search, "note": note}
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 
@@ -125,6 +142,8 @@ def format_memory(report) -> str:
         line += "\n" + report["training"]["batch_note"]
     if report.get("search"):
         line += "\n" + format_search(report["search"])
+        if report["search"].get("note"):
+            line += "\n  why: " + report["search"]["note"]
     return line
 
 

@@ -30,7 +30,10 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from ..errors import ParcompError
+from ..memory import local_bytes, over_limit, resident_values
 from ..redistribute import plan_cost
+from ..report import format_bytes
 
 #: objective unit: nanoseconds
 SCALE = 1e9
@@ -38,7 +41,7 @@ SCALE = 1e9
 DEFAULT_SECONDS = 10.0
 
 
-def solve_ilp(prob, warm: dict, seconds: float = DEFAULT_SECONDS) -> tuple:
+def solve_ilp(prob, warm: dict, seconds: float = DEFAULT_SECONDS, limit=None) -> tuple:
     """The least-cost plan of ``prob`` (a :class:`.shard_prop._Problem`), within ``seconds``.
 
     Args:
@@ -46,6 +49,7 @@ def solve_ilp(prob, warm: dict, seconds: float = DEFAULT_SECONDS) -> tuple:
         warm: a feasible plan ``{node: (in layouts, out layout)}`` (the heuristic's):
             the solver's start, and what it improves on when time runs out.
         seconds: wall-clock budget of the solver.
+        limit: a :class:`MemoryLimit` (one more row), or None.
 
     Returns:
         ``(plan, proven)``: the best plan found and whether HiGHS proved it optimal.
@@ -53,6 +57,8 @@ def solve_ilp(prob, warm: dict, seconds: float = DEFAULT_SECONDS) -> tuple:
     import highspy
 
     model = _Model(prob)
+    if limit is not None:
+        model.rows.append(limit.row(model.x))
     with _quiet_stdout():
         h = highspy.Highs()
     h.setOptionValue("output_flag", False)
@@ -71,6 +77,46 @@ def solve_ilp(prob, warm: dict, seconds: float = DEFAULT_SECONDS) -> tuple:
         return dict(warm), False
     plan = model.plan(h.getSolution().col_value)
     return plan, status == highspy.HighsModelStatus.kOptimal
+
+
+class MemoryLimit:
+    """The spec's ``memory`` as a constraint on a plan's resident bytes per rank
+    (:mod:`parcomp.memory`): the sources' fixed bytes plus each counted value's bytes
+    under the layout its strategy produces (one linear row of the ILP).
+
+    Raises (on construction):
+        ParcompError: even the smallest choice of every value exceeds the limit.
+    """
+
+    def __init__(self, prob, limit: int, loc=None):
+        g, self.limit, self.loc = prob.g, limit, loc
+        counted = resident_values(g)
+        self.fixed = sum(local_bytes(g[v].type, g[v].layout, g.mesh) for v in counted if v not in prob.options)
+        self.per = {v: [local_bytes(g[v].type, o, g.mesh) for _, _, o in prob.options[v]]
+                    for v in counted if v in prob.options}
+        self.index = {v: {opt[1:]: k for k, opt in enumerate(prob.options[v])} for v in self.per}
+        least = self.fixed + sum(min(b) for b in self.per.values())
+        if least > limit:
+            raise ParcompError(over_limit(limit, least, "the smallest layout plan (weights, inputs "
+                                          "and saved activations, each split as far as it can be)")
+                               + "; use more ranks or a smaller batch", loc)
+
+    def bytes(self, plan) -> int:
+        """Resident bytes per rank of ``plan``."""
+        return self.fixed + sum(self.per[v][self.index[v][plan[v]]] for v in self.per)
+
+    def fits(self, plan) -> bool:
+        return self.bytes(plan) <= self.limit
+
+    def row(self, x) -> tuple:
+        """The ILP row (in MiB: byte counts are too large for a solver's tolerances)."""
+        return (-np.inf, (self.limit - self.fixed) / 2**20,
+                {x[(v, k)]: b / 2**20 for v, bs in self.per.items() for k, b in enumerate(bs)})
+
+    def not_found(self, seconds) -> ParcompError:
+        return ParcompError(f"no layout plan within the memory limit {format_bytes(self.limit)} per "
+                            f"rank was found in {seconds:g} s (the smallest possible is "
+                            f"{format_bytes(self.fixed + sum(min(b) for b in self.per.values()))})", self.loc)
 
 
 class _Model:

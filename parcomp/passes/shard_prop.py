@@ -33,35 +33,46 @@ from ..ir.graph import Graph, describe
 from ..ir.types import layout_str
 from ..redistribute import compute_cost, plan_cost
 from ..rules.sharding import mesh_strategies
-from .layout_ilp import DEFAULT_SECONDS, solve_ilp
+from .layout_ilp import DEFAULT_SECONDS, MemoryLimit, solve_ilp
 
 _TOL = 1e-15
 
 
-def shard_prop(graph: Graph, seconds: float = DEFAULT_SECONDS) -> Graph:
+def shard_prop(graph: Graph, seconds: float = DEFAULT_SECONDS, memory: int | None = None,
+               memory_loc=None) -> Graph:
     """Complete the layouts of ``graph`` with the least estimated cost.
 
     On a tree (every value read once) the DP is exact; otherwise the ILP of
     :mod:`.layout_ilp` runs for at most ``seconds``, started from the heuristic's
     plan.  The returned graph's ``search`` says which search produced the plan,
     its cost (seconds) and whether it is proven optimal under the cost model.
+    With ``memory`` (bytes per rank), plans whose resident bytes
+    (:mod:`parcomp.memory`) exceed it are infeasible.
 
     Raises:
         ShardingError: a pinned layout no strategy can produce evenly (names the
             node and its operand shapes).
+        ParcompError: no plan fits ``memory`` (says by how much the smallest misses).
     """
     t0 = time.perf_counter()
     prob = _Problem(graph)
+    limit = None if memory is None else MemoryLimit(prob, memory, memory_loc)
     dp = prob.dp_solution()
-    if all(len(u) <= 1 for u in prob.users.values()):
+    if all(len(u) <= 1 for u in prob.users.values()) and (limit is None or limit.fits(dp)):
         sol, search, proven = dp, "dp", True
     else:
         sol = prob.improve(min((dp, prob.greedy_solution()), key=prob.total))
-        ilp, proven = solve_ilp(prob, sol, seconds)
-        search = "ilp" if proven or prob.total(ilp) < prob.total(sol) - _TOL else "heuristic"
-        sol = ilp if prob.total(ilp) <= prob.total(sol) else sol
+        ilp, proven = solve_ilp(prob, sol, seconds, limit)
+        fits = [s for s in (ilp, sol) if limit is None or limit.fits(s)]
+        if not fits:
+            raise limit.not_found(seconds)
+        best = min(fits, key=prob.total)
+        search = "ilp" if proven or (best is ilp and prob.total(ilp) < prob.total(sol) - _TOL) else "heuristic"
+        sol = best
     info = {"search": search, "proven_optimal": proven, "cost_s": prob.total(sol),
             "seconds": round(time.perf_counter() - t0, 6)}
+    if limit is not None:
+        info.update(memory_limit=memory, resident_bytes=limit.bytes(sol))
     nodes = [n if n.name not in sol else replace(n, layout=sol[n.name][1], in_layouts=sol[n.name][0])
              for n in graph.nodes]
     return graph.with_nodes(nodes, search=info)

@@ -185,6 +185,8 @@ class Spec:
     topology: tuple | None = None  # (nodes, devices_per_node)
     train: TrainSpec | None = None
     topology_loc: SourceLoc | None = None  # where the topology statement is
+    memory: int | None = None  # bytes per device (the `memory` statement), or None
+    memory_loc: SourceLoc | None = None
 
     def default_axis(self) -> str:
         """The mesh axis a layout word without ``over`` applies to.
