@@ -396,3 +396,20 @@ def _print_run_training(result, size, steps, ref_name, ref_losses):
     word = result["verdict"]
     why = [w for w in (result["why"], free["why"] if not free["ok"] else "") if w]
     print("  OK" if word == "OK" else f"  {word}: " + "; ".join(why))
+
+
+def plan(args):
+    """``parcomp plan``: choose the layouts, write them as a spec, compile it to show the plan."""
+    from .plan import mesh_text, plan as choose, summary, write_spec
+    from .spec import parse_spec
+
+    graph, _, _ = load_model(args.model)
+    with pointing_into(args.model):
+        text, chosen = choose(graph, mesh_text(args.mesh), args.memory, args.train)
+        compiled = compile_graph(graph, parse_spec(text, args.out))
+    write_spec(args.out, text)
+    print(summary(chosen))
+    print(format_collectives(compiled.report["collectives"]))
+    print(f"wrote {args.out}")
+    return {"ok": True, "spec": args.out, "search": chosen.search,
+            "collectives": _summary(compiled.report["collectives"])} if args.json else None

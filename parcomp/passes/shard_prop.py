@@ -39,7 +39,7 @@ _TOL = 1e-15
 
 
 def shard_prop(graph: Graph, seconds: float = DEFAULT_SECONDS, memory: int | None = None,
-               memory_loc=None) -> Graph:
+               memory_loc=None, free: dict | None = None) -> Graph:
     """Complete the layouts of ``graph`` with the least estimated cost.
 
     On a tree (every value read once) the DP is exact; otherwise the ILP of
@@ -47,7 +47,8 @@ def shard_prop(graph: Graph, seconds: float = DEFAULT_SECONDS, memory: int | Non
     plan.  The returned graph's ``search`` says which search produced the plan,
     its cost (seconds) and whether it is proven optimal under the cost model.
     With ``memory`` (bytes per rank), plans whose resident bytes
-    (:mod:`parcomp.memory`) exceed it are infeasible.
+    (:mod:`parcomp.memory`) exceed it are infeasible.  ``free`` maps a source (param or
+    input) to the layouts it may take (``parcomp plan``); other sources keep theirs.
 
     Raises:
         ShardingError: a pinned layout no strategy can produce evenly (names the
@@ -55,7 +56,7 @@ def shard_prop(graph: Graph, seconds: float = DEFAULT_SECONDS, memory: int | Non
         ParcompError: no plan fits ``memory`` (says by how much the smallest misses).
     """
     t0 = time.perf_counter()
-    prob = _Problem(graph)
+    prob = _Problem(graph, free or {})
     limit = None if memory is None else MemoryLimit(prob, memory, memory_loc)
     dp = prob.dp_solution()
     if all(len(u) <= 1 for u in prob.users.values()) and (limit is None or limit.fits(dp)):
@@ -73,18 +74,20 @@ def shard_prop(graph: Graph, seconds: float = DEFAULT_SECONDS, memory: int | Non
             "seconds": round(time.perf_counter() - t0, 6)}
     if limit is not None:
         info.update(memory_limit=memory, resident_bytes=limit.bytes(sol))
-    nodes = [n if n.name not in sol else replace(n, layout=sol[n.name][1], in_layouts=sol[n.name][0])
-             for n in graph.nodes]
+    nodes = [n if n.name not in sol else replace(n, layout=sol[n.name][1], in_layouts=sol[n.name][0]
+                                                 if n.inputs else None) for n in graph.nodes]
     return graph.with_nodes(nodes, search=info)
 
 
 class _Problem:
-    def __init__(self, graph):
+    def __init__(self, graph, free=None):
         self.g, self.mesh = graph, graph.mesh
         self.users = graph.users()
         self.options = {}  # name -> [(compute cost, ins, out)]
         for n in graph.nodes:
             if n.op in ("input", "param"):
+                if n.name in (free or {}):
+                    self.options[n.name] = [(0.0, (), lay) for lay in free[n.name]]
                 continue
             in_types = [graph[i].type for i in n.inputs]
             opts = mesh_strategies(n, in_types, self.mesh)
@@ -116,7 +119,7 @@ class _Problem:
         """Forward DP over ``best[v][layout]``, then a reverse pass fixing each strategy."""
         best = {}
         for n in self.g.nodes:
-            if n.op in ("input", "param"):
+            if n.name not in self.options:
                 best[n.name] = {n.layout: 0.0}
                 continue
             table = {}
@@ -127,7 +130,7 @@ class _Problem:
             best[n.name] = table
         required, sol = {n.name: [] for n in self.g.nodes}, {}
         for n in reversed(self.g.nodes):
-            if n.op in ("input", "param"):
+            if n.name not in self.options:
                 continue
             pick, pick_cost = None, None
             for c, ins, out in self.options[n.name]:
@@ -152,7 +155,7 @@ class _Problem:
         """DTensor-style propagation: each op takes the cheapest strategy given its inputs."""
         sol = {}
         for n in self.g.nodes:
-            if n.op in ("input", "param"):
+            if n.name not in self.options:
                 continue
             src = [self.layout(sol, i) for i in n.inputs]
             types = [self.g[i].type for i in n.inputs]
