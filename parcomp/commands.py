@@ -35,7 +35,15 @@ def _compile(args, after=None, numeric: str | None = None):
     with pointing_into(args.model):  # a .pcir model's layout problems: at its line
         if numeric:
             require_numpy_dtypes(graph, numeric)
-        return compile_graph(graph, spec, after), module, example
+        compiled = compile_graph(graph, spec, after)
+    print_warnings(compiled)
+    return compiled, module, example
+
+
+def print_warnings(compiled) -> None:
+    """What the spec asks for and cannot be honoured (``report["warnings"]``), on stderr."""
+    for w in compiled.report.get("warnings", ()):
+        print(f"warning: {w}", file=sys.stderr)
 
 
 #: dtypes numpy has no type for; check/run compute with numpy, so they refuse them
@@ -407,6 +415,7 @@ def plan(args):
     with pointing_into(args.model):
         text, chosen = choose(graph, mesh_text(args.mesh), args.memory, args.train)
         compiled = compile_graph(graph, parse_spec(text, args.out))
+    print_warnings(compiled)
     write_spec(args.out, text)
     print(summary(chosen))
     print(format_collectives(compiled.report["collectives"]))

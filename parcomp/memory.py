@@ -21,7 +21,7 @@ import re
 import numpy as np
 
 from .errors import ParcompError
-from .ir.types import DTYPE_BYTES, local_shape
+from .ir.types import DTYPE_BYTES, Replicate, layout_str, local_shape
 from .report import format_bytes
 
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -88,3 +88,26 @@ def check_peak(report: dict, spec) -> None:
         raise ParcompError(over_limit(limit, mem["peak_live"], "the plan's peak of live values")
                            + f" ({parts}); use more ranks, a smaller batch, or ZeRO (train ... zero=1)",
                            spec.memory_loc)
+
+
+def zero_warnings(logical, spec) -> list:
+    """What the ``train ... zero=N`` line asks for and the compiler cannot honour: a
+    trained parameter replicated over ``dp`` whose optimizer state stays replicated,
+    since no dim is free of other axes and divisible by dp.  One message each."""
+    from .passes.autodiff import _state_layout
+    from .passes.train_config import train_config
+
+    if getattr(spec, "train", None) is None or "dp" not in spec.mesh.names:
+        return []
+    cfg = train_config(spec)
+    if not cfg.zero:
+        return []
+    a, dp = spec.mesh.axis_index("dp"), spec.mesh.sizes[spec.mesh.axis_index("dp")]
+    grads = {pub[:-5] for pub in logical.output_names if pub.endswith(".grad")}
+    out = []
+    for p in logical.params:
+        if p.name in grads and p.layout[a] == Replicate() and _state_layout(p, cfg, spec) == p.layout:
+            out.append(f"zero={cfg.zero} is not applied to {p.name} ({p.type}, layout {layout_str(p.layout)}): "
+                       f"no dim is free of other mesh axes and divisible by dp={dp}, so its gradient "
+                       "and optimizer state stay replicated over dp")
+    return out

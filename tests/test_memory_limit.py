@@ -61,3 +61,24 @@ def test_peak_over_the_limit_is_an_error():
     c = compile_graph(g, spec(DP + "memory 1MiB\n"))
     assert c.report["memory_bytes_per_rank"]["peak_live"] <= 2**20
     assert "note" in c.report["search"] and "fits the spec's memory limit" in c.report["search"]["note"]
+
+
+ZERO_MODEL = "%x: f32[4,6] = input()\n%w: f32[6,3] = param()\n%output: f32[4,3] = matmul(%x, %w)\nreturn %output\n"
+
+
+@pytest.mark.parametrize("dp, warned", [(2, False), (4, True)])
+def test_zero_that_cannot_be_applied_is_a_warning(tmp_path, capsys, dp, warned):
+    """w is [6, 3]: dp=2 splits dim 0; on dp=4 no dim divides, and zero=1 is not applied."""
+    from parcomp.cli import main
+    from parcomp.ir import parse_graph
+
+    text = f"mesh dp={dp}\ninput x split-seq\ntrain loss=mse optimizer=adamw(lr=0.1) zero=1\n"
+    c = compile_graph(parse_graph(ZERO_MODEL), spec(text))
+    assert bool(c.report["warnings"]) == warned
+    (tmp_path / "m.pcir").write_text(ZERO_MODEL)
+    (tmp_path / "s.pcs").write_text(text)
+    assert main(["compile", str(tmp_path / "m.pcir"), "--spec", str(tmp_path / "s.pcs"), "-o", str(tmp_path / "o")]) == 0
+    err = capsys.readouterr().err
+    assert ("warning: zero=1 is not applied to w" in err) == warned
+    if warned:
+        assert "divisible by dp=4" in c.report["warnings"][0]
