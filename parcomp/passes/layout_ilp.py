@@ -66,6 +66,7 @@ def solve_ilp(prob, warm: dict, seconds: float = DEFAULT_SECONDS, limit=None) ->
     h.setOptionValue("mip_rel_gap", 0.0)
     h.setOptionValue("mip_abs_gap", 1e-6)
     h.setOptionValue("presolve", "off")  # the rows are already minimal; presolve cost more than it saved
+    h.setOptionValue("threads", 1)  # a compile is one process among many (tests, CI)
     model.load(h, highspy)
     start = highspy.HighsSolution()
     start.col_value = list(model.values(warm))
@@ -163,6 +164,8 @@ class _Model:
     def _value(self, name):
         ty, mesh = self.prob.g[name].type, self.prob.mesh
         produced = self._produced(name)
+        if len(self.prob.users[name]) == 1:
+            return self._single_use(name, produced)
         for lay, by_user in self._wanted(name).items():
             costs = {o: plan_cost(o, lay, ty, mesh) * SCALE for o in produced}
             if not any(costs.values()):
@@ -183,6 +186,30 @@ class _Model:
                 self.aux.append((q, "q", (w, ys)))
                 self.rows.append((-np.inf, 0.0, {q: 1.0, **{c: -1.0 for c in ys}}))
             self.rows.append((0.0, 0.0, share))
+
+    def _single_use(self, name, produced):
+        """A value read once: the conversion is a pairwise term between its layout and the
+        one its consumer wants.  One layout produced: added to the consumer's strategy costs;
+        else ``e[o, L]`` with both marginals (``sum_L e = y[o]``, ``sum_o e = z[L]``), whose
+        LP relaxation is exact where the graph is a tree."""
+        ty, mesh = self.prob.g[name].type, self.prob.mesh
+        wanted = {lay: cols for lay, by_user in self._wanted(name).items() for cols in by_user.values()}
+        if len(produced) == 1:
+            (o,) = produced
+            for lay, cols in wanted.items():
+                for c in cols:
+                    self.cost[c] += plan_cost(o, lay, ty, mesh) * SCALE
+            return
+        by_out = {o: {} for o in produced}
+        by_lay = {lay: {} for lay in wanted}
+        for o, ys in produced.items():
+            for lay, zs in wanted.items():
+                e = self._col(plan_cost(o, lay, ty, mesh) * SCALE, ub=1.0)
+                self.aux.append((e, "e", (ys, zs)))
+                by_out[o][e] = by_lay[lay][e] = 1.0
+        for coefs, sides in ((by_out, produced), (by_lay, wanted)):
+            for key, row in coefs.items():
+                self.rows.append((0.0, 0.0, {**row, **{c: -1.0 for c in sides[key]}}))
 
     def load(self, h, highspy):
         """Pass the columns, integrality and rows to the solver ``h``."""
@@ -209,6 +236,9 @@ class _Model:
         for col, kind, data in self.aux:  # w before the q that read it (creation order)
             if kind == "w":
                 vals[col] = max((vals[c] for c in data), default=0.0)
+            elif kind == "e":
+                ys, zs = data
+                vals[col] = min(sum(vals[c] for c in ys), sum(vals[c] for c in zs))
             else:
                 w, ys = data
                 vals[col] = min(vals[w], sum(vals[c] for c in ys))
