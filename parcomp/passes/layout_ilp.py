@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from contextlib import contextmanager
 
 import numpy as np
@@ -266,9 +265,3 @@ def _quiet_stdout():
         os.dup2(fd, 1)
         os.close(fd)
 
-
-def timed(fn, *args):
-    """``(result, seconds)`` of ``fn(*args)``."""
-    t0 = time.perf_counter()
-    out = fn(*args)
-    return out, time.perf_counter() - t0

@@ -9,19 +9,19 @@ Cost of a solution (seconds, :mod:`parcomp.redistribute`): every node's local
 compute, plus for every value the redistributions to each *distinct* layout
 its consumers need (a conversion is made once and shared).
 
-Search, since the exact problem on a DAG is an ILP (Alpa, AutoParallel):
+Search:
 
 1. a dynamic program in topological order (``best[v][O]``: least cost to
    produce ``v`` in ``O``) and a reverse pass fixing each strategy given what
-   its consumers ask — exact on chains and trees, but on DAGs a shared
-   producer is charged once per consumer;
-2. a forward greedy pass (DTensor-style propagation: each op takes the
-   cheapest strategy given its inputs' layouts);
-3. the cheaper of the two, then moves that lower the exact cost until none
-   does: one node re-picks its strategy, and operands computed only for it
-   follow to produce the layout it then wants.
+   its consumers ask — exact where every value is read once (chains, trees),
+   and then the answer;
+2. otherwise the integer program of :mod:`.layout_ilp` (HiGHS), exact, started
+   from the best of the DP, a forward greedy pass (DTensor-style propagation)
+   and local moves (a node re-picks its strategy, operands computed only for it
+   follow), which is also kept if the solver's time budget runs out first.
 
-Chains are checked against brute-force enumeration in the tests.
+Both are checked against brute-force enumeration in the tests (test_optimality,
+test_ilp).
 """
 from __future__ import annotations
 
@@ -75,7 +75,8 @@ def shard_prop(graph: Graph, seconds: float = DEFAULT_SECONDS, memory: int | Non
     if limit is not None:
         info.update(memory_limit=memory, resident_bytes=limit.bytes(sol))
     nodes = [n if n.name not in sol else replace(n, layout=sol[n.name][1], in_layouts=sol[n.name][0]
-                                                 if n.inputs else None) for n in graph.nodes]
+                                                 if n.op not in ("input", "param") else None)
+             for n in graph.nodes]
     return graph.with_nodes(nodes, search=info)
 
 
