@@ -413,7 +413,7 @@ def plan(args):
 
     graph, _, _ = load_model(args.model)
     with pointing_into(args.model):
-        text, chosen = choose(graph, mesh_text(args.mesh), args.memory, args.train)
+        text, chosen = choose(graph, mesh_text(args.mesh), args.memory, args.train, args.seconds)
         compiled = compile_graph(graph, parse_spec(text, args.out))
     print_warnings(compiled)
     write_spec(args.out, text)

@@ -12,6 +12,11 @@ axis names mean to a user:
   these sizes); rank-1 parameters (biases, norms) may also stay replicated; inputs and
   outputs are replicated over it.
 
+With ``--train`` the parameters are chosen on the forward graph (``autodiff`` pins the
+updated parameters and optimizer state to the parameters' layouts before the search, so
+a search over the training graph could not move them together); the written spec then
+carries the train line, and compiling it plans the backward and the update exactly.
+
 The written spec pins the parameters, inputs and outputs; the activations' chosen
 layouts are listed as comments (compiling the spec re-derives them: the search is
 deterministic).  It starts with a header line carrying a checksum of the rest, so
@@ -26,8 +31,8 @@ import os
 
 from .errors import ParcompError
 from .ir.types import R, Shard, divisibility_problem, layout_str
-from .passes.autodiff import add_training_step
 from .passes.bind_layouts import bind_layouts
+from .passes.layout_ilp import DEFAULT_SECONDS
 from .passes.shard_prop import shard_prop
 from .report import format_bytes
 from .spec import parse_spec
@@ -78,8 +83,10 @@ def param_layouts(ty, mesh) -> list:
     return out
 
 
-def plan(graph, mesh: str, memory: str | None = None, train: str | None = None):
+def plan(graph, mesh: str, memory: str | None = None, train: str | None = None,
+         seconds: float | None = None):
     """Choose the layouts of ``graph`` on ``mesh``; returns ``(spec text, planned graph)``.
+    ``seconds``: the exact search's time budget (default :data:`DEFAULT_SECONDS`).
 
     Raises:
         ParcompError: a bad mesh or memory size, nothing fits the memory, a parameter
@@ -87,12 +94,13 @@ def plan(graph, mesh: str, memory: str | None = None, train: str | None = None):
     """
     text = base_spec_text(graph, mesh, memory, train)
     spec = parse_spec(text, "plan.pcs")
-    bound = bind_layouts(graph, spec)
-    if spec.train:
-        bound = add_training_step(bound, spec)
+    bound = bind_layouts(graph, spec)  # the forward graph: see the module docstring
     model_params = {n.name for n in graph.params}
     free = {n.name: param_layouts(n.type, spec.mesh) for n in bound.params if n.name in model_params}
-    chosen = shard_prop(bound, memory=spec.memory, memory_loc=spec.memory_loc, free=free)
+    if seconds is not None and not seconds > 0:
+        raise ParcompError(f"--seconds {seconds}: the search needs a positive time budget", where="--seconds")
+    chosen = shard_prop(bound, DEFAULT_SECONDS if seconds is None else seconds, memory=spec.memory,
+                        memory_loc=spec.memory_loc, free=free)
     return _spec_text(text, chosen, graph, spec), chosen
 
 

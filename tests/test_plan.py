@@ -66,3 +66,25 @@ def test_plan_never_overwrites_a_file_it_did_not_write(tmp_path, capsys):
 def test_bad_mesh_is_a_usage_error(tmp_path, capsys):
     assert main(["plan", f"{SPECS}:torch_mlp", "--mesh", "tp", "-o", str(tmp_path / "a.pcs")]) == 2
     assert "--mesh" in capsys.readouterr().err
+
+
+def test_plan_with_a_memory_limit_and_training(tmp_path):
+    """A training plan under a memory limit on dp x tp: the written spec compiles (its
+    training step by the ILP), pins every parameter, and the search is reported."""
+    from parcomp.ir import parse_graph
+
+    g = parse_graph("%x: f32[8,16] = input()\n%w0: f32[16,32] = param()\n%h: f32[8,32] = matmul(%x, %w0)\n"
+                    "%r: f32[8,32] = relu(%h)\n%w1: f32[32,16] = param()\n%output: f32[8,16] = matmul(%r, %w1)\n"
+                    "return %output\n")
+    text, chosen = plan(g, "dp=2 tp=2", "1MiB", "train loss=mse optimizer=sgd(lr=0.1)", seconds=30)
+    assert chosen.search["proven_optimal"] and chosen.search["resident_bytes"] <= 2**20
+    sp = parse_spec(text, "plan.pcs")
+    assert sp.memory == 2**20 and {r.pattern for r in sp.rules_for("param")} == {"w0", "w1"}
+    compiled = compile_graph(g, sp)
+    assert compiled.report["search"]["search"] == "ilp" and compiled.report["training"]
+    assert [r["kind"] for r in compiled.report["collectives"] if r["axis"] == "tp"]
+
+
+def test_plan_needs_a_positive_time_budget(tmp_path, capsys):
+    assert main(["plan", f"{SPECS}:torch_mlp", "--mesh", "tp=2", "--seconds", "0", "-o", str(tmp_path / "a.pcs")]) == 2
+    assert "--seconds" in capsys.readouterr().err
