@@ -8,7 +8,7 @@ $(BIN)/parcomp: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[torch,models,test]'
+	$(BIN)/pip install -q -e '.[torch,models,test,onnx]'
 	touch $@
 
 setup: $(BIN)/parcomp

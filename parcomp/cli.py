@@ -50,7 +50,7 @@ def _count(least: int):
 
 
 def _common(p):
-    p.add_argument("model", help="a .pcir file, FILE.py:FACTORY or package.module:factory")
+    p.add_argument("model", help="a .pcir or .onnx file, FILE.py:FACTORY or package.module:factory")
     p.add_argument("--spec", required=True, help="the parallel spec (.pcs)")
     p.add_argument("--json", action="store_true", help="end with one JSON line")
 

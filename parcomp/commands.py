@@ -12,7 +12,9 @@ import numpy as np
 from .budget import CHECK_SECONDS_ANNOUNCE, check_memory, check_time
 from .compiler import compile_graph
 from .errors import ParcompError, VerifyError
+from .frontends.fused import to_view_shapes  # attention part (issue 17)
 from .frontends.loader import load_model, pointing_into
+from .frontends.model_file import ModelFile
 from .ir.text import print_graph
 from .outdir import MARKER, write_dir_atomic  # noqa: F401 - MARKER: part of this module's API
 from .reference.interpreter import run_spmd
@@ -120,7 +122,8 @@ def print_kept(out: str, kept: list) -> None:
 
 
 def _write_work(args, work: str, compiled) -> None:
-    kept = write_dir_atomic(work, program_files(compiled, "torch", args.profile), RUN_FILES,
+    kept = write_dir_atomic(work, program_files(compiled, "torch", args.profile,
+                                                os.path.basename(args.model)), RUN_FILES,
                             flag="--keep" if args.keep else "the work directory")
     if args.keep and not args.json:
         print_kept(work, kept)
@@ -133,12 +136,17 @@ def _summary(recs) -> list:
 
 def feeds_for(graph, module, example, seed=0) -> dict:
     """Full arrays for every input and param: the module's weights and example inputs,
-    or seeded random values for a ``.pcir`` model."""
+    a model file's weights and seeded random inputs, or seeded random values for a
+    ``.pcir`` model."""
+    if isinstance(module, ModelFile):
+        return module.feeds(graph, seed)
     if module is None:
         rng = np.random.default_rng(seed)
         return {n.name: rng.standard_normal(n.type.shape).astype(n.type.dtype)
                 for n in graph.nodes if n.op in ("input", "param")}
-    tensors = {**dict(module.named_buffers()), **module.state_dict()}  # non-persistent buffers too
+    from .frontends.torch_fold import module_sources
+
+    tensors = module_sources(module)  # non-persistent buffers and folded constants too
     state = {k: v.detach().cpu().numpy() for k, v in tensors.items()}
     feeds = {n.name: state[n.name] for n in graph.params}
     for node, x in zip(graph.inputs, example):
@@ -162,14 +170,17 @@ def require_finite(graph, feeds: dict) -> None:
 
 
 def reference_outputs(graph, module, example, feeds) -> dict:
-    """The unsharded answer: the torch module itself when there is one, else numpy."""
+    """The unsharded answer: the torch module itself when there is one, a model file's own
+    framework (onnx's reference evaluator), else numpy."""
+    if isinstance(module, ModelFile):
+        return module.reference_outputs(graph, feeds)
     if module is None:
         return run_unsharded(graph, feeds)
     import torch
 
     with torch.no_grad():
         out = module.eval()(*example)
-    outs = torch.utils._pytree.tree_leaves(out)  # tuples, lists, dicts: torch.export's order
+    outs = [o for o in torch.utils._pytree.tree_leaves(out) if o is not None]  # torch.export's order
     return {name: o.detach().cpu().numpy() for name, o in zip(graph.output_names, outs)}
 
 
@@ -198,6 +209,24 @@ def check(args):
     _print_result(args, compiled, result, f"numpy interpreter, {plural(compiled.program.mesh.size, 'rank')}")
     return {**result, "collectives": _summary(compiled.report["collectives"]),
             "world_size": compiled.program.mesh.size}
+
+
+def _is_torch(module) -> bool:
+    """Whether ``module`` (from ``load_model``) is a torch module (training compares with torch.optim)."""
+    return module is not None and not isinstance(module, ModelFile)
+
+
+def _checkpoint(work: str, graph, feeds: dict, module) -> str:
+    """The checkpoint program.py reads: a model file itself (its weights, each rank reading
+    its slices), else ``work/model.pt`` written from ``feeds``."""
+    if isinstance(module, ModelFile):
+        return module.path
+    import torch
+
+    path = os.path.join(work, "model.pt")
+    torch.save({n.name: torch.from_numpy(np.ascontiguousarray(feeds[n.name])) for n in graph.params},
+               path)
+    return path
 
 
 def _check_steps(args, compiled) -> int:
@@ -236,7 +265,7 @@ def _check_training(args, compiled, module, example, steps):
     """``check`` of a training program: :func:`parcomp.train_check.lockstep`."""
     feeds = _train_feeds(compiled, module, example, args.seed)
     require_finite(compiled.unsharded, feeds)
-    ls = lockstep(compiled, module, example, feeds, steps)
+    ls = lockstep(compiled, module if _is_torch(module) else None, example, feeds, steps)
     result = {**ls["vs_unsharded"], "losses": ls["losses"], "reference_losses": ls["reference_losses"]}
     if ls["vs_torch"] is not None:
         result["vs_torch"] = ls["vs_torch"]
@@ -291,13 +320,10 @@ def run(args):
     work = args.keep or tempfile.mkdtemp(prefix="parcomp-run-")
     try:
         _write_work(args, work, compiled)
-        import torch
-
-        torch.save({k: torch.from_numpy(np.ascontiguousarray(feeds[k])) for k in
-                    (n.name for n in graph.params)}, os.path.join(work, "model.pt"))
+        ckpt = _checkpoint(work, graph, feeds, module)
         write_inputs({n.name: feeds[n.name] for n in graph.inputs}, os.path.join(work, "inputs.pt"))
         out_path = os.path.join(work, "outputs.pt")
-        proc = run_torchrun(work, size, os.path.join(work, "model.pt"), os.path.join(work, "inputs.pt"),
+        proc = run_torchrun(work, size, ckpt, os.path.join(work, "inputs.pt"),
                             out_path, extra_args=("--device", "cpu"))
         if proc.returncode != 0:
             sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
@@ -313,17 +339,14 @@ def run(args):
     return {**result, "collectives": _summary(compiled.report["collectives"]), "world_size": size}
 
 
-def _launch(compiled, work, feeds, nproc, extra):
+def _launch(compiled, work, feeds, nproc, extra, module=None):
     from parcomp_backends.torch.launch import run_torchrun, write_inputs
-    import torch
 
-    graph = compiled.unsharded
-    torch.save({n.name: torch.from_numpy(np.ascontiguousarray(feeds[n.name])) for n in graph.params},
-               os.path.join(work, "model.pt"))
+    ckpt = _checkpoint(work, compiled.unsharded, feeds, module)
     data = {n.name: feeds[n.name] for n in compiled.program.inputs if n.name in feeds}
     write_inputs(data, os.path.join(work, "inputs.pt"))
     out_path = os.path.join(work, "outputs.pt")
-    proc = run_torchrun(work, nproc, os.path.join(work, "model.pt"), os.path.join(work, "inputs.pt"),
+    proc = run_torchrun(work, nproc, ckpt, os.path.join(work, "inputs.pt"),
                         out_path, extra_args=("--device", "cpu", *extra))
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
@@ -346,29 +369,31 @@ def _run_training(args, compiled, module, example):
                            f"{plural(size, 'rank')}")
     steps = train_config(compiled.spec).steps if args.steps is None else check_steps(args.steps)
     feeds = _train_feeds(compiled, module, example, 0)
-    replay = replay_reference(compiled, module, example, feeds, steps)
+    replay = replay_reference(compiled, module if _is_torch(module) else None, example, feeds, steps)
     work = args.keep or tempfile.mkdtemp(prefix="parcomp-run-")
     try:
         _write_work(args, work, compiled)
-        out_path = _launch(compiled, work, feeds, size, ("--steps", str(steps)))
+        out_path = _launch(compiled, work, feeds, size, ("--steps", str(steps)), module)
         outputs, losses = assemble_training_outputs(out_path, compiled.program)
         replay_path = os.path.join(work, "replay.pt")
         torch.save([{k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in s.items()}
                     for s in replay["starts"]], replay_path)
-        out_path = _launch(compiled, work, feeds, size, ("--steps", str(steps), "--replay", replay_path))
+        out_path = _launch(compiled, work, feeds, size, ("--steps", str(steps), "--replay", replay_path),
+                           module)
         replayed, replayed_losses = assemble_training_outputs(out_path, compiled.program)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     params = [n.name for n in compiled.unsharded.params]
-    kept = {n.name: feeds[n.name] for n in compiled.logical.params if n.name in feeds}
-    result = _training_result({**replay["starts"][-1], **replayed,
+    kept = to_view_shapes({n.name: feeds[n.name] for n in compiled.logical.params if n.name in feeds},
+                          compiled.logical)
+    result = _training_result({**to_view_shapes(replay["starts"][-1], compiled.logical), **replayed,
                                "losses": np.array(replayed_losses, "float32")},
                               replay["want"], params, replay["bounds"])
     # the free-running trajectory: what program.py carries, the checkpoint's buffers and frozen
     # params staying as loaded
     got = {**kept, **outputs, "losses": np.array(losses, "float32")}
-    if module is not None:
+    if _is_torch(module):
         ref_losses, want = _torch_reference(compiled, module, example, feeds, steps)
     else:
         ref = numpy_train(compiled.logical, feeds, steps)
@@ -385,7 +410,7 @@ def _run_training(args, compiled, module, example):
     result["losses"], result["reference_losses"] = losses, ref_losses
     if not args.json:
         print(format_collectives(compiled.report["collectives"]))
-        ref_name = "torch.optim" if module is not None else "unsharded numpy"
+        ref_name = "torch.optim" if _is_torch(module) else "unsharded numpy"
         _print_run_training(result, size, steps, ref_name, ref_losses)
     return {**result, "collectives": _summary(compiled.report["collectives"]), "world_size": size,
             "steps": steps}

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .reference.numpy_attn import source_array
 from .reference.numpy_ops import NUMPY_OPS
 from .reference.training import initial_state
 from .rules.error import ERROR_RULES, GRAPH_RULES, gamma, unit_roundoff
@@ -52,7 +53,7 @@ def propagate(graph, feeds: dict, errors: dict | None = None) -> tuple[dict, dic
         if n.op in ("input", "param"):
             if n.name not in feeds:
                 raise KeyError(f"no value given for {n.op} {n.name!r}")
-            env[n.name] = np.asarray(feeds[n.name])
+            env[n.name] = source_array(n, feeds[n.name])  # a fused weight's view (issue 17)
             err[n.name] = np.broadcast_to(np.asarray(errors.get(n.name, 0.0), np.float64),
                                           env[n.name].shape)
             continue

@@ -19,6 +19,7 @@ import time
 import numpy as np
 
 from .budget import PROGRESS_EVERY_S
+from .frontends.fused import to_stored_shapes, to_view_shapes
 from .passes.train_config import train_config
 from .reference.interpreter import run_spmd
 from .reference.numpy_ops import run_unsharded
@@ -42,13 +43,15 @@ def torch_reference(compiled, module, example, feeds, steps, start=None, first=1
     graph = compiled.unsharded
     names = [n.name for n in graph.inputs]
     output = graph.output_names.index(cfg.output) if cfg.output else 0
+    if start is not None:  # torch holds a fused weight (issue 17) whole, as stored
+        start = to_stored_shapes(start, compiled.logical)
     ref = torch_train(module, example, names, feeds, cfg, steps, output, start, first)
     want = {"loss": np.array(ref["losses"][-1], "float32"), "losses": np.array(ref["losses"], "float32"),
             **{n.name: ref["sources"][n.name] for n in graph.params if n.name in ref["sources"]},
             **ref["state"],
             **(ref["input_grads"] if cfg.input_grads else {}),
             **{f"{k}.grad": v for k, v in ref["grads"].items()}}
-    return ref["losses"], want
+    return ref["losses"], to_view_shapes(want, graph)  # fused weights per part (issue 17)
 
 
 def carried(run) -> dict:
@@ -99,10 +102,10 @@ def _one_step(graph, start: dict, out: dict, bounds: dict) -> tuple:
     """A step's carried values, as the torch side has them: every param of ``graph``
     (buffers and frozen params keep their ``start`` value), the outputs, and ``losses``
     (one entry); and their bounds (0 for what the step does not touch)."""
-    kept = {n.name: start[n.name] for n in graph.params if n.name not in out}
+    kept = to_view_shapes({n.name: start[n.name] for n in graph.params if n.name not in out}, graph)
+    untouched = {n.name: np.zeros(n.type.shape) for n in graph.params if n.name not in bounds}
     return ({**kept, **out, "losses": np.array([out["loss"]], "float32")},
-            {**{k: np.zeros(np.shape(v)) for k, v in kept.items()}, **bounds,
-             "losses": np.array([bounds["loss"]])})
+            {**untouched, **bounds, "losses": np.array([bounds["loss"]])})
 
 
 def lockstep(compiled, module, example, feeds, steps: int) -> dict:
@@ -163,6 +166,7 @@ def replay_reference(compiled, module, example, feeds, steps: int) -> dict:
         want, bounds = _one_step(graph, start, out, b)
         losses.append(float(out["loss"]))
         loss_bounds.append(float(b["loss"]))
-    starts = [{n.name: s[n.name] for n in graph.params} for s in ref["starts"]]
+    starts = [to_stored_shapes({n.name: s[n.name] for n in graph.params}, graph, derived=False)
+              for s in ref["starts"]]
     return {"starts": starts, "want": {**want, "losses": np.array(losses, "float32")},
             "bounds": {**bounds, "losses": np.array(loss_bounds)}}

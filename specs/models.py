@@ -70,3 +70,41 @@ def tiny_relu_mlp():
         module.fc1.weight.copy_(torch.tensor([[1., 2., 0., 1.], [0., 1., 3., 2.]]).T)
         module.fc2.weight.copy_(torch.tensor([[1., 0.], [0., 1.], [1., 1.], [2., 0.]]).T)
     return module.eval(), (torch.tensor([[1., 2.]]),), ["x"]
+
+
+def gpt2_lm():
+    """transformers' ``GPT2LMHeadModel``: 2 blocks, n_embd=32, 4 heads, vocab 101 (odd, as
+    GPT-2's 50257 is: a tp split of the vocab needs padding), 64 positions, tied
+    ``wte``/``lm_head`` weights (torch.export keeps one, ``lm_head.weight`` [101,32]),
+    eval mode (dropout off), sdpa attention, ``use_cache=False``.
+
+    Input ``input_ids``: int64[2,8]; output ``logits`` f32[2,8,101] (the ``ModelOutput``'s
+    key). ``train loss=cross_entropy`` adds the int64 input ``labels`` [2,8].
+    """
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(SEED)
+    config = GPT2Config(vocab_size=101, n_positions=64, n_embd=32, n_layer=2, n_head=4,
+                        bos_token_id=0, eos_token_id=0, use_cache=False,
+                        attn_implementation="sdpa")
+    module = GPT2LMHeadModel(config).eval()
+    return module, (torch.randint(0, 101, (2, 8)),), ["input_ids"]
+
+
+def llama_lm():
+    """transformers' ``LlamaForCausalLM``: 2 blocks, hidden 64, MLP 128 (SiLU-gated),
+    4 query heads and 2 kv heads (GQA) of dim 16, RoPE, RMSNorm, vocab 128, untied
+    ``lm_head``, eval mode, sdpa attention, ``use_cache=False``.
+
+    Input ``input_ids``: int64[2,8]; output ``logits`` f32[2,8,128]. RoPE's cos/sin and
+    the causal mask are folded at import (no op; see docs/design.md).
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(SEED)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=64, bos_token_id=0, eos_token_id=1,
+                         pad_token_id=None, use_cache=False, attn_implementation="sdpa")
+    module = LlamaForCausalLM(config).eval()
+    return module, (torch.randint(0, 128, (2, 8)),), ["input_ids"]

@@ -152,6 +152,36 @@ def test_scalar_inplace_and_layout_ops_match_torch():
     assert parse_graph(print_graph(graph)) == graph
 
 
+class MoreViews(nn.Module):
+    """The frontend part's lowerings (issue 17) onto existing ops."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.rand(3, 4) + 0.5)
+
+    def forward(self, x, y):
+        a = (x * self.w).flatten(1).unflatten(1, (4, 3)).view_as(x).type_as(x)  # [2,3,4]
+        a = a.swapaxes(0, 1).movedim(0, 2).swapdims(1, 2)                       # [3,4,2]
+        a = (a * a + 1).sqrt().square().rsqrt()
+        b = torch.baddbmm(y, x, x.transpose(1, 2), beta=0.5, alpha=2.0)         # [2,3,3]
+        c = torch.baddbmm(y, x, x.transpose(1, 2), beta=0.0)
+        s = x.sum(-1, keepdim=True) + x.sum() + x.sum((0, 2)).reshape(1, 3, 1)
+        return a, b + c, s
+
+
+def test_frontend_part_lowerings_match_torch():
+    torch.manual_seed(0)
+    graph = check_against_torch(MoreViews(), (torch.rand(2, 3, 4) + 0.5, torch.randn(2, 3, 3)))
+    ops = {n.op for n in graph.nodes}
+    assert ops == {"input", "param", "mul", "reshape", "permute", "add_scalar", "pow", "matmul", "scale",
+                   "add", "sum"}
+    assert {n.attr("exponent") for n in graph.by_op("pow")} == {0.5, 2.0, -0.5}
+    assert len(graph.by_op("permute")) == 3 + 2  # swapaxes, movedim, swapdims; x^T twice
+    (sum_keep,) = [n for n in graph.by_op("sum") if graph.users()[n.name] and
+                   graph[graph.users()[n.name][0]].op == "reshape" and n.attr("dims") == (2,)]
+    assert graph[graph.users()[sum_keep.name][0]].type.shape == (2, 3, 1)  # keepdim
+
+
 def test_output_that_is_an_input_keeps_its_name():
     class Two(nn.Module):
         def forward(self, a):
@@ -171,17 +201,20 @@ class SortBlock(nn.Module):
         return torch.sort(x, dim=-1).values
 
 
-@pytest.mark.parametrize("block,op,line", [(CumsumBlock, "aten.cumsum", "torch.cumsum(x, dim=-1)"),
-                                           (SortBlock, "aten.sort", "torch.sort(x, dim=-1)")])
-def test_unsupported_op_names_op_module_and_line(block, op, line):
+@pytest.mark.parametrize("block,op,line,near", [
+    (CumsumBlock, "aten.cumsum", "torch.cumsum(x, dim=-1)", "aten.sum.default, aten.sum.dim_IntList"),
+    (SortBlock, "aten.sort", "torch.sort(x, dim=-1)", "aten.sqrt.default")])
+def test_unsupported_op_names_op_module_nearest_op_and_line(block, op, line, near):
     module = nn.Sequential(OrderedDict(fc=nn.Linear(4, 4), body=nn.Sequential(block())))
     with pytest.raises(FrontendError) as info:
         import_torch(module, (torch.randn(2, 4),))
-    msg = str(info.value)
+    err, msg = info.value, str(info.value)
     assert op in msg and "'body.0'" in msg and block.__name__ in msg
-    assert line in msg and "test_frontend_torch.py" in msg
-    assert "supported ops:" in msg and "aten.linear.default" in msg
-    assert "Traceback" not in msg
+    assert f"nearest supported op: {near} (" in msg
+    assert err.loc.file == __file__ and err.loc.text.strip().startswith(f"return {line}")
+    assert msg.startswith(f"{__file__}:{err.loc.line}:9\n            return {line}")
+    assert "\n            ^\nerror: unsupported op" in msg
+    assert "Traceback" not in msg and "aten.linear.default" not in msg  # one suggestion, not the table
 
 
 def test_supported_ops_lists_the_table():

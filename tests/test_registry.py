@@ -25,15 +25,24 @@ from parcomp.rules.vjp import VJP_RULES
 from parcomp_backends.torch.emit import OP_FORMATS
 
 
+# frontend modules that emit no op (their strings name aten ops: torch_fold's view list)
+_NO_LOWERINGS = ("torch_fold.py", "torch_outputs.py")
+
+
 def _torch_frontend_ops() -> set:
     """Ops the torch.export frontend can produce: op names written as string constants in
-    parcomp/frontends/torch_export.py (``b.emit("matmul", ...)``, ``_unary(op)`` tuples),
-    not counting subscripts such as ``a["input"]`` (aten argument names)."""
-    src = pathlib.Path(parcomp.frontends.__file__).with_name("torch_export.py").read_text()
-    tree = ast.parse(src)
-    keys = {id(n.slice) for n in ast.walk(tree) if isinstance(n, ast.Subscript)}
-    return {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)
-            and isinstance(n.value, str) and n.value in OPS and id(n) not in keys}
+    its lowering modules, ``aten_table.py`` and every ``parcomp/frontends/torch_*.py`` but
+    :data:`_NO_LOWERINGS` (``b.emit("matmul", ...)``, ``_unary(op)`` tuples), not counting
+    subscripts such as ``a["input"]`` (aten argument names)."""
+    here = pathlib.Path(parcomp.frontends.__file__).parent
+    out = set()
+    for path in [here / "aten_table.py"] + [p for p in sorted(here.glob("torch_*.py"))
+                                            if p.name not in _NO_LOWERINGS]:
+        tree = ast.parse(path.read_text())
+        keys = {id(n.slice) for n in ast.walk(tree) if isinstance(n, ast.Subscript)}
+        out |= {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)
+                and isinstance(n.value, str) and n.value in OPS and id(n) not in keys}
+    return out
 
 
 _SAMPLE = {"number": 0.5, "int": 0, "bool": False, "str": "tp", "ints": (1, 0)}
@@ -61,7 +70,7 @@ TABLES = {
         lambda op: op in NUMPY_OPS or op in _LAYOUT_OPS,
     "error bound (parcomp/rules/error.py ERROR_RULES)": lambda op: op in ERROR_RULES,
     "torch emitter (backends/torch/emit.py OP_FORMATS)": lambda op: op in OP_FORMATS,
-    "torch frontend (parcomp/frontends/torch_export.py TABLE)": lambda op: op in _torch_frontend_ops(),
+    "torch frontend (parcomp/frontends/aten_table.py TABLE)": lambda op: op in _torch_frontend_ops(),
 }
 _T = {name.split(" ")[0] + ("_frontend" if "frontend" in name else ""): name for name in TABLES}
 
@@ -97,10 +106,10 @@ EXEMPT = {
         ("sharding", "made after sharding by parcomp/passes/lower.py from ops whose layouts were checked"),
         ("VJP", "made by lowering, after autodiff; never differentiated"),
         ("torch_frontend", "made by lowering (parcomp/passes/lower.py), never by a frontend"))},
-    (_T["torch_frontend"], "sum"): "no aten lowering yet (aten.sum.dim_IntList would map here); "
-                                   "made by autodiff's unbroadcast",
-    (_T["torch_frontend"], "expand"): "no aten lowering yet (aten.expand.default would map here); "
-                                      "made by autodiff as the VJP of sum",
+    # attention part (issue 17)
+    **{(_T["torch_frontend"], op): _BY_AUTODIFF for op in ("slice_grad", "sdpa_grad")},
+    **{(_T["VJP"], op): "gradients are not differentiated again (no second derivatives)"
+       for op in ("sdpa_grad",)},
 }
 
 

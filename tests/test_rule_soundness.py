@@ -18,6 +18,7 @@ from parcomp.tolerance import assemble_bound, op_bound, split_bound
 from numerics import assert_equivalent
 
 MESH = Mesh((("tp", 2),))
+_QKV = "".join(f"%{x}: f64[2,2,4,2] = input()\n" for x in "qkv")  # attention part (issue 17)
 CASES = {  # op -> pcir lines defining %a [%b %c %d] and %y; every dim divisible by 2
     "relu": "%y: f64[4,6] = relu(%a)",
     "gelu": '%y: f64[4,6] = gelu(%a) {approximate="tanh"}',
@@ -52,6 +53,20 @@ CASES = {  # op -> pcir lines defining %a [%b %c %d] and %y; every dim divisible
                     "%y: f64[4,6] = adamw_param(%a, %m, %v, %t) {beta1=0.9, beta2=0.99, eps=1e-08, "
                     "lr=0.1, weight_decay=0.01}"),
     "ones": "%y: f64[4,6] = ones()",
+    # attention part (issue 17)
+    "slice": "%y: f64[4,3] = slice(%a) {dim=1, start=1, stop=6, step=2}",
+    "slice_whole": "%y: f64[4,6] = slice(%a) {dim=1, start=0, stop=6, step=1}",
+    "slice_grad": "%b: f64[2,6] = input()\n%y: f64[4,6] = slice_grad(%b) {dim=0, start=1, stop=4, step=2}",
+    "cat": "%b: f64[4,2] = input()\n%y: f64[4,8] = cat(%a, %b) {dim=1}",
+    "sdpa": _QKV + "%y: f64[2,2,4,2] = sdpa(%q, %k, %v) {causal=true, scale=0.7}",
+    "sdpa_full": _QKV + "%y: f64[2,2,4,2] = sdpa(%q, %k, %v) {scale=0.7}",
+    **{f"sdpa_grad_{w}{c}": _QKV + f"%g: f64[2,2,4,2] = input()\n%y: f64[2,2,4,2] = sdpa_grad(%g, %q, %k, %v) "
+       f"{{causal={c == ''}, scale=0.7, wrt=\"{w}\"}}".replace("True", "true").replace("False", "false")
+       for w in "qkv" for c in ("", "_full")},
+    "cos": "%y: f64[4,6] = cos(%a)",
+    "sin": "%y: f64[4,6] = sin(%a)",
+    "cast": "%y: f32[4,6] = cast(%a)",
+    "arange": "%y: f64[6] = arange() {start=1, step=0.5}",
 }
 
 

@@ -184,6 +184,13 @@ OP_CASES = {  # op: (operand shapes, result shape, attrs)
     "sum": (((2, 3, 4),), (2,), {"dims": (1, 2)}), "sum_none": (_UNARY, (2, 3), {"dims": ()}),
     "expand": (((2,),), (2, 3), {"dims": (1,)}), "ones": ((), (2, 3), {}),
     "pow_grad": (_BINARY, (2, 3), {"exponent": 3.0}),
+    # attention part (issue 17)
+    "slice": (_UNARY, (2, 1), {"dim": 1, "start": 1, "stop": 3, "step": 2}),
+    "slice_grad": (((2, 2),), (2, 4), {"dim": 1, "start": 1, "stop": 4, "step": 2}),
+    "cat": (((2, 3), (2, 1), (2, 2)), (2, 6), {"dim": 1}),
+    "sdpa": (((2, 2, 3, 4),) * 3, (2, 2, 3, 4), {"causal": True, "scale": 0.4}),
+    "sdpa_grad": (((2, 2, 3, 4),) * 4, (2, 2, 3, 4), {"causal": True, "scale": 0.4, "wrt": "k"}),
+    "arange": ((), (5,), {"start": 1, "step": 0.5}),
 }
 
 

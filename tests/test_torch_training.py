@@ -65,6 +65,14 @@ SHAPED_CASES = {  # case: (op, operand shapes, result shape, attrs); "i:2,3" = i
     "expand_0d": ("expand", ((),), (2, 3), {"dims": (0, 1)}),
     "scale_0d": ("scale", ((),), (), {"value": 0.25}),
     "pow_grad_0d": ("pow_grad", ((), ()), (), {"exponent": 2.0}),
+    # attention part (issue 17)
+    "slice": ("slice", ((2, 3),), (2, 2), {"dim": 1, "start": 0, "stop": 3, "step": 2}),
+    "slice_grad": ("slice_grad", ((1, 3),), (2, 3), {"dim": 0, "start": 1, "stop": 2, "step": 1}),
+    "cat": ("cat", ((2, 3), (1, 3)), (3, 3), {"dim": 0}),
+    "arange": ("arange", (), (4,), {"start": -1, "step": 0.25}),
+    "sdpa": ("sdpa", ((1, 2, 3, 4),) * 3, (1, 2, 3, 4), {"scale": 0.5}),
+    **{"sdpa_grad" + ("" if w == "q" else f"_{w}"): ("sdpa_grad", ((1, 2, 3, 4),) * 4, (1, 2, 3, 4),
+                                                    {"causal": True, "scale": 0.5, "wrt": w}) for w in "qkv"},
 }
 OP_CASES = {**{op: (op, _X if op in ("add", "sub", "mul", "div") or op.endswith("_grad") else ((2, 3),),
                     (2, 3), {}) for op in COMPUTE_OPS}, **SHAPED_CASES}  # every op, default shapes

@@ -31,7 +31,8 @@ from parcomp.ir.types import DTYPE_SHORT, Partial, Replicate, layout_str, shard_
 from parcomp.program import MAX_STEPS, ParcompError, Program, TrainLoop, plural
 
 from .profiles import get_profile
-from .runtime import FORWARD_HELP, IMPORTS, MAIN, RUNTIME, TRAIN_HELP, TRAIN_MAIN, TRAIN_RUNTIME
+from .runtime import (FORWARD_HELP, IMPORTS, MAIN, ONNX_READER, RUNTIME, TRAIN_HELP, TRAIN_MAIN,
+                      TRAIN_RUNTIME)
 
 # op -> format string; {0}, {1}: operand variables, {name}: attribute as a Python literal
 OP_FORMATS = {
@@ -84,6 +85,19 @@ OP_FORMATS = {
     "mse_sum": 'torch.nn.functional.mse_loss({0}, {1}, reduction="sum")',
     "mse_grad": "({1} - {2}).mul_({0} * 2.0)",
     "wait": "wait({0})",
+    # ---- attention part (issue 17): views, sdpa, RoPE pointwise ops ----
+    "slice": "torch.ops.aten.slice({0}, {dim}, {start}, {stop}, {step})",
+    "slice_grad": ("torch.ops.aten.slice_scatter(torch.zeros({local_shape}, dtype={dtype}, device=DEVICE), "
+                   "{0}, {dim}, {start}, {stop}, {step})"),
+    "cat": "torch.cat(({args},), dim={dim})",
+    "sdpa": "torch.nn.functional.scaled_dot_product_attention({0}, {1}, {2}, is_causal={causal}, scale={scale})",
+    "sdpa_grad": ("torch.func.vjp(lambda q, k, v: torch.nn.functional.scaled_dot_product_attention("
+                  "q, k, v, is_causal={causal}, scale={scale}), {1}, {2}, {3})[1]({0})[{wrt_index}]"),
+    "cos": "torch.cos({0})",
+    "sin": "torch.sin({0})",
+    "cast": "{0}.to({dtype})",
+    "arange": "torch.arange({local_shape}[0], dtype=torch.float64, device=DEVICE).mul({step}).add({start}).to({dtype})",
+    # ---- end of the attention part ----
 }
 # ``inplace=true``: the result is written into the first operand (torch.optim's own updates)
 IN_PLACE_FORMATS = {
@@ -96,14 +110,18 @@ IN_PLACE_FORMATS = {
 }
 # ``async_op=true``: start the collective, ``wait`` returns its value (key + "_": in place)
 ASYNC_FORMATS = {"all_reduce": "all_reduce_start({0}, {axis})", "all_reduce_": "all_reduce_start_({0}, {axis})"}
-ATTR_DEFAULTS = {"gelu": {"approximate": "none"}, "gelu_grad": {"approximate": "none"}}
+ATTR_DEFAULTS = {"gelu": {"approximate": "none"}, "gelu_grad": {"approximate": "none"},
+                 # attention part (issue 17)
+                 **{op: {"causal": False} for op in ("sdpa", "sdpa_grad")},
+                 **{op: {"step": 1} for op in ("slice", "slice_grad")}, "arange": {"start": 0, "step": 1}}
 LOCAL_LAYOUT_OPS = ("shard_slice", "partial_mask")
 TORCH_DTYPES = {"float32": "torch.float32", "float64": "torch.float64", "float16": "torch.float16",
                 "bfloat16": "torch.bfloat16", "int64": "torch.int64", "int32": "torch.int32",
                 "bool": "torch.bool"}
 COMMENT_WIDTH = 108
 
-_TOP_NAMES = set(re.findall(r"^(?:def )?([A-Za-z_]\w*)", RUNTIME + MAIN + TRAIN_MAIN, re.M))
+_TOP_NAMES = set(re.findall(r"^(?:def )?([A-Za-z_]\w*)", RUNTIME + MAIN + TRAIN_MAIN + ONNX_READER,
+                            re.M))
 RESERVED = (set(keyword.kwlist) | set(dir(builtins)) | _TOP_NAMES
             | {"torch", "dist", "p", "inp", "argparse", "importlib", "json", "math", "os", "sys", "time",
                "PROFILE", "DIST_BACKEND", "PRELUDE", "profile_device", "MESH", "GROUP_RANKS",
@@ -138,7 +156,8 @@ def emit_program(compiled, profile="cpu", model: str | None = None, steps: int |
         compiled: a :class:`parcomp.compiler.Compiled` (its ``program_``) or a
             :class:`parcomp.program.Program`: the only facts this backend reads.
         profile: a name of :data:`PROFILES` or a :class:`DeviceProfile`.
-        model: what the graph was imported from, for the header (e.g. ``models.py:torch_mlp``).
+        model: what the graph was imported from, for the header (e.g. ``models.py:torch_mlp``);
+            a ``.onnx`` file's program also reads that file as its checkpoint.
         steps: a training program's default ``--steps``; default: the spec's
             (``Program.train.steps``). Ignored for forward programs.
 
@@ -154,7 +173,10 @@ def emit_program(compiled, profile="cpu", model: str | None = None, steps: int |
     if train is not None and steps:
         train = replace(train, steps=int(steps))
     names = _names(prog)
-    parts = [_profile_block(prof), _constants(prog, train), TRAIN_RUNTIME if train else RUNTIME,
+    runtime = TRAIN_RUNTIME if train else RUNTIME
+    if model and model.endswith(".onnx"):
+        runtime += "\n\n\n" + ONNX_READER
+    parts = [_profile_block(prof), _constants(prog, train), runtime,
              _loaders(prog, train), _forward(prog, names, train), TRAIN_MAIN if train else MAIN]
     head = _header(prog, model, train) + "\n" + IMPORTS
     return "\n\n\n".join(p.strip("\n") for p in [head] + parts) + "\n"
@@ -248,7 +270,7 @@ def _header(prog, model, train) -> str:
         *steps,
         "",
         "Run one process per rank:",
-        f"    {_run_hint(program)} [--device cpu]",
+        f"    {_run_hint(program, model)} [--device cpu]",
         "",
         *(TRAIN_HELP if train else FORWARD_HELP).format(
             out=out, steps=train and train.steps,
@@ -257,10 +279,11 @@ def _header(prog, model, train) -> str:
     return '"""' + "\n".join(lines) + '\n"""'
 
 
-def _run_hint(program) -> str:
+def _run_hint(program, model=None) -> str:
     args = []
     if program.params:
-        args.append("--checkpoint model.pt")
+        onnx = model and model.endswith(".onnx")
+        args.append(f"--checkpoint {model.rsplit('/', 1)[-1] if onnx else 'model.pt'}")
     if program.inputs:
         args.append("--input " + ("x.pt" if len(program.inputs) == 1 else "inputs.pt"))
     args.append("--output out.pt")
@@ -370,8 +393,12 @@ def _loaders(prog, train) -> str:
                 raise EmitError(f"{kind} {n.name!r} has dtype {n.type.dtype}, which has no torch name")
             full = _global_shape(program, n)
             head = f"{n.name}: full {_ty(n.type.dtype, full)} {layout_str(n.layout)} -> {n.type}; "
-            sliced, what = _slice_expr(program, n, f"take({arg}, {json.dumps(n.name)}, {full!r}, "
-                                                   f"{TORCH_DTYPES[n.type.dtype]})")
+            src = f"take({arg}, {json.dumps(n.name)}, {full!r}, {TORCH_DTYPES[n.type.dtype]})"
+            if n.attr("stored_shape"):  # a fused weight: stored whole, viewed per part (issue 17)
+                src = (f"take({arg}, {json.dumps(n.name)}, {tuple(n.attr('stored_shape'))!r}, "
+                       f"{TORCH_DTYPES[n.type.dtype]}).reshape({full!r})")
+                head += f"stored {_ty(n.type.dtype, n.attr('stored_shape'))}, viewed per part; "
+            sliced, what = _slice_expr(program, n, src)
             expr = f"place({sliced})"
             for a, p in enumerate(n.layout):
                 if isinstance(p, Partial):
@@ -446,6 +473,8 @@ def _code(n, args) -> str:
     kw["args"] = ", ".join(args)
     if n.op == "expand":
         kw["kept_shape"] = repr(tuple(1 if d in n.attr("dims") else s for d, s in enumerate(n.type.shape)))
+    if n.op == "sdpa_grad":  # attention part (issue 17): which of torch.func.vjp's (dq, dk, dv)
+        kw["wrt_index"] = "qkv".index(n.attr("wrt"))
     return table[key].format(*args, **kw)
 
 

@@ -189,6 +189,62 @@ def read_tensors(path, what):
 # <<< program.py
 
 
+# >>> program.py: onnx
+# the checkpoint may be the model's .onnx file (pasted into programs compiled from one)
+ONNX_TORCH_DTYPES = {1: torch.float32, 11: torch.float64, 10: torch.float16, 16: torch.bfloat16,
+                     7: torch.int64, 6: torch.int32, 9: torch.bool}
+read_tensors_file = read_tensors
+
+
+def read_tensors(path, what):
+    """{name: tensor} of an .onnx file's initializers (:func:`read_onnx`), else of a
+    .safetensors or torch .pt file; exits 2 if unreadable."""
+    if not path.endswith(".onnx"):
+        return read_tensors_file(path, what)
+    FILES[what] = path
+    if not os.path.isfile(path):
+        fail(f"{what} file {path} does not exist")
+    try:
+        import numpy
+        import onnx
+    except ImportError as e:
+        fail(f"reading the {what} file {path} needs the onnx package ({e}): pip install onnx")
+    try:
+        return read_onnx(path, numpy, onnx)
+    except Exception as e:  # noqa: BLE001 - any reader error becomes one clear message
+        fail(f"cannot read {what} file {path}: {type(e).__name__}: {e}")
+
+
+def read_onnx(path, numpy, onnx):
+    """The initializers of the ONNX file ``path``, named as parcomp imports them (a character
+    outside [A-Za-z0-9_.-] reads as _). External data is memory-mapped, so a rank reads only
+    the pages of the slices it keeps; embedded data is read with the file."""
+    model = onnx.load(path, load_external_data=False)
+    base, out = os.path.dirname(os.path.abspath(path)), {}
+    for t in model.graph.initializer:
+        dtype = ONNX_TORCH_DTYPES.get(t.data_type)
+        if dtype is None:
+            continue
+        name = "".join(c if c.isascii() and (c.isalnum() or c in "_.-") else "_" for c in t.name)
+        out[name or "_"] = onnx_tensor(t, dtype, base, numpy, onnx)
+    return out
+
+
+def onnx_tensor(t, dtype, base, numpy, onnx):
+    """One initializer as a tensor (a view of the mapped file for external data)."""
+    shape = tuple(int(d) for d in t.dims)
+    size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if t.data_location == onnx.TensorProto.EXTERNAL:
+        info = {e.key: e.value for e in t.external_data}
+        raw = numpy.memmap(os.path.join(base, info["location"]), dtype=numpy.uint8, mode="c",
+                           offset=int(info.get("offset", 0)), shape=(size,))
+        return torch.from_numpy(raw).view(dtype).reshape(shape)
+    if t.raw_data:
+        return torch.frombuffer(bytearray(t.raw_data), dtype=dtype).reshape(shape)
+    return torch.from_numpy(onnx.numpy_helper.to_array(t).copy()).reshape(shape)
+# <<< program.py
+
+
 # >>> program.py: read_inputs
 def read_inputs(path):
     """The inputs file as {input name: tensor}; a bare tensor is the model's only input."""

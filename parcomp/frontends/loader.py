@@ -1,4 +1,4 @@
-"""Resolve a model reference (``.pcir`` file, ``FILE.py:FACTORY``, ``pkg.mod:factory``).
+"""Resolve a model reference (``.pcir`` or ``.onnx`` file, ``FILE.py:FACTORY``, ``pkg.mod:factory``).
 
 A factory is a zero-argument callable returning ``(module, example_inputs)`` or
 ``(module, example_inputs, input_names)``; the module is imported with
@@ -24,24 +24,30 @@ from ..ir.graph import Graph
 from ..ir.text import parse_graph
 from ..passes.verify import verify
 
-USAGE = "a model reference is FILE.pcir, FILE.py:FACTORY or package.module:factory"
+USAGE = "a model reference is FILE.pcir, FILE.py:FACTORY, package.module:factory or FILE.onnx"
 
 
 def load_model(ref: str) -> tuple:
     """Load ``ref`` as ``(graph, module, example_inputs)``.
 
-    ``FILE.pcir`` is parsed (module ``None``, example_inputs ``()``); otherwise the
-    factory is called and its module traced (torch is imported only then).
+    ``FILE.pcir`` is parsed (module ``None``, example_inputs ``()``); ``FILE.onnx`` is
+    imported by :func:`parcomp.frontends.onnx.load_onnx` (module: its
+    :class:`~parcomp.frontends.model_file.ModelFile`); otherwise the factory is called and
+    its module traced (torch is imported only then).
 
     Raises:
         FrontendError: the file or module does not exist, the factory is missing
             (with the nearest name as a suggestion), the factory fails or returns
             something other than ``(nn.Module, tuple of tensors[, names])``, or the
-            model cannot be imported.
+            model cannot be imported; an ``.onnx`` file fails (see ``load_onnx``).
         IRParseError: a ``.pcir`` file does not parse.
     """
     if ref.endswith(".pcir"):
         return _read_pcir(ref), None, ()
+    if ref.endswith(".onnx"):
+        from .onnx import load_onnx
+
+        return load_onnx(ref)
     if ":" not in ref:
         hint = f"; name the factory, as {ref}:FACTORY" if ref.endswith(".py") else ""
         raise FrontendError(f"cannot load {ref!r}: {USAGE}{hint}", where=ref)

@@ -186,9 +186,89 @@ _def("cross_entropy", 2, "cross_entropy", _cross_entropy)  # per-token loss: log
 _def("cross_entropy_grad", 3, "cross_entropy_grad", _cross_entropy_grad)  # dl * (softmax - onehot)
 _def("adamw_param", 4, "nonlinear", _broadcast,  # (p, m, v, t) -> updated p (torch.optim.AdamW)
      {k: _NUM for k in ("lr", "beta1", "beta2", "eps", "weight_decay")})
+# ---- attention part (issue 17): views, RoPE pointwise ops, scaled-dot-product attention ----
+# slice(x) {dim, start, stop, step}: x[start:stop:step] along dim (0 <= start <= stop <= size,
+#   step >= 1; the frontend clamps torch's open ends); slice_grad(g) {same}: g put back into
+#   zeros of the node's own (unsliced) shape, the VJP of slice.
+# cat(x1, ..., xn) {dim}: concatenation along dim.
+# sdpa(q, k, v) {causal, scale}: softmax(scale q k^T [+ causal mask]) v over [batch, heads,
+#   seq, head_dim] operands (equal heads: the frontend repeats GQA kv heads explicitly);
+#   sdpa_grad(dy, q, k, v) {wrt, causal, scale}: its gradient with respect to q, k or v.
+# cos, sin: pointwise; cast(x): x converted to the node's own dtype; arange() {start, step}:
+#   1-D start + step * i in the node's own dtype (positions for rotary embeddings).
+_SLICE = {k: Attr("int", required=k != "step", default=1 if k == "step" else None)
+          for k in ("dim", "start", "stop", "step")}
+
+
+def _slice_len(n) -> int:
+    return len(range(n.attr("start"), n.attr("stop"), n.attr("step", 1)))
+
+
+def _check_slice(shape, n):
+    d, lo, hi, st = n.attr("dim"), n.attr("start"), n.attr("stop"), n.attr("step", 1)
+    if not 0 <= d < len(shape) or not 0 <= lo <= hi <= shape[d] or st < 1:
+        raise ValueError(f"slice dim={d} start={lo} stop={hi} step={st} does not fit shape {shape}")
+
+
+def _slice(ts, n):
+    _check_slice(ts[0].shape, n)
+    shape = list(ts[0].shape)
+    shape[n.attr("dim")] = _slice_len(n)
+    return TensorType(tuple(shape), ts[0].dtype)
+
+
+def _slice_grad(ts, n):
+    _check_slice(n.type.shape, n)
+    if _slice([n.type], n).shape != ts[0].shape:
+        raise ValueError(f"slice_grad of {ts[0]} cannot give {n.type}")
+    return n.type
+
+
+def _cat(ts, n):
+    d = n.attr("dim")
+    if not ts or any(t.rank != ts[0].rank or not 0 <= d < t.rank for t in ts):
+        raise ValueError(f"cat along dim {d} needs operands of one rank, got {list(map(str, ts))}")
+    rest = {t.shape[:d] + t.shape[d + 1:] for t in ts}
+    if len(rest) != 1:
+        raise ValueError(f"cat along dim {d}: other dims differ in {list(map(str, ts))}")
+    shape = list(ts[0].shape)
+    shape[d] = sum(t.shape[d] for t in ts)
+    return TensorType(tuple(shape), ts[0].dtype)
+
+
+def _sdpa(ts, n):
+    q, k, v = ts[-3:]
+    if q.rank != 4 or k.rank != 4 or v.rank != 4:
+        raise ValueError(f"sdpa needs [batch, heads, seq, head_dim] operands, got {q}, {k}, {v}")
+    if q.shape[:2] != k.shape[:2] or k.shape[:3] != v.shape[:3] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"sdpa operands do not fit: q {q}, k {k}, v {v}")
+    return TensorType(q.shape[:3] + v.shape[3:], q.dtype)
+
+
+def _sdpa_grad(ts, n):
+    out = _sdpa(ts, n)
+    if ts[0].shape != out.shape:
+        raise ValueError(f"sdpa_grad: dy {ts[0]} is not the shape of the output {out}")
+    return ts[1 + "qkv".index(n.attr("wrt"))]
+
+
+_SDPA = {"causal": Attr("bool", default=False), "scale": _NUM}
+_def("slice", 1, "slice", _slice, _SLICE)
+_def("slice_grad", 1, "slice", _slice_grad, _SLICE)
+_def("cat", -1, "cat", _cat, {"dim": Attr("int", required=True)})
+_def("sdpa", 3, "sdpa", _sdpa, _SDPA)
+_def("sdpa_grad", 4, "sdpa_grad", _sdpa_grad, {**_SDPA, "wrt": Attr("str", required=True,
+                                                                    choices=("q", "k", "v"))})
+for _n in ("cos", "sin"):
+    _def(_n, 1, "nonlinear", _same)
+_def("cast", 1, "nonlinear", _own)
+_def("arange", 0, "const", _own, {"start": Attr("number", default=0), "step": Attr("number", default=1)})
+# ---- end of the attention part ----
 _SOURCE = {"global_shape": Attr("ints")}  # set by localize: the full shape
 _def("input", 0, "source", _own, _SOURCE)
-_def("param", 0, "source", _own, {**_SOURCE, "trainable": Attr("bool", default=True)})
+_def("param", 0, "source", _own, {**_SOURCE, "trainable": Attr("bool", default=True),
+                                  # a fused weight's per-part view: the checkpoint's shape (issue 17)
+                                  "stored_shape": Attr("ints")})
 # layout changes inserted by insert-collectives (see parcomp/redistribute.py); ``dim``:
 # the tensor dim gathered/scattered/sliced (the target dim of all_to_all), ``src_dim``:
 # the dim all_to_all concatenates; ``reason``: why (for reports and comments)

@@ -22,6 +22,8 @@ from ..ir.types import P, R, Shard, divisibility_problem, layout_str, replicated
 from ..rules.sharding import reshape_dim_map
 from ..spec import Spec
 from ..spec.parser import check_names
+from ..frontends.fused import fused_bias_follows, fused_split_dim  # attention part (issue 17)
+from .heads import check_heads  # attention part (issue 17)
 
 
 def bind_layouts(graph: Graph, spec: Spec) -> Graph:
@@ -50,6 +52,8 @@ def bind_layouts(graph: Graph, spec: Spec) -> Graph:
             layouts[n.name] = _resolve(graph, spec, rule, n) if rule else replicated(len(spec.mesh.axes))
             bound_by[n.name] = rule
     _bias_follows(graph, spec, layouts, bound_by)
+    fused_bias_follows(graph, layouts, bound_by)  # attention part (issue 17)
+    check_heads(graph, spec, layouts, bound_by)
     nodes = []
     for n in graph.nodes:
         if n.name in layouts:
@@ -102,7 +106,10 @@ def _resolve(graph, spec, rule, node):
     if node.op != "param":
         raise SpecError(f"'{rule.layout.word}' applies to weights, but {node.name} is an input",
                         rule.loc)
-    dim = _weight_split_dim(graph, node, rule)
+    if node.attr("stored_shape"):  # attention part (issue 17): a fused weight, split per part
+        dim = fused_split_dim(node, rule.layout.word)
+    else:
+        dim = _weight_split_dim(graph, node, rule)
     out = list(replicated(len(spec.mesh.axes)))
     out[spec.mesh.axis_index(rule.layout.axis)] = Shard(dim)
     return tuple(out)

@@ -35,7 +35,7 @@ from ..ir.graph import Graph, Node
 
 SOURCES = ("input", "param")
 # results that alias their (first) operand: no new buffer
-VIEW_OPS = ("permute", "reshape", "relayout", "expand", "wait")
+VIEW_OPS = ("permute", "reshape", "relayout", "expand", "wait", "slice")  # slice: attention part (issue 17)
 # results that may alias their operand (a local slice, coordinate 0 of a mask)
 MAYBE_VIEW_OPS = ("shard_slice", "partial_mask")
 IN_PLACE_OPS = ("all_reduce", "add", "add_scaled", "axpby", "adamw_param")

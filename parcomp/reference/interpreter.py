@@ -18,6 +18,7 @@ from ..ir.transitions import TRANSITIONS
 from ..ir.types import Partial, Replicate, TensorType, shard_offsets
 from ..passes.lower import frees_of, storage_roots
 from ..redistribute import Step, step_bytes
+from .numpy_attn import source_array
 from .numpy_ops import NUMPY_OPS
 
 
@@ -129,7 +130,7 @@ def run_spmd(program: Graph, feeds: dict, partial_rng=None) -> SPMDRun:
     for n in program.nodes:
         run.ops.append(n.name)
         if n.op in ("input", "param"):
-            full = np.asarray(feeds[n.name], dtype=n.type.dtype)
+            full = np.asarray(source_array(n, feeds[n.name]), dtype=n.type.dtype)  # fused views: issue 17
             for r, local in enumerate(split_for_ranks(full, n.layout, mesh, partial_rng)):
                 live[r][n.name] = local
         elif n.op in _LAYOUT_OPS:

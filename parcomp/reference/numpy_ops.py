@@ -114,6 +114,12 @@ NUMPY_OPS = {
     "wait": lambda a, n: a[0],
 }
 
+# ---- attention part (issue 17): views, RoPE pointwise ops, sdpa ----
+from .numpy_attn import NUMPY_ATTN, source_array  # noqa: E402
+
+NUMPY_OPS.update(NUMPY_ATTN)
+# ---- end of the attention part ----
+
 
 def run_unsharded(graph, feeds: dict) -> dict:
     """Evaluate a global graph on one process: ``feeds`` maps input/param names to arrays.
@@ -125,7 +131,7 @@ def run_unsharded(graph, feeds: dict) -> dict:
         if n.op in ("input", "param"):
             if n.name not in feeds:
                 raise KeyError(f"no value given for {n.op} {n.name!r}")
-            env[n.name] = np.asarray(feeds[n.name])
+            env[n.name] = source_array(n, feeds[n.name])  # a fused weight's view (issue 17)
         else:
             env[n.name] = NUMPY_OPS[n.op]([env[i] for i in n.inputs], n)
     return {name: env[v] for name, v in graph.named_outputs()}

@@ -116,7 +116,7 @@ def torch_train(module, example, input_names, data: dict, cfg, steps: int, outpu
         for x in xs:
             x.grad = None
         y = m(*xs)
-        y = torch.utils._pytree.tree_leaves(y)[output]  # tuples, lists, dicts: torch.export's order
+        y = [o for o in torch.utils._pytree.tree_leaves(y) if o is not None][output]  # export's order
         if cfg.loss == "mse":
             loss = F.mse_loss(y, torch.from_numpy(data["target"]))
         elif cfg.loss == "cross_entropy":
@@ -129,7 +129,9 @@ def torch_train(module, example, input_names, data: dict, cfg, steps: int, outpu
         opt.step()
     state = {f"{k}.{s}": v.detach().numpy().copy() for k, p in named
              for s, v in opt.state[p].items() if s != "step" and isinstance(v, torch.Tensor)}
-    sources = {**dict(m.named_buffers()), **m.state_dict()}
+    from ..frontends.torch_fold import folded_constants
+
+    sources = {**dict(m.named_buffers()), **m.state_dict(), **folded_constants(module)}  # constants too
     return {"losses": losses, "params": {k: p.detach().numpy().copy() for k, p in named},
             "sources": {k: v.detach().numpy().copy() for k, v in sources.items()},
             "grads": grads, "state": state,

@@ -370,6 +370,12 @@ ERROR_RULES = {
 """op -> rule ``(vals, errs, node, out, u) -> err`` for every op of :data:`parcomp.ir.ops.OPS`
 that computes (sources and collectives are handled by :mod:`parcomp.tolerance`)."""
 
+# ---- attention part (issue 17): views, sdpa, RoPE pointwise ops ----
+from .attention import ATTENTION_ERRORS, cat_err  # noqa: E402
+
+ERROR_RULES.update({"slice": _move, "slice_grad": _move, "cat": cat_err, **ATTENTION_ERRORS})
+# ---- end of the attention part ----
+
 GRAPH_RULES = {"adamw_param": adamw_joint}
 """op -> rule ``(node, graph, values, errors, u) -> err or None`` that may look at the
 operands' producers (None: use :data:`ERROR_RULES`); applied on global graphs."""

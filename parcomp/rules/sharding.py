@@ -160,6 +160,14 @@ STRATEGY_RULES = {
 }
 
 
+# ---- attention part (issue 17): views (slice, slice_grad, cat) and sdpa ----
+from .attention import ATTENTION_STRATEGIES  # noqa: E402
+from .views import VIEW_STRATEGIES  # noqa: E402
+
+STRATEGY_RULES.update(VIEW_STRATEGIES)
+STRATEGY_RULES.update(ATTENTION_STRATEGIES)
+# ---- end of the attention part ----
+
 def axis_strategies(node, in_types) -> list:
     """Single-axis strategies of ``node``: list of ``(in placements, out placement)``."""
     rule = STRATEGY_RULES.get(node.op) or STRATEGY_RULES.get(OPS[node.op].kind)

@@ -108,3 +108,12 @@ VJP_RULES = {
     "expand": lambda b, n, g: (b.op("sum", [g], dims=n.attr("dims")),),
     "cross_entropy": _cross_entropy,
 }
+
+
+# ---- attention part (issue 17): views, sdpa, RoPE pointwise ops ----
+from .attention import ATTENTION_VJPS  # noqa: E402
+from .views import VIEW_VJPS  # noqa: E402
+
+VJP_RULES.update(VIEW_VJPS)
+VJP_RULES.update(ATTENTION_VJPS)
+# ---- end of the attention part ----

@@ -1,0 +1,74 @@
+"""numpy semantics of the attention part's ops (issue 17): views, RoPE pointwise ops, sdpa.
+
+Merged into :data:`parcomp.reference.numpy_ops.NUMPY_OPS`; same calling convention
+(operand arrays, node). The attention ops compute in the operands' dtype, as torch does.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def slice_index(node, rank: int) -> tuple:
+    """The numpy index of ``slice``/``slice_grad`` ``node`` for a rank-``rank`` array."""
+    idx = [slice(None)] * rank
+    idx[node.attr("dim")] = slice(node.attr("start"), node.attr("stop"), node.attr("step", 1))
+    return tuple(idx)
+
+
+def _slice_grad(g, node):
+    out = np.zeros(node.type.shape, g.dtype)
+    out[slice_index(node, g.ndim)] = g
+    return out
+
+
+def attention_probs(q, k, node):
+    """softmax(scale q k^T) over the last dim, causal (top-left aligned: key j <= query i)
+    entries kept when ``causal``; [..., Sq, Sk] in q's dtype."""
+    s = np.matmul(q, np.swapaxes(k, -1, -2)) * q.dtype.type(node.attr("scale"))
+    if node.attr("causal", False):
+        sq, sk = s.shape[-2:]
+        s = np.where(np.tril(np.ones((sq, sk), bool)), s, -np.inf)
+    s = s - np.max(s, axis=-1, keepdims=True)
+    p = np.exp(s)
+    return (p / np.sum(p, axis=-1, keepdims=True)).astype(q.dtype)
+
+
+def _sdpa(q, k, v, node):
+    return np.matmul(attention_probs(q, k, node), v).astype(q.dtype)
+
+
+def sdpa_grads(dy, q, k, v, node) -> dict:
+    """{"q": dq, "k": dk, "v": dv} of sdpa at (q, k, v) for output gradient dy."""
+    p = attention_probs(q, k, node)
+    dp = np.matmul(dy, np.swapaxes(v, -1, -2))
+    ds = p * (dp - np.sum(dp * p, axis=-1, keepdims=True))
+    c = q.dtype.type(node.attr("scale"))
+    return {"q": np.matmul(ds, k) * c, "k": np.matmul(np.swapaxes(ds, -1, -2), q) * c,
+            "v": np.matmul(np.swapaxes(p, -1, -2), dy)}
+
+
+def _arange(node):
+    n, (start, step) = node.type.shape[0], (node.attr("start", 0), node.attr("step", 1))
+    return (start + step * np.arange(n, dtype=np.float64)).astype(node.type.dtype)
+
+
+def source_array(node, x):
+    """A feed ``x`` for source ``node`` as the graph holds it: a fused view param's stored
+    tensor reshaped to the view (the global shape on a local program)."""
+    x = np.asarray(x)
+    if node.attr("stored_shape") and tuple(x.shape) == tuple(node.attr("stored_shape")):
+        return x.reshape(node.attr("global_shape") or node.type.shape)
+    return x
+
+
+NUMPY_ATTN = {
+    "slice": lambda a, n: np.ascontiguousarray(a[0][slice_index(n, a[0].ndim)]),
+    "slice_grad": lambda a, n: _slice_grad(a[0], n),
+    "cat": lambda a, n: np.concatenate(a, axis=n.attr("dim")),
+    "sdpa": lambda a, n: _sdpa(*a, n),
+    "sdpa_grad": lambda a, n: sdpa_grads(*a, n)[n.attr("wrt")].astype(a[0].dtype),
+    "cos": lambda a, n: np.cos(a[0]),
+    "sin": lambda a, n: np.sin(a[0]),
+    "cast": lambda a, n: a[0].astype(n.type.dtype),
+    "arange": lambda a, n: _arange(n),
+}
