@@ -21,7 +21,7 @@ from .reference.interpreter import run_spmd
 from .reference.numpy_ops import run_unsharded
 from .passes.train_config import check_steps, train_config
 from .reference.training import numpy_train
-from .report import format_collectives, format_memory, plural
+from .report import format_collectives, format_memory, format_search, plural
 from .tolerance import compare_outputs as compare, output_bounds, training_bounds
 from .train_check import carried as _carried, lockstep, replay_reference, torch_reference as _torch_reference
 from .train_check import train_feeds, training_result as _training_result, verdict
@@ -37,7 +37,15 @@ def _compile(args, after=None, numeric: str | None = None):
     with pointing_into(args.model):  # a .pcir model's layout problems: at its line
         if numeric:
             require_numpy_dtypes(graph, numeric)
-        return compile_graph(graph, spec, after), module, example
+        compiled = compile_graph(graph, spec, after)
+    print_warnings(compiled)
+    return compiled, module, example
+
+
+def print_warnings(compiled) -> None:
+    """What the spec asks for and cannot be honoured (``report["warnings"]``), on stderr."""
+    for w in compiled.report.get("warnings", ()):
+        print(f"warning: {w}", file=sys.stderr)
 
 
 #: dtypes numpy has no type for; check/run compute with numpy, so they refuse them
@@ -92,6 +100,7 @@ def compile(args):  # noqa: A001 - the subcommand's name
     if not args.json:
         print(format_collectives(recs))
         print(format_memory(compiled.report))
+        print(format_search(compiled.report["search"]))
         place = compiled.report["placement"]
         if place["nodes"] is not None:
             print(f"placement: {plural(place['nodes'], 'node')}; inside a node: "
@@ -265,6 +274,7 @@ def _check_training(args, compiled, module, example, steps):
     if not args.json:
         print(format_collectives(compiled.report["collectives"]))
         print(format_memory(compiled.report))
+        print(format_search(compiled.report["search"]))
         _print_training(result, f"numpy interpreter, {plural(steps, 'step')}, each from the "
                         f"unsharded run's state", "vs unsharded step")
     return {**result, "collectives": _summary(compiled.report["collectives"]),
@@ -429,3 +439,19 @@ def explain(args):
     from .explain_cmd import explain_command
 
     return explain_command(args)
+def plan(args):
+    """``parcomp plan``: choose the layouts, write them as a spec, compile it to show the plan."""
+    from .plan import mesh_text, plan as choose, summary, write_spec
+    from .spec import parse_spec
+
+    graph, _, _ = load_model(args.model)
+    with pointing_into(args.model):
+        text, chosen = choose(graph, mesh_text(args.mesh), args.memory, args.train, args.seconds)
+        compiled = compile_graph(graph, parse_spec(text, args.out))
+    print_warnings(compiled)
+    write_spec(args.out, text)
+    print(summary(chosen))
+    print(format_collectives(compiled.report["collectives"]))
+    print(f"wrote {args.out}")
+    return {"ok": True, "spec": args.out, "search": chosen.search,
+            "collectives": _summary(compiled.report["collectives"])} if args.json else None

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .ir.graph import Graph
+from .memory import check_peak, zero_warnings
 from .passes.manager import forward_pipeline, run_pipeline
 from .passes.topology import check_topology
 from .passes.verify import check_model_mesh
@@ -56,4 +57,6 @@ def compile_graph(graph: Graph, spec, after: Callable | None = None) -> Compiled
     prog = build_program(sharded, program, spec)
     report = build_report(prog, [n.name for n in graph.params])
     report["placement"] = placement
+    check_peak(report, spec)
+    report["warnings"] = zero_warnings(logical, spec)
     return Compiled(graph, logical, sharded, program, report, spec, prog)

@@ -122,6 +122,8 @@ class Program:
         provenance: ``{value: Provenance}`` for every node.
         collectives: the collectives and local layout changes, in program order.
         train: the loop facts of a training program, or None for a forward program.
+        search: shard-prop's account of the layout search (``search``: dp | ilp |
+            heuristic, ``proven_optimal``, ``cost_s``, ``seconds``), or None.
     """
 
     graph: Graph
@@ -131,6 +133,7 @@ class Program:
     provenance: dict
     collectives: tuple
     train: TrainLoop | None
+    search: dict | None = None
 
     @property
     def mesh(self):
@@ -165,7 +168,7 @@ def build_program(sharded: Graph, local: Graph, spec) -> Program:
     groups = {a: axis_groups(mesh, i) for i, a in enumerate(mesh.names)}
     prov = {n.name: _provenance(n) for n in local.nodes}
     return Program(local, groups, getattr(spec, "file", None), {n.name: n.phase for n in local.nodes},
-                   prov, _collectives(sharded, local, prov), _train_loop(local, spec))
+                   prov, _collectives(sharded, local, prov), _train_loop(local, spec), sharded.search)
 
 
 def _provenance(node) -> Provenance:

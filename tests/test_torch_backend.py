@@ -71,9 +71,10 @@ MLP_TP4 = "mesh tp=4\nfc1.weight colwise\nfc2.weight rowwise\ninput x replicated
 MIX = """\
 %x: f32[4,8] = input()
 %w: f32[4,8] = input()
+%x2: f32[4,8] = input()
 %b: f32[8] = param()
 %y: f32[4,8] = relu(%x)
-%z: f32[4,8] = tanh(%x)
+%z: f32[4,8] = tanh(%x2)
 %v: f32[4,8] = sigmoid(%w)
 %u: f32[4,8] = add(%v, %b)
 %m: f32[4,8] = exp(%w)
@@ -83,9 +84,10 @@ MIX_SPEC = """\
 mesh dp=2 tp=2
 input x [S(0), S(0)]
 input w [S(1), R]
+input x2 [S(0), R]
 param b partial-sum over tp
 output gathered replicated
-output swapped [S(1), S(0)]
+output swapped [S(1), R]
 output sliced [S(0), S(1)]
 output masked [R, P]
 """
@@ -279,7 +281,7 @@ def test_every_layout_op_on_a_2x2_mesh_matches_numpy(tmp_path):
     assert {"all_gather", "all_to_all", "reduce_scatter", "shard_slice", "partial_mask"} <= kinds
     rng = np.random.default_rng(1)
     feeds = {n.name: rng.standard_normal(n.type.shape).astype("f4") for n in g.inputs + g.params}
-    out, _ = run_ok(c, tmp_path, 4, {"b": feeds["b"]}, {"x": feeds["x"], "w": feeds["w"]})
+    out, _ = run_ok(c, tmp_path, 4, {"b": feeds["b"]}, {"x": feeds["x"], "w": feeds["w"], "x2": feeds["x2"]})
     assert sorted(p.name for p in tmp_path.glob("out.rank*.pt")) == [f"out.rank{r}.pt" for r in range(4)]
     want, bounds = unsharded(g, feeds), output_bounds(c.logical, feeds)
     for public in g.output_names:

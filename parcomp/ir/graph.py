@@ -80,6 +80,8 @@ class Graph:
     mesh: Mesh | None = None
     stage: str = "global"
     output_names: tuple | None = None  # public output names (default: the value names)
+    # shard-prop's account of its search (which, cost, proven optimal); not part of equality
+    search: dict | None = field(default=None, compare=False, repr=False, hash=False)
     _index: dict = field(default=None, compare=False, repr=False, hash=False)
 
     def __post_init__(self):

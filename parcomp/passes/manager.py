@@ -40,7 +40,8 @@ def forward_pipeline(spec) -> list:
     """
     train = [Pass("autodiff", lambda g: add_training_step(g, spec))] if spec.train else []
     return [Pass("bind-layouts", lambda g: bind_layouts(g, spec)), *train,
-            Pass("shard-prop", shard_prop),
+            Pass("shard-prop", lambda g: shard_prop(g, memory=getattr(spec, "memory", None),
+                                                    memory_loc=getattr(spec, "memory_loc", None))),
             Pass("insert-collectives", insert_collectives),
             Pass("localize", localize),
             *(Pass(name, fn) for name, fn in LOWERING)]

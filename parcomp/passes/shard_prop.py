@@ -9,22 +9,23 @@ Cost of a solution (seconds, :mod:`parcomp.redistribute`): every node's local
 compute, plus for every value the redistributions to each *distinct* layout
 its consumers need (a conversion is made once and shared).
 
-Search, since the exact problem on a DAG is an ILP (Alpa, AutoParallel):
+Search:
 
 1. a dynamic program in topological order (``best[v][O]``: least cost to
    produce ``v`` in ``O``) and a reverse pass fixing each strategy given what
-   its consumers ask — exact on chains and trees, but on DAGs a shared
-   producer is charged once per consumer;
-2. a forward greedy pass (DTensor-style propagation: each op takes the
-   cheapest strategy given its inputs' layouts);
-3. the cheaper of the two, then moves that lower the exact cost until none
-   does: one node re-picks its strategy, and operands computed only for it
-   follow to produce the layout it then wants.
+   its consumers ask — exact where every value is read once (chains, trees),
+   and then the answer;
+2. otherwise the integer program of :mod:`.layout_ilp` (HiGHS), exact, started
+   from the best of the DP, a forward greedy pass (DTensor-style propagation)
+   and local moves (a node re-picks its strategy, operands computed only for it
+   follow), which is also kept if the solver's time budget runs out first.
 
-Chains are checked against brute-force enumeration in the tests.
+Both are checked against brute-force enumeration in the tests (test_optimality,
+test_ilp).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 from ..errors import ShardingError
@@ -32,32 +33,62 @@ from ..ir.graph import Graph, describe
 from ..ir.types import layout_str
 from ..redistribute import compute_cost, plan_cost
 from ..rules.sharding import mesh_strategies
+from .layout_ilp import DEFAULT_SECONDS, MemoryLimit, solve_ilp
 
 _TOL = 1e-15
 
 
-def shard_prop(graph: Graph) -> Graph:
+def shard_prop(graph: Graph, seconds: float = DEFAULT_SECONDS, memory: int | None = None,
+               memory_loc=None, free: dict | None = None) -> Graph:
     """Complete the layouts of ``graph`` with the least estimated cost.
+
+    On a tree (every value read once) the DP is exact; otherwise the ILP of
+    :mod:`.layout_ilp` runs for at most ``seconds``, started from the heuristic's
+    plan.  The returned graph's ``search`` says which search produced the plan,
+    its cost (seconds) and whether it is proven optimal under the cost model.
+    With ``memory`` (bytes per rank), plans whose resident bytes
+    (:mod:`parcomp.memory`) exceed it are infeasible.  ``free`` maps a source (param or
+    input) to the layouts it may take (``parcomp plan``); other sources keep theirs.
 
     Raises:
         ShardingError: a pinned layout no strategy can produce evenly (names the
             node and its operand shapes).
+        ParcompError: no plan fits ``memory`` (says by how much the smallest misses).
     """
-    prob = _Problem(graph)
-    sol = min((prob.dp_solution(), prob.greedy_solution()), key=prob.total)
-    sol = prob.improve(sol)
-    nodes = [n if n.name not in sol else replace(n, layout=sol[n.name][1], in_layouts=sol[n.name][0])
+    t0 = time.perf_counter()
+    prob = _Problem(graph, free or {})
+    limit = None if memory is None else MemoryLimit(prob, memory, memory_loc)
+    dp = prob.dp_solution()
+    if all(len(u) <= 1 for u in prob.users.values()) and (limit is None or limit.fits(dp)):
+        sol, search, proven = dp, "dp", True
+    else:
+        sol = prob.improve(min((dp, prob.greedy_solution()), key=prob.total))
+        ilp, proven = solve_ilp(prob, sol, seconds, limit)
+        fits = [s for s in (ilp, sol) if limit is None or limit.fits(s)]
+        if not fits:
+            raise limit.not_found(seconds)
+        best = min(fits, key=prob.total)
+        search = "ilp" if proven or (best is ilp and prob.total(ilp) < prob.total(sol) - _TOL) else "heuristic"
+        sol = best
+    info = {"search": search, "proven_optimal": proven, "cost_s": prob.total(sol),
+            "seconds": round(time.perf_counter() - t0, 6)}
+    if limit is not None:
+        info.update(memory_limit=memory, resident_bytes=limit.bytes(sol))
+    nodes = [n if n.name not in sol else replace(n, layout=sol[n.name][1], in_layouts=sol[n.name][0]
+                                                 if n.op not in ("input", "param") else None)
              for n in graph.nodes]
-    return graph.with_nodes(nodes)
+    return graph.with_nodes(nodes, search=info)
 
 
 class _Problem:
-    def __init__(self, graph):
+    def __init__(self, graph, free=None):
         self.g, self.mesh = graph, graph.mesh
         self.users = graph.users()
         self.options = {}  # name -> [(compute cost, ins, out)]
         for n in graph.nodes:
             if n.op in ("input", "param"):
+                if n.name in (free or {}):
+                    self.options[n.name] = [(0.0, (), lay) for lay in free[n.name]]
                 continue
             in_types = [graph[i].type for i in n.inputs]
             opts = mesh_strategies(n, in_types, self.mesh)
@@ -89,7 +120,7 @@ class _Problem:
         """Forward DP over ``best[v][layout]``, then a reverse pass fixing each strategy."""
         best = {}
         for n in self.g.nodes:
-            if n.op in ("input", "param"):
+            if n.name not in self.options:
                 best[n.name] = {n.layout: 0.0}
                 continue
             table = {}
@@ -100,7 +131,7 @@ class _Problem:
             best[n.name] = table
         required, sol = {n.name: [] for n in self.g.nodes}, {}
         for n in reversed(self.g.nodes):
-            if n.op in ("input", "param"):
+            if n.name not in self.options:
                 continue
             pick, pick_cost = None, None
             for c, ins, out in self.options[n.name]:
@@ -125,7 +156,7 @@ class _Problem:
         """DTensor-style propagation: each op takes the cheapest strategy given its inputs."""
         sol = {}
         for n in self.g.nodes:
-            if n.op in ("input", "param"):
+            if n.name not in self.options:
                 continue
             src = [self.layout(sol, i) for i in n.inputs]
             types = [self.g[i].type for i in n.inputs]

@@ -186,6 +186,8 @@ class Spec:
     train: TrainSpec | None = None
     topology_loc: SourceLoc | None = None  # where the topology statement is
     links: tuple = ()  # the topology's link keys, sorted (key, value) pairs (parcomp/links.py)
+    memory: int | None = None  # bytes per device (the `memory` statement), or None
+    memory_loc: SourceLoc | None = None
 
     def default_axis(self) -> str:
         """The mesh axis a layout word without ``over`` applies to.

@@ -19,6 +19,7 @@ from lark.exceptions import VisitError
 from ..errors import SourceLoc, SpecError, bad_char, char_name, closest, join_words, source_lines
 from ..ir.types import Mesh, R, make_placement
 from ..links import LINK_KEYS, LINKS
+from ..memory import parse_size
 from ..passes.train_config import train_config
 from .model import LAYOUT_WORDS, LayoutSpec, Rule, Spec, TrainSpec, check_mesh_size, default_axis, suggest
 
@@ -28,7 +29,7 @@ _PARSER = Lark(_GRAMMAR, parser="lalr", propagate_positions=True, maybe_placehol
 _WORDS = ", ".join(LAYOUT_WORDS)
 _LAYOUT = (f"a layout: a layout word ({_WORDS}), a placement R, S(d) or P, "
            "a per-axis list such as [S(0), R], or axis=placement such as tp=S(1)")
-_STATEMENT = ("a statement: mesh, topology, train, or a rule such as 'c_fc.weight colwise' "
+_STATEMENT = ("a statement: mesh, topology, memory, train, or a rule such as 'c_fc.weight colwise' "
               "(a name pattern and a layout, after param, input, output or activation if you like)")
 _PLACEMENT = "a placement (R, S(d) or P)"
 WORDS = {  # every terminal of grammar.lark, as a syntax error says it
@@ -38,7 +39,8 @@ WORDS = {  # every terminal of grammar.lark, as a syntax error says it
     "EQUAL": "'='", "LPAR": "'('", "RPAR": "')'", "COMMA": "','", "LSQB": "'['", "RSQB": "']'",
     "OVER": "'over AXIS'", "_NL": "the end of the line", "$END": "the end of the file",
     "REP": _PLACEMENT, "SHARD": _PLACEMENT, "PART": _PLACEMENT,
-    "MESH": "'mesh'", "TOPOLOGY": "'topology'", "TRAIN": "'train'",
+    "MESH": "'mesh'", "TOPOLOGY": "'topology'", "TRAIN": "'train'", "MEMORY": "'memory'",
+    "MEMSIZE": "a memory size such as 80GiB (units B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)",
     "PARAM": "a rule target (param, input, output or activation)",
     "INPUT": "a rule target (param, input, output or activation)",
     "OUTPUT": "a rule target (param, input, output or activation)",
@@ -143,6 +145,7 @@ class _Tree(Transformer):
         return lambda self, c: (kind, c[0], c[1:])
 
     mesh, topology, train = _statement("mesh"), _statement("topology"), _statement("train")
+    memory = _statement("memory")
     del _statement
 
     def pair(self, c):
@@ -219,7 +222,7 @@ class _Builder:
             raise self.err(tok, "the first statement must be the mesh, such as 'mesh tp=2' "
                                 "(one size per axis; the last axis varies fastest)")
         self.mesh = self.make_mesh(stmts[0][2])
-        seen, rules, topology, train, links = {"mesh": tok}, [], None, None, ()
+        seen, rules, topology, train, links, memory = {"mesh": tok}, [], None, None, (), None
         for kind, tok, payload in stmts[1:]:
             if kind != "rule":
                 if kind in seen:
@@ -228,13 +231,16 @@ class _Builder:
                 seen[kind] = tok
             if kind == "topology":
                 topology, links = self.make_topology(tok, payload)
+            elif kind == "memory":
+                memory = parse_size(str(payload[0]), lambda m: self.err(payload[0], m))
             elif kind == "train":
                 train = TrainSpec(self.options(payload, "option"), self.loc(tok))
                 train_config(Spec(self.mesh, (), self.file, train=train))  # options and ranges
             else:
                 rules.append(self.make_rule(*payload))
         topo_loc = self.loc(seen["topology"]) if "topology" in seen else None
-        return Spec(self.mesh, tuple(rules), self.file, topology, train, topo_loc, links)
+        return Spec(self.mesh, tuple(rules), self.file, topology, train, topo_loc, links, memory,
+                    self.loc(seen["memory"]) if "memory" in seen else None)
 
     def make_mesh(self, axes) -> Mesh:
         check_mesh_size(axes, self.err)

@@ -1,0 +1,164 @@
+"""``parcomp plan``: choose every layout for a mesh and write it as a spec.
+
+No rules are given: the search (shard-prop's DP or ILP, :mod:`parcomp.passes.shard_prop`)
+chooses the layout of every parameter too, under these conventions, which are what the
+axis names mean to a user:
+
+- an axis named ``dp`` (data parallel) splits dim 0 (the batch) of every input and
+  output and replicates every parameter;
+- every other axis is a model-parallel axis: every parameter of rank >= 2 is split
+  over it along some dim the search chooses (that is what the axis is for: without
+  the rule, replicated weights would always look cheapest, since compute is cheap at
+  these sizes); rank-1 parameters (biases, norms) may also stay replicated; inputs and
+  outputs are replicated over it.
+
+With ``--train`` the parameters are chosen on the forward graph (``autodiff`` pins the
+updated parameters and optimizer state to the parameters' layouts before the search, so
+a search over the training graph could not move them together); the written spec then
+carries the train line, and compiling it plans the backward and the update exactly.
+
+The written spec pins the parameters, inputs and outputs; the activations' chosen
+layouts are listed as comments (compiling the spec re-derives them: the search is
+deterministic).  It starts with a header line carrying a checksum of the rest, so
+``plan`` overwrites only a spec it wrote and nobody changed since
+(docs/design.md: parcomp never overwrites a file it did not write).
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+
+from .errors import ParcompError
+from .ir.types import R, Shard, divisibility_problem, layout_str
+from .passes.bind_layouts import bind_layouts
+from .passes.layout_ilp import DEFAULT_SECONDS
+from .passes.shard_prop import shard_prop
+from .report import format_bytes
+from .spec import parse_spec
+
+HEADER = "# written by parcomp plan; sha256 of the lines below: "
+
+
+def mesh_text(arg: str) -> str:
+    """``dp=2,tp=4`` -> ``dp=2 tp=4`` (the spec's mesh line).
+
+    Raises:
+        ParcompError: not ``NAME=SIZE`` pairs (names the ``--mesh`` option).
+    """
+    pairs = [p.strip() for p in arg.split(",") if p.strip()]
+    if not pairs or not all(p.count("=") == 1 and p.split("=")[1].isdigit() for p in pairs):
+        raise ParcompError(f"--mesh {arg!r}: write axis sizes such as dp=2,tp=4", where="--mesh")
+    return " ".join(pairs)
+
+
+def base_spec_text(graph, mesh: str, memory: str | None, train: str | None) -> str:
+    """The spec before the search: mesh, memory, train line, input and output rules."""
+    spec = parse_spec(f"mesh {mesh}\n", "--mesh")
+    lines = [f"mesh {mesh}"] + ([f"memory {memory}"] if memory else [])
+    lines += [f"input {n.name} {layout_str(_io_layout(spec.mesh, n.type))}" for n in graph.inputs
+              if n.type.rank]
+    lines += [f"output {pub} {layout_str(_io_layout(spec.mesh, graph[v].type))}"
+              for pub, v in graph.named_outputs() if graph[v].type.rank]
+    return "\n".join(lines + ([train] if train else [])) + "\n"
+
+
+def _io_layout(mesh, ty):
+    lay = tuple(Shard(0) if a == "dp" else R for a in mesh.names)
+    return lay if not divisibility_problem(ty, lay, mesh) else tuple(R for _ in mesh.names)
+
+
+def param_layouts(ty, mesh) -> list:
+    """The layouts a parameter of type ``ty`` may take (module docstring), evenly split."""
+    per_axis = []
+    for a in mesh.names:
+        if a == "dp":
+            per_axis.append([R])
+        else:
+            per_axis.append(([R] if ty.rank < 2 else []) + [Shard(d) for d in range(ty.rank)])
+    out = [lay for lay in itertools.product(*per_axis) if not divisibility_problem(ty, lay, mesh)]
+    if not out:
+        raise ParcompError(f"parameter of type {ty} cannot be split evenly over the mesh {mesh}",
+                           where="--mesh")
+    return out
+
+
+def plan(graph, mesh: str, memory: str | None = None, train: str | None = None,
+         seconds: float | None = None):
+    """Choose the layouts of ``graph`` on ``mesh``; returns ``(spec text, planned graph)``.
+    ``seconds``: the exact search's time budget (default :data:`DEFAULT_SECONDS`).
+
+    Raises:
+        ParcompError: a bad mesh or memory size, nothing fits the memory, a parameter
+            that no layout splits evenly.
+    """
+    text = base_spec_text(graph, mesh, memory, train)
+    spec = parse_spec(text, "plan.pcs")
+    bound = bind_layouts(graph, spec)  # the forward graph: see the module docstring
+    model_params = {n.name for n in graph.params}
+    free = {n.name: param_layouts(n.type, spec.mesh) for n in bound.params if n.name in model_params}
+    if seconds is not None and not seconds > 0:
+        raise ParcompError(f"--seconds {seconds}: the search needs a positive time budget", where="--seconds")
+    chosen = shard_prop(bound, DEFAULT_SECONDS if seconds is None else seconds, memory=spec.memory,
+                        memory_loc=spec.memory_loc, free=free)
+    return _spec_text(text, chosen, graph, spec), chosen
+
+
+def _spec_text(base: str, chosen, graph, spec) -> str:
+    mesh, s = spec.mesh, chosen.search
+    proof = "proven optimal" if s["proven_optimal"] else "best found, not proven optimal"
+    lines = [f"# parcomp plan: layouts chosen by the {s['search']} search ({proof} under the cost",
+             f"# model: estimated {s['cost_s'] * 1e6:.1f} us per step); edit freely, then",
+             "# `parcomp compile MODEL --spec THIS_FILE -o DIR`.", ""]
+    lines += base.rstrip("\n").split("\n")[:1 + bool(spec.memory)]
+    lines.append("")
+    for n in graph.params:
+        lay = chosen[n.name].layout
+        lines.append(f"{n.name}  {layout_str(lay)}  # {n.type}: {_what(lay, n.type, mesh)}")
+    lines.append("")
+    lines += [ln for ln in base.rstrip("\n").split("\n")[1 + bool(spec.memory):]]
+    acts = [n for n in graph.nodes if n.op not in ("input", "param") and n.name in chosen]
+    if acts:
+        lines += ["", "# activations (chosen by the search; uncomment a line to pin it):"]
+        lines += [f"# activation {n.name}  {layout_str(chosen[n.name].layout)}" for n in acts]
+    return "\n".join(lines) + "\n"
+
+
+def _what(lay, ty, mesh) -> str:
+    parts = []
+    for a, p in zip(mesh.names, lay):
+        if isinstance(p, Shard):
+            parts.append(f"dim {p.dim} ({ty.shape[p.dim]}) split over {a}")
+    return "; ".join(parts) or "replicated"
+
+
+def write_spec(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` with the checksum header; refuse to replace a file parcomp
+    did not write, or one changed since it did.
+
+    Raises:
+        ParcompError: ``path`` exists and is not an unchanged ``parcomp plan`` spec (names ``-o``).
+    """
+    if os.path.exists(path):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            first, rest = f.readline(), f.read()
+        if not first.startswith(HEADER) or first[len(HEADER):].strip() != _digest(rest):
+            raise ParcompError(f"{path} exists and was not written by parcomp plan (or was changed "
+                               "since): parcomp never overwrites it; choose another -o or remove it",
+                               where="-o")
+    tmp = f"{path}.parcomp-tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(f"{HEADER}{_digest(text)}\n{text}")
+    os.replace(tmp, path)
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def summary(chosen) -> str:
+    """One line about the plan for the terminal."""
+    s = chosen.search
+    extra = f", resident {format_bytes(s['resident_bytes'])} per rank" if "resident_bytes" in s else ""
+    return (f"plan: {s['search']} search, {'proven optimal' if s['proven_optimal'] else 'not proven optimal'}"
+            f", estimated {s['cost_s'] * 1e6:.1f} us per step{extra}, searched in {s['seconds']:.2f} s")
