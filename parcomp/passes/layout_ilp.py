@@ -36,6 +36,8 @@ from ..report import format_bytes
 
 #: objective unit: nanoseconds
 SCALE = 1e9
+#: branch-and-bound nodes one solve may explore (deterministic, unlike a time limit)
+MAX_NODES = 20_000
 #: default time budget of one solve, seconds
 DEFAULT_SECONDS = 10.0
 
@@ -61,7 +63,10 @@ def solve_ilp(prob, warm: dict, seconds: float = DEFAULT_SECONDS, limit=None) ->
     with _quiet_stdout():
         h = highspy.Highs()
     h.setOptionValue("output_flag", False)
-    h.setOptionValue("time_limit", float(seconds))
+    h.setOptionValue("time_limit", float(seconds))  # a safety net: the node budget decides first
+    # a deterministic budget (branch-and-bound nodes, not seconds): a cut-off plan is then the
+    # same on every machine; the shipped specs solve at the root node
+    h.setOptionValue("mip_max_nodes", MAX_NODES)
     h.setOptionValue("mip_rel_gap", 0.0)
     h.setOptionValue("mip_abs_gap", 1e-6)
     h.setOptionValue("presolve", "off")  # the rows are already minimal; presolve cost more than it saved
