@@ -239,7 +239,7 @@ def _quiet_torch_logs():
 def _export(module, example_inputs: tuple):
     try:
         # traced in the mode it is given (not switched to eval: the user's module is not
-        # changed); dropout with p > 0 in training mode is then a clear error
+        # changed); dropout with p > 0 in training mode becomes parcomp's dropout
         with _quiet_torch_logs():
             try:
                 ep = torch.export.export(module, tuple(example_inputs), strict=False)
@@ -314,7 +314,8 @@ def import_torch(module: torch.nn.Module, example_inputs: tuple,
 
     Args:
         module: the model, traced in the mode it is in (call ``.eval()`` first for
-            inference; dropout with p > 0 in training mode is rejected).
+            inference; dropout with p > 0 in training mode becomes parcomp's ``dropout``,
+            whose mask is a hash of the element's global index, not torch's generator).
         example_inputs: tuple of tensors with the static shapes to compile for.
         input_names: names of the ``input`` nodes; default: ``forward``'s argument
             names, else ``input_0``, ``input_1``...
