@@ -43,10 +43,8 @@ def test_dropout_mask_numpy_equals_torch_bit_for_bit():
 
 # --- tied input/output embeddings (GPT-2's lm_head.weight is wte.weight) -------------------
 
-def test_tied_embedding_gradient_sums_both_uses_once():
-    torch = pytest.importorskip("torch")
-    from parcomp.frontends.torch_export import import_torch
-
+def _tied_module():
+    """Embedding -> LayerNorm -> head whose weight IS the embedding table (GPT-2's tying)."""
     class Tied(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -59,7 +57,13 @@ def test_tied_embedding_gradient_sums_both_uses_once():
             return self.head(self.ln(self.wte(ids)))
 
     torch.manual_seed(0)
-    m = Tied()
+    return Tied()
+
+
+def test_tied_embedding_gradient_sums_both_uses_once():
+    from parcomp.frontends.torch_export import import_torch
+
+    m = _tied_module()
     ids = torch.tensor([[1, 4, 7, 3], [0, 4, 2, 6]])
     g = import_torch(m, (ids,))
     (table,) = [n.name for n in g.params if n.type.shape == (8, 4)]  # one parameter, used twice
@@ -77,6 +81,24 @@ def test_tied_embedding_gradient_sums_both_uses_once():
     assert_equivalent(got[f"{table}.grad"], want, bounds[f"{table}.grad"])
     emb_only = [n for n in c.logical.nodes if n.op == "embedding_grad"]
     assert len(emb_only) == 1  # the embedding's scatter-add, added to the head's matmul gradient
+
+
+def test_torch_reference_names_a_tied_weight_as_export_does_and_resumes_its_state():
+    from parcomp.frontends.torch_export import import_torch
+    from parcomp.passes.train_config import train_config
+    from parcomp.reference.training import torch_train
+
+    m = _tied_module()
+    ids, labels = torch.tensor([[1, 4, 7, 3]]), np.array([[2, 5, 0, 7]])
+    names = {n.name for n in import_torch(m, (ids,)).params}
+    cfg = train_config(spec("mesh tp=2\ntrain loss=cross_entropy optimizer=adamw(lr=0.01)\n"))
+    two = torch_train(m, (ids,), ["ids"], {"labels": labels}, cfg, 2)
+    assert set(two["params"]) == names and "head.weight.exp_avg" in two["state"]  # not wte.weight
+    one = torch_train(m, (ids,), ["ids"], {"labels": labels}, cfg, 1)
+    resumed = torch_train(m, (ids,), ["ids"], {"labels": labels}, cfg, 1,
+                          start={**one["params"], **one["state"]}, first=2)
+    for k in names:  # step 2 from step 1's state (the tied weight's moments included) is step 2
+        np.testing.assert_array_equal(resumed["params"][k], two["params"][k])
 
 
 # --- torch.export frontend --------------------------------------------------------------
