@@ -140,6 +140,7 @@ def test_frontend_lowers_norms_embedding_and_llama_rmsnorm_pattern():
     ops = [n.op for n in g.nodes if n.op not in ("param", "input")]
     assert ops == ["embedding", "layer_norm", "rms_norm", "rms_norm", "permute", "matmul", "add", "layer_norm"]
     assert g[g.by_op("rms_norm")[1].name].inputs[1] == "llama.weight"  # w * (x * rsqrt(...)) folded
+    assert [n.name for n in g.by_op("rms_norm")] == ["rms_norm", "rms_norm_2"]  # a spec can name them
     feeds = {**{k: v.detach().numpy() for k, v in m.state_dict().items()}, "ids": ids.numpy()}
     got = run_unsharded(g, feeds)["output"]
     assert_equivalent(got, m(ids).detach().numpy(), output_bounds(g, feeds)["output"])

@@ -18,6 +18,8 @@ import operator
 
 import torch
 
+from ..ir.graph import Node, make_attrs
+
 aten = torch.ops.aten
 
 
@@ -134,9 +136,9 @@ def _alias(b, n, a):
 def _rms_lowering(xs, eps, weight=None):
     x = _through_to(xs)
 
-    def lower(b, n, a):
+    def lower(b, n, a):  # named rms_norm, rms_norm_1, ... as aten.rms_norm's would be
         ins = [b.val(x)] + ([b.val(weight)] if weight is not None else [])
-        return b.emit("rms_norm", ins, eps=eps)
+        return b.add(Node(b.fresh("rms_norm"), "rms_norm", tuple(ins), b.types[ins[0]], make_attrs(eps=eps)))
     return lower
 
 
