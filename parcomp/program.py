@@ -19,6 +19,7 @@ from .errors import ParcompError
 from .ir.graph import PHASES, Graph
 from .ir.ops import COLLECTIVES
 from .ir.types import layout_str
+from .passes.bucket import bucketed_members
 from .passes.topology import axis_groups, group_ranks
 from .passes.train_config import MAX_STEPS, train_config
 from .redistribute import Step, step_bytes
@@ -180,9 +181,15 @@ def _provenance(node) -> Provenance:
 
 def _collectives(sharded, local, prov) -> tuple:
     users, outs = sharded.users(), {v: p for p, v in sharded.named_outputs()}
-    recs = []
+    recs, bucketed = [], set()
     for n in sharded.nodes:
         if n.op not in COLLECTIVES:
+            continue
+        bucket = bucketed_members(local, n.name)  # norms part (issue 17): passes/bucket.py
+        if bucket is not None:
+            if bucket[0].name not in bucketed:
+                bucketed.add(bucket[0].name)
+                recs.append(_bucket_record(sharded, local, bucket, prov))
             continue
         src = sharded[n.inputs[0]]
         a = sharded.mesh.names.index(n.attr("axis"))
@@ -195,6 +202,19 @@ def _collectives(sharded, local, prov) -> tuple:
             layout_str(src.layout), layout_str(n.layout), step_bytes(step, n.type, sharded.mesh),
             n.phase, src.name, tuple(consumers), n.attr("reason"), prov[n.name]))
     return tuple(recs)
+
+
+def _bucket_record(sharded, local, bucket, prov) -> Collective:
+    """The one all_reduce of a bucket of norm-weight gradients (its members' records merged)."""
+    ar, parts = bucket
+    first = sharded[parts[0]]
+    src = sharded[first.inputs[0]]
+    a = sharded.mesh.names.index(ar.attr("axis"))
+    step = Step("all_reduce", a, None, None, src.layout, first.layout)
+    consumers = tuple(f"bucket_part %{p}" for p in parts)
+    return Collective(ar.name, "all_reduce", ar.attr("axis"), None, ar.type.dtype, tuple(ar.type.shape),
+                      layout_str(src.layout), layout_str(first.layout), step_bytes(step, ar.type, sharded.mesh),
+                      ar.phase, ar.inputs[0], consumers, ar.attr("reason"), prov[ar.name])
 
 
 def _train_loop(local, spec) -> TrainLoop | None:

@@ -117,6 +117,7 @@ def spmd_errors(program, run, split_inputs: bool = False) -> list:
     (:func:`split_bound` of its pieces). Returns ``[{value name: bound}]`` by rank.
     """
     from .reference.interpreter import _LAYOUT_OPS
+    from .reference.norm_ops import at_rank
 
     mesh = program.mesh
     errs = [{} for _ in range(mesh.size)]
@@ -136,7 +137,7 @@ def spmd_errors(program, run, split_inputs: bool = False) -> list:
                     errs[r][n.name] = np.array(e, np.float64)
         else:
             for r in range(mesh.size):
-                errs[r][n.name] = op_bound(n, [run.env[r][i] for i in n.inputs],
+                errs[r][n.name] = op_bound(at_rank(program, n, r), [run.env[r][i] for i in n.inputs],
                                            [errs[r][i] for i in n.inputs], run.env[r][n.name])[1]
     return errs
 

@@ -211,6 +211,9 @@ LOWERED_CASES = {  # case: (op, operand shapes, result shape, attrs); "abs:" non
     "mse_sum": ("mse_sum", ((2, 3), (2, 3)), (), {}),
     "mse_grad": ("mse_grad", ((), (2, 3), (2, 3)), (2, 3), {}),
     "adamw_param_inplace": ("adamw_param", ((2, 3), (2, 3), "abs", "t"), (2, 3), {**_ADAMW, "inplace": True}),
+    # norms part (issue 17): the bucketed all_reduce of norm-weight gradients (passes/bucket.py)
+    "bucket_cat": ("bucket_cat", ((2, 3), (4,), (3,)), (13,), {}),
+    "bucket_part": ("bucket_part", ((13,),), (2, 3), {"offset": 4, "numel": 6}),
 }
 
 

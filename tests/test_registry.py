@@ -106,6 +106,10 @@ EXEMPT = {
         ("sharding", "made after sharding by parcomp/passes/lower.py from ops whose layouts were checked"),
         ("VJP", "made by lowering, after autodiff; never differentiated"),
         ("torch_frontend", "made by lowering (parcomp/passes/lower.py), never by a frontend"))},
+    # norms + embedding part (issue 17): the gradient ops are made by their forward op's VJP
+    **{(_T[t], op): why for op in ("layer_norm_grad", "rms_norm_grad", "embedding_grad") for t, why in (
+        ("VJP", "gradients are not differentiated again (no second derivatives)"),
+        ("torch_frontend", _BY_AUTODIFF))},
     # attention part (issue 17)
     **{(_T["torch_frontend"], op): _BY_AUTODIFF for op in ("slice_grad", "sdpa_grad")},
     **{(_T["VJP"], op): "gradients are not differentiated again (no second derivatives)"

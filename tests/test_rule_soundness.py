@@ -12,6 +12,7 @@ import pytest
 from parcomp.ir import Mesh, Partial, TensorType, parse_graph
 from parcomp.ir.types import local_shape
 from parcomp.reference.interpreter import assemble, split_for_ranks
+from parcomp.reference.norm_ops import rank_attrs
 from parcomp.rules.sharding import STRATEGY_RULES, axis_strategies
 from parcomp.tolerance import assemble_bound, op_bound, split_bound
 
@@ -67,6 +68,16 @@ CASES = {  # op -> pcir lines defining %a [%b %c %d] and %y; every dim divisible
     "sin": "%y: f64[4,6] = sin(%a)",
     "cast": "%y: f32[4,6] = cast(%a)",
     "arange": "%y: f64[6] = arange() {start=1, step=0.5}",
+    # norms + embedding part (issue 17)
+    "layer_norm": "%w: f64[6] = input()\n%c: f64[6] = input()\n%y: f64[4,6] = layer_norm(%a, %w, %c) {eps=1e-05}",
+    "layer_norm_plain": "%y: f64[4,6] = layer_norm(%a) {eps=1e-05}",
+    "rms_norm": "%w: f64[6] = input()\n%y: f64[4,6] = rms_norm(%a, %w) {eps=1e-06}",
+    "layer_norm_grad": ("%g: f64[4,6] = input()\n%w: f64[6] = input()\n"
+                        "%y: f64[4,6] = layer_norm_grad(%g, %a, %w) {eps=1e-05}"),
+    "rms_norm_grad": "%g: f64[4,6] = input()\n%y: f64[4,6] = rms_norm_grad(%g, %a) {eps=1e-06}",
+    "dropout": "%y: f64[4,6] = dropout(%a) {p=0.5, seed=7}",
+    "embedding": "%ids: i64[2,4] = input()\n%y: f64[2,4,6] = embedding(%ids, %a)",
+    "embedding_grad": "%g: f64[2,4,6] = input()\n%ids: i64[2,4] = input()\n%y: f64[4,6] = embedding_grad(%g, %ids)",
 }
 
 
@@ -78,7 +89,7 @@ def _node_and_inputs(case):
 
 def _feed(node, rng):
     if node.type.dtype == "int64":
-        return rng.integers(0, 6, node.type.shape)
+        return rng.integers(0, 4 if node.name == "ids" else 6, node.type.shape)
     x = rng.uniform(0.5, 1.5, node.type.shape) * rng.choice([-1.0, 1.0], node.type.shape)
     return np.abs(x) if node.name in ("v", "b") and node.type.shape == (4, 6) else x
 
@@ -101,10 +112,17 @@ def test_every_strategy_of_the_rule_table_is_sound(case):
                 for s, n, p in zip(split, ins, in_pl)]
         lty = TensorType(local_shape(y.type, (out_pl,), MESH), y.type.dtype)
         local = y.__class__(y.name, y.op, y.inputs, lty, y.attrs)
-        outs, bounds = zip(*(op_bound(local, [s[r] for s in split], errs) for r in range(MESH.size)))
+        outs, bounds = zip(*(op_bound(_at(local, split, ins, in_pl, out_pl, r), [s[r] for s in split], errs)
+                             for r in range(MESH.size)))
         got = assemble(list(outs), (out_pl,), y.type.shape, MESH, "float64")
         bound = assemble_bound(list(bounds), list(outs), (out_pl,), y.type.shape, MESH, y.type.dtype)
         assert_equivalent(got, want, bound, want_bound, what=f"{y.op}: {[str(p) for p in in_pl]} -> {out_pl}")
+
+
+def _at(local, split, ins, in_pl, out_pl, r):
+    """``local`` as rank r runs it: where its block lies (dropout, vocab-parallel embedding)."""
+    types = [TensorType(s[r].shape, n.type.dtype) for s, n in zip(split, ins)]
+    return rank_attrs(local, types, [(p,) for p in in_pl], (out_pl,), MESH, MESH.coords(r))
 
 
 def test_every_op_kind_with_strategies_has_a_case():

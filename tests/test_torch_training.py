@@ -25,6 +25,7 @@ from parcomp.tolerance import loss_errors, op_bound, training_bounds  # noqa: E4
 from parcomp_backends.torch import (assemble_training_outputs, emit_program,  # noqa: E402
                                     run_torchrun, training_facts)
 from parcomp_backends.torch.emit import OP_FORMATS, _code  # noqa: E402
+from parcomp_backends.torch.emit_norms import NORM_RUNTIME  # noqa: E402
 from parcomp_backends.torch.launch import write_program  # noqa: E402
 
 from numerics import assert_all_equivalent, assert_equivalent  # noqa: E402
@@ -73,6 +74,16 @@ SHAPED_CASES = {  # case: (op, operand shapes, result shape, attrs); "i:2,3" = i
     "sdpa": ("sdpa", ((1, 2, 3, 4),) * 3, (1, 2, 3, 4), {"scale": 0.5}),
     **{"sdpa_grad" + ("" if w == "q" else f"_{w}"): ("sdpa_grad", ((1, 2, 3, 4),) * 4, (1, 2, 3, 4),
                                                     {"causal": True, "scale": 0.5, "wrt": w}) for w in "qkv"},
+    # norms + embedding part (issue 17); helpers from backends/torch/program_norms.py
+    "layer_norm": ("layer_norm", ((2, 3, 8), (8,), (8,)), (2, 3, 8), {"eps": 1e-5}),
+    "layer_norm_plain": ("layer_norm", ((2, 3, 8),), (2, 3, 8), {"eps": 1e-5}),
+    "rms_norm": ("rms_norm", ((2, 3, 8), (8,)), (2, 3, 8), {"eps": 1e-6}),
+    "rms_norm_plain": ("rms_norm", ((4, 8),), (4, 8), {"eps": 1e-6}),
+    "layer_norm_grad": ("layer_norm_grad", ((2, 3, 8), (2, 3, 8), (8,)), (2, 3, 8), {"eps": 1e-5}),
+    "rms_norm_grad": ("rms_norm_grad", ((2, 3, 8), (2, 3, 8)), (2, 3, 8), {"eps": 1e-6}),
+    "dropout": ("dropout", ((4, 6),), (4, 6), {"p": 0.3, "seed": 11}),
+    "embedding": ("embedding", ("i:2,3", (5, 4)), (2, 3, 4), {}),
+    "embedding_grad": ("embedding_grad", ((2, 3, 4), "i:2,3"), (5, 4), {}),
 }
 OP_CASES = {**{op: (op, _X if op in ("add", "sub", "mul", "div") or op.endswith("_grad") else ((2, 3),),
                     (2, 3), {}) for op in COMPUTE_OPS}, **SHAPED_CASES}  # every op, default shapes
@@ -95,6 +106,7 @@ def test_every_op_including_training_ops_matches_numpy(case):
     xs = [_operand(rng, s, i, op) for i, s in enumerate(shapes)]
     node = Node("y", op, tuple(f"a{i}" for i in range(len(xs))), TensorType(out), make_attrs(**attrs))
     env = {"torch": torch, "DEVICE": torch.device("cpu")}
+    exec(NORM_RUNTIME, env)  # noqa: S102 - the helpers program.py pastes (norms + embedding part)
     env.update({f"a{i}": torch.tensor(x) for i, x in enumerate(xs)})
     got = eval(_code(node, [f"a{i}" for i in range(len(xs))]), env)  # noqa: S307 - our own table
     want, bound = op_bound(node, xs)

@@ -46,6 +46,11 @@ CASES = {  # op -> (pcir body with inputs %a [%b], output %y), inputs positive w
     "sin": "%y: f64[3,4] = sin(%a)",
     "cast": "%y: f64[3,4] = cast(%a)",
     "arange": "%r: f64[4] = arange() {start=1, step=0.5}\n%y: f64[3,4] = mul(%a, %r)",
+    # norms + embedding part (issue 17)
+    "layer_norm": "%b: f64[4] = input()\n%c: f64[4] = input()\n%y: f64[3,4] = layer_norm(%a, %b, %c) {eps=1e-05}",
+    "rms_norm": "%b: f64[4] = input()\n%y: f64[3,4] = rms_norm(%a, %b) {eps=1e-06}",
+    "dropout": "%y: f64[3,4] = dropout(%a) {p=0.25, seed=3}",
+    "embedding": "%l: i64[2,5] = input()\n%y: f64[2,5,4] = embedding(%l, %a)",
 }
 
 

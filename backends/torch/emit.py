@@ -30,6 +30,7 @@ from parcomp.ir.ops import LAYOUT_OPS
 from parcomp.ir.types import DTYPE_SHORT, Partial, Replicate, layout_str, shard_axes
 from parcomp.program import MAX_STEPS, ParcompError, Program, TrainLoop, plural
 
+from .emit_norms import HELPER_NAMES, NORM_FORMATS, norm_kw, runtime_sections
 from .profiles import get_profile
 from .runtime import (FORWARD_HELP, IMPORTS, MAIN, ONNX_READER, RUNTIME, TRAIN_HELP, TRAIN_MAIN,
                       TRAIN_RUNTIME)
@@ -98,6 +99,7 @@ OP_FORMATS = {
     "cast": "{0}.to({dtype})",
     "arange": "torch.arange({local_shape}[0], dtype=torch.float64, device=DEVICE).mul({step}).add({start}).to({dtype})",
     # ---- end of the attention part ----
+    **NORM_FORMATS,  # norms + embedding part (issue 17): backends/torch/emit_norms.py
 }
 # ``inplace=true``: the result is written into the first operand (torch.optim's own updates)
 IN_PLACE_FORMATS = {
@@ -127,7 +129,7 @@ RESERVED = (set(keyword.kwlist) | set(dir(builtins)) | _TOP_NAMES
                "PROFILE", "DIST_BACKEND", "PRELUDE", "profile_device", "MESH", "GROUP_RANKS",
                "PARAMS", "INPUTS", "OUTPUT_LAYOUTS", "OUTPUT_GLOBAL_SHAPES", "SHARDED_OUTPUT",
                "RUN_HINT", "load_params", "load_inputs", "forward", "STATE", "CARRIED", "STEP_INPUT",
-               "TRAIN_STEPS", "MAX_STEPS", "train_step"})
+               "TRAIN_STEPS", "MAX_STEPS", "train_step"} | set(HELPER_NAMES))
 
 
 class EmitError(ParcompError):
@@ -176,7 +178,7 @@ def emit_program(compiled, profile="cpu", model: str | None = None, steps: int |
     runtime = TRAIN_RUNTIME if train else RUNTIME
     if model and model.endswith(".onnx"):
         runtime += "\n\n\n" + ONNX_READER
-    parts = [_profile_block(prof), _constants(prog, train), runtime,
+    parts = [_profile_block(prof), _constants(prog, train), runtime, *runtime_sections(program),
              _loaders(prog, train), _forward(prog, names, train), TRAIN_MAIN if train else MAIN]
     head = _header(prog, model, train) + "\n" + IMPORTS
     return "\n\n\n".join(p.strip("\n") for p in [head] + parts) + "\n"
@@ -443,7 +445,7 @@ def _forward(prog, names, train) -> str:
             continue
         if n.op in LAYOUT_OPS:
             lines += _layout_comment(program, n, prog.collective(n.name), names)
-        lines.append(f"    {var} = {_code(n, [names[i] for i in n.inputs])}{tail}")
+        lines.append(f"    {var} = {_code(n, [names[i] for i in n.inputs], program)}{tail}")
         if n.attr("frees"):
             lines.append("    del " + ", ".join(names[v] for v in n.attr("frees").split()))
     ret = ", ".join(f"{json.dumps(pub)}: {names[v]}" for pub, v in program.named_outputs())
@@ -451,7 +453,7 @@ def _forward(prog, names, train) -> str:
     return "\n".join(lines)
 
 
-def _code(n, args) -> str:
+def _code(n, args, program=None) -> str:
     """The right-hand side computing node ``n`` from operand variables ``args``
     (``inplace``: :data:`IN_PLACE_FORMATS`; ``async_op``: :data:`ASYNC_FORMATS`)."""
     table = (ASYNC_FORMATS if n.attr("async_op") else IN_PLACE_FORMATS if n.attr("inplace") else OP_FORMATS)
@@ -471,6 +473,7 @@ def _code(n, args) -> str:
     kw["local_shape"] = repr(tuple(n.type.shape))
     kw["dtype"] = TORCH_DTYPES[n.type.dtype]
     kw["args"] = ", ".join(args)
+    kw.update(norm_kw(program, n, args))  # norms + embedding part (issue 17)
     if n.op == "expand":
         kw["kept_shape"] = repr(tuple(1 if d in n.attr("dims") else s for d, s in enumerate(n.type.shape)))
     if n.op == "sdpa_grad":  # attention part (issue 17): which of torch.func.vjp's (dq, dk, dv)

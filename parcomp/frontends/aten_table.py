@@ -26,12 +26,6 @@ def _unary(op: str):
     return lambda b, n, a: b.emit(op, [b.val(a["self"])])
 
 
-def _dropout(b, n, a):
-    if a["train"] and a["p"]:
-        raise b.fail(f"dropout with p={a['p']} in training mode; call module.eval()")
-    return b.val(a["input"])
-
-
 def _scaled(b, x: str, alpha, suffix: str) -> str:
     return x if alpha == 1 else b.emit("scale", [x], suffix, value=float(alpha))
 
@@ -136,7 +130,7 @@ TABLE = {
     aten.rsub.Scalar: _rsub, aten.rsub.Tensor: _rsub,
     aten.mul.Tensor: _mul, aten.mul.Scalar: _mul,
     aten.div.Tensor: _div, aten.div.Scalar: _div,
-    aten.dropout.default: _dropout,
+    # aten.dropout.default: the norms part's (parcomp/frontends/torch_norms.py)
     **{getattr(aten, op).default: lambda b, n, a: b.val(a["self"])  # identity
        for op in ("clone", "contiguous", "alias", "detach")},
 }

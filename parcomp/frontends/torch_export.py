@@ -32,6 +32,7 @@ from .aten_table import TABLE
 from .torch_fold import (causal_attention, defining, fold, folded_constants,  # noqa: F401
                          materialized, remember, same_value)
 from .torch_outputs import name_outputs, output_names, register_output_dataclasses
+from .torch_norms import NORM_TABLE, fused_patterns
 
 aten = torch.ops.aten
 
@@ -51,6 +52,7 @@ class _Builder:
         self.env = {}  # fx node -> parcomp value name (None: no value)
         self.cur = None  # fx node being lowered, for error messages
         self.folded = set()  # fx nodes evaluated at import, not lowered (attention masks)
+        self.fused = {}  # fx node -> lowering(builder, fx node) of a fused pattern (norms part)
 
     def fresh(self, base: str) -> str:
         return self.taken.fresh(re.sub(r"[^A-Za-z0-9_.]", "_", base) or "v")
@@ -185,6 +187,7 @@ from .torch_attention import ATTENTION_TABLE, GETITEM, MULTI, mask_only_nodes  #
 
 TABLE.update(ATTENTION_TABLE)
 # ---- end of the attention part ----
+TABLE.update(NORM_TABLE)  # norms + embedding part (issue 17): parcomp/frontends/torch_norms.py
 
 
 def supported_ops() -> list:
@@ -198,6 +201,8 @@ def _lower(b: _Builder, n) -> str | None:
         return None
     if n.target is GETITEM and isinstance(b.env.get(n.args[0]), list):  # one result of a split
         return b.env[n.args[0]][n.args[1]]
+    if n in b.fused:  # a pattern lowered as one op (norms part: torch_norms.py)
+        return b.fused[n](b, n, _bind(n) if getattr(n.target, "_schema", None) is not None else {})
     fn = TABLE.get(n.target)
     if fn is None:
         raise _unsupported(n)
@@ -234,7 +239,7 @@ def _quiet_torch_logs():
 def _export(module, example_inputs: tuple):
     try:
         # traced in the mode it is given (not switched to eval: the user's module is not
-        # changed); dropout with p > 0 in training mode is then a clear error
+        # changed); dropout with p > 0 in training mode becomes parcomp's dropout
         with _quiet_torch_logs():
             try:
                 ep = torch.export.export(module, tuple(example_inputs), strict=False)
@@ -309,7 +314,8 @@ def import_torch(module: torch.nn.Module, example_inputs: tuple,
 
     Args:
         module: the model, traced in the mode it is in (call ``.eval()`` first for
-            inference; dropout with p > 0 in training mode is rejected).
+            inference; dropout with p > 0 in training mode becomes parcomp's ``dropout``,
+            whose mask is a hash of the element's global index, not torch's generator).
         example_inputs: tuple of tensors with the static shapes to compile for.
         input_names: names of the ``input`` nodes; default: ``forward``'s argument
             names, else ``input_0``, ``input_1``...
@@ -339,6 +345,7 @@ def import_torch(module: torch.nn.Module, example_inputs: tuple,
     users = dict(zip(sig.user_inputs, _input_names(module, len(sig.user_inputs), input_names)))
     fx_nodes = list(ep.graph.nodes)
     b.folded = mask_only_nodes(fx_nodes, SKIP)  # attention part (issue 17)
+    b.fused = fused_patterns(fx_nodes)
     for n in fx_nodes:
         if n.op != "placeholder":
             continue

@@ -149,6 +149,39 @@ def _cross_entropy_grad(ts, n):
     return logits
 
 
+def _norm(ts, n):  # norms part (issue 17): (x[, w[, b]]), w and b of shape [x.shape[-1]]
+    x = ts[0]
+    most = 3 if n.op == "layer_norm" else 2
+    if x.rank < 1 or not 1 <= len(ts) <= most:
+        raise ValueError(f"{n.op} takes a tensor of rank >= 1 and at most {most - 1} affine operands")
+    for t in ts[1:]:
+        if t.shape != x.shape[-1:]:
+            raise ValueError(f"{n.op} weight/bias {t} must have shape [{x.shape[-1]}] (the last dim of {x})")
+    return x
+
+
+def _norm_grad(ts, n):  # (dy, x[, w]) -> dx
+    if len(ts) not in (2, 3) or ts[0].shape != ts[1].shape:
+        raise ValueError(f"{n.op} takes (dy, x[, w]) with dy shaped as x, got {ts}")
+    if len(ts) == 3 and ts[2].shape != ts[1].shape[-1:]:
+        raise ValueError(f"{n.op} weight {ts[2]} must have shape [{ts[1].shape[-1]}]")
+    return ts[1]
+
+
+def _embedding(ts, n):
+    ids, table = ts
+    if not ids.dtype.startswith("int") or table.rank != 2:
+        raise ValueError(f"embedding takes integer ids and a 2-D table, got {ids} and {table}")
+    return TensorType(ids.shape + table.shape[1:], table.dtype)
+
+
+def _embedding_grad(ts, n):
+    dy, ids = ts
+    if n.type is None or n.type.rank != 2 or dy.shape != ids.shape + n.type.shape[1:]:
+        raise ValueError(f"embedding_grad of {dy} at ids {ids} cannot give table {n.type}")
+    return n.type
+
+
 OPS: dict = {}
 
 
@@ -264,6 +297,24 @@ for _n in ("cos", "sin"):
 _def("cast", 1, "nonlinear", _own)
 _def("arange", 0, "const", _own, {"start": Attr("number", default=0), "step": Attr("number", default=1)})
 # ---- end of the attention part ----
+# ---- norms + embedding part (issue 17): layer_norm, rms_norm, dropout, embedding ----
+# Norms normalise over the LAST dim: (x[, weight[, bias]]) {eps}; their ``*_grad(dy, x[, w])``
+# is dx (linear in dy). ``dropout(x) {p, seed}``: keep-mask from a hash of the seed and each
+# element's GLOBAL flat index (parcomp/reference/norm_ops.py), so identical under any sharding;
+# ``index_start``/``index_shape`` are this rank's block (set per rank, never in a model).
+# ``embedding(ids, table)`` -> ids.shape + [dim]; ``vocab_start``: first table row this rank
+# holds (vocab-parallel; ids outside its rows give zero rows). ``embedding_grad(dy, ids)``:
+# the table-shaped scatter-add of dy (its type is the table's).
+_EPS = {"eps": Attr("number", required=True)}
+_def("layer_norm", -1, "nonlinear", _norm, _EPS)
+_def("rms_norm", -1, "nonlinear", _norm, _EPS)
+_def("layer_norm_grad", -1, "linear0", _norm_grad, _EPS)
+_def("rms_norm_grad", -1, "linear0", _norm_grad, _EPS)
+_def("dropout", 1, "linear", _same, {"p": _NUM, "seed": Attr("int", required=True),
+                                     "index_start": Attr("ints"), "index_shape": Attr("ints")})
+_def("embedding", 2, "gather", _embedding, {"vocab_start": Attr("int")})
+_def("embedding_grad", 2, "linear0", _embedding_grad, {"vocab_start": Attr("int")})
+# ---- end of the norms + embedding part ----
 _SOURCE = {"global_shape": Attr("ints")}  # set by localize: the full shape
 _def("input", 0, "source", _own, _SOURCE)
 _def("param", 0, "source", _own, {**_SOURCE, "trainable": Attr("bool", default=True),
@@ -301,6 +352,11 @@ _def("axpby", 2, "lowered", _own, {"a": _NUM, "b": _NUM, **_INPLACE})  # a x + b
 _def("mse_sum", 2, "lowered", _own)  # (y, t) -> sum((y - t)**2) over all dims (0-d)
 _def("mse_grad", 3, "lowered", _own)  # (dl, y, t) -> dl * 2 * (y - t), dl broadcast
 _def("wait", 1, "lowered", _same)  # the value of an all_reduce started with async_op=true
+# norms + embedding part (issue 17), parcomp/passes/bucket.py: (a, b, ...) -> their
+# flattened concatenation; (flat) -> flat[offset:offset+numel] reshaped to its type (a view)
+_def("bucket_cat", -1, "lowered", _own)
+_def("bucket_part", 1, "lowered", _own, {"offset": Attr("int", required=True),
+                                         "numel": Attr("int", required=True)})
 
 # derived views of the schemas (read-only conveniences; declare attributes with _def)
 REQUIRED_ATTRS = {op: tuple(k for k, a in d.attrs.items() if a.required)

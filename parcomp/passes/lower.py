@@ -32,10 +32,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..ir.graph import Graph, Node
+from .bucket import bucket_norm_grads
 
 SOURCES = ("input", "param")
 # results that alias their (first) operand: no new buffer
-VIEW_OPS = ("permute", "reshape", "relayout", "expand", "wait", "slice")  # slice: attention part (issue 17)
+VIEW_OPS = ("permute", "reshape", "relayout", "expand", "wait", "slice",  # slice: attention part
+            "bucket_part")  # bucket_part: norms part (issue 17)
 # results that may alias their operand (a local slice, coordinate 0 of a mask)
 MAYBE_VIEW_OPS = ("shard_slice", "partial_mask")
 IN_PLACE_OPS = ("all_reduce", "add", "add_scaled", "axpby", "adamw_param")
@@ -252,6 +254,7 @@ def free_dead(graph: Graph) -> Graph:
 
 
 LOWERING = (("fuse-matmuls", fuse_matmuls), ("fuse-mse", fuse_mse), ("fuse-updates", fuse_updates),
+            ("bucket-norm-grads", bucket_norm_grads),  # norms part (issue 17): passes/bucket.py
             ("overlap-collectives", overlap_collectives), ("in-place", in_place),
             ("free-dead", free_dead))
 """The lowering passes in pipeline order (name, Graph -> Graph)."""

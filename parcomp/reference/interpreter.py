@@ -19,6 +19,7 @@ from ..ir.types import Partial, Replicate, TensorType, shard_offsets
 from ..passes.lower import frees_of, storage_roots
 from ..redistribute import Step, step_bytes
 from .numpy_attn import source_array
+from .norm_ops import at_rank
 from .numpy_ops import NUMPY_OPS
 
 
@@ -136,8 +137,8 @@ def run_spmd(program: Graph, feeds: dict, partial_rng=None) -> SPMDRun:
         elif n.op in _LAYOUT_OPS:
             _layout_op(program, n, run, live)
         else:
-            for r in ranks:
-                live[r][n.name] = NUMPY_OPS[n.op]([live[r][i] for i in n.inputs], n)
+            for r in ranks:  # at_rank: where this rank's block lies (dropout, vocab-parallel)
+                live[r][n.name] = NUMPY_OPS[n.op]([live[r][i] for i in n.inputs], at_rank(program, n, r))
         for r in ranks:
             _account(n, live[r], roots, size[r], run, r)
     return run

@@ -11,6 +11,8 @@ import math
 
 import numpy as np
 
+from .norm_ops import NORM_NUMPY_OPS
+
 _erf = np.vectorize(math.erf, otypes=[np.float64])
 
 
@@ -112,6 +114,8 @@ NUMPY_OPS = {
     "mse_sum": lambda a, n: np.sum((a[0] - a[1]) * (a[0] - a[1])).astype(a[0].dtype),
     "mse_grad": lambda a, n: ((a[0] * a[0].dtype.type(2.0)) * (a[1] - a[2])).astype(a[1].dtype),
     "wait": lambda a, n: a[0],
+    # norms + embedding part (issue 17): layer_norm, rms_norm, dropout, embedding (+ grads)
+    **NORM_NUMPY_OPS,
 }
 
 # ---- attention part (issue 17): views, RoPE pointwise ops, sdpa ----

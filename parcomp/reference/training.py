@@ -109,6 +109,7 @@ def torch_train(module, example, input_names, data: dict, cfg, steps: int, outpu
                                 eps=h["eps"], weight_decay=h["weight_decay"])
     if start is not None:
         _load_start(m, opt, named, start, first, cfg.optimizer)
+    names = _aliases(m)  # a tied weight (lm_head.weight is wte.weight) under export's name for it
     xs = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in example]
     losses, grads = [], {}
     for _ in range(steps):
@@ -125,14 +126,14 @@ def torch_train(module, example, input_names, data: dict, cfg, steps: int, outpu
             loss = y
         loss.backward()
         losses.append(float(loss.detach()))
-        grads = {k: p.grad.detach().numpy().copy() for k, p in named if p.grad is not None}
+        grads = {names[id(p)]: p.grad.detach().numpy().copy() for _, p in named if p.grad is not None}
         opt.step()
-    state = {f"{k}.{s}": v.detach().numpy().copy() for k, p in named
+    state = {f"{names[id(p)]}.{s}": v.detach().numpy().copy() for _, p in named
              for s, v in opt.state[p].items() if s != "step" and isinstance(v, torch.Tensor)}
     from ..frontends.torch_fold import folded_constants
 
     sources = {**dict(m.named_buffers()), **m.state_dict(), **folded_constants(module)}  # constants too
-    return {"losses": losses, "params": {k: p.detach().numpy().copy() for k, p in named},
+    return {"losses": losses, "params": {names[id(p)]: p.detach().numpy().copy() for _, p in named},
             "sources": {k: v.detach().numpy().copy() for k, v in sources.items()},
             "grads": grads, "state": state,
             "input_grads": {f"{n}.grad": x.grad.numpy().copy() for n, x in zip(input_names, xs)
@@ -142,16 +143,25 @@ def torch_train(module, example, input_names, data: dict, cfg, steps: int, outpu
 _OPTIMIZER_STATE = {"sgd": ("momentum_buffer",), "adamw": ("exp_avg", "exp_avg_sq")}
 
 
+def _aliases(m) -> dict:
+    """``{id(parameter): the name torch.export gives it}``: a tied weight has several names
+    (GPT-2's ``transformer.wte.weight`` is ``lm_head.weight``); named_parameters() keeps the
+    first, torch.export (and so the compiled graph) the last (norms part, issue 17)."""
+    return {id(p): k for k, p in m.named_parameters(remove_duplicate=False)}
+
+
 def _load_start(m, opt, named, start: dict, first: int, optimizer: str) -> None:
     """Set ``m``'s parameters and buffers and ``opt``'s state from ``start`` (see
     :func:`torch_train`): torch.optim keeps ``step`` = steps taken, so ``first - 1``."""
     import torch
 
     with torch.no_grad():
-        for k, t in [*m.named_parameters(), *m.named_buffers()]:
+        for k, t in [*m.named_parameters(remove_duplicate=False), *m.named_buffers()]:
             if k in start:
                 t.copy_(torch.from_numpy(np.asarray(start[k])))
-    for k, p in named:
+    names = _aliases(m)
+    for _, p in named:
+        k = names[id(p)]
         st = {s: torch.from_numpy(np.array(start[f"{k}.{s}"])) for s in _OPTIMIZER_STATE[optimizer]
               if f"{k}.{s}" in start}
         if optimizer == "adamw":

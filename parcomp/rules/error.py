@@ -27,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..reference.numpy_ops import NUMPY_OPS
+from .norms import NORM_ERROR_RULES
 
 
 _NOT_NUMPY = {"bfloat16": (2.0 ** -8, 2.0 ** -126)}  # (u, smallest normal) of dtypes numpy lacks
@@ -366,6 +367,7 @@ ERROR_RULES = {
     "mse_sum": _mse_sum,
     "mse_grad": _mse_grad,
     "wait": _move,
+    **NORM_ERROR_RULES,  # norms + embedding part (issue 17): parcomp/rules/norms.py
 }
 """op -> rule ``(vals, errs, node, out, u) -> err`` for every op of :data:`parcomp.ir.ops.OPS`
 that computes (sources and collectives are handled by :mod:`parcomp.tolerance`)."""

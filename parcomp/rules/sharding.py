@@ -18,6 +18,7 @@ import itertools
 
 from ..ir.ops import OPS
 from ..ir.types import P, R, Shard, divisibility_problem
+from .norms import NORM_STRATEGY_RULES
 
 
 def _pointwise(node, ts, linear):
@@ -157,6 +158,7 @@ STRATEGY_RULES = {
     "const": _ones,
     "cross_entropy": _cross_entropy,
     "cross_entropy_grad": _cross_entropy_grad,
+    **NORM_STRATEGY_RULES,  # norms + embedding part (issue 17): parcomp/rules/norms.py
 }
 
 

@@ -10,6 +10,7 @@ finite differences in float64 in ``tests/test_vjp.py``.
 from __future__ import annotations
 
 from ..ir.types import TensorType
+from .norms import NORM_VJP_RULES
 
 
 def unbroadcast(b, g, ty: TensorType):
@@ -107,6 +108,7 @@ VJP_RULES = {
     "sum": lambda b, n, g: (b.op("expand", [g], dims=n.attr("dims"), type=b.type(n.inputs[0])),),
     "expand": lambda b, n, g: (b.op("sum", [g], dims=n.attr("dims")),),
     "cross_entropy": _cross_entropy,
+    **NORM_VJP_RULES,  # norms + embedding part (issue 17): parcomp/rules/norms.py
 }
 
 
