@@ -30,6 +30,8 @@ from parcomp.ir.ops import LAYOUT_OPS
 from parcomp.ir.types import DTYPE_SHORT, Partial, Replicate, layout_str, shard_axes
 from parcomp.program import MAX_STEPS, ParcompError, Program, TrainLoop, plural
 
+from .emit_reduce import (ASYNC_REDUCE, HELPER_NAMES, IN_PLACE_REDUCE, REDUCE_FORMATS, reduce_key, reduce_kw,
+                          reduce_sections)
 from .profiles import get_profile
 from .runtime import (FORWARD_HELP, IMPORTS, MAIN, ONNX_READER, RUNTIME, TRAIN_HELP, TRAIN_MAIN,
                       TRAIN_RUNTIME)
@@ -98,6 +100,7 @@ OP_FORMATS = {
     "cast": "{0}.to({dtype})",
     "arange": "torch.arange({local_shape}[0], dtype=torch.float64, device=DEVICE).mul({step}).add({start}).to({dtype})",
     # ---- end of the attention part ----
+    **REDUCE_FORMATS,  # reductions part (issue 17): backends/torch/emit_reduce.py
 }
 # ``inplace=true``: the result is written into the first operand (torch.optim's own updates)
 IN_PLACE_FORMATS = {
@@ -107,9 +110,11 @@ IN_PLACE_FORMATS = {
     "axpby": "{0}.mul_({a}).add_({1}, alpha={b})",
     "adamw_param": ("{0}.mul_(1 - {lr} * {weight_decay}).sub_({lr} / (1 - {beta1} ** {3}) * {1} "
                     "/ (torch.sqrt({2}) / torch.sqrt(1 - {beta2} ** {3}) + {eps}))"),
+    **IN_PLACE_REDUCE,
 }
 # ``async_op=true``: start the collective, ``wait`` returns its value (key + "_": in place)
-ASYNC_FORMATS = {"all_reduce": "all_reduce_start({0}, {axis})", "all_reduce_": "all_reduce_start_({0}, {axis})"}
+ASYNC_FORMATS = {"all_reduce": "all_reduce_start({0}, {axis})", "all_reduce_": "all_reduce_start_({0}, {axis})",
+                 **ASYNC_REDUCE}
 ATTR_DEFAULTS = {"gelu": {"approximate": "none"}, "gelu_grad": {"approximate": "none"},
                  # attention part (issue 17)
                  **{op: {"causal": False} for op in ("sdpa", "sdpa_grad")},
@@ -127,7 +132,7 @@ RESERVED = (set(keyword.kwlist) | set(dir(builtins)) | _TOP_NAMES
                "PROFILE", "DIST_BACKEND", "PRELUDE", "profile_device", "MESH", "GROUP_RANKS",
                "PARAMS", "INPUTS", "OUTPUT_LAYOUTS", "OUTPUT_GLOBAL_SHAPES", "SHARDED_OUTPUT",
                "RUN_HINT", "load_params", "load_inputs", "forward", "STATE", "CARRIED", "STEP_INPUT",
-               "TRAIN_STEPS", "MAX_STEPS", "train_step"})
+               "TRAIN_STEPS", "MAX_STEPS", "train_step"} | set(HELPER_NAMES))
 
 
 class EmitError(ParcompError):
@@ -177,6 +182,7 @@ def emit_program(compiled, profile="cpu", model: str | None = None, steps: int |
     if model and model.endswith(".onnx"):
         runtime += "\n\n\n" + ONNX_READER
     parts = [_profile_block(prof), _constants(prog, train), runtime,
+             *reduce_sections(program),
              _loaders(prog, train), _forward(prog, names, train), TRAIN_MAIN if train else MAIN]
     head = _header(prog, model, train) + "\n" + IMPORTS
     return "\n\n\n".join(p.strip("\n") for p in [head] + parts) + "\n"
@@ -401,7 +407,7 @@ def _loaders(prog, train) -> str:
             sliced, what = _slice_expr(program, n, src)
             expr = f"place({sliced})"
             for a, p in enumerate(n.layout):
-                if isinstance(p, Partial):
+                if p == Partial("sum"):  # a P(max) source: every rank keeps it
                     expr = f"partial_mask({expr}, {json.dumps(program.mesh.names[a])})"
             if n.name in state:  # optimizer state: the checkpoint's (--replay), else zeros
                 lines += _comment(f"{head}optimizer state: zeros at step 1 unless the checkpoint "
@@ -443,7 +449,7 @@ def _forward(prog, names, train) -> str:
             continue
         if n.op in LAYOUT_OPS:
             lines += _layout_comment(program, n, prog.collective(n.name), names)
-        lines.append(f"    {var} = {_code(n, [names[i] for i in n.inputs])}{tail}")
+        lines.append(f"    {var} = {_code(n, [names[i] for i in n.inputs], program)}{tail}")
         if n.attr("frees"):
             lines.append("    del " + ", ".join(names[v] for v in n.attr("frees").split()))
     ret = ", ".join(f"{json.dumps(pub)}: {names[v]}" for pub, v in program.named_outputs())
@@ -451,11 +457,11 @@ def _forward(prog, names, train) -> str:
     return "\n".join(lines)
 
 
-def _code(n, args) -> str:
+def _code(n, args, program=None) -> str:
     """The right-hand side computing node ``n`` from operand variables ``args``
     (``inplace``: :data:`IN_PLACE_FORMATS`; ``async_op``: :data:`ASYNC_FORMATS`)."""
     table = (ASYNC_FORMATS if n.attr("async_op") else IN_PLACE_FORMATS if n.attr("inplace") else OP_FORMATS)
-    key = n.op + ("_" if n.attr("async_op") and n.attr("inplace") else "")
+    key = reduce_key(n) + ("_" if n.attr("async_op") and n.attr("inplace") else "")
     if key not in table:
         raise EmitError(f"op {n.op!r} (%{n.name}) has no torch mapping; the torch backend "
                         f"knows: {', '.join(sorted(OP_FORMATS))}")
@@ -471,6 +477,7 @@ def _code(n, args) -> str:
     kw["local_shape"] = repr(tuple(n.type.shape))
     kw["dtype"] = TORCH_DTYPES[n.type.dtype]
     kw["args"] = ", ".join(args)
+    kw.update(reduce_kw(program, n, _py))  # reductions part (issue 17)
     if n.op == "expand":
         kw["kept_shape"] = repr(tuple(1 if d in n.attr("dims") else s for d, s in enumerate(n.type.shape)))
     if n.op == "sdpa_grad":  # attention part (issue 17): which of torch.func.vjp's (dq, dk, dv)

@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..ir.graph import Graph, Node
+from .fuse_reductions import fuse_reductions
 
 SOURCES = ("input", "param")
 # results that alias their (first) operand: no new buffer
@@ -251,7 +252,8 @@ def free_dead(graph: Graph) -> Graph:
                              for n in graph.nodes])
 
 
-LOWERING = (("fuse-matmuls", fuse_matmuls), ("fuse-mse", fuse_mse), ("fuse-updates", fuse_updates),
+LOWERING = (("fuse-reductions", fuse_reductions),  # reductions part (issue 17): passes/fuse_reductions.py
+            ("fuse-matmuls", fuse_matmuls), ("fuse-mse", fuse_mse), ("fuse-updates", fuse_updates),
             ("overlap-collectives", overlap_collectives), ("in-place", in_place),
             ("free-dead", free_dead))
 """The lowering passes in pipeline order (name, Graph -> Graph)."""

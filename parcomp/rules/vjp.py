@@ -10,6 +10,7 @@ finite differences in float64 in ``tests/test_vjp.py``.
 from __future__ import annotations
 
 from ..ir.types import TensorType
+from .reductions import REDUCE_VJP_RULES
 
 
 def unbroadcast(b, g, ty: TensorType):
@@ -82,7 +83,7 @@ def _permute(b, n, g):
 
 def _cross_entropy(b, n, g):
     logits, labels = n.inputs
-    return b.op("cross_entropy_grad", [g, logits, labels]), None
+    return b.op("cross_entropy_grad", [g, logits, labels], **dict(n.attrs)), None
 
 
 VJP_RULES = {
@@ -107,6 +108,7 @@ VJP_RULES = {
     "sum": lambda b, n, g: (b.op("expand", [g], dims=n.attr("dims"), type=b.type(n.inputs[0])),),
     "expand": lambda b, n, g: (b.op("sum", [g], dims=n.attr("dims")),),
     "cross_entropy": _cross_entropy,
+    **REDUCE_VJP_RULES,  # reductions part (issue 17): parcomp/rules/reductions.py
 }
 
 
