@@ -259,8 +259,9 @@ def _cross_entropy_loss(b, graph, y, labels, args):
     with the GLOBAL count; written as the reductions a vocab split turns into Megatron's
     three all_reduces (reductions part, issue 17: parcomp/passes/decompose.py)."""
     e = Emitter(b.names, b.types)
+    pad = padded_size({n.name: n for n in graph.nodes}, y)
     per, valid = cross_entropy_parts(e, y, labels, "loss.ce", args.get("ignore_index", -100),
-                                     args.get("label_smoothing", 0.0), padded_size({n.name: n for n in graph.nodes}, y))
+                                     args.get("label_smoothing", 0.0), pad)
     for n in e.out:
         b.nodes.append(replace(n, phase="loss"))
         b.phases[n.name] = "loss"

@@ -62,7 +62,8 @@ def softmax_parts(e: Emitter, x, d, base, log=False) -> tuple:
     ty = e.types[x]
     z, ex, s = _shifted(e, x, d, base)
     if log:
-        lse = e.op("expand", [e.op("log", [s], f"{base}.logsumexp")], f"{base}.logsumexp_b", type=ty, dims=(d,))
+        lse = e.op("expand", [e.op("log", [s], f"{base}.logsumexp")], f"{base}.logsumexp_b",
+                   type=ty, dims=(d,))
         return "sub", (z, lse), {}
     return "div", (ex, e.op("expand", [s], f"{base}.sumexp_b", type=ty, dims=(d,))), {}
 
@@ -87,8 +88,9 @@ def cross_entropy_parts(e: Emitter, z, labels, base, ignore_index=-100, smoothin
         mean = e.op("scale", [e.op("sum", [real], f"{base}.sum_logits", dims=(d,))], f"{base}.mean_logits",
                     value=1.0 / classes)
         smooth = e.op("sub", [lse, mean], f"{base}.smooth")
-        per = e.op("add", [e.op("scale", [nll], f"{base}.nll_w", value=1.0 - smoothing),
-                           e.op("scale", [smooth], f"{base}.smooth_w", value=float(smoothing))], f"{base}.mix")
+        nll_w = e.op("scale", [nll], f"{base}.nll_w", value=1.0 - smoothing)
+        smooth_w = e.op("scale", [smooth], f"{base}.smooth_w", value=float(smoothing))
+        per = e.op("add", [nll_w, smooth_w], f"{base}.mix")
     valid = e.op("label_mask", [labels], f"{base}.counted", ignore_index=ignore_index, dtype=ty.dtype)
     return e.op("mul", [per, valid], f"{base}.per_token"), valid
 
@@ -118,7 +120,8 @@ def _decompose(e: Emitter, n: Node, producers: dict):
             count *= ty.shape[d]
         return "scale", (e.op("sum", [x], f"{n.name}.sum", dims=dims),), {"value": 1.0 / count}
     if n.op == "argmax" and e.types[x].dtype in KEYED_DTYPES:
-        return "argmax_index", (e.op("argmax_key", [x], f"{n.name}.key", dim=n.attr("dim") % e.types[x].rank),), {}
+        key = e.op("argmax_key", [x], f"{n.name}.key", dim=n.attr("dim") % e.types[x].rank)
+        return "argmax_index", (key,), {}
     if n.op == "cross_entropy":
         cross_entropy_parts(e, x, n.inputs[1], n.name, n.attr("ignore_index", -100),
                             n.attr("label_smoothing", 0.0), padded_size(producers, x))

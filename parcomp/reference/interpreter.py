@@ -76,7 +76,8 @@ def _split_max(locs, full, layout, mesh, a, rng):
     keys = {}
     for r in range(mesh.size):
         coords = mesh.coords(r)
-        key = tuple(0 if (i == a or isinstance(q, Replicate)) else c for i, (c, q) in enumerate(zip(coords, layout)))
+        key = tuple(0 if (i == a or isinstance(q, Replicate)) else c
+                    for i, (c, q) in enumerate(zip(coords, layout)))
         if key not in keys:
             keys[key] = (int(rng.integers(mesh.sizes[a])),
                          [np.abs(rng.standard_normal(locs[r].shape)) * 3 for _ in range(mesh.sizes[a])])
