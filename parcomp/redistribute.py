@@ -6,9 +6,11 @@ table, :data:`parcomp.ir.transitions.TRANSITIONS` (DESIGN.md "Redistribution").
 Multi-axis plans respect the shard-order convention of :mod:`parcomp.ir.types`
 (first mesh axis outer): per tensor dim, the common prefix of source and target
 shard axes is kept, the rest of the source axes are gathered innermost first,
-partial axes not wanted partial are reduced, then the target's remaining axes
-are added outermost first (reduce_scatter where the axis is still partial,
-a local slice otherwise), and last ``R -> P`` masks.
+partial axes not wanted partial (or wanted as another partial kind) are reduced,
+then the target's remaining axes are added outermost first (reduce_scatter where
+the axis is still a partial sum, a local slice otherwise), and last ``R -> P``
+masks. A ``P(max)`` is reduced by ``all_reduce{reduce_op="max"}`` (never summed,
+never reduce_scattered).
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ class Step:
     partial_mask.  ``dim``: the tensor dim gathered/scattered/sliced (target dim
     for all_to_all), ``src_dim``: the dim concatenated by all_to_all.
     ``before``/``after``: the full layouts around the step.
+    ``reduce_op``: the partial kind an all_reduce / partial_mask works on ("sum", "max").
     """
 
     kind: str
@@ -48,6 +51,7 @@ class Step:
     src_dim: int | None
     before: Layout
     after: Layout
+    reduce_op: str = "sum"
 
     @property
     def is_collective(self) -> bool:
@@ -71,12 +75,12 @@ def plan(src: Layout, tgt: Layout, rank: int) -> tuple:
 def _plan(src, tgt, rank):
     cur, steps = list(src), []
 
-    def emit(kind, axis, dim=None, src_dim=None):
-        was, new = TRANSITIONS[kind].placements(dim, src_dim)
+    def emit(kind, axis, dim=None, src_dim=None, reduce_op="sum"):
+        was, new = TRANSITIONS[kind].placements(dim, src_dim, reduce_op)
         assert cur[axis] == was, (kind, cur, axis)
         before = tuple(cur)
         cur[axis] = new
-        steps.append(Step(kind, axis, dim, src_dim, before, tuple(cur)))
+        steps.append(Step(kind, axis, dim, src_dim, before, tuple(cur), reduce_op))
 
     if src == tgt:
         return ()
@@ -89,8 +93,8 @@ def _plan(src, tgt, rank):
             else:
                 emit("all_gather", a, dim=d)
     for a, (s, t) in enumerate(zip(src, tgt)):  # phase B: reduce partials not wanted partial
-        if isinstance(s, Partial) and isinstance(t, Replicate):
-            emit("all_reduce", a)
+        if isinstance(s, Partial) and s != t and (not isinstance(t, Shard) or s.op != "sum"):
+            emit("all_reduce", a, reduce_op=s.op)  # a P(max) is never reduce_scattered
     for d in range(rank):  # phase C: add target shards, outermost first
         for a in shard_axes(tgt, d)[keep[d]:]:
             if cur[a] == Shard(d):
@@ -101,7 +105,7 @@ def _plan(src, tgt, rank):
                 emit("shard_slice", a, dim=d)
     for a, t in enumerate(tgt):  # phase D: R -> P
         if isinstance(t, Partial) and not isinstance(cur[a], Partial):
-            emit("partial_mask", a)
+            emit("partial_mask", a, reduce_op=t.op)
     assert tuple(cur) == tgt, (src, tgt, cur)
     return tuple(steps)
 

@@ -117,7 +117,7 @@ def spmd_errors(program, run, split_inputs: bool = False) -> list:
     (:func:`split_bound` of its pieces). Returns ``[{value name: bound}]`` by rank.
     """
     from .reference.interpreter import _LAYOUT_OPS
-    from .reference.norm_ops import at_rank
+    from .reference.ranked import at_rank
 
     mesh = program.mesh
     errs = [{} for _ in range(mesh.size)]
@@ -130,7 +130,7 @@ def spmd_errors(program, run, split_inputs: bool = False) -> list:
             a = mesh.names.index(n.attr("axis"))
             for group in mesh.groups(a):
                 es = _LAYOUT_OPS[n.op]([errs[r][n.inputs[0]] for r in group], n)
-                if n.op in ("all_reduce", "reduce_scatter"):
+                if n.op in ("all_reduce", "reduce_scatter") and n.attr("reduce_op") != "max":  # max: exact
                     mags = _LAYOUT_OPS[n.op]([np.abs(_f64(run.env[r][n.inputs[0]])) for r in group], n)
                     es = [e + gamma(len(group) - 1, u) * m for e, m in zip(es, mags)]
                 for r, e in zip(group, es):
@@ -159,8 +159,8 @@ def assemble_bound(local_bounds, local_values, layout, shape, mesh, dtype) -> np
     from .ir.types import Partial
     from .reference.interpreter import assemble
 
-    b = assemble(local_bounds, layout, shape, mesh, "float64")
-    if any(isinstance(p, Partial) for p in layout):
+    b = assemble(local_bounds, layout, shape, mesh, "float64")  # P(max): the max of the bounds
+    if any(p == Partial("sum") for p in layout):
         mags = assemble([np.abs(_f64(x)) for x in local_values], layout, shape, mesh, "float64")
         b = b + gamma(mesh.size, unit_roundoff(dtype)) * mags
     return b

@@ -114,6 +114,11 @@ EXEMPT = {
     **{(_T["torch_frontend"], op): _BY_AUTODIFF for op in ("slice_grad", "sdpa_grad")},
     **{(_T["VJP"], op): "gradients are not differentiated again (no second derivatives)"
        for op in ("sdpa_grad",)},
+    # reductions part (issue 17)
+    (_T["VJP"], "amax_grad"): "gradients are not differentiated again (no second derivatives)",
+    **{(_T["torch_frontend"], op): "made by decompose-reductions / autodiff (parcomp/passes/decompose.py)"
+       for op in ("amax_grad", "argmax_key", "argmax_index", "pick", "pick_grad", "label_mask")},
+    (_T["torch_frontend"], "mask_pad"): "vocab padding: written in a model (.pcir) around padded logits",
 }
 
 

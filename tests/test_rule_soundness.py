@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from parcomp.ir import Mesh, Partial, TensorType, parse_graph
+from parcomp.ir.types import Shard
 from parcomp.ir.types import local_shape
 from parcomp.reference.interpreter import assemble, split_for_ranks
 from parcomp.reference.norm_ops import rank_attrs
@@ -78,6 +79,23 @@ CASES = {  # op -> pcir lines defining %a [%b %c %d] and %y; every dim divisible
     "dropout": "%y: f64[4,6] = dropout(%a) {p=0.5, seed=7}",
     "embedding": "%ids: i64[2,4] = input()\n%y: f64[2,4,6] = embedding(%ids, %a)",
     "embedding_grad": "%g: f64[2,4,6] = input()\n%ids: i64[2,4] = input()\n%y: f64[4,6] = embedding_grad(%g, %ids)",
+    # reductions part (issue 17): a max over a split dim is a P(max), never summed
+    "log": "%b: f64[4,6] = input()\n%y: f64[4,6] = log(%b)",
+    "amax": "%y: f64[4] = amax(%a) {dims=(1,)}",
+    "amax_both": "%y: f64[] = amax(%a) {dims=(0, 1)}",
+    "amax_grad": "%g: f64[4] = input()\n%m: f64[4] = input()\n%y: f64[4,6] = amax_grad(%g, %a, %m) {dims=(1,)}",
+    "argmax": "%y: i64[4] = argmax(%a) {dim=1}",
+    "argmax_key": "%y: i64[6] = argmax_key(%a) {dim=0}",
+    "argmax_index": "%k: i64[4] = input()\n%y: i64[4] = argmax_index(%k)",
+    "mean": "%y: f64[6] = mean(%a) {dims=(0,)}",
+    "softmax": "%y: f64[4,6] = softmax(%a) {dim=1}",
+    "log_softmax": "%y: f64[4,6] = log_softmax(%a) {dim=0}",
+    "pick": "%l: i64[4] = input()\n%y: f64[4] = pick(%a, %l) {ignore_index=2}",
+    "pick_grad": "%g: f64[4] = input()\n%l: i64[4] = input()\n%y: f64[4,6] = pick_grad(%g, %l)",
+    "label_mask": '%l: i64[4,6] = input()\n%y: f64[4,6] = label_mask(%l) {dtype="float64", ignore_index=3}',
+    "mask_pad": "%y: f64[4,6] = mask_pad(%a) {size=5}",
+    "cross_entropy_smooth": ("%l: i64[4] = input()\n"
+                             "%y: f64[4] = cross_entropy(%a, %l) {ignore_index=2, label_smoothing=0.1}"),
 }
 
 
@@ -94,6 +112,18 @@ def _feed(node, rng):
     return np.abs(x) if node.name in ("v", "b") and node.type.shape == (4, 6) else x
 
 
+def _at_index(local, r, ins, in_pl, out_pl):
+    """``local`` with ``index_start`` of rank r for an op that indexes a split dim."""
+    from parcomp.ir.ops import RANKED_OPS
+    if local.op not in RANKED_OPS:
+        return local
+    which, dim = RANKED_OPS[local.op]
+    ty, pl = (local.type, out_pl) if which is None else (ins[which].type, in_pl[which])
+    d = (local.attr(dim) if isinstance(dim, str) else dim) % ty.rank
+    size = ty.shape[d] // (MESH.size if which is not None else 1)  # local is already local
+    return local.with_attrs(index_start=r * size) if pl == Shard(d) else local
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_every_strategy_of_the_rule_table_is_sound(case):
     y, ins = _node_and_inputs(case)
@@ -101,6 +131,9 @@ def test_every_strategy_of_the_rule_table_is_sound(case):
     full = [_feed(n, rng) for n in ins]
     if case == "adamw_param":
         full[3] = np.array(2.0)
+    if case == "amax_grad":  # y = amax(a), with a tie in row 0
+        full[1][0, 3] = full[1][0].max()
+        full[2] = full[1].max(axis=1)
     want, want_bound = op_bound(y, full)
     strategies = axis_strategies(y, [n.type for n in ins])
     assert strategies, f"{y.op} has no strategy"
@@ -112,17 +145,19 @@ def test_every_strategy_of_the_rule_table_is_sound(case):
                 for s, n, p in zip(split, ins, in_pl)]
         lty = TensorType(local_shape(y.type, (out_pl,), MESH), y.type.dtype)
         local = y.__class__(y.name, y.op, y.inputs, lty, y.attrs)
-        outs, bounds = zip(*(op_bound(_at(local, split, ins, in_pl, out_pl, r), [s[r] for s in split], errs)
+        outs, bounds = zip(*(op_bound(_at_rank(local, split, ins, in_pl, out_pl, r), [s[r] for s in split], errs)
                              for r in range(MESH.size)))
         got = assemble(list(outs), (out_pl,), y.type.shape, MESH, "float64")
         bound = assemble_bound(list(bounds), list(outs), (out_pl,), y.type.shape, MESH, y.type.dtype)
         assert_equivalent(got, want, bound, want_bound, what=f"{y.op}: {[str(p) for p in in_pl]} -> {out_pl}")
 
 
-def _at(local, split, ins, in_pl, out_pl, r):
-    """``local`` as rank r runs it: where its block lies (dropout, vocab-parallel embedding)."""
+def _at_rank(local, split, ins, in_pl, out_pl, r):
+    """``local`` as rank r runs it: where its block lies (dropout, vocab-parallel embedding)
+    and the index of its first element along a split dim it indexes (pick, argmax_key, ...)."""
     types = [TensorType(s[r].shape, n.type.dtype) for s, n in zip(split, ins)]
-    return rank_attrs(local, types, [(p,) for p in in_pl], (out_pl,), MESH, MESH.coords(r))
+    local = rank_attrs(local, types, [(p,) for p in in_pl], (out_pl,), MESH, MESH.coords(r))
+    return _at_index(local, r, ins, in_pl, out_pl)
 
 
 def test_every_op_kind_with_strategies_has_a_case():

@@ -331,7 +331,7 @@ def test_train_options_at_their_limits_are_accepted():
 
 
 def test_error_partial_op_and_empty_component():
-    assert_at(spec_error("mesh tp=2\nx P(max)\n"), 2, 5, "only P(sum) is supported")
+    assert_at(spec_error("mesh tp=2\nx P(min)\n"), 2, 5, "only P(sum) and P(max) are supported")
     assert_at(spec_error("mesh tp=2\na..b R\n"), 2, 1, "empty dotted component")
 
 

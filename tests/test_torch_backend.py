@@ -26,6 +26,7 @@ from parcomp.tolerance import op_bound, output_bounds  # noqa: E402
 from parcomp_backends.torch import PROFILES, assemble_outputs, emit_program, run_torchrun  # noqa: E402
 from parcomp_backends.torch.emit import OP_FORMATS, _code  # noqa: E402
 from parcomp_backends.torch.emit_norms import NORM_FORMATS  # noqa: E402
+from parcomp_backends.torch.emit_reduce import REDUCE_FORMATS  # noqa: E402
 from parcomp_backends.torch.launch import write_checkpoint, write_program  # noqa: E402
 
 from numerics import assert_equivalent  # noqa: E402
@@ -200,6 +201,7 @@ OP_CASES = {  # op: (operand shapes, result shape, attrs)
 COMPUTE_OPS = sorted(set(OP_FORMATS) - set(LAYOUT_OPS) - {"relayout", "adamw_param", "cross_entropy",
                                                             "cross_entropy_grad"} - set(LOWERED)
                      - set(NORM_FORMATS))  # norms + embedding part: in test_torch_training.py
+                     - set(REDUCE_FORMATS))  # reductions part: tests/test_reductions.py
 
 
 @pytest.mark.parametrize("case", sorted(set(OP_CASES) | set(COMPUTE_OPS)))

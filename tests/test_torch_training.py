@@ -26,6 +26,7 @@ from parcomp_backends.torch import (assemble_training_outputs, emit_program,  # 
                                     run_torchrun, training_facts)
 from parcomp_backends.torch.emit import OP_FORMATS, _code  # noqa: E402
 from parcomp_backends.torch.emit_norms import NORM_RUNTIME  # noqa: E402
+from parcomp_backends.torch.emit_reduce import REDUCE_FORMATS  # noqa: E402
 from parcomp_backends.torch.launch import write_program  # noqa: E402
 
 from numerics import assert_all_equivalent, assert_equivalent  # noqa: E402
@@ -40,7 +41,8 @@ F = torch.nn.functional
 
 _X = ((2, 3), (2, 3))
 COMPUTE_OPS = sorted(set(OP_FORMATS) - set(LAYOUT_OPS) - {"relayout"}  # lowered ops: test_lowering.py
-                     - {op for op, d in OPS.items() if d.kind == "lowered"})
+                     - {op for op, d in OPS.items() if d.kind == "lowered"}
+                     - set(REDUCE_FORMATS))  # reductions part (issue 17): tests/test_reductions.py
 SHAPED_CASES = {  # case: (op, operand shapes, result shape, attrs); "i:2,3" = int64 labels in [0, 5)
     "pow": ("pow", ((2, 3),), (2, 3), {"exponent": 3.0}),
     "add_scalar": ("add_scalar", ((2, 3),), (2, 3), {"value": 1.5}),

@@ -30,7 +30,9 @@ from parcomp.ir.ops import LAYOUT_OPS
 from parcomp.ir.types import DTYPE_SHORT, Partial, Replicate, layout_str, shard_axes
 from parcomp.program import MAX_STEPS, ParcompError, Program, TrainLoop, plural
 
-from .emit_norms import HELPER_NAMES, NORM_FORMATS, norm_kw, runtime_sections
+from .emit_norms import HELPER_NAMES as NORM_HELPERS, NORM_FORMATS, norm_kw, runtime_sections
+from .emit_reduce import (ASYNC_REDUCE, HELPER_NAMES as REDUCE_HELPERS, IN_PLACE_REDUCE, REDUCE_FORMATS, reduce_key, reduce_kw,
+                          reduce_sections)
 from .profiles import get_profile
 from .runtime import (FORWARD_HELP, IMPORTS, MAIN, ONNX_READER, RUNTIME, TRAIN_HELP, TRAIN_MAIN,
                       TRAIN_RUNTIME)
@@ -100,6 +102,7 @@ OP_FORMATS = {
     "arange": "torch.arange({local_shape}[0], dtype=torch.float64, device=DEVICE).mul({step}).add({start}).to({dtype})",
     # ---- end of the attention part ----
     **NORM_FORMATS,  # norms + embedding part (issue 17): backends/torch/emit_norms.py
+    **REDUCE_FORMATS,  # reductions part (issue 17): backends/torch/emit_reduce.py
 }
 # ``inplace=true``: the result is written into the first operand (torch.optim's own updates)
 IN_PLACE_FORMATS = {
@@ -109,9 +112,11 @@ IN_PLACE_FORMATS = {
     "axpby": "{0}.mul_({a}).add_({1}, alpha={b})",
     "adamw_param": ("{0}.mul_(1 - {lr} * {weight_decay}).sub_({lr} / (1 - {beta1} ** {3}) * {1} "
                     "/ (torch.sqrt({2}) / torch.sqrt(1 - {beta2} ** {3}) + {eps}))"),
+    **IN_PLACE_REDUCE,
 }
 # ``async_op=true``: start the collective, ``wait`` returns its value (key + "_": in place)
-ASYNC_FORMATS = {"all_reduce": "all_reduce_start({0}, {axis})", "all_reduce_": "all_reduce_start_({0}, {axis})"}
+ASYNC_FORMATS = {"all_reduce": "all_reduce_start({0}, {axis})", "all_reduce_": "all_reduce_start_({0}, {axis})",
+                 **ASYNC_REDUCE}
 ATTR_DEFAULTS = {"gelu": {"approximate": "none"}, "gelu_grad": {"approximate": "none"},
                  # attention part (issue 17)
                  **{op: {"causal": False} for op in ("sdpa", "sdpa_grad")},
@@ -129,7 +134,7 @@ RESERVED = (set(keyword.kwlist) | set(dir(builtins)) | _TOP_NAMES
                "PROFILE", "DIST_BACKEND", "PRELUDE", "profile_device", "MESH", "GROUP_RANKS",
                "PARAMS", "INPUTS", "OUTPUT_LAYOUTS", "OUTPUT_GLOBAL_SHAPES", "SHARDED_OUTPUT",
                "RUN_HINT", "load_params", "load_inputs", "forward", "STATE", "CARRIED", "STEP_INPUT",
-               "TRAIN_STEPS", "MAX_STEPS", "train_step"} | set(HELPER_NAMES))
+               "TRAIN_STEPS", "MAX_STEPS", "train_step"} | set(NORM_HELPERS) | set(REDUCE_HELPERS))
 
 
 class EmitError(ParcompError):
@@ -179,6 +184,7 @@ def emit_program(compiled, profile="cpu", model: str | None = None, steps: int |
     if model and model.endswith(".onnx"):
         runtime += "\n\n\n" + ONNX_READER
     parts = [_profile_block(prof), _constants(prog, train), runtime, *runtime_sections(program),
+             *reduce_sections(program),
              _loaders(prog, train), _forward(prog, names, train), TRAIN_MAIN if train else MAIN]
     head = _header(prog, model, train) + "\n" + IMPORTS
     return "\n\n\n".join(p.strip("\n") for p in [head] + parts) + "\n"
@@ -403,7 +409,7 @@ def _loaders(prog, train) -> str:
             sliced, what = _slice_expr(program, n, src)
             expr = f"place({sliced})"
             for a, p in enumerate(n.layout):
-                if isinstance(p, Partial):
+                if p == Partial("sum"):  # a P(max) source: every rank keeps it
                     expr = f"partial_mask({expr}, {json.dumps(program.mesh.names[a])})"
             if n.name in state:  # optimizer state: the checkpoint's (--replay), else zeros
                 lines += _comment(f"{head}optimizer state: zeros at step 1 unless the checkpoint "
@@ -457,7 +463,7 @@ def _code(n, args, program=None) -> str:
     """The right-hand side computing node ``n`` from operand variables ``args``
     (``inplace``: :data:`IN_PLACE_FORMATS`; ``async_op``: :data:`ASYNC_FORMATS`)."""
     table = (ASYNC_FORMATS if n.attr("async_op") else IN_PLACE_FORMATS if n.attr("inplace") else OP_FORMATS)
-    key = n.op + ("_" if n.attr("async_op") and n.attr("inplace") else "")
+    key = reduce_key(n) + ("_" if n.attr("async_op") and n.attr("inplace") else "")
     if key not in table:
         raise EmitError(f"op {n.op!r} (%{n.name}) has no torch mapping; the torch backend "
                         f"knows: {', '.join(sorted(OP_FORMATS))}")
@@ -474,6 +480,7 @@ def _code(n, args, program=None) -> str:
     kw["dtype"] = TORCH_DTYPES[n.type.dtype]
     kw["args"] = ", ".join(args)
     kw.update(norm_kw(program, n, args))  # norms + embedding part (issue 17)
+    kw.update(reduce_kw(program, n, _py))  # reductions part (issue 17)
     if n.op == "expand":
         kw["kept_shape"] = repr(tuple(1 if d in n.attr("dims") else s for d, s in enumerate(n.type.shape)))
     if n.op == "sdpa_grad":  # attention part (issue 17): which of torch.func.vjp's (dq, dk, dv)

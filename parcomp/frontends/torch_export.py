@@ -188,6 +188,11 @@ from .torch_attention import ATTENTION_TABLE, GETITEM, MULTI, mask_only_nodes  #
 TABLE.update(ATTENTION_TABLE)
 # ---- end of the attention part ----
 TABLE.update(NORM_TABLE)  # norms + embedding part (issue 17): parcomp/frontends/torch_norms.py
+# ---- reductions part (issue 17): amax, argmax, mean, log, softmax, log_softmax
+# (parcomp/frontends/torch_reductions.py) ----
+from .torch_reductions import REDUCTION_TABLE  # noqa: E402
+
+TABLE.update(REDUCTION_TABLE)
 
 
 def supported_ops() -> list:

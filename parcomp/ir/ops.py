@@ -123,7 +123,7 @@ def _own(ts, n):
 
 
 def _sum(ts, n):
-    dims = n.attr("dims")
+    dims = [d % max(ts[0].rank, 1) for d in n.attr("dims")]  # negative: from the end
     return TensorType(tuple(s for d, s in enumerate(ts[0].shape) if d not in dims), ts[0].dtype)
 
 
@@ -180,6 +180,35 @@ def _embedding_grad(ts, n):
     if n.type is None or n.type.rank != 2 or dy.shape != ids.shape + n.type.shape[1:]:
         raise ValueError(f"embedding_grad of {dy} at ids {ids} cannot give table {n.type}")
     return n.type
+def _amax_grad(ts, n):  # reductions part (issue 17): (g, x, y) -> dx shaped as x
+    g, x, y = ts
+    if g.shape != y.shape or _sum([x], n).shape != y.shape:
+        raise ValueError(f"amax_grad of {x} needs g and y shaped as its amax, got {g}, {y}")
+    return x
+
+
+def _reduce_some(ts, n):  # amax, mean: torch reads dims=() as "every dim", so never empty
+    if not n.attr("dims"):
+        raise ValueError(f"{n.op} needs at least one dim in dims (write every dim for a full reduction)")
+    return _sum(ts, n)
+
+
+def _argmax(ts, n):
+    x = ts[0]
+    if not -x.rank <= n.attr("dim") < x.rank:
+        raise ValueError(f"{n.op} over dim {n.attr('dim')} of {x}")
+    return TensorType(tuple(s for d, s in enumerate(x.shape) if d != n.attr("dim") % x.rank), "int64")
+
+
+def _pick(ts, n):
+    z, labels = ts
+    if z.shape[:-1] != labels.shape:
+        raise ValueError(f"labels {labels} must have the shape of {z} less its last dim")
+    return TensorType(labels.shape, z.dtype)
+
+
+def _label_mask(ts, n):
+    return TensorType(ts[0].shape, n.attr("dtype", "float32"))
 
 
 OPS: dict = {}
@@ -215,8 +244,12 @@ for _n in ("relu_grad", "tanh_grad", "sigmoid_grad", "silu_grad"):
     _def(_n, 2, "linear0", _broadcast)
 _def("gelu_grad", 2, "linear0", _broadcast, _GELU)
 _def("pow_grad", 2, "linear0", _broadcast, {"exponent": _NUM})
-_def("cross_entropy", 2, "cross_entropy", _cross_entropy)  # per-token loss: logsumexp - picked logit
-_def("cross_entropy_grad", 3, "cross_entropy_grad", _cross_entropy_grad)  # dl * (softmax - onehot)
+# per-token loss logsumexp - picked logit (0 where label == ignore_index), with torch's label
+# smoothing; the gradient dl * (softmax - target distribution). Reductions part (issue 17):
+# ``ignore_index``, ``label_smoothing``; the training loss uses the split-vocab decomposition
+_CE = {"ignore_index": Attr("int", default=-100), "label_smoothing": Attr("number", default=0.0)}
+_def("cross_entropy", 2, "cross_entropy", _cross_entropy, _CE)
+_def("cross_entropy_grad", 3, "cross_entropy_grad", _cross_entropy_grad, _CE)
 _def("adamw_param", 4, "nonlinear", _broadcast,  # (p, m, v, t) -> updated p (torch.optim.AdamW)
      {k: _NUM for k in ("lr", "beta1", "beta2", "eps", "weight_decay")})
 # ---- attention part (issue 17): views, RoPE pointwise ops, scaled-dot-product attention ----
@@ -315,6 +348,47 @@ _def("dropout", 1, "linear", _same, {"p": _NUM, "seed": Attr("int", required=Tru
 _def("embedding", 2, "gather", _embedding, {"vocab_start": Attr("int")})
 _def("embedding_grad", 2, "linear0", _embedding_grad, {"vocab_start": Attr("int")})
 # ---- end of the norms + embedding part ----
+# ---- reductions part (issue 17): amax, argmax, mean, log, softmax, log_softmax and the
+# pieces of their split-dim forms (parcomp/passes/decompose.py). ``dims``/``dim`` may be
+# negative (counted from the end); no keepdim. ``amax{detach=true}``: a shift the result
+# does not depend on (softmax's max): no gradient flows through it. ``argmax_key``: the
+# max-reducible int64 key (value, first global index) of a row, ``argmax_index`` decodes it
+# (float32/16 only). ``pick(z, labels)``: z[..., label] on the rank holding that column and
+# not ``ignore_index``, else 0; ``pick_grad(g, labels)``: its transpose (typed as z).
+# ``label_mask(labels)``: 1.0 where label != ignore_index. ``mask_pad(x) {size, fill}``:
+# last-dim entries at global index >= size (vocab padding) set to fill: "lowest" (the dtype's
+# most negative finite number: never wins a max, exp gives 0) or "0".
+# ``index_start``: the global index of this rank's first element along the indexed dim
+# (set per rank by the interpreter / program.py; 0 unsharded).
+_IGNORE = {"ignore_index": Attr("int", default=-100)}
+_START = {"index_start": Attr("int", default=0)}
+_def("log", 1, "nonlinear", _same)
+_def("amax", 1, "reduce_max", _reduce_some, {"dims": Attr("ints", required=True),
+                                      "detach": Attr("bool", default=False)})
+_def("amax_grad", 3, "linear0", _amax_grad, {"dims": Attr("ints", required=True)})
+_def("argmax", 1, "nonlinear", _argmax, {"dim": Attr("int", required=True)})
+_def("argmax_key", 1, "nonlinear", _argmax, {"dim": Attr("int", required=True), **_START})
+_def("argmax_index", 1, "nonlinear", _same)
+_def("mean", 1, "linear", _reduce_some, {"dims": Attr("ints", required=True)})
+_def("softmax", 1, "nonlinear", _same, {"dim": Attr("int", required=True)})
+_def("log_softmax", 1, "nonlinear", _same, {"dim": Attr("int", required=True)})
+_def("pick", 2, "linear0", _pick, {**_IGNORE, **_START})
+_def("pick_grad", 2, "linear0", _own, {**_IGNORE, **_START})
+_def("label_mask", 1, "nonlinear", _label_mask, {**_IGNORE, "dtype": Attr("str", default="float32")})
+_def("mask_pad", 1, "nonlinear", _same, {"size": Attr("int", required=True), **_START,
+                                         "fill": Attr("str", default="lowest", choices=("lowest", "0"))})
+# op -> (operand whose global index it uses, None: its result; that dim: an int, or the
+# name of the attribute holding it): the ops that need ``index_start`` when the dim is split
+RANKED_OPS = {"argmax_key": (0, "dim"), "pick": (0, -1), "pick_grad": (None, -1), "mask_pad": (None, -1)}
+
+
+def index_dim(graph, node) -> tuple:
+    """``(type, layout, dim)`` of the value whose global index RANKED op ``node`` uses."""
+    which, dim = RANKED_OPS[node.op]
+    src = node if which is None else graph[node.inputs[which]]
+    d = node.attr(dim) if isinstance(dim, str) else dim
+    return src.type, src.layout, d % src.type.rank
+# ---- end of the reductions part ----
 _SOURCE = {"global_shape": Attr("ints")}  # set by localize: the full shape
 _def("input", 0, "source", _own, _SOURCE)
 _def("param", 0, "source", _own, {**_SOURCE, "trainable": Attr("bool", default=True),
@@ -325,12 +399,14 @@ _def("param", 0, "source", _own, {**_SOURCE, "trainable": Attr("bool", default=T
 # the dim all_to_all concatenates; ``reason``: why (for reports and comments)
 _MOVE = {"axis": Attr("str", required=True), "reason": Attr("str")}
 _DIM = Attr("int", required=True)
-_def("all_reduce", 1, "collective", _same, _MOVE)
+# reductions part (issue 17): the partial kind an all_reduce / partial_mask works on
+_REDUCE = {"reduce_op": Attr("str", default="sum", choices=("sum", "max"))}
+_def("all_reduce", 1, "collective", _same, {**_MOVE, **_REDUCE})
 _def("all_gather", 1, "collective", _same, {**_MOVE, "dim": _DIM})
 _def("reduce_scatter", 1, "collective", _same, {**_MOVE, "dim": _DIM})
 _def("all_to_all", 1, "collective", _same, {**_MOVE, "dim": _DIM, "src_dim": _DIM})
 _def("shard_slice", 1, "local", _same, {**_MOVE, "dim": _DIM})
-_def("partial_mask", 1, "local", _same, _MOVE)
+_def("partial_mask", 1, "local", _same, {**_MOVE, **_REDUCE})
 
 COLLECTIVES = tuple(op for op, t in TRANSITIONS.items() if t.collective)  # from the one table
 LAYOUT_OPS = COLLECTIVES + tuple(op for op, t in TRANSITIONS.items() if not t.collective)

@@ -7,12 +7,19 @@ DESIGN.md "Redistribution" (DTensor ``_redistribute.py``), for one mesh axis of
 from -> to      op                 bytes sent per rank (ring)
 ==============  =================  ============================
 P -> R          all_reduce(sum)    2(n-1)/n * before
+P(max) -> R     all_reduce(max)    2(n-1)/n * before  (``reduce_op="max"``; never summed)
 S(d) -> R       all_gather(d)      (n-1)/n * after  (concat, never sum)
 P -> S(d)       reduce_scatter(d)  (n-1)/n * before
 S(e) -> S(d)    all_to_all(e, d)   (n-1)/n * before
 R -> S(d)       shard_slice(d)     0 (local)
 R -> P          partial_mask       0 (local: value on coordinate 0, zeros elsewhere)
+R -> P(max)     partial_mask(max)  0 (local: every rank keeps the value; max(x, x) = x)
 ==============  =================  ============================
+
+``reduce_op`` (an attribute of all_reduce and partial_mask, default ``"sum"``) names
+the partial kind: the op turns ``P(reduce_op)`` into ``R`` (or back). A P(max) is
+never reduce_scattered: no backend here has an honest max reduce_scatter (gloo has
+none), so the planner reduces it with all_reduce(max) and slices locally.
 
 Read by the planner (:mod:`parcomp.redistribute`: the step each change needs and
 its bytes), the verifier (each layout op's input -> output placements) and the
@@ -30,9 +37,10 @@ from .types import Partial, Replicate, Shard
 class Transition:
     """One layout op on one mesh axis.
 
-    ``source`` / ``target``: ``(dim, src_dim) -> placement`` before and after
+    ``source`` / ``target``: ``(dim, src_dim, reduce_op) -> placement`` before and after
     (``dim``: the tensor dim gathered, scattered or sliced, the target dim of
-    all_to_all; ``src_dim``: the dim all_to_all concatenates).  ``sent``:
+    all_to_all; ``src_dim``: the dim all_to_all concatenates; ``reduce_op``: the
+    partial kind, one of ``reduce_ops``).  ``sent``:
     ``(n, before, after) -> bytes`` one rank sends (``before`` / ``after``: local
     bytes around the op, ``n``: ranks on the axis).  ``collective``: talks to the
     other ranks (a local op only slices or masks its own data).
@@ -43,10 +51,11 @@ class Transition:
     target: Callable
     sent: Callable
     collective: bool = True
+    reduce_ops: tuple = ("sum",)  # the partial kinds it takes (``reduce_op`` attribute)
 
-    def placements(self, dim=None, src_dim=None) -> tuple:
+    def placements(self, dim=None, src_dim=None, reduce_op="sum") -> tuple:
         """``(before, after)`` placements on the op's axis."""
-        return self.source(dim, src_dim), self.target(dim, src_dim)
+        return self.source(dim, src_dim, reduce_op), self.target(dim, src_dim, reduce_op)
 
 
 def _no_bytes(n, before, after) -> int:
@@ -54,15 +63,16 @@ def _no_bytes(n, before, after) -> int:
 
 
 TRANSITIONS = {t.op: t for t in (
-    Transition("all_reduce", lambda d, s: Partial(), lambda d, s: Replicate(),
-               lambda n, before, after: 2 * before * (n - 1) // n),
-    Transition("all_gather", lambda d, s: Shard(d), lambda d, s: Replicate(),
+    Transition("all_reduce", lambda d, s, r: Partial(r), lambda d, s, r: Replicate(),
+               lambda n, before, after: 2 * before * (n - 1) // n, reduce_ops=("sum", "max")),
+    Transition("all_gather", lambda d, s, r: Shard(d), lambda d, s, r: Replicate(),
                lambda n, before, after: after * (n - 1) // n),
-    Transition("reduce_scatter", lambda d, s: Partial(), lambda d, s: Shard(d),
+    Transition("reduce_scatter", lambda d, s, r: Partial(r), lambda d, s, r: Shard(d),
                lambda n, before, after: before * (n - 1) // n),
-    Transition("all_to_all", lambda d, s: Shard(s), lambda d, s: Shard(d),
+    Transition("all_to_all", lambda d, s, r: Shard(s), lambda d, s, r: Shard(d),
                lambda n, before, after: before * (n - 1) // n),
-    Transition("shard_slice", lambda d, s: Replicate(), lambda d, s: Shard(d), _no_bytes, False),
-    Transition("partial_mask", lambda d, s: Replicate(), lambda d, s: Partial(), _no_bytes, False),
+    Transition("shard_slice", lambda d, s, r: Replicate(), lambda d, s, r: Shard(d), _no_bytes, False),
+    Transition("partial_mask", lambda d, s, r: Replicate(), lambda d, s, r: Partial(r), _no_bytes, False,
+               reduce_ops=("sum", "max")),
 )}
 """layout op -> :class:`Transition`; the keys are :data:`parcomp.ir.ops.LAYOUT_OPS`."""

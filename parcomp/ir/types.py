@@ -42,15 +42,18 @@ class Shard:
 
 @dataclass(frozen=True)
 class Partial:
-    """The true value is the sum over the ranks of the axis of their local values.
+    """The true value is the reduction over the ranks of the axis of their local values.
 
-    Only ``op="sum"`` exists today. Printed ``P`` (long form ``P(sum)``).
+    ``op="sum"`` (printed ``P``, long form ``P(sum)``): the sum, DTensor's Partial.
+    ``op="max"`` (printed ``P(max)``): the elementwise max (a max over a split dim). It is
+    never summed: only ``all_reduce{reduce_op="max"}`` makes it whole, and only ops whose
+    rule lists it (amax, identity and movement ops) take it.
     """
 
     op: str = "sum"
 
     def __str__(self) -> str:
-        return "P"
+        return "P" if self.op == "sum" else f"P({self.op})"
 
 
 Placement = Union[Replicate, Shard, Partial]
@@ -58,6 +61,8 @@ Layout = tuple  # tuple[Placement, ...], one per mesh axis, in mesh order
 
 R = Replicate()
 P = Partial()
+PMAX = Partial("max")
+REDUCE_OPS = ("sum", "max")  # the partial kinds, Partial.op
 
 
 def layout_str(layout: Layout) -> str:
@@ -67,12 +72,13 @@ def layout_str(layout: Layout) -> str:
 
 
 def make_placement(letter: str, arg=None) -> Placement:
-    """The placement text names: ``R``, ``S(arg)`` (``arg`` a dim >= 0) or ``P`` / ``P(sum)``.
+    """The placement text names: ``R``, ``S(arg)`` (``arg`` a dim >= 0), ``P`` / ``P(sum)``
+    or ``P(max)``.
 
     Both parsers (``.pcir`` and ``.pcs``) build placements with this function.
 
     Raises:
-        ValueError: a negative or non-integer dim, a reduction other than ``sum``,
+        ValueError: a negative or non-integer dim, a reduction other than ``sum``/``max``,
             an unknown letter (the caller adds the file location).
     """
     if letter == "R" and arg is None:
@@ -82,9 +88,9 @@ def make_placement(letter: str, arg=None) -> Placement:
             raise ValueError(f"S({arg}): a dim is a whole number >= 0")
         return Shard(arg)
     if letter == "P":
-        if arg not in (None, "sum"):
-            raise ValueError(f"only P(sum) is supported; got P({arg})")
-        return P
+        if arg not in (None,) + REDUCE_OPS:
+            raise ValueError(f"only P(sum) and P(max) are supported; got P({arg})")
+        return P if arg in (None, "sum") else Partial(arg)
     raise ValueError(f"{letter}{'' if arg is None else f'({arg})'} is not a placement R, S(d) or P")
 
 

@@ -69,6 +69,8 @@ class _State:
                 attrs["dim"] = step.dim
             if step.src_dim is not None:
                 attrs["src_dim"] = step.src_dim
+            if step.reduce_op != "sum":  # a P(max) (reductions part, issue 17)
+                attrs["reduce_op"] = step.reduce_op
             self.out.append(Node(new, step.kind, (cur,), ty, make_attrs(**attrs), step.after,
                                  phase=src_node.phase if src_node else "forward",
                                  source=src_node.source if src_node else None,
@@ -103,7 +105,8 @@ def _cause(graph, node, a):
 def _partial_origin(graph, node, a):
     """Follow partial-sum operands back to the op that created the partial sum."""
     while node.op not in ("matmul", "input", "param") and node.in_layouts is not None:
-        nxt = [graph[i] for i, lay in zip(node.inputs, node.in_layouts) if isinstance(lay[a], Partial)]
+        nxt = [graph[i] for i, lay in zip(node.inputs, node.in_layouts)  # not a value made partial
+               if isinstance(lay[a], Partial) and isinstance((graph[i].layout or lay)[a], Partial)]
         if not nxt:
             break
         node = nxt[0]
@@ -117,6 +120,10 @@ def _why_partial(src_node, axis) -> str:
         return f"its matmul contracts a dim split over {axis} (row-parallel), so each rank holds a partial sum"
     if src_node.op in ("input", "param"):
         return f"the spec declares it partial-sum over {axis}"
+    if src_node.op == "sum":  # reductions part (issue 17)
+        return f"its sum runs over a dim split over {axis}, so each rank holds a partial sum"
+    if src_node.op == "pick":
+        return f"only the rank of {axis} holding the picked column has it (the others hold 0)"
     return f"{src_node.op} of partial sums over {axis} is a partial sum"
 
 
@@ -127,6 +134,9 @@ def _reason(step, axis, name, src_node, consumer, graph) -> str:
         if origin is not src_node:
             src_node = origin
             name = f"{name} (partial since %{origin.name})"
+    if step.kind == "all_reduce" and step.reduce_op == "max":
+        return (f"%{name}: each rank holds the max of its chunk over {axis} (P(max)); {who} needs "
+                f"the full value {tgt}: take the max once (never summed)")
     if step.kind == "all_reduce":
         return f"%{name}: {_why_partial(src_node, axis)}; {who} needs the full value {tgt}: sum once"
     if step.kind == "reduce_scatter":
@@ -140,6 +150,8 @@ def _reason(step, axis, name, src_node, consumer, graph) -> str:
                 f"along dim {step.dim} instead {tgt}: exchange chunks")
     if step.kind == "shard_slice":
         return f"%{name} is whole on each rank of {axis}; {who} needs dim {step.dim} split: keep own chunk"
+    if step.kind == "partial_mask" and step.reduce_op == "max":
+        return f"{who} takes %{name} as a partial max over {axis}: every rank keeps it (max(x, x) = x)"
     if step.kind == "partial_mask":
         return (f"{who} adds %{name} to partial sums over {axis}: keep it on coordinate 0 and "
                 f"zeros elsewhere, so it is counted once")

@@ -33,6 +33,7 @@ from dataclasses import replace
 
 from ..ir.graph import Graph, Node
 from .bucket import bucket_norm_grads
+from .fuse_reductions import fuse_reductions
 
 SOURCES = ("input", "param")
 # results that alias their (first) operand: no new buffer
@@ -253,7 +254,8 @@ def free_dead(graph: Graph) -> Graph:
                              for n in graph.nodes])
 
 
-LOWERING = (("fuse-matmuls", fuse_matmuls), ("fuse-mse", fuse_mse), ("fuse-updates", fuse_updates),
+LOWERING = (("fuse-reductions", fuse_reductions),  # reductions part (issue 17): passes/fuse_reductions.py
+            ("fuse-matmuls", fuse_matmuls), ("fuse-mse", fuse_mse), ("fuse-updates", fuse_updates),
             ("bucket-norm-grads", bucket_norm_grads),  # norms part (issue 17): passes/bucket.py
             ("overlap-collectives", overlap_collectives), ("in-place", in_place),
             ("free-dead", free_dead))

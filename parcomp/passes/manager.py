@@ -13,6 +13,7 @@ from ..errors import VerifyError
 from ..ir.graph import Graph
 from .autodiff import add_training_step
 from .bind_layouts import bind_layouts
+from .decompose import decompose_reductions
 from .insert_collectives import insert_collectives
 from .localize import localize
 from .lower import LOWERING
@@ -39,7 +40,8 @@ def forward_pipeline(spec) -> list:
     passes of :mod:`.lower` (fusions, overlap, in-place, frees) come last.
     """
     train = [Pass("autodiff", lambda g: add_training_step(g, spec))] if spec.train else []
-    return [Pass("bind-layouts", lambda g: bind_layouts(g, spec)), *train,
+    return [Pass("decompose-reductions", decompose_reductions),  # reductions part (issue 17)
+            Pass("bind-layouts", lambda g: bind_layouts(g, spec)), *train,
             Pass("shard-prop", lambda g: shard_prop(g, memory=getattr(spec, "memory", None),
                                                     memory_loc=getattr(spec, "memory_loc", None))),
             Pass("insert-collectives", insert_collectives),

@@ -35,7 +35,8 @@ class TrainConfig:
     """What one training step does.
 
     Attributes:
-        loss: ``mse`` | ``cross_entropy`` | ``output`` (the model returns its loss).
+        loss: ``mse`` | ``cross_entropy`` | ``output`` (the model returns its loss);
+            ``loss_args``: cross_entropy's ``ignore_index`` / ``label_smoothing``.
         optimizer: ``sgd`` | ``adamw``; ``hyper``: its hyperparameters (sorted pairs).
         batch: global batch (dim 0 of every input), or None to take the model's.
         steps: steps ``parcomp run`` trains; ``zero``: 0, or 1/2 for a sharded
@@ -58,6 +59,7 @@ class TrainConfig:
     loc: object
     input_grads: bool = True
     output: str | None = None
+    loss_args: tuple = ()  # cross_entropy's ignore_index / label_smoothing (torch's defaults)
 
     def h(self, key):
         return dict(self.hyper)[key]
@@ -72,9 +74,7 @@ def train_config(spec) -> TrainConfig:
             hint = closest(k, known)
             raise SpecError(f"unknown train option {k!r}" + (f"; did you mean {hint!r}?" if hint else
                             f"; known: {', '.join(sorted(known))}"), t.loc)
-    loss = t.get("loss", "mse")
-    if loss not in LOSSES:
-        raise SpecError(f"loss {loss!r} is not supported; supported: {', '.join(LOSSES)}", t.loc)
+    loss, loss_args = _loss(t.get("loss", "mse"), t.loc)
     opt = t.get("optimizer", "sgd")
     name, args = (opt, ()) if isinstance(opt, str) else opt
     if name not in OPTIMIZERS:
@@ -104,7 +104,27 @@ def train_config(spec) -> TrainConfig:
         raise SpecError(f"output={output!r}: name a model output (quote a name with dots: "
                         f'output="a.b")', t.loc)
     return TrainConfig(loss, name, tuple(sorted(hyper.items())), batch, steps, zero,
-                       str(t.get("trainable", "**")), t.loc, input_grads == "yes", output)
+                       str(t.get("trainable", "**")), t.loc, input_grads == "yes", output, loss_args)
+
+
+# reductions part (issue 17): loss=cross_entropy(ignore_index=-100, label_smoothing=0.0), torch's
+CE_OPTIONS = {"ignore_index": (int, (-(1 << 62), 1 << 62, True)), "label_smoothing": (float, (0, 1, True))}
+
+
+def _loss(value, loc) -> tuple:
+    """``(loss name, sorted (option, value) pairs)``; options only for cross_entropy."""
+    name, args = value if isinstance(value, tuple) and len(value) == 2 else (value, ())
+    if not isinstance(name, str) or name not in LOSSES:
+        raise SpecError(f"loss {name!r} is not supported; supported: {', '.join(LOSSES)}", loc)
+    out = {}
+    for k, v in args:
+        if name != "cross_entropy" or k not in CE_OPTIONS:
+            raise SpecError(f"loss {name} has no option {k!r}" + (
+                f"; it takes {', '.join(CE_OPTIONS)}" if name == "cross_entropy" else ""), loc)
+        kind, bounds = CE_OPTIONS[k]
+        out[k] = _number(v, f"{name}({k}=...)", loc, kind)
+        _check_range(f"{name}({k}={v})", out[k], bounds, loc)
+    return name, tuple(sorted(out.items()))
 
 
 def check_steps(steps, what: str = "--steps") -> int:

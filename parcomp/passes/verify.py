@@ -2,7 +2,8 @@
 
 Checks, in order: SSA well-formedness; types agree with each op's shape rule
 (global graphs); and, once layouts exist, the layout rules of DESIGN.md:
-a nonlinear op never sees ``P``; ``P + R`` never happens (an ``R`` addend must be
+a nonlinear op never sees ``P``; a ``P(max)`` reaches only all_reduce(max), amax and
+identity/movement ops (it is never summed); ``P + R`` never happens (an ``R`` addend must be
 made ``P`` on one rank first, so it is counted once); a product has at most one
 ``P`` factor per axis; every op's (input layouts -> output layout) is a strategy
 of the rule table; every layout-change node does exactly what its kind says.
@@ -128,9 +129,21 @@ def _operand_layouts(graph, n):
     return n.in_layouts if n.in_layouts is not None else tuple(graph[i].layout for i in n.inputs)
 
 
+# ops that may take a P(max) operand (reductions part, issue 17): the max reductions and
+# ops that only move data; a layout op is checked against TRANSITIONS instead
+MAX_PARTIAL_OPS = ("amax", "relayout", "reshape", "permute", "expand", "wait")
+
+
 def _check_partial_rules(graph, n, ins):
     kind = OPS[n.op].kind
     for a, axis in enumerate(graph.mesh.names):
+        if (n.op not in MAX_PARTIAL_OPS and n.op not in TRANSITIONS
+                and any(lay[a] == Partial("max") for lay in ins)):
+            _fail(graph, n, f"{n.op} gets a P(max) operand over mesh axis {axis}: a partial max "
+                            f"is never summed or computed on; all_reduce it (reduce_op=max) first")
+        if kind == "reduce_max" and any(lay[a] == Partial() for lay in ins):
+            _fail(graph, n, f"{n.op} (a max) gets a partial-sum operand over mesh axis {axis}: "
+                            f"reduce it (all_reduce) first")
         parts = [isinstance(lay[a], Partial) for lay in ins]
         if not any(parts):
             continue
@@ -165,7 +178,10 @@ def _check_layouts(graph, n):
             if key in OPS[n.op].attrs and not _is_dim(n.attr(key), n.type):
                 _fail(graph, n, f"{n.op} needs {key}= a dim of {n.type}, not {n.attr(key)!r}")
         a = graph.mesh.names.index(n.attr("axis"))
-        before, after = TRANSITIONS[n.op].placements(n.attr("dim"), n.attr("src_dim"))
+        op = n.attr("reduce_op", "sum")
+        if op not in TRANSITIONS[n.op].reduce_ops and op != "sum":
+            _fail(graph, n, f"{n.op} has no reduce_op={op!r} (a P(max) is never reduce_scattered)")
+        before, after = TRANSITIONS[n.op].placements(n.attr("dim"), n.attr("src_dim"), op)
         src = ins[0]
         expect = src[:a] + (after,) + src[a + 1:]
         if src[a] != before or n.layout != expect:

@@ -15,12 +15,12 @@ import numpy as np
 
 from ..ir.graph import Graph
 from ..ir.transitions import TRANSITIONS
-from ..ir.types import Partial, Replicate, TensorType, shard_offsets
+from ..ir.types import R, Partial, Replicate, TensorType, shard_offsets
 from ..passes.lower import frees_of, storage_roots
 from ..redistribute import Step, step_bytes
 from .numpy_attn import source_array
-from .norm_ops import at_rank
 from .numpy_ops import NUMPY_OPS
+from .ranked import at_rank
 
 
 def _contig(x) -> np.ndarray:
@@ -41,7 +41,9 @@ def split_for_ranks(full, layout, mesh, rng=None) -> list:
     split as ``x/n + o_c`` with random sign-varying offsets ``o_c`` summing to
     zero, so a nonlinear op applied to partial sums gives a visibly wrong answer
     (DTensor's strategy validator splits Partial inputs asymmetrically for the
-    same reason).  Replicas along ``R`` axes stay bit-identical.
+    same reason).  Replicas along ``R`` axes stay bit-identical.  A ``P(max)`` axis: every
+    coordinate holds the value (``partial_mask``); with ``rng``, all but one random
+    coordinate hold it lowered by random amounts (a max combined by sum is then wrong).
     """
     full = np.asarray(full)
     ty = TensorType(full.shape, str(full.dtype))
@@ -50,6 +52,9 @@ def split_for_ranks(full, layout, mesh, rng=None) -> list:
         if not isinstance(p, Partial):
             continue
         n, cache = mesh.sizes[a], {}
+        if p.op == "max":
+            _split_max(locs, full, layout, mesh, a, rng)
+            continue
         for r in range(mesh.size):
             coords = mesh.coords(r)
             key = tuple(0 if (i == a or isinstance(q, Replicate)) else c
@@ -64,12 +69,43 @@ def split_for_ranks(full, layout, mesh, rng=None) -> list:
     return [_contig(x) for x in locs]
 
 
+def _split_max(locs, full, layout, mesh, a, rng):
+    """The pieces of a P(max) split along mesh axis ``a`` (see :func:`split_for_ranks`)."""
+    if rng is None:
+        return
+    keys = {}
+    for r in range(mesh.size):
+        coords = mesh.coords(r)
+        key = tuple(0 if (i == a or isinstance(q, Replicate)) else c
+                    for i, (c, q) in enumerate(zip(coords, layout)))
+        if key not in keys:
+            keys[key] = (int(rng.integers(mesh.sizes[a])),
+                         [np.abs(rng.standard_normal(locs[r].shape)) * 3 for _ in range(mesh.sizes[a])])
+        owner, offs = keys[key]
+        if coords[a] != owner:
+            locs[r] = (locs[r] - offs[coords[a]]).astype(full.dtype)
+
+
+def _reduce_max_axes(locals_by_rank, layout, mesh):
+    """Per-rank locals with every P(max) axis reduced by max (then treated as R)."""
+    locs = list(locals_by_rank)
+    for a, p in enumerate(layout):
+        if isinstance(p, Partial) and p.op == "max":
+            for group in mesh.groups(a):
+                top = np.maximum.reduce([np.asarray(locs[r]) for r in group])
+                for r in group:
+                    locs[r] = top
+    return locs, tuple(R if isinstance(p, Partial) and p.op == "max" else p for p in layout)
+
+
 def assemble(locals_by_rank, layout, global_shape, mesh, dtype="float32") -> np.ndarray:
     """Rebuild the full array from per-rank locals; replicas must be bit-identical.
+    Partial-sum axes are summed, partial-max axes combined by max.
 
     Raises:
         ValueError: two replicas of the same block differ (a rank diverged).
     """
+    locals_by_rank, layout = _reduce_max_axes(locals_by_rank, layout, mesh)
     ty = TensorType(tuple(global_shape), dtype)
     full, seen = np.zeros(global_shape, dtype=np.result_type(dtype, np.float64)), {}
     for r, local in enumerate(locals_by_rank):
@@ -137,7 +173,7 @@ def run_spmd(program: Graph, feeds: dict, partial_rng=None) -> SPMDRun:
         elif n.op in _LAYOUT_OPS:
             _layout_op(program, n, run, live)
         else:
-            for r in ranks:  # at_rank: where this rank's block lies (dropout, vocab-parallel)
+            for r in ranks:  # at_rank: where this rank's block lies (ranked.py)
                 live[r][n.name] = NUMPY_OPS[n.op]([live[r][i] for i in n.inputs], at_rank(program, n, r))
         for r in ranks:
             _account(n, live[r], roots, size[r], run, r)
@@ -180,14 +216,20 @@ def _sum(xs):
     return total
 
 
+def _reduce(xs, n):
+    """The group's sum, or its elementwise max for ``reduce_op="max"`` (a P(max))."""
+    return np.maximum.reduce([np.asarray(x) for x in xs]) if n.attr("reduce_op") == "max" else _sum(xs)
+
+
 _LAYOUT_OPS = {  # the simulation of each op of the transition table (TRANSITIONS)
-    "all_reduce": lambda xs, n: [_sum(xs)] * len(xs),
+    "all_reduce": lambda xs, n: [_reduce(xs, n)] * len(xs),
     "all_gather": lambda xs, n: [np.concatenate(xs, axis=n.attr("dim"))] * len(xs),
     "reduce_scatter": lambda xs, n: np.split(_sum(xs), len(xs), axis=n.attr("dim")),
     "all_to_all": lambda xs, n: [
         np.concatenate([np.split(x, len(xs), axis=n.attr("dim"))[j] for x in xs], axis=n.attr("src_dim"))
         for j in range(len(xs))],
     "shard_slice": lambda xs, n: [np.split(x, len(xs), axis=n.attr("dim"))[c] for c, x in enumerate(xs)],
-    "partial_mask": lambda xs, n: [x if c == 0 else np.zeros_like(x) for c, x in enumerate(xs)],
+    "partial_mask": lambda xs, n: [x if c == 0 or n.attr("reduce_op") == "max" else np.zeros_like(x)
+                                   for c, x in enumerate(xs)],
 }
 assert set(_LAYOUT_OPS) == set(TRANSITIONS), "one simulation per layout op of the transition table"

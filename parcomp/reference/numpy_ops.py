@@ -12,6 +12,7 @@ import math
 import numpy as np
 
 from .norm_ops import NORM_NUMPY_OPS
+from .reduce_ops import REDUCE_NUMPY_OPS
 
 _erf = np.vectorize(math.erf, otypes=[np.float64])
 
@@ -50,16 +51,26 @@ def _log_softmax(z):
     return z - np.log(np.sum(np.exp(z), axis=-1, keepdims=True))
 
 
-def _cross_entropy(logits, labels):
-    picked = np.take_along_axis(_log_softmax(logits), labels[..., None].astype(np.int64), axis=-1)
-    return (-picked[..., 0]).astype(logits.dtype)
+def _ce_target(logits, labels, node):
+    """torch's target distribution: (1 - eps) onehot + eps / C; zero rows for ignored labels."""
+    eps, ignore = float(node.attr("label_smoothing", 0.0)), int(node.attr("ignore_index", -100))
+    lab = np.asarray(labels, np.int64)
+    keep = lab != ignore
+    onehot = (np.arange(logits.shape[-1]) == np.where(keep, lab, -1)[..., None]).astype(np.float64)
+    return ((1 - eps) * onehot + eps / logits.shape[-1]) * keep[..., None]
 
 
-def _cross_entropy_grad(dl, logits, labels):
-    p = np.exp(_log_softmax(logits))
-    np.put_along_axis(p, labels[..., None].astype(np.int64),
-                      np.take_along_axis(p, labels[..., None].astype(np.int64), axis=-1) - 1, axis=-1)
-    return (dl[..., None] * p).astype(logits.dtype)
+def _cross_entropy(logits, labels, node):
+    """Per-token loss -sum_j target_j log_softmax_j (0 where the label is ignored)."""
+    q = _ce_target(logits, labels, node)
+    return (-np.sum(q * _log_softmax(logits), axis=-1)).astype(logits.dtype)
+
+
+def _cross_entropy_grad(dl, logits, labels, node):
+    q = _ce_target(logits, labels, node)
+    keep = q.sum(axis=-1, keepdims=True) > 0
+    p = np.exp(_log_softmax(logits)) * keep
+    return (dl[..., None] * (p - q)).astype(logits.dtype)
 
 
 def _adamw(p, m, v, t, node):
@@ -102,8 +113,8 @@ NUMPY_OPS = {
     "silu_grad": lambda a, n: _silu_grad(a[0], a[1]).astype(a[0].dtype),
     "pow_grad": lambda a, n: (a[0] * n.attr("exponent") * np.power(
         a[1], a[1].dtype.type(n.attr("exponent") - 1))).astype(a[0].dtype),
-    "cross_entropy": lambda a, n: _cross_entropy(a[0], a[1]),
-    "cross_entropy_grad": lambda a, n: _cross_entropy_grad(a[0], a[1], a[2]),
+    "cross_entropy": lambda a, n: _cross_entropy(a[0], a[1], n),
+    "cross_entropy_grad": lambda a, n: _cross_entropy_grad(a[0], a[1], a[2], n),
     "adamw_param": lambda a, n: _adamw(a[0], a[1], a[2], a[3], n),
     # lowered ops (parcomp/passes/lower.py); ``inplace`` changes where torch writes, not the value
     "dense": lambda a, n: np.matmul(a[0], np.swapaxes(a[1], -1, -2)) + (a[2] if len(a) > 2 else 0),
@@ -116,6 +127,7 @@ NUMPY_OPS = {
     "wait": lambda a, n: a[0],
     # norms + embedding part (issue 17): layer_norm, rms_norm, dropout, embedding (+ grads)
     **NORM_NUMPY_OPS,
+    **REDUCE_NUMPY_OPS,  # reductions part (issue 17): parcomp/reference/reduce_ops.py
 }
 
 # ---- attention part (issue 17): views, RoPE pointwise ops, sdpa ----

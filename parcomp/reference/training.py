@@ -30,8 +30,11 @@ def data_for(graph, seed=0) -> dict:
         t = graph["target"].type
         out["target"] = rng.standard_normal(t.shape).astype(t.dtype)
     if "labels" in graph:
-        classes = next(n.type.shape[-1] for n in graph.nodes if n.op == "cross_entropy"
-                       for n in [graph[n.inputs[0]]])
+        # the classes of the logits the labels index (cross_entropy or its decomposition's
+        # pick); a padded vocab (mask_pad) draws only real classes
+        classes = next(graph[n.inputs[0]].type.shape[-1] for n in graph.nodes
+                       if n.op in ("cross_entropy", "pick") and n.inputs[1] == "labels")
+        classes = min([classes] + [n.attr("size") for n in graph.nodes if n.op == "mask_pad"])
         out["labels"] = rng.integers(0, classes, graph["labels"].type.shape).astype("int64")
     return out
 
@@ -121,7 +124,8 @@ def torch_train(module, example, input_names, data: dict, cfg, steps: int, outpu
         if cfg.loss == "mse":
             loss = F.mse_loss(y, torch.from_numpy(data["target"]))
         elif cfg.loss == "cross_entropy":
-            loss = F.cross_entropy(y.reshape(-1, y.shape[-1]), torch.from_numpy(data["labels"]).reshape(-1))
+            loss = F.cross_entropy(y.reshape(-1, y.shape[-1]), torch.from_numpy(data["labels"]).reshape(-1),
+                                   **dict(cfg.loss_args))
         else:
             loss = y
         loss.backward()

@@ -28,6 +28,8 @@ import numpy as np
 
 from ..reference.numpy_ops import NUMPY_OPS
 from .norms import NORM_ERROR_RULES
+from ..reference.numpy_ops import NUMPY_OPS, _ce_target
+from .reductions import REDUCE_ERROR_RULES
 
 
 _NOT_NUMPY = {"bfloat16": (2.0 ** -8, 2.0 ** -126)}  # (u, smallest normal) of dtypes numpy lacks
@@ -187,20 +189,18 @@ def _softmax(z):
     return p / np.sum(p, axis=-1, keepdims=True)
 
 
-def _onehot(labels, classes):
-    return (np.arange(classes) == np.asarray(labels)[..., None]).astype(np.float64)
-
-
 def _cross_entropy(vals, errs, node, out, u):
     """logsumexp(z) - z[label]: sensitivity sum_j |p_j - onehot_j| e_j; rounding of the
     C-term sum (gamma_C), the exps and logs (8u) and the max shift (u max|z|)."""
     z, labels = vals
     ez = np.broadcast_to(errs[0], z.shape)
     classes = z.shape[-1]
-    p, oh = _softmax(z), _onehot(labels, classes)
+    p, oh = _softmax(z), _ce_target(z, labels, node)  # onehot, smoothed, 0 rows if ignored
     prop = np.sum(np.abs(p - oh) * ez, axis=-1)
     zmax = np.max(np.abs(z), axis=-1)
-    return prop + gamma(classes + 8, u) + 8 * u * (zmax + np.abs(out)) + _tiny(node)
+    smooth = float(node.attr("label_smoothing", 0.0)) * gamma(classes, u) * np.mean(
+        np.abs(z - zmax[..., None]) + np.abs(out)[..., None], axis=-1)
+    return prop + gamma(classes + 8, u) + 8 * u * (zmax + np.abs(out)) + smooth + _tiny(node)
 
 
 def _cross_entropy_grad(vals, errs, node, out, u):
@@ -208,7 +208,7 @@ def _cross_entropy_grad(vals, errs, node, out, u):
     dl, z, labels = vals
     edl, ez = np.asarray(errs[0])[..., None], np.broadcast_to(errs[1], z.shape)
     classes = z.shape[-1]
-    p, oh = _softmax(z), _onehot(labels, classes)
+    p, oh = _softmax(z), _ce_target(z, labels, node)
     dp = p * (ez + np.sum(p * ez, axis=-1, keepdims=True))
     adl = np.abs(dl)[..., None]
     zmax = np.max(np.abs(z), axis=-1, keepdims=True)
@@ -368,6 +368,7 @@ ERROR_RULES = {
     "mse_grad": _mse_grad,
     "wait": _move,
     **NORM_ERROR_RULES,  # norms + embedding part (issue 17): parcomp/rules/norms.py
+    **REDUCE_ERROR_RULES,  # reductions part (issue 17): parcomp/rules/reductions.py
 }
 """op -> rule ``(vals, errs, node, out, u) -> err`` for every op of :data:`parcomp.ir.ops.OPS`
 that computes (sources and collectives are handled by :mod:`parcomp.tolerance`)."""

@@ -17,8 +17,9 @@ from __future__ import annotations
 import itertools
 
 from ..ir.ops import OPS
-from ..ir.types import P, R, Shard, divisibility_problem
+from ..ir.types import PMAX, P, R, Shard, divisibility_problem
 from .norms import NORM_STRATEGY_RULES
+from .reductions import REDUCE_STRATEGY_RULES
 
 
 def _pointwise(node, ts, linear):
@@ -140,7 +141,7 @@ def _nonlinear(node, ts):
 
 def _relayout(node, ts):
     # identity; its output layout is pinned by the spec (shard-prop keeps node.layout)
-    return [((R,), R), ((P,), P)] + [((Shard(d),), Shard(d)) for d in range(ts[0].rank)]
+    return [((R,), R), ((P,), P), ((PMAX,), PMAX)] + [((Shard(d),), Shard(d)) for d in range(ts[0].rank)]
 
 
 STRATEGY_RULES = {
@@ -159,6 +160,7 @@ STRATEGY_RULES = {
     "cross_entropy": _cross_entropy,
     "cross_entropy_grad": _cross_entropy_grad,
     **NORM_STRATEGY_RULES,  # norms + embedding part (issue 17): parcomp/rules/norms.py
+    **REDUCE_STRATEGY_RULES,  # reductions part (issue 17): parcomp/rules/reductions.py
 }
 
 

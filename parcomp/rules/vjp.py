@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from ..ir.types import TensorType
 from .norms import NORM_VJP_RULES
+from .reductions import REDUCE_VJP_RULES
 
 
 def unbroadcast(b, g, ty: TensorType):
@@ -83,7 +84,7 @@ def _permute(b, n, g):
 
 def _cross_entropy(b, n, g):
     logits, labels = n.inputs
-    return b.op("cross_entropy_grad", [g, logits, labels]), None
+    return b.op("cross_entropy_grad", [g, logits, labels], **dict(n.attrs)), None
 
 
 VJP_RULES = {
@@ -109,6 +110,7 @@ VJP_RULES = {
     "expand": lambda b, n, g: (b.op("sum", [g], dims=n.attr("dims")),),
     "cross_entropy": _cross_entropy,
     **NORM_VJP_RULES,  # norms + embedding part (issue 17): parcomp/rules/norms.py
+    **REDUCE_VJP_RULES,  # reductions part (issue 17): parcomp/rules/reductions.py
 }
 
 

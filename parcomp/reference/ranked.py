@@ -1,0 +1,16 @@
+"""``at_rank``: a node with the attributes that place one rank's block in the global tensor.
+
+Two parts of issue 17 need them: dropout and vocab-parallel embedding (``index_start`` /
+``index_shape`` / ``vocab_start``: :func:`parcomp.reference.norm_ops.at_rank`), and the ops that
+index a split dim (``pick``, ``argmax_key``, ``mask_pad``: ``index_start``,
+:func:`parcomp.reference.reduce_ops.at_rank`). The interpreter and the per-rank error bounds
+call this one function; each part's own returns other ops unchanged.
+"""
+from __future__ import annotations
+
+from . import norm_ops, reduce_ops
+
+
+def at_rank(program, node, rank: int):
+    """``node`` of local ``program`` as mesh rank ``rank`` runs it (unchanged for other ops)."""
+    return reduce_ops.at_rank(program, norm_ops.at_rank(program, node, rank), rank)
