@@ -291,7 +291,7 @@ def compare_all(got: dict, want: dict, bounds: dict, keys=None, **kw) -> dict:
     ok = all(p["ok"] for p in per.values())
     return {"max_abs_err": max(p["max_abs_err"] for p in per.values()), "tolerance": t["tolerance"],
             "err_over_tol": t["err_over_tol"], "worst": where, "ok": ok,
-            "why": "; ".join(f"{k}: {p['why']}" for k, p in per.items() if p["why"]), "per_key": per,
+            "why": _first_reasons([f"{k}: {p['why']}" for k, p in per.items() if p["why"]]), "per_key": per,
             # failing only where the bound overflowed: no error seen, but nothing vouched for
             "unbounded": not ok and all(p["ok"] or p["unbounded"] for p in per.values())}
 
@@ -336,3 +336,10 @@ def loss_errors(losses, ref_losses, loss_bounds) -> dict:
                        f"{len(losses)} losses against {len(ref_losses)} reference losses")
     return compare(np.array(losses, np.float64), np.array(ref_losses, np.float64),
                    np.array(loss_bounds[:len(losses)], np.float64))
+
+
+def _first_reasons(reasons: list, most: int = 4) -> str:
+    """The first ``most`` reasons, then how many more values failed (a 100-value failure
+    is one readable line, not a page)."""
+    more = len(reasons) - most
+    return "; ".join(reasons[:most]) + (f"; and {more} more value{'s' if more > 1 else ''}" if more > 0 else "")

@@ -200,7 +200,7 @@ OP_CASES = {  # op: (operand shapes, result shape, attrs)
 # (lowered ops: tests/test_lowering.py)
 COMPUTE_OPS = sorted(set(OP_FORMATS) - set(LAYOUT_OPS) - {"relayout", "adamw_param", "cross_entropy",
                                                             "cross_entropy_grad"} - set(LOWERED)
-                     - set(NORM_FORMATS))  # norms + embedding part: in test_torch_training.py
+                     - set(NORM_FORMATS)  # norms + embedding part: in test_torch_training.py
                      - set(REDUCE_FORMATS))  # reductions part: tests/test_reductions.py
 
 
