@@ -142,7 +142,9 @@ def _spec_text(base: str, chosen, graph, spec) -> str:
     lines.append("")
     for n in graph.params:
         lay = chosen[n.name].layout
-        lines.append(f"{n.name}  {layout_str(lay)}  # {n.type}: {_what(lay, n.type, mesh)}")
+        stored = n.attr("stored_shape")
+        view = f" (view of the fused [{','.join(map(str, stored))}])" if stored else ""
+        lines.append(f"{n.name}  {layout_str(lay)}  # {n.type}{view}: {_what(lay, n.type, mesh)}")
     lines.append("")
     lines += [ln for ln in base.rstrip("\n").split("\n")[1 + bool(spec.memory):]]
     acts = [n for n in graph.nodes if n.op not in ("input", "param") and n.name in chosen]
