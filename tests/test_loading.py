@@ -215,7 +215,7 @@ def test_truncated_pt_and_bad_index_name_the_file(tmp_path):
 
 
 def test_the_loading_section_is_pasted_into_every_program():
-    text = ld.__file__ and runtime.sections("program_loading")["loading"]
+    text = runtime.sections("program_loading")["loading"]
     assert text in runtime.RUNTIME and text in runtime.TRAIN_RUNTIME
 
 
@@ -273,7 +273,11 @@ def test_half_a_gigabyte_mlp_each_rank_reads_its_own_bytes(tmp_path):
                   f"file(s), kept {mib(r['bytes_kept'])}; {r['peak_rss_bytes'] / whole['peak_rss_bytes']:.2f} "
                   f"of the whole-file load")
             assert r["peak_rss_bytes"] < 0.6 * whole["peak_rss_bytes"]
-            assert r["bytes_read"] == r["bytes_kept"] < 0.51 * size
+            assert r["bytes_read"] == r["bytes_kept"] == compiled.report["checkpoint_load"]["bytes_read"]
+            assert r["bytes_read"] < 0.51 * size
+            cost, whole_cost = (r["peak_rss_bytes"] - r["rss_before_bytes"],
+                                whole["peak_rss_bytes"] - whole["rss_before_bytes"])
+            assert cost < 0.6 * whole_cost  # what loading added, too
     assert torch.equal(outputs["single"].view(torch.int32), outputs["sharded"].view(torch.int32))
 
 
@@ -291,3 +295,15 @@ def test_a_broken_checkpoint_exits_2_on_every_rank(tmp_path, how):
     # torchrun's summary: every rank that failed, with its exit code
     codes = dict(re.findall(r"rank\s*: (\d+) \(local_rank: \d+\)\n\s*exitcode\s*: (-?\d+)", res.stderr))
     assert codes == {"0": "2", "1": "2"}, res.stderr[-3000:]
+
+
+def test_compile_report_says_each_ranks_load():
+    from parcomp.report import format_load
+
+    compiled = compile_graph(parse_graph(MLP.format(H=64, D=16), "mlp.pcir"), parse_spec(TP2, "tp2.pcs"))
+    load = compiled.report["checkpoint_load"]
+    slices = {"fc1.weight": 32 * 16, "fc1.bias": 32, "fc2.weight": 16 * 32, "fc2.bias": 16}  # elements
+    assert load == {"bytes_read": 4 * sum(slices.values()), "checkpoint_bytes": 4 * (64 * 16 * 2 + 64 + 16),
+                    "largest_slice_bytes": 4 * 512, "peak_host_bytes_cpu": 4 * sum(slices.values()),
+                    "peak_host_bytes_accelerator": 4 * 512}
+    assert format_load(load).startswith("checkpoint load per rank: reads 4.2 KiB of 8.3 KiB (50.4%")
