@@ -122,6 +122,14 @@ def test_bf16_loads_as_bf16_bit_for_bit_and_a_dtype_mismatch_names_the_file(tmp_
         ckpt.take("w", (6, 4), torch.float32)
 
 
+def test_a_tensor_of_a_dtype_torch_cannot_name_only_fails_when_taken(tmp_path):
+    save_file({"w": torch.ones(3)}, str(tmp_path / "m.safetensors"))
+    (tmp_path / "m.safetensors").write_bytes((tmp_path / "m.safetensors").read_bytes().replace(b'"F32"', b'"F4X"'))
+    ckpt = ld.open_checkpoint(str(tmp_path / "m.safetensors"))
+    with pytest.raises(ld.LoadError, match="param 'w' in .*m.safetensors has dtype F4X, but the program"):
+        ckpt.take("w", (3,), torch.float32)
+
+
 def test_legacy_pt_file_still_loads(tmp_path):
     full = torch.arange(12.0).reshape(3, 4)
     torch.save({"w": full}, str(tmp_path / "old.pt"), _use_new_zipfile_serialization=False)

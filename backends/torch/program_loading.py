@@ -41,7 +41,10 @@ class LoadError(Exception):
 
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
                       "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
-                      "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+                      "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+                      **{k: getattr(torch, v) for k, v in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"),
+                                                           ("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"))
+                         if hasattr(torch, v)}}
 INDEX_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 SINGLE_NAMES = ("model.safetensors", "pytorch_model.bin")
 SMALL_RUN = 4096  # bytes: shorter runs are read as whole dim-0 rows, BLOCK bytes at a time
@@ -133,7 +136,8 @@ def read_safetensors_header(path):
         out = {}
         for key, info in header.items():
             begin, end = (8 + n + int(o) for o in info["data_offsets"])
-            out[key] = (SAFETENSORS_DTYPES[info["dtype"]], tuple(int(s) for s in info["shape"]), begin, end)
+            dtype = SAFETENSORS_DTYPES.get(info["dtype"], info["dtype"])  # unknown: an error if taken
+            out[key] = (dtype, tuple(int(s) for s in info["shape"]), begin, end)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise LoadError(f"cannot read safetensors file {path}: {type(e).__name__}: {e}") from None
     need = max((end for _, _, _, end in out.values()), default=8 + n)

@@ -244,13 +244,26 @@ def load_checkpoint(path, key_map=(), report=None):
     return params
 
 
+def fail_load(error):
+    """Exit 2 with a LoadError's message. Every rank finds a broken checkpoint at the same
+    point, so each exits 2 on its own: torchrun's SIGTERM to the others once the first has
+    exited is ignored from here on, so it cannot turn their exit 2 into -15."""
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    fail(str(error))
+
+
 class LoadError(Exception):
     """A checkpoint that cannot be loaded; the message names the file (main() exits 2 with it)."""
 
 
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
                       "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
-                      "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+                      "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+                      **{k: getattr(torch, v) for k, v in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"),
+                                                           ("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"))
+                         if hasattr(torch, v)}}
 INDEX_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 SINGLE_NAMES = ("model.safetensors", "pytorch_model.bin")
 SMALL_RUN = 4096  # bytes: shorter runs are read as whole dim-0 rows, BLOCK bytes at a time
@@ -342,7 +355,8 @@ def read_safetensors_header(path):
         out = {}
         for key, info in header.items():
             begin, end = (8 + n + int(o) for o in info["data_offsets"])
-            out[key] = (SAFETENSORS_DTYPES[info["dtype"]], tuple(int(s) for s in info["shape"]), begin, end)
+            dtype = SAFETENSORS_DTYPES.get(info["dtype"], info["dtype"])  # unknown: an error if taken
+            out[key] = (dtype, tuple(int(s) for s in info["shape"]), begin, end)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise LoadError(f"cannot read safetensors file {path}: {type(e).__name__}: {e}") from None
     need = max((end for _, _, _, end in out.values()), default=8 + n)
@@ -753,7 +767,7 @@ def main(argv=None):
     try:
         run(args)
     except LoadError as e:  # a checkpoint that cannot be loaded: the message names the file
-        fail(str(e))
+        fail_load(e)
     finally:
         dist.destroy_process_group()
 
