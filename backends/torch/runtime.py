@@ -1,7 +1,8 @@
 """The fixed parts of every emitted ``program.py``, pasted from real modules.
 
 The runtime is Python in :mod:`.program_common` (process facts, collectives,
-loading, the world check, ``main``), :mod:`.program_forward` and
+loading, the world check, ``main``), :mod:`.program_loading` (checkpoints: each
+rank reads only its own bytes), :mod:`.program_forward` and
 :mod:`.program_train` (outputs, argument parsing, ``run`` / the training loop).
 Each marks what program.py holds with ``# >>> program.py: NAME`` ...
 ``# <<< program.py``; this module pastes those sections (read as text, so
