@@ -21,7 +21,7 @@ from .reference.interpreter import run_spmd
 from .reference.numpy_ops import run_unsharded
 from .passes.train_config import check_steps, train_config
 from .reference.training import numpy_train
-from .report import format_collectives, format_memory, format_search, plural
+from .report import format_collectives, format_load, format_memory, format_search, plural
 from .tolerance import compare_outputs as compare, output_bounds, training_bounds
 from .train_check import carried as _carried, lockstep, replay_reference, torch_reference as _torch_reference
 from .train_check import train_feeds, training_result as _training_result, verdict
@@ -109,6 +109,7 @@ def compile(args):  # noqa: A001 - the subcommand's name
     if not args.json:
         print(format_collectives(recs))
         print(format_memory(compiled.report))
+        print(format_load(compiled.report["checkpoint_load"]))
         print(format_search(compiled.report["search"]))
         place = compiled.report["placement"]
         if place["nodes"] is not None:

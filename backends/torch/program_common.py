@@ -25,6 +25,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from .program_loading import *  # the loading section (program.py holds it too)
+
 # ---- stand-ins for what the emitter generates (never pasted): a one-rank program ----
 PROFILE = "cpu"
 DIST_BACKEND = "gloo"
@@ -262,6 +264,8 @@ def read_inputs(path):
 def take(tensors, name, shape, dtype):
     """The full tensor ``name`` of a loaded file, checked against its full (unsharded) shape
     and the dtype the program was compiled for (never cast: a mismatch exits 2)."""
+    if isinstance(tensors, Checkpoint):  # this rank's bytes only, read by place()
+        return tensors.take(name, shape, dtype)
     what = "param" if name in PARAMS else "input"
     if name not in tensors:
         have = ", ".join(sorted(map(str, tensors))[:10]) or "nothing"
@@ -279,7 +283,10 @@ def take(tensors, name, shape, dtype):
 
 
 def place(t):
-    """A compact copy of ``t`` on DEVICE (so the full tensor it was cut from can be freed)."""
+    """A compact copy of ``t`` on DEVICE (so the full tensor it was cut from can be freed);
+    a checkpoint Slice is read here."""
+    if isinstance(t, Slice):
+        return t.read().to(DEVICE)
     return torch.empty(t.shape, dtype=t.dtype, device=DEVICE).copy_(t)
 
 
@@ -297,11 +304,29 @@ def note_unused(tensors, used, what):
         sys.stderr.flush()
 
 
-def load_checkpoint(path):
-    """This rank's slices of the params in the checkpoint at ``path`` (unused keys noted)."""
-    ckpt = read_tensors(path, "checkpoint")
-    note_unused(ckpt, PARAMS, "checkpoint")
-    return load_params(ckpt)
+def load_checkpoint(path, key_map=(), report=None):
+    """This rank's slices of the params in the checkpoint at ``path`` (a file, a directory or
+    an index.json; keys through ``key_map``), unused keys noted; with ``report``, this rank's
+    load report goes to rank_path(report, RANK). Raises LoadError naming the file."""
+    start, rss = time.perf_counter(), current_rss()
+    ckpt = open_checkpoint(path, key_map, read_tensors)
+    FILES["checkpoint"] = path
+    note_unused(dict.fromkeys(ckpt.entries), {ckpt.key(n) for n in PARAMS}, "checkpoint")
+    params = load_params(ckpt)
+    if report:
+        with open(rank_path(report, RANK), "w", encoding="utf-8") as f:
+            json.dump(load_report(ckpt, time.perf_counter() - start, rss), f)
+    return params
+
+
+def fail_load(error):
+    """Exit 2 with a LoadError's message. Every rank finds a broken checkpoint at the same
+    point, so each exits 2 on its own: torchrun's SIGTERM to the others once the first has
+    exited is ignored from here on, so it cannot turn their exit 2 into -15."""
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    fail(str(error))
 # <<< program.py
 
 
@@ -403,6 +428,8 @@ def main(argv=None):
     dist.init_process_group(backend)
     try:
         run(args)
+    except LoadError as e:  # a checkpoint that cannot be loaded: the message names the file
+        fail_load(e)
     finally:
         dist.destroy_process_group()
 # <<< program.py

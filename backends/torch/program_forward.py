@@ -33,7 +33,10 @@ def write_outputs(outputs, path):
 def parse_args(argv):
     """Command line (see the module docstring)."""
     ap = argparse.ArgumentParser(description=f"parcomp program for mesh {MESH_TEXT}; run: {RUN_HINT}")
-    ap.add_argument("--checkpoint", required=bool(PARAMS), help=".pt state_dict or .safetensors")
+    ap.add_argument("--checkpoint", required=bool(PARAMS),
+                    help=".safetensors, .pt state_dict, or a sharded checkpoint (directory or index.json)")
+    ap.add_argument("--key-map", type=key_map_arg, default=(), metavar="RULES", help=KEY_MAP_HELP)
+    ap.add_argument("--load-report", metavar="FILE", help=LOAD_REPORT_HELP)
     ap.add_argument("--input", required=bool(INPUTS), help=".pt or .safetensors dict of inputs")
     ap.add_argument("--output", help="where to write the outputs (.pt)")
     ap.add_argument("--device", choices=sorted({"cpu", PROFILE}), default=PROFILE)
@@ -46,7 +49,7 @@ def parse_args(argv):
 def run(args):
     """Everything between init_process_group and destroy_process_group."""
     make_groups()
-    params = load_checkpoint(args.checkpoint) if PARAMS else {}
+    params = load_checkpoint(args.checkpoint, args.key_map, args.load_report) if PARAMS else {}
     inputs = load_inputs(read_inputs(args.input)) if INPUTS else {}
     with torch.inference_mode():
         outputs = forward(params, inputs)

@@ -49,7 +49,10 @@ def step_count(text):
 def parse_args(argv):
     """Command line (see the module docstring)."""
     ap = argparse.ArgumentParser(description=f"parcomp program for mesh {MESH_TEXT}; run: {RUN_HINT}")
-    ap.add_argument("--checkpoint", required=True, help=".pt state_dict or .safetensors")
+    ap.add_argument("--checkpoint", required=True,
+                    help=".safetensors, .pt state_dict, or a sharded checkpoint (directory or index.json)")
+    ap.add_argument("--key-map", type=key_map_arg, default=(), metavar="RULES", help=KEY_MAP_HELP)
+    ap.add_argument("--load-report", metavar="FILE", help=LOAD_REPORT_HELP)
     ap.add_argument("--input", required=bool(INPUTS),
                     help=".pt dict of inputs for every step, or a list of one dict per step")
     ap.add_argument("--output", help="where to write the last step's outputs and the losses (.pt)")
@@ -122,7 +125,7 @@ def train(params, batches, starts=None):
 def run(args):
     """Everything between init_process_group and destroy_process_group."""
     make_groups()
-    params = load_checkpoint(args.checkpoint)
+    params = load_checkpoint(args.checkpoint, args.key_map, args.load_report)
     batches = read_batches(args.input, args.steps) if INPUTS else [{}] * args.steps
     with torch.no_grad():  # the backward pass is explicit in train_step: no autograd state
         starts = read_replay(args.replay, args.steps) if args.replay else None

@@ -1,7 +1,8 @@
 """The fixed parts of every emitted ``program.py``, pasted from real modules.
 
 The runtime is Python in :mod:`.program_common` (process facts, collectives,
-loading, the world check, ``main``), :mod:`.program_forward` and
+loading, the world check, ``main``), :mod:`.program_loading` (checkpoints: each
+rank reads only its own bytes), :mod:`.program_forward` and
 :mod:`.program_train` (outputs, argument parsing, ``run`` / the training loop).
 Each marks what program.py holds with ``# >>> program.py: NAME`` ...
 ``# <<< program.py``; this module pastes those sections (read as text, so
@@ -46,8 +47,11 @@ import torch.distributed as dist"""
 
 # the option lines of the module docstring; {out}: where the outputs go
 FORWARD_HELP = """\
---checkpoint  torch state_dict (.pt) or .safetensors with the full (unsharded) parameters;
-              each rank keeps only its own slice
+--checkpoint  .safetensors, torch state_dict (.pt), or transformers' sharded layout (a directory
+              or model.safetensors.index.json) with the full (unsharded) parameters; each rank
+              reads only its own slices (docs/deploy.md, "Loading checkpoints")
+--key-map     PARAM_PREFIX=KEY_PREFIX,...: checkpoint keys that differ from the param names
+--load-report FILE: each rank writes its load (bytes read, peak memory) to FILE.rank{{r}}.json
 --input       .pt or .safetensors dict {{input name: full tensor}} (or one tensor: one input)
 --output      {out}
 --device cpu  run on CPU with gloo whatever the profile (see the PROFILE block)
@@ -55,8 +59,11 @@ FORWARD_HELP = """\
 """
 
 TRAIN_HELP = """\
---checkpoint  torch state_dict (.pt) or .safetensors with the full (unsharded) parameters;
-              each rank keeps only its own slice; optimizer state starts at zeros
+--checkpoint  .safetensors, torch state_dict (.pt), or transformers' sharded layout (a directory
+              or model.safetensors.index.json) with the full (unsharded) parameters; each rank
+              reads only its own slices; optimizer state starts at zeros
+--key-map     PARAM_PREFIX=KEY_PREFIX,...: checkpoint keys that differ from the param names
+--load-report FILE: each rank writes its load (bytes read, peak memory) to FILE.rank{{r}}.json
 --input       .pt dict {{input name: full tensor}} used by every step, or a list of one such
               dict per step (.safetensors: one dict)
 --steps K     train steps k = 1..K (default {steps}){step}; rank 0 prints "step k loss L"
@@ -73,10 +80,11 @@ def _join(*chunks) -> str:
 
 
 _COMMON, _FORWARD, _TRAIN = sections("program_common"), sections("program_forward"), sections("program_train")
-RUNTIME = _join(_COMMON["process"], _COMMON["read_inputs"], _COMMON["take_place"])
+_LOADING = sections("program_loading")["loading"]  # checkpoint loading: each rank reads its own bytes
+RUNTIME = _join(_COMMON["process"], _COMMON["read_inputs"], _COMMON["take_place"], _LOADING)
 MAIN = _join(_COMMON["rank_path"], _FORWARD["write_outputs"], _COMMON["sync"], _COMMON["bench"],
              _FORWARD["parse_args"], _COMMON["world"], _FORWARD["run"], _COMMON["main"], _COMMON["entry"])
-TRAIN_RUNTIME = _join(_COMMON["process"], _COMMON["take_place"])
+TRAIN_RUNTIME = _join(_COMMON["process"], _COMMON["take_place"], _LOADING)
 ONNX_READER = _COMMON["onnx"]  # appended to the runtime of a program compiled from an .onnx file
 TRAIN_MAIN = _join(_COMMON["rank_path"], _TRAIN["write_outputs"], _COMMON["sync"], _COMMON["bench"],
                    _TRAIN["parse_args"], _COMMON["world"], _TRAIN["loop"], _COMMON["main"],
