@@ -17,8 +17,11 @@ from ..ir.graph import Graph, Node, make_attrs
 from ..ir.names import NameGen
 from ..ir.ops import OPS
 from ..ir.types import TensorType
+from .fused import split_fused_weights
+from .onnx_attention import OP as ATTENTION, lower_attention, rewrite_attention
 from .onnx_ops import DTYPES, NO_FOLD, SHAPE_ONLY, TABLE, dtype_of, supported_ops
 from .onnx_patterns import ONode, rewrite_gelu
+from .onnx_transformer import materialize
 
 _INT_TYPES = (2, 3, 4, 5, 6, 7, 12, 13, 9)  # (u)int8..64 and bool: always constants
 
@@ -111,7 +114,7 @@ class _Builder:
         self.inits = {t.name: t for t in model.graph.initializer}
         self.order = {t.name: i for i, t in enumerate(model.graph.initializer)}
         self.env, self.params, self.names = {}, {}, NameGen()
-        self.sources, self.nodes, self.types = [], [], {}
+        self.sources, self.nodes, self.types, self.made = [], [], {}, {}
         self.cur = None
 
     # -- reading values --
@@ -144,8 +147,13 @@ class _Builder:
         if isinstance(v, str):
             return v
         if isinstance(v, np.ndarray):
-            raise self.fail(f"operand {name!r} is a constant {v.dtype}{list(v.shape)}; parcomp has "
-                            f"no constant tensors: store it as an initializer (a weight)")
+            made = self.made.get(name) or materialize(self, name, v)  # position ids: arange...
+            if made is None:
+                raise self.fail(f"operand {name!r} is a constant {v.dtype}{list(v.shape)}; parcomp has "
+                                f"no constant tensors (only an arange along one axis is rebuilt): "
+                                f"store it as an initializer (a weight)")
+            self.made[name] = made  # env keeps the constant (folding reads it)
+            return made
         raise self.fail(f"operand {name!r} is not computed (an optional output parcomp does not make)")
 
     def onnx_type(self, name: str) -> TensorType:
@@ -229,6 +237,8 @@ def _lower(b: _Builder, n: ONode) -> list:
         raise _no_rule(b, n)
     if n.op == "Constant":
         return [_constant(n)]
+    if n.op == ATTENTION:
+        return lower_attention(b, n)
     if n.op in SHAPE_ONLY:
         return TABLE[n.op](b, n)
     if n.inputs and n.proto is not None and n.op not in NO_FOLD and \
@@ -270,6 +280,7 @@ def import_onnx(model, path: str = "model.onnx") -> OnnxImport:
     nodes = _nodes(model)
     pre = _scalars(nodes)
     nodes = rewrite_gelu(nodes, lambda v: _const_scalar(b, pre, v))
+    nodes = rewrite_attention(nodes, lambda v: _const_scalar(b, pre, v), b.types_onnx)
     for n in _live(nodes, [o.name for o in graph_proto.output]):
         for o, r in zip(n.outputs, _lower(b, n)):
             if o:
@@ -335,4 +346,4 @@ def _finish(b: _Builder, outputs: list) -> OnnxImport:
     outs = tuple(ren.get(v, v) for v in values if v is not None)
     names = tuple(p for v, p in zip(values, public) if v is not None)
     graph = Graph(tuple(inputs + params + nodes), outs, output_names=names)
-    return OnnxImport(graph, dict(b.params), consts)
+    return OnnxImport(split_fused_weights(graph), dict(b.params), consts)  # fused q|k|v per part

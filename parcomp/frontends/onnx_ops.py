@@ -67,9 +67,8 @@ def _operands(b, n):
             continue
         v = _float(b, b.value(other), n.op)
         k = _scalar(b, c, v)
-        if k is None:
-            raise b.fail(f"operand {c!r} is a constant of shape {list(b.static(c).shape)} that "
-                         f"is not one repeated number; only scalar constants fold into {n.op}")
+        if k is None:  # a tensor constant: rebuilt as ops when it is an arange (b.value), else an error
+            break
         return (c, v, k, None) if c == x else (v, c, None, k)
     return _float(b, b.value(x), n.op), _float(b, b.value(y), n.op), None, None
 
