@@ -20,6 +20,7 @@ from ..ir.types import TensorType
 from .fused import split_fused_weights
 from .onnx_attention import OP as ATTENTION, lower_attention, rewrite_attention
 from .onnx_ops import DTYPES, NO_FOLD, SHAPE_ONLY, TABLE, dtype_of, supported_ops
+from .onnx_norms import rewrite_rms_norm
 from .onnx_patterns import ONode, rewrite_gelu
 from .onnx_transformer import materialize
 
@@ -280,7 +281,10 @@ def import_onnx(model, path: str = "model.onnx") -> OnnxImport:
     nodes = _nodes(model)
     pre = _scalars(nodes)
     nodes = rewrite_gelu(nodes, lambda v: _const_scalar(b, pre, v))
-    nodes = rewrite_attention(nodes, lambda v: _const_scalar(b, pre, v), b.types_onnx)
+    known = {**{t.name: TensorType(tuple(t.dims), DTYPES.get(t.data_type, "float32")) for t in
+                b.inits.values()}, **{k: t for k, t in b.types_onnx.items() if t is not None}}
+    nodes = rewrite_attention(nodes, lambda v: _const_scalar(b, pre, v), known)
+    nodes = rewrite_rms_norm(nodes, lambda v: _const_scalar(b, pre, v), known)
     for n in _live(nodes, [o.name for o in graph_proto.output]):
         for o, r in zip(n.outputs, _lower(b, n)):
             if o:
