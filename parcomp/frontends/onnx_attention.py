@@ -146,6 +146,10 @@ def lower_attention(b, n):
     causal = False
     if n.inputs[3]:
         mask = b.static(n.inputs[3])
+        if mask is None and n.inputs[3] in b.inits:  # a mask stored as an initializer
+            from onnx import numpy_helper
+
+            mask = numpy_helper.to_array(b.inits[n.inputs[3]], b.base)
         if mask is None:
             raise b.fail(f"attention's mask {n.inputs[3]!r} is computed at run time (a padding mask "
                          f"input?): only a causal mask, fixed by the shapes, is supported")

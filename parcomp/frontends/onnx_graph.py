@@ -116,6 +116,7 @@ class _Builder:
         self.order = {t.name: i for i, t in enumerate(model.graph.initializer)}
         self.env, self.params, self.names = {}, {}, NameGen()
         self.sources, self.nodes, self.types, self.made = [], [], {}, {}
+        self.buffers = set()  # initializers read as {trainable=false} params (see _buffers)
         self.cur = None
 
     # -- reading values --
@@ -184,15 +185,15 @@ class _Builder:
             ty = TensorType(tuple(int(d) for d in t.dims), dtype_of(t.data_type))
         except ValueError as e:
             raise self.fail(f"initializer {name!r}: {e}") from None
-        self._source("param", ir, ty, name)
+        self._source("param", ir, ty, name, **({"trainable": False} if name in self.buffers else {}))
         self.params[ir] = name
         return ir
 
-    def _source(self, op: str, ir: str, ty: TensorType, name: str) -> None:
+    def _source(self, op: str, ir: str, ty: TensorType, name: str, **attrs) -> None:
         if ir in self.names:
             raise self.fail(f"{op} name {ir!r} (from {name!r}) is used twice")
         self.names.take(ir)
-        self.sources.append(Node(ir, op, (), ty))
+        self.sources.append(Node(ir, op, (), ty, make_attrs(**attrs)))
         self.types[ir] = ty
 
     # -- making nodes --
@@ -285,11 +286,43 @@ def import_onnx(model, path: str = "model.onnx") -> OnnxImport:
                 b.inits.values()}, **{k: t for k, t in b.types_onnx.items() if t is not None}}
     nodes = rewrite_attention(nodes, lambda v: _const_scalar(b, pre, v), known)
     nodes = rewrite_rms_norm(nodes, lambda v: _const_scalar(b, pre, v), known)
-    for n in _live(nodes, [o.name for o in graph_proto.output]):
+    live = _live(nodes, [o.name for o in graph_proto.output])
+    b.buffers = _buffers(live, b.inits, {i.name for i in graph_proto.input} - set(b.inits))
+    for n in live:
         for o, r in zip(n.outputs, _lower(b, n)):
             if o:
                 _bind(b, o, r)
     return _finish(b, [o.name for o in graph_proto.output])
+
+
+#: ops whose initializer operands are weights even when the other operands are constants
+WEIGHT_OPS = ("MatMul", "Gemm", "Gather", "LayerNormalization", "RMSNormalization", "Conv")
+#: ops that only view or re-type a value (a weight read through them is still read as one)
+VIEW_OPS = ("Transpose", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity", "Cast", "Expand")
+
+
+def _buffers(nodes: list, inits: dict, inputs: set) -> set:
+    """Initializers that are buffers, not weights: every node reading one (through views,
+    :data:`VIEW_OPS`) is elementwise, not in :data:`WEIGHT_OPS`, and combines it only with
+    values that do not depend on a graph input (RoPE's ``inv_freq`` times the constant
+    positions). ONNX keeps no parameter/buffer distinction; these get ``{trainable=false}``
+    (no gradient, no optimizer state), as the torch.export frontend's buffers do."""
+    dep, users = set(inputs), {}
+    for n in nodes:
+        if any(i in dep for i in n.inputs):
+            dep.update(n.outputs)
+        for i in n.inputs:
+            users.setdefault(i, []).append(n)
+
+    def weight(v, depth=0) -> bool:
+        for n in users.get(v, []):
+            if n.op in VIEW_OPS and n.inputs[0] == v and depth < 8:
+                if weight(n.outputs[0], depth + 1):
+                    return True
+            elif n.op in WEIGHT_OPS or any(j in dep for j in n.inputs if j != v):
+                return True
+        return False
+    return {i for i in inits if i in users and not weight(i)}
 
 
 def _scalars(nodes: list) -> dict:

@@ -70,7 +70,7 @@ def _arange_axis(c: np.ndarray):
     if c.ndim == 0 or c.size < 1 or c.dtype.kind not in "iuf":
         return None
     for d in range(c.ndim):
-        line = np.take(c, np.arange(c.shape[d]), axis=d).reshape(c.shape[d], -1)[:, 0]
+        line = np.moveaxis(c, d, 0).reshape(c.shape[d], -1)[:, 0]
         start = line[0]
         step = line[1] - line[0] if c.shape[d] > 1 else 1
         want = start + step * np.arange(c.shape[d], dtype=np.float64)
@@ -92,9 +92,11 @@ def materialize(b, name: str, c: np.ndarray) -> str | None:
     if dtype not in ("int64", "float32", "float64", "float16"):
         return None
     r = b.emit("arange", [], "_arange", ty=TensorType((c.shape[d],), dtype), start=start, step=step)
-    one = tuple(s if i == d else 1 for i, s in enumerate(c.shape))
-    r = _reshape_to(b, r, one)
-    return expand_to(b, r, c.shape, "_expand")
+    r = _reshape_to(b, r, tuple(s for i, s in enumerate(c.shape) if i == d or s == 1))
+    wide = tuple(i for i, s in enumerate(c.shape) if i != d and s != 1)
+    if not wide:
+        return r
+    return b.emit("expand", [r], "_expand", ty=TensorType(c.shape, dtype), dims=wide)
 
 
 # ---- lowerings ----
