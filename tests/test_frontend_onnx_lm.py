@@ -275,3 +275,23 @@ def test_gpt2_onnx_under_torchrun_two_gloo_ranks_equals_onnxruntime(exported, tm
     want = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, {"input_ids": ids.numpy()})[0]
     feeds = {**model.feeds(graph), "input_ids": ids.numpy()}
     assert_equivalent(out, want, output_bounds(c.logical, feeds)["logits"], what="onnxruntime")
+
+
+@pytest.mark.parametrize("name", sorted(TRAIN_SPECS))
+def test_eager_attention_export_becomes_sdpa_too(tmp_path, name):
+    """transformers' eager attention (``matmul * scaling + mask``, softmax in float32 cast
+    back, eval-mode dropout as Identity, a finfo.min mask) exports to another formula; it
+    is recognised as causal sdpa as well and equals onnxruntime."""
+    ort = pytest.importorskip("onnxruntime")
+    module, inputs, names = getattr(models, name)()
+    module.config._attn_implementation = "eager"
+    path = str(tmp_path / f"{name}_eager.onnx")
+    torch.onnx.export(module, inputs, dynamo=True, optimize=False, input_names=names,
+                      output_names=["logits"], verbose=False).save(path)
+    assert "IsNaN" not in {n.op_type for n in onnx.load(path).graph.node}  # not the sdpa formula
+    graph, model, _ = load_onnx(path)
+    assert [n.attr("causal") for n in graph.nodes if n.op == "sdpa"] == [True, True]
+    feeds = {**model.feeds(graph), "input_ids": inputs[0].numpy()}
+    want = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, {"input_ids": feeds["input_ids"]})[0]
+    assert_equivalent(run_unsharded(graph, feeds)["logits"], want, output_bounds(graph, feeds)["logits"],
+                      what="onnxruntime")

@@ -5,6 +5,7 @@ Before opset 23 ONNX has no attention op; torch.onnx (dynamo) writes
 
     P = Softmax(MatMul(q * s1, kT * s2) [+ mask], axis=-1)
     P = Where(IsNaN(P), 0, P)                    # optional: fully masked rows give 0
+    P = Identity(Cast(P, float32))               # optional: eager attention's cast, dropout (eval)
     out = MatMul(P, v)
 
 with ``kT`` the key transposed on its last two dims (``Transpose``, or ``Reshape ->
@@ -52,8 +53,12 @@ def _key(kt: str, prod: dict, types: dict):
 
 
 def _probs(p: str, prod: dict, scalar):
-    """The Softmax node behind ``p`` (through the NaN guard), or None."""
+    """The Softmax node behind ``p`` (through the NaN guard, ``Identity``: eval-mode
+    dropout, and a ``Cast`` to float32: transformers' ``softmax(..., dtype=float32).to(q)``),
+    or None."""
     n = prod.get(p)
+    while n is not None and (n.op == "Identity" or (n.op == "Cast" and n.attrs.get("to") == 1)):
+        n = prod.get(n.inputs[0])
     if n is not None and n.op == "Where" and len(n.inputs) == 3:
         c = prod.get(n.inputs[0])
         if c is not None and c.op == "IsNaN" and c.inputs[0] == n.inputs[2] and scalar(n.inputs[1]) == 0.0:
