@@ -83,6 +83,8 @@ def test_lm_export_at_tp2_equals_onnxruntime(exported, name):
     ops = [n.op for n in graph.nodes]
     assert {op: ops.count(op) for op in OPS[name]} == OPS[name]
     assert all(n.attr("causal") for n in graph.nodes if n.op == "sdpa")
+    attn = "transformer.h.{}.attn" if name == "gpt2_lm" else "model.layers.{}.self_attn"
+    assert [n.source for n in graph.nodes if n.op == "sdpa"] == [attn.format(i) for i in range(2)]
     assert {p.name for p in graph.params} <= set(module.state_dict()) | {"model.rotary_emb.inv_freq"}
     frozen = {p.name for p in graph.params if p.attr("trainable", True) is False}  # buffers
     assert frozen == ({"model.rotary_emb.inv_freq"} if name == "llama_lm" else set())

@@ -79,9 +79,8 @@ def _scores(x: str, prod: dict, scalar):
     mm = prod.get(fs[0]) if len(fs) == 1 else None
     if mm is None or mm.op != "MatMul":
         return None
-    (cq, fq), (ck, fk) = (_factors(i, prod, scalar) for i in mm.inputs)
-    if len(fq) != 1 or len(fk) != 1:
-        return None
+    (cq, fq), (ck, fk) = ((c, f) if len(f) == 1 else (1.0, [i])  # a product of values: itself
+                          for i, (c, f) in zip(mm.inputs, (_factors(i, prod, scalar) for i in mm.inputs)))
     return c * cq * ck, fq[0], fk[0], mask
 
 

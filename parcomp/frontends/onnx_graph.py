@@ -77,7 +77,7 @@ def _attrs(proto) -> dict:
 
 
 def _scope(proto) -> str | None:
-    """The module path torch.onnx recorded for a node (``c_fc``), or None."""
+    """The module path torch.onnx recorded for a node (``transformer.h.0.mlp.c_fc``), or None."""
     meta = {p.key: p.value for p in proto.metadata_props}
     scopes = meta.get("pkg.torch.onnx.name_scopes")
     if not scopes:
@@ -88,7 +88,7 @@ def _scope(proto) -> str | None:
         parts = [s for s in ast.literal_eval(scopes)[:-1] if s]
     except (ValueError, SyntaxError):
         return None
-    return ".".join(parts) or None
+    return parts[-1] if parts else None  # each scope is the module's full path
 
 
 def _nodes(model) -> list:
