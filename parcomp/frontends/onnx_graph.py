@@ -117,6 +117,7 @@ class _Builder:
         self.env, self.params, self.names = {}, {}, NameGen()
         self.sources, self.nodes, self.types, self.made = [], [], {}, {}
         self.buffers = set()  # initializers read as {trainable=false} params (see _buffers)
+        self.unmade = {}  # ONNX output -> the node that has it but whose lowering does not make it
         self.cur = None
 
     # -- reading values --
@@ -156,7 +157,9 @@ class _Builder:
                                 f"store it as an initializer (a weight)")
             self.made[name] = made  # env keeps the constant (folding reads it)
             return made
-        raise self.fail(f"operand {name!r} is not computed (an optional output parcomp does not make)")
+        by = self.unmade.get(name)
+        by = f" of node {by.name!r} ({by.op})" if by is not None else ""
+        raise self.fail(f"operand {name!r} is not computed: an optional output{by} parcomp does not make")
 
     def onnx_type(self, name: str) -> TensorType:
         """The type of ONNX value ``name`` (inferred, or the IR value's)."""
@@ -289,9 +292,11 @@ def import_onnx(model, path: str = "model.onnx") -> OnnxImport:
     live = _live(nodes, [o.name for o in graph_proto.output])
     b.buffers = _buffers(live, b.inits, {i.name for i in graph_proto.input} - set(b.inits))
     for n in live:
-        for o, r in zip(n.outputs, _lower(b, n)):
+        made = _lower(b, n)
+        for o, r in zip(n.outputs, made):
             if o:
                 _bind(b, o, r)
+        b.unmade.update((o, n) for o in n.outputs[len(made):] if o)
     return _finish(b, [o.name for o in graph_proto.output])
 
 

@@ -7,8 +7,8 @@ contract; ``b`` is the importer's builder):
 - ``Gather`` of a 2-D table by computed integer ids (axis 0), or of a 2-D weight by constant
   ids (position ids) -> ``embedding``; of a computed value at constant indices -> one
   ``slice`` per run of consecutive indices (+ ``cat``, + ``reshape`` to the indices' shape);
-- ``LayerNormalization`` / ``RMSNormalization`` over the last axis -> ``layer_norm`` /
-  ``rms_norm``; ``Softmax`` / ``LogSoftmax`` -> ``softmax`` / ``log_softmax``;
+- ``LayerNormalization`` / ``RMSNormalization`` -> ``layer_norm`` / ``rms_norm`` (over
+  ``axis`` and the dims after it: flattened into one by ``reshape``); ``Softmax`` / ``LogSoftmax`` -> ``softmax`` / ``log_softmax``;
   ``ReduceMean`` / ``ReduceSum`` / ``ReduceMax`` -> ``mean`` / ``sum`` / ``amax`` (+ ``reshape``
   for ``keepdims``), so RMSNorm written out (Pow, ReduceMean, Add, Sqrt, Reciprocal, Mul)
   lowers op by op;
@@ -26,6 +26,8 @@ ids, as GPT-2 and Llama compute them): ``arange`` + ``reshape`` + ``expand``
 :mod:`.onnx_attention`.
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -129,14 +131,25 @@ def _gather(b, n):
 
 
 def _layer_norm(op: str):
+    """Normalise over ``axis`` and every later dim: those dims are flattened into one
+    (``reshape``), normalised as the last, and the result reshaped back."""
     def lower(b, n):
         x = _float(b, b.value(n.inputs[0]), n.op)
-        rank = b.type(x).rank
-        if _axis(b, n, rank, -1) != rank - 1:
-            raise b.fail(f"{n.op} over axis {n.attrs.get('axis')} of a rank-{rank} value: parcomp's "
-                         f"{op} normalises over the last axis only")
-        affine = [b.value(i) for i in n.inputs[1:3] if i]
-        return [b.emit(op, [x, *affine], eps=float(n.attrs.get("epsilon", 1e-5)))]
+        shape = b.type(x).shape
+        axis = _axis(b, n, len(shape), -1)
+        tail = shape[axis:]
+        flat = (math.prod(tail),)
+        affine = []
+        for i in n.inputs[1:3]:
+            if not i:
+                continue
+            w = b.value(i)
+            if b.type(w).shape != tail:
+                raise b.fail(f"{n.op}'s scale/bias {b.type(w)} must have shape {list(tail)} (no broadcasting)")
+            affine.append(_reshape_to(b, w, flat))
+        y = b.emit(op, [_reshape_to(b, x, shape[:axis] + flat), *affine], "_norm" if len(tail) != 1 else "",
+                   eps=float(n.attrs.get("epsilon", 1e-5)))
+        return [_reshape_to(b, y, shape)]
     return lower
 
 
