@@ -110,7 +110,7 @@ def _gather(b, n):
     k, v = b.static(idx), b.value(data)
     rank = b.type(v).rank
     axis = _axis(b, n, rank)
-    if k is None or (data in b.inits and k.ndim >= 1 and axis == 0 and rank == 2):
+    if k is None or (data in b.inits and axis == 0 and rank == 2 and k.ndim >= 1 and _arange_axis(k)):
         if axis != 0 or rank != 2:
             raise b.fail(f"Gather along axis {axis} of a rank-{rank} value by computed indices: "
                          f"parcomp lowers Gather to an embedding (axis 0 of a 2-D table)")
