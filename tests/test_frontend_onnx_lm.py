@@ -297,3 +297,28 @@ def test_eager_attention_export_becomes_sdpa_too(tmp_path, name):
     want = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, {"input_ids": feeds["input_ids"]})[0]
     assert_equivalent(run_unsharded(graph, feeds)["logits"], want, output_bounds(graph, feeds)["logits"],
                       what="onnxruntime")
+
+
+def test_buffers_are_frozen_scaled_weights_are_not(tmp_path):
+    """y = x @ (W * 0.5) + cos(inv * [1, 2, 3, 4]): ``inv`` (combined with a constant tensor,
+    as RoPE's ``inv_freq``) is a ``{trainable=false}`` param; ``W`` (scaled by a scalar, then a
+    MatMul operand) stays trainable."""
+    n = helper.make_node
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((4, 4)).astype(np.float32), "W"),
+             numpy_helper.from_array(rng.standard_normal(4).astype(np.float32), "inv"),
+             numpy_helper.from_array(np.array(0.5, np.float32), "half")]
+    pos = numpy_helper.from_array(np.arange(1, 5).astype(np.float32))
+    nodes = [n("Mul", ["W", "half"], ["Ws"]), n("MatMul", ["x", "Ws"], ["mm"]),
+             n("Constant", [], ["pos"], value=pos), n("Mul", ["inv", "pos"], ["f"]), n("Cos", ["f"], ["c"]),
+             n("Add", ["mm", "c"], ["y"])]
+    path = str(tmp_path / "b.onnx")
+    onnx.save(helper.make_model(helper.make_graph(nodes, "g", [x], [y], inits),
+                                opset_imports=[helper.make_opsetid("", 18)]), path)
+    graph, model, _ = load_onnx(path)
+    assert {p.name: p.attr("trainable", True) for p in graph.params} == {"W": True, "inv": False}
+    feeds = model.feeds(graph)
+    assert_equivalent(run_unsharded(graph, feeds)["y"], model.reference_outputs(graph, feeds)["y"],
+                      output_bounds(graph, feeds)["y"], what="reference")

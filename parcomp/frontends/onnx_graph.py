@@ -290,7 +290,7 @@ def import_onnx(model, path: str = "model.onnx") -> OnnxImport:
     nodes = rewrite_attention(nodes, lambda v: _const_scalar(b, pre, v), known)
     nodes = rewrite_rms_norm(nodes, lambda v: _const_scalar(b, pre, v), known)
     live = _live(nodes, [o.name for o in graph_proto.output])
-    b.buffers = _buffers(live, b.inits, {i.name for i in graph_proto.input} - set(b.inits))
+    b.buffers = _buffers(live, b.inits, {i.name for i in graph_proto.input} - set(b.inits), known)
     for n in live:
         made = _lower(b, n)
         for o, r in zip(n.outputs, made):
@@ -306,25 +306,29 @@ WEIGHT_OPS = ("MatMul", "Gemm", "Gather", "LayerNormalization", "RMSNormalizatio
 VIEW_OPS = ("Transpose", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity", "Cast", "Expand")
 
 
-def _buffers(nodes: list, inits: dict, inputs: set) -> set:
-    """Initializers that are buffers, not weights: every node reading one (through views,
-    :data:`VIEW_OPS`) is elementwise, not in :data:`WEIGHT_OPS`, and combines it only with
-    values that do not depend on a graph input (RoPE's ``inv_freq`` times the constant
-    positions). ONNX keeps no parameter/buffer distinction; these get ``{trainable=false}``
-    (no gradient, no optimizer state), as the torch.export frontend's buffers do."""
+def _buffers(nodes: list, inits: dict, inputs: set, types: dict) -> set:
+    """Initializers that are buffers, not weights: read (through views, :data:`VIEW_OPS`, and
+    elementwise ops with a one-element constant: ``W * 0.5`` is still the weight) only by
+    elementwise ops that combine them with a constant tensor (RoPE's ``inv_freq`` times the
+    folded positions), never by a :data:`WEIGHT_OPS` op or together with a value computed
+    from a graph input. ONNX keeps no parameter/buffer distinction; these get
+    ``{trainable=false}`` (no gradient, no optimizer state), as the torch frontend's buffers do.
+    ``types``: ONNX value name -> TensorType (initializers included)."""
     dep, users = set(inputs), {}
     for n in nodes:
         if any(i in dep for i in n.inputs):
             dep.update(n.outputs)
         for i in n.inputs:
             users.setdefault(i, []).append(n)
+    scalar = lambda v: v in types and types[v].numel == 1  # noqa: E731
 
     def weight(v, depth=0) -> bool:
         for n in users.get(v, []):
-            if n.op in VIEW_OPS and n.inputs[0] == v and depth < 8:
-                if weight(n.outputs[0], depth + 1):
-                    return True
-            elif n.op in WEIGHT_OPS or any(j in dep for j in n.inputs if j != v):
+            others = [j for j in n.inputs if j and j != v]
+            follow = n.op in VIEW_OPS and n.inputs[0] == v or all(scalar(j) for j in others)
+            if n.op in WEIGHT_OPS or any(j in dep for j in others):
+                return True
+            if follow and n.outputs and depth < 8 and weight(n.outputs[0], depth + 1):
                 return True
         return False
     return {i for i in inits if i in users and not weight(i)}
