@@ -121,7 +121,8 @@ def main():
     print(f"torch.onnx.export (dynamo, once, not in the table): {export_s:.2f} s")
     print(f"same collectives from both: {same} ({len(collectives['ONNX'])} all_reduce over tp)")
     print(f"ONNX / torch.export, total: x{results['ONNX']['total'] / results['torch.export']['total']:.2f}")
-    C.dump_json({"model": name, "blocks": blocks, "onnx_export_s": export_s, "results": results, "same_collectives": same})
+    C.dump_json({"model": name, "blocks": blocks, "onnx_export_s": export_s, "results": results,
+                 "same_collectives": same})
     if not same:
         sys.exit(1)
 

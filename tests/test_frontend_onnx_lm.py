@@ -294,7 +294,8 @@ def test_eager_attention_export_becomes_sdpa_too(tmp_path, name):
     graph, model, _ = load_onnx(path)
     assert [n.attr("causal") for n in graph.nodes if n.op == "sdpa"] == [True, True]
     feeds = {**model.feeds(graph), "input_ids": inputs[0].numpy()}
-    want = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, {"input_ids": feeds["input_ids"]})[0]
+    sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    want = sess.run(None, {"input_ids": feeds["input_ids"]})[0]
     assert_equivalent(run_unsharded(graph, feeds)["logits"], want, output_bounds(graph, feeds)["logits"],
                       what="onnxruntime")
 

@@ -8,7 +8,8 @@ contract; ``b`` is the importer's builder):
   ids (position ids) -> ``embedding``; of a computed value at constant indices -> one
   ``slice`` per run of consecutive indices (+ ``cat``, + ``reshape`` to the indices' shape);
 - ``LayerNormalization`` / ``RMSNormalization`` -> ``layer_norm`` / ``rms_norm`` (over
-  ``axis`` and the dims after it: flattened into one by ``reshape``); ``Softmax`` / ``LogSoftmax`` -> ``softmax`` / ``log_softmax``;
+  ``axis`` and the dims after it: flattened into one by ``reshape``); ``Softmax`` /
+  ``LogSoftmax`` -> ``softmax`` / ``log_softmax``;
   ``ReduceMean`` / ``ReduceSum`` / ``ReduceMax`` -> ``mean`` / ``sum`` / ``amax`` (+ ``reshape``
   for ``keepdims``), so RMSNorm written out (Pow, ReduceMean, Add, Sqrt, Reciprocal, Mul)
   lowers op by op;
