@@ -11,8 +11,8 @@ contract; ``b`` is the importer's builder):
   ``axis`` and the dims after it: flattened into one by ``reshape``); ``Softmax`` /
   ``LogSoftmax`` -> ``softmax`` / ``log_softmax``;
   ``ReduceMean`` / ``ReduceSum`` / ``ReduceMax`` -> ``mean`` / ``sum`` / ``amax`` (+ ``reshape``
-  for ``keepdims``), so RMSNorm written out (Pow, ReduceMean, Add, Sqrt, Reciprocal, Mul)
-  lowers op by op;
+  for ``keepdims``; RMSNorm written out with them becomes one ``rms_norm``:
+  :mod:`.onnx_norms`);
 - views: ``Slice`` (constant starts/ends/axes/steps, steps >= 1) -> ``slice``; ``Split``,
   ``SplitToSequence`` (+ ``SequenceAt``) -> one ``slice`` per part; ``Concat`` -> ``cat``;
   ``Expand`` -> ``reshape`` + ``expand``;
