@@ -304,6 +304,7 @@ NO_FOLD = ("RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLi
 
 
 def supported_ops() -> list:
-    """Sorted ONNX op types the frontend lowers (besides ``Constant`` and folded constants)."""
-    from . import onnx_transformer  # noqa: F401 - adds the transformer rows to TABLE
+    """Sorted ONNX op types the frontend lowers (besides ``Constant`` and folded constants);
+    the transformer rows are in :data:`TABLE` once :mod:`parcomp.frontends.onnx` (or
+    :mod:`.onnx_transformer`) is imported."""
     return sorted(set(TABLE) | {"Constant"})
