@@ -33,6 +33,7 @@ from parcomp.program import MAX_STEPS, ParcompError, Program, TrainLoop, plural
 from .emit_norms import HELPER_NAMES as NORM_HELPERS, NORM_FORMATS, norm_kw, runtime_sections
 from .emit_reduce import (ASYNC_REDUCE, HELPER_NAMES as REDUCE_HELPERS, IN_PLACE_REDUCE, REDUCE_FORMATS, reduce_key, reduce_kw,
                           reduce_sections)
+from .emit_cluster import CLUSTER_NAMES, cluster_constants
 from .profiles import get_profile
 from .runtime import (FORWARD_HELP, IMPORTS, MAIN, ONNX_READER, RUNTIME, TRAIN_HELP, TRAIN_MAIN,
                       TRAIN_RUNTIME)
@@ -134,7 +135,8 @@ RESERVED = (set(keyword.kwlist) | set(dir(builtins)) | _TOP_NAMES
                "PROFILE", "DIST_BACKEND", "PRELUDE", "profile_device", "MESH", "GROUP_RANKS",
                "PARAMS", "INPUTS", "OUTPUT_LAYOUTS", "OUTPUT_GLOBAL_SHAPES", "SHARDED_OUTPUT",
                "RUN_HINT", "load_params", "load_inputs", "forward", "STATE", "CARRIED", "STEP_INPUT",
-               "TRAIN_STEPS", "MAX_STEPS", "train_step"} | set(NORM_HELPERS) | set(REDUCE_HELPERS))
+               "TRAIN_STEPS", "MAX_STEPS", "train_step"} | set(NORM_HELPERS) | set(REDUCE_HELPERS)
+            | set(CLUSTER_NAMES))
 
 
 class EmitError(ParcompError):
@@ -303,6 +305,9 @@ def _profile_block(prof) -> str:
              f"PROFILE = {json.dumps(prof.name)}",
              f"DIST_BACKEND = {json.dumps(prof.dist_backend)}",
              f"PRELUDE = {_py_tuple(prof.prelude)}  # imported first; skipped under --device cpu",
+             f"BIND_DEVICE_ID = {prof.bind_device_id}  # init_process_group(device_id=DEVICE)",
+             "LAUNCH_ENV = (  # --print-launch: set on every node before torchrun",
+             *(f"    {json.dumps(line)}," for line in prof.launch_env), ")",
              "", "",
              "def profile_device():",
              f'    """Bind this process to its device under profile {prof.name} and return it."""']
@@ -310,6 +315,8 @@ def _profile_block(prof) -> str:
         lines += [f"    if not ({prof.check}):", f"        fail(f{json.dumps(prof.check_message)})"]
     if prof.set_device:
         lines.append(f"    {prof.set_device}")
+    if prof.dtype_check:
+        lines += [f"    if not ({prof.dtype_check}):", f"        fail(f{json.dumps(prof.dtype_message)})"]
     lines += [f"    return torch.device({prof.device})", "# ---- end of PROFILE ----"]
     return "\n".join(lines)
 
@@ -337,6 +344,7 @@ def _constants(prog, train) -> str:
             {pub: list(_global_shape(program, program[v])) for pub, v in outs}),
         f"SHARDED_OUTPUT = {not _all_replicated(program)}  # True: every rank writes its own slices",
         f"RUN_HINT = {json.dumps(_run_hint(program))}",
+        *cluster_constants(prog),
     ]
     if train:
         lines += ["# optimizer state: zeros at step 1 (--replay files carry it)",

@@ -9,6 +9,7 @@ import argparse
 import torch
 
 from .program_common import *
+from .program_cluster import *
 
 # ---- stand-ins for what the emitter generates (never pasted) ----
 MAX_STEPS = 1_000_000  # parcomp.program.MAX_STEPS, emitted as a constant
@@ -61,6 +62,7 @@ def parse_args(argv):
     ap.add_argument("--replay", metavar="FILE",
                     help="a .pt list of K full checkpoints (optimizer state included): step k starts "
                          "from the k-th instead of step k-1's result (parcomp run's step-by-step check)")
+    add_cluster_args(ap)
     return ap.parse_args(argv)
 # <<< program.py
 
@@ -119,18 +121,27 @@ def train(params, batches, starts=None):
     return outputs, [loss.item() for loss in losses]
 
 
+def load(args):
+    """This rank's params, every step's inputs and the --replay starts (``--output``'s
+    directory checked first); under agree()."""
+    check_output(args.output)
+    params = load_checkpoint(args.checkpoint)
+    batches = read_batches(args.input, args.steps) if INPUTS else [{}] * args.steps
+    with torch.no_grad():
+        starts = read_replay(args.replay, args.steps) if args.replay else None
+    return params, batches, starts
+
+
 def run(args):
     """Everything between init_process_group and destroy_process_group."""
     make_groups()
-    params = load_checkpoint(args.checkpoint)
-    batches = read_batches(args.input, args.steps) if INPUTS else [{}] * args.steps
+    params, batches, starts = agree(lambda: load(args), "loading")
     with torch.no_grad():  # the backward pass is explicit in train_step: no autograd state
-        starts = read_replay(args.replay, args.steps) if args.replay else None
         outputs, losses = train(params, batches, starts)
         if args.bench > 0:
             # on copies: train_step updates params and state in place
             copies = {k: v.clone() for k, v in params.items()}
             bench(train_step, copies, with_step(batches[0], 1), args.bench)
     if args.output:
-        write_outputs(outputs, losses, args.output)
+        agree(lambda: write_outputs(outputs, losses, args.output), "writing the outputs")
 # <<< program.py

@@ -12,7 +12,9 @@ and :data:`MAIN` (after the generated ``forward``), or :data:`TRAIN_RUNTIME` and
 The sections use only names the emitter defines: ``MESH``, ``GROUP_RANKS``,
 ``PARAMS``, ``INPUTS``, ``OUTPUT_LAYOUTS``, ``OUTPUT_GLOBAL_SHAPES``,
 ``SHARDED_OUTPUT``, ``RUN_HINT``, ``PROFILE``, ``DIST_BACKEND``, ``PRELUDE``,
-``profile_device``, ``load_params``, ``load_inputs``, ``forward``; a training
+``profile_device``, ``load_params``, ``load_inputs``, ``forward``, and for the cluster
+section (:mod:`.program_cluster`) ``COMM_AXES``, ``HOST_AXES``, ``PLACEMENT``, ``TIMEOUT_S``,
+``TOPOLOGY``, ``LAUNCH_ENV``, ``BIND_DEVICE_ID``; a training
 program's also ``STATE``, ``CARRIED``, ``STEP_INPUT``, ``TRAIN_STEPS``,
 ``MAX_STEPS`` and ``train_step``.
 """
@@ -34,10 +36,12 @@ def sections(module: str) -> dict:
 # ---- the header: imports and the option lines of the docstring ({out}: where outputs go) ----
 IMPORTS = """\
 import argparse
+import datetime
 import importlib
 import json
 import math
 import os
+import socket
 import sys
 import time
 
@@ -73,11 +77,13 @@ def _join(*chunks) -> str:
 
 
 _COMMON, _FORWARD, _TRAIN = sections("program_common"), sections("program_forward"), sections("program_train")
+_CLUSTER = sections("program_cluster")["cluster"]
 RUNTIME = _join(_COMMON["process"], _COMMON["read_inputs"], _COMMON["take_place"])
 MAIN = _join(_COMMON["rank_path"], _FORWARD["write_outputs"], _COMMON["sync"], _COMMON["bench"],
-             _FORWARD["parse_args"], _COMMON["world"], _FORWARD["run"], _COMMON["main"], _COMMON["entry"])
+             _FORWARD["parse_args"], _COMMON["world"], _CLUSTER, _FORWARD["run"], _COMMON["main"],
+             _COMMON["entry"])
 TRAIN_RUNTIME = _join(_COMMON["process"], _COMMON["take_place"])
 ONNX_READER = _COMMON["onnx"]  # appended to the runtime of a program compiled from an .onnx file
 TRAIN_MAIN = _join(_COMMON["rank_path"], _TRAIN["write_outputs"], _COMMON["sync"], _COMMON["bench"],
-                   _TRAIN["parse_args"], _COMMON["world"], _TRAIN["loop"], _COMMON["main"],
+                   _TRAIN["parse_args"], _COMMON["world"], _CLUSTER, _TRAIN["loop"], _COMMON["main"],
                    _COMMON["entry"])
