@@ -39,9 +39,16 @@ def add_cluster_args(ap):
     ap.add_argument("--placement", choices=("refuse", "warn"), default=PLACEMENT,
                     help=f"a {'/'.join(HOST_AXES) or 'tp'} group on several hosts: stop, or only warn "
                          f"(default {PLACEMENT})")
+    ap.add_argument("--compile", action="store_true",
+                    help="run the step under torch.compile (capture, fuse and reorder it)")
     ap.add_argument("--print-launch", nargs="?", const="", metavar="NODESxDEVICES",
                     help="print the environment and the torchrun line of every node, then exit "
                          f"(default topology: {TOPOLOGY_TEXT})")
+
+
+def compiled_step(step, args):
+    """``step`` under torch.compile with ``--compile`` (fullgraph on a functional program), else ``step``."""
+    return torch.compile(step, fullgraph="funcol" in globals()) if args.compile else step
 
 
 def launch_request(argv):

@@ -57,10 +57,11 @@ def run(args):
     """Everything between init_process_group and destroy_process_group."""
     make_groups()
     params, inputs = agree(lambda: load(args), "loading")
+    step = compiled_step(forward, args)
     with torch.inference_mode():
-        outputs = forward(params, inputs)
+        outputs = step(params, inputs)
         if args.bench > 0:
-            bench(forward, params, inputs, args.bench)
+            bench(step, params, inputs, args.bench)
     if args.output:
         agree(lambda: write_outputs(outputs, args.output), "writing the outputs")
 # <<< program.py

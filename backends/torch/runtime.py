@@ -55,7 +55,8 @@ FORWARD_HELP = """\
 --input       .pt or .safetensors dict {{input name: full tensor}} (or one tensor: one input)
 --output      {out}
 --device cpu  run on CPU with gloo whatever the profile (see the PROFILE block)
---bench N     N warm-up + N timed forward steps; rank 0 prints {{"step_ms": [...]}}\
+--bench N     N warm-up + N timed forward steps; rank 0 prints {{"step_ms": [...]}}
+{cluster}\
 """
 
 TRAIN_HELP = """\
@@ -67,7 +68,17 @@ TRAIN_HELP = """\
 --output      the last step's outputs, and "losses": [loss of every step] in the file(s):
               {out}
 --device cpu  run on CPU with gloo whatever the profile (see the PROFILE block)
---bench N     N warm-up + N timed training steps (not applied); rank 0 prints {{"step_ms": [...]}}\
+--bench N     N warm-up + N timed training steps (not applied); rank 0 prints {{"step_ms": [...]}}
+--log-every N rank 0 prints the loss of every N-th step and the last; losses stay on the device
+{cluster}\
+"""
+
+# the option lines every program has (the cluster section, :mod:`.program_cluster`)
+CLUSTER_HELP = """\
+--compile     run the step under torch.compile
+--timeout S   seconds a collective may wait (default: TIMEOUT_S below)
+--placement   refuse (default: PLACEMENT below) or warn when a tp group spans hosts
+--print-launch [NODESxDEVICES]  print each node's environment and torchrun line, then exit\
 """
 
 
@@ -83,6 +94,7 @@ MAIN = _join(_COMMON["rank_path"], _FORWARD["write_outputs"], _COMMON["sync"], _
              _FORWARD["parse_args"], _COMMON["world"], _CLUSTER, _FORWARD["run"], _COMMON["main"],
              _COMMON["entry"])
 TRAIN_RUNTIME = _join(_COMMON["process"], _COMMON["take_place"])
+FUNCTIONAL = sections("program_functional")["functional"]  # emit_program(functional=True)
 ONNX_READER = _COMMON["onnx"]  # appended to the runtime of a program compiled from an .onnx file
 TRAIN_MAIN = _join(_COMMON["rank_path"], _TRAIN["write_outputs"], _COMMON["sync"], _COMMON["bench"],
                    _TRAIN["parse_args"], _COMMON["world"], _CLUSTER, _TRAIN["loop"], _COMMON["main"],

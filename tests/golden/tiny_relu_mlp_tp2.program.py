@@ -14,6 +14,10 @@ Run one process per rank:
 --output      rank 0 writes {output name: full tensor}
 --device cpu  run on CPU with gloo whatever the profile (see the PROFILE block)
 --bench N     N warm-up + N timed forward steps; rank 0 prints {"step_ms": [...]}
+--compile     run the step under torch.compile
+--timeout S   seconds a collective may wait (default: TIMEOUT_S below)
+--placement   refuse (default: PLACEMENT below) or warn when a tp group spans hosts
+--print-launch [NODESxDEVICES]  print each node's environment and torchrun line, then exit
 """
 import argparse
 import datetime
@@ -385,9 +389,16 @@ def add_cluster_args(ap):
     ap.add_argument("--placement", choices=("refuse", "warn"), default=PLACEMENT,
                     help=f"a {'/'.join(HOST_AXES) or 'tp'} group on several hosts: stop, or only warn "
                          f"(default {PLACEMENT})")
+    ap.add_argument("--compile", action="store_true",
+                    help="run the step under torch.compile (capture, fuse and reorder it)")
     ap.add_argument("--print-launch", nargs="?", const="", metavar="NODESxDEVICES",
                     help="print the environment and the torchrun line of every node, then exit "
                          f"(default topology: {TOPOLOGY_TEXT})")
+
+
+def compiled_step(step, args):
+    """``step`` under torch.compile with ``--compile`` (fullgraph on a functional program), else ``step``."""
+    return torch.compile(step, fullgraph="funcol" in globals()) if args.compile else step
 
 
 def launch_request(argv):
@@ -553,10 +564,11 @@ def run(args):
     """Everything between init_process_group and destroy_process_group."""
     make_groups()
     params, inputs = agree(lambda: load(args), "loading")
+    step = compiled_step(forward, args)
     with torch.inference_mode():
-        outputs = forward(params, inputs)
+        outputs = step(params, inputs)
         if args.bench > 0:
-            bench(forward, params, inputs, args.bench)
+            bench(step, params, inputs, args.bench)
     if args.output:
         agree(lambda: write_outputs(outputs, args.output), "writing the outputs")
 
