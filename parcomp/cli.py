@@ -66,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-o", "--out", required=True,
                    help="output directory (parcomp's files replaced all or nothing; others kept)")
     c.add_argument("--print-ir-after-all", action="store_true")
+    c.add_argument("--functional-collectives", action="store_true",
+                   help="program.py uses functional collectives, so its --compile captures whole steps")
     k = sub.add_parser("check", help="run every rank in the numpy interpreter, compare with unsharded")
     _common(k)
     k.add_argument("--seed", type=_count(0), default=0)

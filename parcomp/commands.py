@@ -66,7 +66,8 @@ def require_numpy_dtypes(graph, command: str) -> None:
             raise err
 
 
-def program_files(compiled, target: str, profile: str | None, model: str | None = None) -> dict:
+def program_files(compiled, target: str, profile: str | None, model: str | None = None,
+                  functional: bool = False) -> dict:
     """The files ``parcomp compile`` writes for ``target``.
 
     Raises ParcompError when ``--target ascend`` is given another profile.
@@ -84,7 +85,7 @@ def program_files(compiled, target: str, profile: str | None, model: str | None 
         from parcomp_backends.torch import emit_program
 
         files["program.py"] = emit_program(compiled, profile or ("ascend" if target == "ascend" else "cpu"),
-                                           model=model)
+                                           model=model, functional=functional)
     return files
 
 
@@ -104,7 +105,8 @@ def compile(args):  # noqa: A001 - the subcommand's name
 
     compiled, _, _ = _compile(args, show if args.print_ir_after_all else None)
     kept = write_dir_atomic(args.out, program_files(compiled, args.target, args.profile,
-                                                    os.path.basename(args.model)))
+                                                    os.path.basename(args.model),
+                                                    args.functional_collectives))
     recs = compiled.report["collectives"]
     if not args.json:
         print(format_collectives(recs))

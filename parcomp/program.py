@@ -125,6 +125,8 @@ class Program:
         train: the loop facts of a training program, or None for a forward program.
         search: shard-prop's account of the layout search (``search``: dp | ilp |
             heuristic, ``proven_optimal``, ``cost_s``, ``seconds``), or None.
+        launch: how program.py runs on a cluster: the spec's ``topology`` (nodes, devices
+            per node) or None, and its ``placement`` / ``timeout`` keys where given.
     """
 
     graph: Graph
@@ -135,6 +137,7 @@ class Program:
     collectives: tuple
     train: TrainLoop | None
     search: dict | None = None
+    launch: dict | None = None  # {topology: (nodes, per node) | None, placement=, timeout=} (issue 16)
 
     @property
     def mesh(self):
@@ -169,7 +172,8 @@ def build_program(sharded: Graph, local: Graph, spec) -> Program:
     groups = {a: axis_groups(mesh, i) for i, a in enumerate(mesh.names)}
     prov = {n.name: _provenance(n) for n in local.nodes}
     return Program(local, groups, getattr(spec, "file", None), {n.name: n.phase for n in local.nodes},
-                   prov, _collectives(sharded, local, prov), _train_loop(local, spec), sharded.search)
+                   prov, _collectives(sharded, local, prov), _train_loop(local, spec), sharded.search,
+                   {"topology": getattr(spec, "topology", None), **dict(getattr(spec, "launch", ()))})
 
 
 def _provenance(node) -> Provenance:

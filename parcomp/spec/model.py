@@ -188,6 +188,7 @@ class Spec:
     links: tuple = ()  # the topology's link keys, sorted (key, value) pairs (parcomp/links.py)
     memory: int | None = None  # bytes per device (the `memory` statement), or None
     memory_loc: SourceLoc | None = None
+    launch: tuple = ()  # the topology's placement= / timeout= pairs, sorted (program.py's defaults)
 
     def default_axis(self) -> str:
         """The mesh axis a layout word without ``over`` applies to.

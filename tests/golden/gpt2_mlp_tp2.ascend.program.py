@@ -17,12 +17,18 @@ Run one process per rank:
 --output      rank 0 writes {output name: full tensor}
 --device cpu  run on CPU with gloo whatever the profile (see the PROFILE block)
 --bench N     N warm-up + N timed forward steps; rank 0 prints {"step_ms": [...]}
+--compile     run the step under torch.compile
+--timeout S   seconds a collective may wait (default: TIMEOUT_S below)
+--placement   refuse (default: PLACEMENT below) or warn when a tp group spans hosts
+--print-launch [NODESxDEVICES]  print each node's environment and torchrun line, then exit
 """
 import argparse
+import datetime
 import importlib
 import json
 import math
 import os
+import socket
 import sys
 import time
 
@@ -34,6 +40,16 @@ import torch.distributed as dist
 PROFILE = "ascend"
 DIST_BACKEND = "hccl"
 PRELUDE = ("torch_npu",)  # imported first; skipped under --device cpu
+BIND_DEVICE_ID = False  # init_process_group(device_id=DEVICE)
+LAUNCH_ENV = (  # --print-launch: set on every node before torchrun
+    "source /usr/local/Ascend/ascend-toolkit/set_env.sh  # the CANN environment",
+    "export HCCL_IF_IP=THIS_NODE_IP  # or HCCL_SOCKET_IFNAME=eth0: the host interface",
+    "export HCCL_CONNECT_TIMEOUT=600  # seconds to build links (default 120)",
+    "export HCCL_EXEC_TIMEOUT={timeout}  # seconds a collective may wait (default 1836)",
+    "export HCCL_BUFFSIZE=200  # MB per communicator buffer (default 200)",
+    "# export HCCL_DETERMINISTIC=true  # reproducible reductions, slower",
+    "export ASCEND_RT_VISIBLE_DEVICES={devices}  # the NPUs of this node",
+)
 
 
 def profile_device():
@@ -41,6 +57,8 @@ def profile_device():
     if not (torch.npu.device_count() > LOCAL_RANK):
         fail(f"profile ascend: torch_npu sees {torch.npu.device_count()} NPUs, LOCAL_RANK {LOCAL_RANK} needs {LOCAL_RANK + 1}; check ASCEND_RT_VISIBLE_DEVICES and the CANN environment (source set_env.sh), or rerun with --device cpu (CPU/gloo, no NPU)")
     torch.npu.set_device(LOCAL_RANK)
+    if not ("bfloat16" not in COLLECTIVE_DTYPES or not torch.npu.get_device_name().startswith(('Ascend910A', 'Ascend910Pro', 'Ascend910Premium', 'Ascend310'))):
+        fail(f"profile ascend: this program's collectives carry bfloat16, which HCCL supports on Atlas A2 (Ascend910B) and newer, not on {torch.npu.get_device_name()}; compile the model in float32 or float16, or rerun with --device cpu")
     return torch.device(f"npu:{LOCAL_RANK}")
 # ---- end of PROFILE ----
 
@@ -53,6 +71,12 @@ OUTPUT_LAYOUTS = {"output": "[R]"}
 OUTPUT_GLOBAL_SHAPES = {"output": [2, 8, 32]}
 SHARDED_OUTPUT = False  # True: every rank writes its own slices
 RUN_HINT = "torchrun --nproc-per-node 2 program.py --checkpoint model.pt --input x.pt --output out.pt"
+COMM_AXES = ("tp",)  # the axes whose process groups the program uses
+HOST_AXES = ("tp",)  # axes whose groups must sit on one host (checked at start)
+PLACEMENT = "refuse"  # a HOST_AXES group on several hosts: refuse | warn (--placement)
+TIMEOUT_S = 600  # seconds a collective may wait (--timeout)
+TOPOLOGY = None  # the spec's nodes, devices per node (--print-launch)
+COLLECTIVE_DTYPES = ("float32",)  # what the collectives carry
 
 
 RANK = int(os.environ.get("RANK", "0"))
@@ -64,10 +88,12 @@ AXIS = {axis: i for i, axis in enumerate(MESH)}
 DEVICE = torch.device("cpu")  # set by main()
 GROUPS = {}  # mesh axis -> this rank's process group, set by make_groups()
 FILES = {}  # "checkpoint" / "input" -> the path read (for messages), set by read_tensors()
+FAILED = []  # the messages fail() printed on this rank (agree() gathers the last one)
 
 
 def fail(message):
     """Print ``message`` on stderr (one write, so ranks' lines do not interleave) and exit 2."""
+    FAILED.append(message)
     sys.stderr.write(f"program.py (rank {RANK}): error: {message}\n")
     sys.stderr.flush()
     sys.exit(2)
@@ -86,8 +112,13 @@ COORD = mesh_coords(RANK)
 
 
 def make_groups():
-    """One process group per line of each mesh axis; every rank creates all of them, in order."""
-    for axis, lines in GROUP_RANKS.items():
+    """The process group of each axis the program communicates over (COMM_AXES): WORLD when
+    the axis spans every rank, else one group per line of the axis, made by every rank in order."""
+    for axis in COMM_AXES:
+        lines = GROUP_RANKS[axis]
+        if len(lines) == 1:  # one line holds every rank: no second communicator
+            GROUPS[axis] = dist.group.WORLD
+            continue
         for ranks in lines:
             group = dist.new_group(ranks)
             if RANK in ranks:
@@ -95,8 +126,14 @@ def make_groups():
 
 
 # ---- layout changes; semantics: parcomp/reference/interpreter.py (_LAYOUT_OPS) ----
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+def collective(new, old):
+    """The torch.distributed function to call, looked up when called (after the PRELUDE
+    imports): a replacement of ``old`` that a device module installed (torch_npu, torchair)
+    wins; else ``new`` where this torch has it, else ``old``."""
+    replaced = getattr(dist, old, None)
+    if replaced is not None and getattr(replaced, "__module__", "").startswith("torch.distributed"):
+        return getattr(dist, new, None) or replaced
+    return replaced or getattr(dist, new)
 
 
 def all_reduce(x, axis):
@@ -133,7 +170,7 @@ def all_gather(x, dim, axis):
     """S(dim) -> R: concatenate the group's shards along ``dim``, in coordinate order."""
     x0 = x.movedim(dim, 0).contiguous()
     out = x0.new_empty((MESH[axis] * x0.shape[0],) + tuple(x0.shape[1:]))
-    _all_gather_single(out, x0, group=GROUPS[axis])
+    collective("all_gather_single", "all_gather_into_tensor")(out, x0, group=GROUPS[axis])
     return out.movedim(0, dim).contiguous()
 
 
@@ -141,16 +178,18 @@ def reduce_scatter(x, dim, axis):
     """P -> S(dim): sum over the group, keep this rank's chunk of ``dim``."""
     x0 = x.movedim(dim, 0).contiguous()
     out = x0.new_empty((x0.shape[0] // MESH[axis],) + tuple(x0.shape[1:]))
-    _reduce_scatter_single(out, x0, op=dist.ReduceOp.SUM, group=GROUPS[axis])
+    collective("reduce_scatter_single", "reduce_scatter_tensor")(out, x0, op=dist.ReduceOp.SUM,
+                                                                 group=GROUPS[axis])
     return out.movedim(0, dim).contiguous()
 
 
 def all_to_all(x, src_dim, dim, axis):
-    """S(src_dim) -> S(dim): chunk j of ``dim`` goes to coordinate j; concatenate along ``src_dim``."""
-    send = [c.contiguous() for c in x.chunk(MESH[axis], dim)]
-    recv = [torch.empty_like(c) for c in send]
-    dist.all_to_all(recv, send, group=GROUPS[axis])
-    return torch.cat(recv, dim=src_dim)
+    """S(src_dim) -> S(dim): chunk j of ``dim`` goes to coordinate j; concatenate along ``src_dim``.
+    One contiguous ``all_to_all_single`` (chunk j at row j), HCCL's robust path."""
+    send = torch.stack(x.chunk(MESH[axis], dim))
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=GROUPS[axis])
+    return torch.cat(recv.unbind(0), dim=src_dim)
 
 
 def shard_slice(x, dim, axis):
@@ -734,6 +773,7 @@ def parse_args(argv):
     ap.add_argument("--output", help="where to write the outputs (.pt)")
     ap.add_argument("--device", choices=sorted({"cpu", PROFILE}), default=PROFILE)
     ap.add_argument("--bench", type=bench_count, default=0, metavar="N", help="time N forward steps")
+    add_cluster_args(ap)
     return ap.parse_args(argv)
 
 
@@ -756,17 +796,200 @@ def import_prelude():
             fail(f"profile {PROFILE} needs the module {name} ({e}); install it or rerun with --device cpu")
 
 
+HOSTS = []  # every rank's host, by rank, set by check_placement()
+
+
+def add_cluster_args(ap):
+    """The options every program has for running on a cluster."""
+    ap.add_argument("--timeout", type=float, default=TIMEOUT_S, metavar="S",
+                    help=f"seconds a collective may wait for the other ranks (default {TIMEOUT_S:g})")
+    ap.add_argument("--placement", choices=("refuse", "warn"), default=PLACEMENT,
+                    help=f"a {'/'.join(HOST_AXES) or 'tp'} group on several hosts: stop, or only warn "
+                         f"(default {PLACEMENT})")
+    ap.add_argument("--compile", action="store_true",
+                    help="run the step under torch.compile (capture, fuse and reorder it)")
+    ap.add_argument("--print-launch", nargs="?", const="", metavar="NODESxDEVICES",
+                    help="print the environment and the torchrun line of every node, then exit "
+                         f"(default topology: {TOPOLOGY_TEXT})")
+
+
+def compiled_step(step, args):
+    """``step`` under torch.compile with ``--compile`` (fullgraph on a functional program), else ``step``."""
+    return torch.compile(step, fullgraph="funcol" in globals()) if args.compile else step
+
+
+def launch_request(argv):
+    """The value of ``--print-launch`` ("" without a topology), or None when not given."""
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--print-launch", nargs="?", const="")
+    return ap.parse_known_args(argv)[0].print_launch
+
+
+def init_dist(backend, args):
+    """init_process_group with an explicit timeout, bound to DEVICE where the profile allows
+    (the communicators then start now, not at the first collective after loading)."""
+    bind = BIND_DEVICE_ID and args.device != "cpu"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout),
+                            device_id=DEVICE if bind else None)
+
+
+def check_output(path):
+    """Exit 2 unless the directory of ``--output`` exists (run under agree())."""
+    if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        fail(f"--output {path}: its directory does not exist")
+
+
+def this_host():
+    """This rank's host name; tests simulate hosts on one machine with PARCOMP_SIM_NODE
+    (set by parcomp_backends.torch.launch.run_torchrun_multinode)."""
+    node = os.environ.get("PARCOMP_SIM_NODE")
+    return f"sim-node{node}" if node is not None else socket.gethostname()
+
+
+def check_placement(mode):
+    """Gather every rank's host (once, at start); a group of a HOST_AXES axis on more than one
+    host exits 2 on every rank (``mode`` refuse) or is reported by rank 0 (``mode`` warn)."""
+    HOSTS[:] = [None] * WORLD_SIZE
+    dist.all_gather_object(HOSTS, this_host())
+    for axis in HOST_AXES:
+        for ranks in GROUP_RANKS[axis]:
+            if len({HOSTS[r] for r in ranks}) > 1:
+                message = spanning_message(axis, ranks)
+                if mode == "refuse":
+                    fail(message + "; or rerun with --placement warn to run it anyway")
+                if RANK == 0:
+                    sys.stderr.write(f"program.py: warning: {message}\n")
+                    sys.stderr.flush()
+                return
+
+
+def spanning_message(axis, ranks):
+    """Why a group of ``axis`` must not span hosts, with the hosts and the launch that fits."""
+    where = ", ".join(f"rank {r} on {HOSTS[r]}" for r in ranks)
+    block = MESH[axis] * math.prod(list(MESH.values())[AXIS[axis] + 1:])
+    local = os.environ.get("LOCAL_WORLD_SIZE", "?")
+    return (f"the {axis} group {ranks} spans hosts ({where}); {axis} communicates in every layer "
+            f"and needs the links inside one host, but torchrun started LOCAL_WORLD_SIZE={local} "
+            f"per node: start a multiple of {block} ranks per host (--nproc-per-node; see "
+            f"--print-launch)")
+
+
+def agree(step, what):
+    """``step()`` on every rank, then every rank learns whether every rank succeeded.
+
+    Returns ``step()``'s value when every rank succeeded.  Otherwise every rank prints which
+    ranks failed ``what`` and why (their messages, gathered) and exits 2; a rank's own failure
+    (fail() or any exception) does not leave the others waiting in a collective.  The flags
+    and messages go through the launcher's key-value store, not the device communicator: it
+    works when that is broken, and no collective is in flight when a rank exits.
+    """
+    error = None
+    try:
+        result = step()
+    except SystemExit as e:
+        if e.code != 2:
+            raise
+        error = FAILED[-1] if FAILED else f"{what} failed"
+    except Exception as e:  # noqa: BLE001 - any failure becomes this rank's message
+        error = f"{type(e).__name__}: {e}"
+        sys.stderr.write(f"program.py (rank {RANK}): error: {what}: {error}\n")
+    store, key = dist.distributed_c10d._get_default_store(), f"parcomp/agree/{what}/"
+    if error is not None:
+        store.set(f"{key}error{RANK}", error)
+        store.append(f"{key}failed", f"{RANK} ")
+    if store.add(f"{key}arrived", 1) == WORLD_SIZE:  # the last rank to arrive opens the gate
+        store.set(f"{key}done", "1")
+    store.wait([f"{key}done"])  # at most the store's timeout (--timeout)
+    if not store.check([f"{key}failed"]):
+        return result
+    failed = sorted(int(r) for r in store.get(f"{key}failed").decode().split())
+    messages = {r: store.get(f"{key}error{r}").decode(errors="replace") for r in failed[:64]}
+    import signal  # every rank exits 2 now: torchrun's SIGTERM to the others once the first has
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # exited must not turn their exit 2 into -15
+    fail(failure_summary(what, failed, messages))
+
+
+def failure_summary(what, failed, messages):
+    """One line: the ``failed`` ranks, then ``messages`` ({rank: text}) grouped by text (4 shown)."""
+    by_message = {}
+    for rank, message in sorted(messages.items()):
+        by_message.setdefault(message, []).append(rank)
+    parts = [f"{rank_text(ranks, hosts=False)}: {message}" for message, ranks in list(by_message.items())[:4]]
+    more = "; and other messages" if len(by_message) > 4 or len(messages) < len(failed) else ""
+    return (f"{what} failed on {rank_text(failed)} of {WORLD_SIZE}, so every rank stops: "
+            + "; ".join(parts) + more)
+
+
+def rank_text(ranks, hosts=True):
+    """``rank 3`` / ``ranks 0-3, 6 (on host-a, host-b)``: sorted ranks as ranges, with hosts."""
+    spans, start = [], ranks[0]
+    for prev, cur in zip(ranks, ranks[1:] + [None]):
+        if cur != prev + 1:
+            spans.append(str(start) if start == prev else f"{start}-{prev}")
+            start = cur
+    hosts = sorted({HOSTS[r] for r in ranks}) if hosts and len(HOSTS) == WORLD_SIZE else []
+    on = f" (on {', '.join(hosts[:4])}{', ...' if len(hosts) > 4 else ''})" if hosts else ""
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(spans)}{on}"
+
+
+TOPOLOGY_TEXT = f"{TOPOLOGY[0]}x{TOPOLOGY[1]}" if TOPOLOGY else f"1x{MESH_SIZE}"
+
+
+def print_launch(text):
+    """``--print-launch [NODESxDEVICES]``: the environment to set and one torchrun line per node."""
+    nodes, per_node = parse_topology(text or TOPOLOGY_TEXT)
+    program_args = RUN_HINT.split(" program.py", 1)[1]
+    lines = [f"# mesh {MESH_TEXT} on {nodes} node(s) x {per_node} devices, profile {PROFILE} "
+             f"({DIST_BACKEND}); rank r runs on node r // {per_node}",
+             "# on every node, before torchrun (see docs/deploy.md):",
+             *(line.format(devices=",".join(map(str, range(per_node))), timeout=f"{TIMEOUT_S:g}")
+               for line in LAUNCH_ENV)]
+    if nodes == 1:
+        lines.append(f"torchrun --standalone --nproc-per-node {per_node} program.py{program_args}")
+    for node in range(nodes if nodes > 1 else 0):
+        lines += [f"# node {node}: ranks {node * per_node}-{(node + 1) * per_node - 1}",
+                  f"torchrun --nnodes {nodes} --node-rank {node} --nproc-per-node {per_node} "
+                  f"--master-addr NODE0_ADDR --master-port 29500 program.py{program_args}"]
+    print("\n".join(lines), flush=True)
+
+
+def parse_topology(text):
+    """``NODESxDEVICES`` -> (nodes, devices per node); exits 2 unless it holds MESH_SIZE ranks
+    with every HOST_AXES group inside one node."""
+    try:
+        nodes, per_node = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        fail(f"--print-launch {text}: give NODESxDEVICES, such as 2x8")
+    if nodes < 1 or per_node < 1 or nodes * per_node != MESH_SIZE:
+        fail(f"--print-launch {text}: {nodes}x{per_node} devices, but mesh {MESH_TEXT} has "
+             f"{MESH_SIZE} ranks")
+    for axis in HOST_AXES:
+        for ranks in GROUP_RANKS[axis]:
+            if len({r // per_node for r in ranks}) > 1:
+                fail(f"--print-launch {text}: the {axis} group {ranks} would span nodes; give "
+                     f"each node a multiple of its ranks")
+    return nodes, per_node
+
+
+def load(args):
+    """This rank's params and inputs (``--output``'s directory checked first); under agree()."""
+    check_output(args.output)
+    params = load_checkpoint(args.checkpoint, args.key_map, args.load_report) if PARAMS else {}
+    inputs = load_inputs(read_inputs(args.input)) if INPUTS else {}
+    return params, inputs
+
+
 def run(args):
     """Everything between init_process_group and destroy_process_group."""
     make_groups()
-    params = load_checkpoint(args.checkpoint, args.key_map, args.load_report) if PARAMS else {}
-    inputs = load_inputs(read_inputs(args.input)) if INPUTS else {}
+    params, inputs = agree(lambda: load(args), "loading")
+    step = compiled_step(forward, args)
     with torch.inference_mode():
-        outputs = forward(params, inputs)
+        outputs = step(params, inputs)
         if args.bench > 0:
-            bench(forward, params, inputs, args.bench)
+            bench(step, params, inputs, args.bench)
     if args.output:
-        write_outputs(outputs, args.output)
+        agree(lambda: write_outputs(outputs, args.output), "writing the outputs")
 
 
 def keep_freed_memory():
@@ -782,20 +1005,22 @@ def keep_freed_memory():
 
 
 def main(argv=None):
-    """Check the world, pick the device, start torch.distributed, run, always shut it down."""
+    """Check the world, pick the device, start torch.distributed, check the placement, run,
+    always shut it down (``--print-launch``: print the launch lines instead)."""
     global DEVICE
+    if launch_request(argv) is not None:  # before parse_args: it needs no --checkpoint
+        return print_launch(launch_request(argv))
     args = parse_args(argv)
     check_world()
-    if args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
-        fail(f"--output {args.output}: its directory does not exist")
     keep_freed_memory()
     if args.device == "cpu":
         backend, DEVICE = "gloo", torch.device("cpu")
     else:
         import_prelude()
         backend, DEVICE = DIST_BACKEND, profile_device()
-    dist.init_process_group(backend)
+    init_dist(backend, args)  # then every failure is agreed on: no rank waits for one that left
     try:
+        check_placement(args.placement)
         run(args)
     except LoadError as e:  # a checkpoint that cannot be loaded: the message names the file
         fail_load(e)
