@@ -33,8 +33,10 @@ def data_for(graph, seed=0) -> dict:
     if "labels" in graph:
         # the classes of the logits the labels index (cross_entropy or its decomposition's
         # pick); a padded vocab (mask_pad) draws only real classes
+        labels = {"labels"}  # and its microbatches (accumulate=K, issue 13: reshape/slice of it)
+        labels.update(n.name for n in graph.nodes if n.op in ("reshape", "slice") and n.inputs[0] in labels)
         classes = next(graph[n.inputs[0]].type.shape[-1] for n in graph.nodes
-                       if n.op in ("cross_entropy", "pick") and n.inputs[1] == "labels")
+                       if n.op in ("cross_entropy", "pick") and n.inputs[1] in labels)
         classes = min([classes] + [n.attr("size") for n in graph.nodes if n.op == "mask_pad"])
         out["labels"] = rng.integers(0, classes, graph["labels"].type.shape).astype("int64")
     return out
