@@ -284,3 +284,32 @@ def test_accumulate_errors_name_the_batch_and_input_grads():
         compile_graph(g, parse("mesh tp=2\ntrain accumulate=2 batch=4\n"))
     with pytest.raises(SpecError, match="accumulate=2 with input_grads=yes"):
         compile_graph(g, parse("mesh tp=2\ntrain accumulate=2 input_grads=yes\n"))
+
+
+# ---- the emitted program under torchrun (the canonical launches; the rest is interpreter) ----
+
+RUN_SPEC = ("mesh dp=2 tp=2\nc_fc.weight colwise over tp\nc_proj.weight rowwise over tp\ninput x [S(0), R]\n"
+            "train loss=mse optimizer=adamw(lr=0.01) clip_grad_norm=0.5 lr_schedule=cosine(T_max=3, warmup=1) "
+            "accumulate=2 batch=4 steps=3 zero=1\n")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,text", [
+    ("specs/models.py:gpt2_mlp", RUN_SPEC),  # DP=2 x TP=2, ZeRO-1: all three options at once
+    (f"{MODELS}:rowwise_linear", CLIP_SPEC.replace("steps=2", "steps=3")),  # TP=2: clipping's exact case
+])
+def test_program_py_with_the_options_equals_torch_on_gloo_ranks(tmp_path, capsys, model, text):
+    """program.py, 3 steps under torchrun: each step from the unsharded state (--replay) and
+    free-running, against torch with clip_grad_norm_, the lr scheduler and per-microbatch
+    backward."""
+    import json
+
+    from parcomp.cli import main
+
+    spec = tmp_path / "t.pcs"
+    spec.write_text(text)
+    nproc = "4" if "dp=2" in text else "2"
+    assert main(["run", model, "--spec", str(spec), "--nproc", nproc, "--json"]) == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last["verdict"] == "OK" and last["ok"] and len(last["losses"]) == 3
+    assert last["free_running"]["ok"]
