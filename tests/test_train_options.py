@@ -252,6 +252,35 @@ def test_accumulated_cross_entropy_divides_by_the_labels_counted_in_all_microbat
     assert not r["vs_torch"]["ok"] and r["vs_unsharded"]["ok"]
 
 
+# ---- recompute ----
+
+def test_selective_recompute_lowers_saved_activations_and_the_peak_and_changes_no_value():
+    """Three GELU layers: their outputs are recomputed in backward (rc.* nodes), so the
+    report's saved activations and liveness peak drop; every output of the step equals the
+    step without recomputation (same ops on the same values) and the sharded step."""
+    from parcomp.compiler import compile_graph
+    from parcomp.reference.interpreter import run_spmd
+    from parcomp.reference.numpy_ops import run_unsharded
+    from parcomp.tolerance import output_bounds
+    from graphs import mlp_graph, random_feeds
+    from numerics import assert_all_equivalent
+
+    def build(extra):
+        g = mlp_graph((64, 8), [16, 64, 64, 64, 16], [True] * 4, ["gelu"] * 3)
+        return compile_graph(g, parse("mesh tp=2\nl0.weight colwise\nl1.weight rowwise\n"
+                                      f"train loss=mse optimizer=sgd(lr=0.1) input_grads=no {extra}\n"))
+
+    plain, rc = build(""), build("recompute=selective")
+    assert sorted(n.name for n in rc.logical.nodes if n.name.startswith("rc.")) == [
+        "rc.l0.act", "rc.l1.act", "rc.l2.act"]
+    m0, m1 = plain.report["memory_bytes_per_rank"], rc.report["memory_bytes_per_rank"]
+    assert m1["saved_activations"] < m0["saved_activations"] and m1["peak_live"] < m0["peak_live"]
+    feeds = random_feeds(rc.logical)
+    want = run_unsharded(plain.logical, feeds)
+    assert_all_equivalent(run_unsharded(rc.logical, feeds), want, output_bounds(plain.logical, feeds))
+    assert_all_equivalent(run_spmd(rc.program, feeds).outputs(rc.program), want, output_bounds(rc.logical, feeds))
+
+
 # ---- the train line's checks ----
 
 @pytest.mark.parametrize("line,msg", [
@@ -268,6 +297,7 @@ def test_accumulated_cross_entropy_divides_by_the_labels_counted_in_all_microbat
     ("train accumulate=0", "accumulate=0 is out of range: 1 to 64"),
     ("train accumulate=1.5", "accumulate must be a whole number"),
     ("train clip_grad_nrom=1", "did you mean 'clip_grad_norm'"),
+    ("train recompute=all", "recompute='all' is not supported; supported: none, selective"),
 ])
 def test_option_errors_are_located_at_the_train_line(line, msg):
     with pytest.raises(SpecError) as e:
@@ -290,7 +320,7 @@ def test_accumulate_errors_name_the_batch_and_input_grads():
 
 RUN_SPEC = ("mesh dp=2 tp=2\nc_fc.weight colwise over tp\nc_proj.weight rowwise over tp\ninput x [S(0), R]\n"
             "train loss=mse optimizer=adamw(lr=0.01) clip_grad_norm=0.5 lr_schedule=cosine(T_max=3, warmup=1) "
-            "accumulate=2 batch=4 steps=3 zero=1\n")
+            "accumulate=2 recompute=selective batch=4 steps=3 zero=1\n")
 
 
 @pytest.mark.slow

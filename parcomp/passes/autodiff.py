@@ -29,7 +29,8 @@ from ..spec.model import pattern_regex
 from .decompose import Emitter, cross_entropy_parts, padded_size
 from .train_config import train_config
 from .accumulate import accumulated_step
-from .train_options import clip_gradients, lr_factor, scheduled_sgd_step, scheduled_update
+from .train_options import (clip_gradients, lr_factor, recompute_view, scheduled_sgd_step, scheduled_update,
+                            start_recompute)
 
 
 class Builder:
@@ -75,7 +76,7 @@ def backward(b: Builder, graph: Graph, seeds: dict, wrt) -> dict:
         if n.op not in VJP_RULES:
             raise SpecError(f"cannot differentiate {n.op} %{n.name}: no gradient rule")
         b.prefix = f"bw.{n.name}"
-        contribs = VJP_RULES[n.op](b, n, _total(b, grads[n.name]))
+        contribs = VJP_RULES[n.op](b, recompute_view(b, n), _total(b, grads[n.name]))  # issue 13
         for i, gi in zip(n.inputs, contribs):
             if gi is not None and i in needs:
                 grads.setdefault(i, []).append(gi)
@@ -120,8 +121,10 @@ def add_training_step(graph: Graph, spec) -> Graph:
     _check_batch(graph, spec, cfg)
     b = Builder(graph)
     outs = []
+    start_recompute(b, graph, cfg.options)  # issue 13: recompute=selective
     if cfg.options.accumulate > 1:  # issue 13: K microbatches (parcomp/passes/accumulate.py)
         b = Builder(Graph(tuple(n for n in graph.nodes if n.op == "param"), (), graph.mesh))
+        start_recompute(b, graph, cfg.options)
         loss, params, grads = accumulated_step(b, graph, cfg, spec, params, sys.modules[__name__])
         finputs = []
     else:

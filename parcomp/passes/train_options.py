@@ -17,6 +17,12 @@
     feeds ``step`` (interpreter, program.py, a resumed run) gets the schedule.
 ``accumulate=K``
     see :mod:`parcomp.passes.accumulate`.
+``recompute=selective``
+    a forward value made by a one-operand pointwise op (activation functions, dropout,
+    scale, ...) that backward reads is not kept: backward recomputes it from its operand
+    right where a gradient rule first needs it (:func:`recompute_view`). Those values die
+    after the forward pass, so the saved activations and the liveness peak of the report
+    drop (``memory_bytes_per_rank``); matmul outputs and inputs stay saved.
 
 Every value is checked when the spec is parsed (SpecError at the train line).
 """
@@ -27,7 +33,9 @@ from dataclasses import dataclass
 
 from ..errors import SpecError
 
-OPTION_KEYS = ("clip_grad_norm", "lr_schedule", "accumulate")
+OPTION_KEYS = ("clip_grad_norm", "lr_schedule", "accumulate", "recompute")
+#: ``recompute=``: none, or selective (one-operand pointwise values recomputed in backward)
+RECOMPUTE_MODES = ("none", "selective")
 
 #: schedule -> {argument: (kind, default (None: required), (low, high or None, high allowed))}
 SCHEDULES = {
@@ -51,11 +59,13 @@ class TrainOptions:
         clip_grad_norm: max 2-norm of all gradients together, or None (no clipping).
         schedule: ``(name, ((arg, value), ...))`` with every argument (defaults filled).
         accumulate: microbatches per step (1: none).
+        recompute: ``none`` | ``selective``.
     """
 
     clip_grad_norm: float | None = None
     schedule: tuple = ("constant", ())
     accumulate: int = 1
+    recompute: str = "none"
 
     def schedule_args(self) -> dict:
         return dict(self.schedule[1])
@@ -78,7 +88,11 @@ def train_options(t, hyper: dict, number, check_range) -> TrainOptions:
     if not 1 <= acc <= MAX_ACCUMULATE:
         raise SpecError(f"accumulate={acc} is out of range: 1 to {MAX_ACCUMULATE} microbatches per step",
                         t.loc)
-    return TrainOptions(clip, _schedule(t, hyper, number, check_range), acc)
+    recompute = t.get("recompute", "none")
+    if recompute not in RECOMPUTE_MODES:
+        raise SpecError(f"recompute={recompute!r} is not supported; supported: {', '.join(RECOMPUTE_MODES)} "
+                        f"(full-layer recomputation is not built yet)", t.loc)
+    return TrainOptions(clip, _schedule(t, hyper, number, check_range), acc, recompute)
 
 
 def _schedule(t, hyper, number, check_range) -> tuple:
@@ -182,3 +196,47 @@ def scheduled_update(b, p: str, new: str, f: str | None) -> str:
     if f is None:
         return new
     return b.op("sub", [p, b.op("mul", [b.op("sub", [p, new]), f])])
+
+
+# ---- recompute=selective ----
+
+def _recomputable():
+    from ..ir.ops import OPS, _same
+
+    return frozenset(op for op, d in OPS.items() if d.kind in ("nonlinear", "linear") and d.arity == 1
+                     and d.infer is _same and op not in ("clip_coef",))
+
+
+RECOMPUTE_OPS = _recomputable()
+
+
+def start_recompute(b, graph, opts) -> None:
+    """Arm Builder ``b`` for ``recompute=selective``: producers of its values (refreshed from
+    ``b.nodes`` when a name is new) and a cache of recomputed values (None for ``none``)."""
+    b.recompute = {"producers": {}, "done": {}} if opts.recompute == "selective" else None
+
+
+def recompute_view(b, n):
+    """``n`` as its gradient rule should read it: its operands and its own value replaced by
+    backward-phase recomputations where they are recomputable forward values (emitted into
+    ``b`` now, once each, operands first)."""
+    state = getattr(b, "recompute", None)
+    if state is None:
+        return n
+    from dataclasses import replace
+
+    def rc(v):
+        if v not in state["producers"]:
+            state["producers"] = {m.name: m for m in b.nodes}
+        node = state["producers"].get(v)
+        if node is None or node.op not in RECOMPUTE_OPS or node.phase != "forward":
+            return v
+        if v not in state["done"]:
+            ins = tuple(rc(i) for i in node.inputs)
+            name = b.names.fresh(f"rc.{v}")
+            b.nodes.append(replace(node, name=name, inputs=ins, phase="backward"))
+            b.types[name], b.phases[name] = node.type, "backward"
+            state["done"][v] = name
+        return state["done"][v]
+
+    return replace(n, name=rc(n.name), inputs=tuple(rc(i) for i in n.inputs))
