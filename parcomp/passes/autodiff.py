@@ -135,8 +135,8 @@ def add_training_step(graph: Graph, spec) -> Graph:
         finputs = [n.name for n in graph.inputs if n.type.dtype.startswith("float")] if cfg.input_grads else []
         grads = backward(b, Graph(tuple(b.nodes), (loss,)), {loss: seed}, params + finputs)
     outs.append(("loss", _pin(b, loss, replicated(len(spec.mesh.axes)), "the loss")))
-    grads.update(training_options(b, {p: grads[p] for p in params}, cfg, spec))  # issue 13
-    factor = grads.pop(None)
+    clipped, factor = training_options(b, {p: grads[p] for p in params}, cfg, spec)  # issue 13
+    grads.update(clipped)
     for p in params:
         outs += _optimizer(b, graph[p], grads[p], cfg, spec, factor)
     b.phase = "backward"
@@ -315,11 +315,11 @@ def _state(b, param, suffix, layout):
 
 def training_options(b, grads, cfg, spec):
     """Gradient clipping and the LR schedule's factor (issue 13: parcomp/passes/train_options.py).
-    Returns ``grads`` (clipped) and, under key None, the factor node (or None)."""
+    Returns ``(grads, clipped if asked; the factor node lr_k / lr, or None)``."""
     opts = cfg.options
     if opts.clip_grad_norm is not None:
         grads = clip_gradients(b, grads, opts.clip_grad_norm)
-    return {**grads, None: lr_factor(b, opts.schedule, cfg.h("lr"), lambda: _step_input(b, spec))}
+    return grads, lr_factor(b, opts.schedule, cfg.h("lr"), lambda: _step_input(b, spec))
 
 
 def _step_input(b, spec):
