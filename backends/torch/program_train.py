@@ -208,12 +208,12 @@ def run(args):
     with torch.no_grad():  # the backward pass is explicit in train_step: no autograd state
         starts = read_replay(args.replay, args.steps) if args.replay else None
         outputs, losses = train(params, batches, starts, first)
-    if args.save:
-        save_checkpoint(args.save, {**params, **outputs}, first + args.steps - 1)
         if args.bench > 0:
             # on copies: train_step updates params and state in place
             copies = {k: v.clone() for k, v in params.items()}
             bench(train_step, copies, with_step(batches[0], 1), args.bench)
+    if args.save:
+        save_checkpoint(args.save, {**params, **outputs}, first + args.steps - 1)
     if args.output:
         write_outputs(outputs, losses, args.output)
 # <<< program.py
