@@ -96,6 +96,8 @@ class TrainLoop:
         loss, optimizer: ``mse`` ..., ``sgd`` | ``adamw``; ``hyperparameters``: sorted pairs.
         zero: ZeRO stage (0, 1, 2); ``dp``: size of the dp axis (1 without one);
         batch: global batch (dim 0 of the inputs), or None.
+        options: the train line's clip_grad_norm / lr_schedule / accumulate
+            (:class:`parcomp.passes.train_options.TrainOptions`, issue 13).
     """
 
     steps: int
@@ -109,6 +111,7 @@ class TrainLoop:
     zero: int
     dp: int
     batch: int | None
+    options: object = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -235,4 +238,4 @@ def _train_loop(local, spec) -> TrainLoop | None:
     batch = cfg.batch or next((n.attr("global_shape")[0] for n in local.inputs
                                if n.attr("global_shape")), None)
     return TrainLoop(cfg.steps, carried, state, step, "loss", cfg.loss, cfg.optimizer, cfg.hyper,
-                     cfg.zero, dp, batch)
+                     cfg.zero, dp, batch, cfg.options)

@@ -40,16 +40,26 @@ def memory(program, model_params) -> dict:
             "saved_activations": nbytes(saved), "peak_live": peak_bytes(graph)}
 
 
+def options_record(opts) -> dict:
+    """The training options of issue 13 as report.json writes them."""
+    name, args = opts.schedule
+    return {"clip_grad_norm": opts.clip_grad_norm, "accumulate": opts.accumulate,
+            "lr_schedule": {"name": name, **dict(args)}}
+
+
 def training_summary(program) -> dict | None:
     """Loss, optimizer and batch arithmetic (global batch = microbatch x dp), or None."""
     t = program.train
     if t is None:
         return None
-    micro = None if t.batch is None else t.batch // t.dp
+    k = t.options.accumulate if t.options else 1  # issue 13: accumulate=K microbatches per step
+    micro = None if t.batch is None else t.batch // (t.dp * k)
+    acc = f" x accumulate {k}" if k > 1 else ""
     return {"loss": t.loss, "optimizer": t.optimizer, "hyperparameters": dict(t.hyperparameters),
             "zero": t.zero, "steps": t.steps, "dp": t.dp, "global_batch": t.batch,
             "microbatch_per_dp_rank": micro,
-            "batch_note": f"global batch {t.batch} = microbatch {micro} x dp {t.dp}"}
+            "batch_note": f"global batch {t.batch} = microbatch {micro}{acc} x dp {t.dp}",
+            **({"options": options_record(t.options)} if t.options else {})}
 
 
 def build_report(program, model_params=()) -> dict:

@@ -22,6 +22,7 @@ from .budget import PROGRESS_EVERY_S
 from .frontends.fused import to_stored_shapes, to_view_shapes
 from .passes.train_config import train_config
 from .reference.interpreter import run_spmd
+from .reference.microbatches import microbatches, stacked_feeds
 from .reference.numpy_ops import run_unsharded
 from .reference.training import data_for, torch_train, train_steps
 from .tolerance import training_bounds, training_errors
@@ -30,6 +31,7 @@ from .tolerance import training_bounds, training_errors
 def train_feeds(compiled, module, example, seed, feeds_for) -> dict:
     """The model inputs (``feeds_for``) plus the seeded loss data (``target`` / ``labels``)."""
     feeds = feeds_for(compiled.unsharded, module, example, seed)
+    feeds.update(stacked_feeds(compiled, feeds, seed))  # issue 13: accumulate=K microbatches
     feeds.update(data_for(compiled.logical, seed))
     return feeds
 
@@ -45,7 +47,8 @@ def torch_reference(compiled, module, example, feeds, steps, start=None, first=1
     output = graph.output_names.index(cfg.output) if cfg.output else 0
     if start is not None:  # torch holds a fused weight (issue 17) whole, as stored
         start = to_stored_shapes(start, compiled.logical)
-    ref = torch_train(module, example, names, feeds, cfg, steps, output, start, first)
+    ref = torch_train(module, example, names, feeds, cfg, steps, output, start, first,
+                      microbatches(compiled, feeds))
     want = {"loss": np.array(ref["losses"][-1], "float32"), "losses": np.array(ref["losses"], "float32"),
             **{n.name: ref["sources"][n.name] for n in graph.params if n.name in ref["sources"]},
             **ref["state"],

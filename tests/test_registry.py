@@ -119,6 +119,9 @@ EXEMPT = {
     **{(_T["torch_frontend"], op): "made by decompose-reductions / autodiff (parcomp/passes/decompose.py)"
        for op in ("amax_grad", "argmax_key", "argmax_index", "pick", "pick_grad", "label_mask")},
     (_T["torch_frontend"], "mask_pad"): "vocab padding: written in a model (.pcir) around padded logits",
+    # training options (issue 13): gradient clipping's factor, made by autodiff after backward
+    (_T["VJP"], "clip_coef"): "the optimizer update comes after the backward pass",
+    (_T["torch_frontend"], "clip_coef"): _BY_AUTODIFF,
 }
 
 

@@ -55,6 +55,7 @@ CASES = {  # op -> pcir lines defining %a [%b %c %d] and %y; every dim divisible
                     "%y: f64[4,6] = adamw_param(%a, %m, %v, %t) {beta1=0.9, beta2=0.99, eps=1e-08, "
                     "lr=0.1, weight_decay=0.01}"),
     "ones": "%y: f64[4,6] = ones()",
+    "clip_coef": "%v: f64[4,6] = input()\n%y: f64[4,6] = clip_coef(%v) {max_norm=1.5}",  # issue 13
     # attention part (issue 17)
     "slice": "%y: f64[4,3] = slice(%a) {dim=1, start=1, stop=6, step=2}",
     "slice_whole": "%y: f64[4,6] = slice(%a) {dim=1, start=0, stop=6, step=1}",

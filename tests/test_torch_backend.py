@@ -201,7 +201,8 @@ OP_CASES = {  # op: (operand shapes, result shape, attrs)
 COMPUTE_OPS = sorted(set(OP_FORMATS) - set(LAYOUT_OPS) - {"relayout", "adamw_param", "cross_entropy",
                                                             "cross_entropy_grad"} - set(LOWERED)
                      - set(NORM_FORMATS)  # norms + embedding part: in test_torch_training.py
-                     - set(REDUCE_FORMATS))  # reductions part: tests/test_reductions.py
+                     - set(REDUCE_FORMATS)  # reductions part: tests/test_reductions.py
+                     - {"clip_coef"})  # issue 13: a sum of squares (>= 0), in test_torch_training.py
 
 
 @pytest.mark.parametrize("case", sorted(set(OP_CASES) | set(COMPUTE_OPS)))

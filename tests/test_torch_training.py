@@ -86,6 +86,9 @@ SHAPED_CASES = {  # case: (op, operand shapes, result shape, attrs); "i:2,3" = i
     "dropout": ("dropout", ((4, 6),), (4, 6), {"p": 0.3, "seed": 11}),
     "embedding": ("embedding", ("i:2,3", (5, 4)), (2, 3, 4), {}),
     "embedding_grad": ("embedding_grad", ((2, 3, 4), "i:2,3"), (5, 4), {}),
+    # training options (issue 13): the clipping factor of a sum of squares, clipped and not
+    "clip_coef": ("clip_coef", ("abs:",), (), {"max_norm": 0.5}),
+    "clip_coef_off": ("clip_coef", ("abs:",), (), {"max_norm": 40.0}),
 }
 OP_CASES = {**{op: (op, _X if op in ("add", "sub", "mul", "div") or op.endswith("_grad") else ((2, 3),),
                     (2, 3), {}) for op in COMPUTE_OPS}, **SHAPED_CASES}  # every op, default shapes

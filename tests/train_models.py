@@ -53,3 +53,17 @@ class TwoOutputs(nn.Module):
 def two_outputs():
     torch.manual_seed(0)
     return TwoOutputs().eval(), (torch.randn(4, 8),), ["x"]
+
+
+# training options (issue 13)
+def rowwise_linear():
+    """``nn.Sequential(Linear(8, 4))``: with ``0.weight rowwise`` on tp=2 the weight is split
+    and the bias replicated (added once after the sum): clipping's exact case."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 4)).eval(), (torch.randn(4, 8),), ["x"]
+
+
+def classifier():
+    """``nn.Sequential(Linear(8, 16), ReLU, Linear(16, 6))``: logits [4, 6] for cross_entropy."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 6)).eval(), (torch.randn(4, 8),), ["x"]

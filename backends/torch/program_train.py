@@ -17,6 +17,8 @@ STATE = ()
 CARRIED = ()
 STEP_INPUT = None
 TRAIN_STEPS = 1
+OUTPUT_LAYOUTS = {}
+OUTPUT_GLOBAL_SHAPES = {}
 
 
 def train_step(params, inputs):
@@ -64,11 +66,87 @@ def parse_args(argv):
                     help="time N training steps from the loaded parameters (not applied)")
     ap.add_argument("--log-every", type=step_count, default=1, metavar="N",
                     help="rank 0 prints the loss of every N-th step and the last (default 1)")
+    ap.add_argument("--save", metavar="DIR",
+                    help="after the last step, save params, optimizer state and the step number as a "
+                         "sharded torch.distributed.checkpoint in DIR/step-K (atomic: DIR/latest names it)")
+    ap.add_argument("--resume", metavar="DIR",
+                    help="start from the checkpoint DIR/latest names (saved by any mesh's program of this "
+                         "model): its params, optimizer state and step; --steps more steps follow")
     ap.add_argument("--replay", metavar="FILE",
                     help="a .pt list of K full checkpoints (optimizer state included): step k starts "
                          "from the k-th instead of step k-1's result (parcomp run's step-by-step check)")
     add_cluster_args(ap)
     return ap.parse_args(argv)
+# <<< program.py
+
+
+# >>> program.py: checkpoint
+def dtensor_placements(layout):
+    """DTensor placements of a layout string such as "[R, S(1)]" (one per mesh axis)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    return [Replicate() if p.strip() == "R" else Shard(int(p.strip()[2:-1]))
+            for p in layout.strip("[]").split(",")]
+
+
+def as_dtensors(values):
+    """``values`` (this rank's slices of CARRIED values) as DTensors on the mesh, with their
+    global shapes: what torch.distributed.checkpoint needs to save and to reshard on load."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    if "mesh" not in DEVICE_MESH:
+        DEVICE_MESH["mesh"] = init_device_mesh(DEVICE.type, tuple(MESH.values()), mesh_dim_names=tuple(MESH))
+    out = {}
+    for name, local in values.items():
+        shape = torch.Size(OUTPUT_GLOBAL_SHAPES[name])
+        stride = torch.empty(shape, device="meta").stride()
+        out[name] = DTensor.from_local(local, DEVICE_MESH["mesh"], dtensor_placements(OUTPUT_LAYOUTS[name]),
+                                       run_check=False, shape=shape, stride=stride)
+    return out
+
+
+DEVICE_MESH = {}
+
+
+def save_checkpoint(path, params, step):
+    """Save the CARRIED values and ``step`` to ``path``/step-<step> with torch.distributed.checkpoint.
+    Atomic: every rank writes into step-<step>.partial; after all have finished, rank 0 renames
+    it and then replaces ``path``/latest (a one-line file naming it), so an interrupted save
+    leaves the previous checkpoint the one ``--resume`` loads."""
+    import torch.distributed.checkpoint as dcp
+
+    final = os.path.join(path, f"step-{step}")
+    if os.path.exists(final):
+        fail(f"--save {path}: {final} exists; parcomp's program never replaces a checkpoint")
+    state = {**as_dtensors({name: params[name] for name in CARRIED}), "step": torch.tensor(step)}
+    dcp.save(state, checkpoint_id=final + ".partial")
+    dist.barrier()
+    if RANK == 0:
+        os.rename(final + ".partial", final)
+        with open(os.path.join(path, "latest.partial"), "w") as f:
+            f.write(f"step-{step}\n")
+        os.replace(os.path.join(path, "latest.partial"), os.path.join(path, "latest"))
+        print(f"saved step {step} to {final}", flush=True)
+    dist.barrier()
+
+
+def resume_checkpoint(path, params):
+    """``(params, first step)``: the CARRIED values of the checkpoint ``path``/latest names,
+    resharded to this program's layouts (any mesh may have saved it), and its step + 1."""
+    import torch.distributed.checkpoint as dcp
+
+    latest = os.path.join(path, "latest")
+    if not os.path.isfile(latest):
+        fail(f"--resume {path}: no checkpoint there ({latest} is missing; --save DIR writes it)")
+    with open(latest) as f:
+        where = os.path.join(path, f.read().strip())
+    state = {**as_dtensors({name: params[name] for name in CARRIED}), "step": torch.tensor(0)}
+    try:
+        dcp.load(state, checkpoint_id=where)
+    except Exception as e:  # a checkpoint of another model: name what does not fit
+        fail(f"--resume {path}: cannot load {where} into this program: {str(e)[:400]}")
+    return {**params, **{name: state[name].to_local() for name in CARRIED}}, int(state["step"]) + 1
 # <<< program.py
 
 
@@ -111,22 +189,23 @@ def read_replay(path, steps):
     return [load_params(s) for s in states]
 
 
-def train(params, batches, starts=None, step=None, log_every=1):
-    """One ``step`` (default train_step) per batch; the CARRIED outputs are the next step's
-    params and state (with ``starts``, step k starts from ``starts[k-1]`` instead).
+def train(params, batches, starts=None, step=None, log_every=1, first=1):
+    """One ``step`` (default train_step) per batch, numbered from ``first``; the CARRIED outputs
+    are the next step's params and state (with ``starts``, step k starts from ``starts[k-first]``).
 
     Losses stay on the device: rank 0 prints every ``log_every``-th step's loss and the last
     (the only reads to the host). Returns the last step's outputs and every loss (floats).
     """
     step, outputs, losses = step or train_step, {}, []
-    numbers = torch.arange(1, len(batches) + 1, dtype=torch.float32, device=DEVICE)
-    for k, inputs in enumerate(batches, start=1):
+    numbers = torch.arange(1, first + len(batches), dtype=torch.float32, device=DEVICE)
+    last = first + len(batches) - 1
+    for k, inputs in enumerate(batches, start=first):
         if starts is not None:
-            params = {**params, **starts[k - 1]}
+            params = {**params, **starts[k - first]}
         outputs = step(params, with_step(inputs, k, numbers))
         params = {**params, **{name: outputs[name] for name in CARRIED}}
         losses.append(outputs["loss"])
-        if RANK == 0 and (k % log_every == 0 or k == len(batches)):
+        if RANK == 0 and (k % log_every == 0 or k == last):
             print(f"step {k} loss {outputs['loss'].item():.6g}", flush=True)
     return outputs, torch.stack(losses).tolist() if losses else []
 
@@ -146,12 +225,18 @@ def run(args):
     """Everything between init_process_group and destroy_process_group."""
     make_groups()
     params, batches, starts = agree(lambda: load(args), "loading")
+    first = 1
+    if args.resume:  # issue 13: sharded checkpoint of any mesh's program
+        params, first = resume_checkpoint(args.resume, params)
     with torch.no_grad():  # the backward pass is explicit in train_step: no autograd state
-        outputs, losses = train(params, batches, starts, compiled_step(train_step, args), args.log_every)
+        outputs, losses = train(params, batches, starts, compiled_step(train_step, args), args.log_every,
+                                first)
         if args.bench > 0:
             # on copies: train_step updates params and state in place
             copies = {k: v.clone() for k, v in params.items()}
             bench(train_step, copies, with_step(batches[0], 1), args.bench)
+    if args.save:
+        save_checkpoint(args.save, {**params, **outputs}, first + args.steps - 1)
     if args.output:
         agree(lambda: write_outputs(outputs, losses, args.output), "writing the outputs")
 # <<< program.py

@@ -389,6 +389,9 @@ def index_dim(graph, node) -> tuple:
     d = node.attr(dim) if isinstance(dim, str) else dim
     return src.type, src.layout, d % src.type.rank
 # ---- end of the reductions part ----
+# training options (issue 13): clip_coef(sumsq) {max_norm} = min(1, max_norm / (sqrt(sumsq) + 1e-6)),
+# the factor torch.nn.utils.clip_grad_norm_ scales every gradient by (parcomp/passes/train_options.py)
+_def("clip_coef", 1, "nonlinear", _same, {"max_norm": _NUM})
 _SOURCE = {"global_shape": Attr("ints")}  # set by localize: the full shape
 _def("input", 0, "source", _own, _SOURCE)
 _def("param", 0, "source", _own, {**_SOURCE, "trainable": Attr("bool", default=True),

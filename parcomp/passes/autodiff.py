@@ -15,6 +15,7 @@ never derived from a name: a model module called ``opt`` is forward code.
 from __future__ import annotations
 
 import re
+import sys
 
 from dataclasses import replace
 
@@ -27,6 +28,9 @@ from ..rules.vjp import VJP_RULES
 from ..spec.model import pattern_regex
 from .decompose import Emitter, cross_entropy_parts, padded_size
 from .train_config import train_config
+from .accumulate import accumulated_step
+from .train_options import (clip_gradients, lr_factor, recompute_view, scheduled_sgd_step, scheduled_update,
+                            start_recompute)
 
 
 class Builder:
@@ -72,7 +76,7 @@ def backward(b: Builder, graph: Graph, seeds: dict, wrt) -> dict:
         if n.op not in VJP_RULES:
             raise SpecError(f"cannot differentiate {n.op} %{n.name}: no gradient rule")
         b.prefix = f"bw.{n.name}"
-        contribs = VJP_RULES[n.op](b, n, _total(b, grads[n.name]))
+        contribs = VJP_RULES[n.op](b, recompute_view(b, n), _total(b, grads[n.name]))  # issue 13
         for i, gi in zip(n.inputs, contribs):
             if gi is not None and i in needs:
                 grads.setdefault(i, []).append(gi)
@@ -117,15 +121,24 @@ def add_training_step(graph: Graph, spec) -> Graph:
     _check_batch(graph, spec, cfg)
     b = Builder(graph)
     outs = []
-    loss = _loss(b, graph, cfg)
-    params = _reaching(b, loss, params, cfg)
-    b.prefix, b.phase = "bw", "backward"
-    seed = b.op("ones", [], type=b.type(loss), name="bw.loss")
-    finputs = [n.name for n in graph.inputs if n.type.dtype.startswith("float")] if cfg.input_grads else []
-    grads = backward(b, Graph(tuple(b.nodes), (loss,)), {loss: seed}, params + finputs)
+    start_recompute(b, graph, cfg.options)  # issue 13: recompute=selective
+    if cfg.options.accumulate > 1:  # issue 13: K microbatches (parcomp/passes/accumulate.py)
+        b = Builder(Graph(tuple(n for n in graph.nodes if n.op == "param"), (), graph.mesh))
+        start_recompute(b, graph, cfg.options)
+        loss, params, grads = accumulated_step(b, graph, cfg, spec, params, sys.modules[__name__])
+        finputs = []
+    else:
+        loss = _loss(b, graph, cfg)
+        params = _reaching(b, loss, params, cfg)
+        b.prefix, b.phase = "bw", "backward"
+        seed = b.op("ones", [], type=b.type(loss), name="bw.loss")
+        finputs = [n.name for n in graph.inputs if n.type.dtype.startswith("float")] if cfg.input_grads else []
+        grads = backward(b, Graph(tuple(b.nodes), (loss,)), {loss: seed}, params + finputs)
     outs.append(("loss", _pin(b, loss, replicated(len(spec.mesh.axes)), "the loss")))
+    clipped, factor = training_options(b, {p: grads[p] for p in params}, cfg, spec)  # issue 13
+    grads.update(clipped)
     for p in params:
-        outs += _optimizer(b, graph[p], grads[p], cfg, spec)
+        outs += _optimizer(b, graph[p], grads[p], cfg, spec, factor)
     b.phase = "backward"
     for x in finputs:
         outs.append((f"{x}.grad", _pin(b, grads[x], graph[x].layout, f"gradient of input {x}")))
@@ -187,10 +200,11 @@ def _reaching(b, loss, params, cfg):
 
 
 def _check_batch(graph, spec, cfg):
+    k = cfg.options.accumulate  # issue 13: the model's batch is one of k microbatches
     for n in graph.inputs:
-        if cfg.batch is not None and n.type.shape and n.type.shape[0] != cfg.batch:
-            raise SpecError(f"batch={cfg.batch} but input {n.name} {n.type} has batch {n.type.shape[0]}",
-                            cfg.loc)
+        if cfg.batch is not None and n.type.shape and n.type.shape[0] * k != cfg.batch:
+            raise SpecError(f"batch={cfg.batch} but input {n.name} {n.type} has batch {n.type.shape[0]}"
+                            + (f" x accumulate={k} = {n.type.shape[0] * k}" if k > 1 else ""), cfg.loc)
     if "dp" in spec.mesh.names and cfg.batch is not None:
         dp = spec.mesh.sizes[spec.mesh.axis_index("dp")]
         if cfg.batch % dp:
@@ -299,7 +313,22 @@ def _state(b, param, suffix, layout):
     return b.source(name, "param", param.type, layout, "optimizer")
 
 
-def _optimizer(b, param, g, cfg, spec):
+def training_options(b, grads, cfg, spec):
+    """Gradient clipping and the LR schedule's factor (issue 13: parcomp/passes/train_options.py).
+    Returns ``(grads, clipped if asked; the factor node lr_k / lr, or None)``."""
+    opts = cfg.options
+    if opts.clip_grad_norm is not None:
+        grads = clip_gradients(b, grads, opts.clip_grad_norm)
+    return grads, lr_factor(b, opts.schedule, cfg.h("lr"), lambda: _step_input(b, spec))
+
+
+def _step_input(b, spec):
+    """The step counter k = 1, 2, ... (an input the program's loop sets)."""
+    return "step" if "step" in b.types else _input(b, "step", TensorType((), "float32"),
+                                                   replicated(len(spec.mesh.axes)), "optimizer")
+
+
+def _optimizer(b, param, g, cfg, spec, factor=None):
     """The update of one parameter; returns its (public name, value) outputs."""
     b.prefix, b.phase = f"opt.{param.name}", "optimizer"
     p, st_lay = param.name, _state_layout(param, cfg, spec)
@@ -312,17 +341,16 @@ def _optimizer(b, param, g, cfg, spec):
             buf = _state(b, param, "momentum_buffer", st_lay)
             step = b.op("add", [b.op("scale", [buf], value=cfg.h("momentum")), g])
             out.append((buf, _pin(b, step, st_lay, f"momentum of {p}")))
-        new = b.op("sub", [p, b.op("scale", [step], value=cfg.h("lr"))])
+        new = b.op("sub", [p, b.op("scale", [scheduled_sgd_step(b, step, factor)], value=cfg.h("lr"))])
     else:
         b1, b2 = cfg.h("beta1"), cfg.h("beta2")
         m, v = _state(b, param, "exp_avg", st_lay), _state(b, param, "exp_avg_sq", st_lay)
         m_new = b.op("add", [b.op("scale", [m], value=b1), b.op("scale", [g], value=1 - b1)])
         v_new = b.op("add", [b.op("scale", [v], value=b2),
                              b.op("scale", [b.op("mul", [g, g])], value=1 - b2)])
-        t = "step" if "step" in b.types else _input(b, "step", TensorType((), "float32"),
-                                                     replicated(len(spec.mesh.axes)), "optimizer")
-        new = b.op("adamw_param", [p, m_new, v_new, t], lr=cfg.h("lr"), beta1=b1, beta2=b2,
-                   eps=cfg.h("eps"), weight_decay=cfg.h("weight_decay"))
+        new = b.op("adamw_param", [p, m_new, v_new, _step_input(b, spec)], lr=cfg.h("lr"), beta1=b1,
+                   beta2=b2, eps=cfg.h("eps"), weight_decay=cfg.h("weight_decay"))
+        new = scheduled_update(b, p, new, factor)
         out += [(m, _pin(b, m_new, st_lay, f"exp_avg of {p}")), (v, _pin(b, v_new, st_lay, f"exp_avg_sq of {p}"))]
     out.append((p, _pin(b, new, param.layout, f"updated {p}")))
     return out

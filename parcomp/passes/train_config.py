@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 
 from ..errors import ParcompError, SpecError, closest
+from .train_options import OPTION_KEYS, train_options
 
 LOSSES = ("mse", "cross_entropy", "output")
 OPTIMIZERS = {
@@ -62,6 +63,7 @@ class TrainConfig:
     input_grads: bool = True
     output: str | None = None
     loss_args: tuple = ()  # cross_entropy's ignore_index / label_smoothing (torch's defaults)
+    options: object = None  # training options (issue 13): parcomp/passes/train_options.py
 
     def h(self, key):
         return dict(self.hyper)[key]
@@ -78,7 +80,8 @@ def option_loc(loc, key: str):
 def train_config(spec) -> TrainConfig:
     """Read and check ``spec.train``. Raises SpecError at the train line."""
     t = spec.train
-    known = {"loss", "optimizer", "batch", "steps", "zero", "trainable", "input_grads", "output"}
+    known = {"loss", "optimizer", "batch", "steps", "zero", "trainable", "input_grads", "output",
+             *OPTION_KEYS}
     for k, _ in t.options:
         if k not in known:
             hint = closest(k, known)
@@ -115,8 +118,10 @@ def train_config(spec) -> TrainConfig:
     if output is not None and not isinstance(output, str):
         raise SpecError(f"output={output!r}: name a model output (quote a name with dots: "
                         f'output="a.b")', option_loc(t.loc, "output"))
+    options = train_options(t, hyper, _number, _check_range)  # issue 13
     return TrainConfig(loss, name, tuple(sorted(hyper.items())), batch, steps, zero,
-                       str(t.get("trainable", "**")), t.loc, input_grads == "yes", output, loss_args)
+                       str(t.get("trainable", "**")), t.loc, input_grads == "yes", output, loss_args,
+                       options)
 
 
 # reductions part (issue 17): loss=cross_entropy(ignore_index=-100, label_smoothing=0.0), torch's

@@ -135,6 +135,9 @@ from .numpy_attn import NUMPY_ATTN, source_array  # noqa: E402
 
 NUMPY_OPS.update(NUMPY_ATTN)
 # ---- end of the attention part ----
+from .train_ops import TRAIN_NUMPY_OPS  # noqa: E402  training options (issue 13)
+
+NUMPY_OPS.update(TRAIN_NUMPY_OPS)
 
 
 def run_unsharded(graph, feeds: dict) -> dict:

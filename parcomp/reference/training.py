@@ -11,6 +11,7 @@ import copy
 import numpy as np
 
 from .numpy_ops import run_unsharded
+from .torch_options import accumulate_backward, clip, make_scheduler
 
 
 def initial_state(graph, feeds: dict) -> dict:
@@ -32,8 +33,10 @@ def data_for(graph, seed=0) -> dict:
     if "labels" in graph:
         # the classes of the logits the labels index (cross_entropy or its decomposition's
         # pick); a padded vocab (mask_pad) draws only real classes
+        labels = {"labels"}  # and its microbatches (accumulate=K, issue 13: reshape/slice of it)
+        labels.update(n.name for n in graph.nodes if n.op in ("reshape", "slice") and n.inputs[0] in labels)
         classes = next(graph[n.inputs[0]].type.shape[-1] for n in graph.nodes
-                       if n.op in ("cross_entropy", "pick") and n.inputs[1] == "labels")
+                       if n.op in ("cross_entropy", "pick") and n.inputs[1] in labels)
         classes = min([classes] + [n.attr("size") for n in graph.nodes if n.op == "mask_pad"])
         out["labels"] = rng.integers(0, classes, graph["labels"].type.shape).astype("int64")
     return out
@@ -77,14 +80,16 @@ def numpy_train(graph, feeds: dict, steps: int) -> dict:
 
 
 def torch_train(module, example, input_names, data: dict, cfg, steps: int, output: int = 0,
-                start: dict | None = None, first: int = 1) -> dict:
+                start: dict | None = None, first: int = 1, micro: list | None = None) -> dict:
     """Train a copy of ``module`` with torch.optim for ``steps`` steps on the same batch.
 
     The parameters ``cfg.trainable`` matches that have ``requires_grad`` are
     trained; the loss is on the model's output number ``output`` (when it returns
     a tuple). ``start``: carried values to begin from (``{state_dict name: array}`` and
     optimizer state ``"<param>.exp_avg"`` etc., as :func:`train_steps` records them), the
-    first step being number ``first`` (AdamW's bias correction counts from it).
+    first step being number ``first`` (AdamW's bias correction counts from it). ``micro``:
+    with ``accumulate=K``, the K microbatches (dicts of inputs and ``target``/``labels``) each
+    step trains on instead of ``example`` (see :func:`.torch_options.accumulate_backward`).
 
     Returns ``{"losses": [...], "params": {name: array after the last update},
     "sources": {state_dict and buffer name: array after the last step},
@@ -112,6 +117,7 @@ def torch_train(module, example, input_names, data: dict, cfg, steps: int, outpu
                                 eps=h["eps"], weight_decay=h["weight_decay"])
     if start is not None:
         _load_start(m, opt, named, start, first, cfg.optimizer)
+    sched = make_scheduler(opt, cfg, first)  # training options (issue 13)
     names = _aliases(m)  # a tied weight (lm_head.weight is wte.weight) under export's name for it
     xs = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in example]
     losses, grads = [], {}
@@ -119,19 +125,25 @@ def torch_train(module, example, input_names, data: dict, cfg, steps: int, outpu
         opt.zero_grad(set_to_none=True)
         for x in xs:
             x.grad = None
-        y = m(*xs)
-        y = [o for o in torch.utils._pytree.tree_leaves(y) if o is not None][output]  # export's order
-        if cfg.loss == "mse":
-            loss = F.mse_loss(y, torch.from_numpy(data["target"]))
-        elif cfg.loss == "cross_entropy":
-            loss = F.cross_entropy(y.reshape(-1, y.shape[-1]), torch.from_numpy(data["labels"]).reshape(-1),
-                                   **dict(cfg.loss_args))
+        if micro is not None:  # issue 13: accumulate=K, one backward() per microbatch
+            loss = torch.tensor(accumulate_backward(m, micro, input_names, cfg, output))
         else:
-            loss = y
-        loss.backward()
+            y = m(*xs)
+            y = [o for o in torch.utils._pytree.tree_leaves(y) if o is not None][output]  # export's order
+            if cfg.loss == "mse":
+                loss = F.mse_loss(y, torch.from_numpy(data["target"]))
+            elif cfg.loss == "cross_entropy":
+                loss = F.cross_entropy(y.reshape(-1, y.shape[-1]),
+                                       torch.from_numpy(data["labels"]).reshape(-1), **dict(cfg.loss_args))
+            else:
+                loss = y
+            loss.backward()
+        clip([p for _, p in named], cfg)  # issue 13: p.grad is the clipped gradient, as torch has it
         losses.append(float(loss.detach()))
         grads = {names[id(p)]: p.grad.detach().numpy().copy() for _, p in named if p.grad is not None}
         opt.step()
+        if sched is not None:
+            sched.step()
     state = {f"{names[id(p)]}.{s}": v.detach().numpy().copy() for _, p in named
              for s, v in opt.state[p].items() if s != "step" and isinstance(v, torch.Tensor)}
     from ..frontends.torch_fold import folded_constants

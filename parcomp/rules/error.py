@@ -378,6 +378,9 @@ from .attention import ATTENTION_ERRORS, cat_err  # noqa: E402
 
 ERROR_RULES.update({"slice": _move, "slice_grad": _move, "cat": cat_err, **ATTENTION_ERRORS})
 # ---- end of the attention part ----
+from .clip_bounds import CLIP_ERROR_RULES  # noqa: E402  training options (issue 13)
+
+ERROR_RULES.update(CLIP_ERROR_RULES)
 
 GRAPH_RULES = {"adamw_param": adamw_joint}
 """op -> rule ``(node, graph, values, errors, u) -> err or None`` that may look at the

@@ -1,0 +1,242 @@
+"""Training options of the ``train`` line (issue 13): gradient clipping, LR schedules, accumulation.
+
+``clip_grad_norm=C``
+    torch.nn.utils.clip_grad_norm_(params, C) before the update: every gradient times
+    ``min(1, C / (||g|| + 1e-6))``, ``||g||`` the 2-norm over every element of every trained
+    parameter of the *unsharded* model. It is written on the global graph (squares, one sum
+    per parameter, their total, ``clip_coef``), so sharding rules decide what each rank sums:
+    a tp-split gradient's sum is a partial sum (all_reduced once), a replicated one is summed
+    by every rank and counted once (its total is masked to one rank before the partial add),
+    a ZeRO slice is a partial sum over dp. No element is counted twice by construction, and
+    the interpreter checks it against torch.
+``lr_schedule=constant | linear(...) | cosine(...)``
+    torch.optim.lr_scheduler's LinearLR, CosineAnnealingLR, and LinearLR warmup followed
+    by CosineAnnealingLR (SequentialLR), as closed forms of the step counter (the program's
+    ``step`` input, k = 1, 2, ...; the scheduler has stepped k - 1 times before step k).
+    The factor ``lr_k / lr`` is computed in the graph from ``step``, so every executor that
+    feeds ``step`` (interpreter, program.py, a resumed run) gets the schedule.
+``accumulate=K``
+    see :mod:`parcomp.passes.accumulate`.
+``recompute=selective``
+    a forward value made by a one-operand pointwise op (activation functions, dropout,
+    scale, ...) that backward reads is not kept: backward recomputes it from its operand
+    right where a gradient rule first needs it (:func:`recompute_view`). Those values die
+    after the forward pass, so the saved activations and the liveness peak of the report
+    drop (``memory_bytes_per_rank``); matmul outputs and inputs stay saved.
+
+Every value is checked when the spec is parsed (SpecError at the train line).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..errors import SpecError
+
+OPTION_KEYS = ("clip_grad_norm", "lr_schedule", "accumulate", "recompute")
+#: ``recompute=``: none, or selective (one-operand pointwise values recomputed in backward)
+RECOMPUTE_MODES = ("none", "selective")
+
+#: schedule -> {argument: (kind, default (None: required), (low, high or None, high allowed))}
+SCHEDULES = {
+    "constant": {},
+    "linear": {"start_factor": (float, 1 / 3, (0.0, 1.0, True)), "end_factor": (float, 1.0, (0.0, 1.0, True)),
+               "total_iters": (int, 5, (1, 1_000_000, True))},
+    "cosine": {"T_max": (int, None, (1, 1_000_000, True)), "eta_min": (float, 0.0, (0.0, None, False)),
+               "warmup": (int, 0, (0, 1_000_000, True)), "start_factor": (float, 1 / 3, (0.0, 1.0, True))},
+}
+#: most microbatches one step may accumulate (each is a copy of forward and backward)
+MAX_ACCUMULATE = 64
+#: torch.nn.utils.clip_grad_norm_'s guard against a zero norm
+CLIP_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """The issue-13 options of a train line.
+
+    Attributes:
+        clip_grad_norm: max 2-norm of all gradients together, or None (no clipping).
+        schedule: ``(name, ((arg, value), ...))`` with every argument (defaults filled).
+        accumulate: microbatches per step (1: none).
+        recompute: ``none`` | ``selective``.
+    """
+
+    clip_grad_norm: float | None = None
+    schedule: tuple = ("constant", ())
+    accumulate: int = 1
+    recompute: str = "none"
+
+    def schedule_args(self) -> dict:
+        return dict(self.schedule[1])
+
+
+def train_options(t, hyper: dict, number, check_range) -> TrainOptions:
+    """Read the options of :data:`OPTION_KEYS` from TrainSpec ``t``; ``hyper``: the
+    optimizer's checked hyperparameters; ``number``/``check_range``: train_config's checks.
+
+    Raises SpecError at the train line: a non-positive or non-finite ``clip_grad_norm``, an
+    unknown schedule or argument, a value out of torch's range, ``eta_min`` above ``lr``,
+    ``accumulate`` outside 1..:data:`MAX_ACCUMULATE`."""
+    clip = t.get("clip_grad_norm")
+    if clip is not None:
+        clip = number(clip, "clip_grad_norm", t.loc, float)
+        if not 0 < clip < 3.4e38:
+            raise SpecError(f"clip_grad_norm={clip!r} must be positive and below 3.4e38 (legal: "
+                            f"0 < x < 3.4e38); leave it out to train without clipping", t.loc)
+    acc = number(t.get("accumulate", 1), "accumulate", t.loc, int)
+    if not 1 <= acc <= MAX_ACCUMULATE:
+        raise SpecError(f"accumulate={acc} is out of range: 1 to {MAX_ACCUMULATE} microbatches per step",
+                        t.loc)
+    recompute = t.get("recompute", "none")
+    if recompute not in RECOMPUTE_MODES:
+        raise SpecError(f"recompute={recompute!r} is not supported; supported: {', '.join(RECOMPUTE_MODES)} "
+                        f"(full-layer recomputation is not built yet)", t.loc)
+    return TrainOptions(clip, _schedule(t, hyper, number, check_range), acc, recompute)
+
+
+def _schedule(t, hyper, number, check_range) -> tuple:
+    value = t.get("lr_schedule", "constant")
+    name, args = (value, ()) if isinstance(value, str) else value
+    if not isinstance(name, str) or name not in SCHEDULES:
+        raise SpecError(f"lr_schedule {name!r} is not supported; supported: {', '.join(SCHEDULES)}", t.loc)
+    table, out = SCHEDULES[name], {}
+    for k, v in args:
+        if k not in table:
+            raise SpecError(f"lr_schedule {name} has no argument {k!r}"
+                            + (f"; it takes {', '.join(table)}" if table else "; it takes none"), t.loc)
+        kind, _, bounds = table[k]
+        out[k] = number(v, f"{name}({k}=...)", t.loc, kind)
+        check_range(f"{name}({k}={v})", out[k], bounds, t.loc)
+    for k, (kind, default, _) in table.items():
+        if k not in out and default is None:
+            raise SpecError(f"lr_schedule {name} needs {k}= (e.g. {name}({k}=100))", t.loc)
+        out.setdefault(k, default)
+    for k in ("start_factor",):
+        if k in out and out[k] == 0:
+            raise SpecError(f"{name}({k}=0): torch's LinearLR needs 0 < start_factor <= 1", t.loc)
+    if name == "cosine" and out["eta_min"] > hyper["lr"]:
+        raise SpecError(f"cosine(eta_min={out['eta_min']:g}) is above the optimizer's lr={hyper['lr']:g}: "
+                        f"the schedule decays from lr down to eta_min", t.loc)
+    return name, tuple(sorted(out.items()))
+
+
+def lr_at(schedule: tuple, lr: float, k: int) -> float:
+    """The learning rate of step ``k`` (1-based) in float64, as torch.optim.lr_scheduler
+    gives it after k - 1 ``scheduler.step()`` calls (closed forms)."""
+    name, a = schedule[0], dict(schedule[1])
+    i = k - 1
+    if name == "constant":
+        return lr
+    if name == "linear":
+        s, e, n = a["start_factor"], a["end_factor"], a["total_iters"]
+        return lr * (s + (e - s) * min(i, n) / n)
+    w = a["warmup"]
+    if i < w:
+        return lr * (a["start_factor"] + (1 - a["start_factor"]) * i / w)
+    j = i - w
+    return a["eta_min"] + (lr - a["eta_min"]) * (1 + math.cos(math.pi * j / a["T_max"])) / 2
+
+
+# ---- lowering on the global graph (called by parcomp/passes/autodiff.py) ----
+
+def clip_gradients(b, grads: dict, max_norm: float) -> dict:
+    """``{param: gradient * clip_coef}``: torch.nn.utils.clip_grad_norm_ on the unsharded
+    gradients (global graph; sharding decides the partial sums and their one all_reduce)."""
+    b.prefix, b.phase = "opt.clip", "optimizer"
+    total = None
+    for p, g in grads.items():
+        sq = b.op("mul", [g, g], name=f"opt.{p}.grad_sq")
+        rank = b.type(g).rank
+        s = b.op("sum", [sq], dims=tuple(range(rank)), name=f"opt.{p}.grad_sq_sum") if rank else sq
+        total = s if total is None else b.op("add", [total, s], name="opt.clip.norm_sq")
+    coef = b.op("clip_coef", [total], max_norm=max_norm, name="opt.clip.coef")
+    return {p: b.op("mul", [g, coef], name=f"opt.{p}.clipped_grad") for p, g in grads.items()}
+
+
+def lr_factor(b, schedule: tuple, lr: float, step) -> str | None:
+    """The node holding ``lr_k / lr`` computed from the step counter (``step()`` returns the
+    0-d float32 input k = 1, 2, ...), or None for a constant schedule (or lr = 0: every
+    lr_k is 0 then)."""
+    name, a = schedule[0], dict(schedule[1])
+    if name == "constant" or lr == 0:
+        return None
+    b.prefix, b.phase = "opt.lr", "optimizer"
+    i = b.op("add_scalar", [step()], value=-1.0, name="opt.lr.epoch")  # scheduler steps taken
+    if name == "linear":
+        s, e, n = a["start_factor"], a["end_factor"], a["total_iters"]
+        return _ramp(b, i, n, s, e - s)
+    w, tmax = a["warmup"], a["T_max"]
+    j = b.op("relu", [b.op("add_scalar", [i], value=-float(w))], name="opt.lr.cos_epoch") if w else i
+    c = b.op("cos", [b.op("scale", [j], value=math.pi / tmax)])
+    e = a["eta_min"] / lr
+    f = b.op("add_scalar", [b.op("scale", [c], value=(1 - e) / 2)], value=e + (1 - e) / 2,
+             name="opt.lr.cosine")
+    if not w:
+        return f
+    return b.op("mul", [_ramp(b, i, w, a["start_factor"], 1 - a["start_factor"]), f], name="opt.lr.factor")
+
+
+def _ramp(b, i, n, start, rise):
+    """``start + rise * min(i, n) / n`` (LinearLR's factor), min written with relu:
+    ``n - relu(n - i)`` (exact for whole numbers below 2**24)."""
+    over = b.op("relu", [b.op("add_scalar", [b.op("neg", [i])], value=float(n))])
+    m = b.op("add_scalar", [b.op("neg", [over])], value=float(n), name="opt.lr.ramp_epoch")
+    return b.op("add_scalar", [b.op("scale", [m], value=rise / n)], value=start, name="opt.lr.ramp")
+
+
+def scheduled_sgd_step(b, step: str, f: str | None) -> str:
+    """SGD's step direction times the schedule's factor (``lr_k = lr f``), or unchanged."""
+    return step if f is None else b.op("mul", [step, f])
+
+
+def scheduled_update(b, p: str, new: str, f: str | None) -> str:
+    """``p - f (p - new)``: an update ``new`` made with the base lr, rescaled to ``lr_k = lr f``
+    (AdamW: decay and step are both proportional to lr)."""
+    if f is None:
+        return new
+    return b.op("sub", [p, b.op("mul", [b.op("sub", [p, new]), f])])
+
+
+# ---- recompute=selective ----
+
+def _recomputable():
+    from ..ir.ops import OPS, _same
+
+    return frozenset(op for op, d in OPS.items() if d.kind in ("nonlinear", "linear") and d.arity == 1
+                     and d.infer is _same and op not in ("clip_coef",))
+
+
+RECOMPUTE_OPS = _recomputable()
+
+
+def start_recompute(b, graph, opts) -> None:
+    """Arm Builder ``b`` for ``recompute=selective``: producers of its values (refreshed from
+    ``b.nodes`` when a name is new) and a cache of recomputed values (None for ``none``)."""
+    b.recompute = {"producers": {}, "done": {}} if opts.recompute == "selective" else None
+
+
+def recompute_view(b, n):
+    """``n`` as its gradient rule should read it: its operands and its own value replaced by
+    backward-phase recomputations where they are recomputable forward values (emitted into
+    ``b`` now, once each, operands first)."""
+    state = getattr(b, "recompute", None)
+    if state is None:
+        return n
+    from dataclasses import replace
+
+    def rc(v):
+        if v not in state["producers"]:
+            state["producers"] = {m.name: m for m in b.nodes}
+        node = state["producers"].get(v)
+        if node is None or node.op not in RECOMPUTE_OPS or node.phase != "forward":
+            return v
+        if v not in state["done"]:
+            ins = tuple(rc(i) for i in node.inputs)
+            name = b.names.fresh(f"rc.{v}")
+            b.nodes.append(replace(node, name=name, inputs=ins, phase="backward"))
+            b.types[name], b.phases[name] = node.type, "backward"
+            state["done"][v] = name
+        return state["done"][v]
+
+    return replace(n, name=rc(n.name), inputs=tuple(rc(i) for i in n.inputs))

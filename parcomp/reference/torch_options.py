@@ -1,0 +1,69 @@
+"""The torch side of the training options (issue 13), for :func:`parcomp.reference.training.torch_train`:
+torch.nn.utils.clip_grad_norm_ and torch.optim.lr_scheduler themselves, never parcomp's formulas."""
+from __future__ import annotations
+
+import warnings
+
+
+def make_scheduler(opt, cfg, first: int = 1):
+    """The torch.optim.lr_scheduler of ``cfg``'s ``lr_schedule`` on ``opt``, stepped ``first - 1``
+    times (step ``first`` of a run uses its lr), or None for ``constant``."""
+    import torch.optim.lr_scheduler as L
+
+    name, a = cfg.options.schedule[0], dict(cfg.options.schedule[1])
+    if name == "constant":
+        return None
+    if name == "linear":
+        sched = L.LinearLR(opt, a["start_factor"], a["end_factor"], a["total_iters"])
+    elif not a["warmup"]:
+        sched = L.CosineAnnealingLR(opt, a["T_max"], a["eta_min"])
+    else:
+        sched = L.SequentialLR(opt, [L.LinearLR(opt, a["start_factor"], 1.0, a["warmup"]),
+                                     L.CosineAnnealingLR(opt, a["T_max"], a["eta_min"])],
+                               milestones=[a["warmup"]])
+    with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": on purpose
+        warnings.simplefilter("ignore")
+        for _ in range(first - 1):
+            sched.step()
+    return sched
+
+
+def clip(params, cfg) -> None:
+    """torch.nn.utils.clip_grad_norm_ over ``params`` when ``cfg`` asks for clipping."""
+    import torch
+
+    if cfg.options.clip_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], cfg.options.clip_grad_norm)
+
+
+def accumulate_backward(m, micro: list, input_names, cfg, output: int) -> float:
+    """Forward and ``backward()`` of each microbatch of ``micro`` (K dicts {input, ``target`` or
+    ``labels``: array}) on torch module ``m``, autograd summing the gradients: loss_k is the
+    microbatch's loss *sum* over the global count (mse: every element of the K outputs,
+    cross_entropy: the counted labels of all K, loss=output: its mean over K). Returns the
+    loss of the global batch (the sum of the loss_k)."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    args = dict(cfg.loss_args)
+    if cfg.loss == "mse":
+        count = sum(mb["target"].size for mb in micro)
+    elif cfg.loss == "cross_entropy":
+        count = sum(int(np.sum(mb["labels"] != args.get("ignore_index", -100))) for mb in micro)
+    else:
+        count = len(micro)
+    total = 0.0
+    for mb in micro:
+        y = m(*[torch.from_numpy(np.asarray(mb[n])) for n in input_names])
+        y = [o for o in torch.utils._pytree.tree_leaves(y) if o is not None][output]
+        if cfg.loss == "mse":
+            loss = F.mse_loss(y, torch.from_numpy(mb["target"]), reduction="sum") / count
+        elif cfg.loss == "cross_entropy":
+            loss = F.cross_entropy(y.reshape(-1, y.shape[-1]), torch.from_numpy(mb["labels"]).reshape(-1),
+                                   reduction="sum", **args) / count
+        else:
+            loss = y / count
+        loss.backward()
+        total += float(loss.detach())
+    return total
