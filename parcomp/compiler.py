@@ -6,6 +6,7 @@ from typing import Callable
 
 from .ir.graph import Graph
 from .passes.manager import forward_pipeline, run_pipeline
+from .passes.pipeline_plan import attach_pipeline
 from .passes.topology import check_topology
 from .passes.verify import check_model_mesh
 from .program import Program, build_program
@@ -56,4 +57,6 @@ def compile_graph(graph: Graph, spec, after: Callable | None = None) -> Compiled
     prog = build_program(sharded, program, spec)
     report = build_report(prog, [n.name for n in graph.params])
     report["placement"] = placement
+    if "pp" in spec.mesh.names and spec.train is not None:
+        prog, report = attach_pipeline(graph, spec, prog, report)
     return Compiled(graph, logical, sharded, program, report, spec, prog)

@@ -122,6 +122,9 @@ class Program:
         provenance: ``{value: Provenance}`` for every node.
         collectives: the collectives and local layout changes, in program order.
         train: the loop facts of a training program, or None for a forward program.
+        pipeline: the :class:`parcomp.passes.pipeline_plan.PipelinePlan` of a training spec
+            with a ``pp`` mesh axis (stages, their programs, per-stage action lists, the
+            simulation), or None.
     """
 
     graph: Graph
@@ -131,6 +134,7 @@ class Program:
     provenance: dict
     collectives: tuple
     train: TrainLoop | None
+    pipeline: object = None
 
     @property
     def mesh(self):
