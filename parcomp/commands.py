@@ -95,6 +95,10 @@ def compile(args):  # noqa: A001 - the subcommand's name
             print(f"placement: {plural(place['nodes'], 'node')}; inside a node: "
                   f"{', '.join(place['intra_node_axes']) or '-'}; across nodes: "
                   f"{', '.join(place['cross_node_axes']) or '-'}")
+        if "pipeline" in compiled.report:
+            from .passes.pipeline_plan import format_pipeline
+
+            print(format_pipeline(compiled.report))
         print(f"wrote {args.out}/")
         print_kept(args.out, kept)
     return {"ok": True, "out": args.out, "collectives": _summary(recs), "kept": kept}

@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 from parcomp.errors import ParcompError, SpecError
 from parcomp.passes.autodiff import add_training_step
 from parcomp.passes.bind_layouts import bind_layouts
-from parcomp.passes.pipeline_plan import plan_pipeline
+from parcomp.passes.pipeline_plan import format_pipeline, plan_pipeline
 from parcomp.passes.placement import format_placement, placement_table
 from parcomp.passes.schedule import (Action, ScheduleError, analytic_bubble, rank_actions,
                                      schedule, simulate)
@@ -257,6 +257,9 @@ def test_pipeline_report_and_program_field():
     assert rep["bubble_analytic"] == pytest.approx(1 / 3)
     assert [s["peak_inflight_microbatches"] for s in rep["stages"]] == [2, 2]
     assert rep["actions"][1][0] == "recv_fwd m=0 <- 0"
+    text = format_pipeline(c.report)
+    assert "global batch 8 = microbatch 2 x 2 microbatches x dp 2" in text
+    assert "stage 1 dp groups: {1,3}" in text
 
 
 @st.composite
@@ -289,3 +292,31 @@ def test_a_model_with_fewer_modules_than_stages_is_an_error():
     g = mlp_graph((8,), [4, 4], [False], ["none"])
     with pytest.raises(ParcompError, match="1 module"):
         plan_pipeline(g, spec(f"mesh pp=2\n{TRAIN}\n"))
+
+
+def test_cli_compile_prints_the_pipeline_and_placement(tmp_path, capsys):
+    from parcomp.cli import main
+
+    from graphs import mlp_text
+
+    (tmp_path / "m.pcir").write_text(mlp_text((8,), [4, 8, 8, 4], [True] * 3, ["relu", "relu", "none"]))
+    (tmp_path / "s.pcs").write_text(f"mesh dp=2 pp=2\ntopology nodes=2 devices_per_node=2\n"
+                                    f"stage 0: l0\nstage 1: l1 l2\n{TRAIN} microbatches=2\n")
+    rc = main(["compile", str(tmp_path / "m.pcir"), "--spec", str(tmp_path / "s.pcs"),
+               "-o", str(tmp_path / "out")])
+    out = capsys.readouterr().out
+    assert rc == 0 and "pipeline: pp=2 schedule 1f1b" in out and "p2p pairs: 0->1 2->3" in out
+    assert "ACTIONS = {" in (tmp_path / "out" / "program.py").read_text()
+
+
+def test_cli_bad_stage_rule_exits_2_at_its_line(tmp_path, capsys):
+    from parcomp.cli import main
+
+    from graphs import mlp_text
+
+    (tmp_path / "m.pcir").write_text(mlp_text((8,), [4, 8, 4], [False] * 2, ["relu", "none"]))
+    (tmp_path / "s.pcs").write_text(f"mesh pp=2\nstage 0: l0\nstage 1: l1 l7\n{TRAIN}\n")
+    rc = main(["check", str(tmp_path / "m.pcir"), "--spec", str(tmp_path / "s.pcs")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "s.pcs:3:1" in err and "l7 matches no module" in err
+    assert "Traceback" not in err

@@ -19,7 +19,7 @@ from .stage_train import stage_programs
 from .train_config import train_config
 from .verify import verify
 
-__all__ = ["PipelinePlan", "plan_pipeline", "attach_pipeline"]
+__all__ = ["PipelinePlan", "plan_pipeline", "attach_pipeline", "format_pipeline"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -123,3 +123,19 @@ def attach_pipeline(graph: Graph, spec, program, report: dict) -> tuple:
     plan = plan_pipeline(graph, spec)
     return replace(program, pipeline=plan), {**report, "pipeline": plan.report(),
                                              "placement_table": placement_table(spec.mesh, spec.topology)}
+
+
+def format_pipeline(report: dict) -> str:
+    """The pipeline lines of ``parcomp compile``'s summary: schedule, batch, bubble, per-stage
+    stash, then the placement table (from ``report.json``'s ``pipeline`` and ``placement_table``)."""
+    from .placement import format_placement
+
+    p = report["pipeline"]
+    lines = [f"pipeline: pp={p['pp']} schedule {p['schedule']}, global batch {p['global_batch']} = "
+             f"microbatch {p['micro_batch']} x {p['microbatches']} microbatches x dp {p['dp']}; "
+             f"bubble {p['bubble_analytic']:.3f} analytic, {p['bubble_simulated']:.3f} simulated"]
+    for s in p["stages"]:
+        lines.append(f"  stage {s['stage']}: {len(s['params'])} params, sends {len(s['send'])} "
+                     f"value(s), peak {s['peak_inflight_microbatches']} microbatch(es) stashed "
+                     f"({s['peak_inflight_bytes']} bytes)")
+    return "\n".join(lines + [format_placement(report["placement_table"])])
