@@ -17,7 +17,7 @@ from parcomp.passes.schedule import (Action, ScheduleError, analytic_bubble, ran
 from parcomp.reference.numpy_ops import run_unsharded
 from parcomp.reference.pipeline import run_pipeline_step
 from parcomp.reference.training import data_for, initial_state
-from parcomp.tolerance import output_bounds
+from parcomp.tolerance import compare_all, output_bounds
 
 from graphs import mlp_graph, random_feeds, spec
 from numerics import assert_all_equivalent
@@ -33,15 +33,24 @@ def _models():
     return mod
 
 
-def chain_graph(blocks=4, batch=8):
-    """specs/models.py:mlp_chain with ``blocks`` blocks, traced at batch ``batch``."""
+def chain_graph(blocks=4, batch=8, hidden=4):
+    """specs/models.py:mlp_chain with ``blocks`` blocks of width ``hidden``, traced at batch
+    ``batch``. Width 4 keeps the worst-case error bound of 4 blocks' gradients below 1% of
+    their values (it grows with width and depth: at width 32 it exceeds them), so a wrong
+    gradient scale fails the comparison (:func:`assert_detects_a_wrong_scale`)."""
     import torch
 
     from parcomp.frontends.torch_export import import_torch
 
-    module, _, names = _models().mlp_chain(blocks=blocks)
+    module, _, names = _models().mlp_chain(blocks=blocks, hidden=hidden)
     torch.manual_seed(1)
-    return import_torch(module, (torch.randn(batch, 8, 32),), names)
+    return import_torch(module, (torch.randn(batch, 8, hidden),), names)
+
+
+def assert_detects_a_wrong_scale(got, want, bounds):
+    """The comparison has power: gradients off by the dp factor (2) fail it."""
+    wrong = {k: v * 2 if k.endswith(".grad") else v for k, v in got.items()}
+    assert not compare_all(wrong, want, bounds)["ok"]
 
 
 def reference(g, train=TRAIN, seed=0):
@@ -49,7 +58,8 @@ def reference(g, train=TRAIN, seed=0):
     pipe = ("microbatches=", "schedule=", "stages=")
     s = spec("mesh tp=1\n" + " ".join(w for w in train.split() if not w.startswith(pipe)) + "\n")
     ref = add_training_step(bind_layouts(g, s), s)
-    feeds = {k: v for k, v in random_feeds(ref, seed).items() if ref[k].phase != "optimizer"}
+    feeds = {k: v for k, v in random_feeds(ref, seed, scale=0.15).items()  # O(1) activations
+             if ref[k].phase != "optimizer"}
     feeds = initial_state(ref, {**feeds, **data_for(ref, seed)})  # zero optimizer state
     if "step" in ref:
         feeds["step"] = np.array(1.0, "float32")
@@ -195,6 +205,7 @@ def test_pp2_step_on_a_4_block_chain_equals_the_unsharded_step(name, head):
     g = chain_graph(blocks=4)
     got, want, bounds, _ = pipelined(g, head, f"{TRAIN} microbatches=2 schedule={name}")
     assert_all_equivalent(got, want, bounds)  # loss, every grad, param and momentum
+    assert_detects_a_wrong_scale(got, want, bounds)
 
 
 def test_schedules_give_the_same_numbers():

@@ -11,7 +11,7 @@ from parcomp_backends.torch.launch import run_torchrun  # noqa: E402
 
 from graphs import spec  # noqa: E402
 from numerics import assert_all_equivalent  # noqa: E402
-from test_pipeline import TRAIN, chain_graph, reference  # noqa: E402
+from test_pipeline import TRAIN, assert_detects_a_wrong_scale, chain_graph, reference  # noqa: E402
 
 
 def _run(tmp_path, g, head, nproc, name):
@@ -30,6 +30,7 @@ def _run(tmp_path, g, head, nproc, name):
     for s in range(2):
         got.update({k: v.numpy() for k, v in torch.load(str(d / f"out.pt.stage{s}")).items()})
     assert_all_equivalent(got, want, bounds)
+    assert_detects_a_wrong_scale(got, want, bounds)
     return got
 
 
