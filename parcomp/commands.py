@@ -236,10 +236,19 @@ def _check_training(args, compiled, module, example, steps):
     if ls["vs_torch"] is not None:
         result["vs_torch"] = ls["vs_torch"]
         result["ok"] = result["ok"] and ls["vs_torch"]["ok"]
+    if compiled.program_.pipeline is not None:  # the pipelined step too (parcomp/reference/pipeline.py)
+        from .reference.pipeline import check_pipeline_step
+
+        result["pipeline"] = check_pipeline_step(compiled, feeds)
+        result["ok"] = result["ok"] and result["pipeline"]["ok"]
     result["verdict"] = verdict(result, result.get("vs_torch"))
     if not args.json:
         print(format_collectives(compiled.report["collectives"]))
         print(format_memory(compiled.report))
+        if "pipeline" in result:
+            r = result["pipeline"]
+            print(f"pipelined step on the numpy interpreter vs unsharded step: error/tolerance "
+                  f"{r['err_over_tol']:.2g} {'OK' if r['ok'] else 'MISMATCH: ' + r['why']}")
         _print_training(result, f"numpy interpreter, {plural(steps, 'step')}, each from the "
                         f"unsharded run's state", "vs unsharded step")
     return {**result, "collectives": _summary(compiled.report["collectives"]),

@@ -331,3 +331,16 @@ def test_cli_bad_stage_rule_exits_2_at_its_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and "s.pcs:3:1" in err and "l7 matches no module" in err
     assert "Traceback" not in err
+
+
+def test_cli_check_runs_the_pipelined_step(tmp_path, capsys):
+    from parcomp.cli import main
+
+    from graphs import mlp_text
+
+    (tmp_path / "m.pcir").write_text(mlp_text((8,), [4, 8, 8, 4], [True] * 3, ["relu", "tanh", "none"]))
+    (tmp_path / "s.pcs").write_text(f"mesh dp=2 pp=2\n{TRAIN} microbatches=2 schedule=gpipe\n")
+    rc = main(["check", str(tmp_path / "m.pcir"), "--spec", str(tmp_path / "s.pcs")])
+    out = capsys.readouterr().out
+    assert rc == 0 and "pipelined step on the numpy interpreter vs unsharded step" in out
+    assert "OK" in out.split("pipelined step")[1].split("\n")[0]

@@ -82,3 +82,20 @@ def _replica(plan, feeds, pieces, d, sums, losses) -> None:
                 acc[grad_name(p)] = g.copy() if grad_name(p) not in acc else acc[grad_name(p)] + g
             stash[s][("bwd", m)] = {grad_name(v): out[grad_name(v)] for v in st.recv
                                     if grad_name(v) in out}
+
+
+def check_pipeline_step(compiled, feeds: dict) -> dict:
+    """One pipelined step of ``compiled.program_.pipeline`` on the interpreter against the
+    unsharded step (``compiled.logical``) from the same state (optimizer state zeros, AdamW
+    step 1): ``parcomp.tolerance.compare_all``'s result over the pipeline's outputs (input
+    gradients are not pipeline outputs)."""
+    from ..tolerance import compare_all, output_bounds
+    from .training import initial_state
+
+    logical = compiled.logical
+    state = initial_state(logical, feeds)
+    if "step" in logical:
+        state["step"] = np.array(1.0, "float32")
+    got = run_pipeline_step(compiled.program_.pipeline, state)
+    want = run_unsharded(logical, state)
+    return compare_all(got, want, output_bounds(logical, state), sorted(got))
