@@ -344,3 +344,31 @@ def test_cli_check_runs_the_pipelined_step(tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 0 and "pipelined step on the numpy interpreter vs unsharded step" in out
     assert "OK" in out.split("pipelined step")[1].split("\n")[0]
+
+
+def test_cli_run_of_a_pipeline_says_it_is_not_launched_yet(tmp_path, capsys):
+    from parcomp.cli import main
+
+    from graphs import mlp_text
+
+    (tmp_path / "m.pcir").write_text(mlp_text((8,), [4, 8, 4], [False] * 2, ["relu", "none"]))
+    (tmp_path / "s.pcs").write_text(f"mesh pp=2\n{TRAIN}\n")
+    rc = main(["run", str(tmp_path / "m.pcir"), "--spec", str(tmp_path / "s.pcs"), "--nproc", "2"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "does not launch pipelined" in err and "Traceback" not in err
+
+
+def test_shipped_dp2_pp2_tp2_spec_plans_the_8_device_example():
+    from parcomp.frontends.loader import load_model
+    from parcomp.spec import load_spec
+
+    s = load_spec(str(ROOT / "specs" / "mlp_chain_dp2_pp2_tp2_train.pcs"))
+    g, _, _ = load_model(str(ROOT / "specs" / "models.py") + ":mlp_chain")
+    plan = plan_pipeline(g, s)
+    assert plan.batch == 2 and plan.dp == 2 and plan.micro_batch == 1
+    assert plan.stage_of["71.weight"] == 0 and plan.stage_of["72.weight"] == 1
+    t = placement_table(s.mesh, s.topology)
+    assert t["stage_groups"]["tp"] == {0: [[0, 1], [4, 5]], 1: [[2, 3], [6, 7]]}
+    assert t["groups"]["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert [str(a) for a in plan.rank_actions(s.mesh, 5)] == [
+        "forward m=0", "send_fwd m=0 -> 7", "recv_bwd m=0 <- 7", "backward m=0", "optimizer"]
