@@ -17,12 +17,12 @@ unsharded step uses.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 from ..errors import SpecError
 from ..ir.graph import Graph
-from ..ir.types import Mesh
+from ..ir.types import Mesh, TensorType
 from ..spec.model import pattern_regex
 from .autodiff import Builder, _optimizer, backward
 
@@ -135,8 +135,7 @@ def _dedupe(nodes) -> list:
 
 
 def _as_input(node):
-    from dataclasses import replace
-
+    """A stashed value as an ``input`` of the backward program (same name and type)."""
     return replace(node, op="input", inputs=(), attrs=(), phase="backward")
 
 
@@ -158,8 +157,6 @@ def _stage_loss(b, g, cfg) -> str:
         per = b.op("pow", [b.op("sub", [y, target])], exponent=2.0)
         count = ty.numel
     else:
-        from ..ir.types import TensorType
-
         labels = b.source("labels", "input", TensorType(ty.shape[:-1], "int64"), None, "loss")
         per, count = b.op("cross_entropy", [y, labels]), ty.numel // ty.shape[-1]
     total = b.op("sum", [per], dims=tuple(range(b.type(per).rank)))
