@@ -46,7 +46,10 @@ def test_dp2_pp2_on_four_gloo_ranks_equals_the_unsharded_step(tmp_path):
 
 
 def test_tp_inside_a_stage_is_not_emitted_yet():
+    from parcomp_backends.torch.pipeline_emit import emit_pipeline_program
+
     g = chain_graph(blocks=4)
     c = compile_graph(g, spec(f"mesh pp=2 tp=2\n{TRAIN} microbatches=2\n"))
     with pytest.raises(EmitError, match="mesh axis tp > 1"):
-        emit_program(c)
+        emit_pipeline_program(c.program_)
+    assert "ACTIONS = {" not in emit_program(c)  # the SPMD program, pp replicated

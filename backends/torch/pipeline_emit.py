@@ -19,7 +19,7 @@ from parcomp.passes.placement import format_placement, placement_table
 
 from .emit import EmitError, _code
 
-__all__ = ["emit_pipeline_program"]
+__all__ = ["emit_pipeline_program", "pipeline_emittable"]
 
 _MAIN = '''
 def coords(rank):
@@ -150,6 +150,13 @@ def _specs(stage, values) -> list:
     g = stage.forward
     types = {n.name: n.type for n in g.nodes}
     return [(v, tuple(types[v].shape), types[v].dtype) for v in values]
+
+
+def pipeline_emittable(program) -> bool:
+    """Whether this module can print ``program``'s pipeline: no mesh axis but ``pp`` and ``dp``
+    is larger than 1 (sharding inside a stage is not emitted yet; :func:`.emit.emit_program`
+    then prints the SPMD program, every pp rank computing the whole model)."""
+    return all(a in ("pp", "dp") or n == 1 for a, n in program.mesh.axes)
 
 
 def emit_pipeline_program(program, model: str | None = None) -> str:
