@@ -19,6 +19,7 @@ from .errors import ParcompError
 from .ir.graph import PHASES, Graph
 from .ir.ops import COLLECTIVES
 from .ir.types import layout_str
+from .passes.placement import format_placement, placement_table
 from .passes.topology import axis_groups, group_ranks
 from .passes.train_config import MAX_STEPS, train_config
 from .redistribute import Step, step_bytes
@@ -26,7 +27,8 @@ from .reference.interpreter import assemble
 from .report import plural
 
 __all__ = ["Program", "Collective", "Provenance", "TrainLoop", "build_program", "PHASES",
-           "ParcompError", "MAX_STEPS", "axis_groups", "group_ranks", "assemble", "plural"]
+           "ParcompError", "MAX_STEPS", "axis_groups", "group_ranks", "assemble", "plural",
+           "placement_table", "format_placement"]
 
 
 @dataclass(frozen=True)

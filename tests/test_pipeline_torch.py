@@ -6,7 +6,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from parcomp.compiler import compile_graph  # noqa: E402
-from parcomp_backends.torch.emit import EmitError, emit_program  # noqa: E402
+from parcomp_backends.torch.emit import emit_program  # noqa: E402
 from parcomp_backends.torch.launch import run_torchrun  # noqa: E402
 
 from graphs import spec  # noqa: E402
@@ -46,10 +46,10 @@ def test_dp2_pp2_on_four_gloo_ranks_equals_the_unsharded_step(tmp_path):
 
 
 def test_tp_inside_a_stage_is_not_emitted_yet():
-    from parcomp_backends.torch.pipeline_emit import emit_pipeline_program
+    from parcomp_backends.torch.pipeline_emit import PipelineEmitError, emit_pipeline_program
 
     g = chain_graph(blocks=4)
     c = compile_graph(g, spec(f"mesh pp=2 tp=2\n{TRAIN} microbatches=2\n"))
-    with pytest.raises(EmitError, match="mesh axis tp > 1"):
-        emit_pipeline_program(c.program_)
+    with pytest.raises(PipelineEmitError, match="mesh axis tp > 1"):
+        emit_pipeline_program(c.program_, None, None)
     assert "ACTIONS = {" not in emit_program(c)  # the SPMD program, pp replicated

@@ -154,7 +154,7 @@ def emit_program(compiled, profile="cpu", model: str | None = None, steps: int |
         from .pipeline_emit import emit_pipeline_program, pipeline_emittable
 
         if pipeline_emittable(prog):  # else (tp inside a stage) the SPMD program, pp replicated
-            return emit_pipeline_program(prog, model)
+            return emit_pipeline_program(prog, model, _code)
     program, train = prog.graph, prog.train
     if train is not None and steps:
         train = replace(train, steps=int(steps))

@@ -15,11 +15,13 @@ from __future__ import annotations
 import json
 import re
 
-from parcomp.passes.placement import format_placement, placement_table
+from parcomp.program import ParcompError, format_placement, placement_table
 
-from .emit import EmitError, _code
+__all__ = ["emit_pipeline_program", "pipeline_emittable", "PipelineEmitError"]
 
-__all__ = ["emit_pipeline_program", "pipeline_emittable"]
+
+class PipelineEmitError(ParcompError):
+    """The pipeline cannot be printed (a mesh axis this module does not emit inside a stage)."""
 
 _MAIN = '''
 def coords(rank):
@@ -129,8 +131,9 @@ def _ident(name: str, taken: set) -> str:
     return out
 
 
-def _function(fn: str, graph, doc: str) -> str:
-    """A function computing ``graph``: params from ``p``, inputs from ``inp``, one line per node."""
+def _function(fn: str, graph, doc: str, code) -> str:
+    """A function computing ``graph``: params from ``p``, inputs from ``inp``, one line per node
+    (``code(node, operand variables)``: :func:`.emit._code`, the torch op table)."""
     taken = {"p", "inp", "torch", "dist"}
     names = {n.name: _ident(n.name, taken) for n in graph.nodes}
     lines = [f"def {fn}(p, inp):", f'    """{doc}"""']
@@ -140,7 +143,7 @@ def _function(fn: str, graph, doc: str) -> str:
             src = "p" if n.op == "param" else "inp"
             lines.append(f"    {var} = {src}[{json.dumps(n.name)}]  # {n.type}")
         else:
-            lines.append(f"    {var} = {_code(n, [names[i] for i in n.inputs])}  # {n.type}")
+            lines.append(f"    {var} = {code(n, [names[i] for i in n.inputs])}  # {n.type}")
     ret = ", ".join(f"{json.dumps(pub)}: {names[v]}" for pub, v in graph.named_outputs())
     lines.append(f"    return {{{ret}}}")
     return "\n".join(lines)
@@ -159,18 +162,19 @@ def pipeline_emittable(program) -> bool:
     return all(a in ("pp", "dp") or n == 1 for a, n in program.mesh.axes)
 
 
-def emit_pipeline_program(program, model: str | None = None) -> str:
+def emit_pipeline_program(program, model, code) -> str:
     """The text of ``program.py`` for a :class:`parcomp.program.Program` whose ``pipeline``
-    is set.
+    is set; ``model``: what it was imported from (for the docstring) or None; ``code``: the op
+    printer, :func:`.emit._code` (emit.py passes it, so this module does not import emit.py).
 
     Raises:
-        EmitError: a ``tp`` axis larger than 1 (sharding inside a stage is not emitted
-            yet), or an op without a torch mapping.
+        PipelineEmitError: a ``tp`` axis larger than 1 (sharding inside a stage is not
+            emitted yet). EmitError: an op without a torch mapping.
     """
     plan, mesh = program.pipeline, program.mesh
     extra = [a for a, n in mesh.axes if a not in ("pp", "dp") and n > 1]
     if extra:
-        raise EmitError(f"the torch backend does not emit a pipeline with mesh axis "
+        raise PipelineEmitError(f"the torch backend does not emit a pipeline with mesh axis "
                         f"{extra[0]} > 1 yet (sharding inside a stage); the numpy interpreter "
                         f"runs it: parcomp check")
     table = placement_table(mesh)
@@ -212,9 +216,11 @@ def emit_pipeline_program(program, model: str | None = None) -> str:
     fns = []
     for st in plan.stages:
         s = st.index
-        fns += [_function(f"stage{s}_forward", st.forward, f"Stage {s}: forward of one microbatch."),
-                _function(f"stage{s}_backward", st.backward, f"Stage {s}: backward of one microbatch."),
-                _function(f"stage{s}_optimizer", st.optimizer, f"Stage {s}: the update.")]
+        fns += [_function(f"stage{s}_forward", st.forward, f"Stage {s}: forward of one microbatch.",
+                          code),
+                _function(f"stage{s}_backward", st.backward, f"Stage {s}: backward of one microbatch.",
+                          code),
+                _function(f"stage{s}_optimizer", st.optimizer, f"Stage {s}: the update.", code)]
     n = len(plan.stages)
     fns += [f"FORWARD = {{{', '.join(f'{s}: stage{s}_forward' for s in range(n))}}}",
             f"BACKWARD = {{{', '.join(f'{s}: stage{s}_backward' for s in range(n))}}}",
