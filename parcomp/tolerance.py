@@ -28,7 +28,11 @@ import numpy as np
 from .reference.numpy_attn import source_array
 from .reference.numpy_ops import NUMPY_OPS
 from .reference.training import initial_state
-from .rules.error import ERROR_RULES, GRAPH_RULES, gamma, unit_roundoff
+from .rules.error import ERROR_RULES, GRAPH_RULES as _OP_GRAPH_RULES, gamma, unit_roundoff
+from .rules.softmax_bounds import SOFTMAX_GRAPH_RULES
+
+# joint rules: AdamW (rules/error.py) and the decomposed softmax family (rules/softmax_bounds.py)
+GRAPH_RULES = {**_OP_GRAPH_RULES, **SOFTMAX_GRAPH_RULES}
 
 SAFETY = 2.0
 

@@ -382,8 +382,3 @@ ERROR_RULES.update({"slice": _move, "slice_grad": _move, "cat": cat_err, **ATTEN
 GRAPH_RULES = {"adamw_param": adamw_joint}
 """op -> rule ``(node, graph, values, errors, u) -> err or None`` that may look at the
 operands' producers (None: use :data:`ERROR_RULES`); applied on global graphs."""
-
-# the decomposed softmax family (parcomp/passes/decompose.py): joint bounds, see softmax_bounds.py
-from .softmax_bounds import SOFTMAX_GRAPH_RULES  # noqa: E402 - needs gamma from above
-
-GRAPH_RULES.update(SOFTMAX_GRAPH_RULES)
