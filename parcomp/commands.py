@@ -363,8 +363,14 @@ def _launch(compiled, work, feeds, nproc, extra, module=None):
     data = {n.name: feeds[n.name] for n in compiled.program.inputs if n.name in feeds}
     write_inputs(data, os.path.join(work, "inputs.pt"))
     out_path = os.path.join(work, "outputs.pt")
-    proc = run_torchrun(work, nproc, ckpt, os.path.join(work, "inputs.pt"),
-                        out_path, extra_args=("--device", "cpu", *extra))
+    for attempt in (1, 2):  # exit 2: program.py's own located error; other codes may be the
+        # launcher's (a free port taken before torchrun bound it): one retry on a new port
+        proc = run_torchrun(work, nproc, ckpt, os.path.join(work, "inputs.pt"),
+                            out_path, extra_args=("--device", "cpu", *extra))
+        if proc.returncode in (0, 2) or attempt == 2:
+            break
+        print(f"parcomp run: torchrun exited {proc.returncode}; retrying once on a new port",
+              file=sys.stderr, flush=True)
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
         raise ParcompError(f"the program failed on {plural(nproc, 'rank')} (exit {proc.returncode}); "
