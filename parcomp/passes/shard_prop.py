@@ -87,7 +87,7 @@ class _Problem:
         self.g, self.mesh = graph, graph.mesh
         self.users = graph.users()
         self.options = {}  # name -> [(compute cost, ins, out)]
-        self._canon, self._costs, self._computes = {}, {}, {}
+        self._canon, self._costs, self._computes, self._types, self._reads = {}, {}, {}, {}, {}
         same = {}  # nodes alike in op, attrs, types and pin have the same options
         for n in graph.nodes:
             if n.op in ("input", "param"):
@@ -116,7 +116,10 @@ class _Problem:
     def plan_cost(self, src, tgt, ty) -> float:
         """:func:`parcomp.redistribute.plan_cost` on this mesh, cached by object identity
         (layouts are interned; types and fixed layouts live as long as the graph)."""
-        key = (id(src), id(tgt), id(ty))
+        tid = self._types.get(id(ty))
+        if tid is None:  # equal types share their costs
+            tid = self._types[id(ty)] = id(self._canon.setdefault(ty, ty))
+        key = (id(src), id(tgt), tid)
         cost = self._costs.get(key)
         if cost is None:
             cost = self._costs[key] = plan_cost(src, tgt, ty, self.mesh)
@@ -127,10 +130,18 @@ class _Problem:
 
     def value_cost(self, sol, name) -> float:
         """Redistributions of ``name`` to the distinct layouts its consumers want."""
-        want = {id(lay): lay for u in self.users[name] for k, i in enumerate(self.g[u].inputs)
-                if i == name for lay in (sol[u][0][k],)}
+        reads = self._reads.get(name)
+        if reads is None:  # (consumer, operand position) of every read of name
+            reads = self._reads[name] = [(u, k) for u in dict.fromkeys(self.users[name])
+                                         for k, i in enumerate(self.g[u].inputs) if i == name]
         src, ty = self.layout(sol, name), self.g[name].type
-        return sum(self.plan_cost(src, lay, ty) for lay in want.values())
+        seen, total = set(), 0.0
+        for u, k in reads:
+            lay = sol[u][0][k]
+            if id(lay) not in seen:  # layouts are interned: one object per distinct layout
+                seen.add(id(lay))
+                total += self.plan_cost(src, lay, ty)
+        return total
 
     def total(self, sol) -> float:
         """Exact cost (seconds) of a solution: compute plus each distinct conversion once."""
@@ -149,14 +160,14 @@ class _Problem:
 
     def dp_solution(self) -> dict:
         """Forward DP over ``best[v][layout]``, then a reverse pass fixing each strategy."""
-        best = {}
+        best, memo = {}, {}
         for n in self.g.nodes:
             if n.name not in self.options:
                 best[n.name] = {n.layout: 0.0}
                 continue
             table = {}
             for c, ins, out in self.options[n.name]:
-                cost = c + sum(self._cost_to(best, i, lay) for i, lay in zip(n.inputs, ins))
+                cost = c + sum(self._cost_to(best, i, lay, memo) for i, lay in zip(n.inputs, ins))
                 if out not in table or cost < table[out] - _TOL:
                     table[out] = cost
             best[n.name] = table
@@ -166,7 +177,7 @@ class _Problem:
                 continue
             pick, pick_cost = None, None
             for c, ins, out in self.options[n.name]:
-                total = c + sum(self._cost_to(best, i, lay) for i, lay in zip(n.inputs, ins))
+                total = c + sum(self._cost_to(best, i, lay, memo) for i, lay in zip(n.inputs, ins))
                 total += sum(self.plan_cost(out, lay, n.type) for lay in required[n.name])
                 if pick is None or total < pick_cost - _TOL:
                     pick, pick_cost = (ins, out), total
@@ -175,13 +186,17 @@ class _Problem:
                 required[i].append(lay)
         return sol
 
-    def _cost_to(self, best, name, layout) -> float:
+    def _cost_to(self, best, name, layout, memo) -> float:
         """Cost of having ``name`` in ``layout``.  A value with several consumers
         charges each only what its layout choice adds over its cheapest layout:
-        the shared upstream work is paid once, not once per consumer."""
-        ty, table = self.g[name].type, best[name]
-        base = min(table.values()) if len(self.users[name]) > 1 else 0.0
-        return min(c - base + self.plan_cost(o, layout, ty) for o, c in table.items())
+        the shared upstream work is paid once, not once per consumer.  ``memo``
+        keeps each answer (``best[name]`` is final once ``name``'s consumers ask)."""
+        key = (name, id(layout))
+        if key not in memo:
+            ty, table = self.g[name].type, best[name]
+            base = min(table.values()) if len(self.users[name]) > 1 else 0.0
+            memo[key] = min(c - base + self.plan_cost(o, layout, ty) for o, c in table.items())
+        return memo[key]
 
     def greedy_solution(self) -> dict:
         """DTensor-style propagation: each op takes the cheapest strategy given its inputs."""
@@ -225,8 +240,8 @@ class _Problem:
             sol[n.name] = (ins, out)
             for i in feeders:
                 want = ins[n.inputs.index(i)]
-                fits = [(c, i_ins, o) for c, i_ins, o in self.options[i] if o == want]
-                if fits and sol[i][1] != want:
+                fits = [(c, i_ins, o) for c, i_ins, o in self.options[i] if o is want]  # interned
+                if fits and sol[i][1] is not want:
                     sol[i] = min(fits, key=lambda f: self._feeder_cost(sol, i, f))[1:]
             cost = local()
             if cost < best_cost - 1e-13:
