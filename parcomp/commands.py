@@ -317,10 +317,11 @@ def run(args):
     from parcomp_backends.torch.launch import assemble_outputs, run_torchrun, write_inputs
 
     compiled, module, example = _compile(args, numeric="run")
-    if compiled.program_.pipeline is not None:
-        raise ParcompError("parcomp run does not launch pipelined (pp) programs yet: 'parcomp check' "
-                           "runs the pipelined step on the numpy interpreter, and 'parcomp compile' "
-                           "writes program.py for torchrun", where="--spec")
+    if compiled.program_.pipeline is not None:  # one pipelined step (parcomp/pipeline_run.py)
+        from .pipeline_run import run_pipeline
+
+        return run_pipeline(args, compiled, _train_feeds(compiled, module, example, 0),
+                            lambda work: _write_work(args, work, compiled))
     if args.nproc == compiled.program.mesh.size:  # else the --nproc error below comes first
         check_memory(compiled, "run")
     if compiled.report.get("training"):

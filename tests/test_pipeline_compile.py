@@ -50,6 +50,9 @@ def test_a_problem_over_the_solver_size_keeps_the_heuristic_plan(monkeypatch):
     big = compile_graph(g, s)
     assert not calls and big.sharded.search["search"] == "heuristic"
     assert not big.sharded.search["proven_optimal"]
+    from parcomp.report import format_search
+
+    assert "too many for the integer program" in format_search(big.report["search"])
     assert big.sharded.search["cost_s"] >= exact.sharded.search["cost_s"] - 1e-15
 
 
@@ -59,3 +62,22 @@ def test_too_large_counts_every_strategy():
     count = sum(len(o) for o in prob.options.values())
     assert layout_ilp.too_large(prob) == (count > layout_ilp.MAX_STRATEGIES)
     assert 100 < count < layout_ilp.MAX_STRATEGIES  # this graph is under the bound, a 48-block chain over
+
+
+def test_pipeline_report_has_per_stage_memory_and_one_microbatch_latency():
+    from parcomp.passes.pipeline_plan import format_pipeline
+
+    g = mlp_graph((8,), (4, 8, 8, 4), (True, True, True), ("relu", "relu"))
+    c = compile_graph(g, spec("mesh dp=2 pp=2\ntrain optimizer=sgd(lr=0.1, momentum=0.9) input_grads=no "
+                              "microbatches=2\n"))
+    rep = c.report["pipeline"]
+    total = sum(n.type.nbytes for n in g.params)  # (4*8+8 + 8*8+8 + 8*4+4) floats
+    assert total == 592
+    assert sum(s["weight_bytes"] for s in rep["stages"]) == total
+    assert sum(s["grad_bytes"] for s in rep["stages"]) == total
+    assert sum(s["optimizer_state_bytes"] for s in rep["stages"]) == total  # one momentum buffer each
+    assert all(s["weight_bytes"] > 0 for s in rep["stages"])
+    flops = c.program_.pipeline.stage_flops
+    assert rep["latency_one_microbatch"] == pytest.approx(sum(flops) / max(flops))
+    assert 1 < rep["latency_one_microbatch"] <= 2
+    assert "one microbatch's latency" in format_pipeline(c.report)

@@ -53,3 +53,19 @@ def test_tp_inside_a_stage_is_not_emitted_yet():
     with pytest.raises(PipelineEmitError, match="mesh axis tp > 1"):
         emit_pipeline_program(c.program_, None, None)
     assert "ACTIONS = {" not in emit_program(c)  # the SPMD program, pp replicated
+
+
+def test_cli_run_launches_the_pipelined_step(tmp_path, capsys):
+    from parcomp.cli import main
+
+    from graphs import mlp_text
+
+    (tmp_path / "m.pcir").write_text(mlp_text((8,), [4, 8, 8, 4], [True] * 3, ["relu", "tanh", "none"]))
+    (tmp_path / "s.pcs").write_text(f"mesh pp=2\n{TRAIN} microbatches=2 schedule=1f1b\n")
+    rc = main(["run", str(tmp_path / "m.pcir"), "--spec", str(tmp_path / "s.pcs"), "--nproc", "2",
+               "--keep", str(tmp_path / "work")])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    line = next(x for x in out.splitlines() if "one pipelined step" in x)
+    assert "2 gloo ranks" in line and "1f1b" in line and line.endswith("OK")
+    assert "ACTIONS = {" in (tmp_path / "work" / "program.py").read_text()

@@ -58,6 +58,12 @@ class PipelinePlan:
         """The action list of global ``rank`` (peers as global ranks)."""
         return rank_actions(mesh, self.actions, rank)
 
+    def latency(self) -> float:
+        """One microbatch's forward through every stage, in the simulation's time unit (the
+        largest stage's forward): the sum of the stages' times; pp does not shorten it."""
+        top = max(self.stage_flops) or 1
+        return sum(f / top for f in self.stage_flops)
+
     def report(self) -> dict:
         """The ``report.json`` record of the pipeline."""
         sim = self.simulation
@@ -68,11 +74,21 @@ class PipelinePlan:
                             "send": list(s.send), "forward_flops": f,
                             "stash_bytes_per_microbatch": s.saved_bytes,
                             "peak_inflight_microbatches": peak,
-                            "peak_inflight_bytes": peak * s.saved_bytes}
+                            "peak_inflight_bytes": peak * s.saved_bytes, **stage_memory(s)}
                            for s, f, peak in zip(self.stages, self.stage_flops, sim.peak_inflight)],
+                "latency_one_microbatch": self.latency(),
                 "bubble_analytic": self.analytic_bubble, "bubble_simulated": sim.bubble,
                 "makespan": sim.makespan,
                 "actions": [[str(a) for a in acts] for acts in self.actions]}
+
+
+def stage_memory(stage) -> dict:
+    """Bytes one rank of ``stage`` holds (the stage is not split over ``tp``): its weights,
+    their gradients (summed over microbatches) and the optimizer's state."""
+    weights = sum(stage.forward[p].type.nbytes if p in stage.forward else
+                  stage.optimizer[p].type.nbytes for p in stage.params)
+    state = sum(n.type.nbytes for n in stage.optimizer.params if n.phase == "optimizer")
+    return {"weight_bytes": weights, "grad_bytes": weights, "optimizer_state_bytes": state}
 
 
 def plan_pipeline(graph: Graph, spec) -> PipelinePlan:
@@ -137,5 +153,8 @@ def format_pipeline(report: dict) -> str:
     for s in p["stages"]:
         lines.append(f"  stage {s['stage']}: {len(s['params'])} params, sends {len(s['send'])} "
                      f"value(s), peak {s['peak_inflight_microbatches']} microbatch(es) stashed "
-                     f"({s['peak_inflight_bytes']} bytes)")
+                     f"({s['peak_inflight_bytes']} bytes); weights {s['weight_bytes']}, grads "
+                     f"{s['grad_bytes']}, optimizer state {s['optimizer_state_bytes']} bytes")
+    lines.append(f"  one microbatch's latency: {p['latency_one_microbatch']:.2f} x the largest stage's "
+                 f"forward (the sum of the stages: pp does not shorten it)")
     return "\n".join(lines + [format_placement(report["placement_table"])])

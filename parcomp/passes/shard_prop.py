@@ -74,6 +74,8 @@ def shard_prop(graph: Graph, seconds: float = DEFAULT_SECONDS, memory: int | Non
         sol = best
     info = {"search": search, "proven_optimal": proven, "cost_s": prob.total(sol),
             "seconds": round(time.perf_counter() - t0, 6)}
+    if search == "heuristic" and limit is None and too_large(prob):
+        info["solver_skipped"] = sum(len(o) for o in prob.options.values())  # strategies
     if limit is not None:
         info.update(memory_limit=memory, resident_bytes=limit.bytes(sol))
     nodes = [n if n.name not in sol else replace(n, layout=sol[n.name][1], in_layouts=sol[n.name][0]
