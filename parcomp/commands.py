@@ -16,7 +16,7 @@ from .frontends.fused import to_view_shapes  # attention part (issue 17)
 from .frontends.loader import load_model, pointing_into
 from .frontends.model_file import ModelFile
 from .ir.text import print_graph
-from .outdir import MARKER, write_dir_atomic  # noqa: F401 - MARKER: part of this module's API
+from .outdir import MARKER, record_written, write_dir_atomic  # noqa: F401 - MARKER: part of this module's API
 from .reference.interpreter import run_spmd
 from .reference.numpy_ops import run_unsharded
 from .passes.train_config import check_steps, train_config
@@ -77,7 +77,7 @@ def program_files(compiled, target: str, profile: str | None, model: str | None 
     if target == "ascend" and profile not in (None, "ascend"):
         raise ParcompError(f"--target ascend emits the ascend (torch_npu/HCCL) profile; "
                            f"--profile {profile} contradicts it (use --target torch --profile {profile})")
-    files = {"report.json": json.dumps(compiled.report, indent=2, sort_keys=True) + "\n",
+    files = {"report.json": json.dumps(_file_report(compiled.report), indent=2, sort_keys=True) + "\n",
              "sharded.pcir": print_graph(compiled.sharded),
              "program.pcir": print_graph(compiled.program)}
     if target in ("torch", "ascend"):
@@ -86,6 +86,15 @@ def program_files(compiled, target: str, profile: str | None, model: str | None 
         files["program.py"] = emit_program(compiled, profile or ("ascend" if target == "ascend" else "cpu"),
                                            model=model)
     return files
+
+
+def _file_report(report: dict) -> dict:
+    """The report as written to report.json: without the search's wall time, so the same
+    model and spec give a byte-identical file (the time is printed, not written)."""
+    search = report.get("search")
+    if not search or "seconds" not in search:
+        return report
+    return {**report, "search": {k: v for k, v in search.items() if k != "seconds"}}
 
 
 def compile(args):  # noqa: A001 - the subcommand's name
@@ -125,12 +134,27 @@ def print_kept(out: str, kept: list) -> None:
               f"parcomp did not write: {', '.join(kept)}")
 
 
+def _run_files(compiled) -> tuple:
+    """What ``run`` writes into its work directory besides the program: RUN_FILES and
+    each rank's ``outputs.rank{r}.pt``."""
+    return RUN_FILES + tuple(f"outputs.rank{r}.pt" for r in range(compiled.program.mesh.size))
+
+
 def _write_work(args, work: str, compiled) -> None:
     kept = write_dir_atomic(work, program_files(compiled, "torch", args.profile,
-                                                os.path.basename(args.model)), RUN_FILES,
-                            flag="--keep" if args.keep else "the work directory")
+                                                os.path.basename(args.model)), _run_files(compiled),
+                            flag="--keep" if args.keep else "the work directory", command="run")
     if args.keep and not args.json:
         print_kept(work, kept)
+
+
+def _end_work(args, work: str, compiled) -> None:
+    """After a run: ``--keep``'s run files get their hashes in the manifest (a later edit
+    makes them the user's); a temporary work directory is removed."""
+    if args.keep:
+        record_written(work, _run_files(compiled))
+    else:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _summary(recs) -> list:
@@ -349,8 +373,7 @@ def run(args):
                                f"its output is above")
         got = assemble_outputs(out_path, compiled.program)
     finally:
-        if not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
+        _end_work(args, work, compiled)
     result = compare(got, reference_outputs(graph, module, example, feeds),
                      output_bounds(compiled.logical, feeds))
     _print_result(args, compiled, result, f"torchrun, {plural(size, 'gloo rank')}")
@@ -406,8 +429,7 @@ def _run_training(args, compiled, module, example):
                            module)
         replayed, replayed_losses = assemble_training_outputs(out_path, compiled.program)
     finally:
-        if not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
+        _end_work(args, work, compiled)
     params = [n.name for n in compiled.unsharded.params]
     kept = to_view_shapes({n.name: feeds[n.name] for n in compiled.logical.params if n.name in feeds},
                           compiled.logical)

@@ -14,7 +14,14 @@ content); it never deletes or overwrites anything else:
   otherwise the write is refused, naming it;
 - a marker that is not a manifest (garbage) lists nothing, so nothing is
   replaced and a name clash is refused; a marker from before manifests
-  (``written by parcomp; ...``) lists the files ``compile`` wrote then.
+  (``written by parcomp; ...``) lists the files ``compile`` wrote then;
+- a directory another kind of output was written into (``compile -o`` vs
+  ``explain --plots`` vs ``run --keep``: the manifest's ``command``) is refused
+  as a whole: one command never removes another's output.
+
+Files a program writes afterwards are listed without a hash first; once the
+caller has written them, :func:`record_written` puts their hashes in, so a later
+edit of them is noticed like any other.
 
 All or nothing for parcomp's own files: the new files go to temporary files
 in the directory first, the old ones are moved aside, the new ones renamed into
@@ -41,7 +48,7 @@ _NOTE = ("written by parcomp: writing into this directory again replaces only th
          "here, if unchanged; everything else is left alone")
 
 
-def write_dir_atomic(out: str, files: dict, later=(), flag: str = "-o") -> list:
+def write_dir_atomic(out: str, files: dict, later=(), flag: str = "-o", command: str = "compile") -> list:
     """Write ``{name: text}`` into directory ``out``; returns what it kept (sorted names).
 
     Args:
@@ -50,6 +57,7 @@ def write_dir_atomic(out: str, files: dict, later=(), flag: str = "-o") -> list:
         later: names of files the caller writes into ``out`` afterwards; they go
             into the manifest (without a hash), and an old one of parcomp's is removed.
         flag: the option that named ``out``, for messages (``-o``, ``--keep``).
+        command: the kind of output (``compile``, ``plots``, ``run``), kept in the manifest.
 
     Returns:
         The names in ``out`` that are not parcomp's (kept untouched), sorted.
@@ -57,17 +65,18 @@ def write_dir_atomic(out: str, files: dict, later=(), flag: str = "-o") -> list:
     Raises:
         ParcompError: naming ``out`` (``where``): it is a file, a file stands where
             a parent directory should be, it is or holds the current directory, it
-            is a non-empty directory parcomp did not write, it holds a file of the
-            new output's name that is not parcomp's, or writing fails (the OS's reason).
+            is a non-empty directory parcomp did not write, it holds another command's
+            output, it holds a file of the new output's name that is not parcomp's, or
+            writing fails (the OS's reason).
     """
     out = os.path.abspath(out)
     _check_target(out, flag)
     try:
         with _locked(os.path.dirname(out)):
             if not os.path.lexists(out):
-                _write_fresh(out, files, later)
+                _write_fresh(out, files, later, command)
                 return []
-            return _write_into(out, files, later, flag)
+            return _write_into(out, files, later, flag, command)
     except OSError as e:
         at = f" ({e.filename})" if isinstance(e.filename, str) and e.filename != out else ""
         raise ParcompError(f"{flag} {out}: cannot write the output there: {e.strerror or e}{at}",
@@ -105,7 +114,7 @@ def _check_target(out: str, flag: str) -> None:
         raise _fail(flag, out, f"{parent} is a file, not a directory")
 
 
-def _write_fresh(out: str, files: dict, later) -> None:
+def _write_fresh(out: str, files: dict, later, command: str) -> None:
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".parcomp-", dir=parent)
@@ -113,14 +122,14 @@ def _write_fresh(out: str, files: dict, later) -> None:
         os.chmod(tmp, 0o777 & ~_umask())
         for name, text in files.items():
             _write(os.path.join(tmp, name), text)
-        _write(os.path.join(tmp, MARKER), _manifest(files, later))
+        _write(os.path.join(tmp, MARKER), _manifest(files, later, command))
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
-def _write_into(out: str, files: dict, later, flag: str) -> list:
+def _write_into(out: str, files: dict, later, flag: str, command: str) -> list:
     entries = set(os.listdir(out))
     marker = os.path.join(out, MARKER)
     if entries and MARKER not in entries:
@@ -130,6 +139,11 @@ def _write_into(out: str, files: dict, later, flag: str) -> list:
         raise _fail(flag, out, f"its {MARKER} is not parcomp's marker file (a directory or a "
                                f"link); the directory is left alone")
     listed = _read_manifest(marker) if MARKER in entries else {}
+    before = _read_command(marker) if MARKER in entries else None
+    if before is not None and before != command:
+        raise _fail(flag, out, f"it holds the output of {_COMMANDS.get(before, before)}, and this "
+                               f"command writes {_COMMANDS.get(command, command)}; one never "
+                               f"replaces the other: give another directory")
     ours = {n for n, digest in listed.items()
             if n in entries and _unchanged(os.path.join(out, n), digest)}
     new = set(files) | set(later)
@@ -141,7 +155,7 @@ def _write_into(out: str, files: dict, later, flag: str) -> list:
                                f" away or give another directory"
                                + ("" if listed else f" ({MARKER} lists no files of parcomp's)"))
     replaced = sorted(ours) + ([MARKER] if MARKER in entries else [])
-    _swap(out, {**files, MARKER: _manifest(files, later)}, replaced)
+    _swap(out, {**files, MARKER: _manifest(files, later, command)}, replaced)
     return sorted(n for n in set(os.listdir(out)) - new - {MARKER} if not n.startswith(TEMP_PREFIX))
 
 
@@ -180,10 +194,56 @@ def _swap(out: str, texts: dict, old: list) -> None:
         _remove(tmp)
 
 
-def _manifest(files: dict, later) -> str:
+_COMMANDS = {"compile": "`parcomp compile -o` (a program)", "plots": "`parcomp explain --plots` (plots)",
+             "run": "`parcomp run --keep` (a program and its run's files)"}
+
+
+def _manifest(files: dict, later, command: str) -> str:
     listed = {n: _digest(t.encode("utf-8")) for n, t in files.items()}
     listed.update({n: None for n in later})
-    return json.dumps({"note": _NOTE, "files": listed}, indent=1, sort_keys=True) + "\n"
+    return _manifest_text(listed, command)
+
+
+def _manifest_text(listed: dict, command: str) -> str:
+    return json.dumps({"note": _NOTE, "command": command, "files": listed}, indent=1,
+                      sort_keys=True) + "\n"
+
+
+def record_written(out: str, names) -> None:
+    """Put the hashes of ``names`` (files the caller wrote into ``out`` after
+    :func:`write_dir_atomic` listed them as ``later``) into ``out``'s manifest, so an
+    edit of them afterwards makes them the user's.  Names not in the manifest, or not
+    regular files now, are left as they are.  Raises nothing a caller must handle:
+    an unreadable marker is left alone (its files then stay hash-less)."""
+    out = os.path.abspath(out)
+    marker = os.path.join(out, MARKER)
+    with _locked(os.path.dirname(out)):
+        listed, command = _read_manifest(marker), _read_command(marker)
+        if command is None:
+            return
+        for n in names:
+            path = os.path.join(out, n)
+            if n in listed and listed[n] is None and os.path.isfile(path) and not os.path.islink(path):
+                with open(path, "rb") as f:
+                    listed[n] = _digest(f.read())
+        tmp = _temp(out)
+        try:
+            _write(tmp, _manifest_text(listed, command))
+            os.replace(tmp, marker)
+        except BaseException:
+            _remove(tmp)
+            raise
+
+
+def _read_command(marker: str) -> str | None:
+    """The ``command`` a manifest names (``None``: none, or not a manifest)."""
+    try:
+        with open(marker, "rb") as f:
+            data = json.loads(f.read(1 << 20).decode("utf-8"))
+    except (OSError, ValueError):
+        return None
+    c = data.get("command") if isinstance(data, dict) else None
+    return c if isinstance(c, str) else None
 
 
 def _read_manifest(marker: str) -> dict:

@@ -54,7 +54,7 @@ def write_plots(compiled, x: dict, out: str) -> dict:
     files = {"graph.svg": graph, "devices.svg": svg_text(device_map(prog, x["placement"])),
              "memory.svg": svg_text(memory_bars(prog.mesh.size, x["memory_bytes_per_rank"])),
              "trace.json": json.dumps(chrome_trace(prog, x), indent=1) + "\n"}
-    kept = write_dir_atomic(out, files, flag="--plots")
+    kept = write_dir_atomic(out, files, flag="--plots", command="plots")
     return {"files": sorted(files), "kept": kept, "graph_drawn_by": drawn_by}
 
 

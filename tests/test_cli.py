@@ -333,6 +333,63 @@ def test_run_keep_never_overwrites_a_users_checkpoint(files, capsys):
     assert "--keep" in capsys.readouterr().err and (keep / "model.pt").read_bytes() == b"my real checkpoint"
 
 
+def test_run_keep_twice_refuses_run_files_the_user_edited(files, capsys):
+    keep, spec = files / "keep", write(files, "ok.pcs", SPEC_OK)
+    argv = ["run", str(files / "tiny.pcir"), "--spec", spec, "--nproc", "2", "--keep", str(keep)]
+    assert main(argv) == 0
+    manifest = json.loads((keep / ".parcomp-output").read_text())
+    assert manifest["command"] == "run" and manifest["files"]["model.pt"] is not None  # hashed
+    (keep / "inputs.pt").write_bytes(b"my inputs")
+    capsys.readouterr()
+    assert main(argv) == 2
+    assert "inputs.pt is not parcomp's" in capsys.readouterr().err
+    assert (keep / "inputs.pt").read_bytes() == b"my inputs"
+
+
+def test_files_written_after_the_listing_are_hashed_and_then_the_users_once_edited(tmp_path):
+    from parcomp.errors import ParcompError
+    from parcomp.outdir import record_written, write_dir_atomic
+
+    out, later = tmp_path / "keep", ("model.pt", "outputs.rank0.pt", "outputs.rank1.pt")
+    write_dir_atomic(str(out), {"program.py": "x = 1\n"}, later, flag="--keep", command="run")
+    for n in later:
+        (out / n).write_bytes(b"written by the run " + n.encode())
+    record_written(str(out), later)
+    assert write_dir_atomic(str(out), {"program.py": "x = 2\n"}, later, flag="--keep", command="run") == []
+    for n in later:  # unchanged since: parcomp's, so replaced (a new run rewrites them)
+        (out / n).write_bytes(b"written by the run " + n.encode())
+    record_written(str(out), later)
+    (out / "outputs.rank1.pt").write_bytes(b"the user's own outputs")
+    with pytest.raises(ParcompError, match="outputs.rank1.pt is not parcomp's"):
+        write_dir_atomic(str(out), {"program.py": "x = 3\n"}, later, flag="--keep", command="run")
+    assert (out / "outputs.rank1.pt").read_bytes() == b"the user's own outputs"
+    assert (out / "program.py").read_text() == "x = 2\n"
+
+
+def test_one_command_never_replaces_anothers_output(files, capsys):
+    from parcomp.errors import ParcompError
+    from parcomp.outdir import write_dir_atomic
+
+    out = files / "out"
+    assert compile_into(files, out) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(ParcompError, match="it holds the output of `parcomp compile -o`.*give another"):
+        write_dir_atomic(str(out), {"graph.svg": "<svg/>"}, flag="--plots", command="plots")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    plots = files / "plots"
+    write_dir_atomic(str(plots), {"graph.svg": "<svg/>"}, flag="--plots", command="plots")
+    assert compile_into(files, plots) == 2
+    assert "`parcomp explain --plots`" in capsys.readouterr().err
+    assert sorted(p.name for p in plots.iterdir()) == [".parcomp-output", "graph.svg"]
+
+
+def test_report_json_is_byte_identical_across_compiles(files, capsys):
+    assert compile_into(files, files / "a") == 0 and compile_into(files, files / "b") == 0
+    assert "searched in" in capsys.readouterr().out  # the search's time is printed ...
+    a, b = ((files / d / "report.json").read_bytes() for d in "ab")
+    assert a == b and b'"seconds"' not in a.split(b'"search"')[1].split(b"}")[0]  # ... not written
+
+
 # ---- careless model references and files: located errors, exit 2, no traceback ----------------
 
 MOD = "import torch\nfrom torch import nn\n"

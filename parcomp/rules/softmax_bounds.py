@@ -113,7 +113,12 @@ def _div(node, graph, env, err, u):
     found = _probs(graph, env, node.inputs[0], b.inputs[0])
     if found is None:
         return None
-    p, d, s, n = found
+    return _softmax_err(err, u, *found)
+
+
+def _softmax_err(err, u, p, d, s, n):
+    """Bound on |softmax computed - exact| from the probabilities ``p`` (reduced over dim ``d``
+    of ``n`` terms, sum value ``s``): the moved share plus the division's rounding."""
     return _moved(p, _delta(err, s, d)) + 2 * gamma(n + 8, u) * p
 
 
@@ -126,10 +131,10 @@ def _mul(node, graph, env, err, u):
     found = _probs(graph, env, node.inputs[1], q.inputs[1])
     if found is None:
         return None
-    p, d, s, n = found
+    p, d = found[0], found[1]
     g = np.expand_dims(np.asarray(env[q.inputs[0]], np.float64), d)
     eg = np.expand_dims(np.asarray(err[q.inputs[0]], np.float64), d)
-    moved = _moved(p, _delta(err, s, d)) + 2 * gamma(n + 8, u) * p
+    moved = _softmax_err(err, u, *found)
     return np.abs(g) * moved + eg * (p + moved) + u * np.abs(np.asarray(env[node.name], np.float64))
 
 
