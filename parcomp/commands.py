@@ -137,7 +137,9 @@ def print_kept(out: str, kept: list) -> None:
 def _run_files(compiled) -> tuple:
     """What ``run`` writes into its work directory besides the program: RUN_FILES and
     each rank's ``outputs.rank{r}.pt``."""
-    return RUN_FILES + tuple(f"outputs.rank{r}.pt" for r in range(compiled.program.mesh.size))
+    stages = compiled.program_.pipeline.stages if compiled.program_.pipeline is not None else ()
+    return (RUN_FILES + tuple(f"outputs.rank{r}.pt" for r in range(compiled.program.mesh.size))
+            + tuple(f"outputs.pt.stage{s.index}" for s in stages))  # a pipeline's (pipeline_run.py)
 
 
 def _write_work(args, work: str, compiled) -> None:
@@ -345,7 +347,8 @@ def run(args):
         from .pipeline_run import run_pipeline
 
         return run_pipeline(args, compiled, _train_feeds(compiled, module, example, 0),
-                            lambda work: _write_work(args, work, compiled))
+                            lambda work: _write_work(args, work, compiled),
+                            lambda work: _end_work(args, work, compiled))
     if args.nproc == compiled.program.mesh.size:  # else the --nproc error below comes first
         check_memory(compiled, "run")
     if compiled.report.get("training"):

@@ -9,7 +9,6 @@ output within :func:`parcomp.tolerance.output_bounds`.
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 
 import numpy as np
@@ -18,7 +17,7 @@ from .errors import ParcompError
 from .report import plural
 
 
-def run_pipeline(args, compiled, feeds: dict, write_work) -> dict:
+def run_pipeline(args, compiled, feeds: dict, write_work, end_work) -> dict:
     """Launch the pipelined step of ``compiled`` and compare it with the unsharded step.
 
     Args:
@@ -26,7 +25,8 @@ def run_pipeline(args, compiled, feeds: dict, write_work) -> dict:
         compiled: a :class:`parcomp.compiler.Compiled` whose ``program_.pipeline`` is set.
         feeds: the model inputs and loss data (``train_check.train_feeds``).
         write_work: ``write_work(dir)`` writes program.py and the run's files there
-            (``commands._write_work``: never over a file parcomp did not write).
+            (``commands._write_work``: never over a file parcomp did not write);
+            ``end_work(dir)`` records ``--keep``'s run files or removes a temporary directory.
 
     Returns:
         :func:`parcomp.tolerance.compare_all`'s result plus ``world_size`` and ``losses``.
@@ -58,7 +58,7 @@ def run_pipeline(args, compiled, feeds: dict, write_work) -> dict:
     state = initial_state(logical, feeds)
     if "step" in logical:
         state["step"] = np.array(1.0, "float32")
-    got = _launch(args, compiled, write_work, state, size)
+    got = _launch(args, compiled, (write_work, end_work), state, size)
     want = run_unsharded(logical, state)
     result = compare_all(got, want, output_bounds(logical, state), sorted(got))
     result.update(world_size=size, losses=[float(got["loss"])] if "loss" in got else [])
@@ -70,7 +70,7 @@ def run_pipeline(args, compiled, feeds: dict, write_work) -> dict:
     return result
 
 
-def _launch(args, compiled, write_work, state, size) -> dict:
+def _launch(args, compiled, work_fns, state, size) -> dict:
     """program.py under torchrun; ``{output: array}`` merged over the stages' files."""
     import torch
 
@@ -79,7 +79,7 @@ def _launch(args, compiled, write_work, state, size) -> dict:
     logical = compiled.logical
     work = args.keep or tempfile.mkdtemp(prefix="parcomp-run-")
     try:
-        write_work(work)
+        work_fns[0](work)
         ckpt = {k: torch.from_numpy(np.asarray(v)) for k, v in state.items()
                 if k in logical and logical[k].op == "param"}
         data = {n.name: torch.from_numpy(np.asarray(state[n.name])) for n in logical.inputs
@@ -97,5 +97,4 @@ def _launch(args, compiled, write_work, state, size) -> dict:
             got.update({k: v.numpy() for k, v in torch.load(f"{out}.stage{s}").items()})
         return got
     finally:
-        if not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
+        work_fns[1](work)

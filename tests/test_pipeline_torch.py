@@ -69,3 +69,7 @@ def test_cli_run_launches_the_pipelined_step(tmp_path, capsys):
     line = next(x for x in out.splitlines() if "one pipelined step" in x)
     assert "2 gloo ranks" in line and "1f1b" in line and line.endswith("OK")
     assert "ACTIONS = {" in (tmp_path / "work" / "program.py").read_text()
+    assert (tmp_path / "work" / "outputs.pt.stage1").exists()
+    # the stages' outputs are run files parcomp wrote: a second run into --keep replaces them
+    assert main(["run", str(tmp_path / "m.pcir"), "--spec", str(tmp_path / "s.pcs"), "--nproc", "2",
+                 "--keep", str(tmp_path / "work")]) == 0
