@@ -50,16 +50,8 @@ def recv(specs, peer, m, direction):
     return out
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\\n")[0])
-    ap.add_argument("--checkpoint", required=True)
-    ap.add_argument("--input", required=True)
-    ap.add_argument("--output", required=True)
-    args = ap.parse_args()
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if world != WORLD:
-        sys.exit(f"this program needs {WORLD} ranks, got {world}")
+def setup(rank):
+    """This rank's stage, dp coordinate and dp group (every rank creates every group)."""
     c = coords(rank)
     stage, d = c["pp"], c.get("dp", 0)
     dp_group = None
@@ -67,9 +59,12 @@ def main():
         g = dist.new_group(ranks)
         if rank in ranks:
             dp_group = g
-    sd = torch.load(args.checkpoint)
-    p = {k: sd[k] if k in sd else torch.zeros(STATE_SHAPES[k]) for k in PARAMS[stage]}
-    data = torch.load(args.input)
+    return stage, d, dp_group
+
+
+def step(rank, stage, d, dp_group, p, data):
+    """One training step of this rank: its action list in order; the updated state (and the
+    loss on the last stage)."""
     rows = MICRO_BATCH * MICROBATCHES
 
     def micro(m):
@@ -77,6 +72,7 @@ def main():
         return {k: data[k][lo:lo + MICRO_BATCH] for k in BATCH_INPUTS[stage]}
 
     stash, got, grads_in, grads_out, sums, handles, losses = {}, {}, {}, {}, {}, [], []
+    result = {}
     for kind, m, peer in ACTIONS[rank]:
         if kind == "recv_fwd":
             got[m] = recv(RECV[stage], peer, m, 0)
@@ -109,8 +105,35 @@ def main():
         if dp_group is not None:
             dist.all_reduce(loss, group=dp_group)
         result["loss"] = loss * SCALE
+    return result
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\\n")[0])
+    ap.add_argument("--checkpoint", required=True)
+    ap.add_argument("--input", required=True)
+    ap.add_argument("--output", required=True)
+    ap.add_argument("--bench", type=int, default=0, help="then time N more steps (ms per step)")
+    args = ap.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world != WORLD:
+        sys.exit(f"this program needs {WORLD} ranks, got {world}")
+    stage, d, dp_group = setup(rank)
+    sd = torch.load(args.checkpoint)
+    p = {k: sd[k] if k in sd else torch.zeros(STATE_SHAPES[k]) for k in PARAMS[stage]}
+    data = torch.load(args.input)
+    result = step(rank, stage, d, dp_group, p, data)
     if d == 0:
         torch.save({k: v.detach().clone() for k, v in result.items()}, f"{args.output}.stage{stage}")
+    if args.bench:  # every step from the same state: the time of one step, not a trajectory
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(args.bench):
+            step(rank, stage, d, dp_group, p, data)
+        dist.barrier()
+        if rank == 0:
+            print(f"bench: {(time.perf_counter() - t0) * 1e3 / args.bench:.3f} ms per step")
     dist.barrier()
     dist.destroy_process_group()
 
@@ -186,7 +209,7 @@ def emit_pipeline_program(program, model, code) -> str:
             f"{plan.microbatches} x dp {plan.dp}; bubble {plan.analytic_bubble:.3f} (analytic), "
             f"{plan.simulation.bubble:.3f} (simulated).", "", format_placement(table), "",
             f"torchrun --nproc-per-node {mesh.size} program.py --checkpoint model.pt "
-            f"--input inputs.pt --output out.pt", '"""', "import argparse", "import sys", "",
+            f"--input inputs.pt --output out.pt", '"""', "import argparse", "import sys", "import time", "",
             "import torch", "import torch.distributed as dist", ""]
     consts = [f"MESH = {tuple(mesh.axes)!r}", f"WORLD = {mesh.size}",
               'DEVICE = torch.device("cpu")  # gloo: every tensor on the CPU',
