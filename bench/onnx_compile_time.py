@@ -16,7 +16,14 @@ Columns, median of 3 in one process with 1 thread:
 
 Both graphs must give the same collectives; the script checks that.
 
-Run:  .venv/bin/python bench/onnx_compile_time.py [--blocks 48] [--json out.json] [--plain]
+``--model gpt2_lm``: transformers' GPT2LMHeadModel with ``--blocks`` layers (the
+``specs/models.py:gpt2_lm`` config otherwise: n_embd 32, 4 heads, vocab 101, input ids
+[2, 8]) and the rules of ``specs/gpt2_lm_tp2_train.pcs`` without its train line
+(Megatron TP=2: 2 all_reduce per block); the ONNX graph then exercises attention (-> sdpa),
+LayerNormalization, Gather (embeddings) and the fused q|k|v split.
+
+Run:  .venv/bin/python bench/onnx_compile_time.py [--model mlp_chain|gpt2_lm] [--blocks 48]
+      [--json out.json] [--plain]
 """
 from __future__ import annotations
 
@@ -54,6 +61,20 @@ def export_onnx(module, inputs, names, path):
     prog.save(path)
 
 
+def gpt2_lm(blocks: int):
+    """``(module, inputs, names, spec)``: specs/models.py's GPT-2 LM with ``blocks`` layers."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from parcomp.spec import parse_spec
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=101, n_positions=64, n_embd=32, n_layer=blocks, n_head=4,
+                        bos_token_id=0, eos_token_id=0, use_cache=False, attn_implementation="sdpa")
+    text = open(os.path.join(os.path.dirname(HERE), "specs", "gpt2_lm_tp2_train.pcs")).read()
+    spec = parse_spec("\n".join(l for l in text.splitlines() if not l.startswith("train")), "gpt2_lm_tp2.pcs")
+    return GPT2LMHeadModel(config).eval(), (torch.randint(0, 101, (2, 8)),), ["input_ids"], spec
+
+
 def main():
     from parcomp.compiler import compile_graph
     from parcomp.frontends.onnx import load_onnx
@@ -63,13 +84,17 @@ def main():
 
     torch.set_num_threads(1)
     blocks = int(C.arg_value("--blocks") or 48)
-    module, inputs, names = load_factories().mlp_chain(blocks=blocks)
-    spec = parse_spec(spec_text(blocks, False), f"mlp_chain_{blocks}.pcs")
-    print(f"onnx_compile_time: mlp_chain(blocks={blocks}, hidden=32), spec mesh tp=2 (every block "
+    name = C.arg_value("--model") or "mlp_chain"
+    if name == "gpt2_lm":
+        module, inputs, names, spec = gpt2_lm(blocks)
+    else:
+        module, inputs, names = load_factories().mlp_chain(blocks=blocks)
+        spec = parse_spec(spec_text(blocks, False), f"mlp_chain_{blocks}.pcs")
+    print(f"onnx_compile_time: {name}(blocks={blocks}, hidden=32), spec mesh tp=2 (every block "
           f"colwise/rowwise); median of {REPS}; {C.env_line()}")
     import_torch(*load_factories().torch_mlp())  # warm-up: torch.export's lazy imports
     with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "mlp_chain.onnx")
+        path = os.path.join(d, f"{name}.onnx")
         t0 = time.perf_counter()
         export_onnx(module, inputs, names, path)
         export_s = time.perf_counter() - t0
@@ -88,7 +113,7 @@ def main():
             rows.append({"from": label, "nodes": len(graph.nodes), "import": imp[0], "compile": comp[0],
                          "compile_rng": f"{comp[1]:.3f}-{comp[2]:.3f}", "emit": emit[0], "total": total,
                          "colls": len(collectives[label])})
-    C.print_table(f"compile time of mlp_chain({blocks}), seconds (median of {REPS})",
+    C.print_table(f"compile time of {name}({blocks}), seconds (median of {REPS})",
                   [("from", "model from"), ("nodes", "IR nodes"), ("import", "import s"),
                    ("compile", "compile_graph s"), ("compile_rng", "compile min-max"),
                    ("emit", "emit_program s"), ("total", "total s"), ("colls", "collectives")], rows)
@@ -96,7 +121,8 @@ def main():
     print(f"torch.onnx.export (dynamo, once, not in the table): {export_s:.2f} s")
     print(f"same collectives from both: {same} ({len(collectives['ONNX'])} all_reduce over tp)")
     print(f"ONNX / torch.export, total: x{results['ONNX']['total'] / results['torch.export']['total']:.2f}")
-    C.dump_json({"blocks": blocks, "onnx_export_s": export_s, "results": results, "same_collectives": same})
+    C.dump_json({"model": name, "blocks": blocks, "onnx_export_s": export_s, "results": results,
+                 "same_collectives": same})
     if not same:
         sys.exit(1)
 

@@ -66,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-o", "--out", required=True,
                    help="output directory (parcomp's files replaced all or nothing; others kept)")
     c.add_argument("--print-ir-after-all", action="store_true")
+    c.add_argument("--functional-collectives", action="store_true",
+                   help="program.py uses functional collectives, so its --compile captures whole steps")
     k = sub.add_parser("check", help="run every rank in the numpy interpreter, compare with unsharded")
     _common(k)
     k.add_argument("--seed", type=_count(0), default=0)
@@ -76,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--memory", default=None, help="memory per device, such as 80GiB")
     pl.add_argument("--train", default=None, help="a train line, such as 'train loss=mse'")
     pl.add_argument("--seconds", type=float, default=None,
-                    help="time budget of the exact search (default 10); past it, the best plan found")
+                    help="time budget of the exact search, seconds (default 300, a safety net: a node budget decides first); past it, the best plan found")
     pl.add_argument("-o", "--out", required=True, help="the spec file to write (.pcs)")
     pl.add_argument("--json", action="store_true", help="end with one JSON line")
     r = sub.add_parser("run", help="launch the torch program on N local gloo ranks, compare")

@@ -21,7 +21,7 @@ from .reference.interpreter import run_spmd
 from .reference.numpy_ops import run_unsharded
 from .passes.train_config import check_steps, train_config
 from .reference.training import numpy_train
-from .report import format_collectives, format_memory, format_search, plural
+from .report import format_collectives, format_load, format_memory, format_search, plural
 from .tolerance import compare_outputs as compare, output_bounds, training_bounds
 from .train_check import carried as _carried, lockstep, replay_reference, torch_reference as _torch_reference
 from .train_check import train_feeds, training_result as _training_result, verdict
@@ -66,7 +66,8 @@ def require_numpy_dtypes(graph, command: str) -> None:
             raise err
 
 
-def program_files(compiled, target: str, profile: str | None, model: str | None = None) -> dict:
+def program_files(compiled, target: str, profile: str | None, model: str | None = None,
+                  functional: bool = False) -> dict:
     """The files ``parcomp compile`` writes for ``target``.
 
     Raises ParcompError when ``--target ascend`` is given another profile.
@@ -84,7 +85,7 @@ def program_files(compiled, target: str, profile: str | None, model: str | None 
         from parcomp_backends.torch import emit_program
 
         files["program.py"] = emit_program(compiled, profile or ("ascend" if target == "ascend" else "cpu"),
-                                           model=model)
+                                           model=model, functional=functional)
     return files
 
 
@@ -104,11 +105,13 @@ def compile(args):  # noqa: A001 - the subcommand's name
 
     compiled, _, _ = _compile(args, show if args.print_ir_after_all else None)
     kept = write_dir_atomic(args.out, program_files(compiled, args.target, args.profile,
-                                                    os.path.basename(args.model)))
+                                                    os.path.basename(args.model),
+                                                    args.functional_collectives))
     recs = compiled.report["collectives"]
     if not args.json:
         print(format_collectives(recs))
         print(format_memory(compiled.report))
+        print(format_load(compiled.report["checkpoint_load"]))
         print(format_search(compiled.report["search"]))
         place = compiled.report["placement"]
         if place["nodes"] is not None:

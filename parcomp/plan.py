@@ -29,7 +29,7 @@ import hashlib
 import itertools
 import os
 
-from .errors import ParcompError
+from .errors import ParcompError, SourceLoc
 from .ir.types import R, Shard, divisibility_problem, layout_str
 from .passes.bind_layouts import bind_layouts
 from .passes.layout_ilp import DEFAULT_SECONDS
@@ -55,6 +55,13 @@ def mesh_text(arg: str) -> str:
 def base_spec_text(graph, mesh: str, memory: str | None, train: str | None) -> str:
     """The spec before the search: mesh, memory, train line, input and output rules."""
     spec = parse_spec(f"mesh {mesh}\n", "--mesh")
+    if memory:
+        _parse_line(mesh, f"memory {memory}", "--memory")
+    if train:
+        if train.split(None, 1)[0] != "train":
+            raise ParcompError(f"--train {train!r}: give the spec's train line, starting with "
+                               f"'train' (e.g. \"train loss=mse optimizer=sgd(lr=0.1)\")", where="--train")
+        _parse_line(mesh, train, "--train")
     lines = [f"mesh {mesh}"] + ([f"memory {memory}"] if memory else [])
     lines += [f"input {n.name} {layout_str(_io_layout(spec.mesh, n.type))}" for n in graph.inputs
               if n.type.rank]
@@ -63,13 +70,32 @@ def base_spec_text(graph, mesh: str, memory: str | None, train: str | None) -> s
     return "\n".join(lines + ([train] if train else [])) + "\n"
 
 
+def _parse_line(mesh: str, line: str, option: str) -> None:
+    """Parse one spec line given on the command line, so its errors point at ``option``
+    (column in the option's own text), not at the spec plan builds from it."""
+    try:
+        parse_spec(f"mesh {mesh}\n{line}\n", option)
+    except ParcompError as e:
+        if e.loc is None or e.loc.line != 2:
+            raise
+        loc = SourceLoc(option, 1, e.loc.col, e.loc.text)
+        raise type(e)(e.message, loc) from None
+
+
 def _io_layout(mesh, ty):
     lay = tuple(Shard(0) if a == "dp" else R for a in mesh.names)
     return lay if not divisibility_problem(ty, lay, mesh) else tuple(R for _ in mesh.names)
 
 
-def param_layouts(ty, mesh) -> list:
-    """The layouts a parameter of type ``ty`` may take (module docstring), evenly split."""
+def param_layouts(ty, mesh, name: str = "") -> list:
+    """The layouts a parameter ``name`` of type ``ty`` may take (module docstring), evenly
+    split; an integer tensor (a buffer such as position ids) stays replicated.
+
+    Raises:
+        ParcompError: no layout splits ``name`` evenly over ``mesh`` (named).
+    """
+    if not ty.dtype.startswith("float"):
+        return [tuple(R for _ in mesh.names)]
     per_axis = []
     for a in mesh.names:
         if a == "dp":
@@ -78,7 +104,8 @@ def param_layouts(ty, mesh) -> list:
             per_axis.append(([R] if ty.rank < 2 else []) + [Shard(d) for d in range(ty.rank)])
     out = [lay for lay in itertools.product(*per_axis) if not divisibility_problem(ty, lay, mesh)]
     if not out:
-        raise ParcompError(f"parameter of type {ty} cannot be split evenly over the mesh {mesh}",
+        raise ParcompError(f"parameter {name} {ty} cannot be split evenly over the mesh {mesh} "
+                           f"(no dim of it divides by the axis sizes); pick other sizes",
                            where="--mesh")
     return out
 
@@ -96,11 +123,12 @@ def plan(graph, mesh: str, memory: str | None = None, train: str | None = None,
     spec = parse_spec(text, "plan.pcs")
     bound = bind_layouts(graph, spec)  # the forward graph: see the module docstring
     model_params = {n.name for n in graph.params}
-    free = {n.name: param_layouts(n.type, spec.mesh) for n in bound.params if n.name in model_params}
+    free = {n.name: param_layouts(n.type, spec.mesh, n.name) for n in bound.params
+            if n.name in model_params}
     if seconds is not None and not seconds > 0:
         raise ParcompError(f"--seconds {seconds}: the search needs a positive time budget", where="--seconds")
     chosen = shard_prop(bound, DEFAULT_SECONDS if seconds is None else seconds, memory=spec.memory,
-                        memory_loc=spec.memory_loc, free=free)
+                        memory_loc=memory and SourceLoc("--memory", 1, 1, memory), free=free)
     return _spec_text(text, chosen, graph, spec), chosen
 
 
@@ -114,7 +142,9 @@ def _spec_text(base: str, chosen, graph, spec) -> str:
     lines.append("")
     for n in graph.params:
         lay = chosen[n.name].layout
-        lines.append(f"{n.name}  {layout_str(lay)}  # {n.type}: {_what(lay, n.type, mesh)}")
+        stored = n.attr("stored_shape")
+        view = f" (view of the fused [{','.join(map(str, stored))}])" if stored else ""
+        lines.append(f"{n.name}  {layout_str(lay)}  # {n.type}{view}: {_what(lay, n.type, mesh)}")
     lines.append("")
     lines += [ln for ln in base.rstrip("\n").split("\n")[1 + bool(spec.memory):]]
     acts = [n for n in graph.nodes if n.op not in ("input", "param") and n.name in chosen]

@@ -130,6 +130,8 @@ class Program:
         pipeline: the :class:`parcomp.passes.pipeline_plan.PipelinePlan` of a training spec
             with a ``pp`` mesh axis (stages, their programs, per-stage action lists, the
             simulation), or None.
+        launch: how program.py runs on a cluster: the spec's ``topology`` (nodes, devices
+            per node) or None, and its ``placement`` / ``timeout`` keys where given.
     """
 
     graph: Graph
@@ -141,6 +143,7 @@ class Program:
     train: TrainLoop | None
     search: dict | None = None
     pipeline: object = None
+    launch: dict | None = None  # {topology: (nodes, per node) | None, placement=, timeout=} (issue 16)
 
     @property
     def mesh(self):
@@ -175,7 +178,8 @@ def build_program(sharded: Graph, local: Graph, spec) -> Program:
     groups = {a: axis_groups(mesh, i) for i, a in enumerate(mesh.names)}
     prov = {n.name: _provenance(n) for n in local.nodes}
     return Program(local, groups, getattr(spec, "file", None), {n.name: n.phase for n in local.nodes},
-                   prov, _collectives(sharded, local, prov), _train_loop(local, spec), sharded.search)
+                   prov, _collectives(sharded, local, prov), _train_loop(local, spec), sharded.search,
+                   {"topology": getattr(spec, "topology", None), **dict(getattr(spec, "launch", ()))})
 
 
 def _provenance(node) -> Provenance:

@@ -6,6 +6,8 @@ algorithm (:func:`parcomp.redistribute.step_bytes`); shapes are per-rank.
 """
 from __future__ import annotations
 
+from .load_plan import checkpoint_load
+
 
 def memory(program, model_params) -> dict:
     """Per-rank bytes: weights, gradients, optimizer state, saved activations, peak live.
@@ -66,6 +68,7 @@ def build_report(program, model_params=()) -> dict:
         "collectives": recs,
         "totals_per_axis": totals,
         "memory_bytes_per_rank": memory(program, set(model_params)),
+        "checkpoint_load": checkpoint_load(program, set(model_params)),
         "training": training_summary(program),
         "search": _with_note(program.search, recs) if program.train else program.search,
     }
@@ -142,6 +145,18 @@ def format_memory(report) -> str:
     if report.get("training"):
         line += "\n" + report["training"]["batch_note"]
     return line
+
+
+def format_load(load) -> str:
+    """One line: what each rank reads of the checkpoint and the host memory that takes."""
+    if not load or not load["checkpoint_bytes"]:
+        return "checkpoint load per rank: no params"
+    share = load["bytes_read"] / load["checkpoint_bytes"]
+    return (f"checkpoint load per rank: reads {format_bytes(load['bytes_read'])} of "
+            f"{format_bytes(load['checkpoint_bytes'])} ({share:.1%}, its own "
+            f"slices only); host memory for it: {format_bytes(load['peak_host_bytes_cpu'])} with "
+            f"--device cpu (the params stay there), {format_bytes(load['peak_host_bytes_accelerator'])} "
+            f"on an accelerator (one slice at a time)")
 
 
 _SEARCHES = {"dp": "dynamic program (exact: every value is read once)",

@@ -271,3 +271,11 @@ def test_gqa_replication_touches_only_the_kv_projections_a_wildcard_rule_names()
     lay = {n.name: str(n.layout[0]) for n in c.program.params}
     assert lay["attn.q_proj.weight"] == "S(0)" and lay["attn.o_proj.weight"] == "S(0)"
     assert lay["attn.k_proj.weight"] == lay["attn.v_proj.weight"] == "R"
+
+
+def test_a_stored_shape_layout_on_a_fused_weight_says_how_layouts_are_written(tmp_path, capsys):
+    (tmp_path / "s.pcs").write_text("mesh tp=2\nattn.c_attn.weight [S(1)]\n")
+    rc = main(["check", f"{MODELS}:gpt2_attention", "--spec", str(tmp_path / "s.pcs")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "s.pcs:2:1" in err and "Traceback" not in err
+    assert "stored as [16,48]" in err and "f32[16,3,16] (dim 1 picks the part)" in err and "'colwise'" in err

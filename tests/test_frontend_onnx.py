@@ -201,17 +201,18 @@ def test_op_without_rule_is_a_located_error(tmp_path, capsys):
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])
     g = helper.make_graph([helper.make_node("Relu", ["x"], ["r"], "act"),
-                           helper.make_node("Softmax", ["r"], ["y"], "attn_softmax", axis=-1)], "g", [x], [y])
+                           helper.make_node("Hardmax", ["r"], ["y"], "attn_hardmax", axis=-1)], "g", [x], [y])
     path = _write(helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)]), tmp_path / "s.onnx")
     with pytest.raises(FrontendError) as e:
         load_onnx(path)
     msg = e.value.message
-    assert f"{path}: node 'attn_softmax' (Softmax -> y): no rule for ONNX op Softmax" in msg
-    assert "supported ops: Add, Cast, CastLike, Constant," in msg and "MatMul" in msg
-    assert e.value.where == f"{path}: node attn_softmax"
+    assert f"{path}: node 'attn_hardmax' (Hardmax -> y): no rule for ONNX op Hardmax" in msg
+    assert "supported ops: Add, Cast, CastLike, Concat, Constant," in msg and "MatMul" in msg
+    assert "Softmax" in msg and "LayerNormalization" in msg and "Gather" in msg
+    assert e.value.where == f"{path}: node attn_hardmax"
     assert cli(["check", path, "--spec", str(ROOT / "specs" / "torch_mlp_tp2.pcs"), "--json"]) == 2
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert last["kind"] == "FrontendError" and "Softmax" in last["error"]
+    assert last["kind"] == "FrontendError" and "Hardmax" in last["error"]
 
 
 def test_file_failing_the_checker_exits_2_with_its_message(tmp_path, capsys):
@@ -309,10 +310,13 @@ def test_cast_of_a_constant_folds_cast_to_the_same_dtype_is_identity(tmp_path):
     np.testing.assert_array_equal(run_unsharded(graph, feeds)["y"], model.reference_outputs(graph, feeds)["y"])
 
 
-def test_cast_to_another_dtype_is_refused_where_it_is(tmp_path):
-    with pytest.raises(FrontendError) as e:
-        load_onnx(_cast_model(tmp_path / "c.onnx", TensorProto.DOUBLE))
-    assert "node 'the_cast' (Cast -> xc): Cast of a computed f32[2,3] value to float64" in e.value.message
+def test_cast_to_another_dtype_is_a_cast_node(tmp_path):
+    """A Cast of a computed value between float dtypes lowers to parcomp's ``cast``."""
+    graph, model, _ = load_onnx(_cast_model(tmp_path / "c.onnx", TensorProto.DOUBLE))
+    assert [(n.op, str(n.type)) for n in graph.nodes] == [("input", "f32[2,3]"), ("cast", "f64[2,3]"),
+                                                          ("scale", "f64[2,3]")]
+    feeds = model.feeds(graph)
+    np.testing.assert_array_equal(run_unsharded(graph, feeds)["y"], model.reference_outputs(graph, feeds)["y"])
 
 
 def test_training_spec_checks_an_onnx_model(exported, capsys):

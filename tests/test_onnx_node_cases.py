@@ -33,16 +33,20 @@ from parcomp.tolerance import compare, output_bounds  # noqa: E402
 
 
 #: supported ops no onnx node case can show, and why (tested in test_frontend_onnx.py instead)
-EXEMPT = {"Cast": "every onnx Cast case changes the dtype of a computed value, which parcomp "
-                  "refuses; a Cast of a constant or to the same dtype is what it supports",
-          "CastLike": "as Cast"}
+EXEMPT = {"SplitToSequence": "its cases return a sequence (no numpy type); GPT-2's fused q|k|v "
+                             "split is tested in test_frontend_onnx.py",
+          "SequenceAt": "as SplitToSequence"}
 
 
 def _op_of(case) -> str | None:
+    """The supported op a case tests: its name is ``test_<op>`` or ``test_<op>_...`` with the
+    op lower-cased (``logsoftmax``) or snake-cased (``layer_normalization``); the longest wins."""
+    best = None
     for op in supported_ops():
-        if re.match(rf"test_{op.lower()}(_|$)", case.name):
-            return op
-    return None
+        for word in {op.lower(), re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", op).lower()}:
+            if re.match(rf"test_{word}(_|$)", case.name) and (best is None or len(word) > len(best[1])):
+                best = (op, word)
+    return best and best[0]
 
 
 def _static_inputs(model, inputs):
@@ -105,6 +109,8 @@ def run_case(case) -> str | None:
         w, g = np.asarray(w), values[name]
         if g.dtype != w.dtype or g.shape != w.shape:
             return f"output {name}: {g.dtype}{list(g.shape)}, onnx expects {w.dtype}{list(w.shape)}"
+        if np.array_equal(g, w, equal_nan=True):  # identical (inf/NaN where onnx has them too)
+            continue
         if name in got.constants:
             if not np.array_equal(g, w):
                 return f"constant output {name} differs"

@@ -88,3 +88,30 @@ def test_plan_with_a_memory_limit_and_training(tmp_path):
 def test_plan_needs_a_positive_time_budget(tmp_path, capsys):
     assert main(["plan", f"{SPECS}:torch_mlp", "--mesh", "tp=2", "--seconds", "0", "-o", str(tmp_path / "a.pcs")]) == 2
     assert "--seconds" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra, where, needle", [
+    (["--train", "loss=mse"], "--train", "starting with 'train'"),
+    (["--train", "train loss=mse optimizer=sgd(lr=0.1, momentun=0.9)"], "--train:1:38",
+     "sgd has no hyperparameter 'momentun'"),
+    (["--memory", "1KiB"], "--memory:1:1", "over the memory limit 1.0 KiB"),
+    (["--mesh", "tp=3"], "--mesh", "parameter 0.weight f32[128,32] cannot be split evenly"),
+])
+def test_plan_options_errors_point_at_the_option(tmp_path, capsys, extra, where, needle):
+    import json
+
+    argv = ["plan", f"{SPECS}:torch_mlp", "--mesh", "tp=2", "-o", str(tmp_path / "p.pcs"), "--json"]
+    assert main(argv + extra) == 2
+    out, err = capsys.readouterr()
+    last = json.loads(out.strip().splitlines()[-1])
+    assert last["where"] == where and needle in last["error"] and "plan.pcs" not in err
+    assert not (tmp_path / "p.pcs").exists()
+
+
+def test_plan_leaves_integer_buffers_replicated():
+    from parcomp.ir.types import Mesh, R, TensorType
+    from parcomp.plan import param_layouts
+
+    mesh = Mesh((("dp", 2), ("tp", 2)))
+    assert param_layouts(TensorType((1, 8), "int64"), mesh, "arange") == [(R, R)]
+    assert (R, R) not in param_layouts(TensorType((8, 8), "float32"), mesh, "w")  # matrices split

@@ -33,9 +33,10 @@ from parcomp.program import MAX_STEPS, ParcompError, Program, TrainLoop, plural
 from .emit_norms import HELPER_NAMES as NORM_HELPERS, NORM_FORMATS, norm_kw, runtime_sections
 from .emit_reduce import (ASYNC_REDUCE, HELPER_NAMES as REDUCE_HELPERS, IN_PLACE_REDUCE, REDUCE_FORMATS, reduce_key, reduce_kw,
                           reduce_sections)
+from .emit_cluster import CLUSTER_NAMES, cluster_constants
 from .profiles import get_profile
-from .runtime import (FORWARD_HELP, IMPORTS, MAIN, ONNX_READER, RUNTIME, TRAIN_HELP, TRAIN_MAIN,
-                      TRAIN_RUNTIME)
+from .runtime import (CLUSTER_HELP, FORWARD_HELP, FUNCTIONAL, IMPORTS, MAIN, ONNX_READER, RUNTIME,
+                      TRAIN_HELP, TRAIN_MAIN, TRAIN_RUNTIME)
 
 # op -> format string; {0}, {1}: operand variables, {name}: attribute as a Python literal
 OP_FORMATS = {
@@ -127,14 +128,15 @@ TORCH_DTYPES = {"float32": "torch.float32", "float64": "torch.float64", "float16
                 "bool": "torch.bool"}
 COMMENT_WIDTH = 108
 
-_TOP_NAMES = set(re.findall(r"^(?:def )?([A-Za-z_]\w*)", RUNTIME + MAIN + TRAIN_MAIN + ONNX_READER,
-                            re.M))
+_TOP_NAMES = set(re.findall(r"^(?:def )?([A-Za-z_]\w*)", RUNTIME + MAIN + TRAIN_MAIN + ONNX_READER
+                            + FUNCTIONAL, re.M)) | {"funcol"}
 RESERVED = (set(keyword.kwlist) | set(dir(builtins)) | _TOP_NAMES
             | {"torch", "dist", "p", "inp", "argparse", "importlib", "json", "math", "os", "sys", "time",
                "PROFILE", "DIST_BACKEND", "PRELUDE", "profile_device", "MESH", "GROUP_RANKS",
                "PARAMS", "INPUTS", "OUTPUT_LAYOUTS", "OUTPUT_GLOBAL_SHAPES", "SHARDED_OUTPUT",
                "RUN_HINT", "load_params", "load_inputs", "forward", "STATE", "CARRIED", "STEP_INPUT",
-               "TRAIN_STEPS", "MAX_STEPS", "train_step"} | set(NORM_HELPERS) | set(REDUCE_HELPERS))
+               "TRAIN_STEPS", "MAX_STEPS", "train_step"} | set(NORM_HELPERS) | set(REDUCE_HELPERS)
+            | set(CLUSTER_NAMES))
 
 
 class EmitError(ParcompError):
@@ -156,7 +158,8 @@ def _program_of(compiled) -> Program:
     return prog
 
 
-def emit_program(compiled, profile="cpu", model: str | None = None, steps: int | None = None) -> str:
+def emit_program(compiled, profile="cpu", model: str | None = None, steps: int | None = None,
+                 functional: bool = False) -> str:
     """The text of ``program.py`` for ``compiled`` (a :class:`parcomp.compiler.Compiled`).
 
     Args:
@@ -167,6 +170,8 @@ def emit_program(compiled, profile="cpu", model: str | None = None, steps: int |
             a ``.onnx`` file's program also reads that file as its checkpoint.
         steps: a training program's default ``--steps``; default: the spec's
             (``Program.train.steps``). Ignored for forward programs.
+        functional: collectives from ``torch.distributed._functional_collectives`` (new
+            tensors, nothing in place), so ``program.py --compile`` captures whole steps.
 
     Returns:
         Python source, one statement per line, ending in a newline.
@@ -189,7 +194,7 @@ def emit_program(compiled, profile="cpu", model: str | None = None, steps: int |
     if model and model.endswith(".onnx"):
         runtime += "\n\n\n" + ONNX_READER
     parts = [_profile_block(prof), _constants(prog, train), runtime, *runtime_sections(program),
-             *reduce_sections(program),
+             *reduce_sections(program), *([FUNCTIONAL] if functional else []),
              _loaders(prog, train), _forward(prog, names, train), TRAIN_MAIN if train else MAIN]
     head = _header(prog, model, train) + "\n" + IMPORTS
     return "\n\n\n".join(p.strip("\n") for p in [head] + parts) + "\n"
@@ -286,7 +291,7 @@ def _header(prog, model, train) -> str:
         f"    {_run_hint(program, model)} [--device cpu]",
         "",
         *(TRAIN_HELP if train else FORWARD_HELP).format(
-            out=out, steps=train and train.steps,
+            out=out, steps=train and train.steps, cluster=CLUSTER_HELP,
             step=f"; input {train.step} = k" if train and train.step else "").split("\n"),
     ]
     return '"""' + "\n".join(lines) + '\n"""'
@@ -308,6 +313,9 @@ def _profile_block(prof) -> str:
              f"PROFILE = {json.dumps(prof.name)}",
              f"DIST_BACKEND = {json.dumps(prof.dist_backend)}",
              f"PRELUDE = {_py_tuple(prof.prelude)}  # imported first; skipped under --device cpu",
+             f"BIND_DEVICE_ID = {prof.bind_device_id}  # init_process_group(device_id=DEVICE)",
+             "LAUNCH_ENV = (  # --print-launch: set on every node before torchrun",
+             *(f"    {json.dumps(line)}," for line in prof.launch_env), ")",
              "", "",
              "def profile_device():",
              f'    """Bind this process to its device under profile {prof.name} and return it."""']
@@ -315,6 +323,8 @@ def _profile_block(prof) -> str:
         lines += [f"    if not ({prof.check}):", f"        fail(f{json.dumps(prof.check_message)})"]
     if prof.set_device:
         lines.append(f"    {prof.set_device}")
+    if prof.dtype_check:
+        lines += [f"    if not ({prof.dtype_check}):", f"        fail(f{json.dumps(prof.dtype_message)})"]
     lines += [f"    return torch.device({prof.device})", "# ---- end of PROFILE ----"]
     return "\n".join(lines)
 
@@ -342,6 +352,7 @@ def _constants(prog, train) -> str:
             {pub: list(_global_shape(program, program[v])) for pub, v in outs}),
         f"SHARDED_OUTPUT = {not _all_replicated(program)}  # True: every rank writes its own slices",
         f"RUN_HINT = {json.dumps(_run_hint(program))}",
+        *cluster_constants(prog),
     ]
     if train:
         lines += ["# optimizer state: zeros at step 1 (--replay files carry it)",

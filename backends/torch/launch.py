@@ -125,12 +125,13 @@ def write_inputs(inputs, path) -> str:
 
 
 def write_program(compiled, directory, profile="cpu", model: str | None = None,
-                  steps: int | None = None) -> str:
-    """Emit ``compiled`` into ``directory/program.py``; returns the file's path."""
+                  steps: int | None = None, functional: bool = False) -> str:
+    """Emit ``compiled`` into ``directory/program.py`` (``functional``: see
+    :func:`.emit.emit_program`); returns the file's path."""
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(str(directory), "program.py")
     with open(path, "w", encoding="utf-8") as f:
-        f.write(emit_program(compiled, profile, model, steps))
+        f.write(emit_program(compiled, profile, model, steps, functional))
     return path
 
 

@@ -29,6 +29,14 @@ class DeviceProfile:
         set_device: statement binding the process to its device, or None.
         check: expression that must be true before ``set_device`` runs, or None.
         check_message: what ``program.py`` prints (then exits 2) when ``check`` is false.
+        bind_device_id: pass ``device_id`` to ``init_process_group`` (its communicators then
+            start at init, not at the first collective after loading).
+        launch_env: the lines ``--print-launch`` prints before torchrun: what a user sets
+            on each node (docs/deploy.md explains each); ``{devices}`` is 0,..,D-1 for D
+            devices per node, ``{timeout}`` the program's collective timeout in seconds.
+        dtype_check: expression that must be true once the device is bound (it may read
+            ``COLLECTIVE_DTYPES``, the dtypes the program's collectives carry), or None.
+        dtype_message: what ``program.py`` prints (then exits 2) when ``dtype_check`` is false.
     """
 
     name: str
@@ -38,10 +46,29 @@ class DeviceProfile:
     set_device: str | None = None
     check: str | None = None
     check_message: str = ""
+    bind_device_id: bool = False
+    launch_env: tuple = ()
+    dtype_check: str | None = None
+    dtype_message: str = ""
+
+
+_GLOO_ENV = ("export GLOO_SOCKET_IFNAME=eth0  # the interface that reaches the other nodes",)
+_NCCL_ENV = ("export NCCL_SOCKET_IFNAME=eth0  # the interface for bootstrap and socket traffic",
+             "export NCCL_IB_HCA=mlx5  # the InfiniBand/RoCE adapters (ibv_devices lists them)",
+             "export NCCL_DEBUG=WARN  # INFO prints the rings and transports NCCL picked")
+_HCCL_ENV = ("source /usr/local/Ascend/ascend-toolkit/set_env.sh  # the CANN environment",
+             "export HCCL_IF_IP=THIS_NODE_IP  # or HCCL_SOCKET_IFNAME=eth0: the host interface",
+             "export HCCL_CONNECT_TIMEOUT=600  # seconds to build links (default 120)",
+             "export HCCL_EXEC_TIMEOUT={timeout}  # seconds a collective may wait (default 1836)",
+             "export HCCL_BUFFSIZE=200  # MB per communicator buffer (default 200)",
+             "# export HCCL_DETERMINISTIC=true  # reproducible reductions, slower",
+             "export ASCEND_RT_VISIBLE_DEVICES={devices}  # the NPUs of this node")
+# HCCL reduces bfloat16 only on Atlas A2 (Ascend910B) and newer; these names are older chips
+_ASCEND_NO_BF16 = ("Ascend910A", "Ascend910Pro", "Ascend910Premium", "Ascend310")
 
 
 PROFILES: dict = {p.name: p for p in (
-    DeviceProfile("cpu", "gloo", '"cpu"'),
+    DeviceProfile("cpu", "gloo", '"cpu"', launch_env=_GLOO_ENV),
     DeviceProfile("cuda", "nccl", 'f"cuda:{LOCAL_RANK}"',
                   set_device="torch.cuda.set_device(LOCAL_RANK)",
                   check="torch.cuda.is_available() and torch.cuda.device_count() > LOCAL_RANK",
@@ -49,14 +76,22 @@ PROFILES: dict = {p.name: p for p in (
                                 "{torch.__version__} (CUDA build: {torch.version.cuda}) sees "
                                 "{torch.cuda.device_count()} GPUs, LOCAL_RANK {LOCAL_RANK} needs "
                                 "{LOCAL_RANK + 1}; install a CUDA build of torch, check "
-                                "CUDA_VISIBLE_DEVICES, or rerun with --device cpu (CPU/gloo, no GPU)"),
+                                "CUDA_VISIBLE_DEVICES, or rerun with --device cpu (CPU/gloo, no GPU)",
+                  bind_device_id=True, launch_env=_NCCL_ENV),
     DeviceProfile("ascend", "hccl", 'f"npu:{LOCAL_RANK}"', prelude=("torch_npu",),
                   set_device="torch.npu.set_device(LOCAL_RANK)",
                   check="torch.npu.device_count() > LOCAL_RANK",
                   check_message="profile ascend: torch_npu sees {torch.npu.device_count()} NPUs, "
                                 "LOCAL_RANK {LOCAL_RANK} needs {LOCAL_RANK + 1}; check "
                                 "ASCEND_RT_VISIBLE_DEVICES and the CANN environment (source "
-                                "set_env.sh), or rerun with --device cpu (CPU/gloo, no NPU)"),
+                                "set_env.sh), or rerun with --device cpu (CPU/gloo, no NPU)",
+                  launch_env=_HCCL_ENV,
+                  dtype_check=f'"bfloat16" not in COLLECTIVE_DTYPES or not '
+                              f'torch.npu.get_device_name().startswith({_ASCEND_NO_BF16!r})',
+                  dtype_message="profile ascend: this program's collectives carry bfloat16, which "
+                                "HCCL supports on Atlas A2 (Ascend910B) and newer, not on "
+                                "{torch.npu.get_device_name()}; compile the model in float32 or "
+                                "float16, or rerun with --device cpu"),
 )}
 
 

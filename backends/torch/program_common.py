@@ -25,12 +25,15 @@ import time
 import torch
 import torch.distributed as dist
 
+from .program_loading import *  # the loading section (program.py holds it too)
+
 # ---- stand-ins for what the emitter generates (never pasted): a one-rank program ----
 PROFILE = "cpu"
 DIST_BACKEND = "gloo"
 PRELUDE = ()
 MESH = {"x": 1}
 GROUP_RANKS = {"x": [[0]]}
+COMM_AXES = ("x",)
 PARAMS = ()
 INPUTS = ()
 OUTPUT_LAYOUTS = {}
@@ -74,10 +77,12 @@ AXIS = {axis: i for i, axis in enumerate(MESH)}
 DEVICE = torch.device("cpu")  # set by main()
 GROUPS = {}  # mesh axis -> this rank's process group, set by make_groups()
 FILES = {}  # "checkpoint" / "input" -> the path read (for messages), set by read_tensors()
+FAILED = []  # the messages fail() printed on this rank (agree() gathers the last one)
 
 
 def fail(message):
     """Print ``message`` on stderr (one write, so ranks' lines do not interleave) and exit 2."""
+    FAILED.append(message)
     sys.stderr.write(f"program.py (rank {RANK}): error: {message}\n")
     sys.stderr.flush()
     sys.exit(2)
@@ -96,8 +101,13 @@ COORD = mesh_coords(RANK)
 
 
 def make_groups():
-    """One process group per line of each mesh axis; every rank creates all of them, in order."""
-    for axis, lines in GROUP_RANKS.items():
+    """The process group of each axis the program communicates over (COMM_AXES): WORLD when
+    the axis spans every rank, else one group per line of the axis, made by every rank in order."""
+    for axis in COMM_AXES:
+        lines = GROUP_RANKS[axis]
+        if len(lines) == 1:  # one line holds every rank: no second communicator
+            GROUPS[axis] = dist.group.WORLD
+            continue
         for ranks in lines:
             group = dist.new_group(ranks)
             if RANK in ranks:
@@ -105,8 +115,14 @@ def make_groups():
 
 
 # ---- layout changes; semantics: parcomp/reference/interpreter.py (_LAYOUT_OPS) ----
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+def collective(new, old):
+    """The torch.distributed function to call, looked up when called (after the PRELUDE
+    imports): a replacement of ``old`` that a device module installed (torch_npu, torchair)
+    wins; else ``new`` where this torch has it, else ``old``."""
+    replaced = getattr(dist, old, None)
+    if replaced is not None and getattr(replaced, "__module__", "").startswith("torch.distributed"):
+        return getattr(dist, new, None) or replaced
+    return replaced or getattr(dist, new)
 
 
 def all_reduce(x, axis):
@@ -143,7 +159,7 @@ def all_gather(x, dim, axis):
     """S(dim) -> R: concatenate the group's shards along ``dim``, in coordinate order."""
     x0 = x.movedim(dim, 0).contiguous()
     out = x0.new_empty((MESH[axis] * x0.shape[0],) + tuple(x0.shape[1:]))
-    _all_gather_single(out, x0, group=GROUPS[axis])
+    collective("all_gather_single", "all_gather_into_tensor")(out, x0, group=GROUPS[axis])
     return out.movedim(0, dim).contiguous()
 
 
@@ -151,16 +167,18 @@ def reduce_scatter(x, dim, axis):
     """P -> S(dim): sum over the group, keep this rank's chunk of ``dim``."""
     x0 = x.movedim(dim, 0).contiguous()
     out = x0.new_empty((x0.shape[0] // MESH[axis],) + tuple(x0.shape[1:]))
-    _reduce_scatter_single(out, x0, op=dist.ReduceOp.SUM, group=GROUPS[axis])
+    collective("reduce_scatter_single", "reduce_scatter_tensor")(out, x0, op=dist.ReduceOp.SUM,
+                                                                 group=GROUPS[axis])
     return out.movedim(0, dim).contiguous()
 
 
 def all_to_all(x, src_dim, dim, axis):
-    """S(src_dim) -> S(dim): chunk j of ``dim`` goes to coordinate j; concatenate along ``src_dim``."""
-    send = [c.contiguous() for c in x.chunk(MESH[axis], dim)]
-    recv = [torch.empty_like(c) for c in send]
-    dist.all_to_all(recv, send, group=GROUPS[axis])
-    return torch.cat(recv, dim=src_dim)
+    """S(src_dim) -> S(dim): chunk j of ``dim`` goes to coordinate j; concatenate along ``src_dim``.
+    One contiguous ``all_to_all_single`` (chunk j at row j), HCCL's robust path."""
+    send = torch.stack(x.chunk(MESH[axis], dim))
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=GROUPS[axis])
+    return torch.cat(recv.unbind(0), dim=src_dim)
 
 
 def shard_slice(x, dim, axis):
@@ -262,6 +280,8 @@ def read_inputs(path):
 def take(tensors, name, shape, dtype):
     """The full tensor ``name`` of a loaded file, checked against its full (unsharded) shape
     and the dtype the program was compiled for (never cast: a mismatch exits 2)."""
+    if isinstance(tensors, Checkpoint):  # this rank's bytes only, read by place()
+        return tensors.take(name, shape, dtype)
     what = "param" if name in PARAMS else "input"
     if name not in tensors:
         have = ", ".join(sorted(map(str, tensors))[:10]) or "nothing"
@@ -279,7 +299,10 @@ def take(tensors, name, shape, dtype):
 
 
 def place(t):
-    """A compact copy of ``t`` on DEVICE (so the full tensor it was cut from can be freed)."""
+    """A compact copy of ``t`` on DEVICE (so the full tensor it was cut from can be freed);
+    a checkpoint Slice is read here."""
+    if isinstance(t, Slice):
+        return t.read().to(DEVICE)
     return torch.empty(t.shape, dtype=t.dtype, device=DEVICE).copy_(t)
 
 
@@ -297,11 +320,29 @@ def note_unused(tensors, used, what):
         sys.stderr.flush()
 
 
-def load_checkpoint(path):
-    """This rank's slices of the params in the checkpoint at ``path`` (unused keys noted)."""
-    ckpt = read_tensors(path, "checkpoint")
-    note_unused(ckpt, PARAMS, "checkpoint")
-    return load_params(ckpt)
+def load_checkpoint(path, key_map=(), report=None):
+    """This rank's slices of the params in the checkpoint at ``path`` (a file, a directory or
+    an index.json; keys through ``key_map``), unused keys noted; with ``report``, this rank's
+    load report goes to rank_path(report, RANK). Raises LoadError naming the file."""
+    start, rss = time.perf_counter(), current_rss()
+    ckpt = open_checkpoint(path, key_map, read_tensors)
+    FILES["checkpoint"] = path
+    note_unused(dict.fromkeys(ckpt.entries), {ckpt.key(n) for n in PARAMS}, "checkpoint")
+    params = load_params(ckpt)
+    if report:
+        with open(rank_path(report, RANK), "w", encoding="utf-8") as f:
+            json.dump(load_report(ckpt, time.perf_counter() - start, rss), f)
+    return params
+
+
+def fail_load(error):
+    """Exit 2 with a LoadError's message. Every rank finds a broken checkpoint at the same
+    point, so each exits 2 on its own: torchrun's SIGTERM to the others once the first has
+    exited is ignored from here on, so it cannot turn their exit 2 into -15."""
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    fail(str(error))
 # <<< program.py
 
 
@@ -388,21 +429,25 @@ def keep_freed_memory():
 
 
 def main(argv=None):
-    """Check the world, pick the device, start torch.distributed, run, always shut it down."""
+    """Check the world, pick the device, start torch.distributed, check the placement, run,
+    always shut it down (``--print-launch``: print the launch lines instead)."""
     global DEVICE
+    if launch_request(argv) is not None:  # before parse_args: it needs no --checkpoint
+        return print_launch(launch_request(argv))
     args = parse_args(argv)
     check_world()
-    if args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
-        fail(f"--output {args.output}: its directory does not exist")
     keep_freed_memory()
     if args.device == "cpu":
         backend, DEVICE = "gloo", torch.device("cpu")
     else:
         import_prelude()
         backend, DEVICE = DIST_BACKEND, profile_device()
-    dist.init_process_group(backend)
+    init_dist(backend, args)  # then every failure is agreed on: no rank waits for one that left
     try:
+        check_placement(args.placement)
         run(args)
+    except LoadError as e:  # a checkpoint that cannot be loaded: the message names the file
+        fail_load(e)
     finally:
         dist.destroy_process_group()
 # <<< program.py

@@ -9,6 +9,7 @@ import argparse
 import torch
 
 from .program_common import *
+from .program_cluster import *
 
 # ---- stand-ins for what the emitter generates (never pasted) ----
 def forward(params, inputs):
@@ -33,25 +34,37 @@ def write_outputs(outputs, path):
 def parse_args(argv):
     """Command line (see the module docstring)."""
     ap = argparse.ArgumentParser(description=f"parcomp program for mesh {MESH_TEXT}; run: {RUN_HINT}")
-    ap.add_argument("--checkpoint", required=bool(PARAMS), help=".pt state_dict or .safetensors")
+    ap.add_argument("--checkpoint", required=bool(PARAMS),
+                    help=".safetensors, .pt state_dict, or a sharded checkpoint (directory or index.json)")
+    ap.add_argument("--key-map", type=key_map_arg, default=(), metavar="RULES", help=KEY_MAP_HELP)
+    ap.add_argument("--load-report", metavar="FILE", help=LOAD_REPORT_HELP)
     ap.add_argument("--input", required=bool(INPUTS), help=".pt or .safetensors dict of inputs")
     ap.add_argument("--output", help="where to write the outputs (.pt)")
     ap.add_argument("--device", choices=sorted({"cpu", PROFILE}), default=PROFILE)
     ap.add_argument("--bench", type=bench_count, default=0, metavar="N", help="time N forward steps")
+    add_cluster_args(ap)
     return ap.parse_args(argv)
 # <<< program.py
 
 
 # >>> program.py: run
+def load(args):
+    """This rank's params and inputs (``--output``'s directory checked first); under agree()."""
+    check_output(args.output)
+    params = load_checkpoint(args.checkpoint, args.key_map, args.load_report) if PARAMS else {}
+    inputs = load_inputs(read_inputs(args.input)) if INPUTS else {}
+    return params, inputs
+
+
 def run(args):
     """Everything between init_process_group and destroy_process_group."""
     make_groups()
-    params = load_checkpoint(args.checkpoint) if PARAMS else {}
-    inputs = load_inputs(read_inputs(args.input)) if INPUTS else {}
+    params, inputs = agree(lambda: load(args), "loading")
+    step = compiled_step(forward, args)
     with torch.inference_mode():
-        outputs = forward(params, inputs)
+        outputs = step(params, inputs)
         if args.bench > 0:
-            bench(forward, params, inputs, args.bench)
+            bench(step, params, inputs, args.bench)
     if args.output:
-        write_outputs(outputs, args.output)
+        agree(lambda: write_outputs(outputs, args.output), "writing the outputs")
 # <<< program.py

@@ -9,6 +9,7 @@ import argparse
 import torch
 
 from .program_common import *
+from .program_cluster import *
 
 # ---- stand-ins for what the emitter generates (never pasted) ----
 MAX_STEPS = 1_000_000  # parcomp.program.MAX_STEPS, emitted as a constant
@@ -49,7 +50,10 @@ def step_count(text):
 def parse_args(argv):
     """Command line (see the module docstring)."""
     ap = argparse.ArgumentParser(description=f"parcomp program for mesh {MESH_TEXT}; run: {RUN_HINT}")
-    ap.add_argument("--checkpoint", required=True, help=".pt state_dict or .safetensors")
+    ap.add_argument("--checkpoint", required=True,
+                    help=".safetensors, .pt state_dict, or a sharded checkpoint (directory or index.json)")
+    ap.add_argument("--key-map", type=key_map_arg, default=(), metavar="RULES", help=KEY_MAP_HELP)
+    ap.add_argument("--load-report", metavar="FILE", help=LOAD_REPORT_HELP)
     ap.add_argument("--input", required=bool(INPUTS),
                     help=".pt dict of inputs for every step, or a list of one dict per step")
     ap.add_argument("--output", help="where to write the last step's outputs and the losses (.pt)")
@@ -58,9 +62,12 @@ def parse_args(argv):
     ap.add_argument("--device", choices=sorted({"cpu", PROFILE}), default=PROFILE)
     ap.add_argument("--bench", type=bench_count, default=0, metavar="N",
                     help="time N training steps from the loaded parameters (not applied)")
+    ap.add_argument("--log-every", type=step_count, default=1, metavar="N",
+                    help="rank 0 prints the loss of every N-th step and the last (default 1)")
     ap.add_argument("--replay", metavar="FILE",
                     help="a .pt list of K full checkpoints (optimizer state included): step k starts "
                          "from the k-th instead of step k-1's result (parcomp run's step-by-step check)")
+    add_cluster_args(ap)
     return ap.parse_args(argv)
 # <<< program.py
 
@@ -84,10 +91,13 @@ def read_batches(path, steps):
     return [load_inputs(f) for f in feeds]
 
 
-def with_step(inputs, k):
-    """The inputs of step ``k`` (counted from 1), with the step number the optimizer reads."""
+def with_step(inputs, k, numbers=None):
+    """The inputs of step ``k`` (counted from 1), with the step number the optimizer reads
+    (``numbers[k-1]`` when given: a view of one device tensor, no copy to the device per step)."""
     if STEP_INPUT is None:
         return inputs
+    if numbers is not None:
+        return {**inputs, STEP_INPUT: numbers[k - 1]}
     return {**inputs, STEP_INPUT: torch.tensor(float(k), dtype=torch.float32, device=DEVICE)}
 
 
@@ -101,36 +111,47 @@ def read_replay(path, steps):
     return [load_params(s) for s in states]
 
 
-def train(params, batches, starts=None):
-    """One train_step per batch; the CARRIED outputs are the next step's params and state
-    (with ``starts``, step k starts from ``starts[k-1]`` instead).
+def train(params, batches, starts=None, step=None, log_every=1):
+    """One ``step`` (default train_step) per batch; the CARRIED outputs are the next step's
+    params and state (with ``starts``, step k starts from ``starts[k-1]`` instead).
 
-    Rank 0 prints each step's loss. Returns the last step's outputs and every loss (floats).
+    Losses stay on the device: rank 0 prints every ``log_every``-th step's loss and the last
+    (the only reads to the host). Returns the last step's outputs and every loss (floats).
     """
-    outputs, losses = {}, []
+    step, outputs, losses = step or train_step, {}, []
+    numbers = torch.arange(1, len(batches) + 1, dtype=torch.float32, device=DEVICE)
     for k, inputs in enumerate(batches, start=1):
         if starts is not None:
             params = {**params, **starts[k - 1]}
-        outputs = train_step(params, with_step(inputs, k))
+        outputs = step(params, with_step(inputs, k, numbers))
         params = {**params, **{name: outputs[name] for name in CARRIED}}
         losses.append(outputs["loss"])
-        if RANK == 0:
+        if RANK == 0 and (k % log_every == 0 or k == len(batches)):
             print(f"step {k} loss {outputs['loss'].item():.6g}", flush=True)
-    return outputs, [loss.item() for loss in losses]
+    return outputs, torch.stack(losses).tolist() if losses else []
+
+
+def load(args):
+    """This rank's params, every step's inputs and the --replay starts (``--output``'s
+    directory checked first); under agree()."""
+    check_output(args.output)
+    params = load_checkpoint(args.checkpoint, args.key_map, args.load_report)
+    batches = read_batches(args.input, args.steps) if INPUTS else [{}] * args.steps
+    with torch.no_grad():
+        starts = read_replay(args.replay, args.steps) if args.replay else None
+    return params, batches, starts
 
 
 def run(args):
     """Everything between init_process_group and destroy_process_group."""
     make_groups()
-    params = load_checkpoint(args.checkpoint)
-    batches = read_batches(args.input, args.steps) if INPUTS else [{}] * args.steps
+    params, batches, starts = agree(lambda: load(args), "loading")
     with torch.no_grad():  # the backward pass is explicit in train_step: no autograd state
-        starts = read_replay(args.replay, args.steps) if args.replay else None
-        outputs, losses = train(params, batches, starts)
+        outputs, losses = train(params, batches, starts, compiled_step(train_step, args), args.log_every)
         if args.bench > 0:
             # on copies: train_step updates params and state in place
             copies = {k: v.clone() for k, v in params.items()}
             bench(train_step, copies, with_step(batches[0], 1), args.bench)
     if args.output:
-        write_outputs(outputs, losses, args.output)
+        agree(lambda: write_outputs(outputs, losses, args.output), "writing the outputs")
 # <<< program.py

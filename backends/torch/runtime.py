@@ -1,7 +1,8 @@
 """The fixed parts of every emitted ``program.py``, pasted from real modules.
 
 The runtime is Python in :mod:`.program_common` (process facts, collectives,
-loading, the world check, ``main``), :mod:`.program_forward` and
+loading, the world check, ``main``), :mod:`.program_loading` (checkpoints: each
+rank reads only its own bytes), :mod:`.program_forward` and
 :mod:`.program_train` (outputs, argument parsing, ``run`` / the training loop).
 Each marks what program.py holds with ``# >>> program.py: NAME`` ...
 ``# <<< program.py``; this module pastes those sections (read as text, so
@@ -12,7 +13,9 @@ and :data:`MAIN` (after the generated ``forward``), or :data:`TRAIN_RUNTIME` and
 The sections use only names the emitter defines: ``MESH``, ``GROUP_RANKS``,
 ``PARAMS``, ``INPUTS``, ``OUTPUT_LAYOUTS``, ``OUTPUT_GLOBAL_SHAPES``,
 ``SHARDED_OUTPUT``, ``RUN_HINT``, ``PROFILE``, ``DIST_BACKEND``, ``PRELUDE``,
-``profile_device``, ``load_params``, ``load_inputs``, ``forward``; a training
+``profile_device``, ``load_params``, ``load_inputs``, ``forward``, and for the cluster
+section (:mod:`.program_cluster`) ``COMM_AXES``, ``HOST_AXES``, ``PLACEMENT``, ``TIMEOUT_S``,
+``TOPOLOGY``, ``LAUNCH_ENV``, ``BIND_DEVICE_ID``; a training
 program's also ``STATE``, ``CARRIED``, ``STEP_INPUT``, ``TRAIN_STEPS``,
 ``MAX_STEPS`` and ``train_step``.
 """
@@ -34,10 +37,12 @@ def sections(module: str) -> dict:
 # ---- the header: imports and the option lines of the docstring ({out}: where outputs go) ----
 IMPORTS = """\
 import argparse
+import datetime
 import importlib
 import json
 import math
 import os
+import socket
 import sys
 import time
 
@@ -46,24 +51,41 @@ import torch.distributed as dist"""
 
 # the option lines of the module docstring; {out}: where the outputs go
 FORWARD_HELP = """\
---checkpoint  torch state_dict (.pt) or .safetensors with the full (unsharded) parameters;
-              each rank keeps only its own slice
+--checkpoint  .safetensors, torch state_dict (.pt), or transformers' sharded layout (a directory
+              or model.safetensors.index.json) with the full (unsharded) parameters; each rank
+              reads only its own slices (docs/deploy.md, "Loading checkpoints")
+--key-map     PARAM_PREFIX=KEY_PREFIX,...: checkpoint keys that differ from the param names
+--load-report FILE: each rank writes its load (bytes read, peak memory) to FILE.rank{{r}}.json
 --input       .pt or .safetensors dict {{input name: full tensor}} (or one tensor: one input)
 --output      {out}
 --device cpu  run on CPU with gloo whatever the profile (see the PROFILE block)
---bench N     N warm-up + N timed forward steps; rank 0 prints {{"step_ms": [...]}}\
+--bench N     N warm-up + N timed forward steps; rank 0 prints {{"step_ms": [...]}}
+{cluster}\
 """
 
 TRAIN_HELP = """\
---checkpoint  torch state_dict (.pt) or .safetensors with the full (unsharded) parameters;
-              each rank keeps only its own slice; optimizer state starts at zeros
+--checkpoint  .safetensors, torch state_dict (.pt), or transformers' sharded layout (a directory
+              or model.safetensors.index.json) with the full (unsharded) parameters; each rank
+              reads only its own slices; optimizer state starts at zeros
+--key-map     PARAM_PREFIX=KEY_PREFIX,...: checkpoint keys that differ from the param names
+--load-report FILE: each rank writes its load (bytes read, peak memory) to FILE.rank{{r}}.json
 --input       .pt dict {{input name: full tensor}} used by every step, or a list of one such
               dict per step (.safetensors: one dict)
 --steps K     train steps k = 1..K (default {steps}){step}; rank 0 prints "step k loss L"
 --output      the last step's outputs, and "losses": [loss of every step] in the file(s):
               {out}
 --device cpu  run on CPU with gloo whatever the profile (see the PROFILE block)
---bench N     N warm-up + N timed training steps (not applied); rank 0 prints {{"step_ms": [...]}}\
+--bench N     N warm-up + N timed training steps (not applied); rank 0 prints {{"step_ms": [...]}}
+--log-every N rank 0 prints the loss of every N-th step and the last; losses stay on the device
+{cluster}\
+"""
+
+# the option lines every program has (the cluster section, :mod:`.program_cluster`)
+CLUSTER_HELP = """\
+--compile     run the step under torch.compile
+--timeout S   seconds a collective may wait (default: TIMEOUT_S below)
+--placement   refuse (default: PLACEMENT below) or warn when a tp group spans hosts
+--print-launch [NODESxDEVICES]  print each node's environment and torchrun line, then exit\
 """
 
 
@@ -73,11 +95,15 @@ def _join(*chunks) -> str:
 
 
 _COMMON, _FORWARD, _TRAIN = sections("program_common"), sections("program_forward"), sections("program_train")
-RUNTIME = _join(_COMMON["process"], _COMMON["read_inputs"], _COMMON["take_place"])
+_LOADING = sections("program_loading")["loading"]  # checkpoint loading: each rank reads its own bytes
+_CLUSTER = sections("program_cluster")["cluster"]
+RUNTIME = _join(_COMMON["process"], _COMMON["read_inputs"], _COMMON["take_place"], _LOADING)
 MAIN = _join(_COMMON["rank_path"], _FORWARD["write_outputs"], _COMMON["sync"], _COMMON["bench"],
-             _FORWARD["parse_args"], _COMMON["world"], _FORWARD["run"], _COMMON["main"], _COMMON["entry"])
-TRAIN_RUNTIME = _join(_COMMON["process"], _COMMON["take_place"])
+             _FORWARD["parse_args"], _COMMON["world"], _CLUSTER, _FORWARD["run"], _COMMON["main"],
+             _COMMON["entry"])
+TRAIN_RUNTIME = _join(_COMMON["process"], _COMMON["take_place"], _LOADING)
+FUNCTIONAL = sections("program_functional")["functional"]  # emit_program(functional=True)
 ONNX_READER = _COMMON["onnx"]  # appended to the runtime of a program compiled from an .onnx file
 TRAIN_MAIN = _join(_COMMON["rank_path"], _TRAIN["write_outputs"], _COMMON["sync"], _COMMON["bench"],
-                   _TRAIN["parse_args"], _COMMON["world"], _TRAIN["loop"], _COMMON["main"],
+                   _TRAIN["parse_args"], _COMMON["world"], _CLUSTER, _TRAIN["loop"], _COMMON["main"],
                    _COMMON["entry"])

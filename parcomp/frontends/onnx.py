@@ -4,8 +4,11 @@
 until a weight is needed), runs ``onnx.checker`` (a failure is an error with the
 checker's message) and ``onnx.shape_inference`` (strict), and needs opset 17 or
 later of the default domain.  Every node is then lowered (:mod:`.onnx_graph`) through
-:data:`parcomp.frontends.onnx_ops.TABLE`, after GELU formulas are recognised
-(:mod:`.onnx_patterns`) and nodes no output needs are dropped.
+:data:`parcomp.frontends.onnx_ops.TABLE` (the MLP ops; the transformer ops of
+:mod:`.onnx_transformer`), after GELU formulas (:mod:`.onnx_patterns`), attention
+(:mod:`.onnx_attention`, -> ``sdpa``) and RMSNorm (:mod:`.onnx_norms`) are recognised
+and nodes no output needs are dropped; fused q|k|v weights are then split per part
+(:mod:`.fused`), as for torch.
 
 - Initializers read as tensors become ``param`` nodes named as in the file
   (``c_fc.weight``: torch.onnx.export keeps the ``state_dict`` names when exporting with
@@ -16,7 +19,11 @@ later of the default domain.  Every node is then lowered (:mod:`.onnx_graph`) th
 - Graph inputs that are not initializers become ``input`` nodes; outputs keep their names.
 - Integer initializers, one-element initializers and ``Constant`` outputs are constants:
   a node whose inputs are all constants is computed at import (``onnx.reference``), and
-  ``Shape``/``Size`` read the static shape.
+  ``Shape``/``Size`` read the static shape.  A constant tensor a computed node reads is
+  rebuilt as ``arange`` (+ ``reshape``/``expand``) when it is one (position ids); causal
+  masks are read by the attention lowering; any other is an error.
+- A float initializer only combined, elementwise, with constants (RoPE's ``inv_freq``) is
+  a buffer: ``{trainable=false}``.
 - A weight keeps its stored orientation: ``Gemm(transB=1)``/``Transpose -> MatMul``
   lower to ``param -> permute -> matmul``, so ``colwise``/``rowwise`` resolve by use.
 

@@ -17,8 +17,12 @@ from ..ir.graph import Graph, Node, make_attrs
 from ..ir.names import NameGen
 from ..ir.ops import OPS
 from ..ir.types import TensorType
+from .fused import split_fused_weights
+from .onnx_attention import OP as ATTENTION, lower_attention, rewrite_attention
 from .onnx_ops import DTYPES, NO_FOLD, SHAPE_ONLY, TABLE, dtype_of, supported_ops
+from .onnx_norms import rewrite_rms_norm
 from .onnx_patterns import ONode, rewrite_gelu
+from .onnx_transformer import materialize
 
 _INT_TYPES = (2, 3, 4, 5, 6, 7, 12, 13, 9)  # (u)int8..64 and bool: always constants
 
@@ -73,7 +77,7 @@ def _attrs(proto) -> dict:
 
 
 def _scope(proto) -> str | None:
-    """The module path torch.onnx recorded for a node (``c_fc``), or None."""
+    """The module path torch.onnx recorded for a node (``transformer.h.0.mlp.c_fc``), or None."""
     meta = {p.key: p.value for p in proto.metadata_props}
     scopes = meta.get("pkg.torch.onnx.name_scopes")
     if not scopes:
@@ -84,7 +88,7 @@ def _scope(proto) -> str | None:
         parts = [s for s in ast.literal_eval(scopes)[:-1] if s]
     except (ValueError, SyntaxError):
         return None
-    return ".".join(parts) or None
+    return parts[-1] if parts else None  # each scope is the module's full path
 
 
 def _nodes(model) -> list:
@@ -111,7 +115,9 @@ class _Builder:
         self.inits = {t.name: t for t in model.graph.initializer}
         self.order = {t.name: i for i, t in enumerate(model.graph.initializer)}
         self.env, self.params, self.names = {}, {}, NameGen()
-        self.sources, self.nodes, self.types = [], [], {}
+        self.sources, self.nodes, self.types, self.made = [], [], {}, {}
+        self.buffers = set()  # initializers read as {trainable=false} params (see _buffers)
+        self.unmade = {}  # ONNX output -> the node that has it but whose lowering does not make it
         self.cur = None
 
     # -- reading values --
@@ -144,9 +150,16 @@ class _Builder:
         if isinstance(v, str):
             return v
         if isinstance(v, np.ndarray):
-            raise self.fail(f"operand {name!r} is a constant {v.dtype}{list(v.shape)}; parcomp has "
-                            f"no constant tensors: store it as an initializer (a weight)")
-        raise self.fail(f"operand {name!r} is not computed (an optional output parcomp does not make)")
+            made = self.made.get(name) or materialize(self, name, v)  # position ids: arange...
+            if made is None:
+                raise self.fail(f"operand {name!r} is a constant {v.dtype}{list(v.shape)}; parcomp has "
+                                f"no constant tensors (only an arange along one axis is rebuilt): "
+                                f"store it as an initializer (a weight)")
+            self.made[name] = made  # env keeps the constant (folding reads it)
+            return made
+        by = self.unmade.get(name)
+        by = f" of node {by.name!r} ({by.op})" if by is not None else ""
+        raise self.fail(f"operand {name!r} is not computed: an optional output{by} parcomp does not make")
 
     def onnx_type(self, name: str) -> TensorType:
         """The type of ONNX value ``name`` (inferred, or the IR value's)."""
@@ -175,15 +188,15 @@ class _Builder:
             ty = TensorType(tuple(int(d) for d in t.dims), dtype_of(t.data_type))
         except ValueError as e:
             raise self.fail(f"initializer {name!r}: {e}") from None
-        self._source("param", ir, ty, name)
+        self._source("param", ir, ty, name, **({"trainable": False} if name in self.buffers else {}))
         self.params[ir] = name
         return ir
 
-    def _source(self, op: str, ir: str, ty: TensorType, name: str) -> None:
+    def _source(self, op: str, ir: str, ty: TensorType, name: str, **attrs) -> None:
         if ir in self.names:
             raise self.fail(f"{op} name {ir!r} (from {name!r}) is used twice")
         self.names.take(ir)
-        self.sources.append(Node(ir, op, (), ty))
+        self.sources.append(Node(ir, op, (), ty, make_attrs(**attrs)))
         self.types[ir] = ty
 
     # -- making nodes --
@@ -229,6 +242,8 @@ def _lower(b: _Builder, n: ONode) -> list:
         raise _no_rule(b, n)
     if n.op == "Constant":
         return [_constant(n)]
+    if n.op == ATTENTION:
+        return lower_attention(b, n)
     if n.op in SHAPE_ONLY:
         return TABLE[n.op](b, n)
     if n.inputs and n.proto is not None and n.op not in NO_FOLD and \
@@ -270,11 +285,53 @@ def import_onnx(model, path: str = "model.onnx") -> OnnxImport:
     nodes = _nodes(model)
     pre = _scalars(nodes)
     nodes = rewrite_gelu(nodes, lambda v: _const_scalar(b, pre, v))
-    for n in _live(nodes, [o.name for o in graph_proto.output]):
-        for o, r in zip(n.outputs, _lower(b, n)):
+    known = {**{t.name: TensorType(tuple(t.dims), DTYPES.get(t.data_type, "float32")) for t in
+                b.inits.values()}, **{k: t for k, t in b.types_onnx.items() if t is not None}}
+    nodes = rewrite_attention(nodes, lambda v: _const_scalar(b, pre, v), known)
+    nodes = rewrite_rms_norm(nodes, lambda v: _const_scalar(b, pre, v), known)
+    live = _live(nodes, [o.name for o in graph_proto.output])
+    b.buffers = _buffers(live, b.inits, {i.name for i in graph_proto.input} - set(b.inits), known)
+    for n in live:
+        made = _lower(b, n)
+        for o, r in zip(n.outputs, made):
             if o:
                 _bind(b, o, r)
+        b.unmade.update((o, n) for o in n.outputs[len(made):] if o)
     return _finish(b, [o.name for o in graph_proto.output])
+
+
+#: ops whose initializer operands are weights even when the other operands are constants
+WEIGHT_OPS = ("MatMul", "Gemm", "Gather", "LayerNormalization", "RMSNormalization", "Conv")
+#: ops that only view or re-type a value (a weight read through them is still read as one)
+VIEW_OPS = ("Transpose", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity", "Cast", "Expand")
+
+
+def _buffers(nodes: list, inits: dict, inputs: set, types: dict) -> set:
+    """Initializers that are buffers, not weights: read (through views, :data:`VIEW_OPS`, and
+    elementwise ops with a one-element constant: ``W * 0.5`` is still the weight) only by
+    elementwise ops that combine them with a constant tensor (RoPE's ``inv_freq`` times the
+    folded positions), never by a :data:`WEIGHT_OPS` op or together with a value computed
+    from a graph input. ONNX keeps no parameter/buffer distinction; these get
+    ``{trainable=false}`` (no gradient, no optimizer state), as the torch frontend's buffers do.
+    ``types``: ONNX value name -> TensorType (initializers included)."""
+    dep, users = set(inputs), {}
+    for n in nodes:
+        if any(i in dep for i in n.inputs):
+            dep.update(n.outputs)
+        for i in n.inputs:
+            users.setdefault(i, []).append(n)
+    scalar = lambda v: v in types and types[v].numel == 1  # noqa: E731
+
+    def weight(v, depth=0) -> bool:
+        for n in users.get(v, []):
+            others = [j for j in n.inputs if j and j != v]
+            follow = n.op in VIEW_OPS and n.inputs[0] == v or all(scalar(j) for j in others)
+            if n.op in WEIGHT_OPS or any(j in dep for j in others):
+                return True
+            if follow and n.outputs and depth < 8 and weight(n.outputs[0], depth + 1):
+                return True
+        return False
+    return {i for i in inits if i in users and not weight(i)}
 
 
 def _scalars(nodes: list) -> dict:
@@ -335,4 +392,4 @@ def _finish(b: _Builder, outputs: list) -> OnnxImport:
     outs = tuple(ren.get(v, v) for v in values if v is not None)
     names = tuple(p for v, p in zip(values, public) if v is not None)
     graph = Graph(tuple(inputs + params + nodes), outs, output_names=names)
-    return OnnxImport(graph, dict(b.params), consts)
+    return OnnxImport(split_fused_weights(graph), dict(b.params), consts)  # fused q|k|v per part

@@ -67,9 +67,8 @@ def _operands(b, n):
             continue
         v = _float(b, b.value(other), n.op)
         k = _scalar(b, c, v)
-        if k is None:
-            raise b.fail(f"operand {c!r} is a constant of shape {list(b.static(c).shape)} that "
-                         f"is not one repeated number; only scalar constants fold into {n.op}")
+        if k is None:  # a tensor constant: rebuilt as ops when it is an arange (b.value), else an error
+            break
         return (c, v, k, None) if c == x else (v, c, None, k)
     return _float(b, b.value(x), n.op), _float(b, b.value(y), n.op), None, None
 
@@ -143,25 +142,16 @@ def _dropout(b, n):
     return [b.value(n.inputs[0])]
 
 
-def _cast(b, n):
-    v = b.value(n.inputs[0])
-    to = dtype_of(n.attrs["to"])
-    if to != b.type(v).dtype:
-        raise b.fail(f"Cast of a computed {b.type(v)} value to {to}: parcomp does not cast "
-                     f"(only a Cast to the same dtype, or of a constant, is supported)")
-    return [v]
-
-
 def _cast_like(b, n):
     """CastLike(x, like): of a constant, the constant in ``like``'s dtype; of a computed
-    value, only to its own dtype (parcomp does not cast)."""
+    value, itself (same dtype) or a ``cast`` node."""
     to = b.onnx_type(n.inputs[1]).dtype
     c = b.static(n.inputs[0])
     if c is not None:
         return [c.astype(np.dtype(to)) if to != "bfloat16" else c]
     v = b.value(n.inputs[0])
     if b.type(v).dtype != to:
-        raise b.fail(f"CastLike of a computed {b.type(v)} value to {to}: parcomp does not cast")
+        return [b.emit("cast", [v], ty=TensorType(b.type(v).shape, to))]
     return [v]
 
 
@@ -293,8 +283,8 @@ def _size(b, n):
     return [np.array(b.onnx_type(n.inputs[0]).numel, dtype=np.int64)]
 
 
-# ONNX op type -> lowering; the ops an MLP is exported with (transformer ops come with
-# the transformer issue)
+# ONNX op type -> lowering; the ops an MLP is exported with (the transformer ops are added
+# by parcomp/frontends/onnx_transformer.py)
 TABLE = {
     "MatMul": _matmul, "Gemm": _gemm,
     "Add": _add, "Sub": _sub, "Mul": _mul, "Div": _div, "Pow": _pow,
@@ -303,7 +293,7 @@ TABLE = {
     "Sqrt": _unary("pow", exponent=0.5), "Reciprocal": _unary("pow", exponent=-1.0),
     "Reshape": _reshape, "Transpose": _transpose, "Flatten": _flatten,
     "Unsqueeze": _unsqueeze, "Squeeze": _squeeze,
-    "Identity": _identity, "Dropout": _dropout, "Cast": _cast, "CastLike": _cast_like,
+    "Identity": _identity, "Dropout": _dropout, "CastLike": _cast_like,  # Cast: onnx_transformer
     "Shape": _shape, "Size": _size,
 }
 #: ops whose result is known at import even when an input is computed (it reads only the type)
@@ -314,5 +304,7 @@ NO_FOLD = ("RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLi
 
 
 def supported_ops() -> list:
-    """Sorted ONNX op types the frontend lowers (besides ``Constant`` and folded constants)."""
+    """Sorted ONNX op types the frontend lowers (besides ``Constant`` and folded constants);
+    the transformer rows are in :data:`TABLE` once :mod:`parcomp.frontends.onnx` (or
+    :mod:`.onnx_transformer`) is imported."""
     return sorted(set(TABLE) | {"Constant"})

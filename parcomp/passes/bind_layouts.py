@@ -178,10 +178,24 @@ def _matmuls_of(graph, users, name):
     return out
 
 
+def _fused_note(node) -> str:
+    """For a fused weight (GPT-2's ``c_attn``), how its layouts are written: on the view of
+    its parts, not the stored shape (:mod:`parcomp.frontends.fused`)."""
+    stored = tuple(node.attr("stored_shape") or ())
+    if not stored:
+        return ""
+    view = node.type.shape
+    parts = next(d for d in range(len(view)) if d >= len(stored) or view[d] != stored[d])
+    return (f". {node.name} is a fused weight stored as [{','.join(map(str, stored))}] and laid out "
+            f"on the view of its {view[parts]} parts {node.type} (dim {parts} picks the part): a "
+            f"layout names a dim of that view; 'colwise' / 'rowwise' split each part as Megatron does")
+
+
 def _check_even(node, layout, spec, rule):
     problem = divisibility_problem(node.type, layout, spec.mesh)
     if problem:
         note = " (uneven sharding is not supported yet)" if "not divisible" in problem else ""
+        note += _fused_note(node)
         raise SpecError(f"{node.op} {node.name} {node.type} as {layout_str(layout)}: {problem}{note}",
                         rule.loc if rule else None)
 

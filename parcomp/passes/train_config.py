@@ -9,7 +9,9 @@ ValueError or an out-of-memory after compiling.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+import re
 from dataclasses import dataclass
 
 from ..errors import ParcompError, SpecError, closest
@@ -70,6 +72,14 @@ class TrainConfig:
         return dict(self.hyper)[key]
 
 
+def option_loc(loc, key: str):
+    """``loc`` moved to the column where option ``key=`` is written on its line (``loc``
+    itself when the line does not show it), so an error points at the option."""
+    text = getattr(loc, "text", "") or ""
+    m = re.search(rf"(?<![\w.]){re.escape(key)}\s*=", text)
+    return dataclasses.replace(loc, col=m.start() + 1) if m else loc
+
+
 def train_config(spec) -> TrainConfig:
     """Read and check ``spec.train``. Raises SpecError at the train line."""
     t = spec.train
@@ -79,36 +89,38 @@ def train_config(spec) -> TrainConfig:
         if k not in known:
             hint = closest(k, known)
             raise SpecError(f"unknown train option {k!r}" + (f"; did you mean {hint!r}?" if hint else
-                            f"; known: {', '.join(sorted(known))}"), t.loc)
-    loss, loss_args = _loss(t.get("loss", "mse"), t.loc)
+                            f"; known: {', '.join(sorted(known))}"), option_loc(t.loc, k))
+    loss, loss_args = _loss(t.get("loss", "mse"), option_loc(t.loc, "loss"))
     opt = t.get("optimizer", "sgd")
     name, args = (opt, ()) if isinstance(opt, str) else opt
     if name not in OPTIMIZERS:
         raise SpecError(f"optimizer {name!r} is not supported by the backends; supported: "
-                        f"{', '.join(OPTIMIZERS)}", t.loc)
+                        f"{', '.join(OPTIMIZERS)}", option_loc(t.loc, "optimizer"))
     hyper = dict(OPTIMIZERS[name])
     for k, v in args:
         if k not in hyper:
-            raise SpecError(f"{name} has no hyperparameter {k!r}; it takes {', '.join(hyper)}", t.loc)
-        hyper[k] = _number(v, f"{name}({k}=...)", t.loc, float)
-        _check_range(f"{name}({k}={v})", hyper[k], HYPER_RANGES[k], t.loc)
-        _check_float32(f"{name}({k}={v})", hyper[k], HYPER_RANGES[k], t.loc)
-    zero = _number(t.get("zero", 0), "zero", t.loc, int)
+            raise SpecError(f"{name} has no hyperparameter {k!r}; it takes {', '.join(hyper)}",
+                            option_loc(t.loc, k))
+        at = option_loc(t.loc, k)
+        hyper[k] = _number(v, f"{name}({k}=...)", at, float)
+        _check_range(f"{name}({k}={v})", hyper[k], HYPER_RANGES[k], at)
+        _check_float32(f"{name}({k}={v})", hyper[k], HYPER_RANGES[k], at)
+    zero = _number(t.get("zero", 0), "zero", option_loc(t.loc, "zero"), int)
     if zero not in (0, 1, 2):
-        raise SpecError(f"zero={zero}: only 0, 1 and 2 exist", t.loc)
+        raise SpecError(f"zero={zero}: only 0, 1 and 2 exist", option_loc(t.loc, "zero"))
     if zero and "dp" not in spec.mesh.names:
         raise SpecError("zero=1/2 shards optimizer state over a 'dp' mesh axis, and the mesh has none",
                         t.loc)
     batch = t.get("batch")
-    batch = None if batch is None else _count(batch, "batch", MAX_BATCH, t.loc)
-    steps = _count(t.get("steps", 1), "steps", MAX_STEPS, t.loc)
+    batch = None if batch is None else _count(batch, "batch", MAX_BATCH, option_loc(t.loc, "batch"))
+    steps = _count(t.get("steps", 1), "steps", MAX_STEPS, option_loc(t.loc, "steps"))
     input_grads = t.get("input_grads", "yes")
     if input_grads not in ("yes", "no"):
-        raise SpecError(f"input_grads={input_grads!r}: say yes or no", t.loc)
+        raise SpecError(f"input_grads={input_grads!r}: say yes or no", option_loc(t.loc, "input_grads"))
     output = t.get("output")
     if output is not None and not isinstance(output, str):
         raise SpecError(f"output={output!r}: name a model output (quote a name with dots: "
-                        f'output="a.b")', t.loc)
+                        f'output="a.b")', option_loc(t.loc, "output"))
     return TrainConfig(loss, name, tuple(sorted(hyper.items())), batch, steps, zero,
                        str(t.get("trainable", "**")), t.loc, input_grads == "yes", output, loss_args,
                        *_pipeline_options(spec, t))

@@ -204,6 +204,7 @@ class Spec:
     memory: int | None = None  # bytes per device (the `memory` statement), or None
     memory_loc: SourceLoc | None = None
     stages: tuple = ()  # StageRule per pipeline stage, in stage order (empty: none given)
+    launch: tuple = ()  # the topology's placement= / timeout= pairs, sorted (program.py's defaults)
 
     def default_axis(self) -> str:
         """The mesh axis a layout word without ``over`` applies to.

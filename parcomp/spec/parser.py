@@ -56,6 +56,8 @@ _ALPHABET = ("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
 _NAME_CHARS = "names use A-Z, a-z, 0-9, _ and . (patterns also *, layout words and keys also -)"
 MAX_DIGITS = 18  # a whole number must fit in int64
 _TOPOLOGY = ("nodes", "devices_per_node")
+# how program.py runs on a cluster (issue 16): key -> the words it takes, or None: whole seconds
+_LAUNCH_KEYS = {"placement": ("refuse", "warn"), "timeout": None}
 _NAME_PHRASES = {"mesh": "a mesh axis such as tp=2", "topology": "nodes=N, devices_per_node=N or intra=nvlink",
                  "train": "an option such as batch=8"}
 
@@ -252,7 +254,8 @@ class _Builder:
         topo_loc = self.loc(seen["topology"]) if "topology" in seen else None
         return Spec(self.mesh, tuple(rules), self.file, topology, train, topo_loc, links, memory,
                     self.loc(seen["memory"]) if "memory" in seen else None,
-                    check_stages(self, stages, train))
+                    check_stages(self, stages, train),
+                    launch=getattr(self, "launch", ()))
 
     def make_mesh(self, axes) -> Mesh:
         check_mesh_size(axes, self.err)
@@ -269,17 +272,18 @@ class _Builder:
     def make_topology(self, tok, items) -> tuple:
         """``((nodes, devices_per_node) or None, link pairs)``: node keys need both or neither."""
         vals, links = {}, {}
+        items = self.launch_keys(items)
         for key, val in items:
             k = str(key)
             if k not in _TOPOLOGY and k not in LINK_KEYS:
-                raise self.err(key, f"unknown topology key {k!r}{_hint(k, (*_TOPOLOGY, *LINK_KEYS))} "
-                                    f"(keys: nodes, devices_per_node, {', '.join(LINK_KEYS)})")
+                keys = (*_TOPOLOGY, *LINK_KEYS, *_LAUNCH_KEYS)
+                raise self.err(key, f"unknown topology key {k!r}{_hint(k, keys)} (keys: {', '.join(keys)})")
             if k in vals or k in links:
                 raise self.err(key, f"topology key {k} is given twice")
             links_key = k in LINK_KEYS
             self.check_topo_value(k, val, LINK_KEYS.get(k, "a count"))
             (links if links_key else vals)[k] = str(val) if val.type == "NAME" else int(val)
-        if not vals and links:
+        if not vals and (links or self.launch):
             return None, tuple(sorted(links.items()))
         if len(vals) != 2:
             raise self.err(tok, "topology needs both nodes=N and devices_per_node=N")
@@ -288,6 +292,26 @@ class _Builder:
             raise self.err(tok, f"topology has {nodes}x{per}={nodes * per} devices but mesh "
                                 f"{self.mesh} has {self.mesh.size} ranks")
         return (nodes, per), tuple(sorted(links.items()))
+
+    def launch_keys(self, items) -> list:
+        """The topology items other than ``placement=refuse|warn`` and ``timeout=SECONDS``,
+        which go to ``self.launch`` (sorted pairs; the emitted program's defaults)."""
+        rest, launch = [], {}
+        for key, val in items:
+            k = str(key)
+            if k not in _LAUNCH_KEYS:
+                rest.append((key, val))
+                continue
+            if k in launch:
+                raise self.err(key, f"topology key {k} is given twice")
+            words = _LAUNCH_KEYS[k]
+            if words and str(val) not in words:
+                raise self.err(val, f"topology {k}={val}: give {' or '.join(words)}")
+            if not words:
+                self.check_topo_value(k, val, "seconds")
+            launch[k] = str(val) if words else int(val)
+        self.launch = tuple(sorted(launch.items()))
+        return rest
 
     def check_topo_value(self, key, val, wants: str) -> None:
         """A topology value of the right kind: a link class name, or a whole number >= 1."""

@@ -8,18 +8,27 @@ collectives per forward step: 1, 8 bytes/rank in all: all_reduce over tp
 Run one process per rank:
     torchrun --nproc-per-node 2 program.py --checkpoint model.pt --input x.pt --output out.pt [--device cpu]
 
---checkpoint  torch state_dict (.pt) or .safetensors with the full (unsharded) parameters;
-              each rank keeps only its own slice
+--checkpoint  .safetensors, torch state_dict (.pt), or transformers' sharded layout (a directory
+              or model.safetensors.index.json) with the full (unsharded) parameters; each rank
+              reads only its own slices (docs/deploy.md, "Loading checkpoints")
+--key-map     PARAM_PREFIX=KEY_PREFIX,...: checkpoint keys that differ from the param names
+--load-report FILE: each rank writes its load (bytes read, peak memory) to FILE.rank{r}.json
 --input       .pt or .safetensors dict {input name: full tensor} (or one tensor: one input)
 --output      rank 0 writes {output name: full tensor}
 --device cpu  run on CPU with gloo whatever the profile (see the PROFILE block)
 --bench N     N warm-up + N timed forward steps; rank 0 prints {"step_ms": [...]}
+--compile     run the step under torch.compile
+--timeout S   seconds a collective may wait (default: TIMEOUT_S below)
+--placement   refuse (default: PLACEMENT below) or warn when a tp group spans hosts
+--print-launch [NODESxDEVICES]  print each node's environment and torchrun line, then exit
 """
 import argparse
+import datetime
 import importlib
 import json
 import math
 import os
+import socket
 import sys
 import time
 
@@ -31,6 +40,10 @@ import torch.distributed as dist
 PROFILE = "cpu"
 DIST_BACKEND = "gloo"
 PRELUDE = ()  # imported first; skipped under --device cpu
+BIND_DEVICE_ID = False  # init_process_group(device_id=DEVICE)
+LAUNCH_ENV = (  # --print-launch: set on every node before torchrun
+    "export GLOO_SOCKET_IFNAME=eth0  # the interface that reaches the other nodes",
+)
 
 
 def profile_device():
@@ -47,6 +60,12 @@ OUTPUT_LAYOUTS = {"output": "[R]"}
 OUTPUT_GLOBAL_SHAPES = {"output": [1, 2]}
 SHARDED_OUTPUT = False  # True: every rank writes its own slices
 RUN_HINT = "torchrun --nproc-per-node 2 program.py --checkpoint model.pt --input x.pt --output out.pt"
+COMM_AXES = ("tp",)  # the axes whose process groups the program uses
+HOST_AXES = ("tp",)  # axes whose groups must sit on one host (checked at start)
+PLACEMENT = "refuse"  # a HOST_AXES group on several hosts: refuse | warn (--placement)
+TIMEOUT_S = 600  # seconds a collective may wait (--timeout)
+TOPOLOGY = None  # the spec's nodes, devices per node (--print-launch)
+COLLECTIVE_DTYPES = ("float32",)  # what the collectives carry
 
 
 RANK = int(os.environ.get("RANK", "0"))
@@ -58,10 +77,12 @@ AXIS = {axis: i for i, axis in enumerate(MESH)}
 DEVICE = torch.device("cpu")  # set by main()
 GROUPS = {}  # mesh axis -> this rank's process group, set by make_groups()
 FILES = {}  # "checkpoint" / "input" -> the path read (for messages), set by read_tensors()
+FAILED = []  # the messages fail() printed on this rank (agree() gathers the last one)
 
 
 def fail(message):
     """Print ``message`` on stderr (one write, so ranks' lines do not interleave) and exit 2."""
+    FAILED.append(message)
     sys.stderr.write(f"program.py (rank {RANK}): error: {message}\n")
     sys.stderr.flush()
     sys.exit(2)
@@ -80,8 +101,13 @@ COORD = mesh_coords(RANK)
 
 
 def make_groups():
-    """One process group per line of each mesh axis; every rank creates all of them, in order."""
-    for axis, lines in GROUP_RANKS.items():
+    """The process group of each axis the program communicates over (COMM_AXES): WORLD when
+    the axis spans every rank, else one group per line of the axis, made by every rank in order."""
+    for axis in COMM_AXES:
+        lines = GROUP_RANKS[axis]
+        if len(lines) == 1:  # one line holds every rank: no second communicator
+            GROUPS[axis] = dist.group.WORLD
+            continue
         for ranks in lines:
             group = dist.new_group(ranks)
             if RANK in ranks:
@@ -89,8 +115,14 @@ def make_groups():
 
 
 # ---- layout changes; semantics: parcomp/reference/interpreter.py (_LAYOUT_OPS) ----
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+def collective(new, old):
+    """The torch.distributed function to call, looked up when called (after the PRELUDE
+    imports): a replacement of ``old`` that a device module installed (torch_npu, torchair)
+    wins; else ``new`` where this torch has it, else ``old``."""
+    replaced = getattr(dist, old, None)
+    if replaced is not None and getattr(replaced, "__module__", "").startswith("torch.distributed"):
+        return getattr(dist, new, None) or replaced
+    return replaced or getattr(dist, new)
 
 
 def all_reduce(x, axis):
@@ -127,7 +159,7 @@ def all_gather(x, dim, axis):
     """S(dim) -> R: concatenate the group's shards along ``dim``, in coordinate order."""
     x0 = x.movedim(dim, 0).contiguous()
     out = x0.new_empty((MESH[axis] * x0.shape[0],) + tuple(x0.shape[1:]))
-    _all_gather_single(out, x0, group=GROUPS[axis])
+    collective("all_gather_single", "all_gather_into_tensor")(out, x0, group=GROUPS[axis])
     return out.movedim(0, dim).contiguous()
 
 
@@ -135,16 +167,18 @@ def reduce_scatter(x, dim, axis):
     """P -> S(dim): sum over the group, keep this rank's chunk of ``dim``."""
     x0 = x.movedim(dim, 0).contiguous()
     out = x0.new_empty((x0.shape[0] // MESH[axis],) + tuple(x0.shape[1:]))
-    _reduce_scatter_single(out, x0, op=dist.ReduceOp.SUM, group=GROUPS[axis])
+    collective("reduce_scatter_single", "reduce_scatter_tensor")(out, x0, op=dist.ReduceOp.SUM,
+                                                                 group=GROUPS[axis])
     return out.movedim(0, dim).contiguous()
 
 
 def all_to_all(x, src_dim, dim, axis):
-    """S(src_dim) -> S(dim): chunk j of ``dim`` goes to coordinate j; concatenate along ``src_dim``."""
-    send = [c.contiguous() for c in x.chunk(MESH[axis], dim)]
-    recv = [torch.empty_like(c) for c in send]
-    dist.all_to_all(recv, send, group=GROUPS[axis])
-    return torch.cat(recv, dim=src_dim)
+    """S(src_dim) -> S(dim): chunk j of ``dim`` goes to coordinate j; concatenate along ``src_dim``.
+    One contiguous ``all_to_all_single`` (chunk j at row j), HCCL's robust path."""
+    send = torch.stack(x.chunk(MESH[axis], dim))
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=GROUPS[axis])
+    return torch.cat(recv.unbind(0), dim=src_dim)
 
 
 def shard_slice(x, dim, axis):
@@ -186,6 +220,8 @@ def read_inputs(path):
 def take(tensors, name, shape, dtype):
     """The full tensor ``name`` of a loaded file, checked against its full (unsharded) shape
     and the dtype the program was compiled for (never cast: a mismatch exits 2)."""
+    if isinstance(tensors, Checkpoint):  # this rank's bytes only, read by place()
+        return tensors.take(name, shape, dtype)
     what = "param" if name in PARAMS else "input"
     if name not in tensors:
         have = ", ".join(sorted(map(str, tensors))[:10]) or "nothing"
@@ -203,7 +239,10 @@ def take(tensors, name, shape, dtype):
 
 
 def place(t):
-    """A compact copy of ``t`` on DEVICE (so the full tensor it was cut from can be freed)."""
+    """A compact copy of ``t`` on DEVICE (so the full tensor it was cut from can be freed);
+    a checkpoint Slice is read here."""
+    if isinstance(t, Slice):
+        return t.read().to(DEVICE)
     return torch.empty(t.shape, dtype=t.dtype, device=DEVICE).copy_(t)
 
 
@@ -221,11 +260,378 @@ def note_unused(tensors, used, what):
         sys.stderr.flush()
 
 
-def load_checkpoint(path):
-    """This rank's slices of the params in the checkpoint at ``path`` (unused keys noted)."""
-    ckpt = read_tensors(path, "checkpoint")
-    note_unused(ckpt, PARAMS, "checkpoint")
-    return load_params(ckpt)
+def load_checkpoint(path, key_map=(), report=None):
+    """This rank's slices of the params in the checkpoint at ``path`` (a file, a directory or
+    an index.json; keys through ``key_map``), unused keys noted; with ``report``, this rank's
+    load report goes to rank_path(report, RANK). Raises LoadError naming the file."""
+    start, rss = time.perf_counter(), current_rss()
+    ckpt = open_checkpoint(path, key_map, read_tensors)
+    FILES["checkpoint"] = path
+    note_unused(dict.fromkeys(ckpt.entries), {ckpt.key(n) for n in PARAMS}, "checkpoint")
+    params = load_params(ckpt)
+    if report:
+        with open(rank_path(report, RANK), "w", encoding="utf-8") as f:
+            json.dump(load_report(ckpt, time.perf_counter() - start, rss), f)
+    return params
+
+
+def fail_load(error):
+    """Exit 2 with a LoadError's message. Every rank finds a broken checkpoint at the same
+    point, so each exits 2 on its own: torchrun's SIGTERM to the others once the first has
+    exited is ignored from here on, so it cannot turn their exit 2 into -15."""
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    fail(str(error))
+
+
+class LoadError(Exception):
+    """A checkpoint that cannot be loaded; the message names the file (main() exits 2 with it)."""
+
+
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+                      "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
+                      "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+                      **{k: getattr(torch, v) for k, v in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"),
+                                                           ("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"))
+                         if hasattr(torch, v)}}
+INDEX_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+SINGLE_NAMES = ("model.safetensors", "pytorch_model.bin")
+SMALL_RUN = 4096  # bytes: shorter runs are read as whole dim-0 rows, BLOCK bytes at a time
+BLOCK = 64 << 20
+MAX_HEADER = 100 << 20  # bytes: a larger safetensors header is a corrupt file
+
+
+def parse_key_map(text):
+    """``--key-map``: comma-separated ``PARAM_PREFIX=KEY_PREFIX`` rules, or a .json file
+    ``{param prefix: key prefix}``. A parameter is read from the key its longest matching
+    prefix maps to (``=transformer.`` prefixes every name). Raises ValueError."""
+    if not text:
+        return ()
+    if text.endswith(".json"):
+        try:
+            with open(text, encoding="utf-8") as f:
+                rules = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"cannot read key map file {text}: {e}") from None
+        if not isinstance(rules, dict) or not all(isinstance(v, str) for v in rules.values()):
+            raise ValueError(f"key map file {text} must hold one JSON object {{param prefix: key prefix}}")
+        pairs = list(rules.items())
+    else:
+        pairs = [rule.split("=", 1) for rule in text.split(",") if rule.strip()]
+        bad = [p[0] for p in pairs if len(p) != 2]
+        if bad:
+            raise ValueError(f"key map rule {bad[0]!r} has no '=': write PARAM_PREFIX=KEY_PREFIX")
+    return tuple(sorted(((a.strip(), b.strip()) for a, b in pairs), key=lambda r: -len(r[0])))
+
+
+KEY_MAP_HELP = ("PARAM_PREFIX=KEY_PREFIX,... (or a .json file of them): read each param from the "
+                "checkpoint key its longest matching prefix maps to, e.g. =transformer.")
+LOAD_REPORT_HELP = "each rank writes its load (files, bytes read, peak memory) to FILE.rank{r}.json"
+
+
+def key_map_arg(text):
+    """argparse type of ``--key-map``: :func:`parse_key_map`, errors as argparse errors."""
+    try:
+        return parse_key_map(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def checkpoint_key(name, key_map):
+    """The checkpoint key of parameter ``name`` under ``key_map`` (:func:`parse_key_map`)."""
+    for prefix, replacement in key_map:
+        if name.startswith(prefix):
+            return replacement + name[len(prefix):]
+    return name
+
+
+def resolve_layout(path):
+    """``(index file or None, {key: shard path} or None, single file or None)`` for a
+    checkpoint path: a file, a ``*.index.json``, or a directory holding either."""
+    if os.path.isdir(path):
+        for name in INDEX_NAMES + SINGLE_NAMES:
+            if os.path.isfile(os.path.join(path, name)):
+                return resolve_layout(os.path.join(path, name))
+        found = sorted(n for n in os.listdir(path) if n.endswith((".safetensors", ".index.json")))
+        raise LoadError(f"checkpoint directory {path} holds no {' / '.join(INDEX_NAMES + SINGLE_NAMES)}"
+                        f" (it has: {', '.join(found[:10]) or 'no checkpoint files'})")
+    if not os.path.isfile(path):
+        raise LoadError(f"checkpoint file {path} does not exist")
+    if not path.endswith(".index.json"):
+        return None, None, path
+    try:
+        with open(path, encoding="utf-8") as f:
+            weight_map = json.load(f).get("weight_map")
+    except (OSError, ValueError, AttributeError) as e:
+        raise LoadError(f"cannot read checkpoint index {path}: {type(e).__name__}: {e}") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise LoadError(f"checkpoint index {path} has no \"weight_map\": {{key: shard file name}}")
+    base = os.path.dirname(os.path.abspath(path))
+    return path, {k: os.path.join(base, v) for k, v in weight_map.items()}, None
+
+
+def read_safetensors_header(path):
+    """``{key: (dtype, shape, first byte, end byte)}`` of a .safetensors file (offsets from
+    the start of the file), checked against the file's size: a truncated file is a LoadError."""
+    size = os.path.getsize(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if not 0 < n <= min(MAX_HEADER, size - 8):
+                raise ValueError(f"header length {n} does not fit a file of {size} bytes")
+            header = json.loads(f.read(n))
+        header.pop("__metadata__", None)
+        out = {}
+        for key, info in header.items():
+            begin, end = (8 + n + int(o) for o in info["data_offsets"])
+            dtype = SAFETENSORS_DTYPES.get(info["dtype"], info["dtype"])  # unknown: an error if taken
+            out[key] = (dtype, tuple(int(s) for s in info["shape"]), begin, end)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise LoadError(f"cannot read safetensors file {path}: {type(e).__name__}: {e}") from None
+    need = max((end for _, _, _, end in out.values()), default=8 + n)
+    if size < need:
+        raise LoadError(f"safetensors file {path} is truncated: its header needs {need} bytes but "
+                        f"the file holds {size}; copy or download it again")
+    return out
+
+
+def read_torch_file(path):
+    """``({key: tensor}, mapped)`` of a torch file: memory-mapped (nothing read yet) for the
+    zip format, read whole for the legacy pickle format (``mapped`` False)."""
+    try:
+        with open(path, "rb") as f:
+            legacy = f.read(1) == b"\x80"  # a pickle, not a zip archive
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=not legacy), not legacy
+    except Exception as e:  # noqa: BLE001 - any reader error becomes one clear message
+        raise LoadError(f"cannot read torch checkpoint {path} (a truncated or non-zip file?): "
+                        f"{type(e).__name__}: {e}") from None
+
+
+class Checkpoint:
+    """The tensors of a checkpoint, by key, with nothing read yet; checks every file at once.
+
+    ``entries[key]``: ``(file, dtype, shape, first byte, end byte)`` for safetensors, or
+    ``(file, tensor, mapped)`` for a torch file (``mapped``: its pages may be released)
+    or a file read whole by ``fallback``. ``stats`` counts what was read.
+    """
+
+    def __init__(self, path, key_map=(), fallback=None):
+        self.path, self.key_map, self.entries = path, tuple(key_map), {}
+        self.stats = {"checkpoint": path, "files": [], "bytes_read": 0, "bytes_kept": 0, "params": 0}
+        index, weight_map, single = resolve_layout(path)
+        self.where = f"checkpoint index {index}" if index else f"checkpoint file {single}"
+        files = sorted(set(weight_map.values())) if index else [single]
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing:
+            keys = sorted(k for k, v in weight_map.items() if v == missing[0])
+            raise LoadError(f"shard file {missing[0]} does not exist, but {self.where} names it for "
+                            f"{len(keys)} key(s) ({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''})"
+                            + (f"; {len(missing) - 1} more shard file(s) missing" if len(missing) > 1 else ""))
+        for file in files:
+            self._add_file(file, fallback, weight_map)
+        self.stats["files"] = files
+
+    def _add_file(self, file, fallback, weight_map):
+        entries = file_entries(file, fallback)
+        if weight_map is not None:
+            listed = {k for k, v in weight_map.items() if v == file}
+            absent = sorted(listed - set(entries))
+            if absent:
+                raise LoadError(f"{self.where} puts key {absent[0]!r} in shard file {file}, which "
+                                f"does not hold it" + _nearest(absent[0], entries))
+            entries = {k: v for k, v in entries.items() if k in listed}
+        self.entries.update(entries)
+
+    def key(self, name):
+        """The checkpoint key parameter ``name`` is read from."""
+        return checkpoint_key(name, self.key_map)
+
+    def __contains__(self, name):
+        return self.key(name) in self.entries
+
+    def take(self, name, shape, dtype):
+        """A :class:`Slice` of the whole of parameter ``name`` (nothing read), checked
+        against the full shape and dtype the program was compiled for (never cast)."""
+        key = self.key(name)
+        if key not in self.entries:
+            mapped = f" (checkpoint key {key!r})" if key != name else ""
+            raise LoadError(f"param {name!r}{mapped}, full shape {list(shape)}, is not in "
+                            f"{self.where}" + _nearest(key, self.entries))
+        entry = self.entries[key]
+        got_dtype, got_shape = (entry[1], entry[2]) if len(entry) == 5 else (entry[1].dtype, tuple(entry[1].shape))
+        if tuple(got_shape) != tuple(shape):
+            raise LoadError(f"param {name!r} has shape {list(got_shape)}, expected the full (unsharded) "
+                            f"shape {list(shape)} (key {key!r} in {entry[0]})")
+        if got_dtype != dtype:
+            raise LoadError(f"param {name!r} in {entry[0]} has dtype {got_dtype}, but the program was "
+                            f"compiled for {dtype}; nothing is cast: save it as {dtype} "
+                            f"(tensor.to({dtype})) or compile a model whose param is {got_dtype}")
+        return Slice(self, entry, [(0, s) for s in shape])
+
+
+def file_entries(file, fallback):
+    """``{key: entry}`` of one checkpoint file (see :class:`Checkpoint`), nothing read but
+    headers: .safetensors parsed here, .onnx read whole by ``fallback``, else a torch file."""
+    if file.endswith(".safetensors"):
+        return {k: (file,) + v for k, v in read_safetensors_header(file).items()}
+    if file.endswith(".onnx") and fallback is not None:
+        tensors, mapped = fallback(file, "checkpoint"), False
+    else:
+        tensors, mapped = read_torch_file(file)
+    if not isinstance(tensors, dict):
+        raise LoadError(f"checkpoint file {file} holds a {type(tensors).__name__}, not a dict {{name: tensor}}")
+    return {k: (file, t, mapped) for k, t in tensors.items() if isinstance(t, torch.Tensor)}
+
+
+def _nearest(key, keys):
+    """'; nearest keys: ...' (up to 5 close names), or the first few keys when none is close."""
+    import difflib
+
+    close = difflib.get_close_matches(key, list(keys), n=5, cutoff=0.5)
+    if close:
+        return "; nearest keys: " + ", ".join(close) + " (map names with --key-map PARAM_PREFIX=KEY_PREFIX)"
+    return "; it has: " + (", ".join(sorted(keys)[:10]) or "nothing")
+
+
+class Slice:
+    """A block of one checkpoint tensor, not read yet: ``ranges[d] = (start, length)``."""
+
+    def __init__(self, ckpt, entry, ranges):
+        self.ckpt, self.entry, self.ranges = ckpt, entry, ranges
+
+    def narrow(self, dim, start, length):
+        """The same block narrowed like ``torch.Tensor.narrow`` (still nothing read)."""
+        ranges = list(self.ranges)
+        ranges[dim] = (ranges[dim][0] + start, length)
+        return Slice(self.ckpt, self.entry, ranges)
+
+    def reshape(self, shape):
+        """The whole tensor, read, reshaped (a fused weight viewed per part is read whole)."""
+        return self.read().reshape(shape)
+
+    def read(self):
+        """This block as a compact CPU tensor; adds to the checkpoint's ``stats``."""
+        stats = self.ckpt.stats
+        if len(self.entry) == 3:
+            out = torch_slice(self.entry[1], self.ranges)
+            stats["bytes_read"] += out.numel() * out.element_size()
+            if self.entry[2]:
+                release_pages(self.entry[1])
+        else:
+            out = read_safetensors_block(self.entry, self.ranges, stats)
+        stats["bytes_kept"] += out.numel() * out.element_size()
+        stats["params"] += 1
+        return out
+
+
+def torch_slice(tensor, ranges):
+    """A compact copy of ``tensor``'s block ``ranges``."""
+    view = tensor
+    for d, (start, length) in enumerate(ranges):
+        view = view.narrow(d, start, length)
+    return torch.empty(view.shape, dtype=view.dtype).copy_(view)
+
+
+def release_pages(tensor):
+    """Give back the pages of ``tensor``'s storage, a private map of a torch file that
+    copying touched (Linux ``madvise(MADV_DONTNEED)``: they are read from the file again
+    if touched again; never for anonymous memory, whose data it would drop)."""
+    try:
+        import ctypes
+        import mmap
+
+        storage = tensor.untyped_storage()
+        page = mmap.PAGESIZE
+        start = -(-storage.data_ptr() // page) * page
+        end = (storage.data_ptr() + storage.nbytes()) // page * page
+        if end > start:
+            ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 4)
+    except (OSError, AttributeError, ImportError):
+        pass
+
+
+def read_safetensors_block(entry, ranges, stats):
+    """Block ``ranges`` of a safetensors tensor, reading only its byte runs (C order: the
+    runs land one after another in the result). Runs under SMALL_RUN bytes: whole dim-0
+    rows are read, BLOCK bytes at a time, and cut here."""
+    import itertools
+
+    file, dtype, shape, begin, _ = entry
+    elem = torch.empty((), dtype=dtype).element_size()
+    lengths = [n for _, n in ranges]
+    narrowed = [d for d, (s, n) in enumerate(ranges) if (s, n) != (0, shape[d])]
+    last = narrowed[-1] if narrowed else 0
+    inner = math.prod(shape[last + 1:]) * elem
+    run = lengths[last] * inner if shape else elem
+    out = torch.empty(math.prod(lengths) * elem, dtype=torch.uint8)
+    with open(file, "rb", buffering=0) as f:
+        if run >= SMALL_RUN or len(narrowed) <= 1 and last == 0:
+            strides = [math.prod(shape[d + 1:]) * elem for d in range(len(shape))]
+            view = memoryview(out.numpy())
+            first = begin + (ranges[last][0] * inner if shape else 0)
+            for i, index in enumerate(itertools.product(*(range(s, s + n) for s, n in ranges[:last]))):
+                offset = first + sum(j * stride for j, stride in zip(index, strides))
+                _read_into(f, offset, view[i * run:(i + 1) * run], file)
+            stats["bytes_read"] += out.numel()
+        else:
+            _read_rows(f, entry, ranges, out.view(dtype).reshape(lengths), elem, stats)
+    return out.view(dtype).reshape(lengths)
+
+
+def _read_rows(f, entry, ranges, out, elem, stats):
+    """Read whole dim-0 rows of the block, BLOCK bytes at a time; cut the other dims here."""
+    file, dtype, shape, begin, _ = entry
+    row = math.prod(shape[1:]) * elem
+    step = max(1, BLOCK // max(row, 1))
+    start, length = ranges[0]
+    for i in range(0, length, step):
+        n = min(step, length - i)
+        buf = torch.empty(n * row, dtype=torch.uint8)
+        _read_into(f, begin + (start + i) * row, memoryview(buf.numpy()), file)
+        stats["bytes_read"] += buf.numel()
+        rows = buf.view(dtype).reshape((n,) + tuple(shape[1:]))
+        for d, (s, k) in enumerate(ranges[1:], start=1):
+            rows = rows.narrow(d, s, k)
+        out[i:i + n].copy_(rows)
+
+
+def _read_into(f, offset, view, file):
+    """Fill ``view`` from byte ``offset`` of the open file ``f``; a short file is a LoadError."""
+    f.seek(offset)
+    done = 0
+    while done < len(view):
+        n = f.readinto(view[done:])
+        if not n:
+            raise LoadError(f"checkpoint file {file} ended early at byte {offset + done} (truncated?)")
+        done += n
+
+
+def open_checkpoint(path, key_map=(), fallback=None):
+    """The :class:`Checkpoint` at ``path`` (a file, a ``*.index.json`` or a directory),
+    every file it names checked; ``fallback(path, "checkpoint")`` reads other formats
+    whole. Raises LoadError naming the file."""
+    return Checkpoint(path, key_map, fallback)
+
+
+def load_report(ckpt, seconds, rss_before):
+    """This rank's load, for ``--load-report``: files, bytes read and kept, peak memory."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak *= 1 if sys.platform == "darwin" else 1024  # ru_maxrss: KiB on Linux, bytes on macOS
+    return {"rank": RANK, **ckpt.stats, "seconds": round(seconds, 4),
+            "rss_before_bytes": rss_before, "peak_rss_bytes": peak}
+
+
+def current_rss():
+    """This process's resident bytes now (Linux /proc; 0 where unknown)."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def load_params(ckpt):
@@ -320,11 +726,15 @@ def bench(step_fn, params, inputs, steps):
 def parse_args(argv):
     """Command line (see the module docstring)."""
     ap = argparse.ArgumentParser(description=f"parcomp program for mesh {MESH_TEXT}; run: {RUN_HINT}")
-    ap.add_argument("--checkpoint", required=bool(PARAMS), help=".pt state_dict or .safetensors")
+    ap.add_argument("--checkpoint", required=bool(PARAMS),
+                    help=".safetensors, .pt state_dict, or a sharded checkpoint (directory or index.json)")
+    ap.add_argument("--key-map", type=key_map_arg, default=(), metavar="RULES", help=KEY_MAP_HELP)
+    ap.add_argument("--load-report", metavar="FILE", help=LOAD_REPORT_HELP)
     ap.add_argument("--input", required=bool(INPUTS), help=".pt or .safetensors dict of inputs")
     ap.add_argument("--output", help="where to write the outputs (.pt)")
     ap.add_argument("--device", choices=sorted({"cpu", PROFILE}), default=PROFILE)
     ap.add_argument("--bench", type=bench_count, default=0, metavar="N", help="time N forward steps")
+    add_cluster_args(ap)
     return ap.parse_args(argv)
 
 
@@ -347,17 +757,200 @@ def import_prelude():
             fail(f"profile {PROFILE} needs the module {name} ({e}); install it or rerun with --device cpu")
 
 
+HOSTS = []  # every rank's host, by rank, set by check_placement()
+
+
+def add_cluster_args(ap):
+    """The options every program has for running on a cluster."""
+    ap.add_argument("--timeout", type=float, default=TIMEOUT_S, metavar="S",
+                    help=f"seconds a collective may wait for the other ranks (default {TIMEOUT_S:g})")
+    ap.add_argument("--placement", choices=("refuse", "warn"), default=PLACEMENT,
+                    help=f"a {'/'.join(HOST_AXES) or 'tp'} group on several hosts: stop, or only warn "
+                         f"(default {PLACEMENT})")
+    ap.add_argument("--compile", action="store_true",
+                    help="run the step under torch.compile (capture, fuse and reorder it)")
+    ap.add_argument("--print-launch", nargs="?", const="", metavar="NODESxDEVICES",
+                    help="print the environment and the torchrun line of every node, then exit "
+                         f"(default topology: {TOPOLOGY_TEXT})")
+
+
+def compiled_step(step, args):
+    """``step`` under torch.compile with ``--compile`` (fullgraph on a functional program), else ``step``."""
+    return torch.compile(step, fullgraph="funcol" in globals()) if args.compile else step
+
+
+def launch_request(argv):
+    """The value of ``--print-launch`` ("" without a topology), or None when not given."""
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--print-launch", nargs="?", const="")
+    return ap.parse_known_args(argv)[0].print_launch
+
+
+def init_dist(backend, args):
+    """init_process_group with an explicit timeout, bound to DEVICE where the profile allows
+    (the communicators then start now, not at the first collective after loading)."""
+    bind = BIND_DEVICE_ID and args.device != "cpu"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout),
+                            device_id=DEVICE if bind else None)
+
+
+def check_output(path):
+    """Exit 2 unless the directory of ``--output`` exists (run under agree())."""
+    if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        fail(f"--output {path}: its directory does not exist")
+
+
+def this_host():
+    """This rank's host name; tests simulate hosts on one machine with PARCOMP_SIM_NODE
+    (set by parcomp_backends.torch.launch.run_torchrun_multinode)."""
+    node = os.environ.get("PARCOMP_SIM_NODE")
+    return f"sim-node{node}" if node is not None else socket.gethostname()
+
+
+def check_placement(mode):
+    """Gather every rank's host (once, at start); a group of a HOST_AXES axis on more than one
+    host exits 2 on every rank (``mode`` refuse) or is reported by rank 0 (``mode`` warn)."""
+    HOSTS[:] = [None] * WORLD_SIZE
+    dist.all_gather_object(HOSTS, this_host())
+    for axis in HOST_AXES:
+        for ranks in GROUP_RANKS[axis]:
+            if len({HOSTS[r] for r in ranks}) > 1:
+                message = spanning_message(axis, ranks)
+                if mode == "refuse":
+                    fail(message + "; or rerun with --placement warn to run it anyway")
+                if RANK == 0:
+                    sys.stderr.write(f"program.py: warning: {message}\n")
+                    sys.stderr.flush()
+                return
+
+
+def spanning_message(axis, ranks):
+    """Why a group of ``axis`` must not span hosts, with the hosts and the launch that fits."""
+    where = ", ".join(f"rank {r} on {HOSTS[r]}" for r in ranks)
+    block = MESH[axis] * math.prod(list(MESH.values())[AXIS[axis] + 1:])
+    local = os.environ.get("LOCAL_WORLD_SIZE", "?")
+    return (f"the {axis} group {ranks} spans hosts ({where}); {axis} communicates in every layer "
+            f"and needs the links inside one host, but torchrun started LOCAL_WORLD_SIZE={local} "
+            f"per node: start a multiple of {block} ranks per host (--nproc-per-node; see "
+            f"--print-launch)")
+
+
+def agree(step, what):
+    """``step()`` on every rank, then every rank learns whether every rank succeeded.
+
+    Returns ``step()``'s value when every rank succeeded.  Otherwise every rank prints which
+    ranks failed ``what`` and why (their messages, gathered) and exits 2; a rank's own failure
+    (fail() or any exception) does not leave the others waiting in a collective.  The flags
+    and messages go through the launcher's key-value store, not the device communicator: it
+    works when that is broken, and no collective is in flight when a rank exits.
+    """
+    error = None
+    try:
+        result = step()
+    except SystemExit as e:
+        if e.code != 2:
+            raise
+        error = FAILED[-1] if FAILED else f"{what} failed"
+    except Exception as e:  # noqa: BLE001 - any failure becomes this rank's message
+        error = f"{type(e).__name__}: {e}"
+        sys.stderr.write(f"program.py (rank {RANK}): error: {what}: {error}\n")
+    store, key = dist.distributed_c10d._get_default_store(), f"parcomp/agree/{what}/"
+    if error is not None:
+        store.set(f"{key}error{RANK}", error)
+        store.append(f"{key}failed", f"{RANK} ")
+    if store.add(f"{key}arrived", 1) == WORLD_SIZE:  # the last rank to arrive opens the gate
+        store.set(f"{key}done", "1")
+    store.wait([f"{key}done"])  # at most the store's timeout (--timeout)
+    if not store.check([f"{key}failed"]):
+        return result
+    failed = sorted(int(r) for r in store.get(f"{key}failed").decode().split())
+    messages = {r: store.get(f"{key}error{r}").decode(errors="replace") for r in failed[:64]}
+    import signal  # every rank exits 2 now: torchrun's SIGTERM to the others once the first has
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # exited must not turn their exit 2 into -15
+    fail(failure_summary(what, failed, messages))
+
+
+def failure_summary(what, failed, messages):
+    """One line: the ``failed`` ranks, then ``messages`` ({rank: text}) grouped by text (4 shown)."""
+    by_message = {}
+    for rank, message in sorted(messages.items()):
+        by_message.setdefault(message, []).append(rank)
+    parts = [f"{rank_text(ranks, hosts=False)}: {message}" for message, ranks in list(by_message.items())[:4]]
+    more = "; and other messages" if len(by_message) > 4 or len(messages) < len(failed) else ""
+    return (f"{what} failed on {rank_text(failed)} of {WORLD_SIZE}, so every rank stops: "
+            + "; ".join(parts) + more)
+
+
+def rank_text(ranks, hosts=True):
+    """``rank 3`` / ``ranks 0-3, 6 (on host-a, host-b)``: sorted ranks as ranges, with hosts."""
+    spans, start = [], ranks[0]
+    for prev, cur in zip(ranks, ranks[1:] + [None]):
+        if cur != prev + 1:
+            spans.append(str(start) if start == prev else f"{start}-{prev}")
+            start = cur
+    hosts = sorted({HOSTS[r] for r in ranks}) if hosts and len(HOSTS) == WORLD_SIZE else []
+    on = f" (on {', '.join(hosts[:4])}{', ...' if len(hosts) > 4 else ''})" if hosts else ""
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(spans)}{on}"
+
+
+TOPOLOGY_TEXT = f"{TOPOLOGY[0]}x{TOPOLOGY[1]}" if TOPOLOGY else f"1x{MESH_SIZE}"
+
+
+def print_launch(text):
+    """``--print-launch [NODESxDEVICES]``: the environment to set and one torchrun line per node."""
+    nodes, per_node = parse_topology(text or TOPOLOGY_TEXT)
+    program_args = RUN_HINT.split(" program.py", 1)[1]
+    lines = [f"# mesh {MESH_TEXT} on {nodes} node(s) x {per_node} devices, profile {PROFILE} "
+             f"({DIST_BACKEND}); rank r runs on node r // {per_node}",
+             "# on every node, before torchrun (see docs/deploy.md):",
+             *(line.format(devices=",".join(map(str, range(per_node))), timeout=f"{TIMEOUT_S:g}")
+               for line in LAUNCH_ENV)]
+    if nodes == 1:
+        lines.append(f"torchrun --standalone --nproc-per-node {per_node} program.py{program_args}")
+    for node in range(nodes if nodes > 1 else 0):
+        lines += [f"# node {node}: ranks {node * per_node}-{(node + 1) * per_node - 1}",
+                  f"torchrun --nnodes {nodes} --node-rank {node} --nproc-per-node {per_node} "
+                  f"--master-addr NODE0_ADDR --master-port 29500 program.py{program_args}"]
+    print("\n".join(lines), flush=True)
+
+
+def parse_topology(text):
+    """``NODESxDEVICES`` -> (nodes, devices per node); exits 2 unless it holds MESH_SIZE ranks
+    with every HOST_AXES group inside one node."""
+    try:
+        nodes, per_node = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        fail(f"--print-launch {text}: give NODESxDEVICES, such as 2x8")
+    if nodes < 1 or per_node < 1 or nodes * per_node != MESH_SIZE:
+        fail(f"--print-launch {text}: {nodes}x{per_node} devices, but mesh {MESH_TEXT} has "
+             f"{MESH_SIZE} ranks")
+    for axis in HOST_AXES:
+        for ranks in GROUP_RANKS[axis]:
+            if len({r // per_node for r in ranks}) > 1:
+                fail(f"--print-launch {text}: the {axis} group {ranks} would span nodes; give "
+                     f"each node a multiple of its ranks")
+    return nodes, per_node
+
+
+def load(args):
+    """This rank's params and inputs (``--output``'s directory checked first); under agree()."""
+    check_output(args.output)
+    params = load_checkpoint(args.checkpoint, args.key_map, args.load_report) if PARAMS else {}
+    inputs = load_inputs(read_inputs(args.input)) if INPUTS else {}
+    return params, inputs
+
+
 def run(args):
     """Everything between init_process_group and destroy_process_group."""
     make_groups()
-    params = load_checkpoint(args.checkpoint) if PARAMS else {}
-    inputs = load_inputs(read_inputs(args.input)) if INPUTS else {}
+    params, inputs = agree(lambda: load(args), "loading")
+    step = compiled_step(forward, args)
     with torch.inference_mode():
-        outputs = forward(params, inputs)
+        outputs = step(params, inputs)
         if args.bench > 0:
-            bench(forward, params, inputs, args.bench)
+            bench(step, params, inputs, args.bench)
     if args.output:
-        write_outputs(outputs, args.output)
+        agree(lambda: write_outputs(outputs, args.output), "writing the outputs")
 
 
 def keep_freed_memory():
@@ -373,21 +966,25 @@ def keep_freed_memory():
 
 
 def main(argv=None):
-    """Check the world, pick the device, start torch.distributed, run, always shut it down."""
+    """Check the world, pick the device, start torch.distributed, check the placement, run,
+    always shut it down (``--print-launch``: print the launch lines instead)."""
     global DEVICE
+    if launch_request(argv) is not None:  # before parse_args: it needs no --checkpoint
+        return print_launch(launch_request(argv))
     args = parse_args(argv)
     check_world()
-    if args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
-        fail(f"--output {args.output}: its directory does not exist")
     keep_freed_memory()
     if args.device == "cpu":
         backend, DEVICE = "gloo", torch.device("cpu")
     else:
         import_prelude()
         backend, DEVICE = DIST_BACKEND, profile_device()
-    dist.init_process_group(backend)
+    init_dist(backend, args)  # then every failure is agreed on: no rank waits for one that left
     try:
+        check_placement(args.placement)
         run(args)
+    except LoadError as e:  # a checkpoint that cannot be loaded: the message names the file
+        fail_load(e)
     finally:
         dist.destroy_process_group()
 

@@ -1,0 +1,205 @@
+"""The cluster part of every emitted ``program.py`` (sections pasted by :mod:`.runtime`).
+
+- :func:`agree`: a step every rank runs (loading, writing outputs), then an ok flag per
+  rank agreed over the world (through torchrun's key-value store).  A rank whose step failed
+  still reaches it, so no rank waits in a collective for one that has left: if any rank
+  failed, every rank prints which ranks failed and why (the messages, gathered) and exits 2
+  within seconds.
+- :func:`check_placement`: once at start, every rank's host name (one
+  ``all_gather_object``); a group of a ``HOST_AXES`` axis (``tp``) on more than one host is
+  refused (or, with ``--placement warn``, reported by rank 0).
+- :func:`print_launch`: ``--print-launch``, the environment and torchrun lines per node.
+
+Real, importable Python; it runs with :mod:`.program_common` and the stand-ins below for
+what the emitter generates.
+"""
+# flake8: noqa: E402,F403,F405 (program.py is one namespace: the common sections are in it)
+import datetime
+import socket
+
+from .program_common import *
+
+# ---- stand-ins for what the emitter generates (never pasted) ----
+HOST_AXES = ()
+PLACEMENT = "refuse"
+TIMEOUT_S = 600
+TOPOLOGY = None
+LAUNCH_ENV = ()
+BIND_DEVICE_ID = False
+
+
+# >>> program.py: cluster
+HOSTS = []  # every rank's host, by rank, set by check_placement()
+
+
+def add_cluster_args(ap):
+    """The options every program has for running on a cluster."""
+    ap.add_argument("--timeout", type=float, default=TIMEOUT_S, metavar="S",
+                    help=f"seconds a collective may wait for the other ranks (default {TIMEOUT_S:g})")
+    ap.add_argument("--placement", choices=("refuse", "warn"), default=PLACEMENT,
+                    help=f"a {'/'.join(HOST_AXES) or 'tp'} group on several hosts: stop, or only warn "
+                         f"(default {PLACEMENT})")
+    ap.add_argument("--compile", action="store_true",
+                    help="run the step under torch.compile (capture, fuse and reorder it)")
+    ap.add_argument("--print-launch", nargs="?", const="", metavar="NODESxDEVICES",
+                    help="print the environment and the torchrun line of every node, then exit "
+                         f"(default topology: {TOPOLOGY_TEXT})")
+
+
+def compiled_step(step, args):
+    """``step`` under torch.compile with ``--compile`` (fullgraph on a functional program), else ``step``."""
+    return torch.compile(step, fullgraph="funcol" in globals()) if args.compile else step
+
+
+def launch_request(argv):
+    """The value of ``--print-launch`` ("" without a topology), or None when not given."""
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--print-launch", nargs="?", const="")
+    return ap.parse_known_args(argv)[0].print_launch
+
+
+def init_dist(backend, args):
+    """init_process_group with an explicit timeout, bound to DEVICE where the profile allows
+    (the communicators then start now, not at the first collective after loading)."""
+    bind = BIND_DEVICE_ID and args.device != "cpu"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout),
+                            device_id=DEVICE if bind else None)
+
+
+def check_output(path):
+    """Exit 2 unless the directory of ``--output`` exists (run under agree())."""
+    if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        fail(f"--output {path}: its directory does not exist")
+
+
+def this_host():
+    """This rank's host name; tests simulate hosts on one machine with PARCOMP_SIM_NODE
+    (set by parcomp_backends.torch.launch.run_torchrun_multinode)."""
+    node = os.environ.get("PARCOMP_SIM_NODE")
+    return f"sim-node{node}" if node is not None else socket.gethostname()
+
+
+def check_placement(mode):
+    """Gather every rank's host (once, at start); a group of a HOST_AXES axis on more than one
+    host exits 2 on every rank (``mode`` refuse) or is reported by rank 0 (``mode`` warn)."""
+    HOSTS[:] = [None] * WORLD_SIZE
+    dist.all_gather_object(HOSTS, this_host())
+    for axis in HOST_AXES:
+        for ranks in GROUP_RANKS[axis]:
+            if len({HOSTS[r] for r in ranks}) > 1:
+                message = spanning_message(axis, ranks)
+                if mode == "refuse":
+                    fail(message + "; or rerun with --placement warn to run it anyway")
+                if RANK == 0:
+                    sys.stderr.write(f"program.py: warning: {message}\n")
+                    sys.stderr.flush()
+                return
+
+
+def spanning_message(axis, ranks):
+    """Why a group of ``axis`` must not span hosts, with the hosts and the launch that fits."""
+    where = ", ".join(f"rank {r} on {HOSTS[r]}" for r in ranks)
+    block = MESH[axis] * math.prod(list(MESH.values())[AXIS[axis] + 1:])
+    local = os.environ.get("LOCAL_WORLD_SIZE", "?")
+    return (f"the {axis} group {ranks} spans hosts ({where}); {axis} communicates in every layer "
+            f"and needs the links inside one host, but torchrun started LOCAL_WORLD_SIZE={local} "
+            f"per node: start a multiple of {block} ranks per host (--nproc-per-node; see "
+            f"--print-launch)")
+
+
+def agree(step, what):
+    """``step()`` on every rank, then every rank learns whether every rank succeeded.
+
+    Returns ``step()``'s value when every rank succeeded.  Otherwise every rank prints which
+    ranks failed ``what`` and why (their messages, gathered) and exits 2; a rank's own failure
+    (fail() or any exception) does not leave the others waiting in a collective.  The flags
+    and messages go through the launcher's key-value store, not the device communicator: it
+    works when that is broken, and no collective is in flight when a rank exits.
+    """
+    error = None
+    try:
+        result = step()
+    except SystemExit as e:
+        if e.code != 2:
+            raise
+        error = FAILED[-1] if FAILED else f"{what} failed"
+    except Exception as e:  # noqa: BLE001 - any failure becomes this rank's message
+        error = f"{type(e).__name__}: {e}"
+        sys.stderr.write(f"program.py (rank {RANK}): error: {what}: {error}\n")
+    store, key = dist.distributed_c10d._get_default_store(), f"parcomp/agree/{what}/"
+    if error is not None:
+        store.set(f"{key}error{RANK}", error)
+        store.append(f"{key}failed", f"{RANK} ")
+    if store.add(f"{key}arrived", 1) == WORLD_SIZE:  # the last rank to arrive opens the gate
+        store.set(f"{key}done", "1")
+    store.wait([f"{key}done"])  # at most the store's timeout (--timeout)
+    if not store.check([f"{key}failed"]):
+        return result
+    failed = sorted(int(r) for r in store.get(f"{key}failed").decode().split())
+    messages = {r: store.get(f"{key}error{r}").decode(errors="replace") for r in failed[:64]}
+    import signal  # every rank exits 2 now: torchrun's SIGTERM to the others once the first has
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # exited must not turn their exit 2 into -15
+    fail(failure_summary(what, failed, messages))
+
+
+def failure_summary(what, failed, messages):
+    """One line: the ``failed`` ranks, then ``messages`` ({rank: text}) grouped by text (4 shown)."""
+    by_message = {}
+    for rank, message in sorted(messages.items()):
+        by_message.setdefault(message, []).append(rank)
+    parts = [f"{rank_text(ranks, hosts=False)}: {message}" for message, ranks in list(by_message.items())[:4]]
+    more = "; and other messages" if len(by_message) > 4 or len(messages) < len(failed) else ""
+    return (f"{what} failed on {rank_text(failed)} of {WORLD_SIZE}, so every rank stops: "
+            + "; ".join(parts) + more)
+
+
+def rank_text(ranks, hosts=True):
+    """``rank 3`` / ``ranks 0-3, 6 (on host-a, host-b)``: sorted ranks as ranges, with hosts."""
+    spans, start = [], ranks[0]
+    for prev, cur in zip(ranks, ranks[1:] + [None]):
+        if cur != prev + 1:
+            spans.append(str(start) if start == prev else f"{start}-{prev}")
+            start = cur
+    hosts = sorted({HOSTS[r] for r in ranks}) if hosts and len(HOSTS) == WORLD_SIZE else []
+    on = f" (on {', '.join(hosts[:4])}{', ...' if len(hosts) > 4 else ''})" if hosts else ""
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(spans)}{on}"
+
+
+TOPOLOGY_TEXT = f"{TOPOLOGY[0]}x{TOPOLOGY[1]}" if TOPOLOGY else f"1x{MESH_SIZE}"
+
+
+def print_launch(text):
+    """``--print-launch [NODESxDEVICES]``: the environment to set and one torchrun line per node."""
+    nodes, per_node = parse_topology(text or TOPOLOGY_TEXT)
+    program_args = RUN_HINT.split(" program.py", 1)[1]
+    lines = [f"# mesh {MESH_TEXT} on {nodes} node(s) x {per_node} devices, profile {PROFILE} "
+             f"({DIST_BACKEND}); rank r runs on node r // {per_node}",
+             "# on every node, before torchrun (see docs/deploy.md):",
+             *(line.format(devices=",".join(map(str, range(per_node))), timeout=f"{TIMEOUT_S:g}")
+               for line in LAUNCH_ENV)]
+    if nodes == 1:
+        lines.append(f"torchrun --standalone --nproc-per-node {per_node} program.py{program_args}")
+    for node in range(nodes if nodes > 1 else 0):
+        lines += [f"# node {node}: ranks {node * per_node}-{(node + 1) * per_node - 1}",
+                  f"torchrun --nnodes {nodes} --node-rank {node} --nproc-per-node {per_node} "
+                  f"--master-addr NODE0_ADDR --master-port 29500 program.py{program_args}"]
+    print("\n".join(lines), flush=True)
+
+
+def parse_topology(text):
+    """``NODESxDEVICES`` -> (nodes, devices per node); exits 2 unless it holds MESH_SIZE ranks
+    with every HOST_AXES group inside one node."""
+    try:
+        nodes, per_node = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        fail(f"--print-launch {text}: give NODESxDEVICES, such as 2x8")
+    if nodes < 1 or per_node < 1 or nodes * per_node != MESH_SIZE:
+        fail(f"--print-launch {text}: {nodes}x{per_node} devices, but mesh {MESH_TEXT} has "
+             f"{MESH_SIZE} ranks")
+    for axis in HOST_AXES:
+        for ranks in GROUP_RANKS[axis]:
+            if len({r // per_node for r in ranks}) > 1:
+                fail(f"--print-launch {text}: the {axis} group {ranks} would span nodes; give "
+                     f"each node a multiple of its ranks")
+    return nodes, per_node
+# <<< program.py
