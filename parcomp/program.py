@@ -142,8 +142,8 @@ class Program:
     collectives: tuple
     train: TrainLoop | None
     search: dict | None = None
-    pipeline: object = None
     launch: dict | None = None  # {topology: (nodes, per node) | None, placement=, timeout=} (issue 16)
+    pipeline: object = None
 
     @property
     def mesh(self):
