@@ -118,6 +118,10 @@ def compile(args):  # noqa: A001 - the subcommand's name
             print(f"placement: {plural(place['nodes'], 'node')}; inside a node: "
                   f"{', '.join(place['intra_node_axes']) or '-'}; across nodes: "
                   f"{', '.join(place['cross_node_axes']) or '-'}")
+        if "pipeline" in compiled.report:
+            from .passes.pipeline_plan import format_pipeline
+
+            print(format_pipeline(compiled.report))
         print(f"wrote {args.out}/")
         print_kept(args.out, kept)
     return {"ok": True, "out": args.out, "collectives": _summary(recs), "kept": kept}
@@ -136,7 +140,9 @@ def print_kept(out: str, kept: list) -> None:
 def _run_files(compiled) -> tuple:
     """What ``run`` writes into its work directory besides the program: RUN_FILES and
     each rank's ``outputs.rank{r}.pt``."""
-    return RUN_FILES + tuple(f"outputs.rank{r}.pt" for r in range(compiled.program.mesh.size))
+    stages = compiled.program_.pipeline.stages if compiled.program_.pipeline is not None else ()
+    return (RUN_FILES + tuple(f"outputs.rank{r}.pt" for r in range(compiled.program.mesh.size))
+            + tuple(f"outputs.pt.stage{s.index}" for s in stages))  # a pipeline's (pipeline_run.py)
 
 
 def _write_work(args, work: str, compiled) -> None:
@@ -297,11 +303,20 @@ def _check_training(args, compiled, module, example, steps):
     if ls["vs_torch"] is not None:
         result["vs_torch"] = ls["vs_torch"]
         result["ok"] = result["ok"] and ls["vs_torch"]["ok"]
+    if compiled.program_.pipeline is not None:  # the pipelined step too (parcomp/reference/pipeline.py)
+        from .reference.pipeline import check_pipeline_step
+
+        result["pipeline"] = check_pipeline_step(compiled, feeds)
+        result["ok"] = result["ok"] and result["pipeline"]["ok"]
     result["verdict"] = verdict(result, result.get("vs_torch"))
     if not args.json:
         print(format_collectives(compiled.report["collectives"]))
         print(format_memory(compiled.report))
         print(format_search(compiled.report["search"]))
+        if "pipeline" in result:
+            r = result["pipeline"]
+            print(f"pipelined step on the numpy interpreter vs unsharded step: error/tolerance "
+                  f"{r['err_over_tol']:.2g} {'OK' if r['ok'] else 'MISMATCH: ' + r['why']}")
         _print_training(result, f"numpy interpreter, {plural(steps, 'step')}, each from the "
                         f"unsharded run's state", "vs unsharded step")
     return {**result, "collectives": _summary(compiled.report["collectives"]),
@@ -331,6 +346,12 @@ def run(args):
     from parcomp_backends.torch.launch import assemble_outputs, run_torchrun, write_inputs
 
     compiled, module, example = _compile(args, numeric="run")
+    if compiled.program_.pipeline is not None:  # one pipelined step (parcomp/pipeline_run.py)
+        from .pipeline_run import run_pipeline
+
+        return run_pipeline(args, compiled, _train_feeds(compiled, module, example, 0),
+                            lambda work: _write_work(args, work, compiled),
+                            lambda work: _end_work(args, work, compiled))
     if args.nproc == compiled.program.mesh.size:  # else the --nproc error below comes first
         check_memory(compiled, "run")
     if compiled.report.get("training"):

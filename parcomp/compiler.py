@@ -7,6 +7,7 @@ from typing import Callable
 from .ir.graph import Graph
 from .memory import check_peak, zero_warnings
 from .passes.manager import forward_pipeline, run_pipeline
+from .passes.pipeline_plan import attach_pipeline
 from .passes.topology import check_topology
 from .passes.verify import check_model_mesh
 from .program import Program, build_program
@@ -59,4 +60,6 @@ def compile_graph(graph: Graph, spec, after: Callable | None = None) -> Compiled
     report["placement"] = placement
     check_peak(report, spec)
     report["warnings"] = zero_warnings(logical, spec)
+    if "pp" in spec.mesh.names and spec.train is not None:
+        prog, report = attach_pipeline(graph, spec, prog, report)
     return Compiled(graph, logical, sharded, program, report, spec, prog)

@@ -20,6 +20,7 @@ from .ir.graph import PHASES, Graph
 from .ir.ops import COLLECTIVES
 from .ir.types import layout_str
 from .passes.bucket import bucketed_members
+from .passes.placement import format_placement, placement_table
 from .passes.topology import axis_groups, group_ranks
 from .passes.train_config import MAX_STEPS, train_config
 from .redistribute import Step, step_bytes
@@ -27,7 +28,8 @@ from .reference.interpreter import assemble
 from .report import plural
 
 __all__ = ["Program", "Collective", "Provenance", "TrainLoop", "build_program", "PHASES",
-           "ParcompError", "MAX_STEPS", "axis_groups", "group_ranks", "assemble", "plural"]
+           "ParcompError", "MAX_STEPS", "axis_groups", "group_ranks", "assemble", "plural",
+           "placement_table", "format_placement"]
 
 
 @dataclass(frozen=True)
@@ -128,6 +130,9 @@ class Program:
         train: the loop facts of a training program, or None for a forward program.
         search: shard-prop's account of the layout search (``search``: dp | ilp |
             heuristic, ``proven_optimal``, ``cost_s``, ``seconds``), or None.
+        pipeline: the :class:`parcomp.passes.pipeline_plan.PipelinePlan` of a training spec
+            with a ``pp`` mesh axis (stages, their programs, per-stage action lists, the
+            simulation), or None.
         launch: how program.py runs on a cluster: the spec's ``topology`` (nodes, devices
             per node) or None, and its ``placement`` / ``timeout`` keys where given.
     """
@@ -141,6 +146,7 @@ class Program:
     train: TrainLoop | None
     search: dict | None = None
     launch: dict | None = None  # {topology: (nodes, per node) | None, placement=, timeout=} (issue 16)
+    pipeline: object = None
 
     @property
     def mesh(self):

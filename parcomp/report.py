@@ -180,6 +180,9 @@ def format_search(search) -> str:
         return ""
     proof = ("proven optimal under the cost model" if search["proven_optimal"]
              else "not proven optimal (time budget ran out; best plan found)")
+    if search.get("solver_skipped"):  # shard_prop: too large for the integer program
+        proof = (f"not proven optimal ({search['solver_skipped']} strategies: too many for the "
+                 f"integer program's budget, the heuristic's plan is kept)")
     return (f"layouts: {_SEARCHES[search['search']]}, {proof}; estimated "
             f"{search['cost_s'] * 1e6:.1f} us per step, searched in {search['seconds']:.2f} s"
             + (f"\n  why: {search['note']}" if search.get("note") else ""))

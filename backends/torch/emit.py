@@ -182,6 +182,11 @@ def emit_program(compiled, profile="cpu", model: str | None = None, steps: int |
         ValueError: unknown profile name.
     """
     prof, prog = get_profile(profile), _program_of(compiled)
+    if prog.pipeline is not None:  # a pp mesh axis: the pipelined program (pipeline_emit.py)
+        from .pipeline_emit import emit_pipeline_program, pipeline_emittable
+
+        if pipeline_emittable(prog):  # else (tp inside a stage) the SPMD program, pp replicated
+            return emit_pipeline_program(prog, model, _code)
     program, train = prog.graph, prog.train
     if train is not None and steps:
         train = replace(train, steps=int(steps))

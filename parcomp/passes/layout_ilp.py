@@ -31,7 +31,6 @@ import numpy as np
 
 from ..errors import ParcompError
 from ..memory import local_bytes, over_limit, resident_values
-from ..redistribute import plan_cost
 from ..report import format_bytes
 
 #: objective unit: nanoseconds
@@ -43,6 +42,16 @@ MAX_NODES = 20_000
 #: idle one; at 10 s the GPT-2 dp2 x tp2 training step fell back to the heuristic plan under
 #: a load of 10 on 2 cores
 DEFAULT_SECONDS = 300.0
+#: above this many strategies in all shard-prop keeps the heuristic's plan without calling
+#: the solver: a 48-block training chain on dp x tp has 33,000 strategies (~370,000 columns),
+#: whose root LP alone ran 10-45 s on a loaded 2-core machine and ended with the warm start;
+#: every shipped spec but that one is below it (the largest, gpt2_lm_dp2_tp2_train: 9,436)
+MAX_STRATEGIES = 12_000
+
+
+def too_large(prob) -> bool:
+    """Whether ``prob`` (a :class:`.shard_prop._Problem`) has more than MAX_STRATEGIES."""
+    return sum(len(o) for o in prob.options.values()) > MAX_STRATEGIES
 
 
 def solve_ilp(prob, warm: dict, seconds: float = DEFAULT_SECONDS, limit=None) -> tuple:
@@ -169,12 +178,12 @@ class _Model:
         return want
 
     def _value(self, name):
-        ty, mesh = self.prob.g[name].type, self.prob.mesh
+        ty = self.prob.g[name].type
         produced = self._produced(name)
         if len(self.prob.users[name]) == 1:
             return self._single_use(name, produced)
         for lay, by_user in self._wanted(name).items():
-            costs = {o: plan_cost(o, lay, ty, mesh) * SCALE for o in produced}
+            costs = {o: self.prob.plan_cost(o, lay, ty) * SCALE for o in produced}
             if not any(costs.values()):
                 continue
             single = len(produced) == 1
@@ -199,19 +208,19 @@ class _Model:
         one its consumer wants.  One layout produced: added to the consumer's strategy costs;
         else ``e[o, L]`` with both marginals (``sum_L e = y[o]``, ``sum_o e = z[L]``), whose
         LP relaxation is exact where the graph is a tree."""
-        ty, mesh = self.prob.g[name].type, self.prob.mesh
+        ty = self.prob.g[name].type
         wanted = {lay: cols for lay, by_user in self._wanted(name).items() for cols in by_user.values()}
         if len(produced) == 1:
             (o,) = produced
             for lay, cols in wanted.items():
                 for c in cols:
-                    self.cost[c] += plan_cost(o, lay, ty, mesh) * SCALE
+                    self.cost[c] += self.prob.plan_cost(o, lay, ty) * SCALE
             return
         by_out = {o: {} for o in produced}
         by_lay = {lay: {} for lay in wanted}
         for o, ys in produced.items():
             for lay, zs in wanted.items():
-                e = self._col(plan_cost(o, lay, ty, mesh) * SCALE, ub=1.0)
+                e = self._col(self.prob.plan_cost(o, lay, ty) * SCALE, ub=1.0)
                 self.aux.append((e, "e", (ys, zs)))
                 by_out[o][e] = by_lay[lay][e] = 1.0
         for coefs, sides in ((by_out, produced), (by_lay, wanted)):

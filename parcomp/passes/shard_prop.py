@@ -33,7 +33,7 @@ from ..ir.graph import Graph, describe
 from ..ir.types import layout_str
 from ..redistribute import compute_cost, plan_cost
 from ..rules.sharding import mesh_strategies
-from .layout_ilp import DEFAULT_SECONDS, MemoryLimit, solve_ilp
+from .layout_ilp import DEFAULT_SECONDS, MemoryLimit, solve_ilp, too_large
 
 _TOL = 1e-15
 
@@ -61,6 +61,8 @@ def shard_prop(graph: Graph, seconds: float = DEFAULT_SECONDS, memory: int | Non
     dp = prob.dp_solution()
     if all(len(u) <= 1 for u in prob.users.values()) and (limit is None or limit.fits(dp)):
         sol, search, proven = dp, "dp", True
+    elif limit is None and too_large(prob):  # the solver would stop at its root with this plan
+        sol, search, proven = prob.improve(min((dp, prob.greedy_solution()), key=prob.total)), "heuristic", False
     else:
         sol = prob.improve(min((dp, prob.greedy_solution()), key=prob.total))
         ilp, proven = solve_ilp(prob, sol, seconds, limit)
@@ -72,6 +74,8 @@ def shard_prop(graph: Graph, seconds: float = DEFAULT_SECONDS, memory: int | Non
         sol = best
     info = {"search": search, "proven_optimal": proven, "cost_s": prob.total(sol),
             "seconds": round(time.perf_counter() - t0, 6)}
+    if search == "heuristic" and limit is None and too_large(prob):
+        info["solver_skipped"] = sum(len(o) for o in prob.options.values())  # strategies
     if limit is not None:
         info.update(memory_limit=memory, resident_bytes=limit.bytes(sol))
     nodes = [n if n.name not in sol else replace(n, layout=sol[n.name][1], in_layouts=sol[n.name][0]
@@ -85,27 +89,61 @@ class _Problem:
         self.g, self.mesh = graph, graph.mesh
         self.users = graph.users()
         self.options = {}  # name -> [(compute cost, ins, out)]
+        self._canon, self._costs, self._computes, self._types, self._reads = {}, {}, {}, {}, {}
+        same = {}  # nodes alike in op, attrs, types and pin have the same options
         for n in graph.nodes:
             if n.op in ("input", "param"):
                 if n.name in (free or {}):
-                    self.options[n.name] = [(0.0, (), lay) for lay in free[n.name]]
+                    self.options[n.name] = [(0.0, (), self._intern(lay)) for lay in free[n.name]]
                 continue
-            in_types = [graph[i].type for i in n.inputs]
-            opts = mesh_strategies(n, in_types, self.mesh)
-            if n.layout is not None:
-                opts = [o for o in opts if o[1] == n.layout]
-            if not opts:
+            in_types = tuple(graph[i].type for i in n.inputs)
+            key = (n.op, n.attrs, n.type, in_types, n.layout)
+            if key not in same:
+                same[key] = self._strategies(n, in_types)
+            if not same[key]:
                 raise ShardingError(_no_strategy(graph, n))
-            self.options[n.name] = [(compute_cost(n, in_types, i, o, self.mesh), i, o) for i, o in opts]
+            self.options[n.name] = same[key]
+
+    def _strategies(self, n, in_types) -> list:
+        opts = mesh_strategies(n, list(in_types), self.mesh)
+        if n.layout is not None:
+            opts = [o for o in opts if o[1] == n.layout]
+        return [(compute_cost(n, list(in_types), i, o, self.mesh),
+                 tuple(self._intern(lay) for lay in i), self._intern(o)) for i, o in opts]
+
+    def _intern(self, layout):
+        """One object per distinct layout, so costs can be cached by identity."""
+        return self._canon.setdefault(layout, layout)
+
+    def plan_cost(self, src, tgt, ty) -> float:
+        """:func:`parcomp.redistribute.plan_cost` on this mesh, cached by object identity
+        (layouts are interned; types and fixed layouts live as long as the graph)."""
+        tid = self._types.get(id(ty))
+        if tid is None:  # equal types share their costs
+            tid = self._types[id(ty)] = id(self._canon.setdefault(ty, ty))
+        key = (id(src), id(tgt), tid)
+        cost = self._costs.get(key)
+        if cost is None:
+            cost = self._costs[key] = plan_cost(src, tgt, ty, self.mesh)
+        return cost
 
     def layout(self, sol, name):
         return sol[name][1] if name in sol else self.g[name].layout
 
     def value_cost(self, sol, name) -> float:
         """Redistributions of ``name`` to the distinct layouts its consumers want."""
-        want = {sol[u][0][k] for u in self.users[name] for k, i in enumerate(self.g[u].inputs) if i == name}
+        reads = self._reads.get(name)
+        if reads is None:  # (consumer, operand position) of every read of name
+            reads = self._reads[name] = [(u, k) for u in dict.fromkeys(self.users[name])
+                                         for k, i in enumerate(self.g[u].inputs) if i == name]
         src, ty = self.layout(sol, name), self.g[name].type
-        return sum(plan_cost(src, lay, ty, self.mesh) for lay in want)
+        seen, total = set(), 0.0
+        for u, k in reads:
+            lay = sol[u][0][k]
+            if id(lay) not in seen:  # layouts are interned: one object per distinct layout
+                seen.add(id(lay))
+                total += self.plan_cost(src, lay, ty)
+        return total
 
     def total(self, sol) -> float:
         """Exact cost (seconds) of a solution: compute plus each distinct conversion once."""
@@ -114,18 +152,24 @@ class _Problem:
 
     def _compute(self, sol, name):
         ins, out = sol[name]
-        return next(c for c, i, o in self.options[name] if i == ins and o == out)
+        table = self._computes.get(name)
+        if table is None:
+            table = self._computes[name] = {}
+            for c, i, o in reversed(self.options[name]):  # the first of equal keys wins
+                table[(id(i), id(o))] = c
+        c = table.get((id(ins), id(out)))
+        return c if c is not None else next(c for c, i, o in self.options[name] if i == ins and o == out)
 
     def dp_solution(self) -> dict:
         """Forward DP over ``best[v][layout]``, then a reverse pass fixing each strategy."""
-        best = {}
+        best, memo = {}, {}
         for n in self.g.nodes:
             if n.name not in self.options:
                 best[n.name] = {n.layout: 0.0}
                 continue
             table = {}
             for c, ins, out in self.options[n.name]:
-                cost = c + sum(self._cost_to(best, i, lay) for i, lay in zip(n.inputs, ins))
+                cost = c + sum(self._cost_to(best, i, lay, memo) for i, lay in zip(n.inputs, ins))
                 if out not in table or cost < table[out] - _TOL:
                     table[out] = cost
             best[n.name] = table
@@ -135,8 +179,8 @@ class _Problem:
                 continue
             pick, pick_cost = None, None
             for c, ins, out in self.options[n.name]:
-                total = c + sum(self._cost_to(best, i, lay) for i, lay in zip(n.inputs, ins))
-                total += sum(plan_cost(out, lay, n.type, self.mesh) for lay in required[n.name])
+                total = c + sum(self._cost_to(best, i, lay, memo) for i, lay in zip(n.inputs, ins))
+                total += sum(self.plan_cost(out, lay, n.type) for lay in required[n.name])
                 if pick is None or total < pick_cost - _TOL:
                     pick, pick_cost = (ins, out), total
             sol[n.name] = pick
@@ -144,13 +188,17 @@ class _Problem:
                 required[i].append(lay)
         return sol
 
-    def _cost_to(self, best, name, layout) -> float:
+    def _cost_to(self, best, name, layout, memo) -> float:
         """Cost of having ``name`` in ``layout``.  A value with several consumers
         charges each only what its layout choice adds over its cheapest layout:
-        the shared upstream work is paid once, not once per consumer."""
-        ty, table = self.g[name].type, best[name]
-        base = min(table.values()) if len(self.users[name]) > 1 else 0.0
-        return min(c - base + plan_cost(o, layout, ty, self.mesh) for o, c in table.items())
+        the shared upstream work is paid once, not once per consumer.  ``memo``
+        keeps each answer (``best[name]`` is final once ``name``'s consumers ask)."""
+        key = (name, id(layout))
+        if key not in memo:
+            ty, table = self.g[name].type, best[name]
+            base = min(table.values()) if len(self.users[name]) > 1 else 0.0
+            memo[key] = min(c - base + self.plan_cost(o, layout, ty) for o, c in table.items())
+        return memo[key]
 
     def greedy_solution(self) -> dict:
         """DTensor-style propagation: each op takes the cheapest strategy given its inputs."""
@@ -161,7 +209,7 @@ class _Problem:
             src = [self.layout(sol, i) for i in n.inputs]
             types = [self.g[i].type for i in n.inputs]
             sol[n.name] = min(
-                ((c + sum(plan_cost(s, lay, t, self.mesh) for s, lay, t in zip(src, ins, types)), k, (ins, out))
+                ((c + sum(self.plan_cost(s, lay, t) for s, lay, t in zip(src, ins, types)), k, (ins, out))
                  for k, (c, ins, out) in enumerate(self.options[n.name])))[2]
         return sol
 
@@ -194,8 +242,8 @@ class _Problem:
             sol[n.name] = (ins, out)
             for i in feeders:
                 want = ins[n.inputs.index(i)]
-                fits = [(c, i_ins, o) for c, i_ins, o in self.options[i] if o == want]
-                if fits and sol[i][1] != want:
+                fits = [(c, i_ins, o) for c, i_ins, o in self.options[i] if o is want]  # interned
+                if fits and sol[i][1] is not want:
                     sol[i] = min(fits, key=lambda f: self._feeder_cost(sol, i, f))[1:]
             cost = local()
             if cost < best_cost - 1e-13:
@@ -205,7 +253,7 @@ class _Problem:
 
     def _feeder_cost(self, sol, i, option):
         c, ins, out = option
-        return c + sum(plan_cost(self.layout(sol, j), lay, self.g[j].type, self.mesh)
+        return c + sum(self.plan_cost(self.layout(sol, j), lay, self.g[j].type)
                        for j, lay in zip(self.g[i].inputs, ins))
 
 

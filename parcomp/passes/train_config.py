@@ -18,6 +18,8 @@ from ..errors import ParcompError, SpecError, closest
 from .train_options import OPTION_KEYS, train_options
 
 LOSSES = ("mse", "cross_entropy", "output")
+#: pipeline schedules (docs/design.md, "Pipeline parallelism"); interleaved 1F1B and zero-bubble are later
+SCHEDULES = ("gpipe", "1f1b")
 OPTIMIZERS = {
     "sgd": {"lr": 0.01, "momentum": 0.0, "weight_decay": 0.0},
     "adamw": {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01},
@@ -64,6 +66,9 @@ class TrainConfig:
     output: str | None = None
     loss_args: tuple = ()  # cross_entropy's ignore_index / label_smoothing (torch's defaults)
     options: object = None  # training options (issue 13): parcomp/passes/train_options.py
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    stages: str | None = None
 
     def h(self, key):
         return dict(self.hyper)[key]
@@ -81,7 +86,7 @@ def train_config(spec) -> TrainConfig:
     """Read and check ``spec.train``. Raises SpecError at the train line."""
     t = spec.train
     known = {"loss", "optimizer", "batch", "steps", "zero", "trainable", "input_grads", "output",
-             *OPTION_KEYS}
+             "microbatches", "schedule", "stages", *OPTION_KEYS}
     for k, _ in t.options:
         if k not in known:
             hint = closest(k, known)
@@ -121,7 +126,7 @@ def train_config(spec) -> TrainConfig:
     options = train_options(t, hyper, _number, _check_range)  # issue 13
     return TrainConfig(loss, name, tuple(sorted(hyper.items())), batch, steps, zero,
                        str(t.get("trainable", "**")), t.loc, input_grads == "yes", output, loss_args,
-                       options)
+                       options, *_pipeline_options(spec, t))
 
 
 # reductions part (issue 17): loss=cross_entropy(ignore_index=-100, label_smoothing=0.0), torch's
@@ -142,6 +147,25 @@ def _loss(value, loc) -> tuple:
         out[k] = _number(v, f"{name}({k}=...)", loc, kind)
         _check_range(f"{name}({k}={v})", out[k], bounds, loc)
     return name, tuple(sorted(out.items()))
+
+
+def _pipeline_options(spec, t) -> tuple:
+    """``(microbatches, schedule, stages)`` of the train line; they need a ``pp`` mesh axis."""
+    micro = _count(t.get("microbatches", 1), "microbatches", MAX_BATCH, t.loc)
+    schedule, stages = t.get("schedule", "1f1b"), t.get("stages")
+    if schedule not in SCHEDULES:
+        hint = closest(str(schedule), SCHEDULES)
+        raise SpecError(f"schedule={schedule!r} is not a pipeline schedule parcomp has"
+                        + (f"; did you mean {hint!r}?" if hint else "")
+                        + f" (schedules: {', '.join(SCHEDULES)})", t.loc)
+    if stages not in (None, "balanced"):
+        raise SpecError(f"stages={stages!r}: the only value is balanced (or give 'stage K: ...' "
+                        f"statements)", t.loc)
+    given = [k for k in ("microbatches", "schedule", "stages") if t.get(k) is not None]
+    if given and "pp" not in spec.mesh.names:
+        raise SpecError(f"{given[0]}= is a pipeline option and mesh {spec.mesh} has no 'pp' axis "
+                        f"(e.g. 'mesh pp=2')", t.loc)
+    return micro, schedule, stages
 
 
 def check_steps(steps, what: str = "--steps") -> int:

@@ -188,7 +188,7 @@ def mesh_strategies(node, in_types, mesh) -> list:
     """
     per_axis = axis_strategies(node, in_types)
     out = []
-    for combo in itertools.product(per_axis, repeat=len(mesh.axes)):
+    for combo in itertools.product(*(_on_axis(per_axis, name) for name in mesh.names)):
         ins = tuple(tuple(c[0][i] for c in combo) for i in range(len(in_types)))
         res = tuple(c[1] for c in combo)
         if divisibility_problem(node.type, res, mesh):
@@ -197,6 +197,15 @@ def mesh_strategies(node, in_types, mesh) -> list:
             continue
         out.append((ins, res))
     return out
+
+
+def _on_axis(per_axis, name) -> list:
+    """The single-axis strategies allowed on mesh axis ``name``: a pipeline axis (``pp``)
+    splits the model into stages, never a tensor, so only the replicated strategy."""
+    if name != "pp":
+        return per_axis
+    rep = [s for s in per_axis if s[1] == R and all(p == R for p in s[0])]
+    return rep or per_axis
 
 
 def is_valid_strategy(node, in_types, in_layouts, out_layout, mesh) -> bool:

@@ -176,6 +176,21 @@ class TrainSpec:
 
 
 @dataclass(frozen=True)
+class StageRule:
+    """``stage K: ITEM ...``: the modules pipeline stage ``index`` holds.
+
+    ``items`` are module paths (a node belongs to the first item that equals its
+    module path or is a dotted prefix of it); a range ``h.0-5`` is expanded here to
+    ``h.0 ... h.5``.  ``raw`` keeps the items as written, for messages.
+    """
+
+    index: int
+    items: tuple
+    raw: tuple
+    loc: SourceLoc
+
+
+@dataclass(frozen=True)
 class Spec:
     """A whole parsed spec: the mesh, the layout rules in file order, options."""
 
@@ -188,6 +203,7 @@ class Spec:
     links: tuple = ()  # the topology's link keys, sorted (key, value) pairs (parcomp/links.py)
     memory: int | None = None  # bytes per device (the `memory` statement), or None
     memory_loc: SourceLoc | None = None
+    stages: tuple = ()  # StageRule per pipeline stage, in stage order (empty: none given)
     launch: tuple = ()  # the topology's placement= / timeout= pairs, sorted (program.py's defaults)
 
     def default_axis(self) -> str:

@@ -21,7 +21,9 @@ from ..ir.types import Mesh, R, make_placement
 from ..links import LINK_KEYS, LINKS
 from ..memory import parse_size
 from ..passes.train_config import train_config
-from .model import LAYOUT_WORDS, LayoutSpec, Rule, Spec, TrainSpec, check_mesh_size, default_axis, suggest
+from .model import (LAYOUT_WORDS, LayoutSpec, Rule, Spec, TrainSpec, check_mesh_size, default_axis,
+                    suggest)
+from .stages import make_stage, check_stages
 
 _GRAMMAR = resources.files(__package__).joinpath("grammar.lark").read_text(encoding="utf-8")
 _PARSER = Lark(_GRAMMAR, parser="lalr", propagate_positions=True, maybe_placeholders=True)
@@ -29,18 +31,19 @@ _PARSER = Lark(_GRAMMAR, parser="lalr", propagate_positions=True, maybe_placehol
 _WORDS = ", ".join(LAYOUT_WORDS)
 _LAYOUT = (f"a layout: a layout word ({_WORDS}), a placement R, S(d) or P, "
            "a per-axis list such as [S(0), R], or axis=placement such as tp=S(1)")
-_STATEMENT = ("a statement: mesh, topology, memory, train, or a rule such as 'c_fc.weight colwise' "
+_STATEMENT = ("a statement: mesh, topology, memory, train, stage, or a rule such as 'c_fc.weight colwise' "
               "(a name pattern and a layout, after param, input, output or activation if you like)")
 _PLACEMENT = "a placement (R, S(d) or P)"
 WORDS = {  # every terminal of grammar.lark, as a syntax error says it
     "PATTERN": "a name pattern such as h.*.mlp.c_fc.weight",
-    "NAME": "a name", "SIGNED_INT": "a whole number", "INT": "a tensor dim (a whole number)",
+    "NAME": "a name", "DIGIT_NAME": "a name such as 1f1b", "SIGNED_INT": "a whole number", "INT": "a tensor dim (a whole number)",
     "NUMBER": "a number", "ESCAPED_STRING": "a quoted string",
     "EQUAL": "'='", "LPAR": "'('", "RPAR": "')'", "COMMA": "','", "LSQB": "'['", "RSQB": "']'",
     "OVER": "'over AXIS'", "_NL": "the end of the line", "$END": "the end of the file",
     "REP": _PLACEMENT, "SHARD": _PLACEMENT, "PART": _PLACEMENT,
     "MESH": "'mesh'", "TOPOLOGY": "'topology'", "TRAIN": "'train'", "MEMORY": "'memory'",
     "MEMSIZE": "a memory size such as 80GiB (units B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)",
+    "STAGE": "'stage'", "COLON": "':'", "RANGE": "a range of numbered modules such as h.0-5",
     "PARAM": "a rule target (param, input, output or activation)",
     "INPUT": "a rule target (param, input, output or activation)",
     "OUTPUT": "a rule target (param, input, output or activation)",
@@ -148,6 +151,7 @@ class _Tree(Transformer):
 
     mesh, topology, train = _statement("mesh"), _statement("topology"), _statement("train")
     memory = _statement("memory")
+    stage = _statement("stage")
     del _statement
 
     def pair(self, c):
@@ -158,7 +162,7 @@ class _Tree(Transformer):
     def first(self, c):
         return c[0]
 
-    scalar = target = lword = first
+    scalar = target = lword = stage_item = first
 
     def number(self, c):
         s = str(c[0])  # a whole number of thousands of digits is a float (inf), checked later
@@ -214,6 +218,9 @@ class _Builder:
     def err(self, tok, msg) -> SpecError:
         return SpecError(msg, self.loc(tok))
 
+    def err_at(self, loc, msg) -> SpecError:
+        return SpecError(msg, loc)
+
     def build(self, stmts: list) -> Spec:
         if not stmts:
             raise SpecError("the spec is empty: it has no statements, so no mesh statement; "
@@ -224,9 +231,11 @@ class _Builder:
             raise self.err(tok, "the first statement must be the mesh, such as 'mesh tp=2' "
                                 "(one size per axis; the last axis varies fastest)")
         self.mesh = self.make_mesh(stmts[0][2])
-        seen, rules, topology, train, links, memory = {"mesh": tok}, [], None, None, (), None
+        seen, rules, topology, train, links, memory, stages = {"mesh": tok}, [], None, None, (), None, []
         for kind, tok, payload in stmts[1:]:
-            if kind != "rule":
+            if kind == "stage":
+                stages.append(make_stage(self, tok, payload, stages))
+            elif kind != "rule":
                 if kind in seen:
                     raise self.err(tok, f"{kind} is given twice (first on line {seen[kind].line}); "
                                         f"a spec has at most one {kind} statement")
@@ -235,6 +244,8 @@ class _Builder:
                 topology, links = self.make_topology(tok, payload)
             elif kind == "memory":
                 memory = parse_size(str(payload[0]), lambda m: self.err(payload[0], m))
+            elif kind == "stage":
+                pass
             elif kind == "train":
                 train = TrainSpec(self.options(payload, "option"), self.loc(tok))
                 train_config(Spec(self.mesh, (), self.file, train=train))  # options and ranges
@@ -243,6 +254,7 @@ class _Builder:
         topo_loc = self.loc(seen["topology"]) if "topology" in seen else None
         return Spec(self.mesh, tuple(rules), self.file, topology, train, topo_loc, links, memory,
                     self.loc(seen["memory"]) if "memory" in seen else None,
+                    check_stages(self, stages, train),
                     launch=getattr(self, "launch", ()))
 
     def make_mesh(self, axes) -> Mesh:

@@ -1,0 +1,252 @@
+"""``program.py`` for a pipelined training step (a spec with a ``pp`` mesh axis).
+
+The program holds, as plain Python: the placement table, every rank's action list
+(``ACTIONS``, the schedule parcomp simulated), and per stage three functions printed from
+the stage's graphs (``stage0_forward``, ``stage0_backward``, ``stage0_optimizer``, one
+statement per node, with the same op table as :mod:`.emit`).  ``main`` walks this rank's
+action list: ``recv_*`` is a blocking ``dist.recv``, ``send_*`` an ``isend`` waited for
+before the update, gradients are summed over microbatches and ``all_reduce``-d over ``dp``,
+then scaled once by 1/(microbatches x dp).  One training step; the ranks of ``dp``
+coordinate 0 write their stage's outputs to ``OUTPUT.stageK``.  Nothing in it imports
+parcomp.  Sharding inside a stage (``tp``) is not emitted yet.
+"""
+from __future__ import annotations
+
+import json
+import re
+
+from parcomp.program import ParcompError, format_placement, placement_table
+
+__all__ = ["emit_pipeline_program", "pipeline_emittable", "PipelineEmitError"]
+
+
+class PipelineEmitError(ParcompError):
+    """The pipeline cannot be printed (a mesh axis this module does not emit inside a stage)."""
+
+_MAIN = '''
+def coords(rank):
+    out = []
+    for _, n in reversed(MESH):
+        out.append(rank % n)
+        rank //= n
+    return dict(zip([a for a, _ in MESH], reversed(out)))
+
+
+def tag(m, direction, j):
+    """The p2p tag of value j of microbatch m, direction 0 forward, 1 backward."""
+    return (m * 2 + direction) * 1000 + j
+
+
+def send(tensors, peer, m, direction):
+    return [dist.isend(t.contiguous(), peer, tag=tag(m, direction, j)) for j, t in enumerate(tensors)]
+
+
+def recv(specs, peer, m, direction):
+    out = {}
+    for j, (name, shape, dtype) in enumerate(specs):
+        buf = torch.empty(shape, dtype=getattr(torch, dtype))
+        dist.recv(buf, peer, tag=tag(m, direction, j))
+        out[name] = buf
+    return out
+
+
+def setup(rank):
+    """This rank's stage, dp coordinate and dp group (every rank creates every group)."""
+    c = coords(rank)
+    stage, d = c["pp"], c.get("dp", 0)
+    dp_group = None
+    for ranks in DP_GROUPS:  # every rank creates every group, in the same order
+        g = dist.new_group(ranks)
+        if rank in ranks:
+            dp_group = g
+    return stage, d, dp_group
+
+
+def step(rank, stage, d, dp_group, p, data):
+    """One training step of this rank: its action list in order; the updated state (and the
+    loss on the last stage)."""
+    rows = MICRO_BATCH * MICROBATCHES
+
+    def micro(m):
+        lo = d * rows + m * MICRO_BATCH
+        return {k: data[k][lo:lo + MICRO_BATCH] for k in BATCH_INPUTS[stage]}
+
+    stash, got, grads_in, grads_out, sums, handles, losses = {}, {}, {}, {}, {}, [], []
+    result = {}
+    for kind, m, peer in ACTIONS[rank]:
+        if kind == "recv_fwd":
+            got[m] = recv(RECV[stage], peer, m, 0)
+        elif kind == "forward":
+            stash[m] = FORWARD[stage](p, {**micro(m), **got.pop(m, {})})
+            if "loss" in stash[m]:
+                losses.append(stash[m]["loss"])
+        elif kind == "send_fwd":
+            handles += send([stash[m][v] for v, _, _ in SEND[stage]], peer, m, 0)
+        elif kind == "recv_bwd":
+            grads_in[m] = recv([("grad." + v, s, t) for v, s, t in SEND[stage]], peer, m, 1)
+        elif kind == "backward":
+            saved = {k[len("saved."):]: v for k, v in stash.pop(m).items() if k.startswith("saved.")}
+            out = BACKWARD[stage](p, {**micro(m), **saved, **grads_in.pop(m, {})})
+            for k in GRADS[stage]:
+                sums[k] = out[k] if k not in sums else sums[k] + out[k]
+            grads_out[m] = [out["grad." + v] for v, _, _ in RECV[stage]]
+        elif kind == "send_bwd":
+            handles += send(grads_out.pop(m), peer, m, 1)
+        elif kind == "optimizer":
+            for h in handles:
+                h.wait()
+            for k in GRADS[stage]:  # the gradient of the global batch: sum, then scale once
+                if dp_group is not None:
+                    dist.all_reduce(sums[k], group=dp_group)
+                sums[k] = sums[k] * SCALE
+            result = OPTIMIZER[stage](p, {**sums, "step": torch.tensor(1.0)})
+    if losses:
+        loss = torch.stack(losses).sum()
+        if dp_group is not None:
+            dist.all_reduce(loss, group=dp_group)
+        result["loss"] = loss * SCALE
+    return result
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\\n")[0])
+    ap.add_argument("--checkpoint", required=True)
+    ap.add_argument("--input", required=True)
+    ap.add_argument("--output", required=True)
+    ap.add_argument("--bench", type=int, default=0, help="then time N more steps (ms per step)")
+    args = ap.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world != WORLD:
+        sys.exit(f"this program needs {WORLD} ranks, got {world}")
+    stage, d, dp_group = setup(rank)
+    sd = torch.load(args.checkpoint)
+    p = {k: sd[k] if k in sd else torch.zeros(STATE_SHAPES[k]) for k in PARAMS[stage]}
+    data = torch.load(args.input)
+    result = step(rank, stage, d, dp_group, p, data)
+    if d == 0:
+        torch.save({k: v.detach().clone() for k, v in result.items()}, f"{args.output}.stage{stage}")
+    if args.bench:  # every step from the same state: the time of one step, not a trajectory
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(args.bench):
+            step(rank, stage, d, dp_group, p, data)
+        dist.barrier()
+        if rank == 0:
+            print(f"bench: {(time.perf_counter() - t0) * 1e3 / args.bench:.3f} ms per step")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def _ident(name: str, taken: set) -> str:
+    base = re.sub(r"\W", "_", name)
+    base = base if re.match(r"[A-Za-z_]", base) else "v" + base
+    out, k = base, 1
+    while out in taken:
+        k += 1
+        out = f"{base}_{k}"
+    taken.add(out)
+    return out
+
+
+def _function(fn: str, graph, doc: str, code) -> str:
+    """A function computing ``graph``: params from ``p``, inputs from ``inp``, one line per node
+    (``code(node, operand variables)``: :func:`.emit._code`, the torch op table)."""
+    taken = {"p", "inp", "torch", "dist"}
+    names = {n.name: _ident(n.name, taken) for n in graph.nodes}
+    lines = [f"def {fn}(p, inp):", f'    """{doc}"""']
+    for n in graph.nodes:
+        var = names[n.name]
+        if n.op in ("input", "param"):
+            src = "p" if n.op == "param" else "inp"
+            lines.append(f"    {var} = {src}[{json.dumps(n.name)}]  # {n.type}")
+        else:
+            lines.append(f"    {var} = {code(n, [names[i] for i in n.inputs])}  # {n.type}")
+    ret = ", ".join(f"{json.dumps(pub)}: {names[v]}" for pub, v in graph.named_outputs())
+    lines.append(f"    return {{{ret}}}")
+    return "\n".join(lines)
+
+
+def _specs(stage, values) -> list:
+    g = stage.forward
+    types = {n.name: n.type for n in g.nodes}
+    return [(v, tuple(types[v].shape), types[v].dtype) for v in values]
+
+
+def pipeline_emittable(program) -> bool:
+    """Whether this module can print ``program``'s pipeline: no mesh axis but ``pp`` and ``dp``
+    is larger than 1 (sharding inside a stage is not emitted yet; :func:`.emit.emit_program`
+    then prints the SPMD program, every pp rank computing the whole model)."""
+    return all(a in ("pp", "dp") or n == 1 for a, n in program.mesh.axes)
+
+
+def emit_pipeline_program(program, model, code) -> str:
+    """The text of ``program.py`` for a :class:`parcomp.program.Program` whose ``pipeline``
+    is set; ``model``: what it was imported from (for the docstring) or None; ``code``: the op
+    printer, :func:`.emit._code` (emit.py passes it, so this module does not import emit.py).
+
+    Raises:
+        PipelineEmitError: a ``tp`` axis larger than 1 (sharding inside a stage is not
+            emitted yet). EmitError: an op without a torch mapping.
+    """
+    plan, mesh = program.pipeline, program.mesh
+    extra = [a for a, n in mesh.axes if a not in ("pp", "dp") and n > 1]
+    if extra:
+        raise PipelineEmitError(f"the torch backend does not emit a pipeline with mesh axis "
+                        f"{extra[0]} > 1 yet (sharding inside a stage); the numpy interpreter "
+                        f"runs it: parcomp check")
+    table = placement_table(mesh)
+    dp_groups = table["groups"].get("dp", [])
+    head = [f'"""parcomp pipelined training step: {program.spec_name or "spec"}'
+            f"{f', model {model}' if model else ''}.",
+            "", f"mesh {mesh}, schedule {plan.schedule}, {plan.microbatches} microbatch(es) of "
+            f"{plan.micro_batch}, global batch {plan.batch} = {plan.micro_batch} x "
+            f"{plan.microbatches} x dp {plan.dp}; bubble {plan.analytic_bubble:.3f} (analytic), "
+            f"{plan.simulation.bubble:.3f} (simulated).", "", format_placement(table), "",
+            f"torchrun --nproc-per-node {mesh.size} program.py --checkpoint model.pt "
+            f"--input inputs.pt --output out.pt", '"""', "import argparse", "import sys", "import time", "",
+            "import torch", "import torch.distributed as dist", ""]
+    consts = [f"MESH = {tuple(mesh.axes)!r}", f"WORLD = {mesh.size}",
+              'DEVICE = torch.device("cpu")  # gloo: every tensor on the CPU',
+              f"MICROBATCHES = {plan.microbatches}", f"MICRO_BATCH = {plan.micro_batch}",
+              f"SCALE = 1.0 / {plan.microbatches * plan.dp}  # 1 / (microbatches x dp)",
+              f"DP_GROUPS = {dp_groups!r}"]
+    params, state, batch, grads, sends, recvs = {}, {}, {}, {}, {}, {}
+    for st in plan.stages:
+        opt = st.optimizer
+        params[st.index] = sorted({n.name for g in (st.forward, st.backward, opt) for n in g.params})
+        state.update({n.name: tuple(n.type.shape) for n in opt.params if n.phase == "optimizer"})
+        batch[st.index] = sorted({n.name for g in (st.forward, st.backward) for n in g.inputs}
+                                 - set(st.recv) - {f"grad.{v}" for v in st.send} - set(st.saved))
+        grads[st.index] = [f"grad.{q}" for q in st.params]
+        sends[st.index], recvs[st.index] = _specs(st, st.send), _specs(st, st.recv)
+    consts += [f"PARAMS = {params!r}", f"STATE_SHAPES = {state!r}", f"BATCH_INPUTS = {batch!r}",
+               f"GRADS = {grads!r}", f"SEND = {sends!r}", f"RECV = {recvs!r}"]
+    acts = ["# every rank's action list, (action, microbatch, peer rank), run in order by main();",
+            "# parcomp simulated all of them together: every send meets its recv, no deadlock",
+            "ACTIONS = {"]
+    for r in range(mesh.size):
+        row = [(a.kind, a.micro, a.peer) for a in plan.rank_actions(mesh, r)]
+        acts.append(f"    {r}: [  # stage {table['ranks'][r]['stage']}")
+        acts += [f"        {x!r}," for x in row]
+        acts.append("    ],")
+    acts.append("}")
+    fns = []
+    for st in plan.stages:
+        s = st.index
+        fns += [_function(f"stage{s}_forward", st.forward, f"Stage {s}: forward of one microbatch.",
+                          code),
+                _function(f"stage{s}_backward", st.backward, f"Stage {s}: backward of one microbatch.",
+                          code),
+                _function(f"stage{s}_optimizer", st.optimizer, f"Stage {s}: the update.", code)]
+    n = len(plan.stages)
+    fns += [f"FORWARD = {{{', '.join(f'{s}: stage{s}_forward' for s in range(n))}}}",
+            f"BACKWARD = {{{', '.join(f'{s}: stage{s}_backward' for s in range(n))}}}",
+            f"OPTIMIZER = {{{', '.join(f'{s}: stage{s}_optimizer' for s in range(n))}}}"]
+    body = ["\n".join(head), "\n".join(consts), "\n".join(acts), "\n\n\n".join(fns), _MAIN.strip("\n")]
+    return "\n\n\n".join(body) + "\n"

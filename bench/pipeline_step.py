@@ -1,0 +1,155 @@
+"""A 2-stage pipelined training step: parcomp's program.py vs torch.distributed.pipelining.
+
+Model: ``specs/models.py:mlp_chain(blocks=4, hidden=32)`` cut after block 2 (modules 0-5 |
+6-11); global batch (8, 8, 32) in 4 microbatches of 2; MSE loss; SGD(lr=0.01); 2 gloo ranks
+(spawned processes, 1 thread each). Per schedule (GPipe, 1F1B):
+
+  parcomp   the program.py parcomp emits for ``mesh pp=2`` + the stage lines: its ``step``
+            function (this rank's simulated action list: isend / blocking recv, microbatch
+            gradients summed, scaled once, SGD update)
+  torch     torch.distributed.pipelining: a ``PipelineStage`` over the same ``nn.Sequential``
+            slice on each rank, ``ScheduleGPipe`` / ``Schedule1F1B`` with the same loss and
+            microbatches, then ``torch.optim.SGD.step()``
+
+Every step starts from the same weights (parcomp's step returns new weights; torch's updates
+in place: the difference is one optimizer step of 8 small tensors). Reported: median ms per
+step over ``--steps`` after 3 warm-up steps, parcomp / torch, the analytic bubble
+``(pp-1)/(m+pp-1)`` and a measured one, ``1 - serial / (pp x step)``, where ``serial`` is the
+unsharded step (forward, backward, SGD) of the whole model in one process: the fraction of
+the two ranks' time not spent on the model's own compute (bubble plus p2p and overheads).
+
+Run:  .venv/bin/python bench/pipeline_step.py [--steps 20]
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import _common as C  # noqa: E402,I001  (sets the thread environment before torch is imported)
+
+import importlib.util  # noqa: E402
+import statistics  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+STEPS = int(C.arg_value("--steps", 20))
+WARMUP, MICRO, BLOCKS, HIDDEN, BATCH = 3, 4, 4, 32, 8
+CUT = 6  # modules 0-5 on stage 0, 6-11 on stage 1
+
+
+def _models():
+    spec = importlib.util.spec_from_file_location("bench_models", os.path.join(HERE, "..", "specs", "models.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _data():
+    torch.manual_seed(3)
+    return torch.randn(BATCH, 8, HIDDEN), torch.randn(BATCH, 8, HIDDEN)
+
+
+def _timed(step, barrier=True) -> float:
+    for _ in range(WARMUP):
+        step()
+    ts = []
+    for _ in range(STEPS):
+        if barrier:
+            dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1e3
+
+
+def parcomp_worker(rank, world, program_path):
+    spec = importlib.util.spec_from_file_location("pipeline_program", program_path)
+    prog = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prog)
+    stage, d, dp_group = prog.setup(rank)
+    sd = _models().mlp_chain(BLOCKS, HIDDEN)[0].state_dict()
+    p = {k: sd[k] if k in sd else torch.zeros(prog.STATE_SHAPES[k]) for k in prog.PARAMS[stage]}
+    x, y = _data()
+    data = {"x": x, "target": y}
+    return _timed(lambda: prog.step(rank, stage, d, dp_group, p, data))
+
+
+def torch_worker(rank, world, schedule):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    layers = list(_models().mlp_chain(BLOCKS, HIDDEN)[0])
+    part = torch.nn.Sequential(*(layers[:CUT] if rank == 0 else layers[CUT:]))
+    stage = PipelineStage(part, rank, world, torch.device("cpu"))
+    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+    sched = cls(stage, n_microbatches=MICRO, loss_fn=F.mse_loss)
+    opt = torch.optim.SGD(part.parameters(), lr=0.01)
+    x, y = _data()
+
+    def step():
+        opt.zero_grad()
+        if rank == 0:
+            sched.step(x)
+        else:
+            sched.step(target=y)
+        opt.step()
+
+    return _timed(step)
+
+
+def serial_ms() -> float:
+    model = _models().mlp_chain(BLOCKS, HIDDEN)[0]
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = _data()
+
+    def step():
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+
+    return _timed(step, barrier=False)
+
+
+def _program(schedule, work) -> str:
+    from parcomp.compiler import compile_graph
+    from parcomp.frontends.torch_export import import_torch
+    from parcomp.spec import parse_spec
+    from parcomp_backends.torch import emit_program
+
+    module, _, names = _models().mlp_chain(BLOCKS, HIDDEN)
+    graph = import_torch(module, (_data()[0],), names)
+    spec = parse_spec(f"mesh pp=2\nstage 0: 0-{CUT - 1}\nstage 1: {CUT}-{3 * BLOCKS - 1}\n"
+                      f"train loss=mse optimizer=sgd(lr=0.01) input_grads=no microbatches={MICRO} "
+                      f"schedule={schedule}\n", "bench.pcs")
+    path = os.path.join(work, f"program_{schedule}.py")
+    with open(path, "w") as f:
+        f.write(emit_program(compile_graph(graph, spec)))
+    return path
+
+
+def main():
+    torch.set_num_threads(1)
+    serial = serial_ms()
+    bubble = (2 - 1) / (MICRO + 2 - 1)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="pcbench-pp-") as work:
+        for schedule in ("gpipe", "1f1b"):
+            ours = max(C.spawn(parcomp_worker, 2, (_program(schedule, work),)))
+            theirs = max(C.spawn(torch_worker, 2, (schedule,)))
+            rows.append((schedule, ours, theirs, ours / theirs, bubble,
+                         1 - serial / (2 * ours), 1 - serial / (2 * theirs)))
+    print(f"pipeline_step: mlp_chain({BLOCKS}), hidden {HIDDEN}, batch {BATCH} in {MICRO} microbatches, "
+          f"pp=2 on 2 gloo ranks, median of {STEPS} steps; unsharded step in one process "
+          f"{serial:.3f} ms; {C.loadavg()}")
+    print("schedule  parcomp ms  torch ms  parcomp/torch  bubble analytic  measured parcomp  measured torch")
+    for r in rows:
+        print(f"{r[0]:8}  {r[1]:10.3f}  {r[2]:8.3f}  {r[3]:13.2f}  {r[4]:15.3f}  {r[5]:16.3f}  {r[6]:14.3f}")
+
+
+if __name__ == "__main__":
+    main()

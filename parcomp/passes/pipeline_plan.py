@@ -1,0 +1,160 @@
+"""The pipeline plan of a spec with a ``pp`` axis: stages, their programs, schedule, simulation.
+
+:func:`plan_pipeline` runs split-stages (:mod:`.split_stages`), builds each stage's
+forward / backward / optimizer programs (:mod:`.stage_train`) for one microbatch, makes
+the action lists of the spec's schedule (:mod:`.schedule`) and simulates them before
+anything is emitted.  The loss is the mean over the global batch: each microbatch's
+loss is the mean over the microbatch, gradients are summed over the microbatches (and
+over ``dp``) and scaled once by ``1 / (microbatches * dp)`` before the update.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import SpecError
+from ..ir.graph import Graph
+from .schedule import Simulation, analytic_bubble, rank_actions, schedule, simulate
+from .split_stages import assign_stages, balanced_rules, node_flops, rebatch, split_stages
+from .stage_train import stage_programs
+from .train_config import train_config
+from .verify import verify
+
+__all__ = ["PipelinePlan", "plan_pipeline", "attach_pipeline", "format_pipeline"]
+
+
+@dataclass(frozen=True, eq=False)
+class PipelinePlan:
+    """Everything a backend needs to run a pipelined training step.
+
+    Attributes:
+        pp, dp: sizes of the ``pp`` and ``dp`` mesh axes (dp 1 without one).
+        microbatches, schedule: from the train line; ``micro_batch``: dim 0 of one microbatch.
+        batch: the global batch, ``micro_batch * microbatches * dp``.
+        stage_of: ``{node name: stage}`` of the model graph.
+        stages: one :class:`~parcomp.passes.stage_train.StagePrograms` per stage.
+        actions: one action list per stage (:func:`~parcomp.passes.schedule.schedule`).
+        simulation: the :class:`~parcomp.passes.schedule.Simulation` of ``actions``.
+        stage_flops: forward FLOPs of one microbatch per stage (the simulation's times).
+    """
+
+    pp: int
+    dp: int
+    microbatches: int
+    schedule: str
+    micro_batch: int
+    batch: int
+    stage_of: dict
+    stages: tuple
+    actions: tuple
+    simulation: Simulation
+    stage_flops: tuple
+
+    @property
+    def analytic_bubble(self) -> float:
+        """(pp - 1) / (microbatches + pp - 1)."""
+        return analytic_bubble(self.pp, self.microbatches)
+
+    def rank_actions(self, mesh, rank: int) -> tuple:
+        """The action list of global ``rank`` (peers as global ranks)."""
+        return rank_actions(mesh, self.actions, rank)
+
+    def latency(self) -> float:
+        """One microbatch's forward through every stage, in the simulation's time unit (the
+        largest stage's forward): the sum of the stages' times; pp does not shorten it."""
+        top = max(self.stage_flops) or 1
+        return sum(f / top for f in self.stage_flops)
+
+    def report(self) -> dict:
+        """The ``report.json`` record of the pipeline."""
+        sim = self.simulation
+        return {"pp": self.pp, "dp": self.dp, "schedule": self.schedule,
+                "microbatches": self.microbatches, "micro_batch": self.micro_batch,
+                "global_batch": self.batch,
+                "stages": [{"stage": s.index, "params": list(s.params), "recv": list(s.recv),
+                            "send": list(s.send), "forward_flops": f,
+                            "stash_bytes_per_microbatch": s.saved_bytes,
+                            "peak_inflight_microbatches": peak,
+                            "peak_inflight_bytes": peak * s.saved_bytes, **stage_memory(s)}
+                           for s, f, peak in zip(self.stages, self.stage_flops, sim.peak_inflight)],
+                "latency_one_microbatch": self.latency(),
+                "bubble_analytic": self.analytic_bubble, "bubble_simulated": sim.bubble,
+                "makespan": sim.makespan,
+                "actions": [[str(a) for a in acts] for acts in self.actions]}
+
+
+def stage_memory(stage) -> dict:
+    """Bytes one rank of ``stage`` holds (the stage is not split over ``tp``): its weights,
+    their gradients (summed over microbatches) and the optimizer's state."""
+    weights = sum(stage.forward[p].type.nbytes if p in stage.forward else
+                  stage.optimizer[p].type.nbytes for p in stage.params)
+    state = sum(n.type.nbytes for n in stage.optimizer.params if n.phase == "optimizer")
+    return {"weight_bytes": weights, "grad_bytes": weights, "optimizer_state_bytes": state}
+
+
+def plan_pipeline(graph: Graph, spec) -> PipelinePlan:
+    """The :class:`PipelinePlan` of a global model ``graph`` under a spec with a ``pp`` axis
+    and a ``train`` line.
+
+    Raises:
+        SpecError: bad stage statements (see :func:`.split_stages.assign_stages`), a batch
+            that does not split into ``microbatches * dp`` equal parts, a hand-made
+            schedule that cannot run (:class:`~parcomp.passes.schedule.ScheduleError`).
+    """
+    cfg = train_config(spec)
+    mesh = spec.mesh
+    pp = mesh.sizes[mesh.axis_index("pp")]
+    dp = mesh.sizes[mesh.axis_index("dp")] if "dp" in mesh.names else 1
+    rules = spec.stages or balanced_rules(graph, pp)
+    stage_of = assign_stages(graph, rules, pp)
+    batch = cfg.batch or graph.inputs[0].type.shape[0]
+    parts = cfg.microbatches * dp
+    if batch % parts:
+        raise SpecError(f"the global batch {batch} does not split into microbatches={cfg.microbatches}"
+                        f" x dp={dp} = {parts} equal parts", cfg.loc)
+    micro = rebatch(graph, batch // parts)
+    stages = split_stages(micro, stage_of, pp)
+    progs = tuple(stage_programs(st, cfg, st.index == pp - 1) for st in stages)
+    for p in progs:
+        for g in (p.forward, p.backward, p.optimizer):
+            verify(g)
+    types = {n.name: n.type for n in micro.nodes}
+    flops = tuple(sum(node_flops(n, types) for n in st.graph.nodes) for st in stages)
+    top = max(flops) or 1
+    acts = schedule(cfg.schedule, pp, cfg.microbatches)
+    sim = simulate(acts, [f / top for f in flops], [2 * f / top for f in flops])
+    return PipelinePlan(pp, dp, cfg.microbatches, cfg.schedule, batch // parts, batch, stage_of,
+                        progs, acts, sim, flops)
+
+
+def attach_pipeline(graph: Graph, spec, program, report: dict) -> tuple:
+    """``(program with its pipeline field set, report with "pipeline" and "placement_table")``.
+
+    Raises:
+        SpecError: as :func:`plan_pipeline`.
+    """
+    from dataclasses import replace
+
+    from .placement import placement_table
+
+    plan = plan_pipeline(graph, spec)
+    return replace(program, pipeline=plan), {**report, "pipeline": plan.report(),
+                                             "placement_table": placement_table(spec.mesh, spec.topology)}
+
+
+def format_pipeline(report: dict) -> str:
+    """The pipeline lines of ``parcomp compile``'s summary: schedule, batch, bubble, per-stage
+    stash, then the placement table (from ``report.json``'s ``pipeline`` and ``placement_table``)."""
+    from .placement import format_placement
+
+    p = report["pipeline"]
+    lines = [f"pipeline: pp={p['pp']} schedule {p['schedule']}, global batch {p['global_batch']} = "
+             f"microbatch {p['micro_batch']} x {p['microbatches']} microbatches x dp {p['dp']}; "
+             f"bubble {p['bubble_analytic']:.3f} analytic, {p['bubble_simulated']:.3f} simulated"]
+    for s in p["stages"]:
+        lines.append(f"  stage {s['stage']}: {len(s['params'])} params, sends {len(s['send'])} "
+                     f"value(s), peak {s['peak_inflight_microbatches']} microbatch(es) stashed "
+                     f"({s['peak_inflight_bytes']} bytes); weights {s['weight_bytes']}, grads "
+                     f"{s['grad_bytes']}, optimizer state {s['optimizer_state_bytes']} bytes")
+    lines.append(f"  one microbatch's latency: {p['latency_one_microbatch']:.2f} x the largest stage's "
+                 f"forward (the sum of the stages: pp does not shorten it)")
+    return "\n".join(lines + [format_placement(report["placement_table"])])

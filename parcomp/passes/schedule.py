@@ -1,0 +1,226 @@
+"""Pipeline schedules as explicit per-stage action lists, and their simulator.
+
+An action list says, in order, what one rank of a stage does in one training step:
+``recv_fwd m`` (wait for microbatch m's activations from the previous stage),
+``forward m``, ``send_fwd m``, ``recv_bwd m`` (wait for the gradient of what it sent),
+``backward m``, ``send_bwd m``, and last ``optimizer`` (one update from the gradients
+summed over all microbatches).  Sends do not block (``isend``); receives do.
+
+* GPipe: every forward, then every backward (peak stash: all microbatches).
+* 1F1B (PipeDream-flush, Megatron's default): stage s runs ``pp - 1 - s`` warm-up
+  forwards, then alternates one forward and one backward, then drains the backwards
+  (peak stash: ``pp - s`` microbatches).
+
+Both have the bubble fraction ``(pp - 1) / (microbatches + pp - 1)`` when every stage
+takes the same time.  :func:`simulate` runs the lists of all stages together before
+anything is emitted: every send must meet its receive, nothing may wait forever, a
+forward or backward must have its inputs; it measures the makespan, the bubble and the
+peak number of stashed microbatches per stage.  Interleaved 1F1B (virtual stages) and
+zero-bubble schedules are not built yet.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import ParcompError
+
+__all__ = ["Action", "ScheduleError", "Simulation", "schedule", "simulate", "analytic_bubble",
+           "rank_actions"]
+
+KINDS = ("recv_fwd", "forward", "send_fwd", "recv_bwd", "backward", "send_bwd", "optimizer")
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of an action list: ``kind`` (one of :data:`KINDS`), microbatch ``micro``
+    (None for ``optimizer``), ``peer``: the stage (or, in :func:`rank_actions`, the
+    rank) sent to or received from, None for compute."""
+
+    kind: str
+    micro: int | None = None
+    peer: int | None = None
+
+    def __str__(self) -> str:
+        if self.kind == "optimizer":
+            return "optimizer"
+        arrow = {"recv_fwd": " <- ", "recv_bwd": " <- ", "send_fwd": " -> ", "send_bwd": " -> "}
+        return f"{self.kind} m={self.micro}" + (f"{arrow[self.kind]}{self.peer}"
+                                                if self.peer is not None else "")
+
+
+class ScheduleError(ParcompError):
+    """An action list that cannot run: ``rank`` and ``step`` (0-based) say where."""
+
+    def __init__(self, message: str, rank: int, step: int):
+        self.rank, self.step = rank, step
+        super().__init__(message, where=f"rank {rank} step {step}")
+
+
+def _forward(s, m, pp) -> list:
+    return ([Action("recv_fwd", m, s - 1)] if s else []) + [Action("forward", m)] + \
+           ([Action("send_fwd", m, s + 1)] if s < pp - 1 else [])
+
+
+def _backward(s, m, pp) -> list:
+    return ([Action("recv_bwd", m, s + 1)] if s < pp - 1 else []) + [Action("backward", m)] + \
+           ([Action("send_bwd", m, s - 1)] if s else [])
+
+
+def schedule(name: str, pp: int, micro: int) -> tuple:
+    """The action list of every stage (a tuple of tuples of :class:`Action`, stage order)
+    for schedule ``name`` (``gpipe`` | ``1f1b``)."""
+    out = []
+    for s in range(pp):
+        if name == "gpipe":
+            acts = [a for m in range(micro) for a in _forward(s, m, pp)]
+            acts += [a for m in range(micro) for a in _backward(s, m, pp)]
+        elif name == "1f1b":
+            warm = min(pp - 1 - s, micro)
+            acts = [a for m in range(warm) for a in _forward(s, m, pp)]
+            for m in range(warm, micro):
+                acts += _forward(s, m, pp) + _backward(s, m - warm, pp)
+            acts += [a for m in range(micro - warm, micro) for a in _backward(s, m, pp)]
+        else:
+            raise ParcompError(f"unknown schedule {name!r}", where="schedule")
+        out.append(tuple(acts + [Action("optimizer")]))
+    return tuple(out)
+
+
+def analytic_bubble(pp: int, micro: int) -> float:
+    """The idle fraction of GPipe and 1F1B with equal stage times: (pp-1)/(micro+pp-1)."""
+    return (pp - 1) / (micro + pp - 1)
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """What :func:`simulate` found.
+
+    Attributes:
+        order: ``(stage, step, Action)`` in an order the stages can run them.
+        makespan: time of the whole step, in units of one microbatch's forward on one stage.
+        busy: per stage, the time spent in forward and backward.
+        bubble: idle fraction, ``1 - sum(busy) / (pp * makespan)``.
+        peak_inflight: per stage, the most microbatches stashed at once (forward done,
+            backward not).
+    """
+
+    order: tuple
+    makespan: float
+    busy: tuple
+    bubble: float
+    peak_inflight: tuple
+
+
+class _Rank:
+    def __init__(self):
+        self.pc, self.clock, self.done = 0, 0.0, set()
+        self.inflight, self.peak, self.busy = set(), 0, 0.0
+
+
+def simulate(actions, t_fwd=1.0, t_bwd=2.0) -> Simulation:
+    """Run the action lists of all stages together (sends buffered, receives blocking).
+
+    ``t_fwd`` / ``t_bwd``: the time of one microbatch's forward / backward, a number or
+    one per stage.
+
+    Raises:
+        ScheduleError: naming the rank and step: a compute before its inputs arrived or a
+            send of something not computed yet; a send no one receives; a receive that
+            waits forever (deadlock: every blocked rank is named); a microbatch whose
+            forward or backward is missing or repeated.
+    """
+    pp = len(actions)
+    tf = t_fwd if isinstance(t_fwd, (list, tuple)) else [t_fwd] * pp
+    tb = t_bwd if isinstance(t_bwd, (list, tuple)) else [t_bwd] * pp
+    ranks, sent, order = [_Rank() for _ in range(pp)], {}, []
+    progress = True
+    while progress:
+        progress = False
+        for s, r in enumerate(ranks):
+            while r.pc < len(actions[s]) and _step(s, r, actions[s][r.pc], sent, tf[s], tb[s], pp):
+                order.append((s, r.pc, actions[s][r.pc]))
+                r.pc += 1
+                progress = True
+    blocked = [(s, r.pc) for s, r in enumerate(ranks) if r.pc < len(actions[s])]
+    if blocked:
+        s, k = blocked[0]
+        waits = "; ".join(f"rank {t} step {j} waits on {actions[t][j]}" for t, j in blocked)
+        raise ScheduleError(f"deadlock: {waits}", s, k)
+    if sent:
+        (src, dst, kind, m), (_, step) = next(iter(sent.items()))
+        raise ScheduleError(f"rank {src} step {step}: {kind} m={m} to rank {dst} is never "
+                            f"received", src, step)
+    _check_complete(actions, ranks)
+    makespan = max(r.clock for r in ranks)
+    busy = tuple(r.busy for r in ranks)
+    bubble = 1 - sum(busy) / (pp * makespan) if makespan else 0.0
+    return Simulation(tuple(order), makespan, busy, bubble, tuple(r.peak for r in ranks))
+
+
+def _step(s, r, a, sent, tf, tb, pp) -> bool:
+    """Run action ``a`` of stage ``s`` if it can; False if it must wait (a receive)."""
+    k = r.pc
+    if a.kind in ("recv_fwd", "recv_bwd"):
+        key = (a.peer, s, "send_" + a.kind[5:], a.micro)
+        if key not in sent:
+            return False
+        r.clock = max(r.clock, sent.pop(key)[0])
+        r.done.add((a.kind, a.micro))
+    elif a.kind in ("send_fwd", "send_bwd"):
+        need = "forward" if a.kind == "send_fwd" else "backward"
+        if (need, a.micro) not in r.done:
+            raise ScheduleError(f"rank {s} step {k}: {a} sends microbatch {a.micro} before its "
+                                f"{need} ran", s, k)
+        key = (s, a.peer, a.kind, a.micro)
+        if key in sent:
+            raise ScheduleError(f"rank {s} step {k}: {a} is sent twice", s, k)
+        sent[key] = (r.clock, k)
+    elif a.kind == "forward":
+        if s and ("recv_fwd", a.micro) not in r.done:
+            raise ScheduleError(f"rank {s} step {k}: {a} runs before its activations were "
+                                f"received (recv_fwd m={a.micro})", s, k)
+        r.clock += tf
+        r.busy += tf
+        r.inflight.add(a.micro)
+        r.peak = max(r.peak, len(r.inflight))
+    elif a.kind == "backward":
+        if ("forward", a.micro) not in r.done or (s < pp - 1 and ("recv_bwd", a.micro) not in r.done):
+            raise ScheduleError(f"rank {s} step {k}: {a} runs before its forward ran and its "
+                                f"gradient was received", s, k)
+        r.clock += tb
+        r.busy += tb
+        r.inflight.discard(a.micro)
+    if a.kind in ("forward", "backward"):
+        if (a.kind, a.micro) in r.done:
+            raise ScheduleError(f"rank {s} step {k}: {a} runs twice", s, k)
+        r.done.add((a.kind, a.micro))
+    return True
+
+
+def _check_complete(actions, ranks) -> None:
+    micros = {a.micro for acts in actions for a in acts if a.micro is not None}
+    for s, r in enumerate(ranks):
+        for kind in ("forward", "backward"):
+            missing = sorted(m for m in micros if (kind, m) not in r.done)
+            if missing:
+                raise ScheduleError(f"rank {s}: no {kind} of microbatch {missing[0]}", s,
+                                    len(actions[s]) - 1)
+        if actions[s][-1].kind != "optimizer":
+            raise ScheduleError(f"rank {s}: the list must end with the optimizer step", s,
+                                len(actions[s]) - 1)
+
+
+def rank_actions(mesh, actions, rank: int) -> tuple:
+    """The action list of global ``rank`` of a mesh with a ``pp`` axis: its stage's list
+    with every peer stage replaced by the peer's global rank (same coordinates on the
+    other axes)."""
+    a = mesh.axis_index("pp")
+    coords = list(mesh.coords(rank))
+
+    def peer(stage):
+        c = list(coords)
+        c[a] = stage
+        return mesh.rank_of(c)
+
+    return tuple(Action(x.kind, x.micro, None if x.peer is None else peer(x.peer))
+                 for x in actions[coords[a]])

@@ -1,0 +1,101 @@
+"""A pipelined training step on the numpy interpreter: every stage and dp replica in one process.
+
+:func:`run_pipeline_step` follows the plan's simulated order of the action lists: a
+``forward`` runs the stage's forward program on one microbatch and stashes what the
+backward needs, ``send_*`` / ``recv_*`` move values through a mailbox keyed by
+(receiving stage, direction, microbatch), a ``backward`` adds the microbatch's parameter
+gradients to the stage's sums.  After every microbatch of every dp replica, the sums are
+scaled once by ``1 / (microbatches * dp)`` (the dp all-reduce is the sum over replicas)
+and each stage's optimizer program runs.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..passes.stage_train import grad_name
+from .numpy_ops import run_unsharded
+
+__all__ = ["run_pipeline_step"]
+
+
+def _slices(feeds, names, plan):
+    """``{name: [piece of dim 0 per (replica, microbatch)]}`` for the batch inputs."""
+    parts = plan.microbatches * plan.dp
+    return {n: np.split(np.asarray(feeds[n]), parts, axis=0) for n in names if n in feeds}
+
+
+def run_pipeline_step(plan, feeds: dict) -> dict:
+    """One training step of ``plan`` (a :class:`~parcomp.passes.pipeline_plan.PipelinePlan`).
+
+    Args:
+        feeds: full arrays: the model inputs and ``target`` / ``labels`` (global batch),
+            every param and optimizer state, ``step`` for AdamW.
+
+    Returns:
+        ``{"loss": mean over the global batch, <p>: updated, "<p>.grad": gradient,
+        optimizer state ...}``: the outputs of the unsharded training step, without input
+        gradients.
+    """
+    batch_names = {n.name for st in plan.stages for g in (st.forward, st.backward)
+                   for n in g.inputs} - {v for st in plan.stages for v in st.recv} \
+        - {grad_name(v) for st in plan.stages for v in st.send} - {"step"}
+    pieces = _slices(feeds, batch_names, plan)
+    sums = [dict() for _ in plan.stages]
+    losses = []
+    for d in range(plan.dp):
+        _replica(plan, feeds, pieces, d, sums, losses)
+    scale = np.float32(1.0 / (plan.microbatches * plan.dp))
+    out = {"loss": np.float32(np.sum(np.asarray(losses, np.float32), dtype=np.float32) * scale)}
+    for st, acc in zip(plan.stages, sums):
+        opt_feeds = {**feeds, **{k: (v * scale).astype(v.dtype) for k, v in acc.items()}}
+        out.update(run_unsharded(st.optimizer, opt_feeds))
+    return out
+
+
+def _replica(plan, feeds, pieces, d, sums, losses) -> None:
+    """Run every action of every stage for dp replica ``d``, in the simulated order."""
+    mail, stash, got = {}, [{} for _ in plan.stages], [{} for _ in plan.stages]
+    for s, _, a in plan.simulation.order:
+        st, m = plan.stages[s], a.micro
+        if a.kind == "optimizer":
+            continue
+        data = {n: p[d * plan.microbatches + m] for n, p in pieces.items()}
+        if a.kind == "forward":
+            out = run_unsharded(st.forward, {**feeds, **data, **got[s].pop(("fwd", m), {})})
+            stash[s][m] = out
+            if "loss" in out:
+                losses.append(out["loss"])
+        elif a.kind == "send_fwd":
+            mail[(a.peer, "fwd", m)] = {v: stash[s][m][v] for v in st.send}
+        elif a.kind == "send_bwd":
+            mail[(a.peer, "bwd", m)] = stash[s].pop(("bwd", m))
+        elif a.kind in ("recv_fwd", "recv_bwd"):
+            got[s][(a.kind[5:], m)] = mail.pop((s, a.kind[5:], m))
+        else:
+            saved = {v: stash[s][m][f"saved.{v}"] for v in st.saved}
+            del stash[s][m]
+            out = run_unsharded(st.backward, {**feeds, **data, **saved,
+                                              **got[s].pop(("bwd", m), {})})
+            for p in st.params:
+                g = out[grad_name(p)]
+                acc = sums[s]
+                acc[grad_name(p)] = g.copy() if grad_name(p) not in acc else acc[grad_name(p)] + g
+            stash[s][("bwd", m)] = {grad_name(v): out[grad_name(v)] for v in st.recv
+                                    if grad_name(v) in out}
+
+
+def check_pipeline_step(compiled, feeds: dict) -> dict:
+    """One pipelined step of ``compiled.program_.pipeline`` on the interpreter against the
+    unsharded step (``compiled.logical``) from the same state (optimizer state zeros, AdamW
+    step 1): ``parcomp.tolerance.compare_all``'s result over the pipeline's outputs (input
+    gradients are not pipeline outputs)."""
+    from ..tolerance import compare_all, output_bounds
+    from .training import initial_state
+
+    logical = compiled.logical
+    state = initial_state(logical, feeds)
+    if "step" in logical:
+        state["step"] = np.array(1.0, "float32")
+    got = run_pipeline_step(compiled.program_.pipeline, state)
+    want = run_unsharded(logical, state)
+    return compare_all(got, want, output_bounds(logical, state), sorted(got))

@@ -1,0 +1,75 @@
+"""The pipelined program.py under torchrun on gloo: one training step equals the unsharded
+step (loss, gradients, parameters, momentum) for GPipe and 1F1B, and with dp=2 x pp=2."""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from parcomp.compiler import compile_graph  # noqa: E402
+from parcomp_backends.torch.emit import emit_program  # noqa: E402
+from parcomp_backends.torch.launch import run_torchrun  # noqa: E402
+
+from graphs import spec  # noqa: E402
+from numerics import assert_all_equivalent  # noqa: E402
+from test_pipeline import TRAIN, assert_detects_a_wrong_scale, chain_graph, reference  # noqa: E402
+
+
+def _run(tmp_path, g, head, nproc, name):
+    c = compile_graph(g, spec(f"{head}{TRAIN} microbatches=2 schedule={name}\n"))
+    d = tmp_path / name
+    d.mkdir()
+    text = emit_program(c)
+    assert "ACTIONS = {" in text and f"schedule {name}" in text
+    (d / "program.py").write_text(text)
+    ref, feeds, want, bounds = reference(g)
+    ck = {k: torch.from_numpy(np.asarray(v)) for k, v in feeds.items() if ref[k].op == "param"}
+    inp = {k: torch.from_numpy(np.asarray(feeds[k])) for k in ("x", "target")}
+    res = run_torchrun(d, nproc, ck, inp, str(d / "out.pt"), timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = {}
+    for s in range(2):
+        got.update({k: v.numpy() for k, v in torch.load(str(d / f"out.pt.stage{s}")).items()})
+    assert_all_equivalent(got, want, bounds)
+    assert_detects_a_wrong_scale(got, want, bounds)
+    return got
+
+
+def test_pp2_gpipe_and_1f1b_on_two_gloo_ranks_equal_the_unsharded_step(tmp_path):
+    g = chain_graph(blocks=4)
+    a = _run(tmp_path, g, "mesh pp=2\nstage 0: 0-5\nstage 1: 6-11\n", 2, "gpipe")
+    b = _run(tmp_path, g, "mesh pp=2\nstage 0: 0-5\nstage 1: 6-11\n", 2, "1f1b")
+    assert sorted(a) == sorted(b)
+
+
+def test_dp2_pp2_on_four_gloo_ranks_equals_the_unsharded_step(tmp_path):
+    _run(tmp_path, chain_graph(blocks=4), "mesh dp=2 pp=2\n", 4, "1f1b")
+
+
+def test_tp_inside_a_stage_is_not_emitted_yet():
+    from parcomp_backends.torch.pipeline_emit import PipelineEmitError, emit_pipeline_program
+
+    g = chain_graph(blocks=4)
+    c = compile_graph(g, spec(f"mesh pp=2 tp=2\n{TRAIN} microbatches=2\n"))
+    with pytest.raises(PipelineEmitError, match="mesh axis tp > 1"):
+        emit_pipeline_program(c.program_, None, None)
+    assert "ACTIONS = {" not in emit_program(c)  # the SPMD program, pp replicated
+
+
+def test_cli_run_launches_the_pipelined_step(tmp_path, capsys):
+    from parcomp.cli import main
+
+    from graphs import mlp_text
+
+    (tmp_path / "m.pcir").write_text(mlp_text((8,), [4, 8, 8, 4], [True] * 3, ["relu", "tanh", "none"]))
+    (tmp_path / "s.pcs").write_text(f"mesh pp=2\n{TRAIN} microbatches=2 schedule=1f1b\n")
+    rc = main(["run", str(tmp_path / "m.pcir"), "--spec", str(tmp_path / "s.pcs"), "--nproc", "2",
+               "--keep", str(tmp_path / "work")])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    line = next(x for x in out.splitlines() if "one pipelined step" in x)
+    assert "2 gloo ranks" in line and "1f1b" in line and line.endswith("OK")
+    assert "ACTIONS = {" in (tmp_path / "work" / "program.py").read_text()
+    assert (tmp_path / "work" / "outputs.pt.stage1").exists()
+    # the stages' outputs are run files parcomp wrote: a second run into --keep replaces them
+    assert main(["run", str(tmp_path / "m.pcir"), "--spec", str(tmp_path / "s.pcs"), "--nproc", "2",
+                 "--keep", str(tmp_path / "work")]) == 0
