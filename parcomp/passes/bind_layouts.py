@@ -24,6 +24,7 @@ from ..spec import Spec
 from ..spec.parser import check_names
 from ..frontends.fused import fused_bias_follows, fused_split_dim  # attention part (issue 17)
 from .heads import check_heads  # attention part (issue 17)
+from .seqpar import pin_sequence_parallel  # sequence parallel (issue 17)
 
 
 def bind_layouts(graph: Graph, spec: Spec) -> Graph:
@@ -63,7 +64,7 @@ def bind_layouts(graph: Graph, spec: Spec) -> Graph:
         nodes.append(n)
     graph = graph.with_nodes(nodes)
     graph = _pin_activations(graph, spec)
-    return _pin_outputs(graph, spec)
+    return pin_sequence_parallel(_pin_outputs(graph, spec), spec)
 
 
 def _check_shadowed(spec, names_by_target):

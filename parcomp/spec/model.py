@@ -188,6 +188,8 @@ class Spec:
     links: tuple = ()  # the topology's link keys, sorted (key, value) pairs (parcomp/links.py)
     memory: int | None = None  # bytes per device (the `memory` statement), or None
     memory_loc: SourceLoc | None = None
+    # `sequence-parallel [over AXIS]` (transformer SP, issue 17): (axis, loc) or None
+    sequence_parallel: tuple | None = None
 
     def default_axis(self) -> str:
         """The mesh axis a layout word without ``over`` applies to.

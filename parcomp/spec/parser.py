@@ -29,7 +29,7 @@ _PARSER = Lark(_GRAMMAR, parser="lalr", propagate_positions=True, maybe_placehol
 _WORDS = ", ".join(LAYOUT_WORDS)
 _LAYOUT = (f"a layout: a layout word ({_WORDS}), a placement R, S(d) or P, "
            "a per-axis list such as [S(0), R], or axis=placement such as tp=S(1)")
-_STATEMENT = ("a statement: mesh, topology, memory, train, or a rule such as 'c_fc.weight colwise' "
+_STATEMENT = ("a statement: mesh, topology, memory, sequence-parallel, train, or a rule such as 'c_fc.weight colwise' "
               "(a name pattern and a layout, after param, input, output or activation if you like)")
 _PLACEMENT = "a placement (R, S(d) or P)"
 WORDS = {  # every terminal of grammar.lark, as a syntax error says it
@@ -40,6 +40,7 @@ WORDS = {  # every terminal of grammar.lark, as a syntax error says it
     "OVER": "'over AXIS'", "_NL": "the end of the line", "$END": "the end of the file",
     "REP": _PLACEMENT, "SHARD": _PLACEMENT, "PART": _PLACEMENT,
     "MESH": "'mesh'", "TOPOLOGY": "'topology'", "TRAIN": "'train'", "MEMORY": "'memory'",
+    "SEQPAR": "'sequence-parallel'",
     "MEMSIZE": "a memory size such as 80GiB (units B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)",
     "PARAM": "a rule target (param, input, output or activation)",
     "INPUT": "a rule target (param, input, output or activation)",
@@ -145,7 +146,7 @@ class _Tree(Transformer):
         return lambda self, c: (kind, c[0], c[1:])
 
     mesh, topology, train = _statement("mesh"), _statement("topology"), _statement("train")
-    memory = _statement("memory")
+    memory, seqpar = _statement("memory"), _statement("sequence-parallel")
     del _statement
 
     def pair(self, c):
@@ -222,7 +223,7 @@ class _Builder:
             raise self.err(tok, "the first statement must be the mesh, such as 'mesh tp=2' "
                                 "(one size per axis; the last axis varies fastest)")
         self.mesh = self.make_mesh(stmts[0][2])
-        seen, rules, topology, train, links, memory = {"mesh": tok}, [], None, None, (), None
+        seen, rules, topology, train, links, memory, seqpar = {"mesh": tok}, [], None, None, (), None, None
         for kind, tok, payload in stmts[1:]:
             if kind != "rule":
                 if kind in seen:
@@ -233,6 +234,9 @@ class _Builder:
                 topology, links = self.make_topology(tok, payload)
             elif kind == "memory":
                 memory = parse_size(str(payload[0]), lambda m: self.err(payload[0], m))
+            elif kind == "sequence-parallel":  # transformer SP (issue 17)
+                seqpar = (default_axis(self.mesh) if payload[0] is None
+                          else self.axis(payload[0], "'sequence-parallel over'"), self.loc(tok))
             elif kind == "train":
                 train = TrainSpec(self.options(payload, "option"), self.loc(tok))
                 train_config(Spec(self.mesh, (), self.file, train=train))  # options and ranges
@@ -240,7 +244,7 @@ class _Builder:
                 rules.append(self.make_rule(*payload))
         topo_loc = self.loc(seen["topology"]) if "topology" in seen else None
         return Spec(self.mesh, tuple(rules), self.file, topology, train, topo_loc, links, memory,
-                    self.loc(seen["memory"]) if "memory" in seen else None)
+                    self.loc(seen["memory"]) if "memory" in seen else None, seqpar)
 
     def make_mesh(self, axes) -> Mesh:
         check_mesh_size(axes, self.err)
