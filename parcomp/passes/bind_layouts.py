@@ -25,6 +25,7 @@ from ..spec.parser import check_names
 from ..frontends.fused import fused_bias_follows, fused_split_dim  # attention part (issue 17)
 from .heads import check_heads  # attention part (issue 17)
 from .seqpar import pin_sequence_parallel  # sequence parallel (issue 17)
+from .vocab_pad import pad_vocab_tables  # padded vocab (issue 17)
 
 
 def bind_layouts(graph: Graph, spec: Spec) -> Graph:
@@ -55,6 +56,7 @@ def bind_layouts(graph: Graph, spec: Spec) -> Graph:
     _bias_follows(graph, spec, layouts, bound_by)
     fused_bias_follows(graph, layouts, bound_by)  # attention part (issue 17)
     check_heads(graph, spec, layouts, bound_by)
+    graph = pad_vocab_tables(graph, spec.mesh, layouts)  # vocab not divisible by tp (issue 17)
     nodes = []
     for n in graph.nodes:
         if n.name in layouts:
