@@ -52,6 +52,27 @@ def test_an_uneven_split_that_is_no_vocab_is_still_an_error():
     text = "%x: f32[2,7] = input()\n%w: f32[7,4] = param()\n%y: f32[2,4] = matmul(%x, %w)\nreturn %y\n"
     with pytest.raises(SpecError, match="not divisible"):
         compile_graph(parse_graph(text), spec("mesh tp=2\nw [S(0)]\n"))
+    hidden = MLP.replace("%y: f32[2,7] = matmul(%x, %wt)\nreturn %y", "%y: f32[2,7] = matmul(%x, %wt)\n"
+                         "%z: f32[2,7] = relu(%y)\nreturn %z")
+    with pytest.raises(SpecError, match="not divisible"):  # a colwise hidden layer is no LM head
+        compile_graph(parse_graph(hidden), spec("mesh tp=2\nw colwise\ntrain loss=cross_entropy\n"))
+
+
+MLP = """\
+%x: f32[2,4] = input()
+%w: f32[7,4] = param()
+%wt: f32[4,7] = permute(%w) {perm=(1, 0)}
+%y: f32[2,7] = matmul(%x, %wt)
+return %y
+"""
+
+
+def test_an_untied_lm_head_is_padded_only_under_a_cross_entropy_loss():
+    with pytest.raises(SpecError, match="not divisible"):
+        compile_graph(parse_graph(MLP), spec("mesh tp=2\nw colwise\n"))
+    c = compile_graph(parse_graph(MLP), spec("mesh tp=2\nw colwise\ntrain loss=cross_entropy\n"))
+    assert c.logical["w"].type.shape == (8, 4) and c.logical["w"].attr("stored_shape") == (7, 4)
+    assert any(n.op == "mask_pad" for n in c.logical.nodes)
 
 
 def test_gpt2_with_odd_vocab_split_over_tp_trains_like_torch(capsys, tmp_path):

@@ -6,8 +6,10 @@ the same, as part of bind-layouts, for a parameter whose rule splits a dim the m
 divide, when that dim is a vocab:
 
 - the parameter is an ``embedding`` table (the split dim its rows), and/or
-- it reaches a matmul as the right operand (through permutes) whose output's last dim is
-  the split dim (the LM head; a tied table is both).
+- it reaches a matmul as the right operand (through a permute) whose output's last dim is
+  the split dim and which is a model output (the LM head; a tied table is both). An untied
+  LM head counts only in a ``train loss=cross_entropy`` step (its output is then logits);
+  any other uneven split stays a located error.
 
 The parameter becomes ``V_pad`` rows (the next multiple of the ranks splitting it), the
 padded rows zero: ``stored_shape`` keeps the checkpoint's shape, and every loader (program.py,
@@ -28,12 +30,13 @@ from ..ir.names import NameGen
 from ..ir.types import Shard, TensorType
 
 
-def pad_vocab_tables(graph: Graph, mesh, layouts: dict) -> Graph:
+def pad_vocab_tables(graph: Graph, mesh, layouts: dict, logits_loss: bool = False) -> Graph:
     """``graph`` with every unevenly split vocab table padded (see the module docstring).
 
     ``layouts`` maps param names to the layouts the spec's rules gave them; a param whose
     split is uneven but that is not a vocab table is left alone (bind-layouts then reports
-    the uneven split, as before).
+    the uneven split, as before). ``logits_loss``: the step's loss is a cross-entropy on the
+    model output (an untied LM head's output is then logits).
     """
     for name, lay in list(layouts.items()):
         node = graph[name]
@@ -46,30 +49,38 @@ def pad_vocab_tables(graph: Graph, mesh, layouts: dict) -> Graph:
                     ranks *= mesh.sizes[a]
             if node.type.shape[d] % ranks == 0:
                 continue
-            heads = _vocab_uses(graph, name, d)
+            heads = _vocab_uses(graph, name, d, logits_loss)
             if heads is not None:
                 graph = _pad(graph, node, d, -(-node.type.shape[d] // ranks) * ranks, heads)
                 break
     return graph
 
 
-def _vocab_uses(graph, name, d):
+def _vocab_uses(graph, name, d, logits_loss):
     """The LM-head matmuls of table ``name`` split on dim ``d`` (and the permutes on the
-    way), or None when some use is neither an embedding lookup of rows ``d == 0`` nor such a
-    matmul."""
-    users, heads = graph.users(), []
+    way), or None when it is no vocab table: some use is neither an embedding lookup of rows
+    ``d == 0`` nor such a matmul making a model output, or it has no embedding use and the
+    step has no cross-entropy on its output."""
+    users, heads, embedded, outputs = graph.users(), [], False, set(graph.outputs)
     for u in users[name]:
         n = graph[u]
         if n.op == "embedding" and n.inputs[1] == name and d == 0:
+            embedded = True
             continue
         if n.op == "permute" and n.type.rank == 2:
             dim = list(n.attr("perm")).index(d)
             mms = [graph[m] for m in users[u]]
-            if dim == 1 and mms and all(m.op == "matmul" and m.inputs[1] == u for m in mms):
+            if dim == 1 and mms and all(m.op == "matmul" and m.inputs[1] == u and _is_output(graph, m, outputs)
+                                        for m in mms):
                 heads.append((n, mms))
                 continue
         return None
-    return heads
+    return heads if embedded or (heads and logits_loss) else None
+
+
+def _is_output(graph, mm, outputs) -> bool:
+    """Whether matmul ``mm`` is a model output (directly or through the output's relayout)."""
+    return mm.name in outputs or any(graph[u].op == "relayout" and u in outputs for u in graph.users()[mm.name])
 
 
 def _pad(graph, node, d, vp, heads):
