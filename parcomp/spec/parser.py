@@ -244,7 +244,8 @@ class _Builder:
                 rules.append(self.make_rule(*payload))
         topo_loc = self.loc(seen["topology"]) if "topology" in seen else None
         return Spec(self.mesh, tuple(rules), self.file, topology, train, topo_loc, links, memory,
-                    self.loc(seen["memory"]) if "memory" in seen else None, seqpar)
+                    self.loc(seen["memory"]) if "memory" in seen else None,
+                    sequence_parallel=seqpar)
 
     def make_mesh(self, axes) -> Mesh:
         check_mesh_size(axes, self.err)
