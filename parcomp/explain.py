@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from .ir.ops import LAYOUT_OPS
 from .ir.types import Partial, Replicate, Shard, layout_str, shard_axes
+from .passes.bucket import bucketed_members
 from .links import axis_links, collective_seconds
 from .redistribute import plan, step_bytes
 from .report import format_bytes
@@ -93,10 +94,10 @@ def _edge(sharded, prog, chain, links) -> dict:
     ty, src, tgt = root.type, root.layout, chain[-1].layout
     steps = []
     for n in chain:
-        rec = prog.collective(n.name)
+        rec = prog.collective(n.name) or _bucket_record(prog, n.name)
         axis = n.attr("axis")
         nbytes = rec.bytes if rec is not None else 0
-        steps.append({"name": n.name, "kind": n.op, "axis": axis, "dim": n.attr("dim"),
+        steps.append({"name": rec.name if rec is not None else n.name, "kind": n.op, "axis": axis, "dim": n.attr("dim"),
                       "bytes": nbytes, "seconds": collective_seconds(
                           n.op, mesh.sizes[mesh.names.index(axis)], nbytes, links[axis]),
                       "phase": n.phase, "reason": n.attr("reason"),
@@ -111,6 +112,13 @@ def _edge(sharded, prog, chain, links) -> dict:
                                                  None) or "(top level)",
             "kinds": " + ".join(_step_text(s) for s in steps), **chosen,
             "alternatives": alternatives(src, tgt, ty, mesh, links, [_key(s) for s in steps])}
+
+
+def _bucket_record(prog, name):
+    """The bucket's all_reduce record for the bucket's first member ``name`` (its bytes are
+    counted once, there); None for the other members and for anything not bucketed."""
+    bucket = bucketed_members(prog.graph, name)  # norm-weight gradients (passes/bucket.py)
+    return prog.collective(bucket[0].name) if bucket is not None and bucket[1][0] == name else None
 
 
 def _spec_ref(node):

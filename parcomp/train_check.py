@@ -54,7 +54,8 @@ def torch_reference(compiled, module, example, feeds, steps, start=None, first=1
             **ref["state"],
             **(ref["input_grads"] if cfg.input_grads else {}),
             **{f"{k}.grad": v for k, v in ref["grads"].items()}}
-    return ref["losses"], to_view_shapes(want, graph)  # fused weights per part (issue 17)
+    # fused weights per part, padded vocab tables padded (issue 17): as the logical graph holds them
+    return ref["losses"], to_view_shapes(want, compiled.logical)
 
 
 def carried(run) -> dict:

@@ -34,3 +34,26 @@ def test_gpt2_lm_dp2_tp2_trains_like_torch(capsys):
     rc, out = _check(capsys, "gpt2_lm", "gpt2_lm_dp2_tp2_train.pcs")
     assert rc == 0 and out["verdict"] == "OK" and out["vs_torch"]["ok"], out.get("why")
     assert sum(c["kind"] == "all_reduce" and c["axis"] == "tp" for c in out["collectives"]) == 8
+
+
+# Megatron sequence parallel (`sequence-parallel`): per block forward all_gather before the
+# colwise matmuls and reduce_scatter after the rowwise ones; backward the mirror pairs; the
+# final norm's all_gather before the LM head (and its gradient's before the last block's
+# rowwise backward); one all_reduce of every norm-weight gradient
+SP_FORWARD = [("all_gather", "forward"), ("reduce_scatter", "forward")] * 4 + [("all_gather", "forward")]
+SP_BACKWARD = ([("all_gather", "backward")] + [("reduce_scatter", "backward"), ("all_gather", "backward")] * 4
+               + [("all_reduce", "backward")])
+
+
+@pytest.mark.parametrize("factory,spec,norm_grads", [("gpt2_lm", "gpt2_lm_tp2_sp_train.pcs", 10),
+                                                     ("llama_lm", "llama_lm_tp2_sp_train.pcs", 5)])
+def test_tp2_sp_lm_trains_like_torch_with_megatrons_sequence_parallel_collectives(capsys, factory, spec,
+                                                                                  norm_grads):
+    rc, out = _check(capsys, factory, spec)
+    assert rc == 0 and out["verdict"] == "OK" and out["vs_torch"]["ok"], out.get("why")
+    colls = out["collectives"]
+    assert [(c["kind"], c["phase"]) for c in colls] == SP_FORWARD + SP_BACKWARD
+    assert len({c["bytes"] for c in colls if c["kind"] != "all_reduce"}) == 1  # AG and RS of equal bytes
+    assert f"{norm_grads} norm-weight gradients" in colls[-1]["reason"]
+    per_block = (len(colls) - 2) / 2  # less the final norm's pair; 2 blocks
+    assert per_block <= 9  # the bound (DTensor's SP plan: 12)

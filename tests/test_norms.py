@@ -144,24 +144,13 @@ SP_BLOCK = """\
 %y: f32[2,8,16] = rms_norm(%r, %ln2.weight) {eps=1e-06}
 return %y as output
 """
-SP_SPEC = ("mesh tp=2\nfc.weight colwise\nproj.weight rowwise\ninput x split-seq\n"
+# `sequence-parallel` pins the norms' inputs and outputs, and their gradients, split along the
+# sequence (the layout search alone prefers replicated norms at these sizes: fewer calls)
+SP_SPEC = ("mesh tp=2\nsequence-parallel\nfc.weight colwise\nproj.weight rowwise\ninput x split-seq\n"
            "output output split-seq\ntrain loss=mse optimizer=sgd(lr=0.1)\n")
 
 
-@pytest.fixture
-def megatron_sp_plan(monkeypatch):
-    """Compile with the ILP's warm start only (its time budget 0): Megatron's SP plan, norms
-    and their gradients on split-seq activations. The exact search (issue 11) prefers, under its
-    communication-only cost model, replicated norms (fewer calls, same bytes: SP's gain is
-    memory, which the cost model counts only under a `memory` limit), and spec rules cannot
-    pin backward values; until they can, these tests check the bucketing on the SP plan itself."""
-    from functools import partial
-
-    from parcomp.passes import manager, shard_prop
-    monkeypatch.setattr(manager, "shard_prop", partial(shard_prop.shard_prop, seconds=0))
-
-
-def test_sequence_parallel_block_one_bucketed_norm_gradient_all_reduce(megatron_sp_plan):
+def test_sequence_parallel_block_one_bucketed_norm_gradient_all_reduce():
     c, run, got, want, feeds = _run(SP_BLOCK, SP_SPEC)
     recs = [(r["kind"], r["phase"]) for r in c.report["collectives"]]
     assert recs == [("all_gather", "forward"), ("reduce_scatter", "forward"), ("all_reduce", "loss"),
@@ -174,7 +163,7 @@ def test_sequence_parallel_block_one_bucketed_norm_gradient_all_reduce(megatron_
     assert_all_equivalent(got, want, output_bounds(c.logical, feeds))
 
 
-def test_bucket_is_one_flat_buffer_and_its_parts_keep_the_names(megatron_sp_plan):
+def test_bucket_is_one_flat_buffer_and_its_parts_keep_the_names():
     c = compile_graph(parse_graph(SP_BLOCK), spec(SP_SPEC))
     p = c.program
     (cat,) = p.by_op("bucket_cat")
@@ -185,7 +174,7 @@ def test_bucket_is_one_flat_buffer_and_its_parts_keep_the_names(megatron_sp_plan
     assert sorted(n.name for n in parts) == sorted(sharded_ars)
 
 
-def test_norm_weight_gradient_all_reduces_of_dp_and_tp_bucket_per_axis(megatron_sp_plan):
+def test_norm_weight_gradient_all_reduces_of_dp_and_tp_bucket_per_axis():
     c, run, got, want, feeds = _run(SP_BLOCK, SP_SPEC.replace("mesh tp=2", "mesh dp=2 tp=2")
                                     .replace("input x split-seq", "input x [S(0), S(1)]")
                                     .replace("output output split-seq", "output output [S(0), S(1)]")

@@ -182,7 +182,7 @@ def test_frontend_rejects_padding_idx_and_a_non_last_dim_norm_with_a_location():
 # --- the emitted program under torchrun ---------------------------------------------------
 
 @pytest.mark.slow
-def test_sequence_parallel_vocab_parallel_program_on_two_gloo_ranks(tmp_path, monkeypatch):
+def test_sequence_parallel_vocab_parallel_program_on_two_gloo_ranks(tmp_path):
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from parcomp.frontends.torch_export import import_torch
@@ -194,14 +194,9 @@ def test_sequence_parallel_vocab_parallel_program_on_two_gloo_ranks(tmp_path, mo
     m = _norms_module(torch, dropout=0.25).train()
     ids = torch.tensor([[1, 15, 7, 8], [0, 3, 12, 4]])
     g = import_torch(m, (ids,))
-    # Megatron's SP plan (the layout ILP's warm start; see tests/test_norms.py megatron_sp_plan):
-    # the exact search prefers replicated norms under its communication-only cost model
-    from functools import partial
-
-    from parcomp.passes import manager, shard_prop
-    monkeypatch.setattr(manager, "shard_prop", partial(shard_prop.shard_prop, seconds=0))
+    # Megatron's SP plan: `sequence-parallel` pins the norm regions split along the sequence
     c = compile_graph(g, spec("mesh tp=2\nwte.weight [S(0)]\nfc.weight colwise\ninput ids replicated\n"
-                              "activation layer_norm split-seq\ntrain loss=mse optimizer=sgd(lr=0.1) steps=2\n"))
+                              "sequence-parallel\ntrain loss=mse optimizer=sgd(lr=0.1) steps=2\n"))
     assert c.program.by_op("bucket_cat") and c.program.by_op("dropout")
     target = np.random.default_rng(1).standard_normal(c.logical["target"].type.shape).astype("f4")
     feeds = {**{k: v.detach().numpy() for k, v in m.state_dict().items() if k in c.logical},

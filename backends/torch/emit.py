@@ -420,8 +420,8 @@ def _loaders(prog, train) -> str:
             head = f"{n.name}: full {_ty(n.type.dtype, full)} {layout_str(n.layout)} -> {n.type}; "
             src = f"take({arg}, {json.dumps(n.name)}, {full!r}, {TORCH_DTYPES[n.type.dtype]})"
             if n.attr("stored_shape"):  # a fused weight: stored whole, viewed per part (issue 17)
-                src = (f"take({arg}, {json.dumps(n.name)}, {tuple(n.attr('stored_shape'))!r}, "
-                       f"{TORCH_DTYPES[n.type.dtype]}).reshape({full!r})")
+                src = _view_of(f"take({arg}, {json.dumps(n.name)}, {tuple(n.attr('stored_shape'))!r}, "
+                               f"{TORCH_DTYPES[n.type.dtype]})", n.attr("stored_shape"), full)
                 head += f"stored {_ty(n.type.dtype, n.attr('stored_shape'))}, viewed per part; "
             sliced, what = _slice_expr(program, n, src)
             expr = f"place({sliced})"
@@ -519,3 +519,12 @@ def _layout_comment(program, n, record, names) -> list:
         nbytes = record.bytes if record else "?"
         head = f"{n.op} over {n.attr('axis')} {change}, bytes/rank {nbytes}:"
     return _comment(f"{head} {reason}", "    ")
+
+
+def _view_of(take: str, stored, full) -> str:
+    """A stored tensor as the graph holds it: a fused weight's ``.reshape(view)``, or a
+    padded vocab table's zero rows appended (parcomp/passes/vocab_pad.py, issue 17)."""
+    if math.prod(stored) == math.prod(full):
+        return f"{take}.reshape({tuple(full)!r})"
+    pad = [x for s, f in zip(reversed(stored), reversed(full)) for x in (0, f - s)]
+    return f"torch.nn.functional.pad({take}, {pad!r})"

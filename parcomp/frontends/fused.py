@@ -182,7 +182,7 @@ def to_view_shapes(values: dict, graph) -> dict:
     for key, v in values.items():
         base = next((p for p in views if key == p or key.startswith(p + ".")), None)
         if base is not None and tuple(np.shape(v)) == tuple(views[base].attr("stored_shape")):
-            out[key] = np.asarray(v).reshape(views[base].type.shape)
+            out[key] = to_shape(np.asarray(v), views[base].type.shape)  # a padded vocab: pad
     return out
 
 
@@ -196,5 +196,17 @@ def to_stored_shapes(values: dict, graph, derived: bool = True) -> dict:
     for key, v in values.items():
         base = next((p for p in views if key == p or (derived and key.startswith(p + "."))), None)
         if base is not None and tuple(np.shape(v)) == tuple(views[base].type.shape):
-            out[key] = np.asarray(v).reshape(views[base].attr("stored_shape"))
+            out[key] = _stored(np.asarray(v), views[base].attr("stored_shape"))
     return out
+
+
+def _stored(x, shape):
+    """A view's value in the stored shape: reshaped, or (a padded vocab table) trimmed."""
+    if x.size == int(np.prod(shape)):
+        return x.reshape(shape)
+    return x[tuple(slice(0, n) for n in shape)]
+
+
+def to_shape(x, shape):  # noqa: D103 - see parcomp.reference.numpy_attn.to_shape
+    from ..reference.numpy_attn import to_shape as pad_or_reshape
+    return pad_or_reshape(x, shape)

@@ -416,7 +416,8 @@ LAYOUT_OPS = COLLECTIVES + tuple(op for op, t in TRANSITIONS.items() if not t.co
 # identity whose output layout is fixed by the spec (outputs, pinned activations);
 # insert-collectives replaces it by the redistribution it asks for
 _def("relayout", 1, "relayout", _same, {"origin": Attr("str"),  # origin: the spec rule, in words
-                                         "default": Attr("bool", default=False)})  # unnamed output
+                                         "default": Attr("bool", default=False),  # unnamed output
+                                         "grad": Attr("bool", default=False)})  # gradient pinned too
 
 # lowered ops: made by parcomp/passes/lower.py from the ops above, only in local programs
 # (their layout rules were checked on the ops they replace). Lowering annotates nodes with

@@ -19,6 +19,7 @@ import sys
 
 from dataclasses import replace
 
+from .vocab_pad import padded_logits
 from ..errors import SpecError, closest
 from ..ir.graph import Graph, Node, make_attrs
 from ..ir.names import NameGen
@@ -224,7 +225,7 @@ def _model_output(graph, cfg):
     public, value = _loss_output(graph, cfg)
     node = graph[value]
     if node.op == "relayout" and node.attr("default", False):
-        value = node.inputs[0]
+        value = padded_logits(graph, node.inputs[0])  # a padded vocab's masked logits (issue 17)
         naxes = len(graph.mesh.axes)
         batch = {a for n in graph.inputs for a in shard_axes(n.layout, 0)}
         return value, tuple(Shard(0) if a in batch else Replicate() for a in range(naxes))

@@ -24,6 +24,8 @@ from ..spec import Spec
 from ..spec.parser import check_names
 from ..frontends.fused import fused_bias_follows, fused_split_dim  # attention part (issue 17)
 from .heads import check_heads  # attention part (issue 17)
+from .seqpar import pin_sequence_parallel  # sequence parallel (issue 17)
+from .vocab_pad import pad_vocab_tables  # padded vocab (issue 17)
 
 
 def bind_layouts(graph: Graph, spec: Spec) -> Graph:
@@ -54,6 +56,7 @@ def bind_layouts(graph: Graph, spec: Spec) -> Graph:
     _bias_follows(graph, spec, layouts, bound_by)
     fused_bias_follows(graph, layouts, bound_by)  # attention part (issue 17)
     check_heads(graph, spec, layouts, bound_by)
+    graph = pad_vocab_tables(graph, spec.mesh, layouts, _ce_loss(spec))  # uneven vocab (issue 17)
     nodes = []
     for n in graph.nodes:
         if n.name in layouts:
@@ -63,7 +66,13 @@ def bind_layouts(graph: Graph, spec: Spec) -> Graph:
         nodes.append(n)
     graph = graph.with_nodes(nodes)
     graph = _pin_activations(graph, spec)
-    return _pin_outputs(graph, spec)
+    return pin_sequence_parallel(_pin_outputs(graph, spec), spec)
+
+
+def _ce_loss(spec) -> bool:
+    """Whether the spec trains with a cross-entropy loss (on the model's logits)."""
+    loss = spec.train.get("loss") if spec.train else None
+    return (loss[0] if isinstance(loss, tuple) else loss) == "cross_entropy"
 
 
 def _check_shadowed(spec, names_by_target):

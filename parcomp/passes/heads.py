@@ -37,6 +37,9 @@ def head_splits(graph, users, value):
                 continue
             seen.add(u)
             src = graph[cur].type
+            if n.op == "reshape" and _one_head(src.shape, n.type.shape):  # [.., D] -> [.., 1, D]
+                out.append((n, 1))
+                continue
             if n.op == "reshape" and src.rank and n.type.rank and n.type.shape[-1] != src.shape[-1]:
                 j = reshape_dim_map(src.shape, n.type.shape).get(src.rank - 1)
                 if j is not None and j < n.type.rank - 1:
@@ -44,6 +47,12 @@ def head_splits(graph, users, value):
                 continue
             frontier.append(u)
     return out
+
+
+def _one_head(src, out) -> bool:
+    """``[.., D] -> [.., 1, D]``: a split into one head (multi-query attention's kv), which
+    keeps the last dim and so is no split of it by size alone."""
+    return len(out) == len(src) + 1 and len(src) >= 2 and out[:-2] == src[:-1] and out[-2:] == (1, src[-1])
 
 
 def _repeated(graph, users, start, limit=64) -> bool:

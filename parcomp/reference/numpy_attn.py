@@ -57,8 +57,16 @@ def source_array(node, x):
     tensor reshaped to the view (the global shape on a local program)."""
     x = np.asarray(x)
     if node.attr("stored_shape") and tuple(x.shape) == tuple(node.attr("stored_shape")):
-        return x.reshape(node.attr("global_shape") or node.type.shape)
+        return to_shape(x, node.attr("global_shape") or node.type.shape)
     return x
+
+
+def to_shape(x, shape):
+    """``x`` reshaped to ``shape`` (a fused view), or padded with zeros at the end of each dim
+    (a padded vocab table, parcomp/passes/vocab_pad.py) when ``shape`` has more elements."""
+    if x.size == int(np.prod(shape)):
+        return x.reshape(shape)
+    return np.pad(x, [(0, s - n) for n, s in zip(x.shape, shape)])
 
 
 NUMPY_ATTN = {

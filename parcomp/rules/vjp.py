@@ -56,6 +56,11 @@ def _matmul(b, n, g):
     return da, dw
 
 
+def _relayout_grad(b, n, g):
+    """A pin with ``grad=true`` (``sequence-parallel``) pins the gradient to the same layout."""
+    return b.op("relayout", [g], layout=n.layout, origin=f"gradient: {n.attr('origin')}")
+
+
 def _add(b, n, g):
     return _ub(b, n, 0, g), _ub(b, n, 1, g)
 
@@ -105,7 +110,7 @@ VJP_RULES = {
     "matmul": _matmul,
     "permute": _permute,
     "reshape": lambda b, n, g: (b.op("reshape", [g], type=b.type(n.inputs[0])),),
-    "relayout": lambda b, n, g: (g,),
+    "relayout": lambda b, n, g: (_relayout_grad(b, n, g) if n.attr("grad", False) else g,),
     "sum": lambda b, n, g: (b.op("expand", [g], dims=n.attr("dims"), type=b.type(n.inputs[0])),),
     "expand": lambda b, n, g: (b.op("sum", [g], dims=n.attr("dims")),),
     "cross_entropy": _cross_entropy,

@@ -205,6 +205,8 @@ class Spec:
     memory_loc: SourceLoc | None = None
     stages: tuple = ()  # StageRule per pipeline stage, in stage order (empty: none given)
     launch: tuple = ()  # the topology's placement= / timeout= pairs, sorted (program.py's defaults)
+    # `sequence-parallel [over AXIS]` (transformer SP, issue 17): (axis, loc) or None
+    sequence_parallel: tuple | None = None
 
     def default_axis(self) -> str:
         """The mesh axis a layout word without ``over`` applies to.

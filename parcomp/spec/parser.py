@@ -31,7 +31,7 @@ _PARSER = Lark(_GRAMMAR, parser="lalr", propagate_positions=True, maybe_placehol
 _WORDS = ", ".join(LAYOUT_WORDS)
 _LAYOUT = (f"a layout: a layout word ({_WORDS}), a placement R, S(d) or P, "
            "a per-axis list such as [S(0), R], or axis=placement such as tp=S(1)")
-_STATEMENT = ("a statement: mesh, topology, memory, train, stage, or a rule such as 'c_fc.weight colwise' "
+_STATEMENT = ("a statement: mesh, topology, memory, sequence-parallel, train, stage, or a rule such as 'c_fc.weight colwise' "
               "(a name pattern and a layout, after param, input, output or activation if you like)")
 _PLACEMENT = "a placement (R, S(d) or P)"
 WORDS = {  # every terminal of grammar.lark, as a syntax error says it
@@ -42,6 +42,7 @@ WORDS = {  # every terminal of grammar.lark, as a syntax error says it
     "OVER": "'over AXIS'", "_NL": "the end of the line", "$END": "the end of the file",
     "REP": _PLACEMENT, "SHARD": _PLACEMENT, "PART": _PLACEMENT,
     "MESH": "'mesh'", "TOPOLOGY": "'topology'", "TRAIN": "'train'", "MEMORY": "'memory'",
+    "SEQPAR": "'sequence-parallel'",
     "MEMSIZE": "a memory size such as 80GiB (units B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)",
     "STAGE": "'stage'", "COLON": "':'", "RANGE": "a range of numbered modules such as h.0-5",
     "PARAM": "a rule target (param, input, output or activation)",
@@ -150,7 +151,7 @@ class _Tree(Transformer):
         return lambda self, c: (kind, c[0], c[1:])
 
     mesh, topology, train = _statement("mesh"), _statement("topology"), _statement("train")
-    memory = _statement("memory")
+    memory, seqpar = _statement("memory"), _statement("sequence-parallel")
     stage = _statement("stage")
     del _statement
 
@@ -232,6 +233,7 @@ class _Builder:
                                 "(one size per axis; the last axis varies fastest)")
         self.mesh = self.make_mesh(stmts[0][2])
         seen, rules, topology, train, links, memory, stages = {"mesh": tok}, [], None, None, (), None, []
+        seqpar = None
         for kind, tok, payload in stmts[1:]:
             if kind == "stage":
                 stages.append(make_stage(self, tok, payload, stages))
@@ -246,6 +248,9 @@ class _Builder:
                 memory = parse_size(str(payload[0]), lambda m: self.err(payload[0], m))
             elif kind == "stage":
                 pass
+            elif kind == "sequence-parallel":  # transformer SP (issue 17)
+                seqpar = (default_axis(self.mesh) if payload[0] is None
+                          else self.axis(payload[0], "'sequence-parallel over'"), self.loc(tok))
             elif kind == "train":
                 train = TrainSpec(self.options(payload, "option"), self.loc(tok))
                 train_config(Spec(self.mesh, (), self.file, train=train))  # options and ranges
@@ -255,7 +260,7 @@ class _Builder:
         return Spec(self.mesh, tuple(rules), self.file, topology, train, topo_loc, links, memory,
                     self.loc(seen["memory"]) if "memory" in seen else None,
                     check_stages(self, stages, train),
-                    launch=getattr(self, "launch", ()))
+                    launch=getattr(self, "launch", ()), sequence_parallel=seqpar)
 
     def make_mesh(self, axes) -> Mesh:
         check_mesh_size(axes, self.err)

@@ -1,0 +1,111 @@
+"""Compile time of a whole GPT-2 LM (issue 17): IR -> Program -> program.py, by depth.
+
+Model: transformers' ``GPT2LMHeadModel`` with ``specs/models.py:gpt2_lm``'s small config
+(n_embd 32, 4 heads, vocab 101, seq 8, tied head, sdpa, eval) and ``n_layer`` in {1, 12, 48}.
+Specs: ``specs/gpt2_lm_tp2_train.pcs`` (Megatron TP=2 training) and
+``specs/gpt2_lm_tp2_sp_train.pcs`` (TP=2 + ``sequence-parallel``); both match every block by
+``transformer.h.*`` patterns, so one spec fits any depth.
+
+Columns (seconds, median of ``REPS`` in one process, 1 thread):
+
+  torch.export   ``torch.export.export(model, (input_ids,), strict=False)`` alone
+  import         ``import_torch`` (export + lowering to parcomp IR)
+  compile        ``compile_graph(graph, spec)``: every pass, the Program and the report
+  emit           ``emit_program(compiled, "cpu")``: program.py's text
+  IR->py         compile + emit: the issue's "IR -> Program -> program.py" (goal < 0.5 s at 48)
+
+The slowest passes at the deepest model are listed with their share. ``per block`` is the
+growth between the last two depths divided by their block difference (linear if it matches
+the total divided by depth).
+
+Run:  .venv/bin/python bench/lm_compile_time.py [--quick] [--depths 1,12,48] [--json out.json]
+(``--quick``: depths 1 and 12, one repetition; growth is taken between the last two depths)
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import _common as C  # noqa: E402,I001  (sets the thread environment before torch is imported)
+
+import time  # noqa: E402
+
+import torch  # noqa: E402
+
+from compile_time import load_factories, measure_compile, measure_emit, med  # noqa: E402
+
+QUICK = "--quick" in sys.argv
+DEPTHS = [1, 12] if QUICK else [1, 12, 48]
+if C.arg_value("--depths"):
+    DEPTHS = [int(d) for d in C.arg_value("--depths").split(",")]
+REPS = 1 if QUICK else 3
+SPECS = ["gpt2_lm_tp2_train.pcs", "gpt2_lm_tp2_sp_train.pcs"]
+
+
+def gpt2(n_layer: int):
+    """The ``gpt2_lm`` factory's model with ``n_layer`` blocks."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=101, n_positions=64, n_embd=32, n_layer=n_layer, n_head=4,
+                        bos_token_id=0, eos_token_id=0, use_cache=False, attn_implementation="sdpa")
+    return GPT2LMHeadModel(config).eval(), (torch.randint(0, 101, (2, 8)),), ["input_ids"]
+
+
+def measure(depth: int) -> list:
+    from parcomp.frontends.torch_export import import_torch
+    from parcomp.spec import load_spec
+
+    module, inputs, names = gpt2(depth)
+    export = med([C.median_s(lambda: torch.export.export(module, tuple(inputs), strict=False), 1)[0]
+                  for _ in range(REPS)])
+    ts = []
+    for _ in range(REPS):
+        t0 = time.perf_counter()
+        graph = import_torch(module, inputs, names)
+        ts.append(time.perf_counter() - t0)
+    rows = []
+    for spec_name in SPECS:
+        spec = load_spec(os.path.join(os.path.dirname(HERE), "specs", spec_name))
+        comp, passes, compiled = measure_compile(graph, spec, REPS)
+        emit, _ = measure_emit(compiled, REPS)
+        rows.append({"blocks": depth, "spec": spec_name, "export": export, "import": med(ts),
+                     "compile": comp, "emit": emit, "ir_to_py": comp["median"] + emit.get("median", 0.0),
+                     "passes": passes, "nodes": len(compiled.logical.nodes),
+                     "collectives": len(compiled.report["collectives"]),
+                     "search": (compiled.sharded.search or {}).get("search")})
+    return rows
+
+
+def main():
+    torch.set_num_threads(1)
+    print(C.env_line())
+    load_factories()  # the shipped factories import (a broken models.py fails here, first)
+    gpt2(1)[0](torch.zeros(1, 2, dtype=torch.long))  # warm transformers' lazy imports
+    torch.export.export(gpt2(1)[0], (torch.zeros(2, 8, dtype=torch.long),), strict=False)  # cold export
+    rows = [r for d in DEPTHS for r in measure(d)]
+    cols = [("blocks", "blocks"), ("spec", "spec"), ("nodes", "nodes"), ("colls", "collectives"),
+            ("search", "search"), ("export", "torch.export"), ("import", "import"), ("compile", "compile"),
+            ("emit", "emit"), ("ir_to_py", "IR->py")]
+    table = [{"blocks": r["blocks"], "spec": r["spec"].removesuffix("_train.pcs"), "nodes": r["nodes"],
+              "colls": r["collectives"], "search": r["search"], "export": r["export"]["median"],
+              "import": r["import"]["median"], "compile": r["compile"]["median"],
+              "emit": r["emit"].get("median", float("nan")), "ir_to_py": r["ir_to_py"]} for r in rows]
+    C.print_table("GPT-2 LM compile time (s, median)", cols, table)
+    for spec_name in SPECS:
+        mine = [r for r in rows if r["spec"] == spec_name]
+        a, b = mine[-2], mine[-1]
+        per_block = (b["ir_to_py"] - a["ir_to_py"]) / (b["blocks"] - a["blocks"])
+        slow = sorted(b["passes"].items(), key=lambda kv: -kv[1])[:4]
+        print(f"{spec_name}: IR->py {b['ir_to_py']:.3f} s at {b['blocks']} blocks "
+              f"(goal 0.5 s: {'met' if b['ir_to_py'] < 0.5 else 'NOT met'}); {per_block * 1e3:.1f} ms per "
+              f"block between {a['blocks']} and {b['blocks']} (total / blocks: "
+              f"{b['ir_to_py'] / b['blocks'] * 1e3:.1f} ms); torch.export {b['export']['median']:.3f} s; "
+              f"slowest passes: " + ", ".join(f"{k} {v:.3f}" for k, v in slow))
+    C.dump_json(rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,244 @@
+"""GPT-2-style block, forward + backward step, TP=2 and TP+SP on 2 gloo ranks (issue 17):
+parcomp's emitted ``train_step`` vs DTensor and hand-written Megatron (torch.distributed).
+
+Block (the anchor's, ``shared/anchors/bench/tp_sp_block.py``): ``x = x + o(attn(ln1(x)))``;
+``x = x + fc2(gelu(fc1(ln2(x))))``, separate q/k/v Linears, 4 heads, causal sdpa, fp32,
+tokens B x S. A step: zero grads, forward, ``loss = (block(x) * dy).sum()``, backward, read
+``x.grad`` (for SP also the all_reduce that completes the replicated params' gradients).
+
+Variants:
+  parcomp-tp    program.py's ``train_step`` for ``mesh tp=2`` + q,k,v,fc1 colwise, o,fc2
+                rowwise, ``train loss=output optimizer=sgd(lr=0)`` (its update is w - 0*g:
+                kept, so the step does the same work every time); x, dy replicated
+  parcomp-sp    the same spec + ``sequence-parallel``; x, dy split along the sequence
+  dtensor-tp    ``parallelize_module``, the tutorial plan (Colwise q,k,v,fc1; Rowwise o,fc2)
+  dtensor-sp    torchtitan's plan: SequenceParallel norms, PrepareModuleInput, Rowwise(Shard(1))
+  hand-tp       Megatron f/g autograd functions (all_reduce), local heads
+  hand-sp       Megatron-SP: all_gather / reduce_scatter of the sequence, one coalesced
+                all_reduce of the replicated params' gradients
+  ref-1t        the unsharded block, one process, 1 thread
+
+Each variant's output, x.grad and weight gradients are compared with the unsharded block
+(max |err|). Times: interleaved rounds (``_common.interleaved``), wall = max over ranks. Ratios
+printed: parcomp / hand and parcomp / dtensor, TP and SP.
+
+Run:  .venv/bin/python bench/tp_block_train.py [--quick] [--json out.json] [--plain]
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import _common as C  # noqa: E402,I001  (sets the thread environment before torch is imported)
+
+import copy  # noqa: E402
+import tempfile  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from tp_block_hand import HandBlock, dtensor_finalize, dtensor_plan, local  # noqa: E402
+
+QUICK = "--quick" in sys.argv
+B, S, NH = 8, 128, 4
+HIDDENS = [256] if QUICK else [256, 1024]
+ROUNDS = {256: (1, 2), 1024: (1, 1)} if QUICK else {256: (6, 4), 1024: (3, 3)}
+WARMUP = 1 if QUICK else 2
+TP_RULES = ("mesh tp=2\n{sp}block.attn.q.weight colwise\nblock.attn.k.weight colwise\n"
+            "block.attn.v.weight colwise\nblock.attn.o.weight rowwise\nblock.mlp.fc1.weight colwise\n"
+            "block.mlp.fc2.weight rowwise\ninput x {lay}\ninput dy {lay}\n"
+            "train loss=output optimizer=sgd(lr=0)\n")
+VARIANTS = ["ref-1t", "parcomp-tp", "dtensor-tp", "hand-tp", "parcomp-sp", "dtensor-sp", "hand-sp"]
+
+
+class Attention(nn.Module):
+    def __init__(self, h, nh):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(h, h) for _ in range(4))
+        self.hd = h // nh
+
+    def forward(self, x):
+        b, s = x.shape[0], x.shape[1]
+        q = self.q(x).view(b, s, -1, self.hd).transpose(1, 2)
+        k = self.k(x).view(b, s, -1, self.hd).transpose(1, 2)
+        v = self.v(x).view(b, s, -1, self.hd).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, h):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, h, nh=NH):
+        super().__init__()
+        self.norm1, self.attn, self.norm2, self.mlp = nn.LayerNorm(h), Attention(h, nh), nn.LayerNorm(h), MLP(h)
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class Loss(nn.Module):
+    """What parcomp compiles: the block and the step's loss ``(block(x) * dy).sum()``."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x, dy):
+        return (self.block(x) * dy).sum()
+
+
+def build_ref(h):
+    torch.manual_seed(0)
+    m = Block(h)
+    with torch.no_grad():  # non-trivial LayerNorm affine params
+        for ln in (m.norm1, m.norm2):
+            ln.weight.add_(0.1 * torch.randn(h))
+            ln.bias.add_(0.1 * torch.randn(h))
+    return m
+
+
+def make_inputs(h):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(B, S, h, generator=g), torch.randn(B, S, h, generator=g)
+
+
+def emit(h, directory):
+    """program_tp.py and program_sp.py for the block; their compile reports."""
+    from parcomp.compiler import compile_graph
+    from parcomp.frontends.torch_export import import_torch
+    from parcomp.spec import parse_spec
+    from parcomp_backends.torch import emit_program
+
+    graph = import_torch(Loss(build_ref(h)), make_inputs(h), ["x", "dy"])
+    reports = {}
+    for kind, sp, lay in (("tp", "", "replicated"), ("sp", "sequence-parallel\n", "split-seq")):
+        c = compile_graph(graph, parse_spec(TP_RULES.format(sp=sp, lay=lay), f"tp_block_{kind}.pcs"))
+        with open(os.path.join(directory, f"program_{kind}.py"), "w", encoding="utf-8") as f:
+            f.write(emit_program(c, "cpu", f"bench/tp_block_train.py h={h} {kind}"))
+        reports[kind] = [(r["kind"], r["phase"]) for r in c.report["collectives"]]
+    return reports
+
+
+class ParcompStep:
+    """The emitted train_step; its outputs hold loss, every .grad and x.grad."""
+
+    def __init__(self, path, name, sd, x, dy):
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location(name, path)
+        self.prog = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(self.prog)
+        self.prog.make_groups()
+        self.params = self.prog.load_params({f"block.{k}": v for k, v in sd.items()})
+        self.inputs = self.prog.load_inputs({"x": x, "dy": dy})
+        self.out = None
+
+    def __call__(self):
+        with torch.no_grad():
+            self.out = self.prog.train_step(self.params, self.inputs)
+            self.params = {**self.params, **{n: self.out[n] for n in self.prog.CARRIED}}
+        self.out["x.grad"].reshape(-1)[0].item()
+
+
+def make_step(model, x, dy, finalize=None):
+    params = list(model.parameters())
+
+    def step():
+        for p in params:
+            p.grad = None
+        x.grad = None
+        y = model(x)
+        (y * dy).sum().backward()
+        if finalize is not None:
+            finalize()
+        x.grad.reshape(-1)[0].item()
+        step.y = y
+
+    return step
+
+
+def worker(rank, world, h, directory, rounds, per_round, warmup):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    torch.set_num_threads(1)
+    x0, dy0 = make_inputs(h)
+    ref = build_ref(h)
+    sd = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+    xr = x0.clone().requires_grad_(True)
+    yr = ref(xr)
+    yr.backward(dy0)
+    ss = slice(rank * S // world, (rank + 1) * S // world)
+    mesh = init_device_mesh("cpu", (world,))
+    steps, errs = {}, {}
+    for name in VARIANTS[1:]:
+        sp = name.endswith("sp")
+        x = (x0[:, ss] if sp else x0).clone().requires_grad_(True)
+        dy = (dy0[:, ss] if sp else dy0).contiguous()
+        if name.startswith("parcomp"):
+            # program.py takes the full inputs and keeps its own slices
+            step = ParcompStep(os.path.join(directory, f"program_{name[-2:]}.py"), f"pc_{name}_{h}", sd, x0, dy0)
+        elif name.startswith("dtensor"):
+            model = parallelize_module(build_ref(h), mesh, dtensor_plan(name[-2:]))
+            step = make_step(model, x, dy, (lambda m=model: dtensor_finalize(m.parameters())) if sp else None)
+        else:
+            model = HandBlock(build_ref(h), rank, world, sp)
+            step = make_step(model, x, dy, model.finalize_grads if sp else None)
+        step()
+        dx = step.out["x.grad"] if name.startswith("parcomp") else local(x.grad)
+        errs[name] = {"err_dx": C.max_abs(dx, xr.grad[:, ss] if sp else xr.grad),
+                      "coll": C.count_collectives(step)}
+        steps[name] = step
+    ref_step = make_step(copy.deepcopy(build_ref(h)), x0.clone().requires_grad_(True), dy0)
+    times = C.interleaved([("ref-1t", ref_step, 1)] + [(n, steps[n], None) for n in steps],
+                          warmup, rounds, per_round)
+    return {"times": times, "errs": errs}
+
+
+def main():
+    print(f"tp_block_train: GPT-2-style block, tokens {B}x{S}, {NH} heads, fp32, fwd+bwd, TP=2 on gloo; "
+          f"{C.env_line()}", flush=True)
+    rows, results = [], {}
+    for h in HIDDENS:
+        with tempfile.TemporaryDirectory(prefix=f"tp_block_h{h}_") as tmp:
+            reports = emit(h, tmp)
+            rounds, per_round = ROUNDS[h]
+            per_rank = C.spawn(worker, 2, (h, tmp, rounds, per_round, WARMUP), deadline_s=600)
+        res = per_rank[0]
+        results[h] = {"reports": reports, **res}
+        med = {n: C.stats_ms(res["times"][n]["wall"])["median"] for n in VARIANTS}
+        for n in VARIANTS:
+            t = C.stats_ms(res["times"][n]["wall"])
+            e = res["errs"].get(n, {})
+            rows.append({"h": h, "variant": n, "median": t["median"], "min": t["min"], "max": t["max"],
+                         "vs_ref": t["median"] / med["ref-1t"],
+                         "err_dx": max((pr["errs"][n]["err_dx"] for pr in per_rank), default=0.0) if e else "-",
+                         "c10d": C.fmt_counts(e.get("coll", {}).get("c10d", {})) if e else "-"})
+        results[h]["ratios"] = {f"parcomp/{peer}-{k}": med[f"parcomp-{k}"] / med[f"{peer}-{k}"]
+                                for k in ("tp", "sp") for peer in ("hand", "dtensor")}
+    C.print_table("GPT-2 block fwd+bwd step (ms; wall = max over ranks)",
+                  [("h", "hidden"), ("variant", "variant"), ("median", "median ms"), ("min", "min"),
+                   ("max", "max"), ("vs_ref", "x ref-1t"), ("err_dx", "max|err| dx"), ("c10d", "c10d ops/step")],
+                  rows)
+    for h in HIDDENS:
+        r = results[h]
+        print(f"h={h}: " + ", ".join(f"{k} = {v:.3f}" for k, v in r["ratios"].items()))
+        print(f"   parcomp collectives: TP {r['reports']['tp']}\n   SP {r['reports']['sp']}")
+    C.dump_json(results)
+
+
+if __name__ == "__main__":
+    main()

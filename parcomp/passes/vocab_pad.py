@@ -1,0 +1,119 @@
+"""Vocab padding (issue 17): a vocab table split over ranks that do not divide the vocab.
+
+GPT-2's vocab (50257) is odd; Megatron pads the embedding table and the LM head to a
+multiple of tp (``--make-vocab-size-divisible-by``) and masks the padded logits. parcomp does
+the same, as part of bind-layouts, for a parameter whose rule splits a dim the mesh does not
+divide, when that dim is a vocab:
+
+- the parameter is an ``embedding`` table (the split dim its rows), and/or
+- it reaches a matmul as the right operand (through a permute) whose output's last dim is
+  the split dim and which is a model output (the LM head; a tied table is both). An untied
+  LM head counts only in a ``train loss=cross_entropy`` step (its output is then logits);
+  any other uneven split stays a located error.
+
+The parameter becomes ``V_pad`` rows (the next multiple of the ranks splitting it), the
+padded rows zero: ``stored_shape`` keeps the checkpoint's shape, and every loader (program.py,
+the interpreter, the checks' comparisons; see ``fused.to_view_shapes``) pads it on the way in and
+trims it on the way out. The LM head's matmul then makes ``V_pad`` logits; ``mask_pad {size=V}``
+makes the padded ones the lowest finite number (they never win a max or argmax, their exp is
+0, and their gradient is 0, so the padded rows stay 0 under any optimizer), and a ``slice``
+back to ``V`` gives the model's logits their own shape under their own name. A training loss
+on those logits is taken on the masked, padded ones (autodiff's ``_model_output``), so the
+cross-entropy stays vocab-parallel. Ids and labels index the real vocab only.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..ir.graph import Graph, Node, make_attrs
+from ..ir.names import NameGen
+from ..ir.types import Shard, TensorType
+
+
+def pad_vocab_tables(graph: Graph, mesh, layouts: dict, logits_loss: bool = False) -> Graph:
+    """``graph`` with every unevenly split vocab table padded (see the module docstring).
+
+    ``layouts`` maps param names to the layouts the spec's rules gave them; a param whose
+    split is uneven but that is not a vocab table is left alone (bind-layouts then reports
+    the uneven split, as before). ``logits_loss``: the step's loss is a cross-entropy on the
+    model output (an untied LM head's output is then logits).
+    """
+    for name, lay in list(layouts.items()):
+        node = graph[name]
+        if node.op != "param" or node.attr("stored_shape"):
+            continue
+        for d in {p.dim for p in lay if isinstance(p, Shard)}:
+            ranks = 1
+            for a, p in enumerate(lay):
+                if p == Shard(d):
+                    ranks *= mesh.sizes[a]
+            if node.type.shape[d] % ranks == 0:
+                continue
+            heads = _vocab_uses(graph, name, d, logits_loss)
+            if heads is not None:
+                graph = _pad(graph, node, d, -(-node.type.shape[d] // ranks) * ranks, heads)
+                break
+    return graph
+
+
+def _vocab_uses(graph, name, d, logits_loss):
+    """The LM-head matmuls of table ``name`` split on dim ``d`` (and the permutes on the
+    way), or None when it is no vocab table: some use is neither an embedding lookup of rows
+    ``d == 0`` nor such a matmul making a model output, or it has no embedding use and the
+    step has no cross-entropy on its output."""
+    users, heads, embedded, outputs = graph.users(), [], False, set(graph.outputs)
+    for u in users[name]:
+        n = graph[u]
+        if n.op == "embedding" and n.inputs[1] == name and d == 0:
+            embedded = True
+            continue
+        if n.op == "permute" and n.type.rank == 2:
+            dim = list(n.attr("perm")).index(d)
+            mms = [graph[m] for m in users[u]]
+            if dim == 1 and mms and all(m.op == "matmul" and m.inputs[1] == u and _is_output(graph, m, outputs)
+                                        for m in mms):
+                heads.append((n, mms))
+                continue
+        return None
+    return heads if embedded or (heads and logits_loss) else None
+
+
+def _is_output(graph, mm, outputs) -> bool:
+    """Whether matmul ``mm`` is a model output (directly or through the output's relayout)."""
+    return mm.name in outputs or any(graph[u].op == "relayout" and u in outputs for u in graph.users()[mm.name])
+
+
+def _pad(graph, node, d, vp, heads):
+    """Pad ``node`` to ``vp`` rows on dim ``d``; each head matmul gets mask_pad + slice."""
+    v, fresh = node.type.shape[d], NameGen(n.name for n in graph.nodes).fresh
+    shape = list(node.type.shape)
+    shape[d] = vp
+    new = {node.name: replace(node, type=TensorType(tuple(shape), node.type.dtype),
+                              attrs=make_attrs(**dict(node.attrs), stored_shape=tuple(node.type.shape)))}
+    after = {}
+    for perm, mms in heads:
+        pshape = list(perm.type.shape)
+        pshape[1] = vp
+        new[perm.name] = replace(perm, type=TensorType(tuple(pshape), perm.type.dtype))
+        for mm in mms:
+            padded, masked = fresh(f"{mm.name}.padded"), fresh(f"{mm.name}.masked")
+            last = mm.type.rank - 1
+            ty = TensorType(mm.type.shape[:-1] + (vp,), mm.type.dtype)
+            new[mm.name] = replace(mm, name=padded, type=ty)
+            after[mm.name] = [Node(masked, "mask_pad", (padded,), ty, make_attrs(size=v), source=mm.source),
+                              Node(mm.name, "slice", (masked,), mm.type,
+                                   make_attrs(dim=last, start=0, stop=v, step=1), source=mm.source)]
+    nodes = []
+    for n in graph.nodes:
+        nodes.append(new.get(n.name, n))
+        nodes += after.get(n.name, [])
+    return graph.with_nodes(nodes)
+
+
+def padded_logits(graph, value):
+    """The masked, padded logits behind ``value`` when it is the slice this pass made (a
+    loss is taken on those: vocab-parallel), else ``value``."""
+    n = graph[value]
+    if n.op == "slice" and graph[n.inputs[0]].op == "mask_pad" and n.inputs[0].endswith(".masked"):
+        return n.inputs[0]
+    return value
