@@ -22,7 +22,8 @@ from .reference.numpy_ops import run_unsharded
 from .passes.train_config import check_steps, train_config
 from .reference.training import numpy_train
 from .report import format_collectives, format_memory, format_search, plural
-from .tolerance import compare_outputs as compare, output_bounds, training_bounds
+from .resolution import where_bound_grew
+from .tolerance import compare_outputs as compare, output_bounds, propagate, training_bounds
 from .train_check import carried as _carried, lockstep, replay_reference, torch_reference as _torch_reference
 from .train_check import train_feeds, training_result as _training_result, verdict
 from .spec import load_spec
@@ -204,8 +205,11 @@ def check(args):
     feeds = feeds_for(graph, module, example, args.seed)
     require_finite(graph, feeds)
     run = run_spmd(compiled.program, feeds)
+    values, errs = propagate(compiled.logical, feeds)
     result = compare(run.outputs(compiled.program), reference_outputs(graph, module, example, feeds),
-                     output_bounds(compiled.logical, feeds))
+                     {name: errs[v] for name, v in compiled.logical.named_outputs()})
+    if result.get("loose"):  # name the op where the bound grew past resolving (docs/design.md)
+        result["why"] += f" (the bound first grows past that at {where_bound_grew(compiled.logical, values, errs)})"
     _print_result(args, compiled, result, f"numpy interpreter, {plural(compiled.program.mesh.size, 'rank')}")
     return {**result, "collectives": _summary(compiled.report["collectives"]),
             "world_size": compiled.program.mesh.size}
