@@ -108,3 +108,30 @@ def test_training_lm_with_one_wrong_all_reduce_is_never_ok(capsys, monkeypatch, 
     _inject(monkeypatch, collective)
     out = _check(capsys, factory, os.path.join(ROOT, "specs", spec))
     assert out["verdict"] != "OK", out
+
+
+GRADS = {
+    "layer_norm_grad": "%g: f64[5,8] = input()\n%w: f64[8] = input()\n%y: f64[5,8] = layer_norm_grad(%g, %a, %w) {eps=1e-05}",
+    "rms_norm_grad": "%g: f64[5,8] = input()\n%y: f64[5,8] = rms_norm_grad(%g, %a) {eps=1e-06}",
+}
+
+
+@pytest.mark.parametrize("case", sorted(GRADS))
+@pytest.mark.parametrize("rel", [1e-6, 1e-3, 0.05, 0.3])
+@pytest.mark.parametrize("seed", range(4))
+def test_norm_grad_bound_holds_for_every_perturbation_within_the_errors(case, rel, seed):
+    """dy and x each moved within their errors: the norm gradient stays within the rule's bound."""
+    rng = np.random.default_rng(seed)
+    g = parse_graph("%a: f64[5,8] = input()\n" + GRADS[case] + "\nreturn %y")
+    node = g["y"]
+    x = rng.standard_normal((5, 8)) * 0.03 + rng.standard_normal((5, 1)) * 0.05
+    dy = rng.standard_normal((5, 8))
+    ex = rel * np.std(x, axis=-1, keepdims=True) * rng.uniform(0.2, 1.0, x.shape)
+    edy = rel * rng.uniform(0.2, 1.0, dy.shape)
+    w = [rng.standard_normal(8)] if len(node.inputs) > 2 else []
+    y, bound = op_bound(node, [dy, x] + w, [edy, ex] + [0.0] * len(w))
+    for trial in range(40):
+        s1, s2 = ((rng.choice([-1.0, 1.0], x.shape) for _ in "ab") if trial % 2
+                  else (rng.uniform(-1, 1, x.shape) for _ in "ab"))
+        moved, _ = op_bound(node, [dy + s1 * edy, x + s2 * ex] + w)
+        assert np.all(np.abs(moved - y) <= bound), (case, rel, np.max(np.abs(moved - y) - bound))

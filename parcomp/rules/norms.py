@@ -142,8 +142,9 @@ def _norm_err(vals, errs, node, out, u):
 
 
 def _norm_grad_err(vals, errs, node, out, u):
-    """rstd (g - mean g - xhat m), m = mean(g xhat), g = dy w: each factor's error to first
-    order, the means' rounding gamma_{n+4} and a few roundings of every term."""
+    """rstd (g - mean g - xhat m), m = mean(g xhat), g = dy w: each factor's error (the
+    products of two errors included: g xhat and xhat m), rstd's rigorous relative error
+    (:func:`_xhat_bounds`), the means' rounding gamma_{n+4} and a few roundings of every term."""
     dy, x = vals[0], vals[1]
     rms = node.op == "rms_norm_grad"
     xhat, rstd, exhat, rel_r = _xhat_bounds(x, errs[1], float(node.attr("eps")), rms, u)
@@ -156,10 +157,10 @@ def _norm_grad_err(vals, errs, node, out, u):
     m = _mean(g * xhat)
     mg = 0.0 if rms else _mean(np.abs(g))
     big = np.abs(g) + mg + np.abs(xhat) * np.abs(m)
-    em = _mean(eg * np.abs(xhat) + np.abs(g) * exhat) + gamma(n + 4, u) * _mean(np.abs(g * xhat))
-    einner = (eg + (0.0 if rms else _mean(eg) + gamma(n + 4, u) * mg) + exhat * np.abs(m)
+    em = _mean(eg * (np.abs(xhat) + exhat) + np.abs(g) * exhat) + gamma(n + 4, u) * _mean(np.abs(g * xhat))
+    einner = (eg + (0.0 if rms else _mean(eg) + gamma(n + 4, u) * mg) + exhat * (np.abs(m) + em)
               + np.abs(xhat) * em + 4 * u * big)
-    return 2 * rstd * (rel_r * big + einner) + u * np.abs(out)
+    return rstd * (rel_r * big + (1 + rel_r) * einner) + u * np.abs(out)
 
 
 def _dropout_err(vals, errs, node, out, u):
