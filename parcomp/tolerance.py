@@ -277,13 +277,14 @@ def _result(max_err, tol, ratio, worst, bad, nonfinite, why):
             "unbounded": False}
 
 
-def compare_all(got: dict, want: dict, bounds: dict, keys=None, **kw) -> dict:
+def compare_all(got: dict, want: dict, bounds: dict, keys=None, resolve_keys=None, **kw) -> dict:
     """:func:`compare` over ``keys`` (default: every key of ``want``), summarised.
 
     Returns ``max_abs_err`` (max over keys), the ``tolerance``/``err_over_tol``/
     ``worst`` of the key with the largest error/tolerance (``worst`` is
     ``"name[i, j]"``), ``ok`` (every key ok), ``why`` (the failing keys' reasons) and
     ``per_key`` ({key: compare result}). A key missing from ``got`` is a failure.
+    ``resolve_keys``: the keys a ``resolve`` keyword applies to (default: all).
     """
     keys = list(want) if keys is None else list(keys)
     per = {}
@@ -293,7 +294,8 @@ def compare_all(got: dict, want: dict, bounds: dict, keys=None, **kw) -> dict:
         elif k not in bounds:
             per[k] = _result(np.inf, 0.0, np.inf, None, 0, 0, "no error bound for it")
         else:
-            per[k] = compare(got[k], want[k], bounds[k], **kw)
+            per[k] = compare(got[k], want[k], bounds[k],
+                             **(kw if resolve_keys is None or k in resolve_keys else {**kw, "resolve": None}))
     if not per:
         return {"max_abs_err": 0.0, "tolerance": 0.0, "err_over_tol": 0.0, "worst": None,
                 "ok": True, "why": "", "per_key": per, "unbounded": False, "loose": False}
@@ -326,12 +328,15 @@ def compare_outputs(got: dict, want: dict, bounds: dict) -> dict:
             **{k: res[k] for k in ("tolerance", "err_over_tol", "worst", "ok", "why", "unbounded", "loose")}}
 
 
-def training_errors(got: dict, want: dict, params, bounds: dict) -> dict:
+def training_errors(got: dict, want: dict, params, bounds: dict, resolve=None) -> dict:
     """Max abs errors of the loss (``loss``, and ``losses``: one per step), gradients
     (``*.grad`` of params) and updated params, and the verdict of :func:`compare_all` over
-    every key both sides have (``bounds``: per key)."""
+    every key both sides have (``bounds``: per key). ``resolve``: the fraction the bounds of
+    the loss and gradients must resolve (docs/design.md, "Resolution"); the optimizer's
+    outputs are exempt (AdamW moves a weight by ~lr for a gradient that is pure rounding)."""
     keys = [k for k in want if k in got]
-    res = compare_all(got, want, bounds, keys, resolve=RESOLVE)
+    res = compare_all(got, want, bounds, keys, resolve=resolve,
+                      resolve_keys={"loss", "losses", *(f"{p}.grad" for p in params)})
 
     def err(names):
         return max((res["per_key"][k]["max_abs_err"] for k in names if k in res["per_key"]), default=0.0)
