@@ -106,7 +106,7 @@ def _xhat_bounds(x, ex, eps, rms, u):
     since mean(d) = 0, s^2 by at most X = 2 mean(|d| e) + mean(dd^2); so |s' - s| <= t s with
     t = 1 - sqrt(1 - X/s^2) (from |s'^2 - s^2| = |s' - s| (s' + s)), and
     xhat' - xhat = (dd - xhat (s' - s)) / s' gives |xhat' - xhat| <= (rstd |dd| + |xhat| t) / (1 - t)
-    (t = inf, so an unbounded error, when X >= s^2). First order this is
+    (when X >= s^2, or beyond, |xhat| + sqrt(n): mean(xhat^2) <= 1 bounds any row). First order this is
     rstd (e_i + mean e + |xhat_i| mean(|xhat| e)): the actual variance, no worst case.
     Own rounding: the mean to gamma_n mean|x|, the variance (any algorithm, E[x^2] - mu^2
     included) to gamma_{2n+8} mean(x^2) / (var + eps), the sqrt/divide to 4u."""
@@ -123,6 +123,7 @@ def _xhat_bounds(x, ex, eps, rms, u):
         t = np.where(big < 1, big / (1 + np.sqrt(np.maximum(1 - big, 0.0))), np.inf)
         prop = np.where(t < 1, (rstd * dd + np.abs(xhat) * t) / np.where(t < 1, 1 - t, 1.0), np.inf)
         rel_in = np.where(t < 1, t / np.where(t < 1, 1 - t, 1.0), np.inf)
+    prop = np.minimum(prop, np.abs(xhat) + np.sqrt(n))  # any normalized row has |xhat_i| < sqrt(n)
     err_mu = 0.0 if rms else gamma(n + 1, u) * _mean(np.abs(x))
     rel_own = 0.5 * (gamma(2 * n + 8, u) * _mean(x * x) + 2 * err_mu * _mean(np.abs(d))) / (var + eps) + 4 * u
     exhat = prop + np.abs(xhat) * (rel_own + u) + rstd * (err_mu + u * np.abs(d))
