@@ -256,12 +256,12 @@ def _print_result(args, compiled, result, how):
     if args.json:
         return
     print(format_collectives(compiled.report["collectives"]))
+    if result.get("note"):  # before the verdict: the last line is the verdict
+        print(f"note: {result['note']}")
     word = verdict(result)
     print(f"{how}: max abs error vs unsharded {result['max_abs_err']:.3e} "
           f"(output scale {result['output_scale']:.3e}; {_vs_tolerance(result)}) "
           f"{word}{'' if result['ok'] else ': ' + result['why']}")
-    if result.get("note"):
-        print(f"  note: {result['note']}")
 
 
 def _vs_tolerance(result) -> str:
@@ -324,9 +324,9 @@ def _print_training(result, how, label="vs unsharded step"):
         if r["why"] and r["why"] not in [w for _, w in why]:
             why.append((name, r["why"]))
     word = result.get("verdict") or verdict(result, result.get("vs_torch"))
-    print("  OK" if word == "OK" else f"  {word}: " + "; ".join(f"{n}: {w}" for n, w in why))
-    if result.get("note"):
+    if result.get("note"):  # before the verdict: the last line is the verdict
         print(f"  note: {result['note']}")
+    print("  OK" if word == "OK" else f"  {word}: " + "; ".join(f"{n}: {w}" for n, w in why))
 
 
 def run(args):
