@@ -26,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from .reference.numpy_attn import source_array
+from .resolution import RESOLVE, loose_element, loose_reason
 from .reference.numpy_ops import NUMPY_OPS
 from .reference.training import initial_state
 from .rules.error import ERROR_RULES, GRAPH_RULES as _OP_GRAPH_RULES, gamma, unit_roundoff
@@ -211,7 +212,7 @@ def split_bound(pieces, dtype) -> np.ndarray:
     return 2 * (len(pieces) + 1) * unit_roundoff(dtype) * mags
 
 
-def compare(got, want, bound, bound_want=None, allow_nonfinite: bool = False) -> dict:
+def compare(got, want, bound, bound_want=None, allow_nonfinite: bool = False, resolve=None) -> dict:
     """Compare two computations of one value elementwise.
 
     ``bound`` / ``bound_want``: error bounds of ``got`` and ``want`` against exact
@@ -223,6 +224,10 @@ def compare(got, want, bound, bound_want=None, allow_nonfinite: bool = False) ->
     element), ``err_over_tol`` (max error/allowed; <= 1 passes; an error where
     nothing is allowed is inf), ``worst`` (its index), ``nonfinite_mismatch``,
     ``nonfinite`` (matching inf/NaN), ``ok`` and ``why`` (empty when ok).
+
+    ``resolve`` (a fraction, e.g. :data:`parcomp.resolution.RESOLVE`): also fail, as
+    ``unbounded`` and ``loose`` (CANNOT VOUCH), when every error is within tolerance but
+    the tolerance somewhere exceeds that fraction of max |want| (the bound is vacuous).
     """
     g, w = _exact(_f64(got)), _exact(_f64(want))  # ints and bools: compared exactly (bound 0)
     if g.shape != w.shape:
@@ -254,6 +259,9 @@ def compare(got, want, bound, bound_want=None, allow_nonfinite: bool = False) ->
     max_err = np.inf if bad else (float(err.max()) if g.size else 0.0)
     res = _result(max_err, tol, r, worst, bad, nonfinite, "; ".join(why))
     res["unbounded"] = len(why) == 1 and r > 1 and not np.isfinite(tol) and not bad
+    loose = loose_element(allowed, w, resolve) if resolve and not why and g.size else None
+    if loose is not None:  # within a bound that cannot tell a wrong result from rounding
+        res.update(ok=False, unbounded=True, loose=True, why=loose_reason("", loose, resolve))
     return res
 
 
@@ -269,13 +277,14 @@ def _result(max_err, tol, ratio, worst, bad, nonfinite, why):
             "unbounded": False}
 
 
-def compare_all(got: dict, want: dict, bounds: dict, keys=None, **kw) -> dict:
+def compare_all(got: dict, want: dict, bounds: dict, keys=None, resolve_keys=None, **kw) -> dict:
     """:func:`compare` over ``keys`` (default: every key of ``want``), summarised.
 
     Returns ``max_abs_err`` (max over keys), the ``tolerance``/``err_over_tol``/
     ``worst`` of the key with the largest error/tolerance (``worst`` is
     ``"name[i, j]"``), ``ok`` (every key ok), ``why`` (the failing keys' reasons) and
     ``per_key`` ({key: compare result}). A key missing from ``got`` is a failure.
+    ``resolve_keys``: the keys a ``resolve`` keyword applies to (default: all).
     """
     keys = list(want) if keys is None else list(keys)
     per = {}
@@ -285,10 +294,11 @@ def compare_all(got: dict, want: dict, bounds: dict, keys=None, **kw) -> dict:
         elif k not in bounds:
             per[k] = _result(np.inf, 0.0, np.inf, None, 0, 0, "no error bound for it")
         else:
-            per[k] = compare(got[k], want[k], bounds[k], **kw)
+            per[k] = compare(got[k], want[k], bounds[k],
+                             **(kw if resolve_keys is None or k in resolve_keys else {**kw, "resolve": None}))
     if not per:
         return {"max_abs_err": 0.0, "tolerance": 0.0, "err_over_tol": 0.0, "worst": None,
-                "ok": True, "why": "", "per_key": per}
+                "ok": True, "why": "", "per_key": per, "unbounded": False, "loose": False}
     top = max(per, key=lambda k: per[k]["err_over_tol"])
     t = per[top]
     where = top + (str(t["worst"]).replace(" ", "") if t["worst"] else "")  # 0-d: the bare name
@@ -297,7 +307,8 @@ def compare_all(got: dict, want: dict, bounds: dict, keys=None, **kw) -> dict:
             "err_over_tol": t["err_over_tol"], "worst": where, "ok": ok,
             "why": _first_reasons([f"{k}: {p['why']}" for k, p in per.items() if p["why"]]), "per_key": per,
             # failing only where the bound overflowed: no error seen, but nothing vouched for
-            "unbounded": not ok and all(p["ok"] or p["unbounded"] for p in per.values())}
+            "unbounded": not ok and all(p["ok"] or p["unbounded"] for p in per.values()),
+            "loose": any(p.get("loose") for p in per.values())}
 
 
 def max_abs(x) -> float:
@@ -310,26 +321,29 @@ def max_abs(x) -> float:
 def compare_outputs(got: dict, want: dict, bounds: dict) -> dict:
     """The verdict of ``parcomp check``/``run`` on a forward program: :func:`compare_all`
     over every output, plus ``output_scale`` (max |want|) and ``rel_err`` (error/scale)."""
-    res = compare_all(got, want, bounds)
+    res = compare_all(got, want, bounds, resolve=RESOLVE)
     scale = max((max_abs(want[k]) for k in want), default=0.0)
     return {"max_abs_err": res["max_abs_err"], "output_scale": scale,
             "rel_err": res["max_abs_err"] / max(scale, 1e-30),
-            **{k: res[k] for k in ("tolerance", "err_over_tol", "worst", "ok", "why", "unbounded")}}
+            **{k: res[k] for k in ("tolerance", "err_over_tol", "worst", "ok", "why", "unbounded", "loose")}}
 
 
-def training_errors(got: dict, want: dict, params, bounds: dict) -> dict:
+def training_errors(got: dict, want: dict, params, bounds: dict, resolve=None) -> dict:
     """Max abs errors of the loss (``loss``, and ``losses``: one per step), gradients
     (``*.grad`` of params) and updated params, and the verdict of :func:`compare_all` over
-    every key both sides have (``bounds``: per key)."""
+    every key both sides have (``bounds``: per key). ``resolve``: the fraction the bounds of
+    the loss and gradients must resolve (docs/design.md, "Resolution"); the optimizer's
+    outputs are exempt (AdamW moves a weight by ~lr for a gradient that is pure rounding)."""
     keys = [k for k in want if k in got]
-    res = compare_all(got, want, bounds, keys)
+    res = compare_all(got, want, bounds, keys, resolve=resolve,
+                      resolve_keys={"loss", "losses", *(f"{p}.grad" for p in params)})
 
     def err(names):
         return max((res["per_key"][k]["max_abs_err"] for k in names if k in res["per_key"]), default=0.0)
 
     return {"max_loss_err": err(["loss", "losses"]), "max_grad_err": err([f"{p}.grad" for p in params]),
             "max_param_err": err(params), "max_abs_err": res["max_abs_err"],
-            **{k: res[k] for k in ("tolerance", "err_over_tol", "worst", "ok", "why", "unbounded")}}
+            **{k: res[k] for k in ("tolerance", "err_over_tol", "worst", "ok", "why", "unbounded", "loose")}}
 
 
 def loss_errors(losses, ref_losses, loss_bounds) -> dict:

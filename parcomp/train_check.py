@@ -25,6 +25,7 @@ from .reference.interpreter import run_spmd
 from .reference.microbatches import microbatches, stacked_feeds
 from .reference.numpy_ops import run_unsharded
 from .reference.training import data_for, torch_train, train_steps
+from .resolution import RESOLVE
 from .tolerance import training_bounds, training_errors
 
 
@@ -64,11 +65,12 @@ def carried(run) -> dict:
     return {**run["outputs"], **run["state"], "losses": np.array(run["losses"], "float32")}
 
 
-def training_result(got: dict, want: dict, params, bounds: dict) -> dict:
+def training_result(got: dict, want: dict, params, bounds: dict, resolve=RESOLVE) -> dict:
     """:func:`training_errors` of two carried-value dicts within their error ``bounds``,
     the loss error taken over every step (a missing step is a shape mismatch), and a
-    failure when ``want`` has a value ``got`` lacks."""
-    result = training_errors(got, want, params, bounds)
+    failure when ``want`` has a value ``got`` lacks. ``resolve``: see :func:`training_errors`
+    (None for a free-running comparison, whose compounding bound is reported, not relied on)."""
+    result = training_errors(got, want, params, bounds, resolve)
     missing = sorted(set(want) - set(got))
     if missing:
         result["missing"] = missing

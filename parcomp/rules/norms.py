@@ -101,8 +101,14 @@ def _mean(a):
 def _xhat_bounds(x, ex, eps, rms, u):
     """(xhat, rstd, error of xhat, relative error of rstd) of a norm over the last dim.
 
-    First order: d xhat_i = (dx_i - dmu)/s - xhat_i ds/s with ds/s = mean(xhat (dx - dmu))/s;
-    own rounding: the mean to gamma_n mean|x|, the variance (any algorithm, E[x^2] - mu^2
+    Input errors, rigorously (not only to first order): with d = x - mu and s = sqrt(var + eps),
+    an input moved by at most e moves d by dd (|dd_i| <= e_i + mean e; for rms, e_i) and,
+    since mean(d) = 0, s^2 by at most X = 2 mean(|d| e) + mean(dd^2); so |s' - s| <= t s with
+    t = 1 - sqrt(1 - X/s^2) (from |s'^2 - s^2| = |s' - s| (s' + s)), and
+    xhat' - xhat = (dd - xhat (s' - s)) / s' gives |xhat' - xhat| <= (rstd |dd| + |xhat| t) / (1 - t)
+    (when X >= s^2, or beyond, |xhat| + sqrt(n): mean(xhat^2) <= 1 bounds any row). First order this is
+    rstd (e_i + mean e + |xhat_i| mean(|xhat| e)): the actual variance, no worst case.
+    Own rounding: the mean to gamma_n mean|x|, the variance (any algorithm, E[x^2] - mu^2
     included) to gamma_{2n+8} mean(x^2) / (var + eps), the sqrt/divide to 4u."""
     n = x.shape[-1]
     ex = np.broadcast_to(ex, x.shape)
@@ -111,17 +117,21 @@ def _xhat_bounds(x, ex, eps, rms, u):
     var = _mean(d * d)
     rstd = 1.0 / np.sqrt(var + eps)
     xhat = d * rstd
-    eb = 0.0 if rms else _mean(ex)
-    rel_in = rstd * (_mean(np.abs(xhat) * ex) + _mean(np.abs(xhat)) * eb)
+    dd = ex + (0.0 if rms else _mean(ex))
+    big = (2 * _mean(np.abs(d) * ex) + _mean(dd * dd)) * rstd * rstd
+    with np.errstate(invalid="ignore", divide="ignore"):
+        t = np.where(big < 1, big / (1 + np.sqrt(np.maximum(1 - big, 0.0))), np.inf)
+        prop = np.where(t < 1, (rstd * dd + np.abs(xhat) * t) / np.where(t < 1, 1 - t, 1.0), np.inf)
+        rel_in = np.where(t < 1, t / np.where(t < 1, 1 - t, 1.0), np.inf)
+    prop = np.minimum(prop, np.abs(xhat) + np.sqrt(n))  # any normalized row has |xhat_i| < sqrt(n)
     err_mu = 0.0 if rms else gamma(n + 1, u) * _mean(np.abs(x))
     rel_own = 0.5 * (gamma(2 * n + 8, u) * _mean(x * x) + 2 * err_mu * _mean(np.abs(d))) / (var + eps) + 4 * u
-    exhat = (rstd * (ex + eb) + np.abs(xhat) * rel_in + np.abs(xhat) * (rel_own + u)
-             + rstd * (err_mu + u * np.abs(d)))
+    exhat = prop + np.abs(xhat) * (rel_own + u) + rstd * (err_mu + u * np.abs(d))
     return xhat, rstd, exhat, rel_in + rel_own
 
 
 def _norm_err(vals, errs, node, out, u):
-    """w xhat + b: |w| e_xhat + e_w |xhat| + e_b + the product's and sum's rounding."""
+    """w xhat + b: |w| e_xhat + e_w (|xhat| + e_xhat) + e_b + the product's and sum's rounding."""
     xhat, _, exhat, _ = _xhat_bounds(vals[0], errs[0], float(node.attr("eps")), node.op == "rms_norm", u)
     e, y = exhat, xhat
     if len(vals) > 1:
@@ -129,12 +139,13 @@ def _norm_err(vals, errs, node, out, u):
         e, y = np.abs(w) * exhat + ew * (np.abs(xhat) + exhat) + u * np.abs(w * xhat), w * xhat
     if len(vals) > 2:
         e = e + errs[2] + u * np.abs(y + vals[2])
-    return 2 * e + u * np.abs(out)
+    return e + u * np.abs(out)
 
 
 def _norm_grad_err(vals, errs, node, out, u):
-    """rstd (g - mean g - xhat m), m = mean(g xhat), g = dy w: each factor's error to first
-    order, the means' rounding gamma_{n+4} and a few roundings of every term."""
+    """rstd (g - mean g - xhat m), m = mean(g xhat), g = dy w: each factor's error (the
+    products of two errors included: g xhat and xhat m), rstd's rigorous relative error
+    (:func:`_xhat_bounds`), the means' rounding gamma_{n+4} and a few roundings of every term."""
     dy, x = vals[0], vals[1]
     rms = node.op == "rms_norm_grad"
     xhat, rstd, exhat, rel_r = _xhat_bounds(x, errs[1], float(node.attr("eps")), rms, u)
@@ -147,10 +158,10 @@ def _norm_grad_err(vals, errs, node, out, u):
     m = _mean(g * xhat)
     mg = 0.0 if rms else _mean(np.abs(g))
     big = np.abs(g) + mg + np.abs(xhat) * np.abs(m)
-    em = _mean(eg * np.abs(xhat) + np.abs(g) * exhat) + gamma(n + 4, u) * _mean(np.abs(g * xhat))
-    einner = (eg + (0.0 if rms else _mean(eg) + gamma(n + 4, u) * mg) + exhat * np.abs(m)
+    em = _mean(eg * (np.abs(xhat) + exhat) + np.abs(g) * exhat) + gamma(n + 4, u) * _mean(np.abs(g * xhat))
+    einner = (eg + (0.0 if rms else _mean(eg) + gamma(n + 4, u) * mg) + exhat * (np.abs(m) + em)
               + np.abs(xhat) * em + 4 * u * big)
-    return 2 * rstd * (rel_r * big + einner) + u * np.abs(out)
+    return rstd * (rel_r * big + (1 + rel_r) * einner) + u * np.abs(out)
 
 
 def _dropout_err(vals, errs, node, out, u):
