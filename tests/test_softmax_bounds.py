@@ -42,3 +42,26 @@ def test_softmax_and_cross_entropy_bounds_hold_for_any_logits_within_the_input_e
     for _ in range(200):  # the true values at logits anywhere within the error
         p, l = _exact(z + rng.uniform(-delta, delta, z.shape), labels)
         assert (np.abs(got_p - p) <= bp).all() and (np.abs(got_l - l) <= bl).all()
+
+
+def test_padded_vocab_entries_do_not_loosen_the_bounds():
+    """Padded vocab columns hold the dtype's lowest value (``mask_pad``) with an error bound
+    near the dtype's max (``u |x|``); their exp is 0 on both sides, so they are dead and the
+    row's bound is that of the live columns (before: log n for every row, and the float64
+    re-check of a padded LM training step could never vouch)."""
+    g = compile_graph(parse_graph(GRAPH), parse_spec("mesh tp=2\n", "t.pcs")).logical
+    rng = np.random.default_rng(1)
+    z = rng.standard_normal((4, 6)).astype("f4")
+    z[:, 4:] = np.finfo(np.float32).min
+    labels = rng.integers(0, 4, 4)
+    delta = np.full((4, 6), 1e-6)
+    delta[:, 4:] = np.finfo(np.float32).eps * np.finfo(np.float32).max
+    env, err = propagate(g, {"z": z, "labels": labels}, {"z": delta})
+    out = dict(g.named_outputs())
+    bp, bl = np.asarray(err[out["probs"]]), np.asarray(err[out["loss"]])
+    assert bl.max() <= 1e-5 and bp.max() <= 1e-5  # ~4x the live columns' delta, not log 6 or 1
+    got_p, got_l = np.asarray(env[out["probs"]]), np.asarray(env[out["loss"]])
+    for _ in range(200):
+        live = z.astype(np.float64) + np.where(z > -1e30, rng.uniform(-1e-6, 1e-6, z.shape), 0.0)
+        p, l = _exact(live, labels)
+        assert (np.abs(got_p - p) <= bp).all() and (np.abs(got_l - l) <= bl).all()

@@ -156,9 +156,20 @@ def _log(vals, errs, node, out, u):
 
 
 def _amax_err(vals, errs, node, out, u):
-    """|max(x + d) - max(x)| <= max |d|: exact otherwise."""
-    dims = _norm(node.attr("dims"), np.ndim(vals[0]))
-    return np.max(_full(errs[0], vals[0]), axis=dims) if dims else _full(errs[0], vals[0]).copy()
+    """Exact otherwise, and ``max_j (x_j - e_j) <= max(x + d) <= max_j (x_j + e_j)``: the
+    larger distance of those from ``max(x)``, at most ``max |d|``. An element far below the
+    max (a padded vocab entry at the dtype's lowest value, whose error is near the dtype's
+    max) does not widen it."""
+    x = np.asarray(vals[0], np.float64)
+    e = _full(errs[0], vals[0]).astype(np.float64)
+    dims = _norm(node.attr("dims"), x.ndim)
+    if not dims:
+        return e.copy()
+    with np.errstate(invalid="ignore", over="ignore"):
+        hi, lo = np.nan_to_num(x + e, nan=np.inf), np.nan_to_num(x - e, nan=-np.inf)
+        m = np.max(x, axis=dims)
+        far = np.maximum(np.max(hi, axis=dims) - m, m - np.max(lo, axis=dims))
+    return np.minimum(np.nan_to_num(far, nan=np.inf), np.max(e, axis=dims))
 
 
 def _amax_grad_err(vals, errs, node, out, u):

@@ -55,9 +55,30 @@ def _sumexp(graph, name):
     return n.inputs[0], found[0], found[1]
 
 
-def _delta(err, s, d):
-    """The largest error of the shifted logits in each row (kept as a size-1 dim d)."""
-    return np.max(np.asarray(err[s], np.float64), axis=d, keepdims=True)
+#: a shifted logit whose upper bound ``s + e`` lies below this is *dead*: ``exp`` of it is
+#: below ``exp(DEAD) ~ 1.6e-28`` on both sides, whatever its error. A padded vocab entry
+#: (``mask_pad`` fills the dtype's lowest value) has an error bound near the dtype's max
+#: (``u |s|``) that would otherwise make every row's log-sum-exp bound ``log n``.
+DEAD = -64.0
+
+
+def _dead(env, err, s):
+    """Where the shifted logits ``s`` are dead (see :data:`DEAD`)."""
+    v = np.asarray(env[s], np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return np.isfinite(v) & (v + np.asarray(err[s], np.float64) < DEAD) | (v == -np.inf)
+
+
+def _delta(env, err, s, d):
+    """The largest error of the shifted logits in each row (kept as a size-1 dim d), over
+    the live entries, plus ``n exp(DEAD)`` for the dead ones: with live entries moving by at
+    most delta_L and dead ones adding at most ``n exp(DEAD)`` to a sum that is at least 1
+    (its max entry is exp(0) = 1 and live), log-sum-exp moves by at most
+    ``delta_L + n exp(DEAD)`` and every live ``exp`` and the sum within that factor."""
+    dead = _dead(env, err, s)
+    live = np.where(dead, 0.0, np.asarray(err[s], np.float64))
+    n = dead.shape[d]
+    return np.max(live, axis=d, keepdims=True) + n * np.exp(DEAD)
 
 
 def _exp(node, graph, env, err, u):
@@ -84,7 +105,7 @@ def _log(node, graph, env, err, u):
     _, s, d = found
     n = graph[s].type.shape[d]
     own = gamma(n + 8, u) + 2 * u * np.abs(np.asarray(env[node.name], np.float64))
-    lip = np.squeeze(_delta(err, s, d), axis=d)
+    lip = np.squeeze(_delta(env, err, s, d), axis=d)
     return np.minimum(lip, np.log(n)) + own
 
 
@@ -113,13 +134,15 @@ def _div(node, graph, env, err, u):
     found = _probs(graph, env, node.inputs[0], b.inputs[0])
     if found is None:
         return None
-    return _softmax_err(err, u, *found)
+    return _softmax_err(env, err, u, *found)
 
 
-def _softmax_err(err, u, p, d, s, n):
+def _softmax_err(env, err, u, p, d, s, n):
     """Bound on |softmax computed - exact| from the probabilities ``p`` (reduced over dim ``d``
-    of ``n`` terms, sum value ``s``): the moved share plus the division's rounding."""
-    return _moved(p, _delta(err, s, d)) + 2 * gamma(n + 8, u) * p
+    of ``n`` terms, shifted logits ``s``): the moved share (a dead entry's probability is
+    below ``exp(DEAD)`` on both sides) plus the division's rounding."""
+    dead = np.where(_dead(env, err, s), np.exp(DEAD), 0.0)
+    return _moved(p, _delta(env, err, s, d)) + dead + 2 * gamma(n + 8, u) * p
 
 
 def _mul(node, graph, env, err, u):
@@ -134,7 +157,7 @@ def _mul(node, graph, env, err, u):
     p, d = found[0], found[1]
     g = np.expand_dims(np.asarray(env[q.inputs[0]], np.float64), d)
     eg = np.expand_dims(np.asarray(err[q.inputs[0]], np.float64), d)
-    moved = _softmax_err(err, u, *found)
+    moved = _softmax_err(env, err, u, *found)
     return np.abs(g) * moved + eg * (p + moved) + u * np.abs(np.asarray(env[node.name], np.float64))
 
 
