@@ -10,6 +10,7 @@ from .passes.manager import forward_pipeline, run_pipeline
 from .passes.pipeline_plan import attach_pipeline
 from .passes.topology import check_topology
 from .passes.verify import check_model_mesh
+from .pinned_gathers import pinned_gather_warnings
 from .program import Program, build_program
 from .report import build_report
 
@@ -59,7 +60,7 @@ def compile_graph(graph: Graph, spec, after: Callable | None = None) -> Compiled
     report = build_report(prog, [n.name for n in graph.params])
     report["placement"] = placement
     check_peak(report, spec)
-    report["warnings"] = zero_warnings(logical, spec)
+    report["warnings"] = zero_warnings(logical, spec) + pinned_gather_warnings(sharded, report)
     if "pp" in spec.mesh.names and spec.train is not None:
         prog, report = attach_pipeline(graph, spec, prog, report)
     return Compiled(graph, logical, sharded, program, report, spec, prog)

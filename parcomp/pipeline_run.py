@@ -40,7 +40,9 @@ def run_pipeline(args, compiled, feeds: dict, write_work, end_work) -> dict:
 
     from .reference.numpy_ops import run_unsharded
     from .reference.training import initial_state
-    from .tolerance import compare_all, output_bounds
+    from .reference.pipeline import compare_pipeline_step
+    from .tolerance import output_bounds
+    from .train_check import verdict
 
     prog, size = compiled.program_, compiled.program.mesh.size
     if args.nproc != size:
@@ -60,10 +62,11 @@ def run_pipeline(args, compiled, feeds: dict, write_work, end_work) -> dict:
         state["step"] = np.array(1.0, "float32")
     got = _launch(args, compiled, (write_work, end_work), state, size)
     want = run_unsharded(logical, state)
-    result = compare_all(got, want, output_bounds(logical, state), sorted(got))
-    result.update(world_size=size, losses=[float(got["loss"])] if "loss" in got else [])
+    result = compare_pipeline_step(got, want, output_bounds(logical, state))
+    result.update(world_size=size, losses=[float(got["loss"])] if "loss" in got else [],
+                  verdict=verdict(result))
     if not args.json:
-        word = "OK" if result["ok"] else "MISMATCH: " + result["why"]
+        word = "OK" if result["ok"] else result["verdict"] + ": " + result["why"]
         print(f"torchrun, {plural(size, 'gloo rank')}, one pipelined step ({prog.pipeline.schedule}, "
               f"{plural(prog.pipeline.microbatches, 'microbatch', 'microbatches')}) vs the unsharded "
               f"step: error/tolerance {result['err_over_tol']:.2g} {word}")

@@ -84,6 +84,10 @@ def _check_shadowed(spec, names_by_target):
         winners = [n for n in names if _first(spec, rule.target, n) is rule]
         if not winners:
             first = _first(spec, rule.target, names[0])
+            if first.pattern == rule.pattern:  # the same pattern twice: not a matter of order
+                raise SpecError(f"duplicate rule: {rule.target} '{rule.pattern}' already has a rule at "
+                                f"{first.loc} (the first matching rule wins, so this one never applies); "
+                                f"remove one of the two", rule.loc)
             raise SpecError(f"this rule never applies: {names[0]} is matched first by "
                             f"'{first.pattern}' at {first.loc} (the first matching rule wins); "
                             f"put the more specific rule first", rule.loc)

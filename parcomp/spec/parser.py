@@ -134,7 +134,23 @@ def _syntax_error(e: UnexpectedInput, file: str, lines: list) -> SpecError:
     else:
         got = WORDS[tok.type] if tok.type in ("_NL", "$END") else _show(tok)
     msg = f"expected {_expected(exp, text, col)}; got {got}" if exp else f"unexpected {got}"
+    size = _memory_value(text, col)
+    if size:  # 'memory 80 GiB', 'memory 80GiBs': the whole value, not its first token
+        col, msg = size[0], f"expected {WORDS['MEMSIZE']}; got {_show(size[1])}"
     return SpecError(msg, _loc(file, lines, line, col))
+
+
+def _memory_value(text: str, col: int):
+    """``(column, value)`` of a ``memory`` line's value when the syntax error at ``col`` is in
+    it (the text after ``memory`` up to a comment), else None."""
+    code = text.split("#", 1)[0]
+    head = code.lstrip()
+    if not head.startswith("memory") or head[6:7] not in (" ", "\t"):
+        return None
+    start = len(code) - len(head) + 6
+    value = code[start:].strip()
+    vcol = start + len(code[start:]) - len(code[start:].lstrip()) + 1
+    return (vcol, value) if value and col >= vcol else None
 
 
 class _Tree(Transformer):

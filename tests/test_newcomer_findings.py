@@ -1,0 +1,77 @@
+"""Findings of a newcomer's trial of the recent features (pipelines, memory limits, spec
+rules, the layout search), each pinned: a located message that names the whole bad value, a
+duplicate rule said as such, a warning when the plan gathers a weight the spec splits, and a
+pipelined step whose error bound cannot resolve a 10% error is CANNOT VOUCH, never OK."""
+import pytest
+
+from parcomp.cli import main
+from parcomp.compiler import compile_graph
+from parcomp.errors import SpecError
+from parcomp.ir import parse_graph
+from parcomp.spec import parse_spec
+
+from graphs import spec
+
+MLP = "%x: f32[64,4] = input()\n%w: f32[4,8] = param()\n%output: f32[64,8] = matmul(%x, %w)\nreturn %output\n"
+
+
+@pytest.mark.parametrize("value", ["80 XB", "80 GiB", "80GiBs", "1e3GiB", "-5GiB", "80GiB extra"])
+def test_a_bad_memory_size_names_the_whole_value_at_its_column(value):
+    with pytest.raises(SpecError) as e:
+        parse_spec(f"mesh tp=2\nmemory {value}  # note\n", "s.pcs")
+    assert f"got {value!r}" in str(e.value) and "a memory size such as 80GiB" in str(e.value)
+    assert (e.value.loc.line, e.value.loc.col) == (2, 8)
+
+
+def test_a_duplicate_rule_is_called_a_duplicate():
+    s = spec("mesh tp=2\nw colwise\nw rowwise\n")
+    with pytest.raises(SpecError) as e:
+        compile_graph(parse_graph(MLP), s)
+    assert "duplicate rule: param 'w' already has a rule at" in str(e.value)
+    assert "more specific" not in str(e.value) and e.value.loc.line == 3
+
+
+def test_a_split_weight_the_plan_gathers_whole_is_a_warning(tmp_path, capsys):
+    """x [64, 4] @ w [4, 8]: the output (2 KiB) costs more to gather than w (128 B), so the
+    search gathers the weight the spec splits; a rule on the output keeps w split."""
+    (tmp_path / "m.pcir").write_text(MLP)
+    (tmp_path / "s.pcs").write_text("mesh tp=2\nw colwise\noutput output replicated\n")
+    c = compile_graph(parse_graph(MLP), spec("mesh tp=2\nw colwise\noutput output replicated\n"))
+    assert len(c.report["warnings"]) == 1
+    assert c.report["warnings"][0].startswith("w: the spec splits it (")
+    assert main(["compile", str(tmp_path / "m.pcir"), "--spec", str(tmp_path / "s.pcs"),
+                 "-o", str(tmp_path / "o")]) == 0
+    err = capsys.readouterr().err
+    assert "warning: w: the spec splits it (" in err and "s.pcs:2:1" in err and "all-gathers it whole over tp" in err
+    kept = compile_graph(parse_graph(MLP), spec("mesh tp=2\nw colwise\noutput output split-hidden\n"))
+    assert kept.report["warnings"] == []
+
+
+def test_a_pipelined_step_with_a_vacuous_bound_cannot_be_vouched_for():
+    from parcomp.reference.pipeline import compare_pipeline_step
+    from parcomp.tolerance import compare_all
+
+    from test_pipeline import chain_graph, pipelined
+
+    got, want, bounds, _ = pipelined(chain_graph(blocks=4, hidden=32), "mesh pp=2\n")
+    assert compare_all(got, want, bounds, sorted(got))["ok"]  # within a bound that says nothing
+    res = compare_pipeline_step(got, want, bounds)
+    assert not res["ok"] and res["unbounded"] and res["loose"] and ".grad" in res["why"]
+    got, want, bounds, _ = pipelined(chain_graph(blocks=4, hidden=4), "mesh pp=2\n")
+    assert compare_pipeline_step(got, want, bounds)["ok"]  # a tight bound still vouches
+
+
+def test_cli_check_of_a_pipeline_says_cannot_vouch_for_a_vacuous_bound(tmp_path, capsys):
+    """specs/models.py:mlp_chain at width 32: the pipelined step's line was OK with a gradient
+    tolerance of 1e4 times the gradients' scale."""
+    root = __import__("pathlib").Path(__file__).resolve().parent.parent
+    (tmp_path / "m.py").write_text(
+        "import importlib.util\n"
+        f"_s = importlib.util.spec_from_file_location('pm', {str(root / 'specs' / 'models.py')!r})\n"
+        "_m = importlib.util.module_from_spec(_s)\n_s.loader.exec_module(_m)\n\n\n"
+        "def chain():\n    return _m.mlp_chain(blocks=4)\n")
+    (tmp_path / "s.pcs").write_text("mesh pp=2\ntrain optimizer=sgd(lr=0.1) input_grads=no microbatches=2\n")
+    rc = main(["check", f"{tmp_path / 'm.py'}:chain", "--spec", str(tmp_path / "s.pcs")])
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("pipelined step"))
+    assert rc != 0 and "CANNOT VOUCH: " in line and " OK" not in line
