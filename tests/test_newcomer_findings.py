@@ -75,3 +75,46 @@ def test_cli_check_of_a_pipeline_says_cannot_vouch_for_a_vacuous_bound(tmp_path,
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.startswith("pipelined step"))
     assert rc != 0 and "CANNOT VOUCH: " in line and " OK" not in line
+
+
+@pytest.mark.parametrize("value", ["-5", "0", "nan", "inf", "1e300", "fast"])
+def test_program_timeout_out_of_range_is_an_argparse_error_not_a_c10d_traceback(value, capsys):
+    """program.py --timeout -5 / nan reached init_process_group (a c10d traceback, exit 1)."""
+    import argparse
+
+    pytest.importorskip("torch")
+    from parcomp_backends.torch import program_cluster as cl
+
+    ap = argparse.ArgumentParser(prog="program.py")
+    cl.add_cluster_args(ap)
+    assert ap.parse_args(["--timeout", "90.5"]).timeout == 90.5
+    with pytest.raises(SystemExit) as e:
+        ap.parse_args(["--timeout", value])
+    assert e.value.code == 2 and f"argument --timeout: {value}: give a number of seconds" in capsys.readouterr().err
+
+
+def test_spec_timeout_over_what_program_py_takes_is_located():
+    parse_spec("mesh tp=2\ntopology timeout=10000000\n", "t.pcs")
+    with pytest.raises(SpecError, match="at most 10_000_000 seconds") as e:
+        parse_spec("mesh tp=2\ntopology timeout=99999999999999\n", "t.pcs")
+    assert (e.value.loc.line, e.value.loc.col) == (2, 18)
+
+
+def test_save_that_cannot_succeed_fails_before_the_first_step(tmp_path, capsys):
+    """--save onto a file (or below one) or onto an existing step-K failed only after the
+    last training step (a dcp traceback, the run lost); check_save runs before the first."""
+    pytest.importorskip("torch")
+    from parcomp_backends.torch import program_train as pt
+
+    (tmp_path / "file").write_text("mine")
+    (tmp_path / "ck" / "step-3").mkdir(parents=True)
+    for path, msg in ((tmp_path / "file", "exists and is not a directory"),
+                      (tmp_path / "file" / "sub", "is not a writable directory"),
+                      (tmp_path / "ck", "step-3 exists; parcomp's program never replaces")):
+        with pytest.raises(SystemExit) as e:
+            pt.check_save(str(path), 3)
+        assert e.value.code == 2 and f"--save {path}: " in capsys.readouterr().err
+        assert msg in pt.FAILED[-1]
+    pt.check_save(str(tmp_path / "ck"), 4)  # a new step, and a folder still to be made
+    pt.check_save(str(tmp_path / "new" / "dir"), 1)
+    assert (tmp_path / "file").read_text() == "mine" and not (tmp_path / "new").exists()

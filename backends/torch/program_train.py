@@ -131,6 +131,22 @@ def save_checkpoint(path, params, step):
     dist.barrier()
 
 
+def check_save(path, step):
+    """``--save DIR`` before the first step (a failing save would lose the whole run): exit 2
+    when DIR is not a directory, ``DIR/step-<step>`` exists, or DIR (or the nearest folder
+    above it that exists, where DIR is still to be made) is not writable."""
+    final = os.path.join(path, f"step-{step}")
+    if os.path.exists(path) and not os.path.isdir(path):
+        fail(f"--save {path}: it exists and is not a directory")
+    if os.path.exists(final) or os.path.exists(final + ".partial"):
+        fail(f"--save {path}: {final} exists; parcomp's program never replaces a checkpoint")
+    folder = os.path.abspath(path)
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
+        fail(f"--save {path}: cannot write there ({folder} is not a writable directory)")
+
+
 def resume_checkpoint(path, params):
     """``(params, first step)``: the CARRIED values of the checkpoint ``path``/latest names,
     resharded to this program's layouts (any mesh may have saved it), and its step + 1."""
@@ -228,6 +244,8 @@ def run(args):
     first = 1
     if args.resume:  # issue 13: sharded checkpoint of any mesh's program
         params, first = resume_checkpoint(args.resume, params)
+    if args.save:  # before training: a save that cannot succeed is found now, not after the last step
+        agree(lambda: check_save(args.save, first + args.steps - 1), "checking --save")
     with torch.no_grad():  # the backward pass is explicit in train_step: no autograd state
         outputs, losses = train(params, batches, starts, compiled_step(train_step, args), args.log_every,
                                 first)

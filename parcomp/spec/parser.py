@@ -59,6 +59,7 @@ MAX_DIGITS = 18  # a whole number must fit in int64
 _TOPOLOGY = ("nodes", "devices_per_node")
 # how program.py runs on a cluster (issue 16): key -> the words it takes, or None: whole seconds
 _LAUNCH_KEYS = {"placement": ("refuse", "warn"), "timeout": None}
+MAX_TIMEOUT_S = 10_000_000  # seconds (~116 days): program.py's --timeout takes at most this
 _NAME_PHRASES = {"mesh": "a mesh axis such as tp=2", "topology": "nodes=N, devices_per_node=N or intra=nvlink",
                  "train": "an option such as batch=8"}
 
@@ -330,6 +331,8 @@ class _Builder:
                 raise self.err(val, f"topology {k}={val}: give {' or '.join(words)}")
             if not words:
                 self.check_topo_value(k, val, "seconds")
+                if _int(val, self.file, self.lines) > MAX_TIMEOUT_S:  # program.py's --timeout bound
+                    raise self.err(val, f"topology {k}={val}: at most {MAX_TIMEOUT_S:_} seconds")
             launch[k] = str(val) if words else int(val)
         self.launch = tuple(sorted(launch.items()))
         return rest

@@ -767,7 +767,7 @@ HOSTS = []  # every rank's host, by rank, set by check_placement()
 
 def add_cluster_args(ap):
     """The options every program has for running on a cluster."""
-    ap.add_argument("--timeout", type=float, default=TIMEOUT_S, metavar="S",
+    ap.add_argument("--timeout", type=timeout_arg, default=TIMEOUT_S, metavar="S",
                     help=f"seconds a collective may wait for the other ranks (default {TIMEOUT_S:g})")
     ap.add_argument("--placement", choices=("refuse", "warn"), default=PLACEMENT,
                     help=f"a {'/'.join(HOST_AXES) or 'tp'} group on several hosts: stop, or only warn "
@@ -777,6 +777,20 @@ def add_cluster_args(ap):
     ap.add_argument("--print-launch", nargs="?", const="", metavar="NODESxDEVICES",
                     help="print the environment and the torchrun line of every node, then exit "
                          f"(default topology: {TOPOLOGY_TEXT})")
+
+
+def timeout_arg(text):
+    """``--timeout S``: seconds, finite, in (0, MAX_TIMEOUT_S], else an argparse error (exit 2)."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds <= MAX_TIMEOUT_S:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"{text}: give a number of seconds above 0 and at most {MAX_TIMEOUT_S:_}")
+    return seconds
+
+
+MAX_TIMEOUT_S = 10_000_000  # ~116 days; datetime.timedelta and c10d's milliseconds hold it
 
 
 def compiled_step(step, args):
