@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
+import tempfile
 
 from .errors import ParcompError, SourceLoc
 from .ir.types import R, Shard, divisibility_problem, layout_str
@@ -167,8 +168,13 @@ def write_spec(path: str, text: str) -> None:
     did not write, or one changed since it did.
 
     Raises:
-        ParcompError: ``path`` exists and is not an unchanged ``parcomp plan`` spec (names ``-o``).
+        ParcompError: ``path`` exists and is not an unchanged ``parcomp plan`` spec, is a
+            directory, or its directory does not exist or cannot be written (names ``-o``).
     """
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) or not os.path.isdir(folder):
+        raise ParcompError(f"{path}: " + ("a directory; give a file name for the spec" if os.path.isdir(path)
+                                          else f"its directory {folder} does not exist"), where="-o")
     if os.path.exists(path):
         with open(path, encoding="utf-8", errors="replace") as f:
             first, rest = f.readline(), f.read()
@@ -176,9 +182,15 @@ def write_spec(path: str, text: str) -> None:
             raise ParcompError(f"{path} exists and was not written by parcomp plan (or was changed "
                                "since): parcomp never overwrites it; choose another -o or remove it",
                                where="-o")
-    tmp = f"{path}.parcomp-tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
+    try:  # a fresh temporary name (never a file of the user's), then one rename
+        fd, tmp = tempfile.mkstemp(prefix=".parcomp-tmp-", dir=folder)
+    except OSError as e:
+        raise ParcompError(f"{path}: cannot write in {folder} ({e.strerror})", where="-o") from None
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write(f"{HEADER}{_digest(text)}\n{text}")
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(tmp, 0o666 & ~mask)  # as open() would have made it (mkstemp: 0600)
     os.replace(tmp, path)
 
 

@@ -118,3 +118,22 @@ def test_save_that_cannot_succeed_fails_before_the_first_step(tmp_path, capsys):
     pt.check_save(str(tmp_path / "ck"), 4)  # a new step, and a folder still to be made
     pt.check_save(str(tmp_path / "new" / "dir"), 1)
     assert (tmp_path / "file").read_text() == "mine" and not (tmp_path / "new").exists()
+
+
+def test_plan_output_errors_name_o_and_no_file_beside_the_spec_is_touched(tmp_path):
+    """-o in a missing folder said 'No such file or directory: s.pcs.parcomp-tmp' (an OSError),
+    -o onto a folder 'Is a directory'; and a file of the user's named SPEC.parcomp-tmp was
+    overwritten by the temporary copy and then renamed away."""
+    from parcomp.errors import ParcompError
+    from parcomp.plan import write_spec
+
+    for path, msg in ((tmp_path / "no" / "s.pcs", "its directory"), (tmp_path, "a directory; give a file name")):
+        with pytest.raises(ParcompError, match=msg) as e:
+            write_spec(str(path), "mesh tp=2\n")
+        assert e.value.where == "-o"
+    (tmp_path / "s.pcs.parcomp-tmp").write_text("mine")
+    write_spec(str(tmp_path / "s.pcs"), "mesh tp=2\n")
+    write_spec(str(tmp_path / "s.pcs"), "mesh tp=4\n")  # its own, unchanged: replaced
+    assert (tmp_path / "s.pcs.parcomp-tmp").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.pcs", "s.pcs.parcomp-tmp"]
+    assert (tmp_path / "s.pcs").read_text().endswith("mesh tp=4\n")
