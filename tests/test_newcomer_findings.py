@@ -137,3 +137,15 @@ def test_plan_output_errors_name_o_and_no_file_beside_the_spec_is_touched(tmp_pa
     assert (tmp_path / "s.pcs.parcomp-tmp").read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.pcs", "s.pcs.parcomp-tmp"]
     assert (tmp_path / "s.pcs").read_text().endswith("mesh tp=4\n")
+
+
+@pytest.mark.parametrize("line, word, near", [("trian loss=mse", "trian", "train"),
+                                              ("memroy 80GiB", "memroy", "memory"),
+                                              ("  sequence-paralel", "sequence-paralel", "sequence-parallel"),
+                                              ("topolgy nodes=1 devices_per_node=2", "topolgy", "topology")])
+def test_a_misspelt_statement_is_said_to_be_one(line, word, near):
+    """'trian loss=mse' said only 'expected a placement (R, S(d) or P); got 'mse''."""
+    with pytest.raises(SpecError) as e:
+        parse_spec(f"mesh tp=2\n{line}\n", "s.pcs")
+    assert f"'{word}' is not a statement; did you mean '{near}'?" in str(e.value)
+    assert (e.value.loc.line, e.value.loc.col) == (2, line.index(word) + 1)

@@ -138,7 +138,15 @@ def _syntax_error(e: UnexpectedInput, file: str, lines: list) -> SpecError:
     size = _memory_value(text, col)
     if size:  # 'memory 80 GiB', 'memory 80GiBs': the whole value, not its first token
         col, msg = size[0], f"expected {WORDS['MEMSIZE']}; got {_show(size[1])}"
+    word = text.split("#", 1)[0].split()[:1]
+    near = closest(word[0], _KEYWORDS) if word and word[0] not in _KEYWORDS else None
+    if near:  # 'trian loss=mse' read as a rule for the name 'trian': say the likely typo first
+        col = len(text) - len(text.lstrip()) + 1
+        msg = f"'{word[0]}' is not a statement; did you mean '{near}'? (read as a rule, {msg})"
     return SpecError(msg, _loc(file, lines, line, col))
+
+
+_KEYWORDS = ("mesh", "topology", "memory", "train", "stage", "sequence-parallel")
 
 
 def _memory_value(text: str, col: int):
