@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from .errors import ParcompError
 from .ir.graph import PHASES, Graph
 from .ir.ops import COLLECTIVES
-from .ir.types import layout_str
+from .ir.types import Shard, TensorType, layout_str
 from .passes.bucket import bucketed_members
 from .passes.placement import format_placement, placement_table
 from .passes.topology import axis_groups, group_ranks
@@ -218,16 +218,26 @@ def _collectives(sharded, local, prov) -> tuple:
 
 
 def _bucket_record(sharded, local, bucket, prov) -> Collective:
-    """The one all_reduce of a bucket of norm-weight gradients (its members' records merged)."""
+    """The one all_reduce of a bucket of gradients (its members' records merged): norm-weight
+    gradients (passes/bucket.py) or dp gradients (passes/dp_buckets.py, issue 16). Bytes are
+    the flat buffer's, whose layout is the bucket_cat's (a split member makes it S(0))."""
     ar, parts = bucket
-    first = sharded[parts[0]]
-    src = sharded[first.inputs[0]]
+    cat = local[ar.inputs[0]]
     a = sharded.mesh.names.index(ar.attr("axis"))
-    step = Step("all_reduce", a, None, None, src.layout, first.layout)
+    step = Step("all_reduce", a, None, None, cat.layout, ar.layout)
+    flat = TensorType((ar.type.numel * _split_ranks(cat.layout, sharded.mesh),), ar.type.dtype)
     consumers = tuple(f"bucket_part %{p}" for p in parts)
     return Collective(ar.name, "all_reduce", ar.attr("axis"), None, ar.type.dtype, tuple(ar.type.shape),
-                      layout_str(src.layout), layout_str(first.layout), step_bytes(step, ar.type, sharded.mesh),
+                      layout_str(cat.layout), layout_str(ar.layout), step_bytes(step, flat, sharded.mesh),
                       ar.phase, ar.inputs[0], consumers, ar.attr("reason"), prov[ar.name])
+
+
+def _split_ranks(layout, mesh) -> int:
+    """How many ranks' blocks make the global value of a ``layout`` (the split axes' sizes)."""
+    n = 1
+    for size, p in zip(mesh.sizes, layout):
+        n *= size if isinstance(p, Shard) else 1
+    return n
 
 
 def _train_loop(local, spec) -> TrainLoop | None:

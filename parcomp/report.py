@@ -7,6 +7,7 @@ algorithm (:func:`parcomp.redistribute.step_bytes`); shapes are per-rank.
 from __future__ import annotations
 
 from .load_plan import checkpoint_load
+from .passes.dp_buckets import grad_buckets
 
 
 def memory(program, model_params) -> dict:
@@ -81,6 +82,7 @@ def build_report(program, model_params=()) -> dict:
         "checkpoint_load": checkpoint_load(program, set(model_params)),
         "training": training_summary(program),
         "search": _with_note(program.search, recs) if program.train else program.search,
+        "grad_buckets": grad_buckets(program),  # issue 16: passes/dp_buckets.py
     }
 
 

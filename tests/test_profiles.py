@@ -292,3 +292,13 @@ def test_topology_other_axes_may_span_nodes():
     assert got["intra_node_axes"] == ["tp"] and got["cross_node_axes"] == ["dp", "pp"]
     with pytest.raises(SpecError, match="not a multiple of the 2 consecutive ranks"):
         check_topology(parse_spec("mesh dp=3 tp=2\ntopology nodes=2 devices_per_node=3\n", "odd.pcs"))
+
+
+def test_cuda_program_turns_tf32_off_after_binding_the_device(gpt2):
+    """parcomp's error bounds assume fp32 rounding: the cuda program sets TF32 off (issue 16)."""
+    cuda = emit_program(gpt2[2], "cuda")
+    body = cuda[cuda.index("def profile_device():"):cuda.index("# ---- end of PROFILE ----")]
+    assert body.index("torch.cuda.set_device(LOCAL_RANK)") < body.index(
+        "torch.backends.cuda.matmul.allow_tf32 = False") < body.index("return torch.device")
+    assert "torch.backends.cudnn.allow_tf32 = False" in body
+    assert "allow_tf32" not in emit_program(gpt2[2], "cpu") + emit_program(gpt2[2], "ascend")

@@ -223,7 +223,11 @@ def test_accumulated_gradients_are_reduced_once_per_step_not_per_microbatch():
     c = compile_graph(mlp_graph((4096, 8), [16, 32, 16], [True, True], ["gelu"]),
                       parse("mesh dp=2\ninput x [S(0)]\ntrain loss=mse optimizer=sgd(lr=0.1) accumulate=2\n"))
     bwd = sorted((r["kind"], r["producer"]) for r in c.report["collectives"] if r["phase"] == "backward")
-    assert bwd == [("all_reduce", f"bw.{p}.accumulated") for p in ("l0.bias", "l0.weight", "l1.bias", "l1.weight")]
+    assert bwd == [("all_reduce", "bw.grad_bucket0.dp")]  # the 4 accumulated gradients, one bucket (issue 16)
+    (bucket,) = c.report["grad_buckets"]["buckets"]
+    assert sorted(bucket["members"]) == ["l0.bias", "l0.weight", "l1.bias", "l1.weight"]
+    assert sorted(c.program[bucket["all_reduce"].replace(".all_reduce", "")].inputs) == [
+        f"bw.{p}.accumulated" for p in ("l0.bias", "l0.weight", "l1.bias", "l1.weight")]
     feeds = random_feeds(c.logical)
     got, want = run_spmd(c.program, feeds).outputs(c.program), run_unsharded(c.logical, feeds)
     assert_all_equivalent(got, want, output_bounds(c.logical, feeds))

@@ -324,6 +324,7 @@ def _profile_block(prof) -> str:
         lines += [f"    if not ({prof.check}):", f"        fail(f{json.dumps(prof.check_message)})"]
     if prof.set_device:
         lines.append(f"    {prof.set_device}")
+    lines += [f"    {line}" for line in prof.policy]  # cuda: TF32 off (issue 16)
     if prof.dtype_check:
         lines += [f"    if not ({prof.dtype_check}):", f"        fail(f{json.dumps(prof.dtype_message)})"]
     lines += [f"    return torch.device({prof.device})", "# ---- end of PROFILE ----"]

@@ -37,6 +37,7 @@ class DeviceProfile:
         dtype_check: expression that must be true once the device is bound (it may read
             ``COLLECTIVE_DTYPES``, the dtypes the program's collectives carry), or None.
         dtype_message: what ``program.py`` prints (then exits 2) when ``dtype_check`` is false.
+        policy: statements run once the device is bound (cuda: TF32 off, issue 16).
     """
 
     name: str
@@ -50,8 +51,13 @@ class DeviceProfile:
     launch_env: tuple = ()
     dtype_check: str | None = None
     dtype_message: str = ""
+    policy: tuple = ()
 
 
+# fp32 matmuls and convolutions in fp32, whatever torch's defaults: parcomp's error bounds
+# (parcomp/tolerance.py) assume fp32 rounding; TF32 keeps 10 mantissa bits (issue 16)
+_TF32_OFF = ("torch.backends.cuda.matmul.allow_tf32 = False  # TF32 off: fp32 GEMMs as checked",
+             "torch.backends.cudnn.allow_tf32 = False")
 _GLOO_ENV = ("export GLOO_SOCKET_IFNAME=eth0  # the interface that reaches the other nodes",)
 _NCCL_ENV = ("export NCCL_SOCKET_IFNAME=eth0  # the interface for bootstrap and socket traffic",
              "export NCCL_IB_HCA=mlx5  # the InfiniBand/RoCE adapters (ibv_devices lists them)",
@@ -77,7 +83,7 @@ PROFILES: dict = {p.name: p for p in (
                                 "{torch.cuda.device_count()} GPUs, LOCAL_RANK {LOCAL_RANK} needs "
                                 "{LOCAL_RANK + 1}; install a CUDA build of torch, check "
                                 "CUDA_VISIBLE_DEVICES, or rerun with --device cpu (CPU/gloo, no GPU)",
-                  bind_device_id=True, launch_env=_NCCL_ENV),
+                  bind_device_id=True, launch_env=_NCCL_ENV, policy=_TF32_OFF),
     DeviceProfile("ascend", "hccl", 'f"npu:{LOCAL_RANK}"', prelude=("torch_npu",),
                   set_device="torch.npu.set_device(LOCAL_RANK)",
                   check="torch.npu.device_count() > LOCAL_RANK",

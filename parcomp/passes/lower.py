@@ -33,6 +33,7 @@ from dataclasses import replace
 
 from ..ir.graph import Graph, Node
 from .bucket import bucket_norm_grads
+from .dp_buckets import bucket_dp_grads
 from .fuse_reductions import fuse_reductions
 
 SOURCES = ("input", "param")
@@ -257,6 +258,9 @@ def free_dead(graph: Graph) -> Graph:
 LOWERING = (("fuse-reductions", fuse_reductions),  # reductions part (issue 17): passes/fuse_reductions.py
             ("fuse-matmuls", fuse_matmuls), ("fuse-mse", fuse_mse), ("fuse-updates", fuse_updates),
             ("bucket-norm-grads", bucket_norm_grads),  # norms part (issue 17): passes/bucket.py
+            ("bucket-dp-grads", bucket_dp_grads),  # issue 16: passes/dp_buckets.py (spec: bucket_cap_mb)
             ("overlap-collectives", overlap_collectives), ("in-place", in_place),
             ("free-dead", free_dead))
 """The lowering passes in pipeline order (name, Graph -> Graph)."""
+SPEC_LOWERING = ("bucket-dp-grads",)
+"""Lowering passes that also read the spec (``fn(graph, spec)``)."""

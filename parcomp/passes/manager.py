@@ -16,7 +16,7 @@ from .bind_layouts import bind_layouts
 from .decompose import decompose_reductions
 from .insert_collectives import insert_collectives
 from .localize import localize
-from .lower import LOWERING
+from .lower import LOWERING, SPEC_LOWERING
 from .shard_prop import shard_prop
 from .verify import verify
 
@@ -46,7 +46,8 @@ def forward_pipeline(spec) -> list:
                                                     memory_loc=getattr(spec, "memory_loc", None))),
             Pass("insert-collectives", insert_collectives),
             Pass("localize", localize),
-            *(Pass(name, fn) for name, fn in LOWERING)]
+            *(Pass(name, (lambda g, fn=fn: fn(g, spec)) if name in SPEC_LOWERING else fn)
+              for name, fn in LOWERING)]
 
 
 def run_pipeline(graph: Graph, passes, after: Callable | None = None) -> dict:

@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 
 from ..errors import ParcompError, SpecError, closest
+from .dp_buckets import BUCKET_KEY, bucket_cap_bytes
 from .train_options import OPTION_KEYS, train_options
 
 LOSSES = ("mse", "cross_entropy", "output")
@@ -86,7 +87,7 @@ def train_config(spec) -> TrainConfig:
     """Read and check ``spec.train``. Raises SpecError at the train line."""
     t = spec.train
     known = {"loss", "optimizer", "batch", "steps", "zero", "trainable", "input_grads", "output",
-             "microbatches", "schedule", "stages", *OPTION_KEYS}
+             "microbatches", "schedule", "stages", BUCKET_KEY, *OPTION_KEYS}
     for k, _ in t.options:
         if k not in known:
             hint = closest(k, known)
@@ -124,6 +125,7 @@ def train_config(spec) -> TrainConfig:
         raise SpecError(f"output={output!r}: name a model output (quote a name with dots: "
                         f'output="a.b")', option_loc(t.loc, "output"))
     options = train_options(t, hyper, _number, _check_range)  # issue 13
+    bucket_cap_bytes(spec, option_loc(t.loc, BUCKET_KEY))  # issue 16: checked here, read by the bucket-dp-grads lowering
     return TrainConfig(loss, name, tuple(sorted(hyper.items())), batch, steps, zero,
                        str(t.get("trainable", "**")), t.loc, input_grads == "yes", output, loss_args,
                        options, *_pipeline_options(spec, t))

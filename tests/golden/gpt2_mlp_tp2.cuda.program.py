@@ -53,6 +53,8 @@ def profile_device():
     if not (torch.cuda.is_available() and torch.cuda.device_count() > LOCAL_RANK):
         fail(f"profile cuda: CUDA is not available or has too few GPUs: torch {torch.__version__} (CUDA build: {torch.version.cuda}) sees {torch.cuda.device_count()} GPUs, LOCAL_RANK {LOCAL_RANK} needs {LOCAL_RANK + 1}; install a CUDA build of torch, check CUDA_VISIBLE_DEVICES, or rerun with --device cpu (CPU/gloo, no GPU)")
     torch.cuda.set_device(LOCAL_RANK)
+    torch.backends.cuda.matmul.allow_tf32 = False  # TF32 off: fp32 GEMMs as checked
+    torch.backends.cudnn.allow_tf32 = False
     return torch.device(f"cuda:{LOCAL_RANK}")
 # ---- end of PROFILE ----
 
