@@ -104,6 +104,11 @@ def main():
               f"block between {a['blocks']} and {b['blocks']} (total / blocks: "
               f"{b['ir_to_py'] / b['blocks'] * 1e3:.1f} ms); torch.export {b['export']['median']:.3f} s; "
               f"slowest passes: " + ", ".join(f"{k} {v:.3f}" for k, v in slow))
+        first = mine[0]
+        print("  by depth (IR->py s, ms per block, per-block time / the smallest depth's; 1.0 = linear): "
+              + "; ".join(f"{r['blocks']}: {r['ir_to_py']:.3f} s, {r['ir_to_py'] / r['blocks'] * 1e3:.1f} ms, "
+                          f"x{(r['ir_to_py'] / r['blocks']) / (first['ir_to_py'] / first['blocks']):.2f}"
+                          for r in mine))
     C.dump_json(rows)
 
 

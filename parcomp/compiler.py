@@ -1,6 +1,8 @@
 """The compiler's front door: graph + spec -> sharded graph, per-rank program, report."""
 from __future__ import annotations
 
+import gc
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
@@ -51,6 +53,11 @@ def compile_graph(graph: Graph, spec, after: Callable | None = None) -> Compiled
             ``tp`` group that spans nodes of the spec's topology, a model whose own
             mesh line or layouts do not fit the spec's mesh.
     """
+    with _no_cycle_collection():
+        return _compile(graph, spec, after)
+
+
+def _compile(graph: Graph, spec, after) -> Compiled:
     check_model_mesh(graph, spec.mesh)
     placement = check_topology(spec)
     stages = run_pipeline(graph, forward_pipeline(spec), after)
@@ -64,3 +71,19 @@ def compile_graph(graph: Graph, spec, after: Callable | None = None) -> Compiled
     if "pp" in spec.mesh.names and spec.train is not None:
         prog, report = attach_pipeline(graph, spec, prog, report)
     return Compiled(graph, logical, sharded, program, report, spec, prog)
+
+
+@contextmanager
+def _no_cycle_collection():
+    """Python's cycle collector paused while the passes run, then restored as it was.
+
+    The passes allocate many small immutable nodes (no reference cycles; reference
+    counting frees them), and on a deep model every full collection rescans them all:
+    20% of a 48-block GPT-2 compile went to collections that found nothing."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()

@@ -47,11 +47,11 @@ def bind_layouts(graph: Graph, spec: Spec) -> Graph:
                            "input": [n.name for n in graph.inputs],
                            "output": list(graph.output_names), "activation": values})
     graph = replace(graph, mesh=spec.mesh)
-    layouts, bound_by = {}, {}
+    layouts, bound_by, users = {}, {}, graph.users()
     for n in graph.nodes:
         if n.op in ("input", "param"):
             rule = _first(spec, n.op, n.name)
-            layouts[n.name] = _resolve(graph, spec, rule, n) if rule else replicated(len(spec.mesh.axes))
+            layouts[n.name] = _resolve(graph, spec, rule, n, users) if rule else replicated(len(spec.mesh.axes))
             bound_by[n.name] = rule
     _bias_follows(graph, spec, layouts, bound_by)
     fused_bias_follows(graph, layouts, bound_by)  # attention part (issue 17)
@@ -113,7 +113,7 @@ def _word_layout(spec, rule, ty):
     return tuple(out)
 
 
-def _resolve(graph, spec, rule, node):
+def _resolve(graph, spec, rule, node, users):
     if rule.layout.word not in ("colwise", "rowwise"):
         return _word_layout(spec, rule, node.type)
     if node.op != "param":
@@ -122,15 +122,16 @@ def _resolve(graph, spec, rule, node):
     if node.attr("stored_shape"):  # attention part (issue 17): a fused weight, split per part
         dim = fused_split_dim(node, rule.layout.word)
     else:
-        dim = _weight_split_dim(graph, node, rule)
+        dim = _weight_split_dim(graph, node, rule, users)
     out = list(replicated(len(spec.mesh.axes)))
     out[spec.mesh.axis_index(rule.layout.axis)] = Shard(dim)
     return tuple(out)
 
 
-def _weight_split_dim(graph, node, rule) -> int:
-    """Stored dim of ``node`` that colwise/rowwise splits, found through its uses."""
-    users, chain, cur = graph.users(), [], node.name
+def _weight_split_dim(graph, node, rule, users) -> int:
+    """Stored dim of ``node`` that colwise/rowwise splits, found through its uses
+    (``users``: ``graph.users()``)."""
+    chain, cur = [], node.name
     while True:
         us = users[cur]
         mm = [u for u in us if graph[u].op == "matmul" and graph[u].inputs[1] == cur]

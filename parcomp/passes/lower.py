@@ -209,7 +209,7 @@ def overlap_collectives(graph: Graph) -> Graph:
     return graph.with_nodes([nodes[m] for m in order], outputs=[waits.get(o, o) for o in graph.outputs])
 
 
-def _mutable(graph, n, roots, pos, users, outs) -> bool:
+def _mutable(graph, n, roots, pos, users, outs, members) -> bool:
     """May ``n`` write into its first operand's buffer? Nothing reads the buffer after ``n``,
     no output lives in it, no other operand shares it, and it is the optimizer's own
     (a param or state updated in the optimizer phase) or a fresh contiguous value."""
@@ -222,7 +222,7 @@ def _mutable(graph, n, roots, pos, users, outs) -> bool:
         return False
     if n.op == "all_reduce" and (r != x or src.op in SOURCES):  # a fresh contiguous buffer
         return False
-    sharing = [v for v, rv in roots.items() if rv == r]
+    sharing = members[r]  # the values before n living in r's buffer
     if any(v in outs for v in sharing):
         return False
     return all(pos[u] < pos[n.name] for v in sharing for u in users[v] if u != n.name)
@@ -232,10 +232,13 @@ def in_place(graph: Graph) -> Graph:
     """``inplace=true`` on every collective and update that may reuse its operand's buffer."""
     outs, pos = set(graph.outputs), {n.name: i for i, n in enumerate(graph.nodes)}
     users, nodes, roots = graph.users(), [], {}  # roots: of the nodes before n (a later
-    for n in graph.nodes:                           # alias reads the buffer after n anyway)
-        if n.op in IN_PLACE_OPS and not n.attr("inplace") and _mutable(graph, n, roots, pos, users, outs):
+    members = {}                                    # alias reads the buffer after n anyway)
+    for n in graph.nodes:
+        if n.op in IN_PLACE_OPS and not n.attr("inplace") and _mutable(graph, n, roots, pos, users, outs,
+                                                                        members):
             n = n.with_attrs(inplace=True)
         roots[n.name] = roots[n.inputs[0]] if n.inputs and _is_view(n) else n.name
+        members.setdefault(roots[n.name], []).append(n.name)
         nodes.append(n)
     return graph.with_nodes(nodes)
 

@@ -56,12 +56,13 @@ def run_pipeline(graph: Graph, passes, after: Callable | None = None) -> dict:
     Raises:
         VerifyError: a pass produced invalid IR (names the pass and the node).
     """
-    verify(graph)
+    memo = {}  # nodes verified unchanged are not checked again (verify's memo)
+    verify(graph, memo)
     out = {"input": graph}
     for p in passes:
         graph = p(graph)
         try:
-            verify(graph)
+            verify(graph, memo)
         except VerifyError as e:
             err = VerifyError(f"after pass {p.name}: {e.message}")
             err.node = getattr(e, "node", None)  # lets a caller point at a .pcir line

@@ -97,7 +97,7 @@ class _Problem:
                     self.options[n.name] = [(0.0, (), self._intern(lay)) for lay in free[n.name]]
                 continue
             in_types = tuple(graph[i].type for i in n.inputs)
-            key = (n.op, n.attrs, n.type, in_types, n.layout)
+            key = (n.op, _strategy_attrs(n), n.type, in_types, n.layout)
             if key not in same:
                 same[key] = self._strategies(n, in_types)
             if not same[key]:
@@ -214,23 +214,53 @@ class _Problem:
         return sol
 
     def improve(self, sol, rounds: int = 8) -> dict:
-        """Apply strictly improving moves (see :meth:`_best_move`) until none is left."""
-        sol = dict(sol)
+        """Apply strictly improving moves (see :meth:`_best_move`) until none is left.
+
+        A node whose last move attempt kept nothing, and none of whose neighbourhood
+        (:meth:`_hood`: what that attempt read) changed since, is skipped: the attempt
+        would read the same state and keep nothing again, so the plan is the one trying
+        every node every round gives, in time linear in the moves made."""
+        sol, hoods = dict(sol), {}
+        for n in self.g.nodes:
+            if n.name in sol:
+                hoods[n.name] = self._hood(sol, n)
+        readers = {}  # name -> the nodes whose move reads its strategy
+        for name, (_, reads) in hoods.items():
+            for m in reads:
+                readers.setdefault(m, []).append(name)
+        dirty = set(hoods)
         for _ in range(rounds):
             changed = False
             for n in reversed(self.g.nodes):
-                if n.name in sol and self._best_move(sol, n):
+                if n.name not in dirty:
+                    continue
+                if self._best_move(sol, n):
                     changed = True
+                    for m in hoods[n.name][0]:
+                        dirty.update(readers.get(m, ()))
+                else:
+                    dirty.discard(n.name)
             if not changed:
                 break
         return sol
 
+    def _hood(self, sol, n):
+        """``(moved, reads)`` of a move at ``n``: the nodes it may re-pick and every node
+        whose strategy it reads (those, the values it prices and their readers)."""
+        _, touched, moved = self._parts(sol, n)
+        return moved, set(moved) | touched | {u for v in touched for u in self.users[v]}
+
+    def _parts(self, sol, n):
+        """``(feeders, touched, moved)``: ``n``'s operands made only for it, the values
+        whose conversions a move at ``n`` prices, and the nodes it may re-pick."""
+        feeders = [i for i in dict.fromkeys(n.inputs) if i in sol and len(self.users[i]) == 1]
+        touched = set(n.inputs) | {n.name} | {j for i in feeders for j in self.g[i].inputs}
+        return feeders, touched, [n.name] + feeders
+
     def _best_move(self, sol, n) -> bool:
         """Re-pick ``n``'s strategy; an operand made only for ``n`` may change with it
         (to produce exactly the layout ``n`` then wants).  Keeps strict gains only."""
-        feeders = [i for i in dict.fromkeys(n.inputs) if i in sol and len(self.users[i]) == 1]
-        touched = set(n.inputs) | {n.name} | {j for i in feeders for j in self.g[i].inputs}
-        moved = [n.name] + feeders
+        feeders, touched, moved = self._parts(sol, n)
 
         def local():
             return sum(self._compute(sol, m) for m in moved) + sum(self.value_cost(sol, v) for v in touched)
@@ -255,6 +285,12 @@ class _Problem:
         c, ins, out = option
         return c + sum(self.plan_cost(self.layout(sol, j), lay, self.g[j].type)
                        for j, lay in zip(self.g[i].inputs, ins))
+
+
+def _strategy_attrs(n) -> tuple:
+    """``n``'s attributes less those no strategy or cost reads (a relayout's ``origin``
+    names its spec rule): nodes of repeated blocks then share one option list."""
+    return tuple(kv for kv in n.attrs if kv[0] != "origin")
 
 
 def _no_strategy(graph, n) -> str:

@@ -18,16 +18,35 @@ from ..ir.types import Partial, Shard, divisibility_problem, layout_str
 from ..rules.sharding import is_valid_strategy
 
 
-def verify(graph: Graph) -> None:
-    """Raise :class:`VerifyError` naming the first node that breaks an invariant."""
-    _check_ssa(graph)
+def verify(graph: Graph, memo: dict | None = None) -> None:
+    """Raise :class:`VerifyError` naming the first node that breaks an invariant.
+
+    ``memo`` (a dict the caller keeps across calls, as the pass pipeline does) records
+    the nodes that passed; a node object met again with the same operand node objects,
+    stage, mesh and checks passed before and is not checked again (every check of a
+    node reads only these). The order of definitions and the outputs are always checked,
+    so the first failing node is the same with or without ``memo``.
+    """
+    checks = (graph.stage, graph.mesh,
+              graph.mesh is not None and all(n.layout is not None for n in graph.nodes))
+    todo = graph.nodes if memo is None else [n for n in graph.nodes
+                                             if not _passed(graph, n, memo.get(n.name), checks)]
+    _check_ssa(graph, {id(n) for n in todo})
     if graph.stage == "global":
-        _check_types(graph)
+        _check_types(graph, todo)
     if graph.mesh is not None:
-        check_layout_shapes(graph, graph.mesh)
-    if graph.mesh is not None and all(n.layout is not None for n in graph.nodes):
-        for n in graph.nodes:
+        check_layout_shapes(graph, graph.mesh, todo)
+    if checks[2]:
+        for n in todo:
             _check_layouts(graph, n)
+    if memo is not None:
+        memo.update((n.name, (n, tuple(graph[i] for i in n.inputs), checks)) for n in todo)
+
+
+def _passed(graph, n, entry, checks) -> bool:
+    """Whether ``entry`` (a memo's) says ``n`` passed these checks with these operands."""
+    return (entry is not None and entry[0] is n and entry[2] == checks
+            and all(i in graph and graph[i] is m for i, m in zip(n.inputs, entry[1])))
 
 
 def check_model_mesh(graph: Graph, mesh) -> None:
@@ -51,15 +70,16 @@ def check_model_mesh(graph: Graph, mesh) -> None:
     check_layout_shapes(graph, mesh)
 
 
-def check_layout_shapes(graph: Graph, mesh) -> None:
+def check_layout_shapes(graph: Graph, mesh, nodes=None) -> None:
     """Every layout in ``graph`` (of a value or an operand) has one placement per axis
-    of ``mesh``, and every ``S(d)`` splits a dim its tensor has.
+    of ``mesh``, and every ``S(d)`` splits a dim its tensor has (``nodes``: only those
+    of ``graph``'s nodes; all by default).
 
     Raises:
         VerifyError: naming the node (``err.node``, so a caller holding the
             ``.pcir`` text can point at its line).
     """
-    for n in graph.nodes:
+    for n in graph.nodes if nodes is None else nodes:
         pairs = [("layout", n.layout, n.type)]
         if n.in_layouts is not None:
             pairs += [(f"operand %{i}'s layout", lay, graph[i].type if i in graph else None)
@@ -87,10 +107,11 @@ def _fail(graph, node, msg):
     raise err
 
 
-def _check_ssa(graph):
-    seen = set()
+def _check_ssa(graph, todo):
+    seen = set()  # todo: ids of the nodes whose op, arity and attrs to check
     for n in graph.nodes:
-        if n.op not in OPS:
+        fresh = id(n) in todo
+        if fresh and n.op not in OPS:
             _fail(graph, n, f"unknown op {n.op!r}")
         if n.name in seen:
             _fail(graph, n, f"%{n.name} is defined twice")
@@ -98,9 +119,10 @@ def _check_ssa(graph):
             if i not in seen:
                 _fail(graph, n, f"%{i} is used before it is defined")
         arity = OPS[n.op].arity
-        if arity >= 0 and len(n.inputs) != arity:
+        if fresh and arity >= 0 and len(n.inputs) != arity:
             _fail(graph, n, f"{n.op} takes {arity} operands, got {len(n.inputs)}")
-        _check_attrs(graph, n)
+        if fresh:
+            _check_attrs(graph, n)
         seen.add(n.name)
     for o in graph.outputs:
         if o not in seen:
@@ -113,8 +135,8 @@ def _check_attrs(graph, n):
         _fail(graph, n, problem)
 
 
-def _check_types(graph):
-    for n in graph.nodes:
+def _check_types(graph, nodes):
+    for n in nodes:
         if OPS[n.op].kind in ("source",):
             continue
         try:
