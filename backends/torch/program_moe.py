@@ -9,6 +9,9 @@ buffer between ``moe_dispatch`` and the experts, and back before ``moe_combine``
 """
 # flake8: noqa: E402
 import torch
+import torch.distributed as dist
+
+GROUPS, MESH = {}, {}  # stand-ins: program_common's process groups and mesh
 
 
 # >>> program.py: moe
@@ -72,4 +75,27 @@ def moe_combine_grad_c(g, y, c):
     out = torch.zeros_like(c)
     out[b, s, e] = torch.sum(g[b, s] * y[b, e, pos], dim=-1)
     return out
+# <<< program.py
+
+
+# >>> program.py: moe_ragged
+def all_to_all_ragged(x, src_dim, dim, axis):
+    """S(src_dim) -> S(dim) like ``all_to_all``, sending only the nonzero rows (last dim) of
+    each chunk: first a one-byte-per-row mask of them (the split sizes, ``all_to_all_single``),
+    then the rows with ``input_split_sizes`` / ``output_split_sizes``; the receiver puts them
+    back into zeros. Equal to the dense all_to_all (a zero row arrives as +0.0)."""
+    n = MESH[axis]
+    send = torch.stack(x.chunk(n, dim)).contiguous()
+    rows = send.reshape(n, -1, send.shape[-1])
+    mask = rows.ne(0).any(-1)
+    got = torch.empty_like(mask, dtype=torch.uint8)
+    dist.all_to_all_single(got, mask.to(torch.uint8), group=GROUPS[axis])
+    got = got.bool()
+    packed = rows[mask]
+    recv = rows.new_empty((int(got.sum()), rows.shape[-1]))
+    dist.all_to_all_single(recv, packed, [int(c) for c in got.sum(1)], [int(c) for c in mask.sum(1)],
+                           group=GROUPS[axis])
+    out = torch.zeros_like(rows)
+    out[got] = recv
+    return torch.cat(out.reshape(send.shape).unbind(0), dim=src_dim)
 # <<< program.py

@@ -424,7 +424,8 @@ _REDUCE = {"reduce_op": Attr("str", default="sum", choices=("sum", "max"))}
 _def("all_reduce", 1, "collective", _same, {**_MOVE, **_REDUCE})
 _def("all_gather", 1, "collective", _same, {**_MOVE, "dim": _DIM})
 _def("reduce_scatter", 1, "collective", _same, {**_MOVE, "dim": _DIM})
-_def("all_to_all", 1, "collective", _same, {**_MOVE, "dim": _DIM, "src_dim": _DIM})
+_def("all_to_all", 1, "collective", _same, {**_MOVE, "dim": _DIM, "src_dim": _DIM,
+                                            "ragged": Attr("bool", default=False)})  # issue 14: passes/moe_ragged.py
 _def("shard_slice", 1, "local", _same, {**_MOVE, "dim": _DIM})
 _def("partial_mask", 1, "local", _same, {**_MOVE, **_REDUCE})
 

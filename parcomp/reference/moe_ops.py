@@ -90,3 +90,24 @@ MOE_NUMPY_OPS = {
     "moe_combine": lambda a, n: combine(a[0], a[1], n.attr("weighted", True)),
     "moe_combine_grad_c": lambda a, n: combine_grad_c(a[0], a[1], a[2]),
 }
+
+
+def ragged_all_to_all(xs, node, sent: dict, group) -> list:
+    """The ``all_to_all{ragged=true}`` of one group, as program.py's ``all_to_all_ragged``
+    runs it: chunk j of ``dim`` of each rank's value goes to rank j, but only its nonzero rows
+    (along the last dim) travel, after a one-byte-per-row mask of them (the split sizes); the
+    receiver zero-fills the rest and concatenates along ``src_dim``. Adds to ``sent[rank]``
+    the bytes each rank of ``group`` sends to the others (mask and rows)."""
+    n, dim, src = len(xs), node.attr("dim"), node.attr("src_dim")
+    got = [[None] * n for _ in range(n)]
+    for i, x in enumerate(xs):
+        for j, chunk in enumerate(np.split(x, n, axis=dim)):
+            rows = chunk.reshape(-1, chunk.shape[-1]) if chunk.ndim else chunk.reshape(1, 1)
+            mask = np.any(rows != 0, axis=1)
+            packed = rows[mask]
+            back = np.zeros_like(rows)
+            back[mask] = packed
+            got[j][i] = back.reshape(chunk.shape)
+            if j != i:
+                sent[group[i]] = sent.get(group[i], 0) + int(packed.nbytes) + int(mask.size)
+    return [np.concatenate(parts, axis=src) for parts in got]
