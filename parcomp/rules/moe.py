@@ -32,16 +32,15 @@ def _route(node, ts):
     return out + ([((P, R), P)] if node.op == "moe_route_grad" else [])
 
 
+# never a partial c: its zeros say which slots are routed, and partial pieces of c have others
 def _dispatch(node, ts):
-    out = [((R, R), R), ((Shard(0), Shard(0)), Shard(0)), ((R, Shard(2)), Shard(1)),
-           ((Shard(2), R), Shard(3)), ((P, R), P)]
-    return out + ([((R, P), P)] if node.attr("weighted", False) else [])
+    return [((R, R), R), ((Shard(0), Shard(0)), Shard(0)), ((R, Shard(2)), Shard(1)),
+            ((Shard(2), R), Shard(3)), ((P, R), P)]
 
 
 def _combine(node, ts):
-    out = [((R, R), R), ((Shard(0), Shard(0)), Shard(0)), ((Shard(1), Shard(2)), P),
-           ((Shard(3), R), Shard(2)), ((P, R), P)]
-    return out + ([((R, P), P)] if node.attr("weighted", True) else [])
+    return [((R, R), R), ((Shard(0), Shard(0)), Shard(0)), ((Shard(1), Shard(2)), P),
+            ((Shard(3), R), Shard(2)), ((P, R), P)]
 
 
 def _combine_grad_c(node, ts):
