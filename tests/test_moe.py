@@ -114,15 +114,25 @@ def _collectives(c):
     return [(e["kind"], e["axis"], e["phase"]) for e in c.report["collectives"]]
 
 
-@pytest.mark.parametrize("spec,nranks", [("moe_ep2_train.pcs", 2), ("moe_ep2_tp2_train.pcs", 4)])
-@pytest.mark.parametrize("factory", ["moe_block", "moe_block_skewed"])
-def test_moe_specs_train_like_unsharded_on_the_interpreter(capsys, spec, nranks, factory):
+EP2_TP2 = [("all_to_all", "ep", "forward"), ("all_to_all", "ep", "forward"), ("all_reduce", "tp", "forward"),
+           ("all_gather", "ep", "loss"), ("all_to_all", "ep", "forward"), ("reduce_scatter", "ep", "backward"),
+           ("all_reduce", "ep", "backward"), ("all_reduce", "tp", "backward")]
+
+
+@pytest.mark.parametrize("spec,factory", [("moe_ep2_train.pcs", "moe_block"), ("moe_ep2_train.pcs", "moe_block_skewed"),
+                                          ("moe_ep2_tp2_train.pcs", "moe_block_skewed")])
+def test_moe_specs_train_like_unsharded_on_the_interpreter(capsys, spec, factory):
+    """ep=2 (random and skewed routing) and ep=2 x tp=2 (skewed; its collectives pinned: the
+    ep all_to_all pair, tp's all_reduce of the row-parallel down_proj output forward and of
+    dx backward, the router's gradient over ep)."""
     rc = main(["check", f"{MODELS}:{factory}", "--spec", os.path.join(SPECS, spec), "--json"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and out["verdict"] == "OK", out.get("why")
     assert_never_wrong(out)
     fwd = [(c["kind"], c["axis"]) for c in out["collectives"] if c["phase"] == "forward"]
     assert fwd[:2] == [("all_to_all", "ep"), ("all_to_all", "ep")]  # tokens to experts and back
+    if "tp2" in spec:
+        assert [(c["kind"], c["axis"], c["phase"]) for c in out["collectives"]] == EP2_TP2
 
 
 def test_ep2_collectives_pinned():
@@ -132,22 +142,11 @@ def test_ep2_collectives_pinned():
     c = compile_graph(graph, _spec("moe_ep2_train.pcs"))
     assert _collectives(c) == [("all_to_all", "ep", "forward"), ("all_to_all", "ep", "forward"),
                                ("all_gather", "ep", "loss"), ("all_to_all", "ep", "forward"),
-                               ("reduce_scatter", "ep", "backward"), ("all_reduce", "ep", "backward")]
+                               ("all_reduce", "ep", "backward"), ("reduce_scatter", "ep", "backward")]
     ragged = [n.name for n in c.program.nodes if n.op == "all_to_all" and n.attr("ragged")]
     assert len(ragged) == 2
     reduced = [e["name"] for e in c.report["collectives"] if e["kind"] == "all_reduce"]
-    assert reduced == ["bw.linear_wt.permute.all_reduce_ep"]  # gate.weight's gradient only
-
-
-def test_ep2_tp2_collectives_pinned():
-    """ep=2 x tp=2: the ep all_to_all pair; tp's all_reduce of the row-parallel down_proj
-    output forward and of dx backward; the router's gradient over ep."""
-    graph, _, _ = load_model(f"{MODELS}:moe_block")
-    c = compile_graph(graph, _spec("moe_ep2_tp2_train.pcs"))
-    assert _collectives(c) == [("all_to_all", "ep", "forward"), ("all_to_all", "ep", "forward"),
-                               ("all_reduce", "tp", "forward"), ("all_gather", "ep", "loss"),
-                               ("all_to_all", "ep", "forward"), ("reduce_scatter", "ep", "backward"),
-                               ("all_reduce", "ep", "backward"), ("all_reduce", "tp", "backward")]
+    assert reduced == ["bw.linear.matmul_2.all_reduce_ep"]  # gate.weight's gradient only
 
 
 def _check_case(case: MoeCase, seed: int):
@@ -219,8 +218,8 @@ def test_interpreter_logs_the_routed_bytes_of_each_rank():
     run = run_spmd(c.program, feeds(c.logical, case, 0))
     first = [e for e in run.log if e["kind"] == "all_to_all"][0]
     # top-1 with expert 0 favoured: every token goes to rank 0's expert 0, so rank 1 sends
-    # all its rows (4 tokens x 4 floats) and rank 0 none, plus each its 4 x 4 mask bytes
-    assert first["sent_bytes"] == {0: 16, 1: 16 + 4 * 4 * 4}, first
+    # all its rows (4 tokens x 4 floats) and rank 0 none, plus each its mask: 2 experts x 4 slots
+    assert first["sent_bytes"] == {0: 8, 1: 8 + 4 * 4 * 4}, first
 
 
 @pytest.mark.slow
@@ -279,3 +278,19 @@ def test_route_and_its_vjp_equal_mixtral_formula_with_drops(capacity):
         dropped = top & ~kept
         reached = dropped & kept.any(-1, keepdims=True)  # a token that kept its other slot
         assert reached.any() and np.all(got[dropped] == 0) and np.all(dz[reached] != 0)
+
+
+def test_capacity_factor_drops_tokens_and_ep2_still_equals_unsharded_and_torch():
+    """capacity_factor=1.0 on the skewed routing: C = ceil(1.0 * 8 * 2 / 4) = 4 slots, expert 0
+    wanted by every token of a row, so slots are dropped; the ep=2 step equals the unsharded
+    step and torch's (the custom ops' autograd)."""
+    from parcomp.frontends.torch_export import import_torch
+
+    m, ex, names = models.moe_block("skewed", capacity_factor=1.0)
+    assert m.capacity == 4
+    z = torch.nn.functional.linear(ex[0], m.gate.weight).detach().numpy()
+    top, kept = moe_ops.top_mask(z, 2, m.capacity)
+    assert (top & ~kept).sum() > 0
+    c = compile_graph(import_torch(m, ex, names), _spec("moe_ep2_train.pcs"))
+    r = lockstep(c, m, ex, train_feeds(c, m, ex, 0, feeds_for), 1)
+    assert verdict(r["vs_unsharded"]) == "OK" and verdict(r["vs_torch"]) == "OK", r["vs_unsharded"]["why"]
