@@ -145,6 +145,7 @@ def test_ep2_collectives_pinned():
                                ("all_reduce", "ep", "backward"), ("reduce_scatter", "ep", "backward")]
     ragged = [n.name for n in c.program.nodes if n.op == "all_to_all" and n.attr("ragged")]
     assert len(ragged) == 2
+    assert [e["name"] for e in c.report["collectives"] if "ragged: only the routed" in e["reason"]] == ragged
     reduced = [e["name"] for e in c.report["collectives"] if e["kind"] == "all_reduce"]
     assert reduced == ["bw.linear.matmul_2.all_reduce_ep"]  # gate.weight's gradient only
 
