@@ -14,6 +14,7 @@ from .errors import ParcompError
 from .explain import explain
 from .explain_text import blocks, compare_blocks, show
 from .frontends.loader import load_model, pointing_into
+from .moe_report import moe_compare, moe_lines
 from .spec import load_spec
 
 
@@ -41,9 +42,10 @@ def explain_command(args) -> dict:
     """``parcomp explain``: print the explanation (or the comparison); returns the JSON result
     ``{"ok": true, "explain": ...}`` or ``{"ok": true, "compare": [...], "specs": [...]}``."""
     paths = spec_paths(args)
-    graph, _, _ = load_model(args.model)
+    graph, module, example = load_model(args.model)
     compiled = [compile_for(args.model, graph, p) for p in paths]
     xs = [explain(c) for c in compiled]
+    moe = _moe(compiled[0], module, example)  # issue 14: TP inside every expert vs EP
     written = None
     if args.plots:
         if len(compiled) > 1:
@@ -53,13 +55,24 @@ def explain_command(args) -> dict:
         written = write_plots(compiled[0], xs[0], args.plots)
     if len(xs) == 1:
         if not args.json:
-            show(blocks(xs[0]))
+            show(blocks(xs[0]) + ([("text", moe_lines(moe))] if moe else []))
             _say_written(args.plots, written)
-        return {"ok": True, "explain": xs[0], "plots": written}
+        return {"ok": True, "explain": xs[0], "plots": written, **({"moe": moe} if moe else {})}
     names = [os.path.basename(p) for p in paths]
     if not args.json:
         show(compare_blocks(xs, names))
     return {"ok": True, "specs": paths, "compare": xs}
+
+
+def _moe(compiled, module, example) -> list:
+    """:func:`parcomp.moe_report.moe_compare` for the model's example inputs ([] without MoE)."""
+    if not any(n.op == "moe_dispatch" for n in compiled.logical.nodes):
+        return []
+    from .commands import feeds_for
+    from .links import axis_links
+
+    feeds = feeds_for(compiled.unsharded, module, example)
+    return moe_compare(compiled, feeds, axis_links(compiled.spec, compiled.report["placement"]))
 
 
 def _say_written(out, written) -> None:

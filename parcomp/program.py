@@ -213,8 +213,17 @@ def _collectives(sharded, local, prov) -> tuple:
         recs.append(Collective(
             n.name, n.op, n.attr("axis"), n.attr("dim"), n.type.dtype, tuple(local[src.name].type.shape),
             layout_str(src.layout), layout_str(n.layout), step_bytes(step, n.type, sharded.mesh),
-            n.phase, src.name, tuple(consumers), n.attr("reason"), prov[n.name]))
+            n.phase, src.name, tuple(consumers), _collective_reason(local, n), prov[n.name]))
     return tuple(recs)
+
+
+def _collective_reason(local, n):
+    """``n``'s reason; a ragged all_to_all's (issue 14, parcomp/passes/moe_ragged.py) says how it sends."""
+    if n.name not in local or not local[n.name].attr("ragged"):
+        return n.attr("reason")
+    return (n.attr("reason") or "") + ("; ragged: only the routed tokens' rows travel, after the per-rank "
+                                       "split sizes (one byte per row); bytes here: the padded buffer's, "
+                                       "an upper bound")
 
 
 def _bucket_record(sharded, local, bucket, prov) -> Collective:

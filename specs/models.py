@@ -7,6 +7,7 @@ the names of the graph's ``input`` nodes.
 """
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 
 import torch
@@ -108,3 +109,84 @@ def llama_lm():
                          pad_token_id=None, use_cache=False, attn_implementation="sdpa")
     module = LlamaForCausalLM(config).eval()
     return module, (torch.randint(0, 128, (2, 8)),), ["input_ids"]
+
+
+# ---- expert parallel MoE (issue 14) ----
+class MixtralMoE(nn.Module):
+    """transformers' ``MixtralSparseMoeBlock`` written with parcomp's MoE custom ops, so that
+    ``torch.export`` keeps static shapes (parcomp/frontends/torch_moe.py says why).
+
+    Params: ``gate.weight`` [E, H] (the router), ``experts.gate_proj`` / ``experts.up_proj``
+    [E, F, H] (Mixtral's fused ``gate_up_proj`` [E, 2F, H] cut in its two halves) and
+    ``experts.down_proj`` [E, H, F]. ``capacity``: slots per expert per batch row (0: the
+    sequence length, nothing dropped, as Mixtral); ``capacity_factor`` f > 0 instead sets
+    ``ceil(f * S * top_k / E)`` and drops the later tokens of an expert that is full.
+    """
+
+    def __init__(self, moe, seq: int, capacity_factor: float = 0.0):
+        super().__init__()
+        e, f2, h = moe.experts.gate_up_proj.shape
+        self.top_k, self.experts_n, self.seq = moe.top_k, e, seq
+        self.capacity = math.ceil(capacity_factor * seq * moe.top_k / e) if capacity_factor else 0
+        self.gate = nn.Module()
+        self.gate.weight = nn.Parameter(moe.gate.weight.detach().clone())
+        self.experts = nn.Module()
+        self.experts.gate_proj = nn.Parameter(moe.experts.gate_up_proj.detach()[:, :f2 // 2].clone())
+        self.experts.up_proj = nn.Parameter(moe.experts.gate_up_proj.detach()[:, f2 // 2:].clone())
+        self.experts.down_proj = nn.Parameter(moe.experts.down_proj.detach().clone())
+
+    def forward(self, x):
+        from parcomp.frontends.torch_moe import moe_combine, moe_dispatch, moe_route
+
+        b, s, h = x.shape
+        e, slots = self.experts_n, self.capacity or s
+        c = moe_route(torch.nn.functional.linear(x, self.gate.weight), self.top_k, self.capacity)
+        d = moe_dispatch(x, c, slots, False).permute(1, 0, 2, 3).reshape(e, b * slots, h)
+        g = torch.matmul(d, self.experts.gate_proj.transpose(1, 2))
+        u = torch.matmul(d, self.experts.up_proj.transpose(1, 2))
+        y = torch.matmul(torch.nn.functional.silu(g) * u, self.experts.down_proj.transpose(1, 2))
+        return moe_combine(y.reshape(e, b, slots, h).permute(1, 0, 2, 3), c, True)
+
+
+def mixtral_moe(experts: int = 4, top_k: int = 2, hidden: int = 16, inter: int = 32, seed: int = SEED):
+    """transformers' ``MixtralSparseMoeBlock`` (small config, random weights: its params are
+    ``torch.empty``, so drawn here: normal, std 0.3 router / 0.2 experts)."""
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    torch.manual_seed(seed)
+    config = MixtralConfig(hidden_size=hidden, intermediate_size=inter, num_local_experts=experts,
+                           num_experts_per_tok=top_k, router_jitter_noise=0.0)
+    moe = MixtralSparseMoeBlock(config).eval()
+    with torch.no_grad():
+        moe.gate.weight.normal_(0, 0.3)
+        moe.experts.gate_up_proj.normal_(0, 0.2)
+        moe.experts.down_proj.normal_(0, 0.2)
+    return moe
+
+
+def skew_routing(moe, x):
+    """Feature 0 of ``x`` made a positive bias (>= 2) that the router reads: expert 0 gets
+    (nearly) every token, the last expert none."""
+    with torch.no_grad():
+        x[..., 0] = x[..., 0].abs() + 2.0
+        moe.gate.weight[:, 0] = 0.0
+        moe.gate.weight[0, 0] = 2.0
+        moe.gate.weight[-1, 0] = -8.0
+    return moe, x
+
+
+def moe_block(routing: str = "random", batch: int = 4, seq: int = 8, capacity_factor: float = 0.0, **kw):
+    """Mixtral's MoE block (E=4 experts, top-2, hidden 16, intermediate 32) as
+    :class:`MixtralMoE`. Input ``x``: f32[batch, seq, 16] (a row is a routing group); output
+    f32[batch, seq, 16]. ``routing="skewed"``: :func:`skew_routing`."""
+    moe = mixtral_moe(**kw)
+    x = torch.randn(batch, seq, moe.experts.gate_up_proj.shape[2])
+    if routing == "skewed":
+        moe, x = skew_routing(moe, x)
+    return MixtralMoE(moe, seq, capacity_factor).eval(), (x,), ["x"]
+
+
+def moe_block_skewed():
+    """:func:`moe_block` with ``routing="skewed"``: expert 0 takes most tokens, expert 3 none."""
+    return moe_block("skewed")

@@ -122,6 +122,10 @@ EXEMPT = {
     # training options (issue 13): gradient clipping's factor, made by autodiff after backward
     (_T["VJP"], "clip_coef"): "the optimizer update comes after the backward pass",
     (_T["torch_frontend"], "clip_coef"): _BY_AUTODIFF,
+    # expert parallel MoE (issue 14): the gradient ops are made by their forward op's VJP
+    **{(_T[t], op): why for op in ("moe_route_grad", "moe_combine_grad_c") for t, why in (
+        ("VJP", "gradients are not differentiated again (no second derivatives)"),
+        ("torch_frontend", _BY_AUTODIFF))},
 }
 
 

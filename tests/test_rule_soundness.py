@@ -97,6 +97,18 @@ CASES = {  # op -> pcir lines defining %a [%b %c %d] and %y; every dim divisible
     "mask_pad": "%y: f64[4,6] = mask_pad(%a) {size=5}",
     "cross_entropy_smooth": ("%l: i64[4] = input()\n"
                              "%y: f64[4] = cross_entropy(%a, %l) {ignore_index=2, label_smoothing=0.1}"),
+    # expert parallel MoE (issue 14): rows, experts or hidden split; capacity 3 < seq 4 drops
+    **{f"moe_route{c}": f"%z: f64[2,4,4] = input()\n%y: f64[2,4,4] = moe_route(%z) {{capacity={c}, top_k=2}}"
+       for c in (0, 3)},
+    "moe_route_grad": ("%g: f64[2,4,4] = input()\n%z: f64[2,4,4] = input()\n"
+                       "%y: f64[2,4,4] = moe_route_grad(%g, %z) {capacity=3, top_k=2}"),
+    **{f"moe_dispatch_{w}": ("%x: f64[2,4,2] = input()\n%c: f64[2,4,4] = input()\n"
+                             f"%y: f64[2,4,2,2] = moe_dispatch(%x, %c) {{capacity=2, weighted={w}}}")
+       for w in ("true", "false")},
+    **{f"moe_combine_{w}": ("%s: f64[2,4,2,2] = input()\n%c: f64[2,4,4] = input()\n"
+                            f"%y: f64[2,4,2] = moe_combine(%s, %c) {{weighted={w}}}") for w in ("true", "false")},
+    "moe_combine_grad_c": ("%g: f64[2,4,2] = input()\n%s: f64[2,4,2,2] = input()\n%c: f64[2,4,4] = input()\n"
+                           "%y: f64[2,4,4] = moe_combine_grad_c(%g, %s, %c)"),
 }
 
 

@@ -31,6 +31,7 @@ from parcomp.ir.types import DTYPE_SHORT, Partial, Replicate, layout_str, shard_
 from parcomp.program import MAX_STEPS, ParcompError, Program, TrainLoop, plural
 
 from .emit_norms import HELPER_NAMES as NORM_HELPERS, NORM_FORMATS, norm_kw, runtime_sections
+from .emit_moe import HELPER_NAMES as MOE_HELPERS, MOE_DEFAULTS, MOE_FORMATS, moe_key, moe_sections  # issue 14
 from .emit_reduce import (ASYNC_REDUCE, HELPER_NAMES as REDUCE_HELPERS, IN_PLACE_REDUCE, REDUCE_FORMATS, reduce_key, reduce_kw,
                           reduce_sections)
 from .emit_cluster import CLUSTER_NAMES, cluster_constants
@@ -105,6 +106,7 @@ OP_FORMATS = {
     "clip_coef": "torch.clamp({max_norm} / (torch.sqrt({0}) + 1e-6), max=1.0)",  # issue 13
     **NORM_FORMATS,  # norms + embedding part (issue 17): backends/torch/emit_norms.py
     **REDUCE_FORMATS,  # reductions part (issue 17): backends/torch/emit_reduce.py
+    **MOE_FORMATS,  # expert parallel MoE (issue 14): backends/torch/emit_moe.py
 }
 # ``inplace=true``: the result is written into the first operand (torch.optim's own updates)
 IN_PLACE_FORMATS = {
@@ -122,7 +124,8 @@ ASYNC_FORMATS = {"all_reduce": "all_reduce_start({0}, {axis})", "all_reduce_": "
 ATTR_DEFAULTS = {"gelu": {"approximate": "none"}, "gelu_grad": {"approximate": "none"},
                  # attention part (issue 17)
                  **{op: {"causal": False} for op in ("sdpa", "sdpa_grad")},
-                 **{op: {"step": 1} for op in ("slice", "slice_grad")}, "arange": {"start": 0, "step": 1}}
+                 **{op: {"step": 1} for op in ("slice", "slice_grad")}, "arange": {"start": 0, "step": 1},
+                 **MOE_DEFAULTS}  # issue 14
 LOCAL_LAYOUT_OPS = ("shard_slice", "partial_mask")
 TORCH_DTYPES = {"float32": "torch.float32", "float64": "torch.float64", "float16": "torch.float16",
                 "bfloat16": "torch.bfloat16", "int64": "torch.int64", "int32": "torch.int32",
@@ -136,7 +139,7 @@ RESERVED = (set(keyword.kwlist) | set(dir(builtins)) | _TOP_NAMES
                "PROFILE", "DIST_BACKEND", "PRELUDE", "profile_device", "MESH", "GROUP_RANKS",
                "PARAMS", "INPUTS", "OUTPUT_LAYOUTS", "OUTPUT_GLOBAL_SHAPES", "SHARDED_OUTPUT",
                "RUN_HINT", "load_params", "load_inputs", "forward", "STATE", "CARRIED", "STEP_INPUT",
-               "TRAIN_STEPS", "MAX_STEPS", "train_step"} | set(NORM_HELPERS) | set(REDUCE_HELPERS)
+               "TRAIN_STEPS", "MAX_STEPS", "train_step"} | set(NORM_HELPERS) | set(REDUCE_HELPERS) | set(MOE_HELPERS)
             | set(CLUSTER_NAMES))
 
 
@@ -195,7 +198,7 @@ def emit_program(compiled, profile="cpu", model: str | None = None, steps: int |
     if model and model.endswith(".onnx"):
         runtime += "\n\n\n" + ONNX_READER
     parts = [_profile_block(prof), _constants(prog, train), runtime, *runtime_sections(program),
-             *reduce_sections(program), *([FUNCTIONAL] if functional else []),
+             *reduce_sections(program), *moe_sections(program), *([FUNCTIONAL] if functional else []),
              _loaders(prog, train), _forward(prog, names, train), TRAIN_MAIN if train else MAIN]
     head = _header(prog, model, train) + "\n" + IMPORTS
     return "\n\n\n".join(p.strip("\n") for p in [head] + parts) + "\n"
@@ -481,7 +484,7 @@ def _code(n, args, program=None) -> str:
     """The right-hand side computing node ``n`` from operand variables ``args``
     (``inplace``: :data:`IN_PLACE_FORMATS`; ``async_op``: :data:`ASYNC_FORMATS`)."""
     table = (ASYNC_FORMATS if n.attr("async_op") else IN_PLACE_FORMATS if n.attr("inplace") else OP_FORMATS)
-    key = reduce_key(n) + ("_" if n.attr("async_op") and n.attr("inplace") else "")
+    key = moe_key(n, reduce_key(n) + ("_" if n.attr("async_op") and n.attr("inplace") else ""))
     if key not in table:
         raise EmitError(f"op {n.op!r} (%{n.name}) has no torch mapping; the torch backend "
                         f"knows: {', '.join(sorted(OP_FORMATS))}")

@@ -393,3 +393,6 @@ def import_torch(module: torch.nn.Module, example_inputs: tuple,
     graph = Graph(tuple(n for n in nodes if n.op != "param" or n.name in used), tuple(outs),
                   output_names=names)
     return split_fused_weights(graph)  # attention part (issue 17): fused q|k|v, gate|up per part
+from .torch_moe import MOE_TABLE  # noqa: E402  expert parallel MoE (issue 14)
+
+TABLE.update(MOE_TABLE)

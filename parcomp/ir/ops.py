@@ -389,6 +389,23 @@ def index_dim(graph, node) -> tuple:
     d = node.attr(dim) if isinstance(dim, str) else dim
     return src.type, src.layout, d % src.type.rank
 # ---- end of the reductions part ----
+# ---- expert parallel MoE (issue 14): parcomp/rules/moe.py, parcomp/reference/moe_ops.py ----
+# moe_route(z[..., S, E]) {top_k, capacity}: Mixtral's gate (softmax, top-k, renormalised) as a
+#   dense [..., S, E] of combine weights, 0 off the top-k and on slots dropped past `capacity`
+#   tokens per expert per row (0: none dropped); moe_route_grad(g, z): its VJP.
+# moe_dispatch(x[B, S, H], c[B, S, E]) {capacity, weighted} -> [B, E, capacity, H]: row b's
+#   tokens routed to expert e (c != 0), in token order; moe_combine(y[B, E, C, H], c) {weighted}
+#   -> [B, S, H]: each token's slots summed (times c when weighted); moe_combine_grad_c(g, y, c)
+#   -> [B, S, E]: g . y[slot] where routed.
+from .moe_types import moe_combine_grad_c_type, moe_combine_type, moe_dispatch_type  # noqa: E402
+_ROUTE = {"top_k": Attr("int", required=True), "capacity": Attr("int", default=0)}
+_def("moe_route", 1, "nonlinear", _same, _ROUTE)
+_def("moe_route_grad", 2, "linear0", _same, _ROUTE)
+_def("moe_dispatch", 2, "bilinear", moe_dispatch_type, {"capacity": Attr("int", required=True),
+                                                   "weighted": Attr("bool", default=False)})
+_def("moe_combine", 2, "bilinear", moe_combine_type, {"weighted": Attr("bool", default=True)})
+_def("moe_combine_grad_c", 3, "bilinear", moe_combine_grad_c_type)
+# ---- end of the MoE part ----
 # training options (issue 13): clip_coef(sumsq) {max_norm} = min(1, max_norm / (sqrt(sumsq) + 1e-6)),
 # the factor torch.nn.utils.clip_grad_norm_ scales every gradient by (parcomp/passes/train_options.py)
 _def("clip_coef", 1, "nonlinear", _same, {"max_norm": _NUM})
@@ -407,7 +424,8 @@ _REDUCE = {"reduce_op": Attr("str", default="sum", choices=("sum", "max"))}
 _def("all_reduce", 1, "collective", _same, {**_MOVE, **_REDUCE})
 _def("all_gather", 1, "collective", _same, {**_MOVE, "dim": _DIM})
 _def("reduce_scatter", 1, "collective", _same, {**_MOVE, "dim": _DIM})
-_def("all_to_all", 1, "collective", _same, {**_MOVE, "dim": _DIM, "src_dim": _DIM})
+_def("all_to_all", 1, "collective", _same, {**_MOVE, "dim": _DIM, "src_dim": _DIM,
+                                            "ragged": Attr("bool", default=False)})  # issue 14: passes/moe_ragged.py
 _def("shard_slice", 1, "local", _same, {**_MOVE, "dim": _DIM})
 _def("partial_mask", 1, "local", _same, {**_MOVE, **_REDUCE})
 

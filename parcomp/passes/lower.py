@@ -35,6 +35,7 @@ from ..ir.graph import Graph, Node
 from .bucket import bucket_norm_grads
 from .dp_buckets import bucket_dp_grads
 from .fuse_reductions import fuse_reductions
+from .moe_ragged import moe_ragged
 
 SOURCES = ("input", "param")
 # results that alias their (first) operand: no new buffer
@@ -262,6 +263,7 @@ LOWERING = (("fuse-reductions", fuse_reductions),  # reductions part (issue 17):
             ("fuse-matmuls", fuse_matmuls), ("fuse-mse", fuse_mse), ("fuse-updates", fuse_updates),
             ("bucket-norm-grads", bucket_norm_grads),  # norms part (issue 17): passes/bucket.py
             ("bucket-dp-grads", bucket_dp_grads),  # issue 16: passes/dp_buckets.py (spec: bucket_cap_mb)
+            ("moe-ragged", moe_ragged),  # expert parallel MoE (issue 14): passes/moe_ragged.py
             ("overlap-collectives", overlap_collectives), ("in-place", in_place),
             ("free-dead", free_dead))
 """The lowering passes in pipeline order (name, Graph -> Graph)."""

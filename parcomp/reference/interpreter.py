@@ -19,6 +19,7 @@ from ..ir.types import R, Partial, Replicate, TensorType, shard_offsets
 from ..passes.lower import frees_of, storage_roots
 from ..redistribute import Step, step_bytes
 from .numpy_attn import source_array
+from .moe_ops import ragged_all_to_all
 from .numpy_ops import NUMPY_OPS
 from .ranked import at_rank
 
@@ -196,9 +197,10 @@ def _layout_op(program, n, run, live):
     mesh = program.mesh
     a = mesh.names.index(n.attr("axis"))
     src = program[n.inputs[0]]
+    sent = {}  # ragged all_to_all (issue 14): rank -> bytes it sent
     for group in mesh.groups(a):
         xs = [live[r][n.inputs[0]] for r in group]
-        ys = _LAYOUT_OPS[n.op](xs, n)
+        ys = _LAYOUT_OPS[n.op](xs, n) if not n.attr("ragged") else ragged_all_to_all(xs, n, sent, group)
         for r, y in zip(group, ys):
             live[r][n.name] = _contig(y)
     if TRANSITIONS[n.op].collective:  # local ops send nothing and are not logged
@@ -206,7 +208,8 @@ def _layout_op(program, n, run, live):
         step = Step(n.op, a, n.attr("dim"), n.attr("src_dim"), src.layout, n.layout)
         run.log.append({"kind": n.op, "axis": n.attr("axis"), "dim": n.attr("dim"),
                         "name": n.name, "local_shape": tuple(src.type.shape),
-                        "bytes": step_bytes(step, gty, mesh)})
+                        "bytes": step_bytes(step, gty, mesh),
+                        **({"sent_bytes": sent} if n.attr("ragged") else {})})
 
 
 def _sum(xs):

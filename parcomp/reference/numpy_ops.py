@@ -154,3 +154,6 @@ def run_unsharded(graph, feeds: dict) -> dict:
         else:
             env[n.name] = NUMPY_OPS[n.op]([env[i] for i in n.inputs], n)
     return {name: env[v] for name, v in graph.named_outputs()}
+from .moe_ops import MOE_NUMPY_OPS  # noqa: E402  expert parallel MoE (issue 14)
+
+NUMPY_OPS.update(MOE_NUMPY_OPS)

@@ -385,3 +385,6 @@ ERROR_RULES.update(CLIP_ERROR_RULES)
 GRAPH_RULES = {"adamw_param": adamw_joint}
 """op -> rule ``(node, graph, values, errors, u) -> err or None`` that may look at the
 operands' producers (None: use :data:`ERROR_RULES`); applied on global graphs."""
+from .moe import MOE_ERROR_RULES  # noqa: E402  expert parallel MoE (issue 14)
+
+ERROR_RULES.update(MOE_ERROR_RULES)

@@ -216,3 +216,6 @@ def is_valid_strategy(node, in_types, in_layouts, out_layout, mesh) -> bool:
         if pair not in per_axis:
             return False
     return True
+from .moe import MOE_STRATEGY_RULES  # noqa: E402  expert parallel MoE (issue 14)
+
+STRATEGY_RULES.update(MOE_STRATEGY_RULES)

@@ -126,3 +126,6 @@ from .views import VIEW_VJPS  # noqa: E402
 VJP_RULES.update(VIEW_VJPS)
 VJP_RULES.update(ATTENTION_VJPS)
 # ---- end of the attention part ----
+from .moe import MOE_VJP_RULES  # noqa: E402  expert parallel MoE (issue 14)
+
+VJP_RULES.update(MOE_VJP_RULES)

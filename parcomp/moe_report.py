@@ -1,0 +1,105 @@
+"""TP inside every expert vs expert parallel, for the routing of given inputs (issue 14).
+
+``parcomp explain`` of a model with MoE layers (``moe_dispatch``) adds, per layer, the seed's
+two alternatives on the spec's ``ep`` axis (or its first axis) of ``n`` ranks, for the routing
+the model's example inputs and weights give (:func:`moe_compare`):
+
+- **TP inside every expert**: every rank holds every expert, each expert's intermediate dim
+  split n ways (gate/up colwise, down rowwise), tokens replicated: one ``all_reduce`` of the
+  layer's output ``[B, S, H]`` forward and one of ``dx`` backward; bytes ``2 (n-1)/n B S H``
+  per rank, the same on every rank; each rank computes 1/n of every routed (token, expert)
+  pair.
+- **EP**: experts split n ways, rows split n ways; the ragged ``all_to_all`` sends each routed
+  pair's row to its expert's rank and the expert's output back (forward; the same again for
+  the gradients backward). Bytes per rank from the routing: the rows it sends to other ranks
+  and the rows it returns, plus one mask byte per slot; load per rank = the pairs its experts
+  process. The slowest rank sets the time; ``padded_bytes`` is what the dense all_to_all of
+  the whole ``[B, E, C, H]`` buffer would send (report.json's static count).
+
+Times: :func:`parcomp.links.collective_seconds` on the axis's link (alpha-beta, per call).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .links import collective_seconds
+from .reference import moe_ops
+from .reference.numpy_ops import NUMPY_OPS
+
+
+def _values(graph, feeds: dict, wanted: set) -> dict:
+    env = {}
+    for n in graph.nodes:
+        if n.op in ("input", "param"):
+            if n.name in feeds:  # a training step's target is not needed for the routing
+                env[n.name] = np.asarray(feeds[n.name])
+        elif n.op in NUMPY_OPS and all(i in env for i in n.inputs):
+            env[n.name] = NUMPY_OPS[n.op]([env[i] for i in n.inputs], n)
+        if wanted <= set(env):
+            break
+    return env
+
+
+def _pairs_matrix(c, capacity: int, n: int) -> np.ndarray:
+    """``m[r, j]``: routed pairs of rank r's rows whose expert rank j holds."""
+    b, s, e, pos = moe_ops.slots(c, capacity)
+    rows_per, experts_per = c.shape[0] // n, c.shape[2] // n
+    m = np.zeros((n, n), np.int64)
+    np.add.at(m, (b // rows_per, e // experts_per), 1)
+    return m
+
+
+def layer_compare(x, c, capacity: int, n: int, link) -> dict:
+    """The two alternatives for one layer: tokens ``x[B, S, H]``, weights ``c[B, S, E]``."""
+    bsz, seq, h = x.shape
+    experts, isz = c.shape[2], x.dtype.itemsize
+    m = _pairs_matrix(c, capacity, n)
+    off = m * (1 - np.eye(n, dtype=np.int64))
+    masks = (n - 1) * (bsz // n) * (experts // n) * capacity  # one byte per slot sent elsewhere
+    there, back = off.sum(1) * h * isz + masks, off.sum(0) * h * isz + masks
+    ep_bytes = 2 * (there + back)  # forward, and the gradients backward
+    ep_s = 2 * (collective_seconds("all_to_all", n, int(there.max()), link)
+                + collective_seconds("all_to_all", n, int(back.max()), link))
+    tp_bytes = 2 * (n - 1) * bsz * seq * h * isz // n
+    load = m.sum(0)
+    return {
+        "tokens": bsz * seq, "experts": experts, "ranks": n,
+        "tokens_per_expert": [int(t) for t in (moe_ops.slots(c, capacity)[2][:, None]
+                                               == np.arange(experts)).sum(0)],
+        "ep": {"collective": "all_to_all (ragged)", "bytes_per_rank": [int(v) for v in ep_bytes],
+               "padded_bytes": int(4 * (n - 1) * (bsz // n) * experts * capacity * h * isz // n),
+               "load_per_rank": [int(v) for v in load],
+               "imbalance": float(load.max() / max(load.mean(), 1e-12)), "seconds": ep_s},
+        "tp": {"collective": "all_reduce", "bytes_per_rank": [2 * tp_bytes] * n,
+               "load_per_rank": [float(m.sum()) / n] * n, "imbalance": 1.0,
+               "seconds": 2 * collective_seconds("all_reduce", n, tp_bytes, link)},
+    }
+
+
+def moe_compare(compiled, feeds: dict, links: dict) -> list:
+    """One :func:`layer_compare` record (plus ``layer``, ``axis``) per ``moe_dispatch`` of the
+    forward pass of ``compiled.logical``, on the ``ep`` axis (else the mesh's first);
+    ``bytes``/``seconds`` per training step (forward and backward)."""
+    graph, mesh = compiled.logical, compiled.program.mesh
+    axis = "ep" if "ep" in mesh.names else mesh.names[0]
+    n = mesh.sizes[mesh.names.index(axis)]
+    layers = [d for d in graph.nodes if d.op == "moe_dispatch" and d.phase in (None, "forward")]
+    env = _values(graph, feeds, {i for d in layers for i in d.inputs})
+    return [{"layer": d.name, "axis": axis,
+             **layer_compare(env[d.inputs[0]], env[d.inputs[1]], d.attr("capacity"), n, links[axis])}
+            for d in layers]
+
+
+def moe_lines(records: list) -> list:
+    """The text ``parcomp explain`` prints for :func:`moe_compare`'s records."""
+    out = []
+    for r in records:
+        out.append(f"MoE layer {r['layer']}: {r['tokens']} tokens, tokens per expert {r['tokens_per_expert']}, "
+                   f"{r['ranks']} ranks over {r['axis']} (per training step, forward + backward):")
+        for key, what in (("tp", "TP inside every expert"), ("ep", "EP")):
+            a = r[key]
+            extra = f", padded buffer would send {a['padded_bytes']} B" if key == "ep" else ""
+            out.append(f"  {what:24s} {a['collective']:20s} bytes/rank {a['bytes_per_rank']}{extra}; "
+                       f"load/rank {a['load_per_rank']} (max/mean {a['imbalance']:.2f}); "
+                       f"{a['seconds'] * 1e6:.1f} us")
+    return out
