@@ -94,12 +94,19 @@ def step_bytes(step: Step, ty: TensorType, mesh: Mesh) -> int:
 
 
 def plan(src: Layout, tgt: Layout, rank: int) -> tuple:
-    """Steps that turn a tensor of ``rank`` dims from layout ``src`` into ``tgt``."""
+    """Steps that turn a tensor of ``rank`` dims from layout ``src`` into ``tgt``
+    (steps over several mesh axes joined into joint-group steps: :func:`_joint`)."""
     return _plan(tuple(src), tuple(tgt), rank)
 
 
 @lru_cache(maxsize=None)
 def _plan(src, tgt, rank):
+    return _joint(plan_per_axis(src, tgt, rank))
+
+
+def plan_per_axis(src: Layout, tgt: Layout, rank: int) -> tuple:
+    """The same change as :func:`plan`, one mesh axis per step (no joint groups)."""
+    src, tgt = tuple(src), tuple(tgt)
     cur, steps = list(src), []
 
     def emit(kind, axis, dim=None, src_dim=None, reduce_op="sum"):
@@ -134,7 +141,7 @@ def _plan(src, tgt, rank):
         if isinstance(t, Partial) and not isinstance(cur[a], Partial):
             emit("partial_mask", a, reduce_op=t.op)
     assert tuple(cur) == tgt, (src, tgt, cur)
-    return _joint(steps)
+    return tuple(steps)
 
 
 def _joint(steps) -> tuple:

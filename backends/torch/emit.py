@@ -329,7 +329,7 @@ def _constants(prog, train) -> str:
     outs = program.named_outputs()
     lines = [
         f"MESH = {json.dumps(dict(mesh.axes))}  # mesh axes in order; ranks are row-major",
-        f"GROUP_RANKS = {json.dumps(groups)}  # per axis and joint group, coordinate order",
+        f"GROUP_RANKS = {json.dumps(groups)}  # each axis's rank groups, in coordinate order",
         f"PARAMS = {_py_tuple(n.name for n in program.params)}",
         f"INPUTS = {_py_tuple(n.name for n in _data_inputs(program, train))}",
         f"OUTPUT_LAYOUTS = {json.dumps({pub: layout_str(program[v].layout) for pub, v in outs})}",
