@@ -175,3 +175,13 @@ def test_2d_data_parallel_trains_like_torch_on_four_gloo_ranks(tmp_path):
     assert 'all_reduce_(' in text and '"dp,tp")' in text and '"dp,tp": [[0, 1, 2, 3]]' in text
     assert_trained_like_torch(out, losses, res, torch_training(module, _sgd, batches, _mse),
                               error_bounds(c, module, batches))
+
+
+def test_joint_collectives_round_trip_through_the_text_ir():
+    from parcomp.ir import print_graph
+
+    c = compile_graph(mlp_graph((8,), [8, 16, 8], [True, True], ["relu"]), spec(DP2D))
+    for g in (c.sharded, c.program):
+        text = print_graph(g)
+        assert 'axis="dp,tp"' in text and "all_reduce_dp_tp" in text
+        assert parse_graph(text) == g
