@@ -15,6 +15,8 @@ Everything here reads the :class:`parcomp.compiler.Compiled` result; nothing run
 """
 from __future__ import annotations
 
+import math
+
 from .ir.ops import LAYOUT_OPS
 from .ir.types import Partial, Replicate, Shard, layout_str, shard_axes
 from .passes.bucket import bucketed_members
@@ -99,7 +101,7 @@ def _edge(sharded, prog, chain, links) -> dict:
         nbytes = rec.bytes if rec is not None else 0
         steps.append({"name": rec.name if rec is not None else n.name, "kind": n.op, "axis": axis, "dim": n.attr("dim"),
                       "bytes": nbytes, "seconds": collective_seconds(
-                          n.op, mesh.sizes[mesh.names.index(axis)], nbytes, links[axis]),
+                          n.op, _over(mesh, links, axis)[0], nbytes, _over(mesh, links, axis)[1]),
                       "phase": n.phase, "reason": n.attr("reason"),
                       "spec_line": rec.provenance.spec_ref if rec is not None else _spec_ref(n)})
     producer = _where(prog, sharded, root.name)
@@ -161,14 +163,22 @@ def alternatives(src, tgt, ty, mesh, links, chosen_keys=()) -> list:
 def _steps(a, b, ty, mesh, links) -> list:
     out = []
     for st in plan(a, b, ty.rank):
-        n = mesh.sizes[st.axis]
-        if n == 1:
+        if st.ranks(mesh) == 1:
             continue
-        axis = mesh.names[st.axis]
+        axis = ",".join(mesh.names[a] for a in st.axes)
         nbytes = step_bytes(st, ty, mesh) if st.is_collective else 0
+        n, link = _over(mesh, links, axis)
         out.append({"kind": st.kind, "axis": axis, "dim": st.dim, "bytes": nbytes,
-                    "seconds": collective_seconds(st.kind, n, nbytes, links[axis])})
+                    "seconds": collective_seconds(st.kind, n, nbytes, link)})
     return out
+
+
+def _over(mesh, links, axis) -> tuple:
+    """``(ranks in a group, link)`` of a mesh axis or joint group ``"dp,tp"``: a joint ring
+    runs at its slowest axis's link."""
+    axes = mesh.axes_of(axis)
+    link = min((links[mesh.names[a]] for a in axes), key=lambda lk: lk.gb_per_s)
+    return math.prod(mesh.sizes[a] for a in axes), link
 
 
 def _intermediates(src, tgt, ty, mesh):

@@ -160,7 +160,7 @@ def chrome_trace(prog, x: dict) -> dict:
     shown = min(prog.mesh.size, MAX_DRAWN_RANKS)
     events = [{"name": "process_name", "ph": "M", "pid": 0, "tid": 0,
                "args": {"name": f"parcomp {prog.spec_name or ''} (estimated collectives)".strip()}}]
-    groups = {a: prog.group_ranks(a) for a in prog.mesh.names} if shown else {}
+    groups = {a: prog.group_ranks(a) for a in prog.groups} if shown else {}
     for r in range(shown):
         events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}})
         ts = 0.0

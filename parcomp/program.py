@@ -21,7 +21,7 @@ from .ir.ops import COLLECTIVES
 from .ir.types import Shard, TensorType, layout_str
 from .passes.bucket import bucketed_members
 from .passes.placement import format_placement, placement_table
-from .passes.topology import axis_groups, group_ranks
+from .passes.topology import axis_groups, group_ranks, joint_groups
 from .passes.train_config import MAX_STEPS, train_config
 from .redistribute import Step, step_bytes
 from .reference.interpreter import assemble
@@ -122,7 +122,8 @@ class Program:
 
     Attributes:
         graph: the per-rank graph (``stage local``, with its mesh).
-        groups: ``{mesh axis: axis_groups(...)}`` (size, stride, count: no rank lists).
+        groups: ``{mesh axis: axis_groups(...)}`` (size, stride, count: no rank lists), and
+            ``{"dp,tp": joint_groups(...)}`` for each joint group a collective runs over.
         spec_file: the spec's path as given (for the report), or None.
         phases: ``{value: forward | loss | backward | optimizer}`` for every node.
         provenance: ``{value: Provenance}`` for every node.
@@ -179,6 +180,9 @@ def build_program(sharded: Graph, local: Graph, spec) -> Program:
     """
     mesh = local.mesh
     groups = {a: axis_groups(mesh, i) for i, a in enumerate(mesh.names)}
+    for n in local.nodes:  # joint groups (issue 11): one entry per axis set a collective uses
+        if n.op in COLLECTIVES and n.attr("axis") not in groups:
+            groups[n.attr("axis")] = joint_groups(mesh, mesh.axes_of(n.attr("axis")))
     prov = {n.name: _provenance(n) for n in local.nodes}
     return Program(local, groups, getattr(spec, "file", None), {n.name: n.phase for n in local.nodes},
                    prov, _collectives(sharded, local, prov), _train_loop(local, spec), sharded.search,
@@ -205,8 +209,7 @@ def _collectives(sharded, local, prov) -> tuple:
                 recs.append(_bucket_record(sharded, local, bucket, prov))
             continue
         src = sharded[n.inputs[0]]
-        a = sharded.mesh.names.index(n.attr("axis"))
-        step = Step(n.op, a, n.attr("dim"), n.attr("src_dim"), src.layout, n.layout)
+        step = _step(sharded.mesh, n, src)
         consumers = [f"{sharded[u].op} %{u}" for u in users[n.name]]
         if n.name in outs:
             consumers.append(f"output {outs[n.name]}")
@@ -226,14 +229,20 @@ def _collective_reason(local, n):
                                        "an upper bound")
 
 
+def _step(mesh, n, src, after=None) -> Step:
+    """The :class:`Step` layout op ``n`` (one axis or a joint group) takes ``src`` by."""
+    axes = mesh.axes_of(n.attr("axis"))
+    return Step(n.op, axes[0], n.attr("dim"), n.attr("src_dim"), src.layout,
+                n.layout if after is None else after, group=axes if len(axes) > 1 else ())
+
+
 def _bucket_record(sharded, local, bucket, prov) -> Collective:
     """The one all_reduce of a bucket of gradients (its members' records merged): norm-weight
     gradients (passes/bucket.py) or dp gradients (passes/dp_buckets.py, issue 16). Bytes are
     the flat buffer's, whose layout is the bucket_cat's (a split member makes it S(0))."""
     ar, parts = bucket
     cat = local[ar.inputs[0]]
-    a = sharded.mesh.names.index(ar.attr("axis"))
-    step = Step("all_reduce", a, None, None, cat.layout, ar.layout)
+    step = _step(sharded.mesh, ar, cat, ar.layout)
     flat = TensorType((ar.type.numel * _split_ranks(cat.layout, sharded.mesh),), ar.type.dtype)
     consumers = tuple(f"bucket_part %{p}" for p in parts)
     return Collective(ar.name, "all_reduce", ar.attr("axis"), None, ar.type.dtype, tuple(ar.type.shape),

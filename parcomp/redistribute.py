@@ -11,6 +11,14 @@ then the target's remaining axes are added outermost first (reduce_scatter where
 the axis is still a partial sum, a local slice otherwise), and last ``R -> P``
 masks. A ``P(max)`` is reduced by ``all_reduce{reduce_op="max"}`` (never summed,
 never reduce_scattered).
+
+Joint groups (issue 11): consecutive steps of one kind that span several mesh axes
+(all_reduce of the same partial kind; all_gather or reduce_scatter of the same dim)
+become one step over the joint group of those axes (``Step.group``), whose ranks are
+ordered with the first mesh axis outermost, the shard order. Under the ring model
+this is never dearer (all_reduce sends ``2(1 - 1/(n1 n2))`` instead of
+``2(1 - 1/n1) + 2(1 - 1/n2)`` times its bytes; all_gather / reduce_scatter the same
+bytes) and saves a call's alpha, so the search prices and chooses it.
 """
 from __future__ import annotations
 
@@ -19,7 +27,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from .ir.transitions import TRANSITIONS
+from .ir.transitions import JOINT_KINDS, TRANSITIONS
 from .ir.types import DTYPE_BYTES, Layout, Mesh, Partial, Replicate, Shard, TensorType, local_shape, shard_axes
 
 # alpha-beta cost model (DTensor _collective_utils.py style): seconds per collective
@@ -32,6 +40,9 @@ EPSILON_S = 1e-12
 # compute is priced too (as in AutoParallel's communication + compute cost), so
 # that work replicated across ranks costs more than the same work split
 SECONDS_PER_FLOP = 1e-11
+# the data-parallel mesh axis (issue 11): shard-prop never all-gathers the batch's values
+# over it (passes/shard_prop.py, "data parallel stays data parallel")
+DP_AXIS = "dp"
 
 
 @dataclass(frozen=True)
@@ -43,6 +54,8 @@ class Step:
     for all_to_all), ``src_dim``: the dim concatenated by all_to_all.
     ``before``/``after``: the full layouts around the step.
     ``reduce_op``: the partial kind an all_reduce / partial_mask works on ("sum", "max").
+    ``group``: for a step over a joint group of several mesh axes, those axes in mesh
+    order (``axis`` is the first); empty for a one-axis step.
     """
 
     kind: str
@@ -52,6 +65,16 @@ class Step:
     before: Layout
     after: Layout
     reduce_op: str = "sum"
+    group: tuple = ()
+
+    @property
+    def axes(self) -> tuple:
+        """The mesh axes the step runs over (one, or a joint group's)."""
+        return self.group or (self.axis,)
+
+    def ranks(self, mesh: Mesh) -> int:
+        """How many ranks one of the step's groups holds."""
+        return int(np.prod([mesh.sizes[a] for a in self.axes]))
 
     @property
     def is_collective(self) -> bool:
@@ -63,16 +86,23 @@ def step_bytes(step: Step, ty: TensorType, mesh: Mesh) -> int:
     itemsize = DTYPE_BYTES[ty.dtype]
     before = int(np.prod(local_shape(ty, step.before, mesh))) * itemsize
     after = int(np.prod(local_shape(ty, step.after, mesh))) * itemsize
-    return TRANSITIONS[step.kind].sent(mesh.sizes[step.axis], before, after)
+    return TRANSITIONS[step.kind].sent(step.ranks(mesh), before, after)
 
 
 def plan(src: Layout, tgt: Layout, rank: int) -> tuple:
-    """Steps that turn a tensor of ``rank`` dims from layout ``src`` into ``tgt``."""
+    """Steps that turn a tensor of ``rank`` dims from layout ``src`` into ``tgt``
+    (steps over several mesh axes joined into joint-group steps: :func:`_joint`)."""
     return _plan(tuple(src), tuple(tgt), rank)
 
 
 @lru_cache(maxsize=None)
 def _plan(src, tgt, rank):
+    return _joint(plan_per_axis(src, tgt, rank))
+
+
+def plan_per_axis(src: Layout, tgt: Layout, rank: int) -> tuple:
+    """The same change as :func:`plan`, one mesh axis per step (no joint groups)."""
+    src, tgt = tuple(src), tuple(tgt)
     cur, steps = list(src), []
 
     def emit(kind, axis, dim=None, src_dim=None, reduce_op="sum"):
@@ -108,6 +138,21 @@ def _plan(src, tgt, rank):
             emit("partial_mask", a, reduce_op=t.op)
     assert tuple(cur) == tgt, (src, tgt, cur)
     return tuple(steps)
+
+
+def _joint(steps) -> tuple:
+    """``steps`` with each run of consecutive same-kind steps over several axes (same dim,
+    same reduce_op, kind in :data:`JOINT_KINDS`) made one step over the joint group."""
+    out = []
+    for st in steps:
+        last = out[-1] if out else None
+        if (last is not None and st.kind in JOINT_KINDS and last.kind == st.kind
+                and last.dim == st.dim and last.reduce_op == st.reduce_op):
+            axes = tuple(sorted(last.axes + (st.axis,)))
+            out[-1] = Step(st.kind, axes[0], st.dim, None, last.before, st.after, st.reduce_op, axes)
+        else:
+            out.append(st)
+    return tuple(out)
 
 
 def _common_prefix(xs, ys) -> int:
@@ -147,13 +192,24 @@ def plan_cost(src: Layout, tgt: Layout, ty: TensorType, mesh: Mesh) -> float:
 def _plan_cost(src, tgt, ty, mesh):
     total = 0.0
     for st in plan(src, tgt, ty.rank):
-        if mesh.sizes[st.axis] == 1:
+        if st.ranks(mesh) == 1:
             continue  # one rank: every placement is the same data (insert-collectives drops it)
         if st.is_collective:
             total += ALPHA_S + BETA_S_PER_BYTE * step_bytes(st, ty, mesh)
         else:
             total += EPSILON_S
     return total
+
+
+def gathers_over(src: Layout, tgt: Layout, rank: int, mesh: Mesh, axis: str,
+                 kinds: tuple = ("all_gather",)) -> bool:
+    """Whether turning ``src`` into ``tgt`` runs a collective of one of ``kinds`` over mesh
+    axis ``axis`` (alone or in a joint group) of more than one rank; False when the mesh has
+    no such axis."""
+    if axis not in mesh.names or mesh.sizes[mesh.names.index(axis)] == 1:
+        return False
+    a = mesh.names.index(axis)
+    return any(st.kind in kinds and a in st.axes for st in plan(src, tgt, rank))
 
 
 def compute_cost(node, in_types, ins, out, mesh) -> float:

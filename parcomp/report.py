@@ -89,19 +89,17 @@ def build_report(program, model_params=()) -> dict:
 def _with_note(search, recs):
     """The search record, with a note when activations are gathered over ``dp``: a reader
     of "data parallel" expects gradient all_reduce, so the report says why it is not."""
-    gathers = [r for r in recs if r["axis"] == "dp" and r["kind"] == "all_gather"
+    gathers = [r for r in recs if "dp" in r["axis"].split(",") and r["kind"] == "all_gather"
                and r["phase"] in ("forward", "loss")]
     if search is None or not gathers:
         return search
     moved = sum(r["bytes"] for r in gathers)
     note = (f"activations are all-gathered over dp ({plural(len(gathers), 'all_gather')}, "
-            f"{format_bytes(moved)} per rank) instead of all-reducing every weight gradient "
-            "over dp: with this batch that is cheaper in the cost model (100 us per collective "
-            "call, 0.1 ns per byte sent, 0.01 ns per flop; fewer calls here, and a small batch "
-            "costs little to compute on every dp rank)")
-    note += ("; the plan fits the spec's memory limit" if "memory_limit" in search else
-             "; memory is not limited (add `memory SIZE`, which bounds weights, inputs and "
-             "saved activations per rank, or pin with an `activation` rule)")
+            f"{format_bytes(moved)} per rank), so every dp rank holds and computes on the whole "
+            "batch of those values: the search keeps the batch split over dp wherever a plan can, "
+            + ("but no plan here can (a pinned layout, or dims no strategy splits evenly)"
+               if search.get("data_parallel") is False else
+               "so the spec pins these gathered layouts (an output or activation rule)"))
     return {**search, "note": note}
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")

@@ -132,8 +132,7 @@ def spmd_errors(program, run, split_inputs: bool = False) -> list:
             for r, e in enumerate(_input_errors(n, run, mesh, split_inputs)):
                 errs[r][n.name] = e
         elif n.op in _LAYOUT_OPS:
-            a = mesh.names.index(n.attr("axis"))
-            for group in mesh.groups(a):
+            for group in mesh.groups(mesh.axes_of(n.attr("axis"))):
                 es = _LAYOUT_OPS[n.op]([errs[r][n.inputs[0]] for r in group], n)
                 if n.op in ("all_reduce", "reduce_scatter") and n.attr("reduce_op") != "max":  # max: exact
                     mags = _LAYOUT_OPS[n.op]([np.abs(_f64(run.env[r][n.inputs[0]])) for r in group], n)

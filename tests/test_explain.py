@@ -195,7 +195,7 @@ def test_plots_render_and_keep_what_parcomp_did_not_write(tmp_path, capsys):
     assert main(args) == 0 and _json(capsys)["plots"]["kept"] == ["notes.txt"]  # written again, kept
     assert (out / "notes.txt").read_text() == "mine"
     graph = _svg_texts(out / "graph.svg")
-    assert "all_reduce" in graph and "all_gather" in graph and "[S(0), P]" in graph
+    assert "all_reduce" in graph and "dp,tp" in graph and "[S(0), P]" in graph  # the loss: one joint call
     devices = _svg_texts(out / "devices.svg")
     assert all(f"r{r}" in devices for r in range(4)) and "node 1" in devices and "tp groups" in devices
     assert "peak live" in _svg_texts(out / "memory.svg")

@@ -67,3 +67,10 @@ def classifier():
     """``nn.Sequential(Linear(8, 16), ReLU, Linear(16, 6))``: logits [4, 6] for cross_entropy."""
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 6)).eval(), (torch.randn(4, 8),), ["x"]
+
+
+def mlp_batch8():
+    """``Linear(8,16) -> ReLU -> Linear(16,8)`` on a batch of 8: splits over 4 ranks (2-D
+    data parallel, ``input x [S(0), S(0)]`` on ``mesh dp=2 tp=2``; issue 11)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)).eval(), (torch.randn(8, 8),), ["x"]

@@ -345,7 +345,7 @@ def _all_replicated(program) -> bool:
 
 def _constants(prog, train) -> str:
     program, mesh = prog.graph, prog.mesh
-    groups = {a: prog.group_ranks(a) for a in mesh.names}
+    groups = {a: prog.group_ranks(a) for a in prog.groups}  # mesh axes, then joint groups "dp,tp"
     outs = program.named_outputs()
     lines = [
         f"MESH = {json.dumps(dict(mesh.axes))}  # mesh axes in order; ranks are row-major",

@@ -23,9 +23,10 @@ CLUSTER_NAMES = ("COMM_AXES", "HOST_AXES", "PLACEMENT", "TIMEOUT_S", "TOPOLOGY",
 
 
 def comm_axes(graph) -> list:
-    """The mesh axes of ``graph``'s collectives (local layout ops need no group), in mesh order."""
+    """The mesh axes of ``graph``'s collectives (local layout ops need no group), in mesh order,
+    then the joint groups they use (``"dp,tp"``: one collective over several axes), sorted."""
     used = {n.attr("axis") for n in graph.nodes if n.op in COLLECTIVES}
-    return [a for a in graph.mesh.names if a in used]
+    return [a for a in graph.mesh.names if a in used] + sorted(a for a in used if "," in a)
 
 
 def _tuple(xs) -> str:

@@ -76,3 +76,8 @@ TRANSITIONS = {t.op: t for t in (
                reduce_ops=("sum", "max")),
 )}
 """layout op -> :class:`Transition`; the keys are :data:`parcomp.ir.ops.LAYOUT_OPS`."""
+
+JOINT_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+"""Layout ops that may run over a joint group of several mesh axes at once (``axis="dp,tp"``):
+the group's ranks in rank order, the first axis outermost (the shard order), so the op is the
+per-axis ops over those axes in a row (:mod:`parcomp.redistribute`)."""

@@ -188,14 +188,22 @@ class Mesh:
     def rank_of(self, coords) -> int:
         return int(np.ravel_multi_index(tuple(coords), self.sizes)) if self.axes else 0
 
-    def groups(self, axis: int) -> list:
-        """Rank lists along mesh axis ``axis``: one list per line of the mesh, in rank order."""
+    def groups(self, axis) -> list:
+        """Rank lists along mesh axis ``axis``: one list per line of the mesh, in rank order.
+
+        ``axis`` may be a tuple of axes (a joint group): the ranks that differ only in
+        those axes, in rank order (the first of them outermost, as the shard order)."""
+        axes = set(axis) if isinstance(axis, tuple) else {axis}
         out = {}
         for r in range(self.size):
-            c = list(self.coords(r))
-            c[axis] = 0
-            out.setdefault(tuple(c), []).append(r)
+            key = tuple(0 if i in axes else c for i, c in enumerate(self.coords(r)))
+            out.setdefault(key, []).append(r)
         return list(out.values())
+
+    def axes_of(self, axis: str) -> tuple:
+        """Mesh axis indices of a layout op's ``axis`` attribute: ``"tp"`` or, for a collective
+        over a joint group, ``"dp,tp"`` (names in mesh order). Raises ValueError on an unknown name."""
+        return tuple(self.names.index(a) for a in axis.split(","))
 
     def __str__(self) -> str:
         return " ".join(f"{a}={n}" for a, n in self.axes)

@@ -66,7 +66,7 @@ def _bucket(graph, members) -> Graph:
     first, axis = members[0], members[0].attr("axis")
     total = sum(m.type.numel for m in members)
     names = {n.name for n in graph.nodes}
-    base = f"bw.norm_grads.{axis}"
+    base = f"bw.norm_grads.{axis.replace(',', '_')}"  # a joint group "dp,tp": dp_tp
     cat_name, ar_name = base, f"{base}.all_reduce"
     while cat_name in names or ar_name in names:
         cat_name, ar_name = cat_name + "_", ar_name + "_"

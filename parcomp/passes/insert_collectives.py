@@ -62,8 +62,9 @@ class _State:
         src_node = self.graph[name] if name in self.graph else None
         lay, cur, ty = self.layouts[name], name, self.types[name]
         for step in plan(lay, target, ty.rank):
-            axis = self.graph.mesh.names[step.axis]
-            new = self.names.fresh(f"{name}.{step.kind}_{axis}")
+            names = [self.graph.mesh.names[a] for a in step.axes]
+            axis = ",".join(names)  # a joint group: "dp,tp" (redistribute.py)
+            new = self.names.fresh(f"{name}.{step.kind}_{'_'.join(names)}")
             attrs = dict(axis=axis, reason=_reason(step, axis, name, src_node, consumer, self.graph))
             if step.dim is not None:
                 attrs["dim"] = step.dim

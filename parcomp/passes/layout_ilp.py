@@ -183,8 +183,11 @@ class _Model:
         if len(self.prob.users[name]) == 1:
             return self._single_use(name, produced)
         for lay, by_user in self._wanted(name).items():
-            costs = {o: self.prob.plan_cost(o, lay, ty) * SCALE for o in produced}
+            costs = {o: self.prob.plan_cost(o, lay, ty, name) * SCALE for o in produced}
             if not any(costs.values()):
+                continue
+            if all(c == np.inf for c in costs.values()):  # no allowed way to read name in lay
+                self._forbid(c for cols in by_user.values() for c in cols)
                 continue
             single = len(produced) == 1
             w = self._col(next(iter(costs.values())) if single else 0.0, ub=1.0)
@@ -196,6 +199,7 @@ class _Model:
             share, levels = {w: -1.0}, {}
             for o, cost in costs.items():  # one q per distinct cost: the same optimum, fewer columns
                 levels.setdefault(cost, []).extend(produced[o])
+            levels.pop(np.inf, None)  # a forbidden conversion has no column: w needs another o
             for cost, ys in levels.items():
                 q = self._col(cost, ub=1.0)
                 share[q] = 1.0
@@ -213,19 +217,30 @@ class _Model:
         if len(produced) == 1:
             (o,) = produced
             for lay, cols in wanted.items():
+                cost = self.prob.plan_cost(o, lay, ty, name) * SCALE
+                if cost == np.inf:
+                    self._forbid(cols)
                 for c in cols:
-                    self.cost[c] += self.prob.plan_cost(o, lay, ty) * SCALE
+                    self.cost[c] += 0.0 if cost == np.inf else cost
             return
         by_out = {o: {} for o in produced}
         by_lay = {lay: {} for lay in wanted}
         for o, ys in produced.items():
             for lay, zs in wanted.items():
-                e = self._col(self.prob.plan_cost(o, lay, ty) * SCALE, ub=1.0)
+                cost = self.prob.plan_cost(o, lay, ty, name) * SCALE
+                if cost == np.inf:  # forbidden: no column, so o and lay never meet
+                    continue
+                e = self._col(cost, ub=1.0)
                 self.aux.append((e, "e", (ys, zs)))
                 by_out[o][e] = by_lay[lay][e] = 1.0
         for coefs, sides in ((by_out, produced), (by_lay, wanted)):
             for key, row in coefs.items():
                 self.rows.append((0.0, 0.0, {**row, **{c: -1.0 for c in sides[key]}}))
+
+    def _forbid(self, cols):
+        """Strategies whose conversion is forbidden (infinite cost) are never chosen."""
+        for c in cols:
+            self.ub[c] = 0.0
 
     def load(self, h, highspy):
         """Pass the columns, integrality and rows to the solver ``h``."""

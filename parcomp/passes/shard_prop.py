@@ -25,17 +25,24 @@ test_ilp).
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import replace
 
 from ..errors import ShardingError
 from ..ir.graph import Graph, describe
 from ..ir.types import layout_str
-from ..redistribute import compute_cost, plan_cost
+from ..redistribute import DP_AXIS, compute_cost, gathers_over, plan_cost
+from .keep_dp import batch_values, prune
 from ..rules.sharding import mesh_strategies
 from .layout_ilp import DEFAULT_SECONDS, MemoryLimit, solve_ilp, too_large
 
 _TOL = 1e-15
+# collectives over dp that make one of the batch's values whole on every dp rank: an
+# all_gather; in the forward also an all_reduce (a partial sum over dp there comes from
+# contracting a dim moved onto dp, a gather in disguise; the loss and the gradients are
+# reduced over dp in the loss and backward phases)
+_GROWS, _GROWS_FORWARD = ("all_gather",), ("all_gather", "all_reduce")
 
 
 def shard_prop(graph: Graph, seconds: float = DEFAULT_SECONDS, memory: int | None = None,
@@ -46,6 +53,8 @@ def shard_prop(graph: Graph, seconds: float = DEFAULT_SECONDS, memory: int | Non
     :mod:`.layout_ilp` runs for at most ``seconds``, started from the heuristic's
     plan.  The returned graph's ``search`` says which search produced the plan,
     its cost (seconds) and whether it is proven optimal under the cost model.
+    Data parallel stays data parallel: no plan all-gathers the batch over ``dp``
+    (:class:`_Problem`) unless none can avoid it (``search["data_parallel"]`` False).
     With ``memory`` (bytes per rank), plans whose resident bytes
     (:mod:`parcomp.memory`) exceed it are infeasible.  ``free`` maps a source (param or
     input) to the layouts it may take (``parcomp plan``); other sources keep theirs.
@@ -57,23 +66,17 @@ def shard_prop(graph: Graph, seconds: float = DEFAULT_SECONDS, memory: int | Non
     """
     t0 = time.perf_counter()
     prob = _Problem(graph, free or {})
-    limit = None if memory is None else MemoryLimit(prob, memory, memory_loc)
-    dp = prob.dp_solution()
-    if all(len(u) <= 1 for u in prob.users.values()) and (limit is None or limit.fits(dp)):
-        sol, search, proven = dp, "dp", True
-    elif limit is None and too_large(prob):  # the solver would stop at its root with this plan
-        sol, search, proven = prob.improve(min((dp, prob.greedy_solution()), key=prob.total)), "heuristic", False
-    else:
-        sol = prob.improve(min((dp, prob.greedy_solution()), key=prob.total))
-        ilp, proven = solve_ilp(prob, sol, seconds, limit)
-        fits = [s for s in (ilp, sol) if limit is None or limit.fits(s)]
-        if not fits:
-            raise limit.not_found(seconds)
-        best = min(fits, key=prob.total)
-        search = "ilp" if proven or (best is ilp and prob.total(ilp) < prob.total(sol) - _TOL) else "heuristic"
-        sol = best
+    gathered = bool(prob.batch) and not prune(prob)
+    if not gathered:
+        limit = None if memory is None else MemoryLimit(prob, memory, memory_loc)
+        sol, search, proven = _search(prob, limit, seconds)
+        gathered = math.isinf(prob.total(sol))
+    if gathered:  # no plan keeps the batch split over dp (pins, a batch-mixing op): the best of all
+        prob = _Problem(graph, free or {}, data_parallel=False)
+        limit = None if memory is None else MemoryLimit(prob, memory, memory_loc)
+        sol, search, proven = _search(prob, limit, seconds)
     info = {"search": search, "proven_optimal": proven, "cost_s": prob.total(sol),
-            "seconds": round(time.perf_counter() - t0, 6)}
+            "seconds": round(time.perf_counter() - t0, 6), "data_parallel": not gathered}
     if search == "heuristic" and limit is None and too_large(prob):
         info["solver_skipped"] = sum(len(o) for o in prob.options.values())  # strategies
     if limit is not None:
@@ -84,10 +87,38 @@ def shard_prop(graph: Graph, seconds: float = DEFAULT_SECONDS, memory: int | Non
     return graph.with_nodes(nodes, search=info)
 
 
+def _search(prob, limit, seconds) -> tuple:
+    """``(plan, search, proven)`` of ``prob``: the DP where exact, else the heuristic and
+    (below MAX_STRATEGIES or under a memory limit) the ILP started from it."""
+    dp = prob.dp_solution()
+    if all(len(u) <= 1 for u in prob.users.values()) and (limit is None or limit.fits(dp)):
+        return dp, "dp", True
+    sol = prob.improve(min((dp, prob.greedy_solution()), key=prob.total))
+    if limit is None and too_large(prob):  # the solver would stop at its root with this plan
+        return sol, "heuristic", False
+    ilp, proven = solve_ilp(prob, sol, seconds, limit)
+    fits = [s for s in (ilp, sol) if limit is None or limit.fits(s)]
+    if not fits:
+        raise limit.not_found(seconds)
+    best = min(fits, key=prob.total)
+    better = best is ilp and prob.total(ilp) < prob.total(sol) - _TOL
+    return best, "ilp" if proven or better else "heuristic", proven
+
+
 class _Problem:
-    def __init__(self, graph, free=None):
+    """Options per node and the exact cost of a plan.  With ``data_parallel`` (the default)
+    a conversion that all-gathers one of the batch's values over the mesh axis ``dp`` costs
+    infinity (:func:`batch_values`), except into a layout the spec pins that value to."""
+
+    def __init__(self, graph, free=None, data_parallel: bool = True):
         self.g, self.mesh = graph, graph.mesh
         self.users = graph.users()
+        self.batch = batch_values(graph) if data_parallel else frozenset()
+        self.pinned = {}  # value -> layouts a relayout (a spec pin) reads it in
+        for n in graph.nodes:
+            if n.op == "relayout":
+                self.pinned.setdefault(n.inputs[0], set()).add(n.layout)
+        self._gathers = {}
         self.options = {}  # name -> [(compute cost, ins, out)]
         self._canon, self._costs, self._computes, self._types, self._reads = {}, {}, {}, {}, {}
         same = {}  # nodes alike in op, attrs, types and pin have the same options
@@ -115,9 +146,19 @@ class _Problem:
         """One object per distinct layout, so costs can be cached by identity."""
         return self._canon.setdefault(layout, layout)
 
-    def plan_cost(self, src, tgt, ty) -> float:
+    def plan_cost(self, src, tgt, ty, value=None) -> float:
         """:func:`parcomp.redistribute.plan_cost` on this mesh, cached by object identity
-        (layouts are interned; types and fixed layouts live as long as the graph)."""
+        (layouts are interned; types and fixed layouts live as long as the graph); infinity
+        for a conversion of ``value`` that data parallel forbids (see the class)."""
+        if value in self.batch and tgt not in self.pinned.get(value, ()):
+            fwd = self.g[value].phase == "forward"
+            key = (id(src), id(tgt), ty.rank, fwd)
+            gathers = self._gathers.get(key)
+            if gathers is None:
+                gathers = self._gathers[key] = gathers_over(src, tgt, ty.rank, self.mesh, DP_AXIS,
+                                                            _GROWS_FORWARD if fwd else _GROWS)
+            if gathers:
+                return math.inf
         tid = self._types.get(id(ty))
         if tid is None:  # equal types share their costs
             tid = self._types[id(ty)] = id(self._canon.setdefault(ty, ty))
@@ -142,7 +183,7 @@ class _Problem:
             lay = sol[u][0][k]
             if id(lay) not in seen:  # layouts are interned: one object per distinct layout
                 seen.add(id(lay))
-                total += self.plan_cost(src, lay, ty)
+                total += self.plan_cost(src, lay, ty, name)
         return total
 
     def total(self, sol) -> float:
@@ -180,7 +221,7 @@ class _Problem:
             pick, pick_cost = None, None
             for c, ins, out in self.options[n.name]:
                 total = c + sum(self._cost_to(best, i, lay, memo) for i, lay in zip(n.inputs, ins))
-                total += sum(self.plan_cost(out, lay, n.type) for lay in required[n.name])
+                total += sum(self.plan_cost(out, lay, n.type, n.name) for lay in required[n.name])
                 if pick is None or total < pick_cost - _TOL:
                     pick, pick_cost = (ins, out), total
             sol[n.name] = pick
@@ -197,7 +238,8 @@ class _Problem:
         if key not in memo:
             ty, table = self.g[name].type, best[name]
             base = min(table.values()) if len(self.users[name]) > 1 else 0.0
-            memo[key] = min(c - base + self.plan_cost(o, layout, ty) for o, c in table.items())
+            base = base if math.isfinite(base) else 0.0
+            memo[key] = min(c - base + self.plan_cost(o, layout, ty, name) for o, c in table.items())
         return memo[key]
 
     def greedy_solution(self) -> dict:
@@ -209,7 +251,8 @@ class _Problem:
             src = [self.layout(sol, i) for i in n.inputs]
             types = [self.g[i].type for i in n.inputs]
             sol[n.name] = min(
-                ((c + sum(self.plan_cost(s, lay, t) for s, lay, t in zip(src, ins, types)), k, (ins, out))
+                ((c + sum(self.plan_cost(s, lay, t, i) for s, lay, t, i in zip(src, ins, types, n.inputs)), k,
+                  (ins, out))
                  for k, (c, ins, out) in enumerate(self.options[n.name])))[2]
         return sol
 
@@ -283,7 +326,7 @@ class _Problem:
 
     def _feeder_cost(self, sol, i, option):
         c, ins, out = option
-        return c + sum(self.plan_cost(self.layout(sol, j), lay, self.g[j].type)
+        return c + sum(self.plan_cost(self.layout(sol, j), lay, self.g[j].type, j)
                        for j, lay in zip(self.g[i].inputs, ins))
 
 

@@ -21,12 +21,13 @@ group stays inside a node exactly when ``n == 1`` or ``n*s`` divides
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 from ..errors import SpecError
 from ..report import plural
 
-__all__ = ["check_topology", "axis_groups", "group_ranks"]
+__all__ = ["check_topology", "axis_groups", "joint_groups", "group_ranks"]
 
 
 def axis_groups(mesh, axis: int) -> dict:
@@ -42,9 +43,27 @@ def axis_groups(mesh, axis: int) -> dict:
     return {"size": n, "stride": math.prod(mesh.sizes[axis + 1:]), "count": mesh.size // n}
 
 
+def joint_groups(mesh, axes: tuple) -> dict:
+    """How the ranks of a joint group of mesh axes ``axes`` (indices, mesh order) form groups:
+    ``{"size": n, "count": world // n, "axes": [[size, stride], ...]}`` (one pair per axis);
+    a group is ``b + sum(c_i * stride_i)`` over coordinates ``c_i``, first axis outermost, for
+    each rank ``b`` whose coordinates on ``axes`` are 0. One axis: :func:`axis_groups`."""
+    if len(axes) == 1:
+        return axis_groups(mesh, axes[0])
+    parts = [[mesh.sizes[a], math.prod(mesh.sizes[a + 1:])] for a in axes]
+    n = math.prod(p[0] for p in parts)
+    return {"size": n, "count": mesh.size // n, "axes": parts}
+
+
 def group_ranks(groups: dict) -> list:
-    """The rank lists an :func:`axis_groups` dict describes, in rank order (as
-    :meth:`parcomp.ir.types.Mesh.groups`); O(world size), for programs and tests."""
+    """The rank lists an :func:`axis_groups` (or :func:`joint_groups`) dict describes, in rank
+    order (as :meth:`parcomp.ir.types.Mesh.groups`); O(world size), for programs and tests."""
+    if "axes" in groups:
+        parts, world = groups["axes"], groups["size"] * groups["count"]
+        offsets = [sum(c * s for c, (_, s) in zip(cs, parts))
+                   for cs in itertools.product(*(range(n) for n, _ in parts))]
+        bases = [b for b in range(world) if all((b // s) % n == 0 for n, s in parts)]
+        return [[b + o for o in offsets] for b in bases]
     n, s, count = groups["size"], groups["stride"], groups["count"]
     return [list(range(block * n * s + j, (block + 1) * n * s, s))
             for block in range(count // s) for j in range(s)]

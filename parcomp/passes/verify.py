@@ -13,7 +13,7 @@ from __future__ import annotations
 from ..errors import VerifyError
 from ..ir.graph import Graph, describe
 from ..ir.ops import OPS, attr_problem
-from ..ir.transitions import TRANSITIONS
+from ..ir.transitions import JOINT_KINDS, TRANSITIONS
 from ..ir.types import Partial, Shard, divisibility_problem, layout_str
 from ..rules.sharding import is_valid_strategy
 
@@ -181,6 +181,19 @@ def _check_partial_rules(graph, n, ins):
             _fail(graph, n, f"{n.op} by a partial-sum divisor over {axis}")
 
 
+def _move_axes(graph, n) -> tuple:
+    """The mesh axes of layout op ``n`` (``axis="tp"``, or a joint group ``"dp,tp"`` of
+    distinct axes in mesh order, only for the ops of ``JOINT_KINDS``)."""
+    try:
+        axes = graph.mesh.axes_of(n.attr("axis"))
+    except ValueError:
+        _fail(graph, n, f"{n.op} over {n.attr('axis')!r}: not an axis of mesh {graph.mesh}")
+    if len(axes) > 1 and (n.op not in JOINT_KINDS or list(axes) != sorted(set(axes))):
+        _fail(graph, n, f"{n.op} over {n.attr('axis')!r}: a joint group is only for "
+                        f"{', '.join(JOINT_KINDS)}, its axes distinct and in mesh order")
+    return axes
+
+
 def _is_dim(d, ty) -> bool:
     return isinstance(d, int) and not isinstance(d, bool) and 0 <= d < ty.rank
 
@@ -194,19 +207,17 @@ def _check_layouts(graph, n):
     ins = _operand_layouts(graph, n)
     _check_partial_rules(graph, n, ins)
     if n.op in TRANSITIONS:
-        if n.attr("axis") not in graph.mesh.names:
-            _fail(graph, n, f"{n.op} over {n.attr('axis')!r}: not an axis of mesh {graph.mesh}")
+        axes = _move_axes(graph, n)
         for key in ("dim", "src_dim"):
             if key in OPS[n.op].attrs and not _is_dim(n.attr(key), n.type):
                 _fail(graph, n, f"{n.op} needs {key}= a dim of {n.type}, not {n.attr(key)!r}")
-        a = graph.mesh.names.index(n.attr("axis"))
         op = n.attr("reduce_op", "sum")
         if op not in TRANSITIONS[n.op].reduce_ops and op != "sum":
             _fail(graph, n, f"{n.op} has no reduce_op={op!r} (a P(max) is never reduce_scattered)")
         before, after = TRANSITIONS[n.op].placements(n.attr("dim"), n.attr("src_dim"), op)
         src = ins[0]
-        expect = src[:a] + (after,) + src[a + 1:]
-        if src[a] != before or n.layout != expect:
+        expect = tuple(after if a in axes else p for a, p in enumerate(src))
+        if any(src[a] != before for a in axes) or n.layout != expect:
             _fail(graph, n, f"{n.op} over {n.attr('axis')} must turn {before} into {after}; "
                             f"it goes {layout_str(src)} -> {layout_str(n.layout)}")
         return

@@ -195,17 +195,18 @@ def _account(n, live, roots, size, run, r):
 
 def _layout_op(program, n, run, live):
     mesh = program.mesh
-    a = mesh.names.index(n.attr("axis"))
+    axes = mesh.axes_of(n.attr("axis"))  # one axis, or a joint group's (coordinate order)
     src = program[n.inputs[0]]
     sent = {}  # ragged all_to_all (issue 14): rank -> bytes it sent
-    for group in mesh.groups(a):
+    for group in mesh.groups(axes):
         xs = [live[r][n.inputs[0]] for r in group]
         ys = _LAYOUT_OPS[n.op](xs, n) if not n.attr("ragged") else ragged_all_to_all(xs, n, sent, group)
         for r, y in zip(group, ys):
             live[r][n.name] = _contig(y)
     if TRANSITIONS[n.op].collective:  # local ops send nothing and are not logged
         gty = TensorType(_global_shape(program, n.name), n.type.dtype)
-        step = Step(n.op, a, n.attr("dim"), n.attr("src_dim"), src.layout, n.layout)
+        step = Step(n.op, axes[0], n.attr("dim"), n.attr("src_dim"), src.layout, n.layout,
+                    group=axes if len(axes) > 1 else ())
         run.log.append({"kind": n.op, "axis": n.attr("axis"), "dim": n.attr("dim"),
                         "name": n.name, "local_shape": tuple(src.type.shape),
                         "bytes": step_bytes(step, gty, mesh),

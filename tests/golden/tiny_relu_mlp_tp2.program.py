@@ -125,6 +125,11 @@ def collective(new, old):
     return replaced or getattr(dist, new)
 
 
+def group_size(axis):
+    """Ranks in one group of ``axis``: a mesh axis, or a joint group such as ``"dp,tp"``."""
+    return math.prod(MESH[a] for a in axis.split(","))
+
+
 def all_reduce(x, axis):
     """P -> R: the sum over the group of mesh axis ``axis`` (``x`` is left unchanged)."""
     y = x.clone(memory_format=torch.contiguous_format)
@@ -158,7 +163,7 @@ def wait(handle):
 def all_gather(x, dim, axis):
     """S(dim) -> R: concatenate the group's shards along ``dim``, in coordinate order."""
     x0 = x.movedim(dim, 0).contiguous()
-    out = x0.new_empty((MESH[axis] * x0.shape[0],) + tuple(x0.shape[1:]))
+    out = x0.new_empty((group_size(axis) * x0.shape[0],) + tuple(x0.shape[1:]))
     collective("all_gather_single", "all_gather_into_tensor")(out, x0, group=GROUPS[axis])
     return out.movedim(0, dim).contiguous()
 
@@ -166,7 +171,7 @@ def all_gather(x, dim, axis):
 def reduce_scatter(x, dim, axis):
     """P -> S(dim): sum over the group, keep this rank's chunk of ``dim``."""
     x0 = x.movedim(dim, 0).contiguous()
-    out = x0.new_empty((x0.shape[0] // MESH[axis],) + tuple(x0.shape[1:]))
+    out = x0.new_empty((x0.shape[0] // group_size(axis),) + tuple(x0.shape[1:]))
     collective("reduce_scatter_single", "reduce_scatter_tensor")(out, x0, op=dist.ReduceOp.SUM,
                                                                  group=GROUPS[axis])
     return out.movedim(0, dim).contiguous()
