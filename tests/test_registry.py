@@ -122,6 +122,8 @@ EXEMPT = {
     # training options (issue 13): gradient clipping's factor, made by autodiff after backward
     (_T["VJP"], "clip_coef"): "the optimizer update comes after the backward pass",
     (_T["torch_frontend"], "clip_coef"): _BY_AUTODIFF,
+    (_T["VJP"], "grad_upcast"): "mixed precision: made by autodiff after backward, never differentiated",
+    (_T["torch_frontend"], "grad_upcast"): _BY_AUTODIFF,
 }
 
 

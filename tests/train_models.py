@@ -67,3 +67,12 @@ def classifier():
     """``nn.Sequential(Linear(8, 16), ReLU, Linear(16, 6))``: logits [4, 6] for cross_entropy."""
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 6)).eval(), (torch.randn(4, 8),), ["x"]
+
+
+def wide_batch_mlp():
+    """``nn.Sequential(Linear(8, 16), GELU, Linear(16, 8))`` on 262144 tokens: on dp=2 x tp=2
+    all-reducing each weight gradient over dp is cheaper than gathering activations (mixed
+    precision's gradient reductions, issue 13)."""
+    torch.manual_seed(0)
+    return (nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)).eval(), (torch.randn(262144, 8),),
+            ["x"])

@@ -103,6 +103,7 @@ OP_FORMATS = {
     "arange": "torch.arange({local_shape}[0], dtype=torch.float64, device=DEVICE).mul({step}).add({start}).to({dtype})",
     # ---- end of the attention part ----
     "clip_coef": "torch.clamp({max_norm} / (torch.sqrt({0}) + 1e-6), max=1.0)",  # issue 13
+    "grad_upcast": "{0}.float()",  # issue 13, mixed precision: the gradient widened before its reduction
     **NORM_FORMATS,  # norms + embedding part (issue 17): backends/torch/emit_norms.py
     **REDUCE_FORMATS,  # reductions part (issue 17): backends/torch/emit_reduce.py
 }

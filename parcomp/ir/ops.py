@@ -392,6 +392,10 @@ def index_dim(graph, node) -> tuple:
 # training options (issue 13): clip_coef(sumsq) {max_norm} = min(1, max_norm / (sqrt(sumsq) + 1e-6)),
 # the factor torch.nn.utils.clip_grad_norm_ scales every gradient by (parcomp/passes/train_options.py)
 _def("clip_coef", 1, "nonlinear", _same, {"max_norm": _NUM})
+# mixed precision (issue 13): a gradient widened to float32 (exact); ``partial_over``: mesh axes
+# on which its operand must stay a partial sum, so the reduction runs in float32 after it
+_def("grad_upcast", 1, "linear", lambda ts, n: TensorType(ts[0].shape, "float32"),
+     {"partial_over": Attr("str", default="")})
 _SOURCE = {"global_shape": Attr("ints")}  # set by localize: the full shape
 _def("input", 0, "source", _own, _SOURCE)
 _def("param", 0, "source", _own, {**_SOURCE, "trainable": Attr("bool", default=True),

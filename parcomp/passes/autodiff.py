@@ -30,6 +30,7 @@ from ..spec.model import pattern_regex
 from .decompose import Emitter, cross_entropy_parts, padded_size
 from .train_config import train_config
 from .accumulate import accumulated_step
+from .precision import lower_forward, upcast_grads, wrt_names
 from .train_options import (clip_gradients, lr_factor, recompute_view, scheduled_sgd_step, scheduled_update,
                             start_recompute)
 
@@ -120,6 +121,7 @@ def add_training_step(graph: Graph, spec) -> Graph:
     cfg = train_config(spec)
     params = _trainable(graph, cfg)
     _check_batch(graph, spec, cfg)
+    graph, cast = lower_forward(graph, cfg, params, lambda n: _state_layout(n, cfg, spec))  # issue 13
     b = Builder(graph)
     outs = []
     start_recompute(b, graph, cfg.options)  # issue 13: recompute=selective
@@ -134,7 +136,8 @@ def add_training_step(graph: Graph, spec) -> Graph:
         b.prefix, b.phase = "bw", "backward"
         seed = b.op("ones", [], type=b.type(loss), name="bw.loss")
         finputs = [n.name for n in graph.inputs if n.type.dtype.startswith("float")] if cfg.input_grads else []
-        grads = backward(b, Graph(tuple(b.nodes), (loss,)), {loss: seed}, params + finputs)
+        grads = backward(b, Graph(tuple(b.nodes), (loss,)), {loss: seed}, wrt_names(params, cast) + finputs)
+        grads.update(upcast_grads(b, graph, grads, cast, cfg))  # issue 13: mixed precision
     outs.append(("loss", _pin(b, loss, replicated(len(spec.mesh.axes)), "the loss")))
     clipped, factor = training_options(b, {p: grads[p] for p in params}, cfg, spec)  # issue 13
     grads.update(clipped)

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from ..errors import SpecError
 
-OPTION_KEYS = ("clip_grad_norm", "lr_schedule", "accumulate", "recompute")
+OPTION_KEYS = ("clip_grad_norm", "lr_schedule", "accumulate", "recompute", "precision", "grad_reduce")
 #: ``recompute=``: none, or selective (one-operand pointwise values recomputed in backward)
 RECOMPUTE_MODES = ("none", "selective")
 
@@ -60,12 +60,16 @@ class TrainOptions:
         schedule: ``(name, ((arg, value), ...))`` with every argument (defaults filled).
         accumulate: microbatches per step (1: none).
         recompute: ``none`` | ``selective``.
+        precision: ``fp32`` | ``bf16`` | ``fp16``; grad_reduce: ``fp32`` | ``compute``
+            (mixed precision: :mod:`parcomp.passes.precision`).
     """
 
     clip_grad_norm: float | None = None
     schedule: tuple = ("constant", ())
     accumulate: int = 1
     recompute: str = "none"
+    precision: str = "fp32"
+    grad_reduce: str = "fp32"
 
     def schedule_args(self) -> dict:
         return dict(self.schedule[1])
@@ -92,7 +96,10 @@ def train_options(t, hyper: dict, number, check_range) -> TrainOptions:
     if recompute not in RECOMPUTE_MODES:
         raise SpecError(f"recompute={recompute!r} is not supported; supported: {', '.join(RECOMPUTE_MODES)} "
                         f"(full-layer recomputation is not built yet)", t.loc)
-    return TrainOptions(clip, _schedule(t, hyper, number, check_range), acc, recompute)
+    from .precision import precision_options
+
+    return TrainOptions(clip, _schedule(t, hyper, number, check_range), acc, recompute,
+                        *precision_options(t))
 
 
 def _schedule(t, hyper, number, check_range) -> tuple:

@@ -28,6 +28,16 @@ def make_scheduler(opt, cfg, first: int = 1):
     return sched
 
 
+def autocast(cfg):
+    """``torch.autocast("cpu", dtype)`` for ``cfg``'s ``precision=bf16|fp16``, else a no-op context."""
+    import contextlib
+
+    import torch
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(getattr(cfg.options, "precision", "fp32"))
+    return contextlib.nullcontext() if dtype is None else torch.autocast("cpu", dtype=dtype)
+
+
 def clip(params, cfg) -> None:
     """torch.nn.utils.clip_grad_norm_ over ``params`` when ``cfg`` asks for clipping."""
     import torch

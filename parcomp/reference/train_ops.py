@@ -16,4 +16,5 @@ def clip_coef(sumsq, max_norm: float):
     return np.minimum(c, t(1.0)).astype(t)
 
 
-TRAIN_NUMPY_OPS = {"clip_coef": lambda a, n: clip_coef(a[0], n.attr("max_norm"))}
+TRAIN_NUMPY_OPS = {"clip_coef": lambda a, n: clip_coef(a[0], n.attr("max_norm")),
+                   "grad_upcast": lambda a, n: np.asarray(a[0]).astype(np.float32)}  # exact widening

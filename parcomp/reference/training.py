@@ -11,7 +11,7 @@ import copy
 import numpy as np
 
 from .numpy_ops import run_unsharded
-from .torch_options import accumulate_backward, clip, make_scheduler
+from .torch_options import accumulate_backward, autocast, clip, make_scheduler
 
 
 def initial_state(graph, feeds: dict) -> dict:
@@ -128,8 +128,9 @@ def torch_train(module, example, input_names, data: dict, cfg, steps: int, outpu
         if micro is not None:  # issue 13: accumulate=K, one backward() per microbatch
             loss = torch.tensor(accumulate_backward(m, micro, input_names, cfg, output))
         else:
-            y = m(*xs)
-            y = [o for o in torch.utils._pytree.tree_leaves(y) if o is not None][output]  # export's order
+            with autocast(cfg):  # issue 13: precision=bf16|fp16 is torch.autocast's, the loss in float32
+                y = m(*xs)
+            y = [o for o in torch.utils._pytree.tree_leaves(y) if o is not None][output].float()  # export's order
             if cfg.loss == "mse":
                 loss = F.mse_loss(y, torch.from_numpy(data["target"]))
             elif cfg.loss == "cross_entropy":

@@ -31,4 +31,6 @@ def _clip_coef(vals, errs, node, out, u):
     return prop + 4 * u * np.abs(out) + np.finfo(np.float64).tiny
 
 
-CLIP_ERROR_RULES = {"clip_coef": _clip_coef}
+CLIP_ERROR_RULES = {"clip_coef": _clip_coef,
+                    # mixed precision: widening to float32 is exact, the error moves with the value
+                    "grad_upcast": lambda vals, errs, node, out, u: np.broadcast_to(errs[0], np.shape(out))}
