@@ -124,6 +124,9 @@ EXEMPT = {
     (_T["torch_frontend"], "clip_coef"): _BY_AUTODIFF,
     (_T["VJP"], "grad_upcast"): "mixed precision: made by autodiff after backward, never differentiated",
     (_T["torch_frontend"], "grad_upcast"): _BY_AUTODIFF,
+    **{(_T[t], op): why for op in ("nonfinite", "amp_select", "amp_ratio", "amp_tracker") for t, why in (
+        ("VJP", "fp16 loss scaling: made by autodiff after backward, never differentiated"),
+        ("torch_frontend", _BY_AUTODIFF))},
 }
 
 

@@ -396,6 +396,12 @@ _def("clip_coef", 1, "nonlinear", _same, {"max_norm": _NUM})
 # on which its operand must stay a partial sum, so the reduction runs in float32 after it
 _def("grad_upcast", 1, "linear", lambda ts, n: TensorType(ts[0].shape, "float32"),
      {"partial_over": Attr("str", default="")})
+# fp16 dynamic loss scaling (issue 13, parcomp/passes/amp.py): nonfinite(x) = 1.0 where x is inf/NaN;
+# amp_select(found, new, old) = old where found > 0 (a skipped step) else new; the scale's update
+_def("nonfinite", 1, "nonlinear", lambda ts, n: TensorType(ts[0].shape, "float32"))
+_def("amp_select", 3, "nonlinear", lambda ts, n: ts[1])
+_def("amp_ratio", 3, "nonlinear", lambda ts, n: ts[1], {"interval": Attr("int", required=True)})
+_def("amp_tracker", 2, "nonlinear", lambda ts, n: ts[1], {"interval": Attr("int", required=True)})
 _SOURCE = {"global_shape": Attr("ints")}  # set by localize: the full shape
 _def("input", 0, "source", _own, _SOURCE)
 _def("param", 0, "source", _own, {**_SOURCE, "trainable": Attr("bool", default=True),

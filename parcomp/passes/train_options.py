@@ -40,7 +40,8 @@ from dataclasses import dataclass
 
 from ..errors import SpecError
 
-OPTION_KEYS = ("clip_grad_norm", "lr_schedule", "accumulate", "recompute", "precision", "grad_reduce")
+OPTION_KEYS = ("clip_grad_norm", "lr_schedule", "accumulate", "recompute", "precision", "grad_reduce",
+               "loss_scale", "growth_interval")
 #: ``recompute=``: none, selective (one-operand pointwise values recomputed in backward), or
 #: all (every value inside a layer recomputed from the layer's input: full recomputation)
 RECOMPUTE_MODES = ("none", "selective", "all")
@@ -67,7 +68,7 @@ class TrainOptions:
         clip_grad_norm: max 2-norm of all gradients together, or None (no clipping).
         schedule: ``(name, ((arg, value), ...))`` with every argument (defaults filled).
         accumulate: microbatches per step (1: none).
-        recompute: ``none`` | ``selective``.
+        recompute: ``none`` | ``selective`` | ``all``.
         precision: ``fp32`` | ``bf16`` | ``fp16``; grad_reduce: ``fp32`` | ``compute``
             (mixed precision: :mod:`parcomp.passes.precision`).
     """
@@ -78,6 +79,8 @@ class TrainOptions:
     recompute: str = "none"
     precision: str = "fp32"
     grad_reduce: str = "fp32"
+    loss_scale: float = 65536.0  # fp16: the initial loss scale (torch.amp.GradScaler's init_scale)
+    growth_interval: int = 2000  # fp16: clean steps before the scale doubles
 
     def schedule_args(self) -> dict:
         return dict(self.schedule[1])
