@@ -460,7 +460,7 @@ def _run_training(args, compiled, module, example):
         out_path = _launch(compiled, work, feeds, size, ("--steps", str(steps)), module)
         outputs, losses = assemble_training_outputs(out_path, compiled.program)
         replay_path = os.path.join(work, "replay.pt")
-        torch.save([{k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in s.items()}
+        torch.save([{k: torch.from_numpy(np.ascontiguousarray(v).reshape(np.shape(v))) for k, v in s.items()}
                     for s in replay["starts"]], replay_path)
         out_path = _launch(compiled, work, feeds, size, ("--steps", str(steps), "--replay", replay_path),
                            module)

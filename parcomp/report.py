@@ -44,8 +44,11 @@ def memory(program, model_params) -> dict:
 def options_record(opts) -> dict:
     """The training options of issue 13 as report.json writes them."""
     name, args = opts.schedule
+    from .passes.precision import precision_record
+
+    mixed = getattr(opts, "precision", "fp32") != "fp32"  # mixed precision (issue 13)
     return {"clip_grad_norm": opts.clip_grad_norm, "accumulate": opts.accumulate,
-            "lr_schedule": {"name": name, **dict(args)}}
+            "lr_schedule": {"name": name, **dict(args)}, **(precision_record(opts) if mixed else {})}
 
 
 def training_summary(program) -> dict | None:

@@ -114,14 +114,15 @@ def _one_step(graph, start: dict, out: dict, bounds: dict) -> tuple:
             {**untouched, **bounds, "losses": np.array([bounds["loss"]])})
 
 
-def lockstep(compiled, module, example, feeds, steps: int) -> dict:
+def lockstep(compiled, module, example, feeds, steps: int, resolve=RESOLVE) -> dict:
     """Every step of the sharded program (numpy interpreter, all ranks) from the state the
     unsharded run starts that step from, against the unsharded step and, for a torch
     model, torch.optim's step from the same state, each within that step's error bound.
 
     Returns ``{"vs_unsharded": result, "vs_torch": result or None, "losses": sharded
     loss of each step, "reference_losses": the unsharded run's}`` (results as
-    :func:`merge_steps`)."""
+    :func:`merge_steps`). ``resolve``: as :func:`training_result`'s (None: within the bound
+    only, for a bfloat16 step whose worst-case bound cannot resolve 10%)."""
     graph, prog = compiled.logical, compiled.program
     params = [n.name for n in compiled.unsharded.params]
     tick = _progress(steps, "numpy interpreter")
@@ -133,10 +134,10 @@ def lockstep(compiled, module, example, feeds, steps: int) -> dict:
         losses.append(float(got["loss"]))
         got, bounds = _one_step(graph, start, got, training_bounds(graph, start, 1, first=k)["outputs"])
         want = _one_step(graph, start, want, {"loss": 0})[0]
-        vs_ref.append(training_result(got, want, params, bounds))
+        vs_ref.append(training_result(got, want, params, bounds, resolve))
         if module is not None:
             _, want_t = torch_reference(compiled, module, example, feeds, 1, start, k)
-            vs_torch.append(training_result(got, want_t, params, bounds))
+            vs_torch.append(training_result(got, want_t, params, bounds, resolve))
     return {"vs_unsharded": merge_steps(vs_ref), "vs_torch": merge_steps(vs_torch) if vs_torch else None,
             "losses": losses, "reference_losses": ref["losses"]}
 

@@ -126,6 +126,11 @@ EXEMPT = {
     **{(_T[t], op): why for op in ("moe_route_grad", "moe_combine_grad_c") for t, why in (
         ("VJP", "gradients are not differentiated again (no second derivatives)"),
         ("torch_frontend", _BY_AUTODIFF))},
+    (_T["VJP"], "grad_upcast"): "mixed precision: made by autodiff after backward, never differentiated",
+    (_T["torch_frontend"], "grad_upcast"): _BY_AUTODIFF,
+    **{(_T[t], op): why for op in ("nonfinite", "amp_select", "amp_ratio", "amp_tracker") for t, why in (
+        ("VJP", "fp16 loss scaling: made by autodiff after backward, never differentiated"),
+        ("torch_frontend", _BY_AUTODIFF))},
 }
 
 

@@ -56,6 +56,12 @@ CASES = {  # op -> pcir lines defining %a [%b %c %d] and %y; every dim divisible
                     "lr=0.1, weight_decay=0.01}"),
     "ones": "%y: f64[4,6] = ones()",
     "clip_coef": "%v: f64[4,6] = input()\n%y: f64[4,6] = clip_coef(%v) {max_norm=1.5}",  # issue 13
+    "grad_upcast": "%v: f16[4,6] = input()\n%y: f32[4,6] = grad_upcast(%v)",  # issue 13, mixed precision
+    "nonfinite": "%y: f32[4,6] = nonfinite(%a)",  # issue 13, fp16 loss scaling
+    "amp_select": "%f: f64[] = input()\n%b: f64[4,6] = input()\n%y: f64[4,6] = amp_select(%f, %a, %b)",
+    "amp_ratio": "%f: f64[] = input()\n%r: f64[] = input()\n%t: f64[] = input()\n"
+                 "%y: f64[] = amp_ratio(%f, %r, %t) {interval=3}",
+    "amp_tracker": "%f: f64[] = input()\n%t: f64[] = input()\n%y: f64[] = amp_tracker(%f, %t) {interval=3}",
     # attention part (issue 17)
     "slice": "%y: f64[4,3] = slice(%a) {dim=1, start=1, stop=6, step=2}",
     "slice_whole": "%y: f64[4,6] = slice(%a) {dim=1, start=0, stop=6, step=1}",

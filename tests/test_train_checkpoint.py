@@ -2,6 +2,7 @@
 resume, on the same or another mesh; atomic saves."""
 from __future__ import annotations
 
+import copy
 from types import SimpleNamespace
 
 import numpy as np
@@ -101,3 +102,48 @@ def test_resume_on_another_mesh_after_a_killed_save_equals_the_unsharded_steps(t
     two, b2 = numpy_train(tp.logical, feeds, 2), training_bounds(tp.logical, feeds, 2)
     assert int(full["step"]) == 2
     assert_all_equivalent({k: full[k].numpy() for k in keys}, two["state"], b2["state"], keys)
+
+
+@pytest.mark.slow
+def test_export_of_a_tp2_checkpoint_is_a_full_safetensors_transformers_loads(tmp_path):
+    """3 AdamW steps on tp=2, saved; exported to model.safetensors: transformers' own loader
+    (the one from_pretrained uses) reads it, GPT2MLP loads it strictly, and its weights are
+    the full tensors of 3 unsharded steps. A second export to the same path is refused."""
+    import torch
+    from transformers.modeling_utils import load_state_dict
+
+    from parcomp.errors import ParcompError
+    from parcomp.export import export_safetensors
+
+    tp, module, example = _compile(tmp_path, TP2, "tp2")
+    feeds = commands._train_feeds(tp, module, example, 0)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    _launch(tmp_path / "a", tp, module, feeds, ("--steps", "3", "--save", str(ckpt)))
+    out = tmp_path / "model.safetensors"
+    names = export_safetensors(tp, str(ckpt), str(out))
+    assert sorted(names) == sorted(k for k, _ in module.named_parameters())
+    sd = load_state_dict(str(out))
+    mlp = copy.deepcopy(module)  # transformers' GPT2MLP, its own weights replaced below
+    mlp.load_state_dict(sd, strict=True)
+    want, bounds = numpy_train(tp.logical, feeds, 3), training_bounds(tp.logical, feeds, 3)
+    got = {k: v.detach().numpy() for k, v in mlp.state_dict().items()}
+    assert_all_equivalent(got, want["state"], bounds["state"], names)
+    assert not np.allclose(got["c_fc.weight"], module.c_fc.weight.detach().numpy())  # trained
+    with pytest.raises(ParcompError, match="exists"):
+        export_safetensors(tp, str(ckpt), str(out))
+    assert isinstance(sd["c_fc.weight"], torch.Tensor) and sd["c_fc.weight"].is_contiguous()
+
+
+def test_export_restores_stored_shapes():
+    """A per-part view goes back to the checkpoint's fused shape; a padded vocab table loses
+    its padding rows."""
+    import torch
+
+    from parcomp.export import _stored
+
+    fused = torch.arange(24.0).reshape(2, 3, 4)  # [in, 3, out] view of a [in, 3*out] Conv1D weight
+    assert _stored(fused, (2, 12)).shape == (2, 12) and torch.equal(_stored(fused, (2, 12)).reshape(2, 3, 4), fused)
+    padded = torch.arange(12.0).reshape(6, 2)  # vocab 5 padded to 6 rows
+    assert torch.equal(_stored(padded, (5, 2)), padded[:5])
+    assert torch.equal(_stored(padded, None), padded)

@@ -301,7 +301,7 @@ def test_selective_recompute_lowers_saved_activations_and_the_peak_and_changes_n
     ("train accumulate=0", "accumulate=0 is out of range: 1 to 64"),
     ("train accumulate=1.5", "accumulate must be a whole number"),
     ("train clip_grad_nrom=1", "did you mean 'clip_grad_norm'"),
-    ("train recompute=all", "recompute='all' is not supported; supported: none, selective"),
+    ("train recompute=layers", "recompute='layers' is not supported; supported: none, selective, all"),
 ])
 def test_option_errors_are_located_at_the_train_line(line, msg):
     with pytest.raises(SpecError) as e:

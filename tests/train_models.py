@@ -74,3 +74,12 @@ def mlp_batch8():
     data parallel, ``input x [S(0), S(0)]`` on ``mesh dp=2 tp=2``; issue 11)."""
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)).eval(), (torch.randn(8, 8),), ["x"]
+
+
+def wide_batch_mlp():
+    """``nn.Sequential(Linear(8, 16), GELU, Linear(16, 8))`` on 262144 tokens: on dp=2 x tp=2
+    all-reducing each weight gradient over dp is cheaper than gathering activations (mixed
+    precision's gradient reductions, issue 13)."""
+    torch.manual_seed(0)
+    return (nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)).eval(), (torch.randn(262144, 8),),
+            ["x"])

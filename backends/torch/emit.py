@@ -104,6 +104,11 @@ OP_FORMATS = {
     "arange": "torch.arange({local_shape}[0], dtype=torch.float64, device=DEVICE).mul({step}).add({start}).to({dtype})",
     # ---- end of the attention part ----
     "clip_coef": "torch.clamp({max_norm} / (torch.sqrt({0}) + 1e-6), max=1.0)",  # issue 13
+    "grad_upcast": "{0}.float()",  # issue 13, mixed precision: the gradient widened before its reduction
+    "nonfinite": "(~torch.isfinite({0})).float()",  # issue 13: fp16 loss scaling (parcomp/passes/amp.py)
+    "amp_select": "torch.where({0} > 0, {2}, {1})",
+    "amp_ratio": "torch.where({0} > 0, {1} * 0.5 - 0.5, torch.where({2} + 1 >= {interval}, {1} * 2 + 1, {1}))",
+    "amp_tracker": "torch.where(({0} > 0) | ({1} + 1 >= {interval}), torch.zeros_like({1}), {1} + 1)",
     **NORM_FORMATS,  # norms + embedding part (issue 17): backends/torch/emit_norms.py
     **REDUCE_FORMATS,  # reductions part (issue 17): backends/torch/emit_reduce.py
     **MOE_FORMATS,  # expert parallel MoE (issue 14): backends/torch/emit_moe.py

@@ -409,6 +409,16 @@ _def("moe_combine_grad_c", 3, "bilinear", moe_combine_grad_c_type)
 # training options (issue 13): clip_coef(sumsq) {max_norm} = min(1, max_norm / (sqrt(sumsq) + 1e-6)),
 # the factor torch.nn.utils.clip_grad_norm_ scales every gradient by (parcomp/passes/train_options.py)
 _def("clip_coef", 1, "nonlinear", _same, {"max_norm": _NUM})
+# mixed precision (issue 13): a gradient widened to float32 (exact); ``partial_over``: mesh axes
+# on which its operand must stay a partial sum, so the reduction runs in float32 after it
+_def("grad_upcast", 1, "linear", lambda ts, n: TensorType(ts[0].shape, "float32"),
+     {"partial_over": Attr("str", default="")})
+# fp16 dynamic loss scaling (issue 13, parcomp/passes/amp.py): nonfinite(x) = 1.0 where x is inf/NaN;
+# amp_select(found, new, old) = old where found > 0 (a skipped step) else new; the scale's update
+_def("nonfinite", 1, "nonlinear", lambda ts, n: TensorType(ts[0].shape, "float32"))
+_def("amp_select", 3, "nonlinear", lambda ts, n: ts[1])
+_def("amp_ratio", 3, "nonlinear", lambda ts, n: ts[1], {"interval": Attr("int", required=True)})
+_def("amp_tracker", 2, "nonlinear", lambda ts, n: ts[1], {"interval": Attr("int", required=True)})
 _SOURCE = {"global_shape": Attr("ints")}  # set by localize: the full shape
 _def("input", 0, "source", _own, _SOURCE)
 _def("param", 0, "source", _own, {**_SOURCE, "trainable": Attr("bool", default=True),

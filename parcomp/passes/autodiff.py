@@ -30,6 +30,8 @@ from ..spec.model import pattern_regex
 from .decompose import Emitter, cross_entropy_parts, padded_size
 from .train_config import train_config
 from .accumulate import accumulated_step
+from . import amp
+from .precision import lower_forward, upcast_grads, wrt_names
 from .train_options import (clip_gradients, lr_factor, recompute_view, scheduled_sgd_step, scheduled_update,
                             start_recompute)
 
@@ -120,6 +122,7 @@ def add_training_step(graph: Graph, spec) -> Graph:
     cfg = train_config(spec)
     params = _trainable(graph, cfg)
     _check_batch(graph, spec, cfg)
+    graph, cast = lower_forward(graph, cfg, params, lambda n: _state_layout(n, cfg, spec))  # issue 13
     b = Builder(graph)
     outs = []
     start_recompute(b, graph, cfg.options)  # issue 13: recompute=selective
@@ -132,9 +135,11 @@ def add_training_step(graph: Graph, spec) -> Graph:
         loss = _loss(b, graph, cfg)
         params = _reaching(b, loss, params, cfg)
         b.prefix, b.phase = "bw", "backward"
-        seed = b.op("ones", [], type=b.type(loss), name="bw.loss")
+        seed = amp.scaled_seed(b, b.op("ones", [], type=b.type(loss), name="bw.loss"), cfg, spec)  # fp16
         finputs = [n.name for n in graph.inputs if n.type.dtype.startswith("float")] if cfg.input_grads else []
-        grads = backward(b, Graph(tuple(b.nodes), (loss,)), {loss: seed}, params + finputs)
+        grads = backward(b, Graph(tuple(b.nodes), (loss,)), {loss: seed}, wrt_names(params, cast) + finputs)
+        grads.update(upcast_grads(b, graph, grads, cast, cfg))  # issue 13: mixed precision
+        grads = amp.unscale(b, {k: grads[k] for k in params + finputs}, cfg)
     outs.append(("loss", _pin(b, loss, replicated(len(spec.mesh.axes)), "the loss")))
     clipped, factor = training_options(b, {p: grads[p] for p in params}, cfg, spec)  # issue 13
     grads.update(clipped)
@@ -143,6 +148,7 @@ def add_training_step(graph: Graph, spec) -> Graph:
     b.phase = "backward"
     for x in finputs:
         outs.append((f"{x}.grad", _pin(b, grads[x], graph[x].layout, f"gradient of input {x}")))
+    outs = amp.skip_on_overflow(b, outs, cfg, spec, _pin)  # fp16: a step with inf/NaN is skipped
     return dead_code_elimination(Graph(tuple(b.nodes), tuple(v for _, v in outs), graph.mesh,
                                        graph.stage, tuple(k for k, _ in outs)))
 
@@ -349,7 +355,8 @@ def _optimizer(b, param, g, cfg, spec, factor=None):
         m_new = b.op("add", [b.op("scale", [m], value=b1), b.op("scale", [g], value=1 - b1)])
         v_new = b.op("add", [b.op("scale", [v], value=b2),
                              b.op("scale", [b.op("mul", [g, g])], value=1 - b2)])
-        new = b.op("adamw_param", [p, m_new, v_new, _step_input(b, spec)], lr=cfg.h("lr"), beta1=b1,
+        t = amp.adam_step(b, _step_input(b, spec), cfg, spec)  # fp16: skipped steps are not counted
+        new = b.op("adamw_param", [p, m_new, v_new, t], lr=cfg.h("lr"), beta1=b1,
                    beta2=b2, eps=cfg.h("eps"), weight_decay=cfg.h("weight_decay"))
         new = scheduled_update(b, p, new, factor)
         out += [(m, _pin(b, m_new, st_lay, f"exp_avg of {p}")), (v, _pin(b, v_new, st_lay, f"exp_avg_sq of {p}"))]

@@ -23,6 +23,13 @@
     right where a gradient rule first needs it (:func:`recompute_view`). Those values die
     after the forward pass, so the saved activations and the liveness peak of the report
     drop (``memory_bytes_per_rank``); matmul outputs and inputs stay saved.
+``recompute=all``
+    full recomputation (Megatron's ``--recompute-granularity full``, one checkpoint per
+    layer): only the values a layer hands to another layer (its *checkpoints*: read by a
+    node of another unit, see :func:`layer_checkpoints`) are kept; every other forward value
+    backward reads, matmul outputs and attention included, is recomputed from them where the
+    layer's backward first needs it, and dies after that layer's backward. Collectives inside
+    the layer run again (the planner places them on the recomputed values).
 
 Every value is checked when the spec is parsed (SpecError at the train line).
 """
@@ -33,9 +40,11 @@ from dataclasses import dataclass
 
 from ..errors import SpecError
 
-OPTION_KEYS = ("clip_grad_norm", "lr_schedule", "accumulate", "recompute")
-#: ``recompute=``: none, or selective (one-operand pointwise values recomputed in backward)
-RECOMPUTE_MODES = ("none", "selective")
+OPTION_KEYS = ("clip_grad_norm", "lr_schedule", "accumulate", "recompute", "precision", "grad_reduce",
+               "loss_scale", "growth_interval")
+#: ``recompute=``: none, selective (one-operand pointwise values recomputed in backward), or
+#: all (every value inside a layer recomputed from the layer's input: full recomputation)
+RECOMPUTE_MODES = ("none", "selective", "all")
 
 #: schedule -> {argument: (kind, default (None: required), (low, high or None, high allowed))}
 SCHEDULES = {
@@ -59,13 +68,19 @@ class TrainOptions:
         clip_grad_norm: max 2-norm of all gradients together, or None (no clipping).
         schedule: ``(name, ((arg, value), ...))`` with every argument (defaults filled).
         accumulate: microbatches per step (1: none).
-        recompute: ``none`` | ``selective``.
+        recompute: ``none`` | ``selective`` | ``all``.
+        precision: ``fp32`` | ``bf16`` | ``fp16``; grad_reduce: ``fp32`` | ``compute``
+            (mixed precision: :mod:`parcomp.passes.precision`).
     """
 
     clip_grad_norm: float | None = None
     schedule: tuple = ("constant", ())
     accumulate: int = 1
     recompute: str = "none"
+    precision: str = "fp32"
+    grad_reduce: str = "fp32"
+    loss_scale: float = 65536.0  # fp16: the initial loss scale (torch.amp.GradScaler's init_scale)
+    growth_interval: int = 2000  # fp16: clean steps before the scale doubles
 
     def schedule_args(self) -> dict:
         return dict(self.schedule[1])
@@ -90,9 +105,12 @@ def train_options(t, hyper: dict, number, check_range) -> TrainOptions:
                         t.loc)
     recompute = t.get("recompute", "none")
     if recompute not in RECOMPUTE_MODES:
-        raise SpecError(f"recompute={recompute!r} is not supported; supported: {', '.join(RECOMPUTE_MODES)} "
-                        f"(full-layer recomputation is not built yet)", t.loc)
-    return TrainOptions(clip, _schedule(t, hyper, number, check_range), acc, recompute)
+        raise SpecError(f"recompute={recompute!r} is not supported; supported: {', '.join(RECOMPUTE_MODES)}",
+                        t.loc)
+    from .precision import precision_options
+
+    return TrainOptions(clip, _schedule(t, hyper, number, check_range), acc, recompute,
+                        *precision_options(t))
 
 
 def _schedule(t, hyper, number, check_range) -> tuple:
@@ -213,7 +231,39 @@ RECOMPUTE_OPS = _recomputable()
 def start_recompute(b, graph, opts) -> None:
     """Arm Builder ``b`` for ``recompute=selective``: producers of its values (refreshed from
     ``b.nodes`` when a name is new) and a cache of recomputed values (None for ``none``)."""
-    b.recompute = {"producers": {}, "done": {}} if opts.recompute == "selective" else None
+    if opts.recompute == "none":
+        b.recompute = None
+        return
+    keep = layer_checkpoints(graph) if opts.recompute == "all" else None
+    b.recompute = {"producers": {}, "done": {}, "keep": keep}
+
+
+def _unit(path: str) -> str:
+    """A module path's layer: up to its first numbered component (``h.3.attn`` -> ``h.3``,
+    ``12`` -> ``12``), else its first component (``ln_f``, ``l0``)."""
+    parts = path.split(".")
+    for i, p in enumerate(parts):
+        if p.isdigit():
+            return ".".join(parts[:i + 1])
+    return parts[0]
+
+
+def layer_checkpoints(graph) -> frozenset:
+    """The forward values ``recompute=all`` keeps: those read by a node of another layer (the
+    unit of its module path ``Node.source``; a ``.pcir`` node without one takes its param
+    operand's, else its latest input's) or by the loss, plus every source and output."""
+    unit, keep = {}, {n.name for n in graph.nodes if n.op in ("input", "param")} | set(graph.outputs)
+    for n in graph.nodes:
+        if n.op in ("input", "param"):
+            unit[n.name] = _unit(n.name) if n.op == "param" else None
+            continue
+        params = [unit[i] for i in n.inputs if graph[i].op == "param"]
+        known = [unit[i] for i in n.inputs if unit.get(i) is not None]
+        unit[n.name] = _unit(n.source) if n.source else (params or known or [None])[-1]
+        for i in n.inputs:
+            if graph[i].op != "param" and unit.get(i) != unit[n.name]:
+                keep.add(i)
+    return frozenset(keep)
 
 
 def recompute_view(b, n):
@@ -229,7 +279,8 @@ def recompute_view(b, n):
         if v not in state["producers"]:
             state["producers"] = {m.name: m for m in b.nodes}
         node = state["producers"].get(v)
-        if node is None or node.op not in RECOMPUTE_OPS or node.phase != "forward":
+        if node is None or node.phase != "forward" or (
+                node.op not in RECOMPUTE_OPS if state["keep"] is None else v in state["keep"]):
             return v
         if v not in state["done"]:
             ins = tuple(rc(i) for i in node.inputs)

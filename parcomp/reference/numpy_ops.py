@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import ml_dtypes  # noqa: F401  registers numpy's bfloat16 (mixed precision, issue 13)
 import numpy as np
 
 from .norm_ops import NORM_NUMPY_OPS
@@ -138,6 +139,22 @@ NUMPY_OPS.update(NUMPY_ATTN)
 from .train_ops import TRAIN_NUMPY_OPS  # noqa: E402  training options (issue 13)
 
 NUMPY_OPS.update(TRAIN_NUMPY_OPS)
+#: dtypes whose results numpy may widen (bfloat16 matmul gives float32): rounded to the declared
+#: dtype after every op, as torch rounds a bf16/fp16 kernel's float32 accumulation (issue 13)
+LOW_DTYPES = ("bfloat16", "float16")
+
+
+def _declared(f):
+    def op(a, n):
+        out = f(a, n)
+        dt = n.type.dtype
+        if dt in LOW_DTYPES and np.asarray(out).dtype != np.dtype(dt):
+            return np.asarray(out).astype(dt)
+        return out
+    return op
+
+
+NUMPY_OPS.update({k: _declared(f) for k, f in NUMPY_OPS.items()})
 
 
 def run_unsharded(graph, feeds: dict) -> dict:

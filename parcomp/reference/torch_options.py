@@ -28,6 +28,56 @@ def make_scheduler(opt, cfg, first: int = 1):
     return sched
 
 
+def autocast(cfg):
+    """``torch.autocast("cpu", dtype)`` for ``cfg``'s ``precision=bf16|fp16``, else a no-op context."""
+    import contextlib
+
+    import torch
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(getattr(cfg.options, "precision", "fp32"))
+    return contextlib.nullcontext() if dtype is None else torch.autocast("cpu", dtype=dtype)
+
+
+def make_scaler(cfg, start, opt, named):
+    """torch.amp.GradScaler for ``precision=fp16`` (None otherwise), its scale and growth counter
+    taken from ``start``'s ``amp.*`` values; AdamW's ``step`` then counts only the steps taken."""
+    import torch
+
+    if getattr(cfg.options, "precision", "fp32") != "fp16":
+        return None
+    s0 = cfg.options.loss_scale
+    scaler = torch.amp.GradScaler("cpu", init_scale=s0, growth_interval=cfg.options.growth_interval)
+    if start is not None and "amp.scale_ratio" in start:
+        scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
+        scaler._scale.fill_(s0 * (1 + float(start["amp.scale_ratio"])))
+        scaler._growth_tracker.fill_(int(start["amp.growth_tracker"]))
+        skipped = int(start["amp.skipped"])
+        for _, p in named:
+            if "step" in opt.state.get(p, {}):
+                opt.state[p]["step"] -= skipped
+    scaler.skipped = 0 if start is None else int(start.get("amp.skipped", 0))
+    return scaler
+
+
+def scaler_step(scaler, opt) -> None:
+    """``scaler.step(opt); scaler.update()``, counting a skipped step (inf/NaN found)."""
+    scaler.step(opt)
+    found = scaler._per_optimizer_states[id(opt)]["found_inf_per_device"].values()
+    scaler.skipped += int(sum(float(v) for v in found) > 0)
+    scaler.update()
+
+
+def scaler_state(scaler, cfg) -> dict:
+    """The scaler's carried values as parcomp names them (:mod:`parcomp.passes.amp`)."""
+    import numpy as np
+
+    if scaler is None:
+        return {}
+    return {"amp.scale_ratio": np.array(scaler.get_scale() / cfg.options.loss_scale - 1, "float32"),
+            "amp.growth_tracker": np.array(float(scaler._get_growth_tracker()), "float32"),
+            "amp.skipped": np.array(float(scaler.skipped), "float32")}
+
+
 def clip(params, cfg) -> None:
     """torch.nn.utils.clip_grad_norm_ over ``params`` when ``cfg`` asks for clipping."""
     import torch

@@ -16,4 +16,19 @@ def clip_coef(sumsq, max_norm: float):
     return np.minimum(c, t(1.0)).astype(t)
 
 
-TRAIN_NUMPY_OPS = {"clip_coef": lambda a, n: clip_coef(a[0], n.attr("max_norm"))}
+TRAIN_NUMPY_OPS = {"clip_coef": lambda a, n: clip_coef(a[0], n.attr("max_norm")),
+                   "grad_upcast": lambda a, n: np.asarray(a[0]).astype(np.float32),  # exact widening
+                   # fp16 loss scaling (parcomp/passes/amp.py)
+                   "nonfinite": lambda a, n: (~np.isfinite(a[0])).astype(np.float32),
+                   "amp_select": lambda a, n: np.where(a[0] > 0, a[2], a[1]).astype(a[1].dtype),
+                   "amp_ratio": lambda a, n: amp_ratio(a[0], a[1], a[2], n.attr("interval")),
+                   "amp_tracker": lambda a, n: np.where(
+                       (a[0] > 0) | (a[1] + 1 >= n.attr("interval")), 0, a[1] + 1).astype(np.float32)}
+
+
+def amp_ratio(found, ratio, tracker, interval: int):
+    """The next ``scale / init - 1``: halved on a skipped step, doubled after ``interval``
+    clean ones (torch.amp.GradScaler.update), exact for powers of two."""
+    f32 = np.float32
+    grow = np.where(tracker + 1 >= interval, f32(2) * ratio + f32(1), ratio)
+    return np.where(found > 0, f32(0.5) * ratio - f32(0.5), grow).astype(f32)

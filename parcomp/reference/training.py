@@ -11,7 +11,7 @@ import copy
 import numpy as np
 
 from .numpy_ops import run_unsharded
-from .torch_options import accumulate_backward, clip, make_scheduler
+from .torch_options import accumulate_backward, autocast, clip, make_scaler, make_scheduler, scaler_state, scaler_step
 
 
 def initial_state(graph, feeds: dict) -> dict:
@@ -118,6 +118,7 @@ def torch_train(module, example, input_names, data: dict, cfg, steps: int, outpu
     if start is not None:
         _load_start(m, opt, named, start, first, cfg.optimizer)
     sched = make_scheduler(opt, cfg, first)  # training options (issue 13)
+    scaler = make_scaler(cfg, start, opt, named)  # fp16: torch.amp.GradScaler (issue 13)
     names = _aliases(m)  # a tied weight (lm_head.weight is wte.weight) under export's name for it
     xs = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in example]
     losses, grads = [], {}
@@ -128,8 +129,9 @@ def torch_train(module, example, input_names, data: dict, cfg, steps: int, outpu
         if micro is not None:  # issue 13: accumulate=K, one backward() per microbatch
             loss = torch.tensor(accumulate_backward(m, micro, input_names, cfg, output))
         else:
-            y = m(*xs)
-            y = [o for o in torch.utils._pytree.tree_leaves(y) if o is not None][output]  # export's order
+            with autocast(cfg):  # issue 13: precision=bf16|fp16 is torch.autocast's, the loss in float32
+                y = m(*xs)
+            y = [o for o in torch.utils._pytree.tree_leaves(y) if o is not None][output].float()  # export's order
             if cfg.loss == "mse":
                 loss = F.mse_loss(y, torch.from_numpy(data["target"]))
             elif cfg.loss == "cross_entropy":
@@ -137,15 +139,21 @@ def torch_train(module, example, input_names, data: dict, cfg, steps: int, outpu
                                        torch.from_numpy(data["labels"]).reshape(-1), **dict(cfg.loss_args))
             else:
                 loss = y
-            loss.backward()
+            (loss if scaler is None else scaler.scale(loss)).backward()
+        if scaler is not None:  # parcomp's x.grad is unscaled too (GradScaler leaves inputs scaled)
+            scaler.unscale_(opt)
+            for x in xs:
+                if x.grad is not None:
+                    x.grad /= scaler.get_scale()
         clip([p for _, p in named], cfg)  # issue 13: p.grad is the clipped gradient, as torch has it
         losses.append(float(loss.detach()))
         grads = {names[id(p)]: p.grad.detach().numpy().copy() for _, p in named if p.grad is not None}
-        opt.step()
+        opt.step() if scaler is None else scaler_step(scaler, opt)
         if sched is not None:
             sched.step()
     state = {f"{names[id(p)]}.{s}": v.detach().numpy().copy() for _, p in named
              for s, v in opt.state[p].items() if s != "step" and isinstance(v, torch.Tensor)}
+    state.update(scaler_state(scaler, cfg))
     from ..frontends.torch_fold import folded_constants
 
     sources = {**dict(m.named_buffers()), **m.state_dict(), **folded_constants(module)}  # constants too

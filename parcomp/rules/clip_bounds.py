@@ -31,4 +31,13 @@ def _clip_coef(vals, errs, node, out, u):
     return prop + 4 * u * np.abs(out) + np.finfo(np.float64).tiny
 
 
-CLIP_ERROR_RULES = {"clip_coef": _clip_coef}
+CLIP_ERROR_RULES = {"clip_coef": _clip_coef,
+                    # mixed precision: widening to float32 is exact, the error moves with the value
+                    "grad_upcast": lambda vals, errs, node, out, u: np.broadcast_to(errs[0], np.shape(out)),
+                    # fp16 loss scaling: flags and counters are exact; a select moves the chosen error
+                    "nonfinite": lambda vals, errs, node, out, u: np.zeros(np.shape(out)),
+                    "amp_select": lambda vals, errs, node, out, u: np.where(
+                        np.asarray(vals[0]) > 0, np.broadcast_to(errs[2], np.shape(out)),
+                        np.broadcast_to(errs[1], np.shape(out))).astype(np.float64),
+                    "amp_ratio": lambda vals, errs, node, out, u: np.zeros(np.shape(out)),
+                    "amp_tracker": lambda vals, errs, node, out, u: np.zeros(np.shape(out))}

@@ -188,7 +188,7 @@ def mesh_strategies(node, in_types, mesh) -> list:
     """
     per_axis = axis_strategies(node, in_types)
     out = []
-    for combo in itertools.product(*(_on_axis(per_axis, name) for name in mesh.names)):
+    for combo in itertools.product(*(_on_axis(per_axis, name, node) for name in mesh.names)):
         ins = tuple(tuple(c[0][i] for c in combo) for i in range(len(in_types)))
         res = tuple(c[1] for c in combo)
         if divisibility_problem(node.type, res, mesh):
@@ -199,9 +199,13 @@ def mesh_strategies(node, in_types, mesh) -> list:
     return out
 
 
-def _on_axis(per_axis, name) -> list:
+def _on_axis(per_axis, name, node=None) -> list:
     """The single-axis strategies allowed on mesh axis ``name``: a pipeline axis (``pp``)
-    splits the model into stages, never a tensor, so only the replicated strategy."""
+    splits the model into stages, never a tensor, so only the replicated strategy. An axis
+    in ``node``'s ``partial_over`` (mixed precision's ``grad_upcast``) takes no replicated
+    operand there: its operand's partial sums are reduced after it, in float32."""
+    if node is not None and name in (node.attr("partial_over", "") or "").split():
+        return [s for s in per_axis if R not in s[0]]
     if name != "pp":
         return per_axis
     rep = [s for s in per_axis if s[1] == R and all(p == R for p in s[0])]
