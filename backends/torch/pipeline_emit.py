@@ -17,6 +17,8 @@ import re
 
 from parcomp.program import ParcompError, format_placement, placement_table
 
+from .runtime import sections
+
 __all__ = ["emit_pipeline_program", "pipeline_emittable", "PipelineEmitError"]
 
 
@@ -25,11 +27,23 @@ class PipelineEmitError(ParcompError):
 
 _MAIN = '''
 def coords(rank):
-    out = []
-    for _, n in reversed(MESH):
-        out.append(rank % n)
-        rank //= n
-    return dict(zip([a for a, _ in MESH], reversed(out)))
+    """``{axis: coordinate}`` of a global rank (row-major, the last axis fastest)."""
+    return dict(zip(MESH, mesh_coords(rank)))
+
+
+def local_shard(t, splits):
+    """This rank's block of a full tensor: ``splits`` = ``[(dim, axis), ...]`` of its layout."""
+    for dim, axis in splits:
+        t = t.chunk(MESH[axis], dim)[COORD[AXIS[axis]]]
+    return t.contiguous()
+
+
+def whole_value(t, splits):
+    """The full tensor from this rank's block (an all_gather per split axis, every rank of
+    the group calls it)."""
+    for dim, axis in reversed(splits):
+        t = all_gather(t, dim, axis)
+    return t
 
 
 def tag(m, direction, j):
@@ -59,6 +73,7 @@ def setup(rank):
         g = dist.new_group(ranks)
         if rank in ranks:
             dp_group = g
+    make_groups()  # the groups of the axes inside a stage (tp): COMM_AXES
     return stage, d, dp_group
 
 
@@ -121,10 +136,12 @@ def main():
         sys.exit(f"this program needs {WORLD} ranks, got {world}")
     stage, d, dp_group = setup(rank)
     sd = torch.load(args.checkpoint)
-    p = {k: sd[k] if k in sd else torch.zeros(STATE_SHAPES[k]) for k in PARAMS[stage]}
+    p = {k: local_shard(sd[k], SPLITS.get(k, [])) if k in sd else torch.zeros(STATE_SHAPES[k])
+         for k in PARAMS[stage]}
     data = torch.load(args.input)
     result = step(rank, stage, d, dp_group, p, data)
-    if d == 0:
+    result = {k: whole_value(v, SPLITS.get(k, [])) for k, v in result.items()}
+    if all(c == 0 for a, c in coords(rank).items() if a != "pp"):  # one rank per stage writes
         torch.save({k: v.detach().clone() for k, v in result.items()}, f"{args.output}.stage{stage}")
     if args.bench:  # every step from the same state: the time of one step, not a trajectory
         dist.barrier()
@@ -179,29 +196,39 @@ def _specs(stage, values) -> list:
 
 
 def pipeline_emittable(program) -> bool:
-    """Whether this module can print ``program``'s pipeline: no mesh axis but ``pp`` and ``dp``
-    is larger than 1 (sharding inside a stage is not emitted yet; :func:`.emit.emit_program`
-    then prints the SPMD program, every pp rank computing the whole model)."""
-    return all(a in ("pp", "dp") or n == 1 for a, n in program.mesh.axes)
+    """Whether this module can print ``program``'s pipeline: the mesh has no axis but ``pp``
+    and ``dp`` larger than 1, or the plan holds the stages' programs sharded over those axes
+    (``plan.local``, tp inside a stage)."""
+    plan = program.pipeline
+    return bool(plan is not None and plan.local) or all(
+        a in ("pp", "dp") or n == 1 for a, n in program.mesh.axes)
+
+
+def _splits(layout, mesh_names) -> list:
+    """``[(dim, axis), ...]`` of a layout on the inner mesh (its Shard placements)."""
+    return [(p.dim, a) for a, p in zip(mesh_names, layout) if hasattr(p, "dim")]
 
 
 def emit_pipeline_program(program, model, code) -> str:
     """The text of ``program.py`` for a :class:`parcomp.program.Program` whose ``pipeline``
     is set; ``model``: what it was imported from (for the docstring) or None; ``code``: the op
     printer, :func:`.emit._code` (emit.py passes it, so this module does not import emit.py).
+    With tp inside a stage the stage functions are the per-rank programs of ``plan.local``
+    (their collectives over the inner axes), params are loaded as this rank's shards and the
+    outputs gathered whole before they are written.
 
     Raises:
-        PipelineEmitError: a ``tp`` axis larger than 1 (sharding inside a stage is not
-            emitted yet). EmitError: an op without a torch mapping.
+        PipelineEmitError: a mesh axis besides ``pp`` and ``dp`` larger than 1 without sharded
+            stage programs. EmitError: an op without a torch mapping.
     """
     plan, mesh = program.pipeline, program.mesh
-    extra = [a for a, n in mesh.axes if a not in ("pp", "dp") and n > 1]
-    if extra:
-        raise PipelineEmitError(f"the torch backend does not emit a pipeline with mesh axis "
-                        f"{extra[0]} > 1 yet (sharding inside a stage); the numpy interpreter "
-                        f"runs it: parcomp check")
+    if not pipeline_emittable(program):
+        extra = next(a for a, n in mesh.axes if a not in ("pp", "dp") and n > 1)
+        raise PipelineEmitError(f"the pipeline has mesh axis {extra} > 1 but no sharded stage "
+                                f"programs to print")
     table = placement_table(mesh)
     dp_groups = table["groups"].get("dp", [])
+    inner = [a for a, _ in mesh.axes if a not in ("pp", "dp")]
     head = [f'"""parcomp pipelined training step: {program.spec_name or "spec"}'
             f"{f', model {model}' if model else ''}.",
             "", f"mesh {mesh}, schedule {plan.schedule}, {plan.microbatches} microbatch(es) of "
@@ -209,24 +236,34 @@ def emit_pipeline_program(program, model, code) -> str:
             f"{plan.microbatches} x dp {plan.dp}; bubble {plan.analytic_bubble:.3f} (analytic), "
             f"{plan.simulation.bubble:.3f} (simulated).", "", format_placement(table), "",
             f"torchrun --nproc-per-node {mesh.size} program.py --checkpoint model.pt "
-            f"--input inputs.pt --output out.pt", '"""', "import argparse", "import sys", "import time", "",
-            "import torch", "import torch.distributed as dist", ""]
-    consts = [f"MESH = {tuple(mesh.axes)!r}", f"WORLD = {mesh.size}",
-              'DEVICE = torch.device("cpu")  # gloo: every tensor on the CPU',
+            f"--input inputs.pt --output out.pt", '"""', "import argparse", "import math", "import os",
+            "import sys", "import time", "", "import torch", "import torch.distributed as dist", ""]
+    groups = {a: table["groups"][a] for a in inner if a in table["groups"]}
+    consts = [f"MESH = {dict(mesh.axes)!r}", f"WORLD = {mesh.size}",
+              f"GROUP_RANKS = {groups!r}  # the groups of the axes inside a stage",
+              f"COMM_AXES = {tuple(a for a in inner if dict(mesh.axes)[a] > 1)!r}",
               f"MICROBATCHES = {plan.microbatches}", f"MICRO_BATCH = {plan.micro_batch}",
               f"SCALE = 1.0 / {plan.microbatches * plan.dp}  # 1 / (microbatches x dp)",
               f"DP_GROUPS = {dp_groups!r}"]
-    params, state, batch, grads, sends, recvs = {}, {}, {}, {}, {}, {}
+    params, state, batch, grads, sends, recvs, splits = {}, {}, {}, {}, {}, {}, {}
     for st in plan.stages:
-        opt = st.optimizer
+        opt = plan.local[st.index].optimizer if plan.local else st.optimizer
         params[st.index] = sorted({n.name for g in (st.forward, st.backward, opt) for n in g.params})
         state.update({n.name: tuple(n.type.shape) for n in opt.params if n.phase == "optimizer"})
         batch[st.index] = sorted({n.name for g in (st.forward, st.backward) for n in g.inputs}
                                  - set(st.recv) - {f"grad.{v}" for v in st.send} - set(st.saved))
         grads[st.index] = [f"grad.{q}" for q in st.params]
         sends[st.index], recvs[st.index] = _specs(st, st.send), _specs(st, st.recv)
+        if plan.local:
+            splits.update({k: _splits(v, inner) for k, v in plan.local[st.index].layouts.items()
+                           if _splits(v, inner)})
     consts += [f"PARAMS = {params!r}", f"STATE_SHAPES = {state!r}", f"BATCH_INPUTS = {batch!r}",
-               f"GRADS = {grads!r}", f"SEND = {sends!r}", f"RECV = {recvs!r}"]
+               f"GRADS = {grads!r}", f"SEND = {sends!r}", f"RECV = {recvs!r}",
+               "# [(dim, axis), ...] of every value split inside a stage: params (loaded as this",
+               "# rank's block), optimizer state, gradients, the step's outputs (gathered whole)",
+               f"SPLITS = {splits!r}"]
+    runtime = "# ---- process facts and collectives (the SPMD program's runtime) ----\n" + \
+        sections("program_common")["process"]
     acts = ["# every rank's action list, (action, microbatch, peer rank), run in order by main();",
             "# parcomp simulated all of them together: every send meets its recv, no deadlock",
             "ACTIONS = {"]
@@ -239,14 +276,15 @@ def emit_pipeline_program(program, model, code) -> str:
     fns = []
     for st in plan.stages:
         s = st.index
-        fns += [_function(f"stage{s}_forward", st.forward, f"Stage {s}: forward of one microbatch.",
+        g = plan.local[s] if plan.local else st
+        fns += [_function(f"stage{s}_forward", g.forward, f"Stage {s}: forward of one microbatch.",
                           code),
-                _function(f"stage{s}_backward", st.backward, f"Stage {s}: backward of one microbatch.",
+                _function(f"stage{s}_backward", g.backward, f"Stage {s}: backward of one microbatch.",
                           code),
-                _function(f"stage{s}_optimizer", st.optimizer, f"Stage {s}: the update.", code)]
+                _function(f"stage{s}_optimizer", g.optimizer, f"Stage {s}: the update.", code)]
     n = len(plan.stages)
     fns += [f"FORWARD = {{{', '.join(f'{s}: stage{s}_forward' for s in range(n))}}}",
             f"BACKWARD = {{{', '.join(f'{s}: stage{s}_backward' for s in range(n))}}}",
             f"OPTIMIZER = {{{', '.join(f'{s}: stage{s}_optimizer' for s in range(n))}}}"]
-    body = ["\n".join(head), "\n".join(consts), "\n".join(acts), "\n\n\n".join(fns), _MAIN.strip("\n")]
+    body = ["\n".join(head), "\n".join(consts), runtime, "\n".join(acts), "\n\n\n".join(fns), _MAIN.strip("\n")]
     return "\n\n\n".join(body) + "\n"

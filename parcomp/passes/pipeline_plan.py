@@ -35,6 +35,8 @@ class PipelinePlan:
         actions: one action list per stage (:func:`~parcomp.passes.schedule.schedule`).
         simulation: the :class:`~parcomp.passes.schedule.Simulation` of ``actions``.
         stage_flops: forward FLOPs of one microbatch per stage (the simulation's times).
+        local: one :class:`~parcomp.passes.stage_shard.StageLocal` per stage when the mesh
+            has axes besides ``pp`` and ``dp`` larger than 1 (tp inside a stage), else ().
     """
 
     pp: int
@@ -48,6 +50,7 @@ class PipelinePlan:
     actions: tuple
     simulation: Simulation
     stage_flops: tuple
+    local: tuple = ()
 
     @property
     def analytic_bubble(self) -> float:
@@ -123,7 +126,19 @@ def plan_pipeline(graph: Graph, spec) -> PipelinePlan:
     acts = schedule(cfg.schedule, pp, cfg.microbatches)
     sim = simulate(acts, [f / top for f in flops], [2 * f / top for f in flops])
     return PipelinePlan(pp, dp, cfg.microbatches, cfg.schedule, batch // parts, batch, stage_of,
-                        progs, acts, sim, flops)
+                        progs, acts, sim, flops, _local(graph, spec, progs, cfg))
+
+
+def _local(graph, spec, progs, cfg) -> tuple:
+    """The stages' programs sharded over the mesh less pp and dp (:mod:`.stage_shard`), or ()
+    when that mesh has one rank."""
+    from .bind_layouts import bind_layouts
+    from .decompose import decompose_reductions
+    from .stage_shard import inner_mesh, shard_stages
+
+    if inner_mesh(spec.mesh).size == 1:
+        return ()
+    return shard_stages(progs, bind_layouts(decompose_reductions(graph), spec), spec.mesh, cfg.loc)
 
 
 def attach_pipeline(graph: Graph, spec, program, report: dict) -> tuple:

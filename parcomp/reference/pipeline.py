@@ -6,13 +6,17 @@ backward needs, ``send_*`` / ``recv_*`` move values through a mailbox keyed by
 (receiving stage, direction, microbatch), a ``backward`` adds the microbatch's parameter
 gradients to the stage's sums.  After every microbatch of every dp replica, the sums are
 scaled once by ``1 / (microbatches * dp)`` (the dp all-reduce is the sum over replicas)
-and each stage's optimizer program runs.
+and each stage's optimizer program runs.  With tp inside a stage (``plan.local``) each
+program is the stage's per-rank program run on every rank of the inner mesh
+(:func:`~parcomp.reference.interpreter.run_spmd`, its collectives included); values passed
+between programs are assembled to full arrays and split again by the next program's layouts.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from ..passes.stage_train import grad_name
+from .interpreter import run_spmd
 from .numpy_ops import run_unsharded
 
 __all__ = ["run_pipeline_step"]
@@ -22,6 +26,15 @@ def _slices(feeds, names, plan):
     """``{name: [piece of dim 0 per (replica, microbatch)]}`` for the batch inputs."""
     parts = plan.microbatches * plan.dp
     return {n: np.split(np.asarray(feeds[n]), parts, axis=0) for n in names if n in feeds}
+
+
+def _run(plan, s: int, kind: str, feeds: dict) -> dict:
+    """Stage ``s``'s ``kind`` program (forward / backward / optimizer) on full arrays."""
+    if not plan.local:
+        return run_unsharded(getattr(plan.stages[s], kind), feeds)
+    local = getattr(plan.local[s], kind)
+    return run_spmd(local, {n.name: feeds[n.name] for n in local.nodes
+                            if n.op in ("input", "param")}).outputs(local)
 
 
 def run_pipeline_step(plan, feeds: dict) -> dict:
@@ -46,9 +59,9 @@ def run_pipeline_step(plan, feeds: dict) -> dict:
         _replica(plan, feeds, pieces, d, sums, losses)
     scale = np.float32(1.0 / (plan.microbatches * plan.dp))
     out = {"loss": np.float32(np.sum(np.asarray(losses, np.float32), dtype=np.float32) * scale)}
-    for st, acc in zip(plan.stages, sums):
+    for s, acc in enumerate(sums):
         opt_feeds = {**feeds, **{k: (v * scale).astype(v.dtype) for k, v in acc.items()}}
-        out.update(run_unsharded(st.optimizer, opt_feeds))
+        out.update(_run(plan, s, "optimizer", opt_feeds))
     return out
 
 
@@ -61,7 +74,7 @@ def _replica(plan, feeds, pieces, d, sums, losses) -> None:
             continue
         data = {n: p[d * plan.microbatches + m] for n, p in pieces.items()}
         if a.kind == "forward":
-            out = run_unsharded(st.forward, {**feeds, **data, **got[s].pop(("fwd", m), {})})
+            out = _run(plan, s, "forward", {**feeds, **data, **got[s].pop(("fwd", m), {})})
             stash[s][m] = out
             if "loss" in out:
                 losses.append(out["loss"])
@@ -74,8 +87,8 @@ def _replica(plan, feeds, pieces, d, sums, losses) -> None:
         else:
             saved = {v: stash[s][m][f"saved.{v}"] for v in st.saved}
             del stash[s][m]
-            out = run_unsharded(st.backward, {**feeds, **data, **saved,
-                                              **got[s].pop(("bwd", m), {})})
+            out = _run(plan, s, "backward", {**feeds, **data, **saved,
+                                             **got[s].pop(("bwd", m), {})})
             for p in st.params:
                 g = out[grad_name(p)]
                 acc = sums[s]
