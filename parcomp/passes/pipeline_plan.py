@@ -77,7 +77,8 @@ class PipelinePlan:
                             "send": list(s.send), "forward_flops": f,
                             "stash_bytes_per_microbatch": s.saved_bytes,
                             "peak_inflight_microbatches": peak,
-                            "peak_inflight_bytes": peak * s.saved_bytes, **stage_memory(s)}
+                            "peak_inflight_bytes": peak * s.saved_bytes,
+                            **stage_memory(s, self.local[s.index] if self.local else None)}
                            for s, f, peak in zip(self.stages, self.stage_flops, sim.peak_inflight)],
                 "latency_one_microbatch": self.latency(),
                 "bubble_analytic": self.analytic_bubble, "bubble_simulated": sim.bubble,
@@ -85,12 +86,16 @@ class PipelinePlan:
                 "actions": [[str(a) for a in acts] for acts in self.actions]}
 
 
-def stage_memory(stage) -> dict:
-    """Bytes one rank of ``stage`` holds (the stage is not split over ``tp``): its weights,
-    their gradients (summed over microbatches) and the optimizer's state."""
-    weights = sum(stage.forward[p].type.nbytes if p in stage.forward else
-                  stage.optimizer[p].type.nbytes for p in stage.params)
-    state = sum(n.type.nbytes for n in stage.optimizer.params if n.phase == "optimizer")
+def stage_memory(stage, local=None) -> dict:
+    """Bytes one rank of ``stage`` holds: its weights, their gradients (summed over
+    microbatches) and the optimizer's state; with tp inside the stage (``local``, a
+    :class:`~parcomp.passes.stage_shard.StageLocal`), this rank's shards."""
+    opt = local.optimizer if local is not None else stage.optimizer
+    types = {n.name: n.type for n in opt.nodes}
+    if local is None:
+        types = {**{n.name: n.type for n in stage.forward.nodes}, **types}
+    weights = sum(types[p].nbytes for p in stage.params)
+    state = sum(n.type.nbytes for n in opt.params if n.phase == "optimizer")
     return {"weight_bytes": weights, "grad_bytes": weights, "optimizer_state_bytes": state}
 
 

@@ -66,7 +66,7 @@ def shard_stages(stages, bound: Graph, mesh: Mesh, loc=None) -> tuple:
 
     Raises:
         SpecError: a param split over ``dp`` or ``pp`` (ZeRO-style sharding is not run inside
-            a pipeline), at ``loc``. ShardingError: a layout that does not split evenly.
+            a pipeline), at its layout rule (else ``loc``). ShardingError: a layout that does not split evenly.
     """
     inner = inner_mesh(mesh)
     out = []
@@ -77,7 +77,8 @@ def shard_stages(stages, bound: Graph, mesh: Mesh, loc=None) -> tuple:
             for a, pl in zip(mesh.names, full):
                 if a in OUTER and str(pl) != "R":
                     raise SpecError(f"param {p} is laid out {layout_str(full)}: inside a pipeline "
-                                    f"a param may split only over {', '.join(inner.names)}", loc)
+                                    f"a param may split only over {', '.join(inner.names)}",
+                                    bound[p].spec_loc or loc)
             lay[p] = _project(full, mesh)
         out.append(_shard_stage(st, lay, inner))
     return tuple(out)
