@@ -74,6 +74,11 @@ def setup(rank):
         if rank in ranks:
             dp_group = g
     make_groups()  # the groups of the axes inside a stage (tp): COMM_AXES
+    for i, lines in enumerate(TIED_SETS):  # tied weights: the ranks of the stages holding a copy
+        for ranks in lines:
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                TIED_GROUP[i] = g
     return stage, d, dp_group
 
 
@@ -110,6 +115,8 @@ def step(rank, stage, d, dp_group, p, data):
         elif kind == "optimizer":
             for h in handles:
                 h.wait()
+            for k, i in TIED.get(stage, []):  # a tied weight: its stages' sum, before dp
+                dist.all_reduce(sums[k], group=TIED_GROUP[i])
             for k in GRADS[stage]:  # the gradient of the global batch: sum, then scale once
                 if dp_group is not None:
                     dist.all_reduce(sums[k], group=dp_group)
@@ -209,6 +216,18 @@ def _splits(layout, mesh_names) -> list:
     return [(p.dim, a) for a, p in zip(mesh_names, layout) if hasattr(p, "dim")]
 
 
+def _tied_groups(mesh, held) -> list:
+    """For stages ``held``: one rank list per rank of stage ``held[0]``, the ranks with the
+    same coordinates on every other axis in the stages of ``held``."""
+    a = mesh.axis_index("pp")
+    out = []
+    for r in range(mesh.size):
+        c = list(mesh.coords(r))
+        if c[a] == held[0]:
+            out.append([mesh.rank_of(tuple(c[:a]) + (t,) + tuple(c[a + 1:])) for t in held])
+    return out
+
+
 def emit_pipeline_program(program, model, code) -> str:
     """The text of ``program.py`` for a :class:`parcomp.program.Program` whose ``pipeline``
     is set; ``model``: what it was imported from (for the docstring) or None; ``code``: the op
@@ -262,6 +281,13 @@ def emit_pipeline_program(program, model, code) -> str:
                "# [(dim, axis), ...] of every value split inside a stage: params (loaded as this",
                "# rank's block), optimizer state, gradients, the step's outputs (gathered whole)",
                f"SPLITS = {splits!r}"]
+    sets = sorted({held for _, held in plan.tied})
+    tied = {s: [(f"grad.{q}", sets.index(held)) for q, held in plan.tied if s in held]
+            for s in range(len(plan.stages))}
+    consts += ["# tied weights: per set of stages, the rank groups (one rank per stage, same dp/tp",
+               "# coordinates) whose gradient contributions are summed before the dp all_reduce",
+               f"TIED_SETS = {[_tied_groups(mesh, held) for held in sets]!r}",
+               f"TIED = {({s: v for s, v in tied.items() if v})!r}", "TIED_GROUP = {}"]
     runtime = "# ---- process facts and collectives (the SPMD program's runtime) ----\n" + \
         sections("program_common")["process"]
     acts = ["# every rank's action list, (action, microbatch, peer rank), run in order by main();",

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from ..errors import SpecError
 from ..ir.graph import Graph
 from .schedule import Simulation, analytic_bubble, rank_actions, schedule, simulate
-from .split_stages import assign_stages, balanced_rules, node_flops, rebatch, split_stages
+from .split_stages import (assign_stages, balanced_rules, node_flops, param_stages, rebatch,
+                           split_stages)
 from .stage_train import stage_programs
 from .train_config import train_config
 from .verify import verify
@@ -37,6 +38,8 @@ class PipelinePlan:
         stage_flops: forward FLOPs of one microbatch per stage (the simulation's times).
         local: one :class:`~parcomp.passes.stage_shard.StageLocal` per stage when the mesh
             has axes besides ``pp`` and ``dp`` larger than 1 (tp inside a stage), else ().
+        tied: ``((param, (stage, ...)), ...)``: trainable params held by several stages (tied
+            weights); their gradients are summed over those stages before the dp reduction.
     """
 
     pp: int
@@ -51,6 +54,7 @@ class PipelinePlan:
     simulation: Simulation
     stage_flops: tuple
     local: tuple = ()
+    tied: tuple = ()
 
     @property
     def analytic_bubble(self) -> float:
@@ -83,6 +87,7 @@ class PipelinePlan:
                 "latency_one_microbatch": self.latency(),
                 "bubble_analytic": self.analytic_bubble, "bubble_simulated": sim.bubble,
                 "makespan": sim.makespan,
+                "tied": {p: list(held) for p, held in self.tied},
                 "actions": [[str(a) for a in acts] for acts in self.actions]}
 
 
@@ -130,8 +135,11 @@ def plan_pipeline(graph: Graph, spec) -> PipelinePlan:
     top = max(flops) or 1
     acts = schedule(cfg.schedule, pp, cfg.microbatches)
     sim = simulate(acts, [f / top for f in flops], [2 * f / top for f in flops])
+    trained = {p for st in progs for p in st.params}
+    tied = tuple((p, held) for p, held in param_stages(graph, stage_of).items()
+                 if len(held) > 1 and p in trained)
     return PipelinePlan(pp, dp, cfg.microbatches, cfg.schedule, batch // parts, batch, stage_of,
-                        progs, acts, sim, flops, _local(graph, spec, progs, cfg))
+                        progs, acts, sim, flops, _local(graph, spec, progs, cfg), tied)
 
 
 def _local(graph, spec, progs, cfg) -> tuple:

@@ -57,8 +57,15 @@ def run_pipeline_step(plan, feeds: dict) -> dict:
     losses = []
     for d in range(plan.dp):
         _replica(plan, feeds, pieces, d, sums, losses)
+    for p, held in plan.tied:  # tied weights: one sum over the stages holding a copy
+        total = sums[held[0]][grad_name(p)]
+        for s in held[1:]:
+            total = total + sums[s][grad_name(p)]
+        for s in held:
+            sums[s][grad_name(p)] = total
     scale = np.float32(1.0 / (plan.microbatches * plan.dp))
-    out = {"loss": np.float32(np.sum(np.asarray(losses, np.float32), dtype=np.float32) * scale)}
+    arr = np.asarray(losses)  # the model's float dtype (float64 in the float64 re-check)
+    out = {"loss": (np.sum(arr, dtype=arr.dtype) * arr.dtype.type(scale)).astype(arr.dtype)}
     for s, acc in enumerate(sums):
         opt_feeds = {**feeds, **{k: (v * scale).astype(v.dtype) for k, v in acc.items()}}
         out.update(_run(plan, s, "optimizer", opt_feeds))
