@@ -77,3 +77,29 @@ def test_cli_run_launches_the_pipelined_step(tmp_path, capsys):
     # the stages' outputs are run files parcomp wrote: a second run into --keep replaces them
     assert main(["run", str(tmp_path / "m.pcir"), "--spec", str(tmp_path / "s.pcs"), "--nproc", "2",
                  "--keep", str(tmp_path / "work")]) == 0
+
+
+def test_gpt2_pp2_tied_embedding_under_torchrun_equals_the_unsharded_step(tmp_path):
+    """program.py sums the tied weight's gradient over stages 0 and 1 (a group of exactly
+    those ranks). In float64 (the model promoted, parcomp/check64.py): float32 transformer
+    bounds overflow and could not tell a missing contribution from rounding."""
+    pytest.importorskip("transformers")
+    from test_pipeline_tied import STAGES, TRAIN as LM_TRAIN, gpt2_64, lm_pipelined
+
+    g = gpt2_64()
+    train = f"{LM_TRAIN} microbatches=2 schedule=1f1b"
+    c = compile_graph(g, spec(f"mesh pp=2\n{STAGES}{train}\n"))
+    text = emit_program(c)
+    assert "TIED_SETS = [[[0, 1]]]" in text
+    (tmp_path / "program.py").write_text(text)
+    _, want, bounds, _, ref, feeds = lm_pipelined(g, f"mesh pp=2\n{STAGES}", train)
+    ck = {k: torch.from_numpy(np.asarray(v)) for k, v in feeds.items() if ref[k].op == "param"}
+    inp = {k: torch.from_numpy(np.asarray(feeds[k])) for k in ("input_ids", "labels")}
+    res = run_torchrun(tmp_path, 2, ck, inp, str(tmp_path / "out.pt"), timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = {}
+    for s in range(2):
+        got.update({k: v.numpy() for k, v in torch.load(str(tmp_path / f"out.pt.stage{s}")).items()})
+    assert_all_equivalent(got, want, bounds)
+    stage0 = torch.load(str(tmp_path / "out.pt.stage0"))  # both copies took the same update
+    assert torch.equal(stage0["lm_head.weight"], torch.from_numpy(got["lm_head.weight"]))

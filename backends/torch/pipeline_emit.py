@@ -14,9 +14,14 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 
 from parcomp.program import ParcompError, format_placement, placement_table
 
+from parcomp.ir.types import Replicate
+
+from .emit_norms import runtime_sections
+from .emit_reduce import reduce_sections
 from .runtime import sections
 
 __all__ = ["emit_pipeline_program", "pipeline_emittable", "PipelineEmitError"]
@@ -115,6 +120,8 @@ def step(rank, stage, d, dp_group, p, data):
         elif kind == "optimizer":
             for h in handles:
                 h.wait()
+            for k in GRADS[stage]:  # collectives reduce in place: a strided sum (a transpose's) is copied
+                sums[k] = sums[k].contiguous()
             for k, i in TIED.get(stage, []):  # a tied weight: its stages' sum, before dp
                 dist.all_reduce(sums[k], group=TIED_GROUP[i])
             for k in GRADS[stage]:  # the gradient of the global batch: sum, then scale once
@@ -143,8 +150,8 @@ def main():
         sys.exit(f"this program needs {WORLD} ranks, got {world}")
     stage, d, dp_group = setup(rank)
     sd = torch.load(args.checkpoint)
-    p = {k: local_shard(sd[k], SPLITS.get(k, [])) if k in sd else torch.zeros(STATE_SHAPES[k])
-         for k in PARAMS[stage]}
+    p = {k: local_shard(sd[k], SPLITS.get(k, [])) if k in sd else
+         torch.zeros(STATE_SHAPES[k][0], dtype=getattr(torch, STATE_SHAPES[k][1])) for k in PARAMS[stage]}
     data = torch.load(args.input)
     result = step(rank, stage, d, dp_group, p, data)
     result = {k: whole_value(v, SPLITS.get(k, [])) for k, v in result.items()}
@@ -178,10 +185,27 @@ def _ident(name: str, taken: set) -> str:
     return out
 
 
+def _on_full_mesh(graph, mesh):
+    """``graph`` (a stage program, on the mesh less pp/dp) with its layouts written on the full
+    ``mesh`` (replicated over pp and dp), so a printed block offset reads ``COORD`` of the
+    program's whole mesh; a graph of the full mesh already is returned as is."""
+    if graph.mesh is None or tuple(graph.mesh.axes) == tuple(mesh.axes):
+        return graph
+    inner = graph.mesh.names
+
+    def full(layout):
+        if layout is None:
+            return None
+        by = dict(zip(inner, layout))
+        return tuple(by.get(a, Replicate()) for a in mesh.names)
+    return replace(graph, nodes=tuple(replace(n, layout=full(n.layout)) for n in graph.nodes), mesh=mesh)
+
+
 def _function(fn: str, graph, doc: str, code) -> str:
     """A function computing ``graph``: params from ``p``, inputs from ``inp``, one line per node
-    (``code(node, operand variables)``: :func:`.emit._code`, the torch op table)."""
+    (``code(node, operand variables, graph)``: :func:`.emit._code`, the torch op table)."""
     taken = {"p", "inp", "torch", "dist"}
+    local = graph if graph.stage == "local" else None  # per-rank: block offsets read COORD
     names = {n.name: _ident(n.name, taken) for n in graph.nodes}
     lines = [f"def {fn}(p, inp):", f'    """{doc}"""']
     for n in graph.nodes:
@@ -190,7 +214,7 @@ def _function(fn: str, graph, doc: str, code) -> str:
             src = "p" if n.op == "param" else "inp"
             lines.append(f"    {var} = {src}[{json.dumps(n.name)}]  # {n.type}")
         else:
-            lines.append(f"    {var} = {code(n, [names[i] for i in n.inputs])}  # {n.type}")
+            lines.append(f"    {var} = {code(n, [names[i] for i in n.inputs], local)}  # {n.type}")
     ret = ", ".join(f"{json.dumps(pub)}: {names[v]}" for pub, v in graph.named_outputs())
     lines.append(f"    return {{{ret}}}")
     return "\n".join(lines)
@@ -268,7 +292,8 @@ def emit_pipeline_program(program, model, code) -> str:
     for st in plan.stages:
         opt = plan.local[st.index].optimizer if plan.local else st.optimizer
         params[st.index] = sorted({n.name for g in (st.forward, st.backward, opt) for n in g.params})
-        state.update({n.name: tuple(n.type.shape) for n in opt.params if n.phase == "optimizer"})
+        state.update({n.name: (tuple(n.type.shape), n.type.dtype) for n in opt.params
+                      if n.phase == "optimizer"})
         batch[st.index] = sorted({n.name for g in (st.forward, st.backward) for n in g.inputs}
                                  - set(st.recv) - {f"grad.{v}" for v in st.send} - set(st.saved))
         grads[st.index] = [f"grad.{q}" for q in st.params]
@@ -299,15 +324,18 @@ def emit_pipeline_program(program, model, code) -> str:
         acts += [f"        {x!r}," for x in row]
         acts.append("    ],")
     acts.append("}")
-    fns = []
+    fns, graphs = [], []
     for st in plan.stages:
         s = st.index
         g = plan.local[s] if plan.local else st
-        fns += [_function(f"stage{s}_forward", g.forward, f"Stage {s}: forward of one microbatch.",
-                          code),
-                _function(f"stage{s}_backward", g.backward, f"Stage {s}: backward of one microbatch.",
-                          code),
-                _function(f"stage{s}_optimizer", g.optimizer, f"Stage {s}: the update.", code)]
+        f, b, o = (_on_full_mesh(x, mesh) if plan.local else x
+                   for x in (g.forward, g.backward, g.optimizer))
+        graphs += [f, b, o]
+        fns += [_function(f"stage{s}_forward", f, f"Stage {s}: forward of one microbatch.", code),
+                _function(f"stage{s}_backward", b, f"Stage {s}: backward of one microbatch.", code),
+                _function(f"stage{s}_optimizer", o, f"Stage {s}: the update.", code)]
+    helpers = {text for x in graphs for text in runtime_sections(x) + reduce_sections(x)}
+    runtime = "\n\n\n".join([runtime, *sorted(helpers)])
     n = len(plan.stages)
     fns += [f"FORWARD = {{{', '.join(f'{s}: stage{s}_forward' for s in range(n))}}}",
             f"BACKWARD = {{{', '.join(f'{s}: stage{s}_backward' for s in range(n))}}}",
