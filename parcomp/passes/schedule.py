@@ -15,8 +15,18 @@ Both have the bubble fraction ``(pp - 1) / (microbatches + pp - 1)`` when every 
 takes the same time.  :func:`simulate` runs the lists of all stages together before
 anything is emitted: every send must meet its receive, nothing may wait forever, a
 forward or backward must have its inputs; it measures the makespan, the bubble and the
-peak number of stashed microbatches per stage.  Interleaved 1F1B (virtual stages) and
-zero-bubble schedules are not built yet.
+peak number of stashed microbatches per stage.
+
+* ZB-H1 (zero bubble, Qi et al. 2023, the schedule with 1F1B's memory): the backward is
+  split into ``backward_input m`` (the gradient sent back; it alone is on the critical
+  path) and ``backward_weight m`` (the parameter gradients, deferred into what would be
+  bubble: stage s holds back up to ``s`` of them in the steady phase and runs one after
+  each ``backward_input`` of the drain, the rest last).  With a backward twice a forward
+  split evenly, its simulated bubble is the paper's ``(pp-1) / (3 microbatches + pp-1)``
+  (:func:`analytic_bubble_zb_h1`), a third of 1F1B's idle time, at 1F1B's peak stash (the
+  first stage's ``pp``; a microbatch counts until its weight gradients are made).  Its
+  action lists are simulated; the runtimes execute ``gpipe`` and ``1f1b``.  Interleaved
+  1F1B (virtual stages) is not built yet.
 """
 from __future__ import annotations
 
@@ -25,9 +35,11 @@ from dataclasses import dataclass
 from ..errors import ParcompError
 
 __all__ = ["Action", "ScheduleError", "Simulation", "schedule", "simulate", "analytic_bubble",
-           "rank_actions"]
+           "rank_actions", "SCHEDULES", "analytic_bubble_zb_h1"]
 
-KINDS = ("recv_fwd", "forward", "send_fwd", "recv_bwd", "backward", "send_bwd", "optimizer")
+KINDS = ("recv_fwd", "forward", "send_fwd", "recv_bwd", "backward", "send_bwd", "optimizer",
+         "backward_input", "backward_weight")
+SCHEDULES = ("gpipe", "1f1b", "zb-h1")  # what :func:`schedule` builds; the runtimes run the first two
 
 
 @dataclass(frozen=True)
@@ -68,7 +80,7 @@ def _backward(s, m, pp) -> list:
 
 def schedule(name: str, pp: int, micro: int) -> tuple:
     """The action list of every stage (a tuple of tuples of :class:`Action`, stage order)
-    for schedule ``name`` (``gpipe`` | ``1f1b``)."""
+    for schedule ``name`` (one of :data:`SCHEDULES`)."""
     out = []
     for s in range(pp):
         if name == "gpipe":
@@ -80,10 +92,39 @@ def schedule(name: str, pp: int, micro: int) -> tuple:
             for m in range(warm, micro):
                 acts += _forward(s, m, pp) + _backward(s, m - warm, pp)
             acts += [a for m in range(micro - warm, micro) for a in _backward(s, m, pp)]
+        elif name == "zb-h1":
+            acts = _zb_h1(s, pp, micro)
         else:
             raise ParcompError(f"unknown schedule {name!r}", where="schedule")
         out.append(tuple(acts + [Action("optimizer")]))
     return tuple(out)
+
+
+def _zb_h1(s, pp, micro) -> list:
+    """ZB-H1's list for stage ``s``: 1F1B's order with ``backward_input`` in place of the
+    backward, weight gradients deferred (see the module docstring)."""
+    def b_in(m):
+        return ([Action("recv_bwd", m, s + 1)] if s < pp - 1 else []) + [Action("backward_input", m)] + \
+               ([Action("send_bwd", m, s - 1)] if s else [])
+
+    warm, lag, pending = min(pp - 1 - s, micro), s, []
+    acts = [a for m in range(warm) for a in _forward(s, m, pp)]
+    for m in range(warm, micro):
+        acts += _forward(s, m, pp) + b_in(m - warm)
+        pending.append(m - warm)
+        if len(pending) > lag:
+            acts.append(Action("backward_weight", pending.pop(0)))
+    for m in range(micro - warm, micro):
+        acts += b_in(m)
+        pending.append(m)
+        acts.append(Action("backward_weight", pending.pop(0)))
+    return acts + [Action("backward_weight", m) for m in pending]
+
+
+def analytic_bubble_zb_h1(pp: int, micro: int) -> float:
+    """ZB-H1's idle fraction with a forward 1, input- and weight-gradient 1 each:
+    (pp-1) / (3 micro + pp-1)."""
+    return (pp - 1) / (3 * micro + pp - 1)
 
 
 def analytic_bubble(pp: int, micro: int) -> float:
@@ -168,7 +209,7 @@ def _step(s, r, a, sent, tf, tb, pp) -> bool:
         r.done.add((a.kind, a.micro))
     elif a.kind in ("send_fwd", "send_bwd"):
         need = "forward" if a.kind == "send_fwd" else "backward"
-        if (need, a.micro) not in r.done:
+        if (need, a.micro) not in r.done and not (need == "backward" and ("backward_input", a.micro) in r.done):
             raise ScheduleError(f"rank {s} step {k}: {a} sends microbatch {a.micro} before its "
                                 f"{need} ran", s, k)
         key = (s, a.peer, a.kind, a.micro)
@@ -183,14 +224,22 @@ def _step(s, r, a, sent, tf, tb, pp) -> bool:
         r.busy += tf
         r.inflight.add(a.micro)
         r.peak = max(r.peak, len(r.inflight))
-    elif a.kind == "backward":
+    elif a.kind in ("backward", "backward_input"):
         if ("forward", a.micro) not in r.done or (s < pp - 1 and ("recv_bwd", a.micro) not in r.done):
             raise ScheduleError(f"rank {s} step {k}: {a} runs before its forward ran and its "
                                 f"gradient was received", s, k)
-        r.clock += tb
-        r.busy += tb
+        t = tb if a.kind == "backward" else tb / 2
+        r.clock += t
+        r.busy += t
+        if a.kind == "backward":
+            r.inflight.discard(a.micro)
+    elif a.kind == "backward_weight":  # the stash is kept until the weight gradients are made
+        if ("backward_input", a.micro) not in r.done:
+            raise ScheduleError(f"rank {s} step {k}: {a} runs before backward_input m={a.micro}", s, k)
+        r.clock += tb / 2
+        r.busy += tb / 2
         r.inflight.discard(a.micro)
-    if a.kind in ("forward", "backward"):
+    if a.kind in ("forward", "backward", "backward_input", "backward_weight"):
         if (a.kind, a.micro) in r.done:
             raise ScheduleError(f"rank {s} step {k}: {a} runs twice", s, k)
         r.done.add((a.kind, a.micro))
@@ -201,7 +250,8 @@ def _check_complete(actions, ranks) -> None:
     micros = {a.micro for acts in actions for a in acts if a.micro is not None}
     for s, r in enumerate(ranks):
         for kind in ("forward", "backward"):
-            missing = sorted(m for m in micros if (kind, m) not in r.done)
+            missing = sorted(m for m in micros if (kind, m) not in r.done and not (
+                kind == "backward" and {("backward_input", m), ("backward_weight", m)} <= r.done))
             if missing:
                 raise ScheduleError(f"rank {s}: no {kind} of microbatch {missing[0]}", s,
                                     len(actions[s]) - 1)
