@@ -335,7 +335,7 @@ def _check_training(args, compiled, module, example, steps):
     if compiled.program_.pipeline is not None:  # the pipelined step too (parcomp/reference/pipeline.py)
         from .reference.pipeline import check_pipeline_step
 
-        result["pipeline"] = check_pipeline_step(compiled, feeds)
+        result["pipeline"] = check_pipeline_step(compiled, feeds, steps)
         result["ok"] = result["ok"] and result["pipeline"]["ok"]
     result["verdict"] = verdict(result, vs_torch)
     if not args.json:

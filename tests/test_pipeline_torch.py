@@ -1,5 +1,7 @@
 """The pipelined program.py under torchrun on gloo: one training step equals the unsharded
 step (loss, gradients, parameters, momentum) for GPipe and 1F1B, and with dp=2 x pp=2."""
+import json
+
 import numpy as np
 import pytest
 
@@ -70,13 +72,18 @@ def test_cli_run_launches_the_pipelined_step(tmp_path, capsys):
                "--keep", str(tmp_path / "work")])
     out = capsys.readouterr().out
     assert rc == 0, out
-    line = next(x for x in out.splitlines() if "one pipelined step" in x)
+    line = next(x for x in out.splitlines() if "1 pipelined step " in x)
     assert "2 gloo ranks" in line and "1f1b" in line and line.endswith("OK")
     assert "ACTIONS = {" in (tmp_path / "work" / "program.py").read_text()
     assert (tmp_path / "work" / "outputs.pt.stage1").exists()
-    # the stages' outputs are run files parcomp wrote: a second run into --keep replaces them
+    # the stages' outputs are run files parcomp wrote: a second run into --keep replaces them;
+    # --steps 3: free-running steps (AdamW's counter 1, 2, 3) against the unsharded trajectory
+    (tmp_path / "s.pcs").write_text("mesh pp=2\ntrain optimizer=adamw(lr=0.01) input_grads=no "
+                                    "microbatches=2 schedule=gpipe\n")
     assert main(["run", str(tmp_path / "m.pcir"), "--spec", str(tmp_path / "s.pcs"), "--nproc", "2",
-                 "--keep", str(tmp_path / "work")]) == 0
+                 "--keep", str(tmp_path / "work"), "--steps", "3", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["ok"] and len(res["losses"]) == 3 and res["losses"][2] < res["losses"][0]
 
 
 def test_gpt2_pp2_tied_embedding_under_torchrun_equals_the_unsharded_step(tmp_path):

@@ -128,7 +128,7 @@ def step(rank, stage, d, dp_group, p, data):
                 if dp_group is not None:
                     dist.all_reduce(sums[k], group=dp_group)
                 sums[k] = sums[k] * SCALE
-            result = OPTIMIZER[stage](p, {**sums, "step": torch.tensor(1.0)})
+            result = OPTIMIZER[stage](p, {**sums, "step": torch.tensor(STEP[0])})
     if losses:
         loss = torch.stack(losses).sum()
         if dp_group is not None:
@@ -142,6 +142,7 @@ def main():
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--input", required=True)
     ap.add_argument("--output", required=True)
+    ap.add_argument("--steps", type=int, default=1, help="training steps, each from the last one's state")
     ap.add_argument("--bench", type=int, default=0, help="then time N more steps (ms per step)")
     args = ap.parse_args()
     dist.init_process_group("gloo")
@@ -153,7 +154,14 @@ def main():
     p = {k: local_shard(sd[k], SPLITS.get(k, [])) if k in sd else
          torch.zeros(STATE_SHAPES[k][0], dtype=getattr(torch, STATE_SHAPES[k][1])) for k in PARAMS[stage]}
     data = torch.load(args.input)
-    result = step(rank, stage, d, dp_group, p, data)
+    losses = []
+    for k in range(1, args.steps + 1):  # free-running: updated params and state carry over
+        STEP[0] = float(k)
+        result = step(rank, stage, d, dp_group, p, data)
+        losses += [result["loss"]] if "loss" in result else []
+        p.update({q: result[q] for q in PARAMS[stage] if q in result})
+    if losses:
+        result["losses"] = torch.stack(losses)
     result = {k: whole_value(v, SPLITS.get(k, [])) for k, v in result.items()}
     if all(c == 0 for a, c in coords(rank).items() if a != "pp"):  # one rank per stage writes
         torch.save({k: v.detach().clone() for k, v in result.items()}, f"{args.output}.stage{stage}")
@@ -312,7 +320,8 @@ def emit_pipeline_program(program, model, code) -> str:
     consts += ["# tied weights: per set of stages, the rank groups (one rank per stage, same dp/tp",
                "# coordinates) whose gradient contributions are summed before the dp all_reduce",
                f"TIED_SETS = {[_tied_groups(mesh, held) for held in sets]!r}",
-               f"TIED = {({s: v for s, v in tied.items() if v})!r}", "TIED_GROUP = {}"]
+               f"TIED = {({s: v for s, v in tied.items() if v})!r}", "TIED_GROUP = {}",
+               "STEP = [1.0]  # the step counter k of main()'s loop (AdamW's bias corrections)"]
     runtime = "# ---- process facts and collectives (the SPMD program's runtime) ----\n" + \
         sections("program_common")["process"]
     acts = ["# every rank's action list, (action, microbatch, peer rank), run in order by main();",

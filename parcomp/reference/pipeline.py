@@ -104,34 +104,43 @@ def _replica(plan, feeds, pieces, d, sums, losses) -> None:
                                     if grad_name(v) in out}
 
 
-def check_pipeline_step(compiled, feeds: dict) -> dict:
-    """One pipelined step of ``compiled.program_.pipeline`` on the interpreter against the
-    unsharded step (``compiled.logical``) from the same state (optimizer state zeros, AdamW
-    step 1): ``parcomp.tolerance.compare_all``'s result over the pipeline's outputs (input
-    gradients are not pipeline outputs).  When the float32 bound overflows (``unbounded``: a
-    transformer's), the same plan is made again from the model promoted to float64 and
-    compared there (parcomp/check64.py); the result then says so in ``note``."""
+def check_pipeline_step(compiled, feeds: dict, steps: int = 1) -> dict:
+    """``steps`` pipelined training steps of ``compiled.program_.pipeline`` on the
+    interpreter, free-running as program.py runs them (each step's updated params and
+    optimizer state start the next), against as many unsharded steps (``compiled.logical``)
+    from the same state (optimizer state zeros, AdamW's ``step`` 1, 2, ...):
+    ``parcomp.tolerance.compare_all``'s result over the last step's outputs and every step's
+    loss (``losses``), within the bounds of ``steps`` steps (input gradients are not pipeline
+    outputs).  When the float32 bound overflows (``unbounded``: a transformer's), the same
+    plan is made again from the model promoted to float64 and compared there
+    (parcomp/check64.py); the result then says so in ``note``."""
     from ..check64 import promote_feeds, promote_graph
     from ..passes.pipeline_plan import plan_pipeline
 
-    result = _compare_step(compiled.program_.pipeline, compiled.logical, feeds)
+    result = compare_steps(compiled.program_.pipeline, compiled.logical, feeds, steps)
     if not result.get("unbounded"):
         return result
     plan = plan_pipeline(promote_graph(compiled.unsharded), compiled.spec)
-    wide = _compare_step(plan, promote_graph(compiled.logical), promote_feeds(feeds))
+    wide = compare_steps(plan, promote_graph(compiled.logical), promote_feeds(feeds), steps)
     if not wide["ok"]:
         return result
     return {**wide, "note": f"float32 cannot vouch (its bound overflowed: {result['why'][:200]}); "
                             f"the same pipeline in float64 equals the unsharded step"}
 
 
-def _compare_step(plan, logical, feeds: dict) -> dict:
-    from ..tolerance import compare_all, output_bounds
-    from .training import initial_state
+def compare_steps(plan, logical, feeds: dict, steps: int, got=None) -> dict:
+    """``steps`` free-running steps of ``plan`` (or ``got``: the last step's outputs plus
+    ``losses``, e.g. program.py's) against the unsharded steps of ``logical``, within
+    :func:`parcomp.tolerance.training_bounds`."""
+    from ..tolerance import compare_all, training_bounds
+    from .training import train_steps
 
-    state = initial_state(logical, feeds)
-    if "step" in logical:
-        state["step"] = np.array(1.0, logical["step"].type.dtype)
-    got = run_pipeline_step(plan, state)
-    want = run_unsharded(logical, state)
-    return compare_all(got, want, output_bounds(logical, state), sorted(got))
+    if got is None:
+        run = train_steps(lambda st: run_pipeline_step(plan, st), logical, feeds, steps)
+        got = {**run["outputs"], "losses": np.asarray(run["losses"])}
+    ref = train_steps(lambda st: run_unsharded(logical, st), logical, feeds, steps)
+    want = {**ref["outputs"], "losses": np.asarray(ref["losses"])}
+    b = training_bounds(logical, feeds, steps)
+    bounds = {**b["outputs"], "losses": np.asarray(b["losses"])}
+    keys = sorted(k for k in got if k in want)
+    return compare_all(got, want, bounds, keys)
