@@ -6,9 +6,12 @@ the stage's graphs (``stage0_forward``, ``stage0_backward``, ``stage0_optimizer`
 statement per node, with the same op table as :mod:`.emit`).  ``main`` walks this rank's
 action list: ``recv_*`` is a blocking ``dist.recv``, ``send_*`` an ``isend`` waited for
 before the update, gradients are summed over microbatches and ``all_reduce``-d over ``dp``,
-then scaled once by 1/(microbatches x dp).  One training step; the ranks of ``dp``
-coordinate 0 write their stage's outputs to ``OUTPUT.stageK``.  Nothing in it imports
-parcomp.  Sharding inside a stage (``tp``) is not emitted yet.
+then scaled once by 1/(microbatches x dp).  The rank of ``dp`` (and ``tp``) coordinate 0 of
+each stage writes the stage's outputs of the last step to ``OUTPUT.stageK``.  Nothing in it imports
+parcomp.  With ``tp`` inside the stages the functions are the per-rank programs
+(:mod:`parcomp.passes.stage_shard`) and the SPMD runtime's collectives are pasted in; tied
+weights' gradients are summed over their stages' ranks (``TIED_SETS``) before ``dp``;
+``--steps K`` runs K free-running steps.
 """
 from __future__ import annotations
 
