@@ -4,6 +4,7 @@ each stage (pinned), and the shipped 8-rank spec plans them.  The torchrun run o
 mesh is tests/test_pipeline_torch.py (the only 8-rank test)."""
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from parcomp.errors import SpecError
 from parcomp.passes.pipeline_plan import plan_pipeline
@@ -114,3 +115,31 @@ def test_three_free_running_steps_with_tp_equal_the_unsharded_trajectory(opt):
     one = train_steps(lambda s: run_pipeline_step(plan, s), ref, feeds, 1)  # state not carried
     stale = {**one["outputs"], "losses": np.asarray(one["losses"] * 3)}
     assert not compare_steps(None, ref, feeds, 3, stale)["ok"]
+
+
+@st.composite
+def tp_chain_case(draw):
+    """A random chain, stage count, microbatches and schedule, each weight colwise, rowwise
+    or replicated over tp=2 (dp=2 or none)."""
+    from graphs import mlp_graph
+
+    nlin = draw(st.integers(1, 4))
+    dims = [draw(st.sampled_from([4, 8])) for _ in range(nlin + 1)]
+    bias = [draw(st.booleans()) for _ in range(nlin)]
+    acts = [draw(st.sampled_from(["relu", "gelu", "tanh", "none"])) for _ in range(nlin)]
+    words = [draw(st.sampled_from(["colwise", "rowwise", "replicated"])) for _ in range(nlin)]
+    pp, micro = draw(st.integers(1, nlin)), draw(st.sampled_from([1, 2]))
+    dp = draw(st.sampled_from(["", "dp=2 "]))
+    name = draw(st.sampled_from(["gpipe", "1f1b"]))
+    head = f"mesh {dp}pp={pp} tp=2\n" + "".join(f"l{i}.weight {w}\n" for i, w in enumerate(words))
+    train = f"train optimizer=sgd(lr=0.1, momentum=0.9) input_grads=no microbatches={micro} schedule={name}"
+    return mlp_graph((8,), dims, bias, acts), head, train
+
+
+@settings(max_examples=20, deadline=None)
+@given(tp_chain_case(), st.integers(0, 2**16))
+def test_random_chains_with_tp_inside_stages_equal_unsharded(case, seed):
+    g, head, train = case
+    got, want, bounds, plan = pipelined(g, head, train, seed)
+    assert len(plan.local) == plan.pp
+    assert_all_equivalent(got, want, bounds)
