@@ -74,7 +74,7 @@ def parcomp_worker(rank, world, program_path):
     spec.loader.exec_module(prog)
     stage, d, dp_group = prog.setup(rank)
     sd = _models().mlp_chain(BLOCKS, HIDDEN)[0].state_dict()
-    p = {k: sd[k] if k in sd else torch.zeros(prog.STATE_SHAPES[k]) for k in prog.PARAMS[stage]}
+    p = {k: sd[k] if k in sd else torch.zeros(prog.STATE_SHAPES[k][0]) for k in prog.PARAMS[stage]}
     x, y = _data()
     data = {"x": x, "target": y}
     return _timed(lambda: prog.step(rank, stage, d, dp_group, p, data))

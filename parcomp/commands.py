@@ -335,7 +335,7 @@ def _check_training(args, compiled, module, example, steps):
     if compiled.program_.pipeline is not None:  # the pipelined step too (parcomp/reference/pipeline.py)
         from .reference.pipeline import check_pipeline_step
 
-        result["pipeline"] = check_pipeline_step(compiled, feeds)
+        result["pipeline"] = check_pipeline_step(compiled, feeds, steps)
         result["ok"] = result["ok"] and result["pipeline"]["ok"]
     result["verdict"] = verdict(result, vs_torch)
     if not args.json:
@@ -345,7 +345,8 @@ def _check_training(args, compiled, module, example, steps):
         if "pipeline" in result:
             r = result["pipeline"]
             print(f"pipelined step on the numpy interpreter vs unsharded step: error/tolerance "
-                  f"{r['err_over_tol']:.2g} {'OK' if r['ok'] else verdict(r) + ': ' + r['why']}")
+                  f"{r['err_over_tol']:.2g} {'OK' if r['ok'] else verdict(r) + ': ' + r['why']}"
+                  f"{' (' + r['note'] + ')' if r.get('note') else ''}")
         _print_training(result, f"numpy interpreter, {plural(steps, 'step')}, each from the "
                         f"unsharded run's state{how}", "vs unsharded step")
     return {**result, "collectives": _summary(compiled.report["collectives"]),

@@ -1,10 +1,11 @@
 """``parcomp run`` of a pipelined training spec (a ``pp`` mesh axis, issue 10).
 
-The pipelined ``program.py`` (:mod:`parcomp_backends.torch.pipeline_emit`) runs one training
-step under torchrun on ``mesh.size`` gloo ranks, from the unsharded run's initial state
-(optimizer state zeros, AdamW step 1); its stages' outputs (updated params, optimizer state,
-gradients, loss) are compared with the unsharded step on the numpy interpreter, output by
-output within :func:`parcomp.tolerance.output_bounds`.
+The pipelined ``program.py`` (:mod:`parcomp_backends.torch.pipeline_emit`) runs ``--steps``
+training steps (free-running, default 1) under torchrun on ``mesh.size`` gloo ranks, from
+the unsharded run's initial state (optimizer state zeros, AdamW step 1); its stages' outputs
+of the last step (updated params, optimizer state, gradients, loss) and every step's loss are
+compared with the unsharded steps on the numpy interpreter, output by output within
+:func:`parcomp.tolerance.training_bounds`.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import tempfile
 import numpy as np
 
 from .errors import ParcompError
+from .passes.train_config import check_steps, train_config
 from .report import plural
 
 
@@ -32,48 +34,42 @@ def run_pipeline(args, compiled, feeds: dict, write_work, end_work) -> dict:
         :func:`parcomp.tolerance.compare_all`'s result plus ``world_size`` and ``losses``.
 
     Raises:
-        ParcompError: ``--nproc`` is not the mesh size, ``--steps`` other than 1, a mesh axis
-            besides ``pp`` and ``dp`` larger than 1 (sharding inside a stage is not emitted
-            yet), or the program failed (its output is printed first).
+        ParcompError: ``--nproc`` is not the mesh size, a mesh axis the pipeline emitter
+            cannot print, or the program failed (its output is printed first).
     """
     from parcomp_backends.torch.pipeline_emit import pipeline_emittable
 
-    from .reference.numpy_ops import run_unsharded
+    from .reference.pipeline import compare_steps
     from .reference.training import initial_state
-    from .reference.pipeline import compare_pipeline_step
-    from .tolerance import output_bounds
     from .train_check import verdict
 
     prog, size = compiled.program_, compiled.program.mesh.size
     if args.nproc != size:
         raise ParcompError(f"--nproc {args.nproc} but the spec's mesh {prog.mesh} has "
                            f"{plural(size, 'rank')}", where="--nproc")
-    if args.steps not in (None, 1):
-        raise ParcompError(f"--steps {args.steps}: the pipelined program runs one training step",
-                           where="--steps")
     if not pipeline_emittable(prog):
         axis = next(a for a, n in prog.mesh.axes if a not in ("pp", "dp") and n > 1)
         raise ParcompError(f"parcomp run does not launch a pipeline with mesh axis {axis} > 1 yet "
                            f"(sharding inside a stage); 'parcomp check' runs it on the numpy "
                            f"interpreter", where="--spec")
     logical = compiled.logical
+    steps = train_config(compiled.spec).steps if args.steps is None else check_steps(args.steps)
     state = initial_state(logical, feeds)
     if "step" in logical:
         state["step"] = np.array(1.0, "float32")
-    got = _launch(args, compiled, (write_work, end_work), state, size)
-    want = run_unsharded(logical, state)
-    result = compare_pipeline_step(got, want, output_bounds(logical, state))
-    result.update(world_size=size, losses=[float(got["loss"])] if "loss" in got else [],
+    got = _launch(args, compiled, (write_work, end_work), state, size, steps)
+    result = compare_steps(None, logical, state, steps, got)
+    result.update(world_size=size, losses=[float(x) for x in np.atleast_1d(got.get("losses", []))],
                   verdict=verdict(result))
     if not args.json:
-        word = "OK" if result["ok"] else result["verdict"] + ": " + result["why"]
-        print(f"torchrun, {plural(size, 'gloo rank')}, one pipelined step ({prog.pipeline.schedule}, "
-              f"{plural(prog.pipeline.microbatches, 'microbatch', 'microbatches')}) vs the unsharded "
-              f"step: error/tolerance {result['err_over_tol']:.2g} {word}")
+        word = "OK" if result["ok"] else f"{result['verdict']}: " + result["why"]
+        print(f"torchrun, {plural(size, 'gloo rank')}, {plural(steps, 'pipelined step')} "
+              f"({prog.pipeline.schedule}, {plural(prog.pipeline.microbatches, 'microbatch', 'microbatches')}"
+              f") vs the unsharded steps: error/tolerance {result['err_over_tol']:.2g} {word}")
     return result
 
 
-def _launch(args, compiled, work_fns, state, size) -> dict:
+def _launch(args, compiled, work_fns, state, size, steps: int = 1) -> dict:
     """program.py under torchrun; ``{output: array}`` merged over the stages' files."""
     import torch
 
@@ -88,7 +84,7 @@ def _launch(args, compiled, work_fns, state, size) -> dict:
         data = {n.name: torch.from_numpy(np.asarray(state[n.name])) for n in logical.inputs
                 if n.name in state}
         out = os.path.join(work, "outputs.pt")
-        proc = run_torchrun(work, size, ckpt, data, out, timeout=300)
+        proc = run_torchrun(work, size, ckpt, data, out, extra_args=("--steps", steps), timeout=300)
         if proc.returncode != 0:
             import sys
 

@@ -82,8 +82,8 @@ def _statements(text, program):
     return out
 
 
-@pytest.mark.parametrize("spec_name", SHIPPED)
-def test_interpreter_runs_the_emitted_statements_in_order(spec_name):
+@pytest.mark.parametrize("spec_name", [s for s in SHIPPED if "_pp" not in s])  # a pp spec emits the
+def test_interpreter_runs_the_emitted_statements_in_order(spec_name):  # pipelined program (test_pipeline*)
     from parcomp_backends.torch import emit_program
 
     c = _compiled(spec_name)

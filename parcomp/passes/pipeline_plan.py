@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from ..errors import SpecError
 from ..ir.graph import Graph
 from .schedule import Simulation, analytic_bubble, rank_actions, schedule, simulate
-from .split_stages import assign_stages, balanced_rules, node_flops, rebatch, split_stages
+from .split_stages import (assign_stages, balanced_rules, node_flops, param_stages, rebatch,
+                           split_stages)
 from .stage_train import stage_programs
 from .train_config import train_config
 from .verify import verify
@@ -35,6 +36,10 @@ class PipelinePlan:
         actions: one action list per stage (:func:`~parcomp.passes.schedule.schedule`).
         simulation: the :class:`~parcomp.passes.schedule.Simulation` of ``actions``.
         stage_flops: forward FLOPs of one microbatch per stage (the simulation's times).
+        local: one :class:`~parcomp.passes.stage_shard.StageLocal` per stage when the mesh
+            has axes besides ``pp`` and ``dp`` larger than 1 (tp inside a stage), else ().
+        tied: ``((param, (stage, ...)), ...)``: trainable params held by several stages (tied
+            weights); their gradients are summed over those stages before the dp reduction.
     """
 
     pp: int
@@ -48,6 +53,8 @@ class PipelinePlan:
     actions: tuple
     simulation: Simulation
     stage_flops: tuple
+    local: tuple = ()
+    tied: tuple = ()
 
     @property
     def analytic_bubble(self) -> float:
@@ -74,20 +81,26 @@ class PipelinePlan:
                             "send": list(s.send), "forward_flops": f,
                             "stash_bytes_per_microbatch": s.saved_bytes,
                             "peak_inflight_microbatches": peak,
-                            "peak_inflight_bytes": peak * s.saved_bytes, **stage_memory(s)}
+                            "peak_inflight_bytes": peak * s.saved_bytes,
+                            **stage_memory(s, self.local[s.index] if self.local else None)}
                            for s, f, peak in zip(self.stages, self.stage_flops, sim.peak_inflight)],
                 "latency_one_microbatch": self.latency(),
                 "bubble_analytic": self.analytic_bubble, "bubble_simulated": sim.bubble,
                 "makespan": sim.makespan,
+                "tied": {p: list(held) for p, held in self.tied},
                 "actions": [[str(a) for a in acts] for acts in self.actions]}
 
 
-def stage_memory(stage) -> dict:
-    """Bytes one rank of ``stage`` holds (the stage is not split over ``tp``): its weights,
-    their gradients (summed over microbatches) and the optimizer's state."""
-    weights = sum(stage.forward[p].type.nbytes if p in stage.forward else
-                  stage.optimizer[p].type.nbytes for p in stage.params)
-    state = sum(n.type.nbytes for n in stage.optimizer.params if n.phase == "optimizer")
+def stage_memory(stage, local=None) -> dict:
+    """Bytes one rank of ``stage`` holds: its weights, their gradients (summed over
+    microbatches) and the optimizer's state; with tp inside the stage (``local``, a
+    :class:`~parcomp.passes.stage_shard.StageLocal`), this rank's shards."""
+    opt = local.optimizer if local is not None else stage.optimizer
+    types = {n.name: n.type for n in opt.nodes}
+    if local is None:
+        types = {**{n.name: n.type for n in stage.forward.nodes}, **types}
+    weights = sum(types[p].nbytes for p in stage.params)
+    state = sum(n.type.nbytes for n in opt.params if n.phase == "optimizer")
     return {"weight_bytes": weights, "grad_bytes": weights, "optimizer_state_bytes": state}
 
 
@@ -122,8 +135,23 @@ def plan_pipeline(graph: Graph, spec) -> PipelinePlan:
     top = max(flops) or 1
     acts = schedule(cfg.schedule, pp, cfg.microbatches)
     sim = simulate(acts, [f / top for f in flops], [2 * f / top for f in flops])
+    trained = {p for st in progs for p in st.params}
+    tied = tuple((p, held) for p, held in param_stages(graph, stage_of).items()
+                 if len(held) > 1 and p in trained)
     return PipelinePlan(pp, dp, cfg.microbatches, cfg.schedule, batch // parts, batch, stage_of,
-                        progs, acts, sim, flops)
+                        progs, acts, sim, flops, _local(graph, spec, progs, cfg), tied)
+
+
+def _local(graph, spec, progs, cfg) -> tuple:
+    """The stages' programs sharded over the mesh less pp and dp (:mod:`.stage_shard`), or ()
+    when that mesh has one rank."""
+    from .bind_layouts import bind_layouts
+    from .decompose import decompose_reductions
+    from .stage_shard import inner_mesh, shard_stages
+
+    if inner_mesh(spec.mesh).size == 1:
+        return ()
+    return shard_stages(progs, bind_layouts(decompose_reductions(graph), spec), spec.mesh, cfg.loc)
 
 
 def attach_pipeline(graph: Graph, spec, program, report: dict) -> tuple:

@@ -15,8 +15,20 @@ Both have the bubble fraction ``(pp - 1) / (microbatches + pp - 1)`` when every 
 takes the same time.  :func:`simulate` runs the lists of all stages together before
 anything is emitted: every send must meet its receive, nothing may wait forever, a
 forward or backward must have its inputs; it measures the makespan, the bubble and the
-peak number of stashed microbatches per stage.  Interleaved 1F1B (virtual stages) and
-zero-bubble schedules are not built yet.
+peak number of stashed microbatches per stage.
+
+* ZB-H1 (zero bubble, Qi et al. 2023, the schedule with 1F1B's memory): the backward is
+  split into ``backward_input m`` (the gradient sent back; it alone is on the critical
+  path) and ``backward_weight m`` (the parameter gradients, deferred into what would be
+  bubble: stage s holds back up to ``s`` of them in the steady phase and runs one after
+  each ``backward_input`` of the drain, the rest last).  With a backward twice a forward
+  split evenly, its simulated bubble is the paper's ``(pp-1) / (3 microbatches + pp-1)``
+  (:func:`analytic_bubble_zb_h1`), a third of 1F1B's idle time, at 1F1B's peak stash (the
+  first stage's ``pp``; a microbatch counts until its weight gradients are made).  Its
+  action lists are simulated; the runtimes execute ``gpipe`` and ``1f1b``.
+* Interleaved 1F1B (:func:`interleaved`, virtual stages): each rank holds several model
+  chunks; the simulator runs it over virtual stages (an action's ``chunk``), a chunk's
+  forward taking ``1 / chunks`` of the stage's.  Simulated, not executed yet.
 """
 from __future__ import annotations
 
@@ -25,27 +37,31 @@ from dataclasses import dataclass
 from ..errors import ParcompError
 
 __all__ = ["Action", "ScheduleError", "Simulation", "schedule", "simulate", "analytic_bubble",
-           "rank_actions"]
+           "rank_actions", "SCHEDULES", "analytic_bubble_zb_h1", "interleaved"]
 
-KINDS = ("recv_fwd", "forward", "send_fwd", "recv_bwd", "backward", "send_bwd", "optimizer")
+KINDS = ("recv_fwd", "forward", "send_fwd", "recv_bwd", "backward", "send_bwd", "optimizer",
+         "backward_input", "backward_weight")
+SCHEDULES = ("gpipe", "1f1b", "zb-h1")  # what :func:`schedule` builds; the runtimes run the first two
 
 
 @dataclass(frozen=True)
 class Action:
     """One step of an action list: ``kind`` (one of :data:`KINDS`), microbatch ``micro``
     (None for ``optimizer``), ``peer``: the stage (or, in :func:`rank_actions`, the
-    rank) sent to or received from, None for compute."""
+    rank) sent to or received from, None for compute; ``chunk``: the model chunk of this
+    rank it acts for (virtual stage ``chunk * pp + stage``; 0 but in interleaved 1F1B)."""
 
     kind: str
     micro: int | None = None
     peer: int | None = None
+    chunk: int = 0  # interleaved 1F1B: which of the rank's model chunks (virtual stages)
 
     def __str__(self) -> str:
         if self.kind == "optimizer":
             return "optimizer"
         arrow = {"recv_fwd": " <- ", "recv_bwd": " <- ", "send_fwd": " -> ", "send_bwd": " -> "}
-        return f"{self.kind} m={self.micro}" + (f"{arrow[self.kind]}{self.peer}"
-                                                if self.peer is not None else "")
+        return f"{self.kind} m={self.micro}" + (f" c={self.chunk}" if self.chunk else "") + \
+            (f"{arrow[self.kind]}{self.peer}" if self.peer is not None else "")
 
 
 class ScheduleError(ParcompError):
@@ -68,7 +84,7 @@ def _backward(s, m, pp) -> list:
 
 def schedule(name: str, pp: int, micro: int) -> tuple:
     """The action list of every stage (a tuple of tuples of :class:`Action`, stage order)
-    for schedule ``name`` (``gpipe`` | ``1f1b``)."""
+    for schedule ``name`` (one of :data:`SCHEDULES`)."""
     out = []
     for s in range(pp):
         if name == "gpipe":
@@ -80,10 +96,83 @@ def schedule(name: str, pp: int, micro: int) -> tuple:
             for m in range(warm, micro):
                 acts += _forward(s, m, pp) + _backward(s, m - warm, pp)
             acts += [a for m in range(micro - warm, micro) for a in _backward(s, m, pp)]
+        elif name == "zb-h1":
+            acts = _zb_h1(s, pp, micro)
         else:
             raise ParcompError(f"unknown schedule {name!r}", where="schedule")
         out.append(tuple(acts + [Action("optimizer")]))
     return tuple(out)
+
+
+def interleaved(pp: int, micro: int, chunks: int) -> tuple:
+    """Interleaved 1F1B (Megatron's virtual pipeline): each rank holds ``chunks`` model
+    chunks, virtual stage ``c * pp + rank``; microbatches go in groups of ``pp``, every
+    chunk of a group forward before the next group, backwards in reverse chunk order;
+    rank r warms up with ``2 (pp - r - 1) + (chunks - 1) pp`` chunk forwards (1F1B's
+    ``pp - r - 1`` for one chunk: the lists are then 1F1B's).  One list per rank (peers are
+    ranks; :class:`Action` ``chunk`` says which chunk).  Simulated bubble with equal chunks:
+    ``(pp-1) / (chunks * micro + pp-1)``.
+
+    Raises:
+        ParcompError: ``micro`` not a multiple of ``pp`` (as Megatron requires)."""
+    if micro % pp:
+        raise ParcompError(f"interleaved 1F1B needs microbatches ({micro}) to be a multiple of "
+                           f"pp ({pp})", where="microbatches")
+    nvs, total = pp * chunks, micro * chunks
+
+    def unit(k, backward):
+        group, idx = divmod(k, pp * chunks)
+        c = idx // pp
+        return group * pp + idx % pp, (chunks - 1 - c if backward else c)
+
+    out = []
+    for r in range(pp):
+        def fwd(k):
+            m, c = unit(k, False)
+            vs = c * pp + r
+            return ([Action("recv_fwd", m, (r - 1) % pp, c)] if vs else []) + [Action("forward", m, None, c)] + \
+                ([Action("send_fwd", m, (r + 1) % pp, c)] if vs < nvs - 1 else [])
+
+        def bwd(k):
+            m, c = unit(k, True)
+            vs = c * pp + r
+            return ([Action("recv_bwd", m, (r + 1) % pp, c)] if vs < nvs - 1 else []) + \
+                [Action("backward", m, None, c)] + ([Action("send_bwd", m, (r - 1) % pp, c)] if vs else [])
+
+        warm = min(2 * (pp - r - 1) + (chunks - 1) * pp if chunks > 1 else pp - r - 1, total)
+        acts = [a for k in range(warm) for a in fwd(k)]
+        for k in range(total - warm):
+            acts += fwd(warm + k) + bwd(k)
+        acts += [a for k in range(total - warm, total) for a in bwd(k)]
+        out.append(tuple(acts + [Action("optimizer")]))
+    return tuple(out)
+
+
+def _zb_h1(s, pp, micro) -> list:
+    """ZB-H1's list for stage ``s``: 1F1B's order with ``backward_input`` in place of the
+    backward, weight gradients deferred (see the module docstring)."""
+    def b_in(m):
+        return ([Action("recv_bwd", m, s + 1)] if s < pp - 1 else []) + [Action("backward_input", m)] + \
+               ([Action("send_bwd", m, s - 1)] if s else [])
+
+    warm, lag, pending = min(pp - 1 - s, micro), s, []
+    acts = [a for m in range(warm) for a in _forward(s, m, pp)]
+    for m in range(warm, micro):
+        acts += _forward(s, m, pp) + b_in(m - warm)
+        pending.append(m - warm)
+        if len(pending) > lag:
+            acts.append(Action("backward_weight", pending.pop(0)))
+    for m in range(micro - warm, micro):
+        acts += b_in(m)
+        pending.append(m)
+        acts.append(Action("backward_weight", pending.pop(0)))
+    return acts + [Action("backward_weight", m) for m in pending]
+
+
+def analytic_bubble_zb_h1(pp: int, micro: int) -> float:
+    """ZB-H1's idle fraction with a forward 1, input- and weight-gradient 1 each:
+    (pp-1) / (3 micro + pp-1)."""
+    return (pp - 1) / (3 * micro + pp - 1)
 
 
 def analytic_bubble(pp: int, micro: int) -> float:
@@ -130,6 +219,7 @@ def simulate(actions, t_fwd=1.0, t_bwd=2.0) -> Simulation:
             forward or backward is missing or repeated.
     """
     pp = len(actions)
+    nvs = pp * (1 + max((a.chunk for acts in actions for a in acts), default=0))  # virtual stages
     tf = t_fwd if isinstance(t_fwd, (list, tuple)) else [t_fwd] * pp
     tb = t_bwd if isinstance(t_bwd, (list, tuple)) else [t_bwd] * pp
     ranks, sent, order = [_Rank() for _ in range(pp)], {}, []
@@ -137,7 +227,8 @@ def simulate(actions, t_fwd=1.0, t_bwd=2.0) -> Simulation:
     while progress:
         progress = False
         for s, r in enumerate(ranks):
-            while r.pc < len(actions[s]) and _step(s, r, actions[s][r.pc], sent, tf[s], tb[s], pp):
+            while r.pc < len(actions[s]) and _step(s, r, actions[s][r.pc], sent, tf[s] * pp / nvs,
+                                                              tb[s] * pp / nvs, (pp, nvs)):
                 order.append((s, r.pc, actions[s][r.pc]))
                 r.pc += 1
                 progress = True
@@ -147,7 +238,7 @@ def simulate(actions, t_fwd=1.0, t_bwd=2.0) -> Simulation:
         waits = "; ".join(f"rank {t} step {j} waits on {actions[t][j]}" for t, j in blocked)
         raise ScheduleError(f"deadlock: {waits}", s, k)
     if sent:
-        (src, dst, kind, m), (_, step) = next(iter(sent.items()))
+        (src, dst, kind, m, _), (_, step) = next(iter(sent.items()))
         raise ScheduleError(f"rank {src} step {step}: {kind} m={m} to rank {dst} is never "
                             f"received", src, step)
     _check_complete(actions, ranks)
@@ -157,54 +248,68 @@ def simulate(actions, t_fwd=1.0, t_bwd=2.0) -> Simulation:
     return Simulation(tuple(order), makespan, busy, bubble, tuple(r.peak for r in ranks))
 
 
-def _step(s, r, a, sent, tf, tb, pp) -> bool:
-    """Run action ``a`` of stage ``s`` if it can; False if it must wait (a receive)."""
-    k = r.pc
+def _step(s, r, a, sent, tf, tb, sizes) -> bool:
+    """Run action ``a`` of stage ``s`` if it can; False if it must wait (a receive).
+    ``sizes``: (ranks, virtual stages); ``tf`` / ``tb``: one chunk's times."""
+    k, (pp, nvs), mk = r.pc, sizes, (a.micro, a.chunk)
+    vs = a.chunk * pp + s
     if a.kind in ("recv_fwd", "recv_bwd"):
-        key = (a.peer, s, "send_" + a.kind[5:], a.micro)
+        key = (a.peer, s, "send_" + a.kind[5:], a.micro, (vs - 1 if a.kind == "recv_fwd" else vs + 1) // pp)
         if key not in sent:
             return False
         r.clock = max(r.clock, sent.pop(key)[0])
-        r.done.add((a.kind, a.micro))
+        r.done.add((a.kind, mk))
     elif a.kind in ("send_fwd", "send_bwd"):
         need = "forward" if a.kind == "send_fwd" else "backward"
-        if (need, a.micro) not in r.done:
+        if (need, mk) not in r.done and not (need == "backward" and ("backward_input", mk) in r.done):
             raise ScheduleError(f"rank {s} step {k}: {a} sends microbatch {a.micro} before its "
                                 f"{need} ran", s, k)
-        key = (s, a.peer, a.kind, a.micro)
+        key = (s, a.peer, a.kind, a.micro, a.chunk)
         if key in sent:
             raise ScheduleError(f"rank {s} step {k}: {a} is sent twice", s, k)
         sent[key] = (r.clock, k)
     elif a.kind == "forward":
-        if s and ("recv_fwd", a.micro) not in r.done:
+        if vs and ("recv_fwd", mk) not in r.done:
             raise ScheduleError(f"rank {s} step {k}: {a} runs before its activations were "
                                 f"received (recv_fwd m={a.micro})", s, k)
         r.clock += tf
         r.busy += tf
-        r.inflight.add(a.micro)
+        r.inflight.add(mk)
         r.peak = max(r.peak, len(r.inflight))
-    elif a.kind == "backward":
-        if ("forward", a.micro) not in r.done or (s < pp - 1 and ("recv_bwd", a.micro) not in r.done):
+    elif a.kind in ("backward", "backward_input"):
+        if ("forward", mk) not in r.done or (vs < nvs - 1 and ("recv_bwd", mk) not in r.done):
             raise ScheduleError(f"rank {s} step {k}: {a} runs before its forward ran and its "
                                 f"gradient was received", s, k)
-        r.clock += tb
-        r.busy += tb
-        r.inflight.discard(a.micro)
-    if a.kind in ("forward", "backward"):
-        if (a.kind, a.micro) in r.done:
+        t = tb if a.kind == "backward" else tb / 2
+        r.clock += t
+        r.busy += t
+        if a.kind == "backward":
+            r.inflight.discard(mk)
+    elif a.kind == "backward_weight":  # the stash is kept until the weight gradients are made
+        if ("backward_input", mk) not in r.done:
+            raise ScheduleError(f"rank {s} step {k}: {a} runs before backward_input m={a.micro}", s, k)
+        r.clock += tb / 2
+        r.busy += tb / 2
+        r.inflight.discard(mk)
+    if a.kind in ("forward", "backward", "backward_input", "backward_weight"):
+        if (a.kind, mk) in r.done:
             raise ScheduleError(f"rank {s} step {k}: {a} runs twice", s, k)
-        r.done.add((a.kind, a.micro))
+        r.done.add((a.kind, mk))
     return True
 
 
 def _check_complete(actions, ranks) -> None:
     micros = {a.micro for acts in actions for a in acts if a.micro is not None}
+    chunks = {a.chunk for acts in actions for a in acts}
     for s, r in enumerate(ranks):
         for kind in ("forward", "backward"):
-            missing = sorted(m for m in micros if (kind, m) not in r.done)
+            missing = sorted(m for m in ((m, c) for m in micros for c in chunks)
+                             if (kind, m) not in r.done and not (kind == "backward" and {
+                                 ("backward_input", m), ("backward_weight", m)} <= r.done))
             if missing:
-                raise ScheduleError(f"rank {s}: no {kind} of microbatch {missing[0]}", s,
-                                    len(actions[s]) - 1)
+                m, c = missing[0]
+                raise ScheduleError(f"rank {s}: no {kind} of microbatch {m}"
+                                    f"{f' chunk {c}' if len(chunks) > 1 else ''}", s, len(actions[s]) - 1)
         if actions[s][-1].kind != "optimizer":
             raise ScheduleError(f"rank {s}: the list must end with the optimizer step", s,
                                 len(actions[s]) - 1)

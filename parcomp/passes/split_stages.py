@@ -26,7 +26,7 @@ from ..ir.types import TensorType
 from ..spec.model import StageRule
 
 __all__ = ["StageGraph", "assign_stages", "balanced_rules", "split_stages", "rebatch", "node_path",
-           "node_flops"]
+           "node_flops", "param_stages"]
 
 
 @dataclass(frozen=True)
@@ -93,8 +93,7 @@ def assign_stages(graph: Graph, rules: tuple, pp: int) -> dict:
 
     Raises:
         SpecError: at a stage statement: an item that matches no module, a module in
-            no stage, a module that uses a value of a later stage, a param used on two
-            stages, a stage with no computation, the model output not on the last stage.
+            no stage, a module that uses a value of a later stage, a stage with no computation, the model output not on the last stage.
     """
     owner = {p: r for r in rules for p in r.items}
     hit, stage = set(), {}
@@ -107,8 +106,10 @@ def assign_stages(graph: Graph, rules: tuple, pp: int) -> dict:
                             f"statement", rules[-1].loc)
         ins = [stage[i] for i in n.inputs if i in stage]  # a param is in only when a rule placed it
         latest = max(ins, default=0)
-        if rule is not None and rule.index < latest:
-            src = next(i for i in n.inputs if stage.get(i) == latest)
+        computed = max((stage[i] for i in n.inputs if i in stage and graph[i].op != "param"), default=0)
+        if rule is not None and rule.index < computed:  # a param on a later stage is tied, not late
+            latest = computed
+            src = next(i for i in n.inputs if stage.get(i) == latest and graph[i].op != "param")
             raise SpecError(f"module {module_path(n, graph)} is on stage {rule.index} but uses %{src} "
                             f"computed on stage {latest}: stages must follow the data flow "
                             f"(stage k may use only values of stages 0..k)", rule.loc)
@@ -128,18 +129,22 @@ def _rule_of(path, owner, hit):
 
 
 def _place_params(graph, stage, rules) -> None:
-    """A param without a stage of its own goes to the stage of its users; a param used
-    on two stages (tied weights) is not supported yet."""
+    """A param without a stage of its own goes to the first stage of its users; a param
+    used on several stages (tied weights) is held by each of them (:func:`param_stages`)."""
     users = graph.users()
     for p in graph.params:
-        where = {stage[u] for u in users[p.name] if u in stage}
         if p.name not in stage:
-            stage[p.name] = min(where, default=0)
-        if where - {stage[p.name]}:
-            loc = rules[0].loc if rules else None
-            raise SpecError(f"param {p.name} is used on stages {sorted(where | {stage[p.name]})}; "
-                            f"a param shared by several stages (tied weights) is not supported "
-                            f"yet: keep its users on one stage", loc)
+            stage[p.name] = min((stage[u] for u in users[p.name] if u in stage), default=0)
+
+
+def param_stages(graph: Graph, stage: dict) -> dict:
+    """``{param: (stage, ...)}``: the stages holding each param, those of its users (its own
+    stage when it has none).  A param on more than one stage is *tied*: each holds a copy,
+    computes its gradient contribution, and the contributions are summed over exactly those
+    stages' ranks before the dp reduction, so every copy takes the same update."""
+    users = graph.users()
+    return {p.name: tuple(sorted({stage[u] for u in users[p.name] if u in stage} or {stage[p.name]}))
+            for p in graph.params}
 
 
 def _check_cover(graph, rules, hit, stage, pp) -> None:
@@ -220,7 +225,7 @@ def _partition(costs: list, k: int) -> list:
 
 def split_stages(graph: Graph, stage: dict, pp: int) -> tuple:
     """The :class:`StageGraph` of every stage (see :func:`assign_stages` for ``stage``)."""
-    users = graph.users()
+    users, held = graph.users(), param_stages(graph, stage)
     compute = [n for n in graph.nodes if n.op not in ("input", "param")]
     last_use = {n.name: max((stage[u] for u in users[n.name]), default=stage[n.name]) for n in compute}
     live = [[n.name for n in compute if stage[n.name] <= c < last_use[n.name]] for c in range(pp)]
@@ -228,7 +233,7 @@ def split_stages(graph: Graph, stage: dict, pp: int) -> tuple:
     for s in range(pp):
         mine = [n for n in compute if stage[n.name] == s]
         recv = tuple(live[s - 1]) if s else ()
-        params = [n for n in graph.params if stage[n.name] == s]
+        params = [n for n in graph.params if s in held[n.name]]
         used = {i for n in mine for i in n.inputs}
         inputs = [n for n in graph.inputs if n.name in used]
         nodes = [*inputs, *(Node(v, "input", (), graph[v].type, (), graph[v].layout) for v in recv),
@@ -245,7 +250,8 @@ def split_stages(graph: Graph, stage: dict, pp: int) -> tuple:
 
 def rebatch(graph: Graph, batch: int) -> Graph:
     """``graph`` with dim 0 of every input set to ``batch`` (a microbatch) and every
-    other type inferred again.
+    other type inferred again (a reshape whose operand shrank shrinks its dim 0 alike:
+    GPT-2's ``[2,8,32] -> [16,32]`` becomes ``[1,8,32] -> [8,32]``).
 
     Raises:
         ParcompError: an input has no batch dim, or an op's inferred type fails (an op
@@ -261,6 +267,7 @@ def rebatch(graph: Graph, batch: int) -> Graph:
         elif n.op == "param":
             ty = n.type
         else:
+            n = _rebatch_reshape(n, graph, types)
             try:
                 ty = OPS[n.op].infer([types[i] for i in n.inputs], n)
             except Exception as e:  # noqa: BLE001 - any inference failure is the same user error
@@ -271,3 +278,17 @@ def rebatch(graph: Graph, batch: int) -> Graph:
         nodes.append(Node(n.name, n.op, n.inputs, ty, n.attrs, n.layout, n.in_layouts, n.phase,
                           n.source, n.spec_loc))
     return graph.with_nodes(nodes)
+
+
+def _rebatch_reshape(node: Node, graph: Graph, types: dict) -> Node:
+    """A reshape whose operand's element count changed gets its dim 0 scaled alike (the
+    batch leads both shapes); any other node is returned as is."""
+    if node.op != "reshape" or not node.type.rank:
+        return node
+    old, new = graph[node.inputs[0]].type.numel, types[node.inputs[0]].numel
+    lead = node.type.shape[0] * new
+    if old == new or lead % old:
+        return node
+    shape = (lead // old, *node.type.shape[1:])
+    return Node(node.name, node.op, node.inputs, node.type.with_shape(shape), node.attrs, node.layout,
+                node.in_layouts, node.phase, node.source, node.spec_loc)

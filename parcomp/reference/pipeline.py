@@ -6,22 +6,35 @@ backward needs, ``send_*`` / ``recv_*`` move values through a mailbox keyed by
 (receiving stage, direction, microbatch), a ``backward`` adds the microbatch's parameter
 gradients to the stage's sums.  After every microbatch of every dp replica, the sums are
 scaled once by ``1 / (microbatches * dp)`` (the dp all-reduce is the sum over replicas)
-and each stage's optimizer program runs.
+and each stage's optimizer program runs.  With tp inside a stage (``plan.local``) each
+program is the stage's per-rank program run on every rank of the inner mesh
+(:func:`~parcomp.reference.interpreter.run_spmd`, its collectives included); values passed
+between programs are assembled to full arrays and split again by the next program's layouts.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from ..passes.stage_train import grad_name
+from .interpreter import run_spmd
 from .numpy_ops import run_unsharded
 
-__all__ = ["run_pipeline_step", "compare_pipeline_step"]
+__all__ = ["run_pipeline_step", "check_pipeline_step", "compare_steps", "compare_pipeline_step"]
 
 
 def _slices(feeds, names, plan):
     """``{name: [piece of dim 0 per (replica, microbatch)]}`` for the batch inputs."""
     parts = plan.microbatches * plan.dp
     return {n: np.split(np.asarray(feeds[n]), parts, axis=0) for n in names if n in feeds}
+
+
+def _run(plan, s: int, kind: str, feeds: dict) -> dict:
+    """Stage ``s``'s ``kind`` program (forward / backward / optimizer) on full arrays."""
+    if not plan.local:
+        return run_unsharded(getattr(plan.stages[s], kind), feeds)
+    local = getattr(plan.local[s], kind)
+    return run_spmd(local, {n.name: feeds[n.name] for n in local.nodes
+                            if n.op in ("input", "param")}).outputs(local)
 
 
 def run_pipeline_step(plan, feeds: dict) -> dict:
@@ -44,11 +57,18 @@ def run_pipeline_step(plan, feeds: dict) -> dict:
     losses = []
     for d in range(plan.dp):
         _replica(plan, feeds, pieces, d, sums, losses)
+    for p, held in plan.tied:  # tied weights: one sum over the stages holding a copy
+        total = sums[held[0]][grad_name(p)]
+        for s in held[1:]:
+            total = total + sums[s][grad_name(p)]
+        for s in held:
+            sums[s][grad_name(p)] = total
     scale = np.float32(1.0 / (plan.microbatches * plan.dp))
-    out = {"loss": np.float32(np.sum(np.asarray(losses, np.float32), dtype=np.float32) * scale)}
-    for st, acc in zip(plan.stages, sums):
+    arr = np.asarray(losses)  # the model's float dtype (float64 in the float64 re-check)
+    out = {"loss": (np.sum(arr, dtype=arr.dtype) * arr.dtype.type(scale)).astype(arr.dtype)}
+    for s, acc in enumerate(sums):
         opt_feeds = {**feeds, **{k: (v * scale).astype(v.dtype) for k, v in acc.items()}}
-        out.update(run_unsharded(st.optimizer, opt_feeds))
+        out.update(_run(plan, s, "optimizer", opt_feeds))
     return out
 
 
@@ -61,7 +81,7 @@ def _replica(plan, feeds, pieces, d, sums, losses) -> None:
             continue
         data = {n: p[d * plan.microbatches + m] for n, p in pieces.items()}
         if a.kind == "forward":
-            out = run_unsharded(st.forward, {**feeds, **data, **got[s].pop(("fwd", m), {})})
+            out = _run(plan, s, "forward", {**feeds, **data, **got[s].pop(("fwd", m), {})})
             stash[s][m] = out
             if "loss" in out:
                 losses.append(out["loss"])
@@ -74,8 +94,8 @@ def _replica(plan, feeds, pieces, d, sums, losses) -> None:
         else:
             saved = {v: stash[s][m][f"saved.{v}"] for v in st.saved}
             del stash[s][m]
-            out = run_unsharded(st.backward, {**feeds, **data, **saved,
-                                              **got[s].pop(("bwd", m), {})})
+            out = _run(plan, s, "backward", {**feeds, **data, **saved,
+                                             **got[s].pop(("bwd", m), {})})
             for p in st.params:
                 g = out[grad_name(p)]
                 acc = sums[s]
@@ -84,32 +104,56 @@ def _replica(plan, feeds, pieces, d, sums, losses) -> None:
                                     if grad_name(v) in out}
 
 
-def check_pipeline_step(compiled, feeds: dict) -> dict:
-    """One pipelined step of ``compiled.program_.pipeline`` on the interpreter against the
-    unsharded step (``compiled.logical``) from the same state (optimizer state zeros, AdamW
-    step 1): ``parcomp.tolerance.compare_all``'s result over the pipeline's outputs (input
-    gradients are not pipeline outputs)."""
-    from ..tolerance import output_bounds
-    from .training import initial_state
+def check_pipeline_step(compiled, feeds: dict, steps: int = 1) -> dict:
+    """``steps`` pipelined training steps of ``compiled.program_.pipeline`` on the
+    interpreter, free-running as program.py runs them (each step's updated params and
+    optimizer state start the next), against as many unsharded steps (``compiled.logical``)
+    from the same state (optimizer state zeros, AdamW's ``step`` 1, 2, ...):
+    ``parcomp.tolerance.compare_all``'s result over the last step's outputs and every step's
+    loss (``losses``), within the bounds of ``steps`` steps (input gradients are not pipeline
+    outputs).  When the float32 bound overflows (``unbounded``: a transformer's), the same
+    plan is made again from the model promoted to float64 and compared there
+    (parcomp/check64.py); the result then says so in ``note``."""
+    from ..check64 import promote_feeds, promote_graph
+    from ..passes.pipeline_plan import plan_pipeline
 
-    logical = compiled.logical
-    state = initial_state(logical, feeds)
-    if "step" in logical:
-        state["step"] = np.array(1.0, "float32")
-    got = run_pipeline_step(compiled.program_.pipeline, state)
-    want = run_unsharded(logical, state)
-    return compare_pipeline_step(got, want, output_bounds(logical, state))
+    result = compare_steps(compiled.program_.pipeline, compiled.logical, feeds, steps)
+    if not result.get("unbounded"):
+        return result
+    plan = plan_pipeline(promote_graph(compiled.unsharded), compiled.spec)
+    wide = compare_steps(plan, promote_graph(compiled.logical), promote_feeds(feeds), steps)
+    if not wide["ok"]:
+        return result
+    return {**wide, "note": f"float32 cannot vouch (its bound overflowed: {result['why'][:200]}); "
+                            f"the same pipeline in float64 equals the unsharded step"}
+
+
+def compare_steps(plan, logical, feeds: dict, steps: int, got=None) -> dict:
+    """``steps`` free-running steps of ``plan`` (or ``got``: the last step's outputs plus
+    ``losses``, e.g. program.py's) against the unsharded steps of ``logical``, within
+    :func:`parcomp.tolerance.training_bounds`."""
+    from ..tolerance import training_bounds
+    from .training import train_steps
+
+    if got is None:
+        run = train_steps(lambda st: run_pipeline_step(plan, st), logical, feeds, steps)
+        got = {**run["outputs"], "losses": np.asarray(run["losses"])}
+    ref = train_steps(lambda st: run_unsharded(logical, st), logical, feeds, steps)
+    want = {**ref["outputs"], "losses": np.asarray(ref["losses"])}
+    b = training_bounds(logical, feeds, steps)
+    bounds = {**b["outputs"], "losses": np.asarray(b["losses"])}
+    return compare_pipeline_step(got, want, bounds)
 
 
 def compare_pipeline_step(got: dict, want: dict, bounds: dict) -> dict:
     """``parcomp.tolerance.compare_all`` of a pipelined step's outputs (``got``) against the
-    unsharded step's (``want``) within ``bounds``, keys ``sorted(got)``. The loss and the
+    unsharded step's (``want``) within ``bounds``, over the keys both have. The loss and the
     gradients must also be resolved by their bounds (docs/design.md, "Resolution"): a bound too
     loose to see a 10% error fails as ``unbounded``/``loose`` (CANNOT VOUCH), never ``OK``;
     the optimizer's outputs are exempt, as in ``training_errors``."""
     from ..resolution import RESOLVE
     from ..tolerance import compare_all
 
-    keys = sorted(got)
+    keys = sorted(k for k in got if k in want)
     return compare_all(got, want, bounds, keys, resolve=RESOLVE,
                        resolve_keys={k for k in keys if k in ("loss", "losses") or k.endswith(".grad")})
