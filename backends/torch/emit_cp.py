@@ -1,0 +1,26 @@
+"""Torch emitter fields of context-parallel attention (issue 14).
+
+A causal ``sdpa`` / ``sdpa_grad`` marked ``cp`` (``parcomp/passes/ctxpar.py``) may hold a block
+of the query rows; torch's ``is_causal`` would put the mask at row 0, so such a node gets an
+explicit boolean mask ``tril`` at the rank's global row offset (an expression of ``COORD``, the
+same offset :mod:`parcomp.reference.cp_ops` gives the interpreter). Every other sdpa keeps
+``is_causal``.
+"""
+from __future__ import annotations
+
+from parcomp.reference.cp_ops import Q_OPERAND, SEQ, needs_q_start
+
+from .emit_norms import _start
+
+
+def cp_kw(program, n) -> dict:
+    """``{"mask_args": ...}``: the mask arguments of ``scaled_dot_product_attention`` for node
+    ``n`` of local ``program`` (``is_causal=...``, or a causal mask at this rank's ``q_start``)."""
+    if n.op not in Q_OPERAND:
+        return {}
+    if program is None or not needs_q_start(n):
+        return {"mask_args": f"is_causal={bool(n.attr('causal', False))}"}
+    q, k = program[n.inputs[Q_OPERAND[n.op]]], program[n.inputs[Q_OPERAND[n.op] + 1]]
+    lq, lk = q.type.shape[SEQ], k.type.shape[SEQ]
+    start = _start(program, q, SEQ)
+    return {"mask_args": f"attn_mask=torch.ones({lq}, {lk}, dtype=torch.bool, device=DEVICE).tril({start})"}
