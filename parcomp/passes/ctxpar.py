@@ -64,25 +64,46 @@ def pin_context_parallel(graph: Graph, spec) -> Graph:
     return _pin_all(graph, {n.name for n in sdpas}, lay, cp, where)
 
 
+def _repeat_source(graph, name):
+    """``(consumer, operand)`` of the edge where a GQA repeat of kv heads (``expand`` on a new dim
+    + ``reshape``, made by the frontend) starts under sdpa operand ``name``, or None: pinning
+    there lets K/V be gathered with their kv heads only, before the copies are made."""
+    want, node = graph[name].type.shape, graph[name]
+    while node.op in ("reshape", "expand"):
+        src = graph[node.inputs[0]]
+        s = src.type.shape
+        if src.type.rank == 4 and (s[0], s[2], s[3]) == (want[0], want[2], want[3]):
+            return node.name, 0
+        node = src
+    return None
+
+
 def _pin_all(graph, names, lay, cp, origin):
-    """``relayout {grad=true}`` on each pinned sdpa's operands (for the sdpa only) and on its
-    output (for every consumer); the sdpa itself gets ``cp=LOWERING``."""
+    """``relayout {grad=true}`` on each pinned sdpa's operands (for that use only: at the start
+    of a GQA repeat when there is one) and on its output (for every consumer); the sdpa itself
+    gets ``cp=LOWERING``."""
     fresh = NameGen(n.name for n in graph.nodes).fresh
     out_of = {name: fresh(f"{name}.cp_out") for name in names}
+    edges = {}  # (consumer, operand index) -> pin name
+    for name in names:
+        for i, (w, operand) in enumerate(zip("qkv", graph[name].inputs)):
+            edge = (_repeat_source(graph, operand) if w != "q" else None) or (name, i)
+            edges[edge] = fresh(f"{name}.cp_{w}")
 
-    def relayout(name, operand, ty, src):
-        return Node(name, "relayout", (operand,), ty, make_attrs(origin=origin, grad=True),
+    def relayout(pin, operand, src):
+        return Node(pin, "relayout", (operand,), graph[operand].type, make_attrs(origin=origin, grad=True),
                     lay, source=src.source, spec_loc=cp.loc)
 
     nodes = []
     for n in graph.nodes:
         n = replace(n, inputs=tuple(out_of.get(i, i) for i in n.inputs)) \
             if any(i in out_of for i in n.inputs) else n
-        if n.name not in names:
+        mine = {i: edges[(n.name, i)] for i in range(len(n.inputs)) if (n.name, i) in edges}
+        if mine:
+            nodes += [relayout(pin, graph[n.name].inputs[i], n) for i, pin in mine.items()]
+            n = replace(n, inputs=tuple(mine.get(i, x) for i, x in enumerate(n.inputs)))
+        if n.name in names:
+            nodes += [n.with_attrs(cp=cp.lowering), relayout(out_of[n.name], n.name, n)]
+        else:
             nodes.append(n)
-            continue
-        pins = [fresh(f"{n.name}.cp_{w}") for w in "qkv"]
-        nodes += [relayout(p, i, graph[i].type, n) for p, i in zip(pins, n.inputs)]
-        nodes += [replace(n.with_attrs(cp=cp.lowering), inputs=tuple(pins)),
-                  relayout(out_of[n.name], n.name, n.type, n)]
     return graph.with_nodes(nodes, [out_of.get(o, o) for o in graph.outputs])
