@@ -156,6 +156,17 @@ def test_llama_attention_with_rope_cp_equals_unsharded_forward_and_backward(tmp_
     assert rc == 0 and out["ok"] and out["err_over_tol"] <= 1 and out["max_grad_err"] is not None, out
 
 
+def test_dp_by_cp_trains_llama_attention_with_adamw_like_unsharded(tmp_path, capsys):
+    """dp=2 x cp=2 (4 ranks): the batch over dp, the sequence over cp; K/V gathered over cp only,
+    weight gradients all_reduced over dp."""
+    rc, out = _check(tmp_path, capsys, "mesh dp=2 cp=2\ncontext-parallel\ninput x [S(0), S(1)]\n"
+                     "output output [S(0), S(1)]\ntrain loss=mse optimizer=adamw(lr=0.01)\n")
+    assert rc == 0 and out["ok"] and out["err_over_tol"] <= 1, out
+    assert {(c["kind"], c["axis"]) for c in out["collectives"] if c["phase"] == "forward"} == {("all_gather", "cp")}
+    assert [c["kind"] for c in out["collectives"] if c["axis"] == "cp" and c["kind"] != "all_gather"] == \
+        ["reduce_scatter", "reduce_scatter"]
+
+
 def test_canonical_spec_collective_list_is_pinned(tmp_path, capsys):
     """specs/attention_cp2_train.pcs: forward all_gather of K and of V; backward reduce_scatter
     of dK and of dV to their owners. The other gathers are the cost model's choice at this tiny
