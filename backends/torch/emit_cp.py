@@ -8,9 +8,17 @@ same offset :mod:`parcomp.reference.cp_ops` gives the interpreter). Every other 
 """
 from __future__ import annotations
 
-from parcomp.reference.cp_ops import Q_OPERAND, SEQ, needs_q_start
-
 from .emit_norms import _start
+
+#: the operand holding q, per op (as parcomp/reference/cp_ops.py: backends see only parcomp.ir
+#: and parcomp.program)
+Q_OPERAND = {"sdpa": 0, "sdpa_grad": 1}
+SEQ = 2
+
+
+def needs_q_start(node) -> bool:
+    """Whether ``node`` is a causal context-parallel sdpa / sdpa_grad."""
+    return node.op in Q_OPERAND and bool(node.attr("cp")) and node.attr("causal", False)
 
 
 def cp_kw(program, n) -> dict:
