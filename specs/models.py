@@ -190,3 +190,36 @@ def moe_block(routing: str = "random", batch: int = 4, seq: int = 8, capacity_fa
 def moe_block_skewed():
     """:func:`moe_block` with ``routing="skewed"``: expert 0 takes most tokens, expert 3 none."""
     return moe_block("skewed")
+
+
+class _CausalAttention(nn.Module):
+    """transformers' LlamaAttention with its rotary embedding; positions ``arange(seq)``."""
+
+    def __init__(self, config):
+        from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
+
+        super().__init__()
+        self.attn = LlamaAttention(config, layer_idx=0)
+        self.rope = LlamaRotaryEmbedding(config)
+
+    def forward(self, x):
+        cos, sin = self.rope(x, torch.arange(x.shape[1]).unsqueeze(0))
+        return self.attn(x, (cos, sin), None)[0]
+
+
+def causal_attention(seq: int = 16):
+    """Causal self-attention for context parallel (issue 14): transformers' ``LlamaAttention``
+    (hidden 32, 4 query heads and 2 kv heads of dim 8, RoPE from global positions 0..seq-1,
+    sdpa with ``is_causal``), eval mode, no cache.
+
+    Input ``x``: float32[2, seq, 32]; output float32[2, seq, 32]. ``seq`` must divide by the
+    cp size (16: cp=2 and cp=4).
+    """
+    from transformers import LlamaConfig
+
+    torch.manual_seed(SEED)
+    config = LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=64, num_hidden_layers=1, vocab_size=64,
+                         max_position_embeddings=64, use_cache=False, attn_implementation="sdpa")
+    module = _CausalAttention(config).eval()
+    return module, (torch.randn(2, seq, 32),), ["x"]

@@ -13,6 +13,7 @@ from parcomp.ir import Mesh, Partial, TensorType, parse_graph
 from parcomp.ir.types import Shard
 from parcomp.ir.types import local_shape
 from parcomp.reference.interpreter import assemble, split_for_ranks
+from parcomp.reference.cp_ops import Q_OPERAND, needs_q_start
 from parcomp.reference.norm_ops import rank_attrs
 from parcomp.rules.sharding import STRATEGY_RULES, axis_strategies
 from parcomp.tolerance import assemble_bound, op_bound, split_bound
@@ -72,6 +73,10 @@ CASES = {  # op -> pcir lines defining %a [%b %c %d] and %y; every dim divisible
     **{f"sdpa_grad_{w}{c}": _QKV + f"%g: f64[2,2,4,2] = input()\n%y: f64[2,2,4,2] = sdpa_grad(%g, %q, %k, %v) "
        f"{{causal={c == ''}, scale=0.7, wrt=\"{w}\"}}".replace("True", "true").replace("False", "false")
        for w in "qkv" for c in ("", "_full")},
+    # context parallel (issue 14): causal with the query rows split, the mask at each rank's q_start
+    "sdpa_cp": _QKV + '%y: f64[2,2,4,2] = sdpa(%q, %k, %v) {causal=true, cp="all_gather", scale=0.7}',
+    **{f"sdpa_grad_{w}_cp": _QKV + f"%g: f64[2,2,4,2] = input()\n%y: f64[2,2,4,2] = sdpa_grad(%g, %q, %k, %v) "
+       f'{{causal=true, cp="all_gather", scale=0.7, wrt="{w}"}}' for w in "qkv"},
     "cos": "%y: f64[4,6] = cos(%a)",
     "sin": "%y: f64[4,6] = sin(%a)",
     "cast": "%y: f32[4,6] = cast(%a)",
@@ -176,6 +181,8 @@ def _at_rank(local, split, ins, in_pl, out_pl, r):
     and the index of its first element along a split dim it indexes (pick, argmax_key, ...)."""
     types = [TensorType(s[r].shape, n.type.dtype) for s, n in zip(split, ins)]
     local = rank_attrs(local, types, [(p,) for p in in_pl], (out_pl,), MESH, MESH.coords(r))
+    if needs_q_start(local) and in_pl[Q_OPERAND[local.op]] == Shard(2):  # context parallel (issue 14)
+        local = local.with_attrs(q_start=r * types[Q_OPERAND[local.op]].shape[2])
     return _at_index(local, r, ins, in_pl, out_pl)
 
 

@@ -30,6 +30,7 @@ from parcomp.ir.ops import LAYOUT_OPS
 from parcomp.ir.types import DTYPE_SHORT, Partial, Replicate, layout_str, shard_axes
 from parcomp.program import MAX_STEPS, ParcompError, Program, TrainLoop, plural
 
+from .emit_cp import cp_kw  # context parallel (issue 14)
 from .emit_norms import HELPER_NAMES as NORM_HELPERS, NORM_FORMATS, norm_kw, runtime_sections
 from .emit_moe import HELPER_NAMES as MOE_HELPERS, MOE_DEFAULTS, MOE_FORMATS, moe_key, moe_sections  # issue 14
 from .emit_reduce import (ASYNC_REDUCE, HELPER_NAMES as REDUCE_HELPERS, IN_PLACE_REDUCE, REDUCE_FORMATS, reduce_key, reduce_kw,
@@ -95,9 +96,9 @@ OP_FORMATS = {
     "slice_grad": ("torch.ops.aten.slice_scatter(torch.zeros({local_shape}, dtype={dtype}, device=DEVICE), "
                    "{0}, {dim}, {start}, {stop}, {step})"),
     "cat": "torch.cat(({args},), dim={dim})",
-    "sdpa": "torch.nn.functional.scaled_dot_product_attention({0}, {1}, {2}, is_causal={causal}, scale={scale})",
+    "sdpa": "torch.nn.functional.scaled_dot_product_attention({0}, {1}, {2}, {mask_args}, scale={scale})",
     "sdpa_grad": ("torch.func.vjp(lambda q, k, v: torch.nn.functional.scaled_dot_product_attention("
-                  "q, k, v, is_causal={causal}, scale={scale}), {1}, {2}, {3})[1]({0})[{wrt_index}]"),
+                  "q, k, v, {mask_args}, scale={scale}), {1}, {2}, {3})[1]({0})[{wrt_index}]"),
     "cos": "torch.cos({0})",
     "sin": "torch.sin({0})",
     "cast": "{0}.to({dtype})",
@@ -507,6 +508,7 @@ def _code(n, args, program=None) -> str:
     kw["args"] = ", ".join(args)
     kw.update(norm_kw(program, n, args))  # norms + embedding part (issue 17)
     kw.update(reduce_kw(program, n, _py))  # reductions part (issue 17)
+    kw.update(cp_kw(program, n))  # context parallel (issue 14): causal mask at the rank's rows
     if n.op == "expand":
         kw["kept_shape"] = repr(tuple(1 if d in n.attr("dims") else s for d, s in enumerate(n.type.shape)))
     if n.op == "sdpa_grad":  # attention part (issue 17): which of torch.func.vjp's (dq, dk, dv)

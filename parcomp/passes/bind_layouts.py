@@ -25,6 +25,7 @@ from ..spec.parser import check_names
 from ..frontends.fused import fused_bias_follows, fused_split_dim  # attention part (issue 17)
 from .heads import check_heads  # attention part (issue 17)
 from .seqpar import pin_sequence_parallel  # sequence parallel (issue 17)
+from .ctxpar import pin_context_parallel  # context parallel (issue 14)
 from .vocab_pad import pad_vocab_tables  # padded vocab (issue 17)
 
 
@@ -66,7 +67,8 @@ def bind_layouts(graph: Graph, spec: Spec) -> Graph:
         nodes.append(n)
     graph = graph.with_nodes(nodes)
     graph = _pin_activations(graph, spec)
-    return pin_sequence_parallel(_pin_outputs(graph, spec), spec)
+    graph = pin_sequence_parallel(_pin_outputs(graph, spec), spec)
+    return pin_context_parallel(graph, spec)  # context parallel (issue 14)
 
 
 def _ce_loss(spec) -> bool:

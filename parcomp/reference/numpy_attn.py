@@ -23,11 +23,12 @@ def _slice_grad(g, node):
 
 def attention_probs(q, k, node):
     """softmax(scale q k^T) over the last dim, causal (top-left aligned: key j <= query i)
-    entries kept when ``causal``; [..., Sq, Sk] in q's dtype."""
+    entries kept when ``causal``; [..., Sq, Sk] in q's dtype. Query row i is global row
+    ``q_start + i`` (a context-parallel rank's block of q, issue 14; 0 by default)."""
     s = np.matmul(q, np.swapaxes(k, -1, -2)) * q.dtype.type(node.attr("scale"))
     if node.attr("causal", False):
         sq, sk = s.shape[-2:]
-        s = np.where(np.tril(np.ones((sq, sk), bool)), s, -np.inf)
+        s = np.where(np.tril(np.ones((sq, sk), bool), node.attr("q_start", 0)), s, -np.inf)
     s = s - np.max(s, axis=-1, keepdims=True)
     p = np.exp(s)
     return (p / np.sum(p, axis=-1, keepdims=True)).astype(q.dtype)

@@ -8,9 +8,10 @@ call this one function; each part's own returns other ops unchanged.
 """
 from __future__ import annotations
 
-from . import norm_ops, reduce_ops
+from . import cp_ops, norm_ops, reduce_ops
 
 
 def at_rank(program, node, rank: int):
     """``node`` of local ``program`` as mesh rank ``rank`` runs it (unchanged for other ops)."""
+    node = cp_ops.at_rank(program, node, rank)  # context parallel (issue 14): q_start
     return reduce_ops.at_rank(program, norm_ops.at_rank(program, node, rank), rank)

@@ -30,7 +30,7 @@ def sdpa_strategies(node, ts):
     """Single-axis strategies of ``sdpa(q, k, v)`` (see the module docstring)."""
     out = [((R, R, R), R), ((R, R, P), P), ((R, R, Shard(3)), Shard(3))]
     out += [((Shard(d),) * 3, Shard(d)) for d in (0, 1)]
-    if not node.attr("causal", False):
+    if not node.attr("causal", False) or node.attr("cp"):  # cp: mask at q_start (issue 14)
         out.append(((Shard(2), R, R), Shard(2)))
     return out
 
@@ -38,13 +38,15 @@ def sdpa_strategies(node, ts):
 def sdpa_grad_strategies(node, ts):
     """Single-axis strategies of ``sdpa_grad(dy, q, k, v)``."""
     out = [((R,) * 4, R), ((P, R, R, R), P)] + [((Shard(d),) * 4, Shard(d)) for d in (0, 1)]
-    if not node.attr("causal", False):  # query rows independent: dq split, dk/dv summed over them
+    if not node.attr("causal", False) or node.attr("cp"):  # query rows independent: dq split, dk/dv summed over them
         out.append(((Shard(2), Shard(2), R, R), Shard(2) if node.attr("wrt") == "q" else P))
     return out
 
 
 def _sdpa_vjp(b, n, g):
     attrs = {"causal": n.attr("causal", False), "scale": n.attr("scale")}
+    if n.attr("cp"):  # context parallel (issue 14): the grads keep the query split too
+        attrs["cp"] = n.attr("cp")
     return tuple(b.op("sdpa_grad", [g, *n.inputs], wrt=w, **attrs) for w in "qkv")
 
 

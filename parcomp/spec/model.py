@@ -207,6 +207,8 @@ class Spec:
     launch: tuple = ()  # the topology's placement= / timeout= pairs, sorted (program.py's defaults)
     # `sequence-parallel [over AXIS]` (transformer SP, issue 17): (axis, loc) or None
     sequence_parallel: tuple | None = None
+    # `context-parallel [over AXIS] [lowering=...]` (issue 14): parcomp.passes.ctxpar.ContextParallel or None
+    context_parallel: object = None
 
     def default_axis(self) -> str:
         """The mesh axis a layout word without ``over`` applies to.

@@ -24,6 +24,7 @@ from ..passes.train_config import train_config
 from .model import (LAYOUT_WORDS, LayoutSpec, Rule, Spec, TrainSpec, check_mesh_size, default_axis,
                     suggest)
 from .stages import make_stage, check_stages
+from .ctxpar import make_context_parallel  # context parallel (issue 14)
 
 _GRAMMAR = resources.files(__package__).joinpath("grammar.lark").read_text(encoding="utf-8")
 _PARSER = Lark(_GRAMMAR, parser="lalr", propagate_positions=True, maybe_placeholders=True)
@@ -43,6 +44,7 @@ WORDS = {  # every terminal of grammar.lark, as a syntax error says it
     "REP": _PLACEMENT, "SHARD": _PLACEMENT, "PART": _PLACEMENT,
     "MESH": "'mesh'", "TOPOLOGY": "'topology'", "TRAIN": "'train'", "MEMORY": "'memory'",
     "SEQPAR": "'sequence-parallel'",
+    "CTXPAR": "'context-parallel'",  # context parallel (issue 14)
     "MEMSIZE": "a memory size such as 80GiB (units B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)",
     "STAGE": "'stage'", "COLON": "':'", "RANGE": "a range of numbered modules such as h.0-5",
     "PARAM": "a rule target (param, input, output or activation)",
@@ -177,6 +179,7 @@ class _Tree(Transformer):
 
     mesh, topology, train = _statement("mesh"), _statement("topology"), _statement("train")
     memory, seqpar = _statement("memory"), _statement("sequence-parallel")
+    ctxpar = _statement("context-parallel")  # context parallel (issue 14)
     stage = _statement("stage")
     del _statement
 
@@ -258,7 +261,7 @@ class _Builder:
                                 "(one size per axis; the last axis varies fastest)")
         self.mesh = self.make_mesh(stmts[0][2])
         seen, rules, topology, train, links, memory, stages = {"mesh": tok}, [], None, None, (), None, []
-        seqpar = None
+        seqpar = ctxpar = None
         for kind, tok, payload in stmts[1:]:
             if kind == "stage":
                 stages.append(make_stage(self, tok, payload, stages))
@@ -276,6 +279,8 @@ class _Builder:
             elif kind == "sequence-parallel":  # transformer SP (issue 17)
                 seqpar = (default_axis(self.mesh) if payload[0] is None
                           else self.axis(payload[0], "'sequence-parallel over'"), self.loc(tok))
+            elif kind == "context-parallel":  # context parallel attention (issue 14)
+                ctxpar = make_context_parallel(self, tok, payload)
             elif kind == "train":
                 train = TrainSpec(self.options(payload, "option"), self.loc(tok))
                 train_config(Spec(self.mesh, (), self.file, train=train))  # options and ranges
@@ -285,7 +290,8 @@ class _Builder:
         return Spec(self.mesh, tuple(rules), self.file, topology, train, topo_loc, links, memory,
                     self.loc(seen["memory"]) if "memory" in seen else None,
                     check_stages(self, stages, train),
-                    launch=getattr(self, "launch", ()), sequence_parallel=seqpar)
+                    launch=getattr(self, "launch", ()), sequence_parallel=seqpar,
+                    context_parallel=ctxpar)
 
     def make_mesh(self, axes) -> Mesh:
         check_mesh_size(axes, self.err)

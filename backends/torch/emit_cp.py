@@ -1,0 +1,34 @@
+"""Torch emitter fields of context-parallel attention (issue 14).
+
+A causal ``sdpa`` / ``sdpa_grad`` marked ``cp`` (``parcomp/passes/ctxpar.py``) may hold a block
+of the query rows; torch's ``is_causal`` would put the mask at row 0, so such a node gets an
+explicit boolean mask ``tril`` at the rank's global row offset (an expression of ``COORD``, the
+same offset :mod:`parcomp.reference.cp_ops` gives the interpreter). Every other sdpa keeps
+``is_causal``.
+"""
+from __future__ import annotations
+
+from .emit_norms import _start
+
+#: the operand holding q, per op (as parcomp/reference/cp_ops.py: backends see only parcomp.ir
+#: and parcomp.program)
+Q_OPERAND = {"sdpa": 0, "sdpa_grad": 1}
+SEQ = 2
+
+
+def needs_q_start(node) -> bool:
+    """Whether ``node`` is a causal context-parallel sdpa / sdpa_grad."""
+    return node.op in Q_OPERAND and bool(node.attr("cp")) and node.attr("causal", False)
+
+
+def cp_kw(program, n) -> dict:
+    """``{"mask_args": ...}``: the mask arguments of ``scaled_dot_product_attention`` for node
+    ``n`` of local ``program`` (``is_causal=...``, or a causal mask at this rank's ``q_start``)."""
+    if n.op not in Q_OPERAND:
+        return {}
+    if program is None or not needs_q_start(n):
+        return {"mask_args": f"is_causal={bool(n.attr('causal', False))}"}
+    q, k = program[n.inputs[Q_OPERAND[n.op]]], program[n.inputs[Q_OPERAND[n.op] + 1]]
+    lq, lk = q.type.shape[SEQ], k.type.shape[SEQ]
+    start = _start(program, q, SEQ)
+    return {"mask_args": f"attn_mask=torch.ones({lq}, {lk}, dtype=torch.bool, device=DEVICE).tril({start})"}

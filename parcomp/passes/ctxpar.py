@@ -1,0 +1,109 @@
+"""``context-parallel``: attention over a sequence split across the ranks of one mesh axis (issue 14).
+
+The statement (``parcomp/spec/ctxpar.py``) pins, for every ``sdpa``, its q, k and v operands and
+its output to ``S(seq)`` (dim 2 of ``[batch, heads, seq, head_dim]``) on the context-parallel
+axis, **and their gradients to the same layout** (``relayout {grad=true}``, as
+``sequence-parallel`` pins the norms), and marks the ``sdpa`` with ``cp=LOWERING``. The mark
+lets the sharding rules keep the query rows of a *causal* ``sdpa`` split
+(``parcomp/rules/attention.py``): each rank then computes its rows against the whole K/V, with
+the causal mask taken at its global row offset (``q_start``: where its block of q starts,
+from the layout, :func:`parcomp.reference.cp_ops.at_rank`; ``COORD`` in program.py). So:
+
+- ``lowering=all_gather``: with q and k/v split, the only way to the rule's ``(S(2), R, R)``
+  is one all_gather of K and one of V over the axis (forward); backward, ``sdpa_grad`` for k
+  and v gives every rank a partial sum over its own queries, and the pin of the gradient to
+  ``S(seq)`` turns it into one reduce_scatter each: dK/dV return to the keys' owners.
+
+Positions (RoPE's ``arange``) are replicated and sliced locally where a split value needs them,
+so angles come from global positions; the loss is the global sum over the global token count
+(``autodiff``), never a mean of per-rank means. On the other mesh axes a pin takes ``S(0)``
+where a model input's dim 0 is split over that axis (data parallel), else ``R``.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..errors import SpecError
+from ..ir.graph import Graph, Node, make_attrs
+from ..ir.names import NameGen
+from ..ir.types import Replicate, Shard, divisibility_problem, shard_axes
+
+SEQ = 2  # the sequence dim of sdpa's [batch, heads, seq, head_dim]
+
+
+def pin_context_parallel(graph: Graph, spec) -> Graph:
+    """Pin every sdpa's q, k, v and output (and their gradients) split along the sequence over
+    the CP axis, and mark the sdpa with the lowering.
+
+    Args:
+        graph: the unsharded graph after bind-layouts' rules (mesh set).
+        spec: the spec; ``spec.context_parallel`` (a ContextParallel) or None (no change).
+
+    Raises:
+        SpecError: at the statement, when the model has no sdpa, or a sequence length does not
+            divide by the axis size (names the sdpa, its operand and its module).
+    """
+    cp = getattr(spec, "context_parallel", None)
+    if cp is None:
+        return graph
+    a = graph.mesh.axis_index(cp.axis)
+    sdpas = [n for n in graph.nodes if n.op == "sdpa"]
+    if not sdpas:
+        raise SpecError("context-parallel splits the sequence of attention, but the model has no "
+                        "scaled-dot-product attention (sdpa)", cp.loc)
+    batch = {ax for n in graph.inputs for ax in shard_axes(n.layout or (), 0)}
+    lay = tuple(Shard(SEQ) if i == a else Shard(0) if i in batch else Replicate()
+                for i in range(len(graph.mesh.axes)))
+    for n in sdpas:
+        for what, ty in [("output", n.type)] + [(w, graph[i].type) for w, i in zip("qkv", n.inputs)]:
+            problem = divisibility_problem(ty, lay, graph.mesh)
+            if problem:
+                raise SpecError(f"context-parallel over {cp.axis}: sdpa %{n.name} {what} {ty} "
+                                f"(module {n.source or '?'}): {problem}", cp.loc)
+    where = f"the spec's context-parallel at {cp.loc.file.rsplit('/', 1)[-1]}:{cp.loc.line}"
+    return _pin_all(graph, {n.name for n in sdpas}, lay, cp, where)
+
+
+def _repeat_source(graph, name):
+    """``(consumer, operand)`` of the edge where a GQA repeat of kv heads (``expand`` on a new dim
+    + ``reshape``, made by the frontend) starts under sdpa operand ``name``, or None: pinning
+    there lets K/V be gathered with their kv heads only, before the copies are made."""
+    want, node = graph[name].type.shape, graph[name]
+    while node.op in ("reshape", "expand"):
+        src = graph[node.inputs[0]]
+        s = src.type.shape
+        if src.type.rank == 4 and (s[0], s[2], s[3]) == (want[0], want[2], want[3]):
+            return node.name, 0
+        node = src
+    return None
+
+
+def _pin_all(graph, names, lay, cp, origin):
+    """``relayout {grad=true}`` on each pinned sdpa's operands (for that use only: at the start
+    of a GQA repeat when there is one) and on its output (for every consumer); the sdpa itself
+    gets ``cp=LOWERING``."""
+    fresh = NameGen(n.name for n in graph.nodes).fresh
+    out_of = {name: fresh(f"{name}.cp_out") for name in names}
+    edges = {}  # (consumer, operand index) -> pin name
+    for name in names:
+        for i, (w, operand) in enumerate(zip("qkv", graph[name].inputs)):
+            edge = (_repeat_source(graph, operand) if w != "q" else None) or (name, i)
+            edges[edge] = fresh(f"{name}.cp_{w}")
+
+    def relayout(pin, operand, src):
+        return Node(pin, "relayout", (operand,), graph[operand].type, make_attrs(origin=origin, grad=True),
+                    lay, source=src.source, spec_loc=cp.loc)
+
+    nodes = []
+    for n in graph.nodes:
+        n = replace(n, inputs=tuple(out_of.get(i, i) for i in n.inputs)) \
+            if any(i in out_of for i in n.inputs) else n
+        mine = {i: edges[(n.name, i)] for i in range(len(n.inputs)) if (n.name, i) in edges}
+        if mine:
+            nodes += [relayout(pin, graph[n.name].inputs[i], n) for i, pin in mine.items()]
+            n = replace(n, inputs=tuple(mine.get(i, x) for i, x in enumerate(n.inputs)))
+        if n.name in names:
+            nodes += [n.with_attrs(cp=cp.lowering), relayout(out_of[n.name], n.name, n)]
+        else:
+            nodes.append(n)
+    return graph.with_nodes(nodes, [out_of.get(o, o) for o in graph.outputs])

@@ -1,0 +1,64 @@
+"""``context-parallel [over AXIS] [lowering=NAME]``: causal attention over a split sequence (issue 14).
+
+The statement says which mesh axis splits the sequence of every ``sdpa`` (default: ``cp`` when
+the mesh has it, else the only axis) and how attention is lowered across it:
+
+- ``all_gather`` (the default and, so far, the only one built): each rank keeps its own query
+  rows and gathers the whole K and V (one all_gather each, forward); backward gives each rank
+  the dK/dV of every key from its own queries, a partial sum that a reduce_scatter returns to
+  the keys' owners.
+
+``ring`` (K/V blocks passed around the ring with an online-softmax merge) and ``ulysses``
+(all_to_all sequence split <-> heads split) are named here so that a spec asking for them gets
+a located error saying they are not built yet, never a silent other lowering.
+Every error is a :class:`~parcomp.errors.SpecError` at the statement or at the option.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import SourceLoc
+
+#: lowerings built, and those named but not built yet (a located error)
+LOWERINGS = ("all_gather",)
+NOT_BUILT = ("ring", "ulysses", "load_balanced")
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """A parsed ``context-parallel`` statement: the mesh axis, the lowering, where it is."""
+
+    axis: str
+    lowering: str
+    loc: SourceLoc
+
+
+def make_context_parallel(builder, tok, payload) -> ContextParallel:
+    """The :class:`ContextParallel` of one statement (``payload``: ``[over-axis or None, options...]``).
+
+    Raises:
+        SpecError: an unknown axis, no ``cp`` axis on a multi-axis mesh without ``over``, an
+            unknown option or lowering, a lowering not built yet.
+    """
+    names = builder.mesh.names
+    over, options = payload[0], payload[1:]
+    if over is not None:
+        axis = builder.axis(over, "'context-parallel over'")
+    elif "cp" in names or len(names) == 1:
+        axis = "cp" if "cp" in names else names[0]
+    else:
+        raise builder.err(tok, f"context-parallel: which mesh axis splits the sequence? the mesh "
+                               f"has no 'cp' axis ({builder.axes_text()}); say 'context-parallel over AXIS'")
+    lowering = LOWERINGS[0]
+    for key, val in options:
+        if str(key) != "lowering":
+            raise builder.err(key, f"context-parallel has no option {str(key)!r}; its only option is "
+                                   f"lowering= ({', '.join(LOWERINGS)})")
+        if val in NOT_BUILT:
+            raise builder.err(key, f"context-parallel lowering={val} is not built yet; built: "
+                                   f"{', '.join(LOWERINGS)}")
+        if val not in LOWERINGS:
+            raise builder.err(key, f"context-parallel lowering={val!r} is not a lowering; choose one "
+                                   f"of: {', '.join(LOWERINGS)}")
+        lowering = val
+    return ContextParallel(axis, lowering, builder.loc(tok))
