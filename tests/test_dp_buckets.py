@@ -85,9 +85,10 @@ def test_dp2_tp2_tp_split_gradients_share_a_bucket_the_replicated_bias_does_not(
     c = compile_graph(mlp_graph((4096, 8), [16, 32, 16], [True, True], ["gelu"]), spec(DP_TP.format(extra="")))
     tp = [(r["kind"], r["phase"]) for r in c.report["collectives"] if r["axis"] == "tp"]
     assert tp == [("all_reduce", "forward"), ("all_reduce", "backward")]
-    assert dp_collectives(c) == [("all_reduce", "loss", 4, "[P, R]", "[R, R]"),
-                                 ("all_reduce", "backward", 2112, "[P, S(0)]", "[R, S(0)]"),  # 16x8 x2 + 8
+    assert dp_collectives(c) == [("all_reduce", "backward", 2112, "[P, S(0)]", "[R, S(0)]"),  # 16x8 x2 + 8
                                  ("all_reduce", "backward", 64, "[P, R]", "[R, R]")]
+    # the loss: one all_reduce over the joint dp,tp group (issue 11)
+    assert [(r["kind"], r["phase"]) for r in c.report["collectives"] if r["axis"] == "dp,tp"] == [("all_reduce", "loss")]
     (b,) = c.report["grad_buckets"]["buckets"]
     assert b["members"] == ["l1.weight", "l0.bias", "l0.weight"]
     (u,) = c.report["grad_buckets"]["unbucketed"]
@@ -97,7 +98,7 @@ def test_dp2_tp2_tp_split_gradients_share_a_bucket_the_replicated_bias_does_not(
     assert got == sorted((r["axis"], r["bytes"]) for r in c.report["collectives"])  # report = what ran
     per_param = compile_graph(mlp_graph((4096, 8), [16, 32, 16], [True, True], ["gelu"]),
                               spec(DP_TP.format(extra="bucket_cap_mb=0")))
-    assert len(dp_collectives(per_param)) == 5  # the loss and 4 gradients
+    assert len(dp_collectives(per_param)) == 4  # 4 gradients (the loss goes over dp,tp)
 
 
 def test_small_cap_buckets_start_while_backward_runs_and_wait_before_the_optimizer():

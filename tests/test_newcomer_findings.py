@@ -74,7 +74,9 @@ def test_cli_check_of_a_pipeline_says_cannot_vouch_for_a_vacuous_bound(tmp_path,
     rc = main(["check", f"{tmp_path / 'm.py'}:chain", "--spec", str(tmp_path / "s.pcs")])
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.startswith("pipelined step"))
-    assert rc != 0 and "CANNOT VOUCH: " in line and " OK" not in line
+    # never a bare OK: CANNOT VOUCH, or OK from the float64 re-check, which says so
+    assert (rc != 0 and "CANNOT VOUCH: " in line) or (rc == 0 and "float32 cannot vouch" in line
+                                                      and "in float64 equals the unsharded step" in line), line
 
 
 @pytest.mark.parametrize("value", ["-5", "0", "nan", "inf", "1e300", "fast"])
