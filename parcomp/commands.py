@@ -522,7 +522,7 @@ def explain(args):
     (:mod:`parcomp.explain_cmd`)."""
     from .explain_cmd import explain_command
 
-    return explain_command(args)
+    return explain_command(args, feeds_for)
 def plan(args):
     """``parcomp plan``: choose the layouts, write them as a spec, compile it to show the plan."""
     from .plan import mesh_text, plan as choose, summary, write_spec

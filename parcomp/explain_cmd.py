@@ -38,14 +38,14 @@ def compile_for(model: str, graph, path: str):
         return compile_graph(graph, spec)
 
 
-def explain_command(args) -> dict:
+def explain_command(args, feeds_for=None) -> dict:
     """``parcomp explain``: print the explanation (or the comparison); returns the JSON result
     ``{"ok": true, "explain": ...}`` or ``{"ok": true, "compare": [...], "specs": [...]}``."""
     paths = spec_paths(args)
     graph, module, example = load_model(args.model)
     compiled = [compile_for(args.model, graph, p) for p in paths]
     xs = [explain(c) for c in compiled]
-    moe = _moe(compiled[0], module, example)  # issue 14: TP inside every expert vs EP
+    moe = _moe(compiled[0], module, example, feeds_for)  # issue 14: TP inside every expert vs EP
     written = None
     if args.plots:
         if len(compiled) > 1:
@@ -64,11 +64,11 @@ def explain_command(args) -> dict:
     return {"ok": True, "specs": paths, "compare": xs}
 
 
-def _moe(compiled, module, example) -> list:
-    """:func:`parcomp.moe_report.moe_compare` for the model's example inputs ([] without MoE)."""
-    if not any(n.op == "moe_dispatch" for n in compiled.logical.nodes):
+def _moe(compiled, module, example, feeds_for) -> list:
+    """:func:`parcomp.moe_report.moe_compare` for the model's example inputs ([] without MoE);
+    ``feeds_for``: :func:`parcomp.commands.feeds_for`, passed in (commands imports this module)."""
+    if feeds_for is None or not any(n.op == "moe_dispatch" for n in compiled.logical.nodes):
         return []
-    from .commands import feeds_for
     from .links import axis_links
 
     feeds = feeds_for(compiled.unsharded, module, example)

@@ -92,7 +92,7 @@ def test_bf16_tp2_sends_bf16_and_equals_autocast(tmp_path):
 def _grad_reductions(c):
     """dtype of every backward reduction over dp of a parameter gradient."""
     return sorted({x["dtype"] for x in c.report["collectives"] if x["phase"] == "backward"
-                   and x["axis"] == "dp" and x["kind"] in ("all_reduce", "reduce_scatter")})
+                   and "dp" in x["axis"].split(",") and x["kind"] in ("all_reduce", "reduce_scatter")})
 
 
 def test_bf16_dp2_tp2_reduces_parameter_gradients_in_fp32(tmp_path):
@@ -106,19 +106,21 @@ def test_bf16_dp2_tp2_reduces_parameter_gradients_in_fp32(tmp_path):
 
 
 WIDE = ("mesh dp=2 tp=2\n0.weight colwise over tp\n2.weight rowwise over tp\ninput x [S(0), R]\n"
-        "train loss=mse optimizer=sgd(lr=0.1) input_grads=no precision=bf16{opts}\n")
+        "train loss=mse optimizer=sgd(lr=0.1) input_grads=no precision=bf16 bucket_cap_mb=0{opts}\n")
+# bucket_cap_mb=0: one all_reduce per gradient (issue 16's buckets off), so each is seen in its dtype
 
 
-def test_grad_reduce_compute_halves_the_gradient_bytes(tmp_path):
+def test_grad_reduce_compute_sends_the_gradients_in_bfloat16(tmp_path):
     """262144 tokens (weight gradients are all_reduced over dp, activations never gathered):
-    ``grad_reduce=fp32`` (the default) sends 4 bytes an element, ``grad_reduce=compute`` 2."""
+    ``grad_reduce=fp32`` (the default) reduces them in float32, ``grad_reduce=compute`` in
+    bfloat16. The byte counts are not compared one to one: with gradient reductions half as
+    dear the exact search picks another plan (weights gathered over tp, gradients summed over
+    the joint dp,tp group, issue 11) instead of Megatron's 2 MiB forward all_reduce."""
     c = _compile(tmp_path, WIDE.format(opts=""), f"{MODELS}:wide_batch_mlp")[0]
     half = _compile(tmp_path, WIDE.format(opts=" grad_reduce=compute"), f"{MODELS}:wide_batch_mlp")[0]
-    dp = [(k, b) for k, a, d, b in _collectives(c, "backward") if a == "dp"]
+    dp = [(k, b) for k, a, d, b in _collectives(c, "backward") if "dp" in a.split(",")]  # dp or dp,tp
     assert _grad_reductions(c) == ["float32"] and len(dp) == 4
     assert _grad_reductions(half) == ["bfloat16"]
-    assert sorted((k, b // 2) for k, b in dp) == sorted((k, b) for k, a, d, b in _collectives(half, "backward")
-                                                       if a == "dp")
     assert half.report["training"]["options"]["grad_reduce_dtype"] == "bfloat16"
 
 
@@ -173,7 +175,11 @@ def test_low_precision_program_py_three_steps_on_gloo_equals_autocast(tmp_path, 
     assert out["err_over_tol"] <= 1 and len(out["losses"]) == 3 and np.all(np.isfinite(out["losses"]))
     tp = {x["bytes"] for x in out["collectives"] if x["axis"] == "tp"}
     assert tp - {4} == {tp_bytes}  # 2 bytes an element (4: fp16's float32 count of inf/NaN gradients)
-    assert (4 in tp) == ("fp16" in opts)
+    # fp16's count of inf/NaN gradients: one float32 all_reduce over tp, or over the joint dp,tp
+    # group on DP=2 x TP=2 (issue 11; 6 bytes a rank on 4 ranks)
+    counts = [x for x in out["collectives"] if x["phase"] != "loss" and x["bytes"] in (4, 6)
+              and "tp" in x["axis"].split(",")]
+    assert bool(counts) == ("fp16" in opts)
 
 
 # ---- fp16 with dynamic loss scaling ----

@@ -65,6 +65,9 @@ CASES = {  # op -> (pcir body with inputs %a [%b], output %y), inputs positive w
 }
 # integer results: no gradient flows through them (their VJP gives None)
 NO_GRADIENT = {"argmax", "argmax_key", "argmax_index", "label_mask"}
+#: MoE ops (issue 14): their VJPs need routing operands (combine weights, capacities); they are
+#: checked against torch autograd and the real Mixtral block in tests/test_moe.py
+MOE_OPS = {"moe_route", "moe_dispatch", "moe_combine"}
 
 
 def _graph(body):
@@ -129,4 +132,4 @@ def _fd_error(g, feeds, w, eps, num, num2):
 
 
 def test_every_differentiable_op_has_a_case():
-    assert set(VJP_RULES) - {"relayout"} - NO_GRADIENT <= {c.split("_tanh")[0].split("_full")[0] for c in CASES}
+    assert set(VJP_RULES) - {"relayout"} - NO_GRADIENT - MOE_OPS <= {c.split("_tanh")[0].split("_full")[0] for c in CASES}
