@@ -27,6 +27,7 @@ from ..errors import SpecError
 from ..ir.graph import Graph, Node, make_attrs
 from ..ir.names import NameGen
 from ..ir.types import Replicate, Shard, divisibility_problem, shard_axes
+from .cp_ulysses import pin_ulysses  # lowering=all_to_all (issue 14)
 
 SEQ = 2  # the sequence dim of sdpa's [batch, heads, seq, head_dim]
 
@@ -61,6 +62,8 @@ def pin_context_parallel(graph: Graph, spec) -> Graph:
                 raise SpecError(f"context-parallel over {cp.axis}: sdpa %{n.name} {what} {ty} "
                                 f"(module {n.source or '?'}): {problem}", cp.loc)
     where = f"the spec's context-parallel at {cp.loc.file.rsplit('/', 1)[-1]}:{cp.loc.line}"
+    if cp.lowering == "all_to_all":  # DeepSpeed-Ulysses: seq split <-> heads split (cp_ulysses.py)
+        return pin_ulysses(graph, {n.name for n in sdpas}, lay, cp, where, _repeat_source)
     return _pin_all(graph, {n.name for n in sdpas}, lay, cp, where)
 
 

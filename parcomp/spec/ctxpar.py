@@ -3,14 +3,18 @@
 The statement says which mesh axis splits the sequence of every ``sdpa`` (default: ``cp`` when
 the mesh has it, else the only axis) and how attention is lowered across it:
 
-- ``all_gather`` (the default and, so far, the only one built): each rank keeps its own query
+- ``all_gather`` (the default): each rank keeps its own query
   rows and gathers the whole K and V (one all_gather each, forward); backward gives each rank
   the dK/dV of every key from its own queries, a partial sum that a reduce_scatter returns to
   the keys' owners.
 
-``ring`` (K/V blocks passed around the ring with an online-softmax merge) and ``ulysses``
-(all_to_all sequence split <-> heads split) are named here so that a spec asking for them gets
-a located error saying they are not built yet, never a silent other lowering.
+- ``all_to_all`` (DeepSpeed-Ulysses; ``ulysses`` is the same): q/k/v exchanged from the
+  sequence split to a heads split, attention on whole sequences, the output exchanged back
+  (``parcomp/passes/cp_ulysses.py``).
+
+``ring`` (K/V blocks passed around the ring with an online-softmax merge) is named here so that
+a spec asking for it gets a located error saying it is not built yet, never a silent other
+lowering.
 Every error is a :class:`~parcomp.errors.SpecError` at the statement or at the option.
 """
 from __future__ import annotations
@@ -20,8 +24,9 @@ from dataclasses import dataclass
 from ..errors import SourceLoc
 
 #: lowerings built, and those named but not built yet (a located error)
-LOWERINGS = ("all_gather",)
-NOT_BUILT = ("ring", "ulysses", "load_balanced")
+LOWERINGS = ("all_gather", "all_to_all")  # all_to_all: DeepSpeed-Ulysses (passes/cp_ulysses.py)
+NOT_BUILT = ("ring", "load_balanced")
+ALIASES = {"ulysses": "all_to_all"}  # DeepSpeed's name for the all_to_all form
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,7 @@ def make_context_parallel(builder, tok, payload) -> ContextParallel:
         if str(key) != "lowering":
             raise builder.err(key, f"context-parallel has no option {str(key)!r}; its only option is "
                                    f"lowering= ({', '.join(LOWERINGS)})")
+        val = ALIASES.get(val, val)
         if val in NOT_BUILT:
             raise builder.err(key, f"context-parallel lowering={val} is not built yet; built: "
                                    f"{', '.join(LOWERINGS)}")
