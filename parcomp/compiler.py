@@ -6,6 +6,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
+from .cp_report import sp_cp_record  # issue 14: SP vs CP
 from .ir.graph import Graph
 from .memory import check_peak, zero_warnings
 from .passes.manager import forward_pipeline, run_pipeline
@@ -68,6 +69,7 @@ def _compile(graph: Graph, spec, after) -> Compiled:
     report["placement"] = placement
     check_peak(report, spec)
     report["warnings"] = zero_warnings(logical, spec) + pinned_gather_warnings(sharded, report)
+    report.update(sp_cp_record(graph, spec, placement))  # issue 14: SP vs CP (parcomp/cp_report.py)
     if "pp" in spec.mesh.names and spec.train is not None:
         prog, report = attach_pipeline(graph, spec, prog, report)
     return Compiled(graph, logical, sharded, program, report, spec, prog)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 from .compiler import compile_graph
+from .cp_report import sp_cp_lines
 from .errors import ParcompError
 from .explain import explain
 from .explain_text import blocks, compare_blocks, show
@@ -46,6 +47,7 @@ def explain_command(args, feeds_for=None) -> dict:
     compiled = [compile_for(args.model, graph, p) for p in paths]
     xs = [explain(c) for c in compiled]
     moe = _moe(compiled[0], module, example, feeds_for)  # issue 14: TP inside every expert vs EP
+    spcp = compiled[0].report.get("sp_vs_cp")  # issue 14: SP vs CP (parcomp/cp_report.py)
     written = None
     if args.plots:
         if len(compiled) > 1:
@@ -55,9 +57,11 @@ def explain_command(args, feeds_for=None) -> dict:
         written = write_plots(compiled[0], xs[0], args.plots)
     if len(xs) == 1:
         if not args.json:
-            show(blocks(xs[0]) + ([("text", moe_lines(moe))] if moe else []))
+            show(blocks(xs[0]) + ([("text", moe_lines(moe))] if moe else [])
+                 + ([("text", sp_cp_lines(spcp))] if spcp else []))  # issue 14: SP vs CP
             _say_written(args.plots, written)
-        return {"ok": True, "explain": xs[0], "plots": written, **({"moe": moe} if moe else {})}
+        return {"ok": True, "explain": xs[0], "plots": written, **({"moe": moe} if moe else {}),
+                **({"sp_vs_cp": spcp} if spcp else {})}
     names = [os.path.basename(p) for p in paths]
     if not args.json:
         show(compare_blocks(xs, names))

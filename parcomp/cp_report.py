@@ -1,0 +1,143 @@
+"""Sequence parallel vs context parallel, for the given sequence length and mesh (issue 14 item 3).
+
+A spec with a ``context-parallel`` or ``sequence-parallel`` statement and a model with
+attention (``sdpa``) gets, in report.json (``sp_vs_cp``) and ``parcomp explain``, a small
+table: the bytes each rank sends, the collective calls, and the estimated time of the
+attention's exchanges per step, for each way of splitting the sequence over the statement's
+axis of ``n`` ranks. Per attention layer, with ``q``/``out`` ``[B, H, S, D]``, ``k``/``v``
+``[B, Hkv, S, D]`` (kv heads before a GQA repeat), element size ``e``, ``f = (n-1)/n``:
+
+==============  ===========================================  =====================================
+way             exchanges (forward; backward mirrored)       bytes per rank, forward
+==============  ===========================================  =====================================
+SP (on tp)      all_gather of ``[B, S, H D]`` before the      ``2 f B S H D e``
+                column-parallel QKV, reduce_scatter after
+                the row-parallel output projection
+CP all_gather   all_gather of K and of V                      ``2 f B Hkv S D e``
+CP all_to_all   all_to_all of Q, K, V (seq -> heads) and of   ``f/n B S D e (2 H + 2 Hkv')``
+                the output (heads -> seq)                     (``Hkv'``: Hkv if it divides by n,
+                                                              else H: K/V repeated first)
+CP ring         n-1 steps, each passing one K and one V block ``2 f B Hkv S D e``
+                to the next rank                              (backward: K, V, dK, dV: twice)
+==============  ===========================================  =====================================
+
+A training step doubles each (backward: reduce_scatter/all_gather, dK/dV reduce_scatter,
+the four all_to_all again), except ring, whose backward passes K, V, dK and dV (4 blocks a
+step). Times: :func:`parcomp.links.collective_seconds` on the axis's link (the spec's
+``topology``, ``parcomp explain``'s model), a ring step one hop (``call_us + hop_us +
+bytes / bandwidth``) with no overlap with compute counted. Ring is an estimate from bytes
+whether or not a ring lowering is built. Only attention's exchanges are counted: SP also
+splits the weights over tp (memory) and its MLP block adds the same exchanges again; CP keeps
+weights whole and all-reduces their gradients over the axis, as data parallel does.
+"""
+from __future__ import annotations
+
+from .links import axis_links, collective_seconds
+
+_WALK = ("reshape", "expand", "relayout")  # through a GQA repeat (and a pin) to the kv heads
+WAYS = ("sp", "all_gather", "all_to_all", "ring")
+LABELS = {"sp": "SP (Megatron, on tp)", "all_gather": "CP all_gather", "all_to_all": "CP all_to_all",
+          "ring": "CP ring (estimate)"}
+
+
+def attention_layers(graph) -> list:
+    """``(B, H, Hkv, S, D, element bytes)`` of every forward sdpa of ``graph``."""
+    out = []
+    for n in graph.nodes:
+        if n.op == "sdpa" and n.phase in (None, "forward"):
+            b, h, s, d = n.type.shape
+            out.append((b, h, _kv_heads(graph, n.inputs[1], h), s, d, n.type.nbytes // n.type.numel))
+    return out
+
+
+def _kv_heads(graph, name, heads) -> int:
+    """The fewest heads on the way up from sdpa operand ``name`` through a GQA repeat."""
+    node, want = graph[name], graph[name].type.shape
+    while node.op in _WALK:
+        node = graph[node.inputs[0]]
+        s = node.type.shape
+        if node.type.rank == 4 and (s[0], s[2], s[3]) == (want[0], want[2], want[3]):
+            heads = min(heads, s[1])
+    return heads
+
+
+def _p2p_seconds(nbytes, link) -> float:
+    return (link.call_us + link.hop_us) * 1e-6 + nbytes / (link.gb_per_s * 1e9)
+
+
+def layer_ways(b, h, hkv, s, d, e, n, link, train: bool) -> dict:
+    """The four ways for one attention layer on ``n`` ranks: ``{way: {collectives, calls,
+    bytes_per_rank, seconds, possible}}`` per step (``train``: forward and backward)."""
+    f = (n - 1) / n
+    act, kv = b * s * h * d * e, b * hkv * s * d * e
+    hkv_a2a = hkv if hkv % n == 0 else h
+    a2a_q, a2a_kv = int(f * act / n), int(f * b * hkv_a2a * s * d * e / n)
+    sides = 2 if train else 1
+    blk = kv // n
+    ways = {
+        "sp": ([("all_gather", int(f * act)), ("reduce_scatter", int(f * act))] * sides,
+               "all_gather + reduce_scatter of [B, S, hidden]", h % n == 0),
+        "all_gather": ([("all_gather", int(f * kv))] * 2 + [("reduce_scatter", int(f * kv))] * 2 * (sides - 1),
+                       "all_gather K, V" + ("; reduce_scatter dK, dV" if train else ""), True),
+        "all_to_all": ([("all_to_all", a2a_q), ("all_to_all", a2a_kv), ("all_to_all", a2a_kv),
+                        ("all_to_all", a2a_q)] * sides, "all_to_all Q, K, V, out" + (" (and grads)" if train else ""),
+                       h % n == 0),
+    }
+    out = {k: {"collectives": what, "calls": len(calls), "bytes_per_rank": sum(c for _, c in calls),
+               "seconds": sum(collective_seconds(kind, n, c, link) for kind, c in calls), "possible": ok}
+           for k, (calls, what, ok) in ways.items()}
+    steps = [2 * blk] * (n - 1) + ([4 * blk] * (n - 1) if train else [])
+    out["ring"] = {"collectives": f"{n - 1} send/recv step(s) of K, V" + (" (backward: K, V, dK, dV)" if train else ""),
+                   "calls": len(steps), "bytes_per_rank": sum(steps),
+                   "seconds": sum(_p2p_seconds(c, link) for c in steps), "possible": True}
+    return out
+
+
+def sp_vs_cp(graph, spec, links: dict) -> dict | None:
+    """The comparison for ``graph`` (the unsharded model) under ``spec`` (None without a
+    ``context-parallel`` / ``sequence-parallel`` statement or without attention): the axis
+    and its size, the sequence length, this spec's way, and per way the sums over the model's
+    attention layers. ``links``: ``{mesh axis: Link}`` (:func:`parcomp.links.axis_links`)."""
+    cp, sp = getattr(spec, "context_parallel", None), getattr(spec, "sequence_parallel", None)
+    layers = attention_layers(graph)
+    if (cp is None and sp is None) or not layers:
+        return None
+    axis = cp.axis if cp is not None else sp[0]
+    n = spec.mesh.sizes[spec.mesh.names.index(axis)]
+    train = spec.train is not None
+    total = {w: {"collectives": "", "calls": 0, "bytes_per_rank": 0, "seconds": 0.0, "possible": True} for w in WAYS}
+    for layer in layers:
+        for w, r in layer_ways(*layer, n, links[axis], train).items():
+            t = total[w]
+            t.update(collectives=r["collectives"], calls=t["calls"] + r["calls"],
+                     bytes_per_rank=t["bytes_per_rank"] + r["bytes_per_rank"],
+                     seconds=t["seconds"] + r["seconds"], possible=t["possible"] and r["possible"])
+    b, h, hkv, s, d, _ = layers[0]
+    return {"axis": axis, "ranks": n, "seq": s, "heads": h, "kv_heads": hkv, "layers": len(layers),
+            "link": links[axis].name, "per": "training step" if train else "forward",
+            "this_spec": cp.lowering if cp is not None else "sp", "ways": total}
+
+
+def sp_cp_record(graph, spec, placement: dict) -> dict:
+    """``{"sp_vs_cp": ...}`` for report.json, or ``{}`` (see :func:`sp_vs_cp`)."""
+    if getattr(spec, "context_parallel", None) is None and getattr(spec, "sequence_parallel", None) is None:
+        return {}
+    rec = sp_vs_cp(graph, spec, axis_links(spec, placement))
+    return {"sp_vs_cp": rec} if rec else {}
+
+
+def sp_cp_lines(rec: dict) -> list:
+    """The small table ``parcomp explain`` prints for :func:`sp_vs_cp`'s record."""
+    out = [f"SP vs CP: sequence {rec['seq']}, {rec['heads']} heads ({rec['kv_heads']} kv), "
+           f"{rec['layers']} attention layer(s), {rec['ranks']} ranks over {rec['axis']} "
+           f"({rec['link']}), per {rec['per']}, attention exchanges only:",
+           f"  {'way':22s} {'calls':>5s} {'bytes/rank':>11s} {'est. us':>9s}  exchanges"]
+    for w in WAYS:
+        r = rec["ways"][w]
+        mark = "  <- this spec" if w == rec["this_spec"] else ""
+        if not r["possible"]:
+            out.append(f"  {LABELS[w]:22s} {'-':>5s} {'-':>11s} {'-':>9s}  heads do not divide by {rec['ranks']}{mark}")
+            continue
+        out.append(f"  {LABELS[w]:22s} {r['calls']:5d} {r['bytes_per_rank']:11d} {r['seconds'] * 1e6:9.1f}  "
+                   f"{r['collectives']}{mark}")
+    return out
