@@ -149,6 +149,16 @@ def test_llama_attention_all_to_all_equals_unsharded_forward_and_backward(tmp_pa
     assert sum(c["kind"] == "all_to_all" for c in out["collectives"]) == 8
 
 
+def test_dp_by_cp_all_to_all_trains_llama_attention_with_adamw_like_unsharded(tmp_path, capsys):
+    """dp=2 x cp=2 (4 ranks): the batch over dp, the sequence over cp; the exchanges over cp only."""
+    rc, out = _check(tmp_path, capsys, "mesh dp=2 cp=2\ncontext-parallel lowering=all_to_all\n"
+                     "input x [S(0), S(1)]\noutput output [S(0), S(1)]\ntrain loss=mse optimizer=adamw(lr=0.01)\n")
+    assert rc == 0 and out["ok"] and out["err_over_tol"] <= 1, out
+    assert {c["axis"] for c in out["collectives"] if c["kind"] == "all_to_all"} == {"cp"}
+    assert sum(c["kind"] == "all_to_all" for c in out["collectives"]) == 8
+    assert {c["axis"] for c in out["collectives"] if c["phase"] == "forward"} == {"cp"}
+
+
 def test_canonical_program_keeps_the_causal_mask_and_comments_every_all_to_all(tmp_path):
     out = tmp_path / "out"
     assert main(["compile", MODEL, "--spec", str(CANONICAL), "-o", str(out)]) == 0

@@ -52,11 +52,12 @@ def pin_ulysses(graph: Graph, names: set, lay, cp, origin: str, repeat_source) -
     """
     a = graph.mesh.axis_index(cp.axis)
     heads = tuple(Shard(HEADS) if i == a else p for i, p in enumerate(lay))
-    for name in sorted(names):
+    order = [n.name for n in graph.nodes if n.name in names]  # graph order: the same names every compile
+    for name in order:
         _check_heads(graph, graph[name], heads, cp)
     fresh = NameGen(n.name for n in graph.nodes).fresh
     edges = {}  # (consumer, operand index) -> [(pin name, layout, why)], outermost first
-    for name in names:
+    for name in order:
         for i, (w, operand) in enumerate(zip("qkv", graph[name].inputs)):
             src = repeat_source(graph, operand) if w != "q" else None
             seq_pin = (fresh(f"{name}.cp_{w}"), lay, _SEQ_WHY)
@@ -69,7 +70,7 @@ def pin_ulysses(graph: Graph, names: set, lay, cp, origin: str, repeat_source) -
             else:  # the kv heads split evenly: exchange them before the repeat
                 edges[src] = [seq_pin, head_pin]
     outs = {name: [(fresh(f"{name}.cp_out_heads"), heads, _OUT_WHY),
-                   (fresh(f"{name}.cp_out"), lay, _BACK_WHY)] for name in names}
+                   (fresh(f"{name}.cp_out"), lay, _BACK_WHY)] for name in order}
     return graph.with_nodes(_rewrite(graph, edges, outs, cp, origin),
                             [outs[o][-1][0] if o in outs else o for o in graph.outputs])
 

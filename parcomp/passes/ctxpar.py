@@ -13,6 +13,8 @@ from the layout, :func:`parcomp.reference.cp_ops.at_rank`; ``COORD`` in program.
   is one all_gather of K and one of V over the axis (forward); backward, ``sdpa_grad`` for k
   and v gives every rank a partial sum over its own queries, and the pin of the gradient to
   ``S(seq)`` turns it into one reduce_scatter each: dK/dV return to the keys' owners.
+- ``lowering=all_to_all`` (DeepSpeed-Ulysses): :func:`parcomp.passes.cp_ulysses.pin_ulysses`
+  pins seq split -> heads split around each sdpa instead (no mark: whole rows, plain mask).
 
 Positions (RoPE's ``arange``) are replicated and sliced locally where a split value needs them,
 so angles come from global positions; the loss is the global sum over the global token count
