@@ -170,25 +170,26 @@ def _pipeline_options(spec, t) -> tuple:
     if given and "pp" not in spec.mesh.names:
         raise SpecError(f"{given[0]}= is a pipeline option and mesh {spec.mesh} has no 'pp' axis "
                         f"(e.g. 'mesh pp=2')", t.loc)
-    return micro, schedule, stages, _virtual(spec, t, schedule)
+    return micro, schedule, stages, _virtual(spec, t, schedule, micro)
 
 
-def _virtual(spec, t, schedule) -> int:
+def _virtual(spec, t, schedule, micro) -> int:
     """``virtual=K`` of interleaved 1F1B (default 2): model chunks per rank; 1 for the others.
 
     Raises:
-        SpecError: at ``virtual=``: out of 1..:data:`MAX_VIRTUAL`, given with another schedule,
-            or with stage statements (interleaved's pp x K chunks are balanced)."""
+        SpecError: at ``virtual=``: out of 1..:data:`MAX_VIRTUAL`, given with another schedule;
+            at ``microbatches=``: interleaved needs a multiple of pp (as Megatron)."""
     loc = option_loc(t.loc, "virtual")
     if schedule != "interleaved":
         if t.get("virtual") is not None:
             raise SpecError(f"virtual= is the chunk count of schedule=interleaved, not of "
                             f"schedule={schedule}", loc)
         return 1
-    k = _count(t.get("virtual", 2), "virtual", MAX_VIRTUAL, loc)
-    if spec.stages:
-        raise SpecError("schedule=interleaved cuts the model into pp x virtual balanced chunks; "
-                        "drop the stage statements", spec.stages[0].loc)
+    k = _count(t.get("virtual", 2), "virtual", MAX_VIRTUAL, loc)  # stage statements: spec/stages.py
+    pp = spec.mesh.sizes[spec.mesh.axis_index("pp")] if "pp" in spec.mesh.names else 1
+    if micro % pp:
+        raise SpecError(f"schedule=interleaved needs microbatches ({micro}) to be a multiple of "
+                        f"pp ({pp})", option_loc(t.loc, "microbatches"))
     return k
 
 
