@@ -209,3 +209,17 @@ def test_balanced_units_keep_ln_f_apart_from_the_blocks():
     assert _unit("transformer.ln_f", above) == "transformer.ln_f"
     assert _unit("transformer.h.1.mlp", above) == "transformer.h.1" and _unit("lm_head", above) == "lm_head"
     assert _unit("transformer", above) == "transformer"
+
+
+def test_shipped_gpt2_dp2_pp2_tp2_spec_with_zb_h1_equals_1f1b():
+    """The shipped 8-rank GPT-2 spec (tp inside the stages, tied embedding) with
+    schedule=zb-h1: the split per-rank backward gives 1F1B's numbers."""
+    pytest.importorskip("transformers")
+    from test_pipeline_tied import gpt2_64, lm_pipelined, shipped
+
+    h, train = shipped()
+    g = gpt2_64()
+    zb, want, bounds, plan, _, _ = lm_pipelined(g, h, train.replace("schedule=1f1b", "schedule=zb-h1"))
+    assert plan.split and len(plan.local) == 2 and plan.dp == 2
+    assert_all_equivalent(zb, want, bounds)
+    assert_same_numbers({"1f1b": lm_pipelined(g, h, train)[0], "zb-h1": zb})
