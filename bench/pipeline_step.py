@@ -2,7 +2,8 @@
 
 Model: ``specs/models.py:mlp_chain(blocks=4, hidden=32)`` cut after block 2 (modules 0-5 |
 6-11); global batch (8, 8, 32) in 4 microbatches of 2; MSE loss; SGD(lr=0.01); 2 gloo ranks
-(spawned processes, 1 thread each). Per schedule (GPipe, 1F1B):
+(spawned processes, 1 thread each). Per schedule (GPipe, 1F1B; ZB-H1 and interleaved 1F1B
+with 2 chunks per rank: parcomp only, measured bubble vs the report's estimate):
 
   parcomp   the program.py parcomp emits for ``mesh pp=2`` + the stage lines: its ``step``
             function (this rank's simulated action list: isend / blocking recv, microbatch
@@ -14,7 +15,7 @@ Model: ``specs/models.py:mlp_chain(blocks=4, hidden=32)`` cut after block 2 (mod
 Every step starts from the same weights (parcomp's step returns new weights; torch's updates
 in place: the difference is one optimizer step of 8 small tensors). Reported: median ms per
 step over ``--steps`` after 3 warm-up steps, parcomp / torch, the analytic bubble
-``(pp-1)/(m+pp-1)`` and a measured one, ``1 - serial / (pp x step)``, where ``serial`` is the
+(``(pp-1)/(m+pp-1)``; ZB-H1 ``(pp-1)/(3m+pp-1)``, interleaved ``(pp-1)/(vm+pp-1)``) and a measured one, ``1 - serial / (pp x step)``, where ``serial`` is the
 unsharded step (forward, backward, SGD) of the whole model in one process: the fraction of
 the two ranks' time not spent on the model's own compute (bubble plus p2p and overheads).
 
@@ -72,12 +73,13 @@ def parcomp_worker(rank, world, program_path):
     spec = importlib.util.spec_from_file_location("pipeline_program", program_path)
     prog = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(prog)
-    stage, d, dp_group = prog.setup(rank)
+    coord, d, dp_group = prog.setup(rank)
     sd = _models().mlp_chain(BLOCKS, HIDDEN)[0].state_dict()
-    p = {k: sd[k] if k in sd else torch.zeros(prog.STATE_SHAPES[k][0]) for k in prog.PARAMS[stage]}
+    p = {k: sd[k] if k in sd else torch.zeros(prog.STATE_SHAPES[k][0])
+         for s in prog.STAGES[coord] for k in prog.PARAMS[s]}  # every model chunk of this rank
     x, y = _data()
     data = {"x": x, "target": y}
-    return _timed(lambda: prog.step(rank, stage, d, dp_group, p, data))
+    return _timed(lambda: prog.step(rank, coord, d, dp_group, p, data))
 
 
 def torch_worker(rank, world, schedule):
@@ -123,9 +125,10 @@ def _program(schedule, work) -> str:
 
     module, _, names = _models().mlp_chain(BLOCKS, HIDDEN)
     graph = import_torch(module, (_data()[0],), names)
-    spec = parse_spec(f"mesh pp=2\nstage 0: 0-{CUT - 1}\nstage 1: {CUT}-{3 * BLOCKS - 1}\n"
+    stages = "" if schedule == "interleaved" else f"stage 0: 0-{CUT - 1}\nstage 1: {CUT}-{3 * BLOCKS - 1}\n"
+    spec = parse_spec(f"mesh pp=2\n{stages}"  # interleaved: 4 balanced chunks, 2 per rank
                       f"train loss=mse optimizer=sgd(lr=0.01) input_grads=no microbatches={MICRO} "
-                      f"schedule={schedule}\n", "bench.pcs")
+                      f"schedule={schedule}{' virtual=2' if schedule == 'interleaved' else ''}\n", "bench.pcs")
     path = os.path.join(work, f"program_{schedule}.py")
     with open(path, "w") as f:
         f.write(emit_program(compile_graph(graph, spec)))
@@ -133,14 +136,18 @@ def _program(schedule, work) -> str:
 
 
 def main():
+    from parcomp.passes.schedule import analytic
+
     torch.set_num_threads(1)
     serial = serial_ms()
-    bubble = (2 - 1) / (MICRO + 2 - 1)
     rows = []
     with tempfile.TemporaryDirectory(prefix="pcbench-pp-") as work:
-        for schedule in ("gpipe", "1f1b"):
+        for schedule in ("gpipe", "1f1b", "zb-h1", "interleaved"):
             ours = max(C.spawn(parcomp_worker, 2, (_program(schedule, work),)))
-            theirs = max(C.spawn(torch_worker, 2, (schedule,)))
+            # torch.distributed.pipelining's ZB / interleaved schedules need several stages per
+            # rank and other stage objects: parcomp's alone, measured against its estimate
+            theirs = max(C.spawn(torch_worker, 2, (schedule,))) if schedule in ("gpipe", "1f1b") else float("nan")
+            bubble = analytic(schedule, 2, MICRO, 2 if schedule == "interleaved" else 1)
             rows.append((schedule, ours, theirs, ours / theirs, bubble,
                          1 - serial / (2 * ours), 1 - serial / (2 * theirs)))
     print(f"pipeline_step: mlp_chain({BLOCKS}), hidden {HIDDEN}, batch {BATCH} in {MICRO} microbatches, "

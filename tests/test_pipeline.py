@@ -55,7 +55,7 @@ def assert_detects_a_wrong_scale(got, want, bounds):
 
 def reference(g, train=TRAIN, seed=0):
     """The unsharded training step of ``g`` (no pp), its feeds and its outputs' bounds."""
-    pipe = ("microbatches=", "schedule=", "stages=")
+    pipe = ("microbatches=", "schedule=", "stages=", "virtual=")
     s = spec("mesh tp=1\n" + " ".join(w for w in train.split() if not w.startswith(pipe)) + "\n")
     ref = add_training_step(bind_layouts(g, s), s)
     feeds = {k: v for k, v in random_feeds(ref, seed, scale=0.15).items()  # O(1) activations
@@ -279,17 +279,19 @@ def chain_case(draw):
     dims = [draw(st.sampled_from([4, 8])) for _ in range(nlin + 1)]
     bias = [draw(st.booleans()) for _ in range(nlin)]
     acts = [draw(st.sampled_from(["relu", "gelu", "tanh", "none"])) for _ in range(nlin)]
-    pp = draw(st.integers(1, nlin))
-    micro = draw(st.sampled_from([1, 2, 4]))
+    name = draw(st.sampled_from(["gpipe", "1f1b", "zb-h1", "interleaved"]))
+    virtual = draw(st.integers(1, 2)) if name == "interleaved" else 1
+    pp = draw(st.integers(1, max(1, nlin // virtual)))  # a module per chunk
+    micro = pp * draw(st.sampled_from([1, 2])) if name == "interleaved" else draw(st.sampled_from([1, 2, 4]))
     dp = draw(st.sampled_from([1, 2]))
-    name = draw(st.sampled_from(["gpipe", "1f1b"]))
     opt = draw(st.sampled_from(["sgd(lr=0.1, momentum=0.9)", "adamw(lr=0.01)"]))
     mesh = f"mesh {'dp=2 ' if dp == 2 else ''}pp={pp}\n"
-    train = f"train optimizer={opt} input_grads=no microbatches={micro} schedule={name}"
+    train = f"train optimizer={opt} input_grads=no microbatches={micro} schedule={name}" + \
+        (f" virtual={virtual}" if name == "interleaved" else "")
     return mlp_graph((8,), dims, bias, acts), mesh, train
 
 
-@settings(max_examples=15)
+@settings(max_examples=20)
 @given(chain_case(), st.integers(0, 2**16))
 def test_random_chains_stages_microbatches_schedules_equal_unsharded(case, seed):
     g, mesh, train = case

@@ -25,6 +25,7 @@ from parcomp.ir.types import Replicate
 
 from .emit_norms import runtime_sections
 from .emit_reduce import reduce_sections
+from .pipeline_main import MAIN as _MAIN
 from .runtime import sections
 
 __all__ = ["emit_pipeline_program", "pipeline_emittable", "PipelineEmitError"]
@@ -33,156 +34,6 @@ __all__ = ["emit_pipeline_program", "pipeline_emittable", "PipelineEmitError"]
 class PipelineEmitError(ParcompError):
     """The pipeline cannot be printed (a mesh axis this module does not emit inside a stage)."""
 
-_MAIN = '''
-def coords(rank):
-    """``{axis: coordinate}`` of a global rank (row-major, the last axis fastest)."""
-    return dict(zip(MESH, mesh_coords(rank)))
-
-
-def local_shard(t, splits):
-    """This rank's block of a full tensor: ``splits`` = ``[(dim, axis), ...]`` of its layout."""
-    for dim, axis in splits:
-        t = t.chunk(MESH[axis], dim)[COORD[AXIS[axis]]]
-    return t.contiguous()
-
-
-def whole_value(t, splits):
-    """The full tensor from this rank's block (an all_gather per split axis, every rank of
-    the group calls it)."""
-    for dim, axis in reversed(splits):
-        t = all_gather(t, dim, axis)
-    return t
-
-
-def tag(m, direction, j):
-    """The p2p tag of value j of microbatch m, direction 0 forward, 1 backward."""
-    return (m * 2 + direction) * 1000 + j
-
-
-def send(tensors, peer, m, direction):
-    return [dist.isend(t.contiguous(), peer, tag=tag(m, direction, j)) for j, t in enumerate(tensors)]
-
-
-def recv(specs, peer, m, direction):
-    out = {}
-    for j, (name, shape, dtype) in enumerate(specs):
-        buf = torch.empty(shape, dtype=getattr(torch, dtype))
-        dist.recv(buf, peer, tag=tag(m, direction, j))
-        out[name] = buf
-    return out
-
-
-def setup(rank):
-    """This rank's stage, dp coordinate and dp group (every rank creates every group)."""
-    c = coords(rank)
-    stage, d = c["pp"], c.get("dp", 0)
-    dp_group = None
-    for ranks in DP_GROUPS:  # every rank creates every group, in the same order
-        g = dist.new_group(ranks)
-        if rank in ranks:
-            dp_group = g
-    make_groups()  # the groups of the axes inside a stage (tp): COMM_AXES
-    for i, lines in enumerate(TIED_SETS):  # tied weights: the ranks of the stages holding a copy
-        for ranks in lines:
-            g = dist.new_group(ranks)
-            if rank in ranks:
-                TIED_GROUP[i] = g
-    return stage, d, dp_group
-
-
-def step(rank, stage, d, dp_group, p, data):
-    """One training step of this rank: its action list in order; the updated state (and the
-    loss on the last stage)."""
-    rows = MICRO_BATCH * MICROBATCHES
-
-    def micro(m):
-        lo = d * rows + m * MICRO_BATCH
-        return {k: data[k][lo:lo + MICRO_BATCH] for k in BATCH_INPUTS[stage]}
-
-    stash, got, grads_in, grads_out, sums, handles, losses = {}, {}, {}, {}, {}, [], []
-    result = {}
-    for kind, m, peer in ACTIONS[rank]:
-        if kind == "recv_fwd":
-            got[m] = recv(RECV[stage], peer, m, 0)
-        elif kind == "forward":
-            stash[m] = FORWARD[stage](p, {**micro(m), **got.pop(m, {})})
-            if "loss" in stash[m]:
-                losses.append(stash[m]["loss"])
-        elif kind == "send_fwd":
-            handles += send([stash[m][v] for v, _, _ in SEND[stage]], peer, m, 0)
-        elif kind == "recv_bwd":
-            grads_in[m] = recv([("grad." + v, s, t) for v, s, t in SEND[stage]], peer, m, 1)
-        elif kind == "backward":
-            saved = {k[len("saved."):]: v for k, v in stash.pop(m).items() if k.startswith("saved.")}
-            out = BACKWARD[stage](p, {**micro(m), **saved, **grads_in.pop(m, {})})
-            for k in GRADS[stage]:
-                sums[k] = out[k] if k not in sums else sums[k] + out[k]
-            grads_out[m] = [out["grad." + v] for v, _, _ in RECV[stage]]
-        elif kind == "send_bwd":
-            handles += send(grads_out.pop(m), peer, m, 1)
-        elif kind == "optimizer":
-            for h in handles:
-                h.wait()
-            for k in GRADS[stage]:  # collectives reduce in place: a strided sum (a transpose's) is copied
-                sums[k] = sums[k].contiguous()
-            for k, i in TIED.get(stage, []):  # a tied weight: its stages' sum, before dp
-                dist.all_reduce(sums[k], group=TIED_GROUP[i])
-            for k in GRADS[stage]:  # the gradient of the global batch: sum, then scale once
-                if dp_group is not None:
-                    dist.all_reduce(sums[k], group=dp_group)
-                sums[k] = sums[k] * SCALE
-            result = OPTIMIZER[stage](p, {**sums, "step": torch.tensor(STEP[0])})
-    if losses:
-        loss = torch.stack(losses).sum()
-        if dp_group is not None:
-            dist.all_reduce(loss, group=dp_group)
-        result["loss"] = loss * SCALE
-    return result
-
-
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\\n")[0])
-    ap.add_argument("--checkpoint", required=True)
-    ap.add_argument("--input", required=True)
-    ap.add_argument("--output", required=True)
-    ap.add_argument("--steps", type=int, default=1, help="training steps, each from the last one's state")
-    ap.add_argument("--bench", type=int, default=0, help="then time N more steps (ms per step)")
-    args = ap.parse_args()
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if world != WORLD:
-        sys.exit(f"this program needs {WORLD} ranks, got {world}")
-    stage, d, dp_group = setup(rank)
-    sd = torch.load(args.checkpoint)
-    p = {k: local_shard(sd[k], SPLITS.get(k, [])) if k in sd else
-         torch.zeros(STATE_SHAPES[k][0], dtype=getattr(torch, STATE_SHAPES[k][1])) for k in PARAMS[stage]}
-    data = torch.load(args.input)
-    losses = []
-    for k in range(1, args.steps + 1):  # free-running: updated params and state carry over
-        STEP[0] = float(k)
-        result = step(rank, stage, d, dp_group, p, data)
-        losses += [result["loss"]] if "loss" in result else []
-        p.update({q: result[q] for q in PARAMS[stage] if q in result})
-    if losses:
-        result["losses"] = torch.stack(losses)
-    result = {k: whole_value(v, SPLITS.get(k, [])) for k, v in result.items()}
-    if all(c == 0 for a, c in coords(rank).items() if a != "pp"):  # one rank per stage writes
-        torch.save({k: v.detach().clone() for k, v in result.items()}, f"{args.output}.stage{stage}")
-    if args.bench:  # every step from the same state: the time of one step, not a trajectory
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(args.bench):
-            step(rank, stage, d, dp_group, p, data)
-        dist.barrier()
-        if rank == 0:
-            print(f"bench: {(time.perf_counter() - t0) * 1e3 / args.bench:.3f} ms per step")
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()
-'''
 
 
 def _ident(name: str, taken: set) -> str:
@@ -285,7 +136,9 @@ def emit_pipeline_program(program, model, code) -> str:
     inner = [a for a, _ in mesh.axes if a not in ("pp", "dp")]
     head = [f'"""parcomp pipelined training step: {program.spec_name or "spec"}'
             f"{f', model {model}' if model else ''}.",
-            "", f"mesh {mesh}, schedule {plan.schedule}, {plan.microbatches} microbatch(es) of "
+            "", f"mesh {mesh}, schedule {plan.schedule}"
+            f"{f' ({plan.virtual} model chunks per rank)' if plan.virtual > 1 else ''}, "
+            f"{plan.microbatches} microbatch(es) of "
             f"{plan.micro_batch}, global batch {plan.batch} = {plan.micro_batch} x "
             f"{plan.microbatches} x dp {plan.dp}; bubble {plan.analytic_bubble:.3f} (analytic), "
             f"{plan.simulation.bubble:.3f} (simulated).", "", format_placement(table), "",
@@ -298,7 +151,9 @@ def emit_pipeline_program(program, model, code) -> str:
               f"COMM_AXES = {tuple(a for a in inner if dict(mesh.axes)[a] > 1)!r}",
               f"MICROBATCHES = {plan.microbatches}", f"MICRO_BATCH = {plan.micro_batch}",
               f"SCALE = 1.0 / {plan.microbatches * plan.dp}  # 1 / (microbatches x dp)",
-              f"DP_GROUPS = {dp_groups!r}"]
+              f"DP_GROUPS = {dp_groups!r}",
+              f"STAGES = {({r: list(range(r, len(plan.stages), plan.pp)) for r in range(plan.pp)})!r}"
+              "  # per pp coordinate, the (virtual) stages it holds"]
     params, state, batch, grads, sends, recvs, splits = {}, {}, {}, {}, {}, {}, {}
     for st in plan.stages:
         opt = plan.local[st.index].optimizer if plan.local else st.optimizer
@@ -317,9 +172,11 @@ def emit_pipeline_program(program, model, code) -> str:
                "# [(dim, axis), ...] of every value split inside a stage: params (loaded as this",
                "# rank's block), optimizer state, gradients, the step's outputs (gathered whole)",
                f"SPLITS = {splits!r}"]
-    sets = sorted({held for _, held in plan.tied})
-    tied = {s: [(f"grad.{q}", sets.index(held)) for q, held in plan.tied if s in held]
-            for s in range(len(plan.stages))}
+    ranks_of = [(q, tuple(sorted({plan.rank_of_stage(t) for t in held}))) for q, held in plan.tied]
+    ranks_of = [(q, held) for q, held in ranks_of if len(held) > 1]  # one rank's chunks: one sum
+    sets = sorted({held for _, held in ranks_of})
+    tied = {s: [(f"grad.{q}", sets.index(held)) for q, held in ranks_of if s in held]
+            for s in range(plan.pp)}
     consts += ["# tied weights: per set of stages, the rank groups (one rank per stage, same dp/tp",
                "# coordinates) whose gradient contributions are summed before the dp all_reduce",
                f"TIED_SETS = {[_tied_groups(mesh, held) for held in sets]!r}",
@@ -327,11 +184,12 @@ def emit_pipeline_program(program, model, code) -> str:
                "STEP = [1.0]  # the step counter k of main()'s loop (AdamW's bias corrections)"]
     runtime = "# ---- process facts and collectives (the SPMD program's runtime) ----\n" + \
         sections("program_common")["process"]
-    acts = ["# every rank's action list, (action, microbatch, peer rank), run in order by main();",
+    acts = ["# every rank's action list, (action, microbatch, peer rank, stage), run in order by main();",
             "# parcomp simulated all of them together: every send meets its recv, no deadlock",
             "ACTIONS = {"]
     for r in range(mesh.size):
-        row = [(a.kind, a.micro, a.peer) for a in plan.rank_actions(mesh, r)]
+        coord = table["ranks"][r]["stage"]
+        row = [(a.kind, a.micro, a.peer, a.chunk * plan.pp + coord) for a in plan.rank_actions(mesh, r)]
         acts.append(f"    {r}: [  # stage {table['ranks'][r]['stage']}")
         acts += [f"        {x!r}," for x in row]
         acts.append("    ],")
@@ -346,11 +204,22 @@ def emit_pipeline_program(program, model, code) -> str:
         fns += [_function(f"stage{s}_forward", f, f"Stage {s}: forward of one microbatch.", code),
                 _function(f"stage{s}_backward", b, f"Stage {s}: backward of one microbatch.", code),
                 _function(f"stage{s}_optimizer", o, f"Stage {s}: the update.", code)]
+        if plan.split:  # ZB-H1: the backward cut into input- and weight-gradient programs
+            bi, bw = (_on_full_mesh(x, mesh) if plan.local else x
+                      for x in (plan.split[s].backward_input, plan.split[s].backward_weight))
+            graphs += [bi, bw]
+            fns += [_function(f"stage{s}_backward_input", bi, f"Stage {s}: input gradients of one "
+                              f"microbatch (ZB-H1's B), and what W reads (wstash.*).", code),
+                    _function(f"stage{s}_backward_weight", bw, f"Stage {s}: parameter gradients of "
+                              f"one microbatch (ZB-H1's W).", code)]
     helpers = {text for x in graphs for text in runtime_sections(x) + reduce_sections(x)}
     runtime = "\n\n\n".join([runtime, *sorted(helpers)])
     n = len(plan.stages)
     fns += [f"FORWARD = {{{', '.join(f'{s}: stage{s}_forward' for s in range(n))}}}",
             f"BACKWARD = {{{', '.join(f'{s}: stage{s}_backward' for s in range(n))}}}",
             f"OPTIMIZER = {{{', '.join(f'{s}: stage{s}_optimizer' for s in range(n))}}}"]
+    if plan.split:
+        fns += [f"BACKWARD_{k.upper()} = {{{', '.join(f'{s}: stage{s}_backward_{k}' for s in range(n))}}}"
+                for k in ("input", "weight")]
     body = ["\n".join(head), "\n".join(consts), runtime, "\n".join(acts), "\n\n\n".join(fns), _MAIN.strip("\n")]
     return "\n\n\n".join(body) + "\n"

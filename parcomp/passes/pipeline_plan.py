@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ..errors import SpecError
 from ..ir.graph import Graph
-from .schedule import Simulation, analytic_bubble, rank_actions, schedule, simulate
+from .schedule import Simulation, analytic, build, rank_actions, simulate
 from .split_stages import (assign_stages, balanced_rules, node_flops, param_stages, rebatch,
                            split_stages)
 from .stage_train import stage_programs
@@ -40,6 +40,12 @@ class PipelinePlan:
             has axes besides ``pp`` and ``dp`` larger than 1 (tp inside a stage), else ().
         tied: ``((param, (stage, ...)), ...)``: trainable params held by several stages (tied
             weights); their gradients are summed over those stages before the dp reduction.
+        virtual: model chunks per rank (interleaved 1F1B; 1 otherwise): ``stages`` (and
+            ``local``, ``split``) are the ``pp x virtual`` virtual stages, virtual stage
+            ``c * pp + r`` on pp coordinate ``r``; ``actions`` one list per pp coordinate.
+        split: ZB-H1: per virtual stage its backward cut into input- and weight-gradient
+            programs (:class:`~parcomp.passes.zb_split.SplitBackward`; of ``local``'s
+            per-rank backward when tp is inside the stages), else ().
     """
 
     pp: int
@@ -55,11 +61,17 @@ class PipelinePlan:
     stage_flops: tuple
     local: tuple = ()
     tied: tuple = ()
+    virtual: int = 1
+    split: tuple = ()
 
     @property
     def analytic_bubble(self) -> float:
-        """(pp - 1) / (microbatches + pp - 1)."""
-        return analytic_bubble(self.pp, self.microbatches)
+        """The schedule's idle fraction with equal stages (:func:`.schedule.analytic`)."""
+        return analytic(self.schedule, self.pp, self.microbatches, self.virtual)
+
+    def rank_of_stage(self, stage: int) -> int:
+        """The pp coordinate holding virtual stage ``stage``."""
+        return stage % self.pp
 
     def rank_actions(self, mesh, rank: int) -> tuple:
         """The action list of global ``rank`` (peers as global ranks)."""
@@ -74,7 +86,7 @@ class PipelinePlan:
     def report(self) -> dict:
         """The ``report.json`` record of the pipeline."""
         sim = self.simulation
-        return {"pp": self.pp, "dp": self.dp, "schedule": self.schedule,
+        return {"pp": self.pp, "dp": self.dp, "schedule": self.schedule, "virtual": self.virtual,
                 "microbatches": self.microbatches, "micro_batch": self.micro_batch,
                 "global_batch": self.batch,
                 "stages": [{"stage": s.index, "params": list(s.params), "recv": list(s.recv),
@@ -83,7 +95,9 @@ class PipelinePlan:
                             "peak_inflight_microbatches": peak,
                             "peak_inflight_bytes": peak * s.saved_bytes,
                             **stage_memory(s, self.local[s.index] if self.local else None)}
-                           for s, f, peak in zip(self.stages, self.stage_flops, sim.peak_inflight)],
+                           for s, f, peak in zip(self.stages, self.stage_flops,
+                                                 [sim.peak_inflight[self.rank_of_stage(k)]
+                                                  for k in range(len(self.stages))])],
                 "latency_one_microbatch": self.latency(),
                 "bubble_analytic": self.analytic_bubble, "bubble_simulated": sim.bubble,
                 "makespan": sim.makespan,
@@ -117,29 +131,43 @@ def plan_pipeline(graph: Graph, spec) -> PipelinePlan:
     mesh = spec.mesh
     pp = mesh.sizes[mesh.axis_index("pp")]
     dp = mesh.sizes[mesh.axis_index("dp")] if "dp" in mesh.names else 1
-    rules = spec.stages or balanced_rules(graph, pp)
-    stage_of = assign_stages(graph, rules, pp)
+    nvs = pp * cfg.virtual  # interleaved 1F1B: pp x virtual chunks
+    rules = spec.stages or balanced_rules(graph, nvs)
+    stage_of = assign_stages(graph, rules, nvs)
     batch = cfg.batch or graph.inputs[0].type.shape[0]
     parts = cfg.microbatches * dp
     if batch % parts:
         raise SpecError(f"the global batch {batch} does not split into microbatches={cfg.microbatches}"
                         f" x dp={dp} = {parts} equal parts", cfg.loc)
     micro = rebatch(graph, batch // parts)
-    stages = split_stages(micro, stage_of, pp)
-    progs = tuple(stage_programs(st, cfg, st.index == pp - 1) for st in stages)
+    stages = split_stages(micro, stage_of, nvs)
+    progs = tuple(stage_programs(st, cfg, st.index == nvs - 1) for st in stages)
     for p in progs:
         for g in (p.forward, p.backward, p.optimizer):
             verify(g)
     types = {n.name: n.type for n in micro.nodes}
     flops = tuple(sum(node_flops(n, types) for n in st.graph.nodes) for st in stages)
     top = max(flops) or 1
-    acts = schedule(cfg.schedule, pp, cfg.microbatches)
-    sim = simulate(acts, [f / top for f in flops], [2 * f / top for f in flops])
+    acts = build(cfg.schedule, pp, cfg.microbatches, cfg.virtual)
+    per_rank = [sum(flops[r::pp]) / top for r in range(pp)]  # a rank's chunks together
+    sim = simulate(acts, per_rank, [2 * f for f in per_rank])
     trained = {p for st in progs for p in st.params}
     tied = tuple((p, held) for p, held in param_stages(graph, stage_of).items()
                  if len(held) > 1 and p in trained)
+    local = _local(graph, spec, progs, cfg)
+    split = _split(progs, local) if cfg.schedule == "zb-h1" else ()
     return PipelinePlan(pp, dp, cfg.microbatches, cfg.schedule, batch // parts, batch, stage_of,
-                        progs, acts, sim, flops, _local(graph, spec, progs, cfg), tied)
+                        progs, acts, sim, flops, local, tied, cfg.virtual, split)
+
+
+def _split(progs, local) -> tuple:
+    """ZB-H1: each stage's backward (``local``'s per-rank one when there) cut into input- and
+    weight-gradient programs (:mod:`.zb_split`)."""
+    from .stage_train import grad_name
+    from .zb_split import split_backward
+
+    return tuple(split_backward((local[st.index] if local else st).backward,
+                                {grad_name(v) for v in st.recv}) for st in progs)
 
 
 def _local(graph, spec, progs, cfg) -> tuple:

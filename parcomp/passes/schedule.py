@@ -24,11 +24,14 @@ peak number of stashed microbatches per stage.
   each ``backward_input`` of the drain, the rest last).  With a backward twice a forward
   split evenly, its simulated bubble is the paper's ``(pp-1) / (3 microbatches + pp-1)``
   (:func:`analytic_bubble_zb_h1`), a third of 1F1B's idle time, at 1F1B's peak stash (the
-  first stage's ``pp``; a microbatch counts until its weight gradients are made).  Its
-  action lists are simulated; the runtimes execute ``gpipe`` and ``1f1b``.
+  first stage's ``pp``; a microbatch counts until its weight gradients are made).  Both
+  runtimes execute it: the stage's backward program is split in two
+  (:mod:`.zb_split`), the weight gradient reading the stashed activations and output
+  gradients.
 * Interleaved 1F1B (:func:`interleaved`, virtual stages): each rank holds several model
   chunks; the simulator runs it over virtual stages (an action's ``chunk``), a chunk's
-  forward taking ``1 / chunks`` of the stage's.  Simulated, not executed yet.
+  forward taking ``1 / chunks`` of the stage's.  Both runtimes execute it: the model is
+  cut into ``pp x chunks`` stages, virtual stage ``chunk * pp + rank`` on rank ``rank``.
 """
 from __future__ import annotations
 
@@ -37,11 +40,11 @@ from dataclasses import dataclass
 from ..errors import ParcompError
 
 __all__ = ["Action", "ScheduleError", "Simulation", "schedule", "simulate", "analytic_bubble",
-           "rank_actions", "SCHEDULES", "analytic_bubble_zb_h1", "interleaved"]
+           "rank_actions", "SCHEDULES", "analytic_bubble_zb_h1", "interleaved", "build", "analytic"]
 
 KINDS = ("recv_fwd", "forward", "send_fwd", "recv_bwd", "backward", "send_bwd", "optimizer",
          "backward_input", "backward_weight")
-SCHEDULES = ("gpipe", "1f1b", "zb-h1")  # what :func:`schedule` builds; the runtimes run the first two
+SCHEDULES = ("gpipe", "1f1b", "zb-h1")  # what :func:`schedule` builds; :func:`interleaved` the fourth
 
 
 @dataclass(frozen=True)
@@ -327,5 +330,19 @@ def rank_actions(mesh, actions, rank: int) -> tuple:
         c[a] = stage
         return mesh.rank_of(c)
 
-    return tuple(Action(x.kind, x.micro, None if x.peer is None else peer(x.peer))
+    return tuple(Action(x.kind, x.micro, None if x.peer is None else peer(x.peer), x.chunk)
                  for x in actions[coords[a]])
+
+
+def build(name: str, pp: int, micro: int, virtual: int = 1) -> tuple:
+    """The action lists of the train line's ``schedule=name``: :func:`interleaved` with
+    ``virtual`` chunks per rank for ``interleaved``, else :func:`schedule`."""
+    return interleaved(pp, micro, virtual) if name == "interleaved" else schedule(name, pp, micro)
+
+
+def analytic(name: str, pp: int, micro: int, virtual: int = 1) -> float:
+    """The idle fraction of schedule ``name`` with equal stage times: ZB-H1's
+    ``(pp-1)/(3m+pp-1)``, interleaved's ``(pp-1)/(virtual m+pp-1)``, else ``(pp-1)/(m+pp-1)``."""
+    if name == "zb-h1":
+        return analytic_bubble_zb_h1(pp, micro)
+    return (pp - 1) / (virtual * micro + pp - 1)

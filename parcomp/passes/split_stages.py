@@ -165,14 +165,28 @@ def _check_cover(graph, rules, hit, stage, pp) -> None:
                         f"on the last stage {pp - 1}: the loss runs on the last stage", loc)
 
 
-def _unit(path: str) -> str:
+def _unit(path: str, above: frozenset = frozenset()) -> str:
     """The balancing unit of a module path: up to its first numbered component
-    (``h.3.attn`` -> ``h.3``, ``12`` -> ``12``), else its first component (``ln_f``)."""
+    (``h.3.attn`` -> ``h.3``, ``12`` -> ``12``), else its shortest prefix that is not in
+    ``above`` (the paths above numbered units: ``transformer.ln_f`` stays apart from
+    ``transformer.h.0``), ``ln_f`` for a top-level module."""
     parts = path.split(".")
     for i, p in enumerate(parts):
         if p.isdigit():
             return ".".join(parts[:i + 1])
-    return parts[0]
+    return next((".".join(parts[:i]) for i in range(1, len(parts) + 1)
+                 if ".".join(parts[:i]) not in above), path)
+
+
+def _above_numbered(paths) -> frozenset:
+    """Every proper prefix of a numbered unit (``transformer``, ``transformer.h`` for
+    ``transformer.h.0``)."""
+    out = set()
+    for path in paths:
+        parts = _unit(path).split(".")
+        if parts[-1].isdigit():
+            out.update(".".join(parts[:i]) for i in range(1, len(parts)))
+    return frozenset(out)
 
 
 def balanced_rules(graph: Graph, pp: int) -> tuple:
@@ -185,13 +199,15 @@ def balanced_rules(graph: Graph, pp: int) -> tuple:
     """
     types = {n.name: n.type for n in graph.nodes}
     units, cost = [], {}
+    above = _above_numbered(module_path(n, graph) for n in graph.nodes
+                            if n.op not in ("input", "param") and module_path(n, graph))
     for n in graph.nodes:
         if n.op in ("input", "param"):  # params follow their users
             continue
         path = module_path(n, graph)
         if path is None:
             continue
-        u = _unit(path)
+        u = _unit(path, above)
         if u not in cost:
             units.append(u)
             cost[u] = 0

@@ -19,8 +19,10 @@ from .dp_buckets import BUCKET_KEY, bucket_cap_bytes
 from .train_options import OPTION_KEYS, train_options
 
 LOSSES = ("mse", "cross_entropy", "output")
-#: pipeline schedules (docs/design.md, "Pipeline parallelism"); interleaved 1F1B and zero-bubble are later
-SCHEDULES = ("gpipe", "1f1b")
+#: pipeline schedules (docs/design.md, "Pipeline parallelism"); interleaved takes ``virtual=K``
+SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved")
+#: most model chunks per rank ``virtual=K`` may ask for (interleaved 1F1B)
+MAX_VIRTUAL = 64
 OPTIMIZERS = {
     "sgd": {"lr": 0.01, "momentum": 0.0, "weight_decay": 0.0},
     "adamw": {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01},
@@ -70,6 +72,7 @@ class TrainConfig:
     microbatches: int = 1
     schedule: str = "1f1b"
     stages: str | None = None
+    virtual: int = 1  # interleaved 1F1B: model chunks per rank (virtual stages pp x virtual)
 
     def h(self, key):
         return dict(self.hyper)[key]
@@ -87,7 +90,7 @@ def train_config(spec) -> TrainConfig:
     """Read and check ``spec.train``. Raises SpecError at the train line."""
     t = spec.train
     known = {"loss", "optimizer", "batch", "steps", "zero", "trainable", "input_grads", "output",
-             "microbatches", "schedule", "stages", BUCKET_KEY, *OPTION_KEYS}
+             "microbatches", "schedule", "stages", "virtual", BUCKET_KEY, *OPTION_KEYS}
     for k, _ in t.options:
         if k not in known:
             hint = closest(k, known)
@@ -163,11 +166,31 @@ def _pipeline_options(spec, t) -> tuple:
     if stages not in (None, "balanced"):
         raise SpecError(f"stages={stages!r}: the only value is balanced (or give 'stage K: ...' "
                         f"statements)", t.loc)
-    given = [k for k in ("microbatches", "schedule", "stages") if t.get(k) is not None]
+    given = [k for k in ("microbatches", "schedule", "stages", "virtual") if t.get(k) is not None]
     if given and "pp" not in spec.mesh.names:
         raise SpecError(f"{given[0]}= is a pipeline option and mesh {spec.mesh} has no 'pp' axis "
                         f"(e.g. 'mesh pp=2')", t.loc)
-    return micro, schedule, stages
+    return micro, schedule, stages, _virtual(spec, t, schedule, micro)
+
+
+def _virtual(spec, t, schedule, micro) -> int:
+    """``virtual=K`` of interleaved 1F1B (default 2): model chunks per rank; 1 for the others.
+
+    Raises:
+        SpecError: at ``virtual=``: out of 1..:data:`MAX_VIRTUAL`, given with another schedule;
+            at ``microbatches=``: interleaved needs a multiple of pp (as Megatron)."""
+    loc = option_loc(t.loc, "virtual")
+    if schedule != "interleaved":
+        if t.get("virtual") is not None:
+            raise SpecError(f"virtual= is the chunk count of schedule=interleaved, not of "
+                            f"schedule={schedule}", loc)
+        return 1
+    k = _count(t.get("virtual", 2), "virtual", MAX_VIRTUAL, loc)  # stage statements: spec/stages.py
+    pp = spec.mesh.sizes[spec.mesh.axis_index("pp")] if "pp" in spec.mesh.names else 1
+    if micro % pp:
+        raise SpecError(f"schedule=interleaved needs microbatches ({micro}) to be a multiple of "
+                        f"pp ({pp})", option_loc(t.loc, "microbatches"))
+    return k
 
 
 def check_steps(steps, what: str = "--steps") -> int:

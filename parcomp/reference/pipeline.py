@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..passes.stage_train import grad_name
+from ..passes.zb_split import WSTASH
 from .interpreter import run_spmd
 from .numpy_ops import run_unsharded
 
@@ -29,10 +30,17 @@ def _slices(feeds, names, plan):
 
 
 def _run(plan, s: int, kind: str, feeds: dict) -> dict:
-    """Stage ``s``'s ``kind`` program (forward / backward / optimizer) on full arrays."""
-    if not plan.local:
+    """Stage ``s``'s ``kind`` program (forward / backward / optimizer, or ZB-H1's
+    backward_input / backward_weight of ``plan.split``) on full arrays."""
+    if kind.startswith("backward_"):
+        graph = getattr(plan.split[s], kind)
+        local = graph if plan.local else None
+    elif not plan.local:
         return run_unsharded(getattr(plan.stages[s], kind), feeds)
-    local = getattr(plan.local[s], kind)
+    else:
+        local = getattr(plan.local[s], kind)
+    if local is None:
+        return run_unsharded(graph, feeds)
     return run_spmd(local, {n.name: feeds[n.name] for n in local.nodes
                             if n.op in ("input", "param")}).outputs(local)
 
@@ -73,35 +81,52 @@ def run_pipeline_step(plan, feeds: dict) -> dict:
 
 
 def _replica(plan, feeds, pieces, d, sums, losses) -> None:
-    """Run every action of every stage for dp replica ``d``, in the simulated order."""
+    """Run every action of every stage for dp replica ``d``, in the simulated order.  Stages
+    are virtual stages (``chunk * pp + rank``; the pp coordinate without interleaving); a
+    value sent forward by stage ``v`` is received by ``v + 1``, a gradient by ``v - 1``."""
     mail, stash, got = {}, [{} for _ in plan.stages], [{} for _ in plan.stages]
-    for s, _, a in plan.simulation.order:
-        st, m = plan.stages[s], a.micro
+    for r, _, a in plan.simulation.order:
         if a.kind == "optimizer":
             continue
+        v, m = a.chunk * plan.pp + r, a.micro
+        st = plan.stages[v]
         data = {n: p[d * plan.microbatches + m] for n, p in pieces.items()}
         if a.kind == "forward":
-            out = _run(plan, s, "forward", {**feeds, **data, **got[s].pop(("fwd", m), {})})
-            stash[s][m] = out
+            out = _run(plan, v, "forward", {**feeds, **data, **got[v].pop(("fwd", m), {})})
+            stash[v][m] = out
             if "loss" in out:
                 losses.append(out["loss"])
         elif a.kind == "send_fwd":
-            mail[(a.peer, "fwd", m)] = {v: stash[s][m][v] for v in st.send}
+            mail[(v + 1, "fwd", m)] = {x: stash[v][m][x] for x in st.send}
         elif a.kind == "send_bwd":
-            mail[(a.peer, "bwd", m)] = stash[s].pop(("bwd", m))
+            mail[(v - 1, "bwd", m)] = stash[v].pop(("bwd", m))
         elif a.kind in ("recv_fwd", "recv_bwd"):
-            got[s][(a.kind[5:], m)] = mail.pop((s, a.kind[5:], m))
+            got[v][(a.kind[5:], m)] = mail.pop((v, a.kind[5:], m))
         else:
-            saved = {v: stash[s][m][f"saved.{v}"] for v in st.saved}
-            del stash[s][m]
-            out = _run(plan, s, "backward", {**feeds, **data, **saved,
-                                             **got[s].pop(("bwd", m), {})})
-            for p in st.params:
-                g = out[grad_name(p)]
-                acc = sums[s]
-                acc[grad_name(p)] = g.copy() if grad_name(p) not in acc else acc[grad_name(p)] + g
-            stash[s][("bwd", m)] = {grad_name(v): out[grad_name(v)] for v in st.recv
-                                    if grad_name(v) in out}
+            _backward(plan, v, a.kind, {**feeds, **data}, stash[v], got[v], sums[v], m)
+
+
+def _backward(plan, v, kind, feeds, stash, got, acc, m) -> None:
+    """``backward`` (or ZB-H1's ``backward_input`` / ``backward_weight``) of microbatch ``m``
+    on stage ``v``: the input gradients to ``stash[("bwd", m)]``, the parameter gradients
+    added to ``acc``; B keeps the stash, the gradients received and its ``wstash.<v>``
+    values for W."""
+    st = plan.stages[v]
+    if kind == "backward_weight":
+        saved, carried = stash.pop(m), stash.pop(("w", m))
+        out = _run(plan, v, kind, {**feeds, **{x: saved[f"saved.{x}"] for x in st.saved}, **carried})
+    else:
+        saved, grads = stash[m] if kind == "backward_input" else stash.pop(m), got.pop(("bwd", m), {})
+        out = _run(plan, v, kind, {**feeds, **{x: saved[f"saved.{x}"] for x in st.saved}, **grads})
+    if kind == "backward_input":  # W reads the output gradients received and those B made
+        stash[("w", m)] = {**grads, **{k[len(WSTASH):]: x for k, x in out.items() if k.startswith(WSTASH)}}
+    if kind != "backward_weight":
+        stash[("bwd", m)] = {grad_name(x): out[grad_name(x)] for x in st.recv if grad_name(x) in out}
+    if kind == "backward_input":
+        return
+    for p in st.params:
+        g = out[grad_name(p)]
+        acc[grad_name(p)] = g.copy() if grad_name(p) not in acc else acc[grad_name(p)] + g
 
 
 def check_pipeline_step(compiled, feeds: dict, steps: int = 1) -> dict:

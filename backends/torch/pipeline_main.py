@@ -1,0 +1,173 @@
+"""The ``main`` of a pipelined ``program.py`` (printed by :mod:`.pipeline_emit`), as text."""
+
+MAIN = '''
+def coords(rank):
+    """``{axis: coordinate}`` of a global rank (row-major, the last axis fastest)."""
+    return dict(zip(MESH, mesh_coords(rank)))
+
+
+def local_shard(t, splits):
+    """This rank's block of a full tensor: ``splits`` = ``[(dim, axis), ...]`` of its layout."""
+    for dim, axis in splits:
+        t = t.chunk(MESH[axis], dim)[COORD[AXIS[axis]]]
+    return t.contiguous()
+
+
+def whole_value(t, splits):
+    """The full tensor from this rank's block (an all_gather per split axis, every rank of
+    the group calls it)."""
+    for dim, axis in reversed(splits):
+        t = all_gather(t, dim, axis)
+    return t
+
+
+def tag(m, direction, stage, j):
+    """The p2p tag of value j of microbatch m to virtual stage ``stage``, direction 0
+    forward, 1 backward."""
+    return ((m * 2 + direction) * len(FORWARD) + stage) * 1000 + j
+
+
+def send(tensors, peer, m, direction, stage):
+    return [dist.isend(t.contiguous(), peer, tag=tag(m, direction, stage, j)) for j, t in enumerate(tensors)]
+
+
+def recv(specs, peer, m, direction, stage):
+    out = {}
+    for j, (name, shape, dtype) in enumerate(specs):
+        buf = torch.empty(shape, dtype=getattr(torch, dtype))
+        dist.recv(buf, peer, tag=tag(m, direction, stage, j))
+        out[name] = buf
+    return out
+
+
+def setup(rank):
+    """This rank's pp coordinate, dp coordinate and dp group (every rank creates every group)."""
+    c = coords(rank)
+    coord, d = c["pp"], c.get("dp", 0)
+    dp_group = None
+    for ranks in DP_GROUPS:  # every rank creates every group, in the same order
+        g = dist.new_group(ranks)
+        if rank in ranks:
+            dp_group = g
+    make_groups()  # the groups of the axes inside a stage (tp): COMM_AXES
+    for i, lines in enumerate(TIED_SETS):  # tied weights: the ranks of the stages holding a copy
+        for ranks in lines:
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                TIED_GROUP[i] = g
+    return coord, d, dp_group
+
+
+def add_grads(sums, s, out):
+    """Add stage ``s``'s parameter gradients of one microbatch to the step's sums."""
+    for k in GRADS[s]:
+        sums[k] = out[k] if k not in sums else sums[k] + out[k]
+
+
+def step(rank, coord, d, dp_group, p, data):
+    """One training step of this rank: its action list in order; the updated state (and the
+    loss on the last stage).  An action names its virtual stage (the pp coordinate unless
+    interleaved: STAGES[coord], the model chunks this rank holds)."""
+    rows = MICRO_BATCH * MICROBATCHES
+
+    def micro(m, s):
+        lo = d * rows + m * MICRO_BATCH
+        return {k: data[k][lo:lo + MICRO_BATCH] for k in BATCH_INPUTS[s]}
+
+    stash, got, grads_in, grads_out, wstash, sums, handles, losses = {}, {}, {}, {}, {}, {}, [], []
+    result = {}
+    for kind, m, peer, s in ACTIONS[rank]:
+        if kind == "recv_fwd":
+            got[s, m] = recv(RECV[s], peer, m, 0, s)
+        elif kind == "forward":
+            stash[s, m] = FORWARD[s](p, {**micro(m, s), **got.pop((s, m), {})})
+            if "loss" in stash[s, m]:
+                losses.append(stash[s, m]["loss"])
+        elif kind == "send_fwd":
+            handles += send([stash[s, m][v] for v, _, _ in SEND[s]], peer, m, 0, s + 1)
+        elif kind == "recv_bwd":
+            grads_in[s, m] = recv([("grad." + v, sh, t) for v, sh, t in SEND[s]], peer, m, 1, s)
+        elif kind in ("backward", "backward_input"):
+            saved = {k[len("saved."):]: v for k, v in stash[s, m].items() if k.startswith("saved.")}
+            inp = {**micro(m, s), **saved, **grads_in.pop((s, m), {})}
+            if kind == "backward":
+                del stash[s, m]
+                out = BACKWARD[s](p, inp)
+                add_grads(sums, s, out)
+            else:  # ZB-H1: the input gradient now; W reads the stash and the output gradients
+                out = BACKWARD_INPUT[s](p, inp)
+                wstash[s, m] = {**inp, **{k[len("wstash."):]: v for k, v in out.items()
+                                          if k.startswith("wstash.")}}
+            grads_out[s, m] = [out["grad." + v] for v, _, _ in RECV[s]]
+        elif kind == "backward_weight":
+            del stash[s, m]
+            add_grads(sums, s, BACKWARD_WEIGHT[s](p, wstash.pop((s, m))))
+        elif kind == "send_bwd":
+            handles += send(grads_out.pop((s, m)), peer, m, 1, s - 1)
+        elif kind == "optimizer":
+            for h in handles:
+                h.wait()
+            mine = sorted(sums)  # this rank's gradients, every chunk's (a param twice here: one sum)
+            for k in mine:  # collectives reduce in place: a strided sum (a transpose's) is copied
+                sums[k] = sums[k].contiguous()
+            for k, i in TIED.get(coord, []):  # a tied weight: its stages' sum, before dp
+                dist.all_reduce(sums[k], group=TIED_GROUP[i])
+            for k in mine:  # the gradient of the global batch: sum, then scale once
+                if dp_group is not None:
+                    dist.all_reduce(sums[k], group=dp_group)
+                sums[k] = sums[k] * SCALE
+            for t in STAGES[coord]:
+                result.update(OPTIMIZER[t](p, {**sums, "step": torch.tensor(STEP[0])}))
+    if losses:
+        loss = torch.stack(losses).sum()
+        if dp_group is not None:
+            dist.all_reduce(loss, group=dp_group)
+        result["loss"] = loss * SCALE
+    return result
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\\n")[0])
+    ap.add_argument("--checkpoint", required=True)
+    ap.add_argument("--input", required=True)
+    ap.add_argument("--output", required=True)
+    ap.add_argument("--steps", type=int, default=1, help="training steps, each from the last one's state")
+    ap.add_argument("--bench", type=int, default=0, help="then time N more steps (ms per step)")
+    args = ap.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world != WORLD:
+        sys.exit(f"this program needs {WORLD} ranks, got {world}")
+    coord, d, dp_group = setup(rank)
+    sd = torch.load(args.checkpoint)
+    p = {k: local_shard(sd[k], SPLITS.get(k, [])) if k in sd else
+         torch.zeros(STATE_SHAPES[k][0], dtype=getattr(torch, STATE_SHAPES[k][1]))
+         for t in STAGES[coord] for k in PARAMS[t]}
+    data = torch.load(args.input)
+    losses = []
+    for k in range(1, args.steps + 1):  # free-running: updated params and state carry over
+        STEP[0] = float(k)
+        result = step(rank, coord, d, dp_group, p, data)
+        losses += [result["loss"]] if "loss" in result else []
+        p.update({q: result[q] for q in p if q in result})
+    if losses:
+        result["losses"] = torch.stack(losses)
+    result = {k: whole_value(v, SPLITS.get(k, [])) for k, v in result.items()}
+    if all(c == 0 for a, c in coords(rank).items() if a != "pp"):  # one rank per stage writes
+        for t in STAGES[coord]:  # each (virtual) stage's file: this rank's outputs
+            torch.save({k: v.detach().clone() for k, v in result.items()}, f"{args.output}.stage{t}")
+    if args.bench:  # every step from the same state: the time of one step, not a trajectory
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(args.bench):
+            step(rank, coord, d, dp_group, p, data)
+        dist.barrier()
+        if rank == 0:
+            print(f"bench: {(time.perf_counter() - t0) * 1e3 / args.bench:.3f} ms per step")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+'''
