@@ -127,7 +127,7 @@ def torch_train(module, example, input_names, data: dict, cfg, steps: int, outpu
         for x in xs:
             x.grad = None
         if micro is not None:  # issue 13: accumulate=K, one backward() per microbatch
-            loss = torch.tensor(accumulate_backward(m, micro, input_names, cfg, output))
+            loss = torch.tensor(accumulate_backward(m, micro, input_names, cfg, output, scaler))
         else:
             with autocast(cfg):  # issue 13: precision=bf16|fp16 is torch.autocast's, the loss in float32
                 y = m(*xs)
