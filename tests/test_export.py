@@ -2,6 +2,7 @@
 checkpoint as a directory transformers' ``from_pretrained`` reads, tied weights included."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from types import SimpleNamespace
@@ -128,3 +129,39 @@ def test_export_cli_writes_the_directory_and_locates_errors(trained, tmp_path, c
     rc = main(["export", GPT2, "--spec", SPEC, str(tmp_path / "missing"), "-o", str(tmp_path / "o2"), "--json"])
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 2 and res["where"] == str(tmp_path / "missing") and not (tmp_path / "o2").exists()
+
+
+def test_export_cli_names_a_spec_without_training_and_a_checkpoint_of_another_model(trained, tmp_path, capsys):
+    mlp = os.path.join(ROOT, "specs", "models.py") + ":gpt2_mlp"
+    spec = os.path.join(ROOT, "specs", "gpt2_mlp_tp2.pcs")
+    rc = main(["export", mlp, "--spec", spec, str(trained.ckpt), "-o", str(tmp_path / "a"), "--json"])
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 2 and res["where"] == spec and "no train line" in res["error"]
+    train = os.path.join(ROOT, "specs", "gpt2_mlp_tp2_train.pcs")
+    rc = main(["export", mlp, "--spec", train, str(trained.ckpt), "-o", str(tmp_path / "b"), "--json"])
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 2 and res["where"] == "c_fc.weight" and "lacks trained parameters" in res["error"]
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_tied_names_are_the_names_save_pretrained_writes(tmp_path):
+    """GPT-2 and a Llama with tie_word_embeddings: the names export writes (each tensor once)
+    are exactly the keys of transformers' own save_pretrained."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from parcomp.export import tied_names
+
+    spec = importlib.util.spec_from_file_location("models", os.path.join(ROOT, "specs", "models.py"))
+    models = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(models)
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True))
+    for name, m in (("gpt2", models.gpt2_lm()[0]), ("llama", llama)):
+        m.save_pretrained(str(tmp_path / name))
+        written = set(load_file(str(tmp_path / name / "model.safetensors")))
+        alias = tied_names(m)
+        assert len(set(alias.values())) < len(alias)  # something is tied
+        assert set(alias.values()) == written, name

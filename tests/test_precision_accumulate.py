@@ -8,7 +8,6 @@ microbatches with one ``backward()`` each, within the dtype's bound (``resolve=N
 low-precision bound cannot resolve 10%, see tests/test_precision.py)."""
 from __future__ import annotations
 
-import collections
 import json
 from types import SimpleNamespace
 
