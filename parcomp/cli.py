@@ -56,7 +56,7 @@ def _common(p):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argparse parser of ``parcomp compile | check | run | explain`` (errors raise :class:`UsageError`)."""
+    """The argparse parser of ``parcomp compile | check | run | export | explain`` (errors raise :class:`UsageError`)."""
     ap = _Parser(prog="parcomp", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("compile", help="write program.py, report.json and sharded.pcir")
@@ -87,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--profile", default="cpu")
     r.add_argument("--keep", default=None, help="keep the compiled program in this directory")
     r.add_argument("--steps", type=int, default=None, help="training steps (default: the spec's)")
+    x = sub.add_parser("export", help="a saved training checkpoint as a from_pretrained directory")
+    _common(x)
+    x.add_argument("checkpoint", help="program.py --save's directory (its latest step) or one step-K in it")
+    x.add_argument("-o", "--out", required=True, help="the directory to write (new, or empty)")
     e = sub.add_parser("explain", help="each collective, why, its cost and the alternatives; no run")
     e.add_argument("model", help="a .pcir file, FILE.py:FACTORY or package.module:factory")
     e.add_argument("specs", nargs="*", help="specs (.pcs); two or more are set side by side")

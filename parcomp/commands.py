@@ -517,6 +517,20 @@ def _print_run_training(result, size, steps, ref_name, ref_losses):
     print("  OK" if word == "OK" else f"  {word}: " + "; ".join(why))
 
 
+def export(args):
+    """``parcomp export``: a checkpoint ``program.py --save`` wrote, as one full model.safetensors
+    (and config.json) in a new directory ``-o`` (:func:`parcomp.export.export_pretrained`)."""
+    from .export import export_pretrained
+
+    compiled, module, _ = _compile(args)
+    if not compiled.report.get("training"):
+        raise ParcompError(f"{args.spec}: the spec has no train line; export reads the checkpoint of a "
+                           f"training program.py", where=args.spec)
+    done = export_pretrained(compiled, args.checkpoint, args.out, module)
+    print(f"wrote {', '.join(done['files'])} ({plural(len(done['tensors']), 'tensor')}) to {done['out']}")
+    return {"ok": True, **done} if args.json else None
+
+
 def explain(args):
     """``parcomp explain``: each collective, why, what the alternatives cost, per-rank memory
     (:mod:`parcomp.explain_cmd`)."""

@@ -1,28 +1,39 @@
-"""Export a training checkpoint as one full, unsharded ``.safetensors`` (issue 13).
+"""Export a training checkpoint as full, unsharded ``.safetensors`` (issue 13).
 
 ``program.py --save DIR`` writes sharded torch.distributed.checkpoint directories
 (``DIR/step-K``). :func:`export_safetensors` turns one into the file transformers'
-``from_pretrained`` layout reads (``model.safetensors`` beside a ``config.json``): every
-trained parameter under its state_dict name, full (the shards assembled by DCP), in the
-checkpoint's stored shape (a fused weight viewed per part is reshaped back, a padded vocab
-table loses its padding rows), contiguous, with ``{"format": "pt"}`` metadata. Optimizer
-state and the step counter are left out (they stay in the DCP checkpoint).
+``from_pretrained`` reads: every trained parameter under its state_dict name, full (the
+shards assembled by DCP), in the checkpoint's stored shape (a fused weight viewed per part
+is reshaped back, a padded vocab table loses its padding rows), contiguous, with
+``{"format": "pt"}`` metadata. Optimizer state and the step counter are left out (they stay
+in the DCP checkpoint). :func:`export_pretrained` writes a whole ``from_pretrained``
+directory (``model.safetensors`` and, for a transformers model, ``config.json``), all or
+nothing (``parcomp export``).
 
-Not done: tied-weight aliases (GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``:
-only the graph's name is written) and parameters that are not trained (frozen ones and
-buffers keep the values of the checkpoint the run started from).
+Tied weights: torch.export keeps one name of a tensor several module attributes share
+(GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``). Given the model, the tensor is
+written once, under the name the module lists first (``named_parameters``' order, which is
+the name transformers' ``save_pretrained`` keeps: the input embedding); ``from_pretrained``
+ties the others to it.
+
+Not done: parameters that are not trained (frozen ones and buffers keep the values of the
+checkpoint the run started from; they are not in the DCP checkpoint).
 """
 from __future__ import annotations
 
+import copy
 import os
+import shutil
 import tempfile
 
 from .errors import ParcompError
 
+WEIGHTS, CONFIG = "model.safetensors", "config.json"
+
 
 def latest_step(directory: str) -> str:
     """The checkpoint ``directory``/latest names (``DIR/step-K``), or ``directory`` itself when it
-    is a step directory. Raises ParcompError when neither."""
+    is a step directory. Raises ParcompError (naming ``directory``) when neither."""
     latest = os.path.join(directory, "latest")
     if os.path.isfile(latest):
         with open(latest) as f:
@@ -30,34 +41,67 @@ def latest_step(directory: str) -> str:
     if os.path.isfile(os.path.join(directory, ".metadata")):
         return directory
     raise ParcompError(f"{directory}: no torch.distributed.checkpoint there (no 'latest', no '.metadata'); "
-                       f"program.py --save DIR writes one")
+                       f"program.py --save DIR writes one", where=directory)
 
 
-def export_safetensors(compiled, checkpoint: str, out: str) -> list:
-    """Write the trained parameters of the DCP ``checkpoint`` (a ``--save`` directory or one
-    of its ``step-K``) as full tensors to ``out`` (.safetensors). ``compiled``: the program
-    that saved it (any mesh's program of the model). Returns the names written.
+def tied_names(module) -> dict:
+    """``{parameter name: the name its tensor is written under}`` for torch module ``module``:
+    names sharing one tensor map to the first of them in ``named_parameters`` order; ``{}``
+    without a module."""
+    if module is None or not hasattr(module, "named_parameters"):
+        return {}
+    first, out = {}, {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        out[name] = first.setdefault(id(p), name)
+    return out
 
-    Raises ParcompError: ``out`` exists (parcomp never overwrites a file it did not write),
-    no checkpoint, or a trained parameter missing from it."""
+
+def full_tensors(compiled, checkpoint: str, module=None) -> dict:
+    """``{state_dict name: full torch tensor}`` of the trained parameters in the DCP
+    ``checkpoint`` (a ``--save`` directory or one of its ``step-K``); ``compiled``: a program of
+    the model that saved it (any mesh); ``module``: the model, for tied-weight names.
+
+    Raises ParcompError: no checkpoint, an unreadable one, a trained parameter missing from it
+    or of another shape (naming the parameter)."""
     import torch
-    from safetensors.torch import save_file
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    if os.path.exists(out):
-        raise ParcompError(f"{out} exists; parcomp does not overwrite it (export to a new path)")
     where = latest_step(checkpoint)
     graph, state = compiled.logical, set(compiled.program_.train.state)
     outputs = set(graph.output_names)  # a trained param is an output named like it
     names = [n.name for n in compiled.unsharded.params if n.name in outputs and n.name not in state]
     with tempfile.TemporaryDirectory() as tmp:
         full = os.path.join(tmp, "full.pt")
-        dcp_to_torch_save(where, full)
+        try:
+            dcp_to_torch_save(where, full)
+        except Exception as e:  # DCP's reader: a missing shard file, a truncated .metadata
+            raise ParcompError(f"{where}: cannot read the checkpoint: {type(e).__name__}: {e}",
+                               where=where) from None
         saved = torch.load(full, weights_only=True)
     missing = [k for k in names if k not in saved]
     if missing:
-        raise ParcompError(f"{where} lacks trained parameters of this program: {', '.join(missing[:8])}")
-    tensors = {k: _stored(saved[k], graph[k].attr("stored_shape")) for k in names}
+        raise ParcompError(f"{where} lacks trained parameters of this program: {', '.join(missing[:8])}",
+                           where=missing[0])
+    for k in names:
+        if tuple(saved[k].shape) != tuple(graph[k].type.shape):
+            raise ParcompError(f"parameter {k}: the checkpoint {where} holds shape {tuple(saved[k].shape)}, "
+                               f"the program {tuple(graph[k].type.shape)} (a checkpoint of another model?)",
+                               where=k)
+    alias = tied_names(module)
+    return {alias.get(k, k): _stored(saved[k], graph[k].attr("stored_shape")) for k in names}
+
+
+def export_safetensors(compiled, checkpoint: str, out: str, module=None) -> list:
+    """Write the trained parameters of the DCP ``checkpoint`` as full tensors to the file ``out``
+    (.safetensors); see :func:`full_tensors`. Returns the names written.
+
+    Raises ParcompError: ``out`` exists (parcomp never overwrites a file it did not write),
+    and :func:`full_tensors`' errors."""
+    from safetensors.torch import save_file
+
+    if os.path.lexists(out):
+        raise ParcompError(f"{out} exists; parcomp does not overwrite it (export to a new path)", where=out)
+    tensors = full_tensors(compiled, checkpoint, module)
     directory = os.path.dirname(os.path.abspath(out))
     fd, tmp_out = tempfile.mkstemp(suffix=".safetensors.partial", dir=directory)
     os.close(fd)
@@ -66,7 +110,67 @@ def export_safetensors(compiled, checkpoint: str, out: str) -> list:
         os.link(tmp_out, out)  # fails if out appeared meanwhile: never replaces a file
     finally:
         os.unlink(tmp_out)
-    return names
+    return list(tensors)
+
+
+def export_pretrained(compiled, checkpoint: str, out: str, module=None) -> dict:
+    """Write directory ``out`` for ``from_pretrained``: ``model.safetensors`` (:func:`full_tensors`)
+    and, when ``module`` is a transformers model (it has a ``config``), its ``config.json``.
+    All or nothing: the files go to a temporary sibling directory renamed to ``out`` at the
+    end, so ``out`` is never half written; an existing ``out`` must be an empty directory.
+
+    Returns ``{"out": absolute path, "files": names written, "tensors": names}``.
+    Raises ParcompError naming ``out``: it exists and is not an empty directory, or cannot be
+    written; and :func:`full_tensors`' errors."""
+    from safetensors.torch import save_file
+
+    out = os.path.abspath(out)
+    _check_out(out)
+    tensors = full_tensors(compiled, checkpoint, module)
+    config = _config_json(module)
+    parent = os.path.dirname(out)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".parcomp-export-", dir=parent)
+    except OSError as e:
+        raise ParcompError(f"-o {out}: cannot write there: {e.strerror or e}", where=out) from None
+    try:
+        save_file(tensors, os.path.join(tmp, WEIGHTS), metadata={"format": "pt"})
+        if config is not None:
+            with open(os.path.join(tmp, CONFIG), "w", encoding="utf-8") as f:
+                f.write(config)
+        os.chmod(tmp, 0o777 & ~_umask())
+        os.rename(tmp, out)  # replaces only an empty directory; a file or a filled one: an error
+    except OSError as e:
+        raise ParcompError(f"-o {out}: not written ({e.strerror or e}); nothing there was changed",
+                           where=out) from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone once renamed
+    files = [WEIGHTS] + ([CONFIG] if config is not None else [])
+    return {"out": out, "files": files, "tensors": list(tensors)}
+
+
+def _check_out(out: str) -> None:
+    if os.path.lexists(out) and not (os.path.isdir(out) and not os.path.islink(out) and not os.listdir(out)):
+        raise ParcompError(f"-o {out}: exists and is not an empty directory; parcomp never overwrites "
+                           f"what it did not write (give a new directory)", where=out)
+
+
+def _config_json(module) -> str | None:
+    """transformers' ``config.json`` text of ``module`` (as ``save_pretrained`` writes it:
+    the model class in ``architectures``), or None for a model without a config."""
+    config = getattr(module, "config", None)
+    if config is None or not hasattr(config, "to_json_string"):
+        return None
+    config = copy.deepcopy(config)
+    config.architectures = [type(module).__name__]
+    return config.to_json_string(use_diff=True)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _stored(t, stored):

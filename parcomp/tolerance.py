@@ -98,7 +98,7 @@ def training_bounds(graph, feeds, steps: int, first: int = 1) -> dict:
     for k in range(1, steps + 1):
         state.update({key: v for key, v in per_step[k - 1].items() if key not in carried})
         if "step" in graph:
-            state["step"] = np.array(float(first + k - 1), "float32")
+            state["step"] = np.array(float(first + k - 1), graph["step"].type.dtype)
         env, err = propagate(graph, state, errs)
         out = {name: err[v] for name, v in graph.named_outputs()}
         losses.append(float(out["loss"]))

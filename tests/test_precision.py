@@ -61,7 +61,6 @@ def _collectives(c, phase=None):
     (" loss_scale=1024", "needs precision=fp16"),
     (" precision=fp16 loss_scale=0.5", "loss_scale=0.5 must be a number from 1"),
     (" precision=fp16 growth_interval=0", "growth_interval=0 must be a whole number"),
-    (" precision=bf16 accumulate=2 batch=4", "not built yet"),
 ])
 def test_precision_option_errors_are_located_at_the_train_line(tmp_path, opts, message):
     with pytest.raises(SpecError, match=message) as e:

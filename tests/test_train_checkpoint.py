@@ -147,3 +147,47 @@ def test_export_restores_stored_shapes():
     padded = torch.arange(12.0).reshape(6, 2)  # vocab 5 padded to 6 rows
     assert torch.equal(_stored(padded, (5, 2)), padded[:5])
     assert torch.equal(_stored(padded, None), padded)
+
+
+@pytest.mark.slow
+def test_gpt2_tp2_checkpoint_exports_to_what_from_pretrained_loads(tmp_path, capsys):
+    """2 AdamW steps of specs/gpt2_lm_tp2_train.pcs under torchrun, saved sharded by DCP;
+    ``parcomp export`` writes a directory GPT2LMHeadModel.from_pretrained loads with nothing
+    missing or unexpected, the tied embedding written once and equal to the checkpoint's full
+    tensor, and its logits those of the model holding the checkpoint's tensors (the
+    equivalence of TP=2 and unsharded training: tests/test_export.py, in float64)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from transformers import GPT2LMHeadModel
+
+    from parcomp.cli import main
+
+    model, spec = "specs/models.py:gpt2_lm", "specs/gpt2_lm_tp2_train.pcs"
+    c, module, example = commands._compile(SimpleNamespace(model=model, spec=spec), numeric="check")
+    feeds = commands._train_feeds(c, module, example, 0)
+    ckpt, work = tmp_path / "ckpt", tmp_path / "a"
+    ckpt.mkdir()
+    write_program(c, work)
+    inputs = {k: torch.from_numpy(np.asarray(feeds[k])) for k in ("input_ids", "labels")}
+    weights = commands._checkpoint(str(work), c.unsharded, feeds, module)  # folded constants too
+    res = run_torchrun(work, 2, weights, inputs, work / "out.pt",
+                       ("--device", "cpu", "--steps", "2", "--save", str(ckpt)), timeout=300)
+    assert res.returncode == 0, res.stderr[-4000:]
+    out = tmp_path / "hf"
+    assert main(["export", model, "--spec", spec, str(ckpt), "-o", str(out)]) == 0
+    assert "wrote model.safetensors, config.json" in capsys.readouterr().out
+    got, info = GPT2LMHeadModel.from_pretrained(str(out), output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert got.lm_head.weight is got.transformer.wte.weight
+    dcp_to_torch_save(str(ckpt / "step-2"), str(tmp_path / "full.pt"))
+    full = torch.load(tmp_path / "full.pt")
+    assert int(full["step"]) == 2
+    want = copy.deepcopy(module)
+    want.load_state_dict({k: full[k].reshape(v.shape) for k, v in want.state_dict().items() if k in full},
+                         strict=False)  # the fused c_attn's per-part view back in its stored shape
+    for k, v in want.state_dict().items():  # lm_head.weight is transformer.wte.weight in both
+        np.testing.assert_array_equal(got.state_dict()[k].numpy(), v.numpy())
+    assert not np.array_equal(want.lm_head.weight.detach().numpy(), module.lm_head.weight.detach().numpy())
+    ids = torch.from_numpy(np.asarray(feeds["input_ids"]))
+    with torch.no_grad():
+        np.testing.assert_array_equal(got.eval()(ids).logits.numpy(), want(ids).logits.numpy())

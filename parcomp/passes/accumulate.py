@@ -28,7 +28,9 @@ from dataclasses import replace
 from ..errors import SpecError
 from ..ir.graph import Graph
 from ..ir.types import TensorType, shard_axes
+from . import amp
 from .decompose import Emitter, cross_entropy_parts, padded_size
+from .precision import upcast_grads
 
 
 def micro_split(layout, mesh) -> int:
@@ -49,11 +51,18 @@ def micro_slice(b, stacked: str, k: int, K: int, split: int, name: str) -> str:
     return b.op("reshape", [s], type=TensorType((B,) + rest, ty.dtype), name=name)
 
 
-def accumulated_step(b, graph: Graph, cfg, spec, params: list, ad) -> tuple:
+def accumulated_step(b, graph: Graph, cfg, spec, params: list, ad, cast=None) -> tuple:
     """Forward, loss and backward of K microbatches on Builder ``b`` (which holds the
     graph's params and buffers, not its inputs or compute nodes); ``ad``: the autodiff
-    module (its loss helpers and ``backward``). Returns ``(loss, params reaching it,
-    {param: accumulated gradient})``.
+    module (its loss helpers and ``backward``); ``cast``: mixed precision's ``{param: its
+    low copy}`` (:func:`parcomp.passes.precision.lower_forward`). Returns ``(loss, params
+    reaching it, {param: accumulated gradient})``.
+
+    Mixed precision: each microbatch differentiates its own low copies (``mb<k>.<p>.low``),
+    each gradient is widened (``grad_upcast``) before ``grad += grad_k``, so the sum is
+    float32; fp16 seeds every microbatch with ``scale / count`` (GradScaler's
+    ``scale(loss_k).backward()``) and unscales the accumulated gradients once, counting
+    inf/NaN once for the step (:mod:`parcomp.passes.amp`).
 
     Raises SpecError: an input with no batch dim, a batch not divisible into K chunks per
     rank, ``input_grads=yes``."""
@@ -67,6 +76,9 @@ def accumulated_step(b, graph: Graph, cfg, spec, params: list, ad) -> tuple:
     ty = graph[y].type
     data = _loss_data(b, graph, cfg, y, ty, lay, K, ad)
     count, seed = _count_and_seed(b, graph, cfg, ty, data, K, y)
+    cast = cast or {}
+    b.prefix, b.phase = "bw", "backward"
+    seed = amp.scaled_seed(b, seed, cfg, spec)  # fp16: the same scale for every microbatch
     totals, acc = [], {}
     for k in range(K):
         ren = _forward_clone(b, graph, stacked, k, K, mesh)
@@ -76,7 +88,10 @@ def accumulated_step(b, graph: Graph, cfg, spec, params: list, ad) -> tuple:
         if k == 0:
             params = ad._reaching(b, tot, params, cfg)
         b.phase = "backward"
-        grads = ad.backward(b, Graph(tuple(b.nodes), (tot,)), {tot: seed}, params)
+        low = {p: ren[cast[p]] for p in params if p in cast}
+        grads = ad.backward(b, Graph(tuple(b.nodes), (tot,)), {tot: seed}, [low.get(p, p) for p in params])
+        grads.update(upcast_grads(b, graph, {low[p]: grads[low[p]] for p in low if low[p] in grads},
+                                  {p: low[p] for p in low}, cfg))  # widened per microbatch
         for p in params:
             acc[p] = grads[p] if k == 0 else b.op("add", [acc[p], grads[p]], name=f"bw.{p}.accumulated")
     b.phase, b.prefix = "loss", "loss"
@@ -85,7 +100,7 @@ def accumulated_step(b, graph: Graph, cfg, spec, params: list, ad) -> tuple:
         total = b.op("add", [total, t], name="loss.total")
     loss = (b.op("div", [total, count], name="loss") if isinstance(count, str)
             else b.op("scale", [total], value=1.0 / count, name="loss"))
-    return loss, params, acc
+    return loss, params, amp.unscale(b, acc, cfg)  # fp16: unscaled once, after the K backwards
 
 
 def _stacked_input(b, n, K, mesh, cfg) -> str:

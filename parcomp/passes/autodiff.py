@@ -129,7 +129,7 @@ def add_training_step(graph: Graph, spec) -> Graph:
     if cfg.options.accumulate > 1:  # issue 13: K microbatches (parcomp/passes/accumulate.py)
         b = Builder(Graph(tuple(n for n in graph.nodes if n.op == "param"), (), graph.mesh))
         start_recompute(b, graph, cfg.options)
-        loss, params, grads = accumulated_step(b, graph, cfg, spec, params, sys.modules[__name__])
+        loss, params, grads = accumulated_step(b, graph, cfg, spec, params, sys.modules[__name__], cast)
         finputs = []
     else:
         loss = _loss(b, graph, cfg)

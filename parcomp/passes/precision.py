@@ -24,7 +24,7 @@ planner places every collective and the interpreter checks it like any other op:
   ``accumulate_allreduce_grads_in_fp32``). ``grad_reduce=compute`` lets the planner reduce
   in the compute dtype (half the bytes).
 
-Not combined with ``accumulate=K`` yet (a located SpecError).
+With ``accumulate=K``: gradients widened per microbatch, summed in float32, reduced once.
 """
 from __future__ import annotations
 
@@ -69,13 +69,11 @@ def lower_forward(graph: Graph, cfg, params, state_layout) -> tuple:
     ``params``: the trained parameters; ``state_layout(node)``: their optimizer state's
     layout (ZeRO: split over dp), which their fp32 master copy takes.
     Returns ``(graph, {param: name of its low-precision copy})``; unchanged for fp32.
-    Raises SpecError for ``accumulate=K`` with a low precision."""
+    With ``accumulate=K`` the cast nodes are copied per microbatch like every compute node
+    (:mod:`parcomp.passes.accumulate`)."""
     low = compute_dtype(cfg.options)
     if low is None:
         return graph, {}
-    if cfg.options.accumulate > 1:
-        raise SpecError(f"precision={cfg.options.precision} with accumulate={cfg.options.accumulate} "
-                        f"is not built yet; use one of them", cfg.loc)
     names, out, cast, outputs = NameGen(n.name for n in graph.nodes), [], {}, set(graph.outputs)
 
     def lowered(ty):

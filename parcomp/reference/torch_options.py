@@ -86,12 +86,14 @@ def clip(params, cfg) -> None:
         torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], cfg.options.clip_grad_norm)
 
 
-def accumulate_backward(m, micro: list, input_names, cfg, output: int) -> float:
+def accumulate_backward(m, micro: list, input_names, cfg, output: int, scaler=None) -> float:
     """Forward and ``backward()`` of each microbatch of ``micro`` (K dicts {input, ``target`` or
     ``labels``: array}) on torch module ``m``, autograd summing the gradients: loss_k is the
     microbatch's loss *sum* over the global count (mse: every element of the K outputs,
     cross_entropy: the counted labels of all K, loss=output: its mean over K). Returns the
-    loss of the global batch (the sum of the loss_k)."""
+    loss of the global batch (the sum of the loss_k). Mixed precision: each forward under
+    :func:`autocast`, the loss in float32, and with fp16's ``scaler`` each
+    ``scaler.scale(loss_k).backward()`` (unscaled once by the caller)."""
     import numpy as np
     import torch
     import torch.nn.functional as F
@@ -105,8 +107,9 @@ def accumulate_backward(m, micro: list, input_names, cfg, output: int) -> float:
         count = len(micro)
     total = 0.0
     for mb in micro:
-        y = m(*[torch.from_numpy(np.asarray(mb[n])) for n in input_names])
-        y = [o for o in torch.utils._pytree.tree_leaves(y) if o is not None][output]
+        with autocast(cfg):
+            y = m(*[torch.from_numpy(np.asarray(mb[n])) for n in input_names])
+        y = [o for o in torch.utils._pytree.tree_leaves(y) if o is not None][output].float()
         if cfg.loss == "mse":
             loss = F.mse_loss(y, torch.from_numpy(mb["target"]), reduction="sum") / count
         elif cfg.loss == "cross_entropy":
@@ -114,6 +117,6 @@ def accumulate_backward(m, micro: list, input_names, cfg, output: int) -> float:
                                    reduction="sum", **args) / count
         else:
             loss = y / count
-        loss.backward()
+        (loss if scaler is None else scaler.scale(loss)).backward()
         total += float(loss.detach())
     return total

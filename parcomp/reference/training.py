@@ -62,7 +62,7 @@ def train_steps(run_step, graph, feeds: dict, steps: int, record: bool = False) 
     starts, per_step = [], []
     for k in range(1, steps + 1):
         if "step" in graph:
-            state["step"] = np.array(float(k), "float32")
+            state["step"] = np.array(float(k), graph["step"].type.dtype)  # float64 re-check: float64
         if record:
             starts.append(dict(state))  # the step returns new arrays: a shallow copy suffices
         out = run_step(state)
@@ -127,7 +127,7 @@ def torch_train(module, example, input_names, data: dict, cfg, steps: int, outpu
         for x in xs:
             x.grad = None
         if micro is not None:  # issue 13: accumulate=K, one backward() per microbatch
-            loss = torch.tensor(accumulate_backward(m, micro, input_names, cfg, output))
+            loss = torch.tensor(accumulate_backward(m, micro, input_names, cfg, output, scaler))
         else:
             with autocast(cfg):  # issue 13: precision=bf16|fp16 is torch.autocast's, the loss in float32
                 y = m(*xs)
