@@ -46,6 +46,19 @@ def promote_feeds(feeds: dict) -> dict:
     return {k: np.asarray(v, np.float64) if np.asarray(v).dtype.kind == "f" else v for k, v in feeds.items()}
 
 
-NOTE = ("the float32 error bound cannot resolve a 10% error here (max abs error {err:.3e} against the "
-        "reference in float32; {why}); checked against the unsharded run in float64, where it can: the "
-        "sharding is vouched for, float32 rounding is not the compiler's")
+NOTE = ("the {dtype} error bound cannot resolve a 10% error here (max abs error {err:.3e} against the "
+        "reference in {dtype}; {why}); checked against the unsharded run in float64, where it can: the "
+        "sharding is vouched for, {dtype} rounding is not the compiler's")
+
+
+def run_precision(compiled) -> str:
+    """The precision the checked run computes in, as the NOTE names it: ``float16 mixed
+    precision`` / ``bfloat16 mixed precision`` for ``train ... precision=fp16|bf16``, else the
+    least precise float dtype of the unsharded graph (``float32`` for most models)."""
+    from .rules.error import unit_roundoff
+
+    opts = ((compiled.report.get("training") or {}).get("options") or {})
+    if opts.get("precision", "fp32") != "fp32":
+        return f"{opts['compute_dtype']} mixed precision"
+    floats = {n.type.dtype for n in compiled.unsharded.nodes if unit_roundoff(n.type.dtype) > 0}
+    return max(floats, key=unit_roundoff, default="float32")

@@ -22,7 +22,7 @@ from .reference.numpy_ops import run_unsharded
 from .passes.train_config import check_steps, train_config
 from .reference.training import numpy_train
 from .report import format_collectives, format_load, format_memory, format_search, plural
-from .check64 import NOTE, promote_compiled, promote_feeds
+from .check64 import NOTE, promote_compiled, promote_feeds, run_precision
 from .resolution import where_bound_grew
 from .tolerance import compare_outputs as compare, output_bounds, propagate, training_bounds
 from .train_check import carried as _carried, lockstep, replay_reference, torch_reference as _torch_reference
@@ -241,7 +241,8 @@ def check(args):
     if result.get("unbounded"):  # the model's dtype cannot vouch: the float64 re-check (parcomp/check64.py)
         wide = _forward_check(promote_compiled(compiled), None, example, promote_feeds(feeds))
         if not wide.get("unbounded"):
-            result, how = {**wide, "note": NOTE.format(err=result["max_abs_err"], why=result["why"])}, ", in float64"
+            result, how = {**wide, "note": NOTE.format(err=result["max_abs_err"], why=result["why"],
+                                                        dtype=run_precision(compiled))}, ", in float64"
     _print_result(args, compiled, result, f"numpy interpreter, {plural(compiled.program.mesh.size, 'rank')}{how}")
     return {**result, "collectives": _summary(compiled.report["collectives"]),
             "world_size": compiled.program.mesh.size}
@@ -319,7 +320,8 @@ def _check_training(args, compiled, module, example, steps):
     ls, how = lockstep(compiled, module if _is_torch(module) else None, example, feeds, steps), ""
     if ls["vs_unsharded"].get("unbounded"):  # float32 cannot vouch: the float64 re-check (parcomp/check64.py)
         wide = lockstep(promote_compiled(compiled), None, example, promote_feeds(feeds), steps)
-        note = NOTE.format(err=ls["vs_unsharded"]["max_abs_err"], why=ls["vs_unsharded"]["why"][:300] + " ...")
+        note = NOTE.format(err=ls["vs_unsharded"]["max_abs_err"], why=ls["vs_unsharded"]["why"][:300] + " ...",
+                           dtype=run_precision(compiled))
         if wide["vs_unsharded"]["ok"]:
             ls, how = {**wide, "vs_torch": ls["vs_torch"], "note": note}, ", in float64"
         else:  # float64 cannot vouch either (or differs): the float32 verdict stands, with what it found

@@ -13,6 +13,7 @@ from .passes.manager import forward_pipeline, run_pipeline
 from .passes.pipeline_plan import attach_pipeline
 from .passes.topology import check_topology
 from .passes.verify import check_model_mesh
+from .moe_warnings import moe_gather_warnings
 from .pinned_gathers import pinned_gather_warnings
 from .program import Program, build_program
 from .report import build_report
@@ -70,6 +71,7 @@ def _compile(graph: Graph, spec, after) -> Compiled:
     check_peak(report, spec)
     report["warnings"] = zero_warnings(logical, spec) + pinned_gather_warnings(sharded, report)
     report.update(sp_cp_record(graph, spec, placement))  # issue 14: SP vs CP (parcomp/cp_report.py)
+    report["warnings"] += moe_gather_warnings(graph, sharded)  # tokens gathered, not all_to_all
     if "pp" in spec.mesh.names and spec.train is not None:
         prog, report = attach_pipeline(graph, spec, prog, report)
     return Compiled(graph, logical, sharded, program, report, spec, prog)

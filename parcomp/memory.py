@@ -26,6 +26,9 @@ from .report import format_bytes
 
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+#: the largest ``memory`` a spec may give (1024 TiB): far above any one device's memory, and
+#: exact in the search's float arithmetic; a larger value is a typo in the unit or the number
+MAX_MEMORY = 2**50
 _SIZE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)\s*(B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)$")
 
 
@@ -33,7 +36,8 @@ def parse_size(text: str, err) -> int:
     """Bytes of ``80GiB``, ``512MiB``, ``1.5GB``, ``4096B`` (binary and decimal units).
 
     Raises:
-        whatever ``err(message)`` returns: not a size, or a size below 1 B.
+        whatever ``err(message)`` returns: not a size, a size below 1 B or above
+        :data:`MAX_MEMORY` (1024 TiB).
     """
     m = _SIZE.match(text.strip())
     if not m:
@@ -42,6 +46,9 @@ def parse_size(text: str, err) -> int:
     value = float(m.group(1)) * _UNITS[m.group(2)]
     if not math.isfinite(value) or value < 1:
         raise err(f"memory {text} is below 1 B; give the device's memory, such as 80GiB")
+    if value > MAX_MEMORY:
+        raise err(f"memory {text} is above {format_bytes(MAX_MEMORY)}, more than any one device "
+                  f"holds (the limit is per device); give the device's memory, such as 80GiB")
     return int(value)
 
 

@@ -47,7 +47,7 @@ def _kinds(report):
 def test_statement_parses_axis_lowering_and_location():
     s = spec("mesh dp=2 cp=2\n\ncontext-parallel\n")
     assert (s.context_parallel.axis, s.context_parallel.lowering, s.context_parallel.loc.line) == ("cp", "all_gather", 3)
-    assert spec("mesh sp=4\ncontext-parallel lowering=all_gather\n").context_parallel.axis == "sp"
+    assert spec("mesh sp=4\ncontext-parallel over sp lowering=all_gather\n").context_parallel.axis == "sp"
     assert spec("mesh dp=2 tp=2\ncontext-parallel over dp\n").context_parallel.axis == "dp"
     assert spec("mesh cp=2\n").context_parallel is None
 

@@ -443,7 +443,7 @@ def main(argv=None):
     always shut it down (``--print-launch``: print the launch lines instead)."""
     global DEVICE
     if launch_request(argv) is not None:  # before parse_args: it needs no --checkpoint
-        return print_launch(launch_request(argv))
+        return print_launch(launch_request(argv), *launch_args(argv))
     args = parse_args(argv)
     check_world()
     keep_freed_memory()

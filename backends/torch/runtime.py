@@ -42,6 +42,7 @@ import importlib
 import json
 import math
 import os
+import shlex
 import socket
 import sys
 import time

@@ -29,15 +29,20 @@ RATIO, TRACKER, SKIPPED = "amp.scale_ratio", "amp.growth_tracker", "amp.skipped"
 
 def amp_options(t, precision: str) -> tuple:
     """``(loss_scale, growth_interval)`` of TrainSpec ``t`` (torch's GradScaler defaults).
-    Raises SpecError at the train line: values out of range or given without fp16."""
+    Raises SpecError at the option's column: values out of range or given without fp16."""
+    from .train_config import option_loc
+
     given = [k for k in ("loss_scale", "growth_interval") if t.get(k) is not None]
     if given and precision != "fp16":
-        raise SpecError(f"{given[0]}= is fp16's dynamic loss scaling; it needs precision=fp16", t.loc)
+        raise SpecError(f"{given[0]}= is fp16's dynamic loss scaling; it needs precision=fp16",
+                        option_loc(t.loc, given[0]))
     scale, interval = t.get("loss_scale", 65536.0), t.get("growth_interval", 2000)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 1 <= scale <= 2.0 ** 64:
-        raise SpecError(f"loss_scale={scale!r} must be a number from 1 to 2**64", t.loc)
+        raise SpecError(f"loss_scale={scale!r} must be a number from 1 to 2**64",
+                        option_loc(t.loc, "loss_scale"))
     if isinstance(interval, bool) or not isinstance(interval, int) or not 1 <= interval <= 1_000_000:
-        raise SpecError(f"growth_interval={interval!r} must be a whole number from 1 to 1000000", t.loc)
+        raise SpecError(f"growth_interval={interval!r} must be a whole number from 1 to 1000000",
+                        option_loc(t.loc, "growth_interval"))
     return float(scale), int(interval)
 
 

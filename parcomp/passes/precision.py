@@ -43,16 +43,19 @@ GRAD_REDUCE = ("fp32", "compute")
 
 def precision_options(t) -> tuple:
     """``(precision, grad_reduce, loss_scale, growth_interval)`` of TrainSpec ``t`` (the last two:
-    fp16's dynamic loss scaling, :mod:`parcomp.passes.amp`). Raises SpecError at the train line."""
+    fp16's dynamic loss scaling, :mod:`parcomp.passes.amp`). Raises SpecError at the option's column."""
+    from .train_config import option_loc
+
     p, g = t.get("precision", "fp32"), t.get("grad_reduce", "fp32")
     if p not in PRECISIONS:
-        raise SpecError(f"precision={p!r} is not supported; supported: {', '.join(PRECISIONS)}", t.loc)
+        raise SpecError(f"precision={p!r} is not supported; supported: {', '.join(PRECISIONS)}",
+                        option_loc(t.loc, "precision"))
     if g not in GRAD_REDUCE:
         raise SpecError(f"grad_reduce={g!r}: say fp32 (reduce gradients in float32) or compute "
-                        f"(in the compute dtype)", t.loc)
+                        f"(in the compute dtype)", option_loc(t.loc, "grad_reduce"))
     if p == "fp32" and t.get("grad_reduce") is not None:
         raise SpecError("grad_reduce= needs precision=bf16 or fp16 (with fp32 every gradient is float32)",
-                        t.loc)
+                        option_loc(t.loc, "grad_reduce"))
     from .amp import amp_options
 
     return (p, g, *amp_options(t, p))

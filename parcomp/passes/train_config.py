@@ -116,7 +116,7 @@ def train_config(spec) -> TrainConfig:
         raise SpecError(f"zero={zero}: only 0, 1 and 2 exist", option_loc(t.loc, "zero"))
     if zero and "dp" not in spec.mesh.names:
         raise SpecError("zero=1/2 shards optimizer state over a 'dp' mesh axis, and the mesh has none",
-                        t.loc)
+                        option_loc(t.loc, "zero"))
     batch = t.get("batch")
     batch = None if batch is None else _count(batch, "batch", MAX_BATCH, option_loc(t.loc, "batch"))
     steps = _count(t.get("steps", 1), "steps", MAX_STEPS, option_loc(t.loc, "steps"))
@@ -156,20 +156,20 @@ def _loss(value, loc) -> tuple:
 
 def _pipeline_options(spec, t) -> tuple:
     """``(microbatches, schedule, stages)`` of the train line; they need a ``pp`` mesh axis."""
-    micro = _count(t.get("microbatches", 1), "microbatches", MAX_BATCH, t.loc)
+    micro = _count(t.get("microbatches", 1), "microbatches", MAX_BATCH, option_loc(t.loc, "microbatches"))
     schedule, stages = t.get("schedule", "1f1b"), t.get("stages")
     if schedule not in SCHEDULES:
         hint = closest(str(schedule), SCHEDULES)
         raise SpecError(f"schedule={schedule!r} is not a pipeline schedule parcomp has"
                         + (f"; did you mean {hint!r}?" if hint else "")
-                        + f" (schedules: {', '.join(SCHEDULES)})", t.loc)
+                        + f" (schedules: {', '.join(SCHEDULES)})", option_loc(t.loc, "schedule"))
     if stages not in (None, "balanced"):
         raise SpecError(f"stages={stages!r}: the only value is balanced (or give 'stage K: ...' "
-                        f"statements)", t.loc)
+                        f"statements)", option_loc(t.loc, "stages"))
     given = [k for k in ("microbatches", "schedule", "stages", "virtual") if t.get(k) is not None]
     if given and "pp" not in spec.mesh.names:
         raise SpecError(f"{given[0]}= is a pipeline option and mesh {spec.mesh} has no 'pp' axis "
-                        f"(e.g. 'mesh pp=2')", t.loc)
+                        f"(e.g. 'mesh pp=2')", option_loc(t.loc, given[0]))
     return micro, schedule, stages, _virtual(spec, t, schedule, micro)
 
 

@@ -90,23 +90,26 @@ def train_options(t, hyper: dict, number, check_range) -> TrainOptions:
     """Read the options of :data:`OPTION_KEYS` from TrainSpec ``t``; ``hyper``: the
     optimizer's checked hyperparameters; ``number``/``check_range``: train_config's checks.
 
-    Raises SpecError at the train line: a non-positive or non-finite ``clip_grad_norm``, an
+    Raises SpecError at the option's column: a non-positive or non-finite ``clip_grad_norm``, an
     unknown schedule or argument, a value out of torch's range, ``eta_min`` above ``lr``,
     ``accumulate`` outside 1..:data:`MAX_ACCUMULATE`."""
+    from .train_config import option_loc  # each error at its option's column
+
     clip = t.get("clip_grad_norm")
     if clip is not None:
-        clip = number(clip, "clip_grad_norm", t.loc, float)
+        clip = number(clip, "clip_grad_norm", option_loc(t.loc, "clip_grad_norm"), float)
         if not 0 < clip < 3.4e38:
             raise SpecError(f"clip_grad_norm={clip!r} must be positive and below 3.4e38 (legal: "
-                            f"0 < x < 3.4e38); leave it out to train without clipping", t.loc)
-    acc = number(t.get("accumulate", 1), "accumulate", t.loc, int)
+                            f"0 < x < 3.4e38); leave it out to train without clipping",
+                            option_loc(t.loc, "clip_grad_norm"))
+    acc = number(t.get("accumulate", 1), "accumulate", option_loc(t.loc, "accumulate"), int)
     if not 1 <= acc <= MAX_ACCUMULATE:
         raise SpecError(f"accumulate={acc} is out of range: 1 to {MAX_ACCUMULATE} microbatches per step",
-                        t.loc)
+                        option_loc(t.loc, "accumulate"))
     recompute = t.get("recompute", "none")
     if recompute not in RECOMPUTE_MODES:
         raise SpecError(f"recompute={recompute!r} is not supported; supported: {', '.join(RECOMPUTE_MODES)}",
-                        t.loc)
+                        option_loc(t.loc, "recompute"))
     from .precision import precision_options
 
     return TrainOptions(clip, _schedule(t, hyper, number, check_range), acc, recompute,
@@ -114,28 +117,31 @@ def train_options(t, hyper: dict, number, check_range) -> TrainOptions:
 
 
 def _schedule(t, hyper, number, check_range) -> tuple:
+    from .train_config import option_loc  # each error at its option's (or argument's) column
+
+    at = option_loc(t.loc, "lr_schedule")
     value = t.get("lr_schedule", "constant")
     name, args = (value, ()) if isinstance(value, str) else value
     if not isinstance(name, str) or name not in SCHEDULES:
-        raise SpecError(f"lr_schedule {name!r} is not supported; supported: {', '.join(SCHEDULES)}", t.loc)
+        raise SpecError(f"lr_schedule {name!r} is not supported; supported: {', '.join(SCHEDULES)}", at)
     table, out = SCHEDULES[name], {}
     for k, v in args:
         if k not in table:
             raise SpecError(f"lr_schedule {name} has no argument {k!r}"
-                            + (f"; it takes {', '.join(table)}" if table else "; it takes none"), t.loc)
+                            + (f"; it takes {', '.join(table)}" if table else "; it takes none"), option_loc(at, k))
         kind, _, bounds = table[k]
-        out[k] = number(v, f"{name}({k}=...)", t.loc, kind)
-        check_range(f"{name}({k}={v})", out[k], bounds, t.loc)
+        out[k] = number(v, f"{name}({k}=...)", option_loc(at, k), kind)
+        check_range(f"{name}({k}={v})", out[k], bounds, option_loc(at, k))
     for k, (kind, default, _) in table.items():
         if k not in out and default is None:
-            raise SpecError(f"lr_schedule {name} needs {k}= (e.g. {name}({k}=100))", t.loc)
+            raise SpecError(f"lr_schedule {name} needs {k}= (e.g. {name}({k}=100))", at)
         out.setdefault(k, default)
     for k in ("start_factor",):
         if k in out and out[k] == 0:
-            raise SpecError(f"{name}({k}=0): torch's LinearLR needs 0 < start_factor <= 1", t.loc)
+            raise SpecError(f"{name}({k}=0): torch's LinearLR needs 0 < start_factor <= 1", option_loc(at, k))
     if name == "cosine" and out["eta_min"] > hyper["lr"]:
         raise SpecError(f"cosine(eta_min={out['eta_min']:g}) is above the optimizer's lr={hyper['lr']:g}: "
-                        f"the schedule decays from lr down to eta_min", t.loc)
+                        f"the schedule decays from lr down to eta_min", option_loc(at, "eta_min"))
     return name, tuple(sorted(out.items()))
 
 

@@ -1,7 +1,7 @@
 """``context-parallel [over AXIS] [lowering=NAME]``: causal attention over a split sequence (issue 14).
 
-The statement says which mesh axis splits the sequence of every ``sdpa`` (default: ``cp`` when
-the mesh has it, else the only axis) and how attention is lowered across it:
+The statement says which mesh axis splits the sequence of every ``sdpa`` (default: the axis
+named ``cp``; a mesh without one must say ``over AXIS``, never a silent tp or dp) and how attention is lowered across it:
 
 - ``all_gather`` (the default): each rank keeps its own query
   rows and gathers the whole K and V (one all_gather each, forward); backward gives each rank
@@ -42,15 +42,15 @@ def make_context_parallel(builder, tok, payload) -> ContextParallel:
     """The :class:`ContextParallel` of one statement (``payload``: ``[over-axis or None, options...]``).
 
     Raises:
-        SpecError: an unknown axis, no ``cp`` axis on a multi-axis mesh without ``over``, an
+        SpecError: an unknown axis, no ``cp`` axis on the mesh without ``over``, an
             unknown option or lowering, a lowering not built yet.
     """
     names = builder.mesh.names
     over, options = payload[0], payload[1:]
     if over is not None:
         axis = builder.axis(over, "'context-parallel over'")
-    elif "cp" in names or len(names) == 1:
-        axis = "cp" if "cp" in names else names[0]
+    elif "cp" in names:
+        axis = "cp"
     else:
         raise builder.err(tok, f"context-parallel: which mesh axis splits the sequence? the mesh "
                                f"has no 'cp' axis ({builder.axes_text()}); say 'context-parallel over AXIS'")

@@ -28,6 +28,7 @@ import importlib
 import json
 import math
 import os
+import shlex
 import socket
 import sys
 import time
@@ -808,7 +809,8 @@ def add_cluster_args(ap):
     ap.add_argument("--compile", action="store_true",
                     help="run the step under torch.compile (capture, fuse and reorder it)")
     ap.add_argument("--print-launch", nargs="?", const="", metavar="NODESxDEVICES",
-                    help="print the environment and the torchrun line of every node, then exit "
+                    help="print the environment and the torchrun line of every node (with the options "
+                         "given with it, else the run hint's), then exit "
                          f"(default topology: {TOPOLOGY_TEXT})")
 
 
@@ -836,6 +838,18 @@ def launch_request(argv):
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--print-launch", nargs="?", const="")
     return ap.parse_known_args(argv)[0].print_launch
+
+
+def launch_args(argv):
+    """``(options, timeout)`` for the lines of ``--print-launch``: the program's options given
+    with it (checked as a run checks them: a bad or missing one is argparse's error, exit 2)
+    and their ``--timeout``, else RUN_HINT's options and the default timeout."""
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--print-launch", nargs="?", const="")
+    rest = ap.parse_known_args(argv)[1]
+    if not rest:
+        return RUN_HINT.split(" program.py", 1)[1], TIMEOUT_S
+    return " " + " ".join(shlex.quote(a) for a in rest), parse_args(rest).timeout
 
 
 def init_dist(backend, args):
@@ -948,14 +962,14 @@ def rank_text(ranks, hosts=True):
 TOPOLOGY_TEXT = f"{TOPOLOGY[0]}x{TOPOLOGY[1]}" if TOPOLOGY else f"1x{MESH_SIZE}"
 
 
-def print_launch(text):
-    """``--print-launch [NODESxDEVICES]``: the environment to set and one torchrun line per node."""
+def print_launch(text, program_args, timeout):
+    """``--print-launch [NODESxDEVICES]``: the environment to set and one torchrun line per node,
+    each running ``program.py`` with ``program_args`` (``timeout``: seconds; :func:`launch_args`)."""
     nodes, per_node = parse_topology(text or TOPOLOGY_TEXT)
-    program_args = RUN_HINT.split(" program.py", 1)[1]
     lines = [f"# mesh {MESH_TEXT} on {nodes} node(s) x {per_node} devices, profile {PROFILE} "
              f"({DIST_BACKEND}); rank r runs on node r // {per_node}",
              "# on every node, before torchrun (see docs/deploy.md):",
-             *(line.format(devices=",".join(map(str, range(per_node))), timeout=f"{TIMEOUT_S:g}")
+             *(line.format(devices=",".join(map(str, range(per_node))), timeout=f"{timeout:g}")
                for line in LAUNCH_ENV)]
     if nodes == 1:
         lines.append(f"torchrun --standalone --nproc-per-node {per_node} program.py{program_args}")
@@ -1022,7 +1036,7 @@ def main(argv=None):
     always shut it down (``--print-launch``: print the launch lines instead)."""
     global DEVICE
     if launch_request(argv) is not None:  # before parse_args: it needs no --checkpoint
-        return print_launch(launch_request(argv))
+        return print_launch(launch_request(argv), *launch_args(argv))
     args = parse_args(argv)
     check_world()
     keep_freed_memory()
