@@ -18,8 +18,8 @@ axis names mean to a user:
   prices.  Inputs and outputs are replicated over a model-parallel axis.
 
 With a memory limit, Megatron's ``sequence-parallel`` statement is one more candidate
-(:mod:`parcomp.plan_seqpar`): chosen when the plan without it does not fit the limit
-(or costs more) and the plan with it does.
+(:mod:`parcomp.plan_seqpar`): written when the compiled plan without it misses the
+limit and the plan with it fits.
 
 With ``--train`` the parameters are chosen on the forward graph (``autodiff`` pins the
 updated parameters and optimizer state to the parameters' layouts before the search, so
@@ -162,8 +162,8 @@ def plan(graph, mesh: str, memory: str | None = None, train: str | None = None,
     ``seconds``: the exact search's time budget (default :data:`DEFAULT_SECONDS`).
 
     Raises:
-        ParcompError: a bad mesh or memory size, nothing fits the memory, a parameter
-            that no layout splits evenly.
+        ParcompError: a bad mesh or memory size, nothing fits the memory (with
+            ``sequence-parallel`` either), a parameter that no layout splits evenly.
     """
     text = base_spec_text(graph, mesh, memory, train)
     spec = parse_spec(text, "plan.pcs")
@@ -186,8 +186,8 @@ def plan(graph, mesh: str, memory: str | None = None, train: str | None = None,
 def _spec_text(base: str, chosen, graph, spec) -> str:
     s = chosen.search
     proof = "proven optimal" if s["proven_optimal"] else "best found, not proven optimal"
-    head, tail = base.rstrip("\n").split("\n")[:1 + bool(spec.memory)], \
-        base.rstrip("\n").split("\n")[1 + bool(spec.memory):]
+    base_lines, cut = base.rstrip("\n").split("\n"), 1 + bool(spec.memory)
+    head, tail = base_lines[:cut], base_lines[cut:]  # (mesh, memory), (inputs, outputs, train)
     lines = [f"# parcomp plan: layouts chosen by the {s['search']} search ({proof} under the cost",
              f"# model: estimated {s['cost_s'] * 1e6:.1f} us per step); edit freely, then",
              "# `parcomp compile MODEL --spec THIS_FILE -o DIR`.", ""] + head + [""]

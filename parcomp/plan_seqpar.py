@@ -23,6 +23,7 @@ from .errors import ParcompError
 from .report import format_bytes
 from .spec import parse_spec
 
+ACTIVATIONS = "# activations (chosen by the search"
 SP_LINE = "sequence-parallel  # Megatron --sequence-parallel: norm regions on the split sequence"
 
 
@@ -72,7 +73,13 @@ def _compile(graph, text: str) -> tuple:
 
 
 def _with_sp(text: str, comment: list) -> str:
-    """``text`` with the statement (and ``comment`` above it) after its ``memory`` line."""
+    """``text`` with the statement (and ``comment`` above it) after its ``memory`` line; the
+    listed activation layouts (the search's without the statement) give way to a pointer."""
     lines = text.split("\n")
     at = next(i for i, ln in enumerate(lines) if ln.startswith("memory ")) + 1
-    return "\n".join(lines[:at] + comment + [SP_LINE] + lines[at:])
+    end = next((i for i, ln in enumerate(lines) if ln.startswith(ACTIVATIONS)), len(lines))
+    acts = [ln for ln in lines[end:end + 1] if ln]
+    if acts:
+        acts = ["# activations: sequence-parallel places them; `parcomp explain MODEL --spec THIS_FILE`",
+                "# lists every collective and why", ""]
+    return "\n".join(lines[:at] + comment + [SP_LINE] + lines[at:end] + acts)
