@@ -131,7 +131,8 @@ def test_plan_picks_sequence_parallel_when_the_tp_plan_exceeds_the_memory(tmp_pa
     assert main(["plan", model, "--mesh", "tp=2", "--memory", f"{limit}B", "--train", TRAIN, "-o", str(out)]) == 0
     text = out.read_text()
     assert "\nsequence-parallel  # Megatron --sequence-parallel" in text
-    assert f"without it the plan's peak of live values needs" in text and f"({sp_peak:,} B)" in text
+    assert "without it the plan's peak of live values needs" in text and f"({sp_peak:,} B)" in text
+    assert "# activation " not in text  # the search's layouts without the statement are not listed
     planned = compile_graph(graph, load_spec(str(out)))
     want = compile_graph(graph, load_spec(os.path.join(ROOT, "specs", "gpt2_lm_tp2_sp_train.pcs")))
     assert _rows(planned) == _rows(want)
@@ -149,3 +150,14 @@ def test_plan_keeps_plain_tp_when_it_fits_and_says_when_neither_fits(long_gpt2):
     with pytest.raises(ParcompError, match="with sequence-parallel: the plan's peak") as e:
         plan(graph, "tp=2", f"{sp_peak - 1}B", TRAIN)
     assert e.value.where == "--memory:1:1"
+
+
+def test_a_model_without_norms_gets_the_plain_memory_error_at_the_option():
+    """No norm over [batch, seq, hidden]: sequence parallel does not apply, so the error is
+    the plain plan's, located at --memory (not at a plan.pcs nobody wrote)."""
+    graph = load_model(f"{MODELS}:torch_mlp")[0]
+    text, _ = plan(graph, "tp=2")
+    peak = compile_graph(graph, parse_spec(text, "p.pcs")).report["memory_bytes_per_rank"]["peak_live"]
+    with pytest.raises(ParcompError, match="the plan's peak of live values needs") as e:
+        plan(graph, "tp=2", f"{peak - 1}B")
+    assert e.value.where == "--memory:1:1" and "sequence-parallel" not in e.value.message
