@@ -9,16 +9,26 @@ axis names mean to a user:
 - every other axis is a model-parallel axis: every parameter of rank >= 2 is split
   over it along some dim the search chooses (that is what the axis is for: without
   the rule, replicated weights would always look cheapest, since compute is cheap at
-  these sizes); rank-1 parameters (biases, norms) may also stay replicated; inputs and
-  outputs are replicated over it.
+  these sizes); rank-1 parameters (biases, norms) may also stay replicated, and so
+  may the model's two ends and its buffers (:func:`may_stay_replicated`): tables read
+  by an ``embedding`` lookup (a lookup does no arithmetic to split; Megatron keeps its
+  position embeddings replicated), the weight of a matmul whose product is a model
+  output (the LM head: no next layer for its split to pair with), and non-trainable
+  buffers (RoPE tables).  Splitting those saves only memory, which a ``memory`` limit
+  prices.  Inputs and outputs are replicated over a model-parallel axis.
+
+With a memory limit, Megatron's ``sequence-parallel`` statement is one more candidate
+(:mod:`parcomp.plan_seqpar`): written when the compiled plan without it misses the
+limit and the plan with it fits.
 
 With ``--train`` the parameters are chosen on the forward graph (``autodiff`` pins the
 updated parameters and optimizer state to the parameters' layouts before the search, so
 a search over the training graph could not move them together); the written spec then
 carries the train line, and compiling it plans the backward and the update exactly.
 
-The written spec pins the parameters, inputs and outputs; the activations' chosen
-layouts are listed as comments (compiling the spec re-derives them: the search is
+The written spec pins the parameters (in Megatron's words where they apply:
+:mod:`parcomp.plan_text`), inputs and outputs; the activations' chosen layouts are
+listed as comments (compiling the spec re-derives them: the search is
 deterministic).  It starts with a header line carrying a checksum of the rest, so
 ``plan`` overwrites only a spec it wrote and nobody changed since
 (docs/design.md: parcomp never overwrites a file it did not write).
@@ -35,6 +45,8 @@ from .ir.types import R, Shard, divisibility_problem, layout_str
 from .passes.bind_layouts import bind_layouts
 from .passes.layout_ilp import DEFAULT_SECONDS
 from .passes.shard_prop import shard_prop
+from .plan_seqpar import choose_seqpar
+from .plan_text import bound_params, io_phrase, param_lines
 from .report import format_bytes
 from .spec import parse_spec
 
@@ -64,9 +76,9 @@ def base_spec_text(graph, mesh: str, memory: str | None, train: str | None) -> s
                                f"'train' (e.g. \"train loss=mse optimizer=sgd(lr=0.1)\")", where="--train")
         _parse_line(mesh, train, "--train")
     lines = [f"mesh {mesh}"] + ([f"memory {memory}"] if memory else [])
-    lines += [f"input {n.name} {layout_str(_io_layout(spec.mesh, n.type))}" for n in graph.inputs
+    lines += [f"input {n.name} {io_phrase(_io_layout(spec.mesh, n.type))}" for n in graph.inputs
               if n.type.rank]
-    lines += [f"output {pub} {layout_str(_io_layout(spec.mesh, graph[v].type))}"
+    lines += [f"output {pub} {io_phrase(_io_layout(spec.mesh, graph[v].type))}"
               for pub, v in graph.named_outputs() if graph[v].type.rank]
     return "\n".join(lines + ([train] if train else [])) + "\n"
 
@@ -88,9 +100,42 @@ def _io_layout(mesh, ty):
     return lay if not divisibility_problem(ty, lay, mesh) else tuple(R for _ in mesh.names)
 
 
-def param_layouts(ty, mesh, name: str = "") -> list:
+def may_stay_replicated(graph) -> set:
+    """Params of ``graph`` that a model-parallel axis need not split (module docstring):
+    ``embedding`` tables, weights of a matmul making a model output (reached through
+    permutes and reshapes, as ``colwise`` follows them), non-trainable buffers."""
+    users, outputs = graph.users(), set(graph.outputs)
+    out = {n.inputs[1] for n in graph.nodes if n.op == "embedding"}
+    for p in graph.params:
+        if p.attr("trainable") is False:
+            out.add(p.name)
+        frontier = [p.name]
+        while frontier:
+            cur = frontier.pop()
+            for u in users[cur]:
+                node = graph[u]
+                if node.op in ("permute", "reshape"):
+                    frontier.append(u)
+                elif node.op == "matmul" and node.inputs[1] == cur and _reaches_output(graph, users, u, outputs):
+                    out.add(p.name)
+    return out
+
+
+def _reaches_output(graph, users, name, outputs) -> bool:
+    """Whether ``name`` is a model output, directly or through reshapes and a bias add
+    (or a spec pin's relayout)."""
+    while name not in outputs:
+        nxt = [u for u in users[name] if graph[u].op in ("reshape", "add", "relayout")]
+        if len(users[name]) != 1 or not nxt:
+            return False
+        name = nxt[0]
+    return True
+
+
+def param_layouts(ty, mesh, name: str = "", table: bool = False) -> list:
     """The layouts a parameter ``name`` of type ``ty`` may take (module docstring), evenly
-    split; an integer tensor (a buffer such as position ids) stays replicated.
+    split; an integer tensor (a buffer such as position ids) stays replicated.  ``table``:
+    one of :func:`may_stay_replicated` (it may also stay replicated).
 
     Raises:
         ParcompError: no layout splits ``name`` evenly over ``mesh`` (named).
@@ -102,7 +147,7 @@ def param_layouts(ty, mesh, name: str = "") -> list:
         if a == "dp":
             per_axis.append([R])
         else:
-            per_axis.append(([R] if ty.rank < 2 else []) + [Shard(d) for d in range(ty.rank)])
+            per_axis.append(([R] if ty.rank < 2 or table else []) + [Shard(d) for d in range(ty.rank)])
     out = [lay for lay in itertools.product(*per_axis) if not divisibility_problem(ty, lay, mesh)]
     if not out:
         raise ParcompError(f"parameter {name} {ty} cannot be split evenly over the mesh {mesh} "
@@ -117,50 +162,44 @@ def plan(graph, mesh: str, memory: str | None = None, train: str | None = None,
     ``seconds``: the exact search's time budget (default :data:`DEFAULT_SECONDS`).
 
     Raises:
-        ParcompError: a bad mesh or memory size, nothing fits the memory, a parameter
-            that no layout splits evenly.
+        ParcompError: a bad mesh or memory size, nothing fits the memory (with
+            ``sequence-parallel`` either), a parameter that no layout splits evenly.
     """
     text = base_spec_text(graph, mesh, memory, train)
     spec = parse_spec(text, "plan.pcs")
     bound = bind_layouts(graph, spec)  # the forward graph: see the module docstring
     model_params = {n.name for n in graph.params}
-    free = {n.name: param_layouts(n.type, spec.mesh, n.name) for n in bound.params
+    ends = may_stay_replicated(bound)
+    free = {n.name: param_layouts(n.type, spec.mesh, n.name, n.name in ends) for n in bound.params
             if n.name in model_params}
     if seconds is not None and not seconds > 0:
         raise ParcompError(f"--seconds {seconds}: the search needs a positive time budget", where="--seconds")
+    memory_loc = memory and SourceLoc("--memory", 1, 1, memory)
     chosen = shard_prop(bound, DEFAULT_SECONDS if seconds is None else seconds, memory=spec.memory,
-                        memory_loc=memory and SourceLoc("--memory", 1, 1, memory), free=free)
-    return _spec_text(text, chosen, graph, spec), chosen
+                        memory_loc=memory_loc, free=free)
+    text = _spec_text(text, chosen, graph, spec)
+    if spec.memory is not None:
+        text = choose_seqpar(graph, text, memory_loc)
+    return text, chosen
 
 
 def _spec_text(base: str, chosen, graph, spec) -> str:
-    mesh, s = spec.mesh, chosen.search
+    s = chosen.search
     proof = "proven optimal" if s["proven_optimal"] else "best found, not proven optimal"
+    base_lines, cut = base.rstrip("\n").split("\n"), 1 + bool(spec.memory)
+    head, tail = base_lines[:cut], base_lines[cut:]  # (mesh, memory), (inputs, outputs, train)
     lines = [f"# parcomp plan: layouts chosen by the {s['search']} search ({proof} under the cost",
              f"# model: estimated {s['cost_s'] * 1e6:.1f} us per step); edit freely, then",
-             "# `parcomp compile MODEL --spec THIS_FILE -o DIR`.", ""]
-    lines += base.rstrip("\n").split("\n")[:1 + bool(spec.memory)]
-    lines.append("")
-    for n in graph.params:
-        lay = chosen[n.name].layout
-        stored = n.attr("stored_shape")
-        view = f" (view of the fused [{','.join(map(str, stored))}])" if stored else ""
-        lines.append(f"{n.name}  {layout_str(lay)}  # {n.type}{view}: {_what(lay, n.type, mesh)}")
-    lines.append("")
-    lines += [ln for ln in base.rstrip("\n").split("\n")[1 + bool(spec.memory):]]
+             "# `parcomp compile MODEL --spec THIS_FILE -o DIR`.", ""] + head + [""]
+    layouts = {n.name: chosen[n.name].layout for n in graph.params}
+    lines += param_lines(graph, layouts, spec.mesh,
+                         lambda rules: bound_params(graph, "\n".join(head + rules + tail) + "\n"))
+    lines += [""] + tail
     acts = [n for n in graph.nodes if n.op not in ("input", "param") and n.name in chosen]
     if acts:
         lines += ["", "# activations (chosen by the search; uncomment a line to pin it):"]
         lines += [f"# activation {n.name}  {layout_str(chosen[n.name].layout)}" for n in acts]
     return "\n".join(lines) + "\n"
-
-
-def _what(lay, ty, mesh) -> str:
-    parts = []
-    for a, p in zip(mesh.names, lay):
-        if isinstance(p, Shard):
-            parts.append(f"dim {p.dim} ({ty.shape[p.dim]}) split over {a}")
-    return "; ".join(parts) or "replicated"
 
 
 def write_spec(path: str, text: str) -> None:

@@ -73,14 +73,15 @@ def tiny_relu_mlp():
     return module.eval(), (torch.tensor([[1., 2.]]),), ["x"]
 
 
-def gpt2_lm():
+def gpt2_lm(batch: int = 2, seq: int = 8):
     """transformers' ``GPT2LMHeadModel``: 2 blocks, n_embd=32, 4 heads, vocab 101 (odd, as
     GPT-2's 50257 is: a tp split of the vocab needs padding), 64 positions, tied
     ``wte``/``lm_head`` weights (torch.export keeps one, ``lm_head.weight`` [101,32]),
     eval mode (dropout off), sdpa attention, ``use_cache=False``.
 
-    Input ``input_ids``: int64[2,8]; output ``logits`` f32[2,8,101] (the ``ModelOutput``'s
-    key). ``train loss=cross_entropy`` adds the int64 input ``labels`` [2,8].
+    Input ``input_ids``: int64[batch,seq] (seq <= 64); output ``logits`` f32[batch,seq,101]
+    (the ``ModelOutput``'s key). ``train loss=cross_entropy`` adds the int64 input
+    ``labels`` [batch,seq].
     """
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -89,7 +90,7 @@ def gpt2_lm():
                         bos_token_id=0, eos_token_id=0, use_cache=False,
                         attn_implementation="sdpa")
     module = GPT2LMHeadModel(config).eval()
-    return module, (torch.randint(0, 101, (2, 8)),), ["input_ids"]
+    return module, (torch.randint(0, 101, (batch, seq)),), ["input_ids"]
 
 
 def llama_lm():
