@@ -20,6 +20,7 @@ from ..passes.lower import frees_of, storage_roots
 from ..redistribute import Step, step_bytes
 from .numpy_attn import source_array
 from .moe_ops import ragged_all_to_all
+from .cp_ring import is_ring, run_ring
 from .numpy_ops import NUMPY_OPS
 from .ranked import at_rank
 
@@ -173,6 +174,8 @@ def run_spmd(program: Graph, feeds: dict, partial_rng=None) -> SPMDRun:
                 live[r][n.name] = local
         elif n.op in _LAYOUT_OPS:
             _layout_op(program, n, run, live)
+        elif is_ring(n):  # context parallel ring attention (issue 14): K/V blocks around the ring
+            run_ring(program, n, live)
         else:
             for r in ranks:  # at_rank: where this rank's block lies (ranked.py)
                 live[r][n.name] = NUMPY_OPS[n.op]([live[r][i] for i in n.inputs], at_rank(program, n, r))

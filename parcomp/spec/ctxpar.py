@@ -8,9 +8,12 @@ the mesh has it, else the only axis) and how attention is lowered across it:
   the dK/dV of every key from its own queries, a partial sum that a reduce_scatter returns to
   the keys' owners.
 
-``ring`` (K/V blocks passed around the ring with an online-softmax merge) and ``ulysses``
-(all_to_all sequence split <-> heads split) are named here so that a spec asking for them gets
-a located error saying they are not built yet, never a silent other lowering.
+- ``ring``: K/V blocks passed around the ring by point-to-point sends, an online-softmax
+  merge; backward with each step's own block, dK/dV returned to their owners
+  (``parcomp/reference/cp_ring.py``).
+
+``ulysses`` (all_to_all sequence split <-> heads split) is named here so that a spec asking for
+it gets a located error saying it is not built yet, never a silent other lowering.
 Every error is a :class:`~parcomp.errors.SpecError` at the statement or at the option.
 """
 from __future__ import annotations
@@ -20,8 +23,8 @@ from dataclasses import dataclass
 from ..errors import SourceLoc
 
 #: lowerings built, and those named but not built yet (a located error)
-LOWERINGS = ("all_gather",)
-NOT_BUILT = ("ring", "ulysses", "load_balanced")
+LOWERINGS = ("all_gather", "ring")
+NOT_BUILT = ("ulysses", "load_balanced")
 
 
 @dataclass(frozen=True)
