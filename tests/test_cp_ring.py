@@ -11,6 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 from parcomp.cli import main
 from parcomp.compiler import compile_graph
+from parcomp.errors import SpecError
 from parcomp.ir import parse_graph
 from parcomp.reference import cp_ring
 from parcomp.reference.interpreter import run_spmd
@@ -41,6 +42,17 @@ def test_statement_takes_the_ring_lowering_and_marks_the_axis():
     assert {n.attr("cp_axis") for n in rings} == {"cp"}
     # no collective of the search moves q, k or v: every attention operand stays S(seq)
     assert all(str(c.program[i].layout[0]) == "S(2)" for n in rings for i in n.inputs)
+
+
+@pytest.mark.parametrize("text,col,match", [
+    ("context-parallel lowering=ring chunking=balanced\n", 32, "chunking=balanced is not built yet"),
+    ("context-parallel chunking=zigzag\n", 18, "'zigzag' is not a chunking"),
+])
+def test_chunking_other_than_contiguous_is_a_located_error(text, col, match):
+    assert spec("mesh cp=2\ncontext-parallel chunking=contiguous\n").context_parallel.lowering == "all_gather"
+    with pytest.raises(SpecError, match=match) as e:
+        spec("mesh cp=2\n" + text)
+    assert (e.value.loc.line, e.value.loc.col) == (2, col)
 
 
 # ---- exact small case: a rank's queries need another rank's keys ----------------------------

@@ -54,6 +54,9 @@ def make_context_parallel(builder, tok, payload) -> ContextParallel:
                                f"has no 'cp' axis ({builder.axes_text()}); say 'context-parallel over AXIS'")
     lowering = LOWERINGS[0]
     for key, val in options:
+        if str(key) == "chunking":  # load-balanced causal chunking (issue 14)
+            _chunking(builder, key, val)
+            continue
         if str(key) != "lowering":
             raise builder.err(key, f"context-parallel has no option {str(key)!r}; its only option is "
                                    f"lowering= ({', '.join(LOWERINGS)})")
@@ -65,3 +68,20 @@ def make_context_parallel(builder, tok, payload) -> ContextParallel:
                                    f"of: {', '.join(LOWERINGS)}")
         lowering = val
     return ContextParallel(axis, lowering, builder.loc(tok))
+
+
+def _chunking(builder, key, val) -> None:
+    """``chunking=contiguous`` (rank r holds rows r*L .. r*L+L-1, the only placement built).
+
+    Raises:
+        SpecError: at the option, for ``balanced`` (not built yet: the ring kernel computes its
+            mask from balanced positions, parcomp/reference/cp_ring.py, but no layout, loader or
+            output assembly places chunks r and 2cp-1-r on rank r) and for any other value.
+    """
+    if val == "balanced":
+        raise builder.err(key, "context-parallel chunking=balanced is not built yet: the ring "
+                               "attention kernel takes balanced positions, but no loader or layout "
+                               "places chunks r and 2cp-1-r on rank r; built: chunking=contiguous")
+    if val != "contiguous":
+        raise builder.err(key, f"context-parallel chunking={val!r} is not a chunking; choose "
+                               "contiguous (balanced: not built yet)")
