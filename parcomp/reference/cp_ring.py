@@ -59,9 +59,11 @@ def _scores(q, k, node, qpos, kpos):
     return np.where(keep, s, -np.inf), keep, not keep.any()
 
 
-def ring_forward(qs, ks, vs, node, pos):
+def ring_forward(qs, ks, vs, node, pos, sent=None):
     """Per coordinate ``(out, lse)`` of the ring forward; ``qs/ks/vs``: the group's local blocks
-    in coordinate order, ``pos[c]``: coordinate c's global positions."""
+    in coordinate order, ``pos[c]``: coordinate c's global positions; ``sent``: a dict counting
+    the shifts done, by what moved (``"k,v"``)."""
+    sent = {} if sent is None else sent
     n, dt = len(qs), qs[0].dtype
     m = [np.full(q.shape[:-1] + (1,), -np.inf, dt) for q in qs]
     l = [np.zeros(q.shape[:-1] + (1,), dt) for q in qs]
@@ -79,13 +81,16 @@ def ring_forward(qs, ks, vs, node, pos):
             m[c] = m_new
         if step < n - 1:
             kb, vb, owner = _shift(kb), _shift(vb), _shift(owner)
+            sent["k,v"] = sent.get("k,v", 0) + 1
     return [(a / li).astype(dt) for a, li in zip(acc, l)], [mi + np.log(li) for mi, li in zip(m, l)]
 
 
-def ring_backward(dys, qs, ks, vs, node, pos):
-    """Per coordinate ``{"q": dq, "k": dk, "v": dv}`` (dk/dv of the rank's own block)."""
+def ring_backward(dys, qs, ks, vs, node, pos, sent=None):
+    """Per coordinate ``{"q": dq, "k": dk, "v": dv}`` (dk/dv of the rank's own block); ``sent``
+    as :func:`ring_forward`'s (``"dk"`` / ``"dv"``: the partial gradients' shifts)."""
     n, dt, c_ = len(qs), qs[0].dtype, qs[0].dtype.type(node.attr("scale"))
-    outs, lse = ring_forward(qs, ks, vs, node, pos)
+    sent = {} if sent is None else sent
+    outs, lse = ring_forward(qs, ks, vs, node, pos, sent)
     d = [np.sum(dy * o, axis=-1, keepdims=True) for dy, o in zip(dys, outs)]
     dq = [np.zeros_like(q) for q in qs]
     kb, vb, owner = list(ks), list(vs), list(range(n))
@@ -102,7 +107,9 @@ def ring_backward(dys, qs, ks, vs, node, pos):
             dkb[c] = dkb[c] + np.matmul(np.swapaxes(ds, -1, -2), qs[c]) * c_
         if step < n - 1:
             kb, vb, owner = _shift(kb), _shift(vb), _shift(owner)
+            sent["k,v"] += 1
         dkb, dvb = _shift(dkb), _shift(dvb)  # with their block; the last shift: home
+        sent["dk"], sent["dv"] = sent.get("dk", 0) + 1, sent.get("dv", 0) + 1
     return [{"q": a.astype(dt), "k": b.astype(dt), "v": e.astype(dt)} for a, b, e in zip(dq, dkb, dvb)]
 
 
@@ -123,23 +130,30 @@ def ring_steps(node, n: int) -> list:
     return steps
 
 
-def ring_group_values(node, qs, ks, vs, dys=None, chunking="contiguous"):
+def ring_group_values(node, qs, ks, vs, dys=None, chunking="contiguous", sent=None):
     """The group's results of ``node`` in coordinate order (forward: outputs; ``sdpa_grad``: the
-    gradient ``wrt``), every local block ``[batch, heads, L, dim]``."""
+    gradient ``wrt``), every local block ``[batch, heads, L, dim]``; ``sent``: see
+    :func:`ring_forward`."""
     n, rows = len(qs), qs[0].shape[SEQ]
     pos = [positions(chunking, n, c, rows) for c in range(n)]
     if node.op == "sdpa":
-        return ring_forward(qs, ks, vs, node, pos)[0]
-    return [g[node.attr("wrt")] for g in ring_backward(dys, qs, ks, vs, node, pos)]
+        return ring_forward(qs, ks, vs, node, pos, sent)[0]
+    return [g[node.attr("wrt")] for g in ring_backward(dys, qs, ks, vs, node, pos, sent)]
 
 
-def run_ring(program, node, live) -> None:
+def run_ring(program, node, live) -> dict:
     """Run ring node ``node`` of local ``program`` on every group of its ``cp_axis``: sets
-    ``live[rank][node.name]`` for every rank (``live``: per-rank value dicts)."""
-    mesh = program.mesh
+    ``live[rank][node.name]`` for every rank (``live``: per-rank value dicts). Returns the
+    interpreter's log record: ``{"kind": "send_recv", "axis", "name", "shifts"}``, ``shifts``:
+    ``{what moved: shifts}`` of one group (``dk``/``dv``: only the gradient ``node`` returns)."""
+    mesh, sent = program.mesh, {}
     for group in mesh.groups(mesh.axes_of(node.attr("cp_axis"))):
         vals = [[live[r][i] for r in group] for i in node.inputs]
         dys, (qs, ks, vs) = (None, vals) if node.op == "sdpa" else (vals[0], vals[1:])
-        outs = ring_group_values(node, qs, ks, vs, dys, node.attr("chunking", "contiguous"))
+        sent = {}
+        outs = ring_group_values(node, qs, ks, vs, dys, node.attr("chunking", "contiguous"), sent)
         for r, y in zip(group, outs):
             live[r][node.name] = np.array(y, order="C", copy=True)
+    keep = {"k,v"} | ({f"d{node.attr('wrt')}"} if node.attr("wrt") in ("k", "v") else set())
+    return {"kind": "send_recv", "axis": node.attr("cp_axis"), "name": node.name,
+            "shifts": {w: c for w, c in sent.items() if w in keep}}

@@ -175,7 +175,7 @@ def run_spmd(program: Graph, feeds: dict, partial_rng=None) -> SPMDRun:
         elif n.op in _LAYOUT_OPS:
             _layout_op(program, n, run, live)
         elif is_ring(n):  # context parallel ring attention (issue 14): K/V blocks around the ring
-            run_ring(program, n, live)
+            run.log.append(run_ring(program, n, live))
         else:
             for r in ranks:  # at_rank: where this rank's block lies (ranked.py)
                 live[r][n.name] = NUMPY_OPS[n.op]([live[r][i] for i in n.inputs], at_rank(program, n, r))
