@@ -31,7 +31,8 @@ from parcomp.ir.types import DTYPE_SHORT, Partial, Replicate, layout_str, shard_
 from parcomp.program import MAX_STEPS, ParcompError, Program, TrainLoop, plural
 
 from .emit_cp import cp_kw  # context parallel (issue 14)
-from .emit_cp_ring import HELPER_NAMES as RING_HELPERS, RING_FORMATS, ring_comment, ring_key, ring_kw, ring_sections
+from .emit_cp_ring import (HELPER_NAMES as RING_HELPERS, RING_FORMATS, balance_src, ring_comment, ring_key, ring_kw,
+                           ring_sections)
 from .emit_norms import HELPER_NAMES as NORM_HELPERS, NORM_FORMATS, norm_kw, runtime_sections
 from .emit_moe import HELPER_NAMES as MOE_HELPERS, MOE_DEFAULTS, MOE_FORMATS, moe_key, moe_sections  # issue 14
 from .emit_reduce import (ASYNC_REDUCE, HELPER_NAMES as REDUCE_HELPERS, IN_PLACE_REDUCE, REDUCE_FORMATS, reduce_key, reduce_kw,
@@ -436,7 +437,7 @@ def _loaders(prog, train) -> str:
                 src = _view_of(f"take({arg}, {json.dumps(n.name)}, {tuple(n.attr('stored_shape'))!r}, "
                                f"{TORCH_DTYPES[n.type.dtype]})", n.attr("stored_shape"), full)
                 head += f"stored {_ty(n.type.dtype, n.attr('stored_shape'))}, viewed per part; "
-            sliced, what = _slice_expr(program, n, src)
+            sliced, what = _slice_expr(program, n, balance_src(program, n, src))  # issue 14
             expr = f"place({sliced})"
             for a, p in enumerate(n.layout):
                 if p == Partial("sum"):  # a P(max) source: every rank keeps it

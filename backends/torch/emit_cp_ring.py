@@ -11,10 +11,13 @@ from .runtime import sections
 
 RING_FORMATS = {
     "sdpa_ring": "ring_sdpa({0}, {1}, {2}, {scale}, {causal}, {cp_axis}, {chunking})",
+    # balanced chunking: positions in storage order (emit.OP_FORMATS["arange"], reordered)
+    "arange_balanced": ("balance_rows(torch.arange({local_shape}[0], dtype=torch.float64, device=DEVICE)"
+                        ".mul({step}).add({start}).to({dtype}), (0,), {balanced})"),
     "sdpa_grad_ring": "ring_sdpa_grad({0}, {1}, {2}, {3}, {scale}, {causal}, {cp_axis}, {chunking}, {wrt})",
 }
 HELPER_NAMES = ("ring_line", "ring_shift", "ring_positions", "ring_scores", "ring_stats",
-                "ring_sdpa", "ring_sdpa_grad")
+                "ring_sdpa", "ring_sdpa_grad", "balance_order", "balance_rows", "balanced_keep")
 
 
 def is_ring(n) -> bool:
@@ -23,7 +26,10 @@ def is_ring(n) -> bool:
 
 
 def ring_key(n, key: str) -> str:
-    """The format key of ``n``: ``sdpa_ring`` / ``sdpa_grad_ring`` for a ring node, else ``key``."""
+    """The format key of ``n``: ``sdpa_ring`` / ``sdpa_grad_ring`` for a ring node,
+    ``arange_balanced`` for positions under balanced chunking, else ``key``."""
+    if n.op == "arange" and n.attr("balanced"):
+        return "arange_balanced"
     return f"{n.op}_ring" if is_ring(n) else key
 
 
@@ -32,9 +38,33 @@ def ring_kw(n) -> dict:
     return {"chunking": '"contiguous"'} if is_ring(n) and not n.attr("chunking") else {}
 
 
+def balanced_of(program):
+    """``(mesh axis index, n)`` of a program with balanced chunking, or None (as
+    parcomp/passes/cp_balance.py's: backends read only the program)."""
+    for n in program.nodes:
+        if n.op == "sdpa" and n.attr("chunking") == "balanced":
+            return program.mesh.axis_index(n.attr("cp_axis")), n.attr("cp_size")
+    return None
+
+
 def ring_sections(program) -> list:
-    """``[the ring runtime section]`` if ``program`` has a ring node, else ``[]``."""
-    return [sections("program_ring")["ring"]] if any(is_ring(n) for n in program.nodes) else []
+    """The ``ring`` runtime section if ``program`` has a ring node, the ``balanced`` one if it
+    has balanced chunking."""
+    got = sections("program_ring")
+    return ([got["ring"]] if any(is_ring(n) for n in program.nodes) else []) + \
+        ([got["balanced"]] if balanced_of(program) else [])
+
+
+def balance_src(program, node, src: str) -> str:
+    """The load expression of source ``node`` (full tensor ``src``) under balanced chunking: an
+    input split over the axis, or a constant position table (``balanced_dims``), in storage order."""
+    got = balanced_of(program)
+    if got is None:
+        return src
+    if node.op == "param" and node.attr("balanced"):
+        return f"balance_rows(whole({src}), {tuple(node.attr('balanced_dims'))!r}, {got[1]})"
+    dim = getattr(node.layout[got[0]], "dim", None) if node.op == "input" else None
+    return src if dim is None else f"balance_rows({src}, ({dim},), {got[1]})"
 
 
 def ring_axes(graph) -> set:

@@ -108,3 +108,27 @@ def ring_sdpa_grad(dy, q, k, v, scale, causal, axis, chunking, wrt):
             part = ring_shift([part], axis)[0]
     return dq if wrt == "q" else part
 # <<< program.py
+
+
+# >>> program.py: balanced
+def balance_order(n, length):
+    """Natural positions of storage rows 0 .. length-1 under balanced chunking over n ranks:
+    rank c holds chunks c and 2n-1-c of the 2n (parcomp/passes/cp_balance.py)."""
+    h = length // (2 * n)
+    return torch.cat([torch.cat([torch.arange(h) + c * h, torch.arange(h) + (2 * n - 1 - c) * h])
+                      for c in range(n)])
+
+
+def balance_rows(x, dims, n):
+    """``x`` (natural order along each of ``dims``) in balanced storage order."""
+    for d in dims:
+        x = x.index_select(d, balance_order(n, x.shape[d]).to(x.device))
+    return x
+
+
+def balanced_keep(lq, lk, start, n):
+    """[lq, lk] causal mask by global positions: this rank's query rows (storage rows start ..
+    start+lq-1) against the whole K in storage order."""
+    order = balance_order(n, lk).to(DEVICE)
+    return order[None, :] <= order[start:start + lq][:, None]
+# <<< program.py

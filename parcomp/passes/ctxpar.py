@@ -30,6 +30,7 @@ from dataclasses import replace
 from ..errors import SpecError
 from ..ir.graph import Graph, Node, make_attrs
 from ..ir.names import NameGen
+from .cp_balance import mark_balanced
 from ..ir.types import Replicate, Shard, divisibility_problem, shard_axes
 
 SEQ = 2  # the sequence dim of sdpa's [batch, heads, seq, head_dim]
@@ -65,7 +66,11 @@ def pin_context_parallel(graph: Graph, spec) -> Graph:
                 raise SpecError(f"context-parallel over {cp.axis}: sdpa %{n.name} {what} {ty} "
                                 f"(module {n.source or '?'}): {problem}", cp.loc)
     where = f"the spec's context-parallel at {cp.loc.file.rsplit('/', 1)[-1]}:{cp.loc.line}"
-    return _pin_all(graph, {n.name for n in sdpas}, lay, cp, where)
+    graph = _pin_all(graph, {n.name for n in sdpas}, lay, cp, where)
+    if cp.chunking == "balanced":  # load-balanced causal chunking (issue 14): passes/cp_balance.py
+        graph = graph.with_nodes(mark_balanced(graph, cp, {graph[n.inputs[0]].type.shape[SEQ] for n in sdpas}),
+                                 graph.outputs)
+    return graph
 
 
 def cp_marks(cp) -> dict:

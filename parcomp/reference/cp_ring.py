@@ -45,6 +45,12 @@ def positions(chunking: str, n: int, coord: int, rows: int) -> np.ndarray:
     return np.concatenate([coord * h + np.arange(h), (2 * n - 1 - coord) * h + np.arange(h)])
 
 
+def storage_order(n: int, length: int) -> np.ndarray:
+    """Natural positions of storage rows ``0 .. length-1`` under balanced chunking over ``n``
+    (rank-major: rank 0's chunks, then rank 1's, ...; parcomp/passes/cp_balance.py)."""
+    return np.concatenate([positions("balanced", n, c, length // n) for c in range(n)])
+
+
 def _shift(bufs):
     """One ring step: coordinate c receives what c - 1 held."""
     return [bufs[(c - 1) % len(bufs)] for c in range(len(bufs))]

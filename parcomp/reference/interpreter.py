@@ -21,6 +21,7 @@ from ..redistribute import Step, step_bytes
 from .numpy_attn import source_array
 from .moe_ops import ragged_all_to_all
 from .cp_ring import is_ring, run_ring
+from ..passes.cp_balance import feed as cp_feed, output as cp_output
 from .numpy_ops import NUMPY_OPS
 from .ranked import at_rank
 
@@ -139,8 +140,8 @@ class SPMDRun:
         for public, value in program.named_outputs():
             node = program[value]
             gshape = _global_shape(program, value)
-            out[public] = assemble([e[value] for e in self.env], node.layout, gshape,
-                                   program.mesh, node.type.dtype)
+            out[public] = cp_output(program, value, assemble([e[value] for e in self.env], node.layout,
+                                                             gshape, program.mesh, node.type.dtype))
         return out
 
 
@@ -170,6 +171,7 @@ def run_spmd(program: Graph, feeds: dict, partial_rng=None) -> SPMDRun:
         run.ops.append(n.name)
         if n.op in ("input", "param"):
             full = np.asarray(source_array(n, feeds[n.name]), dtype=n.type.dtype)  # fused views: issue 17
+            full = cp_feed(program, n, full)  # balanced chunking (issue 14): storage order
             for r, local in enumerate(split_for_ranks(full, n.layout, mesh, partial_rng)):
                 live[r][n.name] = local
         elif n.op in _LAYOUT_OPS:

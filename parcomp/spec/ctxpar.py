@@ -25,6 +25,7 @@ from ..errors import SourceLoc
 #: lowerings built, and those named but not built yet (a located error)
 LOWERINGS = ("all_gather", "ring")
 NOT_BUILT = ("ulysses", "load_balanced")
+CHUNKINGS = ("contiguous", "balanced")  # issue 14
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class ContextParallel:
     axis: str
     lowering: str
     loc: SourceLoc
+    chunking: str = "contiguous"  # or "balanced" (issue 14): parcomp/passes/cp_balance.py
 
 
 def make_context_parallel(builder, tok, payload) -> ContextParallel:
@@ -52,10 +54,10 @@ def make_context_parallel(builder, tok, payload) -> ContextParallel:
     else:
         raise builder.err(tok, f"context-parallel: which mesh axis splits the sequence? the mesh "
                                f"has no 'cp' axis ({builder.axes_text()}); say 'context-parallel over AXIS'")
-    lowering = LOWERINGS[0]
+    lowering, chunking = LOWERINGS[0], "contiguous"
     for key, val in options:
         if str(key) == "chunking":  # load-balanced causal chunking (issue 14)
-            _chunking(builder, key, val)
+            chunking = _chunking(builder, key, val)
             continue
         if str(key) != "lowering":
             raise builder.err(key, f"context-parallel has no option {str(key)!r}; its only option is "
@@ -67,21 +69,17 @@ def make_context_parallel(builder, tok, payload) -> ContextParallel:
             raise builder.err(key, f"context-parallel lowering={val!r} is not a lowering; choose one "
                                    f"of: {', '.join(LOWERINGS)}")
         lowering = val
-    return ContextParallel(axis, lowering, builder.loc(tok))
+    return ContextParallel(axis, lowering, builder.loc(tok), chunking)
 
 
-def _chunking(builder, key, val) -> None:
-    """``chunking=contiguous`` (rank r holds rows r*L .. r*L+L-1, the only placement built).
+def _chunking(builder, key, val) -> str:
+    """``contiguous`` (rank r holds rows r*L .. r*L+L-1) or ``balanced`` (the sequence cut into
+    2cp chunks, rank r holds chunks r and 2cp-1-r: parcomp/passes/cp_balance.py).
 
     Raises:
-        SpecError: at the option, for ``balanced`` (not built yet: the ring kernel computes its
-            mask from balanced positions, parcomp/reference/cp_ring.py, but no layout, loader or
-            output assembly places chunks r and 2cp-1-r on rank r) and for any other value.
+        SpecError: at the option, for any other value.
     """
-    if val == "balanced":
-        raise builder.err(key, "context-parallel chunking=balanced is not built yet: the ring "
-                               "attention kernel takes balanced positions, but no loader or layout "
-                               "places chunks r and 2cp-1-r on rank r; built: chunking=contiguous")
-    if val != "contiguous":
-        raise builder.err(key, f"context-parallel chunking={val!r} is not a chunking; choose "
-                               "contiguous (balanced: not built yet)")
+    if val not in CHUNKINGS:
+        raise builder.err(key, f"context-parallel chunking={val!r} is not a chunking; choose one of: "
+                               f"{', '.join(CHUNKINGS)}")
+    return val
