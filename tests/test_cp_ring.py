@@ -25,13 +25,14 @@ from test_context_parallel import EXACT, _attn
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MODEL = f"{ROOT / 'specs' / 'models.py'}:causal_attention"
 CANONICAL = ROOT / "specs" / "attention_cp2_ring_train.pcs"
+BALANCED = ROOT / "specs" / "attention_cp2_ring_balanced_train.pcs"
 TRAIN = "train loss=mse optimizer=sgd(lr=0.1)\n"
 
 
-def _ring_spec(cp=2, dp=False, train=TRAIN):
+def _ring_spec(cp=2, dp=False, train=TRAIN, lowering="ring", chunking="contiguous"):
     mesh, io = ((f"dp=2 cp={cp}", "input x [S(0), S(2)]\noutput output [S(0), S(2)]\n") if dp else
                 (f"cp={cp}", "input x split-seq\noutput output split-seq\n"))
-    return spec(f"mesh {mesh}\ncontext-parallel lowering=ring\n{io}{train}")
+    return spec(f"mesh {mesh}\ncontext-parallel lowering={lowering} chunking={chunking}\n{io}{train}")
 
 
 def test_statement_takes_the_ring_lowering_and_marks_the_axis():
@@ -44,15 +45,20 @@ def test_statement_takes_the_ring_lowering_and_marks_the_axis():
     assert all(str(c.program[i].layout[0]) == "S(2)" for n in rings for i in n.inputs)
 
 
-@pytest.mark.parametrize("text,col,match", [
-    ("context-parallel lowering=ring chunking=balanced\n", 32, "chunking=balanced is not built yet"),
-    ("context-parallel chunking=zigzag\n", 18, "'zigzag' is not a chunking"),
-])
-def test_chunking_other_than_contiguous_is_a_located_error(text, col, match):
-    assert spec("mesh cp=2\ncontext-parallel chunking=contiguous\n").context_parallel.lowering == "all_gather"
-    with pytest.raises(SpecError, match=match) as e:
-        spec("mesh cp=2\n" + text)
-    assert (e.value.loc.line, e.value.loc.col) == (2, col)
+def test_chunking_option_and_its_located_errors():
+    assert spec("mesh cp=2\ncontext-parallel\n").context_parallel.chunking == "contiguous"
+    assert spec("mesh cp=2\ncontext-parallel lowering=ring chunking=balanced\n").context_parallel.chunking == "balanced"
+    with pytest.raises(SpecError, match="'zigzag' is not a chunking") as e:
+        spec("mesh cp=2\ncontext-parallel chunking=zigzag\n")
+    assert (e.value.loc.line, e.value.loc.col) == (2, 18)
+    bal = "context-parallel lowering=ring chunking=balanced\ninput * split-seq\n"
+    with pytest.raises(SpecError, match="a sequence of 6 does not cut into 4 equal chunks") as e:
+        compile_graph(parse_graph(_attn(6)), spec("mesh cp=2\n" + bal))
+    assert e.value.loc.line == 2
+    # an input as long as the sequence but not split would be fed in natural order
+    with pytest.raises(SpecError, match="input x .* not split over cp") as e:
+        compile_graph(parse_graph(_attn(8)), spec("mesh cp=2\ncontext-parallel chunking=balanced\n"))
+    assert e.value.loc.line == 2
 
 
 # ---- exact small case: a rank's queries need another rank's keys ----------------------------
@@ -75,6 +81,21 @@ def test_ring_rows_see_other_ranks_keys_exactly(cp):
     recs = c.report["collectives"]
     assert [(r["kind"], r["axis"]) for r in recs] == [("send_recv", "cp")]  # K/V around the ring only
     assert recs[0]["bytes"] == (cp - 1) * 2 * 4 * per  # cp - 1 shifts of one K and one V block
+
+
+@pytest.mark.parametrize("lowering", ["ring", "all_gather"])
+def test_balanced_rank_zero_rows_need_rank_one_keys_exactly(lowering):
+    """Balanced chunks of 1 row on cp=2: rank 0 holds positions 0 and 3, rank 1 positions 1 and 2.
+    q = 0, so position 3's output is the mean of v[0..3] = 2.5, two of those keys (1, 2) being
+    rank 1's; the assembled output is back in natural order."""
+    c = compile_graph(parse_graph(EXACT), spec(f"mesh cp=2\ncontext-parallel lowering={lowering} "
+                                               "chunking=balanced\ninput * split-seq\noutput output split-seq\n"))
+    feeds = {"q": np.zeros((1, 1, 4, 1), np.float32), "k": np.zeros((1, 1, 4, 1), np.float32),
+             "v": np.arange(1, 5, dtype=np.float32).reshape(1, 1, 4, 1)}
+    run = run_spmd(c.program, feeds)
+    np.testing.assert_array_equal(run.outputs(c.program)["output"].reshape(-1), [1.0, 1.5, 2.0, 2.5])
+    np.testing.assert_array_equal(run.env[0][c.program.outputs[0]].reshape(-1), [1.0, 2.5])
+    np.testing.assert_array_equal(run.env[1][c.program.outputs[0]].reshape(-1), [1.5, 2.0])
 
 
 def test_contiguous_causal_skips_later_blocks_and_balanced_evens_the_work():
@@ -130,13 +151,15 @@ def test_ring_kernel_equals_unsharded_attention(cp, half, chunking, causal, seed
 
 # ---- compiled programs equal to unsharded, forward and backward ------------------------------
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(cp=st.sampled_from([2, 4]), blocks=st.integers(1, 3), batch=st.integers(1, 2),
-       dp=st.booleans(), seed=st.integers(0, 10_000))
-def test_ring_training_equals_unsharded(cp, blocks, batch, dp, seed):
-    """Sequence cp x blocks, with and without dp splitting the batch: loss, every gradient and
-    every updated weight; the only cp traffic of attention is the ring's send_recv."""
-    c = compile_graph(parse_graph(_attn(cp * blocks, 2 if dp else batch)), _ring_spec(cp, dp))
+       dp=st.booleans(), chunking=st.sampled_from(["contiguous", "balanced"]), seed=st.integers(0, 10_000))
+def test_ring_training_equals_unsharded(cp, blocks, batch, dp, chunking, seed):
+    """Sequence cp x blocks (balanced: 2 cp x blocks, two chunks per rank), with and without dp
+    splitting the batch: loss, every gradient (x.grad back in natural order) and every updated
+    weight; the only cp traffic of attention is the ring's send_recv."""
+    seq = cp * blocks * (2 if chunking == "balanced" else 1)
+    c = compile_graph(parse_graph(_attn(seq, 2 if dp else batch)), _ring_spec(cp, dp, chunking=chunking))
     kinds = {(r["kind"], r["phase"]) for r in c.report["collectives"] if r["axis"] == "cp"}
     assert {("send_recv", "forward"), ("send_recv", "backward")} <= kinds
     assert ("reduce_scatter", "backward") not in kinds
@@ -151,6 +174,19 @@ def test_ring_training_equals_unsharded(cp, blocks, batch, dp, seed):
     assert sorted(ran.values()) == sorted([cp - 1, 2 * (cp - 1), 3 * cp - 2, 3 * cp - 2])
 
 
+@settings(max_examples=8, deadline=None)
+@given(cp=st.sampled_from([2, 4]), blocks=st.integers(1, 2), dp=st.booleans(), seed=st.integers(0, 10_000))
+def test_all_gather_with_balanced_chunking_trains_like_unsharded(cp, blocks, dp, seed):
+    """The all_gather lowering on balanced chunks: K/V gathered in storage order, each rank's mask
+    by the global positions of its rows and of every gathered key."""
+    c = compile_graph(parse_graph(_attn(2 * cp * blocks, 2)), _ring_spec(cp, dp, lowering="all_gather",
+                                                                       chunking="balanced"))
+    assert ("all_gather", "forward") in {(r["kind"], r["phase"]) for r in c.report["collectives"]}
+    feeds = random_feeds(c.logical, seed)
+    run = run_spmd(c.program, feeds)
+    assert_all_equivalent(run.outputs(c.program), run_unsharded(c.logical, feeds), output_bounds(c.logical, feeds))
+
+
 def _check(tmp_path, capsys, spec_text):
     path = tmp_path / "s.pcs"
     path.write_text(spec_text)
@@ -158,13 +194,18 @@ def _check(tmp_path, capsys, spec_text):
     return rc, json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("cp", [2, 4])
-def test_llama_attention_ring_equals_unsharded_forward_and_backward(tmp_path, capsys, cp):
-    """transformers' LlamaAttention (RoPE from global positions, GQA) with the ring over cp."""
-    fwd = f"mesh cp={cp}\ncontext-parallel lowering=ring\ninput x split-seq\noutput output split-seq\n"
+@pytest.mark.parametrize("cp,lowering,chunking", [(2, "ring", "contiguous"), (4, "ring", "contiguous"),
+                                                  (2, "ring", "balanced"), (4, "ring", "balanced"),
+                                                  (2, "all_gather", "balanced"), (4, "all_gather", "balanced")])
+def test_llama_attention_cp_equals_unsharded_forward_and_backward(tmp_path, capsys, cp, lowering, chunking):
+    """transformers' LlamaAttention (RoPE tables from global positions, GQA): the ring over cp, and
+    balanced chunking (the folded RoPE tables fed in storage order) with either lowering."""
+    fwd = (f"mesh cp={cp}\ncontext-parallel lowering={lowering} chunking={chunking}\n"
+           "input x split-seq\noutput output split-seq\n")
     rc, out = _check(tmp_path, capsys, fwd)
     assert rc == 0 and out["ok"] and out["err_over_tol"] <= 1, out
-    assert [c["kind"] for c in out["collectives"]] == ["send_recv"]  # no all_gather of K/V
+    if lowering == "ring":
+        assert [c["kind"] for c in out["collectives"]] == ["send_recv"]  # no all_gather of K/V
     rc, out = _check(tmp_path, capsys, fwd + TRAIN)
     assert rc == 0 and out["ok"] and out["err_over_tol"] <= 1 and out["max_grad_err"] is not None, out
 
@@ -200,8 +241,22 @@ def test_program_calls_the_ring_and_comments_each_pass(tmp_path):
             assert "send_recv over cp" in above and "bytes/rank" in above, above
 
 
+def test_balanced_program_loads_in_storage_order_and_masks_by_position(tmp_path):
+    out = tmp_path / "out"
+    assert main(["compile", MODEL, "--spec", str(BALANCED), "-o", str(out)]) == 0
+    text = (out / "program.py").read_text()
+    assert 'balance_rows(take(feeds, "x", (2, 16, 32), torch.float32), (1,), 2).narrow(1, COORD[0] * 8, 8)' in text
+    assert 'balance_rows(whole(take(ckpt, "rope.cos", (1, 1, 16, 8), torch.float32)), (2,), 2)' in text
+    assert text.count('"cp", "balanced"') == 4  # ring_sdpa and its three gradients
+    ag = tmp_path / "ag.pcs"
+    ag.write_text(BALANCED.read_text().replace("lowering=ring", "lowering=all_gather"))
+    assert main(["compile", MODEL, "--spec", str(ag), "-o", str(tmp_path / "ag")]) == 0
+    assert (tmp_path / "ag" / "program.py").read_text().count("attn_mask=balanced_keep(8, 16, COORD[0] * 8, 2)") == 4
+
+
 @pytest.mark.slow
-def test_canonical_ring_spec_runs_on_two_gloo_ranks_like_unsharded(capsys):
-    rc = main(["run", MODEL, "--spec", str(CANONICAL), "--nproc", "2", "--json"])
+@pytest.mark.parametrize("path", [CANONICAL, BALANCED], ids=["contiguous", "balanced"])
+def test_ring_specs_run_on_two_gloo_ranks_like_unsharded(capsys, path):
+    rc = main(["run", MODEL, "--spec", str(path), "--nproc", "2", "--json"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and out["ok"] and out["err_over_tol"] <= 1, out
