@@ -9,12 +9,14 @@ The program keeps the usual contiguous ``S(seq)`` layouts but runs on the sequen
 order**: storage row ``j`` holds natural position ``order[j]`` (:func:`storage_order`, rank-major:
 rank 0's chunks, then rank 1's, ...). So that nothing changes meaning:
 
-- every model **input** split along a dim over the CP axis is fed in storage order
-  (:func:`to_storage`: the interpreter's feeds, program.py's ``load_inputs``), and every **output**
-  split along a dim over that axis is put back in natural order when assembled
-  (:func:`from_storage`: ``SPMDRun.outputs``, ``parcomp run``'s assembly);
-- position tables: every ``arange`` as long as the sequence produces the storage order of
-  positions (RoPE angles from global positions), ``balanced=n`` on the node;
+- every model **input** split along a dim over the CP axis (the training label too) is fed in
+  storage order (:func:`feed`: the interpreter's feeds; program.py's ``load_inputs``), and every
+  **output** split along a dim over that axis is put back in natural order when assembled
+  (:func:`output`: ``SPMDRun.outputs``, ``parcomp run``'s assembly);
+- position tables: a constant (non-trainable) param with a dim of the sequence's length (the
+  frontend's folded RoPE cos/sin) is fed in storage order along those dims (``balanced_dims``),
+  and every ``arange`` as long as the sequence produces positions in storage order
+  (``balanced=n``): RoPE angles from global positions;
 - every sdpa gets ``chunking=balanced, cp_size=n``: the ring kernel's mask and the all_gather
   form's mask (``parcomp/reference/cp_ops.py``) compare global positions, not storage rows.
 

@@ -12,6 +12,9 @@ the mesh has it, else the only axis) and how attention is lowered across it:
   merge; backward with each step's own block, dK/dV returned to their owners
   (``parcomp/reference/cp_ring.py``).
 
+``chunking=balanced`` (rank r holds chunks r and 2cp-1-r of 2cp) works with both lowerings
+(``parcomp/passes/cp_balance.py``).
+
 ``ulysses`` (all_to_all sequence split <-> heads split) is named here so that a spec asking for
 it gets a located error saying it is not built yet, never a silent other lowering.
 Every error is a :class:`~parcomp.errors.SpecError` at the statement or at the option.
@@ -60,8 +63,8 @@ def make_context_parallel(builder, tok, payload) -> ContextParallel:
             chunking = _chunking(builder, key, val)
             continue
         if str(key) != "lowering":
-            raise builder.err(key, f"context-parallel has no option {str(key)!r}; its only option is "
-                                   f"lowering= ({', '.join(LOWERINGS)})")
+            raise builder.err(key, f"context-parallel has no option {str(key)!r}; its options are "
+                                   f"lowering= ({', '.join(LOWERINGS)}) and chunking= ({', '.join(CHUNKINGS)})")
         if val in NOT_BUILT:
             raise builder.err(key, f"context-parallel lowering={val} is not built yet; built: "
                                    f"{', '.join(LOWERINGS)}")
