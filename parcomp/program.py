@@ -202,7 +202,7 @@ def _collectives(sharded, local, prov) -> tuple:
     users, outs = sharded.users(), {v: p for p, v in sharded.named_outputs()}
     recs, bucketed = [], set()
     for n in sharded.nodes:
-        recs += ring_records(sharded, local, n, prov)  # ring attention's send/recv (issue 14)
+        recs += [Collective(**r, provenance=prov[n.name]) for r in ring_records(sharded, local, n)]  # issue 14
         if n.op not in COLLECTIVES:
             continue
         bucket = bucketed_members(local, n.name)  # norms part (issue 17): passes/bucket.py

@@ -168,7 +168,7 @@ def test_ring_training_equals_unsharded(cp, blocks, batch, dp, chunking, seed):
     assert_all_equivalent(run.outputs(c.program), run_unsharded(c.logical, feeds), output_bounds(c.logical, feeds))
     # the shifts the simulation did are the ones the report lists (forward cp-1; per gradient
     # 2 (cp-1) of K/V, and cp of dK or dV home)
-    ran = {r["name"]: sum(r["shifts"].values()) for r in run.log if r["kind"] == "send_recv"}
+    ran = {r["name"]: sum(r["shifts"].values()) for r in run.p2p}
     assert ran == {n.name: sum(k for _, k, _ in cp_ring.ring_steps(n, cp))
                    for n in c.program.nodes if cp_ring.is_ring(n)}
     assert sorted(ran.values()) == sorted([cp - 1, 2 * (cp - 1), 3 * cp - 2, 3 * cp - 2])

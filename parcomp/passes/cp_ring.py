@@ -2,7 +2,7 @@
 
 A ring-marked ``sdpa`` / ``sdpa_grad`` (``parcomp/passes/ctxpar.py``) communicates inside the op:
 no collective of the layout search carries its K/V. So that the report, program.py's header and
-its comments still account for every byte, :func:`ring_records` gives one
+its comments still account for every byte, :func:`ring_records` gives the fields of one
 :class:`parcomp.program.Collective` of kind ``send_recv`` per ring pass of the node (what moves,
 how many shifts, why: :func:`parcomp.reference.cp_ring.ring_steps`), named ``NODE.ring<i>``.
 Bytes are per rank: every shift sends one block (and receives one) per tensor that moves.
@@ -23,12 +23,10 @@ def _moved_bytes(local, node, what: str) -> int:
     return (k if what == "dk" else v).type.nbytes
 
 
-def ring_records(sharded, local, node, prov) -> list:
-    """The ``send_recv`` :class:`~parcomp.program.Collective` records of ring node ``node``
-    (``[]`` for any other node). ``sharded`` / ``local``: the global and per-rank graphs;
-    ``prov``: ``{value: Provenance}``."""
-    from ..program import Collective
-
+def ring_records(sharded, local, node) -> list:
+    """The fields (a dict each, all but ``provenance``) of the ``send_recv``
+    :class:`~parcomp.program.Collective` records of ring node ``node`` (``[]`` for any other
+    node). ``sharded`` / ``local``: the global and per-rank graphs."""
     if not is_ring(node):
         return []
     mesh, axis = sharded.mesh, node.attr("cp_axis")
@@ -40,8 +38,9 @@ def ring_records(sharded, local, node, prov) -> list:
         why = (f"{reason}; %{node.name} ({node.op}{'' if node.op == 'sdpa' else ' ' + node.attr('wrt')}), "
                f"{count} shift{'s' if count != 1 else ''} of {what} to coordinate c+1, "
                f"{moved} bytes each")
-        out.append(Collective(
-            f"{node.name}.ring{i}", KIND, axis, 2, k.type.dtype, tuple(k.type.shape),
-            layout_str(sharded[node.inputs[-2]].layout), layout_str(sharded[node.inputs[-2]].layout),
-            count * moved, node.phase, node.name, (f"{node.op} %{node.name}",), why, prov[node.name]))
+        lay = layout_str(sharded[node.inputs[-2]].layout)
+        out.append({"name": f"{node.name}.ring{i}", "kind": KIND, "axis": axis, "dim": 2,
+                    "dtype": k.type.dtype, "local_shape": tuple(k.type.shape), "src_layout": lay,
+                    "dst_layout": lay, "bytes": count * moved, "phase": node.phase,
+                    "producer": node.name, "consumers": (f"{node.op} %{node.name}",), "reason": why})
     return out

@@ -127,10 +127,12 @@ def assemble(locals_by_rank, layout, global_shape, mesh, dtype="float32") -> np.
 @dataclass
 class SPMDRun:
     """Result of :func:`run_spmd`: per-rank values, the collective log, the executed op
-    sequence (node names, in order) and each rank's peak live bytes."""
+    sequence (node names, in order), each rank's peak live bytes, and the point-to-point
+    shifts of ring attention nodes (``p2p``, issue 14: parcomp/reference/cp_ring.py)."""
 
     env: list
     log: list = field(default_factory=list)
+    p2p: list = field(default_factory=list)
     ops: list = field(default_factory=list)
     peak_bytes: list = field(default_factory=list)
 
@@ -177,7 +179,7 @@ def run_spmd(program: Graph, feeds: dict, partial_rng=None) -> SPMDRun:
         elif n.op in _LAYOUT_OPS:
             _layout_op(program, n, run, live)
         elif is_ring(n):  # context parallel ring attention (issue 14): K/V blocks around the ring
-            run.log.append(run_ring(program, n, live))
+            run.p2p.append(run_ring(program, n, live))
         else:
             for r in ranks:  # at_rank: where this rank's block lies (ranked.py)
                 live[r][n.name] = NUMPY_OPS[n.op]([live[r][i] for i in n.inputs], at_rank(program, n, r))
