@@ -20,7 +20,7 @@ from .ir.graph import PHASES, Graph
 from .ir.ops import COLLECTIVES
 from .ir.types import Shard, TensorType, layout_str
 from .passes.bucket import bucketed_members
-from .passes.cp_balance import output as cp_output
+from .passes.cp_balance import outputs as cp_outputs
 from .passes.cp_ring import ring_records
 from .passes.placement import format_placement, placement_table
 from .passes.topology import axis_groups, group_ranks, joint_groups
@@ -31,7 +31,7 @@ from .report import plural
 
 __all__ = ["Program", "Collective", "Provenance", "TrainLoop", "build_program", "PHASES",
            "ParcompError", "MAX_STEPS", "axis_groups", "group_ranks", "assemble", "plural",
-           "placement_table", "format_placement", "cp_output"]
+           "placement_table", "format_placement", "cp_outputs"]
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import uuid
 import numpy as np
 
 from parcomp.ir.types import Replicate, layout_str
-from parcomp.program import assemble, cp_output
+from parcomp.program import assemble, cp_outputs
 
 from .emit import emit_program
 
@@ -319,9 +319,9 @@ def assemble_outputs(output_path, program) -> dict:
         node = program[v]
         dtype = "float32" if node.type.dtype == "bfloat16" else node.type.dtype
         gshape = tuple(per_rank[0]["global_shapes"][pub])
-        result[pub] = cp_output(program, v, assemble([_numpy(d["outputs"][pub]) for d in per_rank],
-                                                     node.layout, gshape, mesh, dtype))  # issue 14
-    return result
+        result[pub] = assemble([_numpy(d["outputs"][pub]) for d in per_rank], node.layout, gshape,
+                               mesh, dtype)
+    return cp_outputs(program, result)  # balanced chunking (issue 14): natural order
 
 
 def read_losses(output_path) -> list:

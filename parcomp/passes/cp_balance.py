@@ -77,11 +77,18 @@ def feed(program, node, full):
     return full if dim is None else to_storage(full, dim, got[1])
 
 
-def output(program, value, full):
-    """Assembled output ``full`` of ``value`` back in natural order (split over the balanced axis)."""
+def outputs(program, full: dict) -> dict:
+    """``{public name: assembled array}`` with every output split over the balanced axis back in
+    natural order (unchanged without balanced chunking)."""
     got = balanced_of(program)
-    dim = split_dim(program[value].layout, got[0]) if got else None
-    return full if dim is None else from_storage(full, dim, got[1])
+    if got is None:
+        return full
+    out = dict(full)
+    for public, value in program.named_outputs():
+        dim = split_dim(program[value].layout, got[0])
+        if dim is not None and public in out:
+            out[public] = from_storage(out[public], dim, got[1])
+    return out
 
 
 def mark_balanced(graph, cp, seqs) -> list:

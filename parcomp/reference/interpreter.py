@@ -21,7 +21,7 @@ from ..redistribute import Step, step_bytes
 from .numpy_attn import source_array
 from .moe_ops import ragged_all_to_all
 from .cp_ring import is_ring, run_ring
-from ..passes.cp_balance import feed as cp_feed, output as cp_output
+from ..passes.cp_balance import feed as cp_feed, outputs as cp_outputs
 from .numpy_ops import NUMPY_OPS
 from .ranked import at_rank
 
@@ -142,9 +142,9 @@ class SPMDRun:
         for public, value in program.named_outputs():
             node = program[value]
             gshape = _global_shape(program, value)
-            out[public] = cp_output(program, value, assemble([e[value] for e in self.env], node.layout,
-                                                             gshape, program.mesh, node.type.dtype))
-        return out
+            out[public] = assemble([e[value] for e in self.env], node.layout, gshape,
+                                   program.mesh, node.type.dtype)
+        return cp_outputs(program, out)  # balanced chunking (issue 14): natural order
 
 
 def _global_shape(program, value):
