@@ -98,6 +98,26 @@ def test_balanced_rank_zero_rows_need_rank_one_keys_exactly(lowering):
     np.testing.assert_array_equal(run.env[1][c.program.outputs[0]].reshape(-1), [1.5, 2.0])
 
 
+def test_program_outputs_of_balanced_chunks_assemble_in_natural_order(tmp_path):
+    """What each rank of program.py writes (its storage-order slice) is put back in natural order
+    by ``parcomp run``'s assembly, as by the interpreter's."""
+    import torch
+    from parcomp.ir.types import layout_str
+    from parcomp_backends.torch.launch import assemble_outputs, rank_path
+
+    c = compile_graph(parse_graph(EXACT), spec("mesh cp=2\ncontext-parallel lowering=ring chunking=balanced\n"
+                                               "input * split-seq\noutput output split-seq\n"))
+    feeds = {"q": np.zeros((1, 1, 4, 1), np.float32), "k": np.zeros((1, 1, 4, 1), np.float32),
+             "v": np.arange(1, 5, dtype=np.float32).reshape(1, 1, 4, 1)}
+    run, value = run_spmd(c.program, feeds), c.program.outputs[0]
+    path = tmp_path / "out.pt"
+    for r in range(2):
+        torch.save({"rank": r, "layouts": {"output": layout_str(c.program[value].layout)},
+                    "global_shapes": {"output": [1, 1, 4, 1]},
+                    "outputs": {"output": torch.from_numpy(run.env[r][value])}}, rank_path(path, r))
+    np.testing.assert_array_equal(assemble_outputs(path, c.program)["output"].reshape(-1), [1.0, 1.5, 2.0, 2.5])
+
+
 def test_contiguous_causal_skips_later_blocks_and_balanced_evens_the_work():
     """Work per rank (query-key pairs computed) for seq 16 on cp=4: contiguous chunks give rank c
     c + 1 blocks (the others are fully masked and skipped); balanced chunks (c and 7 - c) give every

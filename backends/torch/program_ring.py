@@ -6,12 +6,10 @@ Blocks move by point-to-point ``isend`` / ``irecv`` (``torch.distributed.batch_i
 gloo and NCCL alike): coordinate c of the axis's group sends to c+1 and receives from c-1.
 """
 # flake8: noqa: E402
-import math
-
 import torch
 import torch.distributed as dist
 
-GROUPS, MESH, GROUP_RANKS, RANK = {}, {}, {}, 0  # stand-ins: program_common's
+GROUPS, GROUP_RANKS, RANK, DEVICE = {}, {}, 0, torch.device("cpu")  # stand-ins: program_common's
 
 
 # >>> program.py: ring
