@@ -207,6 +207,36 @@ def test_all_gather_with_balanced_chunking_trains_like_unsharded(cp, blocks, dp,
     assert_all_equivalent(run.outputs(c.program), run_unsharded(c.logical, feeds), output_bounds(c.logical, feeds))
 
 
+POSITIONS = """\
+%x: f32[1,1,8,4] = input()
+%wq: f32[4,4] = param()
+%q: f32[1,1,8,4] = matmul(%x, %wq)
+%pos: f32[8] = arange()
+%c: f32[8] = cos(%pos)
+%cr: f32[1,1,8] = reshape(%c)
+%ce: f32[1,1,8,4] = expand(%cr) {dims=(3,)}
+%qr: f32[1,1,8,4] = mul(%q, %ce)
+%o: f32[1,1,8,4] = sdpa(%qr, %x, %x) {causal=true, scale=0.5}
+return %o as output
+"""
+
+
+@pytest.mark.parametrize("lowering", ["ring", "all_gather"])
+def test_balanced_positions_from_arange_are_global(tmp_path, lowering):
+    """A position table computed in the program (``arange`` -> cos, as RoPE computes its angles):
+    under balanced chunking the arange yields storage-order positions, so each rank's rows get
+    the angles of their global positions (natural-order positions fail this)."""
+    s = _ring_spec(2, lowering=lowering, chunking="balanced")
+    c = compile_graph(parse_graph(POSITIONS), s)
+    assert [dict(n.attrs).get("balanced") for n in c.program.nodes if n.op == "arange"] == [2]
+    feeds = random_feeds(c.logical, 1)
+    run = run_spmd(c.program, feeds)
+    assert_all_equivalent(run.outputs(c.program), run_unsharded(c.logical, feeds), output_bounds(c.logical, feeds))
+    from parcomp_backends.torch.emit import emit_program
+
+    assert "balance_rows(torch.arange((8,)[0]" in emit_program(c, "cpu")
+
+
 def _check(tmp_path, capsys, spec_text):
     path = tmp_path / "s.pcs"
     path.write_text(spec_text)
