@@ -20,6 +20,8 @@ from .ir.graph import PHASES, Graph
 from .ir.ops import COLLECTIVES
 from .ir.types import Shard, TensorType, layout_str
 from .passes.bucket import bucketed_members
+from .passes.cp_balance import outputs as cp_outputs
+from .passes.cp_ring import ring_records
 from .passes.placement import format_placement, placement_table
 from .passes.topology import axis_groups, group_ranks, joint_groups
 from .passes.train_config import MAX_STEPS, train_config
@@ -29,7 +31,7 @@ from .report import plural
 
 __all__ = ["Program", "Collective", "Provenance", "TrainLoop", "build_program", "PHASES",
            "ParcompError", "MAX_STEPS", "axis_groups", "group_ranks", "assemble", "plural",
-           "placement_table", "format_placement"]
+           "placement_table", "format_placement", "cp_outputs"]
 
 
 @dataclass(frozen=True)
@@ -200,6 +202,7 @@ def _collectives(sharded, local, prov) -> tuple:
     users, outs = sharded.users(), {v: p for p, v in sharded.named_outputs()}
     recs, bucketed = [], set()
     for n in sharded.nodes:
+        recs += [Collective(**r, provenance=prov[n.name]) for r in ring_records(sharded, local, n)]  # issue 14
         if n.op not in COLLECTIVES:
             continue
         bucket = bucketed_members(local, n.name)  # norms part (issue 17): passes/bucket.py

@@ -57,7 +57,7 @@ def test_statement_parses_axis_lowering_and_location():
     ("mesh dp=2 tp=2\ncontext-parallel\n", (2, 1), "no 'cp' axis"),
     ("mesh cp=2\ncontext-parallel\ncontext-parallel\n", (3, 1), "given twice"),
     ("mesh cp=2\ncontext-parallel chunks=2\n", (2, 18), "no option 'chunks'"),
-    ("mesh cp=2\ncontext-parallel lowering=ring\n", (2, 18), "lowering=ring is not built yet"),
+    ("mesh cp=2\ncontext-parallel lowering=load_balanced\n", (2, 18), "lowering=load_balanced is not built yet"),
     ("mesh cp=2\ncontext-parallel lowering=gather\n", (2, 18), "'gather' is not a lowering"),
 ])
 def test_statement_errors_are_located(text, where, match):

@@ -228,3 +228,10 @@ def test_explain_prints_the_table_and_marks_this_spec(capsys):
 def test_no_table_without_a_cp_or_sp_statement():
     c = compile_graph(parse_graph(_gqa(4, 2, 2)), spec("mesh cp=2\ninput * split-seq\noutput output split-seq\n"))
     assert "sp_vs_cp" not in c.report
+
+
+def test_all_to_all_with_balanced_chunking_is_a_located_error():
+    """Ulysses attends whole sequences per rank: a balanced chunking would be silently moot."""
+    with pytest.raises(SpecError, match="nothing to balance") as e:
+        spec("mesh cp=2\ncontext-parallel lowering=all_to_all chunking=balanced\n")
+    assert ":2:" in str(e.value)

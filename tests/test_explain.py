@@ -36,8 +36,7 @@ def _model(spec_name):
     factory = spec_name.split("_tp")[0].split("_dp")[0]
     if spec_name.startswith("moe_"):  # issue 14: specs/moe_ep2*_train.pcs
         factory = "moe_block"
-    if spec_name.startswith("attention_cp"):  # issue 14: specs/attention_cp2*_train.pcs
-        factory = "causal_attention"
+    factory = "causal_attention" if spec_name.startswith("attention_cp") else factory  # issue 14
     pytest.importorskip("torch")
     if factory == "gpt2_mlp":
         pytest.importorskip("transformers")

@@ -209,7 +209,10 @@ COMPUTE_OPS = sorted(set(OP_FORMATS) - set(LAYOUT_OPS) - {"relayout", "adamw_par
                      # issue 14 MoE: routing weights, int capacities and ragged sizes as operands;
                      # program.py runs them against the interpreter in tests/test_moe.py (torchrun)
                      - {"moe_route", "moe_route_grad", "moe_dispatch", "moe_combine", "moe_combine_grad_c",
-                        "all_to_all_ragged"})
+                        "all_to_all_ragged"}
+                     # issue 14 ring attention / balanced chunking: point-to-point inside the op, a
+                     # process group; program.py runs them in tests/test_cp_ring.py (torchrun)
+                     - {"sdpa_ring", "sdpa_grad_ring", "arange_balanced"})
 
 
 @pytest.mark.parametrize("case", sorted(set(OP_CASES) | set(COMPUTE_OPS)))

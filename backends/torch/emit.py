@@ -31,6 +31,8 @@ from parcomp.ir.types import DTYPE_SHORT, Partial, Replicate, layout_str, shard_
 from parcomp.program import MAX_STEPS, ParcompError, Program, TrainLoop, plural
 
 from .emit_cp import cp_kw  # context parallel (issue 14)
+from .emit_cp_ring import (HELPER_NAMES as RING_HELPERS, RING_FORMATS, balance_src, ring_comment, ring_key, ring_kw,
+                           ring_sections)
 from .emit_norms import HELPER_NAMES as NORM_HELPERS, NORM_FORMATS, norm_kw, runtime_sections
 from .emit_moe import HELPER_NAMES as MOE_HELPERS, MOE_DEFAULTS, MOE_FORMATS, moe_key, moe_sections  # issue 14
 from .emit_reduce import (ASYNC_REDUCE, HELPER_NAMES as REDUCE_HELPERS, IN_PLACE_REDUCE, REDUCE_FORMATS, reduce_key, reduce_kw,
@@ -113,6 +115,7 @@ OP_FORMATS = {
     **NORM_FORMATS,  # norms + embedding part (issue 17): backends/torch/emit_norms.py
     **REDUCE_FORMATS,  # reductions part (issue 17): backends/torch/emit_reduce.py
     **MOE_FORMATS,  # expert parallel MoE (issue 14): backends/torch/emit_moe.py
+    **RING_FORMATS,  # ring attention (issue 14): backends/torch/emit_cp_ring.py
 }
 # ``inplace=true``: the result is written into the first operand (torch.optim's own updates)
 IN_PLACE_FORMATS = {
@@ -146,6 +149,7 @@ RESERVED = (set(keyword.kwlist) | set(dir(builtins)) | _TOP_NAMES
                "PARAMS", "INPUTS", "OUTPUT_LAYOUTS", "OUTPUT_GLOBAL_SHAPES", "SHARDED_OUTPUT",
                "RUN_HINT", "load_params", "load_inputs", "forward", "STATE", "CARRIED", "STEP_INPUT",
                "TRAIN_STEPS", "MAX_STEPS", "train_step"} | set(NORM_HELPERS) | set(REDUCE_HELPERS) | set(MOE_HELPERS)
+            | set(RING_HELPERS)
             | set(CLUSTER_NAMES))
 
 
@@ -204,7 +208,7 @@ def emit_program(compiled, profile="cpu", model: str | None = None, steps: int |
     if model and model.endswith(".onnx"):
         runtime += "\n\n\n" + ONNX_READER
     parts = [_profile_block(prof), _constants(prog, train), runtime, *runtime_sections(program),
-             *reduce_sections(program), *moe_sections(program), *([FUNCTIONAL] if functional else []),
+             *reduce_sections(program), *moe_sections(program), *ring_sections(program), *([FUNCTIONAL] if functional else []),
              _loaders(prog, train), _forward(prog, names, train), TRAIN_MAIN if train else MAIN]
     head = _header(prog, model, train) + "\n" + IMPORTS
     return "\n\n\n".join(p.strip("\n") for p in [head] + parts) + "\n"
@@ -433,7 +437,7 @@ def _loaders(prog, train) -> str:
                 src = _view_of(f"take({arg}, {json.dumps(n.name)}, {tuple(n.attr('stored_shape'))!r}, "
                                f"{TORCH_DTYPES[n.type.dtype]})", n.attr("stored_shape"), full)
                 head += f"stored {_ty(n.type.dtype, n.attr('stored_shape'))}, viewed per part; "
-            sliced, what = _slice_expr(program, n, src)
+            sliced, what = _slice_expr(program, n, balance_src(program, n, src))  # issue 14
             expr = f"place({sliced})"
             for a, p in enumerate(n.layout):
                 if p == Partial("sum"):  # a P(max) source: every rank keeps it
@@ -478,6 +482,7 @@ def _forward(prog, names, train) -> str:
             continue
         if n.op in LAYOUT_OPS:
             lines += _layout_comment(program, n, prog.collective(n.name), names)
+        lines += [c for text in ring_comment(prog, n) for c in _comment(text, "    ")]  # issue 14
         lines.append(f"    {var} = {_code(n, [names[i] for i in n.inputs], program)}{tail}")
         if n.attr("frees"):
             lines.append("    del " + ", ".join(names[v] for v in n.attr("frees").split()))
@@ -490,7 +495,7 @@ def _code(n, args, program=None) -> str:
     """The right-hand side computing node ``n`` from operand variables ``args``
     (``inplace``: :data:`IN_PLACE_FORMATS`; ``async_op``: :data:`ASYNC_FORMATS`)."""
     table = (ASYNC_FORMATS if n.attr("async_op") else IN_PLACE_FORMATS if n.attr("inplace") else OP_FORMATS)
-    key = moe_key(n, reduce_key(n) + ("_" if n.attr("async_op") and n.attr("inplace") else ""))
+    key = ring_key(n, moe_key(n, reduce_key(n) + ("_" if n.attr("async_op") and n.attr("inplace") else "")))
     if key not in table:
         raise EmitError(f"op {n.op!r} (%{n.name}) has no torch mapping; the torch backend "
                         f"knows: {', '.join(sorted(OP_FORMATS))}")
@@ -509,6 +514,7 @@ def _code(n, args, program=None) -> str:
     kw.update(norm_kw(program, n, args))  # norms + embedding part (issue 17)
     kw.update(reduce_kw(program, n, _py))  # reductions part (issue 17)
     kw.update(cp_kw(program, n))  # context parallel (issue 14): causal mask at the rank's rows
+    kw.update(ring_kw(n))  # ring attention (issue 14)
     if n.op == "expand":
         kw["kept_shape"] = repr(tuple(1 if d in n.attr("dims") else s for d, s in enumerate(n.type.shape)))
     if n.op == "sdpa_grad":  # attention part (issue 17): which of torch.func.vjp's (dq, dk, dv)

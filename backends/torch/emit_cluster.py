@@ -15,6 +15,8 @@ import json
 
 from parcomp.ir.ops import COLLECTIVES
 
+from .emit_cp_ring import ring_axes
+
 DEFAULT_PLACEMENT = "refuse"
 DEFAULT_TIMEOUT_S = 600  # NCCL's own default; HCCL_EXEC_TIMEOUT is 1836 s unless set
 HOST_AXIS = "tp"  # tensor parallelism communicates in every layer: one host's links
@@ -25,7 +27,7 @@ CLUSTER_NAMES = ("COMM_AXES", "HOST_AXES", "PLACEMENT", "TIMEOUT_S", "TOPOLOGY",
 def comm_axes(graph) -> list:
     """The mesh axes of ``graph``'s collectives (local layout ops need no group), in mesh order,
     then the joint groups they use (``"dp,tp"``: one collective over several axes), sorted."""
-    used = {n.attr("axis") for n in graph.nodes if n.op in COLLECTIVES}
+    used = {n.attr("axis") for n in graph.nodes if n.op in COLLECTIVES} | ring_axes(graph)  # issue 14
     return [a for a in graph.mesh.names if a in used] + sorted(a for a in used if "," in a)
 
 

@@ -31,4 +31,6 @@ def cp_kw(program, n) -> dict:
     q, k = program[n.inputs[Q_OPERAND[n.op]]], program[n.inputs[Q_OPERAND[n.op] + 1]]
     lq, lk = q.type.shape[SEQ], k.type.shape[SEQ]
     start = _start(program, q, SEQ)
+    if n.attr("chunking") == "balanced":  # balanced chunking: by global positions (emit_cp_ring.py)
+        return {"mask_args": f"attn_mask=balanced_keep({lq}, {lk}, {start}, {n.attr('cp_size')})"}
     return {"mask_args": f"attn_mask=torch.ones({lq}, {lk}, dtype=torch.bool, device=DEVICE).tril({start})"}

@@ -9,6 +9,10 @@ lets the sharding rules keep the query rows of a *causal* ``sdpa`` split
 the causal mask taken at its global row offset (``q_start``: where its block of q starts,
 from the layout, :func:`parcomp.reference.cp_ops.at_rank`; ``COORD`` in program.py). So:
 
+- ``lowering=ring``: the sdpa (and its sdpa_grads) keep q, k, v and the result ``S(seq)``
+  (the rule's ``(S(2), S(2), S(2))`` strategy, offered only to a ring-marked sdpa) and pass
+  K/V blocks around the ring inside the op: no collective of the search, point-to-point
+  shifts listed per node (``parcomp/passes/cp_ring.py``).
 - ``lowering=all_gather``: with q and k/v split, the only way to the rule's ``(S(2), R, R)``
   is one all_gather of K and one of V over the axis (forward); backward, ``sdpa_grad`` for k
   and v gives every rank a partial sum over its own queries, and the pin of the gradient to
@@ -28,6 +32,7 @@ from dataclasses import replace
 from ..errors import SpecError
 from ..ir.graph import Graph, Node, make_attrs
 from ..ir.names import NameGen
+from .cp_balance import mark_balanced
 from ..ir.types import Replicate, Shard, divisibility_problem, shard_axes
 from .cp_ulysses import pin_ulysses  # lowering=all_to_all (issue 14)
 
@@ -66,7 +71,17 @@ def pin_context_parallel(graph: Graph, spec) -> Graph:
     where = f"the spec's context-parallel at {cp.loc.file.rsplit('/', 1)[-1]}:{cp.loc.line}"
     if cp.lowering == "all_to_all":  # DeepSpeed-Ulysses: seq split <-> heads split (cp_ulysses.py)
         return pin_ulysses(graph, {n.name for n in sdpas}, lay, cp, where, _repeat_source)
-    return _pin_all(graph, {n.name for n in sdpas}, lay, cp, where)
+    graph = _pin_all(graph, {n.name for n in sdpas}, lay, cp, where)
+    if cp.chunking == "balanced":  # load-balanced causal chunking (issue 14): passes/cp_balance.py
+        graph = graph.with_nodes(mark_balanced(graph, cp, {graph[n.inputs[0]].type.shape[SEQ] for n in sdpas}),
+                                 graph.outputs)
+    return graph
+
+
+def cp_marks(cp) -> dict:
+    """The attributes a pinned sdpa gets: ``cp=LOWERING``; the ring lowering (which communicates
+    inside the op, parcomp/reference/cp_ring.py) also its axis, ``cp_axis``."""
+    return {"cp": cp.lowering, **({"cp_axis": cp.axis} if cp.lowering == "ring" else {})}
 
 
 def _repeat_source(graph, name):
@@ -108,7 +123,7 @@ def _pin_all(graph, names, lay, cp, origin):
             nodes += [relayout(pin, graph[n.name].inputs[i], n) for i, pin in mine.items()]
             n = replace(n, inputs=tuple(mine.get(i, x) for i, x in enumerate(n.inputs)))
         if n.name in names:
-            nodes += [n.with_attrs(cp=cp.lowering), relayout(out_of[n.name], n.name, n)]
+            nodes += [n.with_attrs(**cp_marks(cp)), relayout(out_of[n.name], n.name, n)]
         else:
             nodes.append(n)
     return graph.with_nodes(nodes, [out_of.get(o, o) for o in graph.outputs])

@@ -8,7 +8,10 @@ bounds both call it through :func:`parcomp.reference.ranked.at_rank`.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from ..ir.types import shard_offsets
+from .cp_ring import storage_order
 
 #: the operand holding q, per op
 Q_OPERAND = {"sdpa": 0, "sdpa_grad": 1}
@@ -33,7 +36,23 @@ def q_start(program, node, coords) -> int:
 
 
 def at_rank(program, node, rank: int):
-    """``node`` of local ``program`` with ``q_start`` for mesh rank ``rank`` (others unchanged)."""
+    """``node`` of local ``program`` with ``q_start`` for mesh rank ``rank`` (others unchanged).
+    Balanced chunking (parcomp/passes/cp_balance.py): a marked ``arange`` gets ``storage=True``
+    (positions in storage order), a marked sdpa ``balanced_mask=True`` (mask by positions); an
+    unsharded run (no ``at_rank``) keeps the natural order."""
+    if node.op == "arange" and node.attr("balanced"):
+        return node.with_attrs(storage=True)
     if not needs_q_start(node) or program.mesh is None:
         return node
-    return node.with_attrs(q_start=q_start(program, node, program.mesh.coords(rank)))
+    node = node.with_attrs(q_start=q_start(program, node, program.mesh.coords(rank)))
+    return node.with_attrs(balanced_mask=True) if node.attr("chunking") == "balanced" else node
+
+
+def causal_keep(node, sq: int, sk: int) -> np.ndarray:
+    """[sq, sk] bool: key j kept for local query row i. Contiguous: ``j <= q_start + i``;
+    ``balanced_mask``: by the global positions of storage rows (k whole, in storage order)."""
+    if not node.attr("balanced_mask"):
+        return np.tril(np.ones((sq, sk), bool), node.attr("q_start", 0))
+    order = storage_order(node.attr("cp_size"), sk)
+    qpos = order[node.attr("q_start", 0):node.attr("q_start", 0) + sq]
+    return order[None, :] <= qpos[:, None]

@@ -20,6 +20,8 @@ from ..passes.lower import frees_of, storage_roots
 from ..redistribute import Step, step_bytes
 from .numpy_attn import source_array
 from .moe_ops import ragged_all_to_all
+from .cp_ring import is_ring, run_ring
+from ..passes.cp_balance import feed as cp_feed, outputs as cp_outputs
 from .numpy_ops import NUMPY_OPS
 from .ranked import at_rank
 
@@ -125,10 +127,12 @@ def assemble(locals_by_rank, layout, global_shape, mesh, dtype="float32") -> np.
 @dataclass
 class SPMDRun:
     """Result of :func:`run_spmd`: per-rank values, the collective log, the executed op
-    sequence (node names, in order) and each rank's peak live bytes."""
+    sequence (node names, in order), each rank's peak live bytes, and the point-to-point
+    shifts of ring attention nodes (``p2p``, issue 14: parcomp/reference/cp_ring.py)."""
 
     env: list
     log: list = field(default_factory=list)
+    p2p: list = field(default_factory=list)
     ops: list = field(default_factory=list)
     peak_bytes: list = field(default_factory=list)
 
@@ -140,7 +144,7 @@ class SPMDRun:
             gshape = _global_shape(program, value)
             out[public] = assemble([e[value] for e in self.env], node.layout, gshape,
                                    program.mesh, node.type.dtype)
-        return out
+        return cp_outputs(program, out)  # balanced chunking (issue 14): natural order
 
 
 def _global_shape(program, value):
@@ -169,10 +173,13 @@ def run_spmd(program: Graph, feeds: dict, partial_rng=None) -> SPMDRun:
         run.ops.append(n.name)
         if n.op in ("input", "param"):
             full = np.asarray(source_array(n, feeds[n.name]), dtype=n.type.dtype)  # fused views: issue 17
+            full = cp_feed(program, n, full)  # balanced chunking (issue 14): storage order
             for r, local in enumerate(split_for_ranks(full, n.layout, mesh, partial_rng)):
                 live[r][n.name] = local
         elif n.op in _LAYOUT_OPS:
             _layout_op(program, n, run, live)
+        elif is_ring(n):  # context parallel ring attention (issue 14): K/V blocks around the ring
+            run.p2p.append(run_ring(program, n, live))
         else:
             for r in ranks:  # at_rank: where this rank's block lies (ranked.py)
                 live[r][n.name] = NUMPY_OPS[n.op]([live[r][i] for i in n.inputs], at_rank(program, n, r))

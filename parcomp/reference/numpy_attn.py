@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from .cp_ops import causal_keep
+from .cp_ring import storage_order
+
 
 def slice_index(node, rank: int) -> tuple:
     """The numpy index of ``slice``/``slice_grad`` ``node`` for a rank-``rank`` array."""
@@ -28,7 +31,7 @@ def attention_probs(q, k, node):
     s = np.matmul(q, np.swapaxes(k, -1, -2)) * q.dtype.type(node.attr("scale"))
     if node.attr("causal", False):
         sq, sk = s.shape[-2:]
-        s = np.where(np.tril(np.ones((sq, sk), bool), node.attr("q_start", 0)), s, -np.inf)
+        s = np.where(causal_keep(node, sq, sk), s, -np.inf)  # context parallel: cp_ops (issue 14)
     s = s - np.max(s, axis=-1, keepdims=True)
     p = np.exp(s)
     return (p / np.sum(p, axis=-1, keepdims=True)).astype(q.dtype)
@@ -50,7 +53,8 @@ def sdpa_grads(dy, q, k, v, node) -> dict:
 
 def _arange(node):
     n, (start, step) = node.type.shape[0], (node.attr("start", 0), node.attr("step", 1))
-    return (start + step * np.arange(n, dtype=np.float64)).astype(node.type.dtype)
+    x = (start + step * np.arange(n, dtype=np.float64)).astype(node.type.dtype)
+    return x[storage_order(node.attr("balanced"), n)] if node.attr("storage") else x  # issue 14
 
 
 def source_array(node, x):

@@ -30,7 +30,9 @@ def sdpa_strategies(node, ts):
     """Single-axis strategies of ``sdpa(q, k, v)`` (see the module docstring)."""
     out = [((R, R, R), R), ((R, R, P), P), ((R, R, Shard(3)), Shard(3))]
     out += [((Shard(d),) * 3, Shard(d)) for d in (0, 1)]
-    if not node.attr("causal", False) or node.attr("cp"):  # cp: mask at q_start (issue 14)
+    if node.attr("cp") == "ring":  # issue 14: K/V blocks around the ring inside the op
+        out.append(((Shard(2),) * 3, Shard(2)))
+    elif not node.attr("causal", False) or node.attr("cp"):  # cp: mask at q_start (issue 14)
         out.append(((Shard(2), R, R), Shard(2)))
     return out
 
@@ -38,15 +40,18 @@ def sdpa_strategies(node, ts):
 def sdpa_grad_strategies(node, ts):
     """Single-axis strategies of ``sdpa_grad(dy, q, k, v)``."""
     out = [((R,) * 4, R), ((P, R, R, R), P)] + [((Shard(d),) * 4, Shard(d)) for d in (0, 1)]
-    if not node.attr("causal", False) or node.attr("cp"):  # query rows independent: dq split, dk/dv summed over them
+    if node.attr("cp") == "ring":  # issue 14: dq at its queries, dk/dv returned to their owners
+        out.append(((Shard(2),) * 4, Shard(2)))
+    elif not node.attr("causal", False) or node.attr("cp"):  # query rows independent: dq split, dk/dv summed over them
         out.append(((Shard(2), Shard(2), R, R), Shard(2) if node.attr("wrt") == "q" else P))
     return out
 
 
 def _sdpa_vjp(b, n, g):
     attrs = {"causal": n.attr("causal", False), "scale": n.attr("scale")}
-    if n.attr("cp"):  # context parallel (issue 14): the grads keep the query split too
-        attrs["cp"] = n.attr("cp")
+    for key in ("cp", "cp_axis", "chunking", "cp_size"):  # context parallel (issue 14): the grads keep the split too
+        if n.attr(key):
+            attrs[key] = n.attr(key)
     return tuple(b.op("sdpa_grad", [g, *n.inputs], wrt=w, **attrs) for w in "qkv")
 
 

@@ -11,10 +11,15 @@ named ``cp``; a mesh without one must say ``over AXIS``, never a silent tp or dp
 - ``all_to_all`` (DeepSpeed-Ulysses; ``ulysses`` is the same): q/k/v exchanged from the
   sequence split to a heads split, attention on whole sequences, the output exchanged back
   (``parcomp/passes/cp_ulysses.py``).
+- ``ring``: K/V blocks passed around the ring by point-to-point sends, an online-softmax
+  merge; backward with each step's own block, dK/dV returned to their owners
+  (``parcomp/reference/cp_ring.py``).
 
-``ring`` (K/V blocks passed around the ring with an online-softmax merge) is named here so that
-a spec asking for it gets a located error saying it is not built yet, never a silent other
-lowering.
+``chunking=balanced`` (rank r holds chunks r and 2cp-1-r of 2cp) works with the all_gather and
+ring lowerings (``parcomp/passes/cp_balance.py``).
+
+``load_balanced`` is named here so that a spec asking for it as a lowering gets a located error
+(the balanced placement is ``chunking=balanced``), never a silent other lowering.
 Every error is a :class:`~parcomp.errors.SpecError` at the statement or at the option.
 """
 from __future__ import annotations
@@ -24,9 +29,10 @@ from dataclasses import dataclass
 from ..errors import SourceLoc
 
 #: lowerings built, and those named but not built yet (a located error)
-LOWERINGS = ("all_gather", "all_to_all")  # all_to_all: DeepSpeed-Ulysses (passes/cp_ulysses.py)
-NOT_BUILT = ("ring", "load_balanced")
+LOWERINGS = ("all_gather", "all_to_all", "ring")  # all_to_all: DeepSpeed-Ulysses (passes/cp_ulysses.py)
+NOT_BUILT = ("load_balanced",)
 ALIASES = {"ulysses": "all_to_all"}  # DeepSpeed's name for the all_to_all form
+CHUNKINGS = ("contiguous", "balanced")  # issue 14
 
 
 @dataclass(frozen=True)
@@ -36,6 +42,7 @@ class ContextParallel:
     axis: str
     lowering: str
     loc: SourceLoc
+    chunking: str = "contiguous"  # or "balanced" (issue 14): parcomp/passes/cp_balance.py
 
 
 def make_context_parallel(builder, tok, payload) -> ContextParallel:
@@ -54,11 +61,14 @@ def make_context_parallel(builder, tok, payload) -> ContextParallel:
     else:
         raise builder.err(tok, f"context-parallel: which mesh axis splits the sequence? the mesh "
                                f"has no 'cp' axis ({builder.axes_text()}); say 'context-parallel over AXIS'")
-    lowering = LOWERINGS[0]
+    lowering, chunking = LOWERINGS[0], "contiguous"
     for key, val in options:
+        if str(key) == "chunking":  # load-balanced causal chunking (issue 14)
+            chunking = _chunking(builder, key, val)
+            continue
         if str(key) != "lowering":
-            raise builder.err(key, f"context-parallel has no option {str(key)!r}; its only option is "
-                                   f"lowering= ({', '.join(LOWERINGS)})")
+            raise builder.err(key, f"context-parallel has no option {str(key)!r}; its options are "
+                                   f"lowering= ({', '.join(LOWERINGS)}) and chunking= ({', '.join(CHUNKINGS)})")
         val = ALIASES.get(val, val)
         if val in NOT_BUILT:
             raise builder.err(key, f"context-parallel lowering={val} is not built yet; built: "
@@ -67,4 +77,21 @@ def make_context_parallel(builder, tok, payload) -> ContextParallel:
             raise builder.err(key, f"context-parallel lowering={val!r} is not a lowering; choose one "
                                    f"of: {', '.join(LOWERINGS)}")
         lowering = val
-    return ContextParallel(axis, lowering, builder.loc(tok))
+    if lowering == "all_to_all" and chunking == "balanced":  # whole sequences per rank: nothing to balance
+        raise builder.err(tok, "context-parallel lowering=all_to_all runs attention on whole sequences "
+                               "(heads split), so chunking=balanced has nothing to balance; use it with "
+                               "lowering=all_gather or lowering=ring")
+    return ContextParallel(axis, lowering, builder.loc(tok), chunking)
+
+
+def _chunking(builder, key, val) -> str:
+    """``contiguous`` (rank r holds rows r*L .. r*L+L-1) or ``balanced`` (the sequence cut into
+    2cp chunks, rank r holds chunks r and 2cp-1-r: parcomp/passes/cp_balance.py).
+
+    Raises:
+        SpecError: at the option, for any other value.
+    """
+    if val not in CHUNKINGS:
+        raise builder.err(key, f"context-parallel chunking={val!r} is not a chunking; choose one of: "
+                               f"{', '.join(CHUNKINGS)}")
+    return val

@@ -1,0 +1,121 @@
+"""Load-balanced causal chunking (``context-parallel chunking=balanced``, issue 14).
+
+With a causal mask and contiguous chunks, rank c of n computes c + 1 blocks of the n x n
+score matrix: the last rank does n times the first's work. Balanced chunking cuts the sequence
+into ``2n`` chunks and gives rank c chunks ``c`` and ``2n - 1 - c`` (one early, one late): every
+rank then sees the same number of query-key pairs.
+
+The program keeps the usual contiguous ``S(seq)`` layouts but runs on the sequence in **storage
+order**: storage row ``j`` holds natural position ``order[j]`` (:func:`storage_order`, rank-major:
+rank 0's chunks, then rank 1's, ...). So that nothing changes meaning:
+
+- every model **input** split along a dim over the CP axis (the training label too) is fed in
+  storage order (:func:`feed`: the interpreter's feeds; program.py's ``load_inputs``), and every
+  **output** split along a dim over that axis is put back in natural order when assembled
+  (:func:`output`: ``SPMDRun.outputs``, ``parcomp run``'s assembly);
+- position tables: a constant (non-trainable) param with a dim of the sequence's length (the
+  frontend's folded RoPE cos/sin) is fed in storage order along those dims (``balanced_dims``),
+  and every ``arange`` as long as the sequence produces positions in storage order
+  (``balanced=n``): RoPE angles from global positions;
+- every sdpa gets ``chunking=balanced, cp_size=n``: the ring kernel's mask and the all_gather
+  form's mask (``parcomp/reference/cp_ops.py``) compare global positions, not storage rows.
+
+Pass-through ops (pointwise, per-token matmuls, norms over hidden) and sums over the sequence
+(losses) do not care about the order. What would care (a slice or shift along the sequence, a
+learned position table indexed by storage row) is not checked: the statement is for attention
+models whose only positional ops are RoPE's ``arange`` and the causal mask. An input with a dim
+as long as the sequence that is not split over the CP axis is a located error (it would be fed
+in natural order).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import SpecError
+from ..reference.cp_ring import storage_order
+
+
+def to_storage(x, dim: int, n: int):
+    """``x`` (natural order along ``dim``) in balanced storage order."""
+    return np.take(np.asarray(x), storage_order(n, np.shape(x)[dim]), axis=dim)
+
+
+def from_storage(x, dim: int, n: int):
+    """Inverse of :func:`to_storage`."""
+    x = np.asarray(x)
+    out = np.empty_like(x)
+    idx = [slice(None)] * x.ndim
+    idx[dim] = storage_order(n, x.shape[dim])
+    out[tuple(idx)] = x
+    return out
+
+
+def split_dim(layout, axis: int):
+    """The dim ``layout`` splits over mesh axis index ``axis``, or None."""
+    p = layout[axis] if layout is not None and axis < len(layout) else None
+    return getattr(p, "dim", None)
+
+
+def balanced_of(program):
+    """``(mesh axis index, n)`` of a program with balanced chunking (from its sdpa), or None."""
+    for node in program.nodes:
+        if node.op == "sdpa" and node.attr("chunking") == "balanced":
+            return program.mesh.axis_index(node.attr("cp_axis")), node.attr("cp_size")
+    return None
+
+
+def feed(program, node, full):
+    """The feed of source ``node`` as the program holds it: in storage order when the program has
+    balanced chunking and ``node`` splits a dim over its axis (a label the train line adds too),
+    or is a constant position table (``balanced_dims``)."""
+    if node.op == "param" and node.attr("balanced"):
+        for d in node.attr("balanced_dims"):
+            full = to_storage(full, d, node.attr("balanced"))
+        return full
+    got = balanced_of(program) if node.op == "input" else None
+    dim = split_dim(node.layout, got[0]) if got else None
+    return full if dim is None else to_storage(full, dim, got[1])
+
+
+def outputs(program, full: dict) -> dict:
+    """``{public name: assembled array}`` with every output split over the balanced axis back in
+    natural order (unchanged without balanced chunking)."""
+    got = balanced_of(program)
+    if got is None:
+        return full
+    out = dict(full)
+    for public, value in program.named_outputs():
+        dim = split_dim(program[value].layout, got[0])
+        if dim is not None and public in out:
+            out[public] = from_storage(out[public], dim, got[1])
+    return out
+
+
+def mark_balanced(graph, cp, seqs) -> list:
+    """The nodes of ``graph`` with the balanced marks (see the module docstring).
+
+    ``seqs``: the sequence lengths of the sdpa's q. Raises SpecError (at the statement): a
+    sequence not divisible into 2n chunks, or an input of the sequence's length not split over
+    the CP axis.
+    """
+    a = graph.mesh.axis_index(cp.axis)
+    n = graph.mesh.sizes[a]
+    for s in seqs:
+        if s % (2 * n):
+            raise SpecError(f"context-parallel chunking=balanced over {cp.axis}: a sequence of {s} "
+                            f"does not cut into {2 * n} equal chunks (2 x {cp.axis}={n})", cp.loc)
+    out = []
+    for node in graph.nodes:
+        if node.op == "input" and split_dim(node.layout, a) is None and any(s in seqs for s in node.type.shape):
+            raise SpecError(f"context-parallel chunking=balanced: input {node.name} {node.type} has "
+                            f"a dim of the sequence's length but is not split over {cp.axis}; give it "
+                            f"split-seq (it would be fed in natural order)", cp.loc)
+        dims = tuple(d for d, s in enumerate(node.type.shape) if s in seqs)
+        if node.op == "arange" and node.type.shape[0] in seqs:
+            node = node.with_attrs(balanced=n)
+        elif node.op == "param" and node.attr("trainable") is False and dims:  # a folded position table
+            node = node.with_attrs(balanced=n, balanced_dims=dims)
+        elif node.op == "sdpa":
+            node = node.with_attrs(chunking="balanced", cp_size=n, cp_axis=cp.axis)
+        out.append(node)
+    return out
