@@ -85,9 +85,13 @@ def moe_compare(compiled, feeds: dict, links: dict) -> list:
     n = mesh.sizes[mesh.names.index(axis)]
     layers = [d for d in graph.nodes if d.op == "moe_dispatch" and d.phase in (None, "forward")]
     env = _values(graph, feeds, {i for d in layers for i in d.inputs})
-    return [{"layer": d.name, "axis": axis,
-             **layer_compare(env[d.inputs[0]], env[d.inputs[1]], d.attr("capacity"), n, links[axis])}
-            for d in layers]
+    out = []
+    for d in layers:
+        rec = layer_compare(env[d.inputs[0]], env[d.inputs[1]], d.attr("capacity"), n, links[axis])
+        wanted = rec["tokens"] * graph[d.inputs[1]].attr("top_k")  # (token, expert) pairs routed
+        out.append({"layer": d.name, "axis": axis, "capacity": d.attr("capacity"),
+                    "dropped": wanted - sum(rec["tokens_per_expert"]), **rec})
+    return out
 
 
 def moe_lines(records: list) -> list:
@@ -96,6 +100,8 @@ def moe_lines(records: list) -> list:
     for r in records:
         out.append(f"MoE layer {r['layer']}: {r['tokens']} tokens, tokens per expert {r['tokens_per_expert']}, "
                    f"{r['ranks']} ranks over {r['axis']} (per training step, forward + backward):")
+        out.append(f"  capacity {r['capacity']} slots per expert per row; {r['dropped']} (token, expert) "
+                   f"pairs dropped past it")
         for key, what in (("tp", "TP inside every expert"), ("ep", "EP")):
             a = r[key]
             extra = f", padded buffer would send {a['padded_bytes']} B" if key == "ep" else ""
