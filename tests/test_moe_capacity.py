@@ -156,15 +156,26 @@ def test_moe_statement_on_a_model_without_moe_is_a_located_cli_error(capsys, tmp
     assert rc == 2 and "no MoE layer" in err and "s.pcs:" in err and "Traceback" not in err, err
 
 
-def test_slots_reduced_inside_the_block_cannot_be_respecified():
-    """A model that sums its dispatch buffer over the slots (a value whose shape does not
-    follow the capacity) gets a located error at the statement, never a wrong shape."""
-    case = MoeCase(experts=2, top_k=1, batch=2, seq=4, hidden=4, inter=4, capacity=0, ep=2)
-    text = model_text(case).replace("return %output", "%ds: f32[2,2,4] = sum(%d) {dims=(2,)}\nreturn %output, %ds")
-    spec = parse_spec(spec_text(case, train=False) + "moe capacity_factor=1\n", "case.pcs")
+UNFOLLOWABLE = [
+    ("%ds: f32[2,2,4] = sum(%d) {dims=(2,)}", 0, "%ds (sum) contracts or reduces the expert slots of %d"),
+    ("%ds: f32[2,2,2,8] = reshape(%d)", 0, "the reshape %ds cuts the expert slots"),
+    ("", 1, "%d was built with 1 slot per expert"),
+]
+
+
+@pytest.mark.parametrize("extra,built,words", UNFOLLOWABLE)
+def test_slots_that_cannot_be_followed_are_located_errors(extra, built, words):
+    """A model that sums its dispatch buffer over the slots or reshapes the slot dim apart (a
+    value whose shape does not follow the capacity), or that was built with 1 slot (nothing
+    to follow), gets a located error at the statement, never a wrong shape."""
+    case = MoeCase(experts=2, top_k=1, batch=2, seq=4, hidden=4, inter=4, capacity=built, ep=2)
+    text = model_text(case)
+    if extra:
+        text = text.replace("return %output", f"{extra}\nreturn %output, %ds")
+    spec = parse_spec(spec_text(case, train=False) + "moe capacity_factor=1.5\n", "case.pcs")
     with pytest.raises(SpecError) as e:
         apply_moe_spec(parse_graph(text), spec)
-    assert "%ds (sum) contracts or reduces the expert slots of %d" in str(e.value) and e.value.loc.line == 9
+    assert words in str(e.value) and e.value.loc.line == 9, str(e.value)
 
 
 def test_explain_shows_the_spec_capacity_and_the_dropped_pairs(capsys, tmp_path):

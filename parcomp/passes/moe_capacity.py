@@ -73,6 +73,10 @@ def apply_moe_spec(graph: Graph, spec) -> tuple:
                             "seq": seq, "model_capacity": r.attr("capacity") or 0, "capacity": cap,
                             "drop": moe.drop, "slots": slots, "model_slots": old})
     slots_of = {c["dispatch"]: c["slots"] for c in changes}
+    other = [d.name for d in graph.by_op("moe_dispatch") if d.name not in slots_of]
+    if other:
+        raise SpecError(f"moe: %{other[0]} does not read its weights straight from a moe_route, so its "
+                        f"capacity cannot follow the route's", moe.loc)
     _follow(graph, new, marks, slots_of, moe.loc)
     return graph.with_nodes([new.get(n.name, n) for n in graph.nodes]), changes
 
