@@ -214,3 +214,21 @@ def test_spec_capacity_trains_under_torchrun_like_unsharded(capsys, tmp_path):
     rc = main(["run", f"{MODELS}:moe_block_skewed", "--spec", str(spec), "--nproc", "2", "--json"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and out["verdict"] == "OK" and out["world_size"] == 2, out.get("why")
+
+
+def test_explain_prices_the_experts_compute_of_the_slowest_rank(capsys):
+    """TP vs EP per step: EP's slowest rank computes its experts' (token, expert) pairs whole,
+    TP every rank 1/n of all pairs: 18 H F FLOPs a pair (3 matmuls, forward + backward) at the
+    cost model's rate; on the skewed routing EP's compute is the larger, by its imbalance."""
+    from parcomp.redistribute import SECONDS_PER_FLOP
+
+    rc = main(["explain", f"{MODELS}:moe_block_skewed", "--spec", os.path.join(SPECS, "moe_ep2_train.pcs"), "--json"])
+    out = capsys.readouterr().out
+    (rec,) = json.loads(out.strip().splitlines()[-1])["moe"]
+    pair_s = 18 * 16 * 32 * SECONDS_PER_FLOP  # hidden 16, expert intermediate 32
+    ep, tp = rec["ep"], rec["tp"]
+    assert rc == 0 and round(ep["compute_seconds"] / pair_s) == max(ep["load_per_rank"])
+    assert round(2 * tp["compute_seconds"] / pair_s) == sum(ep["load_per_rank"])
+    assert ep["compute_seconds"] > tp["compute_seconds"] and ep["imbalance"] > 1.2
+    for a in (ep, tp):
+        assert a["step_seconds"] == a["seconds"] + a["compute_seconds"]
