@@ -109,7 +109,7 @@ def test_random_spec_capacity_equals_the_model_built_with_it(ep, per, top_k, seq
     the graph of the case built with ``C = ceil(F S k / E)``, and the ep training step equals
     the unsharded one (through ``parcomp check``'s float64 re-check on a near-tie)."""
     experts = ep * per
-    top_k = min(top_k, experts)
+    top_k = min(top_k, max(1, experts - 1) if skew else experts)  # k = E under a skew: nothing to resolve
     case = MoeCase(experts=experts, top_k=top_k, batch=ep, seq=seq, hidden=4, inter=4, capacity=0, ep=ep, skew=skew)
     built = MoeCase(**{**case.__dict__, "capacity": max(1, math.ceil(factor * seq * top_k / experts))})
     spec = parse_spec(spec_text(case) + f"moe capacity_factor={factor}\n", "case.pcs")
