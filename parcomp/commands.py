@@ -20,6 +20,7 @@ from .outdir import MARKER, record_written, write_dir_atomic  # noqa: F401 - MAR
 from .reference.interpreter import run_spmd
 from .reference.numpy_ops import run_unsharded
 from .passes.train_config import check_steps, train_config
+from .passes.moe_capacity import spec_changes_capacity  # the spec's MoE capacity (issue 14)
 from .reference.training import numpy_train
 from .report import format_collectives, format_load, format_memory, format_search, plural
 from .check64 import NOTE, promote_compiled, promote_feeds, run_precision
@@ -254,7 +255,8 @@ def _forward_check(compiled, module, example, feeds) -> dict:
     where it grew (:func:`parcomp.resolution.where_bound_grew`)."""
     run = run_spmd(compiled.program, feeds)
     values, errs = propagate(compiled.logical, feeds)
-    result = compare(run.outputs(compiled.program), reference_outputs(compiled.unsharded, module, example, feeds),
+    result = compare(run.outputs(compiled.program), reference_outputs(compiled.unsharded, _reference(compiled, module),
+                                                                      example, feeds),
                      {name: errs[v] for name, v in compiled.logical.named_outputs()})
     if result.get("unbounded"):
         result["why"] += f" (the bound first grows past resolving at {where_bound_grew(compiled.logical, values, errs)})"
@@ -264,6 +266,13 @@ def _forward_check(compiled, module, example, feeds) -> dict:
 def _is_torch(module) -> bool:
     """Whether ``module`` (from ``load_model``) is a torch module (training compares with torch.optim)."""
     return module is not None and not isinstance(module, ModelFile)
+
+
+def _reference(compiled, module):
+    """``module``, or None where the spec's ``moe`` statement changed the model's capacity
+    (issue 14): the module then computes another model, so the unsharded graph with the
+    spec's capacity (``compiled.unsharded``, numpy) is the reference."""
+    return None if spec_changes_capacity(compiled.report.get("moe_capacity", ())) else module
 
 
 def _checkpoint(work: str, graph, feeds: dict, module) -> str:
@@ -317,6 +326,7 @@ def _check_training(args, compiled, module, example, steps):
     """``check`` of a training program: :func:`parcomp.train_check.lockstep`."""
     feeds = _train_feeds(compiled, module, example, args.seed)
     require_finite(compiled.unsharded, feeds)
+    module = _reference(compiled, module)  # the spec's MoE capacity (issue 14)
     ls, how = lockstep(compiled, module if _is_torch(module) else None, example, feeds, steps), ""
     if ls["vs_unsharded"].get("unbounded"):  # float32 cannot vouch: the float64 re-check (parcomp/check64.py)
         wide = lockstep(promote_compiled(compiled), None, example, promote_feeds(feeds), steps)
@@ -414,7 +424,7 @@ def run(args):
         got = assemble_outputs(out_path, compiled.program)
     finally:
         _end_work(args, work, compiled)
-    result = compare(got, reference_outputs(graph, module, example, feeds),
+    result = compare(got, reference_outputs(graph, _reference(compiled, module), example, feeds),
                      output_bounds(compiled.logical, feeds))
     _print_result(args, compiled, result, f"torchrun, {plural(size, 'gloo rank')}")
     return {**result, "collectives": _summary(compiled.report["collectives"]), "world_size": size}
@@ -456,6 +466,7 @@ def _run_training(args, compiled, module, example):
                            f"{plural(size, 'rank')}")
     steps = train_config(compiled.spec).steps if args.steps is None else check_steps(args.steps)
     feeds = _train_feeds(compiled, module, example, 0)
+    module = _reference(compiled, module)  # the spec's MoE capacity (issue 14)
     replay = replay_reference(compiled, module if _is_torch(module) else None, example, feeds, steps)
     work = args.keep or tempfile.mkdtemp(prefix="parcomp-run-")
     try:

@@ -10,6 +10,7 @@ from .cp_report import sp_cp_record  # issue 14: SP vs CP
 from .ir.graph import Graph
 from .memory import check_peak, zero_warnings
 from .passes.manager import forward_pipeline, run_pipeline
+from .passes.moe_capacity import apply_moe_spec  # the spec's MoE capacity (issue 14)
 from .passes.pipeline_plan import attach_pipeline
 from .passes.topology import check_topology
 from .passes.verify import check_model_mesh
@@ -24,7 +25,8 @@ class Compiled:
     """What ``compile_graph`` returns.
 
     Attributes:
-        unsharded: the model's graph as imported.
+        unsharded: the model's graph as imported (with the spec's MoE capacity, if it has a
+            ``moe`` statement: parcomp/passes/moe_capacity.py).
         logical: the unsharded graph of what the program computes (with layouts
             bound; for training, with loss, backward and update): the ground
             truth the program must equal.
@@ -60,6 +62,7 @@ def compile_graph(graph: Graph, spec, after: Callable | None = None) -> Compiled
 
 
 def _compile(graph: Graph, spec, after) -> Compiled:
+    graph, moe_changes = apply_moe_spec(graph, spec)  # the spec's MoE capacity (issue 14)
     check_model_mesh(graph, spec.mesh)
     placement = check_topology(spec)
     stages = run_pipeline(graph, forward_pipeline(spec), after)
@@ -68,6 +71,8 @@ def _compile(graph: Graph, spec, after) -> Compiled:
     prog = build_program(sharded, program, spec)
     report = build_report(prog, [n.name for n in graph.params])
     report["placement"] = placement
+    if moe_changes:
+        report["moe_capacity"] = moe_changes
     check_peak(report, spec)
     report["warnings"] = zero_warnings(logical, spec) + pinned_gather_warnings(sharded, report)
     report.update(sp_cp_record(graph, spec, placement))  # issue 14: SP vs CP (parcomp/cp_report.py)

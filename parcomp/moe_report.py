@@ -16,13 +16,19 @@ the model's example inputs and weights give (:func:`moe_compare`):
   process. The slowest rank sets the time; ``padded_bytes`` is what the dense all_to_all of
   the whole ``[B, E, C, H]`` buffer would send (report.json's static count).
 
-Times: :func:`parcomp.links.collective_seconds` on the axis's link (alpha-beta, per call).
+Times: :func:`parcomp.links.collective_seconds` on the axis's link (alpha-beta, per call);
+``compute_seconds``: the experts' matmuls of the slowest rank (3 matmuls of ``H x F`` a routed
+pair, ``2 H F`` FLOPs each, forward and twice that backward) at the cost model's
+:data:`parcomp.redistribute.SECONDS_PER_FLOP`: TP splits every pair's work n ways, EP's slowest
+rank does its experts' pairs whole, so their ratio is EP's imbalance; ``step_seconds`` adds the
+two.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from .links import collective_seconds
+from .redistribute import SECONDS_PER_FLOP
 from .reference import moe_ops
 from .reference.numpy_ops import NUMPY_OPS
 
@@ -49,8 +55,9 @@ def _pairs_matrix(c, capacity: int, n: int) -> np.ndarray:
     return m
 
 
-def layer_compare(x, c, capacity: int, n: int, link) -> dict:
-    """The two alternatives for one layer: tokens ``x[B, S, H]``, weights ``c[B, S, E]``."""
+def layer_compare(x, c, capacity: int, n: int, link, inter: int = 0) -> dict:
+    """The two alternatives for one layer: tokens ``x[B, S, H]``, weights ``c[B, S, E]``,
+    each expert's intermediate size ``inter`` (0: no compute time)."""
     bsz, seq, h = x.shape
     experts, isz = c.shape[2], x.dtype.itemsize
     m = _pairs_matrix(c, capacity, n)
@@ -62,7 +69,9 @@ def layer_compare(x, c, capacity: int, n: int, link) -> dict:
                 + collective_seconds("all_to_all", n, int(back.max()), link))
     tp_bytes = 2 * (n - 1) * bsz * seq * h * isz // n
     load = m.sum(0)
-    return {
+    pair_s = 3 * 3 * 2 * h * inter * SECONDS_PER_FLOP  # 3 matmuls, 2HF FLOPs each, forward + 2x backward
+    compute = {"ep": float(load.max()) * pair_s, "tp": float(m.sum()) / n * pair_s}
+    out = {
         "tokens": bsz * seq, "experts": experts, "ranks": n,
         "tokens_per_expert": [int(t) for t in (moe_ops.slots(c, capacity)[2][:, None]
                                                == np.arange(experts)).sum(0)],
@@ -74,6 +83,10 @@ def layer_compare(x, c, capacity: int, n: int, link) -> dict:
                "load_per_rank": [float(m.sum()) / n] * n, "imbalance": 1.0,
                "seconds": 2 * collective_seconds("all_reduce", n, tp_bytes, link)},
     }
+    for key in ("ep", "tp"):
+        out[key]["compute_seconds"] = compute[key]
+        out[key]["step_seconds"] = out[key]["seconds"] + compute[key]
+    return out
 
 
 def moe_compare(compiled, feeds: dict, links: dict) -> list:
@@ -85,9 +98,28 @@ def moe_compare(compiled, feeds: dict, links: dict) -> list:
     n = mesh.sizes[mesh.names.index(axis)]
     layers = [d for d in graph.nodes if d.op == "moe_dispatch" and d.phase in (None, "forward")]
     env = _values(graph, feeds, {i for d in layers for i in d.inputs})
-    return [{"layer": d.name, "axis": axis,
-             **layer_compare(env[d.inputs[0]], env[d.inputs[1]], d.attr("capacity"), n, links[axis])}
-            for d in layers]
+    out = []
+    for d in layers:
+        rec = layer_compare(env[d.inputs[0]], env[d.inputs[1]], d.attr("capacity"), n, links[axis],
+                            _inter(graph, d))
+        wanted = rec["tokens"] * graph[d.inputs[1]].attr("top_k")  # (token, expert) pairs routed
+        out.append({"layer": d.name, "axis": axis, "capacity": d.attr("capacity"),
+                    "dropped": wanted - sum(rec["tokens_per_expert"]), **rec})
+    return out
+
+
+def _inter(graph, dispatch) -> int:
+    """The experts' intermediate size: the last dim of the first matmul reading the buffer
+    (through its permutes, reshapes and pinned layouts), 0 if none does."""
+    users, todo = graph.users(), [dispatch.name]
+    while todo:
+        for u in users[todo.pop(0)]:
+            n = graph[u]
+            if n.op == "matmul":
+                return n.type.shape[-1]
+            if n.op in ("permute", "reshape", "relayout"):
+                todo.append(u)
+    return 0
 
 
 def moe_lines(records: list) -> list:
@@ -96,10 +128,13 @@ def moe_lines(records: list) -> list:
     for r in records:
         out.append(f"MoE layer {r['layer']}: {r['tokens']} tokens, tokens per expert {r['tokens_per_expert']}, "
                    f"{r['ranks']} ranks over {r['axis']} (per training step, forward + backward):")
+        out.append(f"  capacity {r['capacity']} slots per expert per row; {r['dropped']} (token, expert) "
+                   f"pairs dropped past it")
         for key, what in (("tp", "TP inside every expert"), ("ep", "EP")):
             a = r[key]
             extra = f", padded buffer would send {a['padded_bytes']} B" if key == "ep" else ""
             out.append(f"  {what:24s} {a['collective']:20s} bytes/rank {a['bytes_per_rank']}{extra}; "
                        f"load/rank {a['load_per_rank']} (max/mean {a['imbalance']:.2f}); "
-                       f"{a['seconds'] * 1e6:.1f} us")
+                       f"{a['seconds'] * 1e6:.1f} us + experts {a['compute_seconds'] * 1e6:.1f} us "
+                       f"= {a['step_seconds'] * 1e6:.1f} us")
     return out

@@ -165,17 +165,20 @@ def _common_prefix(xs, ys) -> int:
 def _all_to_all_moves(src, tgt, rank) -> dict:
     """Axes whose S(d) -> S(e) change can be one all_to_all: axis -> e.
 
-    Only the unambiguous case: the axis is the sole shard axis of d in the source,
-    d is unsharded in the target, and e is sharded by that axis alone in the
-    target and by nothing in the source.
+    The unambiguous case: the axis is the innermost shard axis of d in the source and d
+    keeps the others in the target; it becomes the innermost shard axis of e in the
+    target, whose other shard axes e already has in the source. Each group of the axis
+    then holds one chunk of the outer axes' split of d (and of e): its local all_to_all
+    moves exactly the axis's sub-chunks (``dp x ep``: the MoE tokens' exchange over ep
+    while dp splits the same rows, issue 14).
     """
     out = {}
     for a, (s, t) in enumerate(zip(src, tgt)):
         if isinstance(s, Shard) and isinstance(t, Shard) and s.dim != t.dim:
-            d, e = s.dim, t.dim
-            if (shard_axes(src, d) == [a] and not shard_axes(tgt, d)
-                    and shard_axes(tgt, e) == [a] and not shard_axes(src, e)):
-                out[a] = e
+            sd, se = shard_axes(src, s.dim), shard_axes(src, t.dim)
+            td, te = shard_axes(tgt, s.dim), shard_axes(tgt, t.dim)
+            if sd[-1] == a and td == sd[:-1] and te[-1] == a and se == te[:-1]:
+                out[a] = t.dim
     return out
 
 

@@ -7,6 +7,7 @@ the names of the graph's ``input`` nodes.
 """
 from __future__ import annotations
 
+import copy
 import math
 from collections import OrderedDict
 
@@ -191,6 +192,53 @@ def moe_block(routing: str = "random", batch: int = 4, seq: int = 8, capacity_fa
 def moe_block_skewed():
     """:func:`moe_block` with ``routing="skewed"``: expert 0 takes most tokens, expert 3 none."""
     return moe_block("skewed")
+
+
+class QwenMoE(MixtralMoE):
+    """transformers' ``Qwen2MoeSparseMoeBlock`` (``norm_topk_prob=True``, as Qwen3-MoE): the
+    routed experts of :class:`MixtralMoE` plus a *shared expert* every token goes through, a
+    SwiGLU MLP (``shared_expert.{gate,up,down}_proj.weight``, torch Linear [out, in]) scaled by
+    ``sigmoid(shared_expert_gate(x))`` (``shared_expert_gate.weight`` [1, H])."""
+
+    def __init__(self, moe, seq: int, capacity_factor: float = 0.0):
+        moe.top_k = moe.gate.top_k
+        super().__init__(moe, seq, capacity_factor)
+        self.shared_expert = copy.deepcopy(moe.shared_expert)
+        self.shared_expert_gate = copy.deepcopy(moe.shared_expert_gate)
+
+    def forward(self, x):
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return super().forward(x) + shared
+
+
+def qwen_moe(experts: int = 4, top_k: int = 2, hidden: int = 16, inter: int = 32, shared: int = 24,
+             seed: int = SEED):
+    """transformers' ``Qwen2MoeSparseMoeBlock`` (small config, ``norm_topk_prob=True``; its
+    expert params are ``torch.empty``, so all are drawn here: normal, std 0.3 router / 0.2 else)."""
+    from transformers import Qwen2MoeConfig
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+
+    torch.manual_seed(seed)
+    config = Qwen2MoeConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts,
+                            num_experts_per_tok=top_k, shared_expert_intermediate_size=shared,
+                            norm_topk_prob=True)
+    moe = Qwen2MoeSparseMoeBlock(config).eval()
+    with torch.no_grad():
+        for name, p in moe.named_parameters():
+            p.normal_(0, 0.3 if name == "gate.weight" else 0.2)
+    return moe
+
+
+def moe_block_shared(routing: str = "random", batch: int = 4, seq: int = 8, capacity_factor: float = 0.0):
+    """Qwen-MoE's block with a shared expert (:class:`QwenMoE`; E=4, top-2, hidden 16, expert
+    intermediate 32, shared 24). Input ``x``: f32[batch, seq, 16]; output the same shape.
+    ``routing="skewed"``: :func:`skew_routing`, expert 0 takes most tokens (in float32 its
+    router gradient is then too close to rounding to vouch for: ``check`` re-runs it in float64)."""
+    moe = qwen_moe()
+    x = torch.randn(batch, seq, moe.experts.gate_up_proj.shape[2])
+    if routing == "skewed":
+        moe, x = skew_routing(moe, x)
+    return QwenMoE(moe, seq, capacity_factor).eval(), (x,), ["x"]
 
 
 class _CausalAttention(nn.Module):

@@ -166,12 +166,14 @@ def _check_case(case: MoeCase, seed: int):
 def cases(draw):
     ep = draw(st.sampled_from([2, 4]))
     experts = ep * draw(st.sampled_from([1, 2]))
-    top_k = draw(st.integers(1, experts))
+    skew = draw(st.sampled_from([0.0, 0.0, 1.0, 3.0]))
+    # top_k = E under a skewed router: the router's gradient is ~1e-15, which no precision can
+    # resolve (CANNOT VOUCH even in float64), so a skewed router keeps k < E
+    top_k = draw(st.integers(1, max(1, experts - 1) if skew else experts))
     seq = draw(st.sampled_from([3, 4, 6]))
     return MoeCase(experts=experts, top_k=top_k, batch=ep * draw(st.sampled_from([1, 2])), seq=seq,
                    hidden=draw(st.sampled_from([4, 8])), inter=draw(st.sampled_from([4, 8])),
-                   capacity=draw(st.sampled_from([0, 1, 2, seq])), ep=ep,
-                   skew=draw(st.sampled_from([0.0, 0.0, 1.0, 3.0])))
+                   capacity=draw(st.sampled_from([0, 1, 2, seq])), ep=ep, skew=skew)
 
 
 @settings(max_examples=MAX_EXAMPLES, deadline=None)

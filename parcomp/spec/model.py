@@ -209,6 +209,8 @@ class Spec:
     sequence_parallel: tuple | None = None
     # `context-parallel [over AXIS] [lowering=...]` (issue 14): parcomp.passes.ctxpar.ContextParallel or None
     context_parallel: object = None
+    # `moe capacity_factor=F [drop=tokens]` / `moe drop=none` (issue 14): parcomp.spec.moe.MoeSpec or None
+    moe: object = None
 
     def default_axis(self) -> str:
         """The mesh axis a layout word without ``over`` applies to.

@@ -25,6 +25,7 @@ from .model import (LAYOUT_WORDS, LayoutSpec, Rule, Spec, TrainSpec, check_mesh_
                     suggest)
 from .stages import make_stage, check_stages
 from .ctxpar import make_context_parallel  # context parallel (issue 14)
+from .moe import make_moe  # MoE capacity policy (issue 14)
 
 _GRAMMAR = resources.files(__package__).joinpath("grammar.lark").read_text(encoding="utf-8")
 _PARSER = Lark(_GRAMMAR, parser="lalr", propagate_positions=True, maybe_placeholders=True)
@@ -45,6 +46,7 @@ WORDS = {  # every terminal of grammar.lark, as a syntax error says it
     "MESH": "'mesh'", "TOPOLOGY": "'topology'", "TRAIN": "'train'", "MEMORY": "'memory'",
     "SEQPAR": "'sequence-parallel'",
     "CTXPAR": "'context-parallel'",  # context parallel (issue 14)
+    "MOE": "'moe'",  # MoE capacity policy (issue 14)
     "MEMSIZE": "a memory size such as 80GiB (units B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)",
     "STAGE": "'stage'", "COLON": "':'", "RANGE": "a range of numbered modules such as h.0-5",
     "PARAM": "a rule target (param, input, output or activation)",
@@ -180,6 +182,7 @@ class _Tree(Transformer):
     mesh, topology, train = _statement("mesh"), _statement("topology"), _statement("train")
     memory, seqpar = _statement("memory"), _statement("sequence-parallel")
     ctxpar = _statement("context-parallel")  # context parallel (issue 14)
+    moe = _statement("moe")  # MoE capacity policy (issue 14)
     stage = _statement("stage")
     del _statement
 
@@ -261,7 +264,7 @@ class _Builder:
                                 "(one size per axis; the last axis varies fastest)")
         self.mesh = self.make_mesh(stmts[0][2])
         seen, rules, topology, train, links, memory, stages = {"mesh": tok}, [], None, None, (), None, []
-        seqpar = ctxpar = None
+        seqpar = ctxpar = moe = None
         for kind, tok, payload in stmts[1:]:
             if kind == "stage":
                 stages.append(make_stage(self, tok, payload, stages))
@@ -281,6 +284,8 @@ class _Builder:
                           else self.axis(payload[0], "'sequence-parallel over'"), self.loc(tok))
             elif kind == "context-parallel":  # context parallel attention (issue 14)
                 ctxpar = make_context_parallel(self, tok, payload)
+            elif kind == "moe":  # MoE capacity policy (issue 14)
+                moe = make_moe(self, tok, payload)
             elif kind == "train":
                 train = TrainSpec(self.options(payload, "option"), self.loc(tok))
                 train_config(Spec(self.mesh, (), self.file, train=train))  # options and ranges
@@ -291,7 +296,7 @@ class _Builder:
                     self.loc(seen["memory"]) if "memory" in seen else None,
                     check_stages(self, stages, train),
                     launch=getattr(self, "launch", ()), sequence_parallel=seqpar,
-                    context_parallel=ctxpar)
+                    context_parallel=ctxpar, moe=moe)
 
     def make_mesh(self, axes) -> Mesh:
         check_mesh_size(axes, self.err)
