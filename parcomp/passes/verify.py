@@ -37,8 +37,12 @@ def verify(graph: Graph, memo: dict | None = None) -> None:
     if graph.mesh is not None:
         check_layout_shapes(graph, graph.mesh, todo)
     if checks[2]:
+        alike = {}  # nodes alike in everything _check_layouts reads pass or fail alike
         for n in todo:
-            _check_layouts(graph, n)
+            key = _layout_key(graph, n)
+            if key not in alike:
+                _check_layouts(graph, n)
+                alike[key] = True
     if memo is not None:
         memo.update((n.name, (n, tuple(graph[i] for i in n.inputs), checks)) for n in todo)
 
@@ -196,6 +200,14 @@ def _move_axes(graph, n) -> tuple:
 
 def _is_dim(d, ty) -> bool:
     return isinstance(d, int) and not isinstance(d, bool) and 0 <= d < ty.rank
+
+
+def _layout_key(graph, n) -> tuple:
+    """What :func:`_check_layouts` reads of ``n``: its op, attrs, type, layout, operand types
+    and operand layouts (not its name or its operands' names). Nodes of repeated blocks
+    share one key, so each distinct node is checked once per call."""
+    return (n.op, n.attrs, n.type, n.layout, _operand_layouts(graph, n),
+            tuple(graph[i].type for i in n.inputs))
 
 
 def _check_layouts(graph, n):
