@@ -104,3 +104,142 @@ def test_verify_memo_rechecks_a_changed_node_and_names_it_as_without_memo():
     with pytest.raises(VerifyError) as downstream:
         verify(bad, memo)
     assert downstream.value.node == consumer.name
+
+
+# ---- compile speed, second pass (speed17): shard-prop's costs, the verifier, Node copies ----
+# The reference functions below are shard-prop's before the second pass, written plainly:
+# every read priced every time, every option of every node tried, a fresh dict per copy.
+
+def _naive_value_cost(prob, sol, name):
+    reads = [(u, k) for u in dict.fromkeys(prob.users[name]) for k, i in enumerate(prob.g[u].inputs) if i == name]
+    src, ty = prob.layout(sol, name), prob.g[name].type
+    seen, total = set(), 0.0
+    for u, k in reads:
+        lay = sol[u][0][k]
+        if id(lay) not in seen:
+            seen.add(id(lay))
+            total += prob.plan_cost(src, lay, ty, name)
+    return total
+
+
+def _naive_compute(prob, sol, name):
+    return next(c for c, i, o in prob.options[name] if i is sol[name][0] and o is sol[name][1])
+
+
+def _naive_total(prob, sol):
+    compute = sum(_naive_compute(prob, sol, name) for name in sol)
+    return compute + sum(_naive_value_cost(prob, sol, n.name) for n in prob.g.nodes)
+
+
+def _naive_best_move(prob, sol, n):
+    feeders = [i for i in dict.fromkeys(n.inputs) if i in sol and len(prob.users[i]) == 1]
+    touched = set(n.inputs) | {n.name} | {j for i in feeders for j in prob.g[i].inputs}
+    moved = [n.name] + feeders
+
+    def local():
+        return (sum(_naive_compute(prob, sol, m) for m in moved)
+                + sum(_naive_value_cost(prob, sol, v) for v in touched))
+
+    keep = {m: sol[m] for m in moved}
+    best, best_cost = dict(keep), local()
+    for _, ins, out in prob.options[n.name]:
+        sol.update(keep)
+        sol[n.name] = (ins, out)
+        for i in feeders:
+            want = ins[n.inputs.index(i)]
+            fits = [(c, i_ins, o) for c, i_ins, o in prob.options[i] if o is want]
+            if fits and sol[i][1] is not want:
+                sol[i] = min(fits, key=lambda f: prob._feeder_cost(sol, i, f))[1:]
+        cost = local()
+        if cost < best_cost - 1e-13:
+            best, best_cost = {m: sol[m] for m in moved}, cost
+    sol.update(best)
+    return best != keep
+
+
+def _naive_dp(prob):
+    best, memo = {}, {}
+    for n in prob.g.nodes:
+        if n.name not in prob.options:
+            best[n.name] = {n.layout: 0.0}
+            continue
+        table = {}
+        for c, ins, out in prob.options[n.name]:
+            cost = c + sum(prob._cost_to(best, i, lay, memo) for i, lay in zip(n.inputs, ins))
+            if out not in table or cost < table[out] - sp._TOL:
+                table[out] = cost
+        best[n.name] = table
+    required, sol = {n.name: [] for n in prob.g.nodes}, {}
+    for n in reversed(prob.g.nodes):
+        if n.name not in prob.options:
+            continue
+        pick, pick_cost = None, None
+        for c, ins, out in prob.options[n.name]:
+            total = c + sum(prob._cost_to(best, i, lay, memo) for i, lay in zip(n.inputs, ins))
+            total += sum(prob.plan_cost(out, lay, n.type, n.name) for lay in required[n.name])
+            if pick is None or total < pick_cost - sp._TOL:
+                pick, pick_cost = (ins, out), total
+        sol[n.name] = pick
+        for i, lay in zip(n.inputs, pick[0]):
+            required[i].append(lay)
+    return sol
+
+
+def _same_plan(a, b):
+    return a.keys() == b.keys() and all(a[k][0] is b[k][0] and a[k][1] is b[k][1] for k in a)
+
+
+@pytest.mark.parametrize("n_layer,spec_name", [(2, "gpt2_lm_tp2_train.pcs"), (2, "gpt2_lm_tp2_sp_train.pcs"),
+                                               (2, "gpt2_lm_dp2_tp2_train.pcs")])
+def test_fast_costs_and_moves_give_the_plain_searchs_plans_and_costs(n_layer, spec_name):
+    """The DP reusing its forward sums, value costs of fixed reads kept, one-read values
+    priced directly, the current option not priced again, shared compute tables and a
+    neighbourhood without the readers of fixed values: the same plans, the same floats."""
+    prob = sp._Problem(_before_shard_prop(n_layer, spec_name))
+    assert prob._info("step")[4]  # the optimizer's step: every update reads it the same way
+    dp = prob.dp_solution()
+    assert _same_plan(dp, _naive_dp(prob))
+    for start in (dp, prob.greedy_solution()):
+        assert prob.total(start) == _naive_total(prob, start)
+        plain = dict(start)
+        for _ in range(8):
+            if not [n for n in reversed(prob.g.nodes) if n.name in plain and _naive_best_move(prob, plain, n)]:
+                break
+        fast = prob.improve(start)
+        assert _same_plan(fast, plain)
+        assert prob.total(fast) == _naive_total(prob, fast)
+
+
+def test_verify_checks_each_distinct_node_once_and_still_finds_a_bad_one_in_a_repeated_block():
+    from parcomp.ir.types import Partial
+
+    sharded = sp.shard_prop(_before_shard_prop(2, "gpt2_lm_tp2_train.pcs"))
+    verify(sharded)
+    # block 1's first matmul made to multiply two partial sums: alike block 0's in op, attrs,
+    # types and layout, so only its operand layouts tell it apart; it is checked on its own
+    victim = next(n for n in sharded.nodes if n.op == "matmul" and ".h.1." in (n.source or ""))
+    twin = next(n for n in sharded.nodes if n.op == "matmul" and ".h.0." in (n.source or "")
+                and (n.attrs, n.type, n.layout) == (victim.attrs, victim.type, victim.layout))
+    assert twin.in_layouts == victim.in_layouts
+    bad_ins = ((Partial(),), (Partial(),))
+    bad = sharded.with_nodes([dataclasses.replace(n, in_layouts=bad_ins) if n is victim else n
+                              for n in sharded.nodes])
+    with pytest.raises(VerifyError) as err:
+        verify(bad)
+    assert err.value.node == victim.name and "partial" in err.value.message
+
+
+def test_evolve_is_dataclasses_replace():
+    from parcomp.ir.graph import Node, evolve
+    from parcomp.ir.types import Shard
+
+    n = Node("x", "add", ("a", "b"), TensorType((2, 3), "f32"), (("k", 1),), phase="backward", source="m.f")
+    for changes in ({}, {"layout": (Shard(0),)}, {"name": "y", "inputs": ("b",), "attrs": ()},
+                    {"phase": "loss"}, {"type": TensorType((3,), "f32"), "in_layouts": None}):
+        fast, slow = evolve(n, **changes), dataclasses.replace(n, **changes)
+        assert fast == slow and vars(fast) == vars(slow) and list(vars(fast)) == list(vars(slow))
+        assert fast is not n and type(fast) is Node
+    with pytest.raises(TypeError):
+        evolve(n, shape=(1,))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        evolve(n, name="z").name = "w"

@@ -59,7 +59,26 @@ class Node:
         """A copy with attributes added or replaced (kept sorted)."""
         d = dict(self.attrs)
         d.update(kw)
-        return replace(self, attrs=tuple(sorted(d.items())))
+        return evolve(self, attrs=tuple(sorted(d.items())))
+
+
+def evolve(node: Node, **changes) -> Node:
+    """``dataclasses.replace(node, **changes)``, several times faster: a :class:`Node` has
+    no ``__post_init__`` and no validating ``__init__``, so the copy is its fields with
+    ``changes`` over them (the passes copy ~75k nodes compiling a 48-block GPT-2).
+
+    Raises:
+        TypeError: ``changes`` names something not a field of ``node`` (as ``replace``)."""
+    if type(node) is not Node or not _NODE_FIELDS.issuperset(changes):
+        return replace(node, **changes)
+    new = object.__new__(Node)
+    fields = new.__dict__
+    fields.update(node.__dict__)
+    fields.update(changes)
+    return new
+
+
+_NODE_FIELDS = frozenset(Node.__dataclass_fields__)
 
 
 def make_attrs(**kw) -> tuple:

@@ -21,7 +21,7 @@ from dataclasses import replace
 
 from .vocab_pad import padded_logits
 from ..errors import SpecError, closest
-from ..ir.graph import Graph, Node, make_attrs
+from ..ir.graph import Graph, Node, evolve, make_attrs
 from ..ir.names import NameGen
 from ..ir.ops import OPS
 from ..ir.types import Partial, Replicate, Shard, TensorType, replicated, shard_axes
@@ -57,7 +57,7 @@ class Builder:
         name = self.fresh(name or f"{self.prefix}.{op}")
         probe = Node(name, op, tuple(inputs), type, make_attrs(**attrs), phase=self.phase)
         ty = type or OPS[op].infer([self.types[i] for i in inputs], probe)
-        self.nodes.append(replace(probe, type=ty, layout=layout))
+        self.nodes.append(evolve(probe, type=ty, layout=layout))
         self.types[name] = ty
         self.phases[name] = self.phase
         return name

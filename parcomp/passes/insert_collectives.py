@@ -9,9 +9,8 @@ and the graph outputs use the converted value.
 """
 from __future__ import annotations
 
-from dataclasses import replace
 
-from ..ir.graph import Graph, Node, make_attrs
+from ..ir.graph import Graph, Node, evolve, make_attrs
 from ..ir.names import NameGen
 from ..ir.types import Partial, R, Replicate, layout_str
 from ..redistribute import plan
@@ -23,13 +22,13 @@ def insert_collectives(graph: Graph) -> Graph:
     st = _State(graph)
     for n in graph.nodes:
         if n.in_layouts is None:
-            st.out.append(replace(n, in_layouts=None))
+            st.out.append(evolve(n, in_layouts=None))
             continue
         new_inputs = tuple(st.convert(i, lay, n) for i, lay in zip(n.inputs, n.in_layouts))
         if n.op == "relayout":
             st.alias[n.name] = new_inputs[0]
             continue
-        st.out.append(replace(n, inputs=new_inputs, in_layouts=None))
+        st.out.append(evolve(n, inputs=new_inputs, in_layouts=None))
     outputs = [st.alias.get(o, o) for o in graph.outputs]
     return graph.with_nodes(st.out, outputs)
 
@@ -44,7 +43,7 @@ def drop_unit_axes(graph: Graph) -> Graph:
     def canon(lay):
         return None if lay is None else tuple(R if a in unit else p for a, p in enumerate(lay))
 
-    return graph.with_nodes(replace(n, layout=canon(n.layout), in_layouts=None if n.in_layouts is None
+    return graph.with_nodes(evolve(n, layout=canon(n.layout), in_layouts=None if n.in_layouts is None
                                     else tuple(canon(x) for x in n.in_layouts)) for n in graph.nodes)
 
 

@@ -6,10 +6,9 @@ an emitter can slice checkpoints and inputs.
 """
 from __future__ import annotations
 
-from dataclasses import replace
 
 from ..errors import ShardingError
-from ..ir.graph import Graph
+from ..ir.graph import Graph, evolve
 from ..ir.types import divisibility_problem, layout_str, local_shape
 
 
@@ -21,7 +20,7 @@ def localize(graph: Graph) -> Graph:
         if problem:
             raise ShardingError(f"%{n.name} ({n.op}, {n.type}) cannot be laid out as "
                                 f"{layout_str(n.layout)} on mesh {graph.mesh}: {problem}")
-        node = replace(n, type=n.type.with_shape(local_shape(n.type, n.layout, graph.mesh)))
+        node = evolve(n, type=n.type.with_shape(local_shape(n.type, n.layout, graph.mesh)))
         if n.op in ("input", "param"):
             node = node.with_attrs(global_shape=tuple(n.type.shape))
         out.append(node)

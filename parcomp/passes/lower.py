@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..ir.graph import Graph, Node
+from ..ir.graph import Graph, Node, evolve
 from .bucket import bucket_norm_grads
 from .dp_buckets import bucket_dp_grads
 from .fuse_reductions import fuse_reductions
@@ -190,7 +190,8 @@ def overlap_collectives(graph: Graph) -> Graph:
     users, outs = graph.users(), set(graph.outputs)
     order, waits = [n.name for n in graph.nodes], {}
     for n in graph.by_op("all_reduce"):
-        rest = [m for m in order if m != n.name]
+        rest = order.copy()
+        rest.remove(n.name)  # names are unique: order without n
         x = waits.get(n.inputs[0], n.inputs[0])
         after = max(rest.index(m) for m in [x] + [u for u in users[x] if u != n.name])
         later = [rest.index(u) for u in users[n.name]]
@@ -203,7 +204,7 @@ def overlap_collectives(graph: Graph) -> Graph:
         order = rest[:after + 1] + [n.name] + rest[after + 1:first] + [waits[n.name]] + rest[first:]
     if not waits:
         return graph
-    nodes = {n.name: replace(n, inputs=tuple(waits.get(i, i) for i in n.inputs)) for n in graph.nodes}
+    nodes = {n.name: evolve(n, inputs=tuple(waits.get(i, i) for i in n.inputs)) for n in graph.nodes}
     for name, wait in waits.items():
         nodes[name] = nodes[name].with_attrs(async_op=True)
         nodes[wait] = replace(nodes[name], name=wait, op="wait", inputs=(name,), attrs=())

@@ -27,10 +27,9 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import replace
 
 from ..errors import ShardingError
-from ..ir.graph import Graph, describe
+from ..ir.graph import Graph, describe, evolve
 from ..ir.types import layout_str
 from ..redistribute import DP_AXIS, compute_cost, gathers_over, plan_cost
 from .keep_dp import batch_values, prune
@@ -70,18 +69,20 @@ def shard_prop(graph: Graph, seconds: float = DEFAULT_SECONDS, memory: int | Non
     if not gathered:
         limit = None if memory is None else MemoryLimit(prob, memory, memory_loc)
         sol, search, proven = _search(prob, limit, seconds)
-        gathered = math.isinf(prob.total(sol))
+        cost = prob.total(sol)
+        gathered = math.isinf(cost)
     if gathered:  # no plan keeps the batch split over dp (pins, a batch-mixing op): the best of all
         prob = _Problem(graph, free or {}, data_parallel=False)
         limit = None if memory is None else MemoryLimit(prob, memory, memory_loc)
         sol, search, proven = _search(prob, limit, seconds)
-    info = {"search": search, "proven_optimal": proven, "cost_s": prob.total(sol),
+        cost = prob.total(sol)
+    info = {"search": search, "proven_optimal": proven, "cost_s": cost,
             "seconds": round(time.perf_counter() - t0, 6), "data_parallel": not gathered}
     if search == "heuristic" and limit is None and too_large(prob):
         info["solver_skipped"] = sum(len(o) for o in prob.options.values())  # strategies
     if limit is not None:
         info.update(memory_limit=memory, resident_bytes=limit.bytes(sol))
-    nodes = [n if n.name not in sol else replace(n, layout=sol[n.name][1], in_layouts=sol[n.name][0]
+    nodes = [n if n.name not in sol else evolve(n, layout=sol[n.name][1], in_layouts=sol[n.name][0]
                                                  if n.op not in ("input", "param") else None)
              for n in graph.nodes]
     return graph.with_nodes(nodes, search=info)
@@ -121,6 +122,9 @@ class _Problem:
         self._gathers = {}
         self.options = {}  # name -> [(compute cost, ins, out)]
         self._canon, self._costs, self._computes, self._types, self._reads = {}, {}, {}, {}, {}
+        self._fit = {}  # (option list id, layout id) -> the options producing that layout
+        self._fixed_costs = {}  # (value, id(its layout)) -> value_cost, for fixed reads
+        self._moves = {}  # node -> _parts of a move there
         same = {}  # nodes alike in op, attrs, types and pin have the same options
         for n in graph.nodes:
             if n.op in ("input", "param"):
@@ -173,18 +177,53 @@ class _Problem:
 
     def value_cost(self, sol, name) -> float:
         """Redistributions of ``name`` to the distinct layouts its consumers want."""
-        reads = self._reads.get(name)
-        if reads is None:  # (consumer, operand position) of every read of name
-            reads = self._reads[name] = [(u, k) for u in dict.fromkeys(self.users[name])
-                                         for k, i in enumerate(self.g[u].inputs) if i == name]
-        src, ty = self.layout(sol, name), self.g[name].type
+        info = self._reads.get(name)
+        if info is None:
+            info = self._reads[name] = self._read_info(name)
+        reads, ty, tid, guarded, fixed = info
+        ent = sol.get(name)
+        src = ent[1] if ent is not None else self.g[name].layout
+        if fixed:  # what its readers want does not depend on the plan: a function of src
+            key = (name, id(src))
+            total = self._fixed_costs.get(key)
+            if total is None:
+                total = self._fixed_costs[key] = self._value_cost(sol, name, src, info)
+            return total
+        if len(reads) == 1:  # one read, nothing to share (0.0 + cost: the same float as the loop's)
+            u, k = reads[0]
+            lay = sol[u][0][k]
+            cost = None if guarded else self._costs.get((id(src), id(lay), tid))
+            return 0.0 + (self.plan_cost(src, lay, ty, name) if cost is None else cost)
+        return self._value_cost(sol, name, src, info)
+
+    def _value_cost(self, sol, name, src, info) -> float:
+        reads, ty, tid, guarded, _ = info
+        costs, sid = self._costs, id(src)
         seen, total = set(), 0.0
         for u, k in reads:
             lay = sol[u][0][k]
-            if id(lay) not in seen:  # layouts are interned: one object per distinct layout
-                seen.add(id(lay))
-                total += self.plan_cost(src, lay, ty, name)
+            lid = id(lay)
+            if lid not in seen:  # layouts are interned: one object per distinct layout
+                seen.add(lid)
+                cost = None if guarded else costs.get((sid, lid, tid))
+                total += self.plan_cost(src, lay, ty, name) if cost is None else cost
         return total
+
+    def _read_info(self, name) -> tuple:
+        """``(reads, type, type id, guarded, fixed)`` of value ``name``: the (consumer,
+        operand position) of every read, its type, the id :meth:`plan_cost` caches its costs
+        under, whether data parallel may forbid its conversions (it is one of the batch's),
+        and whether every option of every reader wants the same layout object of it (a
+        plan's strategies are always option entries, so its cost then depends only on the
+        layout ``name`` is made in: the ``step`` scalar every optimizer update reads)."""
+        reads = [(u, k) for u in dict.fromkeys(self.users[name])
+                 for k, i in enumerate(self.g[u].inputs) if i == name]
+        ty = self.g[name].type
+        tid = self._types.get(id(ty))
+        if tid is None:
+            tid = self._types[id(ty)] = id(self._canon.setdefault(ty, ty))
+        fixed = all(len({id(ins[k]) for _, ins, _ in self.options[u]}) == 1 for u, k in reads)
+        return reads, ty, tid, name in self.batch, fixed
 
     def total(self, sol) -> float:
         """Exact cost (seconds) of a solution: compute plus each distinct conversion once."""
@@ -193,35 +232,43 @@ class _Problem:
 
     def _compute(self, sol, name):
         ins, out = sol[name]
-        table = self._computes.get(name)
+        opts = self.options[name]
+        table = self._computes.get(id(opts))  # nodes sharing an option list share its table
         if table is None:
-            table = self._computes[name] = {}
-            for c, i, o in reversed(self.options[name]):  # the first of equal keys wins
+            table = self._computes[id(opts)] = {}
+            for c, i, o in reversed(opts):  # the first of equal keys wins
                 table[(id(i), id(o))] = c
         c = table.get((id(ins), id(out)))
         return c if c is not None else next(c for c, i, o in self.options[name] if i == ins and o == out)
 
     def dp_solution(self) -> dict:
-        """Forward DP over ``best[v][layout]``, then a reverse pass fixing each strategy."""
-        best, memo = {}, {}
+        """Forward DP over ``best[v][layout]``, then a reverse pass fixing each strategy
+        (it reuses each option's forward cost: the same sum of the same memoized terms)."""
+        best, memo, forward, cost_to = {}, {}, {}, self._cost_to
         for n in self.g.nodes:
-            if n.name not in self.options:
+            opts = self.options.get(n.name)
+            if opts is None:
                 best[n.name] = {n.layout: 0.0}
                 continue
-            table = {}
-            for c, ins, out in self.options[n.name]:
-                cost = c + sum(self._cost_to(best, i, lay, memo) for i, lay in zip(n.inputs, ins))
+            table, costs = {}, []
+            for c, ins, out in opts:
+                terms = []
+                for i, lay in zip(n.inputs, ins):
+                    term = memo.get((i, id(lay)))
+                    terms.append(cost_to(best, i, lay, memo) if term is None else term)
+                cost = c + sum(terms)
+                costs.append(cost)
                 if out not in table or cost < table[out] - _TOL:
                     table[out] = cost
-            best[n.name] = table
+            best[n.name], forward[n.name] = table, costs
         required, sol = {n.name: [] for n in self.g.nodes}, {}
         for n in reversed(self.g.nodes):
-            if n.name not in self.options:
+            opts = self.options.get(n.name)
+            if opts is None:
                 continue
-            pick, pick_cost = None, None
-            for c, ins, out in self.options[n.name]:
-                total = c + sum(self._cost_to(best, i, lay, memo) for i, lay in zip(n.inputs, ins))
-                total += sum(self.plan_cost(out, lay, n.type, n.name) for lay in required[n.name])
+            pick, pick_cost, wanted = None, None, required[n.name]
+            for (c, ins, out), total in zip(opts, forward[n.name]):
+                total += sum(self.plan_cost(out, lay, n.type, n.name) for lay in wanted)
                 if pick is None or total < pick_cost - _TOL:
                     pick, pick_cost = (ins, out), total
             sol[n.name] = pick
@@ -239,7 +286,7 @@ class _Problem:
             ty, table = self.g[name].type, best[name]
             base = min(table.values()) if len(self.users[name]) > 1 else 0.0
             base = base if math.isfinite(base) else 0.0
-            memo[key] = min(c - base + self.plan_cost(o, layout, ty, name) for o, c in table.items())
+            memo[key] = min([c - base + self.plan_cost(o, layout, ty, name) for o, c in table.items()])
         return memo[key]
 
     def greedy_solution(self) -> dict:
@@ -266,7 +313,7 @@ class _Problem:
         sol, hoods = dict(sol), {}
         for n in self.g.nodes:
             if n.name in sol:
-                hoods[n.name] = self._hood(sol, n)
+                hoods[n.name] = self._hood(self._parts_of(sol, n))
         readers = {}  # name -> the nodes whose move reads its strategy
         for name, (_, reads) in hoods.items():
             for m in reads:
@@ -287,42 +334,78 @@ class _Problem:
                 break
         return sol
 
-    def _hood(self, sol, n):
-        """``(moved, reads)`` of a move at ``n``: the nodes it may re-pick and every node
-        whose strategy it reads (those, the values it prices and their readers)."""
-        _, touched, moved = self._parts(sol, n)
-        return moved, set(moved) | touched | {u for v in touched for u in self.users[v]}
+    def _hood(self, parts):
+        """``(moved, reads)`` of a move with :meth:`_parts` ``parts``: the nodes it may
+        re-pick and every node whose strategy it reads (those, the values it prices and
+        their readers; not the readers of a value whose cost they cannot change, see
+        :meth:`_read_info`)."""
+        _, touched, moved = parts
+        return moved, set(moved) | set(touched) | {u for v in touched if not self._info(v)[4]
+                                                   for u in self.users[v]}
+
+    def _info(self, name) -> tuple:
+        info = self._reads.get(name)
+        if info is None:
+            info = self._reads[name] = self._read_info(name)
+        return info
+
+    def _parts_of(self, sol, n):
+        """:meth:`_parts` of ``n``, kept (a plan always has the same nodes: the options')."""
+        parts = self._moves.get(n.name)
+        if parts is None:
+            parts = self._moves[n.name] = self._parts(sol, n)
+        return parts
 
     def _parts(self, sol, n):
-        """``(feeders, touched, moved)``: ``n``'s operands made only for it, the values
-        whose conversions a move at ``n`` prices, and the nodes it may re-pick."""
+        """``(feeders, touched, moved)``: ``n``'s operands made only for it (with their
+        operand positions), the values whose conversions a move at ``n`` prices (a tuple,
+        in the order of the set they form) and the nodes it may re-pick."""
         feeders = [i for i in dict.fromkeys(n.inputs) if i in sol and len(self.users[i]) == 1]
         touched = set(n.inputs) | {n.name} | {j for i in feeders for j in self.g[i].inputs}
-        return feeders, touched, [n.name] + feeders
+        return [(i, n.inputs.index(i)) for i in feeders], tuple(touched), [n.name] + feeders
 
     def _best_move(self, sol, n) -> bool:
         """Re-pick ``n``'s strategy; an operand made only for ``n`` may change with it
-        (to produce exactly the layout ``n`` then wants).  Keeps strict gains only."""
-        feeders, touched, moved = self._parts(sol, n)
+        (to produce exactly the layout ``n`` then wants).  Keeps strict gains only.
+
+        The option ``n`` already has, with every feeder already producing what it wants,
+        is the current state itself: its cost is the starting cost, no strict gain, so it
+        is not priced again."""
+        feeders, touched, moved = self._parts_of(sol, n)
+        compute, value_cost = self._compute, self.value_cost
 
         def local():
-            return sum(self._compute(sol, m) for m in moved) + sum(self.value_cost(sol, v) for v in touched)
+            return sum(compute(sol, m) for m in moved) + sum(value_cost(sol, v) for v in touched)
 
         keep = {m: sol[m] for m in moved}
+        cur = keep[n.name]
         best, best_cost = dict(keep), local()
         for _, ins, out in self.options[n.name]:
             sol.update(keep)
             sol[n.name] = (ins, out)
-            for i in feeders:
-                want = ins[n.inputs.index(i)]
-                fits = [(c, i_ins, o) for c, i_ins, o in self.options[i] if o is want]  # interned
+            same = ins is cur[0] and out is cur[1]
+            for i, k in feeders:
+                want = ins[k]
+                fits = self._fits(i, want)
                 if fits and sol[i][1] is not want:
                     sol[i] = min(fits, key=lambda f: self._feeder_cost(sol, i, f))[1:]
+                    same = False
+            if same:
+                continue
             cost = local()
             if cost < best_cost - 1e-13:
                 best, best_cost = {m: sol[m] for m in moved}, cost
         sol.update(best)
         return best != keep
+
+    def _fits(self, name, want) -> list:
+        """``name``'s options that produce ``want`` (interned), in option order."""
+        opts = self.options[name]
+        key = (id(opts), id(want))
+        fits = self._fit.get(key)
+        if fits is None:
+            fits = self._fit[key] = [(c, i_ins, o) for c, i_ins, o in opts if o is want]
+        return fits
 
     def _feeder_cost(self, sol, i, option):
         c, ins, out = option

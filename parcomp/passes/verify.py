@@ -10,6 +10,8 @@ of the rule table; every layout-change node does exactly what its kind says.
 """
 from __future__ import annotations
 
+from operator import is_
+
 from ..errors import VerifyError
 from ..ir.graph import Graph, describe
 from ..ir.ops import OPS, attr_problem
@@ -32,12 +34,13 @@ def verify(graph: Graph, memo: dict | None = None) -> None:
     todo = graph.nodes if memo is None else [n for n in graph.nodes
                                              if not _passed(graph, n, memo.get(n.name), checks)]
     _check_ssa(graph, {id(n) for n in todo})
+    distinct = _distinct(graph, todo)  # the first of each set of alike nodes, in order
     if graph.stage == "global":
-        _check_types(graph, todo)
+        _check_types(graph, distinct)
     if graph.mesh is not None:
-        check_layout_shapes(graph, graph.mesh, todo)
+        check_layout_shapes(graph, graph.mesh, distinct)
     if checks[2]:
-        for n in todo:
+        for n in distinct:
             _check_layouts(graph, n)
     if memo is not None:
         memo.update((n.name, (n, tuple(graph[i] for i in n.inputs), checks)) for n in todo)
@@ -46,7 +49,7 @@ def verify(graph: Graph, memo: dict | None = None) -> None:
 def _passed(graph, n, entry, checks) -> bool:
     """Whether ``entry`` (a memo's) says ``n`` passed these checks with these operands."""
     return (entry is not None and entry[0] is n and entry[2] == checks
-            and all(i in graph and graph[i] is m for i, m in zip(n.inputs, entry[1])))
+            and all(map(is_, map(graph._index.get, n.inputs), entry[1])))
 
 
 def check_model_mesh(graph: Graph, mesh) -> None:
@@ -109,20 +112,23 @@ def _fail(graph, node, msg):
 
 def _check_ssa(graph, todo):
     seen = set()  # todo: ids of the nodes whose op, arity and attrs to check
+    schemas = {}  # (op, attrs) -> the first node with them (the schema check reads only those)
     for n in graph.nodes:
         fresh = id(n) in todo
         if fresh and n.op not in OPS:
             _fail(graph, n, f"unknown op {n.op!r}")
         if n.name in seen:
             _fail(graph, n, f"%{n.name} is defined twice")
-        for i in n.inputs:
-            if i not in seen:
-                _fail(graph, n, f"%{i} is used before it is defined")
-        arity = OPS[n.op].arity
-        if fresh and arity >= 0 and len(n.inputs) != arity:
-            _fail(graph, n, f"{n.op} takes {arity} operands, got {len(n.inputs)}")
+        if not seen.issuperset(n.inputs):
+            for i in n.inputs:
+                if i not in seen:
+                    _fail(graph, n, f"%{i} is used before it is defined")
         if fresh:
-            _check_attrs(graph, n)
+            arity = OPS[n.op].arity
+            if arity >= 0 and len(n.inputs) != arity:
+                _fail(graph, n, f"{n.op} takes {arity} operands, got {len(n.inputs)}")
+            if _first(schemas, (n.op, n.attrs), n):
+                _check_attrs(graph, n)
         seen.add(n.name)
     for o in graph.outputs:
         if o not in seen:
@@ -196,6 +202,30 @@ def _move_axes(graph, n) -> tuple:
 
 def _is_dim(d, ty) -> bool:
     return isinstance(d, int) and not isinstance(d, bool) and 0 <= d < ty.rank
+
+
+def _distinct(graph, nodes) -> list:
+    """``nodes`` less each node alike an earlier one in all that the type and layout checks
+    read of it: op, attrs, type, layout, operand layouts (and whether they are its own
+    ``in_layouts``) and operand types, not names. Alike nodes pass or fail alike, and a
+    failing one is met first, so the first failing node is the same; the nodes of repeated
+    blocks are checked once per call."""
+    first, out = {}, []
+    for n in nodes:
+        key = (n.op, n.attrs, n.type, n.layout, n.in_layouts is None, _operand_layouts(graph, n),
+               tuple(graph[i].type for i in n.inputs))
+        if _first(first, key, n):
+            out.append(n)
+    return out
+
+
+def _first(first: dict, key, n) -> bool:
+    """Whether ``n`` is the first node met with ``key`` (recorded in ``first``); True for a
+    key that cannot be hashed (an unhashable attribute value: such nodes are all checked)."""
+    try:
+        return first.setdefault(key, n) is n
+    except TypeError:
+        return True
 
 
 def _check_layouts(graph, n):
