@@ -1,7 +1,7 @@
 """Tensor parallel inside a pipeline stage (issue 10): dp=2 x pp=2 x tp=2 on the numpy
 interpreter equals the unsharded step for every schedule, with Megatron's collectives inside
 each stage (pinned), and the shipped 8-rank spec plans them.  The torchrun run of the same
-mesh is tests/test_pipeline_torch.py (the only 8-rank test)."""
+mesh is tests/test_pipeline_schedules_torch.py."""
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st

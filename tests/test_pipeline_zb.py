@@ -1,7 +1,7 @@
 """ZB-H1 (backward split into input- and weight-gradient programs) and interleaved 1F1B
 (pp x virtual model chunks) executed on the numpy interpreter (issue 10): one training step
 equals the unsharded step for every schedule, every schedule gives the same numbers, and the
-report gives each schedule's bubble.  The torchrun runs are tests/test_pipeline_zb_torch.py."""
+report gives each schedule's bubble.  The torchrun runs are tests/test_pipeline_schedules_torch.py."""
 import numpy as np
 import pytest
 
