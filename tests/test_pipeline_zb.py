@@ -181,8 +181,8 @@ def test_report_gives_each_schedules_bubble(name, pp, micro, virtual, want):
     ("mesh pp=2\ntrain schedule=interleaved microbatches=3\n", "2:28", "multiple of pp (2)"),
     ("mesh pp=2\nstage 0: a\nstage 1: b\ntrain schedule=interleaved microbatches=2\n", "2:1",
      "drop the stage statements"),
-    ("mesh pp=2\ntrain schedule=zb-h2\n", "2:1", "did you mean 'zb-h1'"),
-    ("mesh tp=2\ntrain virtual=2\n", "2:1", "no 'pp' axis"),
+    ("mesh pp=2\ntrain schedule=zb-h2\n", "2:7", "did you mean 'zb-h1'"),
+    ("mesh tp=2\ntrain virtual=2\n", "2:7", "no 'pp' axis"),
 ])
 def test_bad_schedule_options_are_located(text, where, msg):
     with pytest.raises(SpecError) as e:
