@@ -1,7 +1,7 @@
 """A 2-stage pipelined training step: parcomp's program.py vs torch.distributed.pipelining.
 
-Model: ``specs/models.py:mlp_chain(blocks=4, hidden=32)`` cut after block 2 (modules 0-5 |
-6-11); global batch (8, 8, 32) in 4 microbatches of 2; MSE loss; SGD(lr=0.01); 2 gloo ranks
+Model: ``specs/models.py:mlp_chain(blocks=4, hidden=H)`` cut after block 2 (modules 0-5 |
+6-11); global batch (B, 8, H) in 4 microbatches of B/4; MSE loss; SGD(lr=0.01); 2 gloo ranks
 (spawned processes, 1 thread each). Per schedule (GPipe, 1F1B; ZB-H1 and interleaved 1F1B
 with 2 chunks per rank: parcomp only, measured bubble vs the report's estimate):
 
@@ -19,7 +19,12 @@ step over ``--steps`` after 3 warm-up steps, parcomp / torch, the analytic bubbl
 unsharded step (forward, backward, SGD) of the whole model in one process: the fraction of
 the two ranks' time not spent on the model's own compute (bubble plus p2p and overheads).
 
-Run:  .venv/bin/python bench/pipeline_step.py [--steps 20]
+``--hidden H --batch B`` (default 32 and 8) scale the model and the batch: at the default the
+unsharded step is ~1 ms and the measured bubble is p2p latency and Python overhead; at
+``--hidden 256 --batch 32`` compute dominates and the measured bubble can be read against the
+analytic one.
+
+Run:  .venv/bin/python bench/pipeline_step.py [--steps 20] [--hidden 32] [--batch 8]
 """
 from __future__ import annotations
 
@@ -40,8 +45,12 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 STEPS = int(C.arg_value("--steps", 20))
-WARMUP, MICRO, BLOCKS, HIDDEN, BATCH = 3, 4, 4, 32, 8
+WARMUP, MICRO, BLOCKS = 3, 4, 4
+HIDDEN = int(C.arg_value("--hidden", 32))  # --hidden 256 --batch 32: ~100x the compute per step
+BATCH = int(C.arg_value("--batch", 8))  # a multiple of MICRO
 CUT = 6  # modules 0-5 on stage 0, 6-11 on stage 1
+if BATCH % MICRO:
+    sys.exit(f"--batch {BATCH}: not a multiple of the {MICRO} microbatches")
 
 
 def _models():
