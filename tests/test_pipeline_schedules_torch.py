@@ -130,6 +130,7 @@ def test_gpt2_every_schedule_equals_the_unsharded_step_and_each_other(tmp_path, 
         assert ("TIED_SETS = [[[0, 1]]]" if mesh == "pp2" else
                 "TIED_SETS = [[[0, 2], [1, 3], [4, 6], [5, 7]]]") in text
         assert_all_equivalent(got, want, bounds)
+        assert_detects_a_wrong_scale(got, want, bounds)
         assert torch.equal(files[0]["lm_head.weight"], torch.from_numpy(got["lm_head.weight"]))
         outs[name] = got
     assert_same_numbers(outs)
