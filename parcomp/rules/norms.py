@@ -23,6 +23,7 @@ import numpy as np
 
 from ..ir.types import P, R, Shard
 from ..reference.norm_ops import NORM_NUMPY_OPS, dropout_scale
+from .vjp_bounds import norm_dg_move
 
 
 def gamma(k, u: float):
@@ -158,9 +159,13 @@ def _norm_grad_err(vals, errs, node, out, u):
     m = _mean(g * xhat)
     mg = 0.0 if rms else _mean(np.abs(g))
     big = np.abs(g) + mg + np.abs(xhat) * np.abs(m)
-    em = _mean(eg * (np.abs(xhat) + exhat) + np.abs(g) * exhat) + gamma(n + 4, u) * _mean(np.abs(g * xhat))
-    einner = (eg + (0.0 if rms else _mean(eg) + gamma(n + 4, u) * mg) + exhat * (np.abs(m) + em)
-              + np.abs(xhat) * em + 4 * u * big)
+    em_x = _mean(eg * exhat + np.abs(g) * exhat) + gamma(n + 4, u) * _mean(np.abs(g * xhat))
+    em = em_x + _mean(eg * np.abs(xhat))  # m's error: its e_g part first order, then the rest
+    moved = norm_dg_move(xhat, eg, rms)  # |J| e_g (vjp_bounds.py), at most the expansion
+    if moved is None:
+        moved = eg + (0.0 if rms else _mean(eg)) + np.abs(xhat) * _mean(eg * np.abs(xhat))
+    einner = (moved + (0.0 if rms else gamma(n + 4, u) * mg) + exhat * (np.abs(m) + em)
+              + np.abs(xhat) * em_x + 4 * u * big)
     return rstd * (rel_r * big + (1 + rel_r) * einner) + u * np.abs(out)
 
 
