@@ -90,3 +90,49 @@ def test_the_structured_bound_is_tighter_than_the_expansion(name, monkeypatch):
     loose = op_bound(node, vals, errs)[1]
     assert (tight <= loose * (1 + 1e-12)).all()
     assert tight.sum() < (0.95 if name.startswith("rms") else 0.8) * loose.sum()  # rms: no mean g
+
+
+NORMS = {"layer_norm": "%x: f64[5,8] = input()\n%y: f64[5,8] = layer_norm(%x) {eps=1e-05}",
+         "rms_norm": "%x: f64[5,8] = input()\n%y: f64[5,8] = rms_norm(%x) {eps=1e-06}"}
+
+
+def _norm(name, rng):
+    node = parse_graph(NORMS[name] + "\nreturn %y\n")["y"]
+    return node, rng.standard_normal((5, 8)) * 3 + (1.0 if name == "layer_norm" else 0.0)
+
+
+@pytest.mark.parametrize("name", sorted(NORMS))
+def test_norm_input_moved_along_the_jacobian_signs_reaches_but_never_exceeds_the_bound(name):
+    """xhat's bound: rstd |J| e plus a rigorous second-order rest (rules/norms.py _xhat_move)."""
+    rng = np.random.default_rng(3)
+    node, x = _norm(name, rng)
+    ex = 1e-7 * (1 + rng.random(x.shape))
+    y, bound = op_bound(node, [x], [ex])
+    y = _f(node, [x])
+    for row in range(x.shape[0]):
+        for i in range(x.shape[1]):
+            h = np.zeros_like(x)
+            jac = np.zeros(x.shape[1])
+            for j in range(x.shape[1]):  # central differences along the row
+                h[row, j] = 1e-4
+                jac[j] = (_f(node, [x + h])[row, i] - _f(node, [x - h])[row, i]) / 2e-4
+                h[row, j] = 0.0
+            worst = np.abs(jac) @ ex[row]
+            moved = x.copy()
+            moved[row] += ex[row] * np.sign(jac)
+            assert abs(_f(node, [moved])[row, i] - y[row, i]) <= bound[row, i]
+            assert worst <= bound[row, i] <= 1.1 * worst + 1e-12  # tight: the old bound was not
+
+
+@pytest.mark.parametrize("name", sorted(NORMS))
+@pytest.mark.parametrize("rel", [1e-6, 1e-2, 0.1, 0.3])
+def test_norm_input_moved_within_a_large_error_stays_within_the_bound(name, rel):
+    """Second order matters once the error is a sizeable part of the row's spread."""
+    rng = np.random.default_rng(4)
+    node, x = _norm(name, rng)
+    ex = rel * (np.abs(x) + 0.5)
+    y, bound = op_bound(node, [x], [ex])
+    y = _f(node, [x])
+    for _ in range(300):
+        moved = x + ex * rng.choice([-1.0, 1.0], x.shape) * rng.uniform(0.8, 1.0, x.shape)
+        assert (np.abs(_f(node, [moved]) - y) <= bound).all()
