@@ -23,7 +23,7 @@ from .passes.train_config import check_steps, train_config
 from .passes.moe_capacity import spec_changes_capacity  # the spec's MoE capacity (issue 14)
 from .reference.training import numpy_train
 from .report import format_collectives, format_load, format_memory, format_search, plural
-from .check64 import NOTE, promote_compiled, promote_feeds, run_precision
+from .check64 import NOTE, NOTE_MISMATCH, promote_compiled, promote_feeds, run_precision
 from .resolution import where_bound_grew
 from .tolerance import compare_outputs as compare, output_bounds, propagate, training_bounds
 from .train_check import carried as _carried, lockstep, replay_reference, torch_reference as _torch_reference
@@ -330,11 +330,12 @@ def _check_training(args, compiled, module, example, steps):
     ls, how = lockstep(compiled, module if _is_torch(module) else None, example, feeds, steps), ""
     if ls["vs_unsharded"].get("unbounded"):  # float32 cannot vouch: the float64 re-check (parcomp/check64.py)
         wide = lockstep(promote_compiled(compiled), None, example, promote_feeds(feeds), steps)
-        note = NOTE.format(err=ls["vs_unsharded"]["max_abs_err"], why=ls["vs_unsharded"]["why"][:300] + " ...",
-                           dtype=run_precision(compiled))
-        if wide["vs_unsharded"]["ok"]:
+        note = (NOTE if wide["vs_unsharded"]["ok"] else NOTE_MISMATCH).format(
+            err=ls["vs_unsharded"]["max_abs_err"], why=ls["vs_unsharded"]["why"][:300] + " ...",
+            dtype=run_precision(compiled))
+        if wide["vs_unsharded"]["ok"] or not wide["vs_unsharded"].get("unbounded"):  # OK or MISMATCH, as forward
             ls, how = {**wide, "vs_torch": ls["vs_torch"], "note": note}, ", in float64"
-        else:  # float64 cannot vouch either (or differs): the float32 verdict stands, with what it found
+        else:  # float64 cannot vouch either: the float32 verdict stands, with what it found
             ls["note"] = (f"the float64 re-check does not vouch either: max abs error {wide['vs_unsharded']['max_abs_err']:.3e}"
                           f"; {wide['vs_unsharded']['why'][:300]} ...")
     result = {**ls["vs_unsharded"], "losses": ls["losses"], "reference_losses": ls["reference_losses"],

@@ -45,3 +45,15 @@ def assert_never_wrong(out: dict) -> None:
         assert vs["ok"] or vs["unbounded"], vs["why"]
     got, want = np.asarray(out["losses"], np.float64), np.asarray(out["reference_losses"], np.float64)
     assert got.shape == want.shape and (np.abs(got - want) <= LOSS_GUARD * np.abs(want)).all(), (got, want)
+
+
+#: the training specs whose float64 re-check vouches (OK): their one-step bound resolves a
+#: 10% error in float64 (issue 17, parcomp/rules/vjp_bounds.py); Llama's does not yet
+VOUCHED_LMS = ("gpt2_lm",)
+
+
+def assert_vouched_if_expected(out: dict, factory: str) -> None:
+    """:func:`assert_never_wrong`, and OK (not CANNOT VOUCH) for a model in :data:`VOUCHED_LMS`."""
+    assert_never_wrong(out)
+    if factory in VOUCHED_LMS:
+        assert out["verdict"] == "OK", out.get("why")

@@ -107,7 +107,7 @@ def test_forward_lm_with_one_wrong_all_reduce_is_a_mismatch(tmp_path, capsys, mo
 def test_training_lm_with_one_wrong_all_reduce_is_never_ok(capsys, monkeypatch, factory, spec, collective):
     _inject(monkeypatch, collective)
     out = _check(capsys, factory, os.path.join(ROOT, "specs", spec))
-    assert out["verdict"] != "OK", out
+    assert out["verdict"] == "MISMATCH", out  # the float64 re-check resolves it (rules/vjp_bounds.py)
 
 
 GRADS = {

@@ -24,6 +24,7 @@ import numpy as np
 
 from ..ir.types import P, R, Shard
 from ..reference.numpy_attn import attention_probs
+from .vjp_bounds import sdpa_dy_move
 
 
 def sdpa_strategies(node, ts):
@@ -137,19 +138,25 @@ def _sdpa_grad_err(vals, errs, node, out, u):
     if wrt == "v":
         return _mm_err(_t(p), dy, _t(ep), edy, u, q.shape[-2]) + u * np.abs(out) + sk * t
     dp = np.matmul(dy, _t(v))
-    edp = _mm_err(dy, _t(v), edy, _t(ev), u) + t
+    edp_y = np.matmul(edy, np.abs(_t(v)))  # dy's own error, first order (its |J|: vjp_bounds.py)
+    edp = _mm_err(dy, _t(v), 0.0, _t(ev), u) + np.matmul(edy, _t(ev)) + t  # + edp_y: the whole
     r = np.sum(dp * p, axis=-1, keepdims=True)
-    er = (np.sum(np.abs(dp) * ep + edp * p + edp * ep, axis=-1, keepdims=True)
+    er = (np.sum(np.abs(dp) * ep + edp * p + (edp + edp_y) * ep, axis=-1, keepdims=True)
           + gamma(sk + 2, u) * np.sum(np.abs(dp * p), axis=-1, keepdims=True))
     tt = dp - r
     et = edp + er + u * np.abs(tt)
     ds = p * tt
-    eds = p * et + ep * np.abs(tt) + ep * et + u * np.abs(ds) + t
+    et_y = edp_y + np.sum(p * edp_y, axis=-1, keepdims=True)  # p (e + <p, e>): the expansion
+    eds = p * et + ep * np.abs(tt) + ep * (et + et_y) + u * np.abs(ds) + t
     c = abs(float(node.attr("scale")))
+    other = k if wrt == "q" else q
+    moved = sdpa_dy_move(p, v, other, edy, wrt)  # |J| e_dy, at most the expansion p et_y
     if wrt == "q":
-        e = _mm_err(ds, k, eds, ek, u, sk + 2)
+        e = _mm_err(ds, k, eds, ek, u, sk + 2) + np.matmul(p * et_y, ek)
+        e = e + (np.matmul(p * et_y, np.abs(k)) if moved is None else moved)
     else:
-        e = _mm_err(_t(ds), q, _t(eds), eq, u, q.shape[-2] + 2)
+        e = _mm_err(_t(ds), q, _t(eds), eq, u, q.shape[-2] + 2) + np.matmul(_t(p * et_y), eq)
+        e = e + (np.matmul(_t(p * et_y), np.abs(q)) if moved is None else moved)
     return c * e + 2 * u * np.abs(out) + sk * t
 
 

@@ -23,6 +23,7 @@ import numpy as np
 
 from ..ir.types import P, R, Shard
 from ..reference.norm_ops import NORM_NUMPY_OPS, dropout_scale
+from .vjp_bounds import norm_dg_move
 
 
 def gamma(k, u: float):
@@ -123,11 +124,31 @@ def _xhat_bounds(x, ex, eps, rms, u):
         t = np.where(big < 1, big / (1 + np.sqrt(np.maximum(1 - big, 0.0))), np.inf)
         prop = np.where(t < 1, (rstd * dd + np.abs(xhat) * t) / np.where(t < 1, 1 - t, 1.0), np.inf)
         rel_in = np.where(t < 1, t / np.where(t < 1, 1 - t, 1.0), np.inf)
+    prop = np.minimum(prop, _xhat_move(xhat, rstd, ex, dd, big, t, rms))
     prop = np.minimum(prop, np.abs(xhat) + np.sqrt(n))  # any normalized row has |xhat_i| < sqrt(n)
     err_mu = 0.0 if rms else gamma(n + 1, u) * _mean(np.abs(x))
     rel_own = 0.5 * (gamma(2 * n + 8, u) * _mean(x * x) + 2 * err_mu * _mean(np.abs(d))) / (var + eps) + 4 * u
     exhat = prop + np.abs(xhat) * (rel_own + u) + rstd * (err_mu + u * np.abs(d))
     return xhat, rstd, exhat, rel_in + rel_own
+
+
+def _xhat_move(xhat, rstd, ex, dd, big, t, rms):
+    """|xhat' - xhat| for inputs moved by at most ``ex``: ``rstd |J| ex`` (the exact first
+    order, :func:`parcomp.rules.vjp_bounds.norm_dg_move`) plus the rest, rigorously: with
+    s' = s sqrt(1 + z), z = (2 mean(d dd) + mean(dd^2)) / s^2 (|z| <= big < 1),
+    xhat' - xhat - J dd = dd (1/s' - 1/s) - xhat (f(z) - mean(d dd) / s^2), f(z) = 1 - (1+z)^-1/2;
+    |1/s' - 1/s| <= rstd t / (1 - t) and |f(z) - z/2| <= 3/8 z^2 (1 - |z|)^-5/2 (Taylor), so the
+    rest is at most |dd| rstd t / (1-t) + |xhat| (mean(dd^2) rstd^2 / 2 + 3/8 big^2 (1-big)^-5/2).
+    Inf where big >= 1 or the |J| is too large to build (the caller keeps its other bound)."""
+    first = norm_dg_move(xhat, ex, rms)
+    if first is None:
+        return np.inf
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        ok = big < 1
+        safe = np.where(ok, big, 0.0)
+        rest = (dd * rstd * np.where(t < 1, t / np.where(t < 1, 1 - t, 1.0), np.inf)
+                + np.abs(xhat) * (0.5 * _mean(dd * dd) * rstd * rstd + 0.375 * safe * safe * (1 - safe) ** -2.5))
+        return np.where(ok, rstd * first + rest, np.inf)
 
 
 def _norm_err(vals, errs, node, out, u):
@@ -158,9 +179,13 @@ def _norm_grad_err(vals, errs, node, out, u):
     m = _mean(g * xhat)
     mg = 0.0 if rms else _mean(np.abs(g))
     big = np.abs(g) + mg + np.abs(xhat) * np.abs(m)
-    em = _mean(eg * (np.abs(xhat) + exhat) + np.abs(g) * exhat) + gamma(n + 4, u) * _mean(np.abs(g * xhat))
-    einner = (eg + (0.0 if rms else _mean(eg) + gamma(n + 4, u) * mg) + exhat * (np.abs(m) + em)
-              + np.abs(xhat) * em + 4 * u * big)
+    em_x = _mean(eg * exhat + np.abs(g) * exhat) + gamma(n + 4, u) * _mean(np.abs(g * xhat))
+    em = em_x + _mean(eg * np.abs(xhat))  # m's error: its e_g part first order, then the rest
+    moved = norm_dg_move(xhat, eg, rms)  # |J| e_g (vjp_bounds.py), at most the expansion
+    if moved is None:
+        moved = eg + (0.0 if rms else _mean(eg)) + np.abs(xhat) * _mean(eg * np.abs(xhat))
+    einner = (moved + (0.0 if rms else gamma(n + 4, u) * mg) + exhat * (np.abs(m) + em)
+              + np.abs(xhat) * em_x + 4 * u * big)
     return rstd * (rel_r * big + (1 + rel_r) * einner) + u * np.abs(out)
 
 
