@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from parcomp import commands
+from parcomp import commands, commands_common
 from parcomp.cli import main
 from parcomp.errors import ParcompError
 from parcomp.frontends.loader import load_model
@@ -142,10 +142,10 @@ def _outcome(tmp: Path, model: str, model_text: str | None, spec_text: str) -> s
 
 @pytest.fixture(scope="module")
 def cached_loader():
-    original = commands.load_model
-    commands.load_model = lambda ref: load_model(ref) if ref.endswith(".pcir") else _cached_model(ref)
+    original = commands_common.load_model  # what commands._compile calls
+    commands_common.load_model = lambda ref: load_model(ref) if ref.endswith(".pcir") else _cached_model(ref)
     yield
-    commands.load_model = original
+    commands_common.load_model = original
 
 
 FUZZ = settings(max_examples=1000, deadline=None, database=None,

@@ -90,9 +90,9 @@ def test_stage_statements_and_pipeline_options_parse():
     ("mesh pp=2\nstage 0: 0-5\nstage 1: 5\n", "3:10", "module 5 is already in stage 0"),
     ("mesh pp=2\nstage 0: 5-1\nstage 1: 6\n", "2:10", "ends below its start"),
     ("mesh pp=2\nstage 0 0-5\n", "2:9", "expected ':'"),
-    ("mesh pp=2\ntrain schedule=gpip\n", "2:1", "did you mean 'gpipe'"),
-    ("mesh tp=2\ntrain microbatches=2\n", "2:1", "no 'pp' axis"),
-    ("mesh pp=2\ntrain microbatches=0\n", "2:1", "microbatches=0 is out of range"),
+    ("mesh pp=2\ntrain schedule=gpip\n", "2:7", "did you mean 'gpipe'"),
+    ("mesh tp=2\ntrain microbatches=2\n", "2:7", "no 'pp' axis"),
+    ("mesh pp=2\ntrain microbatches=0\n", "2:7", "microbatches=0 is out of range"),
     ("mesh pp=2\nstage 0: 0\nstage 1: 1\ntrain stages=balanced\n", "4:1", "keep one"),
 ])
 def test_bad_stage_rules_are_located(text, where, msg):

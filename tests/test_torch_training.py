@@ -46,7 +46,10 @@ COMPUTE_OPS = sorted(set(OP_FORMATS) - set(LAYOUT_OPS) - {"relayout"}  # lowered
                      # fp16 loss scaling (issue 13): scalar scaler state, tests/test_precision.py;
                      # MoE (issue 14): routing operands, tests/test_moe.py (torchrun vs interpreter)
                      - {"amp_ratio", "amp_select", "amp_tracker", "moe_route", "moe_route_grad", "moe_dispatch",
-                        "moe_combine", "moe_combine_grad_c", "all_to_all_ragged"})
+                        "moe_combine", "moe_combine_grad_c", "all_to_all_ragged"}
+                     # issue 14 ring attention / balanced chunking: point-to-point inside the op;
+                     # program.py runs them in tests/test_cp_ring.py (torchrun vs interpreter)
+                     - {"sdpa_ring", "sdpa_grad_ring", "arange_balanced"})
 SHAPED_CASES = {  # case: (op, operand shapes, result shape, attrs); "i:2,3" = int64 labels in [0, 5)
     "pow": ("pow", ((2, 3),), (2, 3), {"exponent": 3.0}),
     "add_scalar": ("add_scalar", ((2, 3),), (2, 3), {"value": 1.5}),

@@ -30,7 +30,7 @@ RATIO, TRACKER, SKIPPED = "amp.scale_ratio", "amp.growth_tracker", "amp.skipped"
 def amp_options(t, precision: str) -> tuple:
     """``(loss_scale, growth_interval)`` of TrainSpec ``t`` (torch's GradScaler defaults).
     Raises SpecError at the option's column: values out of range or given without fp16."""
-    from .train_config import option_loc
+    from .option_loc import option_loc
 
     given = [k for k in ("loss_scale", "growth_interval") if t.get(k) is not None]
     if given and precision != "fp16":

@@ -44,7 +44,7 @@ GRAD_REDUCE = ("fp32", "compute")
 def precision_options(t) -> tuple:
     """``(precision, grad_reduce, loss_scale, growth_interval)`` of TrainSpec ``t`` (the last two:
     fp16's dynamic loss scaling, :mod:`parcomp.passes.amp`). Raises SpecError at the option's column."""
-    from .train_config import option_loc
+    from .option_loc import option_loc
 
     p, g = t.get("precision", "fp32"), t.get("grad_reduce", "fp32")
     if p not in PRECISIONS:

@@ -17,8 +17,8 @@ Search:
    and then the answer;
 2. otherwise the integer program of :mod:`.layout_ilp` (HiGHS), exact, started
    from the best of the DP, a forward greedy pass (DTensor-style propagation)
-   and local moves (a node re-picks its strategy, operands computed only for it
-   follow), which is also kept if the solver's time budget runs out first.
+   and local moves (:mod:`.shard_moves`: a node re-picks its strategy, operands
+   computed only for it follow), which is also kept if the solver's time budget runs out first.
 
 Both are checked against brute-force enumeration in the tests (test_optimality,
 test_ilp).
@@ -35,6 +35,7 @@ from ..redistribute import DP_AXIS, compute_cost, gathers_over, plan_cost
 from .keep_dp import batch_values, prune
 from ..rules.sharding import mesh_strategies
 from .layout_ilp import DEFAULT_SECONDS, MemoryLimit, solve_ilp, too_large
+from .shard_moves import LocalMoves
 
 _TOL = 1e-15
 # collectives over dp that make one of the batch's values whole on every dp rank: an
@@ -106,7 +107,7 @@ def _search(prob, limit, seconds) -> tuple:
     return best, "ilp" if proven or better else "heuristic", proven
 
 
-class _Problem:
+class _Problem(LocalMoves):
     """Options per node and the exact cost of a plan.  With ``data_parallel`` (the default)
     a conversion that all-gathers one of the batch's values over the mesh axis ``dp`` costs
     infinity (:func:`batch_values`), except into a layout the spec pins that value to."""
@@ -302,115 +303,6 @@ class _Problem:
                   (ins, out))
                  for k, (c, ins, out) in enumerate(self.options[n.name])))[2]
         return sol
-
-    def improve(self, sol, rounds: int = 8) -> dict:
-        """Apply strictly improving moves (see :meth:`_best_move`) until none is left.
-
-        A node whose last move attempt kept nothing, and none of whose neighbourhood
-        (:meth:`_hood`: what that attempt read) changed since, is skipped: the attempt
-        would read the same state and keep nothing again, so the plan is the one trying
-        every node every round gives, in time linear in the moves made."""
-        sol, hoods = dict(sol), {}
-        for n in self.g.nodes:
-            if n.name in sol:
-                hoods[n.name] = self._hood(self._parts_of(sol, n))
-        readers = {}  # name -> the nodes whose move reads its strategy
-        for name, (_, reads) in hoods.items():
-            for m in reads:
-                readers.setdefault(m, []).append(name)
-        dirty = set(hoods)
-        for _ in range(rounds):
-            changed = False
-            for n in reversed(self.g.nodes):
-                if n.name not in dirty:
-                    continue
-                if self._best_move(sol, n):
-                    changed = True
-                    for m in hoods[n.name][0]:
-                        dirty.update(readers.get(m, ()))
-                else:
-                    dirty.discard(n.name)
-            if not changed:
-                break
-        return sol
-
-    def _hood(self, parts):
-        """``(moved, reads)`` of a move with :meth:`_parts` ``parts``: the nodes it may
-        re-pick and every node whose strategy it reads (those, the values it prices and
-        their readers; not the readers of a value whose cost they cannot change, see
-        :meth:`_read_info`)."""
-        _, touched, moved = parts
-        return moved, set(moved) | set(touched) | {u for v in touched if not self._info(v)[4]
-                                                   for u in self.users[v]}
-
-    def _info(self, name) -> tuple:
-        info = self._reads.get(name)
-        if info is None:
-            info = self._reads[name] = self._read_info(name)
-        return info
-
-    def _parts_of(self, sol, n):
-        """:meth:`_parts` of ``n``, kept (a plan always has the same nodes: the options')."""
-        parts = self._moves.get(n.name)
-        if parts is None:
-            parts = self._moves[n.name] = self._parts(sol, n)
-        return parts
-
-    def _parts(self, sol, n):
-        """``(feeders, touched, moved)``: ``n``'s operands made only for it (with their
-        operand positions), the values whose conversions a move at ``n`` prices (a tuple,
-        in the order of the set they form) and the nodes it may re-pick."""
-        feeders = [i for i in dict.fromkeys(n.inputs) if i in sol and len(self.users[i]) == 1]
-        touched = set(n.inputs) | {n.name} | {j for i in feeders for j in self.g[i].inputs}
-        return [(i, n.inputs.index(i)) for i in feeders], tuple(touched), [n.name] + feeders
-
-    def _best_move(self, sol, n) -> bool:
-        """Re-pick ``n``'s strategy; an operand made only for ``n`` may change with it
-        (to produce exactly the layout ``n`` then wants).  Keeps strict gains only.
-
-        The option ``n`` already has, with every feeder already producing what it wants,
-        is the current state itself: its cost is the starting cost, no strict gain, so it
-        is not priced again."""
-        feeders, touched, moved = self._parts_of(sol, n)
-        compute, value_cost = self._compute, self.value_cost
-
-        def local():
-            return sum(compute(sol, m) for m in moved) + sum(value_cost(sol, v) for v in touched)
-
-        keep = {m: sol[m] for m in moved}
-        cur = keep[n.name]
-        best, best_cost = dict(keep), local()
-        for _, ins, out in self.options[n.name]:
-            sol.update(keep)
-            sol[n.name] = (ins, out)
-            same = ins is cur[0] and out is cur[1]
-            for i, k in feeders:
-                want = ins[k]
-                fits = self._fits(i, want)
-                if fits and sol[i][1] is not want:
-                    sol[i] = min(fits, key=lambda f: self._feeder_cost(sol, i, f))[1:]
-                    same = False
-            if same:
-                continue
-            cost = local()
-            if cost < best_cost - 1e-13:
-                best, best_cost = {m: sol[m] for m in moved}, cost
-        sol.update(best)
-        return best != keep
-
-    def _fits(self, name, want) -> list:
-        """``name``'s options that produce ``want`` (interned), in option order."""
-        opts = self.options[name]
-        key = (id(opts), id(want))
-        fits = self._fit.get(key)
-        if fits is None:
-            fits = self._fit[key] = [(c, i_ins, o) for c, i_ins, o in opts if o is want]
-        return fits
-
-    def _feeder_cost(self, sol, i, option):
-        c, ins, out = option
-        return c + sum(self.plan_cost(self.layout(sol, j), lay, self.g[j].type, j)
-                       for j, lay in zip(self.g[i].inputs, ins))
 
 
 def _strategy_attrs(n) -> tuple:

@@ -9,13 +9,12 @@ ValueError or an out-of-memory after compiling.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
-import re
 from dataclasses import dataclass
 
 from ..errors import ParcompError, SpecError, closest
 from .dp_buckets import BUCKET_KEY, bucket_cap_bytes
+from .option_loc import option_loc
 from .train_options import OPTION_KEYS, train_options
 
 LOSSES = ("mse", "cross_entropy", "output")
@@ -76,14 +75,6 @@ class TrainConfig:
 
     def h(self, key):
         return dict(self.hyper)[key]
-
-
-def option_loc(loc, key: str):
-    """``loc`` moved to the column where option ``key=`` is written on its line (``loc``
-    itself when the line does not show it), so an error points at the option."""
-    text = getattr(loc, "text", "") or ""
-    m = re.search(rf"(?<![\w.]){re.escape(key)}\s*=", text)
-    return dataclasses.replace(loc, col=m.start() + 1) if m else loc
 
 
 def train_config(spec) -> TrainConfig:

@@ -93,7 +93,7 @@ def train_options(t, hyper: dict, number, check_range) -> TrainOptions:
     Raises SpecError at the option's column: a non-positive or non-finite ``clip_grad_norm``, an
     unknown schedule or argument, a value out of torch's range, ``eta_min`` above ``lr``,
     ``accumulate`` outside 1..:data:`MAX_ACCUMULATE`."""
-    from .train_config import option_loc  # each error at its option's column
+    from .option_loc import option_loc  # each error at its option's column
 
     clip = t.get("clip_grad_norm")
     if clip is not None:
@@ -117,7 +117,7 @@ def train_options(t, hyper: dict, number, check_range) -> TrainOptions:
 
 
 def _schedule(t, hyper, number, check_range) -> tuple:
-    from .train_config import option_loc  # each error at its option's (or argument's) column
+    from .option_loc import option_loc  # each error at its option's (or argument's) column
 
     at = option_loc(t.loc, "lr_schedule")
     value = t.get("lr_schedule", "constant")

@@ -1,0 +1,210 @@
+"""The body of ``parcomp run``: program.py under torchrun on local gloo ranks, against the unsharded model."""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+
+import numpy as np
+
+from .budget import check_memory
+from .errors import ParcompError
+from .frontends.fused import to_view_shapes  # attention part (issue 17)
+from .frontends.model_file import ModelFile
+from .outdir import record_written, write_dir_atomic
+from .passes.train_config import check_steps, train_config
+from .reference.training import numpy_train
+from .report import format_collectives, plural
+from .tolerance import compare_outputs as compare, output_bounds, training_bounds
+from .train_check import carried as _carried, replay_reference, torch_reference as _torch_reference
+from .train_check import training_result as _training_result, verdict
+from .commands_common import (_compile, feeds_for, _is_torch, print_kept, _print_result, program_files, _reference,
+                              reference_outputs, _short_losses, _summary, _train_feeds, _vs_tolerance)
+
+
+RUN_FILES = ("model.pt", "inputs.pt", "outputs.pt", "replay.pt")  # what ``run`` writes besides the program
+
+
+def _run_files(compiled) -> tuple:
+    """What ``run`` writes into its work directory besides the program: RUN_FILES and
+    each rank's ``outputs.rank{r}.pt``."""
+    stages = compiled.program_.pipeline.stages if compiled.program_.pipeline is not None else ()
+    return (RUN_FILES + tuple(f"outputs.rank{r}.pt" for r in range(compiled.program.mesh.size))
+            + tuple(f"outputs.pt.stage{s.index}" for s in stages))  # a pipeline's (pipeline_run.py)
+
+
+def _write_work(args, work: str, compiled) -> None:
+    kept = write_dir_atomic(work, program_files(compiled, "torch", args.profile,
+                                                os.path.basename(args.model)), _run_files(compiled),
+                            flag="--keep" if args.keep else "the work directory", command="run")
+    if args.keep and not args.json:
+        print_kept(work, kept)
+
+
+def _end_work(args, work: str, compiled) -> None:
+    """After a run: ``--keep``'s run files get their hashes in the manifest (a later edit
+    makes them the user's); a temporary work directory is removed."""
+    if args.keep:
+        record_written(work, _run_files(compiled))
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _checkpoint(work: str, graph, feeds: dict, module) -> str:
+    """The checkpoint program.py reads: a model file itself (its weights, each rank reading
+    its slices), else ``work/model.pt`` written from ``feeds``."""
+    if isinstance(module, ModelFile):
+        return module.path
+    import torch
+
+    path = os.path.join(work, "model.pt")
+    torch.save({n.name: torch.from_numpy(np.ascontiguousarray(feeds[n.name])) for n in graph.params},
+               path)
+    return path
+
+
+def run(args):
+    """``parcomp run``: launch program.py on ``--nproc`` local gloo ranks with torchrun and compare
+    with the unsharded module (for training: K steps against torch.optim / the unsharded step)."""
+    from parcomp_backends.torch.launch import assemble_outputs, run_torchrun, write_inputs
+
+    compiled, module, example = _compile(args, numeric="run")
+    if compiled.program_.pipeline is not None:  # one pipelined step (parcomp/pipeline_run.py)
+        from .pipeline_run import run_pipeline
+
+        return run_pipeline(args, compiled, _train_feeds(compiled, module, example, 0),
+                            lambda work: _write_work(args, work, compiled),
+                            lambda work: _end_work(args, work, compiled))
+    if args.nproc == compiled.program.mesh.size:  # else the --nproc error below comes first
+        check_memory(compiled, "run")
+    if compiled.report.get("training"):
+        return _run_training(args, compiled, module, example)
+    if args.steps is not None:
+        raise ParcompError(f"--steps {args.steps}: the spec has no train line, so the program is "
+                           f"one forward pass; drop --steps or add a train line")
+    size = compiled.program.mesh.size
+    if args.nproc != size:
+        raise ParcompError(f"--nproc {args.nproc} but the spec's mesh {compiled.program.mesh} has "
+                           f"{plural(size, 'rank')}")
+    graph = compiled.unsharded
+    feeds = feeds_for(graph, module, example)
+    work = args.keep or tempfile.mkdtemp(prefix="parcomp-run-")
+    try:
+        _write_work(args, work, compiled)
+        ckpt = _checkpoint(work, graph, feeds, module)
+        write_inputs({n.name: feeds[n.name] for n in graph.inputs}, os.path.join(work, "inputs.pt"))
+        out_path = os.path.join(work, "outputs.pt")
+        proc = run_torchrun(work, size, ckpt, os.path.join(work, "inputs.pt"),
+                            out_path, extra_args=("--device", "cpu"))
+        if proc.returncode != 0:
+            sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
+            raise ParcompError(f"the program failed on {plural(size, 'rank')} (exit {proc.returncode}); "
+                               f"its output is above")
+        got = assemble_outputs(out_path, compiled.program)
+    finally:
+        _end_work(args, work, compiled)
+    result = compare(got, reference_outputs(graph, _reference(compiled, module), example, feeds),
+                     output_bounds(compiled.logical, feeds))
+    _print_result(args, compiled, result, f"torchrun, {plural(size, 'gloo rank')}")
+    return {**result, "collectives": _summary(compiled.report["collectives"]), "world_size": size}
+
+
+def _launch(compiled, work, feeds, nproc, extra, module=None):
+    from parcomp_backends.torch.launch import run_torchrun, write_inputs
+
+    ckpt = _checkpoint(work, compiled.unsharded, feeds, module)
+    data = {n.name: feeds[n.name] for n in compiled.program.inputs if n.name in feeds}
+    write_inputs(data, os.path.join(work, "inputs.pt"))
+    out_path = os.path.join(work, "outputs.pt")
+    for attempt in (1, 2):  # exit 2: program.py's own located error; other codes may be the
+        # launcher's (a free port taken before torchrun bound it): one retry on a new port
+        proc = run_torchrun(work, nproc, ckpt, os.path.join(work, "inputs.pt"),
+                            out_path, extra_args=("--device", "cpu", *extra))
+        if proc.returncode in (0, 2) or attempt == 2:
+            break
+        print(f"parcomp run: torchrun exited {proc.returncode}; retrying once on a new port",
+              file=sys.stderr, flush=True)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
+        raise ParcompError(f"the program failed on {plural(nproc, 'rank')} (exit {proc.returncode}); "
+                           f"its output is above")
+    return out_path
+
+
+def _run_training(args, compiled, module, example):
+    """``run`` of a training program: program.py under torchrun twice, free-running (its
+    trajectory against the reference's, within the compounding bound while that is finite)
+    and with ``--replay`` (each step from the reference state, within one step's bound:
+    the verdict's main evidence; see :mod:`parcomp.train_check`)."""
+    from parcomp_backends.torch import assemble_training_outputs
+    import torch
+
+    size = compiled.program.mesh.size
+    if args.nproc != size:
+        raise ParcompError(f"--nproc {args.nproc} but the spec's mesh {compiled.program.mesh} has "
+                           f"{plural(size, 'rank')}")
+    steps = train_config(compiled.spec).steps if args.steps is None else check_steps(args.steps)
+    feeds = _train_feeds(compiled, module, example, 0)
+    module = _reference(compiled, module)  # the spec's MoE capacity (issue 14)
+    replay = replay_reference(compiled, module if _is_torch(module) else None, example, feeds, steps)
+    work = args.keep or tempfile.mkdtemp(prefix="parcomp-run-")
+    try:
+        _write_work(args, work, compiled)
+        out_path = _launch(compiled, work, feeds, size, ("--steps", str(steps)), module)
+        outputs, losses = assemble_training_outputs(out_path, compiled.program)
+        replay_path = os.path.join(work, "replay.pt")
+        torch.save([{k: torch.from_numpy(np.ascontiguousarray(v).reshape(np.shape(v))) for k, v in s.items()}
+                    for s in replay["starts"]], replay_path)
+        out_path = _launch(compiled, work, feeds, size, ("--steps", str(steps), "--replay", replay_path),
+                           module)
+        replayed, replayed_losses = assemble_training_outputs(out_path, compiled.program)
+    finally:
+        _end_work(args, work, compiled)
+    params = [n.name for n in compiled.unsharded.params]
+    kept = to_view_shapes({n.name: feeds[n.name] for n in compiled.logical.params if n.name in feeds},
+                          compiled.logical)
+    result = _training_result({**to_view_shapes(replay["starts"][-1], compiled.logical), **replayed,
+                               "losses": np.array(replayed_losses, "float32")},
+                              replay["want"], params, replay["bounds"])
+    # the free-running trajectory: what program.py carries, the checkpoint's buffers and frozen
+    # params staying as loaded
+    got = {**kept, **outputs, "losses": np.array(losses, "float32")}
+    if _is_torch(module):
+        ref_losses, want = _torch_reference(compiled, module, example, feeds, steps)
+    else:
+        ref = numpy_train(compiled.logical, feeds, steps)
+        ref_losses, want = ref["losses"], _carried(ref)
+    tb = training_bounds(compiled.logical, feeds, steps)
+    free = _training_result(got, want, params, _carried(tb), resolve=None)
+    if tb["unbounded_from"] is not None and free.get("unbounded"):
+        free["ok"] = True  # no error beyond a finite bound: nothing to say but the drift
+        free["note"] = (f"the compounding bound is not finite from step {tb['unbounded_from']} on; "
+                        f"only the step-by-step check vouches")
+    result["free_running"] = free
+    result["ok"] = result["ok"] and free["ok"]
+    result["verdict"] = verdict(result)
+    result["losses"], result["reference_losses"] = losses, ref_losses
+    if not args.json:
+        print(format_collectives(compiled.report["collectives"]))
+        ref_name = "torch.optim" if _is_torch(module) else "unsharded numpy"
+        _print_run_training(result, size, steps, ref_name, ref_losses)
+    return {**result, "collectives": _summary(compiled.report["collectives"]), "world_size": size,
+            "steps": steps}
+
+
+def _print_run_training(result, size, steps, ref_name, ref_losses):
+    free = result["free_running"]
+    print(f"torchrun, {plural(size, 'gloo rank')}, {plural(steps, 'step')}: losses "
+          f"{_short_losses(result['losses'])}")
+    print(f"  reference losses: {_short_losses(ref_losses)}")
+    for name, r in ((f"each step from the unsharded run's state, vs {ref_name}", result),
+                    ("free-running, vs " + ref_name, free)):
+        print(f"  {name}:\n    loss {r['max_loss_err']:.2e}  grads {r['max_grad_err']:.2e}"
+              f"  params {r['max_param_err']:.2e}  all carried {r['max_abs_err']:.2e}  "
+              + (f"({r['note']})" if r.get("note") else f"({_vs_tolerance(r)})"))
+        if r.get("missing"):
+            print(f"    missing from the program: {', '.join(r['missing'])}")
+    word = result["verdict"]
+    why = [w for w in (result["why"], free["why"] if not free["ok"] else "") if w]
+    print("  OK" if word == "OK" else f"  {word}: " + "; ".join(why))
