@@ -6,6 +6,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
+from .passes.cp_balance import check_ends as check_balanced_ends
 from .cp_report import sp_cp_record  # issue 14: SP vs CP
 from .ir.graph import Graph
 from .memory import check_peak, zero_warnings
@@ -68,6 +69,7 @@ def _compile(graph: Graph, spec, after) -> Compiled:
     stages = run_pipeline(graph, forward_pipeline(spec), after)
     sharded, program = stages["insert-collectives"], list(stages.values())[-1]  # lowered
     logical = stages["autodiff"] if "autodiff" in stages else stages["bind-layouts"]
+    check_balanced_ends(sharded, spec, {name for name, _ in graph.named_outputs()})  # issue 14: chunking=balanced needs split-seq ends
     prog = build_program(sharded, program, spec)
     report = build_report(prog, [n.name for n in graph.params])
     report["placement"] = placement

@@ -310,3 +310,16 @@ def test_ring_specs_run_on_two_gloo_ranks_like_unsharded(capsys, path):
     rc = main(["run", MODEL, "--spec", str(path), "--nproc", "2", "--json"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and out["ok"] and out["err_over_tol"] <= 1, out
+
+
+@pytest.mark.parametrize("lowering", ["ring", "all_gather"])
+def test_balanced_chunking_with_a_replicated_output_is_a_located_error(lowering):
+    """Balanced chunks hold the sequence in storage order: an output gathered to replicated would
+    be assembled out of order (wrong numbers, found by a new-user trial), so it is refused."""
+    from parcomp.frontends.loader import load_model
+    graph = load_model(str(pathlib.Path(__file__).parent.parent / "specs" / "models.py") + ":causal_attention")[0]
+    text = (f"mesh cp=2\ncontext-parallel lowering={lowering} chunking=balanced\n"
+            "input x split-seq\noutput output replicated\n")
+    with pytest.raises(SpecError, match="output output .* not split over cp") as e:
+        compile_graph(graph, spec(text))
+    assert ":2:" in str(e.value)

@@ -119,3 +119,29 @@ def mark_balanced(graph, cp, seqs) -> list:
             node = node.with_attrs(chunking="balanced", cp_size=n, cp_axis=cp.axis)
         out.append(node)
     return out
+
+
+def check_ends(sharded, spec, model_outputs) -> None:
+    """Balanced chunking keeps the sequence in storage order end to end: every input (the train
+    line's label too) and every output with a dim of the sequence's length must be split over the
+    CP axis (``model_outputs``: the model's output names), so that feeding and assembling (:func:`feed`, :func:`outputs`) restore natural order.
+    A value gathered to ``replicated`` would be assembled in storage order: wrong numbers.
+
+    Raises:
+        SpecError: at the ``context-parallel`` statement, naming the input or output.
+    """
+    got = balanced_of(sharded)
+    if got is None:
+        return
+    seqs = {sharded[n.inputs[0]].type.shape[2] for n in sharded.nodes
+            if n.op == "sdpa" and n.attr("chunking") == "balanced"}
+    cp = spec.context_parallel
+    ends = [("input", n.name, n) for n in sharded.nodes if n.op == "input"]
+    ends += [("output", public, sharded[value]) for public, value in sharded.named_outputs()
+             if public in model_outputs]  # the model's own outputs, not gradients or optimizer state
+    for kind, name, node in ends:
+        if split_dim(node.layout, got[0]) is None and any(s in seqs for s in node.type.shape):
+            raise SpecError(f"context-parallel chunking=balanced: {kind} {name} {node.type} has a dim "
+                            f"of the sequence's length but is not split over {cp.axis}; give it "
+                            f"split-seq (balanced chunks hold the sequence out of order, so a "
+                            f"replicated {kind} would be in the wrong order)", cp.loc)
