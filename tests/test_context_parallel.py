@@ -66,6 +66,22 @@ def test_statement_errors_are_located(text, where, match):
     assert (e.value.loc.line, e.value.loc.col) == where
 
 
+@pytest.mark.parametrize("text,col", [
+    ("mesh cp=2\ncontext-parallel lowering=ring lowering=all_to_all\n", 32),
+    ("mesh cp=2\ncontext-parallel over cp chunking=balanced chunking=contiguous\n", 44),
+    ("mesh ep=2\nmoe capacity_factor=1 drop=tokens capacity_factor=2\n", 35),
+    ("mesh dp=2\ntrain loss=mse schedule=1f1b batch=4 schedule=gpipe\n", 38),
+    ("mesh dp=2\ntopology nodes=1 devices_per_node=2 nodes=1\n", 37),
+    ("mesh dp=2\ntopology timeout=5 timeout=6\n", 20),
+])
+def test_an_option_given_twice_is_an_error_at_the_second(text, col):
+    """Every key=value statement takes each option once (never "the last one wins"): the
+    error is at the second one and names the column of the first."""
+    with pytest.raises(SpecError, match=r"option \w+ is given twice \(first at column \d+\)") as e:
+        spec(text)
+    assert (e.value.loc.line, e.value.loc.col) == (2, col)
+
+
 def test_a_model_without_attention_is_a_located_error():
     text = "%x: f32[2,8,16] = input()\n%y: f32[2,8,16] = gelu(%x)\nreturn %y as output\n"
     with pytest.raises(SpecError, match="no scaled-dot-product attention") as e:

@@ -47,7 +47,7 @@ def make_moe(builder, tok, payload) -> MoeSpec:
     """The :class:`MoeSpec` of one statement (``payload``: its ``(key token, value)`` options).
 
     Raises:
-        SpecError: an unknown option, an option given twice, a factor that is no number > 0,
+        SpecError: an unknown option (one given twice: the parser's ``no_repeats``), a factor that is no number > 0,
             an unknown or not-built drop policy, a factor with ``drop=none``, neither given.
     """
     opts = {}
@@ -55,8 +55,6 @@ def make_moe(builder, tok, payload) -> MoeSpec:
         k = str(key)
         if k not in ("capacity_factor", "drop"):
             raise builder.err(key, f"moe has no option {k!r}; {_WHAT}")
-        if k in opts:
-            raise builder.err(key, f"moe {k} is given twice")
         opts[k] = (key, val)
     factor, drop = opts.get("capacity_factor"), opts.get("drop")
     if drop is not None:

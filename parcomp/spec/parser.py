@@ -150,6 +150,8 @@ def _syntax_error(e: UnexpectedInput, file: str, lines: list) -> SpecError:
     return SpecError(msg, _loc(file, lines, line, col))
 
 
+#: the statements whose payload is ``key=value`` options (each key at most once: _Builder.no_repeats)
+_OPTION_STATEMENTS = ("train", "moe", "context-parallel", "topology")
 _KEYWORDS = ("mesh", "topology", "memory", "train", "stage", "sequence-parallel")
 
 
@@ -273,6 +275,8 @@ class _Builder:
                     raise self.err(tok, f"{kind} is given twice (first on line {seen[kind].line}); "
                                         f"a spec has at most one {kind} statement")
                 seen[kind] = tok
+            if kind in _OPTION_STATEMENTS:
+                self.no_repeats(kind, payload)
             if kind == "topology":
                 topology, links = self.make_topology(tok, payload)
             elif kind == "memory":
@@ -319,8 +323,6 @@ class _Builder:
             if k not in _TOPOLOGY and k not in LINK_KEYS:
                 keys = (*_TOPOLOGY, *LINK_KEYS, *_LAUNCH_KEYS)
                 raise self.err(key, f"unknown topology key {k!r}{_hint(k, keys)} (keys: {', '.join(keys)})")
-            if k in vals or k in links:
-                raise self.err(key, f"topology key {k} is given twice")
             links_key = k in LINK_KEYS
             self.check_topo_value(k, val, LINK_KEYS.get(k, "a count"))
             (links if links_key else vals)[k] = str(val) if val.type == "NAME" else int(val)
@@ -343,8 +345,6 @@ class _Builder:
             if k not in _LAUNCH_KEYS:
                 rest.append((key, val))
                 continue
-            if k in launch:
-                raise self.err(key, f"topology key {k} is given twice")
             words = _LAUNCH_KEYS[k]
             if words and str(val) not in words:
                 raise self.err(val, f"topology {k}={val}: give {' or '.join(words)}")
@@ -368,6 +368,23 @@ class _Builder:
         _int(val, self.file, self.lines)
         if int(val) < 1:
             raise self.err(val, f"topology {key} is {int(val)}; it must be >= 1")
+
+    def no_repeats(self, kind: str, payload) -> None:
+        """Every ``key=value`` option of a statement once: ``context-parallel lowering=ring
+        lowering=all_to_all`` is an error at the second ``lowering``, never "the last one wins".
+
+        Raises:
+            SpecError: at the repeated key, naming the column of the first.
+        """
+        first = {}
+        for item in payload:
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], Token)):
+                continue  # 'over AXIS' of context-parallel, a memory size
+            k = str(item[0])
+            if k in first:
+                raise self.err(item[0], f"{kind} option {k} is given twice (first at column "
+                                        f"{first[k].column}); give it once")
+            first[k] = item[0]
 
     def options(self, items, what: str) -> tuple:
         out = {}
