@@ -6,6 +6,7 @@ import sys
 from .budget import CHECK_SECONDS_ANNOUNCE, check_memory, check_time
 from .errors import ParcompError
 from .reference.interpreter import run_spmd
+from .passes.moe_capacity import reference_text
 from .passes.train_config import check_steps, train_config
 from .report import format_collectives, format_memory, format_search, plural
 from .check64 import NOTE, NOTE_MISMATCH, promote_compiled, promote_feeds, run_precision
@@ -69,7 +70,10 @@ def _check_training(args, compiled, module, example, steps):
     """``check`` of a training program: :func:`parcomp.train_check.lockstep`."""
     feeds = _train_feeds(compiled, module, example, args.seed)
     require_finite(compiled.unsharded, feeds)
-    module = _reference(compiled, module)  # the spec's MoE capacity (issue 14)
+    instead = None  # the spec's MoE capacity (issue 14): the torch module computes another model
+    if _is_torch(module) and _reference(compiled, module) is None:
+        instead = reference_text(compiled.report["moe_capacity"], compiled.spec.moe.capacity_factor)
+    module = _reference(compiled, module)
     ls, how = lockstep(compiled, module if _is_torch(module) else None, example, feeds, steps), ""
     if ls["vs_unsharded"].get("unbounded"):  # float32 cannot vouch: the float64 re-check (parcomp/check64.py)
         wide = lockstep(promote_compiled(compiled), None, example, promote_feeds(feeds), steps)
@@ -83,6 +87,8 @@ def _check_training(args, compiled, module, example, steps):
                           f"; {wide['vs_unsharded']['why'][:300]} ...")
     result = {**ls["vs_unsharded"], "losses": ls["losses"], "reference_losses": ls["reference_losses"],
               **({"note": ls["note"]} if "note" in ls else {})}
+    if instead:
+        result["reference"] = instead
     vs_torch = ls["vs_torch"]  # in float32; with a float64 re-check, a bound too loose is only reported
     if vs_torch is not None:
         result["vs_torch"] = vs_torch
@@ -122,6 +128,8 @@ def _print_training(result, how, label="vs unsharded step"):
             print(f"    missing from the program: {', '.join(r['missing'])}")
         if r["why"] and r["why"] not in [w for _, w in why]:
             why.append((name, r["why"]))
+    if result.get("reference"):  # the spec's MoE capacity: no torch.optim line, say what instead
+        print(f"  {'vs torch.optim:':18} not compared; the reference is {result['reference']}")
     word = result.get("verdict") or verdict(result, result.get("vs_torch"))
     if result.get("note"):  # before the verdict: the last line is the verdict
         print(f"  note: {result['note']}")

@@ -13,7 +13,7 @@ from .frontends.loader import load_model, pointing_into
 from .frontends.model_file import ModelFile
 from .ir.text import print_graph
 from .reference.numpy_ops import run_unsharded
-from .passes.moe_capacity import spec_changes_capacity  # the spec's MoE capacity (issue 14)
+from .passes.moe_capacity import capacity_notes, spec_changes_capacity  # the spec's MoE capacity (issue 14)
 from .report import format_collectives
 from .train_check import train_feeds, verdict
 from .spec import load_spec
@@ -37,6 +37,8 @@ def print_warnings(compiled) -> None:
     """What the spec asks for and cannot be honoured (``report["warnings"]``), on stderr."""
     for w in compiled.report.get("warnings", ()):
         print(f"warning: {w}", file=sys.stderr)
+    for note in capacity_notes(compiled.report.get("moe_capacity", ())):  # the spec's capacity, capped
+        print(f"note: {note}", file=sys.stderr)
 
 
 #: dtypes numpy has no type for; check/run compute with numpy, so they refuse them

@@ -122,14 +122,15 @@ class MixtralMoE(nn.Module):
     [E, F, H] (Mixtral's fused ``gate_up_proj`` [E, 2F, H] cut in its two halves) and
     ``experts.down_proj`` [E, H, F]. ``capacity``: slots per expert per batch row (0: the
     sequence length, nothing dropped, as Mixtral); ``capacity_factor`` f > 0 instead sets
-    ``ceil(f * S * top_k / E)`` and drops the later tokens of an expert that is full.
+    ``min(ceil(f * S * top_k / E), S)`` (an expert takes at most one slot per token) and drops
+    the later tokens of an expert that is full.
     """
 
     def __init__(self, moe, seq: int, capacity_factor: float = 0.0):
         super().__init__()
         e, f2, h = moe.experts.gate_up_proj.shape
         self.top_k, self.experts_n, self.seq = moe.top_k, e, seq
-        self.capacity = math.ceil(capacity_factor * seq * moe.top_k / e) if capacity_factor else 0
+        self.capacity = min(math.ceil(capacity_factor * seq * moe.top_k / e), seq) if capacity_factor else 0
         self.gate = nn.Module()
         self.gate.weight = nn.Parameter(moe.gate.weight.detach().clone())
         self.experts = nn.Module()

@@ -205,6 +205,38 @@ def test_check_with_a_spec_capacity_compares_with_the_graph_of_that_capacity(cap
     assert rc == 0 and out["verdict"] == "OK" and "vs_torch" not in out, out.get("why")
 
 
+def test_check_with_a_spec_capacity_says_what_the_reference_is(capsys, tmp_path):
+    """The "vs torch.optim" line is not silently dropped: it says the reference is the model
+    with the spec's capacity (4 = ceil(1.0 * 8 * 2 / 4)), and the torch model's own (8)."""
+    spec = tmp_path / "s.pcs"
+    spec.write_text(_text_with("moe capacity_factor=1.0"))
+    rc = main(["check", f"{MODELS}:moe_block_skewed", "--spec", str(spec)])
+    (line,) = [ln for ln in capsys.readouterr().out.splitlines() if "vs torch.optim" in ln]
+    assert rc == 0 and "not compared" in line and "the model with capacity 4" in line, line
+    assert "capacity_factor=1" in line and "built with capacity 8" in line, line
+
+
+@pytest.mark.parametrize("factor", [2.0, 4.0, 1e9, 1e300])
+def test_a_capacity_is_capped_at_the_tokens_of_a_row(factor, capsys, tmp_path):
+    """An expert takes at most one slot per token (a token's top-k experts differ), so the
+    capacity is min(ceil(F S k / E), S): a huge factor gives S = 8 slots, the graph of the
+    model built with that factor (capped alike), a buffer [B, E, 8, H], and a note saying so."""
+    spec = _ep2(f"moe capacity_factor={factor!r}", train=False)
+    m, ex, names = models.moe_block()
+    graph, changes = apply_moe_spec(import_torch(m, ex, names), spec)
+    (c,) = changes
+    asked = math.ceil(factor * 8 * 2 / 4)
+    assert (c["capacity"], c["slots"], c["asked"]) == (8, 8, asked)
+    assert graph[c["dispatch"]].type.shape == (4, 4, 8, 16)
+    want_m, want_ex, _ = models.moe_block(capacity_factor=factor)
+    assert want_m.capacity == 8 and _typed(graph) == _typed(import_torch(want_m, want_ex, names))
+    spec_file = tmp_path / "s.pcs"
+    spec_file.write_text(_text_with(f"moe capacity_factor={factor!r}"))
+    rc = main(["compile", f"{MODELS}:moe_block", "--spec", str(spec_file), "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 0 and ("capped at 8, the 8 tokens of a row" in err) == (asked > 8), err
+
+
 @pytest.mark.slow
 def test_spec_capacity_trains_under_torchrun_like_unsharded(capsys, tmp_path):
     """The emitted program.py honours the spec's capacity: ep=2 on gloo ranks, skewed routing

@@ -38,8 +38,9 @@ def apply_moe_spec(graph: Graph, spec) -> tuple:
     ``moe`` statement (``spec.moe``, a :class:`parcomp.spec.moe.MoeSpec`; None: no change).
 
     ``changes``: one dict per layer, ``{"route", "dispatch", "top_k", "experts", "seq",
-    "model_capacity", "capacity", "drop"}`` (capacities in slots per expert per row; 0: none
-    dropped, the buffer then has ``seq`` slots).
+    "model_capacity", "capacity", "drop", "slots", "model_slots", "asked"}`` (capacities in slots
+    per expert per row; 0: none dropped, the buffer then has ``seq`` slots; ``asked``: what the
+    factor asks for before the cap at ``seq``, :meth:`parcomp.spec.moe.MoeSpec.capacity`).
 
     Raises:
         SpecError: at the statement: the model has no ``moe_route``; a dispatch whose weights do
@@ -71,7 +72,8 @@ def apply_moe_spec(graph: Graph, spec) -> tuple:
             marks[d.name] = (((b, False),), ((e, False),), ((old, True),), ((h, False),))
             changes.append({"route": r.name, "dispatch": d.name, "top_k": r.attr("top_k"), "experts": experts,
                             "seq": seq, "model_capacity": r.attr("capacity") or 0, "capacity": cap,
-                            "drop": moe.drop, "slots": slots, "model_slots": old})
+                            "drop": moe.drop, "slots": slots, "model_slots": old,
+                            "asked": moe.asked(seq, r.attr("top_k"), experts)})
     slots_of = {c["dispatch"]: c["slots"] for c in changes}
     other = [d.name for d in graph.by_op("moe_dispatch") if d.name not in slots_of]
     if other:
@@ -79,6 +81,27 @@ def apply_moe_spec(graph: Graph, spec) -> tuple:
                         f"capacity cannot follow the route's", moe.loc)
     _follow(graph, new, marks, slots_of, moe.loc)
     return graph.with_nodes([new.get(n.name, n) for n in graph.nodes]), changes
+
+
+def capacity_notes(changes) -> list:
+    """One line per layer whose factor asks for more slots than a row has tokens (the cap of
+    :meth:`parcomp.spec.moe.MoeSpec.capacity`), for the compile output; [] when none."""
+    return [f"moe: capacity_factor asks %{c['route']} for {c['asked']:,} slots per expert per row; "
+            f"capped at {c['capacity']}, the {c['seq']} tokens of a row (a token's top-{c['top_k']} "
+            f"experts differ, so an expert takes at most one slot per token): nothing is dropped"
+            for c in changes if c.get("asked", 0) > c["capacity"]]
+
+
+def reference_text(changes, factor) -> str:
+    """What ``check`` compares a training step with when the spec changed the model's capacity
+    (instead of torch.optim, whose module computes the model as built): the unsharded step of
+    the model with the spec's capacity ``capacity N`` per layer (``factor``: the statement's
+    capacity_factor, None for drop=none)."""
+    caps = sorted({c["capacity"] or c["seq"] for c in changes})
+    built = sorted({c["model_capacity"] or c["seq"] for c in changes})
+    said = f"capacity_factor={factor:g}" if factor is not None else "drop=none"
+    return (f"the unsharded step of the model with capacity {', '.join(map(str, caps))} (spec's moe "
+            f"{said}; the torch model is built with capacity {', '.join(map(str, built))})")
 
 
 def spec_changes_capacity(changes) -> bool:

@@ -4,7 +4,8 @@ The statement sets the capacity of every MoE layer of the model (every ``moe_rou
 ``moe_dispatch`` it feeds), whatever capacity the model was built with:
 
 - ``capacity_factor=F`` (a number > 0), ``drop=tokens`` (the default with a factor): an expert
-  takes at most ``C = ceil(F * S * top_k / E)`` tokens of a row (S tokens per row, E experts),
+  takes at most ``C = min(ceil(F * S * top_k / E), S)`` tokens of a row (S tokens per row, E
+  experts; S is the most one expert can receive, since a token's top_k experts differ),
   in token order; a later token's slot is dropped (GShard, Switch Transformer): its combine
   weight is 0, not renormalised again, so a token dropped from all its slots leaves the block
   as zeros and the model's residual carries it on unchanged (Switch's "passed through the
@@ -36,8 +37,19 @@ class MoeSpec:
     loc: SourceLoc
 
     def capacity(self, seq: int, top_k: int, experts: int) -> int:
-        """Slots per expert per row: ``ceil(F * seq * top_k / experts)``, 0 for ``drop=none``
-        (the route's "nothing dropped"; its dispatch buffer then has ``seq`` slots)."""
+        """Slots per expert per row: ``min(ceil(F * seq * top_k / experts), seq)``, 0 for
+        ``drop=none`` (the route's "nothing dropped"; its dispatch buffer then has ``seq`` slots).
+
+        The cap is exact for top-k routing: a token picks ``top_k`` *distinct* experts, so one
+        expert receives at most one slot per token, ``seq`` per row; more slots would only be
+        padding (GShard and Switch cap it the same way, at the tokens of the group)."""
+        if self.drop == "none":
+            return 0
+        return min(self.asked(seq, top_k, experts), seq)
+
+    def asked(self, seq: int, top_k: int, experts: int) -> int:
+        """``ceil(F * seq * top_k / experts)`` (at least 1): the capacity the factor asks for,
+        before :meth:`capacity` caps it at ``seq``; 0 for ``drop=none``."""
         if self.drop == "none":
             return 0
         return max(1, math.ceil(self.capacity_factor * seq * top_k / experts))
