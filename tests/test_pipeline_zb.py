@@ -190,13 +190,19 @@ def test_bad_schedule_options_are_located(text, where, msg):
     assert f"test.pcs:{where}" in str(e.value) and msg in str(e.value)
 
 
-def test_interleaved_needs_a_module_per_chunk():
+@pytest.mark.parametrize("pp,virtual,can", [(2, "", "too few to interleave"), (2, " virtual=8", "too few to interleave"),
+                                            (1, " virtual=4", "give virtual=3 or fewer")])
+def test_interleaved_needs_a_module_per_chunk(pp, virtual, can):
+    """Too few modules for pp x virtual chunks: an error at virtual= (at schedule= when
+    virtual= is not written: the default 2), saying how many chunks per rank the model makes."""
     from graphs import mlp_graph
-    from parcomp.errors import ParcompError
 
-    g = mlp_graph((8,), [4, 8, 8, 4], [True] * 3, ["relu", "relu", "none"])
-    with pytest.raises(ParcompError, match="into pp=4 stages"):
-        plan_pipeline(g, spec(f"mesh pp=2\n{TRAIN} microbatches=2 schedule=interleaved\n"))
+    g = mlp_graph((8,), [4, 8, 8, 4], [True] * 3, ["relu", "relu", "none"])  # 3 modules: l0, l1, l2
+    line = f"{TRAIN} microbatches={2 * pp} schedule=interleaved{virtual}"
+    with pytest.raises(SpecError, match=f"3 module.s. .l0, l1, l2.*{3 // pp} chunk.s. per rank; {can}") as e:
+        plan_pipeline(g, spec(f"mesh pp={pp}\n{line}\n"))
+    key = "virtual=" if virtual else "schedule="
+    assert (e.value.loc.line, e.value.loc.col) == (2, line.index(key) + 1), str(e.value)
 
 
 def test_balanced_units_keep_ln_f_apart_from_the_blocks():

@@ -17,6 +17,7 @@ from .schedule import Simulation, analytic, build, rank_actions, simulate
 from .split_stages import (assign_stages, balanced_rules, node_flops, param_stages, rebatch,
                            split_stages)
 from .stage_train import stage_programs
+from .option_loc import option_loc
 from .train_config import train_config
 from .verify import verify
 
@@ -132,7 +133,8 @@ def plan_pipeline(graph: Graph, spec) -> PipelinePlan:
     pp = mesh.sizes[mesh.axis_index("pp")]
     dp = mesh.sizes[mesh.axis_index("dp")] if "dp" in mesh.names else 1
     nvs = pp * cfg.virtual  # interleaved 1F1B: pp x virtual chunks
-    rules = spec.stages or balanced_rules(graph, nvs)
+    at = option_loc(cfg.loc, "virtual" if "virtual=" in (cfg.loc.text or "") else "schedule")
+    rules = spec.stages or balanced_rules(graph, nvs, (cfg.virtual, at) if cfg.virtual > 1 else None)
     stage_of = assign_stages(graph, rules, nvs)
     batch = cfg.batch or graph.inputs[0].type.shape[0]
     parts = cfg.microbatches * dp

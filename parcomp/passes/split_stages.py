@@ -189,13 +189,16 @@ def _above_numbered(paths) -> frozenset:
     return frozenset(out)
 
 
-def balanced_rules(graph: Graph, pp: int) -> tuple:
+def balanced_rules(graph: Graph, pp: int, virtual=None) -> tuple:
     """Stage rules that split the model's modules, in graph order, into ``pp`` contiguous
     groups minimizing the largest group's FLOPs (:func:`node_flops`; a linear partition,
-    O(units^2 * pp)).
+    O(units^2 * pp)). ``virtual``: ``(K, loc of virtual=)`` when the ``pp`` groups are the
+    ``ranks x K`` chunks of interleaved 1F1B, else None.
 
     Raises:
         ParcompError: the model has fewer modules than stages.
+        SpecError: at ``virtual=``, with ``virtual``, when the model has fewer modules than
+            chunks (saying how many chunks per rank it can make).
     """
     types = {n.name: n.type for n in graph.nodes}
     units, cost = [], {}
@@ -212,6 +215,14 @@ def balanced_rules(graph: Graph, pp: int) -> tuple:
             units.append(u)
             cost[u] = 0
         cost[u] += node_flops(n, types)
+    if virtual is not None and virtual[0] > 1 and len(units) < pp:
+        k, loc = virtual
+        ranks, most = pp // k, len(units) // (pp // k)
+        can = (f"give virtual={most} or fewer" if most > 1 else
+               "too few to interleave (it needs 2 per rank): use schedule=1f1b")
+        raise SpecError(f"virtual={k} cuts the model into pp {ranks} x {k} = {pp} chunks, but it has "
+                        f"{len(units)} module(s) ({', '.join(units[:8])}{', ...' if len(units) > 8 else ''})"
+                        f" and a chunk holds at least one: it can make {most} chunk(s) per rank; {can}", loc)
     if len(units) < pp:
         raise ParcompError(f"the model has {len(units)} module(s) ({', '.join(units)}) to split "
                            f"into pp={pp} stages; give fewer stages", where="pp")
