@@ -81,3 +81,21 @@ def test_pipeline_report_has_per_stage_memory_and_one_microbatch_latency():
     assert rep["latency_one_microbatch"] == pytest.approx(sum(flops) / max(flops))
     assert 1 < rep["latency_one_microbatch"] <= 2
     assert "one microbatch's latency" in format_pipeline(c.report)
+
+
+@pytest.mark.parametrize("mesh,micro,line", [
+    ("pp=2", 4, "global batch 8 = 4 microbatches of 2 x dp 1"),
+    ("dp=2 pp=2", 2, "global batch 8 = 2 microbatches of 2 x dp 2"),
+    ("pp=2", 1, "global batch 8 = 1 microbatch of 8 x dp 1"),
+])
+def test_the_batch_line_of_a_pipeline_counts_the_microbatches(mesh, micro, line):
+    """check/compile's batch line (format_memory) and report.json's training record say the
+    true microbatch size and count: batch = microbatches x microbatch x dp."""
+    from parcomp.report import format_memory
+
+    g = mlp_graph((8,), (4, 8, 8, 4), (True, True, True), ("relu", "relu"))
+    c = compile_graph(g, spec(f"mesh {mesh}\n{TRAIN.strip()} microbatches={micro}\n"))
+    t, p = c.report["training"], c.report["pipeline"]
+    assert t["batch_note"] == line and line in format_memory(c.report).splitlines()
+    assert (t["microbatch_per_dp_rank"], t["microbatches"]) == (p["micro_batch"], micro)
+    assert p["micro_batch"] * micro * p["dp"] == t["global_batch"] == 8

@@ -195,7 +195,12 @@ def attach_pipeline(graph: Graph, spec, program, report: dict) -> tuple:
     from .placement import placement_table
 
     plan = plan_pipeline(graph, spec)
-    return replace(program, pipeline=plan), {**report, "pipeline": plan.report(),
+    training = report.get("training")
+    if training:  # the batch arithmetic counts the microbatches too (global = m x micro x dp)
+        training = {**training, "microbatch_per_dp_rank": plan.micro_batch, "microbatches": plan.microbatches,
+                    "batch_note": f"global batch {plan.batch} = {plan.microbatches} microbatch"
+                                  f"{'' if plan.microbatches == 1 else 'es'} of {plan.micro_batch} x dp {plan.dp}"}
+    return replace(program, pipeline=plan), {**report, "pipeline": plan.report(), "training": training,
                                              "placement_table": placement_table(spec.mesh, spec.topology)}
 
 
