@@ -15,7 +15,8 @@ from .errors import ParcompError
 from .explain import explain
 from .explain_text import blocks, compare_blocks, show
 from .frontends.loader import load_model, pointing_into
-from .moe_report import moe_compare, moe_lines
+from .explain_pipeline import pipeline_blocks, pipeline_record
+from .moe_report import moe_blocks, moe_compare
 from .spec import load_spec
 
 
@@ -55,13 +56,14 @@ def explain_command(args, feeds_for=None) -> dict:
         from .plots import write_plots
 
         written = write_plots(compiled[0], xs[0], args.plots)
+    pipe = pipeline_record(compiled[0])  # stages, p2p, bubble of a pp spec
     if len(xs) == 1:
         if not args.json:
-            show(blocks(xs[0]) + ([("text", moe_lines(moe))] if moe else [])
+            show(blocks(xs[0]) + (pipeline_blocks(pipe) if pipe else []) + (moe_blocks(moe) if moe else [])
                  + ([("text", sp_cp_lines(spcp))] if spcp else []))  # issue 14: SP vs CP
             _say_written(args.plots, written)
         return {"ok": True, "explain": xs[0], "plots": written, **({"moe": moe} if moe else {}),
-                **({"sp_vs_cp": spcp} if spcp else {})}
+                **({"sp_vs_cp": spcp} if spcp else {}), **({"pipeline": pipe} if pipe else {})}
     names = [os.path.basename(p) for p in paths]
     if not args.json:
         show(compare_blocks(xs, names))

@@ -122,19 +122,23 @@ def _inter(graph, dispatch) -> int:
     return 0
 
 
-def moe_lines(records: list) -> list:
-    """The text ``parcomp explain`` prints for :func:`moe_compare`'s records."""
+def moe_blocks(records: list) -> list:
+    """``parcomp explain``'s blocks (:mod:`parcomp.explain_text`) for :func:`moe_compare`'s
+    records: per layer two lines, then TP vs EP as a table (one short cell per figure)."""
     out = []
     for r in records:
-        out.append(f"MoE layer {r['layer']}: {r['tokens']} tokens, tokens per expert {r['tokens_per_expert']}, "
-                   f"{r['ranks']} ranks over {r['axis']} (per training step, forward + backward):")
-        out.append(f"  capacity {r['capacity']} slots per expert per row; {r['dropped']} (token, expert) "
-                   f"pairs dropped past it")
+        out.append(("text", [f"MoE layer {r['layer']}: {r['tokens']} tokens, {r['ranks']} ranks over {r['axis']}",
+                             f"  tokens per expert {r['tokens_per_expert']}",
+                             f"  capacity {r['capacity']} slots per expert per row; {r['dropped']} (token, expert) "
+                             f"pairs dropped past it"]))
+        rows = []
         for key, what in (("tp", "TP inside every expert"), ("ep", "EP")):
             a = r[key]
-            extra = f", padded buffer would send {a['padded_bytes']} B" if key == "ep" else ""
-            out.append(f"  {what:24s} {a['collective']:20s} bytes/rank {a['bytes_per_rank']}{extra}; "
-                       f"load/rank {a['load_per_rank']} (max/mean {a['imbalance']:.2f}); "
-                       f"{a['seconds'] * 1e6:.1f} us + experts {a['compute_seconds'] * 1e6:.1f} us "
-                       f"= {a['step_seconds'] * 1e6:.1f} us")
+            padded = f" (padded {a['padded_bytes']})" if key == "ep" else ""
+            rows.append([what, a["collective"], f"{a['bytes_per_rank']}{padded}", str(a["load_per_rank"]),
+                         f"{a['imbalance']:.2f}", f"{a['seconds'] * 1e6:.1f}", f"{a['compute_seconds'] * 1e6:.1f}",
+                         f"{a['step_seconds'] * 1e6:.1f}"])
+        out.append(("table", f"MoE layer {r['layer']}: TP vs EP per training step (forward + backward)",
+                    ["way", "collective", "bytes/rank", "load/rank", "max/mean", "comm us", "experts us",
+                     "step us"], rows))
     return out

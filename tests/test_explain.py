@@ -220,3 +220,44 @@ def test_graph_dot_source_marks_collectives_and_labels_layouts():
     pos = layered_positions(c.sharded, list(c.sharded.nodes))
     for n in c.sharded.nodes:  # every node below its operands
         assert all(pos[i][1] < pos[n.name][1] for i in n.inputs)
+
+
+@pytest.mark.parametrize("schedule,micro,bubble", [("1f1b", 1, "(pp-1)/(m+pp-1) = 1/2"),
+                                                   ("gpipe", 2, "(pp-1)/(m+pp-1) = 1/3"),
+                                                   ("zb-h1", 2, "(pp-1)/(3m+pp-1) = 1/7"),
+                                                   ("interleaved virtual=3", 2, "(pp-1)/(virtual*m+pp-1) = 1/7")])
+def test_a_pipeline_spec_explains_its_stages_p2p_and_bubble(schedule, micro, bubble, capsys, tmp_path):
+    """explain of a pp spec: each stage's modules and ranks, what it sends per microbatch
+    (the bytes of the activation's type), the schedule and the bubble: the analytic one of
+    parcomp/passes/schedule.py with its formula, and the simulated one."""
+    from parcomp.passes.schedule import analytic
+
+    spec = tmp_path / "pp.pcs"
+    spec.write_text(f"mesh pp=2\ntrain loss=mse optimizer=sgd(lr=0.1) microbatches={micro} schedule={schedule}\n")
+    assert main(["explain", f"{MODELS}:mlp_chain", "--spec", str(spec)]) == 0
+    text = capsys.readouterr().out
+    words = f"{micro} microbatch{'es' if micro > 1 else ''} of {2 // micro} x dp 1"  # mlp_chain's batch is 2
+    assert f"pipeline: pp=2 schedule {schedule.split()[0]}" in text and words in text, text[-2000:]
+    assert "pipeline stages" in text and bubble in text, text[-2000:]
+    assert main(["explain", f"{MODELS}:mlp_chain", "--spec", str(spec), "--json"]) == 0
+    p = _json(capsys)["pipeline"]
+    virtual = 3 if "virtual" in schedule else 1
+    assert len(p["stages"]) == 2 * virtual and p["bubble_analytic"] == analytic(p["schedule"], 2, micro, virtual)
+    assert [s["ranks"] for s in p["stages"]] == [[k % 2] for k in range(2 * virtual)]
+    mods = [m for s in p["stages"] for m in s["modules"]]
+    assert mods == [str(i) for i in range(144)]  # mlp_chain's modules, each in one stage, in order
+    for s in p["stages"][:-1]:  # one [microbatch, 32] float32 activation to the next stage
+        assert [(v["shape"], v["bytes"]) for v in s["send"]] == [([2 // micro, 8, 32], 4 * 8 * 32 * (2 // micro))]
+    assert p["stages"][-1]["send"] == [] and 0 <= p["bubble_simulated"] < 1
+
+
+def test_moe_comparison_is_a_table_of_short_lines(capsys):
+    """explain's TP vs EP comparison of an MoE layer is a table (rich on a terminal), no
+    one-line row of every figure: every plain line is at most 130 characters."""
+    assert main(["explain", f"{MODELS}:moe_block_skewed", "--spec", str(SPECS / "moe_ep2_train.pcs")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    i = next(k for k, ln in enumerate(lines) if "TP vs EP" in ln)
+    assert lines[i + 2].split() == ["way", "collective", "bytes/rank", "load/rank", "max/mean", "comm", "us",
+                                   "experts", "us", "step", "us"]
+    assert lines[i + 3].startswith("TP inside every expert") and lines[i + 4].startswith("EP ")
+    assert max(map(len, lines[i - 4:i + 5])) <= 130

@@ -189,6 +189,14 @@ def _above_numbered(paths) -> frozenset:
     return frozenset(out)
 
 
+def module_units(graph: Graph) -> dict:
+    """``{node name: balancing unit}`` (:func:`_unit`) of every op node with a module path, in
+    graph order (params and inputs follow their users, so they are not listed)."""
+    paths = {n.name: module_path(n, graph) for n in graph.nodes if n.op not in ("input", "param")}
+    above = _above_numbered(p for p in paths.values() if p)
+    return {name: _unit(p, above) for name, p in paths.items() if p}
+
+
 def balanced_rules(graph: Graph, pp: int, virtual=None) -> tuple:
     """Stage rules that split the model's modules, in graph order, into ``pp`` contiguous
     groups minimizing the largest group's FLOPs (:func:`node_flops`; a linear partition,
@@ -202,19 +210,11 @@ def balanced_rules(graph: Graph, pp: int, virtual=None) -> tuple:
     """
     types = {n.name: n.type for n in graph.nodes}
     units, cost = [], {}
-    above = _above_numbered(module_path(n, graph) for n in graph.nodes
-                            if n.op not in ("input", "param") and module_path(n, graph))
-    for n in graph.nodes:
-        if n.op in ("input", "param"):  # params follow their users
-            continue
-        path = module_path(n, graph)
-        if path is None:
-            continue
-        u = _unit(path, above)
+    for name, u in module_units(graph).items():
         if u not in cost:
             units.append(u)
             cost[u] = 0
-        cost[u] += node_flops(n, types)
+        cost[u] += node_flops(graph[name], types)
     if virtual is not None and virtual[0] > 1 and len(units) < pp:
         k, loc = virtual
         ranks, most = pp // k, len(units) // (pp // k)
