@@ -97,8 +97,20 @@ def compare_blocks(xs: list, names: list) -> list:
     rows.append(["est. comm time/step"] + [format_seconds(x["estimated_comm_seconds"]) for x in xs])
     for k in xs[0]["memory_bytes_per_rank"]:
         rows.append([f"memory: {k.replace('_', ' ')}"] + [format_bytes(x["memory_bytes_per_rank"][k]) for x in xs])
-    rows.append(["chosen"] + ["; ".join(e["kinds"] for e in x["edges"]) or "-" for x in xs])
+    rows += _chosen_rows(xs)
     return [("table", "side by side (per rank)", [""] + names, rows)]
+
+
+def _chosen_rows(xs: list) -> list:
+    """The layout changes each spec chose, one short row per kind (``all_gather(dim 1) over
+    tp``) with its count per spec: never one row listing every edge."""
+    kinds = {}
+    for x in xs:
+        for e in x["edges"]:
+            kinds.setdefault(e["kinds"], None)
+    counts = [{k: sum(e["kinds"] == k for e in x["edges"]) for k in kinds} for x in xs]
+    rows = [["layout changes chosen"] + [str(len(x["edges"])) for x in xs]]
+    return rows + [[f"  {k}"] + [str(c[k] or "-") for c in counts] for k in kinds]
 
 
 def render_plain(bl: list) -> str:

@@ -261,3 +261,21 @@ def test_moe_comparison_is_a_table_of_short_lines(capsys):
                                    "experts", "us", "step", "us"]
     assert lines[i + 3].startswith("TP inside every expert") and lines[i + 4].startswith("EP ")
     assert max(map(len, lines[i - 4:i + 5])) <= 130
+
+
+def test_side_by_side_lists_the_chosen_changes_one_short_row_per_kind(capsys):
+    """SP vs no SP side by side: the layout changes each spec chose are one row per kind with
+    its count per spec (they sum to the edges of each explanation), no row of every edge."""
+    specs = [str(SPECS / "gpt2_lm_tp2_sp_train.pcs"), str(SPECS / "gpt2_lm_tp2_train.pcs")]
+    assert main(["explain", f"{MODELS}:gpt2_lm", *specs]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert max(map(len, lines)) <= 100, max(lines, key=len)
+    assert main(["explain", f"{MODELS}:gpt2_lm", *specs, "--json"]) == 0
+    xs = _json(capsys)["compare"]
+    i = next(k for k, ln in enumerate(lines) if ln.startswith("layout changes chosen"))
+    rows = [ln.split("  ") for ln in lines[i + 1:] if ln.startswith("  ")]
+    per_kind = [[c.strip() for c in r if c.strip()] for r in rows]
+    assert lines[i].split()[-2:] == [str(len(x["edges"])) for x in xs]
+    for j, x in enumerate(xs):
+        assert sum(int(r[1 + j]) for r in per_kind if r[1 + j] != "-") == len(x["edges"])
+    assert {r[0] for r in per_kind} == {e["kinds"] for x in xs for e in x["edges"]}
