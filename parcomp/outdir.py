@@ -16,8 +16,8 @@ content); it never deletes or overwrites anything else:
   replaced and a name clash is refused; a marker from before manifests
   (``written by parcomp; ...``) lists the files ``compile`` wrote then;
 - a directory another kind of output was written into (``compile -o`` vs
-  ``explain --plots`` vs ``run --keep``: the manifest's ``command``) is refused
-  as a whole: one command never removes another's output.
+  ``explain --plots`` vs ``run --keep`` vs ``export -o``: the manifest's ``command``)
+  is refused as a whole: one command never removes another's output.
 
 Files a program writes afterwards are listed without a hash first; once the
 caller has written them, :func:`record_written` puts their hashes in, so a later

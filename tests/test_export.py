@@ -120,16 +120,18 @@ def test_export_refuses_an_existing_target_and_leaves_nothing_half_written(train
 
 def test_export_files_get_the_modes_of_a_plain_write(trained, tmp_path):
     """Under umask 022 the directory is 0755 and its files 0644 (not mkstemp's / safetensors'
-    0600); under 027, 0750 and 0640."""
-    from parcomp.export import export_pretrained
+    0600); under 027, 0750 and 0640. export_safetensors' single file likewise."""
+    from parcomp.export import export_pretrained, export_safetensors
 
     for mask, dmode, fmode in ((0o022, 0o755, 0o644), (0o027, 0o750, 0o640)):
         old = os.umask(mask)
         try:
             out = tmp_path / f"hf{mask:o}"
             export_pretrained(trained.compiled, str(trained.ckpt), str(out), trained.module)
+            export_safetensors(trained.compiled, str(trained.ckpt), str(tmp_path / f"w{mask:o}.safetensors"))
         finally:
             os.umask(old)
+        assert os.stat(tmp_path / f"w{mask:o}.safetensors").st_mode & 0o777 == fmode
         assert os.stat(out).st_mode & 0o777 == dmode
         for name in os.listdir(out):
             assert os.stat(out / name).st_mode & 0o777 == fmode, (name, oct(os.stat(out / name).st_mode))
