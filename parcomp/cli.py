@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     x = sub.add_parser("export", help="a saved training checkpoint as a from_pretrained directory")
     _common(x)
     x.add_argument("checkpoint", help="program.py --save's directory (its latest step) or one step-K in it")
-    x.add_argument("-o", "--out", required=True, help="the directory to write (new, or empty)")
+    x.add_argument("-o", "--out", required=True, help="the directory to write (new, empty, or an earlier export's)")
     e = sub.add_parser("explain", help="each collective, why, its cost and the alternatives; no run")
     e.add_argument("model", help="a .pcir file, FILE.py:FACTORY or package.module:factory")
     e.add_argument("specs", nargs="*", help="specs (.pcs); two or more are set side by side")

@@ -43,7 +43,8 @@ def compile(args):  # noqa: A001 - the subcommand's name
 
 def export(args):
     """``parcomp export``: a checkpoint ``program.py --save`` wrote, as one full model.safetensors
-    (and config.json) in a new directory ``-o`` (:func:`parcomp.export.export_pretrained`)."""
+    (and config.json) in directory ``-o``: new, empty, or parcomp's own earlier export
+    (:func:`parcomp.export.export_pretrained`)."""
     from .export import export_pretrained
 
     compiled, module, _ = _compile(args)
@@ -52,6 +53,7 @@ def export(args):
                            f"training program.py", where=args.spec)
     done = export_pretrained(compiled, args.checkpoint, args.out, module)
     print(f"wrote {', '.join(done['files'])} ({plural(len(done['tensors']), 'tensor')}) to {done['out']}")
+    print_kept(done["out"], done["kept"])
     return {"ok": True, **done} if args.json else None
 
 

@@ -89,7 +89,7 @@ def run(args):
                            f"{plural(size, 'rank')}")
     graph = compiled.unsharded
     feeds = feeds_for(graph, module, example)
-    work = args.keep or tempfile.mkdtemp(prefix="parcomp-run-")
+    work = os.path.abspath(args.keep) if args.keep else tempfile.mkdtemp(prefix="parcomp-run-")
     try:
         _write_work(args, work, compiled)
         ckpt = _checkpoint(work, graph, feeds, module)
@@ -148,7 +148,7 @@ def _run_training(args, compiled, module, example):
     feeds = _train_feeds(compiled, module, example, 0)
     module = _reference(compiled, module)  # the spec's MoE capacity (issue 14)
     replay = replay_reference(compiled, module if _is_torch(module) else None, example, feeds, steps)
-    work = args.keep or tempfile.mkdtemp(prefix="parcomp-run-")
+    work = os.path.abspath(args.keep) if args.keep else tempfile.mkdtemp(prefix="parcomp-run-")
     try:
         _write_work(args, work, compiled)
         out_path = _launch(compiled, work, feeds, size, ("--steps", str(steps)), module)

@@ -19,7 +19,18 @@ CP all_to_all   all_to_all of Q, K, V (seq -> heads) and of   ``f/n B S D e (2 H
                                                               else H: K/V repeated first)
 CP ring         n-1 steps, each passing one K and one V block ``2 f B Hkv S D e``
                 to the next rank                              (backward: K, V, dK, dV: twice)
+CP ring,        the same exchanges on ``chunking=balanced``   the same
+balanced        chunks (rank c: chunks c and 2n-1-c of 2n)
 ==============  ===========================================  =====================================
+
+Work: each way also gets the attention's query-key score pairs the slowest rank computes in
+the forward (``work_pairs``: batch x heads x visible pairs, summed over layers; a causal
+sdpa's fully masked pairs are not computed). Chunking changes the work, not the bytes: on
+contiguous chunks the last rank of a causal ring (or all_gather) attends to every earlier
+key, ``n - 1/2`` blocks of pairs, while balanced chunks give every rank the same ``n/2``
+(about half; :func:`parcomp.reference.cp_ring.positions`). The all_gather row uses the
+spec's chunking (it works with either); SP and all_to_all attend whole sequences on H/n
+heads. A balanced row needs a sequence that divides by ``2 n``.
 
 A training step doubles each (backward: reduce_scatter/all_gather, dK/dV reduce_scatter,
 the four all_to_all again), except ring, whose backward passes K, V, dK and dV (4 blocks a
@@ -33,21 +44,34 @@ weights whole and all-reduces their gradients over the axis, as data parallel do
 from __future__ import annotations
 
 from .links import axis_links, collective_seconds
+from .reference.cp_ring import positions
 
 _WALK = ("reshape", "expand", "relayout")  # through a GQA repeat (and a pin) to the kv heads
-WAYS = ("sp", "all_gather", "all_to_all", "ring")
+WAYS = ("sp", "all_gather", "all_to_all", "ring", "ring_balanced")
 LABELS = {"sp": "SP (Megatron, on tp)", "all_gather": "CP all_gather", "all_to_all": "CP all_to_all",
-          "ring": "CP ring (estimate)"}
+          "ring": "CP ring (estimate)", "ring_balanced": "CP ring, balanced"}
 
 
 def attention_layers(graph) -> list:
-    """``(B, H, Hkv, S, D, element bytes)`` of every forward sdpa of ``graph``."""
+    """``(B, H, Hkv, S, D, element bytes, causal)`` of every forward sdpa of ``graph``."""
     out = []
     for n in graph.nodes:
         if n.op == "sdpa" and n.phase in (None, "forward"):
             b, h, s, d = n.type.shape
-            out.append((b, h, _kv_heads(graph, n.inputs[1], h), s, d, n.type.nbytes // n.type.numel))
+            out.append((b, h, _kv_heads(graph, n.inputs[1], h), s, d, n.type.nbytes // n.type.numel,
+                        bool(n.attr("causal", False))))
     return out
+
+
+def slowest_pairs(chunking: str, n: int, s: int, causal: bool) -> int | None:
+    """Query-key pairs the busiest of ``n`` ranks computes for one head of a sequence of ``s``
+    split over them in ``chunking`` (``contiguous`` / ``balanced``; causal: only a key at or
+    before the query's global position). None: ``s`` does not split that way."""
+    if s % (2 * n if chunking == "balanced" else n):
+        return None
+    if not causal:
+        return (s // n) * s
+    return max(int((positions(chunking, n, c, s // n) + 1).sum()) for c in range(n))
 
 
 def _kv_heads(graph, name, heads) -> int:
@@ -65,9 +89,12 @@ def _p2p_seconds(nbytes, link) -> float:
     return (link.call_us + link.hop_us) * 1e-6 + nbytes / (link.gb_per_s * 1e9)
 
 
-def layer_ways(b, h, hkv, s, d, e, n, link, train: bool) -> dict:
-    """The four ways for one attention layer on ``n`` ranks: ``{way: {collectives, calls,
-    bytes_per_rank, seconds, possible}}`` per step (``train``: forward and backward)."""
+def layer_ways(b, h, hkv, s, d, e, n, link, train: bool, causal: bool = True,
+               chunking: str = "contiguous") -> dict:
+    """The ways (:data:`WAYS`) for one attention layer on ``n`` ranks: ``{way: {collectives,
+    calls, bytes_per_rank, seconds, possible, work_pairs}}`` per step (``train``: forward and
+    backward; ``work_pairs``: the slowest rank's forward score pairs, :func:`slowest_pairs`;
+    ``chunking``: the spec's, for the all_gather row)."""
     f = (n - 1) / n
     act, kv = b * s * h * d * e, b * hkv * s * d * e
     hkv_a2a = hkv if hkv % n == 0 else h
@@ -87,9 +114,16 @@ def layer_ways(b, h, hkv, s, d, e, n, link, train: bool) -> dict:
                "seconds": sum(collective_seconds(kind, n, c, link) for kind, c in calls), "possible": ok}
            for k, (calls, what, ok) in ways.items()}
     steps = [2 * blk] * (n - 1) + ([4 * blk] * (n - 1) if train else [])
-    out["ring"] = {"collectives": f"{n - 1} send/recv step(s) of K, V" + (" (backward: K, V, dK, dV)" if train else ""),
-                   "calls": len(steps), "bytes_per_rank": sum(steps),
-                   "seconds": sum(_p2p_seconds(c, link) for c in steps), "possible": True}
+    ring = {"collectives": f"{n - 1} send/recv step(s) of K, V" + (" (backward: K, V, dK, dV)" if train else ""),
+            "calls": len(steps), "bytes_per_rank": sum(steps),
+            "seconds": sum(_p2p_seconds(c, link) for c in steps), "possible": True}
+    out["ring"], out["ring_balanced"] = ring, dict(ring)
+    whole = b * (h // n) * slowest_pairs("contiguous", 1, s, causal) if h % n == 0 else None
+    for way, chunks in (("sp", None), ("all_to_all", None), ("all_gather", chunking),
+                        ("ring", "contiguous"), ("ring_balanced", "balanced")):
+        pairs = whole if chunks is None else slowest_pairs(chunks, n, s, causal)
+        out[way]["work_pairs"] = None if pairs is None else (pairs if chunks is None else b * h * pairs)
+        out[way]["possible"] = out[way]["possible"] and pairs is not None
     return out
 
 
@@ -105,17 +139,23 @@ def sp_vs_cp(graph, spec, links: dict) -> dict | None:
     axis = cp.axis if cp is not None else sp[0]
     n = spec.mesh.sizes[spec.mesh.names.index(axis)]
     train = spec.train is not None
-    total = {w: {"collectives": "", "calls": 0, "bytes_per_rank": 0, "seconds": 0.0, "possible": True} for w in WAYS}
+    chunking = cp.chunking if cp is not None else "contiguous"
+    total = {w: {"collectives": "", "calls": 0, "bytes_per_rank": 0, "seconds": 0.0, "possible": True,
+                 "work_pairs": 0} for w in WAYS}
     for layer in layers:
-        for w, r in layer_ways(*layer, n, links[axis], train).items():
+        for w, r in layer_ways(*layer[:6], n, links[axis], train, layer[6], chunking).items():
             t = total[w]
+            ok = t["possible"] and r["possible"]
             t.update(collectives=r["collectives"], calls=t["calls"] + r["calls"],
                      bytes_per_rank=t["bytes_per_rank"] + r["bytes_per_rank"],
-                     seconds=t["seconds"] + r["seconds"], possible=t["possible"] and r["possible"])
-    b, h, hkv, s, d, _ = layers[0]
+                     seconds=t["seconds"] + r["seconds"], possible=ok,
+                     work_pairs=t["work_pairs"] + r["work_pairs"] if ok else None)
+    b, h, hkv, s, d, _, _ = layers[0]
+    mine = "sp" if cp is None else ("ring_balanced" if cp.lowering == "ring" and chunking == "balanced"
+                                    else cp.lowering)
     return {"axis": axis, "ranks": n, "seq": s, "heads": h, "kv_heads": hkv, "layers": len(layers),
             "link": links[axis].name, "per": "training step" if train else "forward",
-            "this_spec": cp.lowering if cp is not None else "sp", "ways": total}
+            "chunking": chunking, "this_spec": mine, "ways": total}
 
 
 def sp_cp_record(graph, spec, placement: dict) -> dict:
@@ -131,13 +171,18 @@ def sp_cp_lines(rec: dict) -> list:
     out = [f"SP vs CP: sequence {rec['seq']}, {rec['heads']} heads ({rec['kv_heads']} kv), "
            f"{rec['layers']} attention layer(s), {rec['ranks']} ranks over {rec['axis']} "
            f"({rec['link']}), per {rec['per']}, attention exchanges only:",
-           f"  {'way':22s} {'calls':>5s} {'bytes/rank':>11s} {'est. us':>9s}  exchanges"]
+           f"  {'way':24s} {'calls':>5s} {'bytes/rank':>11s} {'est. us':>9s} {'work':>10s}  exchanges"]
     for w in WAYS:
         r = rec["ways"][w]
         mark = "  <- this spec" if w == rec["this_spec"] else ""
+        label = LABELS[w] + (", balanced" if w == "all_gather" and rec.get("chunking") == "balanced" else "")
         if not r["possible"]:
-            out.append(f"  {LABELS[w]:22s} {'-':>5s} {'-':>11s} {'-':>9s}  heads do not divide by {rec['ranks']}{mark}")
+            why = (f"sequence {rec['seq']} does not split into {2 * rec['ranks']} chunks" if w == "ring_balanced"
+                   else f"heads do not divide by {rec['ranks']}")
+            out.append(f"  {label:24s} {'-':>5s} {'-':>11s} {'-':>9s} {'-':>10s}  {why}{mark}")
             continue
-        out.append(f"  {LABELS[w]:22s} {r['calls']:5d} {r['bytes_per_rank']:11d} {r['seconds'] * 1e6:9.1f}  "
-                   f"{r['collectives']}{mark}")
+        out.append(f"  {label:24s} {r['calls']:5d} {r['bytes_per_rank']:11d} {r['seconds'] * 1e6:9.1f} "
+                   f"{r['work_pairs']:10d}  {r['collectives']}{mark}")
+    out.append("  work: query-key score pairs the slowest rank computes in the forward attention "
+               "(a causal mask's skipped pairs not counted)")
     return out

@@ -8,7 +8,7 @@ is reshaped back, a padded vocab table loses its padding rows), contiguous, with
 ``{"format": "pt"}`` metadata. Optimizer state and the step counter are left out (they stay
 in the DCP checkpoint). :func:`export_pretrained` writes a whole ``from_pretrained``
 directory (``model.safetensors`` and, for a transformers model, ``config.json``), all or
-nothing (``parcomp export``).
+nothing, marked as parcomp's output (``parcomp export``; :mod:`parcomp.outdir`).
 
 Tied weights: torch.export keeps one name of a tensor several module attributes share
 (GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``). Given the model, the tensor is
@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import copy
 import os
-import shutil
 import tempfile
 
 from .errors import ParcompError
+from .outdir import check_target, write_dir_atomic
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
 
@@ -107,6 +107,7 @@ def export_safetensors(compiled, checkpoint: str, out: str, module=None) -> list
     os.close(fd)
     try:
         save_file(tensors, tmp_out, metadata={"format": "pt"})
+        os.chmod(tmp_out, 0o666 & ~_umask())  # as open() makes it (mkstemp, save_file: 0600)
         os.link(tmp_out, out)  # fails if out appeared meanwhile: never replaces a file
     finally:
         os.unlink(tmp_out)
@@ -116,44 +117,26 @@ def export_safetensors(compiled, checkpoint: str, out: str, module=None) -> list
 def export_pretrained(compiled, checkpoint: str, out: str, module=None) -> dict:
     """Write directory ``out`` for ``from_pretrained``: ``model.safetensors`` (:func:`full_tensors`)
     and, when ``module`` is a transformers model (it has a ``config``), its ``config.json``.
-    All or nothing: the files go to a temporary sibling directory renamed to ``out`` at the
-    end, so ``out`` is never half written; an existing ``out`` must be an empty directory.
+    Written as parcomp's other output directories are (:func:`parcomp.outdir.write_dir_atomic`,
+    command ``export``): all or nothing, with a ``.parcomp-output`` manifest, so exporting to
+    the same ``out`` again replaces parcomp's own earlier export and keeps files the user
+    added; the files get the modes a plain write gives (0666 less the umask).
 
-    Returns ``{"out": absolute path, "files": names written, "tensors": names}``.
-    Raises ParcompError naming ``out``: it exists and is not an empty directory, or cannot be
-    written; and :func:`full_tensors`' errors."""
-    from safetensors.torch import save_file
+    Returns ``{"out": absolute path, "files": names written, "tensors": names, "kept": names
+    in ``out`` that are not parcomp's, left alone}``.
+    Raises ParcompError naming ``out``: it is a file, a non-empty directory parcomp did not
+    write (or another command's output), or cannot be written; and :func:`full_tensors`' errors."""
+    from safetensors.torch import save
 
     out = os.path.abspath(out)
-    _check_out(out)
+    check_target(out, "-o")  # before reading the checkpoint: fail fast
     tensors = full_tensors(compiled, checkpoint, module)
     config = _config_json(module)
-    parent = os.path.dirname(out)
-    try:
-        os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=".parcomp-export-", dir=parent)
-    except OSError as e:
-        raise ParcompError(f"-o {out}: cannot write there: {e.strerror or e}", where=out) from None
-    try:
-        save_file(tensors, os.path.join(tmp, WEIGHTS), metadata={"format": "pt"})
-        if config is not None:
-            with open(os.path.join(tmp, CONFIG), "w", encoding="utf-8") as f:
-                f.write(config)
-        os.chmod(tmp, 0o777 & ~_umask())
-        os.rename(tmp, out)  # replaces only an empty directory; a file or a filled one: an error
-    except OSError as e:
-        raise ParcompError(f"-o {out}: not written ({e.strerror or e}); nothing there was changed",
-                           where=out) from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # gone once renamed
-    files = [WEIGHTS] + ([CONFIG] if config is not None else [])
-    return {"out": out, "files": files, "tensors": list(tensors)}
-
-
-def _check_out(out: str) -> None:
-    if os.path.lexists(out) and not (os.path.isdir(out) and not os.path.islink(out) and not os.listdir(out)):
-        raise ParcompError(f"-o {out}: exists and is not an empty directory; parcomp never overwrites "
-                           f"what it did not write (give a new directory)", where=out)
+    files = {WEIGHTS: save(tensors, metadata={"format": "pt"})}
+    if config is not None:
+        files[CONFIG] = config
+    kept = write_dir_atomic(out, files, flag="-o", command="export")
+    return {"out": out, "files": list(files), "tensors": list(tensors), "kept": kept}
 
 
 def _config_json(module) -> str | None:

@@ -74,6 +74,16 @@ def resident_bytes(graph, layouts: dict) -> int:
                for v in resident_values(graph))
 
 
+class MemoryLimitError(ParcompError):
+    """A plan over the spec's ``memory`` limit; ``need``: the bytes per rank it needs, or None;
+    ``peak``: ``need`` is the compiled plan's liveness peak (else the search's resident bound)."""
+
+    def __init__(self, message: str, loc=None, *, where: str | None = None, need: int | None = None,
+                 peak: bool = False):
+        super().__init__(message, loc, where=where)
+        self.need, self.peak = need, peak
+
+
 def over_limit(limit: int, need: int, what: str) -> str:
     """The message of a plan that needs ``need`` bytes per rank under a ``limit``."""
     return (f"{what} needs {format_bytes(need)} per rank ({need:,} B), over the memory limit "
@@ -84,7 +94,8 @@ def check_peak(report: dict, spec) -> None:
     """Stop when the compiled plan's liveness peak exceeds the spec's ``memory``.
 
     Raises:
-        ParcompError: at the ``memory`` statement, with the peak, the limit and the excess.
+        MemoryLimitError: at the ``memory`` statement, with the peak (``need``), the limit and
+            the excess.
     """
     limit = getattr(spec, "memory", None)
     if limit is None:
@@ -92,9 +103,9 @@ def check_peak(report: dict, spec) -> None:
     mem = report["memory_bytes_per_rank"]
     if mem["peak_live"] > limit:
         parts = ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in mem.items() if k != "peak_live")
-        raise ParcompError(over_limit(limit, mem["peak_live"], "the plan's peak of live values")
-                           + f" ({parts}); use more ranks, a smaller batch, or ZeRO (train ... zero=1)",
-                           spec.memory_loc)
+        raise MemoryLimitError(over_limit(limit, mem["peak_live"], "the plan's peak of live values")
+                               + f" ({parts}); use more ranks, a smaller batch, or ZeRO (train ... zero=1)",
+                               spec.memory_loc, need=mem["peak_live"], peak=True)
 
 
 def zero_warnings(logical, spec) -> list:

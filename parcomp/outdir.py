@@ -16,8 +16,8 @@ content); it never deletes or overwrites anything else:
   replaced and a name clash is refused; a marker from before manifests
   (``written by parcomp; ...``) lists the files ``compile`` wrote then;
 - a directory another kind of output was written into (``compile -o`` vs
-  ``explain --plots`` vs ``run --keep``: the manifest's ``command``) is refused
-  as a whole: one command never removes another's output.
+  ``explain --plots`` vs ``run --keep`` vs ``export -o``: the manifest's ``command``)
+  is refused as a whole: one command never removes another's output.
 
 Files a program writes afterwards are listed without a hash first; once the
 caller has written them, :func:`record_written` puts their hashes in, so a later
@@ -49,15 +49,16 @@ _NOTE = ("written by parcomp: writing into this directory again replaces only th
 
 
 def write_dir_atomic(out: str, files: dict, later=(), flag: str = "-o", command: str = "compile") -> list:
-    """Write ``{name: text}`` into directory ``out``; returns what it kept (sorted names).
+    """Write ``{name: text or bytes}`` into directory ``out``; returns what it kept (sorted names).
+    The files and a new directory get the modes a plain write gives (0666 / 0777 less the umask).
 
     Args:
         out: the directory (created with its parents if missing).
-        files: file name -> text (UTF-8).
+        files: file name -> text (written as UTF-8) or bytes (written as they are).
         later: names of files the caller writes into ``out`` afterwards; they go
             into the manifest (without a hash), and an old one of parcomp's is removed.
         flag: the option that named ``out``, for messages (``-o``, ``--keep``).
-        command: the kind of output (``compile``, ``plots``, ``run``), kept in the manifest.
+        command: the kind of output (``compile``, ``plots``, ``run``, ``export``), kept in the manifest.
 
     Returns:
         The names in ``out`` that are not parcomp's (kept untouched), sorted.
@@ -70,7 +71,7 @@ def write_dir_atomic(out: str, files: dict, later=(), flag: str = "-o", command:
             writing fails (the OS's reason).
     """
     out = os.path.abspath(out)
-    _check_target(out, flag)
+    check_target(out, flag)
     try:
         with _locked(os.path.dirname(out)):
             if not os.path.lexists(out):
@@ -101,12 +102,21 @@ def _fail(flag, out, msg) -> ParcompError:
     return ParcompError(f"{flag} {out}: {msg}", where=out)
 
 
-def _check_target(out: str, flag: str) -> None:
+def check_target(out: str, flag: str = "-o") -> None:
+    """Refuse an output directory ``out`` (absolute) that :func:`write_dir_atomic` would refuse
+    before looking inside it: the current directory, a file, a file in place of a parent.
+    Callers that compute the output first call it to fail fast.
+
+    Raises:
+        ParcompError: naming ``out`` (``where``) and ``flag``.
+    """
     cwd = os.getcwd()
     if out == cwd or cwd.startswith(out.rstrip(os.sep) + os.sep):
         raise _fail(flag, out, "that is the current directory (or holds it); give a new one")
     if os.path.lexists(out) and not os.path.isdir(out):
-        raise _fail(flag, out, "a file of that name exists; give a directory name")
+        kind = "a link" if os.path.islink(out) else "a file"
+        raise _fail(flag, out, f"a file of that name exists ({kind}, not a directory); parcomp never "
+                               f"overwrites what it did not write and left it alone: give a directory name")
     parent = os.path.dirname(out)
     while not os.path.lexists(parent):
         parent = os.path.dirname(parent)
@@ -195,11 +205,12 @@ def _swap(out: str, texts: dict, old: list) -> None:
 
 
 _COMMANDS = {"compile": "`parcomp compile -o` (a program)", "plots": "`parcomp explain --plots` (plots)",
-             "run": "`parcomp run --keep` (a program and its run's files)"}
+             "run": "`parcomp run --keep` (a program and its run's files)",
+             "export": "`parcomp export -o` (a from_pretrained directory)"}
 
 
 def _manifest(files: dict, later, command: str) -> str:
-    listed = {n: _digest(t.encode("utf-8")) for n, t in files.items()}
+    listed = {n: _digest(_bytes(t)) for n, t in files.items()}
     listed.update({n: None for n in later})
     return _manifest_text(listed, command)
 
@@ -284,9 +295,13 @@ def _digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _write(path: str, text: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
+def _bytes(content) -> bytes:
+    return content if isinstance(content, (bytes, bytearray, memoryview)) else content.encode("utf-8")
+
+
+def _write(path: str, content) -> None:
+    with open(path, "wb") as f:
+        f.write(_bytes(content))
 
 
 def _temp(out: str) -> str:

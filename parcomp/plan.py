@@ -19,7 +19,11 @@ axis names mean to a user:
 
 With a memory limit, Megatron's ``sequence-parallel`` statement is one more candidate
 (:mod:`parcomp.plan_seqpar`): written when the compiled plan without it misses the
-limit and the plan with it fits.
+limit and the plan with it fits. When neither fits, the search runs again for the
+least resident memory it can reach, and without a limit; of those plans, with and
+without the statement, the one with the smallest compiled peak is written if it fits
+the limit, else the error gives that smallest peak: a figure that does not depend on
+the limit asked for (:func:`_nothing_fits`).
 
 With ``--train`` the parameters are chosen on the forward graph (``autodiff`` pins the
 updated parameters and optimizer state to the parameters' layouts before the search, so
@@ -42,10 +46,11 @@ import tempfile
 
 from .errors import ParcompError, SourceLoc
 from .ir.types import R, Shard, divisibility_problem, layout_str
+from .memory import MemoryLimitError, over_limit
 from .passes.bind_layouts import bind_layouts
 from .passes.layout_ilp import DEFAULT_SECONDS
 from .passes.shard_prop import shard_prop
-from .plan_seqpar import choose_seqpar
+from .plan_seqpar import choose_seqpar, least_peak, set_memory, with_sp
 from .plan_text import bound_params, io_phrase, param_lines
 from .report import format_bytes
 from .spec import parse_spec
@@ -162,8 +167,10 @@ def plan(graph, mesh: str, memory: str | None = None, train: str | None = None,
     ``seconds``: the exact search's time budget (default :data:`DEFAULT_SECONDS`).
 
     Raises:
-        ParcompError: a bad mesh or memory size, nothing fits the memory (with
-            ``sequence-parallel`` either), a parameter that no layout splits evenly.
+        ParcompError: a bad mesh or memory size, a parameter that no layout splits evenly.
+        MemoryLimitError: nothing fits the memory (with ``sequence-parallel`` either); its
+            ``need`` (and message) is the smallest peak found, whatever the limit
+            (:func:`_nothing_fits`).
     """
     text = base_spec_text(graph, mesh, memory, train)
     spec = parse_spec(text, "plan.pcs")
@@ -175,12 +182,78 @@ def plan(graph, mesh: str, memory: str | None = None, train: str | None = None,
     if seconds is not None and not seconds > 0:
         raise ParcompError(f"--seconds {seconds}: the search needs a positive time budget", where="--seconds")
     memory_loc = memory and SourceLoc("--memory", 1, 1, memory)
-    chosen = shard_prop(bound, DEFAULT_SECONDS if seconds is None else seconds, memory=spec.memory,
-                        memory_loc=memory_loc, free=free)
-    text = _spec_text(text, chosen, graph, spec)
-    if spec.memory is not None:
-        text = choose_seqpar(graph, text, memory_loc)
+    seconds = DEFAULT_SECONDS if seconds is None else seconds
+    try:
+        chosen = shard_prop(bound, seconds, memory=spec.memory, memory_loc=memory_loc, free=free)
+        text = _spec_text(text, chosen, graph, spec)
+        if spec.memory is not None:
+            text = choose_seqpar(graph, text, memory_loc)
+    except MemoryLimitError as e:
+        if e.where != str(memory_loc):
+            raise
+        return _nothing_fits(graph, bound, free, (mesh, memory, train), seconds, spec.memory, memory_loc, e)
     return text, chosen
+
+
+def _candidates(graph, bound, free, mesh: str, train, seconds) -> list:
+    """``(spec text, chosen graph, what)`` of the plans to fall back on when the limit's own
+    misses it, none depending on the limit: the layouts searched for the least resident
+    bytes the search can reach (``memory`` that many bytes) and searched without a limit."""
+    out, least = [], None
+    try:
+        shard_prop(bound, seconds, memory=0, free=free)
+    except MemoryLimitError as e:  # the least resident bytes: a bound the search may reach
+        least = e.need
+    for limit in ([least] if least is not None else []) + [None]:
+        base = base_spec_text(graph, mesh, None if limit is None else f"{limit}B", train)
+        spec = parse_spec(base, "plan.pcs")
+        try:
+            chosen = shard_prop(bound, seconds, memory=limit, free=free)
+        except ParcompError:  # the resident bound is not reachable in one plan
+            continue
+        what = "parameters laid out without a limit" if limit is None else \
+            "parameters laid out for the least memory"
+        out.append((_spec_text(base, chosen, graph, spec), chosen, what))
+    return out
+
+
+def _nothing_fits(graph, bound, free, args: tuple, seconds, limit: int, memory_loc, first):
+    """Neither the plan searched under ``limit`` nor it with ``sequence-parallel`` fits: the
+    smallest compiled peak of :func:`_candidates` (each with and without the statement).
+    Returns ``(spec text, chosen)`` of a candidate that compiles within ``limit``.
+
+    Raises:
+        MemoryLimitError: at ``memory_loc``, none does; ``need``: the smallest peak (the same
+            figure for every limit below it), or ``first`` when no candidate compiles at all.
+    """
+    mesh, memory, train = args
+    found = []  # (peak, what, text, chosen)
+    for text, chosen, what in _candidates(graph, bound, free, mesh, train, seconds):
+        for sp in (False, True):
+            got = least_peak(graph, with_sp(text, []) if sp else text)
+            if got is not None:
+                found.append((got[0], f"{what}; {got[1]}" + ("; with sequence-parallel" if sp else ""), text, chosen))
+    if not found:
+        raise first
+    found.sort(key=lambda f: f[0])
+    peak, what = found[0][:2]
+    for p, _, text, chosen in found:  # compiled under the limit asked for, activations are re-searched
+        if p <= limit:
+            try:
+                return choose_seqpar(graph, set_memory(text, memory), memory_loc), chosen
+            except MemoryLimitError:
+                pass
+    zero = ", or ZeRO (train ... zero=1)" if train else ""
+    what = f"no plan fits: the smallest peak of live values among parcomp's plans ({what})"
+    if peak > limit:
+        said = over_limit(limit, peak, what)
+    else:
+        said = (f"{what} needs {format_bytes(peak)} per rank ({peak:,} B), within the memory limit "
+                f"{format_bytes(limit)} only with those layouts, which a spec cannot ask for apart from "
+                f"its memory limit; under this limit the search lays the activations out otherwise and "
+                f"every plan peaks over it")
+    raise MemoryLimitError(f"{said}; use more ranks, a smaller batch{zero}",
+                           memory_loc, need=peak, peak=True) from None
 
 
 def _spec_text(base: str, chosen, graph, spec) -> str:

@@ -190,7 +190,7 @@ def test_layer_ways_bytes_by_hand():
     w = layer_ways(2, 4, 2, 16, 8, 4, 2, LINKS["nvlink"], train=True)
     assert {k: (r["calls"], r["bytes_per_rank"]) for k, r in w.items()} == {
         "sp": (4, 4 * 2048), "all_gather": (4, 4 * 1024), "all_to_all": (8, 2 * (1024 + 512 + 512 + 1024)),
-        "ring": (2, 2048 + 4096)}
+        "ring": (2, 2048 + 4096), "ring_balanced": (2, 2048 + 4096)}  # chunking: same bytes
     w4 = layer_ways(2, 4, 2, 16, 8, 4, 4, LINKS["nvlink"], train=False)  # 2 kv heads < 4 ranks: repeated
     assert w4["all_to_all"]["bytes_per_rank"] == 4 * 768 and w4["all_gather"]["bytes_per_rank"] == 2 * 1536
     assert not layer_ways(1, 6, 6, 8, 2, 4, 4, LINKS["nvlink"], train=False)["all_to_all"]["possible"]
@@ -218,11 +218,37 @@ def test_explain_prints_the_table_and_marks_this_spec(capsys):
     assert main(["explain", MODEL, "--spec", str(CANONICAL)]) == 0
     text = capsys.readouterr().out
     rows = [line for line in text.splitlines() if line.startswith("  CP ") or line.startswith("  SP ")]
-    assert [r.split()[0] + r.split()[1] for r in rows] == ["SP(Megatron,", "CPall_gather", "CPall_to_all", "CPring"]
+    assert [r.split()[0] + r.split()[1] for r in rows] == ["SP(Megatron,", "CPall_gather", "CPall_to_all", "CPring",
+                                                           "CPring,"]
     assert [r for r in rows if r.endswith("<- this spec")] == [rows[2]]
     assert main(["explain", MODEL, "--spec", str(CANONICAL), "--json"]) == 0
     got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert sp_cp_lines(got["sp_vs_cp"])[2:] == rows
+    assert sp_cp_lines(got["sp_vs_cp"])[2:-1] == rows  # the last line: what "work" counts
+
+
+def test_ring_row_follows_chunking_balanced_halves_the_slowest_ranks_causal_work(capsys):
+    """Causal attention, B=2, H=4, S=16 on 2 ranks: contiguous chunks leave the last rank
+    positions 8-15 (9 + ... + 16 = 100 visible pairs per head), balanced chunks give both ranks
+    68 (0-3 and 12-15; 4-11), SP / all_to_all the whole 136 on H/2 heads; same bytes. On 8 ranks
+    balanced is about half of contiguous. The balanced spec's own row is the balanced ring."""
+    w = layer_ways(2, 4, 2, 16, 8, 4, 2, LINKS["nvlink"], train=True, causal=True, chunking="balanced")
+    assert {k: r["work_pairs"] for k, r in w.items()} == {
+        "sp": 2 * 2 * 136, "all_to_all": 2 * 2 * 136, "all_gather": 8 * 68, "ring": 8 * 100, "ring_balanced": 8 * 68}
+    assert w["ring"]["bytes_per_rank"] == w["ring_balanced"]["bytes_per_rank"]
+    w8 = layer_ways(1, 8, 8, 1024, 8, 4, 8, LINKS["nvlink"], train=False)
+    assert 0.5 <= w8["ring_balanced"]["work_pairs"] / w8["ring"]["work_pairs"] < 0.55
+    full = layer_ways(2, 4, 2, 16, 8, 4, 2, LINKS["nvlink"], train=False, causal=False)
+    assert full["ring"]["work_pairs"] == full["ring_balanced"]["work_pairs"] == 8 * 8 * 16  # nothing to skip
+    odd = layer_ways(2, 4, 2, 6, 8, 4, 2, LINKS["nvlink"], train=False)  # 6 rows: no 4 equal chunks
+    assert not odd["ring_balanced"]["possible"] and odd["ring"]["possible"]
+    balanced = str(ROOT / "specs" / "attention_cp2_ring_balanced_train.pcs")
+    assert main(["explain", MODEL, "--spec", balanced, "--json"]) == 0
+    rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["sp_vs_cp"]
+    assert rec["this_spec"] == "ring_balanced" and rec["chunking"] == "balanced"
+    assert rec["ways"]["ring_balanced"]["work_pairs"] < rec["ways"]["ring"]["work_pairs"]
+    assert main(["explain", MODEL, "--spec", balanced]) == 0
+    row = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("  CP ring, balanced"))
+    assert row.endswith("<- this spec") and "  544  " in row
 
 
 def test_no_table_without_a_cp_or_sp_statement():

@@ -75,7 +75,8 @@ def test_gpt2_export_loads_with_from_pretrained_tied_and_equal(trained, tmp_path
 
     out = tmp_path / "hf"
     done = export_pretrained(trained.compiled, str(trained.ckpt), str(out), trained.module)
-    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"] == sorted(done["files"])
+    assert sorted(os.listdir(out)) == [".parcomp-output", "config.json", "model.safetensors"]
+    assert sorted(done["files"]) == ["config.json", "model.safetensors"]
     sd = load_file(str(out / "model.safetensors"))
     assert "transformer.wte.weight" in sd and "lm_head.weight" not in sd
     assert sorted(sd) == sorted(k for k, _ in trained.module.named_parameters())  # each tensor once
@@ -103,12 +104,12 @@ def test_export_refuses_an_existing_target_and_leaves_nothing_half_written(train
     taken = tmp_path / "taken"
     taken.mkdir()
     (taken / "notes.txt").write_text("mine")
-    with pytest.raises(ParcompError, match="not an empty directory") as e:
+    with pytest.raises(ParcompError, match="is not empty and was not written by parcomp") as e:
         export_pretrained(trained.compiled, str(trained.ckpt), str(taken), trained.module)
     assert e.value.where == str(taken) and os.listdir(taken) == ["notes.txt"]
     afile = tmp_path / "afile"
     afile.write_text("mine")
-    with pytest.raises(ParcompError, match="exists"):
+    with pytest.raises(ParcompError, match="a file of that name exists"):
         export_pretrained(trained.compiled, str(trained.ckpt), str(afile), trained.module)
     assert afile.read_text() == "mine"
     with pytest.raises(ParcompError, match="no torch.distributed.checkpoint") as e:
@@ -117,15 +118,72 @@ def test_export_refuses_an_existing_target_and_leaves_nothing_half_written(train
     assert [p for p in os.listdir(tmp_path) if p.startswith(".parcomp")] == []
 
 
+def test_export_files_get_the_modes_of_a_plain_write(trained, tmp_path):
+    """Under umask 022 the directory is 0755 and its files 0644 (not mkstemp's / safetensors'
+    0600); under 027, 0750 and 0640. export_safetensors' single file likewise."""
+    from parcomp.export import export_pretrained, export_safetensors
+
+    for mask, dmode, fmode in ((0o022, 0o755, 0o644), (0o027, 0o750, 0o640)):
+        old = os.umask(mask)
+        try:
+            out = tmp_path / f"hf{mask:o}"
+            export_pretrained(trained.compiled, str(trained.ckpt), str(out), trained.module)
+            export_safetensors(trained.compiled, str(trained.ckpt), str(tmp_path / f"w{mask:o}.safetensors"))
+        finally:
+            os.umask(old)
+        assert os.stat(tmp_path / f"w{mask:o}.safetensors").st_mode & 0o777 == fmode
+        assert os.stat(out).st_mode & 0o777 == dmode
+        for name in os.listdir(out):
+            assert os.stat(out / name).st_mode & 0o777 == fmode, (name, oct(os.stat(out / name).st_mode))
+
+
+def test_export_marks_its_output_and_replaces_only_its_own(trained, tmp_path, capsys):
+    """The export directory carries the ``.parcomp-output`` manifest (command ``export``, a
+    hash per file); a second export to it replaces parcomp's files and keeps one the user
+    added; a model.safetensors the user changed, or another command's output, is refused."""
+    from parcomp.outdir import MARKER
+
+    out = tmp_path / "hf"
+    args = ["export", GPT2, "--spec", SPEC, str(trained.ckpt), "-o", str(out)]
+    assert main(args) == 0
+    manifest = json.loads((out / MARKER).read_text())
+    assert manifest["command"] == "export" and sorted(manifest["files"]) == ["config.json", "model.safetensors"]
+    assert all(isinstance(d, str) and len(d) == 64 for d in manifest["files"].values())
+    first = (out / "model.safetensors").read_bytes()
+    (out / "README.md").write_text("my notes")
+    capsys.readouterr()
+    assert main(args) == 0
+    assert "kept 1 entry" in capsys.readouterr().out and (out / "README.md").read_text() == "my notes"
+    assert (out / "model.safetensors").read_bytes() == first  # same checkpoint, same bytes
+    assert sorted(os.listdir(out)) == [MARKER, "README.md", "config.json", "model.safetensors"]
+    (out / "model.safetensors").write_bytes(b"the user's own")
+    assert main(args + ["--json"]) == 2
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["where"] == str(out) and "model.safetensors is not parcomp's" in res["error"]
+    assert (out / "model.safetensors").read_bytes() == b"the user's own"
+    compiled_dir = tmp_path / "prog"
+    assert main(["compile", GPT2, "--spec", SPEC, "-o", str(compiled_dir)]) == 0
+    capsys.readouterr()
+    assert main(["export", GPT2, "--spec", SPEC, str(trained.ckpt), "-o", str(compiled_dir), "--json"]) == 2
+    assert "parcomp compile -o" in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["error"]
+
+
+def test_export_to_a_file_says_it_is_a_file_and_leaves_it(trained, tmp_path, capsys):
+    afile = tmp_path / "weights"
+    afile.write_bytes(b"mine")
+    rc = main(["export", GPT2, "--spec", SPEC, str(trained.ckpt), "-o", str(afile)])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"-o {afile}: a file of that name exists (a file, not a directory)" in err
+    assert "Traceback" not in err and "empty directory" not in err
+    assert afile.read_bytes() == b"mine" and sorted(os.listdir(tmp_path)) == ["weights"]
+
+
 def test_export_cli_writes_the_directory_and_locates_errors(trained, tmp_path, capsys):
     out = tmp_path / "hf"
     rc = main(["export", GPT2, "--spec", SPEC, str(trained.ckpt), "-o", str(out), "--json"])
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and res["ok"] and res["files"] == ["model.safetensors", "config.json"]
     assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
-    rc = main(["export", GPT2, "--spec", SPEC, str(trained.ckpt), "-o", str(out), "--json"])
-    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert rc == 2 and res["where"] == str(out) and "never overwrites" in res["error"]
     rc = main(["export", GPT2, "--spec", SPEC, str(tmp_path / "missing"), "-o", str(tmp_path / "o2"), "--json"])
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 2 and res["where"] == str(tmp_path / "missing") and not (tmp_path / "o2").exists()

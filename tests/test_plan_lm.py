@@ -16,6 +16,7 @@ from parcomp.ir import parse_graph
 from parcomp.ir.types import R, Shard
 from parcomp.plan import may_stay_replicated, plan
 from parcomp.plan_text import bound_params, param_lines
+from parcomp.report import format_bytes
 from parcomp.spec import load_spec, parse_spec
 
 from numerics import assert_never_wrong
@@ -143,21 +144,53 @@ def test_plan_picks_sequence_parallel_when_the_tp_plan_exceeds_the_memory(tmp_pa
     assert_never_wrong(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))  # OK or CANNOT VOUCH
 
 
-def test_plan_keeps_plain_tp_when_it_fits_and_says_when_neither_fits(long_gpt2):
+def test_plan_keeps_plain_tp_when_it_fits_and_finds_a_smaller_plan_when_neither_fits(long_gpt2):
+    """Just under Megatron's SP peak neither plan the search makes for the limit fits; the
+    planner then falls back on the plans it lays out for the least memory (and without a
+    limit), with and without sequence-parallel, and one of those compiles within it."""
     model, graph, (tp_peak, sp_peak) = long_gpt2
     text, _ = plan(graph, "tp=2", f"{tp_peak}B", TRAIN)
     assert "sequence-parallel" not in text
-    with pytest.raises(ParcompError, match="with sequence-parallel: the plan's peak") as e:
-        plan(graph, "tp=2", f"{sp_peak - 1}B", TRAIN)
-    assert e.value.where == "--memory:1:1"
+    text, _ = plan(graph, "tp=2", f"{sp_peak - 1}B", TRAIN)
+    assert compile_graph(graph, parse_spec(text, "p.pcs")).report["memory_bytes_per_rank"]["peak_live"] < sp_peak
+
+
+def test_the_smallest_plan_figure_does_not_depend_on_the_limit(long_gpt2):
+    """Two limits below every plan (one below even the search's resident bound, one between
+    that and the peaks): the error gives the same smallest peak, whole (the sequence-parallel
+    part not cut off), no larger than Megatron's hand specs' peaks, over each limit."""
+    model, graph, (tp_peak, sp_peak) = long_gpt2
+    figures = []
+    for limit in (100 * 1024, 330 * 1024):
+        with pytest.raises(ParcompError, match="no plan fits: the smallest peak of live values") as e:
+            plan(graph, "tp=2", f"{limit}B", TRAIN)
+        assert e.value.where == "--memory:1:1"
+        need = e.value.need
+        assert limit < need <= min(tp_peak, sp_peak)
+        assert f"needs {format_bytes(need)} per rank ({need:,} B), over the memory limit" in e.value.message
+        figures.append((need, e.value.message.split(" over the memory limit")[0]))
+    assert figures[0] == figures[1]
+
+
+def test_choose_seqpar_gives_the_sequence_parallel_figure_whole(long_gpt2):
+    from parcomp.memory import MemoryLimitError
+    from parcomp.plan_seqpar import choose_seqpar, set_memory
+
+    model, graph, (tp_peak, sp_peak) = long_gpt2
+    text, _ = plan(graph, "tp=2", None, TRAIN)
+    for limit in (100 * 1024, (sp_peak + min(tp_peak, sp_peak)) // 3):
+        with pytest.raises(MemoryLimitError) as e:
+            choose_seqpar(graph, set_memory(text, f"{limit}B"), None)
+        tail = e.value.message.split("; with sequence-parallel: ")[1]
+        assert tail.endswith(" B)") and " needs " in tail and " per rank (" in tail  # not cut off
 
 
 def test_a_model_without_norms_gets_the_plain_memory_error_at_the_option():
     """No norm over [batch, seq, hidden]: sequence parallel does not apply, so the error is
-    the plain plan's, located at --memory (not at a plan.pcs nobody wrote)."""
+    the plain plans', located at --memory (not at a plan.pcs nobody wrote)."""
     graph = load_model(f"{MODELS}:torch_mlp")[0]
     text, _ = plan(graph, "tp=2")
     peak = compile_graph(graph, parse_spec(text, "p.pcs")).report["memory_bytes_per_rank"]["peak_live"]
-    with pytest.raises(ParcompError, match="the plan's peak of live values needs") as e:
-        plan(graph, "tp=2", f"{peak - 1}B")
+    with pytest.raises(ParcompError, match="the smallest peak of live values") as e:
+        plan(graph, "tp=2", f"{peak // 4}B")
     assert e.value.where == "--memory:1:1" and "sequence-parallel" not in e.value.message

@@ -30,7 +30,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from ..errors import ParcompError
-from ..memory import local_bytes, over_limit, resident_values
+from ..memory import MemoryLimitError, local_bytes, over_limit, resident_values
 from ..report import format_bytes
 
 #: objective unit: nanoseconds
@@ -102,7 +102,8 @@ class MemoryLimit:
     under the layout its strategy produces (one linear row of the ILP).
 
     Raises (on construction):
-        ParcompError: even the smallest choice of every value exceeds the limit.
+        MemoryLimitError: even the smallest choice of every value exceeds the limit (``need``:
+            that smallest resident total).
     """
 
     def __init__(self, prob, limit: int, loc=None):
@@ -114,9 +115,9 @@ class MemoryLimit:
         self.index = {v: {opt[1:]: k for k, opt in enumerate(prob.options[v])} for v in self.per}
         least = self.fixed + sum(min(b) for b in self.per.values())
         if least > limit:
-            raise ParcompError(over_limit(limit, least, "the smallest layout plan (weights, inputs "
-                                          "and saved activations, each split as far as it can be)")
-                               + "; use more ranks or a smaller batch", loc)
+            raise MemoryLimitError(over_limit(limit, least, "the smallest layout plan (weights, inputs "
+                                              "and saved activations, each split as far as it can be)")
+                                   + "; use more ranks or a smaller batch", loc, need=least)
 
     def bytes(self, plan) -> int:
         """Resident bytes per rank of ``plan``."""
