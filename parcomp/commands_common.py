@@ -156,11 +156,24 @@ def _is_torch(module) -> bool:
     return module is not None and not isinstance(module, ModelFile)
 
 
+DROPOUT_NOTE = ("note: the model has dropout in training mode; parcomp draws its mask from each "
+                "element's global index (docs/design.md, \"Norms, dropout, embeddings\"), not from "
+                "torch's generator, so the reference is the unsharded graph with parcomp's dropout "
+                "(numpy), not the torch module")
+
+
 def _reference(compiled, module):
-    """``module``, or None where the spec's ``moe`` statement changed the model's capacity
-    (issue 14): the module then computes another model, so the unsharded graph with the
-    spec's capacity (``compiled.unsharded``, numpy) is the reference."""
-    return None if spec_changes_capacity(compiled.report.get("moe_capacity", ())) else module
+    """``module``, or None where the torch module computes another model than the graph, so the
+    unsharded graph (``compiled.unsharded``, numpy) is the reference: the spec's ``moe``
+    statement changed the model's capacity (issue 14), or the graph has a training-mode
+    ``dropout`` (parcomp's mask, not torch's generator's: the eval-mode or torch-trained
+    module would differ by the dropped elements; a note on stderr says so)."""
+    if spec_changes_capacity(compiled.report.get("moe_capacity", ())):
+        return None
+    if module is not None and not isinstance(module, ModelFile) and compiled.unsharded.by_op("dropout"):
+        print(DROPOUT_NOTE, file=sys.stderr)
+        return None
+    return module
 
 
 def _print_result(args, compiled, result, how):
