@@ -16,8 +16,32 @@ def mlp_dropout():
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(32, 128), nn.Dropout(0.5), nn.Linear(128, 32)).train()
     return m, (torch.randn(2, 8, 32),), ["x"]
+def _gpt2(train=False, **kw):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=101, n_positions=64, n_embd=32, n_layer=1, n_head=4, bos_token_id=0,
+               eos_token_id=0, use_cache=False, attn_implementation="sdpa")
+    m = GPT2LMHeadModel(GPT2Config(**{**cfg, **kw}))
+    return (m.train() if train else m.eval()), (torch.randint(0, 101, (2, 8)),), ["input_ids"]
+def gpt2_attn_dropout_train():
+    return _gpt2(train=True, attn_pdrop=0.1)
+def mistral(window=4):
+    from transformers import MistralConfig, MistralForCausalLM
+    torch.manual_seed(0)
+    cfg = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                        bos_token_id=0, eos_token_id=1, pad_token_id=None, use_cache=False,
+                        attn_implementation="sdpa", sliding_window=window)
+    return MistralForCausalLM(cfg).eval(), (torch.randint(0, 64, (2, 8)),), ["input_ids"]
+def mistral_window8():
+    return mistral(8)
 '''
 MLP_TP2 = "mesh tp=2\n0.weight colwise\n2.weight rowwise\n"
+GPT2_TP2 = ("mesh tp=2\ntransformer.h.*.attn.c_attn.weight colwise\ntransformer.h.*.attn.c_proj.weight rowwise\n"
+            "transformer.h.*.mlp.c_fc.weight colwise\ntransformer.h.*.mlp.c_proj.weight rowwise\n")
+MISTRAL_TP2 = ("mesh tp=2\nmodel.layers.*.self_attn.q_proj.weight colwise\n"
+               "model.layers.*.self_attn.k_proj.weight colwise\nmodel.layers.*.self_attn.v_proj.weight colwise\n"
+               "model.layers.*.self_attn.o_proj.weight rowwise\n")
 
 
 @pytest.fixture
@@ -68,3 +92,37 @@ def test_training_mode_dropout_still_catches_a_wrong_sharding(play, capsys, monk
     assert main(["check", f"{play}/trial.py:mlp_dropout", "--spec", spec, "--json"]) != 0
     res, _ = _json(capsys)
     assert not res["ok"] and res["verdict"] == "MISMATCH", res
+
+
+def _fails(argv, capsys, *needles) -> str:
+    """``main(argv)`` exits 2 with a located message holding every needle, no traceback."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    for n in needles:
+        assert n in err, err
+    return err
+
+
+# 2: GPT-2 in training mode with attention dropout said only "call module.eval()"; a user who
+# wants to train with dropout is told which dropout is the unsupported one and what to set.
+def test_attention_dropout_names_the_config_knob(play, capsys):
+    spec = write(play, "g.pcs", GPT2_TP2)
+    _fails(["check", f"{play}/trial.py:gpt2_attn_dropout_train", "--spec", spec], capsys,
+           "dropout_p=0.1", "attn_pdrop", "call module.eval()", "modeling_gpt2.py:")
+
+
+# 3: Mistral's sliding-window mask was reported as "padding or packed sequences?"; it is
+# named as what it is, with the window, and a window covering the sequence compiles (causal).
+def test_sliding_window_mask_is_named(play, capsys):
+    spec = write(play, "m.pcs", MISTRAL_TP2)
+    err = _fails(["check", f"{play}/trial.py:mistral", "--spec", spec], capsys,
+                 "sliding-window causal mask", "last 4 keys", "modeling_mistral.py:")
+    assert "padding" not in err
+
+
+def test_sliding_window_covering_the_sequence_is_causal(play, capsys):
+    spec = write(play, "m.pcs", MISTRAL_TP2)
+    assert main(["check", f"{play}/trial.py:mistral_window8", "--spec", spec, "--json"]) == 0
+    res, _ = _json(capsys)
+    assert res["ok"], res
