@@ -16,6 +16,9 @@ def mlp_dropout():
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(32, 128), nn.Dropout(0.5), nn.Linear(128, 32)).train()
     return m, (torch.randn(2, 8, 32),), ["x"]
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)).eval(), (torch.randn(2, 4, 32),), ["x"]
 def _gpt2(train=False, **kw):
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(0)
@@ -126,3 +129,25 @@ def test_sliding_window_covering_the_sequence_is_causal(play, capsys):
     assert main(["check", f"{play}/trial.py:mistral_window8", "--spec", spec, "--json"]) == 0
     res, _ = _json(capsys)
     assert res["ok"], res
+
+
+# 4: cross-entropy with label_smoothing: `check` said OK, but program.py died under torchrun
+# ("more than one element of the written-to tensor refers to a single memory location"): the
+# in-place pass wrote the smoothing gradient's add into an expand (a stride-0 view).
+def test_label_smoothing_program_runs_under_torchrun(play, capsys):
+    spec = write(play, "ls.pcs", MLP_TP2 + "train loss=cross_entropy(label_smoothing=0.1) optimizer=sgd(lr=0.1)\n")
+    assert main(["run", f"{play}/trial.py:mlp", "--spec", spec, "--nproc", "2", "--json"]) == 0
+    res, err = _json(capsys)
+    assert res["ok"], (res, err[-3000:])
+
+
+def test_in_place_never_writes_into_an_expanded_view(play):
+    from parcomp.compiler import compile_graph
+    from parcomp.frontends.loader import load_model
+    from parcomp.spec import load_spec
+
+    spec = write(play, "ls.pcs", MLP_TP2 + "train loss=cross_entropy(label_smoothing=0.1) optimizer=sgd(lr=0.1)\n")
+    graph, _, _ = load_model(f"{play}/trial.py:mlp")
+    g = compile_graph(graph, load_spec(spec)).program  # the lowered per-rank graph
+    expands = {n.name for n in g.nodes if n.op == "expand"}
+    assert expands and not [n.name for n in g.nodes if n.attr("inplace") and n.inputs[0] in expands]
