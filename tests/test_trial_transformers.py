@@ -151,3 +151,27 @@ def test_in_place_never_writes_into_an_expanded_view(play):
     g = compile_graph(graph, load_spec(spec)).program  # the lowered per-rank graph
     expands = {n.name for n in g.nodes if n.op == "expand"}
     assert expands and not [n.name for n in g.nodes if n.attr("inplace") and n.inputs[0] in expands]
+
+
+# 5: `check` draws labels in [0, classes), so cross_entropy's ignore_index never fires there: the
+# global mean over the counted tokens (one count all_reduce over dp) went untested. Labels
+# with ignored tokens, dp x tp, one step against torch (F.cross_entropy with the same options).
+def test_ignored_labels_under_dp_tp_equal_torch(play):
+    from parcomp.commands_common import feeds_for
+    from parcomp.compiler import compile_graph
+    from parcomp.frontends.loader import load_model
+    from parcomp.spec import load_spec
+    from parcomp.train_check import lockstep, train_feeds
+
+    spec = write(play, "ign.pcs", "mesh dp=2 tp=2\n0.weight colwise over tp\n2.weight rowwise over tp\n"
+                 "input x [S(0), R]\ntrain loss=cross_entropy(ignore_index=-100, label_smoothing=0.1) "
+                 "optimizer=sgd(lr=0.1)\n")
+    graph, module, example = load_model(f"{play}/trial.py:mlp")
+    c = compile_graph(graph, load_spec(spec))
+    feeds = train_feeds(c, module, example, 0, feeds_for)
+    labels = feeds["labels"].copy()
+    labels[0, :3] = -100  # 3 of rank 0's 4 tokens ignored, 1 of rank 1's: unequal counts
+    labels[1, 2] = -100
+    ls = lockstep(c, module, example, {**feeds, "labels": labels}, 1)
+    assert ls["vs_unsharded"]["ok"], ls["vs_unsharded"]
+    assert ls["vs_torch"]["ok"], ls["vs_torch"]
