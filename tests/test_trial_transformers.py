@@ -26,6 +26,13 @@ def _gpt2(train=False, **kw):
                eos_token_id=0, use_cache=False, attn_implementation="sdpa")
     m = GPT2LMHeadModel(GPT2Config(**{**cfg, **kw}))
     return (m.train() if train else m.eval()), (torch.randint(0, 101, (2, 8)),), ["input_ids"]
+def gpt2_bad_id():
+    m, (ids,), names = _gpt2()
+    ids[0, 1] = 500
+    return m, (ids,), names
+def gpt2_too_long():
+    m, _, names = _gpt2()
+    return m, (torch.randint(0, 101, (2, 80)),), names
 def gpt2_attn_dropout_train():
     return _gpt2(train=True, attn_pdrop=0.1)
 def mistral(window=4):
@@ -175,3 +182,21 @@ def test_ignored_labels_under_dp_tp_equal_torch(play):
     ls = lockstep(c, module, example, {**feeds, "labels": labels}, 1)
     assert ls["vs_unsharded"]["ok"], ls["vs_unsharded"]
     assert ls["vs_torch"]["ok"], ls["vs_torch"]
+
+
+# 6: an example with a token id past the vocab, or a sequence past n_positions: torch.export
+# traced it, the numpy ranks ran it, then the eager torch reference raised IndexError with a
+# traceback (exit 1). Now a located error before anything runs, for check and run.
+@pytest.mark.parametrize("command", ["check", "run"])
+def test_token_id_outside_the_vocab_is_a_located_error(play, capsys, command):
+    spec = write(play, "g.pcs", GPT2_TP2)
+    extra = ["--nproc", "2"] if command == "run" else []
+    _fails([command, f"{play}/trial.py:gpt2_bad_id", "--spec", spec, *extra], capsys,
+           "input input_ids holds 1 id(s) outside the 101 rows", "500, at [0, 1]", "[0, 101)")
+
+
+def test_sequence_longer_than_the_positions_is_a_located_error(play, capsys):
+    spec = write(play, "g.pcs", GPT2_TP2)
+    _fails(["check", f"{play}/trial.py:gpt2_too_long", "--spec", spec], capsys,
+           "param transformer.arange holds 16 id(s) outside the 64 rows", "transformer.wpe.weight",
+           "sequence longer")
