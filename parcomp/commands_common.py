@@ -125,7 +125,8 @@ def feeds_for(graph, module, example, seed=0) -> dict:
 
 def require_finite(graph, feeds: dict) -> None:
     """ParcompError naming the first input or param of ``graph`` whose value in ``feeds``
-    holds NaN or inf (and where): a check cannot vouch for what is computed from it."""
+    holds NaN or inf (and where): a check cannot vouch for what is computed from it; then
+    :func:`require_ids_in_tables`."""
     for n in graph.nodes:
         x = feeds.get(n.name) if n.op in ("input", "param") else None
         if x is None or np.asarray(x).dtype.kind not in "fc":
@@ -136,6 +137,29 @@ def require_finite(graph, feeds: dict) -> None:
             raise ParcompError(f"{n.op} {n.name} holds {int(bad.sum())} NaN/inf value(s) (the first, "
                                f"{np.asarray(x)[tuple(at)]}, at {at}): parcomp check cannot vouch for "
                                f"results computed from them; give finite values", where=n.name)
+    require_ids_in_tables(graph, feeds)
+
+
+def require_ids_in_tables(graph, feeds: dict) -> None:
+    """ParcompError naming the first model input that an ``embedding`` looks up in a table
+    (a param of ``feeds``) and that holds an id outside the table's rows ``[0, rows)``: torch
+    raises ``IndexError: index out of range`` there, and a vocab-split table silently gives
+    zero rows for it (Megatron's VocabParallelEmbedding masks every id it does not own)."""
+    for n in graph.by_op("embedding"):
+        ids, table = n.inputs[0], n.inputs[1]
+        kind = graph[ids].op
+        if kind not in ("input", "param") or ids not in feeds or table not in feeds:
+            continue
+        x, rows = np.asarray(feeds[ids]), np.asarray(feeds[table]).shape[0]
+        bad = (x < 0) | (x >= rows)
+        if bad.any():
+            at = [int(i) for i in np.argwhere(bad)[0]]
+            fix = (f"give ids in [0, {rows})" if kind == "input" else "a constant the model computes "
+                   "from the input's shape, such as position ids: is the example's sequence longer "
+                   "than the table?")
+            raise ParcompError(f"{kind} {ids} holds {int(bad.sum())} id(s) outside the {rows} rows of "
+                               f"embedding table {table} (the first, {int(x[tuple(at)])}, at {at}): {fix}",
+                               where=ids)
 
 
 def reference_outputs(graph, module, example, feeds) -> dict:
@@ -158,11 +182,24 @@ def _is_torch(module) -> bool:
     return module is not None and not isinstance(module, ModelFile)
 
 
+DROPOUT_NOTE = ("note: the model has dropout in training mode; parcomp draws its mask from each "
+                "element's global index (docs/design.md, \"Norms, dropout, embeddings\"), not from "
+                "torch's generator, so the reference is the unsharded graph with parcomp's dropout "
+                "(numpy), not the torch module")
+
+
 def _reference(compiled, module):
-    """``module``, or None where the spec's ``moe`` statement changed the model's capacity
-    (issue 14): the module then computes another model, so the unsharded graph with the
-    spec's capacity (``compiled.unsharded``, numpy) is the reference."""
-    return None if spec_changes_capacity(compiled.report.get("moe_capacity", ())) else module
+    """``module``, or None where the torch module computes another model than the graph, so the
+    unsharded graph (``compiled.unsharded``, numpy) is the reference: the spec's ``moe``
+    statement changed the model's capacity (issue 14), or the graph has a training-mode
+    ``dropout`` (parcomp's mask, not torch's generator's: the eval-mode or torch-trained
+    module would differ by the dropped elements; a note on stderr says so)."""
+    if spec_changes_capacity(compiled.report.get("moe_capacity", ())):
+        return None
+    if module is not None and not isinstance(module, ModelFile) and compiled.unsharded.by_op("dropout"):
+        print(DROPOUT_NOTE, file=sys.stderr)
+        return None
+    return module
 
 
 def _print_result(args, compiled, result, how):

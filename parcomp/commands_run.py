@@ -20,6 +20,7 @@ from .tolerance import compare_outputs as compare, output_bounds, training_bound
 from .train_check import carried as _carried, replay_reference, torch_reference as _torch_reference
 from .train_check import training_result as _training_result, verdict
 from .commands_common import (_compile, feeds_for, _is_torch, print_kept, _print_result, program_files, _reference,
+                              require_ids_in_tables,
                               reference_outputs, _short_losses, _summary, _train_feeds, _vs_tolerance)
 
 
@@ -89,6 +90,7 @@ def run(args):
                            f"{plural(size, 'rank')}")
     graph = compiled.unsharded
     feeds = feeds_for(graph, module, example)
+    require_ids_in_tables(graph, feeds)  # before launching: torch's IndexError is no located error
     work = os.path.abspath(args.keep) if args.keep else tempfile.mkdtemp(prefix="parcomp-run-")
     try:
         _write_work(args, work, compiled)
@@ -146,6 +148,7 @@ def _run_training(args, compiled, module, example):
                            f"{plural(size, 'rank')}")
     steps = train_config(compiled.spec).steps if args.steps is None else check_steps(args.steps)
     feeds = _train_feeds(compiled, module, example, 0)
+    require_ids_in_tables(compiled.unsharded, feeds)
     module = _reference(compiled, module)  # the spec's MoE capacity (issue 14)
     replay = replay_reference(compiled, module if _is_torch(module) else None, example, feeds, steps)
     work = os.path.abspath(args.keep) if args.keep else tempfile.mkdtemp(prefix="parcomp-run-")

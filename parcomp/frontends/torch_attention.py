@@ -187,8 +187,25 @@ def _mask_is_causal(b, mask_fx, q, k) -> bool:
         return False
     if bool(torch.equal(mask, torch.broadcast_to(torch.ones(sq, sk, dtype=torch.bool).tril(), shape))):
         return True
+    window = _sliding_window(mask[0, 0])
+    if window:
+        raise b.fail(f"scaled_dot_product_attention's attn_mask is a sliding-window causal mask (each "
+                     f"query sees the last {window} keys, the sequence has {sk}): not supported; a "
+                     f"sequence no longer than the window ({sk} <= sliding_window) folds to causal; "
+                     "nearest supported op: sdpa with is_causal=True")
     raise b.fail("scaled_dot_product_attention's attn_mask is neither causal nor all true (padding "
                  "or packed sequences?): not supported; nearest supported op: sdpa with is_causal=True")
+
+
+def _sliding_window(mask) -> int:
+    """``w`` when the bool [sq, sk] ``mask`` is the causal band of width ``w`` (Mistral's
+    ``sliding_window``: key j is kept for query i when i - w < j <= i), else 0."""
+    sq, sk = mask.shape
+    w = int(mask[-1].sum())
+    if sq != sk or not 0 < w < sk:
+        return 0
+    band = torch.ones(sq, sk, dtype=torch.bool).tril() & ~torch.ones(sq, sk, dtype=torch.bool).tril(-w)
+    return w if bool(torch.equal(mask, band)) else 0
 
 
 def mask_only_nodes(fx_nodes, skip) -> set:
@@ -210,7 +227,10 @@ def mask_only_nodes(fx_nodes, skip) -> set:
 
 def _sdpa(b, n, a):
     if a["dropout_p"]:
-        raise b.fail(f"scaled_dot_product_attention with dropout_p={a['dropout_p']}; call module.eval()")
+        raise b.fail(f"scaled_dot_product_attention with dropout_p={a['dropout_p']} (dropout of the attention "
+                     "probabilities) is not supported: call module.eval(), or to train with dropout set "
+                     "the attention dropout to 0 (GPT-2's attn_pdrop, Llama's attention_dropout); dropout "
+                     "layers elsewhere (resid_pdrop, embd_pdrop) are supported")
     q, k, v = (b.val(a[key]) for key in ("query", "key", "value"))
     tq, tk = b.types[q], b.types[k]
     if tq.rank != 4 or tk.rank != 4:
