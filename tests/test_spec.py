@@ -517,3 +517,13 @@ def test_layout_round_trip_property(data):
     spec = parse_spec("mesh " + " ".join(f"{a}=2" for a in axes) + "\n" + "\n".join(lines))
     assert [(r.target, r.pattern, r.layout) for r in spec.rules] == rules
     assert [r.loc.line for r in spec.rules] == list(range(2, 2 + len(lines)))
+
+
+def test_a_dotted_name_with_a_digit_unquoted_says_to_quote_it():
+    """'output=a.0' lexes '.0' as a number: the error says to write the whole name quoted, and
+    the quoted form parses to that name (a new-user trial finding)."""
+    with pytest.raises(SpecError) as e:
+        parse_spec("mesh tp=2\ntrain loss=mse output=a.0 steps=2\n", "t.pcs")
+    msg = str(e.value)
+    assert msg.startswith("t.pcs:2:24\n") and 'written quoted: "a.0"' in msg
+    assert parse_spec('mesh tp=2\ntrain loss=mse output="a.0" steps=2\n', "t.pcs").train.output == "a.0"

@@ -19,6 +19,7 @@ import sys
 
 from dataclasses import replace
 
+from .option_loc import option_loc
 from .vocab_pad import padded_logits
 from ..errors import SpecError, closest
 from ..ir.graph import Graph, Node, evolve, make_attrs
@@ -251,7 +252,7 @@ def _loss_output(graph, cfg):
         hint = closest(cfg.output, names)
         raise SpecError(f"output={cfg.output!r} is not an output of the model"
                         + (f"; did you mean {hint!r}?" if hint else f" (its outputs: {', '.join(names)})"),
-                        cfg.loc)
+                        option_loc(cfg.loc, "output"))
     return named[names.index(cfg.output)]
 
 

@@ -139,6 +139,12 @@ def _syntax_error(e: UnexpectedInput, file: str, lines: list) -> SpecError:
     else:
         got = WORDS[tok.type] if tok.type in ("_NL", "$END") else _show(tok)
     msg = f"expected {_expected(exp, text, col)}; got {got}" if exp else f"unexpected {got}"
+    if tok is not None and str(tok).startswith(".") and col > 1 and text[col - 2].isalnum():
+        start = col - 1  # 'output=a.0': '.0' read as a number; the whole name must be quoted
+        while start > 0 and (text[start - 1].isalnum() or text[start - 1] in "_."):
+            start -= 1
+        name = text[start:col - 1] + str(tok)
+        msg += f" (a name with a number after a dot is written quoted: \"{name}\")"
     size = _memory_value(text, col)
     if size:  # 'memory 80 GiB', 'memory 80GiBs': the whole value, not its first token
         col, msg = size[0], f"expected {WORDS['MEMSIZE']}; got {_show(size[1])}"
