@@ -526,4 +526,4 @@ def test_a_dotted_name_with_a_digit_unquoted_says_to_quote_it():
         parse_spec("mesh tp=2\ntrain loss=mse output=a.0 steps=2\n", "t.pcs")
     msg = str(e.value)
     assert msg.startswith("t.pcs:2:24\n") and 'written quoted: "a.0"' in msg
-    assert parse_spec('mesh tp=2\ntrain loss=mse output="a.0" steps=2\n', "t.pcs").train.output == "a.0"
+    assert parse_spec('mesh tp=2\ntrain loss=mse output="a.0" steps=2\n', "t.pcs").train.get("output") == "a.0"
