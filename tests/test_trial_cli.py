@@ -1,0 +1,110 @@
+"""Findings of a new user's trial of the ONNX frontend, pipelines, training options and the
+emitted program.py runtime (userC). Each test reproduces one finding; the pipelined program's
+file checks run before ``init_process_group``, so they need no torchrun: the program is started
+as torchrun would start one rank (``RANK`` / ``WORLD_SIZE`` in the environment)."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from parcomp.compiler import compile_graph  # noqa: E402
+from parcomp_backends.torch.emit import emit_program  # noqa: E402
+
+from graphs import spec  # noqa: E402
+from test_pipeline import TRAIN, chain_graph, reference  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def pipelined(tmp_path_factory):
+    """A pp=2 program.py of a 2-block chain, its full checkpoint and inputs (files in a dir)."""
+    d = tmp_path_factory.mktemp("pp")
+    g = chain_graph(blocks=2)
+    c = compile_graph(g, spec(f"mesh pp=2\n{TRAIN} microbatches=2 schedule=1f1b\n"))
+    (d / "program.py").write_text(emit_program(c))
+    ref, feeds, _, _ = reference(g)
+    ck = {k: torch.from_numpy(np.asarray(v)) for k, v in feeds.items() if ref[k].op == "param"}
+    inp = {k: torch.from_numpy(np.asarray(feeds[k])) for k in ("x", "target")}
+    torch.save(ck, d / "model.pt")
+    torch.save(inp, d / "inputs.pt")
+    return d, ck, inp
+
+
+def _rank0(d, *args, world="2"):
+    """Run program.py as torchrun's rank 0 of ``world`` would start it (no process group is
+    made before the file checks); the CompletedProcess."""
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE=world, MASTER_ADDR="127.0.0.1",
+               MASTER_PORT="1")  # nothing listens there: a run past the checks would fail
+    return subprocess.run([sys.executable, "program.py", *args], cwd=d, env=env, text=True,
+                          capture_output=True, timeout=60)
+
+
+def _assert_clear_error(res, *words):
+    assert res.returncode == 2, (res.returncode, res.stderr[-2000:])
+    assert "Traceback" not in res.stderr, res.stderr[-2000:]
+    line = res.stderr.strip().splitlines()[-1]
+    assert line.startswith("program.py (rank 0): error: "), line
+    for w in words:
+        assert w in line, (w, line)
+
+
+def test_pipelined_program_names_a_checkpoint_param_of_the_wrong_shape(pipelined):
+    # finding: a wrong-shape weight crashed in the first matmul with a traceback on every rank
+    d, ck, _ = pipelined
+    name = sorted(ck)[0]
+    torch.save({**ck, name: torch.zeros(3, 3)}, d / "bad_shape.pt")
+    res = _rank0(d, "--checkpoint", "bad_shape.pt", "--input", "inputs.pt", "--output", "o.pt")
+    _assert_clear_error(res, repr(name), "[3, 3]", str(list(ck[name].shape)), "bad_shape.pt")
+
+
+def test_pipelined_program_names_a_missing_param_and_the_nearest_keys(pipelined):
+    # finding: a missing weight was a KeyError traceback
+    d, ck, _ = pipelined
+    name = sorted(ck)[0]
+    torch.save({k: v for k, v in ck.items() if k != name}, d / "missing.pt")
+    res = _rank0(d, "--checkpoint", "missing.pt", "--input", "inputs.pt", "--output", "o.pt")
+    _assert_clear_error(res, repr(name), "is missing from missing.pt")
+
+
+def test_pipelined_program_checks_the_input_batch_and_dtype(pipelined):
+    # finding: a batch of another size was a broadcasting RuntimeError deep in a stage
+    d, _, inp = pipelined
+    torch.save({**inp, "target": inp["target"][:2]}, d / "short.pt")
+    res = _rank0(d, "--checkpoint", "model.pt", "--input", "short.pt", "--output", "o.pt")
+    _assert_clear_error(res, "input 'target'", str(list(inp["target"].shape)))
+    torch.save({**inp, "x": inp["x"].double()}, d / "f64.pt")
+    res = _rank0(d, "--checkpoint", "model.pt", "--input", "f64.pt", "--output", "o.pt")
+    _assert_clear_error(res, "input 'x'", "float64", "float32", "never casts")
+
+
+def test_pipelined_program_refuses_a_missing_file_and_output_dir_before_running(pipelined):
+    # finding: a missing checkpoint was torch.load's FileNotFoundError traceback; a missing
+    # --output directory failed only after every step had run
+    d, _, _ = pipelined
+    res = _rank0(d, "--checkpoint", "nosuch.pt", "--input", "inputs.pt", "--output", "o.pt")
+    _assert_clear_error(res, "checkpoint file nosuch.pt does not exist")
+    res = _rank0(d, "--checkpoint", "model.pt", "--input", "inputs.pt", "--output", "nodir/o.pt")
+    _assert_clear_error(res, "--output nodir/o.pt: its directory does not exist")
+
+
+def test_pipelined_program_refuses_to_write_over_the_file_it_reads(pipelined):
+    d, ck, _ = pipelined
+    torch.save(ck, d / "o.pt.stage1")
+    before = (d / "o.pt.stage1").read_bytes()
+    res = _rank0(d, "--checkpoint", "o.pt.stage1", "--input", "inputs.pt", "--output", "o.pt")
+    _assert_clear_error(res, "o.pt.stage1, which is --checkpoint")
+    assert (d / "o.pt.stage1").read_bytes() == before
+
+
+def test_pipelined_program_wrong_world_size_and_steps_are_one_line(pipelined):
+    # finding: a wrong world size was sys.exit(text) (status 1) after init_process_group;
+    # --steps 0 was an UnboundLocalError traceback after loading
+    d, _, _ = pipelined
+    res = _rank0(d, "--checkpoint", "model.pt", "--input", "inputs.pt", "--output", "o.pt", world="3")
+    _assert_clear_error(res, "mesh pp=2 (2 ranks)", "WORLD_SIZE=3", "--nproc-per-node 2")
+    res = _rank0(d, "--checkpoint", "model.pt", "--input", "inputs.pt", "--output", "o.pt", "--steps", "0")
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "argument --steps: 0: give 1 to 1_000_000" in res.stderr
