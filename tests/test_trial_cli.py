@@ -108,3 +108,24 @@ def test_pipelined_program_wrong_world_size_and_steps_are_one_line(pipelined):
     res = _rank0(d, "--checkpoint", "model.pt", "--input", "inputs.pt", "--output", "o.pt", "--steps", "0")
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert "argument --steps: 0: give 1 to 1_000_000" in res.stderr
+
+
+@pytest.mark.slow
+def test_program_refuses_an_output_that_is_its_own_input_or_checkpoint(tmp_path):
+    # finding: `program.py --input in.pt --output in.pt` replaced the user's inputs with the
+    # outputs (and `--output model.pt` the checkpoint) without a word
+    from parcomp.ir import parse_graph
+    from parcomp.spec import load_spec
+    from parcomp_backends.torch import run_torchrun
+    from parcomp_backends.torch.launch import write_program
+
+    from test_torch_backend import SPECS, TINY, TINY_PARAMS, TINY_X
+
+    write_program(compile_graph(parse_graph(TINY, "t.pcir"), load_spec(SPECS / "tiny_relu_mlp_tp2.pcs")),
+                  tmp_path)
+    torch.save({"x": torch.from_numpy(TINY_X)}, tmp_path / "in.pt")
+    before = (tmp_path / "in.pt").read_bytes()
+    res = run_torchrun(tmp_path, 2, TINY_PARAMS, str(tmp_path / "in.pt"), str(tmp_path / "in.pt"), timeout=180)
+    assert res.returncode != 0
+    assert "it would write" in res.stderr and "the file given as --input; give another name" in res.stderr
+    assert (tmp_path / "in.pt").read_bytes() == before

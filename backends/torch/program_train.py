@@ -229,7 +229,7 @@ def train(params, batches, starts=None, step=None, log_every=1, first=1):
 def load(args):
     """This rank's params, every step's inputs and the --replay starts (``--output``'s
     directory checked first); under agree()."""
-    check_output(args.output)
+    check_output(args)
     params = load_checkpoint(args.checkpoint, args.key_map, args.load_report)
     batches = read_batches(args.input, args.steps) if INPUTS else [{}] * args.steps
     with torch.no_grad():
