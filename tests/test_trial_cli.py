@@ -129,3 +129,34 @@ def test_program_refuses_an_output_that_is_its_own_input_or_checkpoint(tmp_path)
     assert res.returncode != 0
     assert "it would write" in res.stderr and "the file given as --input; give another name" in res.stderr
     assert (tmp_path / "in.pt").read_bytes() == before
+
+
+@pytest.mark.parametrize("op, near", [("LeakyRelu", "Relu (export nn.ReLU instead of nn.LeakyReLU)"),
+                                      ("HardSigmoid", "Sigmoid"), ("Hardmax", "Softmax"),
+                                      ("ReduceLogSumExp", "by name only: ReduceSum")])
+def test_onnx_op_without_rule_names_the_nearest_supported_op(tmp_path, op, near):
+    # finding: the error listed all 40-odd supported ops but not the one to use instead
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper
+
+    from parcomp.errors import FrontendError
+    from parcomp.frontends.onnx import load_onnx
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1] if op.startswith("Reduce") else [2, 4])
+    g = helper.make_graph([helper.make_node(op, ["x"], ["y"], "act0")], "g", [x], [y])
+    path = str(tmp_path / "m.onnx")
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)]), path)
+    with pytest.raises(FrontendError) as e:
+        load_onnx(path)
+    msg = e.value.message
+    assert f"node 'act0' ({op} -> y)" in msg and f"no rule for ONNX op {op}; nearest supported op" in msg
+    assert near in msg and "supported ops: Add," in msg
+
+
+def test_every_nearest_op_row_names_a_supported_op_and_an_unsupported_one():
+    from parcomp.frontends.onnx import load_onnx  # noqa: F401 - registers the transformer rows
+    from parcomp.frontends.onnx_ops import NEAREST, supported_ops
+
+    ops = set(supported_ops())
+    assert all(near in ops and op not in ops for op, (near, _) in NEAREST.items())

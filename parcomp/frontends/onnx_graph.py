@@ -19,7 +19,7 @@ from ..ir.ops import OPS
 from ..ir.types import TensorType
 from .fused import split_fused_weights
 from .onnx_attention import OP as ATTENTION, lower_attention, rewrite_attention
-from .onnx_ops import DTYPES, NO_FOLD, SHAPE_ONLY, TABLE, dtype_of, supported_ops
+from .onnx_ops import DTYPES, NO_FOLD, SHAPE_ONLY, TABLE, dtype_of, nearest_op, supported_ops
 from .onnx_norms import rewrite_rms_norm
 from .onnx_patterns import ONode, rewrite_gelu
 from .onnx_transformer import materialize
@@ -216,7 +216,8 @@ class _Builder:
 
 def _no_rule(b: _Builder, n: ONode) -> FrontendError:
     dom = f" of domain {n.domain!r}" if n.domain not in ("", "ai.onnx") else ""
-    return b.fail(f"no rule for ONNX op {n.op}{dom}; supported ops: {', '.join(supported_ops())} "
+    return b.fail(f"no rule for ONNX op {n.op}{dom}{nearest_op(n.op)}; supported ops: "
+                  f"{', '.join(supported_ops())} "
                   f"(and any op whose inputs are all constants, computed at import)")
 
 
