@@ -160,3 +160,23 @@ def test_every_nearest_op_row_names_a_supported_op_and_an_unsupported_one():
 
     ops = set(supported_ops())
     assert all(near in ops and op not in ops for op, (near, _) in NEAREST.items())
+
+
+def test_onnx_dynamic_axis_error_names_the_symbolic_dim(tmp_path):
+    # finding: an export with dynamic_axes={"x": {0: "batch"}} was refused as "no static
+    # shape" without saying which dim, nor that dynamic_axes made it so
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper
+
+    from parcomp.errors import FrontendError
+    from parcomp.frontends.onnx import load_onnx
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])
+    g = helper.make_graph([helper.make_node("Relu", ["x"], ["y"], "act0")], "g", [x], [y])
+    path = str(tmp_path / "m.onnx")
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)]), path)
+    with pytest.raises(FrontendError) as e:
+        load_onnx(path)
+    assert "input 'x' has no static shape and known dtype (dim 0 is 'batch')" in e.value.message
+    assert "no dynamic_axes or dynamic_shapes" in e.value.message
