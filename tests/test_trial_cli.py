@@ -180,3 +180,22 @@ def test_onnx_dynamic_axis_error_names_the_symbolic_dim(tmp_path):
         load_onnx(path)
     assert "input 'x' has no static shape and known dtype (dim 0 is 'batch')" in e.value.message
     assert "no dynamic_axes or dynamic_shapes" in e.value.message
+
+
+@pytest.mark.slow
+def test_run_training_with_a_relative_keep_directory(tmp_path, monkeypatch, capsys):
+    # finding: `parcomp run MODEL --spec TRAIN.pcs --nproc 2 --keep out` (a relative --keep)
+    # failed in its --replay launch: "replay file out/replay.pt does not exist" (torchrun
+    # runs program.py in the work directory, where the relative path is not)
+    from parcomp.cli import main
+
+    from graphs import mlp_text
+
+    (tmp_path / "m.pcir").write_text(mlp_text((8,), [4, 8, 4], [True] * 2, ["relu", "none"]))
+    (tmp_path / "s.pcs").write_text("mesh dp=2\ninput x [S(0)]\ntrain optimizer=sgd(lr=0.1) steps=2\n")
+    monkeypatch.chdir(tmp_path)
+    rc = main(["run", "m.pcir", "--spec", "s.pcs", "--nproc", "2", "--keep", "work"])
+    out = capsys.readouterr()
+    assert "replay file" not in out.out + out.err, (out.out + out.err)[-3000:]
+    assert rc == 0, (out.out + out.err)[-3000:]
+    assert (tmp_path / "work" / "replay.pt").exists()
