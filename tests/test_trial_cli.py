@@ -199,3 +199,32 @@ def test_run_training_with_a_relative_keep_directory(tmp_path, monkeypatch, caps
     assert "replay file" not in out.out + out.err, (out.out + out.err)[-3000:]
     assert rc == 0, (out.out + out.err)[-3000:]
     assert (tmp_path / "work" / "replay.pt").exists()
+
+
+@pytest.mark.slow
+def test_resume_of_another_optimizers_checkpoint_is_one_located_line(tmp_path):
+    # finding: `program.py --resume DIR` of a checkpoint saved by an SGD-momentum program into
+    # an AdamW program printed DCP's CheckpointException traceback on every rank (it is a
+    # BaseException, which the `except Exception` around dcp.load did not catch)
+    from parcomp.ir import parse_graph
+    from parcomp_backends.torch import run_torchrun
+    from parcomp_backends.torch.launch import write_program
+
+    from graphs import mlp_text
+
+    g = parse_graph(mlp_text((4,), [4, 8, 4], [True] * 2, ["relu", "none"]), "m.pcir")
+    rng = np.random.default_rng(0)
+    ck = {n.name: rng.standard_normal(n.type.shape).astype("f4") for n in g.nodes if n.op == "param"}
+    inp = {k: rng.standard_normal((4, 4)).astype("f4") for k in ("x", "target")}
+    head = "mesh dp=2\ninput x [S(0)]\ntrain steps=1 optimizer="
+    sgd, adamw = tmp_path / "sgd", tmp_path / "adamw"
+    for d, opt in ((sgd, "sgd(lr=0.1, momentum=0.9)"), (adamw, "adamw(lr=0.01)")):
+        d.mkdir()
+        write_program(compile_graph(g, spec(head + opt + "\n")), d)
+    res = run_torchrun(sgd, 2, ck, inp, str(sgd / "o.pt"), ("--save", str(sgd / "ck")), timeout=180)
+    assert res.returncode == 0, res.stderr[-2000:]
+    res = run_torchrun(adamw, 2, ck, inp, str(adamw / "o.pt"), ("--resume", str(sgd / "ck")), timeout=180)
+    assert res.returncode != 0
+    assert "CheckpointException" not in res.stderr and "[rank0]: Traceback" not in res.stderr, res.stderr[-3000:]
+    assert "was saved by another program: it lacks l0.weight.exp_avg" in res.stderr
+    assert "it has l0.bias.momentum_buffer" in res.stderr

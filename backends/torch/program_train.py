@@ -147,6 +147,29 @@ def check_save(path, step):
         fail(f"--save {path}: cannot write there ({folder} is not a writable directory)")
 
 
+def check_resume(path, where, state):
+    """Exit 2 unless the checkpoint ``where`` holds every value of ``state`` with its global
+    shape (one located line: a checkpoint of another model, optimizer or spec names what it
+    lacks and what it has, instead of DCP's per-rank traceback)."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        saved = dcp.FileSystemReader(where).read_metadata().state_dict_metadata
+    except Exception as e:  # noqa: BLE001 - a missing or unreadable .metadata
+        fail(f"--resume {path}: cannot read checkpoint {where}: {type(e).__name__}: {e}")
+    missing = [k for k in state if k not in saved]
+    if missing:
+        extra = sorted(k for k in saved if k not in state)
+        fail(f"--resume {path}: checkpoint {where} was saved by another program: it lacks "
+             f"{', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''}"
+             f"{'; it has ' + ', '.join(extra[:6]) if extra else ''} (another optimizer or model?)")
+    for k, v in state.items():
+        size = getattr(saved[k], "size", None)
+        if size is not None and list(size) != list(v.shape):
+            fail(f"--resume {path}: {k} in checkpoint {where} has shape {list(size)}, this program's "
+                 f"is {list(v.shape)}")
+
+
 def resume_checkpoint(path, params):
     """``(params, first step)``: the CARRIED values of the checkpoint ``path``/latest names,
     resharded to this program's layouts (any mesh may have saved it), and its step + 1."""
@@ -158,9 +181,10 @@ def resume_checkpoint(path, params):
     with open(latest) as f:
         where = os.path.join(path, f.read().strip())
     state = {**as_dtensors({name: params[name] for name in CARRIED}), "step": torch.tensor(0)}
+    check_resume(path, where, state)
     try:
         dcp.load(state, checkpoint_id=where)
-    except Exception as e:  # a checkpoint of another model: name what does not fit
+    except (Exception, dcp.api.CheckpointException) as e:  # BaseException: not an Exception
         fail(f"--resume {path}: cannot load {where} into this program: {str(e)[:400]}")
     return {**params, **{name: state[name].to_local() for name in CARRIED}}, int(state["step"]) + 1
 # <<< program.py
