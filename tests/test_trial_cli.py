@@ -228,3 +228,21 @@ def test_resume_of_another_optimizers_checkpoint_is_one_located_line(tmp_path):
     assert "CheckpointException" not in res.stderr and "[rank0]: Traceback" not in res.stderr, res.stderr[-3000:]
     assert "was saved by another program: it lacks l0.weight.exp_avg" in res.stderr
     assert "it has l0.bias.momentum_buffer" in res.stderr
+
+
+@pytest.mark.parametrize("flags", [["--profile", "cuda"], ["--target", "ascend"]])
+def test_pipelined_compile_for_a_gpu_or_npu_profile_is_refused(tmp_path, capsys, flags):
+    # finding: `compile --profile cuda` of a pp spec wrote a program that runs on the CPU under
+    # gloo (init_process_group("gloo"), no device) and said nothing
+    from parcomp.cli import main
+
+    from graphs import mlp_text
+
+    (tmp_path / "m.pcir").write_text(mlp_text((8,), [4, 8, 8, 4], [True] * 3, ["relu", "tanh", "none"]))
+    (tmp_path / "s.pcs").write_text(f"mesh pp=2\n{TRAIN} microbatches=2 schedule=1f1b\n")
+    out = tmp_path / "out"
+    rc = main(["compile", str(tmp_path / "m.pcir"), "--spec", str(tmp_path / "s.pcs"), *flags,
+               "-o", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "is emitted for the cpu profile only" in err and not out.exists()
+    assert main(["compile", str(tmp_path / "m.pcir"), "--spec", str(tmp_path / "s.pcs"), "-o", str(out)]) == 0

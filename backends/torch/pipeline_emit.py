@@ -28,7 +28,7 @@ from .emit_reduce import reduce_sections
 from .pipeline_main import MAIN as _MAIN
 from .runtime import sections
 
-__all__ = ["emit_pipeline_program", "pipeline_emittable", "PipelineEmitError"]
+__all__ = ["check_pipeline_profile", "emit_pipeline_program", "pipeline_emittable", "PipelineEmitError"]
 
 
 class PipelineEmitError(ParcompError):
@@ -106,6 +106,21 @@ def _file_shapes(plan) -> tuple:
                     shape[0] *= plan.microbatches * plan.dp
                     inputs[n.name] = (shape, n.type.dtype)
     return dict(sorted(params.items())), dict(sorted(inputs.items()))
+
+
+def check_pipeline_profile(profile: str) -> None:
+    """The pipelined program runs on CPU ranks under gloo only (its p2p and collectives are
+    gloo's, its tensors are never moved to a device).
+
+    Raises:
+        PipelineEmitError: ``profile`` is not ``cpu`` (``--profile cuda``, ``--target
+            ascend``): a cuda or ascend program would silently run on the CPU.
+    """
+    if profile != "cpu":
+        raise PipelineEmitError(
+            f"a pipelined program (a pp mesh axis) is emitted for the cpu profile only (gloo, "
+            f"tensors on the CPU); profile {profile} is not supported yet: compile with "
+            f"--profile cpu, or drop pp from the mesh", where="--profile")
 
 
 def pipeline_emittable(program) -> bool:
