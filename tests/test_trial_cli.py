@@ -221,8 +221,16 @@ def test_resume_of_another_optimizers_checkpoint_is_one_located_line(tmp_path):
     for d, opt in ((sgd, "sgd(lr=0.1, momentum=0.9)"), (adamw, "adamw(lr=0.01)")):
         d.mkdir()
         write_program(compile_graph(g, spec(head + opt + "\n")), d)
-    res = run_torchrun(sgd, 2, ck, inp, str(sgd / "o.pt"), ("--save", str(sgd / "ck")), timeout=180)
+    # no --output with sharded outputs: the --output check must not trip (it once did)
+    assert "SHARDED_OUTPUT = True" in (sgd / "program.py").read_text()
+    res = run_torchrun(sgd, 2, ck, inp, None, ("--save", str(sgd / "ck")), timeout=180)
     assert res.returncode == 0, res.stderr[-2000:]
+    # a `latest` file the user wrote is never replaced by --save
+    (adamw / "mine").mkdir()
+    (adamw / "mine" / "latest").write_text("my notes\n")
+    res = run_torchrun(adamw, 2, ck, inp, None, ("--save", str(adamw / "mine")), timeout=180)
+    assert res.returncode != 0 and "does not name a step-K checkpoint there" in res.stderr
+    assert (adamw / "mine" / "latest").read_text() == "my notes\n"
     res = run_torchrun(adamw, 2, ck, inp, str(adamw / "o.pt"), ("--resume", str(sgd / "ck")), timeout=180)
     assert res.returncode != 0
     assert "CheckpointException" not in res.stderr and "[rank0]: Traceback" not in res.stderr, res.stderr[-3000:]

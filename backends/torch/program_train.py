@@ -131,6 +131,18 @@ def save_checkpoint(path, params, step):
     dist.barrier()
 
 
+def saved_latest(path):
+    """Whether ``path``/latest is what save_checkpoint writes: one line ``step-K`` naming a
+    directory ``path``/step-K (so replacing it loses nothing of the user's)."""
+    try:
+        with open(os.path.join(path, "latest")) as f:
+            name = f.read(64).strip()
+    except (OSError, UnicodeDecodeError):
+        return False
+    return (name.startswith("step-") and name[5:].isdigit()
+            and os.path.isdir(os.path.join(path, name)))
+
+
 def check_save(path, step):
     """``--save DIR`` before the first step (a failing save would lose the whole run): exit 2
     when DIR is not a directory, ``DIR/step-<step>`` exists, or DIR (or the nearest folder
@@ -140,6 +152,10 @@ def check_save(path, step):
         fail(f"--save {path}: it exists and is not a directory")
     if os.path.exists(final) or os.path.exists(final + ".partial"):
         fail(f"--save {path}: {final} exists; parcomp's program never replaces a checkpoint")
+    latest = os.path.join(path, "latest")
+    if os.path.lexists(latest) and not saved_latest(path):
+        fail(f"--save {path}: {latest} exists but does not name a step-K checkpoint there, so "
+             f"a parcomp program did not write it; it is left alone: give another directory")
     folder = os.path.abspath(path)
     while not os.path.exists(folder):
         folder = os.path.dirname(folder)

@@ -865,14 +865,16 @@ def check_output(args):
     (``out.pt``, or every rank's ``out.rank{r}.pt``) is a file it reads: the checkpoint, the
     inputs, the replay states or program.py itself (run under agree())."""
     path = args.output
-    if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+    if not path:
+        return
+    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
         fail(f"--output {path}: its directory does not exist")
     reads = {os.path.realpath(__file__): "program.py"}
     for flag in ("replay", "input", "checkpoint"):
         if getattr(args, flag, None) and os.path.isfile(getattr(args, flag)):
             reads[os.path.realpath(getattr(args, flag))] = f"--{flag}"
     writes = [rank_path(path, r) for r in range(WORLD_SIZE)] if SHARDED_OUTPUT else [path]
-    for target in writes if path else []:
+    for target in writes:
         if os.path.realpath(target) in reads:
             fail(f"--output {path}: it would write {target}, the file given as "
                  f"{reads[os.path.realpath(target)]}; give another name")
