@@ -156,7 +156,8 @@ def _run_training(args, compiled, module, example):
         _write_work(args, work, compiled)
         out_path = _launch(compiled, work, feeds, size, ("--steps", str(steps)), module)
         outputs, losses = assemble_training_outputs(out_path, compiled.program)
-        replay_path = os.path.join(work, "replay.pt")
+        # absolute: torchrun runs program.py in ``work``, where a relative --keep is not
+        replay_path = os.path.abspath(os.path.join(work, "replay.pt"))
         torch.save([{k: torch.from_numpy(np.ascontiguousarray(v).reshape(np.shape(v))) for k, v in s.items()}
                     for s in replay["starts"]], replay_path)
         out_path = _launch(compiled, work, feeds, size, ("--steps", str(steps), "--replay", replay_path),

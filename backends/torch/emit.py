@@ -196,9 +196,10 @@ def emit_program(compiled, profile="cpu", model: str | None = None, steps: int |
     """
     prof, prog = get_profile(profile), _program_of(compiled)
     if prog.pipeline is not None:  # a pp mesh axis: the pipelined program (pipeline_emit.py)
-        from .pipeline_emit import emit_pipeline_program, pipeline_emittable
+        from .pipeline_emit import check_pipeline_profile, emit_pipeline_program, pipeline_emittable
 
         if pipeline_emittable(prog):  # else (tp inside a stage) the SPMD program, pp replicated
+            check_pipeline_profile(prof.name)
             return emit_pipeline_program(prog, model, _code)
     program, train = prog.graph, prog.train
     if train is not None and steps:

@@ -28,7 +28,7 @@ from .emit_reduce import reduce_sections
 from .pipeline_main import MAIN as _MAIN
 from .runtime import sections
 
-__all__ = ["emit_pipeline_program", "pipeline_emittable", "PipelineEmitError"]
+__all__ = ["check_pipeline_profile", "emit_pipeline_program", "pipeline_emittable", "PipelineEmitError"]
 
 
 class PipelineEmitError(ParcompError):
@@ -88,6 +88,41 @@ def _specs(stage, values) -> list:
     return [(v, tuple(types[v].shape), types[v].dtype) for v in values]
 
 
+def _file_shapes(plan) -> tuple:
+    """``({param: (full shape, dtype)}, {input: (global shape, dtype)})`` over every stage:
+    what program.py checks ``--checkpoint`` and ``--input`` against before it runs (the
+    unsharded stage graphs hold full params and one microbatch of each input, dim 0
+    ``micro_batch``; the input file holds ``microbatches x dp`` of them along dim 0)."""
+    params, inputs = {}, {}
+    for st in plan.stages:
+        batch = {n.name for g in (st.forward, st.backward) for n in g.inputs} - set(st.recv) \
+            - {f"grad.{v}" for v in st.send} - set(st.saved)
+        for g in (st.forward, st.backward, st.optimizer):
+            for n in g.nodes:
+                if n.op == "param" and n.phase != "optimizer":
+                    params[n.name] = (list(n.type.shape), n.type.dtype)
+                elif n.op == "input" and n.name in batch:
+                    shape = list(n.type.shape)
+                    shape[0] *= plan.microbatches * plan.dp
+                    inputs[n.name] = (shape, n.type.dtype)
+    return dict(sorted(params.items())), dict(sorted(inputs.items()))
+
+
+def check_pipeline_profile(profile: str) -> None:
+    """The pipelined program runs on CPU ranks under gloo only (its p2p and collectives are
+    gloo's, its tensors are never moved to a device).
+
+    Raises:
+        PipelineEmitError: ``profile`` is not ``cpu`` (``--profile cuda``, ``--target
+            ascend``): a cuda or ascend program would silently run on the CPU.
+    """
+    if profile != "cpu":
+        raise PipelineEmitError(
+            f"a pipelined program (a pp mesh axis) is emitted for the cpu profile only (gloo, "
+            f"tensors on the CPU); profile {profile} is not supported yet: compile with "
+            f"--profile cpu, or drop pp from the mesh", where="--profile")
+
+
 def pipeline_emittable(program) -> bool:
     """Whether this module can print ``program``'s pipeline: the mesh has no axis but ``pp``
     and ``dp`` larger than 1, or the plan holds the stages' programs sharded over those axes
@@ -143,7 +178,7 @@ def emit_pipeline_program(program, model, code) -> str:
             f"{plan.microbatches} x dp {plan.dp}; bubble {plan.analytic_bubble:.3f} (analytic), "
             f"{plan.simulation.bubble:.3f} (simulated).", "", format_placement(table), "",
             f"torchrun --nproc-per-node {mesh.size} program.py --checkpoint model.pt "
-            f"--input inputs.pt --output out.pt", '"""', "import argparse", "import math", "import os",
+            f"--input inputs.pt --output out.pt", '"""', "import argparse", "import difflib", "import math", "import os",
             "import sys", "import time", "", "import torch", "import torch.distributed as dist", ""]
     groups = {a: table["groups"][a] for a in inner if a in table["groups"]}
     consts = [f"MESH = {dict(mesh.axes)!r}", f"WORLD = {mesh.size}",
@@ -167,7 +202,11 @@ def emit_pipeline_program(program, model, code) -> str:
         if plan.local:
             splits.update({k: _splits(v, inner) for k, v in plan.local[st.index].layouts.items()
                            if _splits(v, inner)})
+    full_params, full_inputs = _file_shapes(plan)
     consts += [f"PARAMS = {params!r}", f"STATE_SHAPES = {state!r}", f"BATCH_INPUTS = {batch!r}",
+               "# what --checkpoint and --input must hold: full (unsharded) shapes and dtypes;",
+               "# an input holds the global batch, microbatches x dp of the stages' microbatch",
+               f"PARAM_SHAPES = {full_params!r}", f"INPUT_SHAPES = {full_inputs!r}",
                f"GRADS = {grads!r}", f"SEND = {sends!r}", f"RECV = {recvs!r}",
                "# [(dim, axis), ...] of every value split inside a stage: params (loaded as this",
                "# rank's block), optimizer state, gradients, the step's outputs (gathered whole)",

@@ -126,24 +126,78 @@ def step(rank, coord, d, dp_group, p, data):
     return result
 
 
+def count_arg(low):
+    """An argparse type: a whole number from ``low`` to 1,000,000 (``--steps``, ``--bench``)."""
+    def parse(text):
+        n = int(text)  # argparse reports a ValueError as an invalid value
+        if not low <= n <= 1_000_000:
+            raise argparse.ArgumentTypeError(f"{text}: give {low} to 1_000_000")
+        return n
+    return parse
+
+
+def check_tensors(found, want, what, path):
+    """Exit 2 (every rank reads the same file, so every rank stops) unless ``found`` holds
+    each name of ``want`` ({name: (full shape, dtype)}) with that shape and dtype; never casts."""
+    if not isinstance(found, dict):
+        fail(f"{what} file {path} holds a {type(found).__name__}, not a dict of named tensors")
+    for name, (shape, dtype) in want.items():
+        t = found.get(name)
+        if not isinstance(t, torch.Tensor):
+            near = difflib.get_close_matches(name, [str(k) for k in found], n=3) or sorted(map(str, found))[:8]
+            fail(f"{what} {name!r} (full shape {shape}) is missing from {path}; it has: {', '.join(near)}")
+        if list(t.shape) != shape:
+            fail(f"{what} {name!r} in {path} has shape {list(t.shape)}, expected the full "
+                 f"(unsharded) shape {shape}")
+        if t.dtype != getattr(torch, dtype):
+            fail(f"{what} {name!r} in {path} is {str(t.dtype).replace('torch.', '')}, compiled for "
+                 f"{dtype}; convert the file (program.py never casts)")
+
+
+def check_output(args):
+    """Exit 2 unless ``--output``'s directory exists and no file it writes is one it reads."""
+    if not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
+        fail(f"--output {args.output}: its directory does not exist")
+    reads = {os.path.realpath(f): flag for f, flag in ((args.checkpoint, "--checkpoint"),
+             (args.input, "--input"), (__file__, "program.py"))}
+    for t in range(len(FORWARD)):
+        target = os.path.realpath(f"{args.output}.stage{t}")
+        if target in reads:
+            fail(f"--output {args.output}: it would write {args.output}.stage{t}, which is "
+                 f"{reads[target]}; give another name")
+
+
+def load_checked(args):
+    """(full checkpoint dict, input dict), every name, shape and dtype checked, or exit 2."""
+    check_output(args)
+    sd = read_tensors(args.checkpoint, "checkpoint")
+    check_tensors(sd, PARAM_SHAPES, "param", args.checkpoint)
+    data = read_tensors(args.input, "input")
+    check_tensors(data, INPUT_SHAPES, "input", args.input)
+    return sd, data
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\\n")[0])
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--input", required=True)
     ap.add_argument("--output", required=True)
-    ap.add_argument("--steps", type=int, default=1, help="training steps, each from the last one's state")
-    ap.add_argument("--bench", type=int, default=0, help="then time N more steps (ms per step)")
+    ap.add_argument("--steps", type=count_arg(1), default=1, metavar="K",
+                    help="training steps, each from the last one's state")
+    ap.add_argument("--bench", type=count_arg(0), default=0, metavar="N",
+                    help="then time N more steps (ms per step)")
     args = ap.parse_args()
+    if "WORLD_SIZE" not in os.environ or WORLD_SIZE != WORLD:
+        fail(f"program compiled for mesh {MESH_TEXT} ({WORLD} ranks) but started with "
+             f"WORLD_SIZE={os.environ.get('WORLD_SIZE', 'unset')}; run: torchrun "
+             f"--nproc-per-node {WORLD} program.py --checkpoint ... --input ... --output ...")
+    sd, data = load_checked(args)  # before any process group: a bad file stops every rank now
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if world != WORLD:
-        sys.exit(f"this program needs {WORLD} ranks, got {world}")
+    rank = dist.get_rank()
     coord, d, dp_group = setup(rank)
-    sd = torch.load(args.checkpoint)
     p = {k: local_shard(sd[k], SPLITS.get(k, [])) if k in sd else
          torch.zeros(STATE_SHAPES[k][0], dtype=getattr(torch, STATE_SHAPES[k][1]))
          for t in STAGES[coord] for k in PARAMS[t]}
-    data = torch.load(args.input)
     losses = []
     for k in range(1, args.steps + 1):  # free-running: updated params and state carry over
         STEP[0] = float(k)

@@ -94,10 +94,24 @@ def init_dist(backend, args):
                             device_id=DEVICE if bind else None)
 
 
-def check_output(path):
-    """Exit 2 unless the directory of ``--output`` exists (run under agree())."""
-    if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+def check_output(args):
+    """Exit 2 unless the directory of ``--output`` exists and no file this run writes there
+    (``out.pt``, or every rank's ``out.rank{r}.pt``) is a file it reads: the checkpoint, the
+    inputs, the replay states or program.py itself (run under agree())."""
+    path = args.output
+    if not path:
+        return
+    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
         fail(f"--output {path}: its directory does not exist")
+    reads = {os.path.realpath(__file__): "program.py"}
+    for flag in ("replay", "input", "checkpoint"):
+        if getattr(args, flag, None) and os.path.isfile(getattr(args, flag)):
+            reads[os.path.realpath(getattr(args, flag))] = f"--{flag}"
+    writes = [rank_path(path, r) for r in range(WORLD_SIZE)] if SHARDED_OUTPUT else [path]
+    for target in writes:
+        if os.path.realpath(target) in reads:
+            fail(f"--output {path}: it would write {target}, the file given as "
+                 f"{reads[os.path.realpath(target)]}; give another name")
 
 
 def this_host():

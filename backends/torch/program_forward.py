@@ -50,7 +50,7 @@ def parse_args(argv):
 # >>> program.py: run
 def load(args):
     """This rank's params and inputs (``--output``'s directory checked first); under agree()."""
-    check_output(args.output)
+    check_output(args)
     params = load_checkpoint(args.checkpoint, args.key_map, args.load_report) if PARAMS else {}
     inputs = load_inputs(read_inputs(args.input)) if INPUTS else {}
     return params, inputs

@@ -131,6 +131,18 @@ def save_checkpoint(path, params, step):
     dist.barrier()
 
 
+def saved_latest(path):
+    """Whether ``path``/latest is what save_checkpoint writes: one line ``step-K`` naming a
+    directory ``path``/step-K (so replacing it loses nothing of the user's)."""
+    try:
+        with open(os.path.join(path, "latest")) as f:
+            name = f.read(64).strip()
+    except (OSError, UnicodeDecodeError):
+        return False
+    return (name.startswith("step-") and name[5:].isdigit()
+            and os.path.isdir(os.path.join(path, name)))
+
+
 def check_save(path, step):
     """``--save DIR`` before the first step (a failing save would lose the whole run): exit 2
     when DIR is not a directory, ``DIR/step-<step>`` exists, or DIR (or the nearest folder
@@ -140,11 +152,38 @@ def check_save(path, step):
         fail(f"--save {path}: it exists and is not a directory")
     if os.path.exists(final) or os.path.exists(final + ".partial"):
         fail(f"--save {path}: {final} exists; parcomp's program never replaces a checkpoint")
+    latest = os.path.join(path, "latest")
+    if os.path.lexists(latest) and not saved_latest(path):
+        fail(f"--save {path}: {latest} exists but does not name a step-K checkpoint there, so "
+             f"a parcomp program did not write it; it is left alone: give another directory")
     folder = os.path.abspath(path)
     while not os.path.exists(folder):
         folder = os.path.dirname(folder)
     if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
         fail(f"--save {path}: cannot write there ({folder} is not a writable directory)")
+
+
+def check_resume(path, where, state):
+    """Exit 2 unless the checkpoint ``where`` holds every value of ``state`` with its global
+    shape (one located line: a checkpoint of another model, optimizer or spec names what it
+    lacks and what it has, instead of DCP's per-rank traceback)."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        saved = dcp.FileSystemReader(where).read_metadata().state_dict_metadata
+    except Exception as e:  # noqa: BLE001 - a missing or unreadable .metadata
+        fail(f"--resume {path}: cannot read checkpoint {where}: {type(e).__name__}: {e}")
+    missing = [k for k in state if k not in saved]
+    if missing:
+        extra = sorted(k for k in saved if k not in state)
+        fail(f"--resume {path}: checkpoint {where} was saved by another program: it lacks "
+             f"{', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''}"
+             f"{'; it has ' + ', '.join(extra[:6]) if extra else ''} (another optimizer or model?)")
+    for k, v in state.items():
+        size = getattr(saved[k], "size", None)
+        if size is not None and list(size) != list(v.shape):
+            fail(f"--resume {path}: {k} in checkpoint {where} has shape {list(size)}, this program's "
+                 f"is {list(v.shape)}")
 
 
 def resume_checkpoint(path, params):
@@ -158,9 +197,10 @@ def resume_checkpoint(path, params):
     with open(latest) as f:
         where = os.path.join(path, f.read().strip())
     state = {**as_dtensors({name: params[name] for name in CARRIED}), "step": torch.tensor(0)}
+    check_resume(path, where, state)
     try:
         dcp.load(state, checkpoint_id=where)
-    except Exception as e:  # a checkpoint of another model: name what does not fit
+    except (Exception, dcp.api.CheckpointException) as e:  # BaseException: not an Exception
         fail(f"--resume {path}: cannot load {where} into this program: {str(e)[:400]}")
     return {**params, **{name: state[name].to_local() for name in CARRIED}}, int(state["step"]) + 1
 # <<< program.py
@@ -229,7 +269,7 @@ def train(params, batches, starts=None, step=None, log_every=1, first=1):
 def load(args):
     """This rank's params, every step's inputs and the --replay starts (``--output``'s
     directory checked first); under agree()."""
-    check_output(args.output)
+    check_output(args)
     params = load_checkpoint(args.checkpoint, args.key_map, args.load_report)
     batches = read_batches(args.input, args.steps) if INPUTS else [{}] * args.steps
     with torch.no_grad():

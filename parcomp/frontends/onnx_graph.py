@@ -19,7 +19,7 @@ from ..ir.ops import OPS
 from ..ir.types import TensorType
 from .fused import split_fused_weights
 from .onnx_attention import OP as ATTENTION, lower_attention, rewrite_attention
-from .onnx_ops import DTYPES, NO_FOLD, SHAPE_ONLY, TABLE, dtype_of, supported_ops
+from .onnx_ops import DTYPES, NO_FOLD, SHAPE_ONLY, TABLE, dtype_of, nearest_op, supported_ops
 from .onnx_norms import rewrite_rms_norm
 from .onnx_patterns import ONode, rewrite_gelu
 from .onnx_transformer import materialize
@@ -214,9 +214,21 @@ class _Builder:
         return name
 
 
+def _symbolic(value_info) -> str:
+    """``" (dim 0 is 'batch')"``: the symbolic or unknown dims of a graph input's declared
+    type (``dynamic_axes`` names them), or ``""`` when it declares no shape."""
+    t = value_info.type.tensor_type
+    if not t.HasField("shape"):
+        return " (it declares no shape)"
+    dims = [f"dim {k} is {d.dim_param!r}" if d.dim_param else f"dim {k} is unknown"
+            for k, d in enumerate(t.shape.dim) if not d.HasField("dim_value")]
+    return f" ({', '.join(dims)})" if dims else ""
+
+
 def _no_rule(b: _Builder, n: ONode) -> FrontendError:
     dom = f" of domain {n.domain!r}" if n.domain not in ("", "ai.onnx") else ""
-    return b.fail(f"no rule for ONNX op {n.op}{dom}; supported ops: {', '.join(supported_ops())} "
+    return b.fail(f"no rule for ONNX op {n.op}{dom}{nearest_op(n.op)}; supported ops: "
+                  f"{', '.join(supported_ops())} "
                   f"(and any op whose inputs are all constants, computed at import)")
 
 
@@ -275,8 +287,9 @@ def import_onnx(model, path: str = "model.onnx") -> OnnxImport:
             continue
         ty = b.types_onnx.get(i.name)
         if ty is None:
-            raise b.fail(f"input {i.name!r} has no static shape and known dtype; export with "
-                         f"fixed shapes (dims given as numbers)")
+            raise b.fail(f"input {i.name!r} has no static shape and known dtype{_symbolic(i)}; "
+                         f"export with fixed shapes (dims given as numbers: no dynamic_axes or "
+                         f"dynamic_shapes)")
         b._source("input", ir_name(i.name), ty, i.name)
         b.env[i.name] = ir_name(i.name)
     for o in graph_proto.output:  # output names are reserved for the outputs

@@ -15,6 +15,7 @@ floating point only (parcomp's ops are not integer arithmetic).
 """
 from __future__ import annotations
 
+import difflib
 import math
 
 import numpy as np
@@ -308,3 +309,46 @@ def supported_ops() -> list:
     the transformer rows are in :data:`TABLE` once :mod:`parcomp.frontends.onnx` (or
     :mod:`.onnx_transformer`) is imported."""
     return sorted(set(TABLE) | {"Constant"})
+
+
+#: for an op without a rule, the supported op it is closest to in meaning and how to get it
+#: (the "nearest supported op" of the error); ops not listed fall back to the closest name
+NEAREST = {
+    "LeakyRelu": ("Relu", "nn.ReLU instead of nn.LeakyReLU"),
+    "PRelu": ("Relu", "nn.ReLU instead of nn.PReLU"),
+    "Elu": ("Relu", "nn.ReLU, or nn.GELU, instead of nn.ELU"),
+    "Selu": ("Relu", "nn.ReLU instead of nn.SELU"),
+    "Celu": ("Relu", "nn.ReLU instead of nn.CELU"),
+    "ThresholdedRelu": ("Relu", "nn.ReLU"),
+    "Softplus": ("Relu", "nn.ReLU instead of nn.Softplus"),
+    "Mish": ("Gelu", "nn.GELU instead of nn.Mish"),
+    "HardSigmoid": ("Sigmoid", "nn.Sigmoid instead of nn.Hardsigmoid"),
+    "HardSwish": ("Sigmoid", "x * sigmoid(x) (nn.SiLU) instead of nn.Hardswish"),
+    "Hardmax": ("Softmax", "softmax"),
+    "Softsign": ("Tanh", "tanh"),
+    "Erf": ("Gelu", "GELU's whole formula x * 0.5 * (1 + erf(x / sqrt(2))), or the Gelu op"),
+    "BatchNormalization": ("LayerNormalization", "nn.LayerNorm"),
+    "InstanceNormalization": ("LayerNormalization", "nn.LayerNorm"),
+    "GroupNormalization": ("LayerNormalization", "nn.LayerNorm"),
+    "SimplifiedLayerNormalization": ("RMSNormalization", "opset 23's RMSNormalization, or export "
+                                     "with optimize=False (RMSNorm written out)"),
+    "SkipLayerNormalization": ("LayerNormalization", "an export with optimize=False (no fusion)"),
+    "Einsum": ("MatMul", "torch.matmul / @ instead of torch.einsum"),
+    "ReduceMin": ("ReduceMax", "ReduceMax of the negated value"),
+    "ReduceL2": ("ReduceSum", "Sqrt(ReduceSum(Mul(x, x)))"),
+    "ReduceSumSquare": ("ReduceSum", "ReduceSum(Mul(x, x))"),
+    "Tile": ("Expand", "expand"),
+    "Attention": ("Softmax", "an export with optimize=False (attention written out)"),
+    "MultiHeadAttention": ("Softmax", "an export with optimize=False (attention written out)"),
+}
+
+
+def nearest_op(op: str) -> str:
+    """``"; nearest supported op: X (hint)"`` for an ONNX op type without a rule: the row of
+    :data:`NEAREST`, else the closest supported name (difflib, said to be by name only),
+    else ``""``."""
+    if op in NEAREST:
+        near, hint = NEAREST[op]
+        return f"; nearest supported op: {near} (export {hint})"
+    close = difflib.get_close_matches(op, supported_ops(), n=1, cutoff=0.6)
+    return f"; nearest supported op by name only: {close[0]}" if close else ""
