@@ -99,3 +99,32 @@ def test_the_batch_line_of_a_pipeline_counts_the_microbatches(mesh, micro, line)
     assert t["batch_note"] == line and line in format_memory(c.report).splitlines()
     assert (t["microbatch_per_dp_rank"], t["microbatches"]) == (p["micro_batch"], micro)
     assert p["micro_batch"] * micro * p["dp"] == t["global_batch"] == 8
+
+
+@pytest.mark.parametrize("option", [
+    "precision=bf16", "precision=fp16", "accumulate=2", "clip_grad_norm=1.0", "zero=1",
+    "lr_schedule=linear(total_iters=4)", "recompute=all", "bucket_cap_mb=1",
+])
+def test_a_train_option_the_pipeline_does_not_run_is_refused_at_the_option(option):
+    """A new-user trial found ``precision=bf16`` under pp compiled a float32 program that
+    check called OK (``zero=1`` gave a traceback): every option the pipelined step does not
+    implement is a SpecError at its own column, never silently dropped."""
+    from parcomp.errors import SpecError
+
+    g = mlp_graph((8,), (4, 8, 8, 4), (True, True, True), ("relu", "relu"))
+    line = f"train loss=mse optimizer=sgd(lr=0.1) microbatches=2 {option}"
+    with pytest.raises(SpecError) as e:
+        compile_graph(g, spec(f"mesh dp=2 pp=2\ninput x [S(0), R]\n{line}\n"))
+    key = option.split("=")[0]
+    assert f"{key}= is not supported with a pp mesh axis" in str(e.value)
+    assert str(e.value).startswith(f"test.pcs:3:{line.index(key + '=') + 1}\n")
+
+
+def test_a_default_valued_option_and_a_smoothed_loss_under_pp():
+    """Writing an option's default is harmless; a cross_entropy option is refused at loss=."""
+    from parcomp.errors import SpecError
+
+    g = mlp_graph((8,), (4, 8, 8, 4), (True, True, True), ("relu", "relu"))
+    compile_graph(g, spec("mesh pp=2\ntrain loss=mse precision=fp32 accumulate=1 zero=0 microbatches=2\n"))
+    with pytest.raises(SpecError, match="loss=cross_entropy\\(label_smoothing=...\\) is not supported"):
+        compile_graph(g, spec("mesh pp=2\ntrain loss=cross_entropy(label_smoothing=0.1) microbatches=2\n"))
