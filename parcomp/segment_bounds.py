@@ -120,7 +120,7 @@ def linear_bounds(segment, cut, env, ecut, run_op):
     ``L`` the segment's linear map from the cut's value; ``run_op(node, operands)`` runs one
     op in float64. None when the cut has more than :data:`MAX_CUT` elements."""
     ecut = np.asarray(ecut, np.float64)
-    if ecut.size > MAX_CUT:
+    if ecut.size > MAX_CUT or not np.isfinite(ecut).all():  # an unbounded cut: nothing to refine
         return None
     acc = {n.name: 0.0 for n in segment}
     flat = ecut.reshape(-1)
@@ -167,12 +167,19 @@ def refine(graph, env, err, bound_op, graph_rule) -> dict:
             g = graph_rule(n, view)
             box0[n.name] = b if g is None else g
             if done[i] is not None:
-                new[n.name] = np.minimum(err[n.name], box0[n.name] + done[i][n.name])
+                new[n.name] = _smaller(err[n.name], box0[n.name] + done[i][n.name])
                 changed.add(n.name)
                 continue
         if n.op not in ("input", "param") and any(x in changed for x in n.inputs):  # AdamW, the loss: their rules on refined operands
             b = bound_op(n, [env[x] for x in n.inputs], [new[x] for x in n.inputs])
             g = graph_rule(n, new)
-            new[n.name] = np.minimum(err[n.name], b if g is None else g)
+            new[n.name] = _smaller(err[n.name], b if g is None else g)
             changed.add(n.name)
     return new
+
+
+def _smaller(a, b) -> np.ndarray:
+    """The elementwise smaller of two bounds, a NaN (an unknown error) counting as inf."""
+    with np.errstate(invalid="ignore"):
+        a, b = (np.where(np.isnan(x), np.inf, x) for x in (np.asarray(a, np.float64), np.asarray(b, np.float64)))
+    return np.minimum(a, b)
