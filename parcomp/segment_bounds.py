@@ -34,6 +34,7 @@ from collections import ChainMap
 import numpy as np
 
 from .ir.ops import OPS
+from .segment_ops import run_batched
 
 #: op kinds (parcomp/ir/ops.py) linear in all their seed-dependent operands jointly
 JOINT = ("linear", "additive", "reduce", "expand", "slice", "cat", "relayout")
@@ -43,6 +44,8 @@ FIRST = ("linear0", "sdpa_grad")
 MAX_CUT = 4096
 #: the most op evaluations (tangents x segment ops) per graph
 MAX_EVALS = 2_000_000
+#: unit tangents run at once
+BATCH = 64
 
 
 def _linear_in(node, dep) -> bool:
@@ -115,22 +118,33 @@ def _outputs_fed(graph) -> dict:
     return fed
 
 
-def linear_bounds(segment, cut, env, ecut, run_op):
-    """``{node name: sum_k |L[node, k]| ecut[k]}`` over ``segment`` (nodes after ``cut``),
-    ``L`` the segment's linear map from the cut's value; ``run_op(node, operands)`` runs one
-    op in float64. None when the cut has more than :data:`MAX_CUT` elements."""
+def linear_bounds(segment, cut, env, ecut, batch: int = BATCH):
+    """``{node name: sum_k |L[node, k]| ecut[k]}`` over ``segment`` (nodes after ``cut``, in
+    float64), ``L`` the segment's linear map from the cut's value, run on ``batch`` unit
+    tangents at a time (:func:`parcomp.segment_ops.run_batched`). None when the cut has more
+    than :data:`MAX_CUT` elements or an unbounded one."""
     ecut = np.asarray(ecut, np.float64)
     if ecut.size > MAX_CUT or not np.isfinite(ecut).all():  # an unbounded cut: nothing to refine
         return None
     acc = {n.name: 0.0 for n in segment}
     flat = ecut.reshape(-1)
-    for k in np.flatnonzero(flat):
-        unit = np.zeros(flat.size)
-        unit[k] = 1.0
-        tan = {cut: unit.reshape(ecut.shape)}
-        for n in segment:
-            tan[n.name] = t = run_op(n, [tan[i] if i in tan else env[i] for i in n.inputs])
-            acc[n.name] = acc[n.name] + np.abs(t) * flat[k]
+    last = {i: k for k, n in enumerate(segment) for i in n.inputs}
+    nz = np.flatnonzero(flat)
+    for start in range(0, nz.size, batch):
+        ks = nz[start:start + batch]
+        units = np.zeros((ks.size, flat.size))  # unit tangents scaled by e_k >= 0: |L e_k| = |L| e_k
+        units[np.arange(ks.size), ks] = flat[ks]
+        tan = {cut: units.reshape((ks.size, *ecut.shape))}
+        for k, n in enumerate(segment):
+            flags = [i in tan for i in n.inputs]
+            tan[n.name] = t = run_batched(n, [tan[i] if f else env[i] for i, f in zip(n.inputs, flags)],
+                                          flags, ks.size)
+            acc[n.name] = acc[n.name] + np.abs(t).sum(axis=0)
+            for i in n.inputs:
+                if last.get(i) == k and i in tan:
+                    del tan[i]
+            if n.name not in last:
+                del tan[n.name]
     return acc
 
 
@@ -152,16 +166,11 @@ def refine(graph, env, err, bound_op, graph_rule) -> dict:
     new = dict(err)
     changed = set()
     done, box0 = {}, {}
-    from .reference.numpy_ops import NUMPY_OPS
-
-    def run_op(n, ops):
-        return NUMPY_OPS[n.op](ops, wide[n.name])
-
     for n in graph.nodes:
         if n.name in seg_of:
             c, i = seg_of[n.name]
             if i not in done:
-                done[i] = linear_bounds(segs[i][1], c, env64, new[c], run_op)
+                done[i] = linear_bounds([wide[m.name] for m in segs[i][1]], c, env64, new[c])
             view = ChainMap({c: np.zeros(np.shape(env[c]))}, box0, new)
             b = bound_op(n, [env[x] for x in n.inputs], [view[x] for x in n.inputs])
             g = graph_rule(n, view)

@@ -70,7 +70,7 @@ def test_the_cut_moved_along_a_rows_signs_reaches_the_linear_term(llama, target)
     cut = "bw.add_6.add"
     seg = _segment(llama, cut)
     env, ec = llama.env, np.asarray(llama.err[cut])
-    lin = linear_bounds(seg, cut, env, ec, lambda n, ops: NUMPY_OPS[n.op](ops, llama.graph[n.name]))[target]
+    lin = linear_bounds(seg, cut, env, ec)[target]
     base = _run(llama.graph, seg, env, env[cut], cut)[target].reshape(-1)
     bound = np.asarray(llama.err[target]).reshape(-1)
     flat = np.asarray(lin).reshape(-1)
@@ -85,6 +85,14 @@ def test_the_cut_moved_along_a_rows_signs_reaches_the_linear_term(llama, target)
         assert move == pytest.approx(flat[row], rel=1e-6)   # |L| e reached
         assert move <= bound[row]                            # within the refined bound
         assert move > 0.7 * bound[row]                       # 30% less would fail
+
+
+def test_tangents_in_batches_are_the_tangents_one_by_one(llama):
+    for cut, seg in segments(llama.graph)[4:8]:
+        ec = np.asarray(llama.err[cut])
+        one, many = linear_bounds(seg, cut, llama.env, ec, batch=1), linear_bounds(seg, cut, llama.env, ec)
+        for n in seg:
+            np.testing.assert_allclose(many[n.name], one[n.name], rtol=1e-12, atol=0)
 
 
 def test_the_refined_bound_is_thousands_of_times_tighter_where_llama_needed_it(llama, monkeypatch):
