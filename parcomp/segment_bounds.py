@@ -42,8 +42,11 @@ JOINT = ("linear", "additive", "reduce", "expand", "slice", "cat", "relayout")
 FIRST = ("linear0", "sdpa_grad")
 #: the most unit tangents run per cut (its element count); a larger cut keeps the boxes
 MAX_CUT = 4096
-#: the most op evaluations (tangents x segment ops) per graph
-MAX_EVALS = 2_000_000
+#: the most work per graph, in tangent elements computed (cut elements x the elements of the
+#: segment's values, summed over segments); beyond it the boxes stay (Llama's: ~3e8)
+MAX_WORK = 2_000_000_000
+#: the most tangent elements held for one value (batch x its elements)
+MAX_HELD = 1 << 24
 #: unit tangents run at once
 BATCH = 64
 
@@ -68,9 +71,13 @@ def segments(graph) -> list:
     earlier region value still needed later is needed only by ops that feed none of the
     graph outputs ``c`` feeds (the residual stream's gradient between blocks: what is left
     pending is the gradients of weights, for their optimizer steps)."""
-    region, order = set(), []
+    region, seeded, order = set(), set(), []
     for n in graph.nodes:
-        if n.op == "ones" or (any(i in region for i in n.inputs) and _linear_in(n, region)):
+        dep = [i for i in n.inputs if i in seeded]
+        if n.op == "ones" or dep:
+            seeded.add(n.name)
+        # linear in its seeded operands, all of them in the region (an AdamW output is not)
+        if n.op == "ones" or (dep and all(i in region for i in dep) and _linear_in(n, region)):
             region.add(n.name)
             order.append(n)
     outs = _outputs_fed(graph)
@@ -130,6 +137,7 @@ def linear_bounds(segment, cut, env, ecut, batch: int = BATCH):
     flat = ecut.reshape(-1)
     last = {i: k for k, n in enumerate(segment) for i in n.inputs}
     nz = np.flatnonzero(flat)
+    batch = max(1, min(batch, MAX_HELD // max(int(np.prod(n.type.shape)) for n in segment)))
     for start in range(0, nz.size, batch):
         ks = nz[start:start + batch]
         units = np.zeros((ks.size, flat.size))  # unit tangents scaled by e_k >= 0: |L e_k| = |L| e_k
@@ -148,6 +156,11 @@ def linear_bounds(segment, cut, env, ecut, batch: int = BATCH):
     return acc
 
 
+def work(segs, env) -> int:
+    """The tangent elements :func:`linear_bounds` computes over ``segs`` (see :data:`MAX_WORK`)."""
+    return sum(int(np.size(env[c])) * sum(int(np.size(env[n.name])) for n in s) for c, s in segs)
+
+
 def refine(graph, env, err, bound_op, graph_rule) -> dict:
     """``err`` with every backward value bounded by :func:`linear_bounds` plus the box of the
     segment's own errors where that is smaller (module docstring).
@@ -158,7 +171,7 @@ def refine(graph, env, err, bound_op, graph_rule) -> dict:
     from .check64 import promote_graph
 
     segs = segments(graph)
-    if not segs or sum(len(s) * np.size(env[c]) for c, s in segs) > MAX_EVALS:
+    if not segs or work(segs, env) > MAX_WORK:
         return err
     wide = promote_graph(graph)
     env64 = {k: np.asarray(v, np.float64) if np.asarray(v).dtype.kind == "f" else v for k, v in env.items()}

@@ -100,7 +100,7 @@ def test_the_refined_bound_is_thousands_of_times_tighter_where_llama_needed_it(l
 
     names = ["bw.rms_norm.sum", "bw.linear_1_wt.permute"]
     tight = {k: np.asarray(llama.err[k]).max() for k in names}
-    monkeypatch.setattr(segment_bounds, "MAX_EVALS", 0)  # the op-by-op boxes
+    monkeypatch.setattr(segment_bounds, "MAX_WORK", 0)  # the op-by-op boxes
     _, loose = propagate(llama.graph, llama.state)
     for k in names:
         assert tight[k] < np.asarray(loose[k]).max() / 100
