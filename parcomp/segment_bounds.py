@@ -43,7 +43,7 @@ FIRST = ("linear0", "sdpa_grad")
 #: the most unit tangents run per cut (its element count); a larger cut keeps the boxes
 MAX_CUT = 4096
 #: the most work per graph, in tangent elements computed (cut elements x the elements of the
-#: segment's values, summed over segments); beyond it the boxes stay (Llama's: ~3e8)
+#: segment's values, summed over segments); beyond it the boxes stay (Llama's: 8e8)
 MAX_WORK = 2_000_000_000
 #: the most tangent elements held for one value (batch x its elements)
 MAX_HELD = 1 << 24
@@ -192,7 +192,7 @@ def refine(graph, env, err, bound_op, graph_rule) -> dict:
                 new[n.name] = _smaller(err[n.name], box0[n.name] + done[i][n.name])
                 changed.add(n.name)
                 continue
-        if n.op not in ("input", "param") and any(x in changed for x in n.inputs):  # AdamW, the loss: their rules on refined operands
+        if n.op not in ("input", "param") and any(x in changed for x in n.inputs):  # AdamW: refined operands
             b = bound_op(n, [env[x] for x in n.inputs], [new[x] for x in n.inputs])
             g = graph_rule(n, new)
             new[n.name] = _smaller(err[n.name], b if g is None else g)
