@@ -23,7 +23,8 @@ linear map from ``g_c`` to ``t``, built column by column by running the segment'
 ops on unit tangents (exact up to float64 rounding). ``L`` is taken at the computed
 forward values ``x^``, not the exact ``x``; the difference is a product of two errors
 (forward error times ``e_c``), what ``SAFETY`` covers everywhere (docs/design.md,
-"Numerical comparison"). Each value keeps the smaller of this and the op-by-op bound
+"Numerical comparison"), so a segment is refined only where every forward value it reads
+is known to :data:`FORWARD_REL` of its scale (float64: ~1e-7 at worst on Llama). Each value keeps the smaller of this and the op-by-op bound
 (both are bounds), so nothing gets looser. Ops outside the linear set (AdamW, the loss's
 nonlinear parts) take their operands' refined bounds through their usual rules.
 """
@@ -47,6 +48,8 @@ MAX_CUT = 4096
 MAX_WORK = 2_000_000_000
 #: the most tangent elements held for one value (batch x its elements)
 MAX_HELD = 1 << 24
+#: how well known (relative to its scale) a forward value the linear maps read must be
+FORWARD_REL = 1e-4
 #: unit tangents run at once
 BATCH = 64
 
@@ -183,7 +186,8 @@ def refine(graph, env, err, bound_op, graph_rule) -> dict:
         if n.name in seg_of:
             c, i = seg_of[n.name]
             if i not in done:
-                done[i] = linear_bounds([wide[m.name] for m in segs[i][1]], c, env64, new[c])
+                done[i] = (linear_bounds([wide[m.name] for m in segs[i][1]], c, env64, new[c])
+                           if _forward_known(segs[i][1], c, env, new) else None)
             view = ChainMap({c: np.zeros(np.shape(env[c]))}, box0, new)
             b = bound_op(n, [env[x] for x in n.inputs], [view[x] for x in n.inputs])
             g = graph_rule(n, view)
@@ -198,6 +202,18 @@ def refine(graph, env, err, bound_op, graph_rule) -> dict:
             new[n.name] = _smaller(err[n.name], b if g is None else g)
             changed.add(n.name)
     return new
+
+
+def _forward_known(segment, cut, env, err) -> bool:
+    """Whether every forward value ``segment`` reads is known to :data:`FORWARD_REL` of its
+    scale (max error <= FORWARD_REL * max |value|): then the linear map at the computed
+    forward values is the exact one's up to that relative amount (module docstring)."""
+    inside = {n.name for n in segment} | {cut}
+    for x in {i for n in segment for i in n.inputs} - inside:
+        v, e = np.asarray(env[x]), np.asarray(err[x], np.float64)
+        if v.dtype.kind == "f" and v.size and not e.max(initial=0.0) <= FORWARD_REL * np.abs(v).max():
+            return False
+    return True
 
 
 def _smaller(a, b) -> np.ndarray:
