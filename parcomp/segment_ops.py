@@ -37,11 +37,23 @@ def run_batched(node, operands, tangent, batch: int):
     rank = len(node.type.shape)
     if node.op in VIEWS and tangent == [True]:
         out = VIEWS[node.op](operands[0], node)
-    elif node.op in BROADCASTING and all(np.ndim(x) == rank + 1 for x, t in zip(operands, tangent) if t) \
-            and all(np.ndim(x) <= rank for x, t in zip(operands, tangent) if not t):
-        with np.errstate(all="ignore"):
-            out = NUMPY_OPS[node.op](operands, node)
+    elif node.op in BROADCASTING and _aligned(node, operands, tangent, rank):
+        try:
+            with np.errstate(all="ignore"):
+                out = NUMPY_OPS[node.op](operands, node)
+        except ValueError:  # shapes numpy cannot broadcast: once per tangent
+            out = None
     if out is None or tuple(np.shape(out)) != want:
         out = np.stack([NUMPY_OPS[node.op]([x[b] if t else x for x, t in zip(operands, tangent)], node)
                         for b in range(batch)])
     return out
+
+
+def _aligned(node, operands, tangent, rank) -> bool:
+    """Whether numpy's right-aligned broadcasting keeps the batch axis apart: each tangent of
+    the output's rank (+1 for the batch), each forward operand of at most that rank, and a
+    matmul's tangent a matrix (a vector operand would meet the batch axis)."""
+    tans = [np.ndim(x) for x, t in zip(operands, tangent) if t]
+    fixed = [np.ndim(x) for x, t in zip(operands, tangent) if not t]
+    return (all(d == rank + 1 for d in tans) and all(d <= rank for d in fixed)
+            and (node.op != "matmul" or (all(d >= 3 for d in tans) and all(d >= 2 for d in fixed))))

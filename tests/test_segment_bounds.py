@@ -139,3 +139,34 @@ def test_float32_against_float64_stays_within_the_refined_float32_bound(llama):
         worst = max(worst, float((diff[ok] / err32[name][ok]).max()) if ok.any() else 0.0)
     assert worst > 0.0
     print(f"float32 vs float64, worst error/bound over the backward: {worst:.3g}")
+
+
+OPS_CASES = {  # (graph text, operand index that carries the tangent)
+    "matmul_vector_right": ("%a: f64[4,4] = input()\n%b: f64[4] = input()\n%y: f64[4] = matmul(%a, %b)", 1),
+    "matmul_vector_left": ("%a: f64[4] = input()\n%b: f64[4,3] = input()\n%y: f64[3] = matmul(%a, %b)", 0),
+    "matmul_batched_forward": ("%a: f64[4,3] = input()\n%b: f64[2,3,5] = input()\n%y: f64[2,4,5] = matmul(%a, %b)", 0),
+    "mul_broadcast": ("%a: f64[4] = input()\n%b: f64[3,4] = input()\n%y: f64[3,4] = mul(%a, %b)", 0),
+    "permute": ("%a: f64[2,3,4] = input()\n%y: f64[4,2,3] = permute(%a) {perm=(2,0,1)}", 0),
+    "sum": ("%a: f64[2,3,4] = input()\n%y: f64[2,4] = sum(%a) {dims=(1,)}", 0),
+    "expand": ("%a: f64[2,4] = input()\n%y: f64[2,3,4] = expand(%a) {dims=(1,)}", 0),
+    "rms_norm_grad": ("%g: f64[3,8] = input()\n%x: f64[3,8] = input()\n%y: f64[3,8] = rms_norm_grad(%g, %x) {eps=1e-06}", 0),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OPS_CASES))
+def test_an_op_on_a_batch_of_tangents_is_the_op_on_each(case):
+    from parcomp.ir import parse_graph
+    from parcomp.segment_ops import run_batched
+
+    text, which = OPS_CASES[case]
+    g = parse_graph(text + "\nreturn %y\n")
+    node = g["y"]
+    rng = np.random.default_rng(5)
+    ops = [rng.standard_normal(g[i].type.shape) for i in node.inputs]
+    batch = ops[which].shape[0] if ops[which].ndim else 3  # a batch as long as a dim: no accidental fit
+    tans = rng.standard_normal((batch, *ops[which].shape))
+    flags = [k == which for k in range(len(ops))]
+    got = run_batched(node, [tans if f else x for f, x in zip(flags, ops)], flags, batch)
+    for b in range(batch):
+        want = NUMPY_OPS[node.op]([tans[b] if f else x for f, x in zip(flags, ops)], node)
+        np.testing.assert_allclose(got[b], want, rtol=1e-13, atol=1e-14)
