@@ -70,10 +70,11 @@ def segments(graph) -> list:
     to and including the next cut whose seed-dependent operands are all the cut or ops of
     the segment (the others, e.g. AdamW's steps on a gradient made blocks earlier, keep
     their rules). The linear region: values depending on a ``ones`` seed through ops
-    linear in them (:func:`_linear_in`). A cut: a region value ``c`` such that every
-    earlier region value still needed later is needed only by ops that feed none of the
-    graph outputs ``c`` feeds (the residual stream's gradient between blocks: what is left
-    pending is the gradients of weights, for their optimizer steps)."""
+    linear in them (:func:`_linear_in`). A cut: a region value ``c`` such that every other
+    region value still needed later feeds none of the graph outputs ``c`` feeds, and no more
+    of them (the residual stream's gradient between half-blocks: what is left pending is the
+    gradients of weights, for their optimizer steps; a weight's gradient is no cut: the
+    stream's pending value feeds more outputs)."""
     region, seeded, order = set(), set(), []
     for n in graph.nodes:
         dep = [i for i in n.inputs if i in seeded]
@@ -148,7 +149,7 @@ def linear_bounds(segment, cut, env, ecut, batch: int = BATCH):
         tan = {cut: units.reshape((ks.size, *ecut.shape))}
         for k, n in enumerate(segment):
             flags = [i in tan for i in n.inputs]
-            tan[n.name] = t = run_batched(n, [tan[i] if f else env[i] for i, f in zip(n.inputs, flags)],
+            tan[n.name] = t = run_batched(n, [tan[i] if f else _fixed(n, env[i]) for i, f in zip(n.inputs, flags)],
                                           flags, ks.size)
             acc[n.name] = acc[n.name] + np.abs(t).sum(axis=0)
             for i in n.inputs:
@@ -157,6 +158,12 @@ def linear_bounds(segment, cut, env, ecut, batch: int = BATCH):
             if n.name not in last:
                 del tan[n.name]
     return acc
+
+
+def _fixed(node, value):
+    """A forward operand as the tangent sees it: 0 in an op linear in all operands jointly
+    (``add(g, x)`` moves with ``g`` alone: ``x`` is an offset), the value elsewhere (a factor)."""
+    return np.zeros_like(value) if OPS[node.op].kind in JOINT else value
 
 
 def work(segs, env) -> int:

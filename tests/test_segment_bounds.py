@@ -170,3 +170,15 @@ def test_an_op_on_a_batch_of_tangents_is_the_op_on_each(case):
     for b in range(batch):
         want = NUMPY_OPS[node.op]([tans[b] if f else x for f, x in zip(flags, ops)], node)
         np.testing.assert_allclose(got[b], want, rtol=1e-13, atol=1e-14)
+
+
+def test_a_forward_value_added_to_the_gradient_is_an_offset_not_part_of_the_map():
+    """add(g, x): the map from g is the identity whatever x is (x's error is B0's)."""
+    from parcomp.ir import parse_graph
+
+    g = parse_graph("%x: f64[2,3] = input()\n%s: f64[2,3] = ones()\n%c: f64[2,3] = scale(%s) {value=2.0}\n"
+                    "%y: f64[2,3] = add(%c, %x)\n%z: f64[2,3] = scale(%c) {value=3.0}\nreturn %y, %z\n")
+    x = np.full((2, 3), 100.0)
+    ec = np.full((2, 3), 1e-3)
+    lin = linear_bounds([g["y"]], "c", {"x": x, "c": np.full((2, 3), 2.0)}, ec)
+    np.testing.assert_allclose(lin["y"], ec)
