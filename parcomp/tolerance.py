@@ -31,6 +31,7 @@ from .reference.numpy_ops import NUMPY_OPS
 from .reference.training import initial_state
 from .rules.error import ERROR_RULES, GRAPH_RULES as _OP_GRAPH_RULES, gamma, unit_roundoff
 from .rules.softmax_bounds import SOFTMAX_GRAPH_RULES
+from .segment_bounds import refine
 
 # joint rules: AdamW (rules/error.py) and the decomposed softmax family (rules/softmax_bounds.py)
 GRAPH_RULES = {**_OP_GRAPH_RULES, **SOFTMAX_GRAPH_RULES}
@@ -70,7 +71,17 @@ def propagate(graph, feeds: dict, errors: dict | None = None) -> tuple[dict, dic
                 e = GRAPH_RULES[n.op](n, graph, env, err, unit_roundoff(n.type.dtype))
             if e is not None:
                 err[n.name] = np.broadcast_to(_no_nan(e), np.shape(env[n.name]))
-    return env, err
+    return env, refine(graph, env, err, lambda n, ops, es: op_bound(n, ops, es, env[n.name])[1],
+                       lambda n, es: _graph_rule(n, graph, env, es))
+
+
+def _graph_rule(node, graph, env, errors):
+    """The :data:`GRAPH_RULES` bound of ``node`` (None: none applies), as :func:`propagate` takes it."""
+    if node.op not in GRAPH_RULES:
+        return None
+    with np.errstate(all="ignore"):
+        e = GRAPH_RULES[node.op](node, graph, env, errors, unit_roundoff(node.type.dtype))
+    return None if e is None else np.broadcast_to(_no_nan(e), np.shape(env[node.name]))
 
 
 def output_bounds(graph, feeds: dict, errors: dict | None = None) -> dict:

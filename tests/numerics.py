@@ -48,8 +48,9 @@ def assert_never_wrong(out: dict) -> None:
 
 
 #: the training specs whose float64 re-check vouches (OK): their one-step bound resolves a
-#: 10% error in float64 (issue 17, parcomp/rules/vjp_bounds.py); Llama's does not yet
-VOUCHED_LMS = ("gpt2_lm",)
+#: 10% error in float64 (issue 17, parcomp/rules/vjp_bounds.py; Llama's by the exact linear
+#: maps of parcomp/segment_bounds.py)
+VOUCHED_LMS = ("gpt2_lm", "llama_lm")
 
 
 def assert_vouched_if_expected(out: dict, factory: str) -> None:
