@@ -6,7 +6,7 @@ import sys
 from .budget import CHECK_SECONDS_ANNOUNCE, check_memory, check_time
 from .errors import ParcompError
 from .reference.interpreter import run_spmd
-from .passes.moe_capacity import reference_text
+from .passes.moe_capacity import reference_text, spec_changes_capacity
 from .passes.train_config import check_steps, train_config
 from .report import format_collectives, format_memory, format_search, plural
 from .check64 import NOTE, NOTE_MISMATCH, promote_compiled, promote_feeds, run_precision
@@ -70,10 +70,12 @@ def _check_training(args, compiled, module, example, steps):
     """``check`` of a training program: :func:`parcomp.train_check.lockstep`."""
     feeds = _train_feeds(compiled, module, example, args.seed)
     require_finite(compiled.unsharded, feeds)
-    instead = None  # the spec's MoE capacity (issue 14): the torch module computes another model
-    if _is_torch(module) and _reference(compiled, module) is None:
-        instead = reference_text(compiled.report["moe_capacity"], compiled.spec.moe.capacity_factor)
-    module = _reference(compiled, module)
+    instead, ref = None, _reference(compiled, module)  # the torch module may compute another model
+    if _is_torch(module) and ref is None:
+        caps = compiled.report.get("moe_capacity", ())
+        instead = (reference_text(caps, compiled.spec.moe.capacity_factor) if spec_changes_capacity(caps)
+                   else "the unsharded step with parcomp's dropout mask (training-mode dropout)")
+    module = ref
     ls, how = lockstep(compiled, module if _is_torch(module) else None, example, feeds, steps), ""
     if ls["vs_unsharded"].get("unbounded"):  # float32 cannot vouch: the float64 re-check (parcomp/check64.py)
         wide = lockstep(promote_compiled(compiled), None, example, promote_feeds(feeds), steps)
@@ -128,7 +130,7 @@ def _print_training(result, how, label="vs unsharded step"):
             print(f"    missing from the program: {', '.join(r['missing'])}")
         if r["why"] and r["why"] not in [w for _, w in why]:
             why.append((name, r["why"]))
-    if result.get("reference"):  # the spec's MoE capacity: no torch.optim line, say what instead
+    if result.get("reference"):  # MoE capacity or dropout: no torch.optim line, say what instead
         print(f"  {'vs torch.optim:':18} not compared; the reference is {result['reference']}")
     word = result.get("verdict") or verdict(result, result.get("vs_torch"))
     if result.get("note"):  # before the verdict: the last line is the verdict

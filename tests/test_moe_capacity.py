@@ -106,12 +106,12 @@ def test_a_token_dropped_from_every_slot_leaves_the_block_as_zeros():
        st.sampled_from([0.25, 0.5, 1.0, 1.25, 2.0]), st.sampled_from([0.0, 1.0, 3.0]), st.integers(0, 3))
 def test_random_spec_capacity_equals_the_model_built_with_it(ep, per, top_k, seq, factor, skew, seed):
     """Expert counts, top-k, sequence lengths, factors and routings: the spec's capacity gives
-    the graph of the case built with ``C = ceil(F S k / E)``, and the ep training step equals
+    the graph of the case built with ``C = min(ceil(F S k / E), S)``, and the ep training step equals
     the unsharded one (through ``parcomp check``'s float64 re-check on a near-tie)."""
     experts = ep * per
     top_k = min(top_k, max(1, experts - 1) if skew else experts)  # k = E under a skew: nothing to resolve
     case = MoeCase(experts=experts, top_k=top_k, batch=ep, seq=seq, hidden=4, inter=4, capacity=0, ep=ep, skew=skew)
-    built = MoeCase(**{**case.__dict__, "capacity": max(1, math.ceil(factor * seq * top_k / experts))})
+    built = MoeCase(**{**case.__dict__, "capacity": min(max(1, math.ceil(factor * seq * top_k / experts)), seq)})
     spec = parse_spec(spec_text(case) + f"moe capacity_factor={factor}\n", "case.pcs")
     got, _ = apply_moe_spec(parse_graph(model_text(case)), spec)
     assert _typed(got) == _typed(parse_graph(model_text(built)))
