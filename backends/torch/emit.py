@@ -26,6 +26,7 @@ import re
 import textwrap
 from dataclasses import replace
 
+from parcomp.gcpause import no_cycle_collection
 from parcomp.ir.ops import LAYOUT_OPS
 from parcomp.ir.types import DTYPE_SHORT, Partial, Replicate, layout_str, shard_axes
 from parcomp.program import MAX_STEPS, ParcompError, Program, TrainLoop, plural
@@ -194,6 +195,11 @@ def emit_program(compiled, profile="cpu", model: str | None = None, steps: int |
         EmitError: an op or dtype without a torch mapping.
         ValueError: unknown profile name.
     """
+    with no_cycle_collection():  # parcomp/gcpause.py: no cycles are made, none to collect
+        return _emit(compiled, profile, model, steps, functional)
+
+
+def _emit(compiled, profile, model, steps, functional) -> str:
     prof, prog = get_profile(profile), _program_of(compiled)
     if prog.pipeline is not None:  # a pp mesh axis: the pipelined program (pipeline_emit.py)
         from .pipeline_emit import emit_pipeline_program, pipeline_emittable
