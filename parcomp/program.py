@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass
 
 from .errors import ParcompError
+from .gcpause import no_cycle_collection  # noqa: F401 - re-exported for the backends (emit)
 from .ir.graph import PHASES, Graph
 from .ir.ops import COLLECTIVES
 from .ir.types import Shard, TensorType, layout_str

@@ -26,10 +26,9 @@ import re
 import textwrap
 from dataclasses import replace
 
-from parcomp.gcpause import no_cycle_collection
 from parcomp.ir.ops import LAYOUT_OPS
 from parcomp.ir.types import DTYPE_SHORT, Partial, Replicate, layout_str, shard_axes
-from parcomp.program import MAX_STEPS, ParcompError, Program, TrainLoop, plural
+from parcomp.program import MAX_STEPS, ParcompError, Program, TrainLoop, no_cycle_collection, plural
 
 from .emit_cp import cp_kw  # context parallel (issue 14)
 from .emit_cp_ring import (HELPER_NAMES as RING_HELPERS, RING_FORMATS, balance_src, ring_comment, ring_key, ring_kw,
