@@ -1,13 +1,12 @@
 """The compiler's front door: graph + spec -> sharded graph, per-rank program, report."""
 from __future__ import annotations
 
-import gc
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
 from .passes.cp_balance import check_ends as check_balanced_ends
 from .cp_report import sp_cp_record  # issue 14: SP vs CP
+from .gcpause import no_cycle_collection
 from .ir.graph import Graph
 from .memory import check_peak, zero_warnings
 from .passes.manager import forward_pipeline, run_pipeline
@@ -58,7 +57,7 @@ def compile_graph(graph: Graph, spec, after: Callable | None = None) -> Compiled
             ``tp`` group that spans nodes of the spec's topology, a model whose own
             mesh line or layouts do not fit the spec's mesh.
     """
-    with _no_cycle_collection():
+    with no_cycle_collection():  # parcomp/gcpause.py
         return _compile(graph, spec, after)
 
 
@@ -82,19 +81,3 @@ def _compile(graph: Graph, spec, after) -> Compiled:
     if "pp" in spec.mesh.names and spec.train is not None:
         prog, report = attach_pipeline(graph, spec, prog, report)
     return Compiled(graph, logical, sharded, program, report, spec, prog)
-
-
-@contextmanager
-def _no_cycle_collection():
-    """Python's cycle collector paused while the passes run, then restored as it was.
-
-    The passes allocate many small immutable nodes (no reference cycles; reference
-    counting frees them), and on a deep model every full collection rescans them all:
-    20% of a 48-block GPT-2 compile went to collections that found nothing."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()

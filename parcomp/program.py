@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass
 
 from .errors import ParcompError
+from .gcpause import no_cycle_collection  # noqa: F401 - re-exported for the backends (emit)
 from .ir.graph import PHASES, Graph
 from .ir.ops import COLLECTIVES
 from .ir.types import Shard, TensorType, layout_str
@@ -165,8 +166,14 @@ class Program:
         return group_ranks(self.groups[axis])
 
     def collective(self, name: str) -> Collective | None:
-        """The :class:`Collective` record of node ``name``, or None."""
-        return next((c for c in self.collectives if c.name == name), None)
+        """The :class:`Collective` record of node ``name`` (the first of that name), or None."""
+        index = self.__dict__.get("_by_name")
+        if index is None:  # built once (the records are immutable): a lookup per node stays linear
+            index = {}
+            for c in self.collectives:
+                index.setdefault(c.name, c)  # the first record of a name, as a scan finds
+            object.__setattr__(self, "_by_name", index)
+        return index.get(name)
 
 
 def build_program(sharded: Graph, local: Graph, spec) -> Program:

@@ -5,6 +5,8 @@ deep model's compile linear in its depth give exactly the plans of the full work
   words naming its spec rule, is not part of the key), and the local-move search skips a
   node none of whose neighbourhood changed since its last attempt kept nothing;
 - the verifier does not re-check a node object met again with the same operand objects.
+- whole-program facts the emitter and the Program read per node (balanced chunking, a
+  collective's record, a bucket's parts) are found once per program, as a scan finds them.
 """
 from __future__ import annotations
 
@@ -243,3 +245,52 @@ def test_evolve_is_dataclasses_replace():
         evolve(n, shape=(1,))
     with pytest.raises(dataclasses.FrozenInstanceError):
         evolve(n, name="z").name = "w"
+
+
+# ---- linear in depth (issue 17 "Speed"): whole-program facts found once, not per node ----
+
+def _compiled_lm(n_layer, spec_name):
+    from parcomp.compiler import compile_graph
+
+    return compile_graph(_gpt2(n_layer), load_spec(os.path.join(SPECS, spec_name)))
+
+
+def test_graph_memo_computes_once_per_graph_and_a_new_graph_starts_empty():
+    from parcomp.ir.graph import Graph, Node
+
+    g = Graph((Node("x", "input", (), TensorType((2,))),), ("x",))
+    calls = []
+    assert g.memo("k", lambda gr: calls.append(gr) or len(gr.nodes)) == 1
+    assert g.memo("k", lambda gr: calls.append(gr) or 99) == 1 and calls == [g]
+    h = dataclasses.replace(g, outputs=("x",))  # a new graph: its own, empty memo
+    assert h.memo("k", lambda gr: 7) == 7 and g.memo("k", None) == 1
+
+
+def test_collective_index_and_bucket_parts_give_what_a_scan_gives():
+    from parcomp.passes.bucket import bucketed_members
+
+    c = _compiled_lm(2, "gpt2_lm_tp2_sp_train.pcs")
+    prog, local = c.program_, c.program
+    for n in prog.graph.nodes:
+        assert prog.collective(n.name) is next((r for r in prog.collectives if r.name == n.name), None)
+    bucketed = 0
+    for n in c.sharded.nodes:
+        got = bucketed_members(local, n.name)
+        if got is not None:
+            src = local[local[n.name].inputs[0]]
+            scan = tuple(m.name for m in local.nodes if m.op == "bucket_part" and m.inputs == (src.name,))
+            assert got[1] == scan and n.name in scan
+            bucketed += 1
+    assert bucketed  # the SP spec buckets the norm-weight gradients
+
+
+def test_emit_looks_for_balanced_chunking_once_per_program(monkeypatch):
+    import parcomp_backends.torch.emit_cp_ring as ring
+    from parcomp_backends.torch import emit_program
+
+    c = _compiled_lm(3, "gpt2_lm_tp2_train.pcs")
+    calls = []
+    real = ring._balanced_of
+    monkeypatch.setattr(ring, "_balanced_of", lambda p: calls.append(p) or real(p))
+    emit_program(c, "cpu")
+    assert len(calls) == 1  # not once per loaded parameter (that was quadratic in depth)

@@ -28,7 +28,7 @@ from dataclasses import replace
 
 from parcomp.ir.ops import LAYOUT_OPS
 from parcomp.ir.types import DTYPE_SHORT, Partial, Replicate, layout_str, shard_axes
-from parcomp.program import MAX_STEPS, ParcompError, Program, TrainLoop, plural
+from parcomp.program import MAX_STEPS, ParcompError, Program, TrainLoop, no_cycle_collection, plural
 
 from .emit_cp import cp_kw  # context parallel (issue 14)
 from .emit_cp_ring import (HELPER_NAMES as RING_HELPERS, RING_FORMATS, balance_src, ring_comment, ring_key, ring_kw,
@@ -194,6 +194,11 @@ def emit_program(compiled, profile="cpu", model: str | None = None, steps: int |
         EmitError: an op or dtype without a torch mapping.
         ValueError: unknown profile name.
     """
+    with no_cycle_collection():  # parcomp/gcpause.py: no cycles are made, none to collect
+        return _emit(compiled, profile, model, steps, functional)
+
+
+def _emit(compiled, profile, model, steps, functional) -> str:
     prof, prog = get_profile(profile), _program_of(compiled)
     if prog.pipeline is not None:  # a pp mesh axis: the pipelined program (pipeline_emit.py)
         from .pipeline_emit import check_pipeline_profile, emit_pipeline_program, pipeline_emittable

@@ -40,7 +40,11 @@ def ring_kw(n) -> dict:
 
 def balanced_of(program):
     """``(mesh axis index, n)`` of a program with balanced chunking, or None (as
-    parcomp/passes/cp_balance.py's: backends read only the program)."""
+    parcomp/passes/cp_balance.py's: backends read only the program); found once per program."""
+    return program.memo("emit_cp_ring.balanced_of", _balanced_of)
+
+
+def _balanced_of(program):
     for n in program.nodes:
         if n.op == "sdpa" and n.attr("chunking") == "balanced":
             return program.mesh.axis_index(n.attr("cp_axis")), n.attr("cp_size")

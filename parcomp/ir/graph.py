@@ -102,9 +102,12 @@ class Graph:
     # shard-prop's account of its search (which, cost, proven optimal); not part of equality
     search: dict | None = field(default=None, compare=False, repr=False, hash=False)
     _index: dict = field(default=None, compare=False, repr=False, hash=False)
+    # facts derived from the (immutable) nodes, computed once: see :meth:`memo`
+    _memo: dict = field(default=None, init=False, compare=False, repr=False, hash=False)
 
     def __post_init__(self):
         object.__setattr__(self, "_index", {n.name: n for n in self.nodes})
+        object.__setattr__(self, "_memo", {})
         if self.output_names is None:
             object.__setattr__(self, "output_names", tuple(self.outputs))
 
@@ -117,6 +120,15 @@ class Graph:
 
     def __contains__(self, name: str) -> bool:
         return name in self._index
+
+    def memo(self, key, compute):
+        """``compute(self)``, computed once per graph object and kept under ``key`` (a graph is
+        immutable, so a fact derived from its nodes stays true; a new graph starts empty).
+        ``compute`` must depend on the graph alone; callers must not mutate the result."""
+        got = self._memo.get(key, self._memo)
+        if got is self._memo:
+            got = self._memo[key] = compute(self)
+        return got
 
     def by_op(self, *ops: str) -> list:
         """Nodes whose op is one of ``ops``, in program order."""

@@ -11,6 +11,7 @@ layout ``[S(0), S(0)]`` the rank at coordinates ``(i, j)`` holds chunk
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from functools import reduce
@@ -239,7 +240,7 @@ def divisibility_problem(ty: TensorType, layout: Layout, mesh: Mesh) -> str | No
     """Why ``layout`` cannot split ``ty`` evenly on ``mesh``, or None if it can."""
     for d in range(ty.rank):
         axes = shard_axes(layout, d)
-        parts = int(np.prod([mesh.sizes[a] for a in axes])) if axes else 1
+        parts = math.prod(mesh.sizes[a] for a in axes)  # ints: exact, no numpy call per dim
         if ty.shape[d] % parts:
             names = "x".join(mesh.names[a] for a in axes)
             return (f"dim {d} of size {ty.shape[d]} is not divisible by mesh axis {names} "

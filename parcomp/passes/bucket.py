@@ -115,4 +115,14 @@ def bucketed_members(local, name) -> tuple:
         return None
     src = local[local[name].inputs[0]]
     ar = local[src.inputs[0]] if src.op == "wait" else src  # started async by overlap-collectives
-    return ar, tuple(n.name for n in local.nodes if n.op == "bucket_part" and n.inputs == (src.name,))
+    return ar, local.memo("bucket.parts", _parts_by_source).get(src.name, ())
+
+
+def _parts_by_source(local) -> dict:
+    """``{source name: its bucket_part names, in program order}`` (one pass over ``local``;
+    a part reads exactly one value)."""
+    parts = {}
+    for n in local.nodes:
+        if n.op == "bucket_part" and len(n.inputs) == 1:
+            parts.setdefault(n.inputs[0], []).append(n.name)
+    return {k: tuple(v) for k, v in parts.items()}

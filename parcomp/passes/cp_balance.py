@@ -57,7 +57,12 @@ def split_dim(layout, axis: int):
 
 
 def balanced_of(program):
-    """``(mesh axis index, n)`` of a program with balanced chunking (from its sdpa), or None."""
+    """``(mesh axis index, n)`` of a program with balanced chunking (from its sdpa), or None
+    (found once per program: :meth:`parcomp.ir.graph.Graph.memo`)."""
+    return program.memo("cp_balance.balanced_of", _balanced_of)
+
+
+def _balanced_of(program):
     for node in program.nodes:
         if node.op == "sdpa" and node.attr("chunking") == "balanced":
             return program.mesh.axis_index(node.attr("cp_axis")), node.attr("cp_size")

@@ -21,8 +21,8 @@ def insert_collectives(graph: Graph) -> Graph:
     graph = drop_unit_axes(graph)
     st = _State(graph)
     for n in graph.nodes:
-        if n.in_layouts is None:
-            st.out.append(evolve(n, in_layouts=None))
+        if n.in_layouts is None:  # nothing to convert: the node as it is
+            st.out.append(n)
             continue
         new_inputs = tuple(st.convert(i, lay, n) for i, lay in zip(n.inputs, n.in_layouts))
         if n.op == "relayout":

@@ -14,13 +14,17 @@ from ..ir.types import divisibility_problem, layout_str, local_shape
 
 def localize(graph: Graph) -> Graph:
     """Per-rank types for every node. Raises ShardingError on an uneven shard."""
-    out = []
+    out, local = [], {}  # (global type, layout) -> local type: repeated blocks repeat them
     for n in graph.nodes:
-        problem = divisibility_problem(n.type, n.layout, graph.mesh)
-        if problem:
-            raise ShardingError(f"%{n.name} ({n.op}, {n.type}) cannot be laid out as "
-                                f"{layout_str(n.layout)} on mesh {graph.mesh}: {problem}")
-        node = evolve(n, type=n.type.with_shape(local_shape(n.type, n.layout, graph.mesh)))
+        key = (n.type, n.layout)
+        ty = local.get(key)
+        if ty is None:
+            problem = divisibility_problem(n.type, n.layout, graph.mesh)
+            if problem:
+                raise ShardingError(f"%{n.name} ({n.op}, {n.type}) cannot be laid out as "
+                                    f"{layout_str(n.layout)} on mesh {graph.mesh}: {problem}")
+            ty = local[key] = n.type.with_shape(local_shape(n.type, n.layout, graph.mesh))
+        node = evolve(n, type=ty)
         if n.op in ("input", "param"):
             node = node.with_attrs(global_shape=tuple(n.type.shape))
         out.append(node)

@@ -204,7 +204,9 @@ def overlap_collectives(graph: Graph) -> Graph:
         order = rest[:after + 1] + [n.name] + rest[after + 1:first] + [waits[n.name]] + rest[first:]
     if not waits:
         return graph
-    nodes = {n.name: evolve(n, inputs=tuple(waits.get(i, i) for i in n.inputs)) for n in graph.nodes}
+    # a node reading no waited value is kept as it is (the verifier's memo then skips it)
+    nodes = {n.name: evolve(n, inputs=tuple(waits.get(i, i) for i in n.inputs))
+             if any(i in waits for i in n.inputs) else n for n in graph.nodes}
     for name, wait in waits.items():
         nodes[name] = nodes[name].with_attrs(async_op=True)
         nodes[wait] = replace(nodes[name], name=wait, op="wait", inputs=(name,), attrs=())

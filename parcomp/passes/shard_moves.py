@@ -81,13 +81,15 @@ class LocalMoves:
         is the current state itself: its cost is the starting cost, no strict gain, so it
         is not priced again."""
         feeders, touched, moved = self._parts_of(sol, n)
+        cur = sol[n.name]
+        if not feeders and all(ins is cur[0] and out is cur[1] for _, ins, out in self.options[n.name]):
+            return False  # every option is the current state (no feeder to change): nothing to price
         compute, value_cost = self._compute, self.value_cost
 
         def local():
             return sum(compute(sol, m) for m in moved) + sum(value_cost(sol, v) for v in touched)
 
         keep = {m: sol[m] for m in moved}
-        cur = keep[n.name]
         best, best_cost = dict(keep), local()
         for _, ins, out in self.options[n.name]:
             sol.update(keep)
