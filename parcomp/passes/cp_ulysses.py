@@ -22,6 +22,12 @@ Grouped-query attention (the frontend's ``expand`` + ``reshape`` repeat of kv he
   over the copies) adds them locally.
 
 Q heads not divisible by cp is a located :class:`~parcomp.errors.SpecError` at the statement.
+
+With tensor parallel (heads split over tp by colwise projections, ``cp_heads.py``) Ulysses runs
+inside each tp group: the heads pins are ``S(1)`` on tp and on cp, tp the outer axis, so a rank's
+heads are a sub-block of its tp rank's and each exchange stays within the cp group. A tp axis
+after cp in the mesh (the rank would need heads another tp rank holds), or q heads not divisible
+by tp x cp, is a located error; kv heads that do not split over tp x cp are repeated first.
 """
 from __future__ import annotations
 

@@ -23,7 +23,9 @@ from the layout, :func:`parcomp.reference.cp_ops.at_rank`; ``COORD`` in program.
 Positions (RoPE's ``arange``) are replicated and sliced locally where a split value needs them,
 so angles come from global positions; the loss is the global sum over the global token count
 (``autodiff``), never a mean of per-rank means. On the other mesh axes a pin takes ``S(0)``
-where a model input's dim 0 is split over that axis (data parallel), else ``R``.
+where a model input's dim 0 is split over that axis (data parallel), ``S(1)`` (heads) where the
+value's heads arrive split by colwise projections (tensor parallel: Megatron's cp x tp,
+``parcomp/passes/cp_heads.py``), else ``R``.
 """
 from __future__ import annotations
 
