@@ -160,8 +160,15 @@ def test_equals_unsharded_over_small_configs(low, per_rank, kv_pick, blocks, bat
 # ---- 4 gloo ranks ---------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_canonical_spec_trains_on_four_gloo_ranks_like_unsharded(capsys):
-    rc = main(["run", MODEL, "--spec", str(CANONICAL), "--nproc", "4", "--json"])
+@pytest.mark.parametrize("lowering,mesh", [(None, None), *LOWERINGS[1:]])
+def test_trains_on_four_gloo_ranks_like_unsharded(tmp_path, capsys, lowering, mesh):
+    """torchrun, 4 gloo ranks: the canonical spec (all_gather), then ring and Ulysses (tp outer)."""
+    path = CANONICAL
+    if lowering:
+        path = tmp_path / "s.pcs"
+        path.write_text(f"mesh {mesh}\ncontext-parallel over cp lowering={lowering}\n{WEIGHTS}"
+                        f"input x split-seq over cp\noutput output split-seq over cp\n{TRAIN}")
+    rc = main(["run", MODEL, "--spec", str(path), "--nproc", "4", "--json"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and out["ok"] and out["err_over_tol"] <= 1 and out["max_grad_err"] is not None, out
     assert _tp(out) == [("all_reduce", "forward"), ("all_reduce", "backward")]
