@@ -56,7 +56,9 @@ def pin_ulysses(graph: Graph, names: set, lay, cp, origin: str, repeat_source) -
             repeat of kv heads starts (``parcomp.passes.ctxpar._repeat_source``).
 
     Raises:
-        SpecError: at the statement, when an sdpa's heads do not divide by the CP axis size.
+        SpecError: at the statement, when an sdpa's heads do not divide by the CP axis size
+            (times the tp axes splitting them), or a tp axis splitting them comes after the CP
+            axis in the mesh.
     """
     a = graph.mesh.axis_index(cp.axis)
     skip = {i for i, p in enumerate(lay) if isinstance(p, Shard)}  # the CP and batch axes
