@@ -22,15 +22,23 @@ Grouped-query attention (the frontend's ``expand`` + ``reshape`` repeat of kv he
   over the copies) adds them locally.
 
 Q heads not divisible by cp is a located :class:`~parcomp.errors.SpecError` at the statement.
+
+With tensor parallel (heads split over tp by colwise projections, ``cp_heads.py``) Ulysses runs
+inside each tp group: the heads pins are ``S(1)`` on tp and on cp, tp the outer axis, so a rank's
+heads are a sub-block of its tp rank's and each exchange stays within the cp group. A tp axis
+after cp in the mesh (the rank would need heads another tp rank holds), or q heads not divisible
+by tp x cp, is a located error; kv heads that do not split over tp x cp are repeated first.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from ..errors import SpecError
 from ..ir.graph import Graph, Node, make_attrs
 from ..ir.names import NameGen
 from ..ir.types import Shard, divisibility_problem
+from .cp_heads import heads_axes, with_heads  # CP x TP: Ulysses inside each tp group
 
 SEQ, HEADS = 2, 1  # dims of sdpa's [batch, heads, seq, head_dim]
 
@@ -48,29 +56,35 @@ def pin_ulysses(graph: Graph, names: set, lay, cp, origin: str, repeat_source) -
             repeat of kv heads starts (``parcomp.passes.ctxpar._repeat_source``).
 
     Raises:
-        SpecError: at the statement, when an sdpa's heads do not divide by the CP axis size.
+        SpecError: at the statement, when an sdpa's heads do not divide by the CP axis size
+            (times the tp axes splitting them), or a tp axis splitting them comes after the CP
+            axis in the mesh.
     """
     a = graph.mesh.axis_index(cp.axis)
-    heads = tuple(Shard(HEADS) if i == a else p for i, p in enumerate(lay))
+    skip = {i for i, p in enumerate(lay) if isinstance(p, Shard)}  # the CP and batch axes
     order = [n.name for n in graph.nodes if n.name in names]  # graph order: the same names every compile
+    tp = {name: heads_axes(graph, graph[name].inputs[0], skip) for name in order}  # q's heads split (CP x TP)
     for name in order:
-        _check_heads(graph, graph[name], heads, cp)
+        _check_order(graph, graph[name], tp[name], a, cp)
+        _check_heads(graph, graph[name], _heads(lay, a, tp[name]), cp)
     fresh = NameGen(n.name for n in graph.nodes).fresh
     edges = {}  # (consumer, operand index) -> [(pin name, layout, why)], outermost first
     for name in order:
+        seq, heads = with_heads(lay, tp[name]), _heads(lay, a, tp[name])
         for i, (w, operand) in enumerate(zip("qkv", graph[name].inputs)):
             src = repeat_source(graph, operand) if w != "q" else None
-            seq_pin = (fresh(f"{name}.cp_{w}"), lay, _SEQ_WHY)
+            seq_pin = (fresh(f"{name}.cp_{w}"), seq, _SEQ_WHY)
             head_pin = (fresh(f"{name}.cp_{w}_heads"), heads, _HEADS_WHY)
             if src is None:
                 edges[(name, i)] = [seq_pin, head_pin]
-            elif _kv_heads(graph, src) % graph.mesh.sizes[a]:  # repeat on the sequence split
-                edges[src] = [seq_pin]
-                edges[(name, i)] = [(fresh(f"{name}.cp_{w}_repeated"), lay, _SEQ_WHY), head_pin]
+            elif not _split_before_repeat(graph, src, a, tp[name], skip):  # repeat on the sequence split
+                kv = with_heads(lay, heads_axes(graph, graph[src[0]].inputs[src[1]], skip))
+                edges[src] = [(seq_pin[0], kv, _SEQ_WHY)]
+                edges[(name, i)] = [(fresh(f"{name}.cp_{w}_repeated"), seq, _SEQ_WHY), head_pin]
             else:  # the kv heads split evenly: exchange them before the repeat
                 edges[src] = [seq_pin, head_pin]
-    outs = {name: [(fresh(f"{name}.cp_out_heads"), heads, _OUT_WHY),
-                   (fresh(f"{name}.cp_out"), lay, _BACK_WHY)] for name in order}
+    outs = {name: [(fresh(f"{name}.cp_out_heads"), _heads(lay, a, tp[name]), _OUT_WHY),
+                   (fresh(f"{name}.cp_out"), with_heads(lay, tp[name]), _BACK_WHY)] for name in order}
     return graph.with_nodes(_rewrite(graph, edges, outs, cp, origin),
                             [outs[o][-1][0] if o in outs else o for o in graph.outputs])
 
@@ -106,10 +120,32 @@ def _rewrite(graph, edges, outs, cp, origin) -> list:
     return nodes
 
 
-def _kv_heads(graph, edge) -> int:
-    """The kv heads (dim 1) of the value entering a GQA repeat at ``edge``."""
-    consumer, index = edge
-    return graph[graph[consumer].inputs[index]].type.shape[HEADS]
+def _heads(lay, a, tp) -> tuple:
+    """The heads-split layout: ``S(heads)`` on the CP axis ``a`` and on the tp axes ``tp``."""
+    return with_heads(lay, (a, *tp))
+
+
+def _split_before_repeat(graph, edge, a, tp, skip) -> bool:
+    """Whether the kv heads entering the GQA repeat at ``edge`` split evenly over the CP axis
+    inside each tp group (they arrive split over the same tp axes as q's heads), so K/V are
+    exchanged before the repeat."""
+    value = graph[graph[edge[0]].inputs[edge[1]]]
+    parts = graph.mesh.sizes[a] * math.prod(graph.mesh.sizes[t] for t in tp)
+    return heads_axes(graph, value.name, skip) == tp and value.type.shape[HEADS] % parts == 0
+
+
+def _check_order(graph, node, tp, a, cp) -> None:
+    """A located error when q's heads are split over a tp axis that comes after the CP axis in
+    the mesh: a rank's heads would then be block ``cp * tp + t`` of the heads, which its tp group
+    does not hold, and the exchange would have to cross tp groups (one axis is outer: first)."""
+    late = [graph.mesh.names[t] for t in tp if t > a]
+    if late:
+        order = " ".join(f"{n}={graph.mesh.sizes[graph.mesh.axis_index(n)]}" for n in (*late, cp.axis))
+        raise SpecError(f"context-parallel over {cp.axis} lowering=all_to_all: sdpa %{node.name} "
+                        f"(module {node.source or '?'}) has its heads split over {', '.join(late)} "
+                        f"(tensor parallel), and Ulysses splits each tp rank's heads further over "
+                        f"{cp.axis}, which needs {', '.join(late)} before {cp.axis} in the mesh "
+                        f"(write the mesh as '... {order}'), or use lowering=all_gather or ring", cp.loc)
 
 
 def _check_heads(graph, node, heads, cp) -> None:

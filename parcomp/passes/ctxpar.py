@@ -23,7 +23,9 @@ from the layout, :func:`parcomp.reference.cp_ops.at_rank`; ``COORD`` in program.
 Positions (RoPE's ``arange``) are replicated and sliced locally where a split value needs them,
 so angles come from global positions; the loss is the global sum over the global token count
 (``autodiff``), never a mean of per-rank means. On the other mesh axes a pin takes ``S(0)``
-where a model input's dim 0 is split over that axis (data parallel), else ``R``.
+where a model input's dim 0 is split over that axis (data parallel), ``S(1)`` (heads) where the
+value's heads arrive split by colwise projections (tensor parallel: Megatron's cp x tp,
+``parcomp/passes/cp_heads.py``), else ``R``.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from ..errors import SpecError
 from ..ir.graph import Graph, Node, make_attrs
 from ..ir.names import NameGen
 from .cp_balance import mark_balanced
+from .cp_heads import heads_axes, with_heads  # CP x TP: heads split over tp
 from ..ir.types import Replicate, Shard, divisibility_problem, shard_axes
 from .cp_ulysses import pin_ulysses  # lowering=all_to_all (issue 14)
 
@@ -71,7 +74,7 @@ def pin_context_parallel(graph: Graph, spec) -> Graph:
     where = f"the spec's context-parallel at {cp.loc.file.rsplit('/', 1)[-1]}:{cp.loc.line}"
     if cp.lowering == "all_to_all":  # DeepSpeed-Ulysses: seq split <-> heads split (cp_ulysses.py)
         return pin_ulysses(graph, {n.name for n in sdpas}, lay, cp, where, _repeat_source)
-    graph = _pin_all(graph, {n.name for n in sdpas}, lay, cp, where)
+    graph = _pin_all(graph, {n.name for n in sdpas}, lay, cp, where, {a} | batch)
     if cp.chunking == "balanced":  # load-balanced causal chunking (issue 14): passes/cp_balance.py
         graph = graph.with_nodes(mark_balanced(graph, cp, {graph[n.inputs[0]].type.shape[SEQ] for n in sdpas}),
                                  graph.outputs)
@@ -98,32 +101,35 @@ def _repeat_source(graph, name):
     return None
 
 
-def _pin_all(graph, names, lay, cp, origin):
+def _pin_all(graph, names, lay, cp, origin, skip):
     """``relayout {grad=true}`` on each pinned sdpa's operands (for that use only: at the start
     of a GQA repeat when there is one) and on its output (for every consumer); the sdpa itself
-    gets ``cp=LOWERING``."""
+    gets ``cp=LOWERING``. A pin keeps the heads split on the axes (not in ``skip``: the CP and
+    batch axes) where its value's heads arrive split (tensor parallel, ``cp_heads.py``); the
+    output pin takes q's."""
     fresh = NameGen(n.name for n in graph.nodes).fresh
-    out_of = {name: fresh(f"{name}.cp_out") for name in names}
-    edges = {}  # (consumer, operand index) -> pin name
-    for name in names:
+    out_of, edges = {}, {}  # sdpa -> (pin, layout); (consumer, operand index) -> (pin, layout)
+    for name in [n.name for n in graph.nodes if n.name in names]:  # graph order: stable names
         for i, (w, operand) in enumerate(zip("qkv", graph[name].inputs)):
             edge = (_repeat_source(graph, operand) if w != "q" else None) or (name, i)
-            edges[edge] = fresh(f"{name}.cp_{w}")
+            value = graph[edge[0]].inputs[edge[1]]
+            edges[edge] = (fresh(f"{name}.cp_{w}"), with_heads(lay, heads_axes(graph, value, skip)))
+        out_of[name] = (fresh(f"{name}.cp_out"), edges[(name, 0)][1])
 
     def relayout(pin, operand, src):
-        return Node(pin, "relayout", (operand,), graph[operand].type, make_attrs(origin=origin, grad=True),
-                    lay, source=src.source, spec_loc=cp.loc)
+        return Node(pin[0], "relayout", (operand,), graph[operand].type, make_attrs(origin=origin, grad=True),
+                    pin[1], source=src.source, spec_loc=cp.loc)
 
     nodes = []
     for n in graph.nodes:
-        n = replace(n, inputs=tuple(out_of.get(i, i) for i in n.inputs)) \
+        n = replace(n, inputs=tuple(out_of[i][0] if i in out_of else i for i in n.inputs)) \
             if any(i in out_of for i in n.inputs) else n
         mine = {i: edges[(n.name, i)] for i in range(len(n.inputs)) if (n.name, i) in edges}
         if mine:
             nodes += [relayout(pin, graph[n.name].inputs[i], n) for i, pin in mine.items()]
-            n = replace(n, inputs=tuple(mine.get(i, x) for i, x in enumerate(n.inputs)))
+            n = replace(n, inputs=tuple(mine[i][0] if i in mine else x for i, x in enumerate(n.inputs)))
         if n.name in names:
             nodes += [n.with_attrs(**cp_marks(cp)), relayout(out_of[n.name], n.name, n)]
         else:
             nodes.append(n)
-    return graph.with_nodes(nodes, [out_of.get(o, o) for o in graph.outputs])
+    return graph.with_nodes(nodes, [out_of[o][0] if o in out_of else o for o in graph.outputs])
