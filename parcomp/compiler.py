@@ -76,7 +76,7 @@ def _compile(graph: Graph, spec, after) -> Compiled:
         report["moe_capacity"] = moe_changes
     check_peak(report, spec)
     report["warnings"] = zero_warnings(logical, spec) + pinned_gather_warnings(sharded, report)
-    report.update(sp_cp_record(graph, spec, placement))  # issue 14: SP vs CP (parcomp/cp_report.py)
+    report.update(sp_cp_record(graph, spec, placement, sharded))  # issue 14: SP vs CP (parcomp/cp_report.py)
     report["warnings"] += moe_gather_warnings(graph, sharded)  # tokens gathered, not all_to_all
     if "pp" in spec.mesh.names and spec.train is not None:
         prog, report = attach_pipeline(graph, spec, prog, report)

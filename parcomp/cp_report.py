@@ -43,6 +43,9 @@ weights whole and all-reduces their gradients over the axis, as data parallel do
 """
 from __future__ import annotations
 
+import math
+
+from .ir.types import Shard
 from .links import axis_links, collective_seconds
 from .reference.cp_ring import positions
 
@@ -127,16 +130,32 @@ def layer_ways(b, h, hkv, s, d, e, n, link, train: bool, causal: bool = True,
     return out
 
 
-def sp_vs_cp(graph, spec, links: dict) -> dict | None:
+def heads_split(sharded, axis: str) -> int:
+    """Over how many ranks of the mesh axes other than ``axis`` the first forward sdpa of the
+    ``sharded`` graph splits its heads (dim 1: tp's heads under CP x TP, docs/design.md); 1
+    when none does or ``sharded`` is None."""
+    for n in (sharded.nodes if sharded is not None else ()):
+        if n.op == "sdpa" and n.phase in (None, "forward") and n.layout:
+            mesh = sharded.mesh
+            return math.prod(size for name, size, p in zip(mesh.names, mesh.sizes, n.layout)
+                             if name != axis and isinstance(p, Shard) and p.dim == 1)
+    return 1
+
+
+def sp_vs_cp(graph, spec, links: dict, sharded=None) -> dict | None:
     """The comparison for ``graph`` (the unsharded model) under ``spec`` (None without a
     ``context-parallel`` / ``sequence-parallel`` statement or without attention): the axis
     and its size, the sequence length, this spec's way, and per way the sums over the model's
-    attention layers. ``links``: ``{mesh axis: Link}`` (:func:`parcomp.links.axis_links`)."""
+    attention layers. ``links``: ``{mesh axis: Link}`` (:func:`parcomp.links.axis_links`).
+    ``sharded``: the sharded graph; under CP x TP each rank exchanges only its own heads
+    (``heads / t``, kv heads ``max(1, kv / t)`` for the ``t`` ranks of :func:`heads_split`)."""
     cp, sp = getattr(spec, "context_parallel", None), getattr(spec, "sequence_parallel", None)
     layers = attention_layers(graph)
     if (cp is None and sp is None) or not layers:
         return None
     axis = cp.axis if cp is not None else sp[0]
+    split = heads_split(sharded, axis) if cp is not None else 1
+    layers = [(b, h // split, max(1, hkv // split), *rest) for b, h, hkv, *rest in layers]
     n = spec.mesh.sizes[spec.mesh.names.index(axis)]
     train = spec.train is not None
     chunking = cp.chunking if cp is not None else "contiguous"
@@ -154,21 +173,23 @@ def sp_vs_cp(graph, spec, links: dict) -> dict | None:
     mine = "sp" if cp is None else ("ring_balanced" if cp.lowering == "ring" and chunking == "balanced"
                                     else cp.lowering)
     return {"axis": axis, "ranks": n, "seq": s, "heads": h, "kv_heads": hkv, "layers": len(layers),
+            "heads_split": split,
             "link": links[axis].name, "per": "training step" if train else "forward",
             "chunking": chunking, "this_spec": mine, "ways": total}
 
 
-def sp_cp_record(graph, spec, placement: dict) -> dict:
+def sp_cp_record(graph, spec, placement: dict, sharded=None) -> dict:
     """``{"sp_vs_cp": ...}`` for report.json, or ``{}`` (see :func:`sp_vs_cp`)."""
     if getattr(spec, "context_parallel", None) is None and getattr(spec, "sequence_parallel", None) is None:
         return {}
-    rec = sp_vs_cp(graph, spec, axis_links(spec, placement))
+    rec = sp_vs_cp(graph, spec, axis_links(spec, placement), sharded)
     return {"sp_vs_cp": rec} if rec else {}
 
 
 def sp_cp_lines(rec: dict) -> list:
     """The small table ``parcomp explain`` prints for :func:`sp_vs_cp`'s record."""
-    out = [f"SP vs CP: sequence {rec['seq']}, {rec['heads']} heads ({rec['kv_heads']} kv), "
+    per_rank = f" per {rec['heads_split']}-way heads split" if rec.get("heads_split", 1) > 1 else ""
+    out = [f"SP vs CP: sequence {rec['seq']}, {rec['heads']} heads ({rec['kv_heads']} kv){per_rank}, "
            f"{rec['layers']} attention layer(s), {rec['ranks']} ranks over {rec['axis']} "
            f"({rec['link']}), per {rec['per']}, attention exchanges only:",
            f"  {'way':24s} {'calls':>5s} {'bytes/rank':>11s} {'est. us':>9s} {'work':>10s}  exchanges"]

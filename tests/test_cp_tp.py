@@ -101,6 +101,20 @@ def test_canonical_spec_collective_list_is_pinned(capsys):
     assert [c["reason"].split()[0] for c in out["collectives"][:2]] == ["%add_1", "%transpose_2"]  # k (RoPE), v
 
 
+def test_sp_vs_cp_counts_one_tp_ranks_heads(tmp_path):
+    """Under CP x TP each rank exchanges only its tp rank's heads: the report's row for the
+    spec's own lowering (all_gather) equals the program's K/V all_gathers plus dK/dV
+    reduce_scatters over cp (2 x 512 + 2 x 512 B), not the whole heads' 4096 B."""
+    out = tmp_path / "out"
+    assert main(["compile", MODEL, "--spec", str(CANONICAL), "-o", str(out)]) == 0
+    rep = json.loads((out / "report.json").read_text())
+    rec = rep["sp_vs_cp"]
+    assert (rec["this_spec"], rec["heads_split"], rec["heads"], rec["kv_heads"]) == ("all_gather", 2, 2, 1)
+    mine = rep["collectives"][:2] + [c for c in rep["collectives"] if c["kind"] == "reduce_scatter"]
+    assert sum(c["bytes"] for c in mine) == rec["ways"]["all_gather"]["bytes_per_rank"] == 2048
+    assert len(mine) == rec["ways"]["all_gather"]["calls"]
+
+
 def _check(tmp_path, capsys, text):
     path = tmp_path / "s.pcs"
     path.write_text(text)
