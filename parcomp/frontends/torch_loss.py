@@ -56,12 +56,13 @@ def _classes_last(b, z: str, labels: str) -> str:
 
 
 def _reduce(b, per: str, labels: str, a, what: str) -> str:
+    """The loss ``per`` token reduced as torch's ``reduction`` says (mean: over counted tokens)."""
     if a.get("weight") is not None:
         raise b.fail(f"{what} with class weights is not supported; leave weight=None")
     how = REDUCTIONS.get(int(a.get("reduction", 1)))
-    if how == "none" or how is None:
-        if how is None:
-            raise b.fail(f"{what} reduction {a.get('reduction')!r} is unknown")
+    if how is None:
+        raise b.fail(f"{what} reduction {a.get('reduction')!r} is unknown")
+    if how == "none":
         return per
     dims = tuple(range(b.types[per].rank))
     total = b.emit("sum", [per], "_total", dims=dims) if dims else per
