@@ -113,6 +113,43 @@ def llama_lm():
     return module, (torch.randint(0, 128, (2, 8)),), ["input_ids"]
 
 
+# ---- a model computing its own loss (loss part, issue 17) ----
+def with_labels(module):
+    """``module`` (a transformers ``*ForCausalLM``) with ``forward(input_ids, labels)``: its own
+    forward called with ``labels=``, so it returns ``loss`` (``ForCausalLMLoss``: labels padded
+    with -100 and shifted left, mean cross-entropy over the counted tokens) and ``logits``.
+    The class is swapped, not wrapped: the parameters keep their names."""
+    base = type(module)
+
+    def forward(self, input_ids, labels):
+        return base.forward(self, input_ids=input_ids, labels=labels)
+
+    module.__class__ = type(base.__name__, (base,), {"forward": forward, "__module__": base.__module__})
+    return module
+
+
+def _labels(ids, vocab: int):
+    """Seeded labels for ``ids`` [batch, seq] with one ignored (-100) token per row."""
+    g = torch.Generator().manual_seed(SEED + 1)
+    labels = torch.randint(0, vocab, ids.shape, generator=g)
+    labels[:, 2] = -100
+    return labels
+
+
+def gpt2_lm_loss(batch: int = 2, seq: int = 8):
+    """:func:`gpt2_lm` called with ``labels``: inputs ``input_ids``, ``labels`` int64[batch,seq];
+    outputs ``loss`` f32[] (transformers' shifted cross-entropy) and ``logits``
+    (``train loss=output output=loss``)."""
+    module, (ids,), _ = gpt2_lm(batch, seq)
+    return with_labels(module), (ids, _labels(ids, 101)), ["input_ids", "labels"]
+
+
+def llama_lm_loss():
+    """:func:`llama_lm` called with ``labels`` (as :func:`gpt2_lm_loss`)."""
+    module, (ids,), _ = llama_lm()
+    return with_labels(module), (ids, _labels(ids, 128)), ["input_ids", "labels"]
+
+
 # ---- expert parallel MoE (issue 14) ----
 class MixtralMoE(nn.Module):
     """transformers' ``MixtralSparseMoeBlock`` written with parcomp's MoE custom ops, so that

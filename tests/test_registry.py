@@ -100,7 +100,7 @@ EXEMPT = {
     (_T["torch"], "kind:source"): "emitted as load_params / load_inputs, not as a formula",
     **{(_T["torch_frontend"], k): _AFTER_AUTODIFF for k in _LAYOUT_KINDS},
     **{(_T["torch_frontend"], op): _BY_AUTODIFF
-       for op in _GRADS + ("cross_entropy", "adamw_param", "ones")},
+       for op in _GRADS + ("adamw_param", "ones")},  # cross_entropy: the loss part's (issue 17)
     (_T["torch_frontend"], "relayout"): "made by bind-layouts from the spec's output/activation rules",
     **{(_T[t], "kind:lowered"): why for t, why in (
         ("sharding", "made after sharding by parcomp/passes/lower.py from ops whose layouts were checked"),
@@ -117,7 +117,7 @@ EXEMPT = {
     # reductions part (issue 17)
     (_T["VJP"], "amax_grad"): "gradients are not differentiated again (no second derivatives)",
     **{(_T["torch_frontend"], op): "made by decompose-reductions / autodiff (parcomp/passes/decompose.py)"
-       for op in ("amax_grad", "argmax_key", "argmax_index", "pick", "pick_grad", "label_mask")},
+       for op in ("amax_grad", "argmax_key", "argmax_index", "pick_grad")},  # pick, label_mask: loss part
     (_T["torch_frontend"], "mask_pad"): "vocab padding: written in a model (.pcir) around padded logits",
     # training options (issue 13): gradient clipping's factor, made by autodiff after backward
     (_T["VJP"], "clip_coef"): "the optimizer update comes after the backward pass",

@@ -68,6 +68,9 @@ CASES = {  # op -> pcir lines defining %a [%b %c %d] and %y; every dim divisible
     "slice_whole": "%y: f64[4,6] = slice(%a) {dim=1, start=0, stop=6, step=1}",
     "slice_grad": "%b: f64[2,6] = input()\n%y: f64[4,6] = slice_grad(%b) {dim=0, start=1, stop=4, step=2}",
     "cat": "%b: f64[4,2] = input()\n%y: f64[4,8] = cat(%a, %b) {dim=1}",
+    # loss part (issue 17): a constant pad of one dim; a zero fill keeps partial sums partial
+    "pad": "%y: f64[4,9] = pad(%a) {after=2, before=1, dim=1, value=-100.0}",
+    "pad_zero": "%y: f64[7,6] = pad(%a) {after=0, before=3, dim=0, value=0.0}",
     "sdpa": _QKV + "%y: f64[2,2,4,2] = sdpa(%q, %k, %v) {causal=true, scale=0.7}",
     "sdpa_full": _QKV + "%y: f64[2,2,4,2] = sdpa(%q, %k, %v) {scale=0.7}",
     **{f"sdpa_grad_{w}{c}": _QKV + f"%g: f64[2,2,4,2] = input()\n%y: f64[2,2,4,2] = sdpa_grad(%g, %q, %k, %v) "

@@ -98,6 +98,8 @@ OP_FORMATS = {
     "slice_grad": ("torch.ops.aten.slice_scatter(torch.zeros({local_shape}, dtype={dtype}, device=DEVICE), "
                    "{0}, {dim}, {start}, {stop}, {step})"),
     "cat": "torch.cat(({args},), dim={dim})",
+    # loss part (issue 17): a constant pad of one dim (moved last for F.pad, then back)
+    "pad": "torch.nn.functional.pad({0}.movedim({dim}, -1), ({before}, {after}), value={value}).movedim(-1, {dim})",
     "sdpa": "torch.nn.functional.scaled_dot_product_attention({0}, {1}, {2}, {mask_args}, scale={scale})",
     "sdpa_grad": ("torch.func.vjp(lambda q, k, v: torch.nn.functional.scaled_dot_product_attention("
                   "q, k, v, {mask_args}, scale={scale}), {1}, {2}, {3})[1]({0})[{wrt_index}]"),

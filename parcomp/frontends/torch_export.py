@@ -193,6 +193,9 @@ TABLE.update(NORM_TABLE)  # norms + embedding part (issue 17): parcomp/frontends
 from .torch_reductions import REDUCTION_TABLE  # noqa: E402
 
 TABLE.update(REDUCTION_TABLE)
+from .torch_loss import LOSS_TABLE  # noqa: E402  loss part (issue 17): pad, cross_entropy_loss, nll_loss
+
+TABLE.update(LOSS_TABLE)
 
 
 def supported_ops() -> list:

@@ -329,6 +329,20 @@ for _n in ("cos", "sin"):
     _def(_n, 1, "nonlinear", _same)
 _def("cast", 1, "nonlinear", _own)
 _def("arange", 0, "const", _own, {"start": Attr("number", default=0), "step": Attr("number", default=1)})
+# pad(x) {dim, before, after, value} (loss part, issue 17): x with ``before`` and ``after``
+#   elements of the constant ``value`` added at the ends of ``dim`` (torch's constant pad of one
+#   dim; transformers' ForCausalLMLoss pads the labels with ignore_index before its shift)
+_PAD = {k: Attr("int", required=True) for k in ("dim", "before", "after")}
+
+
+def _pad(ts, n):
+    x, d, lo, hi = ts[0], n.attr("dim"), n.attr("before"), n.attr("after")
+    if not 0 <= d < x.rank or lo < 0 or hi < 0:
+        raise ValueError(f"pad dim={d} before={lo} after={hi} does not fit {x} (dim in range, pads >= 0)")
+    return TensorType(x.shape[:d] + (x.shape[d] + lo + hi,) + x.shape[d + 1:], x.dtype)
+
+
+_def("pad", 1, "pad", _pad, {**_PAD, "value": _NUM})
 # ---- end of the attention part ----
 # ---- norms + embedding part (issue 17): layer_norm, rms_norm, dropout, embedding ----
 # Norms normalise over the LAST dim: (x[, weight[, bias]]) {eps}; their ``*_grad(dy, x[, w])``

@@ -24,6 +24,15 @@ def _slice_grad(g, node):
     return out
 
 
+def pad_array(x, node, value=None):
+    """``pad`` (loss part, issue 17): ``x`` with ``before``/``after`` copies of ``value`` (default:
+    the node's) on ``dim``, in ``x``'s dtype (an int64 label pad stays int64)."""
+    widths = [(0, 0)] * np.ndim(x)
+    widths[node.attr("dim")] = (node.attr("before"), node.attr("after"))
+    return np.pad(x, widths, constant_values=np.asarray(
+        node.attr("value") if value is None else value).astype(np.asarray(x).dtype))
+
+
 def attention_probs(q, k, node):
     """softmax(scale q k^T) over the last dim, causal (top-left aligned: key j <= query i)
     entries kept when ``causal``; [..., Sq, Sk] in q's dtype. Query row i is global row
@@ -78,6 +87,7 @@ NUMPY_ATTN = {
     "slice": lambda a, n: np.ascontiguousarray(a[0][slice_index(n, a[0].ndim)]),
     "slice_grad": lambda a, n: _slice_grad(a[0], n),
     "cat": lambda a, n: np.concatenate(a, axis=n.attr("dim")),
+    "pad": lambda a, n: pad_array(a[0], n),
     "sdpa": lambda a, n: _sdpa(*a, n),
     "sdpa_grad": lambda a, n: sdpa_grads(*a, n)[n.attr("wrt")].astype(a[0].dtype),
     "cos": lambda a, n: np.cos(a[0]),

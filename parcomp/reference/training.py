@@ -23,14 +23,20 @@ def initial_state(graph, feeds: dict) -> dict:
     return out
 
 
+def _loss_input(graph, name) -> bool:
+    """Whether ``name`` is an input the training loss added (phase ``loss``), not a model's own
+    input of that name (a model computing its own loss takes ``labels``: loss part, issue 17)."""
+    return name in graph and graph[name].phase == "loss"
+
+
 def data_for(graph, seed=0) -> dict:
     """Seeded training data for the loss inputs: ``target`` (mse) or ``labels`` (cross-entropy)."""
     rng = np.random.default_rng(seed + 1000)
     out = {}
-    if "target" in graph:
+    if _loss_input(graph, "target"):
         t = graph["target"].type
         out["target"] = rng.standard_normal(t.shape).astype(t.dtype)
-    if "labels" in graph:
+    if _loss_input(graph, "labels"):
         # the classes of the logits the labels index (cross_entropy or its decomposition's
         # pick); a padded vocab (mask_pad) draws only real classes
         labels = {"labels"}  # and its microbatches (accumulate=K, issue 13: reshape/slice of it)

@@ -377,6 +377,16 @@ that computes (sources and collectives are handled by :mod:`parcomp.tolerance`).
 from .attention import ATTENTION_ERRORS, cat_err  # noqa: E402
 
 ERROR_RULES.update({"slice": _move, "slice_grad": _move, "cat": cat_err, **ATTENTION_ERRORS})
+ERROR_RULES["pad"] = lambda vals, errs, node, out, u: _pad_err(errs[0], vals[0], node)  # loss part
+
+
+def _pad_err(err, x, node):
+    """``pad`` (loss part, issue 17): x's error moves with it; the fill is exact (error 0)."""
+    from ..reference.numpy_attn import pad_array
+
+    return pad_array(np.broadcast_to(err, np.shape(x)).astype(np.float64), node, value=0.0)
+
+
 # ---- end of the attention part ----
 from .clip_bounds import CLIP_ERROR_RULES  # noqa: E402  training options (issue 13)
 

@@ -8,6 +8,7 @@ only where every rank's block of the result is a block of its operand's block:
   whole dim (``0:size:1``); any other slice of a split dim takes rows from some ranks and
   none from others, so the operand is first redistributed (the planner picks how).
 - ``slice_grad`` (zeros with the slice written in) has the same rules.
+- ``pad`` along ``dim`` (loss part): as ``slice``; partial only with a zero fill.
 - ``cat`` along ``dim``: every operand split on the same other dim gives that split;
   all replicated gives replicated; all partial gives partial (cat is linear in all its
   operands jointly, so a replicated operand cannot join partial ones: it would be
@@ -59,5 +60,20 @@ def _cat_vjp(b, n, g):
     return tuple(out)
 
 
-VIEW_STRATEGIES = {"slice": slice_strategies, "cat": cat_strategies}  # by kind
-VIEW_VJPS = {"slice": _slice_vjp, "slice_grad": _slice_vjp, "cat": _cat_vjp}
+def pad_strategies(node, ts):
+    """``pad`` along ``dim`` (loss part, issue 17): every other dim keeps its split; the padded
+    dim only when nothing is added; partial sums stay partial only for a zero fill (a
+    nonzero fill on every rank would be summed ``n`` times)."""
+    d = node.attr("dim")
+    none = node.attr("before") == 0 and node.attr("after") == 0
+    out = [((R,), R)] + ([((P,), P)] if float(node.attr("value")) == 0.0 else [])
+    return out + [((Shard(e),), Shard(e)) for e in range(ts[0].rank) if e != d or none]
+
+
+def _pad_vjp(b, n, g):  # the fill is a constant: x's gradient is g without the padding
+    lo, size = n.attr("before"), b.type(n.inputs[0]).shape[n.attr("dim")]
+    return (b.op("slice", [g], dim=n.attr("dim"), start=lo, stop=lo + size, step=1),)
+
+
+VIEW_STRATEGIES = {"slice": slice_strategies, "cat": cat_strategies, "pad": pad_strategies}  # by kind
+VIEW_VJPS = {"slice": _slice_vjp, "slice_grad": _slice_vjp, "cat": _cat_vjp, "pad": _pad_vjp}
