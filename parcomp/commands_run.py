@@ -35,9 +35,10 @@ def _run_files(compiled) -> tuple:
             + tuple(f"outputs.pt.stage{s.index}" for s in stages))  # a pipeline's (pipeline_run.py)
 
 
-def _write_work(args, work: str, compiled) -> None:
+def _write_work(args, work: str, compiled, module=None) -> None:
     kept = write_dir_atomic(work, program_files(compiled, "torch", args.profile,
-                                                os.path.basename(args.model)), _run_files(compiled),
+                                                os.path.basename(args.model), module=module),
+                            _run_files(compiled),
                             flag="--keep" if args.keep else "the work directory", command="run")
     if args.keep and not args.json:
         print_kept(work, kept)
@@ -75,7 +76,7 @@ def run(args):
         from .pipeline_run import run_pipeline
 
         return run_pipeline(args, compiled, _train_feeds(compiled, module, example, 0),
-                            lambda work: _write_work(args, work, compiled),
+                            lambda work: _write_work(args, work, compiled, module),
                             lambda work: _end_work(args, work, compiled))
     if args.nproc == compiled.program.mesh.size:  # else the --nproc error below comes first
         check_memory(compiled, "run")
@@ -93,7 +94,7 @@ def run(args):
     require_ids_in_tables(graph, feeds)  # before launching: torch's IndexError is no located error
     work = os.path.abspath(args.keep) if args.keep else tempfile.mkdtemp(prefix="parcomp-run-")
     try:
-        _write_work(args, work, compiled)
+        _write_work(args, work, compiled, module)
         ckpt = _checkpoint(work, graph, feeds, module)
         write_inputs({n.name: feeds[n.name] for n in graph.inputs}, os.path.join(work, "inputs.pt"))
         out_path = os.path.join(work, "outputs.pt")
@@ -153,7 +154,7 @@ def _run_training(args, compiled, module, example):
     replay = replay_reference(compiled, module if _is_torch(module) else None, example, feeds, steps)
     work = os.path.abspath(args.keep) if args.keep else tempfile.mkdtemp(prefix="parcomp-run-")
     try:
-        _write_work(args, work, compiled)
+        _write_work(args, work, compiled, module)
         out_path = _launch(compiled, work, feeds, size, ("--steps", str(steps)), module)
         outputs, losses = assemble_training_outputs(out_path, compiled.program)
         replay_path = os.path.join(work, "replay.pt")

@@ -140,6 +140,11 @@ def main():
         sys.exit(f"this program needs {WORLD} ranks, got {world}")
     coord, d, dp_group = setup(rank)
     sd = torch.load(args.checkpoint)
+    constants = os.path.join(os.path.dirname(os.path.abspath(__file__)), "constants.safetensors")
+    if os.path.isfile(constants):  # what parcomp computed at import, if the checkpoint lacks it
+        from safetensors.torch import load_file
+
+        sd = {**load_file(constants), **sd}
     p = {k: local_shard(sd[k], SPLITS.get(k, [])) if k in sd else
          torch.zeros(STATE_SHAPES[k][0], dtype=getattr(torch, STATE_SHAPES[k][1]))
          for t in STAGES[coord] for k in PARAMS[t]}
