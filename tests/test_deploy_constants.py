@@ -116,3 +116,26 @@ def test_missing_constants_file_is_a_load_error_naming_it(tmp_path, capsys):
     assert "'transformer.arange' is a constant parcomp computed" in proc.stderr
     assert "constants.safetensors does not exist" in proc.stderr
     assert "program.py\", line" not in proc.stderr
+
+
+def test_save_pretrained_directory_of_a_tied_model_loads(tmp_path, capsys):
+    """save_pretrained writes GPT-2's tied table once, as ``transformer.wte.weight``; the
+    graph names it ``lm_head.weight``: program.py reads it under either name (and the
+    position ids from constants.safetensors). Same logits as from the full state_dict."""
+    spec = write(tmp_path, "vocab.pcs", "mesh tp=2\ntransformer.wte.weight [S(0)]\n" + GPT2_TP2.split("\n", 1)[1])
+    out = str(tmp_path / "out")
+    assert main(["compile", os.path.join(ROOT, "specs", "models.py") + ":gpt2_lm", "--spec", spec, "-o", out,
+                 "--json"]) == 0
+    capsys.readouterr()
+    module, (ids,), _ = _factory("gpt2_lm")
+    module.save_pretrained(str(tmp_path / "hf"))
+    from safetensors.torch import load_file
+
+    assert "lm_head.weight" not in load_file(str(tmp_path / "hf" / "model.safetensors"))
+    proc = _launch(out, str(tmp_path / "hf"), ids, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = torch.load(tmp_path / "logits.pt")["logits"].numpy()
+    torch.save(module.state_dict(), str(tmp_path / "model.pt"))
+    proc = _launch(out, str(tmp_path / "model.pt"), ids, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert np.array_equal(torch.load(tmp_path / "logits.pt")["logits"].numpy(), got)

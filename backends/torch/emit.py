@@ -39,7 +39,7 @@ from .emit_reduce import (ASYNC_REDUCE, HELPER_NAMES as REDUCE_HELPERS, IN_PLACE
                           reduce_sections)
 from .emit_cluster import CLUSTER_NAMES, cluster_constants
 from .profiles import get_profile
-from .runtime import (CLUSTER_HELP, CONSTANT_LOADER, FORWARD_HELP, FUNCTIONAL, IMPORTS, MAIN, ONNX_READER, RUNTIME,
+from .runtime import (CLUSTER_HELP, CONSTANT_LOADER, FORWARD_HELP, TIED_LOADER, FUNCTIONAL, IMPORTS, MAIN, ONNX_READER, RUNTIME,
                       TRAIN_HELP, TRAIN_MAIN, TRAIN_RUNTIME)
 
 # op -> format string; {0}, {1}: operand variables, {name}: attribute as a Python literal
@@ -142,7 +142,7 @@ TORCH_DTYPES = {"float32": "torch.float32", "float64": "torch.float64", "float16
 COMMENT_WIDTH = 108
 
 _TOP_NAMES = set(re.findall(r"^(?:def )?([A-Za-z_]\w*)", RUNTIME + MAIN + TRAIN_MAIN + ONNX_READER
-                            + FUNCTIONAL + CONSTANT_LOADER, re.M)) | {"funcol"}
+                            + FUNCTIONAL + CONSTANT_LOADER + TIED_LOADER, re.M)) | {"funcol"}
 RESERVED = (set(keyword.kwlist) | set(dir(builtins)) | _TOP_NAMES
             | {"torch", "dist", "p", "inp", "argparse", "importlib", "json", "math", "os", "sys", "time",
                "PROFILE", "DIST_BACKEND", "PRELUDE", "profile_device", "MESH", "GROUP_RANKS",
@@ -212,7 +212,9 @@ def emit_program(compiled, profile="cpu", model: str | None = None, steps: int |
         runtime += "\n\n\n" + ONNX_READER
     parts = [_profile_block(prof), _constants(prog, train), runtime, *runtime_sections(program),
              *reduce_sections(program), *moe_sections(program), *ring_sections(program), *([FUNCTIONAL] if functional else []),
-             *([CONSTANT_LOADER] if constants else []), _loaders(prog, train, constants), _forward(prog, names, train), TRAIN_MAIN if train else MAIN]
+             *([CONSTANT_LOADER] if constants else []),
+             *([TIED_LOADER] if any(n.attr("aliases") for n in program.params) else []),
+             _loaders(prog, train, constants), _forward(prog, names, train), TRAIN_MAIN if train else MAIN]
     head = _header(prog, model, train) + "\n" + IMPORTS
     return "\n\n\n".join(p.strip("\n") for p in [head] + parts) + "\n"
 
@@ -435,10 +437,13 @@ def _loaders(prog, train, constants=()) -> str:
                 raise EmitError(f"{kind} {n.name!r} has dtype {n.type.dtype}, which has no torch name")
             full = _global_shape(program, n)
             head = f"{n.name}: full {_ty(n.type.dtype, full)} {layout_str(n.layout)} -> {n.type}; "
+            key = json.dumps(n.name)
             take = "take_constant" if kind == "param" and n.name in constants else "take"
-            src = f"{take}({arg}, {json.dumps(n.name)}, {full!r}, {TORCH_DTYPES[n.type.dtype]})"
+            if kind == "param" and n.attr("aliases"):  # a tied weight: any of its names
+                take, key = "take_tied", "(" + ", ".join(map(json.dumps, (n.name, *n.attr("aliases").split(",")))) + ")"
+            src = f"{take}({arg}, {key}, {full!r}, {TORCH_DTYPES[n.type.dtype]})"
             if n.attr("stored_shape"):  # a fused weight: stored whole, viewed per part (issue 17)
-                src = _view_of(f"take({arg}, {json.dumps(n.name)}, {tuple(n.attr('stored_shape'))!r}, "
+                src = _view_of(f"{take}({arg}, {key}, {tuple(n.attr('stored_shape'))!r}, "
                                f"{TORCH_DTYPES[n.type.dtype]})", n.attr("stored_shape"), full)
                 head += f"stored {_ty(n.type.dtype, n.attr('stored_shape'))}, viewed per part; "
             sliced, what = _slice_expr(program, n, balance_src(program, n, src))  # issue 14

@@ -307,6 +307,15 @@ def take_constant(tensors, name, shape, dtype):
 # <<< program.py
 
 
+# >>> program.py: tied
+def take_tied(tensors, names, shape, dtype):
+    """Like ``take``, for a tied weight: ``names`` are its names (the program's first), read
+    from the first the checkpoint holds (``save_pretrained`` writes one of GPT-2's
+    ``lm_head.weight`` / ``transformer.wte.weight``); none there: the LoadError of the first."""
+    return take(tensors, next((n for n in names if n in tensors), names[0]), shape, dtype)
+# <<< program.py
+
+
 # >>> program.py: take_place
 def take(tensors, name, shape, dtype):
     """The full tensor ``name`` of a loaded file, checked against its full (unsharded) shape
