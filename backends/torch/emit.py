@@ -39,8 +39,8 @@ from .emit_reduce import (ASYNC_REDUCE, HELPER_NAMES as REDUCE_HELPERS, IN_PLACE
                           reduce_sections)
 from .emit_cluster import CLUSTER_NAMES, cluster_constants
 from .profiles import get_profile
-from .runtime import (CLUSTER_HELP, CONSTANT_LOADER, FORWARD_HELP, TIED_LOADER, FUNCTIONAL, IMPORTS, MAIN, ONNX_READER, RUNTIME,
-                      TRAIN_HELP, TRAIN_MAIN, TRAIN_RUNTIME)
+from .runtime import (CLUSTER_HELP, CONSTANT_LOADER, FORWARD_HELP, FUNCTIONAL, IMPORTS, MAIN, ONNX_READER, RUNTIME,
+                      TIED_LOADER, TRAIN_HELP, TRAIN_MAIN, TRAIN_RUNTIME)
 
 # op -> format string; {0}, {1}: operand variables, {name}: attribute as a Python literal
 OP_FORMATS = {

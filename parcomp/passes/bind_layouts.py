@@ -119,9 +119,9 @@ def _rule_of(spec, node) -> tuple:
         SpecError: at a later rule that gives another name of the same tied tensor another
             layout (one tensor has one layout).
     """
-    hits = sorted(((i, r, name) for name in names_of(node) for i, r in enumerate(spec.rules)
-                   if r.target == node.op and r.matches(name) and r is _first(spec, node.op, name)),
-                  key=lambda h: h[0])
+    firsts = [(_first(spec, node.op, name), name) for name in names_of(node)]
+    order = {id(r): i for i, r in enumerate(spec.rules)}
+    hits = sorted(((order[id(r)], r, name) for r, name in firsts if r is not None), key=lambda h: h[0])
     if not hits:
         return None, node.name
     _, rule, used = hits[0]
