@@ -59,9 +59,36 @@ def require_numpy_dtypes(graph, command: str) -> None:
             raise err
 
 
+CONSTANTS_FILE = "constants.safetensors"  # program.py's CONSTANTS_FILE (program_common.py)
+
+
+def computed_constants(graph, module) -> dict:
+    """``{param name: tensor}`` of the params of ``graph`` that are no weights of ``module``'s
+    ``state_dict``: the constants the torch frontend computed at import (GPT-2's position ids,
+    Llama's RoPE cos/sin; :mod:`.frontends.torch_fold`) and non-persistent buffers. A user's
+    ``torch.save(module.state_dict())`` lacks them, so ``compile`` writes them beside
+    program.py. Empty for a model file or a ``.pcir`` model (their files hold every param)."""
+    if module is None or isinstance(module, ModelFile):
+        return {}
+    from .frontends.torch_fold import module_sources
+
+    weights, sources = set(module.state_dict()), module_sources(module)
+    return {n.name: sources[n.name].detach().cpu().contiguous().clone() for n in graph.params
+            if n.name not in weights and n.name in sources}
+
+
+def _constants_bytes(constants: dict) -> bytes:
+    """``constants`` as a .safetensors file (deterministic: keys sorted, no metadata)."""
+    from safetensors.torch import save
+
+    return save({k: constants[k] for k in sorted(constants)})
+
+
 def program_files(compiled, target: str, profile: str | None, model: str | None = None,
-                  functional: bool = False) -> dict:
-    """The files ``parcomp compile`` writes for ``target``.
+                  functional: bool = False, module=None) -> dict:
+    """The files ``parcomp compile`` writes for ``target``: report.json, sharded.pcir,
+    program.pcir and (torch/ascend) program.py, with ``constants.safetensors`` beside it
+    when the graph has params :func:`computed_constants` finds in ``module``.
 
     Raises ParcompError when ``--target ascend`` is given another profile.
     """
@@ -77,8 +104,11 @@ def program_files(compiled, target: str, profile: str | None, model: str | None 
     if target in ("torch", "ascend"):
         from parcomp_backends.torch import emit_program
 
+        constants = computed_constants(compiled.unsharded, module)
         files["program.py"] = emit_program(compiled, profile or ("ascend" if target == "ascend" else "cpu"),
-                                           model=model, functional=functional)
+                                           model=model, functional=functional, constants=tuple(constants))
+        if constants:
+            files[CONSTANTS_FILE] = _constants_bytes(constants)
     return files
 
 

@@ -13,14 +13,15 @@ from .commands_common import _compile, feeds_for, print_kept, print_warnings, pr
 
 
 def compile(args):  # noqa: A001 - the subcommand's name
-    """``parcomp compile``: write program.py, report.json, sharded.pcir, program.pcir atomically."""
+    """``parcomp compile``: write program.py, report.json, sharded.pcir, program.pcir (and the
+    computed constants' ``constants.safetensors``) atomically."""
     def show(name, graph):
         print(f"# ----- IR after {name} -----\n{print_graph(graph)}")
 
-    compiled, _, _ = _compile(args, show if args.print_ir_after_all else None)
+    compiled, module, _ = _compile(args, show if args.print_ir_after_all else None)
     kept = write_dir_atomic(args.out, program_files(compiled, args.target, args.profile,
                                                     os.path.basename(args.model),
-                                                    args.functional_collectives))
+                                                    args.functional_collectives, module))
     recs = compiled.report["collectives"]
     if not args.json:
         print(format_collectives(recs))

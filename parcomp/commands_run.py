@@ -15,6 +15,7 @@ from .frontends.model_file import ModelFile
 from .outdir import record_written, write_dir_atomic
 from .passes.train_config import check_steps, train_config
 from .reference.training import numpy_train
+from .run64 import recheck_forward, recheck_training
 from .report import format_collectives, plural
 from .tolerance import compare_outputs as compare, output_bounds, training_bounds
 from .train_check import carried as _carried, replay_reference, torch_reference as _torch_reference
@@ -35,9 +36,10 @@ def _run_files(compiled) -> tuple:
             + tuple(f"outputs.pt.stage{s.index}" for s in stages))  # a pipeline's (pipeline_run.py)
 
 
-def _write_work(args, work: str, compiled) -> None:
+def _write_work(args, work: str, compiled, module=None) -> None:
     kept = write_dir_atomic(work, program_files(compiled, "torch", args.profile,
-                                                os.path.basename(args.model)), _run_files(compiled),
+                                                os.path.basename(args.model), module=module),
+                            _run_files(compiled),
                             flag="--keep" if args.keep else "the work directory", command="run")
     if args.keep and not args.json:
         print_kept(work, kept)
@@ -75,7 +77,7 @@ def run(args):
         from .pipeline_run import run_pipeline
 
         return run_pipeline(args, compiled, _train_feeds(compiled, module, example, 0),
-                            lambda work: _write_work(args, work, compiled),
+                            lambda work: _write_work(args, work, compiled, module),
                             lambda work: _end_work(args, work, compiled))
     if args.nproc == compiled.program.mesh.size:  # else the --nproc error below comes first
         check_memory(compiled, "run")
@@ -93,7 +95,7 @@ def run(args):
     require_ids_in_tables(graph, feeds)  # before launching: torch's IndexError is no located error
     work = os.path.abspath(args.keep) if args.keep else tempfile.mkdtemp(prefix="parcomp-run-")
     try:
-        _write_work(args, work, compiled)
+        _write_work(args, work, compiled, module)
         ckpt = _checkpoint(work, graph, feeds, module)
         write_inputs({n.name: feeds[n.name] for n in graph.inputs}, os.path.join(work, "inputs.pt"))
         out_path = os.path.join(work, "outputs.pt")
@@ -108,6 +110,7 @@ def run(args):
         _end_work(args, work, compiled)
     result = compare(got, reference_outputs(graph, _reference(compiled, module), example, feeds),
                      output_bounds(compiled.logical, feeds))
+    result = recheck_forward(compiled, example, feeds, result)  # float32 cannot vouch: as check does
     _print_result(args, compiled, result, f"torchrun, {plural(size, 'gloo rank')}")
     return {**result, "collectives": _summary(compiled.report["collectives"]), "world_size": size}
 
@@ -153,7 +156,7 @@ def _run_training(args, compiled, module, example):
     replay = replay_reference(compiled, module if _is_torch(module) else None, example, feeds, steps)
     work = os.path.abspath(args.keep) if args.keep else tempfile.mkdtemp(prefix="parcomp-run-")
     try:
-        _write_work(args, work, compiled)
+        _write_work(args, work, compiled, module)
         out_path = _launch(compiled, work, feeds, size, ("--steps", str(steps)), module)
         outputs, losses = assemble_training_outputs(out_path, compiled.program)
         # absolute: torchrun runs program.py in ``work``, where a relative --keep is not
@@ -187,6 +190,7 @@ def _run_training(args, compiled, module, example):
                         f"only the step-by-step check vouches")
     result["free_running"] = free
     result["ok"] = result["ok"] and free["ok"]
+    result = recheck_training(compiled, example, feeds, steps, result)  # as check does
     result["verdict"] = verdict(result)
     result["losses"], result["reference_losses"] = losses, ref_losses
     if not args.json:
@@ -206,9 +210,11 @@ def _print_run_training(result, size, steps, ref_name, ref_losses):
                     ("free-running, vs " + ref_name, free)):
         print(f"  {name}:\n    loss {r['max_loss_err']:.2e}  grads {r['max_grad_err']:.2e}"
               f"  params {r['max_param_err']:.2e}  all carried {r['max_abs_err']:.2e}  "
-              + (f"({r['note']})" if r.get("note") else f"({_vs_tolerance(r)})"))
+              + (f"({r['note']})" if r is free and r.get("note") else f"({_vs_tolerance(r)})"))
         if r.get("missing"):
             print(f"    missing from the program: {', '.join(r['missing'])}")
+    if result.get("note"):  # the float64 re-check (parcomp/run64.py); the last line is the verdict
+        print(f"  note: {result['note']}")
     word = result["verdict"]
     why = [w for w in (result["why"], free["why"] if not free["ok"] else "") if w]
     print("  OK" if word == "OK" else f"  {word}: " + "; ".join(why))

@@ -11,8 +11,8 @@ dist = torch.distributed
 from parcomp_backends.torch import program_common as rt  # noqa: E402
 from parcomp_backends.torch import program_forward, program_train  # noqa: E402
 from parcomp_backends.torch.launch import free_port  # noqa: E402
-from parcomp_backends.torch.runtime import (MAIN, ONNX_READER, RUNTIME, TRAIN_MAIN, TRAIN_RUNTIME,  # noqa: E402
-                                            sections)
+from parcomp_backends.torch.runtime import (CONSTANT_LOADER, MAIN, ONNX_READER, RUNTIME, TIED_LOADER,  # noqa: E402
+                                            TRAIN_MAIN, TRAIN_RUNTIME, sections)
 
 
 @pytest.fixture
@@ -77,7 +77,8 @@ def test_forward_arguments_and_fail_exit_2(capsys):
 
 
 def test_every_section_is_pasted_and_stand_ins_are_not():
-    pasted = RUNTIME + MAIN + TRAIN_RUNTIME + TRAIN_MAIN + ONNX_READER  # the last: .onnx models
+    pasted = (RUNTIME + MAIN + TRAIN_RUNTIME + TRAIN_MAIN + ONNX_READER  # .onnx models
+              + CONSTANT_LOADER + TIED_LOADER)  # computed constants, tied weights
     for module in ("program_common", "program_forward", "program_train"):
         for name, text in sections(module).items():
             assert text in pasted, f"{module} section {name} is never pasted"

@@ -95,4 +95,5 @@ def test_gpt2_with_odd_vocab_under_torchrun(capsys, tmp_path):
                "--keep", str(tmp_path / "out")])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out.get("verdict") in ("OK", "CANNOT VOUCH"), out  # never MISMATCH (see above)
-    assert "torch.nn.functional.pad(whole(take(" in (tmp_path / "out" / "program.py").read_text()
+    assert ('torch.nn.functional.pad(whole(take_tied(ckpt, ("lm_head.weight", "transformer.wte.weight")'
+            in (tmp_path / "out" / "program.py").read_text())  # tied: read under either name

@@ -39,8 +39,8 @@ from .emit_reduce import (ASYNC_REDUCE, HELPER_NAMES as REDUCE_HELPERS, IN_PLACE
                           reduce_sections)
 from .emit_cluster import CLUSTER_NAMES, cluster_constants
 from .profiles import get_profile
-from .runtime import (CLUSTER_HELP, FORWARD_HELP, FUNCTIONAL, IMPORTS, MAIN, ONNX_READER, RUNTIME,
-                      TRAIN_HELP, TRAIN_MAIN, TRAIN_RUNTIME)
+from .runtime import (CLUSTER_HELP, CONSTANT_LOADER, FORWARD_HELP, FUNCTIONAL, IMPORTS, MAIN, ONNX_READER, RUNTIME,
+                      TIED_LOADER, TRAIN_HELP, TRAIN_MAIN, TRAIN_RUNTIME)
 
 # op -> format string; {0}, {1}: operand variables, {name}: attribute as a Python literal
 OP_FORMATS = {
@@ -144,7 +144,7 @@ TORCH_DTYPES = {"float32": "torch.float32", "float64": "torch.float64", "float16
 COMMENT_WIDTH = 108
 
 _TOP_NAMES = set(re.findall(r"^(?:def )?([A-Za-z_]\w*)", RUNTIME + MAIN + TRAIN_MAIN + ONNX_READER
-                            + FUNCTIONAL, re.M)) | {"funcol"}
+                            + FUNCTIONAL + CONSTANT_LOADER + TIED_LOADER, re.M)) | {"funcol"}
 RESERVED = (set(keyword.kwlist) | set(dir(builtins)) | _TOP_NAMES
             | {"torch", "dist", "p", "inp", "argparse", "importlib", "json", "math", "os", "sys", "time",
                "PROFILE", "DIST_BACKEND", "PRELUDE", "profile_device", "MESH", "GROUP_RANKS",
@@ -175,7 +175,7 @@ def _program_of(compiled) -> Program:
 
 
 def emit_program(compiled, profile="cpu", model: str | None = None, steps: int | None = None,
-                 functional: bool = False) -> str:
+                 functional: bool = False, constants=()) -> str:
     """The text of ``program.py`` for ``compiled`` (a :class:`parcomp.compiler.Compiled`).
 
     Args:
@@ -188,6 +188,9 @@ def emit_program(compiled, profile="cpu", model: str | None = None, steps: int |
             (``Program.train.steps``). Ignored for forward programs.
         functional: collectives from ``torch.distributed._functional_collectives`` (new
             tensors, nothing in place), so ``program.py --compile`` captures whole steps.
+        constants: names of params parcomp computed at import (not in the model's
+            state_dict): the program reads each from ``--checkpoint`` if it holds it, else
+            from ``constants.safetensors`` beside program.py (``program_files`` writes it).
 
     Returns:
         Python source, one statement per line, ending in a newline.
@@ -217,7 +220,9 @@ def _emit(compiled, profile, model, steps, functional) -> str:
         runtime += "\n\n\n" + ONNX_READER
     parts = [_profile_block(prof), _constants(prog, train), runtime, *runtime_sections(program),
              *reduce_sections(program), *moe_sections(program), *ring_sections(program), *([FUNCTIONAL] if functional else []),
-             _loaders(prog, train), _forward(prog, names, train), TRAIN_MAIN if train else MAIN]
+             *([CONSTANT_LOADER] if constants else []),
+             *([TIED_LOADER] if any(n.attr("aliases") for n in program.params) else []),
+             _loaders(prog, train, constants), _forward(prog, names, train), TRAIN_MAIN if train else MAIN]
     head = _header(prog, model, train) + "\n" + IMPORTS
     return "\n\n\n".join(p.strip("\n") for p in [head] + parts) + "\n"
 
@@ -427,7 +432,7 @@ def _paren(expr: str) -> str:
     return f"({expr})" if "+" in expr else expr
 
 
-def _loaders(prog, train) -> str:
+def _loaders(prog, train, constants=()) -> str:
     program, out, state = prog.graph, [], train.state if train else ()
     for fn, kind, nodes, arg in (("load_params", "param", program.params, "ckpt"),
                                  ("load_inputs", "input", _data_inputs(program, train), "feeds")):
@@ -440,9 +445,13 @@ def _loaders(prog, train) -> str:
                 raise EmitError(f"{kind} {n.name!r} has dtype {n.type.dtype}, which has no torch name")
             full = _global_shape(program, n)
             head = f"{n.name}: full {_ty(n.type.dtype, full)} {layout_str(n.layout)} -> {n.type}; "
-            src = f"take({arg}, {json.dumps(n.name)}, {full!r}, {TORCH_DTYPES[n.type.dtype]})"
+            key = json.dumps(n.name)
+            take = "take_constant" if kind == "param" and n.name in constants else "take"
+            if kind == "param" and n.attr("aliases"):  # a tied weight: any of its names
+                take, key = "take_tied", "(" + ", ".join(map(json.dumps, (n.name, *n.attr("aliases").split(",")))) + ")"
+            src = f"{take}({arg}, {key}, {full!r}, {TORCH_DTYPES[n.type.dtype]})"
             if n.attr("stored_shape"):  # a fused weight: stored whole, viewed per part (issue 17)
-                src = _view_of(f"take({arg}, {json.dumps(n.name)}, {tuple(n.attr('stored_shape'))!r}, "
+                src = _view_of(f"{take}({arg}, {key}, {tuple(n.attr('stored_shape'))!r}, "
                                f"{TORCH_DTYPES[n.type.dtype]})", n.attr("stored_shape"), full)
                 head += f"stored {_ty(n.type.dtype, n.attr('stored_shape'))}, viewed per part; "
             sliced, what = _slice_expr(program, n, balance_src(program, n, src))  # issue 14

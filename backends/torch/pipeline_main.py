@@ -171,6 +171,11 @@ def load_checked(args):
     """(full checkpoint dict, input dict), every name, shape and dtype checked, or exit 2."""
     check_output(args)
     sd = read_tensors(args.checkpoint, "checkpoint")
+    constants = os.path.join(os.path.dirname(os.path.abspath(__file__)), "constants.safetensors")
+    if os.path.isfile(constants):  # what parcomp computed at import, if the checkpoint lacks it
+        from safetensors.torch import load_file
+
+        sd = {**load_file(constants), **sd}
     check_tensors(sd, PARAM_SHAPES, "param", args.checkpoint)
     data = read_tensors(args.input, "input")
     check_tensors(data, INPUT_SHAPES, "input", args.input)

@@ -281,6 +281,41 @@ def read_inputs(path):
 # <<< program.py
 
 
+# >>> program.py: constants
+# the constants parcomp computed from the model at import (position ids, RoPE's cos/sin):
+# not weights of the model's state_dict, so compile writes them beside this program
+CONSTANTS_FILE = "constants.safetensors"
+_CONSTANTS = []  # the opened CONSTANTS_FILE (a Checkpoint), once needed
+
+
+def take_constant(tensors, name, shape, dtype):
+    """Like ``take``, for a param parcomp computed at import: from the checkpoint if it holds
+    it, else from CONSTANTS_FILE beside this program (a LoadError names both when neither)."""
+    if name in tensors:
+        return take(tensors, name, shape, dtype)
+    if not _CONSTANTS:
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), CONSTANTS_FILE)
+        if not os.path.isfile(path):
+            raise LoadError(f"param {name!r} is a constant parcomp computed from the model (not a "
+                            f"weight of its state_dict); the checkpoint lacks it and {path} does not "
+                            f"exist: keep {CONSTANTS_FILE} beside program.py (parcomp compile wrote it)")
+        _CONSTANTS.append(open_checkpoint(path))
+    if name not in _CONSTANTS[0]:
+        raise LoadError(f"param {name!r} is neither in the checkpoint nor in {_CONSTANTS[0].path}; "
+                        f"compile the model again to write both files")
+    return _CONSTANTS[0].take(name, shape, dtype)
+# <<< program.py
+
+
+# >>> program.py: tied
+def take_tied(tensors, names, shape, dtype):
+    """Like ``take``, for a tied weight: ``names`` are its names (the program's first), read
+    from the first the checkpoint holds (``save_pretrained`` writes one of GPT-2's
+    ``lm_head.weight`` / ``transformer.wte.weight``); none there: the LoadError of the first."""
+    return take(tensors, next((n for n in names if n in tensors), names[0]), shape, dtype)
+# <<< program.py
+
+
 # >>> program.py: take_place
 def take(tensors, name, shape, dtype):
     """The full tensor ``name`` of a loaded file, checked against its full (unsharded) shape

@@ -104,6 +104,8 @@ MAIN = _join(_COMMON["rank_path"], _FORWARD["write_outputs"], _COMMON["sync"], _
              _COMMON["entry"])
 TRAIN_RUNTIME = _join(_COMMON["process"], _COMMON["take_place"], _LOADING)
 FUNCTIONAL = sections("program_functional")["functional"]  # emit_program(functional=True)
+CONSTANT_LOADER = _COMMON["constants"]  # a program with params computed at import (constants.safetensors)
+TIED_LOADER = _COMMON["tied"]  # a program with tied weights (param attr ``aliases``)
 ONNX_READER = _COMMON["onnx"]  # appended to the runtime of a program compiled from an .onnx file
 TRAIN_MAIN = _join(_COMMON["rank_path"], _TRAIN["write_outputs"], _COMMON["sync"], _COMMON["bench"],
                    _TRAIN["parse_args"], _COMMON["world"], _CLUSTER, _TRAIN["checkpoint"], _TRAIN["loop"],

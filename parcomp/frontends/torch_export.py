@@ -285,6 +285,22 @@ def _input_names(module, count: int, names) -> list:
     return params[:count] if len(params) >= count else [f"input_{i}" for i in range(count)]
 
 
+def tied_aliases(module) -> dict:
+    """``{parameter name: its other names}`` for each tied parameter of ``module`` (one
+    tensor under several names: ``named_parameters(remove_duplicate=False)``; GPT-2's
+    ``lm_head.weight`` and ``transformer.wte.weight``). Untied parameters are absent."""
+    by_id = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    return {n: tuple(m for m in names if m != n) for names in by_id.values() if len(names) > 1 for n in names}
+
+
+def _tied(tied: dict, name: str) -> dict:
+    """``{"aliases": "a,b"}`` (a param attr: spec rules match these names too) for a tied
+    parameter, else ``{}``."""
+    return {"aliases": ",".join(sorted(tied[name]))} if tied.get(name) else {}
+
+
 def _frozen(module, sig, fx_name: str) -> dict:
     """``{"trainable": False}`` for a buffer or a ``requires_grad=False`` parameter, else ``{}``."""
     if fx_name in sig.inputs_to_buffers:
@@ -352,13 +368,15 @@ def import_torch(module: torch.nn.Module, example_inputs: tuple,
     sources = {**sig.inputs_to_parameters, **sig.inputs_to_buffers}
     users = dict(zip(sig.user_inputs, _input_names(module, len(sig.user_inputs), input_names)))
     fx_nodes = list(ep.graph.nodes)
+    tied = tied_aliases(module)
     b.folded = mask_only_nodes(fx_nodes, SKIP)  # attention part (issue 17)
     b.fused = fused_patterns(fx_nodes)
     for n in fx_nodes:
         if n.op != "placeholder":
             continue
         if n.name in sources:
-            b.env[n] = b.source("param", sources[n.name], n, **_frozen(module, sig, n.name))
+            b.env[n] = b.source("param", sources[n.name], n, **_frozen(module, sig, n.name),
+                                **_tied(tied, sources[n.name]))
         elif n.name in users:
             b.env[n] = b.source("input", users[n.name], n)
         elif n not in consts:

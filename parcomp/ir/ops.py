@@ -437,7 +437,9 @@ _SOURCE = {"global_shape": Attr("ints")}  # set by localize: the full shape
 _def("input", 0, "source", _own, _SOURCE)
 _def("param", 0, "source", _own, {**_SOURCE, "trainable": Attr("bool", default=True),
                                   # a fused weight's per-part view: the checkpoint's shape (issue 17)
-                                  "stored_shape": Attr("ints")})
+                                  "stored_shape": Attr("ints"),
+                                  # a tied weight's other names, comma-separated (spec rules match them)
+                                  "aliases": Attr("str")})
 # layout changes inserted by insert-collectives (see parcomp/redistribute.py); ``dim``:
 # the tensor dim gathered/scattered/sliced (the target dim of all_to_all), ``src_dim``:
 # the dim all_to_all concatenates; ``reason``: why (for reports and comments)

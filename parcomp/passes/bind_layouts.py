@@ -11,6 +11,7 @@ layout the spec asks for; everything unnamed is replicated.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import replace
 
@@ -42,17 +43,19 @@ def bind_layouts(graph: Graph, spec: Spec) -> Graph:
         raise SpecError(f"%{inserted[0].name} is a {inserted[0].op}: layout changes are inserted by "
                         f"parcomp; a model graph given to it cannot contain them")
     values = [n.name for n in graph.nodes if n.op not in ("input", "param")]
-    check_names(spec, [n.name for n in graph.params], [n.name for n in graph.inputs],
-                list(graph.output_names), values)
-    _check_shadowed(spec, {"param": [n.name for n in graph.params],
+    params = [name for n in graph.params for name in names_of(n)]  # a tied weight's aliases too
+    check_names(spec, params, [n.name for n in graph.inputs], list(graph.output_names), values)
+    _check_shadowed(spec, {"param": params,
                            "input": [n.name for n in graph.inputs],
                            "output": list(graph.output_names), "activation": values})
     graph = replace(graph, mesh=spec.mesh)
-    layouts, bound_by, users = {}, {}, graph.users()
+    layouts, bound_by, users, named = {}, {}, graph.users(), {}
     for n in graph.nodes:
         if n.op in ("input", "param"):
-            rule = _first(spec, n.op, n.name)
-            layouts[n.name] = _resolve(graph, spec, rule, n, users) if rule else replicated(len(spec.mesh.axes))
+            rule, named[n.name] = _rule_of(spec, n)
+            with _tied_note(n, named[n.name]):
+                layouts[n.name] = (_resolve(graph, spec, rule, n, users) if rule
+                                   else replicated(len(spec.mesh.axes)))
             bound_by[n.name] = rule
     _bias_follows(graph, spec, layouts, bound_by)
     fused_bias_follows(graph, layouts, bound_by)  # attention part (issue 17)
@@ -61,7 +64,8 @@ def bind_layouts(graph: Graph, spec: Spec) -> Graph:
     nodes = []
     for n in graph.nodes:
         if n.name in layouts:
-            _check_even(n, layouts[n.name], spec, bound_by[n.name])
+            with _tied_note(n, named.get(n.name, n.name)):
+                _check_even(n, layouts[n.name], spec, bound_by[n.name])
             rule = bound_by[n.name]
             n = replace(n, layout=layouts[n.name], spec_loc=rule.loc if rule else None)
         nodes.append(n)
@@ -97,6 +101,55 @@ def _check_shadowed(spec, names_by_target):
 
 def _first(spec, target, name):
     return next((r for r in spec.rules if r.target == target and r.matches(name)), None)
+
+
+def names_of(node) -> tuple:
+    """Every name a spec rule may give ``node``: its own, then a tied weight's other names
+    (the ``aliases`` attr the torch frontend sets from ``named_parameters(remove_duplicate=False)``:
+    torch.export keeps one name of GPT-2's tied ``lm_head.weight`` / ``transformer.wte.weight``)."""
+    aliases = node.attr("aliases") if node.op == "param" else None
+    return (node.name,) + tuple(a for a in (aliases or "").split(",") if a)
+
+
+def _rule_of(spec, node) -> tuple:
+    """``(rule, the name it matched)`` for an input or param: the first rule in file order that
+    matches any of :func:`names_of` (``(None, node.name)`` when none does).
+
+    Raises:
+        SpecError: at a later rule that gives another name of the same tied tensor another
+            layout (one tensor has one layout).
+    """
+    firsts = [(_first(spec, node.op, name), name) for name in names_of(node)]
+    order = {id(r): i for i, r in enumerate(spec.rules)}
+    hits = sorted(((order[id(r)], r, name) for r, name in firsts if r is not None), key=lambda h: h[0])
+    if not hits:
+        return None, node.name
+    _, rule, used = hits[0]
+    for _, other, name in hits[1:]:
+        if other is not rule and other.layout != rule.layout:
+            raise SpecError(f"param {name} and {used} are one tied tensor (the model's {node.name}); "
+                            f"this rule gives it {_layout_text(other.layout)}, the rule at "
+                            f"{where(rule.loc)} {_layout_text(rule.layout)}: give a tied weight one "
+                            f"layout (one rule, for either name)", other.loc)
+    return rule, used
+
+
+def _layout_text(lay) -> str:
+    text = lay.word if lay.word is not None else layout_str(lay.explicit)
+    return text + (f" over {lay.axis}" if lay.axis else "")
+
+
+@contextlib.contextmanager
+def _tied_note(node, used: str):
+    """A SpecError about ``node`` raised inside, when the spec named it by a tied alias
+    ``used``: the same message, saying which name the rule used."""
+    try:
+        yield
+    except SpecError as e:
+        if used == node.name:
+            raise
+        raise SpecError(f"{e.message} (the rule names it {used}: the same tensor as {node.name}, "
+                        f"tied)", e.loc) from None
 
 
 def _word_layout(spec, rule, ty):
