@@ -193,6 +193,8 @@ OP_CASES = {  # op: (operand shapes, result shape, attrs)
     "sdpa": (((2, 2, 3, 4),) * 3, (2, 2, 3, 4), {"causal": True, "scale": 0.4}),
     "sdpa_grad": (((2, 2, 3, 4),) * 4, (2, 2, 3, 4), {"causal": True, "scale": 0.4, "wrt": "k"}),
     "arange": ((), (5,), {"start": 1, "step": 0.5}),
+    # model-computed loss (issue 17, loss17): transformers pads the labels before shifting them
+    "pad": (_UNARY, (2, 6), {"dim": 1, "before": 1, "after": 2, "value": 0.5}),
 }
 
 

@@ -200,10 +200,10 @@ def emit_program(compiled, profile="cpu", model: str | None = None, steps: int |
         ValueError: unknown profile name.
     """
     with no_cycle_collection():  # parcomp/gcpause.py: no cycles are made, none to collect
-        return _emit(compiled, profile, model, steps, functional)
+        return _emit(compiled, profile, model, steps, functional, constants)
 
 
-def _emit(compiled, profile, model, steps, functional) -> str:
+def _emit(compiled, profile, model, steps, functional, constants) -> str:
     prof, prog = get_profile(profile), _program_of(compiled)
     if prog.pipeline is not None:  # a pp mesh axis: the pipelined program (pipeline_emit.py)
         from .pipeline_emit import check_pipeline_profile, emit_pipeline_program, pipeline_emittable
