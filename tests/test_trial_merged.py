@@ -1,0 +1,40 @@
+"""Break-test of the features merged on ``mall`` (userM): each test is one finding, a new
+user's exact repro through the CLI, with the located error or the number it should give."""
+from __future__ import annotations
+
+import pytest
+
+from parcomp.cli import main
+
+OWN_LOSS_MODEL = '''
+import torch
+from torch import nn
+
+
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 6)
+
+    def forward(self, x):
+        logits = self.fc(x)
+        return {"logits": logits, "loss": (logits * logits).sum()}
+
+
+def make():
+    torch.manual_seed(0)
+    return M(), (torch.randn(6, 4),), ["x"]
+'''
+
+
+@pytest.mark.parametrize("loss", ["cross_entropy", "cross_entropy(label_smoothing=0.1)"])
+def test_cross_entropy_on_a_scalar_output_is_a_located_error(tmp_path, capsys, loss):
+    """``loss=cross_entropy(...) output=loss`` on a model's own scalar loss (a user wanting
+    label smoothing on gpt2_lm_loss): was an IndexError traceback in decompose.py."""
+    (tmp_path / "m.py").write_text(OWN_LOSS_MODEL)
+    spec = tmp_path / "s.pcs"
+    spec.write_text(f"mesh tp=2\nfc.weight colwise\ninput x replicated\n"
+                    f"train loss={loss} output=loss optimizer=sgd(lr=0.01)\n")
+    assert main(["check", f"{tmp_path / 'm.py'}:make", "--spec", str(spec)]) == 2
+    err = capsys.readouterr().err
+    assert "s.pcs:4:7" in err and "loss=output" in err and "Traceback" not in err
