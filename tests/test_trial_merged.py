@@ -38,3 +38,26 @@ def test_cross_entropy_on_a_scalar_output_is_a_located_error(tmp_path, capsys, l
     assert main(["check", f"{tmp_path / 'm.py'}:make", "--spec", str(spec)]) == 2
     err = capsys.readouterr().err
     assert "s.pcs:4:7" in err and "loss=output" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("factor", ["1e400", "inf"])
+def test_moe_infinite_capacity_factor_says_finite(factor):
+    """``moe capacity_factor=1e400`` (parsed as inf) said 'give a number > 0': inf is one."""
+    from parcomp.errors import SpecError
+    from parcomp.spec import parse_spec
+
+    with pytest.raises(SpecError) as e:
+        parse_spec(f"mesh ep=2\nmoe capacity_factor={factor}\n", "bad.pcs")
+    assert e.value.loc.line == 2 and "finite" in str(e.value)
+
+
+def test_moe_huge_capacity_factor_note_stays_short():
+    """``moe capacity_factor=1e300`` printed the 301-digit slot count in check's note."""
+    from parcomp.passes.moe_capacity import capacity_notes
+    from parcomp.spec.moe import MoeSpec
+
+    asked = MoeSpec(1e300, "tokens", None).asked(8, 2, 4)
+    note, = capacity_notes([{"route": "moe_route", "asked": asked, "capacity": 8, "seq": 8, "top_k": 2}])
+    assert len(note) < 260 and "~4e+300 slots" in note, note
+    small, = capacity_notes([{"route": "r", "asked": 16, "capacity": 8, "seq": 8, "top_k": 2}])
+    assert "for 16 slots" in small
