@@ -61,3 +61,26 @@ def test_moe_huge_capacity_factor_note_stays_short():
     assert len(note) < 260 and "~4e+300 slots" in note, note
     small, = capacity_notes([{"route": "r", "asked": 16, "capacity": 8, "seq": 8, "top_k": 2}])
     assert "for 16 slots" in small
+
+
+def test_sp_vs_cp_counts_the_kv_heads_the_program_moves_when_kv_heads_do_not_divide_by_tp(tmp_path):
+    """``mesh cp=2 tp=4`` on specs/models.py:causal_attention (2 kv heads, 4 tp ranks): each
+    rank's K/V gathers carry both kv heads (the program keeps K, V whole over tp before the GQA
+    repeat: 2x2x8x8 f32 = 1 KiB each), but the SP-vs-CP row for this spec said 2048 B (1 kv head)
+    where the program moves 4 x 1 KiB."""
+    import json
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    spec = tmp_path / "s.pcs"
+    spec.write_text((root / "specs" / "attention_cp2_tp2_train.pcs").read_text()
+                    .replace("mesh cp=2 tp=2", "mesh cp=2 tp=4"))
+    out = tmp_path / "out"
+    assert main(["compile", f"{root / 'specs' / 'models.py'}:causal_attention", "--spec", str(spec),
+                 "-o", str(out)]) == 0
+    rep = json.loads((out / "report.json").read_text())
+    rec = rep["sp_vs_cp"]
+    mine = [c for c in rep["collectives"] if c["axis"] == "cp" and (
+        c["kind"] == "reduce_scatter" or c["reason"].split()[0] in ("%add_1", "%transpose_2"))]
+    assert len(mine) == rec["ways"]["all_gather"]["calls"] == 4
+    assert sum(c["bytes"] for c in mine) == rec["ways"]["all_gather"]["bytes_per_rank"], (mine, rec)
