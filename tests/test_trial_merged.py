@@ -84,3 +84,16 @@ def test_sp_vs_cp_counts_the_kv_heads_the_program_moves_when_kv_heads_do_not_div
         c["kind"] == "reduce_scatter" or c["reason"].split()[0] in ("%add_1", "%transpose_2"))]
     assert len(mine) == rec["ways"]["all_gather"]["calls"] == 4
     assert sum(c["bytes"] for c in mine) == rec["ways"]["all_gather"]["bytes_per_rank"], (mine, rec)
+
+
+@pytest.mark.parametrize("opt", ["label_smoothing=0.1", "ignore_index=5"])
+def test_own_loss_refuses_cross_entropy_options_and_says_where_they_go(tmp_path, capsys, opt):
+    """``loss=output(label_smoothing=0.1) output=loss`` (gpt2_lm_loss) is refused, and the message
+    says the model's loss takes its options in the model, or loss=cross_entropy on the logits."""
+    (tmp_path / "m.py").write_text(OWN_LOSS_MODEL.replace(".mean()", ".sum()"))
+    spec = tmp_path / "s.pcs"
+    spec.write_text(f"mesh tp=2\nfc.weight colwise\ninput x replicated\n"
+                    f"train loss=output({opt}) output=loss optimizer=sgd(lr=0.01)\n")
+    assert main(["check", f"{tmp_path / 'm.py'}:make", "--spec", str(spec)]) == 2
+    err = capsys.readouterr().err
+    assert "s.pcs:4:7" in err and "has no option" in err and "loss=cross_entropy(...)" in err, err
