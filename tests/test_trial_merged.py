@@ -90,10 +90,24 @@ def test_sp_vs_cp_counts_the_kv_heads_the_program_moves_when_kv_heads_do_not_div
 def test_own_loss_refuses_cross_entropy_options_and_says_where_they_go(tmp_path, capsys, opt):
     """``loss=output(label_smoothing=0.1) output=loss`` (gpt2_lm_loss) is refused, and the message
     says the model's loss takes its options in the model, or loss=cross_entropy on the logits."""
-    (tmp_path / "m.py").write_text(OWN_LOSS_MODEL.replace(".mean()", ".sum()"))
+    (tmp_path / "m.py").write_text(OWN_LOSS_MODEL)
     spec = tmp_path / "s.pcs"
     spec.write_text(f"mesh tp=2\nfc.weight colwise\ninput x replicated\n"
                     f"train loss=output({opt}) output=loss optimizer=sgd(lr=0.01)\n")
     assert main(["check", f"{tmp_path / 'm.py'}:make", "--spec", str(spec)]) == 2
     err = capsys.readouterr().err
     assert "s.pcs:4:7" in err and "has no option" in err and "loss=cross_entropy(...)" in err, err
+
+
+def test_a_model_loss_taken_with_mean_trains(tmp_path, capsys):
+    """A model returning ``(logits * logits).mean()`` as its loss (``train loss=output``): was
+    'no lowering for aten.mean.default' (only ``mean(dim)`` was lowered)."""
+    import json
+
+    (tmp_path / "m.py").write_text(OWN_LOSS_MODEL.replace("(logits * logits).sum()", "(logits * logits).mean()"))
+    spec = tmp_path / "s.pcs"
+    spec.write_text("mesh tp=2\nfc.weight colwise\ninput x replicated\n"
+                    "train loss=output output=loss optimizer=sgd(lr=0.01) steps=2\n")
+    assert main(["check", f"{tmp_path / 'm.py'}:make", "--spec", str(spec), "--json"]) == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last["ok"] and last["err_over_tol"] <= 1 and len(last["losses"]) == 2
