@@ -148,14 +148,15 @@ def sp_vs_cp(graph, spec, links: dict, sharded=None) -> dict | None:
     and its size, the sequence length, this spec's way, and per way the sums over the model's
     attention layers. ``links``: ``{mesh axis: Link}`` (:func:`parcomp.links.axis_links`).
     ``sharded``: the sharded graph; under CP x TP each rank exchanges only its own heads
-    (``heads / t``, kv heads ``max(1, kv / t)`` for the ``t`` ranks of :func:`heads_split`)."""
+    (``heads / t``, kv heads ``kv / t``, all ``kv`` when they do not divide by ``t``: the
+    program then keeps K and V whole over tp before the GQA repeat; ``t``: :func:`heads_split`)."""
     cp, sp = getattr(spec, "context_parallel", None), getattr(spec, "sequence_parallel", None)
     layers = attention_layers(graph)
     if (cp is None and sp is None) or not layers:
         return None
     axis = cp.axis if cp is not None else sp[0]
     split = heads_split(sharded, axis) if cp is not None else 1
-    layers = [(b, h // split, max(1, hkv // split), *rest) for b, h, hkv, *rest in layers]
+    layers = [(b, h // split, hkv // split if hkv % split == 0 else hkv, *rest) for b, h, hkv, *rest in layers]
     n = spec.mesh.sizes[spec.mesh.names.index(axis)]
     train = spec.train is not None
     chunking = cp.chunking if cp is not None else "contiguous"

@@ -46,6 +46,7 @@ REDUCTION_TABLE = {
     aten.amax.default: _reduction("amax"),
     aten.argmax.default: _reduction("argmax"),
     aten.mean.dim: _reduction("mean"),
+    aten.mean.default: _reduction("mean"),  # x.mean(): over every dim (a model's own scalar loss)
     aten.log.default: lambda b, n, a: b.emit("log", [b.val(a["self"])]),
     aten._softmax.default: _softmax_lowering("softmax"),
     aten.softmax.int: _softmax_lowering("softmax"),

@@ -269,6 +269,11 @@ def _loss(b, graph, cfg):
         d = b.op("sub", [y, target])
         per, count = b.op("pow", [d], exponent=2.0), ty.numel
     else:
+        if not ty.rank:
+            raise SpecError(f"loss={cfg.loss} needs the model's logits [..., classes]; the output it is on "
+                            f"is {ty}, a loss the model computes itself: write 'loss=output' (its options, "
+                            "as label_smoothing or ignore_index, are the model's own)",
+                            option_loc(cfg.loc, "loss"))
         labels = _input(b, "labels", TensorType(ty.shape[:-1], "int64"),
                         tuple(Replicate() if p == Shard(ty.rank - 1) else p for p in lay))
         return _cross_entropy_loss(b, graph, y, labels, dict(cfg.loss_args))

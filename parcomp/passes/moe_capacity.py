@@ -86,10 +86,16 @@ def apply_moe_spec(graph: Graph, spec) -> tuple:
 def capacity_notes(changes) -> list:
     """One line per layer whose factor asks for more slots than a row has tokens (the cap of
     :meth:`parcomp.spec.moe.MoeSpec.capacity`), for the compile output; [] when none."""
-    return [f"moe: capacity_factor asks %{c['route']} for {c['asked']:,} slots per expert per row; "
+    return [f"moe: capacity_factor asks %{c['route']} for {_count(c['asked'])} slots per expert per row; "
             f"capped at {c['capacity']}, the {c['seq']} tokens of a row (a token's top-{c['top_k']} "
             f"experts differ, so an expert takes at most one slot per token): nothing is dropped"
             for c in changes if c.get("asked", 0) > c["capacity"]]
+
+
+def _count(n: int) -> str:
+    """``n`` with thousands separators, or ``~1.23e+45`` past a million (a huge factor such as
+    1e300 asks for a 300-digit count)."""
+    return f"{n:,}" if n < 10**6 else f"~{float(n):.3g}"
 
 
 def reference_text(changes, factor) -> str:

@@ -138,7 +138,10 @@ def _loss(value, loc) -> tuple:
     for k, v in args:
         if name != "cross_entropy" or k not in CE_OPTIONS:
             raise SpecError(f"loss {name} has no option {k!r}" + (
-                f"; it takes {', '.join(CE_OPTIONS)}" if name == "cross_entropy" else ""), loc)
+                f"; it takes {', '.join(CE_OPTIONS)}" if name == "cross_entropy" else
+                "; the model computes this loss itself, with its own options (set them in the model, "
+                "or take loss=cross_entropy(...) on its logits)" if name == "output" and k in CE_OPTIONS
+                else ""), loc)
         kind, bounds = CE_OPTIONS[k]
         out[k] = _number(v, f"{name}({k}=...)", loc, kind)
         _check_range(f"{name}({k}={v})", out[k], bounds, loc)

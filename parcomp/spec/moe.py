@@ -89,5 +89,5 @@ def make_moe(builder, tok, payload) -> MoeSpec:
                                    "slots per expert per row)")
     key, val = factor
     if isinstance(val, bool) or not isinstance(val, (int, float)) or not math.isfinite(val) or val <= 0:
-        raise builder.err(key, f"moe capacity_factor={val!r}: give a number > 0, such as 1.25")
+        raise builder.err(key, f"moe capacity_factor={val!r}: give a number > 0 and finite, such as 1.25")
     return MoeSpec(float(val), "tokens", builder.loc(tok))
