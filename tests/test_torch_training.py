@@ -79,6 +79,7 @@ SHAPED_CASES = {  # case: (op, operand shapes, result shape, attrs); "i:2,3" = i
     "slice": ("slice", ((2, 3),), (2, 2), {"dim": 1, "start": 0, "stop": 3, "step": 2}),
     "slice_grad": ("slice_grad", ((1, 3),), (2, 3), {"dim": 0, "start": 1, "stop": 2, "step": 1}),
     "cat": ("cat", ((2, 3), (1, 3)), (3, 3), {"dim": 0}),
+    "pad": ("pad", ((2, 3),), (2, 6), {"dim": 1, "before": 1, "after": 2, "value": 0.5}),
     "arange": ("arange", (), (4,), {"start": -1, "step": 0.25}),
     "sdpa": ("sdpa", ((1, 2, 3, 4),) * 3, (1, 2, 3, 4), {"scale": 0.5}),
     **{"sdpa_grad" + ("" if w == "q" else f"_{w}"): ("sdpa_grad", ((1, 2, 3, 4),) * 4, (1, 2, 3, 4),

@@ -40,6 +40,7 @@ CASES = {  # op -> (pcir body with inputs %a [%b], output %y), inputs positive w
     "slice": "%y: f64[3,2] = slice(%a) {dim=1, start=1, stop=4, step=2}",
     "slice_grad": "%y: f64[6,4] = slice_grad(%a) {dim=0, start=1, stop=6, step=2}",
     "cat": "%b: f64[3,2] = input()\n%y: f64[3,6] = cat(%b, %a) {dim=1}",
+    "pad": "%y: f64[3,7] = pad(%a) {dim=1, before=1, after=2, value=0.5}",  # a model's own loss (loss17)
     "sdpa": _ATTN + "%y: f64[1,1,3,2] = sdpa(%q, %k, %v) {causal=true, scale=0.8}",
     "sdpa_full": _ATTN + "%y: f64[1,1,3,2] = sdpa(%q, %k, %v) {scale=0.8}",
     "cos": "%y: f64[3,4] = cos(%a)",
