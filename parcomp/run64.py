@@ -41,8 +41,9 @@ def _apply(result: dict, wide: dict, dtype: str) -> dict:
     out = {**result, "float64": {k: wide[k] for k in ("ok", "unbounded", "max_abs_err", "tolerance",
                                                       "err_over_tol", "worst", "why") if k in wide}}
     why = result["why"][:300] + (" ..." if len(result["why"]) > 300 else "")
-    if wide["ok"]:
-        return {**out, "ok": True, "unbounded": False, "why": "",
+    if wide["ok"]:  # as check: the verdict's error/tolerance is the re-check's (float32's kept)
+        return {**out, "ok": True, "unbounded": False, "why": "", "err_over_tol": wide["err_over_tol"],
+                "err_over_tol_float32": result.get("err_over_tol"),
                 "note": VOUCHED.format(dtype=dtype, why=why, float64=_summary(wide))}
     if not wide.get("unbounded"):
         return {**out, "ok": False, "unbounded": False, "why": "float64 re-check: " + wide["why"],

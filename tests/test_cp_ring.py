@@ -296,7 +296,7 @@ def test_balanced_program_loads_in_storage_order_and_masks_by_position(tmp_path)
     assert main(["compile", MODEL, "--spec", str(BALANCED), "-o", str(out)]) == 0
     text = (out / "program.py").read_text()
     assert 'balance_rows(take(feeds, "x", (2, 16, 32), torch.float32), (1,), 2).narrow(1, COORD[0] * 8, 8)' in text
-    assert 'balance_rows(whole(take(ckpt, "rope.cos", (1, 1, 16, 8), torch.float32)), (2,), 2)' in text
+    assert 'balance_rows(whole(take_constant(ckpt, "rope.cos", (1, 1, 16, 8), torch.float32)), (2,), 2)' in text
     assert text.count('"cp", "balanced"') == 4  # ring_sdpa and its three gradients
     ag = tmp_path / "ag.pcs"
     ag.write_text(BALANCED.read_text().replace("lowering=ring", "lowering=all_gather"))
