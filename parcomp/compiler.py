@@ -75,7 +75,8 @@ def _compile(graph: Graph, spec, after) -> Compiled:
     if moe_changes:
         report["moe_capacity"] = moe_changes
     check_peak(report, spec)
-    report["warnings"] = zero_warnings(logical, spec) + pinned_gather_warnings(sharded, report)
+    report["warnings"] = zero_warnings(logical, spec) + pinned_gather_warnings(
+        sharded, report, getattr(getattr(spec, "context_parallel", None), "axis", None))
     report.update(sp_cp_record(graph, spec, placement, sharded))  # issue 14: SP vs CP (parcomp/cp_report.py)
     report["warnings"] += moe_gather_warnings(graph, sharded)  # tokens gathered, not all_to_all
     if "pp" in spec.mesh.names and spec.train is not None:

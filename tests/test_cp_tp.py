@@ -186,3 +186,17 @@ def test_trains_on_four_gloo_ranks_like_unsharded(tmp_path, capsys, lowering, me
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and out["ok"] and out["err_over_tol"] <= 1 and out["max_grad_err"] is not None, out
     assert _tp(out) == [("all_reduce", "forward"), ("all_reduce", "backward")]
+
+
+def test_a_weight_split_over_the_cp_axis_is_warned_as_cp_s_doing():
+    """``context-parallel over tp`` with q/k/v/o split on tp: CP keeps weights whole over its
+    axis, so the plan gathers them; the warning says the CP statement undoes the split (it
+    blamed the cost model before: a new-user trial finding) and the result stays equal."""
+    g = parse_graph(_mha(8, 4, 4))
+    s = spec("mesh tp=2\ncontext-parallel over tp lowering=all_gather\nwq colwise\nwk colwise\nwv colwise\n"
+             "wo rowwise\ninput x split-seq\noutput output split-seq\n")
+    c = compile_graph(g, s)
+    warned = [w for w in c.report["warnings"] if "the plan all-gathers it whole over tp" in w]
+    assert warned and all("context-parallel over tp keeps every weight whole" in w for w in warned)
+    assert not any("cheaper in the cost model" in w for w in warned)
+    _equal_to_unsharded(c)

@@ -527,3 +527,14 @@ def test_a_dotted_name_with_a_digit_unquoted_says_to_quote_it():
     msg = str(e.value)
     assert msg.startswith("t.pcs:2:24\n") and 'written quoted: "a.0"' in msg
     assert parse_spec('mesh tp=2\ntrain loss=mse output="a.0" steps=2\n', "t.pcs").train.get("output") == "a.0"
+
+
+def test_a_rule_missing_an_onnx_models_renamed_weights_says_why():
+    """torch.onnx's dynamo export with optimize=True names folded weights val_N: the error for a
+    rule written with module names says so and how to keep them (a new-user trial finding)."""
+    s = parse_spec("mesh tp=2\nq.weight colwise\n", "t.pcs")
+    with pytest.raises(SpecError, match="generated names such as val_3: .*optimize=False"):
+        check_names(s, ["ln1.weight", "val_3", "val_7"], ["x"], ["y"], [])
+    with pytest.raises(SpecError) as e:  # a model without generated names: no such note
+        check_names(s, ["ln1.weight", "k.weight"], ["x"], ["y"], [])
+    assert "generated names" not in str(e.value)

@@ -11,6 +11,7 @@ UTF-8 byte order mark is skipped.
 from __future__ import annotations
 
 import json
+import re
 from importlib import resources
 
 from lark import Lark, Token, Transformer, UnexpectedCharacters, UnexpectedInput, v_args
@@ -527,4 +528,17 @@ def check_names(spec: Spec, param_names, input_names, output_names, value_names)
             msg += f" (the model has no {noun}s)"
         if "*" in rule.pattern and "**" not in rule.pattern and any("." in n for n in names):
             msg += "; `*` stops at a `.` and `**` crosses it (`**.weight`, `h.*.mlp.**`)"
+        msg += _onnx_renamed(rule.target, names)
         raise SpecError(msg, rule.loc)
+
+
+def _onnx_renamed(target: str, names: list) -> str:
+    """A note when an ONNX model's weights carry generated names (``val_12``): torch.onnx's
+    dynamo exporter with ``optimize=True`` (its default) renames the weights it folds, so a
+    rule written with the module's names matches nothing (a new-user trial finding)."""
+    made = [n for n in names if re.fullmatch(r"val_\d+", n)]
+    if target != "param" or not made:
+        return ""
+    return (f"; {len(made)} of the model's weights have generated names such as {made[0]}: "
+            f"torch.onnx.export(..., dynamo=True) with optimize=True (the default) renames the weights "
+            f"it folds; export with optimize=False to keep the module names")
