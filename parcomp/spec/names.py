@@ -1,0 +1,54 @@
+"""Checks a spec's rules against a model's names: every rule must match at least one
+parameter, input, output or value of its kind, else a located error that says why."""
+from __future__ import annotations
+
+import re
+
+from ..errors import SpecError
+from .model import Spec, suggest
+from .syntax import _show
+
+
+def check_names(spec: Spec, param_names, input_names, output_names, value_names) -> None:
+    """Check that every rule of ``spec`` matches at least one name of its kind in the model.
+
+    ``param`` rules are matched against ``param_names``, ``input`` against
+    ``input_names``, ``output`` against ``output_names``, ``activation``
+    against ``value_names`` (the model's intermediate values).
+
+    Raises:
+        SpecError: at the first rule (in file order) that matches nothing, with
+            "did you mean X?" when a close name exists, else the known names.
+    """
+    kinds = {"param": ("parameter", param_names), "input": ("input", input_names),
+             "output": ("output", output_names), "activation": ("value", value_names)}
+    for rule in spec.rules:
+        noun, names = kinds[rule.target]
+        names = list(names)
+        if any(rule.matches(n) for n in names):
+            continue
+        msg = f"{rule.target} rule {_show(rule.pattern)} matches no {noun} of the model"
+        hint = suggest(rule.pattern, names)
+        if hint:
+            msg += f"; did you mean {hint}?"
+        elif names:
+            more = f", ... ({len(names)} in all)" if len(names) > 8 else ""
+            msg += f" (the model's {noun}s: {', '.join(names[:8])}{more})"
+        else:
+            msg += f" (the model has no {noun}s)"
+        if "*" in rule.pattern and "**" not in rule.pattern and any("." in n for n in names):
+            msg += "; `*` stops at a `.` and `**` crosses it (`**.weight`, `h.*.mlp.**`)"
+        msg += _onnx_renamed(rule.target, names)
+        raise SpecError(msg, rule.loc)
+
+
+def _onnx_renamed(target: str, names: list) -> str:
+    """A note when an ONNX model's weights carry generated names (``val_12``): torch.onnx's
+    dynamo exporter with ``optimize=True`` (its default) renames the weights it folds, so a
+    rule written with the module's names matches nothing (a new-user trial finding)."""
+    made = [n for n in names if re.fullmatch(r"val_\d+", n)]
+    if target != "param" or not made:
+        return ""
+    return (f"; {len(made)} of the model's weights have generated names such as {made[0]}: "
+            f"torch.onnx.export(..., dynamo=True) with optimize=True (the default) renames the weights "
+            f"it folds; export with optimize=False to keep the module names")
