@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from ..errors import SpecError
-from .model import Spec, suggest
+from .model import Spec, pattern_regex, suggest
 from .syntax import _show
 
 
@@ -18,7 +18,10 @@ def check_names(spec: Spec, param_names, input_names, output_names, value_names)
 
     Raises:
         SpecError: at the first rule (in file order) that matches nothing, with
-            "did you mean X?" when a close name exists, else the known names.
+            "did you mean X?" when a close name exists, else the known names; when
+            the model is wrapped (its names start with ``model.``, ``module.`` and the
+            rule matches once that prefix is put in front), the prefix and the rule
+            to write (:func:`_wrapper_hint`).
     """
     kinds = {"param": ("parameter", param_names), "input": ("input", input_names),
              "output": ("output", output_names), "activation": ("value", value_names)}
@@ -28,18 +31,61 @@ def check_names(spec: Spec, param_names, input_names, output_names, value_names)
         if any(rule.matches(n) for n in names):
             continue
         msg = f"{rule.target} rule {_show(rule.pattern)} matches no {noun} of the model"
-        hint = suggest(rule.pattern, names)
-        if hint:
+        wrapped = _wrapper_hint(rule.pattern, names, noun)
+        hint = None if wrapped else suggest(rule.pattern, names)
+        if wrapped:
+            msg += wrapped
+        elif hint:
             msg += f"; did you mean {hint}?"
         elif names:
             more = f", ... ({len(names)} in all)" if len(names) > 8 else ""
             msg += f" (the model's {noun}s: {', '.join(names[:8])}{more})"
         else:
             msg += f" (the model has no {noun}s)"
-        if "*" in rule.pattern and "**" not in rule.pattern and any("." in n for n in names):
+        if not wrapped and "*" in rule.pattern and "**" not in rule.pattern and any("." in n for n in names):
             msg += "; `*` stops at a `.` and `**` crosses it (`**.weight`, `h.*.mlp.**`)"
         msg += _onnx_renamed(rule.target, names)
         raise SpecError(msg, rule.loc)
+
+
+def _wrapper_hint(pattern: str, names: list, noun: str) -> str:
+    """``"; the model's parameter names start with `model.`; write `model.h.*`"`` when
+    ``pattern`` matches a name once a dotted prefix of it is put in front and the
+    model's names share a leading part of that prefix (the model was wrapped:
+    ``model.transformer.h.0...``, DDP's ``module.layers.0...``), else ``""``.
+
+    The prefix is the shortest that makes the rule match (ties: the first in sorted
+    order), so the rule to write keeps the user's wildcards; a "did you mean" with
+    one concrete name such as ``model.transformer.h.1.mlp.c_fc.weight`` misled (a
+    new-user finding).
+    """
+    regex = pattern_regex(pattern)
+    found = set()
+    for name in names:
+        comps = name.split(".")
+        for k in range(1, len(comps)):
+            prefix = ".".join(comps[:k]) + "."
+            if regex.fullmatch(name[len(prefix):]):
+                found.add(prefix)
+                break
+    if not found:
+        return ""
+    prefix = min(found, key=lambda p: (len(p.split(".")), p))
+    shared = _common_prefix([prefix, *names])
+    if not shared:
+        return ""
+    return f"; the model's {noun} names start with `{shared}`; write `{prefix}{pattern}`"
+
+
+def _common_prefix(names: list) -> str:
+    """The longest dotted prefix (ending in ``.``) that every one of ``names`` starts with."""
+    comps = [n.split(".")[:-1] for n in names]
+    out = []
+    for parts in zip(*comps):
+        if any(p != parts[0] for p in parts):
+            break
+        out.append(parts[0])
+    return "".join(p + "." for p in out)
 
 
 def _onnx_renamed(target: str, names: list) -> str:
