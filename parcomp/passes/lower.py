@@ -220,7 +220,7 @@ def _mutable(graph, n, roots, pos, users, outs, members) -> bool:
     x = n.inputs[0]
     r = roots[x]
     src = graph[r]
-    if graph[x].type != n.type or any(roots[i] == r for i in n.inputs[1:]) or _broadcast_view(graph, x, r):
+    if graph[x].type != n.type or any(roots[i] == r for i in n.inputs[1:]) or broadcast_view(graph, x, r):
         return False
     if src.op == "input" or src.op in MAYBE_VIEW_OPS or (src.op == "param" and n.phase != "optimizer"):
         return False
@@ -232,15 +232,17 @@ def _mutable(graph, n, roots, pos, users, outs, members) -> bool:
     return all(pos[u] < pos[n.name] for v in sharing for u in users[v] if u != n.name)
 
 
-def _broadcast_view(graph, x, root) -> bool:
-    """Is ``x`` a view of ``root``'s buffer through an ``expand``? Several of its elements
-    then share one memory location (stride 0), and torch refuses to write into it
-    (``add_`` on cross-entropy's label-smoothing gradient, an expanded sum)."""
+def broadcast_view(graph, x, root) -> str | None:
+    """The ``expand`` through which ``x`` is a view of ``root``'s buffer (``root``:
+    :func:`storage_roots`), or None. Several elements of such a view share one memory
+    location (stride 0), and torch refuses to write into it ("more than one element of
+    the written-to tensor refers to a single memory location": ``add_`` on cross-entropy's
+    label-smoothing gradient, an expanded sum), so no in-place op may write into ``x``."""
     while x != root:
         if graph[x].op == "expand":
-            return True
+            return x
         x = graph[x].inputs[0]
-    return False
+    return None
 
 
 def in_place(graph: Graph) -> Graph:

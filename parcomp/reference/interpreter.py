@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..ir.graph import Graph
+from ..errors import VerifyError
+from ..ir.graph import Graph, describe
 from ..ir.transitions import TRANSITIONS
 from ..ir.types import R, Partial, Replicate, TensorType, shard_offsets
-from ..passes.lower import frees_of, storage_roots
+from ..passes.lower import broadcast_view, frees_of, storage_roots
 from ..redistribute import Step, step_bytes
 from .numpy_attn import source_array
 from .moe_ops import ragged_all_to_all
@@ -164,11 +165,15 @@ def run_spmd(program: Graph, feeds: dict, partial_rng=None) -> SPMDRun:
     overwritten (reading either afterwards is a KeyError). ``run.env`` keeps every value
     for inspection; ``run.peak_bytes[r]`` is the most bytes rank r held at once, values
     sharing a buffer (views, in-place results: :func:`storage_roots`) counted once.
+
+    Raises:
+        VerifyError: an ``inplace`` node writes into a broadcast view (:func:`check_in_place`).
     """
     mesh = program.mesh
     ranks = range(mesh.size)
     run = SPMDRun([{} for _ in ranks], peak_bytes=[0] * mesh.size)
     live, roots, size = [{} for _ in ranks], storage_roots(program), [{} for _ in ranks]
+    check_in_place(program, roots)
     for n in program.nodes:
         run.ops.append(n.name)
         if n.op in ("input", "param"):
@@ -186,6 +191,35 @@ def run_spmd(program: Graph, feeds: dict, partial_rng=None) -> SPMDRun:
         for r in ranks:
             _account(n, live[r], roots, size[r], run, r)
     return run
+
+
+def check_in_place(program: Graph, roots: dict) -> None:
+    """No ``inplace`` node may write into a broadcast view: its first operand must not be
+    an ``expand`` (or a view of one, or an in-place result living in one). numpy would
+    compute the value (its ``expand`` is a copy), but the emitted program's ``x.add_(y)``
+    on a stride-0 tensor dies under torchrun ("more than one element of the written-to
+    tensor refers to a single memory location"); the in-place pass never marks such a node
+    (:func:`parcomp.passes.lower.broadcast_view`), a hand-written ``.pcir`` may.
+
+    ``roots``: :func:`storage_roots` of ``program``.
+
+    Raises:
+        VerifyError: naming the node, the value it writes into and the ``expand`` (its
+            ``node`` attribute is the node's name, for a caller with the source text).
+    """
+    for n in program.nodes:
+        if not (n.attr("inplace") and n.inputs):
+            continue
+        x = n.inputs[0]
+        expand = broadcast_view(program, x, roots[x])
+        if expand:
+            via = "" if expand == x else f", a view of the broadcast %{expand}"
+            err = VerifyError(f"%{n.name} ({n.op}, inplace=true) writes into %{x}{via}: a broadcast "
+                              "(expand) view whose elements share memory, which torch refuses to write "
+                              "(\"more than one element of the written-to tensor refers to a single memory "
+                              "location\"); drop inplace=true on it\n  at: " + describe(n))
+            err.node = n.name
+            raise err
 
 
 def _account(n, live, roots, size, run, r):
