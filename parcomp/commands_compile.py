@@ -54,6 +54,11 @@ def export(args):
                            f"training program.py", where=args.spec)
     done = export_pretrained(compiled, args.checkpoint, args.out, module)
     print(f"wrote {', '.join(done['files'])} ({plural(len(done['tensors']), 'tensor')}) to {done['out']}")
+    if done["from_model"]:  # frozen: not trained, so not in the checkpoint (parcomp/export.py)
+        print(f"note: {plural(len(done['from_model']), 'parameter')} not trained (requires_grad=False) "
+              f"written with the model's own value, as program.py read it from --checkpoint when that "
+              f"held this model's weights: {', '.join(done['from_model'][:8])}"
+              + (", ..." if len(done["from_model"]) > 8 else ""))
     print_kept(done["out"], done["kept"])
     return {"ok": True, **done} if args.json else None
 

@@ -16,8 +16,14 @@ written once, under the name the module lists first (``named_parameters``' order
 the name transformers' ``save_pretrained`` keeps: the input embedding); ``from_pretrained``
 ties the others to it.
 
-Not done: parameters that are not trained (frozen ones and buffers keep the values of the
-checkpoint the run started from; they are not in the DCP checkpoint).
+Frozen parameters (``requires_grad=False``, loaded by program.py as constant weights:
+``param() {trainable=false}``) are not carried, so the DCP checkpoint lacks them; training
+never changes them, so they are written with the model's own
+value (:func:`untrained_tensors`; the value the run read from ``--checkpoint`` when that was
+this model's weights, as ``parcomp run --keep`` writes them), and ``from_pretrained`` finds
+nothing missing. Not done: buffers (persistent ones are not written; ``from_pretrained``
+keeps the model's), trainable parameters the loss never reaches, and frozen parameters of a
+model without a torch module (``.pcir``, ONNX): those exports hold the trained parameters only.
 """
 from __future__ import annotations
 
@@ -67,9 +73,7 @@ def full_tensors(compiled, checkpoint: str, module=None) -> dict:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     where = latest_step(checkpoint)
-    graph, state = compiled.logical, set(compiled.program_.train.state)
-    outputs = set(graph.output_names)  # a trained param is an output named like it
-    names = [n.name for n in compiled.unsharded.params if n.name in outputs and n.name not in state]
+    graph, names = compiled.logical, trained_names(compiled)
     with tempfile.TemporaryDirectory() as tmp:
         full = os.path.join(tmp, "full.pt")
         try:
@@ -88,7 +92,31 @@ def full_tensors(compiled, checkpoint: str, module=None) -> dict:
                                f"the program {tuple(graph[k].type.shape)} (a checkpoint of another model?)",
                                where=k)
     alias = tied_names(module)
-    return {alias.get(k, k): _stored(saved[k], graph[k].attr("stored_shape")) for k in names}
+    trained = {alias.get(k, k): _stored(saved[k], graph[k].attr("stored_shape")) for k in names}
+    return {**trained, **untrained_tensors(module, trained)}
+
+
+def trained_names(compiled) -> list:
+    """The parameters ``compiled``'s training program updates and ``--save`` writes (its
+    CARRIED values less the optimizer state), in the unsharded graph's order."""
+    state, outputs = set(compiled.program_.train.state), set(compiled.logical.output_names)
+    return [n.name for n in compiled.unsharded.params if n.name in outputs and n.name not in state]
+
+
+def untrained_tensors(module, trained) -> dict:
+    """``{name: tensor}`` of torch ``module``'s frozen parameters (``requires_grad=False``) not in
+    ``trained`` (the names written from the checkpoint), each tensor once under its
+    :func:`tied_names` name, in ``named_parameters`` order. The training program reads them
+    from ``--checkpoint`` and never changes them, so their value is the model's own; ``{}``
+    without a torch module."""
+    if module is None or not hasattr(module, "named_parameters"):
+        return {}
+    alias, out = tied_names(module), {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        key = alias.get(name, name)
+        if not p.requires_grad and key not in trained and key not in out:
+            out[key] = p.detach().cpu().contiguous()
+    return out
 
 
 def export_safetensors(compiled, checkpoint: str, out: str, module=None) -> list:
@@ -122,7 +150,8 @@ def export_pretrained(compiled, checkpoint: str, out: str, module=None) -> dict:
     the same ``out`` again replaces parcomp's own earlier export and keeps files the user
     added; the files get the modes a plain write gives (0666 less the umask).
 
-    Returns ``{"out": absolute path, "files": names written, "tensors": names, "kept": names
+    Returns ``{"out": absolute path, "files": names written, "tensors": names, "from_model":
+    the names written with the model's own value (:func:`untrained_tensors`), "kept": names
     in ``out`` that are not parcomp's, left alone}``.
     Raises ParcompError naming ``out``: it is a file, a non-empty directory parcomp did not
     write (or another command's output), or cannot be written; and :func:`full_tensors`' errors."""
@@ -136,7 +165,9 @@ def export_pretrained(compiled, checkpoint: str, out: str, module=None) -> dict:
     if config is not None:
         files[CONFIG] = config
     kept = write_dir_atomic(out, files, flag="-o", command="export")
-    return {"out": out, "files": list(files), "tensors": list(tensors), "kept": kept}
+    trained = set(tied_names(module).get(k, k) for k in trained_names(compiled))
+    return {"out": out, "files": list(files), "tensors": list(tensors),
+            "from_model": [k for k in tensors if k not in trained], "kept": kept}
 
 
 def _config_json(module) -> str | None:
