@@ -280,7 +280,7 @@ def chain_case(draw):
     bias = [draw(st.booleans()) for _ in range(nlin)]
     acts = [draw(st.sampled_from(["relu", "gelu", "tanh", "none"])) for _ in range(nlin)]
     name = draw(st.sampled_from(["gpipe", "1f1b", "zb-h1", "interleaved"]))
-    virtual = draw(st.integers(1, 2)) if name == "interleaved" else 1
+    virtual = draw(st.integers(1, min(2, nlin))) if name == "interleaved" else 1  # a chunk needs a module
     pp = draw(st.integers(1, max(1, nlin // virtual)))  # a module per chunk
     micro = pp * draw(st.sampled_from([1, 2])) if name == "interleaved" else draw(st.sampled_from([1, 2, 4]))
     dp = draw(st.sampled_from([1, 2]))
