@@ -56,6 +56,8 @@ def as_global(local, splits):
     """This rank's block of a value split inside a stage as a DTensor of its full shape."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
+    if len({dim for dim, _ in splits}) < len(splits):  # DTensor's order of two Shard(d) may not be ours
+        fail(f"--save/--resume: a value split twice along one dim ({splits}) is not saved yet")
     shape = list(local.shape)
     for dim, axis in splits:
         shape[dim] *= MESH[axis]
