@@ -11,7 +11,9 @@ each stage writes the stage's outputs of the last step to ``OUTPUT.stageK``.  No
 parcomp.  With ``tp`` inside the stages the functions are the per-rank programs
 (:mod:`parcomp.passes.stage_shard`) and the SPMD runtime's collectives are pasted in; tied
 weights' gradients are summed over their stages' ranks (``TIED_SETS``) before ``dp``;
-``--steps K`` runs K free-running steps.
+``--steps K`` runs K free-running steps.  ``--timeout``, ``--save`` and ``--resume`` are
+:mod:`.pipeline_checkpoint`'s (with the SPMD program's checks, pasted); ``CARRIED`` lists per stage
+what they write and read.
 """
 from __future__ import annotations
 
