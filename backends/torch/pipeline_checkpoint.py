@@ -1,5 +1,5 @@
 """``--save`` / ``--resume`` and the failure messages of a pipelined ``program.py`` (text
-printed by :mod:`.pipeline_emit`, after :mod:`.pipeline_main`'s helpers).
+printed by :mod:`.pipeline_emit` before :mod:`.pipeline_main`'s ``main``, which calls it).
 
 The checkpoint is the non-pipelined program's (:mod:`.program_train`, issue 13): a
 torch.distributed.checkpoint directory ``DIR/step-K`` written as ``step-K.partial`` and

@@ -40,10 +40,10 @@ class PipelineEmitError(ParcompError):
 
 
 
-# pasted from the non-pipelined program: --timeout's check, --save's and --resume's checks, the
-# entry point (exit without C++ static destructors: a gloo teardown at exit can abort)
-_PASTED = (sections("program_cluster")["timeout"], sections("program_train")["checkpoint_checks"],
-           sections("program_common")["entry"])
+# pasted from the non-pipelined program: --timeout's check, --save's and --resume's checks, and
+# the entry point (exit without C++ static destructors: a gloo teardown at exit can abort)
+_CHECKS = (sections("program_cluster")["timeout"], sections("program_train")["checkpoint_checks"])
+_ENTRY = sections("program_common")["entry"]
 
 
 def _ident(name: str, taken: set) -> str:
@@ -277,5 +277,5 @@ def emit_pipeline_program(program, model, code) -> str:
         fns += [f"BACKWARD_{k.upper()} = {{{', '.join(f'{s}: stage{s}_backward_{k}' for s in range(n))}}}"
                 for k in ("input", "weight")]
     body = ["\n".join(head), "\n".join(consts), runtime, "\n".join(acts), "\n\n\n".join(fns),
-            _MAIN.strip("\n"), _CHECKPOINT.strip("\n"), *_PASTED]
+            _CHECKPOINT.strip("\n"), *_CHECKS, _MAIN.strip("\n"), _ENTRY]
     return "\n\n\n".join(body) + "\n"

@@ -29,7 +29,8 @@ def tag(m, direction, stage, j):
 
 def send(tensors, peer, m, direction, stage):
     """``[(handle, peer), ...]``: the isends of ``tensors``, waited for before the update."""
-    return [(dist.isend(t.contiguous(), peer, tag=tag(m, direction, stage, j)), peer)
+    what = f"{('send_fwd', 'send_bwd')[direction]} of microbatch {m} for stage {stage} to rank {peer}"
+    return [(waiting(what, dist.isend, t.contiguous(), peer, tag=tag(m, direction, stage, j)), peer)
             for j, t in enumerate(tensors)]
 
 
@@ -115,7 +116,7 @@ def step(rank, coord, d, dp_group, p, data):
             handles += send(grads_out.pop((s, m)), peer, m, 1, s - 1)
         elif kind == "optimizer":
             for h, to in handles:
-                waiting(f"a send to rank {to}", h.wait)
+                waiting(f"a send to rank {to} (its wait)", h.wait)
             mine = sorted(sums)  # this rank's gradients, every chunk's (a param twice here: one sum)
             for k in mine:  # collectives reduce in place: a strided sum (a transpose's) is copied
                 sums[k] = sums[k].contiguous()
