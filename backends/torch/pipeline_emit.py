@@ -11,7 +11,9 @@ each stage writes the stage's outputs of the last step to ``OUTPUT.stageK``.  No
 parcomp.  With ``tp`` inside the stages the functions are the per-rank programs
 (:mod:`parcomp.passes.stage_shard`) and the SPMD runtime's collectives are pasted in; tied
 weights' gradients are summed over their stages' ranks (``TIED_SETS``) before ``dp``;
-``--steps K`` runs K free-running steps.
+``--steps K`` runs K free-running steps.  ``--timeout``, ``--save`` and ``--resume`` are
+:mod:`.pipeline_checkpoint`'s (with the SPMD program's checks, pasted); ``CARRIED`` lists per stage
+what they write and read.
 """
 from __future__ import annotations
 
@@ -23,8 +25,10 @@ from parcomp.program import ParcompError, format_placement, placement_table
 
 from parcomp.ir.types import Replicate
 
+from .emit_cluster import DEFAULT_TIMEOUT_S
 from .emit_norms import runtime_sections
 from .emit_reduce import reduce_sections
+from .pipeline_checkpoint import CHECKPOINT as _CHECKPOINT
 from .pipeline_main import MAIN as _MAIN
 from .runtime import sections
 
@@ -34,6 +38,12 @@ __all__ = ["check_pipeline_profile", "emit_pipeline_program", "pipeline_emittabl
 class PipelineEmitError(ParcompError):
     """The pipeline cannot be printed (a mesh axis this module does not emit inside a stage)."""
 
+
+
+# pasted from the non-pipelined program: --timeout's check, --save's and --resume's checks, and
+# the entry point (exit without C++ static destructors: a gloo teardown at exit can abort)
+_CHECKS = (sections("program_cluster")["timeout"], sections("program_train")["checkpoint_checks"])
+_ENTRY = sections("program_common")["entry"]
 
 
 def _ident(name: str, taken: set) -> str:
@@ -178,7 +188,8 @@ def emit_pipeline_program(program, model, code) -> str:
             f"{plan.microbatches} x dp {plan.dp}; bubble {plan.analytic_bubble:.3f} (analytic), "
             f"{plan.simulation.bubble:.3f} (simulated).", "", format_placement(table), "",
             f"torchrun --nproc-per-node {mesh.size} program.py --checkpoint model.pt "
-            f"--input inputs.pt --output out.pt", '"""', "import argparse", "import difflib", "import math", "import os",
+            f"--input inputs.pt --output out.pt [--steps K] [--save DIR] [--resume DIR] [--timeout S]",
+            '"""', "import argparse", "import datetime", "import difflib", "import math", "import os",
             "import sys", "import time", "", "import torch", "import torch.distributed as dist", ""]
     groups = {a: table["groups"][a] for a in inner if a in table["groups"]}
     consts = [f"MESH = {dict(mesh.axes)!r}", f"WORLD = {mesh.size}",
@@ -189,7 +200,7 @@ def emit_pipeline_program(program, model, code) -> str:
               f"DP_GROUPS = {dp_groups!r}",
               f"STAGES = {({r: list(range(r, len(plan.stages), plan.pp)) for r in range(plan.pp)})!r}"
               "  # per pp coordinate, the (virtual) stages it holds"]
-    params, state, batch, grads, sends, recvs, splits = {}, {}, {}, {}, {}, {}, {}
+    params, state, batch, grads, sends, recvs, splits, carried = {}, {}, {}, {}, {}, {}, {}, {}
     for st in plan.stages:
         opt = plan.local[st.index].optimizer if plan.local else st.optimizer
         params[st.index] = sorted({n.name for g in (st.forward, st.backward, opt) for n in g.params})
@@ -198,6 +209,7 @@ def emit_pipeline_program(program, model, code) -> str:
         batch[st.index] = sorted({n.name for g in (st.forward, st.backward) for n in g.inputs}
                                  - set(st.recv) - {f"grad.{v}" for v in st.send} - set(st.saved))
         grads[st.index] = [f"grad.{q}" for q in st.params]
+        carried[st.index] = sorted({pub for pub, _ in opt.named_outputs()} & set(params[st.index]))
         sends[st.index], recvs[st.index] = _specs(st, st.send), _specs(st, st.recv)
         if plan.local:
             splits.update({k: _splits(v, inner) for k, v in plan.local[st.index].layouts.items()
@@ -210,7 +222,11 @@ def emit_pipeline_program(program, model, code) -> str:
                f"GRADS = {grads!r}", f"SEND = {sends!r}", f"RECV = {recvs!r}",
                "# [(dim, axis), ...] of every value split inside a stage: params (loaded as this",
                "# rank's block), optimizer state, gradients, the step's outputs (gathered whole)",
-               f"SPLITS = {splits!r}"]
+               f"SPLITS = {splits!r}",
+               "# per stage, the values each step updates: what --save writes and --resume reads",
+               f"CARRIED = {carried!r}",
+               f"TIMEOUT_S = {(getattr(program, 'launch', None) or {}).get('timeout', DEFAULT_TIMEOUT_S)!r}"
+               "  # seconds a send, recv or collective may wait (--timeout)"]
     ranks_of = [(q, tuple(sorted({plan.rank_of_stage(t) for t in held}))) for q, held in plan.tied]
     ranks_of = [(q, held) for q, held in ranks_of if len(held) > 1]  # one rank's chunks: one sum
     sets = sorted({held for _, held in ranks_of})
@@ -260,5 +276,6 @@ def emit_pipeline_program(program, model, code) -> str:
     if plan.split:
         fns += [f"BACKWARD_{k.upper()} = {{{', '.join(f'{s}: stage{s}_backward_{k}' for s in range(n))}}}"
                 for k in ("input", "weight")]
-    body = ["\n".join(head), "\n".join(consts), runtime, "\n".join(acts), "\n\n\n".join(fns), _MAIN.strip("\n")]
+    body = ["\n".join(head), "\n".join(consts), runtime, "\n".join(acts), "\n\n\n".join(fns),
+            _CHECKPOINT.strip("\n"), *_CHECKS, _MAIN.strip("\n"), _ENTRY]
     return "\n\n\n".join(body) + "\n"

@@ -28,16 +28,26 @@ def tag(m, direction, stage, j):
 
 
 def send(tensors, peer, m, direction, stage):
-    return [dist.isend(t.contiguous(), peer, tag=tag(m, direction, stage, j)) for j, t in enumerate(tensors)]
+    """``[(handle, peer), ...]``: the isends of ``tensors``, waited for before the update."""
+    what = f"{('send_fwd', 'send_bwd')[direction]} of microbatch {m} for stage {stage} to rank {peer}"
+    return [(waiting(what, dist.isend, t.contiguous(), peer, tag=tag(m, direction, stage, j)), peer)
+            for j, t in enumerate(tensors)]
 
 
 def recv(specs, peer, m, direction, stage):
+    what = f"{('recv_fwd', 'recv_bwd')[direction]} of microbatch {m} for stage {stage} from rank {peer}"
     out = {}
     for j, (name, shape, dtype) in enumerate(specs):
         buf = torch.empty(shape, dtype=getattr(torch, dtype))
-        dist.recv(buf, peer, tag=tag(m, direction, stage, j))
+        waiting(what, dist.recv, buf, peer, tag=tag(m, direction, stage, j))
         out[name] = buf
     return out
+
+
+def reduce_over(t, group, lines, rank, what):
+    """``all_reduce`` of ``t`` (in place) over ``group``, the line of ``lines`` holding ``rank``."""
+    ranks = next(r for r in lines if rank in r)
+    waiting(f"the {what} all_reduce with ranks {ranks}", dist.all_reduce, t, group=group)
 
 
 def setup(rank):
@@ -105,23 +115,23 @@ def step(rank, coord, d, dp_group, p, data):
         elif kind == "send_bwd":
             handles += send(grads_out.pop((s, m)), peer, m, 1, s - 1)
         elif kind == "optimizer":
-            for h in handles:
-                h.wait()
+            for h, to in handles:
+                waiting(f"a send to rank {to} (its wait)", h.wait)
             mine = sorted(sums)  # this rank's gradients, every chunk's (a param twice here: one sum)
             for k in mine:  # collectives reduce in place: a strided sum (a transpose's) is copied
                 sums[k] = sums[k].contiguous()
             for k, i in TIED.get(coord, []):  # a tied weight: its stages' sum, before dp
-                dist.all_reduce(sums[k], group=TIED_GROUP[i])
+                reduce_over(sums[k], TIED_GROUP[i], TIED_SETS[i], rank, "tied-weight")
             for k in mine:  # the gradient of the global batch: sum, then scale once
                 if dp_group is not None:
-                    dist.all_reduce(sums[k], group=dp_group)
+                    reduce_over(sums[k], dp_group, DP_GROUPS, rank, "dp")
                 sums[k] = sums[k] * SCALE
             for t in STAGES[coord]:
                 result.update(OPTIMIZER[t](p, {**sums, "step": torch.tensor(STEP[0])}))
     if losses:
         loss = torch.stack(losses).sum()
         if dp_group is not None:
-            dist.all_reduce(loss, group=dp_group)
+            reduce_over(loss, dp_group, DP_GROUPS, rank, "dp")
         result["loss"] = loss * SCALE
     return result
 
@@ -182,7 +192,8 @@ def load_checked(args):
     return sd, data
 
 
-def main():
+def parse_args():
+    """Command line (``--help``)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\\n")[0])
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--input", required=True)
@@ -191,26 +202,58 @@ def main():
                     help="training steps, each from the last one's state")
     ap.add_argument("--bench", type=count_arg(0), default=0, metavar="N",
                     help="then time N more steps (ms per step)")
-    args = ap.parse_args()
+    ap.add_argument("--save", metavar="DIR",
+                    help="after the last step, save every stage's params and optimizer state and the "
+                         "step number as a torch.distributed.checkpoint in DIR/step-K (atomic: "
+                         "DIR/latest names it; DIR/step-K/stages.json names each stage's ranks)")
+    ap.add_argument("--resume", metavar="DIR",
+                    help="start from the checkpoint DIR/latest names: its params, optimizer state "
+                         "and step; --steps more steps follow")
+    ap.add_argument("--timeout", type=timeout_arg, default=TIMEOUT_S, metavar="S",
+                    help=f"seconds a send, recv or collective may wait for the other ranks "
+                         f"(default {TIMEOUT_S:g}): a rank that exited or hung stops every rank")
+    return ap.parse_args()
+
+
+def train(args, rank, coord, d, dp_group, p, data, first):
+    """``--steps`` free-running steps numbered from ``first`` (updated params and state carry
+    over in ``p``); the last step's result, with "losses".  A wait that fails (a peer that
+    exited, or none answered within ``--timeout``) exits 2 naming the peer."""
+    losses = []
+    for k in range(first, first + args.steps):
+        STEP[0] = float(k)
+        try:
+            result = step(rank, coord, d, dp_group, p, data)
+        except RuntimeError as e:  # gloo: connection closed, or timed out
+            if not WAITING:
+                raise
+            fail(peer_failure(k, e, args.timeout))
+        losses += [result["loss"]] if "loss" in result else []
+        p.update({q: result[q] for q in p if q in result})
+    if losses:
+        result["losses"] = torch.stack(losses)
+    return result
+
+
+def main():
+    args = parse_args()
     if "WORLD_SIZE" not in os.environ or WORLD_SIZE != WORLD:
         fail(f"program compiled for mesh {MESH_TEXT} ({WORLD} ranks) but started with "
              f"WORLD_SIZE={os.environ.get('WORLD_SIZE', 'unset')}; run: torchrun "
              f"--nproc-per-node {WORLD} program.py --checkpoint ... --input ... --output ...")
     sd, data = load_checked(args)  # before any process group: a bad file stops every rank now
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
     rank = dist.get_rank()
     coord, d, dp_group = setup(rank)
     p = {k: local_shard(sd[k], SPLITS.get(k, [])) if k in sd else
          torch.zeros(STATE_SHAPES[k][0], dtype=getattr(torch, STATE_SHAPES[k][1]))
          for t in STAGES[coord] for k in PARAMS[t]}
-    losses = []
-    for k in range(1, args.steps + 1):  # free-running: updated params and state carry over
-        STEP[0] = float(k)
-        result = step(rank, coord, d, dp_group, p, data)
-        losses += [result["loss"]] if "loss" in result else []
-        p.update({q: result[q] for q in p if q in result})
-    if losses:
-        result["losses"] = torch.stack(losses)
+    first = resume_stages(args.resume, p, coord) if args.resume else 1
+    if args.save:  # before the first step: a save that cannot succeed is found now
+        check_save(args.save, first + args.steps - 1)
+    result = train(args, rank, coord, d, dp_group, p, data, first)
+    if args.save:
+        save_stages(args.save, p, coord, first + args.steps - 1)
     result = {k: whole_value(v, SPLITS.get(k, [])) for k, v in result.items()}
     if all(c == 0 for a, c in coords(rank).items() if a != "pp"):  # one rank per stage writes
         for t in STAGES[coord]:  # each (virtual) stage's file: this rank's outputs
@@ -225,8 +268,4 @@ def main():
             print(f"bench: {(time.perf_counter() - t0) * 1e3 / args.bench:.3f} ms per step")
     dist.barrier()
     dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()
 '''

@@ -46,8 +46,10 @@ def add_cluster_args(ap):
                     help="print the environment and the torchrun line of every node (with the options "
                          "given with it, else the run hint's), then exit "
                          f"(default topology: {TOPOLOGY_TEXT})")
+# <<< program.py
 
 
+# >>> program.py: timeout
 def timeout_arg(text):
     """``--timeout S``: seconds, finite, in (0, MAX_TIMEOUT_S], else an argparse error (exit 2)."""
     try:
@@ -60,8 +62,10 @@ def timeout_arg(text):
 
 
 MAX_TIMEOUT_S = 10_000_000  # ~116 days; datetime.timedelta and c10d's milliseconds hold it
+# <<< program.py
 
 
+# >>> program.py: cluster_run
 def compiled_step(step, args):
     """``step`` under torch.compile with ``--compile`` (fullgraph on a functional program), else ``step``."""
     return torch.compile(step, fullgraph="funcol" in globals()) if args.compile else step

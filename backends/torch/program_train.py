@@ -129,8 +129,10 @@ def save_checkpoint(path, params, step):
         os.replace(os.path.join(path, "latest.partial"), os.path.join(path, "latest"))
         print(f"saved step {step} to {final}", flush=True)
     dist.barrier()
+# <<< program.py
 
 
+# >>> program.py: checkpoint_checks
 def saved_latest(path):
     """Whether ``path``/latest is what save_checkpoint writes: one line ``step-K`` naming a
     directory ``path``/step-K (so replacing it loses nothing of the user's)."""
@@ -184,8 +186,10 @@ def check_resume(path, where, state):
         if size is not None and list(size) != list(v.shape):
             fail(f"--resume {path}: {k} in checkpoint {where} has shape {list(size)}, this program's "
                  f"is {list(v.shape)}")
+# <<< program.py
 
 
+# >>> program.py: resume
 def resume_checkpoint(path, params):
     """``(params, first step)``: the CARRIED values of the checkpoint ``path``/latest names,
     resharded to this program's layouts (any mesh may have saved it), and its step + 1."""

@@ -97,7 +97,7 @@ def _join(*chunks) -> str:
 
 _COMMON, _FORWARD, _TRAIN = sections("program_common"), sections("program_forward"), sections("program_train")
 _LOADING = sections("program_loading")["loading"]  # checkpoint loading: each rank reads its own bytes
-_CLUSTER = sections("program_cluster")["cluster"]
+_CLUSTER = _join(*sections("program_cluster").values())  # "timeout" is pasted alone too (pipeline_emit)
 RUNTIME = _join(_COMMON["process"], _COMMON["read_inputs"], _COMMON["take_place"], _LOADING)
 MAIN = _join(_COMMON["rank_path"], _FORWARD["write_outputs"], _COMMON["sync"], _COMMON["bench"],
              _FORWARD["parse_args"], _COMMON["world"], _CLUSTER, _FORWARD["run"], _COMMON["main"],
@@ -108,5 +108,6 @@ CONSTANT_LOADER = _COMMON["constants"]  # a program with params computed at impo
 TIED_LOADER = _COMMON["tied"]  # a program with tied weights (param attr ``aliases``)
 ONNX_READER = _COMMON["onnx"]  # appended to the runtime of a program compiled from an .onnx file
 TRAIN_MAIN = _join(_COMMON["rank_path"], _TRAIN["write_outputs"], _COMMON["sync"], _COMMON["bench"],
-                   _TRAIN["parse_args"], _COMMON["world"], _CLUSTER, _TRAIN["checkpoint"], _TRAIN["loop"],
+                   _TRAIN["parse_args"], _COMMON["world"], _CLUSTER, _TRAIN["checkpoint"],
+                   _TRAIN["checkpoint_checks"], _TRAIN["resume"], _TRAIN["loop"],
                    _COMMON["main"], _COMMON["entry"])
