@@ -1,0 +1,111 @@
+"""Block-plan reuse (issue 17): compile a few blocks, stamp the plan onto all of them.
+
+For a model of ``N`` repeated blocks (:mod:`parcomp.repeat`) whose whole graph shard-prop
+would search with its heuristic (over MAX_STRATEGIES), the pass pipeline runs on the model
+cut to :data:`REDUCED` blocks, its shard-prop forced to the same heuristic, and the stages
+the compiler keeps (``logical``, ``shard-prop``, ``sharded``, ``program``) are stamped to ``N``
+blocks (:mod:`parcomp.repeat_stamp`). Checks, any failing -> None (the caller compiles the
+whole graph): the stamped input graph equals the model's graph node for node (names,
+module paths, phases, attributes); every stamped stage is SSA with operands made before use;
+the whole graph is over MAX_STRATEGIES (its own search would be the heuristic) and the
+stamped plan keeps data parallel; the plan's cost is that of the whole graph, priced by
+shard-prop's own ``_Problem.total`` (the report's ``cost_s``); the stamped program passes the
+verifier. ``tests/test_block_reuse.py`` checks program.py, the report and the .pcir stages are
+byte-identical to the whole-graph compile's.
+"""
+from __future__ import annotations
+
+import math
+
+from .ir.graph import Graph
+from .passes.keep_dp import prune
+from .passes.layout_ilp import too_large
+from .passes.manager import forward_pipeline, run_pipeline
+from .passes.shard_prop import _Problem
+from .passes.verify import verify
+from .repeat import find_blocks, reduced, spec_names_a_block
+from .repeat_stamp import Stamper, stamp
+
+#: blocks of the reduced model: block 0, templates' predecessor, the template, the last
+REDUCED = 4
+
+
+def reuse_fits(spec, moe_changes) -> bool:
+    """Whether the spec allows reuse: no pipeline (``pp``, stages), memory limit, context
+    parallel or MoE (each makes blocks differ or the plan global)."""
+    return not ("pp" in spec.mesh.names or getattr(spec, "stages", ()) or spec.memory is not None
+                or getattr(spec, "context_parallel", None) is not None
+                or getattr(spec, "moe", None) is not None or moe_changes)
+
+
+def reused_stages(graph: Graph, spec) -> dict | None:
+    """``{pass name: graph}`` for the stages ``parcomp.compiler`` reads (``input``, the
+    logical stage, ``shard-prop``, ``insert-collectives``, the last), built by stamping a
+    reduced compile, or None where reuse does not apply or a check fails (module docstring).
+
+    Raises:
+        ParcompError: what the reduced compile raises (a spec/model mismatch shows there as
+            it would in the whole compile).
+    """
+    blocks = find_blocks(graph)
+    if blocks is None or blocks.n <= REDUCED or spec_names_a_block(spec, blocks):
+        return None
+    try:
+        small = reduced(graph, blocks, REDUCED)
+    except ValueError:
+        return None
+    passes = forward_pipeline(spec, heuristic=True)
+    stages = run_pipeline(small, passes)
+    names = [p.name for p in passes]
+    before = names[names.index("shard-prop") - 1]
+    search = stages["shard-prop"].search
+    if search.get("search") != "heuristic" or not search.get("data_parallel"):
+        return None
+    st = Stamper(blocks, REDUCED)
+    inp = stamp(st, small, blocks.n)
+    if inp is None or not _same(inp, graph):
+        return None
+    logical = "autodiff" if "autodiff" in stages else "bind-layouts"
+    keep = dict.fromkeys([logical, before, "shard-prop", "insert-collectives", names[-1]])
+    out = {"input": graph}
+    for key in keep:
+        got = stamp(st, stages[key], blocks.n)
+        if got is None:
+            return None
+        out[key] = got
+    info = _search_info(out[before], out["shard-prop"], search)
+    if info is None:
+        return None
+    for key in names[names.index("shard-prop"):]:
+        if key in out:
+            out[key] = out[key].with_nodes(out[key].nodes, search=info)
+    verify(out[names[-1]])
+    return out
+
+
+def _search_info(before: Graph, planned: Graph, small: dict) -> dict | None:
+    """shard-prop's ``search`` record for the stamped plan of the whole graph: its cost by
+    ``_Problem.total`` over the whole graph, the whole graph's strategy count; None where the
+    whole graph is small enough for the ILP (its search would not be the heuristic) or the
+    plan breaks data parallel."""
+    prob = _Problem(before)
+    if (prob.batch and not prune(prob)) or not too_large(prob):  # as shard_prop does
+        return None
+    canon = prob._intern
+    sol = {x.name: (tuple(canon(lay) for lay in x.in_layouts), canon(x.layout))
+           for x in planned.nodes if x.name in prob.options}
+    cost = prob.total(sol)
+    if math.isinf(cost):
+        return None
+    return {"search": "heuristic", "proven_optimal": False, "cost_s": cost,
+            "seconds": small["seconds"], "data_parallel": True,
+            "solver_skipped": sum(len(o) for o in prob.options.values())}
+
+
+def _same(a: Graph, b: Graph) -> bool:
+    """Node for node equal, with the fields equality leaves out (phase, module path, spec
+    location), and the same outputs."""
+    if a.nodes != b.nodes or a.outputs != b.outputs or a.output_names != b.output_names:
+        return False
+    return all(x.phase == y.phase and x.source == y.source and x.spec_loc == y.spec_loc
+               for x, y in zip(a.nodes, b.nodes))
