@@ -24,10 +24,10 @@ from .passes.manager import forward_pipeline, run_pipeline
 from .passes.shard_prop import _Problem
 from .passes.verify import verify
 from .repeat import find_blocks, reduced, spec_names_a_block
-from .repeat_stamp import Stamper, stamp
+from .repeat_stamp import Stamper, fits, stamp
 
-#: blocks of the reduced model: block 0, templates' predecessor, the template, the last
-REDUCED = 4
+#: blocks of the reduced model: 0 and 1, the template (repeat_stamp.TEMPLATE), two after it
+REDUCED = 5
 
 
 def reuse_fits(spec, moe_changes) -> bool:
@@ -42,6 +42,9 @@ def reused_stages(graph: Graph, spec) -> dict | None:
     """``{pass name: graph}`` for the stages ``parcomp.compiler`` reads (``input``, the
     logical stage, ``shard-prop``, ``insert-collectives``, the last), built by stamping a
     reduced compile, or None where reuse does not apply or a check fails (module docstring).
+    A lowering pass whose reduced output does not stamp (a bucket of every block's gradients:
+    ``bucket-norm-grads`` under sequence parallel, ``bucket-dp-grads``) runs, with the passes
+    after it, on the whole stamped graph before it (verified, as the pipeline does).
 
     Raises:
         ParcompError: what the reduced compile raises (a spec/model mismatch shows there as
@@ -56,8 +59,6 @@ def reused_stages(graph: Graph, spec) -> dict | None:
         return None
     passes = forward_pipeline(spec, heuristic=True)
     stages = run_pipeline(small, passes)
-    names = [p.name for p in passes]
-    before = names[names.index("shard-prop") - 1]
     search = stages["shard-prop"].search
     if search.get("search") != "heuristic" or not search.get("data_parallel"):
         return None
@@ -65,21 +66,31 @@ def reused_stages(graph: Graph, spec) -> dict | None:
     inp = stamp(st, small, blocks.n)
     if inp is None or not _same(inp, graph):
         return None
+    names = [p.name for p in passes]
+    first = names.index("shard-prop")
+    good = next((k for k, name in enumerate(names) if not fits(st, stages[name])), len(names))
+    if good <= first + 1:  # the plan or its collectives do not stamp
+        return None
     logical = "autodiff" if "autodiff" in stages else "bind-layouts"
-    keep = dict.fromkeys([logical, before, "shard-prop", "insert-collectives", names[-1]])
+    keep = dict.fromkeys([logical, names[first - 1], "shard-prop", "insert-collectives", names[good - 1]])
     out = {"input": graph}
     for key in keep:
         got = stamp(st, stages[key], blocks.n)
         if got is None:
             return None
         out[key] = got
-    info = _search_info(out[before], out["shard-prop"], search)
+    info = _search_info(out[names[first - 1]], out["shard-prop"], search)
     if info is None:
         return None
-    for key in names[names.index("shard-prop"):]:
+    for key in names[first:good]:
         if key in out:
             out[key] = out[key].with_nodes(out[key].nodes, search=info)
-    verify(out[names[-1]])
+    if good < len(names):  # the rest of the lowering on the whole graph
+        rest = run_pipeline(out[names[good - 1]], passes[good:])
+        rest.pop("input")
+        out.update(rest)
+    else:
+        verify(out[names[-1]])
     return out
 
 

@@ -1,25 +1,32 @@
 """Stamping: a stage graph of the reduced model (``M`` blocks) -> the same stage for ``N``.
 
-In the reduced model block ``t = M-2`` is the *template* (a block with a block before and
-after it) and ``M-1`` the last. Every name of every stage is made of *tokens* of the input
-graph's names (``addmm_4`` in ``bw.addmm_4_mm.permute_2``, ``transformer.h.1`` in
-``opt.transformer.h.1.mlp.c_fc.bias.mul``); a token belongs to block ``b`` when it names a
-node of window ``b`` or is ``<prefix>.<b>``. A node is *owned* by the block of the first
-token of its name (none: prefix, suffix, loss, step). The N-block stage is the reduced one
-with:
+In the reduced model block ``t`` (:data:`TEMPLATE`) is the *template*: a block with blocks
+before and after it that are neither the first nor the last (a plan may differ at the ends:
+a ``partial_mask`` where the last block's gradient meets the one before). Every name of
+every stage is made of *tokens* of the input graph's names (``addmm_4`` in
+``bw.addmm_4_mm.permute_2``, ``transformer.h.1`` in ``opt.transformer.h.1.mlp.c_fc.bias.mul``);
+a token belongs to block ``b >= 1`` when it names a node of window ``b`` or is
+``<prefix>.<b>`` (block 0's fx names have no counter, ``layer_norm``, and would match the
+passes' own suffixes: its nodes count as unowned and are never renamed). A node is *owned* by
+the block of the first token of its name (none: prefix, block 0, suffix, loss, step). The
+N-block stage is the reduced one with:
 
-- nodes owned by blocks ``< t`` kept as they are;
-- each maximal run of template nodes kept, and ``N-M`` copies of it inserted next to it,
-  copy ``j`` (``t+1..N-2``) with every token of blocks ``t-1, t, t+1`` shifted by ``j-t``
-  (to the same position of window ``j-1, j, j+1``), after the run where the run's neighbours
+- nodes owned by blocks ``< t`` kept as they are, but for tokens of the last block (a
+  ``reason`` naming where a partial sum began) shifted by ``N-M``;
+- each maximal run of template nodes kept (tokens of the last block shifted as above), and ``N-M`` copies of it inserted next to it,
+  copy ``j`` (``t+1..t+N-M``) with every token of blocks ``t-1, t, t+1`` shifted by ``j-t``
+  (to the same position of window ``j-1, j, j+1``) and those of later blocks by ``N-M`` (a
+  ``reason`` naming the last block's matmul, where a partial sum began), after the run where the run's neighbours
   say the blocks ascend there (forward, optimizer), before it where they descend (backward);
-- every other node with the tokens of blocks ``t, t+1`` shifted by ``N-M`` (the last block
-  becomes ``N-1``; the suffix reads it).
+- every other node (the tail blocks ``t+1..M-1``, suffix, unowned) with the tokens of blocks
+  ``t..M-1`` shifted by ``N-M`` (the last block becomes ``N-1``; the suffix reads it).
 
-Names in string attributes (``frees="..."``, ``reason="..."``) and module paths
-(``source``) are renamed alike. :func:`stamp` returns None where the result is not a
-well-formed SSA graph (a run whose direction its neighbours do not tell, a name made twice, a
-value read before it is made); the caller then compiles the whole graph.
+The outputs are stamped alike. Names in string attributes (``frees="..."``, ``reason="..."``)
+and module paths (``source``) are renamed alike. :func:`stamp` returns None where the stamp
+does not fit (:func:`fits`: a node reading a value of a block not next to its own, an unowned
+node reading the template, as a bucket of every block's gradients does; a run whose direction
+its neighbours do not tell) or the result is not SSA with operands made before use; the
+caller then compiles the whole graph (or the passes from that stage on).
 """
 from __future__ import annotations
 
@@ -29,13 +36,15 @@ from .ir.graph import Graph, evolve
 from .repeat import Blocks
 
 _WORD = re.compile(r"[A-Za-z0-9_.]*")
+#: the template block of the reduced model (blocks 0, 1 before it; two after it)
+TEMPLATE = 2
 
 
 class Stamper:
     """Tokens of the reduced model's blocks and their names in the full model."""
 
     def __init__(self, blocks: Blocks, m: int):
-        self.blocks, self.m, self.t = blocks, m, m - 2
+        self.blocks, self.m, self.t = blocks, m, TEMPLATE
         self.block_of = {}  # token -> block (reduced index)
         self.pos = {}  # token -> position in its window, or None for the block tag
         for b in range(1, m):  # block 0's fx names have no counter (``addmm``, ``layer_norm``)
@@ -68,14 +77,17 @@ class Stamper:
         p = self.parts(name)
         return self.block_of[p[1]] if len(p) > 1 else None
 
-    def shift_map(self, of_blocks, by: int) -> dict:
-        """token -> its name ``by`` blocks later, for the tokens of ``of_blocks``."""
-        out = {}
+    def shift_map(self, of_blocks, by: int, tail_by: int | None = None) -> dict:
+        """token -> its name ``by`` blocks later, for the tokens of ``of_blocks``; with
+        ``tail_by``, the tokens of the blocks after ``of_blocks`` ``tail_by`` later (a template
+        copy's ``reason`` names where a partial sum began: the last block's matmul)."""
+        out, top = {}, max(of_blocks)
         for tok, b in self.block_of.items():
-            if b in of_blocks:
+            shift = by if b in of_blocks else tail_by if b > top else None
+            if shift is not None:
                 k = self.pos[tok]
-                out[tok] = (self.blocks.block_tag(b + by) if k is None
-                            else self.blocks.window(b + by)[k])
+                out[tok] = (self.blocks.block_tag(b + shift) if k is None
+                            else self.blocks.window(b + shift)[k])
         return out
 
 
@@ -99,14 +111,36 @@ def _renamer(st: Stamper, mapping: dict):
     return node, rn
 
 
+def fits(st: Stamper, graph: Graph) -> bool:
+    """Whether ``graph`` (a stage of the reduced model) has the shape :func:`stamp` needs:
+    every node reads unowned values or values of its own block or the next to it, an unowned
+    node reads no template value (only block 1's, block 0's backward, or the last block's,
+    the suffix), and every template run's direction is told."""
+    owners = {x.name: st.owner(x.name) for x in graph.nodes}
+    t, last = st.t, st.m - 1
+    for x in graph.nodes:
+        b = owners[x.name]
+        for i in x.inputs:
+            o = owners[i]
+            if o is None:
+                continue
+            if (o not in (t - 1, last)) if b is None else abs(o - b) > 1:
+                return False
+    seq = list(owners.values())
+    return all(_ascending(seq, k, e, t) is not None for k, e in _runs(seq, t))
+
+
 def stamp(st: Stamper, graph: Graph, n: int, **kw) -> Graph | None:
     """The ``n``-block version of ``graph`` (a stage of the reduced model), or None where
     the stamp does not fit (see the module docstring). ``kw`` replace Graph fields."""
     t, m = st.t, st.m
-    last_node, last_name = _renamer(st, st.shift_map((t, t + 1), n - m))
-    maps = [_renamer(st, st.shift_map((t - 1, t, t + 1), j - t)) for j in range(t + 1, n - 1)]
+    if not fits(st, graph):
+        return None
+    last_node, last_name = _renamer(st, st.shift_map(range(t, m), n - m))
+    maps = [_renamer(st, st.shift_map((t - 1, t, t + 1), j - t, n - m)) for j in range(t + 1, t + 1 + n - m)]
+    head_node, _ = _renamer(st, st.shift_map(range(t + 2, m), n - m))
     nodes = _stamp_seq(graph.nodes, [st.owner(x.name) for x in graph.nodes], t,
-                       [f for f, _ in maps], last_node if n != m else None)
+                       [f for f, _ in maps], last_node if n != m else None, head_node)
     outs = list(zip(graph.outputs, graph.output_names))
     pairs = _stamp_seq(outs, [st.owner(o) if st.owner(o) is not None else st.owner(p) for o, p in outs],
                        t, [lambda op, rn=rn: (rn(op[0]), rn(op[1])) for _, rn in maps],
@@ -117,7 +151,21 @@ def stamp(st: Stamper, graph: Graph, n: int, **kw) -> Graph | None:
                             output_names=tuple(p for _, p in pairs), **kw)
 
 
-def _stamp_seq(items, owners, t, copies, last):
+def _runs(owners, t):
+    """``(start, end)`` of each maximal run of ``t`` in ``owners``."""
+    k = 0
+    while k < len(owners):
+        if owners[k] != t:
+            k += 1
+            continue
+        end = k
+        while end < len(owners) and owners[end] == t:
+            end += 1
+        yield k, end
+        k = end
+
+
+def _stamp_seq(items, owners, t, copies, last, head=None):
     """``items`` with each run of template-owned ones repeated by ``copies`` (ascending or
     descending as the run's neighbours say) and ``last`` applied to those of later blocks
     or none; None where a run's direction is not told."""
@@ -125,7 +173,7 @@ def _stamp_seq(items, owners, t, copies, last):
     while k < len(items):
         b = owners[k]
         if b is not None and b < t:
-            out.append(items[k])
+            out.append(head(items[k]) if head is not None and last is not None else items[k])
             k += 1
         elif b != t:
             out.append(last(items[k]) if last is not None else items[k])
@@ -135,6 +183,8 @@ def _stamp_seq(items, owners, t, copies, last):
             while end < len(items) and owners[end] == t:
                 end += 1
             run = items[k:end]
+            if head is not None and last is not None:
+                run = [head(x) for x in run]
             asc = _ascending(owners, k, end, t)
             if asc is None:
                 return None
