@@ -19,12 +19,12 @@ import math
 
 from .ir.graph import Graph
 from .passes.keep_dp import prune
-from .passes.layout_ilp import too_large
+from .passes.layout_ilp import MAX_STRATEGIES
 from .passes.manager import forward_pipeline, run_pipeline
 from .passes.shard_prop import _Problem
 from .passes.verify import verify
 from .repeat import find_blocks, reduced, spec_names_a_block
-from .repeat_stamp import Stamper, fits, stamp
+from .repeat_stamp import Stamper, fits, stamp, stamp_order
 
 #: blocks of the reduced model: 0 and 1, the template (repeat_stamp.TEMPLATE), two after it
 REDUCED = 5
@@ -72,19 +72,18 @@ def reused_stages(graph: Graph, spec) -> dict | None:
     if good <= first + 1:  # the plan or its collectives do not stamp
         return None
     logical = "autodiff" if "autodiff" in stages else "bind-layouts"
-    keep = dict.fromkeys([logical, names[first - 1], "shard-prop", "insert-collectives", names[good - 1]])
+    order = stamp_order(st, stages[names[first - 1]], blocks.n)
+    info = _search_info(stages[names[first - 1]], stages["shard-prop"], order, search)
+    if info is None:
+        return None
+    keep = dict.fromkeys([logical, "insert-collectives", names[good - 1]])
     out = {"input": graph}
+    planned = names[first:good]
     for key in keep:
-        got = stamp(st, stages[key], blocks.n)
+        got = stamp(st, stages[key], blocks.n, **({"search": info} if key in planned else {}))
         if got is None:
             return None
         out[key] = got
-    info = _search_info(out[names[first - 1]], out["shard-prop"], search)
-    if info is None:
-        return None
-    for key in names[first:good]:
-        if key in out:
-            out[key] = out[key].with_nodes(out[key].nodes, search=info)
     if good < len(names):  # the rest of the lowering on the whole graph
         rest = run_pipeline(out[names[good - 1]], passes[good:])
         rest.pop("input")
@@ -94,23 +93,34 @@ def reused_stages(graph: Graph, spec) -> dict | None:
     return out
 
 
-def _search_info(before: Graph, planned: Graph, small: dict) -> dict | None:
-    """shard-prop's ``search`` record for the stamped plan of the whole graph: its cost by
-    ``_Problem.total`` over the whole graph, the whole graph's strategy count; None where the
-    whole graph is small enough for the ILP (its search would not be the heuristic) or the
-    plan breaks data parallel."""
+def _search_info(before: Graph, planned: Graph, order: list, small: dict) -> dict | None:
+    """shard-prop's ``search`` record of the stamped plan of the whole graph, or None where
+    the whole graph is small enough for the ILP (its search would not be the heuristic) or
+    the plan breaks data parallel.
+
+    ``before``/``planned``: the reduced model's stages before and after shard-prop; ``order``:
+    for each node of the whole graph the index of the reduced node it was stamped from
+    (:func:`stamp_order`). The cost is ``_Problem.total``'s sum over the whole graph, in
+    program order (as shard_prop prices it), of each node's compute and conversion terms, a
+    stamped node's being its reduced original's (same op, types, layouts and readers' layouts);
+    the strategy count likewise (after the data-parallel pruning, as shard_prop counts)."""
     prob = _Problem(before)
-    if (prob.batch and not prune(prob)) or not too_large(prob):  # as shard_prop does
+    if prob.batch and not prune(prob):
         return None
-    canon = prob._intern
+    canon, nodes = prob._intern, before.nodes
     sol = {x.name: (tuple(canon(lay) for lay in x.in_layouts), canon(x.layout))
            for x in planned.nodes if x.name in prob.options}
-    cost = prob.total(sol)
+    compute = {name: prob._compute(sol, name) for name in sol}
+    value = [prob.value_cost(sol, x.name) for x in nodes]
+    names = [nodes[k].name for k in order]
+    count = sum(len(prob.options[name]) for name in names if name in prob.options)
+    if count <= MAX_STRATEGIES:
+        return None
+    cost = sum(compute[name] for name in names if name in compute) + sum(value[k] for k in order)
     if math.isinf(cost):
         return None
     return {"search": "heuristic", "proven_optimal": False, "cost_s": cost,
-            "seconds": small["seconds"], "data_parallel": True,
-            "solver_skipped": sum(len(o) for o in prob.options.values())}
+            "seconds": small["seconds"], "data_parallel": True, "solver_skipped": count}
 
 
 def _same(a: Graph, b: Graph) -> bool:

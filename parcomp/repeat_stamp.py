@@ -151,6 +151,14 @@ def stamp(st: Stamper, graph: Graph, n: int, **kw) -> Graph | None:
                             output_names=tuple(p for _, p in pairs), **kw)
 
 
+def stamp_order(st: Stamper, graph: Graph, n: int) -> list:
+    """For each node of ``graph``'s ``n``-block stamp, in order, the index in ``graph.nodes``
+    of the node it is a copy (or the renamed original) of."""
+    same = lambda k: k  # noqa: E731
+    owners = [st.owner(x.name) for x in graph.nodes]
+    return _stamp_seq(list(range(len(owners))), owners, st.t, [same] * (n - st.m), same, same)
+
+
 def _runs(owners, t):
     """``(start, end)`` of each maximal run of ``t`` in ``owners``."""
     k = 0
