@@ -116,8 +116,23 @@ def reduced(graph: Graph, blocks: Blocks, m: int) -> Graph:
     return graph.with_nodes(nodes, outs)
 
 
-def spec_names_a_block(spec, blocks: Blocks) -> bool:
-    """Whether a rule of ``spec`` names one block (``transformer.h.7.mlp...``) rather than
-    all of them (``*``): blocks then differ in layout, and the plan of one is not another's."""
-    tag = re.compile(rf"(^|\.){re.escape(blocks.prefix.split('.')[-1])}\.\d+(\.|$)|(^|\.)\d+(\.|$)")
-    return any(tag.search(r.pattern) for r in spec.rules)
+def spec_names_a_block(spec, blocks: Blocks, graph: Graph) -> bool:
+    """Whether the rules of ``spec`` tell the blocks apart: a param of block ``b`` matched by
+    other rules than the same param of block 0 (``transformer.h.7.mlp.c_fc.weight``, or
+    ``transformer.h.1*.mlp...`` matching blocks 1 and 10-19), or a rule on other names
+    (activations, outputs) whose pattern holds a number as a name part. The plan of one
+    block is then not another's."""
+    number = re.compile(r"(^|\.)[0-9*]*[0-9][0-9*]*(\.|$)")
+    if any(r.target != "param" and number.search(r.pattern) for r in spec.rules):
+        return True
+    params = [r for r in spec.rules if r.target == "param"]
+    head = f"{blocks.prefix}.0."
+    for x in graph.nodes:
+        if x.op == "param" and x.name.startswith(head):
+            rest = x.name[len(head):]
+            want = [k for k, r in enumerate(params) if r.matches(x.name)]
+            for b in range(1, blocks.n):
+                name = f"{blocks.prefix}.{b}.{rest}"
+                if [k for k, r in enumerate(params) if r.matches(name)] != want:
+                    return True
+    return False

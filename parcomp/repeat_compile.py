@@ -51,7 +51,7 @@ def reused_stages(graph: Graph, spec) -> dict | None:
             it would in the whole compile).
     """
     blocks = find_blocks(graph)
-    if blocks is None or blocks.n <= REDUCED or spec_names_a_block(spec, blocks):
+    if blocks is None or blocks.n <= REDUCED or spec_names_a_block(spec, blocks, graph):
         return None
     try:
         small = reduced(graph, blocks, REDUCED)

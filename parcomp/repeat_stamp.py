@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import re
 
-from .ir.graph import Graph, evolve
+from .ir.graph import Graph, Node
 from .repeat import Blocks
 
 _WORD = re.compile(r"[A-Za-z0-9_.]*")
@@ -92,22 +92,35 @@ class Stamper:
 
 
 def _renamer(st: Stamper, mapping: dict):
-    cache = {}
+    """``(node, name)``: functions renaming a node (name, operands, string attributes,
+    module path) and a string by ``mapping`` (token -> token)."""
+    cache, parts = {}, st.parts
 
     def rn(s):
         got = cache.get(s)
         if got is None:
-            p = st.parts(s)
-            got = s if len(p) == 1 else "".join(mapping.get(x, x) if i % 2 else x for i, x in enumerate(p))
+            p = parts(s)
+            if len(p) == 1:
+                got = s
+            elif len(p) == 3:  # one token, the usual case
+                got = p[0] + mapping.get(p[1], p[1]) + p[2]
+            else:
+                got = "".join([mapping.get(x, x) if i % 2 else x for i, x in enumerate(p)])
             cache[s] = got
         return got
 
     def node(x):
+        new = object.__new__(Node)  # ir.graph.evolve without its checks (a Node, known fields)
+        fields = new.__dict__
+        fields.update(x.__dict__)
+        fields["name"] = rn(x.name)
+        fields["inputs"] = tuple(map(rn, x.inputs))
         attrs = x.attrs
-        if any(type(v) is str for _, v in attrs):
-            attrs = tuple((k, rn(v) if type(v) is str else v) for k, v in attrs)
-        return evolve(x, name=rn(x.name), inputs=tuple(rn(i) for i in x.inputs), attrs=attrs,
-                      source=rn(x.source) if x.source else x.source)
+        if attrs and any(type(v) is str for _, v in attrs):
+            fields["attrs"] = tuple((k, rn(v) if type(v) is str else v) for k, v in attrs)
+        if x.source:
+            fields["source"] = rn(x.source)
+        return new
     return node, rn
 
 

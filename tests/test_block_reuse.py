@@ -90,13 +90,17 @@ def test_an_after_callback_or_reuse_false_compiles_the_whole_graph():
     assert not compile_graph(graph, spec, reuse=False).reused
 
 
-def test_a_spec_rule_naming_one_block_falls_back():
+@pytest.mark.parametrize("rule", ["transformer.h.7.mlp.c_fc.bias  replicated",
+                                  "transformer.h.1*.mlp.c_fc.bias  replicated"])  # blocks 10, 11
+def test_a_spec_rule_telling_blocks_apart_falls_back(rule):
     graph = _model("gpt2", DEPTH)
     text = open(os.path.join(SPECS, "gpt2_lm_tp2_train.pcs")).read().replace(
         "transformer.h.*.mlp.c_fc.weight     colwise",
-        "transformer.h.*.mlp.c_fc.weight     colwise\ntransformer.h.7.mlp.c_proj.bias  replicated")
-    spec = parse_spec(text, "one_block.pcs")
-    assert not compile_graph(graph, spec).reused
+        f"transformer.h.*.mlp.c_fc.weight     colwise\n{rule}")
+    spec = parse_spec(text, "some_blocks.pcs")
+    compiled = compile_graph(graph, spec)
+    assert not compiled.reused
+    assert compile_graph(graph, _spec("gpt2_lm_tp2_train.pcs")).reused  # the spec without it reuses
 
 
 def test_a_block_unlike_the_others_falls_back():
