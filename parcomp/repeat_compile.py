@@ -3,14 +3,15 @@
 For a model of ``N`` repeated blocks (:mod:`parcomp.repeat`) whose whole graph shard-prop
 would search with its heuristic (over MAX_STRATEGIES), the pass pipeline runs on the model
 cut to :data:`REDUCED` blocks, its shard-prop forced to the same heuristic, and the stages
-the compiler keeps (``logical``, ``shard-prop``, ``sharded``, ``program``) are stamped to ``N``
-blocks (:mod:`parcomp.repeat_stamp`). Checks, any failing -> None (the caller compiles the
-whole graph): the stamped input graph equals the model's graph node for node (names,
-module paths, phases, attributes); every stamped stage is SSA with operands made before use;
-the whole graph is over MAX_STRATEGIES (its own search would be the heuristic) and the
-stamped plan keeps data parallel; the plan's cost is that of the whole graph, priced by
-shard-prop's own ``_Problem.total`` (the report's ``cost_s``); the stamped program passes the
-verifier. ``tests/test_block_reuse.py`` checks program.py, the report and the .pcir stages are
+the compiler keeps (``logical``, ``sharded``, ``program``) are stamped to ``N`` blocks
+(:mod:`parcomp.repeat_stamp`). Checks, any failing -> None (the caller compiles the whole
+graph), the cheap ones before the reduced compile's shard-prop: the stamped input graph equals
+the model's graph node for node (names, module paths, phases, attributes); the whole graph is
+over MAX_STRATEGIES (its own search would be the heuristic; counted from the reduced problem's
+per-node option lists) and the plan keeps data parallel; every stage stamped has the shape
+``repeat_stamp.fits`` needs and is SSA with operands made before use; the stamped program
+passes the verifier. The search record's cost is ``_Problem.total``'s sum in the whole
+graph's order (the report's ``cost_s``). ``tests/test_block_reuse.py`` checks program.py, the report and the .pcir stages are
 byte-identical to the whole-graph compile's.
 """
 from __future__ import annotations
@@ -57,25 +58,32 @@ def reused_stages(graph: Graph, spec) -> dict | None:
         small = reduced(graph, blocks, REDUCED)
     except ValueError:
         return None
+    st = Stamper(blocks, REDUCED)
+    inp = stamp(st, small, blocks.n)
+    if inp is None or not _same(inp, graph):  # the blocks are not alike
+        return None
     passes = forward_pipeline(spec, heuristic=True)
-    stages = run_pipeline(small, passes)
+    names = [p.name for p in passes]
+    first = names.index("shard-prop")
+    stages = run_pipeline(small, passes[:first])
+    before = stages[names[first - 1]]
+    order = stamp_order(st, before, blocks.n) if fits(st, before) else None
+    whole = None if order is None else _whole_problem(before, order)
+    if whole is None:  # the whole graph's search would be the ILP (or gather the batch)
+        return None
+    later = run_pipeline(before, passes[first:])
+    later.pop("input")
+    stages.update(later)
     search = stages["shard-prop"].search
     if search.get("search") != "heuristic" or not search.get("data_parallel"):
         return None
-    st = Stamper(blocks, REDUCED)
-    inp = stamp(st, small, blocks.n)
-    if inp is None or not _same(inp, graph):
-        return None
-    names = [p.name for p in passes]
-    first = names.index("shard-prop")
     good = next((k for k, name in enumerate(names) if not fits(st, stages[name])), len(names))
     if good <= first + 1:  # the plan or its collectives do not stamp
         return None
-    logical = "autodiff" if "autodiff" in stages else "bind-layouts"
-    order = stamp_order(st, stages[names[first - 1]], blocks.n)
-    info = _search_info(stages[names[first - 1]], stages["shard-prop"], order, search)
+    info = _search_info(*whole, stages["shard-prop"], order, search)
     if info is None:
         return None
+    logical = "autodiff" if "autodiff" in stages else "bind-layouts"
     keep = dict.fromkeys([logical, "insert-collectives", names[good - 1]])
     out = {"input": graph}
     planned = names[first:good]
@@ -93,29 +101,34 @@ def reused_stages(graph: Graph, spec) -> dict | None:
     return out
 
 
-def _search_info(before: Graph, planned: Graph, order: list, small: dict) -> dict | None:
-    """shard-prop's ``search`` record of the stamped plan of the whole graph, or None where
-    the whole graph is small enough for the ILP (its search would not be the heuristic) or
-    the plan breaks data parallel.
-
-    ``before``/``planned``: the reduced model's stages before and after shard-prop; ``order``:
-    for each node of the whole graph the index of the reduced node it was stamped from
-    (:func:`stamp_order`). The cost is ``_Problem.total``'s sum over the whole graph, in
-    program order (as shard_prop prices it), of each node's compute and conversion terms, a
-    stamped node's being its reduced original's (same op, types, layouts and readers' layouts);
-    the strategy count likewise (after the data-parallel pruning, as shard_prop counts)."""
+def _whole_problem(before: Graph, order: list) -> tuple | None:
+    """``(problem, strategies)``: shard-prop's problem of the reduced graph ``before`` (after
+    the data-parallel pruning, as shard_prop does) and the strategy count of the whole graph
+    (``order``: for each of its nodes the index of the reduced node it is stamped from, see
+    :func:`stamp_order`); None where the whole graph is not over MAX_STRATEGIES (its search
+    is the ILP: reuse does not apply) or data parallel cannot be kept."""
     prob = _Problem(before)
     if prob.batch and not prune(prob):
         return None
-    canon, nodes = prob._intern, before.nodes
+    names = [before.nodes[k].name for k in order]
+    count = sum(len(prob.options[name]) for name in names if name in prob.options)
+    return (prob, count) if count > MAX_STRATEGIES else None
+
+
+def _search_info(prob, count: int, planned: Graph, order: list, small: dict) -> dict | None:
+    """shard-prop's ``search`` record of the stamped plan of the whole graph (None where it
+    breaks data parallel). ``prob``, ``count``: :func:`_whole_problem`'s; ``planned``: the
+    reduced model's shard-prop stage.
+
+    The cost is ``_Problem.total``'s sum over the whole graph, in program order (as shard_prop
+    prices it), of each node's compute and conversion terms, a stamped node's being its reduced
+    original's (same op, types, layouts and readers' layouts)."""
+    canon, nodes = prob._intern, prob.g.nodes
     sol = {x.name: (tuple(canon(lay) for lay in x.in_layouts), canon(x.layout))
            for x in planned.nodes if x.name in prob.options}
     compute = {name: prob._compute(sol, name) for name in sol}
     value = [prob.value_cost(sol, x.name) for x in nodes]
     names = [nodes[k].name for k in order]
-    count = sum(len(prob.options[name]) for name in names if name in prob.options)
-    if count <= MAX_STRATEGIES:
-        return None
     cost = sum(compute[name] for name in names if name in compute) + sum(value[k] for k in order)
     if math.isinf(cost):
         return None

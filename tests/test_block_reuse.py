@@ -123,6 +123,14 @@ def test_few_blocks_or_no_blocks_compile_the_whole_graph():
     assert not compile_graph(_model("gpt2", 4), spec).reused
 
 
+def test_blocks_whose_whole_graph_gets_the_ilp_are_compiled_whole():
+    """8 blocks of GPT-2 are under MAX_STRATEGIES: the whole graph's search is the ILP, which a
+    stamped heuristic plan must not stand in for (counted before the reduced shard-prop)."""
+    compiled = compile_graph(_model("gpt2", 8), _spec("gpt2_lm_tp2_train.pcs"))
+    assert not compiled.reused
+    assert compiled.sharded.search["search"] != "heuristic"
+
+
 def test_tokens_respect_digit_boundaries_and_one_token_per_word():
     names = tuple(f"{op}_{k}" for k in range(1, 13) for op in ("view", "addmm"))
     blocks = Blocks(prefix="h", n=12, start=0, length=2, compute=names)
