@@ -11,8 +11,8 @@ over MAX_STRATEGIES (its own search would be the heuristic; counted from the red
 per-node option lists) and the plan keeps data parallel; every stage stamped has the shape
 ``repeat_stamp.fits`` needs and is SSA with operands made before use; the stamped program
 passes the verifier. The search record's cost is ``_Problem.total``'s sum in the whole
-graph's order (the report's ``cost_s``). ``tests/test_block_reuse.py`` checks program.py, the report and the .pcir stages are
-byte-identical to the whole-graph compile's.
+graph's order (the report's ``cost_s``). ``tests/test_block_reuse.py`` checks program.py,
+the report and the .pcir stages are byte-identical to the whole-graph compile's.
 """
 from __future__ import annotations
 

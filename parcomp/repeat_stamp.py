@@ -13,10 +13,11 @@ N-block stage is the reduced one with:
 
 - nodes owned by blocks ``< t`` kept as they are, but for tokens of the last block (a
   ``reason`` naming where a partial sum began) shifted by ``N-M``;
-- each maximal run of template nodes kept (tokens of the last block shifted as above), and ``N-M`` copies of it inserted next to it,
-  copy ``j`` (``t+1..t+N-M``) with every token of blocks ``t-1, t, t+1`` shifted by ``j-t``
-  (to the same position of window ``j-1, j, j+1``) and those of later blocks by ``N-M`` (a
-  ``reason`` naming the last block's matmul, where a partial sum began), after the run where the run's neighbours
+- each maximal run of template nodes kept (tokens of the last block shifted as above), and
+  ``N-M`` copies of it inserted next to it, copy ``j`` (``t+1..t+N-M``) with every token of
+  blocks ``t-1, t, t+1`` shifted by ``j-t`` (to the same position of window ``j-1, j, j+1``)
+  and those of later blocks by ``N-M`` (a ``reason`` naming the last block's matmul, where a
+  partial sum began), after the run where the run's neighbours
   say the blocks ascend there (forward, optimizer), before it where they descend (backward);
 - every other node (the tail blocks ``t+1..M-1``, suffix, unowned) with the tokens of blocks
   ``t..M-1`` shifted by ``N-M`` (the last block becomes ``N-1``; the suffix reads it).
@@ -150,7 +151,8 @@ def stamp(st: Stamper, graph: Graph, n: int, **kw) -> Graph | None:
     if not fits(st, graph):
         return None
     last_node, last_name = _renamer(st, st.shift_map(range(t, m), n - m))
-    maps = [_renamer(st, st.shift_map((t - 1, t, t + 1), j - t, n - m)) for j in range(t + 1, t + 1 + n - m)]
+    maps = [_renamer(st, st.shift_map((t - 1, t, t + 1), j - t, n - m))
+            for j in range(t + 1, t + 1 + n - m)]
     head_node, _ = _renamer(st, st.shift_map(range(t + 2, m), n - m))
     nodes = _stamp_seq(graph.nodes, [st.owner(x.name) for x in graph.nodes], t,
                        [f for f, _ in maps], last_node if n != m else None, head_node)

@@ -67,7 +67,7 @@ def _texts(compiled) -> dict:
 
 CASES = [("gpt2", "gpt2_lm_tp2_train.pcs"), ("gpt2", "gpt2_lm_tp2_sp_train.pcs"),
          ("llama", "llama_lm_tp2_train.pcs"), ("llama", "llama_lm_tp2_sp_train.pcs"),
-         pytest.param("gpt2", "gpt2_lm_dp2_tp2_train.pcs", marks=pytest.mark.slow)]
+         ("gpt2", "gpt2_lm_dp2_tp2_train.pcs")]
 
 
 @pytest.mark.parametrize("family,spec_name", CASES)
