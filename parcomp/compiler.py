@@ -18,6 +18,7 @@ from .moe_warnings import moe_gather_warnings
 from .pinned_gathers import pinned_gather_warnings
 from .program import Program, build_program
 from .report import build_report
+from .repeat_compile import reuse_fits, reused_stages
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,8 @@ class Compiled:
         spec: the parsed spec.
         program_: the :class:`parcomp.program.Program` (``program`` with mesh groups, train
             loop, phases, provenance, collectives): what backends read.
+        reused: whether the stages were stamped from a reduced compile (block-plan reuse,
+            :mod:`parcomp.repeat_compile`) rather than the pass pipeline on the whole graph.
     """
 
     unsharded: Graph
@@ -47,10 +50,17 @@ class Compiled:
     report: dict
     spec: object = None
     program_: Program | None = None
+    reused: bool = False
 
 
-def compile_graph(graph: Graph, spec, after: Callable | None = None) -> Compiled:
+def compile_graph(graph: Graph, spec, after: Callable | None = None, reuse: bool = True) -> Compiled:
     """Compile ``graph`` under ``spec``; ``after(pass_name, graph)`` sees each stage.
+
+    With ``reuse`` (the default) and no ``after``, a model of many repeated blocks whose
+    plan search is the heuristic is compiled by reusing a few blocks' plan
+    (:mod:`parcomp.repeat_compile`; the same result, checked); ``reuse=False`` or an
+    ``after`` callback (it needs every pass's whole graph) compile the whole graph.
+    Whether reuse ran is ``Compiled.reused`` (the report is the same either way).
 
     Raises:
         parcomp.errors.ParcompError: spec/model mismatch, uneven shards, invalid IR, a
@@ -58,14 +68,19 @@ def compile_graph(graph: Graph, spec, after: Callable | None = None) -> Compiled
             mesh line or layouts do not fit the spec's mesh.
     """
     with no_cycle_collection():  # parcomp/gcpause.py
-        return _compile(graph, spec, after)
+        return _compile(graph, spec, after, reuse)
 
 
-def _compile(graph: Graph, spec, after) -> Compiled:
+def _compile(graph: Graph, spec, after, reuse=True) -> Compiled:
     graph, moe_changes = apply_moe_spec(graph, spec)  # the spec's MoE capacity (issue 14)
     check_model_mesh(graph, spec.mesh)
     placement = check_topology(spec)
-    stages = run_pipeline(graph, forward_pipeline(spec), after)
+    stages = None
+    if reuse and after is None and reuse_fits(spec, moe_changes):
+        stages = reused_stages(graph, spec)  # None: reuse does not apply (parcomp/repeat_compile.py)
+    reused = stages is not None
+    if stages is None:
+        stages = run_pipeline(graph, forward_pipeline(spec), after)
     sharded, program = stages["insert-collectives"], list(stages.values())[-1]  # lowered
     logical = stages["autodiff"] if "autodiff" in stages else stages["bind-layouts"]
     check_balanced_ends(sharded, spec, {name for name, _ in graph.named_outputs()})  # issue 14: chunking=balanced needs split-seq ends
@@ -81,4 +96,4 @@ def _compile(graph: Graph, spec, after) -> Compiled:
     report["warnings"] += moe_gather_warnings(graph, sharded)  # tokens gathered, not all_to_all
     if "pp" in spec.mesh.names and spec.train is not None:
         prog, report = attach_pipeline(graph, spec, prog, report)
-    return Compiled(graph, logical, sharded, program, report, spec, prog)
+    return Compiled(graph, logical, sharded, program, report, spec, prog, reused)

@@ -32,18 +32,20 @@ class Pass:
         return self.fn(graph)
 
 
-def forward_pipeline(spec) -> list:
+def forward_pipeline(spec, heuristic: bool = False) -> list:
     """The passes that turn an unsharded graph into a per-rank program.
 
     With a ``train`` line in the spec, ``autodiff`` appends loss, backward and
     optimizer update to the global graph before anything is sharded. The lowering
-    passes of :mod:`.lower` (fusions, overlap, in-place, frees) come last.
+    passes of :mod:`.lower` (fusions, overlap, in-place, frees) come last. ``heuristic``:
+    shard-prop skips the ILP (see :func:`.shard_prop.shard_prop`).
     """
     train = [Pass("autodiff", lambda g: add_training_step(g, spec))] if spec.train else []
     return [Pass("decompose-reductions", decompose_reductions),  # reductions part (issue 17)
             Pass("bind-layouts", lambda g: bind_layouts(g, spec)), *train,
             Pass("shard-prop", lambda g: shard_prop(g, memory=getattr(spec, "memory", None),
-                                                    memory_loc=getattr(spec, "memory_loc", None))),
+                                                    memory_loc=getattr(spec, "memory_loc", None),
+                                                    heuristic=heuristic)),
             Pass("insert-collectives", insert_collectives),
             Pass("localize", localize),
             *(Pass(name, (lambda g, fn=fn: fn(g, spec)) if name in SPEC_LOWERING else fn)

@@ -46,7 +46,7 @@ _GROWS, _GROWS_FORWARD = ("all_gather",), ("all_gather", "all_reduce")
 
 
 def shard_prop(graph: Graph, seconds: float = DEFAULT_SECONDS, memory: int | None = None,
-               memory_loc=None, free: dict | None = None) -> Graph:
+               memory_loc=None, free: dict | None = None, heuristic: bool = False) -> Graph:
     """Complete the layouts of ``graph`` with the least estimated cost.
 
     On a tree (every value read once) the DP is exact; otherwise the ILP of
@@ -58,6 +58,8 @@ def shard_prop(graph: Graph, seconds: float = DEFAULT_SECONDS, memory: int | Non
     With ``memory`` (bytes per rank), plans whose resident bytes
     (:mod:`parcomp.memory`) exceed it are infeasible.  ``free`` maps a source (param or
     input) to the layouts it may take (``parcomp plan``); other sources keep theirs.
+    ``heuristic`` skips the ILP as a graph over MAX_STRATEGIES does (block-plan reuse compiles
+    a few blocks of a model whose whole graph is over it: parcomp/repeat_compile.py).
 
     Raises:
         ShardingError: a pinned layout no strategy can produce evenly (names the
@@ -69,13 +71,15 @@ def shard_prop(graph: Graph, seconds: float = DEFAULT_SECONDS, memory: int | Non
     gathered = bool(prob.batch) and not prune(prob)
     if not gathered:
         limit = None if memory is None else MemoryLimit(prob, memory, memory_loc)
-        sol, search, proven = _search(prob, limit, seconds)
+        sol, search, proven = _search(prob, limit, seconds, heuristic)
+        sol = _in_order(graph, sol)
         cost = prob.total(sol)
         gathered = math.isinf(cost)
     if gathered:  # no plan keeps the batch split over dp (pins, a batch-mixing op): the best of all
         prob = _Problem(graph, free or {}, data_parallel=False)
         limit = None if memory is None else MemoryLimit(prob, memory, memory_loc)
-        sol, search, proven = _search(prob, limit, seconds)
+        sol, search, proven = _search(prob, limit, seconds, heuristic)
+        sol = _in_order(graph, sol)
         cost = prob.total(sol)
     info = {"search": search, "proven_optimal": proven, "cost_s": cost,
             "seconds": round(time.perf_counter() - t0, 6), "data_parallel": not gathered}
@@ -89,14 +93,14 @@ def shard_prop(graph: Graph, seconds: float = DEFAULT_SECONDS, memory: int | Non
     return graph.with_nodes(nodes, search=info)
 
 
-def _search(prob, limit, seconds) -> tuple:
+def _search(prob, limit, seconds, heuristic=False) -> tuple:
     """``(plan, search, proven)`` of ``prob``: the DP where exact, else the heuristic and
     (below MAX_STRATEGIES or under a memory limit) the ILP started from it."""
     dp = prob.dp_solution()
     if all(len(u) <= 1 for u in prob.users.values()) and (limit is None or limit.fits(dp)):
         return dp, "dp", True
     sol = prob.improve(min((dp, prob.greedy_solution()), key=prob.total))
-    if limit is None and too_large(prob):  # the solver would stop at its root with this plan
+    if limit is None and (heuristic or too_large(prob)):  # the solver would stop at its root with this plan
         return sol, "heuristic", False
     ilp, proven = solve_ilp(prob, sol, seconds, limit)
     fits = [s for s in (ilp, sol) if limit is None or limit.fits(s)]
@@ -303,6 +307,12 @@ class _Problem(LocalMoves):
                   (ins, out))
                  for k, (c, ins, out) in enumerate(self.options[n.name])))[2]
         return sol
+
+
+def _in_order(graph, sol) -> dict:
+    """``sol`` in program order: its cost (a float sum over it) then does not depend on
+    which search built it (a reused block plan prices the same sum: parcomp/repeat_compile.py)."""
+    return {n.name: sol[n.name] for n in graph.nodes if n.name in sol}
 
 
 def _strategy_attrs(n) -> tuple:
