@@ -105,7 +105,7 @@ def _check_training(args, compiled, module, example, steps):
     if not args.json:
         print(format_collectives(compiled.report["collectives"]))
         print(format_memory(compiled.report))
-        print(format_search(compiled.report["search"]))
+        print(format_search(compiled.report["search"], compiled.report.get("training") is not None))
         if "pipeline" in result:
             r = result["pipeline"]
             print(f"pipelined step on the numpy interpreter vs unsharded step: error/tolerance "

@@ -27,7 +27,7 @@ def compile(args):  # noqa: A001 - the subcommand's name
         print(format_collectives(recs))
         print(format_memory(compiled.report))
         print(format_load(compiled.report["checkpoint_load"]))
-        print(format_search(compiled.report["search"]))
+        print(format_search(compiled.report["search"], compiled.report.get("training") is not None))
         place = compiled.report["placement"]
         if place["nodes"] is not None:
             print(f"placement: {plural(place['nodes'], 'node')}; inside a node: "
@@ -73,7 +73,7 @@ def explain(args):
 
 def plan(args):
     """``parcomp plan``: choose the layouts, write them as a spec, compile it to show the plan."""
-    from .plan import mesh_text, plan as choose, summary, write_spec
+    from .plan import mesh_text, plan as choose, summary, with_step_estimate, write_spec
     from .spec import parse_spec
 
     graph, _, _ = load_model(args.model)
@@ -81,8 +81,8 @@ def plan(args):
         text, chosen = choose(graph, mesh_text(args.mesh), args.memory, args.train, args.seconds)
         compiled = compile_graph(graph, parse_spec(text, args.out))
     print_warnings(compiled)
-    write_spec(args.out, text)
-    print(summary(chosen))
+    write_spec(args.out, with_step_estimate(text, chosen, compiled))  # what its estimate covers
+    print(summary(chosen, compiled))
     print(format_collectives(compiled.report["collectives"]))
     print(f"wrote {args.out}")
     return {"ok": True, "spec": args.out, "search": chosen.search,

@@ -94,33 +94,79 @@ def _edge(sharded, prog, chain, links) -> dict:
     mesh = sharded.mesh
     root = sharded[chain[0].inputs[0]]
     ty, src, tgt = root.type, root.layout, chain[-1].layout
-    steps = []
-    for n in chain:
-        rec = prog.collective(n.name) or _bucket_record(prog, n.name)
-        axis = n.attr("axis")
-        nbytes = rec.bytes if rec is not None else 0
-        steps.append({"name": rec.name if rec is not None else n.name, "kind": n.op, "axis": axis, "dim": n.attr("dim"),
-                      "bytes": nbytes, "seconds": collective_seconds(
-                          n.op, _over(mesh, links, axis)[0], nbytes, _over(mesh, links, axis)[1]),
-                      "phase": n.phase, "reason": n.attr("reason"),
-                      "spec_line": rec.provenance.spec_ref if rec is not None else _spec_ref(n)})
+    steps = [_step(prog, n, mesh, links) for n in chain]
     producer = _where(prog, sharded, root.name)
     consumers = _consumers(sharded, prog, chain[-1])
     chosen = {"bytes": sum(s["bytes"] for s in steps), "seconds": sum(s["seconds"] for s in steps)}
     return {"value": root.name, "dtype": ty.dtype, "shape": list(ty.shape),
             "from": layout_str(src), "to": layout_str(tgt), "producer": producer,
             "consumers": consumers, "steps": steps, "phase": chain[0].phase,
-            "module": producer["source"] or next((c["source"] for c in consumers if c["source"]),
-                                                 None) or "(top level)",
+            "module": _module(sharded, producer, consumers),
             "kinds": " + ".join(_step_text(s) for s in steps), **chosen,
             "alternatives": alternatives(src, tgt, ty, mesh, links, [_key(s) for s in steps])}
 
 
-def _bucket_record(prog, name):
-    """The bucket's all_reduce record for the bucket's first member ``name`` (its bytes are
-    counted once, there); None for the other members and for anything not bucketed."""
-    bucket = bucketed_members(prog.graph, name)  # norm-weight gradients (passes/bucket.py)
-    return prog.collective(bucket[0].name) if bucket is not None and bucket[1][0] == name else None
+def _step(prog, n, mesh, links) -> dict:
+    """One layout op ``n`` of a chain, priced as the program runs it: a collective the lowering
+    fused into a bucket (passes/bucket.py, passes/dp_buckets.py) is the bucket's one all_reduce,
+    with the flat buffer's bytes, at its first member; the other members cost nothing here
+    (``in_bucket`` names the bucket) -- so the steps count and price ``prog.collectives``."""
+    rec, in_bucket = prog.collective(n.name), None
+    if rec is None:
+        bucket = bucketed_members(prog.graph, n.name)
+        if bucket is not None and bucket[1][0] == n.name:
+            rec = prog.collective(bucket[0].name)
+        elif bucket is not None:
+            in_bucket = bucket[0].name
+    axis = n.attr("axis")
+    nbytes = rec.bytes if rec is not None else 0
+    ranks, link = _over(mesh, links, axis)
+    return {"name": rec.name if rec is not None else n.name, "kind": n.op, "axis": axis, "dim": n.attr("dim"),
+            "bytes": nbytes, "seconds": 0.0 if in_bucket else collective_seconds(n.op, ranks, nbytes, link),
+            "phase": n.phase, "reason": rec.reason if rec is not None and rec.name != n.name else n.attr("reason"),
+            "in_bucket": in_bucket, "spec_line": rec.provenance.spec_ref if rec is not None else _spec_ref(n)}
+
+
+def _module(sharded, producer, consumers) -> str:
+    """The module an edge is listed under: its producer's, else a consumer's, else (a backward
+    or optimizer value, which the tracer did not see) the module of the forward op it
+    differentiates: autodiff names every node it makes for forward node ``v`` ``bw.v.*``
+    (``opt.p.*`` for parameter ``p``'s update), so the longest such ``v`` with a module is it."""
+    for w in [producer] + consumers:
+        if w["source"]:
+            return w["source"]
+    for w in [producer] + consumers:
+        found = _forward_module(sharded, w["name"])
+        if found:
+            return f"{found} (backward)" if w["name"].startswith("bw.") else f"{found} (optimizer)"
+    return "(top level: loss and gradients of no module's op)"
+
+
+def _forward_module(sharded, name: str):
+    """The module of the forward node (or parameter) a ``bw.``/``opt.`` node was made for."""
+    for head in ("bw.", "opt."):
+        if name.startswith(head):
+            parts = name[len(head):].split(".")
+            for k in range(len(parts) - 1, 0, -1):
+                v = ".".join(parts[:k])
+                if v in sharded and sharded[v].source:
+                    return sharded[v].source
+                if v in sharded and sharded[v].op == "param" and "." in v:
+                    return v.rsplit(".", 1)[0]
+    return None
+
+
+def program_comm(prog, links) -> dict:
+    """``{"count", "bytes", "seconds"}`` of ``prog.collectives`` (the list report.json holds),
+    each priced by :func:`parcomp.links.collective_seconds` as the explanation prices it: the
+    figure :func:`explain`'s totals must reproduce."""
+    out = {"count": 0, "bytes": 0, "seconds": 0.0}
+    for c in prog.collectives:
+        ranks, link = _over(prog.mesh, links, c.axis)
+        out["count"] += 1
+        out["bytes"] += c.bytes
+        out["seconds"] += collective_seconds(c.kind, ranks, c.bytes, link)
+    return out
 
 
 def _spec_ref(node):
@@ -134,7 +180,8 @@ def _key(step) -> tuple:
 
 def _step_text(s) -> str:
     dim = "" if s["dim"] is None else f"(dim {s['dim']})"
-    return f"{s['kind']}{dim} over {s['axis']}"
+    fused = " (bucketed)" if s.get("in_bucket") else ""
+    return f"{s['kind']}{dim} over {s['axis']}{fused}"
 
 
 def alternatives(src, tgt, ty, mesh, links, chosen_keys=()) -> list:
@@ -210,8 +257,8 @@ def totals(edges) -> dict:
     out = {"per_axis": {}, "per_phase": {}, "per_axis_phase": {}}
     for e in edges:
         for s in e["steps"]:
-            if s["bytes"] == 0 and s["seconds"] == 0:
-                continue  # a local layout op
+            if s.get("in_bucket") or (s["bytes"] == 0 and s["seconds"] == 0):
+                continue  # fused into a bucket (counted at its first member), or a local layout op
             for table, key in (("per_axis", s["axis"]), ("per_phase", s["phase"]),
                                ("per_axis_phase", f"{s['axis']}/{s['phase']}")):
                 t = out[table].setdefault(key, {"count": 0, "bytes": 0, "seconds": 0.0})

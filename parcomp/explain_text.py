@@ -62,13 +62,20 @@ def _header(x) -> list:
 
 
 def _why(i, e) -> list:
-    lines = [f"[{i}] {s['kind']} over {s['axis']}: {s['reason']}" for s in e["steps"]]
+    lines = [f"[{i}] {s['kind']} over {s['axis']}: {s['reason']}" + _bucket_words(s) for s in e["steps"]]
     for a in e["alternatives"]:
         lines.append(f"    instead {a['kinds']} (via {a['via']}): {format_bytes(a['bytes'])}, "
                      f"{format_seconds(a['seconds'])}: {cost_words(a, e)}")
     if not e["alternatives"]:
         lines.append("    no other plan through one intermediate layout")
     return lines
+
+
+def _bucket_words(s) -> str:
+    """Where a step fused into a bucket is run and counted (passes/bucket.py, dp_buckets.py)."""
+    if not s.get("in_bucket"):
+        return ""
+    return f"; run as part of the one all_reduce %{s['in_bucket']} (its bytes and time counted there)"
 
 
 def _totals_rows(t) -> list:

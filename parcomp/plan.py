@@ -43,6 +43,7 @@ import hashlib
 import itertools
 import os
 import tempfile
+import textwrap
 
 from .errors import ParcompError, SourceLoc
 from .ir.types import R, Shard, divisibility_problem, layout_str
@@ -56,6 +57,9 @@ from .report import format_bytes
 from .spec import parse_spec
 
 HEADER = "# written by parcomp plan; sha256 of the lines below: "
+#: the header's estimate: the search's cost model (local compute + each layout change at
+#: :func:`parcomp.redistribute.plan_cost`), not ``parcomp explain``'s per-link comm estimate
+ESTIMATE = "# search estimate (compute + layout changes): "
 
 
 def mesh_text(arg: str) -> str:
@@ -261,9 +265,9 @@ def _spec_text(base: str, chosen, graph, spec) -> str:
     proof = "proven optimal" if s["proven_optimal"] else "best found, not proven optimal"
     base_lines, cut = base.rstrip("\n").split("\n"), 1 + bool(spec.memory)
     head, tail = base_lines[:cut], base_lines[cut:]  # (mesh, memory), (inputs, outputs, train)
-    lines = [f"# parcomp plan: layouts chosen by the {s['search']} search ({proof} under the cost",
-             f"# model: estimated {s['cost_s'] * 1e6:.1f} us per step); edit freely, then",
-             "# `parcomp compile MODEL --spec THIS_FILE -o DIR`.", ""] + head + [""]
+    lines = [f"# parcomp plan: layouts chosen by the {s['search']} search ({proof} under the cost model)",
+             f"{ESTIMATE}{_us(s['cost_s'])} for the forward pass.",
+             "# Edit freely, then `parcomp compile MODEL --spec THIS_FILE -o DIR`.", ""] + head + [""]
     layouts = {n.name: chosen[n.name].layout for n in graph.params}
     lines += param_lines(graph, layouts, spec.mesh,
                          lambda rules: bound_params(graph, "\n".join(head + rules + tail) + "\n"))
@@ -310,9 +314,41 @@ def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def summary(chosen) -> str:
-    """One line about the plan for the terminal."""
+def _us(seconds: float) -> str:
+    return f"{seconds * 1e6:.1f} us"
+
+
+def step_estimate(chosen, compiled) -> str:
+    """What the search's estimate covers, in words: the plan's figure (``chosen``: the forward
+    graph the parameters were chosen on) and, for a training spec, the figure of the training
+    step ``compiled`` from the written spec -- forward, backward and update, every gradient
+    reduction priced on its own (before the buckets of passes/bucket.py and dp_buckets.py):
+    the figure ``parcomp check`` prints for that spec."""
+    fwd = f"{_us(chosen.search['cost_s'])} for the forward pass"
+    if compiled.report.get("training") is None:
+        return fwd
+    return (f"{fwd} (the parameters are chosen on it), "
+            f"{_us(compiled.report['search']['cost_s'])} for the training step compiled from it "
+            f"(forward, backward, update; what `parcomp check` prints)")
+
+
+def with_step_estimate(text: str, chosen, compiled) -> str:
+    """Spec ``text`` (:func:`plan`'s) with its header's estimate saying what it covers
+    (:func:`step_estimate`); ``compiled``: ``text`` compiled."""
+    lines = text.split("\n")
+    at = next((i for i, ln in enumerate(lines) if ln.startswith(ESTIMATE)), None)
+    if at is None or compiled.report.get("training") is None:
+        return text
+    lines[at:at + 1] = textwrap.wrap(ESTIMATE + step_estimate(chosen, compiled) + ".", 94,
+                                     subsequent_indent="#   ")
+    return "\n".join(lines)
+
+
+def summary(chosen, compiled=None) -> str:
+    """One line about the plan for the terminal (``compiled``: the written spec compiled, for
+    the training step's estimate)."""
     s = chosen.search
     extra = f", resident {format_bytes(s['resident_bytes'])} per rank" if "resident_bytes" in s else ""
+    est = step_estimate(chosen, compiled) if compiled is not None else f"{_us(s['cost_s'])} for the forward pass"
     return (f"plan: {s['search']} search, {'proven optimal' if s['proven_optimal'] else 'not proven optimal'}"
-            f", estimated {s['cost_s'] * 1e6:.1f} us per step{extra}, searched in {s['seconds']:.2f} s")
+            f", search estimate {est}{extra}, searched in {s['seconds']:.2f} s")

@@ -176,9 +176,13 @@ _SEARCHES = {"dp": "dynamic program (exact: every value is read once)",
              "ilp": "integer program (HiGHS)", "heuristic": "DP + greedy + local moves"}
 
 
-def format_search(search) -> str:
+def format_search(search, training: bool | None = None) -> str:
     """One line: which search chose the layouts, its estimated cost, and whether it is
-    proven optimal under the cost model (then the note on dp gathers, if any)."""
+    proven optimal under the cost model (then the note on dp gathers, if any).  ``training``:
+    whether the searched graph is a training step (the estimate then covers forward, backward
+    and update, each gradient reduction priced on its own: ``parcomp plan``'s figure covers
+    the forward pass it chose the parameters on, so the two differ; ``parcomp explain``
+    prices the program's collectives per link class, without compute)."""
     if not search:
         return ""
     proof = ("proven optimal under the cost model" if search["proven_optimal"]
@@ -186,6 +190,8 @@ def format_search(search) -> str:
     if search.get("solver_skipped"):  # shard_prop: too large for the integer program
         proof = (f"not proven optimal ({search['solver_skipped']} strategies: too many for the "
                  f"integer program's budget, the heuristic's plan is kept)")
-    return (f"layouts: {_SEARCHES[search['search']]}, {proof}; estimated "
-            f"{search['cost_s'] * 1e6:.1f} us per step, searched in {search['seconds']:.2f} s"
+    covers = {True: " per training step (forward, backward, update; gradient reductions before bucketing)",
+              False: " for the forward pass", None: " per step"}[training]
+    return (f"layouts: {_SEARCHES[search['search']]}, {proof}; search estimate (compute + layout "
+            f"changes) {search['cost_s'] * 1e6:.1f} us{covers}, searched in {search['seconds']:.2f} s"
             + (f"\n  why: {search['note']}" if search.get("note") else ""))
