@@ -10,7 +10,7 @@ import numpy as np
 
 from .budget import check_memory
 from .errors import ParcompError
-from .frontends.fused import to_view_shapes  # attention part (issue 17)
+from .frontends.fused import in_stored_indices, to_view_shapes  # attention part (issue 17)
 from .frontends.model_file import ModelFile
 from .outdir import record_written, write_dir_atomic
 from .passes.train_config import check_steps, train_config
@@ -191,6 +191,7 @@ def _run_training(args, compiled, module, example):
     result["free_running"] = free
     result["ok"] = result["ok"] and free["ok"]
     result = recheck_training(compiled, example, feeds, steps, result)  # as check does
+    result = in_stored_indices(result, compiled.logical)  # qkv.weight[0,0], not its view's [0,0,0]
     result["verdict"] = verdict(result)
     result["losses"], result["reference_losses"] = losses, ref_losses
     if not args.json:
