@@ -56,14 +56,19 @@ def _end_work(args, work: str, compiled) -> None:
 
 def _checkpoint(work: str, graph, feeds: dict, module) -> str:
     """The checkpoint program.py reads: a model file itself (its weights, each rank reading
-    its slices), else ``work/model.pt`` written from ``feeds``."""
+    its slices), else ``work/model.pt`` written from ``feeds``: a tied weight under each of
+    its names (param attr ``aliases``; one storage in the file), so that it is also the
+    model's ``state_dict`` for ``load_state_dict(strict=True)``."""
     if isinstance(module, ModelFile):
         return module.path
     import torch
 
-    path = os.path.join(work, "model.pt")
-    torch.save({n.name: torch.from_numpy(np.ascontiguousarray(feeds[n.name])) for n in graph.params},
-               path)
+    path, tensors = os.path.join(work, "model.pt"), {}
+    for n in graph.params:
+        tensors[n.name] = torch.from_numpy(np.ascontiguousarray(feeds[n.name]))
+        for alias in filter(None, (n.attr("aliases") or "").split(",")):
+            tensors.setdefault(alias, tensors[n.name])
+    torch.save(tensors, path)
     return path
 
 

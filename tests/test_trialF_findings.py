@@ -335,3 +335,38 @@ def test_plan_says_how_many_parts_a_fused_weight_has(tmp_path):
     assert main(["plan", f"{GPT_FILE}:gpt", "--mesh", "tp=2", "-o", str(tmp_path / "p.pcs")]) == 0
     line = next(x for x in (tmp_path / "p.pcs").read_text().splitlines() if "qkv.weight" in x)
     assert "view of the fused [96,32]" in line and "each of its 3 parts split" in line, line
+
+
+# ---- 5: run --keep's model.pt of a tied plain-torch model is the model's state_dict --------
+
+def test_model_pt_holds_a_tied_weight_under_each_name(tmp_path):
+    """The trial's GPT (head.weight is tok.weight): model.pt named it head.weight only, so
+    load_state_dict(strict=True) missed tok.weight; now both names, one storage."""
+    from parcomp.commands_run import _checkpoint
+    from parcomp.frontends.loader import load_model
+
+    graph, module, _ = load_model(f"{GPT_FILE}:gpt")
+    feeds = {n.name: module.state_dict()[n.name].numpy() for n in graph.params}
+    sd = torch.load(_checkpoint(str(tmp_path), graph, feeds, module), weights_only=True)
+    assert sd["head.weight"].data_ptr() == sd["tok.weight"].data_ptr()
+    fresh = type(module)()
+    fresh.load_state_dict(sd, strict=True)
+    assert fresh.head.weight is fresh.tok.weight and torch.equal(fresh.tok.weight, module.tok.weight)
+
+
+def test_the_readme_s_tied_load_line_loads_an_export_strictly(tmp_path, monkeypatch):
+    """README's one-liner for a plain-torch tied export (tok.weight written once), run as written."""
+    import safetensors.torch
+
+    from trialf_gpt import GPT
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    line = next(x for x in readme.splitlines() if x.startswith("`sd = safetensors.torch.load_file("))
+    trained = GPT()
+    sd = {k: v for k, v in trained.state_dict().items() if k != "head.weight"}  # as export writes it
+    (tmp_path / "out").mkdir()
+    safetensors.torch.save_file(sd, str(tmp_path / "out" / "model.safetensors"))
+    monkeypatch.chdir(tmp_path)
+    model = GPT()
+    exec(line.rstrip(".").strip("`"), {"safetensors": safetensors, "model": model})
+    assert torch.equal(model.head.weight, trained.tok.weight) and model.head.weight is model.tok.weight
