@@ -5,6 +5,7 @@ import sys
 
 from .budget import CHECK_SECONDS_ANNOUNCE, check_memory, check_time
 from .errors import ParcompError
+from .frontends.fused import in_stored_indices
 from .reference.interpreter import run_spmd
 from .passes.moe_capacity import reference_text, spec_changes_capacity
 from .passes.train_config import check_steps, train_config
@@ -101,6 +102,7 @@ def _check_training(args, compiled, module, example, steps):
 
         result["pipeline"] = check_pipeline_step(compiled, feeds, steps)
         result["ok"] = result["ok"] and result["pipeline"]["ok"]
+    result = in_stored_indices(result, compiled.logical)  # qkv.weight[0,0], not its view's [0,0,0]
     result["verdict"] = verdict(result, vs_torch)
     if not args.json:
         print(format_collectives(compiled.report["collectives"]))
@@ -117,6 +119,14 @@ def _check_training(args, compiled, module, example, steps):
             "world_size": compiled.program.mesh.size, "steps": steps}
 
 
+def _basis(result, r) -> str:
+    """What an OK rests on when line ``r``'s own bound is not finite: the float64 re-check
+    (its note), ``r`` being float32's torch.optim comparison, only reported."""
+    if result.get("ok") and r is not result and result.get("note") and r.get("unbounded"):
+        return "only reported: the OK rests on the float64 re-check (note below)"
+    return ""
+
+
 def _print_training(result, how, label="vs unsharded step"):
     print(f"{how}: losses {_short_losses(result['losses'])}")
     why = []
@@ -125,7 +135,7 @@ def _print_training(result, how, label="vs unsharded step"):
             continue
         print(f"  {name + ':':18} loss {r['max_loss_err']:.2e}  grads {r['max_grad_err']:.2e}"
               f"  params {r['max_param_err']:.2e}  all carried {r['max_abs_err']:.2e}"
-              f"  ({_vs_tolerance(r)})")
+              f"  ({_vs_tolerance(r, _basis(result, r))})")
         if r.get("missing"):
             print(f"    missing from the program: {', '.join(r['missing'])}")
         if r["why"] and r["why"] not in [w for _, w in why]:

@@ -3,6 +3,7 @@ every input and param), the unsharded reference, and printing a result (:mod:`pa
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 import numpy as np
@@ -245,9 +246,25 @@ def _print_result(args, compiled, result, how):
           f"{word}{'' if result['ok'] else ': ' + result['why']}")
 
 
-def _vs_tolerance(result) -> str:
-    return (f"error/tolerance {result['err_over_tol']:.2g} at {result['worst']}, tolerance "
-            f"{result['tolerance']:.2e} from the error bound")
+def _vs_tolerance(result, basis: str = "") -> str:
+    """The ``error/tolerance R at WHERE, tolerance T from the error bound`` part of a report
+    line. Where the bound is not finite there is no ratio to show: ``error/tolerance n/a``,
+    said why, and ``basis`` (what the verdict rests on instead) when given. A run the
+    float64 re-check vouched for (:mod:`parcomp.run64`: ``float64`` and
+    ``err_over_tol_float32`` in ``result``) shows float32's and the re-check's, named."""
+    wide = result.get("float64")
+    if result.get("ok") and wide and wide.get("ok") and "err_over_tol_float32" in result:
+        f32 = _ratio_text(result["err_over_tol_float32"], result["tolerance"], result["worst"])
+        return (f"float32: {f32}; the OK rests on the float64 re-check: "
+                f"{_ratio_text(wide['err_over_tol'], wide['tolerance'], wide['worst'])}")
+    text = _ratio_text(result["err_over_tol"], result["tolerance"], result["worst"])
+    return text + (f"; {basis}" if basis and not math.isfinite(result["tolerance"]) else "")
+
+
+def _ratio_text(ratio: float, tol: float, at) -> str:
+    if math.isfinite(tol):  # an inf ratio over a finite (zero) tolerance is a real mismatch
+        return f"error/tolerance {ratio:.2g} at {at}, tolerance {tol:.2e} from the error bound"
+    return f"error/tolerance n/a at {at}: the error bound is not finite there"
 
 
 def _train_feeds(compiled, module, example, seed):

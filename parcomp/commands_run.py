@@ -10,7 +10,7 @@ import numpy as np
 
 from .budget import check_memory
 from .errors import ParcompError
-from .frontends.fused import to_view_shapes  # attention part (issue 17)
+from .frontends.fused import in_stored_indices, to_view_shapes  # attention part (issue 17)
 from .frontends.model_file import ModelFile
 from .outdir import record_written, write_dir_atomic
 from .passes.train_config import check_steps, train_config
@@ -56,14 +56,19 @@ def _end_work(args, work: str, compiled) -> None:
 
 def _checkpoint(work: str, graph, feeds: dict, module) -> str:
     """The checkpoint program.py reads: a model file itself (its weights, each rank reading
-    its slices), else ``work/model.pt`` written from ``feeds``."""
+    its slices), else ``work/model.pt`` written from ``feeds``: a tied weight under each of
+    its names (param attr ``aliases``; one storage in the file), so that it is also the
+    model's ``state_dict`` for ``load_state_dict(strict=True)``."""
     if isinstance(module, ModelFile):
         return module.path
     import torch
 
-    path = os.path.join(work, "model.pt")
-    torch.save({n.name: torch.from_numpy(np.ascontiguousarray(feeds[n.name])) for n in graph.params},
-               path)
+    path, tensors = os.path.join(work, "model.pt"), {}
+    for n in graph.params:
+        tensors[n.name] = torch.from_numpy(np.ascontiguousarray(feeds[n.name]))
+        for alias in filter(None, (n.attr("aliases") or "").split(",")):
+            tensors.setdefault(alias, tensors[n.name])
+    torch.save(tensors, path)
     return path
 
 
@@ -191,6 +196,7 @@ def _run_training(args, compiled, module, example):
     result["free_running"] = free
     result["ok"] = result["ok"] and free["ok"]
     result = recheck_training(compiled, example, feeds, steps, result)  # as check does
+    result = in_stored_indices(result, compiled.logical)  # qkv.weight[0,0], not its view's [0,0,0]
     result["verdict"] = verdict(result)
     result["losses"], result["reference_losses"] = losses, ref_losses
     if not args.json:

@@ -117,8 +117,10 @@ def _phrase(graph, users, node, layout, mesh) -> tuple:
 
 def _parts(node) -> str:
     """For a fused weight's view: how a colwise / rowwise split reads on its parts."""
-    stored = node.attr("stored_shape")
-    return f", each of its {node.type.shape[len(stored) - 1]} parts split" if stored else ""
+    from .frontends.fused import fused_split_dim
+
+    stored = node.attr("stored_shape")  # the parts dim is the one before colwise's per-part dim
+    return f", each of its {node.type.shape[fused_split_dim(node, 'colwise') - 1]} parts split" if stored else ""
 
 
 def _word_dim(graph, users, node, word):

@@ -23,6 +23,7 @@ Updated values and gradients of such a param keep the view's shape
 """
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import numpy as np
@@ -210,3 +211,41 @@ def _stored(x, shape):
 def to_shape(x, shape):  # noqa: D103 - see parcomp.reference.numpy_attn.to_shape
     from ..reference.numpy_attn import to_shape as pad_or_reshape
     return pad_or_reshape(x, shape)
+
+
+_INDEX = re.compile(r"\[(\d+(?:, ?\d+)*)\]")
+
+
+def in_stored_indices(result, graph):
+    """``result`` (a check/run result: nested dicts and lists) with the ``worst``, ``why``
+    and ``note`` texts' indices into a fused view param (``qkv.weight[0,0,0]`` of the view
+    [3, 32, 32]) given in the stored shape the user knows (``qkv.weight[0,0]`` of [96, 32]):
+    ``NAME[i,j,k]`` and, in a ``NAME: reason`` clause (up to ``;``), each index of the
+    view's rank. Names with suffixes (``.grad``, ``.exp_avg``) count: they have the view's
+    shape. A graph without fused views returns ``result`` unchanged."""
+    views = {n.name: (n.type.shape, n.attr("stored_shape")) for n in graph.params
+             if n.attr("stored_shape") and int(np.prod(n.type.shape)) == int(np.prod(n.attr("stored_shape")))}
+    if not views:
+        return result
+    names = "|".join(re.escape(v) for v in sorted(views, key=len, reverse=True))
+    clause = re.compile(rf"(?<![\w.])({names})((?:\.[A-Za-z_]\w*)*)(\[[\d, ]+\]|: [^;]*)")
+
+    def index(view, stored, m):
+        idx = tuple(int(i) for i in m.group(1).split(","))
+        if len(idx) != len(view) or any(i >= n for i, n in zip(idx, view)):
+            return m.group(0)
+        new = np.unravel_index(np.ravel_multi_index(idx, view), stored)
+        return "[" + (", " if " " in m.group(1) else ",").join(str(int(i)) for i in new) + "]"
+
+    def clauses(m):
+        view, stored = views[m.group(1)]
+        return m.group(1) + m.group(2) + _INDEX.sub(lambda i: index(view, stored, i), m.group(3))
+
+    def walk(x, key=None):
+        if isinstance(x, dict):
+            return {k: walk(v, k) for k, v in x.items()}
+        if isinstance(x, list):
+            return [walk(v, key) for v in x]
+        return clause.sub(clauses, x) if isinstance(x, str) and key in ("worst", "why", "note") else x
+
+    return walk(result)

@@ -4,7 +4,9 @@ A factory is a zero-argument callable returning ``(module, example_inputs)`` or
 ``(module, example_inputs, input_names)``; the module is imported with
 :func:`parcomp.frontends.torch_export.import_torch`.  ``pkg.mod`` is imported
 as ``python -m`` would find it: from ``sys.path`` and, failing that, from the
-current directory.  Every failure is a :class:`FrontendError` (or the
+current directory.  ``FILE.py`` is imported as ``python FILE.py`` runs it: its folder
+is first on ``sys.path`` while it is imported and its factory called (so it imports its
+neighbours), and taken off again after.  Every failure is a :class:`FrontendError` (or the
 ``.pcir`` parser's :class:`IRParseError`), located where possible: the line of
 the ``.pcir`` file, of a ``.py`` file that does not compile, or of the
 factory's own code that raised.
@@ -54,11 +56,12 @@ def load_model(ref: str) -> tuple:
     where, name = ref.rsplit(":", 1)
     if not name.isidentifier() or not where:
         raise FrontendError(f"cannot load {ref!r}: {USAGE} (FACTORY is a Python name)", where=ref)
-    mod = _import(where, ref)
-    factory = getattr(mod, name, None)
-    if not callable(factory):
-        raise FrontendError(_missing(mod, name, ref), where=ref)
-    module, inputs, names = _call(factory, ref)
+    with _folder_on_path(where):
+        mod = _import(where, ref)
+        factory = getattr(mod, name, None)
+        if not callable(factory):
+            raise FrontendError(_missing(mod, name, ref), where=ref)
+        module, inputs, names = _call(factory, ref)
     from .torch_export import import_torch
 
     return import_torch(module, inputs, names), module, inputs
@@ -146,8 +149,30 @@ def pointing_into(ref: str, text: str | None = None):
         raise VerifyError(e.message, SourceLoc(ref, at + 1, col, lines[at])) from None
 
 
+def _is_file_ref(where: str) -> bool:
+    return where.endswith(".py") or os.sep in where or "/" in where
+
+
+@contextlib.contextmanager
+def _folder_on_path(where: str):
+    """For a ``FILE.py`` reference, ``FILE``'s folder first on ``sys.path`` (as ``python
+    FILE.py`` has it) for the duration; removed after unless it was already there."""
+    folder = os.path.dirname(os.path.abspath(where)) if _is_file_ref(where) else None
+    if folder is None or (sys.path and sys.path[0] == folder):
+        yield
+        return
+    sys.path.insert(0, folder)
+    try:
+        yield
+    finally:
+        if sys.path and sys.path[0] == folder:
+            del sys.path[0]
+        elif folder in sys.path:
+            sys.path.remove(folder)
+
+
 def _import(where: str, ref: str):
-    if where.endswith(".py") or os.sep in where or "/" in where:
+    if _is_file_ref(where):
         return _import_file(where, ref)
     if not all(part.isidentifier() for part in where.split(".")):
         raise FrontendError(f"cannot load {ref!r}: {where!r} is neither a module name "

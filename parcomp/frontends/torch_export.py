@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import linecache
 import logging
 import re
 import warnings
@@ -23,7 +22,7 @@ from dataclasses import replace
 
 import torch
 
-from ..errors import FrontendError, SourceLoc
+from ..errors import FrontendError
 from ..ir.graph import Graph, Node, make_attrs
 from ..ir.names import NameGen
 from ..ir.ops import OPS
@@ -33,6 +32,7 @@ from .torch_fold import (causal_attention, defining, fold, folded_constants,  # 
                          materialized, remember, same_value)
 from .torch_outputs import name_outputs, output_names, register_output_dataclasses
 from .torch_norms import NORM_TABLE, fused_patterns
+from .torch_hints import COMPLEX, module_path as _module_path, unsupported, user_frame, where_of
 
 aten = torch.ops.aten
 
@@ -40,8 +40,6 @@ DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.float16: "fl
           torch.bfloat16: "bfloat16", torch.int64: "int64", torch.int32: "int32",
           torch.bool: "bool"}
 _NAME_OK = re.compile(r"[A-Za-z0-9_.]+\Z")
-_FRAME = re.compile(r'File "([^"]+)", line (\d+), in \S+\n[ \t]*([^\n]*)')
-_TORCH_DIR = torch.__file__.rsplit("/", 1)[0] + "/"
 
 
 class _Builder:
@@ -57,8 +55,14 @@ class _Builder:
     def fresh(self, base: str) -> str:
         return self.taken.fresh(re.sub(r"[^A-Za-z0-9_.]", "_", base) or "v")
 
-    def fail(self, msg: str) -> FrontendError:
-        return FrontendError(msg + _where(self.cur) if self.cur is not None else msg)
+    def fail(self, msg: str, hint: str = "") -> FrontendError:
+        """A FrontendError about the fx node being lowered: ``msg``, its module path and
+        class, ``hint`` (what to do), and as its location the user's source line it was traced from (the
+        ``file:line:col`` header of every located error), when there is one."""
+        if self.cur is None:
+            return FrontendError(msg + hint)
+        return FrontendError(msg + where_of(self.cur) + hint, user_frame(self.cur),
+                             where=_module_path(self.cur) or str(self.cur.target))
 
     def add(self, node: Node) -> str:
         if self.cur is not None and node.op not in ("input", "param"):
@@ -102,67 +106,11 @@ def _type_of(fx, b: _Builder) -> TensorType:
     if not isinstance(val, torch.Tensor):
         raise b.fail(f"fx node %{fx.name} does not produce a tensor (got {type(val).__name__})")
     if val.dtype not in DTYPES:
-        raise b.fail(f"dtype {val.dtype} of %{fx.name} is not supported; known: "
-                     + ", ".join(DTYPES.values()))
+        raise b.fail(f"dtype {val.dtype} of %{fx.name} is not supported (known: "
+                     + ", ".join(DTYPES.values()) + ")", f"; {COMPLEX}" if val.dtype.is_complex else "")
     if not all(isinstance(s, int) for s in val.shape):
         raise b.fail(f"%{fx.name} has a dynamic shape {tuple(val.shape)}; only static shapes work")
     return TensorType(tuple(int(s) for s in val.shape), DTYPES[val.dtype])
-
-
-def _module_path(fx) -> str | None:
-    """The path of the innermost user module an fx node was traced in (``mlp.c_fc``), or None."""
-    stack = fx.meta.get("nn_module_stack") or {}
-    path = list(stack.values())[-1][0] if stack else ""
-    return path or None
-
-
-def _where(fx) -> str:
-    """' in module 'a.b' (Cls), at file.py:12: source' for an fx node, from its meta."""
-    out = ""
-    stack = fx.meta.get("nn_module_stack") or {}
-    if stack:
-        path, cls = list(stack.values())[-1]
-        cls = getattr(cls, "__qualname__", cls)
-        out += f" in module {path!r} ({cls})" if path else f" in the top-level module ({cls})"
-    loc = _user_frame(fx)
-    if loc is not None:
-        out += f"\n  at {loc.file}:{loc.line}: {loc.text.strip()}"
-    return out
-
-
-def _user_frame(fx) -> SourceLoc | None:
-    """The user's source line an fx node was traced from (the last frame outside torch)."""
-    frames = _FRAME.findall(fx.meta.get("stack_trace") or "")
-    user = [f for f in frames if not f[0].startswith(_TORCH_DIR)] or frames
-    if not user:
-        return None
-    file, line, text = user[-1]
-    full = linecache.getline(file, int(line)).rstrip("\n")  # the frame's text is stripped
-    if text.strip() and text.strip() in full:
-        return SourceLoc(file, int(line), full.index(text.strip()) + 1, full)
-    return SourceLoc(file, int(line), 1, text)
-
-
-def _base(op) -> str:
-    """``aten.sum.dim_IntList`` -> ``sum``: an overload's op name."""
-    parts = str(op).split(".")
-    return parts[1] if len(parts) >= 3 else str(op)
-
-
-def _unsupported(fx) -> FrontendError:
-    """The error for an aten op with no lowering: the op, the fx node, the module path
-    (from ``nn_module_stack``), the nearest supported op (difflib on the op's base name)
-    and, as its location, the user's source line."""
-    import difflib
-
-    ops = supported_ops()
-    near = difflib.get_close_matches(_base(fx.target), sorted({_base(o) for o in ops}), n=1, cutoff=0)
-    nearest = [o for o in ops if _base(o) == near[0]] if near else ops[:1]
-    where = _where(fx).split("\n")[0]
-    return FrontendError(f"unsupported op {fx.target} (fx node %{fx.name}){where}: parcomp has no "
-                         f"lowering for it; nearest supported op: {', '.join(nearest)} "
-                         f"({len(ops)} supported: parcomp.frontends.torch_export.supported_ops())",
-                         _user_frame(fx), where=_module_path(fx) or str(fx.target))
 
 
 def _bind(fx) -> dict:
@@ -213,7 +161,7 @@ def _lower(b: _Builder, n) -> str | None:
         return b.fused[n](b, n, _bind(n) if getattr(n.target, "_schema", None) is not None else {})
     fn = TABLE.get(n.target)
     if fn is None:
-        raise _unsupported(n)
+        raise unsupported(n, supported_ops())
     out = fn(b, n, _bind(n))
     if n.target in MULTI:  # several results, picked by getitem
         return out
@@ -358,8 +306,9 @@ def import_torch(module: torch.nn.Module, example_inputs: tuple,
 
     Raises:
         FrontendError: torch.export fails, an aten op has no lowering (located at the
-            user's source line; the message names the op, fx node, module path and the
-            nearest supported op), a shape is dynamic, or a dtype is unknown.
+            user's source line; the message names the op, fx node, module path and a
+            related supported op or rewrite: :mod:`.torch_hints`), a shape is dynamic, or a
+            dtype is unknown (complex: the real-arithmetic RoPE rewrite).
     """
     ep = _export(module, example_inputs)
     consts = fold(ep)  # fx node -> value, for what depends on constants and buffers only
