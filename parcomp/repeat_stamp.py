@@ -22,6 +22,13 @@ N-block stage is the reduced one with:
 - every other node (the tail blocks ``t+1..M-1``, suffix, unowned) with the tokens of blocks
   ``t..M-1`` shifted by ``N-M`` (the last block becomes ``N-1``; the suffix reads it).
 
+A norm-gradient bucket (:func:`_wide`: ``bucket-norm-grads`` under sequence parallel, one
+``bucket_cat`` reading every block's norm-weight gradients) is the one unowned node allowed to
+read the template: its operand list and its ``frees`` list are stamped as a sequence of nodes
+is (template runs repeated next to themselves), its flat size and its all_reduce's (and a
+``wait``'s) grow by the copies' members, the reason's member count follows, and its
+``bucket_part`` offsets are laid again in program order (the reduced stage's must be so laid).
+
 The outputs are stamped alike. Names in string attributes (``frees="..."``, ``reason="..."``)
 and module paths (``source``) are renamed alike. :func:`stamp` returns None where the stamp
 does not fit (:func:`fits`: a node reading a value of a block not next to its own, an unowned
@@ -32,8 +39,10 @@ caller then compiles the whole graph (or the passes from that stage on).
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
-from .ir.graph import Graph, Node
+from .ir.graph import Graph, Node, evolve
+from .passes.bucket import NORM_BUCKET, NORM_REASON
 from .repeat import Blocks
 
 _WORD = re.compile(r"[A-Za-z0-9_.]*")
@@ -134,6 +143,10 @@ def fits(st: Stamper, graph: Graph) -> bool:
     t, last = st.t, st.m - 1
     for x in graph.nodes:
         b = owners[x.name]
+        if b is None and _wide(x):
+            if not _wide_fits(st, x):
+                return False
+            continue
         for i in x.inputs:
             o = owners[i]
             if o is None:
@@ -156,6 +169,9 @@ def stamp(st: Stamper, graph: Graph, n: int, **kw) -> Graph | None:
     head_node, _ = _renamer(st, st.shift_map(range(t + 2, m), n - m))
     nodes = _stamp_seq(graph.nodes, [st.owner(x.name) for x in graph.nodes], t,
                        [f for f, _ in maps], last_node if n != m else None, head_node)
+    if nodes is not None and n != m and any(_wide(x) for x in graph.by_op("bucket_cat")):
+        names = ([rn for _, rn in maps], last_name, _renamer(st, st.shift_map(range(t + 2, m), n - m))[1])
+        nodes = _stamp_buckets(st, graph, nodes, n, names)
     outs = list(zip(graph.outputs, graph.output_names))
     pairs = _stamp_seq(outs, [st.owner(o) if st.owner(o) is not None else st.owner(p) for o, p in outs],
                        t, [lambda op, rn=rn: (rn(op[0]), rn(op[1])) for _, rn in maps],
@@ -242,3 +258,83 @@ def _well_formed(nodes) -> bool:
             return False
         seen.add(x.name)
     return True
+
+
+def _wide(x) -> bool:
+    """Whether node ``x`` is a norm-gradient bucket (reads every block; module docstring)."""
+    return x.op == "bucket_cat" and x.name.startswith(NORM_BUCKET)
+
+
+def _frees(x) -> list:
+    v = x.attr("frees")
+    return v.split(" ") if type(v) is str and v else []
+
+
+def _wide_fits(st: Stamper, x) -> bool:
+    """Whether bucket ``x``'s operand and ``frees`` lists have a told direction per template run."""
+    for seq in (x.inputs, _frees(x)):
+        owners = [st.owner(i) for i in seq]
+        if any(_ascending(owners, k, e, st.t) is None for k, e in _runs(owners, st.t)):
+            return False
+    return True
+
+
+def _stamp_buckets(st: Stamper, graph: Graph, nodes: list, n: int, names) -> list | None:
+    """``nodes`` (``graph``'s stamp, its buckets renamed as any unowned node) with each
+    norm-gradient bucket stamped (module docstring); None where a bucket is not laid out as
+    ``bucket-norm-grads`` lays it (one all_reduce reading it, parts in offset order)."""
+    users, fix, sources = graph.users(), {}, set()
+    for cat in filter(_wide, graph.by_op("bucket_cat")):
+        got = _bucket_fixes(st, graph, cat, users, n, names)
+        if got is None:
+            return None
+        fix.update(got[0])
+        sources.update(got[1])
+    out, offset = [], {}
+    for x in nodes:
+        f = fix.get(x.name)
+        if f is not None:
+            x = f(x)
+        elif x.op == "bucket_part" and x.inputs[0] in sources:
+            at = offset.get(x.inputs[0], 0)
+            offset[x.inputs[0]] = at + x.attr("numel")
+            x = x.with_attrs(offset=at)
+        out.append(x)
+    return out
+
+
+def _bucket_fixes(st: Stamper, graph: Graph, cat, users, n: int, names) -> tuple | None:
+    """``({name: stamped node -> fixed node}, {names the parts read})`` for bucket ``cat``."""
+    copies, last, head = names
+    t, m = st.t, st.m
+
+    def seq(items):
+        return _stamp_seq(list(items), [st.owner(i) for i in items], t, copies, last, head)
+
+    ins, frees = seq(cat.inputs), seq(_frees(cat))
+    grow = (n - m) * sum(graph[i].type.numel for i in cat.inputs if st.owner(i) == t)
+    flat = replace(cat.type, shape=(cat.type.numel + grow,))
+    ars = users[cat.name]
+    if ins is None or frees is None or len(ars) != 1 or graph[ars[0]].op != "all_reduce":
+        return None
+    ar = graph[ars[0]]
+    reason, was = ar.attr("reason", ""), f"{NORM_REASON}{len(cat.inputs)} "
+    if not reason.startswith(was):
+        return None
+    reason = f"{NORM_REASON}{len(ins)} " + reason[len(was):]
+    fix = {cat.name: lambda x: evolve(x, inputs=tuple(ins), type=flat, **(
+               {"attrs": tuple(sorted({**dict(x.attrs), "frees": " ".join(frees)}.items()))}
+               if frees else {})),
+           ar.name: lambda x: evolve(x.with_attrs(reason=reason), type=flat)}
+    sources = {ar.name}
+    for w in users[ar.name]:
+        if graph[w].op == "wait":
+            fix[w] = lambda x: evolve(x, type=flat)
+            sources.add(w)
+    at = 0
+    for p in graph.nodes:
+        if p.op == "bucket_part" and p.inputs[0] in sources:
+            if p.attr("offset") != at:
+                return None
+            at += p.attr("numel")
+    return (fix, sources) if at == cat.type.numel else None
