@@ -134,6 +134,57 @@ def _renamer(st: Stamper, mapping: dict):
     return node, rn
 
 
+def _copier(st: Stamper, shifts: list):
+    """A function of a run of template nodes giving, for each token map of ``shifts`` (one
+    per copy), the run renamed by it (as :func:`_renamer`'s ``node``). Each string of a node
+    is split into pieces once and formatted for every copy at once."""
+    k, parts, cols = len(shifts), st.parts, {}
+
+    def col(tok):  # the token's name in each copy
+        got = cols.get(tok)
+        if got is None:
+            got = cols[tok] = [shift.get(tok, tok) for shift in shifts]
+        return got
+
+    def across(s):  # s in each copy, or None where no copy changes it
+        p = parts(s)
+        if len(p) == 1:
+            return None
+        if len(p) == 3:
+            pre, post = p[0], p[2]
+            return [pre + tok + post for tok in col(p[1])]
+        toks = [col(x) if i % 2 else None for i, x in enumerate(p)]
+        return ["".join([toks[i][j] if i % 2 else x for i, x in enumerate(p)]) for j in range(k)]
+
+    def node_copies(x):
+        fields = x.__dict__
+        names = across(x.name) or [x.name] * k
+        ins = [across(i) or [i] * k for i in x.inputs]
+        inputs = list(zip(*ins)) if ins else [()] * k
+        attrs = x.attrs
+        if attrs and any(type(v) is str for _, v in attrs):
+            cols_ = [across(v) if type(v) is str else None for _, v in attrs]
+            attrs = [tuple((key, v if c is None else c[j]) for (key, v), c in zip(x.attrs, cols_))
+                     for j in range(k)] if any(c is not None for c in cols_) else None
+        else:
+            attrs = None
+        src = across(x.source) if x.source else None
+        out = []
+        for j in range(k):
+            new = object.__new__(Node)
+            d = new.__dict__
+            d.update(fields)
+            d["name"], d["inputs"] = names[j], inputs[j]
+            if attrs is not None:
+                d["attrs"] = attrs[j]
+            if src is not None:
+                d["source"] = src[j]
+            out.append(new)
+        return out
+
+    return lambda run: [list(c) for c in zip(*map(node_copies, run))]
+
+
 def fits(st: Stamper, graph: Graph) -> bool:
     """Whether ``graph`` (a stage of the reduced model) has the shape :func:`stamp` needs:
     every node reads unowned values or values of its own block or the next to it, an unowned
@@ -164,11 +215,11 @@ def stamp(st: Stamper, graph: Graph, n: int, **kw) -> Graph | None:
     if not fits(st, graph):
         return None
     last_node, last_name = _renamer(st, st.shift_map(range(t, m), n - m))
-    maps = [_renamer(st, st.shift_map((t - 1, t, t + 1), j - t, n - m))
-            for j in range(t + 1, t + 1 + n - m)]
+    shifts = [st.shift_map((t - 1, t, t + 1), j - t, n - m) for j in range(t + 1, t + 1 + n - m)]
+    maps = [_renamer(st, shift) for shift in shifts]
     head_node, _ = _renamer(st, st.shift_map(range(t + 2, m), n - m))
     nodes = _stamp_seq(graph.nodes, [st.owner(x.name) for x in graph.nodes], t,
-                       [f for f, _ in maps], last_node if n != m else None, head_node)
+                       _copier(st, shifts), last_node if n != m else None, head_node)
     if nodes is not None and n != m and any(_wide(x) for x in graph.by_op("bucket_cat")):
         names = ([rn for _, rn in maps], last_name, _renamer(st, st.shift_map(range(t + 2, m), n - m))[1])
         nodes = _stamp_buckets(st, graph, nodes, n, names)
@@ -205,7 +256,8 @@ def _runs(owners, t):
 
 
 def _stamp_seq(items, owners, t, copies, last, head=None):
-    """``items`` with each run of template-owned ones repeated by ``copies`` (ascending or
+    """``items`` with each run of template-owned ones repeated by ``copies`` (one function per
+    copy, or one function of a run giving every copy's: :func:`_copier`; ascending or
     descending as the run's neighbours say) and ``last`` applied to those of later blocks
     or none; None where a run's direction is not told."""
     out, k = [], 0
@@ -227,7 +279,7 @@ def _stamp_seq(items, owners, t, copies, last, head=None):
             asc = _ascending(owners, k, end, t)
             if asc is None:
                 return None
-            stamped = [[f(x) for x in run] for f in copies]
+            stamped = copies(run) if callable(copies) else [[f(x) for x in run] for f in copies]
             if not asc:
                 stamped.reverse()
             for chunk in ([run] + stamped if asc else stamped + [run]):
@@ -253,10 +305,11 @@ def _ascending(owners, start, end, t):
 def _well_formed(nodes) -> bool:
     """Every name made once and every operand made before it is read."""
     seen = set()
+    add, covers = seen.add, seen.issuperset
     for x in nodes:
-        if x.name in seen or any(i not in seen for i in x.inputs):
+        if x.name in seen or not covers(x.inputs):
             return False
-        seen.add(x.name)
+        add(x.name)
     return True
 
 
