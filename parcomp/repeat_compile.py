@@ -21,8 +21,8 @@ import math
 from .ir.graph import Graph
 from .passes.keep_dp import prune
 from .passes.layout_ilp import MAX_STRATEGIES
-from .passes.manager import forward_pipeline, run_pipeline
-from .passes.shard_prop import _Problem
+from .passes.manager import Pass, forward_pipeline, run_pipeline
+from .passes.shard_prop import _Problem, shard_prop
 from .passes.verify import verify
 from .repeat import find_blocks, reduced, spec_names_a_block
 from .repeat_stamp import Stamper, fits, stamp, stamp_order
@@ -71,7 +71,8 @@ def reused_stages(graph: Graph, spec) -> dict | None:
     whole = None if order is None else _whole_problem(before, order)
     if whole is None:  # the whole graph's search would be the ILP (or gather the batch)
         return None
-    later = run_pipeline(before, passes[first:])
+    plan = Pass("shard-prop", lambda g: shard_prop(g, heuristic=True, problem=whole[0]))
+    later = run_pipeline(before, [plan, *passes[first + 1:]])
     later.pop("input")
     stages.update(later)
     search = stages["shard-prop"].search
