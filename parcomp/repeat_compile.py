@@ -78,7 +78,8 @@ def reused_stages(graph: Graph, spec) -> dict | None:
     search = stages["shard-prop"].search
     if search.get("search") != "heuristic" or not search.get("data_parallel"):
         return None
-    good = next((k for k, name in enumerate(names) if not fits(st, stages[name])), len(names))
+    good = next((k for k, name in enumerate(names) if (k == 0 or stages[name] is not stages[names[k - 1]])
+                 and not fits(st, stages[name])), len(names))  # a pass that changed nothing: as before
     if good <= first + 1:  # the plan or its collectives do not stamp
         return None
     info = _search_info(*whole, stages["shard-prop"], order, search)

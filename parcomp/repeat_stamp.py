@@ -65,6 +65,7 @@ class Stamper:
         alts = "|".join(re.escape(s) for s in sorted(self.block_of, key=len, reverse=True))
         self._re = re.compile(rf"(?<![A-Za-z0-9_])(?:{alts})(?![0-9]|_[0-9])")
         self._parts = {}  # string -> (pieces, token indices)
+        self._owner = {}  # node name -> owner(name)
 
     def parts(self, s: str) -> tuple:
         """``s`` split into literal pieces and tokens: ``(pieces, odd indices are tokens)``.
@@ -84,8 +85,11 @@ class Stamper:
 
     def owner(self, name: str):
         """The block owning node ``name`` (its first token's), or None."""
-        p = self.parts(name)
-        return self.block_of[p[1]] if len(p) > 1 else None
+        got = self._owner.get(name, self)
+        if got is self:
+            p = self.parts(name)
+            got = self._owner[name] = self.block_of[p[1]] if len(p) > 1 else None
+        return got
 
     def shift_map(self, of_blocks, by: int, tail_by: int | None = None) -> dict:
         """token -> its name ``by`` blocks later, for the tokens of ``of_blocks``; with
