@@ -22,12 +22,8 @@ N-block stage is the reduced one with:
 - every other node (the tail blocks ``t+1..M-1``, suffix, unowned) with the tokens of blocks
   ``t..M-1`` shifted by ``N-M`` (the last block becomes ``N-1``; the suffix reads it).
 
-A norm-gradient bucket (:func:`_wide`: ``bucket-norm-grads`` under sequence parallel, one
-``bucket_cat`` reading every block's norm-weight gradients) is the one unowned node allowed to
-read the template: its operand list and its ``frees`` list are stamped as a sequence of nodes
-is (template runs repeated next to themselves), its flat size and its all_reduce's (and a
-``wait``'s) grow by the copies' members, the reason's member count follows, and its
-``bucket_part`` offsets are laid again in program order (the reduced stage's must be so laid).
+A norm-gradient bucket (one node reading every block) is stamped by
+:mod:`parcomp.repeat_bucket`.
 
 The outputs are stamped alike. Names in string attributes (``frees="..."``, ``reason="..."``)
 and module paths (``source``) are renamed alike. :func:`stamp` returns None where the stamp
@@ -39,11 +35,10 @@ caller then compiles the whole graph (or the passes from that stage on).
 from __future__ import annotations
 
 import re
-from dataclasses import replace
 
-from .ir.graph import Graph, Node, evolve
-from .passes.bucket import NORM_BUCKET, NORM_REASON
+from .ir.graph import Graph, Node
 from .repeat import Blocks
+from .repeat_bucket import ascending, bucket_fits, is_norm_bucket, runs, stamp_buckets, stamp_seq
 
 _WORD = re.compile(r"[A-Za-z0-9_.]*")
 #: the template block of the reduced model (blocks 0, 1 before it; two after it)
@@ -200,8 +195,8 @@ def fits(st: Stamper, graph: Graph) -> bool:
     t, last = st.t, st.m - 1
     for x in graph.nodes:
         b = owners[x.name]
-        if b is None and _wide(x):
-            if not _wide_fits(st, x):
+        if b is None and is_norm_bucket(x):
+            if not bucket_fits(st, x):
                 return False
             continue
         for i in x.inputs:
@@ -211,7 +206,7 @@ def fits(st: Stamper, graph: Graph) -> bool:
             if (o not in (t - 1, last)) if b is None else abs(o - b) > 1:
                 return False
     seq = list(owners.values())
-    return all(_ascending(seq, k, e, t) is not None for k, e in _runs(seq, t))
+    return all(ascending(seq, k, e, t) is not None for k, e in runs(seq, t))
 
 
 def stamp(st: Stamper, graph: Graph, n: int, made: list | None = None, **kw) -> Graph | None:
@@ -227,13 +222,13 @@ def stamp(st: Stamper, graph: Graph, n: int, made: list | None = None, **kw) -> 
     shifts = [st.shift_map((t - 1, t, t + 1), j - t, n - m) for j in range(t + 1, t + 1 + n - m)]
     maps = [_renamer(st, shift) for shift in shifts]
     head_node, _ = _renamer(st, st.shift_map(range(t + 2, m), n - m))
-    nodes = _stamp_seq(graph.nodes, [st.owner(x.name) for x in graph.nodes], t,
+    nodes = stamp_seq(graph.nodes, [st.owner(x.name) for x in graph.nodes], t,
                        _copier(st, shifts, made), last_node if n != m else None, head_node)
-    if nodes is not None and n != m and any(_wide(x) for x in graph.by_op("bucket_cat")):
+    if nodes is not None and n != m and any(is_norm_bucket(x) for x in graph.by_op("bucket_cat")):
         names = ([rn for _, rn in maps], last_name, _renamer(st, st.shift_map(range(t + 2, m), n - m))[1])
-        nodes = _stamp_buckets(st, graph, nodes, n, names)
+        nodes = stamp_buckets(st, graph, nodes, n, names)
     outs = list(zip(graph.outputs, graph.output_names))
-    pairs = _stamp_seq(outs, [st.owner(o) if st.owner(o) is not None else st.owner(p) for o, p in outs],
+    pairs = stamp_seq(outs, [st.owner(o) if st.owner(o) is not None else st.owner(p) for o, p in outs],
                        t, [lambda op, rn=rn: (rn(op[0]), rn(op[1])) for _, rn in maps],
                        (lambda op: (last_name(op[0]), last_name(op[1]))) if n != m else None)
     if nodes is None or pairs is None or not _well_formed(nodes):
@@ -247,68 +242,7 @@ def stamp_order(st: Stamper, graph: Graph, n: int) -> list:
     of the node it is a copy (or the renamed original) of."""
     same = lambda k: k  # noqa: E731
     owners = [st.owner(x.name) for x in graph.nodes]
-    return _stamp_seq(list(range(len(owners))), owners, st.t, [same] * (n - st.m), same, same)
-
-
-def _runs(owners, t):
-    """``(start, end)`` of each maximal run of ``t`` in ``owners``."""
-    k = 0
-    while k < len(owners):
-        if owners[k] != t:
-            k += 1
-            continue
-        end = k
-        while end < len(owners) and owners[end] == t:
-            end += 1
-        yield k, end
-        k = end
-
-
-def _stamp_seq(items, owners, t, copies, last, head=None):
-    """``items`` with each run of template-owned ones repeated by ``copies`` (one function per
-    copy, or one function of a run giving every copy's: :func:`_copier`; ascending or
-    descending as the run's neighbours say) and ``last`` applied to those of later blocks
-    or none; None where a run's direction is not told."""
-    out, k = [], 0
-    while k < len(items):
-        b = owners[k]
-        if b is not None and b < t:
-            out.append(head(items[k]) if head is not None and last is not None else items[k])
-            k += 1
-        elif b != t:
-            out.append(last(items[k]) if last is not None else items[k])
-            k += 1
-        else:
-            end = k
-            while end < len(items) and owners[end] == t:
-                end += 1
-            run = items[k:end]
-            if head is not None and last is not None:
-                run = [head(x) for x in run]
-            asc = _ascending(owners, k, end, t)
-            if asc is None:
-                return None
-            stamped = copies(run) if callable(copies) else [[f(x) for x in run] for f in copies]
-            if not asc:
-                stamped.reverse()
-            for chunk in ([run] + stamped if asc else stamped + [run]):
-                out.extend(chunk)
-            k = end
-    return out
-
-
-def _ascending(owners, start, end, t):
-    """Whether the blocks ascend around ``owners[start:end]`` (a template run): the nearest
-    block-owned node before is an earlier block or the nearest after a later; None when the
-    neighbours disagree or say nothing."""
-    before = next((b for b in reversed(owners[:start]) if b is not None), None)
-    after = next((b for b in owners[end:] if b is not None), None)
-    votes = set()
-    if before is not None:
-        votes.add(before < t)
-    if after is not None:
-        votes.add(after > t)
-    return votes.pop() if len(votes) == 1 else None
+    return stamp_seq(list(range(len(owners))), owners, st.t, [same] * (n - st.m), same, same)
 
 
 def _well_formed(nodes) -> bool:
@@ -320,83 +254,3 @@ def _well_formed(nodes) -> bool:
             return False
         add(x.name)
     return True
-
-
-def _wide(x) -> bool:
-    """Whether node ``x`` is a norm-gradient bucket (reads every block; module docstring)."""
-    return x.op == "bucket_cat" and x.name.startswith(NORM_BUCKET)
-
-
-def _frees(x) -> list:
-    v = x.attr("frees")
-    return v.split(" ") if type(v) is str and v else []
-
-
-def _wide_fits(st: Stamper, x) -> bool:
-    """Whether bucket ``x``'s operand and ``frees`` lists have a told direction per template run."""
-    for seq in (x.inputs, _frees(x)):
-        owners = [st.owner(i) for i in seq]
-        if any(_ascending(owners, k, e, st.t) is None for k, e in _runs(owners, st.t)):
-            return False
-    return True
-
-
-def _stamp_buckets(st: Stamper, graph: Graph, nodes: list, n: int, names) -> list | None:
-    """``nodes`` (``graph``'s stamp, its buckets renamed as any unowned node) with each
-    norm-gradient bucket stamped (module docstring); None where a bucket is not laid out as
-    ``bucket-norm-grads`` lays it (one all_reduce reading it, parts in offset order)."""
-    users, fix, sources = graph.users(), {}, set()
-    for cat in filter(_wide, graph.by_op("bucket_cat")):
-        got = _bucket_fixes(st, graph, cat, users, n, names)
-        if got is None:
-            return None
-        fix.update(got[0])
-        sources.update(got[1])
-    out, offset = [], {}
-    for x in nodes:
-        f = fix.get(x.name)
-        if f is not None:
-            x = f(x)
-        elif x.op == "bucket_part" and x.inputs[0] in sources:
-            at = offset.get(x.inputs[0], 0)
-            offset[x.inputs[0]] = at + x.attr("numel")
-            x = x.with_attrs(offset=at)
-        out.append(x)
-    return out
-
-
-def _bucket_fixes(st: Stamper, graph: Graph, cat, users, n: int, names) -> tuple | None:
-    """``({name: stamped node -> fixed node}, {names the parts read})`` for bucket ``cat``."""
-    copies, last, head = names
-    t, m = st.t, st.m
-
-    def seq(items):
-        return _stamp_seq(list(items), [st.owner(i) for i in items], t, copies, last, head)
-
-    ins, frees = seq(cat.inputs), seq(_frees(cat))
-    grow = (n - m) * sum(graph[i].type.numel for i in cat.inputs if st.owner(i) == t)
-    flat = replace(cat.type, shape=(cat.type.numel + grow,))
-    ars = users[cat.name]
-    if ins is None or frees is None or len(ars) != 1 or graph[ars[0]].op != "all_reduce":
-        return None
-    ar = graph[ars[0]]
-    reason, was = ar.attr("reason", ""), f"{NORM_REASON}{len(cat.inputs)} "
-    if not reason.startswith(was):
-        return None
-    reason = f"{NORM_REASON}{len(ins)} " + reason[len(was):]
-    fix = {cat.name: lambda x: evolve(x, inputs=tuple(ins), type=flat, **(
-               {"attrs": tuple(sorted({**dict(x.attrs), "frees": " ".join(frees)}.items()))}
-               if frees else {})),
-           ar.name: lambda x: evolve(x.with_attrs(reason=reason), type=flat)}
-    sources = {ar.name}
-    for w in users[ar.name]:
-        if graph[w].op == "wait":
-            fix[w] = lambda x: evolve(x, type=flat)
-            sources.add(w)
-    at = 0
-    for p in graph.nodes:
-        if p.op == "bucket_part" and p.inputs[0] in sources:
-            if p.attr("offset") != at:
-                return None
-            at += p.attr("numel")
-    return (fix, sources) if at == cat.type.numel else None
