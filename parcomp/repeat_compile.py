@@ -43,9 +43,11 @@ def reused_stages(graph: Graph, spec) -> dict | None:
     """``{pass name: graph}`` for the stages ``parcomp.compiler`` reads (``input``, the
     logical stage, ``shard-prop``, ``insert-collectives``, the last), built by stamping a
     reduced compile, or None where reuse does not apply or a check fails (module docstring).
-    A lowering pass whose reduced output does not stamp (a bucket of every block's gradients:
-    ``bucket-norm-grads`` under sequence parallel, ``bucket-dp-grads``) runs, with the passes
-    after it, on the whole stamped graph before it (verified, as the pipeline does).
+    A lowering pass whose reduced output does not stamp (``bucket-dp-grads``: its buckets of
+    every block's gradients are cut by byte size) runs, with the passes after it, on the whole
+    stamped graph before it (verified, as the pipeline does); sequence parallel's norm-gradient
+    bucket stamps (:mod:`parcomp.repeat_bucket`). The final stage is verified, the copies of
+    template nodes that read only their own block taken as passed (:func:`copies_passed`).
 
     Raises:
         ParcompError: what the reduced compile raises (a spec/model mismatch shows there as

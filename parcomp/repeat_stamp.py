@@ -28,7 +28,7 @@ A norm-gradient bucket (one node reading every block) is stamped by
 The outputs are stamped alike. Names in string attributes (``frees="..."``, ``reason="..."``)
 and module paths (``source``) are renamed alike. :func:`stamp` returns None where the stamp
 does not fit (:func:`fits`: a node reading a value of a block not next to its own, an unowned
-node reading the template, as a bucket of every block's gradients does; a run whose direction
+node reading the template, as a dp bucket of every block's gradients does; a run whose direction
 its neighbours do not tell) or the result is not SSA with operands made before use; the
 caller then compiles the whole graph (or the passes from that stage on).
 """
