@@ -21,8 +21,8 @@ import math
 from .ir.graph import Graph
 from .passes.keep_dp import prune
 from .passes.layout_ilp import MAX_STRATEGIES
-from .passes.manager import forward_pipeline, run_pipeline
-from .passes.shard_prop import _Problem
+from .passes.manager import Pass, forward_pipeline, run_pipeline
+from .passes.shard_prop import _Problem, shard_prop
 from .passes.verify import verify
 from .repeat import find_blocks, reduced, spec_names_a_block
 from .repeat_stamp import Stamper, fits, stamp, stamp_order
@@ -43,9 +43,11 @@ def reused_stages(graph: Graph, spec) -> dict | None:
     """``{pass name: graph}`` for the stages ``parcomp.compiler`` reads (``input``, the
     logical stage, ``shard-prop``, ``insert-collectives``, the last), built by stamping a
     reduced compile, or None where reuse does not apply or a check fails (module docstring).
-    A lowering pass whose reduced output does not stamp (a bucket of every block's gradients:
-    ``bucket-norm-grads`` under sequence parallel, ``bucket-dp-grads``) runs, with the passes
-    after it, on the whole stamped graph before it (verified, as the pipeline does).
+    A lowering pass whose reduced output does not stamp (``bucket-dp-grads``: its buckets of
+    every block's gradients are cut by byte size) runs, with the passes after it, on the whole
+    stamped graph before it (verified, as the pipeline does); sequence parallel's norm-gradient
+    bucket stamps (:mod:`parcomp.repeat_bucket`). The final stage is verified, the copies of
+    template nodes that read only their own block taken as passed (:func:`copies_passed`).
 
     Raises:
         ParcompError: what the reduced compile raises (a spec/model mismatch shows there as
@@ -71,13 +73,15 @@ def reused_stages(graph: Graph, spec) -> dict | None:
     whole = None if order is None else _whole_problem(before, order)
     if whole is None:  # the whole graph's search would be the ILP (or gather the batch)
         return None
-    later = run_pipeline(before, passes[first:])
+    plan = Pass("shard-prop", lambda g: shard_prop(g, heuristic=True, problem=whole[0]))
+    later = run_pipeline(before, [plan, *passes[first + 1:]])
     later.pop("input")
     stages.update(later)
     search = stages["shard-prop"].search
     if search.get("search") != "heuristic" or not search.get("data_parallel"):
         return None
-    good = next((k for k, name in enumerate(names) if not fits(st, stages[name])), len(names))
+    good = next((k for k, name in enumerate(names) if (k == 0 or stages[name] is not stages[names[k - 1]])
+                 and not fits(st, stages[name])), len(names))  # a pass that changed nothing: as before
     if good <= first + 1:  # the plan or its collectives do not stamp
         return None
     info = _search_info(*whole, stages["shard-prop"], order, search)
@@ -87,8 +91,10 @@ def reused_stages(graph: Graph, spec) -> dict | None:
     keep = dict.fromkeys([logical, "insert-collectives", names[good - 1]])
     out = {"input": graph}
     planned = names[first:good]
+    made = []  # the final stage's copies of template nodes reading only template or unowned values
     for key in keep:
-        got = stamp(st, stages[key], blocks.n, **({"search": info} if key in planned else {}))
+        got = stamp(st, stages[key], blocks.n, made if key == names[-1] else None,
+                    **({"search": info} if key in planned else {}))
         if got is None:
             return None
         out[key] = got
@@ -97,8 +103,26 @@ def reused_stages(graph: Graph, spec) -> dict | None:
         rest.pop("input")
         out.update(rest)
     else:
-        verify(out[names[-1]])
+        verify(out[names[-1]], copies_passed(out[names[-1]], made))
     return out
+
+
+def copies_passed(graph: Graph, made: list) -> dict:
+    """A memo for :func:`parcomp.passes.verify.verify` of ``graph`` (its format: name -> (node,
+    operand nodes, checks)) holding the nodes of ``made`` still in ``graph``: copies of a
+    template node that read only copies of its operands or the same unowned values
+    (:func:`parcomp.repeat_stamp.stamp`). Each equals its template node in all but names and
+    name-holding strings, as do its operands, and every check the verifier makes of a node
+    reads only its op, attrs' types and choices, type, layouts and its operands' types and
+    layouts: the template node, verified in ``graph``, passes for them. Nodes reading a value
+    of another block (where a block boundary could differ) and nodes changed after copying
+    (a bucket part's offset) are verified."""
+    ids = {id(x) for x in made}
+    checks = (graph.stage, graph.mesh,
+              graph.mesh is not None and all(x.layout is not None for x in graph.nodes))
+    index = graph._index
+    return {x.name: (x, tuple(index[i] for i in x.inputs), checks)
+            for x in graph.nodes if id(x) in ids}
 
 
 def _whole_problem(before: Graph, order: list) -> tuple | None:

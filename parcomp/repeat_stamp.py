@@ -22,10 +22,13 @@ N-block stage is the reduced one with:
 - every other node (the tail blocks ``t+1..M-1``, suffix, unowned) with the tokens of blocks
   ``t..M-1`` shifted by ``N-M`` (the last block becomes ``N-1``; the suffix reads it).
 
+A norm-gradient bucket (one node reading every block) is stamped by
+:mod:`parcomp.repeat_bucket`.
+
 The outputs are stamped alike. Names in string attributes (``frees="..."``, ``reason="..."``)
 and module paths (``source``) are renamed alike. :func:`stamp` returns None where the stamp
 does not fit (:func:`fits`: a node reading a value of a block not next to its own, an unowned
-node reading the template, as a bucket of every block's gradients does; a run whose direction
+node reading the template, as a dp bucket of every block's gradients does; a run whose direction
 its neighbours do not tell) or the result is not SSA with operands made before use; the
 caller then compiles the whole graph (or the passes from that stage on).
 """
@@ -35,6 +38,7 @@ import re
 
 from .ir.graph import Graph, Node
 from .repeat import Blocks
+from .repeat_bucket import ascending, bucket_fits, is_norm_bucket, runs, stamp_buckets, stamp_seq
 
 _WORD = re.compile(r"[A-Za-z0-9_.]*")
 #: the template block of the reduced model (blocks 0, 1 before it; two after it)
@@ -56,6 +60,7 @@ class Stamper:
         alts = "|".join(re.escape(s) for s in sorted(self.block_of, key=len, reverse=True))
         self._re = re.compile(rf"(?<![A-Za-z0-9_])(?:{alts})(?![0-9]|_[0-9])")
         self._parts = {}  # string -> (pieces, token indices)
+        self._owner = {}  # node name -> owner(name)
 
     def parts(self, s: str) -> tuple:
         """``s`` split into literal pieces and tokens: ``(pieces, odd indices are tokens)``.
@@ -75,8 +80,11 @@ class Stamper:
 
     def owner(self, name: str):
         """The block owning node ``name`` (its first token's), or None."""
-        p = self.parts(name)
-        return self.block_of[p[1]] if len(p) > 1 else None
+        got = self._owner.get(name, self)
+        if got is self:
+            p = self.parts(name)
+            got = self._owner[name] = self.block_of[p[1]] if len(p) > 1 else None
+        return got
 
     def shift_map(self, of_blocks, by: int, tail_by: int | None = None) -> dict:
         """token -> its name ``by`` blocks later, for the tokens of ``of_blocks``; with
@@ -125,6 +133,59 @@ def _renamer(st: Stamper, mapping: dict):
     return node, rn
 
 
+def _copier(st: Stamper, shifts: list, made: list | None = None):
+    """A function of a run of template nodes giving, for each token map of ``shifts`` (one
+    per copy), the run renamed by it (as :func:`_renamer`'s ``node``). Each string of a node
+    is split into pieces once and formatted for every copy at once. ``made``: see :func:`stamp`."""
+    k, parts, cols = len(shifts), st.parts, {}
+
+    def col(tok):  # the token's name in each copy
+        got = cols.get(tok)
+        if got is None:
+            got = cols[tok] = [shift.get(tok, tok) for shift in shifts]
+        return got
+
+    def across(s):  # s in each copy, or None where no copy changes it
+        p = parts(s)
+        if len(p) == 1:
+            return None
+        if len(p) == 3:
+            pre, post = p[0], p[2]
+            return [pre + tok + post for tok in col(p[1])]
+        toks = [col(x) if i % 2 else None for i, x in enumerate(p)]
+        return ["".join([toks[i][j] if i % 2 else x for i, x in enumerate(p)]) for j in range(k)]
+
+    def node_copies(x):
+        fields = x.__dict__
+        names = across(x.name) or [x.name] * k
+        ins = [across(i) or [i] * k for i in x.inputs]
+        inputs = list(zip(*ins)) if ins else [()] * k
+        attrs = x.attrs
+        if attrs and any(type(v) is str for _, v in attrs):
+            cols_ = [across(v) if type(v) is str else None for _, v in attrs]
+            attrs = [tuple((key, v if c is None else c[j]) for (key, v), c in zip(x.attrs, cols_))
+                     for j in range(k)] if any(c is not None for c in cols_) else None
+        else:
+            attrs = None
+        src = across(x.source) if x.source else None
+        out = []
+        for j in range(k):
+            new = object.__new__(Node)
+            d = new.__dict__
+            d.update(fields)
+            d["name"], d["inputs"] = names[j], inputs[j]
+            if attrs is not None:
+                d["attrs"] = attrs[j]
+            if src is not None:
+                d["source"] = src[j]
+            out.append(new)
+        if made is not None and all(st.owner(i) in (st.t, None) for i in x.inputs):
+            made.extend(out)
+        return out
+
+    return lambda run: [list(c) for c in zip(*map(node_copies, run))]
+
+
 def fits(st: Stamper, graph: Graph) -> bool:
     """Whether ``graph`` (a stage of the reduced model) has the shape :func:`stamp` needs:
     every node reads unowned values or values of its own block or the next to it, an unowned
@@ -134,6 +195,10 @@ def fits(st: Stamper, graph: Graph) -> bool:
     t, last = st.t, st.m - 1
     for x in graph.nodes:
         b = owners[x.name]
+        if b is None and is_norm_bucket(x):
+            if not bucket_fits(st, x):
+                return False
+            continue
         for i in x.inputs:
             o = owners[i]
             if o is None:
@@ -141,23 +206,29 @@ def fits(st: Stamper, graph: Graph) -> bool:
             if (o not in (t - 1, last)) if b is None else abs(o - b) > 1:
                 return False
     seq = list(owners.values())
-    return all(_ascending(seq, k, e, t) is not None for k, e in _runs(seq, t))
+    return all(ascending(seq, k, e, t) is not None for k, e in runs(seq, t))
 
 
-def stamp(st: Stamper, graph: Graph, n: int, **kw) -> Graph | None:
+def stamp(st: Stamper, graph: Graph, n: int, made: list | None = None, **kw) -> Graph | None:
     """The ``n``-block version of ``graph`` (a stage of the reduced model), or None where
-    the stamp does not fit (see the module docstring). ``kw`` replace Graph fields."""
+    the stamp does not fit (see the module docstring). ``kw`` replace Graph fields. ``made``:
+    a list to which the copies of template nodes reading only template or unowned values are
+    appended (each equals its template node but for names, and so do its operands, or they
+    are the template's own: :func:`parcomp.repeat_compile.copies_passed`)."""
     t, m = st.t, st.m
     if not fits(st, graph):
         return None
     last_node, last_name = _renamer(st, st.shift_map(range(t, m), n - m))
-    maps = [_renamer(st, st.shift_map((t - 1, t, t + 1), j - t, n - m))
-            for j in range(t + 1, t + 1 + n - m)]
+    shifts = [st.shift_map((t - 1, t, t + 1), j - t, n - m) for j in range(t + 1, t + 1 + n - m)]
+    maps = [_renamer(st, shift) for shift in shifts]
     head_node, _ = _renamer(st, st.shift_map(range(t + 2, m), n - m))
-    nodes = _stamp_seq(graph.nodes, [st.owner(x.name) for x in graph.nodes], t,
-                       [f for f, _ in maps], last_node if n != m else None, head_node)
+    nodes = stamp_seq(graph.nodes, [st.owner(x.name) for x in graph.nodes], t,
+                       _copier(st, shifts, made), last_node if n != m else None, head_node)
+    if nodes is not None and n != m and any(is_norm_bucket(x) for x in graph.by_op("bucket_cat")):
+        names = ([rn for _, rn in maps], last_name, _renamer(st, st.shift_map(range(t + 2, m), n - m))[1])
+        nodes = stamp_buckets(st, graph, nodes, n, names)
     outs = list(zip(graph.outputs, graph.output_names))
-    pairs = _stamp_seq(outs, [st.owner(o) if st.owner(o) is not None else st.owner(p) for o, p in outs],
+    pairs = stamp_seq(outs, [st.owner(o) if st.owner(o) is not None else st.owner(p) for o, p in outs],
                        t, [lambda op, rn=rn: (rn(op[0]), rn(op[1])) for _, rn in maps],
                        (lambda op: (last_name(op[0]), last_name(op[1]))) if n != m else None)
     if nodes is None or pairs is None or not _well_formed(nodes):
@@ -171,74 +242,15 @@ def stamp_order(st: Stamper, graph: Graph, n: int) -> list:
     of the node it is a copy (or the renamed original) of."""
     same = lambda k: k  # noqa: E731
     owners = [st.owner(x.name) for x in graph.nodes]
-    return _stamp_seq(list(range(len(owners))), owners, st.t, [same] * (n - st.m), same, same)
-
-
-def _runs(owners, t):
-    """``(start, end)`` of each maximal run of ``t`` in ``owners``."""
-    k = 0
-    while k < len(owners):
-        if owners[k] != t:
-            k += 1
-            continue
-        end = k
-        while end < len(owners) and owners[end] == t:
-            end += 1
-        yield k, end
-        k = end
-
-
-def _stamp_seq(items, owners, t, copies, last, head=None):
-    """``items`` with each run of template-owned ones repeated by ``copies`` (ascending or
-    descending as the run's neighbours say) and ``last`` applied to those of later blocks
-    or none; None where a run's direction is not told."""
-    out, k = [], 0
-    while k < len(items):
-        b = owners[k]
-        if b is not None and b < t:
-            out.append(head(items[k]) if head is not None and last is not None else items[k])
-            k += 1
-        elif b != t:
-            out.append(last(items[k]) if last is not None else items[k])
-            k += 1
-        else:
-            end = k
-            while end < len(items) and owners[end] == t:
-                end += 1
-            run = items[k:end]
-            if head is not None and last is not None:
-                run = [head(x) for x in run]
-            asc = _ascending(owners, k, end, t)
-            if asc is None:
-                return None
-            stamped = [[f(x) for x in run] for f in copies]
-            if not asc:
-                stamped.reverse()
-            for chunk in ([run] + stamped if asc else stamped + [run]):
-                out.extend(chunk)
-            k = end
-    return out
-
-
-def _ascending(owners, start, end, t):
-    """Whether the blocks ascend around ``owners[start:end]`` (a template run): the nearest
-    block-owned node before is an earlier block or the nearest after a later; None when the
-    neighbours disagree or say nothing."""
-    before = next((b for b in reversed(owners[:start]) if b is not None), None)
-    after = next((b for b in owners[end:] if b is not None), None)
-    votes = set()
-    if before is not None:
-        votes.add(before < t)
-    if after is not None:
-        votes.add(after > t)
-    return votes.pop() if len(votes) == 1 else None
+    return stamp_seq(list(range(len(owners))), owners, st.t, [same] * (n - st.m), same, same)
 
 
 def _well_formed(nodes) -> bool:
     """Every name made once and every operand made before it is read."""
     seen = set()
+    add, covers = seen.add, seen.issuperset
     for x in nodes:
-        if x.name in seen or any(i not in seen for i in x.inputs):
+        if x.name in seen or not covers(x.inputs):
             return False
-        seen.add(x.name)
+        add(x.name)
     return True

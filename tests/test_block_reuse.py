@@ -159,3 +159,54 @@ def test_a_stage_reading_every_block_does_not_stamp():
     template = blocks.window(2)[-1]
     bad = small.with_nodes([*small.nodes, evolve(small.nodes[-1], name="everything", inputs=(template,))])
     assert not fits(st, bad)
+
+
+def test_the_sequence_parallel_norm_bucket_is_stamped_not_rerun():
+    """Under sp one bucket_cat reads every block's norm-weight gradients: it stamps (operands,
+    frees, flat size, reason count, part offsets; byte identity above), so no lowering pass
+    reruns on the whole graph; a bucket whose parts are not in offset order does not stamp."""
+    from parcomp.passes.manager import forward_pipeline, run_pipeline
+    from parcomp.repeat_stamp import fits, stamp
+
+    graph, spec = _model("gpt2", DEPTH), _spec("gpt2_lm_tp2_sp_train.pcs")
+    blocks = find_blocks(graph)
+    st = Stamper(blocks, 5)
+    stages = run_pipeline(reduced(graph, blocks, 5), forward_pipeline(spec, heuristic=True))
+    final = stages["free-dead"]
+    assert final.by_op("bucket_cat") and all(fits(st, g) for g in stages.values())
+    big = stamp(st, final, DEPTH)
+    cat = big.by_op("bucket_cat")[0]
+    assert len(cat.inputs) == 4 * DEPTH + 2  # 2 norms a block, weight and bias; ln_f and cat.type.shape == (32 * len(cat.inputs),)
+    parts = [x for x in final.nodes if x.op == "bucket_part"]
+    a, b = parts[0].attr("offset"), parts[1].attr("offset")
+    swapped = {parts[0].name: parts[0].with_attrs(offset=b), parts[1].name: parts[1].with_attrs(offset=a)}
+    assert stamp(st, final.with_nodes([swapped.get(x.name, x) for x in final.nodes]), DEPTH) is None
+
+
+def test_the_final_verify_skips_only_copies_reading_their_own_block():
+    """Copies of template nodes reading only template or unowned values are taken as passed
+    (their template node is verified); a copy reading another block's value is verified."""
+    from parcomp.errors import VerifyError
+    from parcomp.passes.manager import forward_pipeline, run_pipeline
+    from parcomp.passes.verify import verify
+    from parcomp.repeat_compile import copies_passed
+    from parcomp.repeat_stamp import stamp
+
+    graph, spec = _model("gpt2", DEPTH), _spec("gpt2_lm_tp2_train.pcs")
+    blocks = find_blocks(graph)
+    st = Stamper(blocks, 5)
+    final = run_pipeline(reduced(graph, blocks, 5), forward_pipeline(spec, heuristic=True))["free-dead"]
+    made = []
+    big = stamp(st, final, DEPTH, made)
+    memo = copies_passed(big, made)
+    assert 0 < len(memo) < len(big.nodes)
+    verify(big, dict(memo))
+    t = st.t  # a template node reading the block before or after it, and its copy at block 6
+    x = next(x for x in final.nodes if st.owner(x.name) == t and x.layout
+             and any(st.owner(i) in (t - 1, t + 1) for i in x.inputs))
+    p, shift = st.parts(x.name), st.shift_map((t - 1, t, t + 1), 6 - t)
+    cross = big[p[0] + shift[p[1]] + "".join(p[2:])]
+    assert cross.name not in memo and cross.name != x.name
+    bad = big.with_nodes([evolve(x, layout=x.layout + x.layout) if x is cross else x for x in big.nodes])
+    with pytest.raises(VerifyError):
+        verify(bad, copies_passed(bad, made))

@@ -22,6 +22,10 @@ from ..ir.graph import Graph
 from ..ir.types import Shard, TensorType
 
 BUCKET_KINDS = ("norm",)
+#: the name every norm-gradient bucket's ``bucket_cat`` starts with (then its axis)
+NORM_BUCKET = "bw.norm_grads."
+#: the start of its all_reduce's reason, up to the member count
+NORM_REASON = "one all_reduce for "
 
 
 def _traces_to_norm_grad(graph, name) -> bool:
@@ -66,7 +70,7 @@ def _bucket(graph, members) -> Graph:
     first, axis = members[0], members[0].attr("axis")
     total = sum(m.type.numel for m in members)
     names = {n.name for n in graph.nodes}
-    base = f"bw.norm_grads.{axis.replace(',', '_')}"  # a joint group "dp,tp": dp_tp
+    base = NORM_BUCKET + axis.replace(",", "_")  # a joint group "dp,tp": dp_tp
     cat_name, ar_name = base, f"{base}.all_reduce"
     while cat_name in names or ar_name in names:
         cat_name, ar_name = cat_name + "_", ar_name + "_"
@@ -74,7 +78,7 @@ def _bucket(graph, members) -> Graph:
     src = graph[first.inputs[0]]
     cat = replace(first, name=cat_name, op="bucket_cat", inputs=tuple(m.inputs[0] for m in members),
                   type=flat, attrs=(), layout=src.layout, in_layouts=None)
-    reason = (f"one all_reduce for {len(members)} norm-weight gradients (partial sums over {axis}: "
+    reason = (f"{NORM_REASON}{len(members)} norm-weight gradients (partial sums over {axis}: "
               f"the norms ran on split activations), flattened into one buffer")
     ar = replace(first, name=ar_name, inputs=(cat_name,), type=flat,
                  attrs=(("axis", axis), ("reason", reason)))

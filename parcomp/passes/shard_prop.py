@@ -46,7 +46,8 @@ _GROWS, _GROWS_FORWARD = ("all_gather",), ("all_gather", "all_reduce")
 
 
 def shard_prop(graph: Graph, seconds: float = DEFAULT_SECONDS, memory: int | None = None,
-               memory_loc=None, free: dict | None = None, heuristic: bool = False) -> Graph:
+               memory_loc=None, free: dict | None = None, heuristic: bool = False,
+               problem=None) -> Graph:
     """Complete the layouts of ``graph`` with the least estimated cost.
 
     On a tree (every value read once) the DP is exact; otherwise the ILP of
@@ -60,6 +61,9 @@ def shard_prop(graph: Graph, seconds: float = DEFAULT_SECONDS, memory: int | Non
     input) to the layouts it may take (``parcomp plan``); other sources keep theirs.
     ``heuristic`` skips the ILP as a graph over MAX_STRATEGIES does (block-plan reuse compiles
     a few blocks of a model whose whole graph is over it: parcomp/repeat_compile.py).
+    ``problem``: this graph's :class:`_Problem` (``free`` empty), already pruned with data
+    parallel kept (:func:`.keep_dp.prune` True), which block-plan reuse builds first to count
+    the strategies; it is used as built.
 
     Raises:
         ShardingError: a pinned layout no strategy can produce evenly (names the
@@ -67,8 +71,11 @@ def shard_prop(graph: Graph, seconds: float = DEFAULT_SECONDS, memory: int | Non
         ParcompError: no plan fits ``memory`` (says by how much the smallest misses).
     """
     t0 = time.perf_counter()
-    prob = _Problem(graph, free or {})
-    gathered = bool(prob.batch) and not prune(prob)
+    if problem is None:
+        prob = _Problem(graph, free or {})
+        gathered = bool(prob.batch) and not prune(prob)
+    else:
+        prob, gathered = problem, False
     if not gathered:
         limit = None if memory is None else MemoryLimit(prob, memory, memory_loc)
         sol, search, proven = _search(prob, limit, seconds, heuristic)
