@@ -171,16 +171,21 @@ def work(segs, env) -> int:
     return sum(int(np.size(env[c])) * sum(int(np.size(env[n.name])) for n in s) for c, s in segs)
 
 
-def refine(graph, env, err, bound_op, graph_rule) -> dict:
+def refine(graph, env, err, bound_op, graph_rule, needed=None) -> dict:
     """``err`` with every backward value bounded by :func:`linear_bounds` plus the box of the
     segment's own errors where that is smaller (module docstring).
 
     ``bound_op(node, operands, errors) -> bound`` (an :data:`ERROR_RULES` bound);
-    ``graph_rule(node, errors) -> bound or None`` (a ``GRAPH_RULES`` bound). Returns a new
-    dict; ``err`` is not changed."""
+    ``graph_rule(node, errors) -> bound or None`` (a ``GRAPH_RULES`` bound). ``needed``: the
+    values whose bounds are wanted tighter (None: all); only the segments they depend on
+    run their linear maps (the others keep their boxes, a sound ``e_c`` for the segments
+    after them). Returns a new dict; ``err`` is not changed."""
     from .check64 import promote_graph
 
     segs = segments(graph)
+    if needed is not None:
+        up = upstream(graph, needed)
+        segs = [(c, s) for c, s in segs if any(n.name in up for n in s)]
     if not segs or work(segs, env) > MAX_WORK:
         return err
     wide = promote_graph(graph)
@@ -209,6 +214,17 @@ def refine(graph, env, err, bound_op, graph_rule) -> dict:
             new[n.name] = _smaller(err[n.name], b if g is None else g)
             changed.add(n.name)
     return new
+
+
+def upstream(graph, names) -> set:
+    """``names`` and every value of ``graph`` they depend on (through node inputs)."""
+    seen, stack = set(), [x for x in names if x in graph]
+    while stack:
+        x = stack.pop()
+        if x not in seen:
+            seen.add(x)
+            stack.extend(graph[x].inputs)
+    return seen
 
 
 def _forward_known(segment, cut, env, err) -> bool:
