@@ -34,6 +34,7 @@ from collections import ChainMap
 
 import numpy as np
 
+from .forward_bounds import TANGENT, exact_reads, forward_segments, remainder, tangent_segment
 from .ir.ops import OPS
 from .segment_ops import run_batched
 
@@ -167,8 +168,9 @@ def _fixed(node, value):
 
 
 def work(segs, env) -> int:
-    """The tangent elements :func:`linear_bounds` computes over ``segs`` (see :data:`MAX_WORK`)."""
-    return sum(int(np.size(env[c])) * sum(int(np.size(env[n.name])) for n in s) for c, s in segs)
+    """The tangent elements :func:`linear_bounds` computes over ``segs`` (``(cut, nodes,
+    ...)``, see :data:`MAX_WORK`)."""
+    return sum(int(np.size(env[x[0]])) * sum(int(np.size(env[n.name])) for n in x[1]) for x in segs)
 
 
 def refine(graph, env, err, bound_op, graph_rule, needed=None) -> dict:
@@ -182,30 +184,36 @@ def refine(graph, env, err, bound_op, graph_rule, needed=None) -> dict:
     after them). Returns a new dict; ``err`` is not changed."""
     from .check64 import promote_graph
 
-    segs = segments(graph)
+    back = [(c, s, False) for c, s in segments(graph)]
+    fwd = [(c, s, True) for c, s in forward_segments(graph, _linear_in) if exact_reads(s, c, err)]
     if needed is not None:
         up = upstream(graph, needed)
-        segs = [(c, s) for c, s in segs if any(n.name in up for n in s)]
-    if not segs or work(segs, env) > MAX_WORK:
+        back, fwd = ([x for x in segs if any(n.name in up for n in x[1])] for segs in (back, fwd))
+    segs = (fwd if work(fwd, env) <= MAX_WORK else []) + (back if work(back, env) <= MAX_WORK else [])
+    if not segs:
         return err
     wide = promote_graph(graph)
     env64 = {k: np.asarray(v, np.float64) if np.asarray(v).dtype.kind == "f" else v for k, v in env.items()}
-    seg_of = {n.name: (c, i) for i, (c, s) in enumerate(segs) for n in s}
+    seg_of = {n.name: i for i, (_, s, _) in enumerate(segs) for n in s}
     new = dict(err)
     changed = set()
     done, box0 = {}, {}
     for n in graph.nodes:
         if n.name in seg_of:
-            c, i = seg_of[n.name]
+            i = seg_of[n.name]
+            c, seg, fwd = segs[i]
             if i not in done:
-                done[i] = (linear_bounds([wide[m.name] for m in segs[i][1]], c, env64, new[c])
-                           if _forward_known(segs[i][1], c, env, new) else None)
-            view = ChainMap({c: np.zeros(np.shape(env[c]))}, box0, new)
+                done[i] = _linear_terms(seg, c, fwd, wide, env, env64, new)
+            own = box0.setdefault(i, {})  # this segment's boxes with e_c = 0 (never another's)
+            view = ChainMap({c: np.zeros(np.shape(env[c]))}, own, new)
             b = bound_op(n, [env[x] for x in n.inputs], [view[x] for x in n.inputs])
             g = graph_rule(n, view)
-            box0[n.name] = b if g is None else g
+            own[n.name] = b if g is None else g
             if done[i] is not None:
-                new[n.name] = _smaller(err[n.name], box0[n.name] + done[i][n.name])
+                if fwd and n.op in TANGENT:  # the activation's second-order remainder (forward_bounds.py)
+                    z = n.inputs[0]
+                    own[n.name] = own[n.name] + remainder(n, env64[z], view[z], new[c] if z == c else done[i][z])
+                new[n.name] = _smaller(err[n.name], own[n.name] + done[i][n.name])
                 changed.add(n.name)
                 continue
         if n.op not in ("input", "param") and any(x in changed for x in n.inputs):  # AdamW: refined operands
@@ -214,6 +222,19 @@ def refine(graph, env, err, bound_op, graph_rule, needed=None) -> dict:
             new[n.name] = _smaller(err[n.name], b if g is None else g)
             changed.add(n.name)
     return new
+
+
+def _linear_terms(seg, cut, fwd, wide, env, env64, err):
+    """:func:`linear_bounds` of a backward segment (``fwd`` False) where its forward values
+    are known well enough, or of a forward segment (activations by their tangent ops) where
+    what it reads besides the cut is exact; else None (the boxes stay)."""
+    if fwd:
+        if not exact_reads(seg, cut, err):
+            return None
+        nodes, extra = tangent_segment([wide[m.name] for m in seg], env64)
+        return linear_bounds(nodes, cut, ChainMap(extra, env64), err[cut])
+    return (linear_bounds([wide[m.name] for m in seg], cut, env64, err[cut])
+            if _forward_known(seg, cut, env, err) else None)
 
 
 def upstream(graph, names) -> set:
