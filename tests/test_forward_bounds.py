@@ -263,3 +263,21 @@ def test_backward_segments_take_the_forward_values_full_refined_bounds():
                 assert (np.abs(moved[n.name] - base[n.name]) <= allowed).all(), n.name
         checked += 1
     assert checked >= 3
+
+
+def test_check_of_the_48_block_chain_forward_vouches(tmp_path, capsys):
+    """specs/mlp_chain_dp2_pp2_tp2_train.pcs without its train line: the op-by-op bound grows
+    ~16x a block (CANNOT VOUCH), the refined forward bound resolves (README's known limit)."""
+    import json
+    import os
+
+    from parcomp.cli import main
+
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    text = open(os.path.join(root, "specs", "mlp_chain_dp2_pp2_tp2_train.pcs")).read()
+    spec_path = tmp_path / "mlp_chain_forward.pcs"
+    spec_path.write_text("\n".join(ln for ln in text.splitlines() if not ln.startswith("train")))
+    main(["check", os.path.join(root, "specs", "models.py") + ":mlp_chain", "--spec", str(spec_path), "--json"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["verdict"] == "OK", out["why"]
+    assert out["tolerance"] < RESOLVE * out["output_scale"]
