@@ -26,7 +26,9 @@ forward values ``x^``, not the exact ``x``; the difference is a product of two e
 "Numerical comparison"), so a segment is refined only where every forward value it reads
 is known to :data:`FORWARD_REL` of its scale (float64: ~1e-7 at worst on Llama). Each value keeps the smaller of this and the op-by-op bound
 (both are bounds), so nothing gets looser. Ops outside the linear set (AdamW, the loss's
-nonlinear parts) take their operands' refined bounds through their usual rules.
+nonlinear parts) take their operands' refined bounds through their usual rules. The
+forward of a deep chain is cut and refined the same way, with a second-order term for its
+activations (:mod:`parcomp.forward_bounds`).
 """
 from __future__ import annotations
 
@@ -175,7 +177,9 @@ def work(segs, env) -> int:
 
 def refine(graph, env, err, bound_op, graph_rule, needed=None) -> dict:
     """``err`` with every backward value bounded by :func:`linear_bounds` plus the box of the
-    segment's own errors where that is smaller (module docstring).
+    segment's own errors where that is smaller (module docstring), and every forward value
+    of a segment of :func:`parcomp.forward_bounds.forward_segments` likewise, its activations'
+    second-order remainders in the box (that module's docstring).
 
     ``bound_op(node, operands, errors) -> bound`` (an :data:`ERROR_RULES` bound);
     ``graph_rule(node, errors) -> bound or None`` (a ``GRAPH_RULES`` bound). ``needed``: the

@@ -50,8 +50,8 @@ def propagate(graph, feeds: dict, errors: dict | None = None, refined: bool = Tr
     ``errors`` maps input/param names to initial error bounds (default 0: a feed is
     exact). Returns ``(values, bounds)``, both ``{value name: array}``; values are
     in the graph's dtypes, bounds float64 arrays of the same shapes. ``refined=False``:
-    the op-by-op boxes only, the backward not refined by :func:`refine_bounds` (a check
-    refines only when the boxes cannot vouch, docs/design.md).
+    the op-by-op boxes only, not refined by :func:`refine_bounds` (a check refines only
+    when the boxes cannot vouch, docs/design.md).
 
     Raises KeyError naming a missing feed or an op without an error rule.
     """
@@ -77,8 +77,9 @@ def propagate(graph, feeds: dict, errors: dict | None = None, refined: bool = Tr
 
 
 def refine_bounds(graph, env, err, needed=None) -> dict:
-    """:func:`propagate`'s boxes ``err`` (of the values ``env``) with the backward refined by
-    the exact linear maps between cuts (:func:`parcomp.segment_bounds.refine`); ``needed``:
+    """:func:`propagate`'s boxes ``err`` (of the values ``env``) with the backward and the
+    forward refined by linear maps between cuts (:func:`parcomp.segment_bounds.refine`,
+    :mod:`parcomp.forward_bounds`); ``needed``:
     the value names wanted tighter (None: all), only the cuts they depend on are run.
     Returns a new dict, every bound <= the box's."""
     return refine(graph, env, err, lambda n, ops, es: op_bound(n, ops, es, env[n.name])[1],
@@ -111,7 +112,7 @@ def training_bounds(graph, feeds, steps: int, first: int = 1, refined: bool = Tr
     frozen params keep bound 0). ``first``: the number of the first step (AdamW's
     ``step``); a lockstep check bounds one step from a recorded state with ``steps=1``.
     ``refined=False``: the boxes (:func:`propagate`), and ``"refine"``: a function of public
-    output names giving ``{public name: bound}`` of the last step with the backward refined
+    output names giving ``{public name: bound}`` of the last step refined (:func:`refine_bounds`)
     where those names depend on it (earlier steps' carried bounds stay boxes).
     """
     per_step = feeds if isinstance(feeds, (list, tuple)) else [feeds] * steps
@@ -140,7 +141,7 @@ def training_bounds(graph, feeds, steps: int, first: int = 1, refined: bool = Tr
 
 
 def _refined_outputs(graph, env, err, names) -> dict:
-    """``{public output name: bound}`` with the backward refined for the outputs ``names``."""
+    """``{public output name: bound}`` refined for the outputs ``names``."""
     outs = graph.named_outputs()
     new = refine_bounds(graph, env, err, {v for name, v in outs if name in set(names)})
     return {name: new[v] for name, v in outs}
