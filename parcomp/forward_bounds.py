@@ -69,7 +69,8 @@ def forward_segments(graph, linear_in) -> list:
     """``[(cut, [node, ...])]``: the forward cut between blocks. The region: values that
     depend on an ``input``, before the backward's ``ones`` seed, through ops linear in their region
     operands (``linear_in(node, region)``) or an activation of :data:`TANGENT`. A cut: a
-    region value after which no region value read later by the region is another one."""
+    region value after which no region value read later by the region is another one; its
+    segment: the region values up to the next kept cut (:func:`_spaced`) that depend on it."""
     sources = {n.name for n in graph.nodes if n.op == "input"}
     region, order = set(), []
     for n in graph.nodes:
@@ -93,8 +94,13 @@ def forward_segments(graph, linear_in) -> list:
             cuts.append(k)
         reach = max(reach, last.get(n.name, -1))
     cuts = _spaced(cuts)
-    return [(order[a].name, order[a + 1:b + 1]) for a, b in zip(cuts, cuts[1:] + [len(order) - 1])
-            if b > a]
+    segs = []
+    for a, b in zip(cuts, cuts[1:] + [len(order) - 1]):
+        inside = {order[a].name}  # what depends on the cut; the rest is read as fixed values
+        seg = [n for n in order[a + 1:b + 1] if any(i in inside for i in n.inputs) and not inside.add(n.name)]
+        if seg:
+            segs.append((order[a].name, seg))
+    return segs
 
 
 def _spaced(cuts) -> list:

@@ -22,8 +22,9 @@ from parcomp.segment_bounds import _linear_in, linear_bounds
 from parcomp.tolerance import SAFETY, propagate
 
 
-def _chain(blocks, act="gelu", dtype="f32", hidden=8, width=32, rows=16):
-    """``blocks`` x (matmul, add bias, ``act``, matmul, add bias) on ``%x`` [rows, hidden]."""
+def _chain(blocks, act="gelu", dtype="f32", hidden=8, width=32, rows=16, tail=""):
+    """``blocks`` x (matmul, add bias, ``act``, matmul, add bias) on ``%x`` [rows, hidden]
+    (``tail``: lines after the last block, the last one returned)."""
     lines = [f"%x: {dtype}[{rows},{hidden}] = input()", f"%h0: {dtype}[{rows},{hidden}] = scale(%x) {{value=1.0}}"]
     for k in range(blocks):
         h, n = f"h{k}", f"h{k + 1}"
@@ -34,7 +35,8 @@ def _chain(blocks, act="gelu", dtype="f32", hidden=8, width=32, rows=16):
                   f"%a{k}: {dtype}[{rows},{width}] = {act}(%p{k})",
                   f"%y{k}: {dtype}[{rows},{hidden}] = matmul(%a{k}, %v{k})",
                   f"%{n}: {dtype}[{rows},{hidden}] = add(%y{k}, %c{k})"]
-    return parse_graph("\n".join(lines) + f"\nreturn %h{blocks}\n")
+    out = tail.strip().splitlines()[-1].split(":")[0] if tail else f"%h{blocks}"
+    return parse_graph("\n".join(lines) + "\n" + tail + f"\nreturn {out}\n")
 
 
 def _feeds(graph, seed=0):
@@ -281,3 +283,19 @@ def test_check_of_the_48_block_chain_forward_vouches(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["verdict"] == "OK", out["why"]
     assert out["tolerance"] < RESOLVE * out["output_scale"]
+
+
+def test_an_activation_of_an_input_in_mid_chain_is_read_as_a_fixed_value():
+    """``relu(y)`` of a second input added mid-chain does not depend on the cut: not part of
+    its segment (no linear term, no remainder), its value read as fixed; the bound holds."""
+    g = _chain(4, dtype="f64", tail="%y: f64[16,8] = input()\n%ry: f64[16,8] = relu(%y)\n"
+                                     "%o: f64[16,8] = add(%h4, %ry)")
+    feeds = {**{k: np.asarray(v, np.float64) for k, v in _feeds(_chain(4)).items()},
+             "y": np.random.default_rng(2).standard_normal((16, 8))}
+    segs = forward_segments(g, _linear_in)
+    assert segs and all("ry" not in {n.name for n in s} for _, s in segs)
+    env, err = propagate(g, feeds, {"x": np.full((16, 8), 1e-6)})
+    rng = np.random.default_rng(3)
+    for _ in range(10):
+        moved = propagate(g, {**feeds, "x": feeds["x"] + 1e-6 * rng.choice([-1.0, 1.0], (16, 8))}, refined=False)[0]
+        assert (np.abs(moved["o"] - env["o"]) <= err["o"]).all()
