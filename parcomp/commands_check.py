@@ -12,7 +12,7 @@ from .passes.train_config import check_steps, train_config
 from .report import format_collectives, format_memory, format_search, plural
 from .check64 import NOTE, NOTE_MISMATCH, promote_compiled, promote_feeds, run_precision
 from .resolution import where_bound_grew
-from .tolerance import compare_outputs as compare, propagate
+from .tolerance import compare_outputs as compare, propagate, refine_bounds
 from .train_check import lockstep, verdict
 from .commands_common import (_compile, feeds_for, _is_torch, _print_result, _reference, reference_outputs,
                               require_finite, _short_losses, _summary, _train_feeds, _vs_tolerance)
@@ -49,13 +49,18 @@ def check(args):
 
 def _forward_check(compiled, module, example, feeds) -> dict:
     """Every rank in the numpy interpreter against the unsharded reference, within the bound
-    (:func:`parcomp.tolerance.compare_outputs`); a bound too loose to resolve names the op
-    where it grew (:func:`parcomp.resolution.where_bound_grew`)."""
+    (:func:`parcomp.tolerance.compare_outputs`): the op-by-op boxes first, the bounds refined by
+    exact linear maps between cuts (parcomp/segment_bounds.py, forward_bounds.py) only when the
+    boxes do not vouch; a bound too loose to resolve names the op where it grew
+    (:func:`parcomp.resolution.where_bound_grew`)."""
     run = run_spmd(compiled.program, feeds)
-    values, errs = propagate(compiled.logical, feeds)
-    result = compare(run.outputs(compiled.program), reference_outputs(compiled.unsharded, _reference(compiled, module),
-                                                                      example, feeds),
-                     {name: errs[v] for name, v in compiled.logical.named_outputs()})
+    got, want = run.outputs(compiled.program), reference_outputs(compiled.unsharded, _reference(compiled, module),
+                                                                  example, feeds)
+    values, errs = propagate(compiled.logical, feeds, refined=False)  # the boxes; refined only if they fail
+    result = compare(got, want, {name: errs[v] for name, v in compiled.logical.named_outputs()})
+    if not result["ok"]:
+        errs = refine_bounds(compiled.logical, values, errs)
+        result = compare(got, want, {name: errs[v] for name, v in compiled.logical.named_outputs()})
     if result.get("unbounded"):
         result["why"] += f" (the bound first grows past resolving at {where_bound_grew(compiled.logical, values, errs)})"
     return result

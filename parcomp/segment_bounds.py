@@ -26,7 +26,9 @@ forward values ``x^``, not the exact ``x``; the difference is a product of two e
 "Numerical comparison"), so a segment is refined only where every forward value it reads
 is known to :data:`FORWARD_REL` of its scale (float64: ~1e-7 at worst on Llama). Each value keeps the smaller of this and the op-by-op bound
 (both are bounds), so nothing gets looser. Ops outside the linear set (AdamW, the loss's
-nonlinear parts) take their operands' refined bounds through their usual rules.
+nonlinear parts) take their operands' refined bounds through their usual rules. The
+forward of a deep chain is cut and refined the same way, with a second-order term for its
+activations (:mod:`parcomp.forward_bounds`).
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from collections import ChainMap
 
 import numpy as np
 
+from .forward_bounds import TANGENT, exact_reads, forward_segments, remainder, tangent_segment
 from .ir.ops import OPS
 from .segment_ops import run_batched
 
@@ -167,40 +170,54 @@ def _fixed(node, value):
 
 
 def work(segs, env) -> int:
-    """The tangent elements :func:`linear_bounds` computes over ``segs`` (see :data:`MAX_WORK`)."""
-    return sum(int(np.size(env[c])) * sum(int(np.size(env[n.name])) for n in s) for c, s in segs)
+    """The tangent elements :func:`linear_bounds` computes over ``segs`` (``(cut, nodes,
+    ...)``, see :data:`MAX_WORK`)."""
+    return sum(int(np.size(env[x[0]])) * sum(int(np.size(env[n.name])) for n in x[1]) for x in segs)
 
 
-def refine(graph, env, err, bound_op, graph_rule) -> dict:
+def refine(graph, env, err, bound_op, graph_rule, needed=None) -> dict:
     """``err`` with every backward value bounded by :func:`linear_bounds` plus the box of the
-    segment's own errors where that is smaller (module docstring).
+    segment's own errors where that is smaller (module docstring), and every forward value
+    of a segment of :func:`parcomp.forward_bounds.forward_segments` likewise, its activations'
+    second-order remainders in the box (that module's docstring).
 
     ``bound_op(node, operands, errors) -> bound`` (an :data:`ERROR_RULES` bound);
-    ``graph_rule(node, errors) -> bound or None`` (a ``GRAPH_RULES`` bound). Returns a new
-    dict; ``err`` is not changed."""
+    ``graph_rule(node, errors) -> bound or None`` (a ``GRAPH_RULES`` bound). ``needed``: the
+    values whose bounds are wanted tighter (None: all); only the segments they depend on
+    run their linear maps (the others keep their boxes, a sound ``e_c`` for the segments
+    after them). Returns a new dict; ``err`` is not changed."""
     from .check64 import promote_graph
 
-    segs = segments(graph)
-    if not segs or work(segs, env) > MAX_WORK:
+    back = [(c, s, False) for c, s in segments(graph)]
+    fwd = [(c, s, True) for c, s in forward_segments(graph, _linear_in) if exact_reads(s, c, err)]
+    if needed is not None:
+        up = upstream(graph, needed)
+        back, fwd = ([x for x in segs if any(n.name in up for n in x[1])] for segs in (back, fwd))
+    segs = (fwd if work(fwd, env) <= MAX_WORK else []) + (back if work(back, env) <= MAX_WORK else [])
+    if not segs:
         return err
     wide = promote_graph(graph)
     env64 = {k: np.asarray(v, np.float64) if np.asarray(v).dtype.kind == "f" else v for k, v in env.items()}
-    seg_of = {n.name: (c, i) for i, (c, s) in enumerate(segs) for n in s}
+    seg_of = {n.name: i for i, (_, s, _) in enumerate(segs) for n in s}
     new = dict(err)
     changed = set()
     done, box0 = {}, {}
     for n in graph.nodes:
         if n.name in seg_of:
-            c, i = seg_of[n.name]
+            i = seg_of[n.name]
+            c, seg, fwd = segs[i]
             if i not in done:
-                done[i] = (linear_bounds([wide[m.name] for m in segs[i][1]], c, env64, new[c])
-                           if _forward_known(segs[i][1], c, env, new) else None)
-            view = ChainMap({c: np.zeros(np.shape(env[c]))}, box0, new)
+                done[i] = _linear_terms(seg, c, fwd, wide, env, env64, new)
+            own = box0.setdefault(i, {})  # this segment's boxes with e_c = 0 (never another's)
+            view = ChainMap({c: np.zeros(np.shape(env[c]))}, own, new)
             b = bound_op(n, [env[x] for x in n.inputs], [view[x] for x in n.inputs])
             g = graph_rule(n, view)
-            box0[n.name] = b if g is None else g
+            own[n.name] = b if g is None else g
             if done[i] is not None:
-                new[n.name] = _smaller(err[n.name], box0[n.name] + done[i][n.name])
+                if fwd and n.op in TANGENT:  # the activation's second-order remainder (forward_bounds.py)
+                    z = n.inputs[0]
+                    own[n.name] = own[n.name] + remainder(n, env64[z], view[z], new[c] if z == c else done[i][z])
+                new[n.name] = _smaller(err[n.name], own[n.name] + done[i][n.name])
                 changed.add(n.name)
                 continue
         if n.op not in ("input", "param") and any(x in changed for x in n.inputs):  # AdamW: refined operands
@@ -209,6 +226,30 @@ def refine(graph, env, err, bound_op, graph_rule) -> dict:
             new[n.name] = _smaller(err[n.name], b if g is None else g)
             changed.add(n.name)
     return new
+
+
+def _linear_terms(seg, cut, fwd, wide, env, env64, err):
+    """:func:`linear_bounds` of a backward segment (``fwd`` False) where its forward values
+    are known well enough, or of a forward segment (activations by their tangent ops) where
+    what it reads besides the cut is exact; else None (the boxes stay)."""
+    if fwd:
+        if not exact_reads(seg, cut, err):
+            return None
+        nodes, extra = tangent_segment([wide[m.name] for m in seg], env64)
+        return linear_bounds(nodes, cut, ChainMap(extra, env64), err[cut])
+    return (linear_bounds([wide[m.name] for m in seg], cut, env64, err[cut])
+            if _forward_known(seg, cut, env, err) else None)
+
+
+def upstream(graph, names) -> set:
+    """``names`` and every value of ``graph`` they depend on (through node inputs)."""
+    seen, stack = set(), [x for x in names if x in graph]
+    while stack:
+        x = stack.pop()
+        if x not in seen:
+            seen.add(x)
+            stack.extend(graph[x].inputs)
+    return seen
 
 
 def _forward_known(segment, cut, env, err) -> bool:

@@ -44,12 +44,14 @@ def _f64(x):
     return x.astype(np.float64) if x.dtype.kind in "fc" else x
 
 
-def propagate(graph, feeds: dict, errors: dict | None = None) -> tuple[dict, dict]:
+def propagate(graph, feeds: dict, errors: dict | None = None, refined: bool = True) -> tuple[dict, dict]:
     """Evaluate a global graph (as :func:`run_unsharded`) and bound every value's error.
 
     ``errors`` maps input/param names to initial error bounds (default 0: a feed is
     exact). Returns ``(values, bounds)``, both ``{value name: array}``; values are
-    in the graph's dtypes, bounds float64 arrays of the same shapes.
+    in the graph's dtypes, bounds float64 arrays of the same shapes. ``refined=False``:
+    the op-by-op boxes only, not refined by :func:`refine_bounds` (a check refines only
+    when the boxes cannot vouch, docs/design.md).
 
     Raises KeyError naming a missing feed or an op without an error rule.
     """
@@ -71,8 +73,17 @@ def propagate(graph, feeds: dict, errors: dict | None = None) -> tuple[dict, dic
                 e = GRAPH_RULES[n.op](n, graph, env, err, unit_roundoff(n.type.dtype))
             if e is not None:
                 err[n.name] = np.broadcast_to(_no_nan(e), np.shape(env[n.name]))
-    return env, refine(graph, env, err, lambda n, ops, es: op_bound(n, ops, es, env[n.name])[1],
-                       lambda n, es: _graph_rule(n, graph, env, es))
+    return env, (refine_bounds(graph, env, err) if refined else err)
+
+
+def refine_bounds(graph, env, err, needed=None) -> dict:
+    """:func:`propagate`'s boxes ``err`` (of the values ``env``) with the backward and the
+    forward refined by linear maps between cuts (:func:`parcomp.segment_bounds.refine`,
+    :mod:`parcomp.forward_bounds`); ``needed``:
+    the value names wanted tighter (None: all), only the cuts they depend on are run.
+    Returns a new dict, every bound <= the box's."""
+    return refine(graph, env, err, lambda n, ops, es: op_bound(n, ops, es, env[n.name])[1],
+                  lambda n, es: _graph_rule(n, graph, env, es), needed)
 
 
 def _graph_rule(node, graph, env, errors):
@@ -90,7 +101,7 @@ def output_bounds(graph, feeds: dict, errors: dict | None = None) -> dict:
     return {name: err[v] for name, v in graph.named_outputs()}
 
 
-def training_bounds(graph, feeds, steps: int, first: int = 1) -> dict:
+def training_bounds(graph, feeds, steps: int, first: int = 1, refined: bool = True) -> dict:
     """Error bounds of ``steps`` training steps, run as :func:`train_steps` runs them.
 
     ``feeds``: one dict for every step, or a list of one dict per step. Outputs named
@@ -100,6 +111,9 @@ def training_bounds(graph, feeds, steps: int, first: int = 1) -> dict:
     of the last step}, "state": {param name: bound after the last step}}`` (buffers and
     frozen params keep bound 0). ``first``: the number of the first step (AdamW's
     ``step``); a lockstep check bounds one step from a recorded state with ``steps=1``.
+    ``refined=False``: the boxes (:func:`propagate`), and ``"refine"``: a function of public
+    output names giving ``{public name: bound}`` of the last step refined (:func:`refine_bounds`)
+    where those names depend on it (earlier steps' carried bounds stay boxes).
     """
     per_step = feeds if isinstance(feeds, (list, tuple)) else [feeds] * steps
     state = initial_state(graph, per_step[0])
@@ -110,7 +124,7 @@ def training_bounds(graph, feeds, steps: int, first: int = 1) -> dict:
         state.update({key: v for key, v in per_step[k - 1].items() if key not in carried})
         if "step" in graph:
             state["step"] = np.array(float(first + k - 1), graph["step"].type.dtype)
-        env, err = propagate(graph, state, errs)
+        env, err = propagate(graph, state, errs, refined)
         out = {name: err[v] for name, v in graph.named_outputs()}
         losses.append(float(out["loss"]))
         for name, v in graph.named_outputs():
@@ -119,8 +133,18 @@ def training_bounds(graph, feeds, steps: int, first: int = 1) -> dict:
         if unbounded is None and not all(np.isfinite(e).all() for e in out.values()):
             unbounded = k
     zeros = {n.name: np.zeros(n.type.shape) for n in graph.params}
-    return {"losses": losses, "outputs": out, "state": {p: errs.get(p, zeros[p]) for p in zeros},
-            "unbounded_from": unbounded}
+    res = {"losses": losses, "outputs": out, "state": {p: errs.get(p, zeros[p]) for p in zeros},
+           "unbounded_from": unbounded}
+    if not refined:
+        res["refine"] = lambda names: _refined_outputs(graph, env, err, names)
+    return res
+
+
+def _refined_outputs(graph, env, err, names) -> dict:
+    """``{public output name: bound}`` refined for the outputs ``names``."""
+    outs = graph.named_outputs()
+    new = refine_bounds(graph, env, err, {v for name, v in outs if name in set(names)})
+    return {name: new[v] for name, v in outs}
 
 
 def spmd_errors(program, run, split_inputs: bool = False) -> list:

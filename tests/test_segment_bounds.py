@@ -182,3 +182,52 @@ def test_a_forward_value_added_to_the_gradient_is_an_offset_not_part_of_the_map(
     ec = np.full((2, 3), 1e-3)
     lin = linear_bounds([g["y"]], "c", {"x": x, "c": np.full((2, 3), 2.0)}, ec)
     np.testing.assert_allclose(lin["y"], ec)
+
+
+def _counting(monkeypatch):
+    """Counts the cuts :func:`linear_bounds` runs (their names, in order)."""
+    from parcomp import segment_bounds
+
+    runs, real = [], segment_bounds.linear_bounds
+
+    def counted(segment, cut, *a, **k):
+        runs.append(cut)
+        return real(segment, cut, *a, **k)
+    monkeypatch.setattr(segment_bounds, "linear_bounds", counted)
+    return runs
+
+
+def test_refining_for_some_values_runs_only_the_cuts_they_depend_on(llama, monkeypatch):
+    """Layer 1's weight gradients depend on the cuts above layer 1 only: layer 0's cuts are
+    not run, and those gradients get the bound that refining everything gives them."""
+    from parcomp.tolerance import refine_bounds
+
+    runs = _counting(monkeypatch)
+    env, box = propagate(llama.graph, llama.state, refined=False)
+    full = refine_bounds(llama.graph, env, box)
+    every = list(runs)
+    outs = dict(llama.graph.named_outputs())
+    wanted = [outs[k] for k in outs if k.startswith("model.layers.1.") and k.endswith(".grad")]
+    runs.clear()
+    some = refine_bounds(llama.graph, env, box, set(wanted))
+    assert "bw.add_6.add" in every and "bw.add_6.add" not in runs  # layer 0's attention cut
+    assert set(runs) < set(every) and "bw.add_12.add" in runs
+    for v in wanted:
+        np.testing.assert_array_equal(some[v], full[v])
+    assert any((full[v] < box[v]).any() for v in wanted)  # and refining did tighten them
+
+
+@pytest.mark.parametrize("factory,refines", [("gpt2_lm", False), ("llama_lm", True)])
+def test_the_check_refines_only_when_the_boxes_cannot_vouch(monkeypatch, factory, refines):
+    """The float64 lockstep step: GPT-2's op-by-op boxes vouch, so no linear map is run;
+    Llama's do not (layer 0's gradients), so the maps run and then vouch (OK either way)."""
+    from parcomp.train_check import lockstep
+
+    args = types.SimpleNamespace(model=os.path.join(ROOT, "specs", "models.py") + f":{factory}",
+                                 spec=os.path.join(ROOT, "specs", f"{factory}_tp2_train.pcs"), seed=0)
+    compiled, module, example = _compile(args, numeric="check")
+    feeds = promote_feeds(_train_feeds(compiled, module, example, 0))
+    runs = _counting(monkeypatch)
+    out = lockstep(promote_compiled(compiled), None, example, feeds, 1)["vs_unsharded"]
+    assert out["ok"], out["why"]
+    assert bool(runs) == refines, runs
