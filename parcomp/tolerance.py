@@ -32,6 +32,7 @@ from .reference.training import initial_state
 from .rules.error import ERROR_RULES, GRAPH_RULES as _OP_GRAPH_RULES, gamma, unit_roundoff
 from .rules.softmax_bounds import SOFTMAX_GRAPH_RULES
 from .segment_bounds import refine
+from .tied_bounds import refine_detached
 
 # joint rules: AdamW (rules/error.py) and the decomposed softmax family (rules/softmax_bounds.py)
 GRAPH_RULES = {**_OP_GRAPH_RULES, **SOFTMAX_GRAPH_RULES}
@@ -71,7 +72,7 @@ def propagate(graph, feeds: dict, errors: dict | None = None) -> tuple[dict, dic
                 e = GRAPH_RULES[n.op](n, graph, env, err, unit_roundoff(n.type.dtype))
             if e is not None:
                 err[n.name] = np.broadcast_to(_no_nan(e), np.shape(env[n.name]))
-    return env, refine(graph, env, err, lambda n, ops, es: op_bound(n, ops, es, env[n.name])[1],
+    return env, refine_detached(refine, graph, env, err, lambda n, ops, es: op_bound(n, ops, es, env[n.name])[1],
                        lambda n, es: _graph_rule(n, graph, env, es))
 
 
