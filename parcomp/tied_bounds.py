@@ -78,23 +78,23 @@ def detached_view(graph, early: dict):
     return graph.with_nodes([*sources, *nodes]), alias
 
 
-def refine_detached(refine, graph, env, err, bound_op, graph_rule, **kw) -> dict:
-    """``refine(graph, env, err, bound_op, graph_rule, **kw)``
+def refine_detached(refine, graph, env, err, bound_op, graph_rule, *args, **kw) -> dict:
+    """``refine(graph, env, err, bound_op, graph_rule, *args, **kw)``
     (:func:`parcomp.segment_bounds.refine`), and where the graph has terminal gradient sums
     with early operands (a tied weight), the elementwise smaller of that and the same
     refinement of :func:`detached_view` (module docstring). Returns ``{value: bound}`` over
     ``err``'s keys; ``err`` is not changed."""
-    first = refine(graph, env, err, bound_op, graph_rule, **kw)
+    first = refine(graph, env, err, bound_op, graph_rule, *args, **kw)
     early = early_operands(graph)
     if not early:
         return first
     view, alias = detached_view(graph, early)
     env2 = {**env, **{a: env[p] for a, p in alias.items()}}
     known = {a: _nan_inf(first[p]) for a, p in alias.items()}  # p as the first refinement bounds it
-    second = refine(view, env2, {**err, **known}, bound_op, graph_rule, **kw)
+    second = refine(view, env2, {**err, **known}, bound_op, graph_rule, *args, **kw)
     better = {a: np.minimum(b, _nan_inf(second[alias[a]])) for a, b in known.items()}
     if any((better[a] < known[a]).any() for a in alias):  # p refined better in the view: once more
-        second = refine(view, env2, {**err, **better}, bound_op, graph_rule, **kw)
+        second = refine(view, env2, {**err, **better}, bound_op, graph_rule, *args, **kw)
     with np.errstate(invalid="ignore"):
         return {k: np.minimum(_nan_inf(v), _nan_inf(second[k])) if k in second else v
                 for k, v in first.items()}

@@ -180,3 +180,24 @@ def test_a_wrong_all_reduce_in_the_tied_gpt_is_a_mismatch(capsys, monkeypatch, s
     _inject(monkeypatch, collective, factor)
     out = _check(capsys, "rms_small_init", spec)
     assert out["verdict"] == "MISMATCH", out
+
+
+def test_a_cannot_vouch_over_many_values_is_one_line_per_value_not_one_6kb_line():
+    """Trial F: the CANNOT VOUCH line listed every failing value with the whole explanation."""
+    from parcomp.tolerance import compare_all
+    from parcomp.train_check import merge_steps, verdict, verdict_text
+
+    want = {f"blocks.{k}.w.grad": np.array([1.0, -0.5]) for k in range(40)}
+    got = {k: v + 1e-9 for k, v in want.items()}
+    loose = {k: np.array([1e-8, 1.0]) for k in want}  # allowed 4.0 at [1]: no resolution
+    r = compare_all(got, want, loose, resolve=RESOLVE)
+    assert not r["ok"] and r["loose"] and r["unbounded"]
+    step = {**r, "max_loss_err": 0.0, "max_grad_err": 0.0, "max_param_err": 0.0}
+    merged = merge_steps([step, step])
+    text = verdict_text(verdict(merged), [("vs unsharded step", merged["why"])])
+    lines = text.splitlines()
+    assert lines[0].startswith("  CANNOT VOUCH: vs unsharded step: step 1: blocks.0.w.grad: the tolerance at [1]")
+    assert sum("blocks." in ln for ln in lines) == 3 + 1  # three values of step 1, step 2's first
+    assert any(ln.strip() == "and 37 more values" for ln in lines)
+    assert sum("cannot vouch for it" in ln for ln in lines) == 1  # the explanation once
+    assert len(text) < 1000 and max(map(len, lines)) < 200
