@@ -75,7 +75,7 @@ def propagate(graph, feeds: dict, errors: dict | None = None) -> tuple[dict, dic
             if e is not None:
                 err[n.name] = np.broadcast_to(_no_nan(e), np.shape(env[n.name]))
     return env, refine_detached(refine, graph, env, err, lambda n, ops, es: op_bound(n, ops, es, env[n.name])[1],
-                       lambda n, es: _graph_rule(n, graph, env, es))
+                                lambda n, es: _graph_rule(n, graph, env, es))
 
 
 def _graph_rule(node, graph, env, errors):
