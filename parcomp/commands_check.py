@@ -13,7 +13,7 @@ from .report import format_collectives, format_memory, format_search, plural
 from .check64 import NOTE, NOTE_MISMATCH, promote_compiled, promote_feeds, run_precision
 from .resolution import where_bound_grew
 from .tolerance import compare_outputs as compare, propagate, refine_bounds
-from .train_check import lockstep, verdict
+from .train_check import brief, lockstep, verdict, verdict_text
 from .commands_common import (_compile, feeds_for, _is_torch, _print_result, _reference, reference_outputs,
                               require_finite, _short_losses, _summary, _train_feeds, _vs_tolerance)
 
@@ -40,7 +40,7 @@ def check(args):
     if result.get("unbounded"):  # the model's dtype cannot vouch: the float64 re-check (parcomp/check64.py)
         wide = _forward_check(promote_compiled(compiled), None, example, promote_feeds(feeds))
         if not wide.get("unbounded"):
-            result, how = {**wide, "note": NOTE.format(err=result["max_abs_err"], why=result["why"],
+            result, how = {**wide, "note": NOTE.format(err=result["max_abs_err"], why=brief(result["why"]),
                                                         dtype=run_precision(compiled))}, ", in float64"
     _print_result(args, compiled, result, f"numpy interpreter, {plural(compiled.program.mesh.size, 'rank')}{how}")
     return {**result, "collectives": _summary(compiled.report["collectives"]),
@@ -86,13 +86,13 @@ def _check_training(args, compiled, module, example, steps):
     if ls["vs_unsharded"].get("unbounded"):  # float32 cannot vouch: the float64 re-check (parcomp/check64.py)
         wide = lockstep(promote_compiled(compiled), None, example, promote_feeds(feeds), steps)
         note = (NOTE if wide["vs_unsharded"]["ok"] else NOTE_MISMATCH).format(
-            err=ls["vs_unsharded"]["max_abs_err"], why=ls["vs_unsharded"]["why"][:300] + " ...",
+            err=ls["vs_unsharded"]["max_abs_err"], why=brief(ls["vs_unsharded"]["why"]),
             dtype=run_precision(compiled))
         if wide["vs_unsharded"]["ok"] or not wide["vs_unsharded"].get("unbounded"):  # OK or MISMATCH, as forward
             ls, how = {**wide, "vs_torch": ls["vs_torch"], "note": note}, ", in float64"
         else:  # float64 cannot vouch either: the float32 verdict stands, with what it found
             ls["note"] = (f"the float64 re-check does not vouch either: max abs error {wide['vs_unsharded']['max_abs_err']:.3e}"
-                          f"; {wide['vs_unsharded']['why'][:300]} ...")
+                          f"; {brief(wide['vs_unsharded']['why'])}")
     result = {**ls["vs_unsharded"], "losses": ls["losses"], "reference_losses": ls["reference_losses"],
               **({"note": ls["note"]} if "note" in ls else {})}
     if instead:
@@ -150,4 +150,4 @@ def _print_training(result, how, label="vs unsharded step"):
     word = result.get("verdict") or verdict(result, result.get("vs_torch"))
     if result.get("note"):  # before the verdict: the last line is the verdict
         print(f"  note: {result['note']}")
-    print("  OK" if word == "OK" else f"  {word}: " + "; ".join(f"{n}: {w}" for n, w in why))
+    print(verdict_text(word, why))

@@ -16,7 +16,7 @@ from .ir.text import print_graph
 from .reference.numpy_ops import run_unsharded
 from .passes.moe_capacity import capacity_notes, spec_changes_capacity  # the spec's MoE capacity (issue 14)
 from .report import format_collectives
-from .train_check import train_feeds, verdict
+from .train_check import train_feeds, verdict, verdict_text
 from .spec import load_spec
 
 
@@ -243,7 +243,7 @@ def _print_result(args, compiled, result, how):
     word = verdict(result)
     print(f"{how}: max abs error vs unsharded {result['max_abs_err']:.3e} "
           f"(output scale {result['output_scale']:.3e}; {_vs_tolerance(result)}) "
-          f"{word}{'' if result['ok'] else ': ' + result['why']}")
+          + verdict_text(word, [("", result["why"])], indent=""))
 
 
 def _vs_tolerance(result, basis: str = "") -> str:

@@ -19,7 +19,7 @@ from .run64 import recheck_forward, recheck_training
 from .report import format_collectives, plural
 from .tolerance import compare_outputs as compare, output_bounds, training_bounds
 from .train_check import carried as _carried, replay_reference, torch_reference as _torch_reference
-from .train_check import training_result as _training_result, verdict
+from .train_check import training_result as _training_result, verdict, verdict_text
 from .commands_common import (_compile, feeds_for, _is_torch, print_kept, _print_result, program_files, _reference,
                               require_ids_in_tables,
                               reference_outputs, _short_losses, _summary, _train_feeds, _vs_tolerance)
@@ -223,4 +223,4 @@ def _print_run_training(result, size, steps, ref_name, ref_losses):
         print(f"  note: {result['note']}")
     word = result["verdict"]
     why = [w for w in (result["why"], free["why"] if not free["ok"] else "") if w]
-    print("  OK" if word == "OK" else f"  {word}: " + "; ".join(why))
+    print(verdict_text(word, [("", w) for w in why]))

@@ -16,6 +16,9 @@ from __future__ import annotations
 import numpy as np
 
 RESOLVE = 0.05
+#: the explanation a loose bound's reason ends with (said once when several values fail)
+LOOSE_TAIL = ("the error bound is too loose to tell a wrong result from rounding, so parcomp cannot "
+              "vouch for it")
 
 
 def loose_element(allowed, want, resolve: float = RESOLVE):
@@ -55,5 +58,4 @@ def loose_reason(key: str, found, resolve: float = RESOLVE) -> str:
     i, allowed, scale = found
     at = key + str([int(j) for j in i]).replace(" ", "")
     return (f"the tolerance at {at} ({allowed:.3e}) is more than {resolve:.0%} of the value's scale "
-            f"({scale:.3e}): the error bound is too loose to tell a wrong result from rounding, so "
-            f"parcomp cannot vouch for it")
+            f"({scale:.3e}): {LOOSE_TAIL}")

@@ -18,7 +18,7 @@ the same, so both say the same of one spec:
 from __future__ import annotations
 
 from .check64 import promote_compiled, promote_feeds, run_precision
-from .train_check import verdict
+from .train_check import brief, verdict
 
 VOUCHED = ("torchrun's {dtype} result is within its error bound wherever that bound is finite, but "
            "the bound is too loose to resolve a 10% error ({why}); the same plan (every rank vs the "
@@ -32,7 +32,7 @@ UNVOUCHED = "the float64 re-check of the plan (numpy interpreter) cannot vouch e
 
 def _summary(r: dict) -> str:
     return (f"max abs error {r['max_abs_err']:.3e}, error/tolerance {r['err_over_tol']:.2g} at "
-            f"{r['worst']}" + (f"; {r['why'][:300]}" if r.get("why") else ""))
+            f"{r['worst']}" + (f"; {brief(r['why'])}" if r.get("why") else ""))
 
 
 def _apply(result: dict, wide: dict, dtype: str) -> dict:
@@ -40,7 +40,7 @@ def _apply(result: dict, wide: dict, dtype: str) -> dict:
     re-check ``wide`` (``ok``/``unbounded``/``why`` and errors of the plan) applied."""
     out = {**result, "float64": {k: wide[k] for k in ("ok", "unbounded", "max_abs_err", "tolerance",
                                                       "err_over_tol", "worst", "why") if k in wide}}
-    why = result["why"][:300] + (" ..." if len(result["why"]) > 300 else "")
+    why = brief(result["why"])
     if wide["ok"]:  # as check: the verdict's error/tolerance is the re-check's (float32's kept)
         return {**out, "ok": True, "unbounded": False, "why": "", "err_over_tol": wide["err_over_tol"],
                 "err_over_tol_float32": result.get("err_over_tol"),

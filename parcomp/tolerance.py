@@ -26,17 +26,20 @@ from __future__ import annotations
 import numpy as np
 
 from .reference.numpy_attn import source_array
-from .resolution import RESOLVE, loose_element, loose_reason
+from .resolution import LOOSE_TAIL, RESOLVE, loose_element, loose_reason
 from .reference.numpy_ops import NUMPY_OPS
 from .reference.training import initial_state
 from .rules.error import ERROR_RULES, GRAPH_RULES as _OP_GRAPH_RULES, gamma, unit_roundoff
 from .rules.softmax_bounds import SOFTMAX_GRAPH_RULES
 from .segment_bounds import refine
+from .tied_bounds import refine_detached
 
 # joint rules: AdamW (rules/error.py) and the decomposed softmax family (rules/softmax_bounds.py)
 GRAPH_RULES = {**_OP_GRAPH_RULES, **SOFTMAX_GRAPH_RULES}
 
 SAFETY = 2.0
+#: the explanation an overflowed bound's reason ends with (said once when several values fail)
+OVERFLOW_TAIL = "the worst-case rounding analysis overflowed there, so parcomp cannot vouch for it"
 
 
 def _f64(x):
@@ -81,9 +84,11 @@ def refine_bounds(graph, env, err, needed=None) -> dict:
     forward refined by linear maps between cuts (:func:`parcomp.segment_bounds.refine`,
     :mod:`parcomp.forward_bounds`); ``needed``:
     the value names wanted tighter (None: all), only the cuts they depend on are run.
+    A tied weight's late gradient sum is handled by :func:`parcomp.tied_bounds.refine_detached`.
     Returns a new dict, every bound <= the box's."""
-    return refine(graph, env, err, lambda n, ops, es: op_bound(n, ops, es, env[n.name])[1],
-                  lambda n, es: _graph_rule(n, graph, env, es), needed)
+    return refine_detached(refine, graph, env, err,
+                           lambda n, ops, es: op_bound(n, ops, es, env[n.name])[1],
+                           lambda n, es: _graph_rule(n, graph, env, es), needed)
 
 
 def _graph_rule(node, graph, env, errors):
@@ -285,8 +290,7 @@ def compare(got, want, bound, bound_want=None, allow_nonfinite: bool = False, re
         why.append(f"error {float(err[worst]):.3e} > tolerance {tol:.3e} at {[int(i) for i in worst]}")
     elif r > 1:
         why.append(f"error {float(err[worst]):.3e} at {[int(i) for i in worst]} where the error bound is not "
-                   f"finite: the worst-case rounding analysis overflowed there, so parcomp cannot vouch "
-                   f"for it")
+                   f"finite: {OVERFLOW_TAIL}")
     nonfinite = int(np.count_nonzero(same))
     if nonfinite and not allow_nonfinite:
         why.append(f"{nonfinite} inf/NaN value(s) on both sides (overflow?): nothing to vouch for")
@@ -390,8 +394,17 @@ def loss_errors(losses, ref_losses, loss_bounds) -> dict:
                    np.array(loss_bounds[:len(losses)], np.float64))
 
 
-def _first_reasons(reasons: list, most: int = 4) -> str:
-    """The first ``most`` reasons, then how many more values failed (a 100-value failure
-    is one readable line, not a page)."""
+def _first_reasons(reasons: list, most: int = 3) -> str:
+    """The first ``most`` reasons, one line each, then how many more values failed, then each
+    explanation the listed reasons shared (said once, not per value): a 60-value failure is
+    a few readable lines, not a 6 KB line."""
+    lines, tails = [], []
+    for r in reasons[:most]:
+        for tail in (LOOSE_TAIL, OVERFLOW_TAIL):
+            if r.endswith(": " + tail):
+                r = r[:-len(tail) - 2]
+                tails += [tail] if tail not in tails else []
+        lines.append(r)
     more = len(reasons) - most
-    return "; ".join(reasons[:most]) + (f"; and {more} more value{'s' if more > 1 else ''}" if more > 0 else "")
+    lines += [f"and {more} more value{'s' if more > 1 else ''}"] if more > 0 else []
+    return "\n".join(lines + [f"({t})" for t in tails])

@@ -88,6 +88,23 @@ def verdict(*results) -> str:
     return "CANNOT VOUCH" if all(r.get("unbounded") for r in failed) else "MISMATCH"
 
 
+def verdict_text(word: str, why: list, indent: str = "  ") -> str:
+    """The verdict line: ``word`` alone when OK; else ``word:`` and each ``(label, reason)`` of
+    ``why`` (label may be ""), the first on the verdict's line, the others on lines of their
+    own, one line per failing value (a reason is :func:`merge_steps`' or a comparison's:
+    lines joined by newlines), continuation lines indented below it."""
+    if word == "OK":
+        return f"{indent}OK"
+    out = []
+    for label, reason in why:
+        lines = reason.split("\n")
+        out.append(f"{label + ': ' if label else ''}{lines[0]}")
+        out += [f"    {ln}" for ln in lines[1:]]
+    if not out:
+        return f"{indent}{word}"
+    return "\n".join([f"{indent}{word}: {out[0]}"] + [f"{indent}  {ln}" for ln in out[1:]])
+
+
 def merge_steps(results: list) -> dict:
     """One result over the per-step results of a lockstep check: the largest errors, the
     worst error/tolerance (its place prefixed ``step k:``), every failing step's reason."""
@@ -99,9 +116,28 @@ def merge_steps(results: list) -> dict:
     missing = sorted({m for r in results for m in r.get("missing", ())})
     return {**out, "tolerance": worst["tolerance"], "err_over_tol": worst["err_over_tol"],
             "worst": f"step {worst_k + 1}: {worst['worst']}", "ok": not failed,
-            "why": "; ".join(f"step {k}: {r['why']}" for k, r in failed[:3]),
+            "why": _step_reasons(failed),
             "unbounded": bool(failed) and all(r.get("unbounded") for _, r in failed),
             **({"missing": missing} if missing else {})}
+
+
+def _step_reasons(failed: list) -> str:
+    """The reasons of the failing steps ``[(k, result)]``: the first step's in full (one line
+    per value), each later one's first line (steps usually fail alike)."""
+    if not failed:
+        return ""
+    (k, r), rest = failed[0], failed[1:3]
+    lines = [f"step {k}: {r['why']}"] + [f"step {j}: {brief(s['why'])}" for j, s in rest]
+    more = len(failed) - 3
+    return "\n".join(lines + ([f"and {more} more failing step{'s' if more > 1 else ''}"] if more > 0 else []))
+
+
+def brief(why: str, most: int = 300) -> str:
+    """A reason (:func:`merge_steps`' or a comparison's, one line per value) as one short
+    line: its first line, cut at ``most`` characters, "..." when anything was left out."""
+    first = why.split("\n", 1)[0]
+    cut = first[:most]
+    return cut + (" ..." if cut != why else "")
 
 
 def _one_step(graph, start: dict, out: dict, bounds: dict) -> tuple:

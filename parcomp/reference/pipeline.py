@@ -145,11 +145,13 @@ def check_pipeline_step(compiled, feeds: dict, steps: int = 1) -> dict:
     result = compare_steps(compiled.program_.pipeline, compiled.logical, feeds, steps)
     if not result.get("unbounded"):
         return result
+    from ..train_check import brief
+
     plan = plan_pipeline(promote_graph(compiled.unsharded), compiled.spec)
     wide = compare_steps(plan, promote_graph(compiled.logical), promote_feeds(feeds), steps)
     if not wide["ok"]:
         return result
-    return {**wide, "note": f"float32 cannot vouch (its bound overflowed: {result['why'][:200]}); "
+    return {**wide, "note": f"float32 cannot vouch (its bound overflowed: {brief(result['why'], 200)}); "
                             f"the same pipeline in float64 equals the unsharded step"}
 
 
