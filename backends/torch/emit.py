@@ -140,6 +140,8 @@ ATTR_DEFAULTS = {"gelu": {"approximate": "none"}, "gelu_grad": {"approximate": "
                  **{op: {"step": 1} for op in ("slice", "slice_grad")}, "arange": {"start": 0, "step": 1},
                  **MOE_DEFAULTS}  # issue 14
 LOCAL_LAYOUT_OPS = ("shard_slice", "partial_mask")
+_LAYOUT_OPS = frozenset(LAYOUT_OPS)
+_NON_WORD = re.compile(r"\W")
 TORCH_DTYPES = {"float32": "torch.float32", "float64": "torch.float64", "float16": "torch.float16",
                 "bfloat16": "torch.bfloat16", "int64": "torch.int64", "int32": "torch.int32",
                 "bool": "torch.bool"}
@@ -253,7 +255,7 @@ def _names(prog) -> dict:
     out, taken, program = {}, set(), prog.graph
     bases = _module_bases(prog)
     for n in program.nodes:
-        base = re.sub(r"\W", "_", bases.get(n.name, n.name)) or "v"
+        base = _NON_WORD.sub("_", bases.get(n.name, n.name)) or "v"
         if base[0].isdigit():
             base = "_" + base
         if base in RESERVED:
@@ -490,9 +492,10 @@ def _forward(prog, names, train) -> str:
     fn, doc = ("train_step", "One training step (forward, backward, update)") if train else (
         "forward", "One forward step on this rank")
     lines = [f"def {fn}(p, inp):", f'    """{doc}: local slices in, {{output name: local value}} out."""']
-    program, provenance = prog.graph, prog.provenance
+    program, provenance, var_of = prog.graph, prog.provenance, names.__getitem__
     tails = {}  # (id(layout), id(type)) -> "  # [S(0), R] f32[8,32]": nodes share these objects
     for n in program.nodes:
+        op = n.op
         tail = tails.get((id(n.layout), id(n.type)))
         if tail is None:
             tail = tails[id(n.layout), id(n.type)] = f"  # {layout_str(n.layout)} {n.type}"
@@ -500,16 +503,17 @@ def _forward(prog, names, train) -> str:
         if ref:  # as _spec_ref, after a "; "
             tail += f"; {ref}"
         var = names[n.name]
-        if n.op in ("input", "param"):
-            src = "p" if n.op == "param" else "inp"
-            lines.append(f"    {var} = {src}[{json.dumps(n.name)}]{tail}")
+        if op == "input" or op == "param":
+            src = "p" if op == "param" else "inp"
+            lines.append(f"    {var} = {src}[{_json_str(n.name)}]{tail}")
             continue
-        if n.op in LAYOUT_OPS:
+        if op in _LAYOUT_OPS:
             lines += _layout_comment(program, n, prog.collective(n.name), names)
         lines += [c for text in ring_comment(prog, n) for c in _comment(text, "    ")]  # issue 14
-        lines.append(f"    {var} = {_code(n, [names[i] for i in n.inputs], program)}{tail}")
-        if n.attr("frees"):
-            lines.append("    del " + ", ".join(names[v] for v in n.attr("frees").split()))
+        lines.append(f"    {var} = {_code(n, list(map(var_of, n.inputs)), program)}{tail}")
+        frees = n.attr("frees")
+        if frees:
+            lines.append("    del " + ", ".join(map(var_of, frees.split())))
     ret = ", ".join(f"{json.dumps(pub)}: {names[v]}" for pub, v in program.named_outputs())
     lines.append(f"    return {{{ret}}}")
     return "\n".join(lines)
