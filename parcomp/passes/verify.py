@@ -228,9 +228,10 @@ def _distinct(graph, nodes, passed=(), values=None) -> tuple:
     """``(nodes, keys)``: ``nodes`` less each node alike an earlier one, or alike one whose key
     is in ``passed`` (it passed these checks in an earlier call), in all that the type and
     layout checks read of it: op, attrs (less :data:`WORDS`), type, layout, operand layouts
-    (and whether they are its own ``in_layouts``) and operand types, not names; and the keys of the nodes kept
-    (None: unhashable). Alike nodes pass or fail alike, and a failing one is met first, so
-    the first failing node is the same; the nodes of repeated blocks are checked once.
+    (and whether they are its own ``in_layouts``) and operand types, not names; and the
+    keys of the nodes kept (None: unhashable). Alike nodes pass or fail alike, and a failing
+    one is met first, so the first failing node is the same; the nodes of repeated blocks
+    are checked once.
 
     A type or layout enters a key as a token, equal for equal values (``values``: value ->
     token, kept by the caller across calls), looked up once per object (by ``id``: the
@@ -244,7 +245,7 @@ def _distinct(graph, nodes, passed=(), values=None) -> tuple:
             t = ids[id(x)] = values.setdefault(x, len(values))
         return t
 
-    def pair(name):  # an operand's (type token, layout token)
+    def pair(name):  # a node's (type token, layout token), by name (it is also an operand)
         got = pairs.get(name)
         if got is None:
             m = get(name)
@@ -259,8 +260,7 @@ def _distinct(graph, nodes, passed=(), values=None) -> tuple:
             attrs = n.attrs
             if attrs:
                 attrs = tuple(kv for kv in attrs if kv[0] not in WORDS)
-            key = (n.op, attrs, tok(n.type), tok(n.layout), n.in_layouts is None, lays,
-                   tuple(p[0] for p in ops))
+            key = (n.op, attrs, pair(n.name), n.in_layouts is None, lays, tuple(p[0] for p in ops))
             if key in passed or first.setdefault(key, n) is not n:
                 continue
         except TypeError:  # an unhashable attribute value: such nodes are all checked
