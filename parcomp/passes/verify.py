@@ -10,7 +10,7 @@ of the rule table; every layout-change node does exactly what its kind says.
 """
 from __future__ import annotations
 
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 
 from ..errors import VerifyError
 from ..ir.graph import Graph, describe
@@ -54,6 +54,8 @@ def verify(graph: Graph, memo: dict | None = None) -> None:
 _LAST = "verify.last"  # memo key: (the last graph that passed, its checks)
 _ALIKE = "verify.alike"  # memo key: {"values": value -> token, checks: keys of nodes that passed}
 _LAYOUT = attrgetter("layout")
+_KEY = itemgetter(0)  # of an attribute pair
+_TYPE = itemgetter(0, 1)  # of an operand's (shape, dtype, layout token): its type
 
 
 def check_model_mesh(graph: Graph, mesh) -> None:
@@ -233,9 +235,9 @@ def _distinct(graph, nodes, passed=(), values=None) -> tuple:
     one is met first, so the first failing node is the same; the nodes of repeated blocks
     are checked once.
 
-    A type or layout enters a key as a token, equal for equal values (``values``: value ->
-    token, kept by the caller across calls), looked up once per object (by ``id``: the
-    graph keeps them alive), so keys hash and compare as small ints."""
+    A type enters a key as its shape and dtype, a layout as a token, equal for equal values
+    (``values``: value -> token, kept by the caller across calls), looked up once per object
+    (by ``id``: the graph keeps them alive): keys hash and compare without dataclass calls."""
     values = {} if values is None else values
     ids, pairs, get = {}, {}, graph._index.__getitem__
 
@@ -245,25 +247,28 @@ def _distinct(graph, nodes, passed=(), values=None) -> tuple:
             t = ids[id(x)] = values.setdefault(x, len(values))
         return t
 
-    def pair(name):  # a node's (type token, layout token), by name (it is also an operand)
+    def pair(name):  # a node's (shape, dtype, layout token), by name (it is also an operand)
         got = pairs.get(name)
         if got is None:
             m = get(name)
-            got = pairs[name] = (tok(m.type), tok(m.layout))
+            ty = m.type  # a TensorType is equal to another when its shape and dtype are
+            got = pairs[name] = (ty.shape, ty.dtype, tok(m.layout))
         return got
 
     first, out, keys = {}, [], []
     for n in nodes:
         try:
-            ops = tuple(map(pair, n.inputs))
-            lays = tuple(map(tok, n.in_layouts)) if n.in_layouts is not None else tuple(p[1] for p in ops)
+            ops = tuple(map(pair, n.inputs))  # operand (type, layout) tokens
             attrs = n.attrs
-            if attrs:
+            if attrs and not WORDS.isdisjoint(map(_KEY, attrs)):
                 attrs = tuple(kv for kv in attrs if kv[0] not in WORDS)
-            key = (n.op, attrs, pair(n.name), n.in_layouts is None, lays, tuple(p[0] for p in ops))
+            if n.in_layouts is None:  # the operand layouts are the operands' own
+                key = (n.op, attrs, pair(n.name), True, ops)
+            else:
+                key = (n.op, attrs, pair(n.name), False, tuple(map(tok, n.in_layouts)), tuple(map(_TYPE, ops)))
             if key in passed or first.setdefault(key, n) is not n:
                 continue
-        except TypeError:  # an unhashable attribute value: such nodes are all checked
+        except (TypeError, AttributeError):  # an unhashable value, a type that is none: checked
             key = None
         out.append(n)
         keys.append(key)
