@@ -24,9 +24,9 @@ def verify(graph: Graph, memo: dict | None = None) -> None:
     """Raise :class:`VerifyError` naming the first node that breaks an invariant.
 
     ``memo`` (a dict the caller keeps across calls, as the pass pipeline does) holds the
-    last graph that passed and its checks; a node object of that graph met again with the
-    same operand node objects, stage, mesh and checks passed before and is not checked
-    again (every check of a node reads only these). The order of definitions and the
+    last graph that passed and its checks; a node object of that graph met again with
+    operands of the same type and layout objects, stage, mesh and checks passed before and
+    is not checked again (every check of a node reads only these). The order of definitions and the
     outputs are always checked, so the first failing node is the same with or without
     ``memo``.
     """
@@ -119,13 +119,16 @@ def _fail(graph, node, msg):
 def _check_ssa(graph, before) -> list:
     """Check definitions in order; return the nodes to check (in order): those that are not
     the object ``before`` (a name's node in the last graph that passed) gives, and those
-    with an operand that is not (its object changed, so what the node reads may have)."""
-    seen, changed, todo = set(), set(), []  # changed: names whose node object is new
+    with an operand whose type or layout object is not that node's (a reader's checks read
+    only these of an operand)."""
+    seen, changed, todo = set(), set(), []  # changed: names whose type or layout object is new
     schemas = {}  # (op, attrs) -> the first node with them (the schema check reads only those)
     for n in graph.nodes:
         name, ins = n.name, n.inputs
-        if before(name) is not n:
-            changed.add(name)
+        old = before(name)
+        if old is not n:
+            if old is None or old.type is not n.type or old.layout is not n.layout:
+                changed.add(name)  # what a reader's checks read of it (type, layout) may differ
             fresh = True
         else:
             fresh = bool(changed) and not changed.isdisjoint(ins)
