@@ -289,9 +289,8 @@ def _train_loop(local, spec) -> TrainLoop | None:
     cfg = train_config(spec)
     params = {n.name for n in local.params}
     carried = tuple(pub for pub, _ in local.named_outputs() if pub in params)
-    state = tuple(n.name for n in local.params if n.phase == "optimizer")
-    state = set(state)
-    state = tuple(c for c in carried if c in state)
+    optimizer = {n.name for n in local.params if n.phase == "optimizer"}
+    state = tuple(c for c in carried if c in optimizer)
     step = next((n.name for n in local.inputs if n.phase == "optimizer"), None)
     dp = spec.mesh.sizes[spec.mesh.axis_index("dp")] if "dp" in spec.mesh.names else 1
     batch = cfg.batch or next((n.attr("global_shape")[0] for n in local.inputs
