@@ -192,10 +192,24 @@ def build_program(sharded: Graph, local: Graph, spec) -> Program:
     for n in local.nodes:  # joint groups (issue 11): one entry per axis set a collective uses
         if n.op in COLLECTIVES and n.attr("axis") not in groups:
             groups[n.attr("axis")] = joint_groups(mesh, mesh.axes_of(n.attr("axis")))
-    prov = {n.name: _provenance(n) for n in local.nodes}
+    prov = _provenances(local.nodes)
     return Program(local, groups, getattr(spec, "file", None), {n.name: n.phase for n in local.nodes},
                    prov, _collectives(sharded, local, prov), _train_loop(local, spec), sharded.search,
                    {"topology": getattr(spec, "topology", None), **dict(getattr(spec, "launch", ()))})
+
+
+def _provenances(nodes) -> dict:
+    """``{name: _provenance(node)}``; nodes with the same spec rule and source share one
+    (immutable, compared by value) record: a deep model's nodes have few distinct ones."""
+    made, out = {}, {}
+    for n in nodes:
+        loc = n.spec_loc
+        key = (n.source,) if loc is None else (n.source, loc.file, loc.line)
+        got = made.get(key)
+        if got is None:
+            got = made[key] = _provenance(n)
+        out[n.name] = got
+    return out
 
 
 def _provenance(node) -> Provenance:
@@ -275,8 +289,8 @@ def _train_loop(local, spec) -> TrainLoop | None:
     cfg = train_config(spec)
     params = {n.name for n in local.params}
     carried = tuple(pub for pub, _ in local.named_outputs() if pub in params)
-    state = tuple(n.name for n in local.params if n.phase == "optimizer")
-    state = tuple(c for c in carried if c in state)
+    optimizer = {n.name for n in local.params if n.phase == "optimizer"}
+    state = tuple(c for c in carried if c in optimizer)
     step = next((n.name for n in local.inputs if n.phase == "optimizer"), None)
     dp = spec.mesh.sizes[spec.mesh.axis_index("dp")] if "dp" in spec.mesh.names else 1
     batch = cfg.batch or next((n.attr("global_shape")[0] for n in local.inputs

@@ -23,18 +23,16 @@ def memory(program, model_params) -> dict:
     from .passes.lower import peak_bytes
 
     graph, phase = program.graph, program.phases
-    users = graph.users()
+    # the values some backward node reads (what read_by_backward asked of each value's users)
+    read_by_backward = {i for n in graph.nodes if phase[n.name] == "backward" for i in n.inputs}
     grads = {v for p, v in graph.named_outputs() if p.endswith(".grad") and p[:-5] in model_params}
 
     def nbytes(names):
         return int(sum(graph[n].type.nbytes for n in set(names)))
 
-    def read_by_backward(name):
-        return any(phase[u] == "backward" for u in users[name])
-
     saved = [n.name for n in graph.nodes if n.op not in ("input", "param")
-             and phase[n.name] in ("forward", "loss") and read_by_backward(n.name)]
-    saved += [n.name for n in graph.inputs if read_by_backward(n.name)]
+             and phase[n.name] in ("forward", "loss") and n.name in read_by_backward]
+    saved += [n.name for n in graph.inputs if n.name in read_by_backward]
     return {"weights": nbytes(p for p in model_params if p in graph),
             "gradients": nbytes(grads),
             "optimizer_state": nbytes(n.name for n in graph.params if n.name not in model_params),

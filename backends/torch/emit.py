@@ -25,18 +25,20 @@ import math
 import re
 import textwrap
 from dataclasses import replace
+from json.encoder import encode_basestring_ascii as _json_str  # json.dumps of a str
 
 from parcomp.ir.ops import LAYOUT_OPS
 from parcomp.ir.types import DTYPE_SHORT, Partial, Replicate, layout_str, shard_axes
 from parcomp.program import MAX_STEPS, ParcompError, Program, TrainLoop, no_cycle_collection, plural
 
-from .emit_cp import cp_kw  # context parallel (issue 14)
+from .emit_cp import Q_OPERAND, cp_kw  # context parallel (issue 14); Q_OPERAND: sdpa, sdpa_grad
 from .emit_cp_ring import (HELPER_NAMES as RING_HELPERS, RING_FORMATS, balance_src, ring_comment, ring_key, ring_kw,
                            ring_sections)
 from .emit_norms import HELPER_NAMES as NORM_HELPERS, NORM_FORMATS, norm_kw, runtime_sections
 from .emit_moe import HELPER_NAMES as MOE_HELPERS, MOE_DEFAULTS, MOE_FORMATS, moe_key, moe_sections  # issue 14
 from .emit_reduce import (ASYNC_REDUCE, HELPER_NAMES as REDUCE_HELPERS, IN_PLACE_REDUCE, REDUCE_FORMATS, reduce_key, reduce_kw,
                           reduce_sections)
+from .emit_text import wrap
 from .emit_cluster import CLUSTER_NAMES, cluster_constants
 from .profiles import get_profile
 from .runtime import (CLUSTER_HELP, CONSTANT_LOADER, FORWARD_HELP, FUNCTIONAL, IMPORTS, MAIN, ONNX_READER, RUNTIME,
@@ -138,6 +140,8 @@ ATTR_DEFAULTS = {"gelu": {"approximate": "none"}, "gelu_grad": {"approximate": "
                  **{op: {"step": 1} for op in ("slice", "slice_grad")}, "arange": {"start": 0, "step": 1},
                  **MOE_DEFAULTS}  # issue 14
 LOCAL_LAYOUT_OPS = ("shard_slice", "partial_mask")
+_LAYOUT_OPS = frozenset(LAYOUT_OPS)
+_NON_WORD = re.compile(r"\W")
 TORCH_DTYPES = {"float32": "torch.float32", "float64": "torch.float64", "float16": "torch.float16",
                 "bfloat16": "torch.bfloat16", "int64": "torch.int64", "int32": "torch.int32",
                 "bool": "torch.bool"}
@@ -229,6 +233,8 @@ def _emit(compiled, profile, model, steps, functional, constants) -> str:
 
 def _py(v) -> str:
     """A Python literal for an attribute value."""
+    if type(v) is str:  # the most common: json.dumps(v)'s own encoder, without its set-up
+        return _json_str(v)
     if isinstance(v, bool) or isinstance(v, int):
         return repr(v)
     if isinstance(v, float):
@@ -249,7 +255,7 @@ def _names(prog) -> dict:
     out, taken, program = {}, set(), prog.graph
     bases = _module_bases(prog)
     for n in program.nodes:
-        base = re.sub(r"\W", "_", bases.get(n.name, n.name)) or "v"
+        base = _NON_WORD.sub("_", bases.get(n.name, n.name)) or "v"
         if base[0].isdigit():
             base = "_" + base
         if base in RESERVED:
@@ -396,8 +402,7 @@ def _constants(prog, train) -> str:
 
 def _wrap(line: str) -> list:
     """A long ``NAME = (...)`` assignment as lines of at most 108 characters."""
-    return textwrap.wrap(line, COMMENT_WIDTH, subsequent_indent="    ", break_long_words=False,
-                         break_on_hyphens=False)
+    return wrap(line, COMMENT_WIDTH, "", "    ")
 
 
 def _data_inputs(program, train) -> list:
@@ -478,9 +483,7 @@ def _ty(dtype, shape) -> str:
 
 
 def _comment(text: str, indent: str) -> list:
-    return textwrap.wrap(text, COMMENT_WIDTH, initial_indent=indent + "# ",
-                         subsequent_indent=indent + "#   ", break_long_words=False,
-                         break_on_hyphens=False)
+    return wrap(text, COMMENT_WIDTH, indent + "# ", indent + "#   ")  # textwrap.wrap's lines
 
 
 def _forward(prog, names, train) -> str:
@@ -489,20 +492,28 @@ def _forward(prog, names, train) -> str:
     fn, doc = ("train_step", "One training step (forward, backward, update)") if train else (
         "forward", "One forward step on this rank")
     lines = [f"def {fn}(p, inp):", f'    """{doc}: local slices in, {{output name: local value}} out."""']
-    program = prog.graph
+    program, provenance, var_of = prog.graph, prog.provenance, names.__getitem__
+    tails = {}  # (id(layout), id(type)) -> "  # [S(0), R] f32[8,32]": nodes share these objects
     for n in program.nodes:
-        tail = f"  # {layout_str(n.layout)} {n.type}" + _spec_ref(prog, n.name).replace("  #", ";", 1)
+        op = n.op
+        tail = tails.get((id(n.layout), id(n.type)))
+        if tail is None:
+            tail = tails[id(n.layout), id(n.type)] = f"  # {layout_str(n.layout)} {n.type}"
+        ref = provenance[n.name].spec_ref
+        if ref:  # as _spec_ref, after a "; "
+            tail += f"; {ref}"
         var = names[n.name]
-        if n.op in ("input", "param"):
-            src = "p" if n.op == "param" else "inp"
-            lines.append(f"    {var} = {src}[{json.dumps(n.name)}]{tail}")
+        if op == "input" or op == "param":
+            src = "p" if op == "param" else "inp"
+            lines.append(f"    {var} = {src}[{_json_str(n.name)}]{tail}")
             continue
-        if n.op in LAYOUT_OPS:
+        if op in _LAYOUT_OPS:
             lines += _layout_comment(program, n, prog.collective(n.name), names)
         lines += [c for text in ring_comment(prog, n) for c in _comment(text, "    ")]  # issue 14
-        lines.append(f"    {var} = {_code(n, [names[i] for i in n.inputs], program)}{tail}")
-        if n.attr("frees"):
-            lines.append("    del " + ", ".join(names[v] for v in n.attr("frees").split()))
+        lines.append(f"    {var} = {_code(n, list(map(var_of, n.inputs)), program)}{tail}")
+        frees = n.attr("frees")
+        if frees:
+            lines.append("    del " + ", ".join(map(var_of, frees.split())))
     ret = ", ".join(f"{json.dumps(pub)}: {names[v]}" for pub, v in program.named_outputs())
     lines.append(f"    return {{{ret}}}")
     return "\n".join(lines)
@@ -511,31 +522,41 @@ def _forward(prog, names, train) -> str:
 def _code(n, args, program=None) -> str:
     """The right-hand side computing node ``n`` from operand variables ``args``
     (``inplace``: :data:`IN_PLACE_FORMATS`; ``async_op``: :data:`ASYNC_FORMATS`)."""
-    table = (ASYNC_FORMATS if n.attr("async_op") else IN_PLACE_FORMATS if n.attr("inplace") else OP_FORMATS)
-    key = ring_key(n, moe_key(n, reduce_key(n) + ("_" if n.attr("async_op") and n.attr("inplace") else "")))
+    op, attr = n.op, n.attr
+    async_op, inplace = attr("async_op"), attr("inplace")
+    table = (ASYNC_FORMATS if async_op else IN_PLACE_FORMATS if inplace else OP_FORMATS)
+    rkey = reduce_key(n)
+    key = ring_key(n, moe_key(n, rkey + ("_" if async_op and inplace else "")))
     if key not in table:
         raise EmitError(f"op {n.op!r} (%{n.name}) has no torch mapping; the torch backend "
                         f"knows: {', '.join(sorted(OP_FORMATS))}")
-    if n.op == "sum" and not n.attr("dims"):
+    if op == "sum" and not attr("dims"):
         return args[0]
-    if n.op == "pow_grad" and n.attr("exponent") == 2.0:  # d(x**2) = 2 x dy, without pow(x, 1)
+    if op == "pow_grad" and attr("exponent") == 2.0:  # d(x**2) = 2 x dy, without pow(x, 1)
         return f"{args[0]} * ({args[1]} * 2.0)"
-    if n.type.dtype not in TORCH_DTYPES:
-        raise EmitError(f"%{n.name} has dtype {n.type.dtype}, which has no torch name")
-    attrs = dict(ATTR_DEFAULTS.get(n.op, {}))
-    attrs.update(n.attrs)
-    kw = {k: _py(v) for k, v in attrs.items()}
-    kw["local_shape"] = repr(tuple(n.type.shape))
-    kw["dtype"] = TORCH_DTYPES[n.type.dtype]
+    ty = n.type
+    if ty.dtype not in TORCH_DTYPES:
+        raise EmitError(f"%{n.name} has dtype {ty.dtype}, which has no torch name")
+    if op in ATTR_DEFAULTS:
+        attrs = dict(ATTR_DEFAULTS[op])
+        attrs.update(n.attrs)
+        kw = {k: _py(v) for k, v in attrs.items()}
+    else:
+        kw = {k: _py(v) for k, v in dict(n.attrs).items()}
+    kw["local_shape"] = repr(tuple(ty.shape))
+    kw["dtype"] = TORCH_DTYPES[ty.dtype]
     kw["args"] = ", ".join(args)
-    kw.update(norm_kw(program, n, args))  # norms + embedding part (issue 17)
-    kw.update(reduce_kw(program, n, _py))  # reductions part (issue 17)
-    kw.update(cp_kw(program, n))  # context parallel (issue 14): causal mask at the rank's rows
-    kw.update(ring_kw(n))  # ring attention (issue 14)
-    if n.op == "expand":
-        kw["kept_shape"] = repr(tuple(1 if d in n.attr("dims") else s for d, s in enumerate(n.type.shape)))
-    if n.op == "sdpa_grad":  # attention part (issue 17): which of torch.func.vjp's (dq, dk, dv)
-        kw["wrt_index"] = "qkv".index(n.attr("wrt"))
+    if op in NORM_FORMATS:
+        kw.update(norm_kw(program, n, args))  # norms + embedding part (issue 17)
+    if op in REDUCE_FORMATS or rkey in REDUCE_FORMATS:  # reduce_kw's own test
+        kw.update(reduce_kw(program, n, _py))  # reductions part (issue 17)
+    if op in Q_OPERAND:
+        kw.update(cp_kw(program, n))  # context parallel (issue 14): causal mask at the rank's rows
+        kw.update(ring_kw(n))  # ring attention (issue 14): sdpa / sdpa_grad only
+    if op == "expand":
+        kw["kept_shape"] = repr(tuple(1 if d in attr("dims") else s for d, s in enumerate(ty.shape)))
+    if op == "sdpa_grad":  # attention part (issue 17): which of torch.func.vjp's (dq, dk, dv)
+        kw["wrt_index"] = "qkv".index(attr("wrt"))
     return table[key].format(*args, **kw)
 
 

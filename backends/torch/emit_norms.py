@@ -52,6 +52,8 @@ def _start(program, node, d) -> str:
 def norm_kw(program, n, args) -> dict:
     """Extra ``str.format`` fields of node ``n`` (operand variables ``args``) of local ``program``
     (None: an unsharded node, every block starting at 0)."""
+    if n.op not in NORM_FORMATS:
+        return {}
     eps = repr(float(n.attr("eps", 0.0)))
     if n.op in ("layer_norm", "rms_norm"):
         names = ("weight", "bias")

@@ -136,11 +136,13 @@ class Graph:
 
     @property
     def inputs(self) -> list:
-        return self.by_op("input")
+        """The ``input`` nodes in program order (a new list; the scan is done once per graph)."""
+        return list(self.memo("graph.inputs", lambda g: g.by_op("input")))
 
     @property
     def params(self) -> list:
-        return self.by_op("param")
+        """The ``param`` nodes in program order (a new list; the scan is done once per graph)."""
+        return list(self.memo("graph.params", lambda g: g.by_op("param")))
 
     def users(self) -> dict:
         """name -> list of consumer node names (in program order)."""

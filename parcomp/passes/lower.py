@@ -71,16 +71,25 @@ def peak_bytes(graph: Graph) -> int:
     has been freed (``frees``); sources and outputs are never freed.
     """
     roots, holders, size, live, peak = storage_roots(graph), {}, {}, 0, 0
+    nbytes = {}  # id(type) -> its bytes: the nodes share few type objects (alive in graph)
     for n in graph.nodes:
-        r = roots[n.name]
-        if r == n.name:
-            size[r] = n.type.nbytes
-            live += size[r]
-        holders.setdefault(r, set()).add(n.name)
-        peak = max(peak, live)
-        for v in frees_of(n):
-            holders[roots[v]].discard(v)
-            if not holders[roots[v]]:
+        name = n.name
+        r = roots[name]
+        if r == name:
+            got = nbytes.get(id(n.type))
+            if got is None:
+                got = nbytes[id(n.type)] = n.type.nbytes
+            size[r] = got
+            live += got
+            if live > peak:  # live grows only here
+                peak = live
+            holders[r] = {name}
+        else:
+            holders[r].add(name)
+        for v in n.attr("frees", "").split():  # frees_of(n)
+            held = holders[roots[v]]
+            held.discard(v)
+            if not held:
                 live -= size[roots[v]]
     return int(peak)
 

@@ -10,7 +10,7 @@ of the rule table; every layout-change node does exactly what its kind says.
 """
 from __future__ import annotations
 
-from operator import is_
+from operator import attrgetter, itemgetter
 
 from ..errors import VerifyError
 from ..ir.graph import Graph, describe
@@ -23,18 +23,22 @@ from ..rules.sharding import is_valid_strategy
 def verify(graph: Graph, memo: dict | None = None) -> None:
     """Raise :class:`VerifyError` naming the first node that breaks an invariant.
 
-    ``memo`` (a dict the caller keeps across calls, as the pass pipeline does) records
-    the nodes that passed; a node object met again with the same operand node objects,
-    stage, mesh and checks passed before and is not checked again (every check of a
-    node reads only these). The order of definitions and the outputs are always checked,
-    so the first failing node is the same with or without ``memo``.
+    ``memo`` (a dict the caller keeps across calls, as the pass pipeline does) holds the
+    last graph that passed and its checks; a node object of that graph met again with
+    operands of the same type and layout objects, stage, mesh and checks passed before and
+    is not checked again (every check of a node reads only these). The order of definitions and the
+    outputs are always checked, so the first failing node is the same with or without
+    ``memo``.
     """
     checks = (graph.stage, graph.mesh,
-              graph.mesh is not None and all(n.layout is not None for n in graph.nodes))
-    todo = graph.nodes if memo is None else [n for n in graph.nodes
-                                             if not _passed(graph, n, memo.get(n.name), checks)]
-    _check_ssa(graph, {id(n) for n in todo})
-    distinct = _distinct(graph, todo)  # the first of each set of alike nodes, in order
+              graph.mesh is not None and None not in map(_LAYOUT, graph.nodes))
+    last = memo.get(_LAST) if memo is not None else None
+    before = last[0]._index.get if last is not None and last[1] == checks else {}.get
+    todo = _check_ssa(graph, before)
+    alike = memo.setdefault(_ALIKE, {"values": {}}) if memo is not None else {"values": {}}
+    passed = alike.setdefault(checks, set())  # keys of nodes that passed these checks
+    # the first of each set of alike nodes, in order, less those alike one that passed
+    distinct, keys = _distinct(graph, todo, passed, alike["values"])
     if graph.stage == "global":
         _check_types(graph, distinct)
     if graph.mesh is not None:
@@ -43,13 +47,15 @@ def verify(graph: Graph, memo: dict | None = None) -> None:
         for n in distinct:
             _check_layouts(graph, n)
     if memo is not None:
-        memo.update((n.name, (n, tuple(graph[i] for i in n.inputs), checks)) for n in todo)
+        memo[_LAST] = (graph, checks)
+        passed.update(k for k in keys if k is not None)
 
 
-def _passed(graph, n, entry, checks) -> bool:
-    """Whether ``entry`` (a memo's) says ``n`` passed these checks with these operands."""
-    return (entry is not None and entry[0] is n and entry[2] == checks
-            and all(map(is_, map(graph._index.get, n.inputs), entry[1])))
+_LAST = "verify.last"  # memo key: (the last graph that passed, its checks)
+_ALIKE = "verify.alike"  # memo key: {"values": value -> token, checks: keys of nodes that passed}
+_LAYOUT = attrgetter("layout")
+_KEY = itemgetter(0)  # of an attribute pair
+_TYPE = itemgetter(0, 1)  # of an operand's (shape, dtype, layout token): its type
 
 
 def check_model_mesh(graph: Graph, mesh) -> None:
@@ -110,29 +116,42 @@ def _fail(graph, node, msg):
     raise err
 
 
-def _check_ssa(graph, todo):
-    seen = set()  # todo: ids of the nodes whose op, arity and attrs to check
+def _check_ssa(graph, before) -> list:
+    """Check definitions in order; return the nodes to check (in order): those that are not
+    the object ``before`` (a name's node in the last graph that passed) gives, and those
+    with an operand whose type or layout object is not that node's (a reader's checks read
+    only these of an operand)."""
+    seen, changed, todo = set(), set(), []  # changed: names whose type or layout object is new
     schemas = {}  # (op, attrs) -> the first node with them (the schema check reads only those)
     for n in graph.nodes:
-        fresh = id(n) in todo
+        name, ins = n.name, n.inputs
+        old = before(name)
+        if old is not n:
+            if old is None or old.type is not n.type or old.layout is not n.layout:
+                changed.add(name)  # what a reader's checks read of it (type, layout) may differ
+            fresh = True
+        else:
+            fresh = bool(changed) and not changed.isdisjoint(ins)
         if fresh and n.op not in OPS:
             _fail(graph, n, f"unknown op {n.op!r}")
-        if n.name in seen:
-            _fail(graph, n, f"%{n.name} is defined twice")
-        if not seen.issuperset(n.inputs):
-            for i in n.inputs:
+        if name in seen:
+            _fail(graph, n, f"%{name} is defined twice")
+        if not seen.issuperset(ins):
+            for i in ins:
                 if i not in seen:
                     _fail(graph, n, f"%{i} is used before it is defined")
         if fresh:
             arity = OPS[n.op].arity
-            if arity >= 0 and len(n.inputs) != arity:
-                _fail(graph, n, f"{n.op} takes {arity} operands, got {len(n.inputs)}")
+            if arity >= 0 and len(ins) != arity:
+                _fail(graph, n, f"{n.op} takes {arity} operands, got {len(ins)}")
             if _first(schemas, (n.op, n.attrs), n):
                 _check_attrs(graph, n)
-        seen.add(n.name)
+            todo.append(n)
+        seen.add(name)
     for o in graph.outputs:
         if o not in seen:
             raise VerifyError(f"output %{o} is not defined")
+    return todo
 
 
 def _check_attrs(graph, n):
@@ -204,19 +223,59 @@ def _is_dim(d, ty) -> bool:
     return isinstance(d, int) and not isinstance(d, bool) and 0 <= d < ty.rank
 
 
-def _distinct(graph, nodes) -> list:
-    """``nodes`` less each node alike an earlier one in all that the type and layout checks
-    read of it: op, attrs, type, layout, operand layouts (and whether they are its own
-    ``in_layouts``) and operand types, not names. Alike nodes pass or fail alike, and a
-    failing one is met first, so the first failing node is the same; the nodes of repeated
-    blocks are checked once per call."""
-    first, out = {}, []
+#: attributes no type or layout check reads: words for reports and comments (a relayout's
+#: spec rule, a collective's reason) and lower.py's liveness (``frees``); they differ per
+#: node, so they are no part of the key that finds alike nodes (their schema is checked)
+WORDS = frozenset({"origin", "reason", "frees"})
+
+
+def _distinct(graph, nodes, passed=(), values=None) -> tuple:
+    """``(nodes, keys)``: ``nodes`` less each node alike an earlier one, or alike one whose key
+    is in ``passed`` (it passed these checks in an earlier call), in all that the type and
+    layout checks read of it: op, attrs (less :data:`WORDS`), type, layout, operand layouts
+    (and whether they are its own ``in_layouts``) and operand types, not names; and the
+    keys of the nodes kept (None: unhashable). Alike nodes pass or fail alike, and a failing
+    one is met first, so the first failing node is the same; the nodes of repeated blocks
+    are checked once.
+
+    A type enters a key as its shape and dtype, a layout as a token, equal for equal values
+    (``values``: value -> token, kept by the caller across calls), looked up once per object
+    (by ``id``: the graph keeps them alive): keys hash and compare without dataclass calls."""
+    values = {} if values is None else values
+    ids, pairs, get = {}, {}, graph._index.__getitem__
+
+    def tok(x):
+        t = ids.get(id(x))
+        if t is None:
+            t = ids[id(x)] = values.setdefault(x, len(values))
+        return t
+
+    def pair(name):  # a node's (shape, dtype, layout token), by name (it is also an operand)
+        got = pairs.get(name)
+        if got is None:
+            m = get(name)
+            ty = m.type  # a TensorType is equal to another when its shape and dtype are
+            got = pairs[name] = (ty.shape, ty.dtype, tok(m.layout))
+        return got
+
+    first, out, keys = {}, [], []
     for n in nodes:
-        key = (n.op, n.attrs, n.type, n.layout, n.in_layouts is None, _operand_layouts(graph, n),
-               tuple(graph[i].type for i in n.inputs))
-        if _first(first, key, n):
-            out.append(n)
-    return out
+        try:
+            ops = tuple(map(pair, n.inputs))  # operand (type, layout) tokens
+            attrs = n.attrs
+            if attrs and not WORDS.isdisjoint(map(_KEY, attrs)):
+                attrs = tuple(kv for kv in attrs if kv[0] not in WORDS)
+            if n.in_layouts is None:  # the operand layouts are the operands' own
+                key = (n.op, attrs, pair(n.name), True, ops)
+            else:
+                key = (n.op, attrs, pair(n.name), False, tuple(map(tok, n.in_layouts)), tuple(map(_TYPE, ops)))
+            if key in passed or first.setdefault(key, n) is not n:
+                continue
+        except (TypeError, AttributeError):  # an unhashable value, a type that is none: checked
+            key = None
+        out.append(n)
+        keys.append(key)
+    return out, keys
 
 
 def _first(first: dict, key, n) -> bool:
