@@ -46,8 +46,8 @@ def reused_stages(graph: Graph, spec) -> dict | None:
     A lowering pass whose reduced output does not stamp (``bucket-dp-grads``: its buckets of
     every block's gradients are cut by byte size) runs, with the passes after it, on the whole
     stamped graph before it (verified, as the pipeline does); sequence parallel's norm-gradient
-    bucket stamps (:mod:`parcomp.repeat_bucket`). The final stage is verified, the copies of
-    template nodes that read only their own block taken as passed (:func:`copies_passed`).
+    bucket stamps (:mod:`parcomp.repeat_bucket`). The final stage is verified (the copies of a
+    template node are alike to it: the verifier checks one of them, ``verify``'s keys).
 
     Raises:
         ParcompError: what the reduced compile raises (a spec/model mismatch shows there as
@@ -91,10 +91,8 @@ def reused_stages(graph: Graph, spec) -> dict | None:
     keep = dict.fromkeys([logical, "insert-collectives", names[good - 1]])
     out = {"input": graph}
     planned = names[first:good]
-    made = []  # the final stage's copies of template nodes reading only template or unowned values
     for key in keep:
-        got = stamp(st, stages[key], blocks.n, made if key == names[-1] else None,
-                    **({"search": info} if key in planned else {}))
+        got = stamp(st, stages[key], blocks.n, **({"search": info} if key in planned else {}))
         if got is None:
             return None
         out[key] = got
@@ -103,26 +101,8 @@ def reused_stages(graph: Graph, spec) -> dict | None:
         rest.pop("input")
         out.update(rest)
     else:
-        verify(out[names[-1]], copies_passed(out[names[-1]], made))
+        verify(out[names[-1]])  # copies are alike to their template node: checked once (verify's keys)
     return out
-
-
-def copies_passed(graph: Graph, made: list) -> dict:
-    """A memo for :func:`parcomp.passes.verify.verify` of ``graph`` (its format: name -> (node,
-    operand nodes, checks)) holding the nodes of ``made`` still in ``graph``: copies of a
-    template node that read only copies of its operands or the same unowned values
-    (:func:`parcomp.repeat_stamp.stamp`). Each equals its template node in all but names and
-    name-holding strings, as do its operands, and every check the verifier makes of a node
-    reads only its op, attrs' types and choices, type, layouts and its operands' types and
-    layouts: the template node, verified in ``graph``, passes for them. Nodes reading a value
-    of another block (where a block boundary could differ) and nodes changed after copying
-    (a bucket part's offset) are verified."""
-    ids = {id(x) for x in made}
-    checks = (graph.stage, graph.mesh,
-              graph.mesh is not None and all(x.layout is not None for x in graph.nodes))
-    index = graph._index
-    return {x.name: (x, tuple(index[i] for i in x.inputs), checks)
-            for x in graph.nodes if id(x) in ids}
 
 
 def _whole_problem(before: Graph, order: list) -> tuple | None:

@@ -133,10 +133,10 @@ def _renamer(st: Stamper, mapping: dict):
     return node, rn
 
 
-def _copier(st: Stamper, shifts: list, made: list | None = None):
+def _copier(st: Stamper, shifts: list):
     """A function of a run of template nodes giving, for each token map of ``shifts`` (one
     per copy), the run renamed by it (as :func:`_renamer`'s ``node``). Each string of a node
-    is split into pieces once and formatted for every copy at once. ``made``: see :func:`stamp`."""
+    is split into pieces once and formatted for every copy at once."""
     k, parts, cols = len(shifts), st.parts, {}
 
     def col(tok):  # the token's name in each copy
@@ -179,8 +179,6 @@ def _copier(st: Stamper, shifts: list, made: list | None = None):
             if src is not None:
                 d["source"] = src[j]
             out.append(new)
-        if made is not None and all(st.owner(i) in (st.t, None) for i in x.inputs):
-            made.extend(out)
         return out
 
     return lambda run: [list(c) for c in zip(*map(node_copies, run))]
@@ -209,12 +207,9 @@ def fits(st: Stamper, graph: Graph) -> bool:
     return all(ascending(seq, k, e, t) is not None for k, e in runs(seq, t))
 
 
-def stamp(st: Stamper, graph: Graph, n: int, made: list | None = None, **kw) -> Graph | None:
+def stamp(st: Stamper, graph: Graph, n: int, **kw) -> Graph | None:
     """The ``n``-block version of ``graph`` (a stage of the reduced model), or None where
-    the stamp does not fit (see the module docstring). ``kw`` replace Graph fields. ``made``:
-    a list to which the copies of template nodes reading only template or unowned values are
-    appended (each equals its template node but for names, and so do its operands, or they
-    are the template's own: :func:`parcomp.repeat_compile.copies_passed`)."""
+    the stamp does not fit (see the module docstring). ``kw`` replace Graph fields."""
     t, m = st.t, st.m
     if not fits(st, graph):
         return None
@@ -223,7 +218,7 @@ def stamp(st: Stamper, graph: Graph, n: int, made: list | None = None, **kw) -> 
     maps = [_renamer(st, shift) for shift in shifts]
     head_node, _ = _renamer(st, st.shift_map(range(t + 2, m), n - m))
     nodes = stamp_seq(graph.nodes, [st.owner(x.name) for x in graph.nodes], t,
-                       _copier(st, shifts, made), last_node if n != m else None, head_node)
+                       _copier(st, shifts), last_node if n != m else None, head_node)
     if nodes is not None and n != m and any(is_norm_bucket(x) for x in graph.by_op("bucket_cat")):
         names = ([rn for _, rn in maps], last_name, _renamer(st, st.shift_map(range(t + 2, m), n - m))[1])
         nodes = stamp_buckets(st, graph, nodes, n, names)

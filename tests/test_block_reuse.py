@@ -183,30 +183,26 @@ def test_the_sequence_parallel_norm_bucket_is_stamped_not_rerun():
     assert stamp(st, final.with_nodes([swapped.get(x.name, x) for x in final.nodes]), DEPTH) is None
 
 
-def test_the_final_verify_skips_only_copies_reading_their_own_block():
-    """Copies of template nodes reading only template or unowned values are taken as passed
-    (their template node is verified); a copy reading another block's value is verified."""
+def test_the_final_verify_passes_copies_and_catches_a_copy_across_blocks():
+    """The stamped program verifies (copies are alike to their template node, checked once);
+    a copy reading another block's value whose layout is corrupted is caught."""
     from parcomp.errors import VerifyError
     from parcomp.passes.manager import forward_pipeline, run_pipeline
     from parcomp.passes.verify import verify
-    from parcomp.repeat_compile import copies_passed
     from parcomp.repeat_stamp import stamp
 
     graph, spec = _model("gpt2", DEPTH), _spec("gpt2_lm_tp2_train.pcs")
     blocks = find_blocks(graph)
     st = Stamper(blocks, 5)
     final = run_pipeline(reduced(graph, blocks, 5), forward_pipeline(spec, heuristic=True))["free-dead"]
-    made = []
-    big = stamp(st, final, DEPTH, made)
-    memo = copies_passed(big, made)
-    assert 0 < len(memo) < len(big.nodes)
-    verify(big, dict(memo))
+    big = stamp(st, final, DEPTH)
+    verify(big)
     t = st.t  # a template node reading the block before or after it, and its copy at block 6
     x = next(x for x in final.nodes if st.owner(x.name) == t and x.layout
              and any(st.owner(i) in (t - 1, t + 1) for i in x.inputs))
     p, shift = st.parts(x.name), st.shift_map((t - 1, t, t + 1), 6 - t)
     cross = big[p[0] + shift[p[1]] + "".join(p[2:])]
-    assert cross.name not in memo and cross.name != x.name
+    assert cross.name != x.name
     bad = big.with_nodes([evolve(x, layout=x.layout + x.layout) if x is cross else x for x in big.nodes])
     with pytest.raises(VerifyError):
-        verify(bad, copies_passed(bad, made))
+        verify(bad)
