@@ -13,13 +13,11 @@ is (template runs repeated next to themselves), its flat size and its all_reduce
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from .ir.graph import Graph, evolve
 from .passes.bucket import NORM_BUCKET, NORM_REASON
 
-if TYPE_CHECKING:
-    from .repeat_stamp import Stamper
+# ``st`` below is a :class:`parcomp.repeat_stamp.Stamper` (not imported: repeat_stamp imports this)
 
 
 def runs(owners, t):
@@ -93,7 +91,7 @@ def _frees(x) -> list:
     return v.split(" ") if type(v) is str and v else []
 
 
-def bucket_fits(st: Stamper, x) -> bool:
+def bucket_fits(st, x) -> bool:
     """Whether bucket ``x``'s operand and ``frees`` lists have a told direction per template run."""
     for seq in (x.inputs, _frees(x)):
         owners = [st.owner(i) for i in seq]
@@ -102,7 +100,7 @@ def bucket_fits(st: Stamper, x) -> bool:
     return True
 
 
-def stamp_buckets(st: Stamper, graph: Graph, nodes: list, n: int, names) -> list | None:
+def stamp_buckets(st, graph: Graph, nodes: list, n: int, names) -> list | None:
     """``nodes`` (``graph``'s stamp, its buckets renamed as any unowned node) with each
     norm-gradient bucket stamped (module docstring); None where a bucket is not laid out as
     ``bucket-norm-grads`` lays it (one all_reduce reading it, parts in offset order)."""
@@ -126,7 +124,7 @@ def stamp_buckets(st: Stamper, graph: Graph, nodes: list, n: int, names) -> list
     return out
 
 
-def _bucket_fixes(st: Stamper, graph: Graph, cat, users, n: int, names) -> tuple | None:
+def _bucket_fixes(st, graph: Graph, cat, users, n: int, names) -> tuple | None:
     """``({name: stamped node -> fixed node}, {names the parts read})`` for bucket ``cat``."""
     copies, last, head = names
     t, m = st.t, st.m

@@ -144,7 +144,7 @@ def linear_bounds(segment, cut, env, ecut, batch: int = BATCH):
     flat = ecut.reshape(-1)
     last = {i: k for k, n in enumerate(segment) for i in n.inputs}
     nz = np.flatnonzero(flat)
-    batch = max(1, min(batch, MAX_HELD // max(int(np.prod(n.type.shape)) for n in segment)))
+    batch = max(1, min(batch, MAX_HELD // max(1, *(int(np.prod(n.type.shape)) for n in segment))))
     for start in range(0, nz.size, batch):
         ks = nz[start:start + batch]
         units = np.zeros((ks.size, flat.size))  # unit tangents scaled by e_k >= 0: |L e_k| = |L| e_k

@@ -281,7 +281,9 @@ def chain_case(draw):
     acts = [draw(st.sampled_from(["relu", "gelu", "tanh", "none"])) for _ in range(nlin)]
     name = draw(st.sampled_from(["gpipe", "1f1b", "zb-h1", "interleaved"]))
     virtual = draw(st.integers(1, min(2, nlin))) if name == "interleaved" else 1  # a chunk needs a module
-    pp = draw(st.integers(1, max(1, nlin // virtual)))  # a module per chunk
+    # a module per chunk; interleaved microbatches (pp or 2pp) must split the batch of 8
+    pp = draw(st.sampled_from([p for p in range(1, max(1, nlin // virtual) + 1)
+                               if name != "interleaved" or 8 % p == 0]))
     micro = pp * draw(st.sampled_from([1, 2])) if name == "interleaved" else draw(st.sampled_from([1, 2, 4]))
     dp = draw(st.sampled_from([1, 2]))
     opt = draw(st.sampled_from(["sgd(lr=0.1, momentum=0.9)", "adamw(lr=0.01)"]))
