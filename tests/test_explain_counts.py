@@ -16,7 +16,7 @@ from parcomp.spec import parse_spec
 
 pytest.importorskip("torch")
 
-MODEL = str(Path(__file__).resolve().parent / "trial_gpt.py") + ":gpt"
+MODEL = str(Path(__file__).resolve().parent / "trialf_gpt.py") + ":gpt"
 RULES = """blocks.*.attn.qkv.weight   colwise{o}
 blocks.*.attn.proj.weight  rowwise{o}
 blocks.*.mlp.w1.weight     colwise{o}

@@ -15,7 +15,7 @@ from parcomp.spec import parse_spec
 
 pytest.importorskip("torch")
 
-MODEL = str(Path(__file__).resolve().parent / "trial_gpt.py") + ":gpt"
+MODEL = str(Path(__file__).resolve().parent / "trialf_gpt.py") + ":gpt"
 BLOCKS = ("mesh tp=2\nblocks.*.attn.qkv.weight colwise\nblocks.*.attn.proj.weight rowwise\n"
           "blocks.*.mlp.w1.weight colwise\nblocks.*.mlp.w3.weight colwise\nblocks.*.mlp.w2.weight rowwise\n"
           "tok.weight [S(0)]\n")

@@ -14,7 +14,7 @@ from parcomp.spec import parse_spec
 
 pytest.importorskip("torch")
 
-MODEL = str(Path(__file__).resolve().parent / "trial_gpt.py") + ":gpt"
+MODEL = str(Path(__file__).resolve().parent / "trialf_gpt.py") + ":gpt"
 TRAIN = "train loss=cross_entropy optimizer=adamw(lr=0.001)"
 
 

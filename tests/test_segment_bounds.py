@@ -23,6 +23,8 @@ from parcomp.reference.training import initial_state
 from parcomp.segment_bounds import linear_bounds, segments
 from parcomp.tolerance import propagate
 
+from bound_checks import assert_random_moves_stay_within, float32_within_its_bound, run_segment
+
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 
@@ -46,13 +48,6 @@ def llama():
     return types.SimpleNamespace(graph=wide, narrow=compiled.logical, feeds=feeds, state=st64, env=env, err=err)
 
 
-def _run(graph, seg, env, cut_value, cut):
-    vals = {cut: cut_value}
-    for n in seg:
-        vals[n.name] = NUMPY_OPS[n.op]([vals[i] if i in vals else env[i] for i in n.inputs], graph[n.name])
-    return vals
-
-
 def _segment(llama, cut):
     return dict(segments(llama.graph))[cut]
 
@@ -71,7 +66,7 @@ def test_the_cut_moved_along_a_rows_signs_reaches_the_linear_term(llama, target)
     seg = _segment(llama, cut)
     env, ec = llama.env, np.asarray(llama.err[cut])
     lin = linear_bounds(seg, cut, env, ec)[target]
-    base = _run(llama.graph, seg, env, env[cut], cut)[target].reshape(-1)
+    base = run_segment(llama.graph, seg, env, env[cut], cut)[target].reshape(-1)
     bound = np.asarray(llama.err[target]).reshape(-1)
     flat = np.asarray(lin).reshape(-1)
     for row in np.argsort(flat)[-3:]:
@@ -79,8 +74,8 @@ def test_the_cut_moved_along_a_rows_signs_reaches_the_linear_term(llama, target)
         for k in range(ec.size):
             unit = np.zeros(ec.size)
             unit[k] = 1.0
-            jac[k] = _run(llama.graph, seg, env, unit.reshape(ec.shape), cut)[target].reshape(-1)[row]
-        moved = _run(llama.graph, seg, env, env[cut] + ec * np.sign(jac).reshape(ec.shape), cut)[target]
+            jac[k] = run_segment(llama.graph, seg, env, unit.reshape(ec.shape), cut)[target].reshape(-1)[row]
+        moved = run_segment(llama.graph, seg, env, env[cut] + ec * np.sign(jac).reshape(ec.shape), cut)[target]
         move = abs(moved.reshape(-1)[row] - base[row])
         assert move == pytest.approx(flat[row], rel=1e-6)   # |L| e reached
         assert move <= bound[row]                            # within the refined bound
@@ -108,36 +103,13 @@ def test_the_refined_bound_is_thousands_of_times_tighter_where_llama_needed_it(l
 
 @pytest.mark.parametrize("cut", ["bw.add_12.add", "bw.add_6.add"])
 def test_cut_and_forward_values_moved_within_their_bounds_stay_within_the_refined_bound(llama, cut):
-    rng = np.random.default_rng(0)
-    seg = _segment(llama, cut)
-    names = {n.name for n in seg} | {cut}
-    reads = {i for n in seg for i in n.inputs if i not in names}
-    env, err = llama.env, llama.err
-    base = _run(llama.graph, seg, env, env[cut], cut)
-    for _ in range(20):
-        moved_env = dict(env)
-        for r in reads:
-            if np.asarray(env[r]).dtype.kind == "f":
-                moved_env[r] = env[r] + err[r] * rng.choice([-1.0, 1.0], np.shape(env[r]))
-        moved = _run(llama.graph, seg, moved_env, env[cut] + err[cut] * rng.choice([-1.0, 1.0], np.shape(env[cut])), cut)
-        for n in seg:  # plus the float64 rounding of this re-run itself, far below the bounds
-            allowed = err[n.name] * (1 + 1e-9) + 1e-13 * np.abs(base[n.name]).max()
-            assert (np.abs(moved[n.name] - base[n.name]) <= allowed).all(), n.name
+    assert_random_moves_stay_within(llama.graph, _segment(llama, cut), llama.env, llama.err, cut)
 
 
 def test_float32_against_float64_stays_within_the_refined_float32_bound(llama):
-    narrow = llama.narrow
-    st32 = {k: (np.asarray(v, np.float32) if np.asarray(v).dtype.kind == "f" else v) for k, v in llama.state.items()}
-    env32, err32 = propagate(narrow, st32)
-    region = {n.name for _, s in segments(narrow) for n in s}
+    region = {n.name for _, s in segments(llama.narrow) for n in s}
     assert len(region) > 150
-    worst = 0.0
-    for name in region:
-        diff = np.abs(np.asarray(env32[name], np.float64) - llama.env[name])
-        assert (diff <= err32[name]).all(), name
-        ok = np.isfinite(err32[name]) & (err32[name] > 0)
-        worst = max(worst, float((diff[ok] / err32[name][ok]).max()) if ok.any() else 0.0)
-    assert worst > 0.0
+    worst = float32_within_its_bound(llama.narrow, llama.state, llama.env, region)
     print(f"float32 vs float64, worst error/bound over the backward: {worst:.3g}")
 
 

@@ -23,15 +23,16 @@ from parcomp.check64 import promote_compiled, promote_feeds
 from parcomp.cli import main
 from parcomp.commands_common import _compile, _train_feeds
 from parcomp.reference import interpreter
-from parcomp.reference.numpy_ops import NUMPY_OPS
 from parcomp.reference.training import initial_state
 from parcomp.resolution import RESOLVE
 from parcomp.segment_bounds import linear_bounds, segments
 from parcomp.tied_bounds import detached_view, early_operands
 from parcomp.tolerance import propagate
 
+from bound_checks import assert_random_moves_stay_within, float32_within_its_bound, run_segment
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-MODEL = os.path.join(HERE, "tied_gpt.py")
+MODEL = os.path.join(HERE, "trialf_gpt.py")
 SPEC = """# Megatron TP=2 training (new-user trial F)
 mesh tp=2
 blocks.*.attn.qkv.weight   colwise
@@ -88,13 +89,6 @@ def test_the_first_layers_norm_gradient_is_bounded_to_a_fraction_of_a_percent(gp
     assert e < 0.01 * v
 
 
-def _run(graph, seg, env, cut_value, cut):
-    vals = {cut: cut_value}
-    for n in seg:
-        vals[n.name] = NUMPY_OPS[n.op]([vals[i] if i in vals else env[i] for i in n.inputs], graph[n.name])
-    return vals
-
-
 def _segment(gpt, cut):
     return dict(segments(gpt.view))[cut]
 
@@ -106,14 +100,14 @@ def test_the_views_cut_moved_along_a_rows_signs_reaches_the_linear_term(gpt, tar
     seg = _segment(gpt, cut)
     env, ec = gpt.env, np.asarray(gpt.err[cut])
     lin = np.asarray(linear_bounds(seg, cut, env, ec)[target]).reshape(-1)
-    base = _run(gpt.view, seg, env, env[cut], cut)[target].reshape(-1)
+    base = run_segment(gpt.view, seg, env, env[cut], cut)[target].reshape(-1)
     bound = np.asarray(gpt.err[target]).reshape(-1)
     for row in np.argsort(lin)[-2:]:
-        jac = np.array([_run(gpt.view, seg, env, np.eye(ec.size)[k].reshape(ec.shape), cut)[target].reshape(-1)[row]
+        jac = np.array([run_segment(gpt.view, seg, env, np.eye(ec.size)[k].reshape(ec.shape), cut)[target].reshape(-1)[row]
                         - 0.0 for k in range(ec.size)])
         # the segment is linear in the cut (the map at zero is the forward values' offset only)
-        jac = jac - _run(gpt.view, seg, env, np.zeros(ec.shape), cut)[target].reshape(-1)[row]
-        moved = _run(gpt.view, seg, env, env[cut] + ec * np.sign(jac).reshape(ec.shape), cut)[target]
+        jac = jac - run_segment(gpt.view, seg, env, np.zeros(ec.shape), cut)[target].reshape(-1)[row]
+        moved = run_segment(gpt.view, seg, env, env[cut] + ec * np.sign(jac).reshape(ec.shape), cut)[target]
         move = abs(moved.reshape(-1)[row] - base[row])
         assert move == pytest.approx(lin[row], rel=1e-6)  # |L| e reached
         assert move <= bound[row]                         # within the refined bound
@@ -122,35 +116,13 @@ def test_the_views_cut_moved_along_a_rows_signs_reaches_the_linear_term(gpt, tar
 
 @pytest.mark.parametrize("cut", ["bw.add_5.add", "bw.add_1.add"])
 def test_cut_and_forward_values_moved_within_their_bounds_stay_within_the_refined_bound(gpt, cut):
-    rng = np.random.default_rng(0)
-    seg = _segment(gpt, cut)
-    names = {n.name for n in seg} | {cut}
-    reads = {i for n in seg for i in n.inputs if i not in names}
-    env, err = gpt.env, gpt.err
-    base = _run(gpt.view, seg, env, env[cut], cut)
-    for _ in range(20):
-        moved_env = dict(env)
-        for r in reads:
-            if np.asarray(env[r]).dtype.kind == "f":
-                moved_env[r] = env[r] + err[r] * rng.choice([-1.0, 1.0], np.shape(env[r]))
-        moved = _run(gpt.view, seg, moved_env, env[cut] + err[cut] * rng.choice([-1.0, 1.0], np.shape(env[cut])), cut)
-        for n in seg:  # plus the float64 rounding of this re-run itself, far below the bounds
-            allowed = err[n.name] * (1 + 1e-9) + 1e-13 * np.abs(base[n.name]).max()
-            assert (np.abs(moved[n.name] - base[n.name]) <= allowed).all(), n.name
+    assert_random_moves_stay_within(gpt.view, _segment(gpt, cut), gpt.env, gpt.err, cut)
 
 
 def test_float32_against_float64_stays_within_the_refined_float32_bound(gpt):
-    st32 = {k: (np.asarray(v, np.float32) if np.asarray(v).dtype.kind == "f" else v) for k, v in gpt.state.items()}
-    env32, err32 = propagate(gpt.narrow, st32)
-    worst = 0.0
-    for n in gpt.narrow.nodes:
-        if n.phase != "backward" or np.asarray(env32[n.name]).dtype.kind != "f":
-            continue
-        diff = np.abs(np.asarray(env32[n.name], np.float64) - gpt.env[n.name])
-        assert (diff <= err32[n.name]).all(), n.name
-        ok = np.isfinite(err32[n.name]) & (err32[n.name] > 0)
-        worst = max(worst, float((diff[ok] / err32[n.name][ok]).max()) if ok.any() else 0.0)
-    assert worst > 0.0
+    names = [n.name for n in gpt.narrow.nodes
+             if n.phase == "backward" and np.asarray(gpt.env[n.name]).dtype.kind == "f"]
+    float32_within_its_bound(gpt.narrow, gpt.state, gpt.env, names)
 
 
 def _check(capsys, factory, spec) -> dict:

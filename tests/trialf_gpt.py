@@ -1,4 +1,8 @@
-"""The trial's hand-written Megatron-style GPT (tests/test_trialF_findings.py): pre-norm, fused qkv, SDPA causal, SwiGLU, tied head."""
+"""The hand-written Megatron-style GPT of new-user trial F: pre-norm, hand-written RMSNorm (or
+nn.LayerNorm), fused qkv Linear, F.scaled_dot_product_attention(is_causal=True), SwiGLU MLP,
+embedding tied to the LM head; 2 layers, d=32. Factories for ``parcomp check
+tests/trialf_gpt.py:NAME`` (tests/test_trialF_findings.py, test_tied_lm.py, test_explain_counts.py,
+test_pinned_gathers.py, test_plan_estimates.py)."""
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -91,3 +95,20 @@ def gpt_ln_nobias():
     torch.manual_seed(0)
     m = GPT(norm=lambda d: nn.LayerNorm(d, bias=False)).eval()
     return m, (torch.randint(0, VOCAB, (BATCH, SEQ)),), ["idx"]
+
+
+def _small(norm):
+    """The usual 0.02-scaled embedding (Megatron / nanoGPT init)."""
+    torch.manual_seed(0)
+    m = GPT(norm=norm).eval()
+    with torch.no_grad():
+        m.tok.weight.mul_(0.02)
+    return m, (torch.randint(0, VOCAB, (BATCH, SEQ)),), ["idx"]
+
+
+def rms_small_init():
+    return _small(RMSNorm)
+
+
+def ln_small_init():
+    return _small(nn.LayerNorm)
