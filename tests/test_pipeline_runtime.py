@@ -4,7 +4,6 @@ every wait, so a rank that hung or left makes the other fail naming it instead o
 save, then 1 resumed step, equal 3 uninterrupted steps exactly."""
 import json
 import re
-import time
 
 import numpy as np
 import pytest
@@ -66,12 +65,11 @@ def _outputs(out):
 
 @pytest.mark.parametrize("mode", ["hang", "exit"])
 def test_a_rank_that_hangs_or_leaves_stops_the_other_naming_it(program, tmp_path, mode):
-    """Rank 1 hangs (or exits 0) at its first recv/isend: rank 0's wait for it ends within
-    --timeout 3 s; it exits 2 naming rank 1, and torchrun stops rank 1 and fails."""
+    """Rank 1 hangs (sleeps 600 s) or exits 0 at its first recv/isend: rank 0's wait for it
+    ends by --timeout 3 s (its message says so; without the timeout the launcher's own 240 s
+    limit kills the run and the test fails), it exits 2 naming rank 1, and torchrun stops rank 1."""
     (program / "faulty.py").write_text(FAULTY)
-    t0 = time.monotonic()
     res = _run(program, tmp_path / "out.pt", "--timeout", "3", program="faulty.py", env={"MODE": mode}, ok=False)
-    assert time.monotonic() - t0 < 90
     line = next(x for x in res.stderr.splitlines() if "program.py (rank 0): error:" in x)
     # rank 0 waits for rank 1's gradient (or, rank 1 gone, its send to rank 1 fails first)
     assert re.search(r"step 1: (recv_bwd|send_fwd) of microbatch \d for stage [01] (from|to) rank 1 failed", line), line
