@@ -166,7 +166,7 @@ def test_device_profile_without_device_cpu_stops_with_a_clear_message(gpt2, tmp_
 PROBE = """\
 import json, os, runpy, sys
 keys = ("RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "PARCOMP_SIM_NODE")
-print("PLACEMENT " + json.dumps({k: int(os.environ[k]) for k in keys}), flush=True)
+os.write(1, ("PLACEMENT " + json.dumps({k: int(os.environ[k]) for k in keys}) + "\\n").encode())  # one write: ranks share the pipe
 sys.argv[0] = "program.py"
 runpy.run_path("program.py", run_name="__main__")
 """
@@ -197,14 +197,13 @@ def test_two_node_launch_equals_module_and_tp_groups_stay_in_a_node(gpt2, tmp_pa
 
     node_of = {}
     for launcher, res in enumerate(results):
-        for line in res.stdout.splitlines():
-            if line.startswith("PLACEMENT "):
-                env = json.loads(line.split(" ", 1)[1])
-                assert env["PARCOMP_SIM_NODE"] == launcher and env["WORLD_SIZE"] == 4
-                assert env["LOCAL_WORLD_SIZE"] == 2
-                # torchrun: each node gets a contiguous block of ranks, GROUP_RANK is the node's rank
-                assert env["RANK"] == env["GROUP_RANK"] * 2 + env["LOCAL_RANK"]
-                node_of[env["RANK"]] = launcher
+        for found in re.finditer(r"PLACEMENT (\{[^{}]*\})", res.stdout):  # lines of 2 ranks may interleave
+            env = json.loads(found.group(1))
+            assert env["PARCOMP_SIM_NODE"] == launcher and env["WORLD_SIZE"] == 4
+            assert env["LOCAL_WORLD_SIZE"] == 2
+            # torchrun: each node gets a contiguous block of ranks, GROUP_RANK is the node's rank
+            assert env["RANK"] == env["GROUP_RANK"] * 2 + env["LOCAL_RANK"]
+            node_of[env["RANK"]] = launcher
     assert sorted(node_of) == [0, 1, 2, 3]
     if rdzv == "static":  # --node-rank i: launcher i runs ranks 2i, 2i+1
         assert node_of == {0: 0, 1: 0, 2: 1, 3: 1}
