@@ -88,19 +88,34 @@ def build_report(program, model_params=()) -> dict:
 
 
 def _with_note(search, recs):
-    """The search record, with a note when activations are gathered over ``dp``: a reader
-    of "data parallel" expects gradient all_reduce, so the report says why it is not."""
-    gathers = [r for r in recs if "dp" in r["axis"].split(",") and r["kind"] == "all_gather"
-               and r["phase"] in ("forward", "loss")]
-    if search is None or not gathers:
+    """The search record, with a note when activations are gathered over a batch axis (``dp``,
+    or ``ep`` where it splits the batch: parcomp/passes/keep_dp.py) or no plan keeps the batch
+    split: a reader of "data parallel" expects gradient all_reduce, so the report says why it
+    is not, naming the op that forces it where the search found one (``batch_gathered_by``)."""
+    if search is None:
         return search
+    axes = search.get("batch_axes") or ["dp"]
+    gathers = [r for r in recs if set(axes) & set(r["axis"].split(",")) and r["kind"] == "all_gather"
+               and r["phase"] in ("forward", "loss")]
+    kept = search.get("data_parallel") is not False
+    if kept and not gathers:
+        return search
+    over = " and ".join(axes)
     moved = sum(r["bytes"] for r in gathers)
-    note = (f"activations are all-gathered over dp ({plural(len(gathers), 'all_gather')}, "
-            f"{format_bytes(moved)} per rank), so every dp rank holds and computes on the whole "
-            "batch of those values: the search keeps the batch split over dp wherever a plan can, "
-            + ("but no plan here can (a pinned layout, or dims no strategy splits evenly)"
-               if search.get("data_parallel") is False else
-               "so the spec pins these gathered layouts (an output or activation rule)"))
+    head = (f"activations are all-gathered over {over} ({plural(len(gathers), 'all_gather')}, "
+            f"{format_bytes(moved)} per rank), so every {over} rank holds and computes on the whole "
+            "batch of those values" if gathers else
+            f"the batch is not kept split over {over} (every {over} rank computes on the whole batch "
+            "of some values)")
+    if kept:
+        note = (f"{head}: the search keeps the batch split over {over} wherever a plan can, so the "
+                "spec pins these gathered layouts (an output or activation rule)")
+    else:
+        by = search.get("batch_gathered_by")
+        cause = ("a pinned layout, or dims no strategy splits evenly" if by is None else
+                 by["why"] + (f" (module {by['module']})" if by.get("module") else ""))
+        note = (f"{head}: the search keeps the batch split over {over} wherever a plan can, but no "
+                f"plan here can: {cause}")
     return {**search, "note": note}
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")

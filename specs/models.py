@@ -310,3 +310,31 @@ def causal_attention(seq: int = 16):
                          max_position_embeddings=64, use_cache=False, attn_implementation="sdpa")
     module = _CausalAttention(config).eval()
     return module, (torch.randn(2, seq, 32),), ["x"]
+
+
+# ---- a whole MoE LM (expert parallel outside the MoE block) ----
+def moe_lm(batch: int = 4, seq: int = 8):
+    """transformers' ``MixtralForCausalLM``: 2 blocks, hidden 16, 4 query heads and 2 kv heads
+    (GQA) of dim 4, RoPE, RMSNorm, vocab 64, untied ``lm_head``, eval mode, sdpa attention,
+    ``use_cache=False``; each block's ``MixtralSparseMoeBlock`` (4 experts, top-2,
+    intermediate 32) replaced by :class:`MixtralMoE` (the same routing, static shapes).
+
+    Input ``input_ids``: int64[batch, seq]; output ``logits`` f32[batch, seq, 64]. The expert
+    weights are ``model.layers.<i>.mlp.experts.*``, the router ``model.layers.<i>.mlp.gate.weight``.
+    """
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(SEED)
+    config = MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                           num_experts_per_tok=2, max_position_embeddings=64, router_jitter_noise=0.0,
+                           bos_token_id=0, eos_token_id=1, pad_token_id=None, use_cache=False,
+                           attn_implementation="sdpa")
+    module = MixtralForCausalLM(config).eval()
+    for layer in module.model.layers:
+        with torch.no_grad():  # the experts are torch.empty: drawn as mixtral_moe draws them
+            layer.mlp.gate.weight.normal_(0, 0.3)
+            layer.mlp.experts.gate_up_proj.normal_(0, 0.2)
+            layer.mlp.experts.down_proj.normal_(0, 0.2)
+        layer.mlp = MixtralMoE(layer.mlp, seq).eval()
+    return module, (torch.randint(0, 64, (batch, seq)),), ["input_ids"]

@@ -114,11 +114,12 @@ def _collectives(c):
     return [(e["kind"], e["axis"], e["phase"]) for e in c.report["collectives"]]
 
 
-# with joint groups (issue 11) the exact search (proven optimal) routes on gathered rows and sums
-# dx over the joint ep,tp group once: 7 collectives where the per-axis plan had 8
-EP2_TP2 = [("all_gather", "ep", "forward"), ("all_to_all", "ep", "forward"), ("all_reduce", "tp", "forward"),
-           ("all_to_all", "ep", "forward"), ("all_gather", "ep", "loss"), ("all_gather", "ep", "backward"),
-           ("all_reduce", "ep,tp", "backward")]
+# each ep rank keeps its own batch rows (parcomp/passes/keep_dp.py: ep splits the batch as dp
+# does): the tokens go to their experts and back by all_to_all both ways, forward and backward,
+# the loss's sum and the router's gradient are summed over the joint ep,tp group, no row is gathered
+EP2_TP2 = [("all_to_all", "ep", "forward"), ("all_to_all", "ep", "forward"), ("all_reduce", "tp", "forward"),
+           ("all_to_all", "ep", "backward"), ("all_to_all", "ep", "backward"), ("all_reduce", "ep,tp", "loss"),
+           ("all_reduce", "ep,tp", "backward"), ("all_reduce", "tp", "backward")]
 
 
 @pytest.mark.parametrize("spec,factory", [("moe_ep2_train.pcs", "moe_block"), ("moe_ep2_train.pcs", "moe_block_skewed"),
@@ -138,17 +139,18 @@ def test_moe_specs_train_like_unsharded_on_the_interpreter(capsys, spec, factory
 
 
 def test_ep2_collectives_pinned():
-    """ep=2: two ragged all_to_all forward, the router's gradient all_reduced over ep, no
-    expert weight's gradient reduced over ep (each rank owns its experts)."""
+    """ep=2: two ragged all_to_all forward and their transposes backward, the loss's sum and the
+    router's gradient all_reduced over ep, no expert weight's gradient reduced over ep (each rank
+    owns its experts), no batch row gathered (each ep rank keeps its own rows)."""
     graph, _, _ = load_model(f"{MODELS}:moe_block")
     c = compile_graph(graph, _spec("moe_ep2_train.pcs"))
     assert _collectives(c) == [("all_to_all", "ep", "forward"), ("all_to_all", "ep", "forward"),
-                               ("all_gather", "ep", "loss"), ("all_to_all", "ep", "forward"),
-                               ("all_reduce", "ep", "backward"), ("reduce_scatter", "ep", "backward")]
+                               ("all_reduce", "ep", "loss"), ("all_to_all", "ep", "backward"),
+                               ("all_to_all", "ep", "backward"), ("all_reduce", "ep", "backward")]
     ragged = [n.name for n in c.program.nodes if n.op == "all_to_all" and n.attr("ragged")]
-    assert len(ragged) == 2
+    assert len(ragged) == 4
     assert [e["name"] for e in c.report["collectives"] if "ragged: only the routed" in e["reason"]] == ragged
-    reduced = [e["name"] for e in c.report["collectives"] if e["kind"] == "all_reduce"]
+    reduced = [e["name"] for e in c.report["collectives"] if e["kind"] == "all_reduce" and e["phase"] == "backward"]
     assert reduced == ["bw.linear.matmul_2.all_reduce_ep"]  # gate.weight's gradient only
 
 

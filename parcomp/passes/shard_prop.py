@@ -31,17 +31,20 @@ import time
 from ..errors import ShardingError
 from ..ir.graph import Graph, describe, evolve
 from ..ir.types import layout_str
-from ..redistribute import DP_AXIS, compute_cost, gathers_over, plan_cost
-from .keep_dp import batch_values, prune
+from ..redistribute import compute_cost, gathers_over, plan_cost
+from .keep_dp import batch_axes, batch_values, blocked_record, prune, unbatched_values
 from ..rules.sharding import mesh_strategies
 from .layout_ilp import DEFAULT_SECONDS, MemoryLimit, solve_ilp, too_large
 from .shard_moves import LocalMoves
 
 _TOL = 1e-15
-# collectives over dp that make one of the batch's values whole on every dp rank: an
-# all_gather; in the forward also an all_reduce (a partial sum over dp there comes from
-# contracting a dim moved onto dp, a gather in disguise; the loss and the gradients are
-# reduced over dp in the loss and backward phases)
+# collectives over a batch axis (dp; ep where it splits the batch) that make one of the
+# batch's values whole on every rank of it: an all_gather; in the forward also an all_reduce of
+# a value that still holds the batch (a partial sum over dp there comes from contracting a dim
+# moved onto dp, a gather in disguise; the loss and the gradients are reduced over dp in the
+# loss and backward phases). A forward value whose batch dim was reduced away (a model's own
+# loss: the sum over its tokens and their count) is all-reduced as the loss's are:
+# keep_dp.unbatched_values.
 _GROWS, _GROWS_FORWARD = ("all_gather",), ("all_gather", "all_reduce")
 
 
@@ -71,9 +74,11 @@ def shard_prop(graph: Graph, seconds: float = DEFAULT_SECONDS, memory: int | Non
         ParcompError: no plan fits ``memory`` (says by how much the smallest misses).
     """
     t0 = time.perf_counter()
+    blocked = None
     if problem is None:
         prob = _Problem(graph, free or {})
         gathered = bool(prob.batch) and not prune(prob)
+        blocked = blocked_record(prob)
     else:
         prob, gathered = problem, False
     if not gathered:
@@ -90,6 +95,10 @@ def shard_prop(graph: Graph, seconds: float = DEFAULT_SECONDS, memory: int | Non
         cost = prob.total(sol)
     info = {"search": search, "proven_optimal": proven, "cost_s": cost,
             "seconds": round(time.perf_counter() - t0, 6), "data_parallel": not gathered}
+    if gathered and batch_axes(graph):
+        info["batch_axes"] = list(batch_axes(graph))
+        if blocked is not None:
+            info["batch_gathered_by"] = blocked
     if search == "heuristic" and limit is None and too_large(prob):
         info["solver_skipped"] = sum(len(o) for o in prob.options.values())  # strategies
     if limit is not None:
@@ -120,13 +129,16 @@ def _search(prob, limit, seconds, heuristic=False) -> tuple:
 
 class _Problem(LocalMoves):
     """Options per node and the exact cost of a plan.  With ``data_parallel`` (the default)
-    a conversion that all-gathers one of the batch's values over the mesh axis ``dp`` costs
+    a conversion that all-gathers one of the batch's values over a batch axis (``dp``; ``ep``
+    where the spec splits an input's batch over it: :func:`.keep_dp.batch_axes`) costs
     infinity (:func:`batch_values`), except into a layout the spec pins that value to."""
 
     def __init__(self, graph, free=None, data_parallel: bool = True):
         self.g, self.mesh = graph, graph.mesh
         self.users = graph.users()
         self.batch = batch_values(graph) if data_parallel else frozenset()
+        self.batch_axes = batch_axes(graph)
+        self.blocked = None  # keep_dp.prune: the first node it left without a strategy
         self.pinned = {}  # value -> layouts a relayout (a spec pin) reads it in
         for n in graph.nodes:
             if n.op == "relayout":
@@ -150,6 +162,8 @@ class _Problem(LocalMoves):
             if not same[key]:
                 raise ShardingError(_no_strategy(graph, n))
             self.options[n.name] = same[key]
+        # the forward values whose batch dim is reduced away, per batch axis (keep_dp)
+        self.unbatched = unbatched_values(graph, self.options, self.batch_axes, self.batch)
 
     def _strategies(self, n, in_types) -> list:
         opts = mesh_strategies(n, list(in_types), self.mesh)
@@ -168,11 +182,13 @@ class _Problem(LocalMoves):
         for a conversion of ``value`` that data parallel forbids (see the class)."""
         if value in self.batch and tgt not in self.pinned.get(value, ()):
             fwd = self.g[value].phase == "forward"
-            key = (id(src), id(tgt), ty.rank, fwd)
+            held = tuple(fwd and value not in self.unbatched[a] for a in self.batch_axes)
+            key = (id(src), id(tgt), ty.rank, held)
             gathers = self._gathers.get(key)
             if gathers is None:
-                gathers = self._gathers[key] = gathers_over(src, tgt, ty.rank, self.mesh, DP_AXIS,
-                                                            _GROWS_FORWARD if fwd else _GROWS)
+                gathers = self._gathers[key] = any(
+                    gathers_over(src, tgt, ty.rank, self.mesh, a, _GROWS_FORWARD if h else _GROWS)
+                    for a, h in zip(self.batch_axes, held))
             if gathers:
                 return math.inf
         tid = self._types.get(id(ty))
