@@ -34,7 +34,9 @@ def explain(compiled) -> dict:
     Keys: ``spec``, ``mesh``, ``links`` (per mesh axis), ``edges`` (program order),
     ``modules`` (module path -> edge indices), ``totals`` (``per_axis``, ``per_phase``,
     ``per_axis_phase``: ``{"count", "bytes", "seconds"}``, bytes per rank per step),
-    ``memory_bytes_per_rank``, ``estimated_comm_seconds`` (the sum over every collective).
+    ``memory_bytes_per_rank``, ``estimated_comm_seconds`` (the sum over every collective),
+    ``data_parallel`` and, where the batch is gathered, ``data_parallel_note`` and
+    ``batch_gathered_by`` (:func:`_batch_record`).
 
     Raises:
         parcomp.errors.SpecError: an unknown link class in the spec's topology.
@@ -52,7 +54,20 @@ def explain(compiled) -> dict:
             "edges": edges, "modules": modules, "totals": totals(edges),
             "memory_bytes_per_rank": compiled.report["memory_bytes_per_rank"],
             "estimated_comm_seconds": sum(e["seconds"] for e in edges),
-            "training": compiled.report.get("training") is not None}
+            "training": compiled.report.get("training") is not None,
+            **_batch_record(compiled.report.get("search"))}
+
+
+def _batch_record(search) -> dict:
+    """Whether the plan keeps the batch split over its batch axes (``dp``, and ``ep`` where it
+    splits the batch), the report's note where not and the op that forces the gather:
+    ``{"data_parallel", "data_parallel_note", "batch_gathered_by"}`` (the last two where the
+    search has them), or nothing when the search says nothing."""
+    if not search or "data_parallel" not in search:
+        return {}
+    return {"data_parallel": search["data_parallel"],
+            **({"data_parallel_note": search["note"]} if search.get("note") else {}),
+            **({"batch_gathered_by": search["batch_gathered_by"]} if search.get("batch_gathered_by") else {})}
 
 
 def _chains(sharded) -> list:

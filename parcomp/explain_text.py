@@ -42,7 +42,8 @@ def blocks(x: dict) -> list:
                 ["axis/phase", "collectives", "bytes/rank", "est. time"], _totals_rows(x["totals"])))
     out.append(("text", [_memory_line(x["memory_bytes_per_rank"]),
                          f"estimated communication per step: {format_seconds(x['estimated_comm_seconds'])} "
-                         f"(alpha-beta per link class; compute not included)"]))
+                         f"(alpha-beta per link class; compute not included)"]
+                + ([f"data parallel: {x['data_parallel_note']}"] if x.get("data_parallel_note") else [])))
     return out
 
 

@@ -82,7 +82,8 @@ def build_report(program, model_params=()) -> dict:
         "memory_bytes_per_rank": memory(program, set(model_params)),
         "checkpoint_load": checkpoint_load(program, set(model_params)),
         "training": training_summary(program),
-        "search": _with_note(program.search, recs) if program.train else program.search,
+        "search": (_with_note(program.search, recs)
+                   if program.train or (program.search or {}).get("data_parallel") is False else program.search),
         "grad_buckets": grad_buckets(program),  # issue 16: passes/dp_buckets.py
     }
 

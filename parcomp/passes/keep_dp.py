@@ -194,14 +194,16 @@ class _Pass:
         n = prob.g[name]
         split = f"the batch split over {self.axes}"
         opts = prob.options[name]
-        stuck = []
-        for k, i in enumerate(n.inputs):
-            wanted = list(dict.fromkeys(o[1][k] for o in opts))
-            if i not in [n.inputs[j] for j in range(k)] and not any(self.reachable(i, lay) for lay in wanted):
-                stuck.append(f"%{i} as {' or '.join(map(layout_str, wanted))} (with {split} it is "
-                             f"{' or '.join(map(layout_str, self.made(i)))}{_partial_words(self.made(i))})")
+        stuck = {}
+        for k, i in enumerate(n.inputs):  # an operand every strategy reads in a layout it cannot reach
+            wanted = tuple(dict.fromkeys(o[1][k] for o in opts))
+            if not any(self.reachable(i, lay) for lay in wanted):
+                stuck.setdefault((i, wanted), None)
         if stuck:
-            return f"{n.op} %{name} needs " + "; ".join(stuck)
+            return f"{n.op} %{name} " + "; ".join(
+                f"reads %{i} only as {' or '.join(map(layout_str, wanted))}, but with {split} it is "
+                f"{' or '.join(map(layout_str, self.made(i)))}{_partial_words(self.made(i))}"
+                for i, wanted in stuck)
         if any(all(self.reachable(i, lay) for i, lay in zip(n.inputs, o[1])) for o in opts):
             users = sorted(set(prob.users[name]))
             return (f"no strategy of {n.op} %{name} makes a layout its consumers "
