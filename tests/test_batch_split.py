@@ -156,9 +156,10 @@ def test_moe_lm_under_ep_trains_like_the_unsharded_model(capsys):
 
 
 def test_a_statistic_over_the_batch_is_all_reduced_not_gathered(tmp_path, capsys):
-    """The mean over the batch's rows is a reduction over the split dim: its partial sum is
-    all-reduced once in the forward (mean = sum / global count), the rows stay split, and the
-    training step equals the unsharded one."""
+    """The mean over the batch's rows is a reduction over the split dim: its partial sum [8] is
+    all-reduced once in the forward (mean = sum / global count), not the [4, 8] partial sum of
+    its broadcast reduce-scattered; the rows stay split, and the training step equals the
+    unsharded one."""
     model, spec = tmp_path / "mean.pcir", tmp_path / "mean.pcs"
     model.write_text(BATCH_MEAN)
     spec.write_text(ROWS_DP2)
