@@ -37,7 +37,9 @@ def _model(spec_name):
     if spec_name.startswith("tiny_relu_mlp"):
         return load_model(str(SPECS / "tiny_relu_mlp.pcir"))[0]
     factory = spec_name.split("_tp")[0].split("_dp")[0]
-    if spec_name.startswith("moe_"):  # issue 14: specs/moe_ep2*_train.pcs
+    if spec_name.startswith("moe_lm"):  # a whole MoE LM: specs/moe_lm_ep2_train.pcs
+        factory = "moe_lm"
+    elif spec_name.startswith("moe_"):  # issue 14: specs/moe_ep2*_train.pcs
         factory = "moe_block_shared" if spec_name.startswith("moe_shared") else "moe_block"
     factory = "causal_attention" if spec_name.startswith("attention_cp") else factory  # issue 14
     if factory == "gpt2_mlp":
