@@ -1,5 +1,5 @@
 """The batch stays split over the axes that split it (parcomp/passes/keep_dp.py): over ``dp``,
-and over ``ep`` where the spec splits an input's batch over it.
+and over ``ep`` where the spec splits an input (its tokens) over it.
 
 A model that computes its own loss sums it over the batch in its forward (transformers'
 ``ForCausalLMLoss``: sum over the counted tokens / their count); that partial sum over dp is the
@@ -192,3 +192,16 @@ def test_where_no_plan_keeps_the_batch_split_compile_explain_and_report_name_the
     x = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["explain"]
     assert x["data_parallel"] is False and x["batch_gathered_by"]["op"] == "sdpa"
     assert cause in x["data_parallel_note"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("factory,spec,axis", [("gpt2_lm_loss", OWN_DP2, "dp"), ("moe_lm", MOE_EP2, "ep")])
+def test_batch_split_specs_train_under_torchrun_like_the_unsharded_model(capsys, factory, spec, axis):
+    """program.py on 2 gloo ranks, each on its own rows: the steps equal the unsharded model's."""
+    pytest.importorskip("transformers")
+    rc = main(["run", f"{MODELS}:{factory}", "--spec", spec, "--nproc", "2", "--steps", "1", "--json"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (rc == 0) == (out["verdict"] == "OK"), (rc, out.get("why"))
+    assert out["world_size"] == 2 and len(out["losses"]) == 1
+    assert_never_wrong(out)
+    assert not _gathers_over(out, axis)

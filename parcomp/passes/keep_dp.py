@@ -1,6 +1,6 @@
 """Data parallel stays data parallel (issue 11): the layout search never all-gathers the
 batch over the mesh axes that split it (:func:`batch_axes`: ``dp``, and ``ep`` where the
-spec splits an input's batch over it).
+spec splits an input over it).
 
 The batch's values are every value computed from a graph input outside the optimizer phase
 (activations, their gradients, weight gradients) and the inputs themselves
@@ -17,7 +17,7 @@ training step's integer program run past its 300 s safety net).
 Expert parallel splits the batch too: an ``ep`` rank holds its own tokens, which reach the
 other ranks' experts by all_to_all and come back the same way; outside the experts (the
 embedding, attention, norms, the loss) it computes on them as a dp rank does. So where the
-spec splits an input's batch dim (dim 0) over ``ep``, ``ep`` is kept split like ``dp``.
+spec splits an input over ``ep`` (its rows, or its sequence), ``ep`` is kept split like ``dp``.
 
 Where no plan keeps the batch split (a spec pin that needs it gathered downstream, an op
 that mixes batch rows such as ``x @ x``), shard-prop searches all plans instead and says so
@@ -33,20 +33,21 @@ from ..redistribute import DP_AXIS
 
 __all__ = ["EP_AXIS", "batch_axes", "batch_values", "blocked_record", "prune", "unbatched_values"]
 
-#: the expert-parallel mesh axis; kept split like ``dp`` where an input's batch is split over it
+#: the expert-parallel mesh axis; kept split like ``dp`` where an input is split over it
 EP_AXIS = "ep"
 
 
 def batch_axes(graph) -> tuple:
     """The mesh axes (names) the batch is kept split over: ``dp`` when ``graph``'s mesh has it
-    with more than one rank; ``ep`` (more than one rank) when some graph input is split along
-    dim 0 over it. Empty: nothing to keep split."""
+    with more than one rank; ``ep`` (more than one rank) when some graph input is split over it
+    (its tokens: the batch rows, or the sequence). Empty: nothing to keep split."""
     mesh = graph.mesh
-    sized = {a: mesh.sizes[k] for k, a in enumerate(mesh.names) if mesh.sizes[k] > 1}
+    sized = {a for k, a in enumerate(mesh.names) if mesh.sizes[k] > 1}
     out = [DP_AXIS] if DP_AXIS in sized else []
     if EP_AXIS in sized:
         ep = mesh.names.index(EP_AXIS)
-        if any(n.layout is not None and ep in shard_axes(n.layout, 0) for n in graph.inputs):
+        if any(n.layout is not None and any(ep in shard_axes(n.layout, d) for d in range(n.type.rank))
+               for n in graph.inputs):
             out.append(EP_AXIS)
     return tuple(out)
 

@@ -130,7 +130,7 @@ def _search(prob, limit, seconds, heuristic=False) -> tuple:
 class _Problem(LocalMoves):
     """Options per node and the exact cost of a plan.  With ``data_parallel`` (the default)
     a conversion that all-gathers one of the batch's values over a batch axis (``dp``; ``ep``
-    where the spec splits an input's batch over it: :func:`.keep_dp.batch_axes`) costs
+    where the spec splits an input over it: :func:`.keep_dp.batch_axes`) costs
     infinity (:func:`batch_values`), except into a layout the spec pins that value to."""
 
     def __init__(self, graph, free=None, data_parallel: bool = True):
