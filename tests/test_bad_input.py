@@ -368,3 +368,43 @@ def test_vocab_padding_leaves_a_split_of_a_missing_dim_alone():
     g = parse_graph(_TIED_VOCAB)
     assert pad_vocab_tables(g, Mesh((("tp", 2),)), {"wte": (Shard(2),)}, True) is g
     assert pad_vocab_tables(g, Mesh((("tp", 2),)), {"wte": (Shard(0),)}, True)["wte"].type.shape == (8, 4)
+
+
+# ---- torch models: where a trace fails --------------------------------------------------------
+
+_BRANCHY = '''\
+import torch
+from torch import nn
+
+
+class Gate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if h.sum() > 0:
+            return h * 2
+        return h
+
+
+def make():
+    return Gate().eval(), (torch.randn(2, 8),), ["x"]
+'''
+
+
+def test_a_data_dependent_branch_names_the_users_line_without_torchs_graph_dump(tmp_path, capfd):
+    pytest.importorskip("torch")
+    import json
+
+    (tmp_path / "branchy.py").write_text(_BRANCHY)
+    (tmp_path / "s.pcs").write_text("mesh tp=2\n")
+    rc = main(["compile", f"{tmp_path / 'branchy.py'}:make", "--spec", str(tmp_path / "s.pcs"),
+               "-o", str(tmp_path / "out"), "--json"])
+    out, err = capfd.readouterr()  # fd level: torch prints its partial graph to sys.stderr
+    assert rc == 2 and "Traceback" not in err and not (tmp_path / "out").exists()
+    assert f"branchy.py:12:12\n            if h.sum() > 0:\n" in err, err
+    assert "depends on a tensor's value" in err and "torch.where(cond, a, b)" in err
+    assert "def forward(self" not in err and "torch.ops.aten" not in err, err  # no dump
+    assert json.loads(out.strip().splitlines()[-1])["where"] == f"{tmp_path / 'branchy.py'}:12:12"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import difflib
 import linecache
 import re
+import traceback
 
 import torch
 
@@ -129,6 +130,40 @@ def user_frame(fx) -> SourceLoc | None:
     if text.strip() and text.strip() in full:
         return SourceLoc(file, int(line), full.index(text.strip()) + 1, full)
     return SourceLoc(file, int(line), 1, text)
+
+
+_PARCOMP_DIR = __file__.rsplit("/", 2)[0] + "/"
+
+
+def raising_frame(exc: BaseException) -> SourceLoc | None:
+    """The user's source line a torch.export failure ``exc`` was raised from: the innermost
+    frame of its traceback outside torch and parcomp (the model's ``forward`` or a module it
+    calls), at the column of the expression Python names; None when the model's own code
+    never ran (a bad argument to export itself)."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not f.filename.startswith((_TORCH_DIR, _PARCOMP_DIR, "<"))]
+    if not frames:
+        return None
+    f = frames[-1]
+    full = linecache.getline(f.filename, f.lineno).rstrip("\n")
+    if not full:
+        return SourceLoc(f.filename, f.lineno, 1, f.line or "")
+    col = (f.colno + 1) if getattr(f, "colno", None) is not None else len(full) - len(full.lstrip()) + 1
+    return SourceLoc(f.filename, f.lineno, col, full)
+
+
+#: what the error about a data-dependent branch (``if`` on a tensor's value) says to do
+DATA_DEPENDENT = ("forward's Python control flow depends on a tensor's value (an if, while, "
+                  "bool(), int(), float() or .item() on a tensor computed from the inputs or weights), "
+                  "and an exported program is one program for every input: compute both branches and "
+                  "pick elementwise with torch.where(cond, a, b), or make the condition a Python value "
+                  "(a config flag, a shape)")
+
+
+def is_data_dependent(exc: BaseException) -> bool:
+    """Whether torch.export failed on a guard on a tensor's value (a data-dependent branch)."""
+    return (any(c.__name__ == "GuardOnDataDependentSymNode" for c in type(exc).__mro__)
+            or "data-dependent expression" in str(exc))
 
 
 def unsupported(fx, supported: list) -> FrontendError:
