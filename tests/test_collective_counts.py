@@ -50,10 +50,11 @@ MEGATRON_2_BLOCKS = c("forward all_reduce tp 4, backward all_reduce tp 4")
 SEQUENCE_PARALLEL_2_BLOCKS = c("forward all_gather tp 5, forward reduce_scatter tp 4,"
                                "backward all_gather tp 5, backward reduce_scatter tp 4,"
                                "backward all_reduce tp 1")
-# Context parallel (the causal attention layer, one sdpa): the 5 forward/backward all_gathers
-# over cp of x, the attention output and the q/k/v projections' input gradients, and the loss's
-# all_gather, are the cost model's choice at this size (2 x 16 tokens: gathering activations for
-# the 4 weight gradients moves fewer bytes than all-reducing the gradients; docs/design.md,
+# Context parallel (the causal attention layer, one sdpa): the 5 all_gathers over cp of x and
+# the attention output (forward) and of the q/k/v projections' output gradients (backward), the
+# operands of the 4 weight gradients, and the loss's all_gather, are the cost model's choice at
+# this size (2 x 16 tokens: gathering them moves fewer bytes than all-reducing the weight
+# gradients; docs/design.md,
 # "Consequence worth knowing"); the minimum in calls would be one bucketed all_reduce of the
 # weight gradients over cp and a scalar loss all_reduce.
 CP_WEIGHT_GRAD_GATHERS = c("forward all_gather cp 2, loss all_gather cp 1, backward all_gather cp 3")
@@ -102,10 +103,11 @@ EXPECTED = {
     # once. The loss: the token count (cross-entropy's mean over the global batch) and the loss
     # sum, two scalars over dp. The LM head and the final norm run on token slices over tp as
     # well as dp, so their gradients (lm_head, tied to wte; ln_f's 2) are summed over dp,tp: the
-    # head alone, the norms in one buffer. The other 17 gradients go over dp in DDP buckets, one
-    # per layout (split over tp: 1, replicated over tp: 1) and the block norms' 8 in one buffer of
-    # their own (bucket-norm-grads). DDP's minimum: one bucket per group (dp, dp,tp), so the
-    # 5 gradient reductions are 3 over it (documented choices: a bucket holds one layout; the
+    # head alone, the norms in one buffer. The blocks' 16 matmul weight and bias gradients go
+    # over dp in DDP buckets, one per layout (the 12 split over tp, the 4 row-parallel biases
+    # replicated over tp), and the block norms' 8 in one buffer of their own
+    # (bucket-norm-grads). DDP's minimum: one bucket per group (dp, dp,tp), so the 5 gradient
+    # reductions are 3 over it (documented choices: a bucket holds one layout; the
     # norm-gradient buffer is a separate pass).
     "gpt2_lm_dp2_tp2_train": ("gpt2_lm", c(
         "forward all_reduce tp 4, loss all_reduce dp 2, backward all_reduce tp 3,"
@@ -149,9 +151,9 @@ EXPECTED = {
         "forward all_gather ep 1, forward all_to_all ep 2, loss all_gather ep 1,"
         "backward reduce_scatter ep 1, backward all_reduce ep 1")),
     # dp x ep: 2 all_to_all each way; the scalar loss over dp,ep; the routed experts'
-    # gradients over dp (one bucket); the router's and the shared expert's 4 gradients over
-    # dp,ep one by one: DDP's minimum is one bucket there (buckets are built over the dp axis
-    # alone, docs/design.md "Gradient buckets"), so 4 over it
+    # gradients over dp (one bucket); the 5 gradients of the router, the shared expert's 3
+    # projections and its gate over dp,ep one by one: DDP's minimum is one bucket there
+    # (buckets are built over the dp axis alone, docs/design.md "Gradient buckets"), so 4 over it
     "moe_shared_dp2_ep2_train": ("moe_block_shared", c(
         "forward all_to_all ep 2, loss all_reduce dp,ep 1, backward all_to_all ep 2,"
         "backward all_reduce dp 1, backward all_reduce dp,ep 5")),
