@@ -196,6 +196,12 @@ def counts(records) -> dict:
     return dict(collections.Counter((r["phase"], r["kind"], r["axis"]) for r in records))
 
 
+def per_rank(lists) -> list:
+    """``report.json["pipeline"]["collectives"]`` as one ``{(phase, kind, axis): count}`` per pp
+    coordinate."""
+    return [{(r["phase"], r["kind"], r["axis"]): r["count"] for r in rank} for rank in lists]
+
+
 def test_every_shipped_spec_has_its_counts():
     assert sorted(EXPECTED) == SHIPPED
 
@@ -205,9 +211,7 @@ def test_collectives_per_phase(spec_name):
     want = EXPECTED[spec_name][1]
     report = _compiled(spec_name).report
     if isinstance(want, list):  # pipelined: per pp coordinate
-        got = [{(r["phase"], r["kind"], r["axis"]): r["count"] for r in rank}
-               for rank in report["pipeline"]["collectives"]]
-        assert got == want
+        assert per_rank(report["pipeline"]["collectives"]) == want
     else:
         assert counts(report["collectives"]) == want
         assert all(r["phase"] in ("forward", "loss", "backward", "optimizer") for r in report["collectives"])
@@ -255,5 +259,4 @@ def test_pipeline_counts_scale_with_microbatches_and_chunks(schedule, want):
     layouts = "".join(f"{3 * k}.weight colwise\n{3 * k + 2}.weight rowwise\n" for k in range(4))
     plan = plan_pipeline(chain_graph(blocks=4), spec(f"mesh dp=2 pp=2 tp=2\n{layouts}"
                                                      f"{TRAIN} microbatches=2 schedule={schedule}\n"))
-    got = [{(r["phase"], r["kind"], r["axis"]): r["count"] for r in rank} for rank in plan.collective_counts()]
-    assert got == want
+    assert per_rank(plan.collective_counts()) == want
