@@ -313,10 +313,9 @@ def causal_attention(seq: int = 16):
 
 
 # ---- more transformers models for tensor-parallel training (small configs, random weights) ----
-# Each is transformers' own class, unedited. OPT, BERT and Gemma-2 get ``pad_token_id=None``:
-# with a pad id, transformers builds ``nn.Embedding(padding_idx=...)`` (no gradient for the pad
-# row), which parcomp refuses (the frontend's error says so); without one the embedding is a
-# plain table, as Llama's and Qwen2's are by default.
+# Each is transformers' own class, unedited, with its config's defaults where they matter:
+# OPT, BERT and Gemma-2 keep their default ``pad_token_id``, so transformers builds
+# ``nn.Embedding(padding_idx=...)`` (the pad row gets no gradient from the lookup).
 def qwen2_lm():
     """transformers' ``Qwen2ForCausalLM``: as :func:`llama_lm` (2 blocks, hidden 64, MLP 128,
     4 query and 2 kv heads of dim 16, RoPE, RMSNorm, vocab 128, untied ``lm_head``) plus
@@ -346,7 +345,7 @@ def gemma2_lm():
     config = Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=128,
                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                           head_dim=16, max_position_embeddings=64, bos_token_id=0, eos_token_id=1,
-                          pad_token_id=None, use_cache=False, attn_implementation="eager")
+                          use_cache=False, attn_implementation="eager")
     return Gemma2ForCausalLM(config).eval(), (torch.randint(0, 128, (2, 8)),), ["input_ids"]
 
 
@@ -360,7 +359,7 @@ def opt_lm():
     torch.manual_seed(SEED)
     config = OPTConfig(vocab_size=128, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
                        num_attention_heads=4, word_embed_proj_dim=64, max_position_embeddings=64,
-                       pad_token_id=None, dropout=0.0, attention_dropout=0.0, use_cache=False,
+                       dropout=0.0, attention_dropout=0.0, use_cache=False,
                        attn_implementation="sdpa")
     return OPTForCausalLM(config).eval(), (torch.randint(0, 128, (2, 8)),), ["input_ids"]
 
@@ -374,7 +373,7 @@ def bert_mlm():
 
     torch.manual_seed(SEED)
     config = BertConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, max_position_embeddings=64, pad_token_id=None,
+                        num_attention_heads=4, max_position_embeddings=64,
                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
                         attn_implementation="sdpa")
     return BertForMaskedLM(config).eval(), (torch.randint(0, 128, (2, 8)),), ["input_ids"]

@@ -351,7 +351,10 @@ _def("pad", 1, "pad", _pad, {**_PAD, "value": _NUM})
 # ``index_start``/``index_shape`` are this rank's block (set per rank, never in a model).
 # ``embedding(ids, table)`` -> ids.shape + [dim]; ``vocab_start``: first table row this rank
 # holds (vocab-parallel; ids outside its rows give zero rows). ``embedding_grad(dy, ids)``:
-# the table-shaped scatter-add of dy (its type is the table's).
+# the table-shaped scatter-add of dy (its type is the table's). ``padding_idx`` (torch's
+# nn.Embedding(padding_idx=...)): the GLOBAL table row whose ids add nothing to the gradient
+# (the lookup itself is unchanged); absent: none. Under a vocab split only the rank holding
+# that row has ids equal to it, so every sharding applies it where torch does.
 _EPS = {"eps": Attr("number", required=True)}
 _def("layer_norm", -1, "nonlinear", _norm, _EPS)
 _def("rms_norm", -1, "nonlinear", _norm, _EPS)
@@ -359,8 +362,9 @@ _def("layer_norm_grad", -1, "linear0", _norm_grad, _EPS)
 _def("rms_norm_grad", -1, "linear0", _norm_grad, _EPS)
 _def("dropout", 1, "linear", _same, {"p": _NUM, "seed": Attr("int", required=True),
                                      "index_start": Attr("ints"), "index_shape": Attr("ints")})
-_def("embedding", 2, "gather", _embedding, {"vocab_start": Attr("int")})
-_def("embedding_grad", 2, "linear0", _embedding_grad, {"vocab_start": Attr("int")})
+_EMB = {"vocab_start": Attr("int"), "padding_idx": Attr("int")}
+_def("embedding", 2, "gather", _embedding, _EMB)
+_def("embedding_grad", 2, "linear0", _embedding_grad, _EMB)
 # ---- end of the norms + embedding part ----
 # ---- reductions part (issue 17): amax, argmax, mean, log, softmax, log_softmax and the
 # pieces of their split-dim forms (parcomp/passes/decompose.py). ``dims``/``dim`` may be
