@@ -399,7 +399,8 @@ class ViTClassifier(nn.Module):
     """A ViT image classifier built from transformers' ``ViTLayer`` blocks (pre-norm, sdpa).
 
     ``ViTForImageClassification`` embeds patches with a ``Conv2d`` (kernel = stride = patch),
-    which parcomp does not lower; here the same map is a ``Linear`` over each flattened patch
+    which the frontend lowers to a matmul over the patches (:func:`vit_classifier` is that
+    class itself); here the same map is written as a ``Linear`` over each flattened patch
     (``patch_embed``). Then a class token, learned positions, the blocks (``layers.N``), a final
     LayerNorm and a linear ``classifier`` on the class token, as ``ViTForImageClassification``.
     """
@@ -440,3 +441,19 @@ def vit_style():
                        num_labels=10, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
                        attn_implementation="sdpa")
     return ViTClassifier(config).eval(), (torch.randn(2, 3, 8, 8),), ["pixel_values"]
+
+
+def vit_classifier():
+    """transformers' ``ViTForImageClassification`` as it comes: 8x8 RGB images cut into 4x4
+    patches by its ``Conv2d`` patch embedding (kernel = stride = 4: lowered to a matmul over
+    the patches), a class token and learned positions (5 tokens), 2 pre-norm blocks, hidden 64,
+    GELU MLP 128, 4 heads, sdpa attention, the classifier on the class token, 10 classes,
+    dropout 0. Input ``pixel_values``: f32[2,3,8,8]; output ``logits`` f32[2,10]."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    torch.manual_seed(SEED)
+    config = ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=64,
+                       intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_labels=10, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                       attn_implementation="sdpa")
+    return ViTForImageClassification(config).eval(), (torch.randn(2, 3, 8, 8),), ["pixel_values"]
