@@ -331,6 +331,22 @@ def qwen2_lm():
     return Qwen2ForCausalLM(config).eval(), (torch.randint(0, 128, (2, 8)),), ["input_ids"]
 
 
+def mistral_lm():
+    """transformers' ``MistralForCausalLM`` with a sliding window (4) shorter than the sequence
+    (8): 2 blocks, hidden 64, SiLU-gated MLP 128, 4 query and 2 kv heads of dim 16, RoPE,
+    RMSNorm, untied ``lm_head``, vocab 128, sdpa attention whose mask (each query sees itself
+    and the 3 keys before it) folds to ``sdpa {causal, window=4}``. Input ``input_ids``:
+    int64[2,8]; output ``logits`` f32[2,8,128]."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(SEED)
+    config = MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=16, max_position_embeddings=64, sliding_window=4,
+                           use_cache=False, attn_implementation="sdpa")
+    return MistralForCausalLM(config).eval(), (torch.randint(0, 128, (2, 8)),), ["input_ids"]
+
+
 def gemma_lm():
     """transformers' ``GemmaForCausalLM``: 2 blocks, hidden 64, GeGLU MLP 128 (tanh GELU),
     4 query and 2 kv heads of dim 16, RoPE, RMSNorm (1 + weight), embeddings scaled by

@@ -93,6 +93,7 @@ EXPECTED = {
     "llama_lm_tp2_train": ("llama_lm", MEGATRON_2_BLOCKS),
     "qwen2_lm_tp2_train": ("qwen2_lm", MEGATRON_2_BLOCKS),
     "gemma_lm_tp2_train": ("gemma_lm", MEGATRON_2_BLOCKS),
+    "mistral_lm_tp2_train": ("mistral_lm", MEGATRON_2_BLOCKS),
     "gemma2_lm_tp2_train": ("gemma2_lm", MEGATRON_2_BLOCKS),
     "opt_lm_tp2_train": ("opt_lm", MEGATRON_2_BLOCKS),
     "bert_mlm_tp2_train": ("bert_mlm", MEGATRON_2_BLOCKS),
@@ -221,7 +222,7 @@ def test_collectives_per_phase(spec_name):
 
 #: the transformers models trained with Megatron's plan: (spec, blocks)
 MEGATRON_MODELS = [("gpt2_lm_tp2_train", 2), ("llama_lm_tp2_train", 2), ("qwen2_lm_tp2_train", 2),
-                   ("gemma_lm_tp2_train", 2), ("gemma2_lm_tp2_train", 2), ("opt_lm_tp2_train", 2), ("bert_mlm_tp2_train", 2),
+                   ("gemma_lm_tp2_train", 2), ("gemma2_lm_tp2_train", 2), ("mistral_lm_tp2_train", 2), ("opt_lm_tp2_train", 2), ("bert_mlm_tp2_train", 2),
                    ("vit_style_tp2_train", 2), ("vit_classifier_tp2_train", 2)]
 
 
