@@ -367,17 +367,18 @@ def gemma2_lm():
     """transformers' ``Gemma2ForCausalLM``: 2 blocks, hidden 64, GeGLU MLP 128, 4 query and
     2 kv heads of dim 16, RoPE, RMSNorm (1 + weight) before and after attention and MLP,
     embeddings scaled by sqrt(hidden) and tied to the LM head, attention logits soft-capped at
-    50 and final logits at 30 (Gemma-2's defaults), vocab 128. ``eager`` attention:
-    transformers refuses sdpa for Gemma-2. The sliding window (4096) covers the sequence, so
-    every layer's mask is causal. Input ``input_ids``: int64[2,8]; output ``logits``
-    f32[2,8,128]."""
+    50 and final logits at 30 (Gemma-2's defaults), vocab 128, the default ``pad_token_id``
+    (0: ``padding_idx=0``). ``eager`` attention (transformers refuses sdpa for Gemma-2): its
+    masks are constants added to the scores. A sliding window of 4 over the sequence of 8:
+    layer 0 (local) sees the last 4 keys, layer 1 (global) every earlier key. Input
+    ``input_ids``: int64[2,8]; output ``logits`` f32[2,8,128]."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     torch.manual_seed(SEED)
     config = Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=128,
                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                           head_dim=16, max_position_embeddings=64, bos_token_id=0, eos_token_id=1,
-                          use_cache=False, attn_implementation="eager")
+                          sliding_window=4, use_cache=False, attn_implementation="eager")
     return Gemma2ForCausalLM(config).eval(), (torch.randint(0, 128, (2, 8)),), ["input_ids"]
 
 
