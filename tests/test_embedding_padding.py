@@ -215,3 +215,46 @@ def test_the_frontend_keeps_padding_idx_and_a_plain_embedding_has_none():
     g = parse_graph(EMB_TRAIN.format(v=4, pad=0))
     assert run_unsharded(g, {"ids": np.zeros((2, 3), "i8"), "dy": np.ones((2, 3, 2)),
                              "wte": np.ones((4, 2))})["l"] == 12  # the lookup is unchanged
+
+
+_TIED = '''\
+import torch
+from torch import nn
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wte = nn.Embedding(8, 4, padding_idx=5)
+        self.ln = nn.LayerNorm(4)
+        self.head = nn.Linear(4, 8, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, ids):
+        return self.head(self.ln(self.wte(ids)))
+
+
+def make():
+    torch.manual_seed(0)
+    return Tied().eval(), (torch.tensor([[1, 5, 7, 5], [0, 4, 5, 6]]),), ["ids"]
+'''
+
+
+@pytest.mark.slow
+def test_vocab_parallel_tied_table_with_a_padding_row_trains_on_two_gloo_ranks(tmp_path, capsys):
+    """program.py's lookup and scatter on each rank's rows (row 5 is rank 1's), pinned
+    vocab-parallel: the emitted helper skips the padding row where the interpreter does."""
+    import json
+
+    from parcomp.cli import main
+
+    (tmp_path / "m.py").write_text(_TIED)
+    (tmp_path / "s.pcs").write_text("mesh tp=2\nhead.weight [S(0)]\ninput ids replicated\n"
+                                    "activation embedding [P]\n"
+                                    "train loss=cross_entropy optimizer=adamw(lr=0.1, weight_decay=0.25) steps=3\n")
+    rc = main(["run", f"{tmp_path / 'm.py'}:make", "--spec", str(tmp_path / "s.pcs"), "--nproc", "2",
+               "--keep", str(tmp_path / "out"), "--json"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and out["ok"], out
+    text = (tmp_path / "out" / "program.py").read_text()
+    assert "embedding_grad_rows(bw_layer_norm_layer_norm_grad, ids, 4, COORD[0] * 4, padding_idx=5)" in text
