@@ -313,10 +313,9 @@ def causal_attention(seq: int = 16):
 
 
 # ---- more transformers models for tensor-parallel training (small configs, random weights) ----
-# Each is transformers' own class, unedited. OPT, BERT and Gemma-2 get ``pad_token_id=None``:
-# with a pad id, transformers builds ``nn.Embedding(padding_idx=...)`` (no gradient for the pad
-# row), which parcomp refuses (the frontend's error says so); without one the embedding is a
-# plain table, as Llama's and Qwen2's are by default.
+# Each is transformers' own class, unedited, with its config's defaults where they matter:
+# OPT, BERT and Gemma-2 keep their default ``pad_token_id``, so transformers builds
+# ``nn.Embedding(padding_idx=...)`` (the pad row gets no gradient from the lookup).
 def qwen2_lm():
     """transformers' ``Qwen2ForCausalLM``: as :func:`llama_lm` (2 blocks, hidden 64, MLP 128,
     4 query and 2 kv heads of dim 16, RoPE, RMSNorm, vocab 128, untied ``lm_head``) plus
@@ -332,21 +331,54 @@ def qwen2_lm():
     return Qwen2ForCausalLM(config).eval(), (torch.randint(0, 128, (2, 8)),), ["input_ids"]
 
 
+def mistral_lm():
+    """transformers' ``MistralForCausalLM`` with a sliding window (4) shorter than the sequence
+    (8): 2 blocks, hidden 64, SiLU-gated MLP 128, 4 query and 2 kv heads of dim 16, RoPE,
+    RMSNorm, untied ``lm_head``, vocab 128, sdpa attention whose mask (each query sees itself
+    and the 3 keys before it) folds to ``sdpa {causal, window=4}``. Input ``input_ids``:
+    int64[2,8]; output ``logits`` f32[2,8,128]."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(SEED)
+    config = MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=16, max_position_embeddings=64, sliding_window=4,
+                           use_cache=False, attn_implementation="sdpa")
+    return MistralForCausalLM(config).eval(), (torch.randint(0, 128, (2, 8)),), ["input_ids"]
+
+
+def gemma_lm():
+    """transformers' ``GemmaForCausalLM``: 2 blocks, hidden 64, GeGLU MLP 128 (tanh GELU),
+    4 query and 2 kv heads of dim 16, RoPE, RMSNorm (1 + weight), embeddings scaled by
+    sqrt(hidden) and tied to the LM head, vocab 128, sdpa attention; the default
+    ``pad_token_id`` (0), so the token embedding has ``padding_idx=0``. Input ``input_ids``:
+    int64[2,8]; output ``logits`` f32[2,8,128]."""
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    torch.manual_seed(SEED)
+    config = GemmaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, max_position_embeddings=64, use_cache=False,
+                         attn_implementation="sdpa")
+    return GemmaForCausalLM(config).eval(), (torch.randint(0, 128, (2, 8)),), ["input_ids"]
+
+
 def gemma2_lm():
     """transformers' ``Gemma2ForCausalLM``: 2 blocks, hidden 64, GeGLU MLP 128, 4 query and
     2 kv heads of dim 16, RoPE, RMSNorm (1 + weight) before and after attention and MLP,
     embeddings scaled by sqrt(hidden) and tied to the LM head, attention logits soft-capped at
-    50 and final logits at 30 (Gemma-2's defaults), vocab 128. ``eager`` attention:
-    transformers refuses sdpa for Gemma-2. The sliding window (4096) covers the sequence, so
-    every layer's mask is causal. Input ``input_ids``: int64[2,8]; output ``logits``
-    f32[2,8,128]."""
+    50 and final logits at 30 (Gemma-2's defaults), vocab 128, the default ``pad_token_id``
+    (0: ``padding_idx=0``). ``eager`` attention (transformers refuses sdpa for Gemma-2): its
+    masks are constants added to the scores. A sliding window of 4 over the sequence of 8:
+    layer 0 (local) sees the last 4 keys, layer 1 (global) every earlier key. Input
+    ``input_ids``: int64[2,8]; output ``logits`` f32[2,8,128]."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     torch.manual_seed(SEED)
     config = Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=128,
                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                           head_dim=16, max_position_embeddings=64, bos_token_id=0, eos_token_id=1,
-                          pad_token_id=None, use_cache=False, attn_implementation="eager")
+                          sliding_window=4, use_cache=False, attn_implementation="eager")
     return Gemma2ForCausalLM(config).eval(), (torch.randint(0, 128, (2, 8)),), ["input_ids"]
 
 
@@ -360,7 +392,7 @@ def opt_lm():
     torch.manual_seed(SEED)
     config = OPTConfig(vocab_size=128, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
                        num_attention_heads=4, word_embed_proj_dim=64, max_position_embeddings=64,
-                       pad_token_id=None, dropout=0.0, attention_dropout=0.0, use_cache=False,
+                       dropout=0.0, attention_dropout=0.0, use_cache=False,
                        attn_implementation="sdpa")
     return OPTForCausalLM(config).eval(), (torch.randint(0, 128, (2, 8)),), ["input_ids"]
 
@@ -374,7 +406,7 @@ def bert_mlm():
 
     torch.manual_seed(SEED)
     config = BertConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, max_position_embeddings=64, pad_token_id=None,
+                        num_attention_heads=4, max_position_embeddings=64,
                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
                         attn_implementation="sdpa")
     return BertForMaskedLM(config).eval(), (torch.randint(0, 128, (2, 8)),), ["input_ids"]
@@ -384,7 +416,8 @@ class ViTClassifier(nn.Module):
     """A ViT image classifier built from transformers' ``ViTLayer`` blocks (pre-norm, sdpa).
 
     ``ViTForImageClassification`` embeds patches with a ``Conv2d`` (kernel = stride = patch),
-    which parcomp does not lower; here the same map is a ``Linear`` over each flattened patch
+    which the frontend lowers to a matmul over the patches (:func:`vit_classifier` is that
+    class itself); here the same map is written as a ``Linear`` over each flattened patch
     (``patch_embed``). Then a class token, learned positions, the blocks (``layers.N``), a final
     LayerNorm and a linear ``classifier`` on the class token, as ``ViTForImageClassification``.
     """
@@ -425,3 +458,19 @@ def vit_style():
                        num_labels=10, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
                        attn_implementation="sdpa")
     return ViTClassifier(config).eval(), (torch.randn(2, 3, 8, 8),), ["pixel_values"]
+
+
+def vit_classifier():
+    """transformers' ``ViTForImageClassification`` as it comes: 8x8 RGB images cut into 4x4
+    patches by its ``Conv2d`` patch embedding (kernel = stride = 4: lowered to a matmul over
+    the patches), a class token and learned positions (5 tokens), 2 pre-norm blocks, hidden 64,
+    GELU MLP 128, 4 heads, sdpa attention, the classifier on the class token, 10 classes,
+    dropout 0. Input ``pixel_values``: f32[2,3,8,8]; output ``logits`` f32[2,10]."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    torch.manual_seed(SEED)
+    config = ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=64,
+                       intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_labels=10, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                       attn_implementation="sdpa")
+    return ViTForImageClassification(config).eval(), (torch.randn(2, 3, 8, 8),), ["pixel_values"]

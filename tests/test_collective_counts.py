@@ -92,10 +92,13 @@ EXPECTED = {
     "gpt2_lm_tp2_train": ("gpt2_lm", MEGATRON_2_BLOCKS),
     "llama_lm_tp2_train": ("llama_lm", MEGATRON_2_BLOCKS),
     "qwen2_lm_tp2_train": ("qwen2_lm", MEGATRON_2_BLOCKS),
+    "gemma_lm_tp2_train": ("gemma_lm", MEGATRON_2_BLOCKS),
+    "mistral_lm_tp2_train": ("mistral_lm", MEGATRON_2_BLOCKS),
     "gemma2_lm_tp2_train": ("gemma2_lm", MEGATRON_2_BLOCKS),
     "opt_lm_tp2_train": ("opt_lm", MEGATRON_2_BLOCKS),
     "bert_mlm_tp2_train": ("bert_mlm", MEGATRON_2_BLOCKS),
     "vit_style_tp2_train": ("vit_style", MEGATRON_2_BLOCKS),
+    "vit_classifier_tp2_train": ("vit_classifier", MEGATRON_2_BLOCKS),
     "gpt2_lm_tp2_sp_train": ("gpt2_lm", SEQUENCE_PARALLEL_2_BLOCKS),
     "llama_lm_tp2_sp_train": ("llama_lm", SEQUENCE_PARALLEL_2_BLOCKS),
     # dp x tp: Megatron's 4 over tp a block, but the first block's input gradient is also the
@@ -219,8 +222,8 @@ def test_collectives_per_phase(spec_name):
 
 #: the transformers models trained with Megatron's plan: (spec, blocks)
 MEGATRON_MODELS = [("gpt2_lm_tp2_train", 2), ("llama_lm_tp2_train", 2), ("qwen2_lm_tp2_train", 2),
-                   ("gemma2_lm_tp2_train", 2), ("opt_lm_tp2_train", 2), ("bert_mlm_tp2_train", 2),
-                   ("vit_style_tp2_train", 2)]
+                   ("gemma_lm_tp2_train", 2), ("gemma2_lm_tp2_train", 2), ("mistral_lm_tp2_train", 2), ("opt_lm_tp2_train", 2), ("bert_mlm_tp2_train", 2),
+                   ("vit_style_tp2_train", 2), ("vit_classifier_tp2_train", 2)]
 
 
 @pytest.mark.parametrize("spec_name,blocks", MEGATRON_MODELS)

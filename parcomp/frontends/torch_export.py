@@ -147,6 +147,9 @@ TABLE.update(REDUCTION_TABLE)
 from .torch_loss import LOSS_TABLE  # noqa: E402  loss part (issue 17): pad, cross_entropy_loss, nll_loss
 
 TABLE.update(LOSS_TABLE)
+from .torch_conv import CONV_TABLE  # noqa: E402  patch convolutions as a matmul over patches
+
+TABLE.update(CONV_TABLE)
 
 
 def supported_ops() -> list:
