@@ -100,6 +100,23 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def check_flags(args) -> None:
+    """The numeric flags argparse's types leave unbounded (``--steps``, ``--seconds``), checked
+    before any model is loaded or compiled: a bad flag costs no compile.
+
+    Raises:
+        ParcompError: naming the flag.
+    """
+    if getattr(args, "steps", None) is not None:
+        from .passes.train_config import check_steps
+
+        check_steps(args.steps)
+    if getattr(args, "seconds", None) is not None:
+        from .plan import check_seconds
+
+        check_seconds(args.seconds)
+
+
 def _fail_json(kind: str, message: str, where) -> None:
     print(json.dumps({"ok": False, "error": message, "where": where, "kind": kind}, sort_keys=True))
 
@@ -121,6 +138,7 @@ def main(argv=None) -> int:
     try:
         # overflow and 0/0 in the interpreter are reported by the comparison (inf/NaN is never
         # OK), so numpy's RuntimeWarnings would only repeat it as noise with a source line
+        check_flags(args)
         with np.errstate(all="ignore"):
             result = getattr(commands, args.cmd)(args)
     except ParcompError as e:

@@ -65,7 +65,8 @@ def _checkpoint(work: str, graph, feeds: dict, module) -> str:
 
     path, tensors = os.path.join(work, "model.pt"), {}
     for n in graph.params:
-        tensors[n.name] = torch.from_numpy(np.ascontiguousarray(feeds[n.name]))
+        value = feeds[n.name]  # np.ascontiguousarray makes a 0-d value (a scalar constant) 1-d
+        tensors[n.name] = torch.from_numpy(np.ascontiguousarray(value).reshape(np.shape(value)))
         for alias in filter(None, (n.attr("aliases") or "").split(",")):
             tensors.setdefault(alias, tensors[n.name])
     torch.save(tensors, path)

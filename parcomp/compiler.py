@@ -15,6 +15,7 @@ from .passes.pipeline_plan import attach_pipeline
 from .passes.topology import check_topology
 from .passes.verify import check_model_mesh
 from .moe_warnings import moe_gather_warnings
+from .passes.accumulate import accumulate_warnings, loss_accumulation
 from .pinned_gathers import pinned_gather_warnings
 from .program import Program, build_program
 from .report import build_report
@@ -94,6 +95,9 @@ def _compile(graph: Graph, spec, after, reuse=True) -> Compiled:
         sharded, report, getattr(getattr(spec, "context_parallel", None), "axis", None))
     report.update(sp_cp_record(graph, spec, placement, sharded))  # issue 14: SP vs CP (parcomp/cp_report.py)
     report["warnings"] += moe_gather_warnings(graph, sharded)  # tokens gathered, not all_to_all
+    report["warnings"] += accumulate_warnings(graph, spec)  # a per-microbatch token mean, averaged
+    if loss_accumulation(graph, spec):  # accumulate=K, loss=output: token mean or mean of K losses
+        report["training"]["loss_accumulation"] = loss_accumulation(graph, spec)
     if "pp" in spec.mesh.names and spec.train is not None:
         prog, report = attach_pipeline(graph, spec, prog, report)
     return Compiled(graph, logical, sharded, program, report, spec, prog, reused)

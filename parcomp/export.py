@@ -39,15 +39,26 @@ WEIGHTS, CONFIG = "model.safetensors", "config.json"
 
 def latest_step(directory: str) -> str:
     """The checkpoint ``directory``/latest names (``DIR/step-K``), or ``directory`` itself when it
-    is a step directory. Raises ParcompError (naming ``directory``) when neither."""
+    is a step directory, its index and data files checked as program.py's ``--resume`` checks
+    them (:func:`checkpoint_damage`). Raises ParcompError naming the damaged file (``latest``
+    naming a missing step, ``.metadata`` missing or unreadable, a ``.distcp`` file missing or
+    truncated), or ``directory`` when it holds no checkpoint at all."""
+    from parcomp_backends.torch.program_train import checkpoint_damage, latest_checkpoint
+
     latest = os.path.join(directory, "latest")
     if os.path.isfile(latest):
-        with open(latest) as f:
-            return os.path.join(directory, f.read().strip())
-    if os.path.isfile(os.path.join(directory, ".metadata")):
-        return directory
-    raise ParcompError(f"{directory}: no torch.distributed.checkpoint there (no 'latest', no '.metadata'); "
-                       f"program.py --save DIR writes one", where=directory)
+        where, problem = latest_checkpoint(directory)
+        if problem:
+            raise ParcompError(problem, where=latest)  # the message names latest
+    elif os.path.isdir(directory) and any(f == ".metadata" or f.endswith(".distcp") for f in os.listdir(directory)):
+        where = directory
+    else:
+        raise ParcompError(f"{directory}: no torch.distributed.checkpoint there (no 'latest', no '.metadata'); "
+                           f"program.py --save DIR writes one", where=directory)
+    damage = checkpoint_damage(where)
+    if damage is not None:
+        raise ParcompError(damage[1], where=damage[0])  # the message names the file
+    return where
 
 
 def tied_names(module) -> dict:
@@ -70,7 +81,10 @@ def full_tensors(compiled, checkpoint: str, module=None) -> dict:
     Raises ParcompError: no checkpoint, an unreadable one, a trained parameter missing from it
     or of another shape (naming the parameter)."""
     import torch
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from parcomp_backends.torch.program_train import dcp_failure
 
     where = latest_step(checkpoint)
     graph, names = compiled.logical, trained_names(compiled)
@@ -78,9 +92,8 @@ def full_tensors(compiled, checkpoint: str, module=None) -> dict:
         full = os.path.join(tmp, "full.pt")
         try:
             dcp_to_torch_save(where, full)
-        except Exception as e:  # DCP's reader: a missing shard file, a truncated .metadata
-            raise ParcompError(f"{where}: cannot read the checkpoint: {type(e).__name__}: {e}",
-                               where=where) from None
+        except (Exception, CheckpointException) as e:  # BaseException: not an Exception
+            raise ParcompError(f"{where}: cannot read the checkpoint: {dcp_failure(e)}", where=where) from None
         saved = torch.load(full, weights_only=True)
     missing = [k for k in names if k not in saved]
     if missing:

@@ -165,6 +165,16 @@ def param_layouts(ty, mesh, name: str = "", table: bool = False) -> list:
     return out
 
 
+def check_seconds(seconds: float | None) -> None:
+    """``--seconds``, the exact search's time budget, is None or a positive number.
+
+    Raises:
+        ParcompError: naming ``--seconds``.
+    """
+    if seconds is not None and not seconds > 0:
+        raise ParcompError(f"--seconds {seconds}: the search needs a positive time budget", where="--seconds")
+
+
 def plan(graph, mesh: str, memory: str | None = None, train: str | None = None,
          seconds: float | None = None):
     """Choose the layouts of ``graph`` on ``mesh``; returns ``(spec text, planned graph)``.
@@ -183,8 +193,7 @@ def plan(graph, mesh: str, memory: str | None = None, train: str | None = None,
     ends = may_stay_replicated(bound)
     free = {n.name: param_layouts(n.type, spec.mesh, n.name, n.name in ends) for n in bound.params
             if n.name in model_params}
-    if seconds is not None and not seconds > 0:
-        raise ParcompError(f"--seconds {seconds}: the search needs a positive time budget", where="--seconds")
+    check_seconds(seconds)
     memory_loc = memory and SourceLoc("--memory", 1, 1, memory)
     seconds = DEFAULT_SECONDS if seconds is None else seconds
     try:

@@ -20,6 +20,7 @@ import numpy as np
 
 from .budget import PROGRESS_EVERY_S
 from .frontends.fused import to_stored_shapes, to_view_shapes
+from .passes.accumulate import accumulates_token_mean
 from .passes.train_config import train_config
 from .reference.interpreter import run_spmd
 from .reference.microbatches import microbatches, stacked_feeds
@@ -49,7 +50,7 @@ def torch_reference(compiled, module, example, feeds, steps, start=None, first=1
     if start is not None:  # torch holds a fused weight (issue 17) whole, as stored
         start = to_stored_shapes(start, compiled.logical)
     ref = torch_train(module, example, names, feeds, cfg, steps, output, start, first,
-                      microbatches(compiled, feeds))
+                      microbatches(compiled, feeds), whole_batch=accumulates_token_mean(graph, cfg))
     want = {"loss": np.array(ref["losses"][-1], "float32"), "losses": np.array(ref["losses"], "float32"),
             **{n.name: ref["sources"][n.name] for n in graph.params if n.name in ref["sources"]},
             **ref["state"],

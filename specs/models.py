@@ -312,6 +312,170 @@ def causal_attention(seq: int = 16):
     return module, (torch.randn(2, seq, 32),), ["x"]
 
 
+# ---- more transformers models for tensor-parallel training (small configs, random weights) ----
+# Each is transformers' own class, unedited, with its config's defaults where they matter:
+# OPT, BERT and Gemma-2 keep their default ``pad_token_id``, so transformers builds
+# ``nn.Embedding(padding_idx=...)`` (the pad row gets no gradient from the lookup).
+def qwen2_lm():
+    """transformers' ``Qwen2ForCausalLM``: as :func:`llama_lm` (2 blocks, hidden 64, MLP 128,
+    4 query and 2 kv heads of dim 16, RoPE, RMSNorm, vocab 128, untied ``lm_head``) plus
+    Qwen2's biases on ``q_proj``/``k_proj``/``v_proj``. Input ``input_ids``: int64[2,8];
+    output ``logits`` f32[2,8,128]."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(SEED)
+    config = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=64, bos_token_id=0, eos_token_id=1,
+                         use_cache=False, attn_implementation="sdpa")
+    return Qwen2ForCausalLM(config).eval(), (torch.randint(0, 128, (2, 8)),), ["input_ids"]
+
+
+def mistral_lm():
+    """transformers' ``MistralForCausalLM`` with a sliding window (4) shorter than the sequence
+    (8): 2 blocks, hidden 64, SiLU-gated MLP 128, 4 query and 2 kv heads of dim 16, RoPE,
+    RMSNorm, untied ``lm_head``, vocab 128, sdpa attention whose mask (each query sees itself
+    and the 3 keys before it) folds to ``sdpa {causal, window=4}``. Input ``input_ids``:
+    int64[2,8]; output ``logits`` f32[2,8,128]."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(SEED)
+    config = MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=16, max_position_embeddings=64, sliding_window=4,
+                           use_cache=False, attn_implementation="sdpa")
+    return MistralForCausalLM(config).eval(), (torch.randint(0, 128, (2, 8)),), ["input_ids"]
+
+
+def gemma_lm():
+    """transformers' ``GemmaForCausalLM``: 2 blocks, hidden 64, GeGLU MLP 128 (tanh GELU),
+    4 query and 2 kv heads of dim 16, RoPE, RMSNorm (1 + weight), embeddings scaled by
+    sqrt(hidden) and tied to the LM head, vocab 128, sdpa attention; the default
+    ``pad_token_id`` (0), so the token embedding has ``padding_idx=0``. Input ``input_ids``:
+    int64[2,8]; output ``logits`` f32[2,8,128]."""
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    torch.manual_seed(SEED)
+    config = GemmaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, max_position_embeddings=64, use_cache=False,
+                         attn_implementation="sdpa")
+    return GemmaForCausalLM(config).eval(), (torch.randint(0, 128, (2, 8)),), ["input_ids"]
+
+
+def gemma2_lm():
+    """transformers' ``Gemma2ForCausalLM``: 2 blocks, hidden 64, GeGLU MLP 128, 4 query and
+    2 kv heads of dim 16, RoPE, RMSNorm (1 + weight) before and after attention and MLP,
+    embeddings scaled by sqrt(hidden) and tied to the LM head, attention logits soft-capped at
+    50 and final logits at 30 (Gemma-2's defaults), vocab 128, the default ``pad_token_id``
+    (0: ``padding_idx=0``). ``eager`` attention (transformers refuses sdpa for Gemma-2): its
+    masks are constants added to the scores. A sliding window of 4 over the sequence of 8:
+    layer 0 (local) sees the last 4 keys, layer 1 (global) every earlier key. Input
+    ``input_ids``: int64[2,8]; output ``logits`` f32[2,8,128]."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(SEED)
+    config = Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=128,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=16, max_position_embeddings=64, bos_token_id=0, eos_token_id=1,
+                          sliding_window=4, use_cache=False, attn_implementation="eager")
+    return Gemma2ForCausalLM(config).eval(), (torch.randint(0, 128, (2, 8)),), ["input_ids"]
+
+
+def opt_lm():
+    """transformers' ``OPTForCausalLM``: 2 blocks, hidden 64, ReLU MLP 128 (``fc1``/``fc2``),
+    4 heads, learned positions (offset 2), LayerNorm before attention and MLP, LM head tied to
+    the token embedding, vocab 128, sdpa attention, dropout 0. Input ``input_ids``:
+    int64[2,8]; output ``logits`` f32[2,8,128]."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    torch.manual_seed(SEED)
+    config = OPTConfig(vocab_size=128, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
+                       num_attention_heads=4, word_embed_proj_dim=64, max_position_embeddings=64,
+                       dropout=0.0, attention_dropout=0.0, use_cache=False,
+                       attn_implementation="sdpa")
+    return OPTForCausalLM(config).eval(), (torch.randint(0, 128, (2, 8)),), ["input_ids"]
+
+
+def bert_mlm():
+    """transformers' ``BertForMaskedLM``: 2 post-norm encoder blocks, hidden 64, GELU MLP 128,
+    4 heads, learned positions, token type 0, the MLM head (dense, GELU, LayerNorm, decoder
+    tied to the word embeddings), vocab 128, bidirectional sdpa attention, dropout 0. Input
+    ``input_ids``: int64[2,8]; output ``logits`` f32[2,8,128]."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(SEED)
+    config = BertConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, max_position_embeddings=64,
+                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                        attn_implementation="sdpa")
+    return BertForMaskedLM(config).eval(), (torch.randint(0, 128, (2, 8)),), ["input_ids"]
+
+
+class ViTClassifier(nn.Module):
+    """A ViT image classifier built from transformers' ``ViTLayer`` blocks (pre-norm, sdpa).
+
+    ``ViTForImageClassification`` embeds patches with a ``Conv2d`` (kernel = stride = patch),
+    which the frontend lowers to a matmul over the patches (:func:`vit_classifier` is that
+    class itself); here the same map is written as a ``Linear`` over each flattened patch
+    (``patch_embed``). Then a class token, learned positions, the blocks (``layers.N``), a final
+    LayerNorm and a linear ``classifier`` on the class token, as ``ViTForImageClassification``.
+    """
+
+    def __init__(self, config):
+        from transformers.models.vit.modeling_vit import ViTLayer
+
+        super().__init__()
+        c, p, h = config.num_channels, config.patch_size, config.hidden_size
+        self.patch = p
+        self.patch_embed = nn.Linear(c * p * p, h)
+        self.cls_token = nn.Parameter(torch.randn(1, 1, h) * 0.02)
+        self.position_embeddings = nn.Parameter(torch.randn(1, (config.image_size // p) ** 2 + 1, h) * 0.02)
+        self.layers = nn.ModuleList([ViTLayer(config) for _ in range(config.num_hidden_layers)])
+        self.layernorm = nn.LayerNorm(h, eps=config.layer_norm_eps)
+        self.classifier = nn.Linear(h, config.num_labels)
+
+    def forward(self, pixel_values):
+        b, c, height, width = pixel_values.shape
+        p = self.patch
+        x = pixel_values.reshape(b, c, height // p, p, width // p, p).permute(0, 2, 4, 1, 3, 5)
+        x = self.patch_embed(x.reshape(b, (height // p) * (width // p), c * p * p))
+        x = torch.cat([self.cls_token.expand(b, -1, -1), x], dim=1) + self.position_embeddings
+        for layer in self.layers:
+            x = layer(x)
+        return self.classifier(self.layernorm(x)[:, 0])
+
+
+def vit_style():
+    """:class:`ViTClassifier`: 8x8 RGB images in 4x4 patches (4 patches and the class token),
+    2 blocks, hidden 64, GELU MLP 128 (``mlp.fc1``/``mlp.fc2``), 4 heads, 10 classes, dropout 0.
+    Input ``pixel_values``: f32[2,3,8,8]; output ``output`` f32[2,10]."""
+    from transformers import ViTConfig
+
+    torch.manual_seed(SEED)
+    config = ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=64,
+                       intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_labels=10, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                       attn_implementation="sdpa")
+    return ViTClassifier(config).eval(), (torch.randn(2, 3, 8, 8),), ["pixel_values"]
+
+
+def vit_classifier():
+    """transformers' ``ViTForImageClassification`` as it comes: 8x8 RGB images cut into 4x4
+    patches by its ``Conv2d`` patch embedding (kernel = stride = 4: lowered to a matmul over
+    the patches), a class token and learned positions (5 tokens), 2 pre-norm blocks, hidden 64,
+    GELU MLP 128, 4 heads, sdpa attention, the classifier on the class token, 10 classes,
+    dropout 0. Input ``pixel_values``: f32[2,3,8,8]; output ``logits`` f32[2,10]."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    torch.manual_seed(SEED)
+    config = ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=64,
+                       intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_labels=10, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                       attn_implementation="sdpa")
+    return ViTForImageClassification(config).eval(), (torch.randn(2, 3, 8, 8),), ["pixel_values"]
+
+
 # ---- a whole MoE LM (expert parallel outside the MoE block) ----
 def moe_lm(batch: int = 4, seq: int = 8):
     """transformers' ``MixtralForCausalLM``: 2 blocks, hidden 16, 4 query heads and 2 kv heads

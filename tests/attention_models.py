@@ -119,3 +119,62 @@ class FusedGateUp(torch.nn.Module):
 def fused_gate_up():
     torch.manual_seed(0)
     return FusedGateUp().eval(), (torch.randn(2, 4, 8),), ["x"]
+
+
+class Mha(torch.nn.Module):
+    """torch's nn.MultiheadAttention (batch_first): q, k, v packed in ``attn.in_proj_weight``
+    [3 * embed, embed], cut apart after ``unflatten(-1, (3, embed))``."""
+
+    def __init__(self, embed=16, heads=4):
+        super().__init__()
+        self.attn = torch.nn.MultiheadAttention(embed, heads, batch_first=True)
+
+    def forward(self, x):
+        return self.attn(x, x, x, need_weights=False)[0]
+
+
+class PackedAttention(torch.nn.Module):
+    """nn.MultiheadAttention's self-attention (no mask, no dropout) with its parameter names,
+    q, k, v cut out of the in-projection's last dim (``chunk``), as GPT-2's c_attn: what the
+    error on ``in_proj_weight colwise`` tells a user to write."""
+
+    def __init__(self, embed=16, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.in_proj_weight = torch.nn.Parameter(torch.empty(3 * embed, embed))
+        self.in_proj_bias = torch.nn.Parameter(torch.empty(3 * embed))
+        self.out_proj = torch.nn.Linear(embed, embed)
+
+    def forward(self, x):
+        b, s, e = x.shape
+        qkv = torch.nn.functional.linear(x, self.in_proj_weight, self.in_proj_bias).chunk(3, -1)
+        q, k, v = (t.view(b, s, self.heads, e // self.heads).transpose(1, 2) for t in qkv)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.out_proj(o.transpose(1, 2).reshape(b, s, e))
+
+
+class PackedBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = PackedAttention()
+
+    def forward(self, x):
+        return self.attn(x)
+
+
+def mha():
+    torch.manual_seed(0)
+    return Mha().eval(), _x(), ["x"]
+
+
+def mha_h6():  # 6 heads of 4: not splittable over 4 ranks
+    torch.manual_seed(0)
+    return Mha(24, 6).eval(), _x(hidden=24), ["x"]
+
+
+def mha_packed():
+    """:class:`PackedAttention` holding :func:`mha`'s weights (its state_dict)."""
+    ref, x, names = mha()
+    module = PackedBlock().eval()
+    module.attn.load_state_dict(ref.attn.state_dict())
+    return module, x, names

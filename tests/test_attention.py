@@ -215,6 +215,46 @@ def test_fused_heads_not_divisible_is_a_located_spec_error(tmp_path, capsys):
     assert rc == 2 and "s.pcs:2" in err and "attn.c_attn.weight" in err and "3 heads" in err, err
 
 
+MHA_TP = "attn.in_proj_weight colwise\nattn.out_proj.weight rowwise\n"
+
+
+@pytest.mark.parametrize("factory, tp, sizes, heads, then", [
+    ("mha", 2, "of 16 features each", "4 heads of 4 in each part", "then 'attn.in_proj_weight colwise' "
+     "splits each part's heads over tp"),
+    ("mha_h6", 4, "of 24 features each", "6 heads of 4 in each part", "its 6 heads then need a mesh "
+     "axis that divides 6, not 4 ranks")], ids=["tp2", "h6-tp4"])
+def test_multihead_attention_packed_in_proj_says_parts_not_heads(tmp_path, capsys, factory, tp, sizes,
+                                                                  heads, then):
+    """nn.MultiheadAttention cuts q, k, v apart after unflatten(-1, (3, E)): the 3 are its
+    parts, and the error says so, with the heads attention sees and the rewrite that splits."""
+    (tmp_path / "s.pcs").write_text(f"mesh tp={tp}\n" + MHA_TP)
+    rc = main(["check", f"{MODELS}:{factory}", "--spec", str(tmp_path / "s.pcs")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "s.pcs:2:1\n" in err and "Traceback" not in err, err
+    assert f"attn.in_proj_weight packs 3 parts (q, k and v) {sizes}" in err, err
+    assert f"the 3 there are those parts, not attention heads (attention sees {heads})" in err, err
+    assert ".chunk(3, -1)" in err and then in err and "3 heads cannot be split" not in err, err
+
+
+def test_multihead_attention_without_a_rule_equals_torch(tmp_path, capsys):
+    """The error's other way out: no colwise/rowwise rule, the attention whole on each rank."""
+    rc, out = _check(tmp_path, capsys, "mha", "mesh tp=2\n")
+    assert rc == 0 and out["ok"] and out["err_over_tol"] <= 1 and _kinds(out) == [], out
+
+
+def test_packed_attention_the_error_suggests_equals_multihead_attention_and_splits_its_heads(tmp_path, capsys):
+    """The rewrite the error names: nn.MultiheadAttention's weights in PackedAttention give
+    torch's output, and 'in_proj_weight colwise' then splits each part's heads (Megatron: one
+    all_reduce forward), equal to the unsharded module; training equals it and torch.optim."""
+    ref, (x,), _ = __import__("attention_models").mha()
+    module, _, _ = __import__("attention_models").mha_packed()
+    torch.testing.assert_close(module(x), ref(x), rtol=1e-5, atol=1e-6)
+    rc, out = _check(tmp_path, capsys, "mha_packed", "mesh tp=2\n" + MHA_TP)
+    assert rc == 0 and out["ok"] and out["err_over_tol"] <= 1 and _kinds(out) == ["all_reduce"], out
+    rc, out = _check(tmp_path, capsys, "mha_packed", "mesh tp=2\n" + MHA_TP + "train loss=mse steps=2\n")
+    assert rc == 0 and out["ok"] and out["err_over_tol"] <= 1 and out["max_grad_err"] is not None, out
+
+
 @pytest.mark.slow
 def test_gpt2_attention_fused_c_attn_trains_under_torchrun_like_torch(tmp_path, capsys):
     (tmp_path / "s.pcs").write_text("mesh tp=2\n" + GPT2_TP + "train loss=mse steps=2 optimizer=adamw(lr=0.01)\n")

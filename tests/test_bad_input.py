@@ -241,3 +241,170 @@ def test_a_collective_over_an_unknown_axis_is_located(tmp_path, capsys):
             '%y: f32[2,4] [R] = all_reduce(%x) {axis="dp"}\nreturn %y\n')
     rc, err = run_cli(tmp_path, capsys, text, "mesh tp=2\n")
     assert rc == 2 and "m.pcir:3:1" in err and "all_reduce over 'dp': not an axis of mesh tp=2" in err
+
+
+# ---- a spec's S(d) naming a dim the tensor does not have: located before any rewrite reads it --
+
+_ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
+_MODELS = str(_ROOT / "specs" / "models.py")
+_ATTENTION = str(_ROOT / "tests" / "attention_models.py")
+_BIASED = """\
+%x: f32[4,8] = input()
+%w1: f32[8,16] = param()
+%b1: f32[16] = param()
+%h: f32[4,16] = matmul(%x, %w1)
+%hb: f32[4,16] = add(%h, %b1)
+%y: f32[4,16] = relu(%hb)
+return %y
+"""
+_TIED_VOCAB = """\
+%ids: i64[2,4] = input()
+%wte: f32[7,4] = param()
+%x: f32[2,4,4] = embedding(%ids, %wte)
+%wt: f32[4,7] = permute(%wte) {perm=(1, 0)}
+%logits: f32[2,4,7] = matmul(%x, %wt)
+return %logits as logits
+"""
+
+
+def _chain_pcir(blocks: int = 8) -> str:
+    """``blocks`` x (matmul, relu), block b's weight ``h.{b}.w``: enough blocks for block-plan
+    reuse (parcomp/repeat_compile.py), which compiles a reduced graph before binding the rest."""
+    lines, cur = ["%x: f32[4,8] = input()"], "x"
+    for b in range(blocks):
+        lines += [f"%h.{b}.w: f32[8,8] = param()", f"%mm{b}: f32[4,8] = matmul(%{cur}, %h.{b}.w)",
+                  f"%act{b}: f32[4,8] = relu(%mm{b})"]
+        cur = f"act{b}"
+    return "\n".join(lines) + f"\nreturn %{cur}\n"
+
+
+# (model: pcir text or FILE:FACTORY, spec, the param named, the layout shown). Each reaches a
+# rewrite bind-layouts or the compile driver runs before the layouts' checks: vocab padding
+# (every split param; an embedding table under a cross-entropy loss), bias following, a fused
+# weight's view (and its bias), the attention-heads check, block-plan reuse's reduced graph.
+_BAD_DIMS = [
+    (BASE, "mesh tp=2\nw1 [S(5)]\n", "w1", "[S(5)]"),
+    (BASE, "mesh tp=2\nw1 tp=S(9)\n", "w1", "[S(9)]"),
+    (BASE, "mesh dp=2 tp=2\nw1 S(3) over tp\n", "w1", "[R, S(3)]"),
+    (f"{_MODELS}:tiny_relu_mlp", "mesh tp=2\nfc1.weight [S(5)]\n", "fc1.weight", "[S(5)]"),
+    (f"{_MODELS}:tiny_relu_mlp", "mesh tp=2\nfc1.weight tp=S(9)\n", "fc1.weight", "[S(9)]"),
+    (_BIASED, "mesh tp=2\nw1 [S(2)]\n", "w1", "[S(2)]"),
+    (_BIASED, "mesh tp=2\nw1 colwise\nb1 [S(1)]\n", "b1", "[S(1)]"),
+    (_TIED_VOCAB, "mesh tp=2\nwte [S(2)]\ntrain loss=cross_entropy\n", "wte", "[S(2)]"),
+    (f"{_ATTENTION}:gpt2_attention", "mesh tp=2\nattn.c_attn.weight [S(3)]\n", "attn.c_attn.weight",
+     "[S(3)]"),
+    (f"{_ATTENTION}:gpt2_attention", "mesh tp=2\nattn.c_attn.weight colwise\nattn.c_attn.bias [S(2)]\n",
+     "attn.c_attn.bias", "[S(2)]"),
+    (f"{_ATTENTION}:llama_attention", "mesh tp=2\nattn.q_proj.weight [S(2)]\n", "attn.q_proj.weight",
+     "[S(2)]"),
+    (_chain_pcir(), "mesh tp=2\nh.*.w [S(2)]\n", "h.0.w", "[S(2)]"),
+]
+
+
+_BAD_DIM_IDS = ["S5", "tp=S9", "over-tp", "torch-S5", "torch-tp=S9", "bias-weight", "bias", "vocab-table",
+                "fused-weight", "fused-bias", "heads", "block-reuse"]
+
+
+def _model_ref(tmp_path, model: str) -> str:
+    if model.startswith("%"):
+        (tmp_path / "m.pcir").write_text(model)
+        return str(tmp_path / "m.pcir")
+    if "attention_models" in model:
+        pytest.importorskip("transformers")
+    return model
+
+
+@pytest.mark.parametrize("model, spec_text, param, layout", _BAD_DIMS, ids=_BAD_DIM_IDS)
+def test_a_split_of_a_dim_the_param_lacks_is_located_by_the_cli(tmp_path, capsys, model, spec_text,
+                                                                 param, layout):
+    (tmp_path / "s.pcs").write_text(spec_text)
+    line = spec_text.count("\n", 0, spec_text.index(param.replace("h.0.", "h.*.") + " ")) + 1
+    rc = main(["compile", _model_ref(tmp_path, model), "--spec", str(tmp_path / "s.pcs"),
+               "-o", str(tmp_path / "out"), "--target", "reference"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err, err
+    assert f"s.pcs:{line}:1\n" in err and f"param {param} " in err and f"as {layout}" in err, err
+    assert "names a dim a rank-" in err and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("model, spec_text, param, layout", _BAD_DIMS, ids=_BAD_DIM_IDS)
+def test_a_split_of_a_dim_the_param_lacks_is_located_by_compile_graph(tmp_path, model, spec_text,
+                                                                      param, layout):
+    from parcomp.compiler import compile_graph
+    from parcomp.errors import SpecError
+    from parcomp.frontends.loader import load_model
+    from parcomp.spec import parse_spec
+
+    graph, _, _ = load_model(_model_ref(tmp_path, model))
+    with pytest.raises(SpecError) as info:
+        compile_graph(graph, parse_spec(spec_text, "s.pcs"))
+    line = spec_text.count("\n", 0, spec_text.index(param.replace("h.0.", "h.*.") + " ")) + 1
+    assert (info.value.loc.file, info.value.loc.line, info.value.loc.col) == ("s.pcs", line, 1)
+    assert f"param {param} " in info.value.message and "names a dim a rank-" in info.value.message
+
+
+def test_the_chain_case_of_the_bad_dims_reaches_the_reduced_compile(monkeypatch):
+    """The chain case above is bound first in block-plan reuse's reduced graph (else it
+    would test nothing new)."""
+    from parcomp import repeat_compile
+    from parcomp.compiler import compile_graph
+    from parcomp.errors import SpecError
+    from parcomp.ir.text import parse_graph
+    from parcomp.spec import parse_spec
+
+    calls, real = [], repeat_compile.reduced
+    monkeypatch.setattr(repeat_compile, "reduced", lambda *a: calls.append(a[2]) or real(*a))
+    with pytest.raises(SpecError, match="h.0.w"):
+        compile_graph(parse_graph(_chain_pcir()), parse_spec("mesh tp=2\nh.*.w [S(2)]\n"))
+    assert calls == [repeat_compile.REDUCED]
+
+
+def test_vocab_padding_leaves_a_split_of_a_missing_dim_alone():
+    """pad_vocab_tables indexes only dims a param has (bind-layouts reports the rule)."""
+    from parcomp.ir import Shard
+    from parcomp.ir.text import parse_graph
+    from parcomp.passes.vocab_pad import pad_vocab_tables
+
+    g = parse_graph(_TIED_VOCAB)
+    assert pad_vocab_tables(g, Mesh((("tp", 2),)), {"wte": (Shard(2),)}, True) is g
+    assert pad_vocab_tables(g, Mesh((("tp", 2),)), {"wte": (Shard(0),)}, True)["wte"].type.shape == (8, 4)
+
+
+# ---- torch models: where a trace fails --------------------------------------------------------
+
+_BRANCHY = '''\
+import torch
+from torch import nn
+
+
+class Gate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if h.sum() > 0:
+            return h * 2
+        return h
+
+
+def make():
+    return Gate().eval(), (torch.randn(2, 8),), ["x"]
+'''
+
+
+def test_a_data_dependent_branch_names_the_users_line_without_torchs_graph_dump(tmp_path, capfd):
+    pytest.importorskip("torch")
+    import json
+
+    (tmp_path / "branchy.py").write_text(_BRANCHY)
+    (tmp_path / "s.pcs").write_text("mesh tp=2\n")
+    rc = main(["compile", f"{tmp_path / 'branchy.py'}:make", "--spec", str(tmp_path / "s.pcs"),
+               "-o", str(tmp_path / "out"), "--json"])
+    out, err = capfd.readouterr()  # fd level: torch prints its partial graph to sys.stderr
+    assert rc == 2 and "Traceback" not in err and not (tmp_path / "out").exists()
+    assert f"branchy.py:12:12\n            if h.sum() > 0:\n" in err, err
+    assert "depends on a tensor's value" in err and "torch.where(cond, a, b)" in err
+    assert "def forward(self" not in err and "torch.ops.aten" not in err, err  # no dump
+    assert json.loads(out.strip().splitlines()[-1])["where"] == f"{tmp_path / 'branchy.py'}:12:12"

@@ -187,6 +187,31 @@ def test_run_steps_out_of_range_is_a_clean_error(files, capsys, steps, needle):
     assert needle in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("argv, needle", [
+    (["run", "--nproc", "2", "--steps", "-1"], "--steps -1: give 1 to 1,000,000 training steps"),
+    (["run", "--nproc", "2", "--steps", "0"], "--steps 0: give 1 to 1,000,000 training steps"),
+    (["check", "--steps", "-3"], "--steps -3: give 1 to 1,000,000 training steps"),
+    (["run", "--nproc", "0"], "argument --nproc: give a whole number >= 1, not '0'"),
+    (["run", "--nproc", "-2"], "argument --nproc: give a whole number >= 1, not '-2'"),
+    (["check", "--seed", "-1"], "argument --seed: give a whole number >= 0, not '-1'"),
+])
+def test_a_bad_number_flag_is_refused_before_the_model_is_loaded(tmp_path, capsys, argv, needle):
+    """The model named does not exist: the flag's error must come first (no load, no compile)."""
+    spec = write(tmp_path, "s.pcs", "mesh tp=2\n")
+    rc = main([argv[0], str(tmp_path / "missing.pcir"), "--spec", spec, *argv[1:], "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and needle in err and "missing.pcir" not in err and "Traceback" not in err, err
+    assert last_json(out)["where"] in (argv[-2], "command line")
+
+
+def test_plan_seconds_is_refused_before_the_model_is_loaded(tmp_path, capsys):
+    rc = main(["plan", str(tmp_path / "missing.pcir"), "--mesh", "tp=2", "--seconds", "-1",
+               "-o", str(tmp_path / "a.pcs")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--seconds -1.0: the search needs a positive time budget" in err
+    assert "missing.pcir" not in err and not (tmp_path / "a.pcs").exists()
+
+
 def test_run_steps_without_a_train_line_is_an_error(files, capsys):
     spec = write(files, "ok.pcs", SPEC_OK)
     assert main(["run", str(files / "tiny.pcir"), "--spec", spec, "--nproc", "2", "--steps", "2"]) == 2

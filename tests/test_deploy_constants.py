@@ -139,3 +139,32 @@ def test_save_pretrained_directory_of_a_tied_model_loads(tmp_path, capsys):
     proc = _launch(out, str(tmp_path / "model.pt"), ids, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert np.array_equal(torch.load(tmp_path / "logits.pt")["logits"].numpy(), got)
+
+
+SCALED = '''
+import torch
+from torch import nn
+class Scaled(nn.Module):
+    """Gemma's embedding scale: a 0-d non-persistent buffer read through ``.to(dtype)``, a
+    scalar constant parcomp computes at import."""
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(32, 64), nn.Linear(64, 32)
+        self.register_buffer("scale", torch.tensor(8.0), persistent=False)
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x * self.scale.to(x.dtype))))
+def scaled():
+    torch.manual_seed(0)
+    return Scaled().eval(), (torch.randn(2, 4, 32),), ["x"]
+'''
+
+
+def test_run_keeps_a_scalar_constant_zero_dimensional(tmp_path, capsys):
+    """``parcomp run`` writes the program's checkpoint from the params' values; a 0-d constant
+    (Gemma-2's ``embed_scale.to(dtype)``) stays 0-d there (``np.ascontiguousarray`` makes it
+    1-d, a shape program.py refuses)."""
+    (tmp_path / "scaled.py").write_text(SCALED)
+    spec = write(tmp_path, "s.pcs", "mesh tp=2\nfc1.weight colwise\nfc2.weight rowwise\n")
+    assert main(["run", f"{tmp_path}/scaled.py:scaled", "--spec", spec, "--nproc", "2", "--json"]) == 0
+    cap = capsys.readouterr()
+    assert json.loads(cap.out.strip().splitlines()[-1])["ok"], cap.err[-3000:]

@@ -198,7 +198,18 @@ ELEMENTWISE = [
     ("expm1", torch.expm1, lambda x: torch.exp(x) - 1),
     ("exp2", torch.exp2, lambda x: torch.exp(x * math.log(2))),
     ("log1p", lambda x: torch.log1p(x * x), lambda x: torch.log(1 + x * x)),
+    ("topk", lambda x: torch.topk(x, 1, -1).values, lambda x: x.amax(-1, keepdim=True)),
+    ("new_empty", lambda x: x + x.new_empty(x.shape).fill_(1.5), lambda x: x + torch.full(x.shape, 1.5)),
+    ("empty_like", lambda x: x + torch.empty_like(x).fill_(1.5), lambda x: x + torch.full(x.shape, 1.5)),
+    ("new_full", lambda x: x + x.new_full(x.shape, 1.5), lambda x: x + torch.full(x.shape, 1.5)),
+    ("copy", lambda x: _copied_into_zeros(x) * 2, lambda x: x * 2),
 ]
+
+
+def _copied_into_zeros(x):
+    buf = torch.zeros(x.shape)
+    buf[:] = x
+    return buf
 
 
 def _hint_of(module, inputs, op):
@@ -236,6 +247,17 @@ def test_an_op_s_hint_is_a_rewrite_that_imports(op, wrote, rewrite):
     assert "rewrite it with supported ops: " + REWRITES[op] in _hint_of(Elementwise(wrote), (X,), op)
     torch.manual_seed(0)
     check_against_torch(Elementwise(rewrite), (X,))
+
+
+def test_topk_indices_of_one_are_argmax():
+    msg = _hint_of(Elementwise(lambda x: torch.topk(x, 1, -1).indices), (X,), "topk")
+    assert "x.argmax(d, keepdim=True) for its .indices" in msg and "moe_route(" in msg
+    torch.manual_seed(0)
+    module = Elementwise(lambda x: x.argmax(-1, keepdim=True))
+    graph = import_torch(module, (X,))
+    feeds = {k: v.detach().numpy() for k, v in module_sources(module).items()}
+    got = run_unsharded(graph, {**feeds, graph.inputs[0].name: X.numpy()})[graph.outputs[0]]
+    assert (got == torch.topk(module.fc(X), 1, -1).indices.numpy()).all()
 
 
 def test_index_select_of_rows_is_an_embedding():

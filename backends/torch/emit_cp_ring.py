@@ -10,11 +10,11 @@ from __future__ import annotations
 from .runtime import sections
 
 RING_FORMATS = {
-    "sdpa_ring": "ring_sdpa({0}, {1}, {2}, {scale}, {causal}, {cp_axis}, {chunking})",
+    "sdpa_ring": "ring_sdpa({0}, {1}, {2}, {scale}, {causal}, {cp_axis}, {chunking}{window_arg})",
     # balanced chunking: positions in storage order (emit.OP_FORMATS["arange"], reordered)
     "arange_balanced": ("balance_rows(torch.arange({local_shape}[0], dtype=torch.float64, device=DEVICE)"
                         ".mul({step}).add({start}).to({dtype}), (0,), {balanced})"),
-    "sdpa_grad_ring": "ring_sdpa_grad({0}, {1}, {2}, {3}, {scale}, {causal}, {cp_axis}, {chunking}, {wrt})",
+    "sdpa_grad_ring": "ring_sdpa_grad({0}, {1}, {2}, {3}, {scale}, {causal}, {cp_axis}, {chunking}, {wrt}{window_arg})",
 }
 HELPER_NAMES = ("ring_line", "ring_shift", "ring_positions", "ring_scores", "ring_stats",
                 "ring_sdpa", "ring_sdpa_grad", "balance_order", "balance_rows", "balanced_keep")
@@ -34,8 +34,13 @@ def ring_key(n, key: str) -> str:
 
 
 def ring_kw(n) -> dict:
-    """Format fields a ring node needs beyond its attributes (the chunking's default)."""
-    return {"chunking": '"contiguous"'} if is_ring(n) and not n.attr("chunking") else {}
+    """Format fields a ring node needs beyond its attributes (the chunking's default, and the
+    sliding window's argument when it has one)."""
+    if not is_ring(n):
+        return {}
+    w = n.attr("window", 0)
+    return {"window_arg": f", window={w}" if w else "",
+            **({"chunking": '"contiguous"'} if not n.attr("chunking") else {})}
 
 
 def balanced_of(program):

@@ -173,7 +173,7 @@ def _code(n, args, program=None) -> str:
     if op in REDUCE_FORMATS or rkey in REDUCE_FORMATS:  # reduce_kw's own test
         kw.update(reduce_kw(program, n, _py))  # reductions part (issue 17)
     if op in Q_OPERAND:
-        kw.update(cp_kw(program, n))  # context parallel (issue 14): causal mask at the rank's rows
+        kw.update(cp_kw(program, n, args))  # context parallel (issue 14): causal mask at the rank's rows
         kw.update(ring_kw(n))  # ring attention (issue 14): sdpa / sdpa_grad only
     if op == "expand":
         kw["kept_shape"] = repr(tuple(1 if d in attr("dims") else s for d, s in enumerate(ty.shape)))

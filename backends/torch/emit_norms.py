@@ -18,7 +18,7 @@ NORM_FORMATS = {
     "rms_norm_grad": "norm_grad({grad_args}, rms=True)",
     "dropout": "dropout_by_index({0}, {p}, {seed}, {index_shape}, {index_start})",
     "embedding": "embedding_rows({0}, {1}, {vocab_start})",
-    "embedding_grad": "embedding_grad_rows({0}, {1}, {rows}, {vocab_start})",
+    "embedding_grad": "embedding_grad_rows({0}, {1}, {rows}, {vocab_start}{padding})",
     # lowered (parcomp/passes/bucket.py)
     "bucket_cat": "torch.cat([{flat_args}])",
     "bucket_part": "{0}.narrow(0, {offset}, {numel}).view({local_shape})",
@@ -70,7 +70,9 @@ def norm_kw(program, n, args) -> dict:
     if n.op == "embedding":
         return {"vocab_start": _start(program, program[n.inputs[1]], 0) if program is not None else "0"}
     if n.op == "embedding_grad":
-        return {"vocab_start": _start(program, n, 0), "rows": str(n.type.shape[0])}
+        pad = n.attr("padding_idx")
+        return {"vocab_start": _start(program, n, 0), "rows": str(n.type.shape[0]),
+                "padding": "" if pad is None else f", padding_idx={int(pad)}"}
     return {}
 
 

@@ -109,17 +109,13 @@ def resume_stages(path, p, coord):
     program of this model may have saved it) into ``p``; the first step to run (saved step + 1)."""
     import torch.distributed.checkpoint as dcp
 
-    latest = os.path.join(path, "latest")
-    if not os.path.isfile(latest):
-        fail(f"--resume {path}: no checkpoint there ({latest} is missing; --save DIR writes it)")
-    with open(latest) as f:
-        where = os.path.join(path, f.read().strip())
+    where = resume_location(path)  # exit 2 naming a damaged file (program_train's checks)
     state = carried_state(p, coord, 0)
     check_resume(path, where, state)
     try:
         dcp.load(state, checkpoint_id=where)
     except (Exception, dcp.api.CheckpointException) as e:  # BaseException: not an Exception
-        fail(f"--resume {path}: cannot load {where} into this program: {str(e)[:400]}")
+        fail(f"--resume {path}: cannot load {where} into this program: {dcp_failure(e)}")
     p.update({k: v.to_local() if hasattr(v, "to_local") else v for k, v in state.items() if k != "step"})
     return int(state["step"]) + 1
 '''

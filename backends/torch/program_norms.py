@@ -64,10 +64,13 @@ def embedding_rows(ids, table, start):
     return torch.where(ok.unsqueeze(-1), out, torch.zeros((), dtype=out.dtype, device=out.device))
 
 
-def embedding_grad_rows(dy, ids, rows, start):
-    """Scatter-add of dy into this rank's ``rows`` table rows from ``start`` (others skipped)."""
+def embedding_grad_rows(dy, ids, rows, start, padding_idx=None):
+    """Scatter-add of dy into this rank's ``rows`` table rows from ``start`` (others skipped;
+    so are the ids equal to the global ``padding_idx``: torch's padding row gets no gradient)."""
     local = ids - start
     ok = (local >= 0) & (local < rows)
+    if padding_idx is not None:
+        ok = ok & (ids != padding_idx)
     out = torch.zeros((rows, dy.shape[-1]), dtype=dy.dtype, device=dy.device)
     return out.index_add_(0, local[ok], dy[ok])
 # <<< program.py

@@ -40,16 +40,19 @@ def ring_positions(chunking, n, coord, rows):
                       torch.arange(h, device=DEVICE) + (2 * n - 1 - coord) * h])
 
 
-def ring_scores(q, k, scale, causal, qpos, kpos):
-    """(scores of q against one K block, fully masked?): causal by global positions."""
+def ring_scores(q, k, scale, causal, qpos, kpos, window=0):
+    """(scores of q against one K block, fully masked?): causal by global positions (and only
+    the last ``window`` keys up to each query's position when ``window`` > 0)."""
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
     if not causal:
         return s, False
     keep = kpos[None, :] <= qpos[:, None]
+    if window:
+        keep = keep & (kpos[None, :] > qpos[:, None] - window)
     return s.masked_fill(~keep, float("-inf")), not bool(keep.any())
 
 
-def ring_stats(q, k, v, scale, causal, axis, chunking):
+def ring_stats(q, k, v, scale, causal, axis, chunking, window=0):
     """(output, row logsumexp) of attention over the ring: the online-softmax merge."""
     c, line = ring_line(axis)
     n, rows = len(line), q.shape[2]
@@ -59,7 +62,7 @@ def ring_stats(q, k, v, scale, causal, axis, chunking):
     acc = torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)
     for step in range(n):
         owner = (c - step) % n
-        s, empty = ring_scores(q, k, scale, causal, qpos, ring_positions(chunking, n, owner, rows))
+        s, empty = ring_scores(q, k, scale, causal, qpos, ring_positions(chunking, n, owner, rows), window)
         if not empty:  # a block whose keys all follow this rank's queries is skipped
             m_new = torch.maximum(m, torch.amax(s, dim=-1, keepdim=True))
             alpha, p = torch.exp(m - m_new), torch.exp(s - m_new)
@@ -71,23 +74,23 @@ def ring_stats(q, k, v, scale, causal, axis, chunking):
     return acc / l, m + torch.log(l)
 
 
-def ring_sdpa(q, k, v, scale, causal, axis, chunking):
+def ring_sdpa(q, k, v, scale, causal, axis, chunking, window=0):
     """Ring attention forward: this rank's query rows against every rank's K/V block."""
-    return ring_stats(q, k, v, scale, causal, axis, chunking)[0]
+    return ring_stats(q, k, v, scale, causal, axis, chunking, window)[0]
 
 
-def ring_sdpa_grad(dy, q, k, v, scale, causal, axis, chunking, wrt):
+def ring_sdpa_grad(dy, q, k, v, scale, causal, axis, chunking, wrt, window=0):
     """The gradient ``wrt`` (q, k or v) of ring attention: statistics recomputed by one ring
     pass, then a second in which each step uses its own K/V block; partial dK/dV travel with
     their block and a last shift returns them to the owner."""
-    out, lse = ring_stats(q, k, v, scale, causal, axis, chunking)
+    out, lse = ring_stats(q, k, v, scale, causal, axis, chunking, window)
     c, line = ring_line(axis)
     n, rows = len(line), q.shape[2]
     qpos, d = ring_positions(chunking, n, c, rows), torch.sum(dy * out, dim=-1, keepdim=True)
     dq, part = torch.zeros_like(q), torch.zeros_like(k if wrt == "k" else v)
     for step in range(n):
         owner = (c - step) % n
-        s, empty = ring_scores(q, k, scale, causal, qpos, ring_positions(chunking, n, owner, rows))
+        s, empty = ring_scores(q, k, scale, causal, qpos, ring_positions(chunking, n, owner, rows), window)
         if not empty:
             p = torch.exp(s - lse)  # this step's block of the global probabilities
             ds = p * (torch.matmul(dy, v.transpose(-1, -2)) - d)
@@ -124,9 +127,12 @@ def balance_rows(x, dims, n):
     return x
 
 
-def balanced_keep(lq, lk, start, n):
+def balanced_keep(lq, lk, start, n, window=0):
     """[lq, lk] causal mask by global positions: this rank's query rows (storage rows start ..
-    start+lq-1) against the whole K in storage order."""
+    start+lq-1) against the whole K in storage order; with ``window`` > 0 only the last
+    ``window`` keys up to each query's position."""
     order = balance_order(n, lk).to(DEVICE)
-    return order[None, :] <= order[start:start + lq][:, None]
+    qpos = order[start:start + lq][:, None]
+    keep = order[None, :] <= qpos
+    return keep & (order[None, :] > qpos - window) if window else keep
 # <<< program.py

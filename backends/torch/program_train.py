@@ -133,6 +133,94 @@ def save_checkpoint(path, params, step):
 
 
 # >>> program.py: checkpoint_checks
+def latest_checkpoint(path):
+    """``(step directory, None)``: the one ``path``/latest names; or ``(None, what is wrong)``,
+    naming the file: no ``latest``, one that is not a step name, or one naming a step that is
+    not there (the steps that are listed)."""
+    latest = os.path.join(path, "latest")
+    if not os.path.isfile(latest):
+        return None, f"no checkpoint there ({latest} is missing; --save DIR writes it)"
+    try:
+        with open(latest, encoding="utf-8") as f:
+            name = f.read(4096).strip()
+    except (OSError, UnicodeDecodeError) as e:
+        return None, f"{latest} cannot be read as the name of a step ({type(e).__name__}: {e})"
+    if not name or "\n" in name or os.sep in name or name in (".", ".."):
+        return None, f"{latest} does not name a step directory (it holds {name[:40]!r}; --save writes 'step-K')"
+    where = os.path.join(path, name)
+    if not os.path.isdir(where):
+        steps = sorted((d for d in os.listdir(path) if d.startswith("step-") and d[5:].isdigit()
+                        and os.path.isdir(os.path.join(path, d))), key=lambda d: int(d[5:]))
+        partial = os.path.isdir(where + ".partial")
+        return None, (f"{latest} names {name}, but {where} " + ("is not a directory" if os.path.exists(where)
+                      else "does not exist") + (f" ({name}.partial is there: a save that did not finish)"
+                                                if partial else "")
+                      + (f"; the steps there: {', '.join(steps[-6:])}" if steps else "; no step-K is there"))
+    return where, None
+
+
+def checkpoint_damage(where):
+    """``(file, message naming it)``: what is wrong with the torch.distributed.checkpoint
+    directory ``where``, or None. Its ``.metadata`` (the index, written once every rank has
+    saved) missing, empty or unreadable; a data file the index lists missing, or shorter than
+    the bytes the index places in it (a truncated copy). Reads only the index and file sizes."""
+    import torch.distributed.checkpoint as dcp
+
+    if not os.path.isdir(where):
+        return where, f"{where} is not a directory"
+    meta = os.path.join(where, ".metadata")
+    if not os.path.isfile(meta):
+        shards = [f for f in os.listdir(where) if f.endswith(".distcp")]
+        return meta, (f"{meta} is missing: the checkpoint's index, written once every rank has saved; "
+                      + (f"without it the {len(shards)} .distcp file(s) there cannot be read (a save "
+                         f"that did not finish, or an incomplete copy?)" if shards else "no checkpoint is there"))
+    if os.path.getsize(meta) == 0:
+        return meta, f"{meta} is empty (0 bytes): the checkpoint's index is lost"
+    try:
+        index = dcp.FileSystemReader(where).read_metadata()
+    except Exception as e:  # noqa: BLE001 - a truncated or corrupt pickle
+        return meta, f"{meta} cannot be read, truncated or corrupt ({type(e).__name__}: {str(e)[:200]})"
+    files = {}
+    for key, item in (getattr(index, "storage_data", None) or {}).items():
+        if not hasattr(item, "relative_path"):
+            return None  # not the file system writer's index: nothing here to check
+        ends = files.setdefault(item.relative_path, [])
+        ends.append((item.offset + item.length, getattr(key, "fqn", str(key))))
+    for name, ends in sorted(files.items()):
+        file = os.path.join(where, name)
+        if not os.path.isfile(file):
+            values = sorted({fqn for _, fqn in ends})
+            return file, (f"{file} is missing: the checkpoint's .metadata places {len(values)} value(s) "
+                          f"in it ({', '.join(values[:4])}{', ...' if len(values) > 4 else ''})")
+        size, need = os.path.getsize(file), max(end for end, _ in ends)
+        if size < need:
+            cut = sorted({fqn for end, fqn in ends if end > size})
+            return file, (f"{file} is truncated: it has {size} bytes, the checkpoint's .metadata places "
+                          f"{need} bytes in it; lost: {', '.join(cut[:4])}{', ...' if len(cut) > 4 else ''}")
+    return None
+
+
+def dcp_failure(error):
+    """The first line of what a rank's torch.distributed.checkpoint call raised (its
+    CheckpointException wraps each rank's exception and traceback)."""
+    failures = getattr(error, "failures", None)
+    if failures:
+        error = next(iter(failures.values()))[0]
+    text = (str(error).strip().splitlines() or [""])[0]
+    return f"{type(error).__name__}: {text[:300]}"
+
+
+def resume_location(path):
+    """The step directory ``path``/latest names, its index and files checked; exit 2 naming
+    the damaged file (:func:`latest_checkpoint`, :func:`checkpoint_damage`)."""
+    where, problem = latest_checkpoint(path)
+    if problem is None and checkpoint_damage(where) is not None:
+        problem = checkpoint_damage(where)[1]
+    if problem:
+        fail(f"--resume {path}: {problem}")
+    return where
+
+
 def saved_latest(path):
     """Whether ``path``/latest is what save_checkpoint writes: one line ``step-K`` naming a
     directory ``path``/step-K (so replacing it loses nothing of the user's)."""
@@ -195,17 +283,13 @@ def resume_checkpoint(path, params):
     resharded to this program's layouts (any mesh may have saved it), and its step + 1."""
     import torch.distributed.checkpoint as dcp
 
-    latest = os.path.join(path, "latest")
-    if not os.path.isfile(latest):
-        fail(f"--resume {path}: no checkpoint there ({latest} is missing; --save DIR writes it)")
-    with open(latest) as f:
-        where = os.path.join(path, f.read().strip())
+    where = agree(lambda: resume_location(path), "reading --resume")  # every rank exits 2 on damage
     state = {**as_dtensors({name: params[name] for name in CARRIED}), "step": torch.tensor(0)}
     check_resume(path, where, state)
     try:
         dcp.load(state, checkpoint_id=where)
     except (Exception, dcp.api.CheckpointException) as e:  # BaseException: not an Exception
-        fail(f"--resume {path}: cannot load {where} into this program: {str(e)[:400]}")
+        fail(f"--resume {path}: cannot load {where} into this program: {dcp_failure(e)}")
     return {**params, **{name: state[name].to_local() for name in CARRIED}}, int(state["step"]) + 1
 # <<< program.py
 

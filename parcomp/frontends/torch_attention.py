@@ -12,7 +12,9 @@ the ops that return several tensors: ``split``, ``split_with_sizes``, ``chunk``,
   dims it broadcasts + ``expand`` inserting them;
 - ``scaled_dot_product_attention`` -> ``sdpa`` (no dropout; an ``attn_mask`` only when it is
   fixed by the shapes, as transformers' causal mask built from ``arange`` is: it is evaluated
-  at import, must be causal or all true, and the nodes only it used are not lowered); k/v with
+  at import, must be causal, a causal sliding-window band (``sdpa {window}``: Mistral's
+  ``sliding_window`` shorter than the sequence) or all true, and the nodes only it used are
+  not lowered); k/v with
   fewer heads than q (GQA, ``enable_gqa``) are first repeated explicitly, as transformers'
   ``repeat_kv`` does (kv head j serves q heads j*rep .. j*rep+rep-1): ``expand`` on a new
   dim after heads, then ``reshape``. Under a heads split the repeat is local, and fewer kv
@@ -166,8 +168,10 @@ def _evaluate(b, fx, memo):
     return memo[fx]
 
 
-def _mask_is_causal(b, mask_fx, q, k) -> bool:
-    """Whether the constant ``attn_mask`` is the causal mask (True) or keeps everything (False).
+def _mask_kind(b, mask_fx, q, k) -> tuple:
+    """``(causal, window)`` of the constant ``attn_mask``: ``(True, 0)`` the causal mask,
+    ``(True, w)`` the causal band of width ``w`` < the sequence (a sliding window), ``(False, 0)``
+    a mask that keeps everything.
 
     Raises:
         FrontendError: the mask depends on inputs, or keeps some other pattern (padding,
@@ -184,15 +188,12 @@ def _mask_is_causal(b, mask_fx, q, k) -> bool:
     shape = b.types[q].shape[:2] + (sq, sk)
     mask = torch.broadcast_to(mask, shape)
     if bool(torch.all(mask)):
-        return False
+        return False, 0
     if bool(torch.equal(mask, torch.broadcast_to(torch.ones(sq, sk, dtype=torch.bool).tril(), shape))):
-        return True
+        return True, 0
     window = _sliding_window(mask[0, 0])
-    if window:
-        raise b.fail(f"scaled_dot_product_attention's attn_mask is a sliding-window causal mask (each "
-                     f"query sees the last {window} keys, the sequence has {sk}): not supported; a "
-                     f"sequence no longer than the window ({sk} <= sliding_window) folds to causal; "
-                     "nearest supported op: sdpa with is_causal=True")
+    if window and bool(torch.equal(mask, torch.broadcast_to(mask[0, 0], shape))):
+        return True, window
     raise b.fail("scaled_dot_product_attention's attn_mask is neither causal nor all true (padding "
                  "or packed sequences?): not supported; nearest supported op: sdpa with is_causal=True")
 
@@ -209,7 +210,7 @@ def _sliding_window(mask) -> int:
 
 
 def mask_only_nodes(fx_nodes, skip) -> set:
-    """fx nodes used only to build sdpa attention masks (folded by :func:`_mask_is_causal`,
+    """fx nodes used only to build sdpa attention masks (folded by :func:`_mask_kind`,
     so not lowered); ``skip``: ops that only assert facts (their use does not count)."""
     sdpa = aten.scaled_dot_product_attention.default
     masks = {n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask")
@@ -241,9 +242,11 @@ def _sdpa(b, n, a):
         if heads % kv:
             raise b.fail(f"{heads} query heads cannot share {kv} kv heads (not a multiple)")
         k, v = repeat_heads(b, k, heads, "_k_repeat"), repeat_heads(b, v, heads, "_v_repeat")
-    causal = bool(a["is_causal"]) or (a["attn_mask"] is not None and _mask_is_causal(b, a["attn_mask"], q, k))
+    causal, window = bool(a["is_causal"]), 0
+    if a["attn_mask"] is not None and not causal:
+        causal, window = _mask_kind(b, a["attn_mask"], q, k)
     scale = a["scale"] if a["scale"] is not None else 1.0 / math.sqrt(tq.shape[-1])
-    return b.emit("sdpa", [q, k, v], causal=causal, scale=float(scale))
+    return b.emit("sdpa", [q, k, v], causal=causal, scale=float(scale), **({"window": window} if window else {}))
 
 
 def _to(b, n, a):

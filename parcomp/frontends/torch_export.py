@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import io
 import logging
 import re
+import sys
 import warnings
 from dataclasses import replace
 
@@ -32,7 +34,8 @@ from .torch_fold import (causal_attention, defining, fold, folded_constants,  # 
                          materialized, remember, same_value)
 from .torch_outputs import name_outputs, output_names, register_output_dataclasses
 from .torch_norms import NORM_TABLE, fused_patterns
-from .torch_hints import COMPLEX, module_path as _module_path, unsupported, user_frame, where_of
+from .torch_hints import (COMPLEX, DATA_DEPENDENT, is_data_dependent, module_path as _module_path,
+                          raising_frame, unsupported, user_frame, where_of)
 
 aten = torch.ops.aten
 
@@ -144,6 +147,9 @@ TABLE.update(REDUCTION_TABLE)
 from .torch_loss import LOSS_TABLE  # noqa: E402  loss part (issue 17): pad, cross_entropy_loss, nll_loss
 
 TABLE.update(LOSS_TABLE)
+from .torch_conv import CONV_TABLE  # noqa: E402  patch convolutions as a matmul over patches
+
+TABLE.update(CONV_TABLE)
 
 
 def supported_ops() -> list:
@@ -192,11 +198,29 @@ def _quiet_torch_logs():
             lg.disabled = was
 
 
+@contextlib.contextmanager
+def _no_partial_graph_dump():
+    """What Python code writes to ``sys.stderr`` while torch.export traces, passed on after
+    it, except the partial fx graph torch.export prints before raising (``partial_fx_graph``:
+    an internal dump; the error names the user's line instead). A model's own prints stay."""
+    buf, real = io.StringIO(), sys.stderr
+    try:
+        with contextlib.redirect_stderr(buf):
+            yield
+    except BaseException as e:
+        text, dump = buf.getvalue(), getattr(e, "partial_fx_graph", None)
+        if isinstance(dump, str) and dump:
+            text = text.replace(dump + "\n", "")  # printed once per export wrapper
+        real.write(text)
+        raise
+    real.write(buf.getvalue())
+
+
 def _export(module, example_inputs: tuple):
     try:
         # traced in the mode it is given (not switched to eval: the user's module is not
         # changed); dropout with p > 0 in training mode becomes parcomp's dropout
-        with _quiet_torch_logs():
+        with _quiet_torch_logs(), _no_partial_graph_dump():
             try:
                 ep = torch.export.export(module, tuple(example_inputs), strict=False)
             except RuntimeError as e:  # a dataclass output: register it, as the user would
@@ -207,9 +231,13 @@ def _export(module, example_inputs: tuple):
     except Exception as e:  # torch raises many types; the user needs the summary
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         shapes = ", ".join(str(tuple(getattr(x, "shape", ()))) for x in example_inputs)
+        what = f"{type(e).__name__}: {first}"
+        if is_data_dependent(e):  # torch's "(unhinted: ...) (Size-like symbols: ...)" dropped
+            what = f"{DATA_DEPENDENT} ({what.split(' (unhinted')[0]})"
+        loc = raising_frame(e)
         raise FrontendError(f"torch.export could not trace {type(module).__name__} on "
                             f"{'example inputs of shape ' + shapes if shapes else 'no inputs'}: "
-                            f"{type(e).__name__}: {first}") from e
+                            f"{what}", loc) from e
     mutates = any(n.op == "call_function" and getattr(n.target, "_schema", None) is not None
                   and n.target._schema.is_mutable for n in ep.graph.nodes)
     if mutates:  # functionalize in-place ops (relu_, add_) without decomposing anything

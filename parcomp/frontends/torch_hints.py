@@ -15,6 +15,7 @@ from __future__ import annotations
 import difflib
 import linecache
 import re
+import traceback
 
 import torch
 
@@ -28,6 +29,10 @@ _MASK = (f"for a causal mask on attention scores, {_SDPA} instead of masking the
          f"attn_mask= a bool mask from constants: torch.ones(s, s, dtype=torch.bool).tril())")
 _ROPE = ("rotary embeddings in real arithmetic: q * cos + rotate_half(q) * sin with cos/sin "
          "tables (buffers, folded at import), rotate_half(x) = torch.cat((-x2, x1), -1) of x.chunk(2, -1)")
+#: a buffer made empty and then filled: what it holds, written as a constant or as the value copied
+_FILLED = ("torch.full(shape, value) (a constant, folded at import) instead of {made} filled with "
+           ".fill_(value); a buffer every element of which is copied from a tensor h (buf[:] = h, "
+           ".copy_(h)) is h itself")
 #: what the error about a complex dtype suggests (complex rotary embeddings, Meta's Llama)
 COMPLEX = "parcomp computes in real dtypes: write " + _ROPE
 
@@ -44,6 +49,15 @@ REWRITES = {
     "zeros_like": "torch.zeros(x.shape) (a constant, folded at import) instead of torch.zeros_like(x)",
     "ones_like": "torch.ones(x.shape) (a constant, folded at import) instead of torch.ones_like(x)",
     "new_zeros": "torch.zeros(shape) (a constant, folded at import) instead of x.new_zeros(shape)",
+    "new_empty": _FILLED.format(made="x.new_empty(shape)"),
+    "empty_like": _FILLED.format(made="torch.empty_like(x)"),
+    "new_full": "torch.full(shape, value) (a constant, folded at import) instead of x.new_full(shape, value)",
+    "copy": "the source itself (h, or h.clone()) instead of copying it into a buffer (buf[:] = h, "
+            "buf.copy_(h)); a buffer written in parts is torch.cat of the parts",
+    "topk": "x.amax(d, keepdim=True) for torch.topk(x, 1, d).values and x.argmax(d, keepdim=True) for "
+            "its .indices (k = 1); a mixture-of-experts router's top-k softmax: "
+            "parcomp.frontends.torch_moe.moe_route(router_logits, top_k, 0) (with moe_dispatch and "
+            "moe_combine: specs/models.py:MixtralMoE)",
     "new_ones": "torch.ones(shape) (a constant, folded at import) instead of x.new_ones(shape)",
     "repeat_interleave": "for the kv heads of grouped-query attention, "
                          "k[:, :, None].expand(b, kv_heads, rep, s, d).reshape(b, kv_heads * rep, s, d), "
@@ -129,6 +143,40 @@ def user_frame(fx) -> SourceLoc | None:
     if text.strip() and text.strip() in full:
         return SourceLoc(file, int(line), full.index(text.strip()) + 1, full)
     return SourceLoc(file, int(line), 1, text)
+
+
+_PARCOMP_DIR = __file__.rsplit("/", 2)[0] + "/"
+
+
+def raising_frame(exc: BaseException) -> SourceLoc | None:
+    """The user's source line a torch.export failure ``exc`` was raised from: the innermost
+    frame of its traceback outside torch and parcomp (the model's ``forward`` or a module it
+    calls), at the column of the expression Python names; None when the model's own code
+    never ran (a bad argument to export itself)."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not f.filename.startswith((_TORCH_DIR, _PARCOMP_DIR, "<"))]
+    if not frames:
+        return None
+    f = frames[-1]
+    full = linecache.getline(f.filename, f.lineno).rstrip("\n")
+    if not full:
+        return SourceLoc(f.filename, f.lineno, 1, f.line or "")
+    col = (f.colno + 1) if getattr(f, "colno", None) is not None else len(full) - len(full.lstrip()) + 1
+    return SourceLoc(f.filename, f.lineno, col, full)
+
+
+#: what the error about a data-dependent branch (``if`` on a tensor's value) says to do
+DATA_DEPENDENT = ("forward's Python control flow depends on a tensor's value (an if, while, "
+                  "bool(), int(), float() or .item() on a tensor computed from the inputs or weights), "
+                  "and an exported program is one program for every input: compute both branches and "
+                  "pick elementwise with torch.where(cond, a, b), or make the condition a Python value "
+                  "(a config flag, a shape)")
+
+
+def is_data_dependent(exc: BaseException) -> bool:
+    """Whether torch.export failed on a guard on a tensor's value (a data-dependent branch)."""
+    return (any(c.__name__ == "GuardOnDataDependentSymNode" for c in type(exc).__mro__)
+            or "data-dependent expression" in str(exc))
 
 
 def unsupported(fx, supported: list) -> FrontendError:

@@ -10,7 +10,8 @@
   ``dropout`` whose seed is the site's number in the model (0, 1, ...): its mask is
   parcomp's (a hash of the seed and the global element index, the same on every sharding),
   not torch's generator's; otherwise the identity.
-- ``aten.embedding(weight, indices)`` -> ``embedding(ids, table)``.
+- ``aten.embedding(weight, indices, padding_idx)`` -> ``embedding(ids, table)``, with
+  ``{padding_idx}`` when torch's is set (that row gets no gradient from the lookup).
 """
 from __future__ import annotations
 
@@ -63,10 +64,11 @@ def _dropout(b, n, a):
 def _embedding(b, n, a):
     if a["scale_grad_by_freq"] or a["sparse"]:
         raise b.fail("embedding with scale_grad_by_freq or sparse gradients is not supported")
-    if a["padding_idx"] is not None and int(a["padding_idx"]) >= 0:
-        raise b.fail(f"embedding with padding_idx={a['padding_idx']} (no gradient for that row) "
-                     "is not supported yet; build the nn.Embedding without padding_idx")
-    return b.emit("embedding", [b.val(a["indices"]), b.val(a["weight"])])
+    pad = int(a["padding_idx"]) if a["padding_idx"] is not None else -1
+    # aten's padding_idx is already non-negative (nn.Embedding and F.embedding wrap a negative
+    # one); -1 means none
+    return b.emit("embedding", [b.val(a["indices"]), b.val(a["weight"])],
+                  **({"padding_idx": pad} if pad >= 0 else {}))
 
 
 NORM_TABLE = {

@@ -257,8 +257,10 @@ _def("adamw_param", 4, "nonlinear", _broadcast,  # (p, m, v, t) -> updated p (to
 #   step >= 1; the frontend clamps torch's open ends); slice_grad(g) {same}: g put back into
 #   zeros of the node's own (unsliced) shape, the VJP of slice.
 # cat(x1, ..., xn) {dim}: concatenation along dim.
-# sdpa(q, k, v) {causal, scale}: softmax(scale q k^T [+ causal mask]) v over [batch, heads,
+# sdpa(q, k, v) {causal, scale, window}: softmax(scale q k^T [+ causal mask]) v over [batch, heads,
 #   seq, head_dim] operands (equal heads: the frontend repeats GQA kv heads explicitly);
+#   window w > 0 (only with causal): a sliding-window band, key j kept for query i when
+#   i - w < j <= i, in global positions (Mistral's sliding_window, Gemma-2's local layers);
 #   sdpa_grad(dy, q, k, v) {wrt, causal, scale}: its gradient with respect to q, k or v.
 # cos, sin: pointwise; cast(x): x converted to the node's own dtype; arange() {start, step}:
 #   1-D start + step * i in the node's own dtype (positions for rotary embeddings).
@@ -304,6 +306,8 @@ def _cat(ts, n):
 
 def _sdpa(ts, n):
     q, k, v = ts[-3:]
+    if n.attr("window", 0) and (n.attr("window") < 0 or not n.attr("causal", False)):
+        raise ValueError(f"sdpa window={n.attr('window')} needs causal=true and a window >= 1")
     if q.rank != 4 or k.rank != 4 or v.rank != 4:
         raise ValueError(f"sdpa needs [batch, heads, seq, head_dim] operands, got {q}, {k}, {v}")
     if q.shape[:2] != k.shape[:2] or k.shape[:3] != v.shape[:3] or q.shape[3] != k.shape[3]:
@@ -318,7 +322,7 @@ def _sdpa_grad(ts, n):
     return ts[1 + "qkv".index(n.attr("wrt"))]
 
 
-_SDPA = {"causal": Attr("bool", default=False), "scale": _NUM}
+_SDPA = {"causal": Attr("bool", default=False), "scale": _NUM, "window": Attr("int", default=0)}
 _def("slice", 1, "slice", _slice, _SLICE)
 _def("slice_grad", 1, "slice", _slice_grad, _SLICE)
 _def("cat", -1, "cat", _cat, {"dim": Attr("int", required=True)})
@@ -351,7 +355,10 @@ _def("pad", 1, "pad", _pad, {**_PAD, "value": _NUM})
 # ``index_start``/``index_shape`` are this rank's block (set per rank, never in a model).
 # ``embedding(ids, table)`` -> ids.shape + [dim]; ``vocab_start``: first table row this rank
 # holds (vocab-parallel; ids outside its rows give zero rows). ``embedding_grad(dy, ids)``:
-# the table-shaped scatter-add of dy (its type is the table's).
+# the table-shaped scatter-add of dy (its type is the table's). ``padding_idx`` (torch's
+# nn.Embedding(padding_idx=...)): the GLOBAL table row whose ids add nothing to the gradient
+# (the lookup itself is unchanged); absent: none. Under a vocab split only the rank holding
+# that row has ids equal to it, so every sharding applies it where torch does.
 _EPS = {"eps": Attr("number", required=True)}
 _def("layer_norm", -1, "nonlinear", _norm, _EPS)
 _def("rms_norm", -1, "nonlinear", _norm, _EPS)
@@ -359,8 +366,9 @@ _def("layer_norm_grad", -1, "linear0", _norm_grad, _EPS)
 _def("rms_norm_grad", -1, "linear0", _norm_grad, _EPS)
 _def("dropout", 1, "linear", _same, {"p": _NUM, "seed": Attr("int", required=True),
                                      "index_start": Attr("ints"), "index_shape": Attr("ints")})
-_def("embedding", 2, "gather", _embedding, {"vocab_start": Attr("int")})
-_def("embedding_grad", 2, "linear0", _embedding_grad, {"vocab_start": Attr("int")})
+_EMB = {"vocab_start": Attr("int"), "padding_idx": Attr("int")}
+_def("embedding", 2, "gather", _embedding, _EMB)
+_def("embedding_grad", 2, "linear0", _embedding_grad, _EMB)
 # ---- end of the norms + embedding part ----
 # ---- reductions part (issue 17): amax, argmax, mean, log, softmax, log_softmax and the
 # pieces of their split-dim forms (parcomp/passes/decompose.py). ``dims``/``dim`` may be

@@ -9,7 +9,8 @@ share of dim 0 (as every DP framework splits its local batch): globally
 The step is, in this order (so only one microbatch's activations are live at a time):
 
 1. ``count``: the global denominator of the loss, once (mse: K * elements of the output;
-   cross_entropy: the counted labels of all K microbatches; loss=output: K) and the
+   cross_entropy: the counted labels of all K microbatches; loss=output: K, or, for a model
+   whose loss is a token mean, the sum of the K microbatches' counts: see below) and the
    backward seed ``1 / count``: **scaled once**, for every microbatch alike;
 2. for k = 0..K-1: forward of microbatch k, its loss *sum*, its backward from the seed,
    and ``grad += grad_k``. The gradients stay in the layout backward leaves them
@@ -20,6 +21,20 @@ The step is, in this order (so only one microbatch's activations are live at a t
 The gradient equals the global batch's gradient of the mean loss; the interpreter
 checks it against torch running the same K microbatches (``loss_k.backward()`` with
 ``loss_k = sum_k / count``, gradients summed by autograd) and torch.optim.
+
+``loss=output``: a model's own loss is one scalar per microbatch. When it is a token mean,
+``div(S, C)`` with ``S`` a sum over every dim and ``C`` a sum over every dim of a value no
+trainable parameter reaches (transformers' ``ForCausalLMLoss``: cross_entropy with
+``reduction="mean"`` and ``ignore_index``, lowered as the sum of the per-token losses over
+the sum of the label mask; :func:`token_mean`), the step accumulates ``S`` and ``C`` instead
+of the K means: each microbatch's ``C`` first (it reads only the data), ``count = sum C_k``,
+the seed ``1 / count`` for each microbatch's ``S``, and ``loss = sum S_k / count``: the
+token mean of the global batch, as one full-batch step computes it (the mean of K means
+weighs a microbatch with few counted tokens as much as one with many). Exact as long as the
+model treats batch rows independently, which accumulation assumes anyway. Any other scalar
+is averaged over the K microbatches; a per-microbatch mean of another form (a data-dependent
+denominator inside a larger expression, such as ``ce_mean + aux``) gets a compile warning
+(:func:`accumulate_warnings`).
 """
 from __future__ import annotations
 
@@ -72,18 +87,25 @@ def accumulated_step(b, graph: Graph, cfg, spec, params: list, ad, cast=None) ->
                         f"drop input_grads (accumulation trains on data inputs)", cfg.loc)
     y, lay = ad._model_output(graph, cfg)
     stacked = {n.name: _stacked_input(b, n, K, mesh, cfg) for n in graph.inputs}
+    mean = token_mean(graph, y) if cfg.loss == "output" else None
+    counted = [_forward_clone(b, graph, stacked, k, K, mesh, only=_ancestors(graph, mean[1]))
+               for k in range(K)] if mean else [None] * K  # each microbatch's count, before any forward
     b.phase, b.prefix = "loss", "loss"
     ty = graph[y].type
     data = _loss_data(b, graph, cfg, y, ty, lay, K, ad)
-    count, seed = _count_and_seed(b, graph, cfg, ty, data, K, y)
+    if mean:
+        count = _total(b, [ren[mean[1]] for ren in counted], "loss.count")
+        seed = b.op("div", [b.op("ones", [], type=b.type(count), name="bw.loss"), count], name="bw.loss.seed")
+    else:
+        count, seed = _count_and_seed(b, graph, cfg, ty, data, K, y)
     cast = cast or {}
     b.prefix, b.phase = "bw", "backward"
     seed = amp.scaled_seed(b, seed, cfg, spec)  # fp16: the same scale for every microbatch
     totals, acc = [], {}
     for k in range(K):
-        ren = _forward_clone(b, graph, stacked, k, K, mesh)
+        ren = _forward_clone(b, graph, stacked, k, K, mesh, ren=counted[k])
         b.phase, b.prefix = "loss", f"loss.mb{k}"
-        tot = _loss_sum(b, graph, cfg, ren[y], data, k, K, mesh)
+        tot = ren[mean[0]] if mean else _loss_sum(b, graph, cfg, ren[y], data, k, K, mesh)
         totals.append(tot)
         if k == 0:
             params = ad._reaching(b, tot, params, cfg)
@@ -95,9 +117,7 @@ def accumulated_step(b, graph: Graph, cfg, spec, params: list, ad, cast=None) ->
         for p in params:
             acc[p] = grads[p] if k == 0 else b.op("add", [acc[p], grads[p]], name=f"bw.{p}.accumulated")
     b.phase, b.prefix = "loss", "loss"
-    total = totals[0]
-    for t in totals[1:]:
-        total = b.op("add", [total, t], name="loss.total")
+    total = _total(b, totals, "loss.total")
     loss = (b.op("div", [total, count], name="loss") if isinstance(count, str)
             else b.op("scale", [total], value=1.0 / count, name="loss"))
     return loss, params, amp.unscale(b, acc, cfg)  # fp16: unscaled once, after the K backwards
@@ -112,14 +132,26 @@ def _stacked_input(b, n, K, mesh, cfg) -> str:
     return b.source(n.name, "input", ty, n.layout, "forward")
 
 
-def _forward_clone(b, graph, stacked, k, K, mesh) -> dict:
-    """Microbatch k's copy of every compute node (``mb<k>.<name>``); returns the renaming."""
+def _total(b, values: list, name: str) -> str:
+    """The sum of ``values`` (left to right)."""
+    total = values[0]
+    for v in values[1:]:
+        total = b.op("add", [total, v], name=name)
+    return total
+
+
+def _forward_clone(b, graph, stacked, k, K, mesh, only=None, ren=None) -> dict:
+    """Microbatch k's copy of every compute node (``mb<k>.<name>``), or of those in ``only``;
+    ``ren``: the renaming of an earlier partial copy, whose nodes are not copied again.
+    Returns the renaming."""
     b.phase = "forward"
-    ren = {n.name: n.name for n in graph.params}
-    for name, s in stacked.items():
-        ren[name] = micro_slice(b, s, k, K, micro_split(graph[name].layout, mesh), f"mb{k}.{name}")
+    if ren is None:
+        ren = {n.name: n.name for n in graph.params}
+        for name, s in stacked.items():
+            ren[name] = micro_slice(b, s, k, K, micro_split(graph[name].layout, mesh), f"mb{k}.{name}")
+    ren = dict(ren)
     for n in graph.nodes:
-        if n.op in ("input", "param"):
+        if n.op in ("input", "param") or n.name in ren or (only is not None and n.name not in only):
             continue
         new = replace(n, name=b.names.take(f"mb{k}.{n.name}"), inputs=tuple(ren[i] for i in n.inputs))
         b.nodes.append(new)
@@ -178,3 +210,128 @@ def _loss_sum(b, graph, cfg, yk, data, k, K, mesh) -> str:
 
 def _layout(b, name):
     return next(n.layout for n in b.nodes if n.name == name)
+
+
+#: ops a scalar loss may pass through unchanged in value (a dtype cast, an output's layout)
+_THROUGH = ("cast", "relayout")
+
+
+def _through(graph, name: str) -> str:
+    while graph[name].op in _THROUGH and len(graph[name].inputs) == 1:
+        name = graph[name].inputs[0]
+    return name
+
+
+def _ancestors(graph, name: str) -> set:
+    """``name`` and every value it is computed from."""
+    seen, todo = set(), [name]
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo.extend(graph[n].inputs)
+    return seen
+
+
+def _data_only(graph, name: str) -> bool:
+    """Whether ``name`` is computed from the data alone: it reads an input and no trainable
+    parameter (a count of tokens, not a value training changes)."""
+    up = [graph[a] for a in _ancestors(graph, name)]
+    return (any(n.op == "input" for n in up)
+            and not any(n.op == "param" and n.attr("trainable", True) for n in up))
+
+
+def _full_sum(graph, name: str) -> bool:
+    """Whether ``name`` is a scalar ``sum`` over every dim of its operand (additive over batch rows)."""
+    n = graph[name]
+    if n.op != "sum" or n.type.rank:
+        return False
+    rank = graph[n.inputs[0]].type.rank
+    return rank > 0 and set(n.attr("dims", ())) == set(range(rank))
+
+
+def token_mean(graph, y: str) -> tuple | None:
+    """``(S, C)`` when the scalar loss ``y`` is a token mean: ``div(S, C)`` with ``S`` a sum over
+    every dim and ``C`` a sum over every dim of a value computed from the data alone, of
+    ``S``'s dtype (each, and ``y``, possibly through casts and relayouts). None otherwise."""
+    if graph[y].type.rank:
+        return None
+    d = graph[_through(graph, y)]
+    if d.op != "div" or len(d.inputs) != 2:
+        return None
+    s, c = d.inputs
+    if not (_full_sum(graph, _through(graph, s)) and _full_sum(graph, _through(graph, c))
+            and _data_only(graph, _through(graph, c))):
+        return None
+    if graph[c].type.dtype != graph[s].type.dtype or graph[c].type.rank:
+        return None
+    return s, c
+
+
+def _output_loss(graph, cfg) -> str | None:
+    """The value of the model's own loss (``loss=output``: the output ``output=`` names, else
+    the only one), or None (another loss, or no such output: the compile reports that)."""
+    named = dict(graph.named_outputs())
+    if cfg.loss != "output":
+        return None
+    return named.get(cfg.output) if cfg.output else next(iter(named.values())) if len(named) == 1 else None
+
+
+def accumulates_token_mean(graph, cfg) -> bool:
+    """Whether ``accumulate=K`` (K > 1) accumulates the model's own loss as a token mean of the
+    global batch (:func:`token_mean` of the ``loss=output`` value of the model's ``graph``)."""
+    y = _output_loss(graph, cfg)
+    return cfg.options.accumulate > 1 and y is not None and token_mean(graph, y) is not None
+
+
+def loss_accumulation(graph, spec) -> str | None:
+    """How ``accumulate=K`` (K > 1) with ``loss=output`` combines the K microbatch losses, for
+    report.json's ``training``: the token mean of the global batch (:func:`token_mean`) or
+    the mean of the K losses; None for another loss or K = 1."""
+    from .train_config import train_config
+
+    if spec.train is None:
+        return None
+    cfg = train_config(spec)
+    K, y = cfg.options.accumulate, _output_loss(graph, cfg)
+    if K < 2 or y is None:
+        return None
+    mean = token_mean(graph, y)
+    if mean is None:
+        return f"mean of the {K} microbatch losses"
+    return (f"token mean of the global batch: %{mean[0]} and %{mean[1]} of the {K} microbatches summed, "
+            f"then divided once")
+
+
+def _per_microbatch_means(graph, y: str) -> list:
+    """The ``div`` nodes ``y`` is computed from whose denominator is a scalar computed from the
+    data alone (a count of tokens), each as ``(div node, its denominator)``."""
+    return [(graph[a], graph[a].inputs[1]) for a in sorted(_ancestors(graph, y))
+            if graph[a].op == "div" and len(graph[a].inputs) == 2 and not graph[graph[a].inputs[1]].type.rank
+            and _data_only(graph, graph[a].inputs[1])]
+
+
+def accumulate_warnings(graph, spec) -> list:
+    """One message when ``accumulate=K`` (K > 1) and ``loss=output`` train on the mean of the
+    K microbatch losses where the model's loss divides by a count of its microbatch's data
+    (a token mean) in a form :func:`token_mean` does not accumulate exactly. ``graph``: the
+    model's graph (unsharded)."""
+    from .train_config import train_config
+
+    if spec.train is None:
+        return []
+    cfg = train_config(spec)
+    K, y = cfg.options.accumulate, _output_loss(graph, cfg)
+    if K < 2 or y is None or token_mean(graph, y) is not None:
+        return []
+    means = _per_microbatch_means(graph, y)
+    if not means:
+        return []
+    div, count = means[0]
+    return [f"accumulate={K} with loss=output: the model's loss %{y} divides by %{count}, a scalar "
+            f"computed from its microbatch's data such as a count of tokens (at %{div.name}), so each step trains on the mean of the {K} "
+            f"microbatch losses, not on the token mean of the global batch (a microbatch with few "
+            f"counted tokens weighs as much as one with many). For token-exact accumulation the "
+            f"output the loss is on must be the token mean itself, sum / count as its last op "
+            f"(F.cross_entropy(logits, labels, ignore_index=-100), reduction 'mean'): parcomp then "
+            f"accumulates the sum and the count over the {K} microbatches and divides once"]

@@ -56,6 +56,7 @@ def bind_layouts(graph: Graph, spec: Spec) -> Graph:
             with _tied_note(n, named[n.name]):
                 layouts[n.name] = (_resolve(graph, spec, rule, n, users) if rule
                                    else replicated(len(spec.mesh.axes)))
+                _check_dims(n, layouts[n.name], rule)  # before any rewrite below reads a dim
             bound_by[n.name] = rule
     _bias_follows(graph, spec, layouts, bound_by)
     fused_bias_follows(graph, layouts, bound_by)  # attention part (issue 17)
@@ -258,6 +259,17 @@ def _fused_note(node) -> str:
     return (f". {node.name} is a fused weight stored as [{','.join(map(str, stored))}] and laid out "
             f"on the view of its {view[parts]} parts {node.type} (dim {parts} picks the part): a "
             f"layout names a dim of that view; 'colwise' / 'rowwise' split each part as Megatron does")
+
+
+def _check_dims(node, layout, rule):
+    """Every ``S(d)`` of ``layout`` names a dim ``node`` has. Checked as soon as a rule's layout
+    is resolved, so the rewrites that run before :func:`_check_even` (bias and fused-bias
+    following, head checks, vocab padding) index only dims the tensor has."""
+    bad = next((p.dim for p in layout if isinstance(p, Shard) and not 0 <= p.dim < node.type.rank), None)
+    if bad is not None:
+        raise SpecError(f"{node.op} {node.name} {node.type} as {layout_str(layout)}: S({bad}) names a "
+                        f"dim a rank-{node.type.rank} tensor does not have{_fused_note(node)}",
+                        rule.loc if rule else None)
 
 
 def _check_even(node, layout, spec, rule):

@@ -14,7 +14,13 @@ again. So, for each colwise weight whose output is split into heads:
   ones its query heads read (a local slice), and the gradients of the copies are summed
   by the backward of that slice and of the repeat;
 - otherwise: a :class:`SpecError` at the rule, naming the parameter, the head count and
-  the mesh axis.
+  the mesh axis. Where the dim split off is no heads dim but the parts of a packed q|k|v
+  projection cut apart after the reshape (nn.MultiheadAttention's ``in_proj_weight``:
+  ``unflatten(-1, (3, E))``, then one index per part; :func:`packed_parts`), the error says
+  so, with the heads attention sees and the rewrite whose parts colwise splits (q, k, v cut
+  from the last dim with ``chunk``, as GPT-2's ``c_attn``: :mod:`parcomp.frontends.fused`).
+  nn.MultiheadAttention itself also merges batch and heads into one dim (``[seq, batch *
+  heads, head_dim]``), which no block split of its heads survives.
 """
 from __future__ import annotations
 
@@ -91,6 +97,73 @@ def _biases(graph, users, mm, bound_by, rule):
     return [i for a in adds for i in a.inputs if i != mm and bound_by.get(i) is rule]
 
 
+def packed_parts(graph, users, reshape) -> list | None:
+    """The ``slice`` nodes that cut apart the parts of a packed projection, when the dim
+    ``reshape`` splits off its output's last dim (``[.., k*F] -> [.., k, F]``) is no heads dim
+    but ``k`` parts (q, k, v): followed through single-use reshapes and permutes, it is cut by
+    ``k`` slices of one index each (nn.MultiheadAttention's ``unflatten(-1, (3, E))``, then
+    ``proj[0], proj[1], proj[2]``). None otherwise."""
+    src = graph[reshape.inputs[0]].type
+    pos = reshape_dim_map(src.shape, reshape.type.shape).get(src.rank - 1)
+    if pos is None:
+        return None
+    k, cur = reshape.type.shape[pos], reshape.name
+    for _ in range(64):
+        us = [graph[u] for u in users[cur]]
+        if len(us) == k and all(u.op == "slice" and u.attr("dim") == pos and u.attr("step", 1) == 1
+                                and u.attr("stop") - u.attr("start") == 1 for u in us):
+            return sorted(us, key=lambda u: u.attr("start")) if {u.attr("start") for u in us} == set(range(k)) else None
+        if len(us) != 1 or us[0].op not in ("reshape", "permute"):
+            return None
+        n = us[0]
+        pos = (list(n.attr("perm")).index(pos) if n.op == "permute"
+               else reshape_dim_map(graph[cur].type.shape, n.type.shape).get(pos))
+        if pos is None or n.type.shape[pos] != k:
+            return None
+        cur = n.name
+    return None
+
+
+def _attention_heads(graph, users, start, limit=64):
+    """``(heads, head_dim)`` of the first ``sdpa`` whose operand ``start`` reaches (q, k or v
+    [.., heads, seq, head_dim]), or None."""
+    frontier, seen = [start], set()
+    while frontier and len(seen) < limit:
+        cur = frontier.pop(0)
+        for u in users[cur]:
+            if u in seen:
+                continue
+            seen.add(u)
+            n = graph[u]
+            if n.op == "sdpa" and graph[n.inputs[0]].type.rank >= 3:
+                q = graph[n.inputs[0]].type.shape
+                return q[-3], q[-1]
+            frontier.append(u)
+    return None
+
+
+def _packed_message(graph, users, name, axis, ranks, reshape, parts) -> str:
+    """Why ``colwise`` does not split a packed q|k|v projection whose parts are cut apart
+    after a reshape, and what to write instead."""
+    k, width = len(parts), reshape.type.shape[-1]
+    which = {3: " (q, k and v)", 2: " (k and v)"}.get(k, "")
+    src = graph[reshape.inputs[0]].type.shape
+    heads = _attention_heads(graph, users, parts[0].name)
+    seen = f" (attention sees {heads[0]} heads of {heads[1]} in each part)" if heads else ""
+    then = f"then '{name} colwise' splits each part's heads over {axis}"
+    if heads and heads[0] % ranks:
+        then = f"its {heads[0]} heads then need a mesh axis that divides {heads[0]}, not {ranks} ranks"
+    return (f"{name} colwise over {axis} ({ranks} ranks): {name} packs {k} parts{which} of {width} "
+            f"features each, and the model cuts them apart after a reshape (%{reshape.name}: "
+            f"[..,{src[-1]}] -> [..,{k},{width}], then one slice per part, as nn.MultiheadAttention does "
+            f"with its in_proj_weight): the {k} there are those parts, not attention heads{seen}. colwise "
+            f"splits a packed weight per part where the model cuts the parts out of its last dim, as "
+            f"GPT-2's c_attn: q, k, v = F.linear(x, in_proj_weight, in_proj_bias).chunk({k}, -1), each "
+            f"viewed as [batch, heads, seq, head_dim] for F.scaled_dot_product_attention (the same "
+            f"parameters: the module's state_dict loads); {then}. Otherwise give {name} and its output "
+            f"projection no colwise/rowwise rule (the attention then runs whole on every rank)")
+
+
 def check_heads(graph, spec, layouts, bound_by):
     """Apply the rules of this module to the colwise weights of ``bound_by`` (in place on
     ``layouts``).
@@ -114,6 +187,10 @@ def check_heads(graph, spec, layouts, bound_by):
                     for other in (name, *_biases(graph, users, mm, bound_by, rule)):
                         layouts[other] = layouts[other][:axis] + (R,) + layouts[other][axis + 1:]
                     continue
+                parts = packed_parts(graph, users, reshape)
+                if parts is not None:
+                    raise SpecError(_packed_message(graph, users, name, spec.mesh.names[axis], ranks,
+                                                    reshape, parts), rule.loc)
                 size = reshape.type.shape[-1]
                 raise SpecError(
                     f"{name} colwise over {spec.mesh.names[axis]} ({ranks} ranks): its output is split "

@@ -103,7 +103,55 @@ class PipelinePlan:
                 "bubble_analytic": self.analytic_bubble, "bubble_simulated": sim.bubble,
                 "makespan": sim.makespan,
                 "tied": {p: list(held) for p, held in self.tied},
-                "actions": [[str(a) for a in acts] for acts in self.actions]}
+                "actions": [[str(a) for a in acts] for acts in self.actions],
+                "collectives": self.collective_counts()}
+
+    def collective_counts(self) -> list:
+        """What one rank of each pp coordinate communicates in one training step: per pp
+        coordinate a list of ``{"kind", "axis", "phase", "count"}``, sorted.
+
+        This is what the pipelined program.py runs (``pipeline_main.step``), not the SPMD
+        program's list in ``report["collectives"]``: the collectives inside each of the rank's
+        stage programs (tp, ...) once per microbatch, phase ``forward``/``backward``/
+        ``optimizer`` by the program; ``send``/``recv`` over ``pp``, one per tensor crossing
+        the cut (phase ``forward`` for activations, ``backward`` for their gradients); then in
+        phase ``optimizer`` one ``all_reduce`` over ``pp`` per tied gradient the rank holds (its
+        group: the ranks of the stages holding the tied weight, same dp and tp coordinates),
+        one over ``dp`` per gradient (not bucketed); and the loss's
+        ``all_reduce`` over ``dp`` (phase ``loss``) on the rank holding the last stage."""
+        from collections import Counter
+
+        from ..ir.ops import COLLECTIVES
+
+        m = self.microbatches
+        ranks_of = [{self.rank_of_stage(t) for t in held} for _, held in self.tied]
+        out = []
+        for r in range(self.pp):
+            n = Counter()
+            chunks = range(r, len(self.stages), self.pp)
+            for t in chunks:
+                progs = self.local[t] if self.local else self.stages[t]
+                for phase, times in (("forward", m), ("backward", m), ("optimizer", 1)):
+                    for node in getattr(progs, phase).nodes:
+                        if node.op in COLLECTIVES:
+                            n[node.op, node.attr("axis"), phase] += times
+            for a in self.actions[r]:
+                st = self.stages[a.chunk * self.pp + r]
+                sizes = {"send_fwd": len(st.send), "recv_fwd": len(st.recv),
+                         "send_bwd": len(st.recv), "recv_bwd": len(st.send)}
+                if a.kind in sizes and sizes[a.kind]:
+                    kind, direction = a.kind.split("_")
+                    n[kind, "pp", "forward" if direction == "fwd" else "backward"] += sizes[a.kind]
+            tied = sum(1 for held in ranks_of if r in held and len(held) > 1)
+            if tied:
+                n["all_reduce", "pp", "optimizer"] += tied
+            if self.dp > 1:
+                n["all_reduce", "dp", "optimizer"] += len({p for t in chunks for p in self.stages[t].params})
+                if len(self.stages) - 1 in chunks:
+                    n["all_reduce", "dp", "loss"] += 1
+            out.append([{"kind": k, "axis": x, "phase": ph, "count": c}
+                        for (k, x, ph), c in sorted(n.items())])
+        return out
 
 
 def stage_memory(stage, local=None) -> dict:

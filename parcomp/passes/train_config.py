@@ -193,7 +193,7 @@ def check_steps(steps, what: str = "--steps") -> int:
     Raises ParcompError naming the option ``what`` otherwise.
     """
     if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS:
-        raise ParcompError(f"{what} {steps}: give 1 to {MAX_STEPS:,} training steps")
+        raise ParcompError(f"{what} {steps}: give 1 to {MAX_STEPS:,} training steps", where=what)
     return steps
 
 

@@ -36,13 +36,14 @@ def pad_vocab_tables(graph: Graph, mesh, layouts: dict, logits_loss: bool = Fals
     ``layouts`` maps param names to the layouts the spec's rules gave them; a param whose
     split is uneven but that is not a vocab table is left alone (bind-layouts then reports
     the uneven split, as before). ``logits_loss``: the step's loss is a cross-entropy on the
-    model output (an untied LM head's output is then logits).
+    model output (an untied LM head's output is then logits). An ``S(d)`` naming a dim the
+    param does not have is left alone too (bind-layouts reports it at the rule).
     """
     for name, lay in list(layouts.items()):
         node = graph[name]
         if node.op != "param" or node.attr("stored_shape"):
             continue
-        for d in {p.dim for p in lay if isinstance(p, Shard)}:
+        for d in sorted({p.dim for p in lay if isinstance(p, Shard) and 0 <= p.dim < node.type.rank}):
             ranks = 1
             for a, p in enumerate(lay):
                 if p == Shard(d):

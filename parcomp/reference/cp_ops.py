@@ -50,9 +50,13 @@ def at_rank(program, node, rank: int):
 
 def causal_keep(node, sq: int, sk: int) -> np.ndarray:
     """[sq, sk] bool: key j kept for local query row i. Contiguous: ``j <= q_start + i``;
-    ``balanced_mask``: by the global positions of storage rows (k whole, in storage order)."""
+    ``balanced_mask``: by the global positions of storage rows (k whole, in storage order).
+    A sliding ``window`` w > 0 keeps only the last w of those: ``j > q_start + i - w``."""
+    w, start = node.attr("window", 0), node.attr("q_start", 0)
     if not node.attr("balanced_mask"):
-        return np.tril(np.ones((sq, sk), bool), node.attr("q_start", 0))
+        keep = np.tril(np.ones((sq, sk), bool), start)
+        return keep & ~np.tril(np.ones((sq, sk), bool), start - w) if w else keep
     order = storage_order(node.attr("cp_size"), sk)
-    qpos = order[node.attr("q_start", 0):node.attr("q_start", 0) + sq]
-    return order[None, :] <= qpos[:, None]
+    qpos = order[start:start + sq]
+    keep = order[None, :] <= qpos[:, None]
+    return keep & (order[None, :] > qpos[:, None] - w) if w else keep

@@ -62,6 +62,8 @@ def _scores(q, k, node, qpos, kpos):
     if not node.attr("causal", False):
         return s, None, False
     keep = kpos[None, :] <= qpos[:, None]
+    if node.attr("window", 0):  # a sliding window, in global positions
+        keep = keep & (kpos[None, :] > qpos[:, None] - node.attr("window"))
     return np.where(keep, s, -np.inf), keep, not keep.any()
 
 

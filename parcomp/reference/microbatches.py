@@ -38,11 +38,12 @@ def stack(parts: list, D: int) -> np.ndarray:
 def stacked_feeds(compiled, feeds: dict, seed: int = 0) -> dict:
     """The step's stacked model inputs: microbatch 0 is ``feeds``' (the model's example),
     the others seeded variations of it (floats: normal draws; integers such as token ids:
-    the example's values rolled, so every id stays valid)."""
+    the example's values rolled, so every id stays valid). A model's own ``labels`` input
+    (``loss=output``) is a model input: stacked too."""
     rng = np.random.default_rng(seed + 2000)
-    out = {}
+    out, g = {}, compiled.logical
     for name, (K, D) in micro_layouts(compiled).items():
-        if name not in feeds or name in ("target", "labels"):
+        if name not in feeds or g[name].phase == "loss":  # the loss's target / labels: data_for's
             continue
         x = np.asarray(feeds[name])
         parts = [x] + [rng.standard_normal(x.shape).astype(x.dtype) if x.dtype.kind == "f"

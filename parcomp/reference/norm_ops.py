@@ -124,6 +124,8 @@ def _embedding(a, node):
 def _embedding_grad(a, node):
     dy, ids = a
     local, ok = _local_ids(ids, node.type.shape[0], node)
+    if node.attr("padding_idx") is not None:  # torch's padding row: no gradient from the lookup
+        ok = ok & (np.asarray(ids) != node.attr("padding_idx"))
     out = np.zeros(node.type.shape, dy.dtype)
     np.add.at(out, local[ok], dy[ok])
     return out

@@ -86,17 +86,22 @@ def clip(params, cfg) -> None:
         torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], cfg.options.clip_grad_norm)
 
 
-def accumulate_backward(m, micro: list, input_names, cfg, output: int, scaler=None) -> float:
+def accumulate_backward(m, micro: list, input_names, cfg, output: int, scaler=None, whole_batch=False) -> float:
     """Forward and ``backward()`` of each microbatch of ``micro`` (K dicts {input, ``target`` or
     ``labels``: array}) on torch module ``m``, autograd summing the gradients: loss_k is the
     microbatch's loss *sum* over the global count (mse: every element of the K outputs,
     cross_entropy: the counted labels of all K, loss=output: its mean over K). Returns the
     loss of the global batch (the sum of the loss_k). Mixed precision: each forward under
     :func:`autocast`, the loss in float32, and with fp16's ``scaler`` each
-    ``scaler.scale(loss_k).backward()`` (unscaled once by the caller)."""
+    ``scaler.scale(loss_k).backward()`` (unscaled once by the caller). ``whole_batch``
+    (loss=output, a token mean): one forward and backward of the K microbatches concatenated
+    along dim 0, the full-batch step the accumulated one equals."""
     import numpy as np
     import torch
     import torch.nn.functional as F
+
+    if whole_batch:
+        micro = [{n: np.concatenate([np.asarray(mb[n]) for mb in micro]) for n in micro[0]}]
 
     args = dict(cfg.loss_args)
     if cfg.loss == "mse":

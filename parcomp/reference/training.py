@@ -86,7 +86,8 @@ def numpy_train(graph, feeds: dict, steps: int) -> dict:
 
 
 def torch_train(module, example, input_names, data: dict, cfg, steps: int, output: int = 0,
-                start: dict | None = None, first: int = 1, micro: list | None = None) -> dict:
+                start: dict | None = None, first: int = 1, micro: list | None = None,
+                whole_batch: bool = False) -> dict:
     """Train a copy of ``module`` with torch.optim for ``steps`` steps on the same batch.
 
     The parameters ``cfg.trainable`` matches that have ``requires_grad`` are
@@ -95,7 +96,10 @@ def torch_train(module, example, input_names, data: dict, cfg, steps: int, outpu
     optimizer state ``"<param>.exp_avg"`` etc., as :func:`train_steps` records them), the
     first step being number ``first`` (AdamW's bias correction counts from it). ``micro``:
     with ``accumulate=K``, the K microbatches (dicts of inputs and ``target``/``labels``) each
-    step trains on instead of ``example`` (see :func:`.torch_options.accumulate_backward`).
+    step trains on instead of ``example`` (see :func:`.torch_options.accumulate_backward`);
+    ``whole_batch``: they are trained as one batch, one forward and backward of the K
+    microbatches concatenated (the model's own loss is a token mean, which the accumulated
+    step takes over the global batch: :func:`parcomp.passes.accumulate.token_mean`).
 
     Returns ``{"losses": [...], "params": {name: array after the last update},
     "sources": {state_dict and buffer name: array after the last step},
@@ -133,7 +137,7 @@ def torch_train(module, example, input_names, data: dict, cfg, steps: int, outpu
         for x in xs:
             x.grad = None
         if micro is not None:  # issue 13: accumulate=K, one backward() per microbatch
-            loss = torch.tensor(accumulate_backward(m, micro, input_names, cfg, output, scaler))
+            loss = torch.tensor(accumulate_backward(m, micro, input_names, cfg, output, scaler, whole_batch))
         else:
             with autocast(cfg):  # issue 13: precision=bf16|fp16 is torch.autocast's, the loss in float32
                 y = m(*xs)

@@ -50,7 +50,7 @@ def sdpa_grad_strategies(node, ts):
 
 def _sdpa_vjp(b, n, g):
     attrs = {"causal": n.attr("causal", False), "scale": n.attr("scale")}
-    for key in ("cp", "cp_axis", "chunking", "cp_size"):  # context parallel (issue 14): the grads keep the split too
+    for key in ("window", "cp", "cp_axis", "chunking", "cp_size"):  # context parallel (issue 14): the grads keep the split too
         if n.attr(key):
             attrs[key] = n.attr(key)
     return tuple(b.op("sdpa_grad", [g, *n.inputs], wrt=w, **attrs) for w in "qkv")

@@ -86,7 +86,8 @@ def _dropout_vjp(b, n, g):  # the same mask (same seed, same global indices) on 
 
 def _embedding_vjp(b, n, g):
     ids, table = n.inputs
-    return None, b.op("embedding_grad", [g, ids], type=b.type(table))
+    pad = {} if n.attr("padding_idx") is None else {"padding_idx": n.attr("padding_idx")}
+    return None, b.op("embedding_grad", [g, ids], type=b.type(table), **pad)
 
 
 NORM_VJP_RULES = {"layer_norm": _norm_vjp, "rms_norm": _norm_vjp, "dropout": _dropout_vjp,
