@@ -133,26 +133,39 @@ EXPECTED = {
         "forward send_recv cp 1, backward send_recv cp 8"))),
     "attention_cp2_ring_balanced_train": ("causal_attention", plus(CP_WEIGHT_GRAD_GATHERS, c(
         "forward send_recv cp 1, backward send_recv cp 8"))),
-    # expert parallel: tokens to their experts' ranks and back (2 all_to_all forward); the
-    # routing scores to the experts' split too (the backward dispatches the output gradient
-    # locally from them), the output gathered for the MSE (so the output gradient is whole on
-    # every rank: no backward all_to_all); backward the combine's input gradient reduce-scattered
-    # back to the rows and the router's gradient summed. 6 calls, as the textbook 2 + 2
-    # all_to_all, the router-gradient all_reduce and a scalar loss all_reduce.
-    "moe_ep2_train": ("moe_block", c("forward all_to_all ep 3, loss all_gather ep 1,"
-                                     "backward reduce_scatter ep 1, backward all_reduce ep 1")),
-    # ep x tp: the router input gathered over ep (every rank routes all rows), 2 all_to_all,
-    # Megatron's all_reduce over tp of the experts' partial outputs; backward the routing
-    # gradient gathered and x's gradient summed over ep,tp at once
+    # expert parallel: each ep rank keeps its own rows (ep splits the batch as dp does); tokens
+    # to their experts' ranks and back (2 all_to_all forward, their transposes backward), the
+    # scalar loss summed over ep, the router's gradient summed (it ran on split rows): the
+    # textbook 2 + 2 all_to_all, the router-gradient all_reduce and a scalar loss all_reduce
+    "moe_ep2_train": ("moe_block", c("forward all_to_all ep 2, loss all_reduce ep 1,"
+                                     "backward all_to_all ep 2, backward all_reduce ep 1")),
+    # ep x tp: the same all_to_all pair each way; Megatron's all_reduce over tp of the experts'
+    # row-parallel partial outputs forward, and of the column-parallel input gradient (x's)
+    # backward; the loss (its elementwise part on token slices over tp too) and the router's
+    # gradient summed over ep,tp at once
     "moe_ep2_tp2_train": ("moe_block", c(
-        "forward all_gather ep 1, forward all_to_all ep 2, forward all_reduce tp 1,"
-        "loss all_gather ep 1, backward all_gather ep 1, backward all_reduce ep,tp 1")),
-    # shared expert, ep: x gathered (the shared expert and router run on every row), 2
-    # all_to_all; backward the combine's gradient reduce-scattered, the router's summed (the
-    # shared expert's gradients are whole: it ran on all rows)
+        "forward all_to_all ep 2, forward all_reduce tp 1, loss all_reduce ep,tp 1,"
+        "backward all_to_all ep 2, backward all_reduce ep,tp 1, backward all_reduce tp 1")),
+    # shared expert, ep: rows kept split, 2 all_to_all each way, the loss over ep; the 5
+    # gradients of the router, the shared expert's 3 projections and its gate (all ran on split
+    # rows) over ep one by one: DDP's minimum is one bucket (buckets are built over the dp axis
+    # alone, docs/design.md "Gradient buckets"), so 4 over it
     "moe_shared_ep2_train": ("moe_block_shared", c(
-        "forward all_gather ep 1, forward all_to_all ep 2, loss all_gather ep 1,"
-        "backward reduce_scatter ep 1, backward all_reduce ep 1")),
+        "forward all_to_all ep 2, loss all_reduce ep 1, backward all_to_all ep 2,"
+        "backward all_reduce ep 5")),
+    # a whole MoE LM (2 blocks), ep=2: each block's tokens to their experts and back (2
+    # all_to_all a block each way); the cross-entropy's sum and token count over ep; the 13
+    # gradients of what every ep rank holds whole (the embedding, lm_head, each block's q, k, v,
+    # o and router, the norms' in one buffer) over ep one by one (no dp bucket: 12 over DDP's
+    # minimum, as above); no expert weight's gradient over ep
+    "moe_lm_ep2_train": ("moe_lm", c(
+        "forward all_to_all ep 4, loss all_reduce ep 2, backward all_to_all ep 4,"
+        "backward all_reduce ep 13")),
+    # a model computing its own loss, dp: transformers' sum over the counted tokens and their
+    # count all-reduced once each, in the forward where the model computes them (gpt2_lm with
+    # loss=cross_entropy has the same two in the loss phase); backward the position
+    # embedding's gradient (a sum over the batch), the norms' buffer and one DDP bucket
+    "gpt2_lm_loss_dp2_train": ("gpt2_lm_loss", c("forward all_reduce dp 2, backward all_reduce dp 3")),
     # dp x ep: 2 all_to_all each way; the scalar loss over dp,ep; the routed experts'
     # gradients over dp (one bucket); the 5 gradients of the router, the shared expert's 3
     # projections and its gate over dp,ep one by one: DDP's minimum is one bucket there
