@@ -21,8 +21,10 @@ own rounding, while a deep layer's small gradients keep their own scale.
 margin (their differences are rounding, ~1e-12 of the scale at most), a sharding bug
 (a collective off by 1e-6, a dropped partial sum, a missing all_gather) shows far above it.
 Comparisons made in a narrower dtype (``parcomp run``: float32 torch on real ranks against
-the unsharded torch run) use :data:`DTYPE_TOLERANCE` of that dtype: a sanity check, while
-the sharding itself is proven by the float64 check of the same Program.
+the unsharded torch run; ``check`` against torch.optim) use :data:`DTYPE_TOLERANCE` of that
+dtype, each value's scale at least GROUP_FLOOR of the largest of its kind across modules and
+the tolerance at least the dtype's smallest normal number: a sanity check, while the
+sharding itself is proven by the float64 check of the same Program.
 
 Non-finite values must match exactly (same NaN positions, same infinities with the same
 sign), and then pass: a skipped fp16 step is right when both sides skip it. Integer and bool
@@ -42,7 +44,8 @@ THRESHOLD = 1e-9
 DTYPE_TOLERANCE = {"float64": THRESHOLD, "float32": 1e-3, "float16": 2e-2, "bfloat16": 1e-1}
 #: a row's scale is at least this fraction of its value's scale
 ROW_FLOOR = 1e-3
-#: a value's scale is at least this fraction of the largest scale of its kind (:func:`group_of`)
+#: a value's scale is at least this fraction of the largest scale of its group (:func:`group_of`;
+#: in a narrower dtype also of its kind, :func:`kind_of`)
 GROUP_FLOOR = 1e-3
 #: the suffixes that name a value's kind (a parameter's gradient, its optimizer state)
 KIND_SUFFIXES = (".grad", ".momentum_buffer", ".exp_avg_sq", ".exp_avg")
@@ -55,10 +58,10 @@ def tolerance_for(dtype) -> float:
 
 
 def group_of(key: str) -> str:
-    """The kind of a carried value: a module's gradients (``attn.k_proj.weight.grad`` and
+    """The group of a carried value: a module's gradients (``attn.k_proj.weight.grad`` and
     ``attn.k_proj.bias.grad``: ``attn.k_proj`` + ``.grad``), likewise each optimizer state
     (``.exp_avg``, ...); any other value (the loss, a parameter, a model output) is its own
-    kind. The gradient of a key bias is zero up to rounding (softmax cancels it); the
+    group. The gradient of a key bias is zero up to rounding (softmax cancels it); the
     gradient of its weight sums the same terms times the layer's inputs and has their scale."""
     suffix = next((s for s in KIND_SUFFIXES if key.endswith(s)), None)
     if suffix is None:

@@ -41,7 +41,7 @@ def test_llama_forward_run_is_ok_within_float32s_tolerance(tmp_path, capsys):
     assert main(["run", f"{MODELS}:llama_lm", "--spec", spec, "--nproc", "2", "--json"]) == 0
     res, _, err = _json(capsys)
     assert res["ok"] and res["verdict"] == "OK", (res, err[-2000:])
-    assert res["err_over_tol"] <= 1 and res["rtol"] == 1e-4
+    assert res["err_over_tol"] <= 1 and res["rtol"] == 1e-3
     assert "parcomp check" in res["note"]
 
 

@@ -47,18 +47,19 @@ def compiled_spec(spec: str):
     return c, promote_compiled(c), promote_feeds(feeds), training, feeds
 
 
-def steps(wide, feeds, training: bool, count: int) -> list:
-    """``[(key, difference / element scale (max), difference / value scale (max))]`` over every
-    carried value of ``count`` steps (one forward pass for a forward spec)."""
-    out = []
+def steps(wide, feeds, training: bool, count: int) -> dict:
+    """Over every carried value of ``count`` steps (one forward pass for a forward spec): the
+    largest difference over its element's scale (``rel_err``, as check compares), over its
+    value's scale (``of_value_scale``), and how many values were compared (``values``)."""
     if not training:
         got = run_spmd(wide.program, feeds).outputs(wide.program)
         want = run_unsharded(wide.unsharded, feeds)
-        res = compare_outputs(got, want)
-        return [("step", res["rel_err"], max(_pure(got[k], want[k]) for k in want)), ("values", len(want), 0.0)]
+        return {"rel_err": compare_outputs(got, want)["rel_err"], "values": len(want),
+                "of_value_scale": max(_pure(got[k], want[k]) for k in want)}
     graph, prog = wide.logical, wide.program
     params = [n.name for n in wide.unsharded.params]
     state, carried = initial_state(graph, feeds), {n.name for n in graph.params}
+    out = {"rel_err": 0.0, "values": 0, "of_value_scale": 0.0}
     for k in range(1, count + 1):
         if "step" in graph:
             state["step"] = np.array(float(k), graph["step"].type.dtype)
@@ -68,8 +69,9 @@ def steps(wide, feeds, training: bool, count: int) -> list:
         res = step_result(graph, start, got, want, params, THRESHOLD, env)
         ref = one_step(graph, start, {**want, **optimizer_on(graph, start, got, env)})
         mine = one_step(graph, start, got)
-        out.append(("step", res["rel_err"], max(_pure(mine[key], ref[key]) for key in ref if key in mine)))
-        out += [("values", sum(1 for key in ref if key in mine), 0.0)]
+        keys = [key for key in ref if key in mine]
+        out = {"rel_err": max(out["rel_err"], res["rel_err"]), "values": out["values"] + len(keys),
+               "of_value_scale": max([out["of_value_scale"]] + [_pure(mine[key], ref[key]) for key in keys])}
         state.update({key: v for key, v in want.items() if key in carried})
     return out
 
@@ -86,25 +88,22 @@ def measure(spec: str, most: int | None) -> dict:
     t = time.monotonic()
     c, wide, feeds, training, narrow = compiled_spec(spec)
     count = train_config(c.spec).steps if training else 1
-    rows = steps(wide, feeds, training, count)
+    correct = steps(wide, feeds, training, count)
+    noise = correct["rel_err"]
     if c.program_.pipeline is not None:  # the pipelined step, as check runs it
         from parcomp.reference.pipeline import check_pipeline_step
 
-        r = check_pipeline_step(c, narrow, count)
-        rows.append(("pipeline", r["rel_err"], 0.0))
-    noise = max(r[1] for r in rows if r[0] != "values")
-    pure = max(r[2] for r in rows if r[0] != "values")
-    values = sum(r[1] for r in rows if r[0] == "values")
+        noise = max(noise, check_pipeline_step(c, narrow, count)["rel_err"])
     names = collectives(wide.program)
     if most and len(names) > most:
         names = [names[i] for i in np.linspace(0, len(names) - 1, most).round().astype(int)]
     signals = {}
     for name in names:
         with injected("scale", name):
-            r = steps(wide, feeds, training, 1)
-        signals[name] = max(x[1] for x in r if x[0] != "values")
+            signals[name] = steps(wide, feeds, training, 1)["rel_err"]
     weakest = min(signals, key=signals.get) if signals else None
-    return {"spec": spec, "carried_values": values, "noise": noise, "noise_of_value_scale": pure,
+    return {"spec": spec, "carried_values": correct["values"], "noise": noise,
+            "noise_of_value_scale": correct["of_value_scale"],
             "collectives": len(collectives(wide.program)), "injected": len(signals),
             "weakest_signal": signals.get(weakest), "weakest_at": weakest, "seconds": round(time.monotonic() - t, 1)}
 
