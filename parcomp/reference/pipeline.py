@@ -72,7 +72,7 @@ def run_pipeline_step(plan, feeds: dict) -> dict:
         for s in held:
             sums[s][grad_name(p)] = total
     scale = np.float32(1.0 / (plan.microbatches * plan.dp))
-    arr = np.asarray(losses)  # the model's float dtype (float64 in the float64 re-check)
+    arr = np.asarray(losses)  # the model's float dtype (float64 in check)
     out = {"loss": (np.sum(arr, dtype=arr.dtype) * arr.dtype.type(scale)).astype(arr.dtype)}
     for s, acc in enumerate(sums):
         opt_feeds = {**feeds, **{k: (v * scale).astype(v.dtype) for k, v in acc.items()}}
