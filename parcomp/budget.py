@@ -160,7 +160,8 @@ def check_seconds(compiled, steps: int = 1) -> float:
     """Estimated seconds of ``parcomp check`` for ``steps`` steps (1: a forward check).
 
     Per step: every node of the local program on every rank, and the unsharded graph
-    three times (reference, error bound, torch), at :data:`OP_SECONDS` per node and
+    three times (the float64 reference, torch, and a mixed-precision program's own
+    precision), at :data:`OP_SECONDS` per node and
     :data:`ELEMENT_SECONDS` per element.
     """
     prog, logical = compiled.program, compiled.logical

@@ -1,16 +1,10 @@
-"""The float64 re-check: what ``parcomp check`` does when the model's own dtype cannot vouch.
+"""Promotion to float64: how ``parcomp check`` runs a compiled program for its verdict.
 
-A sound worst-case error bound compounds through a deep model: in float32 each layer norm
-and each matmul multiplies the elementwise bound (|W| e sums errors that real rounding
-mostly cancels), and after two transformer blocks it can exceed the output itself
-(docs/design.md, "Resolution"). Such a bound cannot tell a wrong collective from rounding,
-so the float32 verdict is CANNOT VOUCH. The sharding itself (which collective, which
-layout, which rank holds what) does not depend on the dtype, so ``check`` then runs the
-same compiled programs with every float value promoted to float64 (u = 2**-53 instead of
-2**-24: the same bound, 2**29 times smaller) against the unsharded run of the same graph in
-float64 (not the torch module: a model's explicit float32 casts, Llama's RoPE, stay float32
-in torch), and vouches for the program's arithmetic there. A sharding bug is a MISMATCH in float64 as in float32; what float64 cannot vouch
-for is float32 rounding, which is the same everywhere and not the compiler's.
+The sharding itself (which collective, which layout, which rank holds what) does not depend
+on the dtype, so ``check`` runs the compiled programs with every float value promoted to
+float64 against the unsharded graph promoted the same way (not the torch module: a model's
+explicit float32 casts, Llama's RoPE, stay float32 in torch), where rounding is 2**29 times
+smaller than in float32 and a sharding bug stands far above it (:mod:`parcomp.differential`).
 """
 from __future__ import annotations
 
@@ -46,22 +40,12 @@ def promote_feeds(feeds: dict) -> dict:
     return {k: np.asarray(v, np.float64) if np.asarray(v).dtype.kind == "f" else v for k, v in feeds.items()}
 
 
-NOTE = ("the {dtype} error bound cannot resolve a 10% error here (max abs error {err:.3e} against the "
-        "reference in {dtype}; {why}); checked against the unsharded run in float64, where it can: the "
-        "sharding is vouched for, {dtype} rounding is not the compiler's")
-NOTE_MISMATCH = ("the {dtype} error bound cannot resolve a 10% error here (max abs error {err:.3e} against the "
-                 "reference in {dtype}; {why}); re-checked against the unsharded run in float64, where the "
-                 "bound resolves: the difference there is beyond rounding")
-
-
-def run_precision(compiled) -> str:
-    """The precision the checked run computes in, as the NOTE names it: ``float16 mixed
-    precision`` / ``bfloat16 mixed precision`` for ``train ... precision=fp16|bf16``, else the
-    least precise float dtype of the unsharded graph (``float32`` for most models)."""
-    from .rules.error import unit_roundoff
-
-    opts = ((compiled.report.get("training") or {}).get("options") or {})
-    if opts.get("precision", "fp32") != "fp32":
-        return f"{opts['compute_dtype']} mixed precision"
-    floats = {n.type.dtype for n in compiled.unsharded.nodes if unit_roundoff(n.type.dtype) > 0}
-    return max(floats, key=unit_roundoff, default="float32")
+def narrow_feeds(feeds: dict, graph) -> dict:
+    """The inverse of :func:`promote_feeds` for ``graph``'s sources: each float array of
+    ``feeds`` that names an input or param of ``graph`` in that value's dtype (a torch.optim
+    reference starts from the float64 run's state in the model's own dtypes)."""
+    out = dict(feeds)
+    for n in graph.nodes:
+        if n.op in ("input", "param") and n.name in feeds and np.asarray(feeds[n.name]).dtype.kind == "f":
+            out[n.name] = np.asarray(feeds[n.name]).astype(n.type.dtype)
+    return out

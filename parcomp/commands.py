@@ -19,4 +19,5 @@ from .commands_compile import compile, explain, export, plan  # noqa: F401, A004
 from .frontends.loader import load_model  # noqa: F401
 from .outdir import MARKER  # noqa: F401 - part of this module's API
 from .reference.numpy_ops import run_unsharded  # noqa: F401
-from .train_check import train_feeds, verdict  # noqa: F401
+from .differential import verdict  # noqa: F401
+from .train_check import train_feeds  # noqa: F401

@@ -3,7 +3,6 @@ every input and param), the unsharded reference, and printing a result (:mod:`pa
 from __future__ import annotations
 
 import json
-import math
 import sys
 
 import numpy as np
@@ -16,7 +15,8 @@ from .ir.text import print_graph
 from .reference.numpy_ops import run_unsharded
 from .passes.moe_capacity import capacity_notes, spec_changes_capacity  # the spec's MoE capacity (issue 14)
 from .report import format_collectives
-from .train_check import train_feeds, verdict, verdict_text
+from .differential import verdict
+from .train_check import train_feeds, verdict_text
 from .spec import load_spec
 
 
@@ -241,30 +241,19 @@ def _print_result(args, compiled, result, how):
     if result.get("note"):  # before the verdict: the last line is the verdict
         print(f"note: {result['note']}")
     word = verdict(result)
+    vs = result.get("vs_model")
+    extra = f"; vs the model's own framework: {_vs_tolerance(vs)}" if vs else ""
     print(f"{how}: max abs error vs unsharded {result['max_abs_err']:.3e} "
-          f"(output scale {result['output_scale']:.3e}; {_vs_tolerance(result)}) "
+          f"(output scale {result['output_scale']:.3e}; {_vs_tolerance(result)}{extra}) "
           + verdict_text(word, [("", result["why"])], indent=""))
 
 
-def _vs_tolerance(result, basis: str = "") -> str:
-    """The ``error/tolerance R at WHERE, tolerance T from the error bound`` part of a report
-    line. Where the bound is not finite there is no ratio to show: ``error/tolerance n/a``,
-    said why, and ``basis`` (what the verdict rests on instead) when given. A run the
-    float64 re-check vouched for (:mod:`parcomp.run64`: ``float64`` and
-    ``err_over_tol_float32`` in ``result``) shows float32's and the re-check's, named."""
-    wide = result.get("float64")
-    if result.get("ok") and wide and wide.get("ok") and "err_over_tol_float32" in result:
-        f32 = _ratio_text(result["err_over_tol_float32"], result["tolerance"], result["worst"])
-        return (f"float32: {f32}; the OK rests on the float64 re-check: "
-                f"{_ratio_text(wide['err_over_tol'], wide['tolerance'], wide['worst'])}")
-    text = _ratio_text(result["err_over_tol"], result["tolerance"], result["worst"])
-    return text + (f"; {basis}" if basis and not math.isfinite(result["tolerance"]) else "")
-
-
-def _ratio_text(ratio: float, tol: float, at) -> str:
-    if math.isfinite(tol):  # an inf ratio over a finite (zero) tolerance is a real mismatch
-        return f"error/tolerance {ratio:.2g} at {at}, tolerance {tol:.2e} from the error bound"
-    return f"error/tolerance n/a at {at}: the error bound is not finite there"
+def _vs_tolerance(result) -> str:
+    """The ``error/tolerance R at WHERE (error E of the scale; tolerance T)`` part of a report
+    line: R <= 1 passes (:mod:`parcomp.differential`)."""
+    at = result["worst"]
+    return (f"error/tolerance {result['err_over_tol']:.2g}" + (f" at {at}" if at else "")
+            + f": error {result['rel_err']:.1e} of the scale, tolerance {result['rtol']:.0e}")
 
 
 def _train_feeds(compiled, module, example, seed):

@@ -4,8 +4,9 @@ The pipelined ``program.py`` (:mod:`parcomp_backends.torch.pipeline_emit`) runs 
 training steps (free-running, default 1) under torchrun on ``mesh.size`` gloo ranks, from
 the unsharded run's initial state (optimizer state zeros, AdamW step 1); its stages' outputs
 of the last step (updated params, optimizer state, gradients, loss) and every step's loss are
-compared with the unsharded steps on the numpy interpreter, output by output within
-:func:`parcomp.tolerance.training_bounds`.
+compared with the unsharded steps on the numpy interpreter within the dtype's tolerance
+(:func:`parcomp.reference.pipeline.compare_steps`: every output for one step, the losses for
+several).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def run_pipeline(args, compiled, feeds: dict, write_work, end_work) -> dict:
             ``end_work(dir)`` records ``--keep``'s run files or removes a temporary directory.
 
     Returns:
-        :func:`parcomp.tolerance.compare_all`'s result plus ``world_size`` and ``losses``.
+        :func:`parcomp.differential.compare_all`'s result plus ``world_size`` and ``losses``.
 
     Raises:
         ParcompError: ``--nproc`` is not the mesh size, a mesh axis the pipeline emitter
@@ -41,7 +42,7 @@ def run_pipeline(args, compiled, feeds: dict, write_work, end_work) -> dict:
 
     from .reference.pipeline import compare_steps
     from .reference.training import initial_state
-    from .train_check import verdict
+    from .differential import verdict
 
     prog, size = compiled.program_, compiled.program.mesh.size
     if args.nproc != size:

@@ -1,15 +1,22 @@
 """Checking a training program: step by step (lockstep) against the unsharded step and torch.optim.
 
 Why lockstep (docs/design.md, "Checking training"): the claim parcomp makes is that the
-sharded *step function* equals the unsharded one. Comparing two free-running
-trajectories after K steps needs an error bound that carries step k's error into step
-k+1, and worst-case bounds compound: AdamW's update is nearly scale-free in the
-gradient (step 1 is lr g / (|g| + eps)), so a rounding-sized change of a near-zero
-gradient moves a weight by up to ~lr; after a few steps such a bound exceeds the weights'
-whole movement and an "OK" under it says nothing. So every step k starts both sides from
-the same state, the unsharded run's state before step k, and is compared within that one
-step's error bound, which never compounds. How far two free-running trajectories drift
-apart is a property of float arithmetic, not of the compiler; ``parcomp run`` reports it.
+sharded *step function* equals the unsharded one. Two free-running trajectories drift apart
+by float arithmetic alone (AdamW's update is nearly scale-free in the gradient: step 1 is
+lr g / (|g| + eps), so a rounding-sized change of a near-zero gradient moves a weight by up
+to ~lr, and the next step starts from there). So every step k starts both sides from the
+same state, the unsharded run's state before step k, and compares every value the step
+carries (:mod:`parcomp.differential`): the loss, the outputs and the gradients against the
+unsharded step's, the parameters and optimizer state against the unsharded optimizer run on
+the sharded step's own gradients (the unsharded graph with its gradients replaced,
+:func:`optimizer_on`). Together these say the sharded step is the unsharded step up to
+rounding of the gradients, without comparing AdamW's amplification of that rounding.
+
+The verdict is float64 (:func:`lockstep` promotes the compiled programs,
+:mod:`parcomp.check64`); a mixed-precision program (``precision=bf16|fp16``) is also run in its
+own precision against the unsharded step in that precision, within the dtype's tolerance
+(its loss scaling and skipped steps included); a torch model's step is also compared with
+torch.optim from the same state, within the tolerance of the dtype torch computes in.
 """
 from __future__ import annotations
 
@@ -19,15 +26,15 @@ import time
 import numpy as np
 
 from .budget import PROGRESS_EVERY_S
+from .check64 import narrow_feeds, promote_compiled, promote_feeds
+from .differential import THRESHOLD, compare_all, near_ties, tie_verdict, tolerance_for, verdict  # noqa: F401
 from .frontends.fused import to_stored_shapes, to_view_shapes
 from .passes.accumulate import accumulates_token_mean
 from .passes.train_config import train_config
 from .reference.interpreter import run_spmd
 from .reference.microbatches import microbatches, stacked_feeds
-from .reference.numpy_ops import run_unsharded
-from .reference.training import data_for, torch_train, train_steps
-from .resolution import RESOLVE
-from .tolerance import compare_all, training_bounds, training_errors
+from .reference.numpy_ops import rerun_with, run_unsharded
+from .reference.training import data_for, initial_state, torch_train, train_steps
 
 
 def train_feeds(compiled, module, example, seed, feeds_for) -> dict:
@@ -36,6 +43,12 @@ def train_feeds(compiled, module, example, seed, feeds_for) -> dict:
     feeds.update(stacked_feeds(compiled, feeds, seed))  # issue 13: accumulate=K microbatches
     feeds.update(data_for(compiled.logical, seed))
     return feeds
+
+
+def compute_dtype(compiled):
+    """The dtype a mixed-precision program computes in (``bfloat16`` / ``float16``), else None."""
+    opts = ((compiled.report.get("training") or {}).get("options") or {})
+    return opts.get("compute_dtype") if opts.get("precision", "fp32") != "fp32" else None
 
 
 def torch_reference(compiled, module, example, feeds, steps, start=None, first=1):
@@ -48,7 +61,7 @@ def torch_reference(compiled, module, example, feeds, steps, start=None, first=1
     names = [n.name for n in graph.inputs]
     output = graph.output_names.index(cfg.output) if cfg.output else 0
     if start is not None:  # torch holds a fused weight (issue 17) whole, as stored
-        start = to_stored_shapes(start, compiled.logical)
+        start = to_stored_shapes(narrow_feeds(start, compiled.logical), compiled.logical)
     ref = torch_train(module, example, names, feeds, cfg, steps, output, start, first,
                       microbatches(compiled, feeds), whole_batch=accumulates_token_mean(graph, cfg))
     want = {"loss": np.array(ref["losses"][-1], "float32"), "losses": np.array(ref["losses"], "float32"),
@@ -66,27 +79,56 @@ def carried(run) -> dict:
     return {**run["outputs"], **run["state"], "losses": np.array(run["losses"], "float32")}
 
 
-def training_result(got: dict, want: dict, params, bounds: dict, resolve=RESOLVE) -> dict:
-    """:func:`training_errors` of two carried-value dicts within their error ``bounds``,
-    the loss error taken over every step (a missing step is a shape mismatch), and a
-    failure when ``want`` has a value ``got`` lacks. ``resolve``: see :func:`training_errors`
-    (None for a free-running comparison, whose compounding bound is reported, not relied on)."""
-    result = training_errors(got, want, params, bounds, resolve)
+def optimizer_keys(graph) -> list:
+    """The public outputs the optimizer writes: those named like a carried ``param`` (updated
+    parameters, optimizer state, loss-scaling state)."""
+    carried_names = {n.name for n in graph.params}
+    return [name for name, _ in graph.named_outputs() if name in carried_names]
+
+
+def grad_overrides(graph, grads: dict) -> dict:
+    """``{value name: gradient}``: the value each ``<param>.grad`` output of ``graph`` copies
+    (what the optimizer reads), set to ``grads[<param>.grad]`` in the value's dtype."""
+    params = {n.name for n in graph.params}
+    out = {}
+    for name, v in graph.named_outputs():
+        if name.endswith(".grad") and name[:-len(".grad")] in params and name in grads:
+            node = graph[v]
+            target = node.inputs[0] if node.op == "relayout" else v
+            out[target] = np.asarray(grads[name]).astype(graph[target].type.dtype).reshape(graph[target].type.shape)
+    return out
+
+
+def optimizer_on(graph, start: dict, grads: dict, env: dict | None = None) -> dict:
+    """The unsharded step of ``graph`` from ``start`` with its parameter gradients replaced by
+    ``grads`` (``{"<param>.grad": array}``): its optimizer outputs (:func:`optimizer_keys`).
+    ``env``: every value of the unsharded step from ``start`` when at hand (only what depends
+    on the gradients is computed again)."""
+    over = grad_overrides(graph, grads)
+    out = rerun_with(graph, env, over) if env is not None else run_unsharded(graph, start, overrides=over)
+    return {k: out[k] for k in optimizer_keys(graph)}
+
+
+def training_result(got: dict, want: dict, params, rtol: float = THRESHOLD) -> dict:
+    """:func:`parcomp.differential.compare_all` of two carried-value dicts over the keys both
+    have, with the largest errors of the loss, the gradients and the parameters, and a failure
+    when ``want`` has a value ``got`` lacks."""
+    keys = [k for k in want if k in got]
+    res = compare_all(got, want, keys, rtol)
+
+    def err(names):
+        return max((res["per_key"][k]["max_abs_err"] for k in names if k in res["per_key"]), default=0.0)
+
+    result = {"max_loss_err": err(["loss", "losses"]), "max_grad_err": err([f"{p}.grad" for p in params]),
+              "max_param_err": err(params),
+              **{k: res[k] for k in ("max_abs_err", "rel_err", "tolerance", "err_over_tol", "worst", "ok",
+                                     "why", "unbounded", "rtol")}}
     missing = sorted(set(want) - set(got))
     if missing:
         result["missing"] = missing
         result["why"] = "; ".join(w for w in (result["why"], f"missing: {', '.join(missing)}") if w)
     result["ok"] = result["ok"] and not missing
     return result
-
-
-def verdict(*results) -> str:
-    """``OK``, ``CANNOT VOUCH`` (every failure is only an error bound that overflowed) or
-    ``MISMATCH``, over the comparison results given (None entries skipped)."""
-    failed = [r for r in results if r is not None and not r["ok"]]
-    if not failed:
-        return "OK"
-    return "CANNOT VOUCH" if all(r.get("unbounded") for r in failed) else "MISMATCH"
 
 
 def verdict_text(word: str, why: list, indent: str = "  ") -> str:
@@ -112,10 +154,10 @@ def merge_steps(results: list) -> dict:
     worst_k = max(range(len(results)), key=lambda i: results[i]["err_over_tol"])
     worst = results[worst_k]
     out = {k: max(r[k] for r in results) for k in
-           ("max_loss_err", "max_grad_err", "max_param_err", "max_abs_err")}
+           ("max_loss_err", "max_grad_err", "max_param_err", "max_abs_err", "rel_err")}
     failed = [(k, r) for k, r in enumerate(results, 1) if not r["ok"]]
     missing = sorted({m for r in results for m in r.get("missing", ())})
-    return {**out, "tolerance": worst["tolerance"], "err_over_tol": worst["err_over_tol"],
+    return {**out, "tolerance": worst["tolerance"], "err_over_tol": worst["err_over_tol"], "rtol": worst["rtol"],
             "worst": f"step {worst_k + 1}: {worst['worst']}", "ok": not failed,
             "why": _step_reasons(failed),
             "unbounded": bool(failed) and all(r.get("unbounded") for _, r in failed),
@@ -141,68 +183,96 @@ def brief(why: str, most: int = 300) -> str:
     return cut + (" ..." if cut != why else "")
 
 
-def _one_step(graph, start: dict, out: dict, bounds: dict) -> tuple:
+def one_step(graph, start: dict, out: dict) -> dict:
     """A step's carried values, as the torch side has them: every param of ``graph``
     (buffers and frozen params keep their ``start`` value), the outputs, and ``losses``
-    (one entry); and their bounds (0 for what the step does not touch)."""
+    (one entry)."""
     kept = to_view_shapes({n.name: start[n.name] for n in graph.params if n.name not in out}, graph)
-    untouched = {n.name: np.zeros(n.type.shape) for n in graph.params if n.name not in bounds}
-    return ({**kept, **out, "losses": np.array([out["loss"]], "float32")},
-            {**untouched, **bounds, "losses": np.array([bounds["loss"]])})
+    return {**kept, **out, "losses": np.array([out["loss"]])}
 
 
-def lockstep(compiled, module, example, feeds, steps: int, resolve=RESOLVE) -> dict:
-    """Every step of the sharded program (numpy interpreter, all ranks) from the state the
-    unsharded run starts that step from, against the unsharded step and, for a torch
-    model, torch.optim's step from the same state, each within that step's error bound.
+def step_result(graph, start: dict, got: dict, want: dict, params, rtol: float, env: dict | None = None) -> dict:
+    """One step of the sharded program (``got``) against the unsharded step (``want``) from
+    ``start``: the loss, outputs and gradients as they are, the optimizer's outputs against
+    the unsharded optimizer on ``got``'s gradients (:func:`optimizer_on`). A failure where the
+    unsharded step chose on a near tie is CANNOT VOUCH, naming it. ``env``: every value of the
+    unsharded step (computed here when not given)."""
+    if env is None:
+        env = {}
+        run_unsharded(graph, start, env=env)
+    ref = {**want, **optimizer_on(graph, start, got, env)}
+    res = training_result(one_step(graph, start, got), one_step(graph, start, ref), params, rtol)
+    return res if res["ok"] else tie_verdict(res, near_ties(graph, env, rtol))
 
-    Returns ``{"vs_unsharded": result, "vs_torch": result or None, "losses": sharded
-    loss of each step, "reference_losses": the unsharded run's}`` (results as
-    :func:`merge_steps`). ``resolve``: as :func:`training_result`'s (None: within the bound
-    only, for a bfloat16 step whose worst-case bound cannot resolve 10%)."""
+
+def _sharded_steps(compiled, feeds: dict, steps: int, rtol: float, tick, vs_torch=None) -> dict:
+    """Every step of ``compiled.program`` (all ranks) from the unsharded run's state before it,
+    against the unsharded step (:func:`step_result`); ``vs_torch(k, start, got, env)``, when
+    given, compares the same step with torch.optim's."""
     graph, prog = compiled.logical, compiled.program
     params = [n.name for n in compiled.unsharded.params]
-    tick = _progress(steps, "numpy interpreter")
-    ref = train_steps(lambda s: run_unsharded(graph, s), graph, feeds, steps, record=True)
-    vs_ref, vs_torch, losses = [], [], []
-    for k, (start, want) in enumerate(zip(ref["starts"], ref["per_step"]), 1):
+    state, carried_names = initial_state(graph, feeds), {n.name for n in graph.params}
+    results, torch_results, losses, ref_losses = [], [], [], []
+    for k in range(1, steps + 1):
         tick()
+        if "step" in graph:
+            state["step"] = np.array(float(k), graph["step"].type.dtype)
+        start, env = dict(state), {}
+        want = run_unsharded(graph, start, env=env)
         got = run_spmd(prog, start).outputs(prog)
+        results.append(step_result(graph, start, got, want, params, rtol, env))
+        if vs_torch is not None:
+            torch_results.append(vs_torch(k, start, got, env))
         losses.append(float(got["loss"]))
-        wants = [_one_step(graph, start, want, {"loss": 0})[0]]
-        if module is not None:
-            wants.append(torch_reference(compiled, module, example, feeds, 1, start, k)[1])
-        res = step_results(graph, start, got, wants, params, training_bounds(graph, start, 1, first=k,
-                                                                              refined=False), resolve)
-        vs_ref.append(res[0])
-        vs_torch.extend(res[1:])
-    return {"vs_unsharded": merge_steps(vs_ref), "vs_torch": merge_steps(vs_torch) if vs_torch else None,
-            "losses": losses, "reference_losses": ref["losses"]}
+        ref_losses.append(float(want["loss"]))
+        state.update({key: v for key, v in want.items() if key in carried_names})
+    return {"result": merge_steps(results), "vs_torch": merge_steps(torch_results) if torch_results else None,
+            "losses": losses, "reference_losses": ref_losses}
 
 
-def step_results(graph, start, got, wants, params, tb, resolve) -> list:
-    """:func:`training_result` of one step's outputs ``got`` against each of ``wants`` within
-    the boxes of ``tb`` (``training_bounds(..., refined=False)``), and only where some value
-    fails them (a bound too loose to resolve, or an error beyond it), again within the bounds
-    refined by the exact linear maps of the backward (parcomp/segment_bounds.py) for the
-    failing values: the refined bound is never looser, so a verdict the boxes reach is
-    the refined one's except that an error between the two tolerances stays unseen
-    (docs/design.md, "Refined only when the boxes cannot vouch")."""
-    out, bounds = _one_step(graph, start, got, tb["outputs"])
-    res = [training_result(out, w, params, bounds, resolve) for w in wants]
-    if all(r["ok"] for r in res):
-        return res
-    failed = set().union(*(_failed(out, w, bounds, params, resolve) for w in wants))
-    out, bounds = _one_step(graph, start, got, tb["refine"](failed | ({"loss"} if "losses" in failed else set())))
-    return [training_result(out, w, params, bounds, resolve) for w in wants]
+def _torch_step(compiled, graph, module, example, feeds, rtol):
+    """``vs_torch(k, start, got, env)`` for :func:`_sharded_steps`: step ``k`` of the sharded
+    program (``got``) against torch.optim's step from the same state: the loss, outputs and
+    gradients as they are; torch.optim's parameters and state against the unsharded optimizer
+    on torch's gradients (:func:`optimizer_on`)."""
+    params = [n.name for n in compiled.unsharded.params]
+
+    def step(k, start, got, env):
+        want = torch_reference(compiled, module, example, feeds, 1, start, k)[1]
+        grads = {key: v for key, v in want.items() if key.endswith(".grad")}
+        ours = {**got, **optimizer_on(graph, start, grads, env)}
+        res = training_result(one_step(graph, start, ours), want, params, rtol)
+        return res if res["ok"] else tie_verdict(res, near_ties(graph, env, rtol))
+    return step
 
 
-def _failed(got, want, bounds, params, resolve) -> set:
-    """The keys of ``want`` whose comparison (as :func:`training_result`'s) fails."""
-    keys = [k for k in want if k in got]
-    res = compare_all(got, want, bounds, keys, resolve=resolve,
-                      resolve_keys={"loss", "losses", *(f"{p}.grad" for p in params)})
-    return {k for k, r in res["per_key"].items() if not r["ok"]}
+def lockstep(compiled, module, example, feeds, steps: int) -> dict:
+    """Every step of the sharded program (numpy interpreter, all ranks) from the state the
+    unsharded run starts that step from, against the unsharded step, in float64
+    (:func:`step_result`; ``compiled`` and ``feeds`` are promoted here); a mixed-precision
+    program also in its own precision (``native``); for a torch ``module``, torch.optim's step
+    from the same state (``vs_torch``, within the tolerance of the dtype torch computes in,
+    against the float64 run, or a mixed-precision program's own).
+
+    Returns ``{"vs_unsharded": result, "native": result or None, "vs_torch": result or None,
+    "losses": sharded loss of each step, "reference_losses": the unsharded run's}`` (results
+    as :func:`merge_steps`)."""
+    low = compute_dtype(compiled)
+    tick = _progress(steps * (2 if low else 1), "numpy interpreter")
+    wide = promote_compiled(compiled)
+    torch_rtol = tolerance_for(low or "float32")
+    on64 = _torch_step(compiled, wide.logical, module, example, feeds, torch_rtol) if module is not None and not low \
+        else None
+    main = _sharded_steps(wide, promote_feeds(feeds), steps, THRESHOLD, tick, on64)
+    native = None
+    if low:
+        native = _sharded_steps(compiled, feeds, steps, tolerance_for(low), tick, _torch_step(
+            compiled, compiled.logical, module, example, feeds, torch_rtol) if module is not None else None)
+    return {"vs_unsharded": main["result"], "native": native["result"] if native else None,
+            "vs_torch": (native or main)["vs_torch"], "losses": main["losses"],
+            "reference_losses": main["reference_losses"],
+            **({"native_losses": native["losses"], "native_reference_losses": native["reference_losses"]}
+               if native else {})}
 
 
 def _progress(steps: int, what: str):
@@ -221,22 +291,20 @@ def _progress(steps: int, what: str):
 
 def replay_reference(compiled, module, example, feeds, steps: int) -> dict:
     """What ``program.py --replay`` must produce: each step k run from the unsharded run's
-    state before step k, by the reference (torch.optim for a torch model, else the
-    unsharded numpy step), with that one step's bounds.
+    state before step k, by the reference (torch.optim for a torch model, else the unsharded
+    numpy step).
 
-    Returns ``{"starts": [{param: full array}] per step (for the replay file), "want":
-    step K's carried values plus ``losses`` (every step's), "bounds": the same keys}``."""
+    Returns ``{"starts": [{param: full array}] per step (for the replay file), "start": the
+    last step's start (view shapes), "want": step K's carried values plus ``losses`` (every
+    step's)}``."""
     graph = compiled.logical
     ref = train_steps(lambda s: run_unsharded(graph, s), graph, feeds, steps, record=True)
-    losses, loss_bounds, want, bounds = [], [], {}, {}
+    losses, want = [], {}
     for k, (start, out) in enumerate(zip(ref["starts"], ref["per_step"]), 1):
-        b = training_bounds(graph, start, 1, first=k)["outputs"]
         if module is not None:
             _, out = torch_reference(compiled, module, example, feeds, 1, start, k)
-        want, bounds = _one_step(graph, start, out, b)
+        want = one_step(graph, start, out)
         losses.append(float(out["loss"]))
-        loss_bounds.append(float(b["loss"]))
     starts = [to_stored_shapes({n.name: s[n.name] for n in graph.params}, graph, derived=False)
               for s in ref["starts"]]
-    return {"starts": starts, "want": {**want, "losses": np.array(losses, "float32")},
-            "bounds": {**bounds, "losses": np.array(loss_bounds)}}
+    return {"starts": starts, "start": ref["starts"][-1], "want": {**want, "losses": np.array(losses, "float32")}}

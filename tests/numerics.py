@@ -1,60 +1,72 @@
-"""The suite's one numerical assertion: ``parcomp.tolerance.compare`` with pytest's messages.
+"""The suite's numerical assertions: ``parcomp.differential``'s comparison with pytest's messages.
 
-Tolerances are never typed in a test: they come from the error bound of the graph
-the test computed (``parcomp.tolerance.output_bounds`` and friends, docs/design.md).
+Tolerances are never typed in a test: a comparison is scale-relative within the tolerance of
+the least precise dtype of the two sides (:data:`parcomp.differential.DTYPE_TOLERANCE`;
+float64 against float64: :data:`parcomp.differential.THRESHOLD`, what ``parcomp check``
+decides by). :func:`assert_program_equivalent` is ``check``'s own comparison: a compiled
+program (every rank) against its unsharded graph, both promoted to float64.
 Exact small-integer tests use ``np.testing.assert_array_equal`` instead.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from parcomp.tolerance import compare, compare_all
+from parcomp.check64 import promote_compiled, promote_feeds, promote_graph
+from parcomp.differential import compare, compare_all, tolerance_for
+from parcomp.reference.interpreter import run_spmd
+from parcomp.reference.numpy_ops import run_unsharded
+
+__all__ = ["assert_equivalent", "assert_all_equivalent", "assert_program_equivalent", "assert_check_ok",
+           "rtol_of"]
+
+_ORDER = ("bfloat16", "float16", "float32", "float64")
 
 
-def assert_equivalent(got, want, bound, bound_want=None, what="value"):
-    """``got`` and ``want`` are two computations of one value with error bounds ``bound``
-    (and ``bound_want``, default the same); fails with the worst element and the ratio."""
-    res = compare(got, want, bound, bound_want)
+def rtol_of(*arrays) -> float:
+    """The tolerance of the least precise float dtype among ``arrays`` (float64 if none is)."""
+    names = [np.asarray(a).dtype.name for a in arrays]
+    floats = [n for n in names if n in _ORDER]
+    return tolerance_for(min(floats, key=_ORDER.index) if floats else "float64")
+
+
+def assert_equivalent(got, want, what="value", rtol=None):
+    """``got`` and ``want`` are two computations of one value: equal within ``rtol`` (default:
+    :func:`rtol_of` the two) of its scale; fails with the worst element and the ratio."""
+    res = compare(got, want, rtol_of(got, want) if rtol is None else rtol)
     assert res["ok"], (f"{what}: {res['why']} (max abs error {res['max_abs_err']:.3e}, "
                        f"error/tolerance {res['err_over_tol']:.3g})")
     return res
 
 
-def assert_all_equivalent(got: dict, want: dict, bounds: dict, keys=None):
-    """:func:`assert_equivalent` for every key of ``want`` (or ``keys``); a missing key fails."""
-    res = compare_all(got, want, bounds, keys)
+def assert_all_equivalent(got: dict, want: dict, keys=None, rtol=None):
+    """:func:`assert_equivalent` for every key of ``want`` (or ``keys``), each at its module's
+    floor (:func:`parcomp.differential.compare_all`); a missing key fails."""
+    keys = list(want) if keys is None else list(keys)
+    if rtol is None:
+        rtol = rtol_of(*[got[k] for k in keys if k in got], *[want[k] for k in keys])
+    res = compare_all(got, want, keys, rtol)
     assert res["ok"], f"{res['why']} (worst {res['worst']}, error/tolerance {res['err_over_tol']:.3g})"
     return res
 
 
-#: A secondary guard where the sound bound cannot vouch (CANNOT VOUCH): a sharding bug (a
-#: dropped partial sum, a wrong slice, a missing all_gather) moves a loss by percents, while
-#: the float32 rounding of these tiny models moves it by ~1e-7 of itself. Not a tolerance
-#: the product uses: ``check`` says CANNOT VOUCH there, this only keeps the test able to fail.
-LOSS_GUARD = 1e-4
+def assert_program_equivalent(compiled, feeds: dict, keys=None, program=None, reference=None):
+    """``check``'s comparison: ``compiled.program`` (or ``program``) on every rank against the
+    unsharded ``compiled.logical`` (or ``reference``), both promoted to float64, one forward
+    or training step from ``feeds``; every output within the float64 threshold of its scale.
+    Returns ``(got, want)`` (float64)."""
+    wide = promote_compiled(compiled) if compiled is not None else None
+    prog = promote_graph(program) if program is not None else wide.program
+    ref = promote_graph(reference) if reference is not None else wide.logical
+    f64 = promote_feeds(feeds)
+    got, want = run_spmd(prog, f64).outputs(prog), run_unsharded(ref, f64)
+    assert_all_equivalent(got, want, keys)
+    return got, want
 
 
-def assert_never_wrong(out: dict) -> None:
-    """A ``check --json`` result of a training spec: OK, or CANNOT VOUCH where the sound
-    bound of a training step cannot resolve a 10% error (docs/design.md, "Resolution"),
-    never MISMATCH; the same against torch.optim; and each step's loss within
-    :data:`LOSS_GUARD` of the unsharded one."""
-    assert out["verdict"] in ("OK", "CANNOT VOUCH"), out.get("why")
+def assert_check_ok(out: dict) -> None:
+    """A ``check --json`` result of a training spec: OK, and OK against torch.optim where
+    compared."""
+    assert out["verdict"] == "OK", out.get("why")
     vs = out.get("vs_torch")
     if vs is not None:
-        assert vs["ok"] or vs["unbounded"], vs["why"]
-    got, want = np.asarray(out["losses"], np.float64), np.asarray(out["reference_losses"], np.float64)
-    assert got.shape == want.shape and (np.abs(got - want) <= LOSS_GUARD * np.abs(want)).all(), (got, want)
-
-
-#: the training specs whose float64 re-check vouches (OK): their one-step bound resolves a
-#: 10% error in float64 (issue 17, parcomp/rules/vjp_bounds.py; Llama's by the exact linear
-#: maps of parcomp/segment_bounds.py)
-VOUCHED_LMS = ("gpt2_lm", "llama_lm")
-
-
-def assert_vouched_if_expected(out: dict, factory: str) -> None:
-    """:func:`assert_never_wrong`, and OK (not CANNOT VOUCH) for a model in :data:`VOUCHED_LMS`."""
-    assert_never_wrong(out)
-    if factory in VOUCHED_LMS:
-        assert out["verdict"] == "OK", out.get("why")
+        assert vs["ok"], vs["why"]

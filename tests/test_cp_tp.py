@@ -14,7 +14,6 @@ from parcomp.errors import SpecError
 from parcomp.ir import parse_graph
 from parcomp.reference.interpreter import run_spmd
 from parcomp.reference.numpy_ops import run_unsharded
-from parcomp.tolerance import output_bounds
 
 from graphs import random_feeds, spec
 from numerics import assert_all_equivalent
@@ -60,8 +59,7 @@ def _tp(report):
 
 def _equal_to_unsharded(c, seed=0):
     feeds = random_feeds(c.logical, seed)
-    assert_all_equivalent(run_spmd(c.program, feeds).outputs(c.program), run_unsharded(c.logical, feeds),
-                          output_bounds(c.logical, feeds))
+    assert_all_equivalent(run_spmd(c.program, feeds).outputs(c.program), run_unsharded(c.logical, feeds))
 
 
 # ---- the plan: Megatron's, per lowering ---------------------------------------------------------

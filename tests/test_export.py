@@ -15,10 +15,12 @@ from parcomp.cli import main
 from parcomp.frontends.loader import load_model
 from parcomp.check64 import promote_compiled, promote_feeds, promote_graph
 from parcomp.reference.interpreter import run_spmd
-from parcomp.reference.training import numpy_train, train_steps
-from parcomp.tolerance import compare, propagate, training_bounds
+from parcomp.reference.numpy_ops import run_unsharded
+from parcomp.reference.training import train_steps
+from parcomp.train_check import lockstep
+from parcomp.differential import compare
 
-from numerics import assert_all_equivalent, assert_equivalent
+from numerics import assert_equivalent
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 GPT2 = os.path.join(ROOT, "specs", "models.py") + ":gpt2_lm"
@@ -28,15 +30,15 @@ STEPS = 1
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """gpt2_lm's TP=2 training program run 2 steps on its 2 ranks in the numpy interpreter, in
-    float64 (the float32 bound of a 2-block LM cannot resolve its logits; docs/design.md,
-    "Resolution"), the full state saved as a DCP checkpoint laid out as program.py --save's
-    (``latest`` -> ``step-2``); the unsharded float64 run and its error bounds beside it."""
+    """gpt2_lm's TP=2 training program run on its 2 ranks in the numpy interpreter, in float64
+    (as ``parcomp check`` compares), the full state saved as a DCP checkpoint laid out as
+    program.py --save's (``latest`` -> ``step-K``); the unsharded float64 run beside it."""
     import torch
     import torch.distributed.checkpoint as dcp
 
     c, module, example = commands._compile(SimpleNamespace(model=GPT2, spec=SPEC), numeric="check")
-    wide, feeds = promote_compiled(c), promote_feeds(commands._train_feeds(c, module, example, 0))
+    narrow = commands._train_feeds(c, module, example, 0)
+    wide, feeds = promote_compiled(c), promote_feeds(narrow)
     prog = wide.program
     tp2 = train_steps(lambda s: run_spmd(prog, s).outputs(prog), wide.logical, feeds, STEPS)["state"]
     ckpt = tmp_path_factory.mktemp("ckpt")
@@ -45,28 +47,24 @@ def trained(tmp_path_factory):
     dcp.save(sd, checkpoint_id=str(ckpt / f"step-{STEPS}"), no_dist=True)
     (ckpt / "latest").write_text(f"step-{STEPS}\n")
     return SimpleNamespace(compiled=c, wide=wide, module=module, feeds=feeds, tp2=tp2, ckpt=ckpt,
-                           ref=numpy_train(wide.logical, feeds, STEPS)["state"],
-                           bounds=training_bounds(wide.logical, feeds, STEPS)["state"])
+                           narrow_feeds=narrow)
 
 
 def forward64(t, weights, input_ids):
-    """The float64 logits of the unsharded model (the numpy interpreter) with ``weights`` and
-    their rounding-error bound."""
+    """The float64 logits of the unsharded model (the numpy interpreter) with ``weights``."""
     fwd = promote_graph(load_model(GPT2)[0])
     feeds = promote_feeds(commands.feeds_for(fwd, t.module, (input_ids,)))
     feeds.update({k: weights[k] for k in feeds if k in weights})
     feeds["input_ids"] = input_ids.numpy()
-    values, err = propagate(fwd, feeds)
-    (_, v), = fwd.named_outputs()
-    return values[v], err[v]
+    return run_unsharded(fwd, feeds)[fwd.output_names[0]]
 
 
 def test_gpt2_export_loads_with_from_pretrained_tied_and_equal(trained, tmp_path):
     """The export holds ``transformer.wte.weight`` once (no ``lm_head.weight``, as
     save_pretrained writes it) and a config.json; GPT2LMHeadModel.from_pretrained loads it
     with nothing missing or unexpected, its lm_head tied to the trained embedding, and its
-    logits equal the unsharded model's with the TP=2 run's weights (float64 forward, within its
-    bound), which equal the unsharded run's within the training bound."""
+    logits equal the unsharded model's with the TP=2 run's weights (float64 forward); the TP=2
+    step equals the unsharded one."""
     import torch
     from safetensors.torch import load_file
     from transformers import GPT2LMHeadModel
@@ -87,14 +85,14 @@ def test_gpt2_export_loads_with_from_pretrained_tied_and_equal(trained, tmp_path
     ids = torch.randint(0, 101, (2, 8), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         got = model.eval()(ids).logits.numpy()
-    want, bound = forward64(trained, trained.tp2, ids)
-    assert_equivalent(got, want, bound, what="logits of the from_pretrained export")
-    params = [n.name for n in trained.compiled.unsharded.params if n.attr("trainable", True)]
-    assert_all_equivalent(trained.tp2, trained.ref, trained.bounds, params)  # TP=2 trained = unsharded
+    want = forward64(trained, trained.tp2, ids)
+    assert_equivalent(got, want, what="logits of the from_pretrained export")
+    r = lockstep(trained.compiled, None, None, trained.narrow_feeds, STEPS)["vs_unsharded"]
+    assert r["ok"], r["why"]  # the TP=2 step equals the unsharded one, as check compares them
     with torch.no_grad():
         before = trained.module.double()(ids).logits.numpy()
     trained.module.float()
-    assert not compare(before, want, bound)["ok"]  # the bound sees what one step changed
+    assert not compare(before, want)["ok"]  # the comparison sees what one step changed
 
 
 def test_export_refuses_an_existing_target_and_leaves_nothing_half_written(trained, tmp_path):

@@ -24,7 +24,6 @@ from parcomp.redistribute import plan, plan_cost, plan_per_axis, step_bytes, ALP
 from parcomp.reference.interpreter import run_spmd, split_for_ranks
 from parcomp.report import _with_note
 from parcomp.reference.numpy_ops import run_unsharded
-from parcomp.tolerance import output_bounds, spmd_errors
 
 from graphs import mlp_graph, random_feeds, spec
 from numerics import assert_all_equivalent, assert_equivalent
@@ -48,8 +47,7 @@ def test_2d_data_parallel_is_five_joint_all_reduce(batch):
     feeds = random_feeds(c.logical, 1)
     run = run_spmd(c.program, feeds)
     assert _log(run) == [("all_reduce", "dp,tp", None)] * 5
-    assert_all_equivalent(run.outputs(c.program), run_unsharded(c.logical, feeds),
-                          output_bounds(c.logical, feeds))
+    assert_all_equivalent(run.outputs(c.program), run_unsharded(c.logical, feeds))
     # a joint ring all_reduce sends 2(1 - 1/4) of its bytes; over dp then tp: 2(1/2) + 2(1/2)
     w = next(r for r in c.report["collectives"] if r["producer"] == "bw.l0.mm.matmul_2")
     assert w["bytes"] == 2 * 3 * (8 * 16 * 4) // 4
@@ -151,9 +149,9 @@ def test_joint_plan_gives_the_target_shards_and_never_costs_more(case, seed):
     assert len(run.log) == sum(1 for s in joint if s.is_collective)
     if any(p == P for p in tgt):
         return  # partial targets: test_properties assembles them; here the blocks
-    want, errs, out = split_for_ranks(full, tgt, mesh), spmd_errors(prog, run), prog.outputs[0]
+    want, out = split_for_ranks(full, tgt, mesh), prog.outputs[0]
     for r in range(mesh.size):
-        assert_equivalent(run.env[r][out], want[r], errs[r][out], 0.0, what=f"rank {r}")
+        assert_equivalent(run.env[r][out], want[r], what=f"rank {r}")
 
 
 @pytest.mark.slow
@@ -163,7 +161,7 @@ def test_2d_data_parallel_trains_like_torch_on_four_gloo_ranks(tmp_path):
     pytest.importorskip("torch")
     from parcomp.frontends.loader import load_model
     from train_models import MODELS
-    from test_torch_training import (_batches, _sgd, _mse, assert_trained_like_torch, error_bounds,
+    from test_torch_training import (_batches, _sgd, _mse, assert_trained_like_torch,
                                      torch_training, train_run)
 
     graph, module, example = load_model(f"{MODELS}:mlp_batch8")
@@ -174,8 +172,7 @@ def test_2d_data_parallel_trains_like_torch_on_four_gloo_ranks(tmp_path):
     out, losses, res = train_run(tmp_path, c, 4, module, batches)
     text = (tmp_path / "program.py").read_text()
     assert 'all_reduce_(' in text and '"dp,tp")' in text and '"dp,tp": [[0, 1, 2, 3]]' in text
-    assert_trained_like_torch(out, losses, res, torch_training(module, _sgd, batches, _mse),
-                              error_bounds(c, module, batches))
+    assert_trained_like_torch(out, losses, res, torch_training(module, _sgd, batches, _mse))
 
 
 def test_joint_collectives_round_trip_through_the_text_ir():

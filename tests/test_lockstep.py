@@ -1,4 +1,5 @@
-"""The step-by-step (lockstep) training check: tight per-step bounds, and it can fail."""
+"""The step-by-step (lockstep) training check: each step from the unsharded state, in float64,
+and it can fail."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -7,8 +8,6 @@ import numpy as np
 import pytest
 
 from parcomp import commands, train_check
-from parcomp.reference.training import train_steps
-from parcomp.tolerance import training_bounds
 
 SPEC = "specs/gpt2_mlp_dp2_tp2_train.pcs"  # AdamW, dp2 x tp2, 3 steps
 MODEL = "specs/models.py:gpt2_mlp"
@@ -21,22 +20,6 @@ def compiled():
     return compiled, module, example, commands._train_feeds(compiled, module, example, 0)
 
 
-def test_adamw_step_bounds_are_far_below_the_update(compiled):
-    """Each step's bound, from the state that step starts from, is a small fraction of how
-    far AdamW moves the weights (~lr = 0.01): the verdict says something. The compounding
-    bound over the same 3 steps (what a free-running comparison needs) is 100x looser."""
-    c, _, _, feeds = compiled
-    g = c.logical
-    ref = train_steps(lambda s: commands.run_unsharded(g, s), g, feeds, 3, record=True)
-    for k, (start, out) in enumerate(zip(ref["starts"], ref["per_step"]), 1):
-        b = training_bounds(g, start, 1, first=k)["outputs"]
-        for p in ("c_fc.weight", "c_proj.weight"):
-            move = np.abs(out[p] - start[p]).max()
-            assert b[p].max() < 0.1 * move and np.median(b[p]) < 1e-3 * move, (k, p)
-    free = training_bounds(g, feeds, 3)["state"]["c_fc.weight"].max()
-    assert free > 100 * b["c_fc.weight"].max()  # compounding: 3 steps cost > 100x one step
-
-
 def test_lockstep_passes_and_names_each_side(compiled):
     c, module, example, feeds = compiled
     r = train_check.lockstep(c, module, example, feeds, 3)
@@ -46,8 +29,7 @@ def test_lockstep_passes_and_names_each_side(compiled):
 
 
 def test_lockstep_catches_a_wrong_step(compiled, monkeypatch):
-    """A sharded step that moves one weight by 1e-5 (a tenth of a typical per-element bound
-    would pass; this is far above it) in step 2 only is a MISMATCH naming step 2."""
+    """A sharded step that moves one weight by 1e-5 in step 2 only is a MISMATCH naming step 2."""
     c, module, example, feeds = compiled
     real = train_check.run_spmd
     calls = {"k": 0}
@@ -88,8 +70,8 @@ def test_run_replays_each_step_and_reports_the_free_run_too(tmp_path, capsys):
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert last["verdict"] == "OK" and last["ok"] and len(last["losses"]) == 3
     assert last["free_running"]["ok"] and last["err_over_tol"] <= 1
-    # the step-by-step comparison is the tight one: every carried value, all 3 losses
-    assert last["free_running"]["tolerance"] > last["tolerance"]
+    # the step-by-step comparison judges every carried value, the free run its losses
+    assert last["free_running"]["worst"].startswith("losses") and "drift" in last["free_running"]
 
 
 def test_replay_file_with_the_wrong_number_of_steps_exits_2(tmp_path, monkeypatch, capsys):

@@ -14,20 +14,18 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from parcomp.check64 import promote_compiled, promote_feeds
 from parcomp.cli import main
 from parcomp.commands import feeds_for
 from parcomp.compiler import compile_graph
 from parcomp.frontends.loader import load_model
 from parcomp.frontends.torch_export import import_torch
 from parcomp.ir import parse_graph
-from parcomp.reference import moe_ops
 from parcomp.spec import load_spec, parse_spec
-from parcomp.tolerance import output_bounds, training_bounds
-from parcomp.train_check import lockstep, train_feeds, verdict
+from parcomp.differential import verdict
+from parcomp.train_check import lockstep, train_feeds
 
 from moe_cases import MoeCase, feeds, model_text, spec_text
-from numerics import assert_equivalent, assert_never_wrong
+from numerics import assert_equivalent, assert_check_ok
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 MODELS = os.path.join(ROOT, "specs", "models.py")
@@ -42,27 +40,17 @@ SHARED = ["shared_expert.gate_proj.weight", "shared_expert.up_proj.weight", "sha
 @pytest.mark.parametrize("routing", ["random", "skewed"])
 def test_moe_block_shared_equals_transformers_qwen2_moe_forward_and_backward(routing):
     """Output and every gradient of an MSE step of our block against transformers'
-    Qwen2MoeSparseMoeBlock (norm_topk_prob=True), within the bounds. As for Mixtral
+    Qwen2MoeSparseMoeBlock (norm_topk_prob=True), within float32's tolerance. As for Mixtral
     (test_moe.py), Qwen's router logits' gradient off the top-k is a float32 rounding residue
-    (0 in exact arithmetic, exactly 0 in ours): Qwen's own error, counted on its side of the
-    bound where it reaches gate.weight and x."""
+    (0 in exact arithmetic, exactly 0 in ours), far below the gradients' scale."""
     qwen = models.qwen_moe()
     ours, (x,), _ = models.moe_block_shared(routing)
     if routing == "skewed":
         models.skew_routing(qwen, x.clone())
-    module, example, names = models.moe_block_shared(routing)  # the same block, for the bounds
+    module, example, names = models.moe_block_shared(routing)  # the same block, for the feeds
     graph = import_torch(module, example, names)
     c = compile_graph(graph, load_spec(os.path.join(SPECS, "moe_shared_ep2_train.pcs")))
     f = train_feeds(c, module, example, 0, feeds_for)
-    bounds = training_bounds(c.logical, f, 1)["outputs"]
-    fwd = output_bounds(graph, feeds_for(graph, module, example))["output"]
-    logits = []
-
-    def keep(module, inputs, out):
-        out[0].retain_grad()
-        logits.append(out[0])
-
-    qwen.gate.register_forward_hook(keep)
     got = {}
     for name, m in (("qwen", qwen), ("ours", ours)):
         xx = torch.from_numpy(f["x"]).requires_grad_(True)
@@ -70,19 +58,12 @@ def test_moe_block_shared_equals_transformers_qwen2_moe_forward_and_backward(rou
         out = m(xx)
         torch.nn.functional.mse_loss(out, torch.from_numpy(f["target"])).backward()
         got[name] = out.detach().numpy(), xx.grad.numpy(), {k: p.grad.numpy() for k, p in m.named_parameters()}
-    z = logits[0]
-    top = moe_ops.top_mask(z.detach().numpy(), 2)[0]
-    residue = np.where(top, 0, np.abs(z.grad.numpy().astype(np.float64)))  # [T, E]
-    xs = np.abs(f["x"].reshape(-1, f["x"].shape[-1]).astype(np.float64))
-    extra = {"gate.weight": residue.T @ xs,
-             "x": (residue @ np.abs(ours.gate.weight.detach().numpy())).reshape(f["x"].shape)}
-    assert_equivalent(got["ours"][0], got["qwen"][0], fwd, what="output")
-    assert_equivalent(got["ours"][1], got["qwen"][1], bounds["x.grad"], bounds["x.grad"] + extra["x"], what="x.grad")
+    assert_equivalent(got["ours"][0], got["qwen"][0], what="output")
+    assert_equivalent(got["ours"][1], got["qwen"][1], what="x.grad")
     gu, f_ = got["qwen"][2]["experts.gate_up_proj"], ours.experts.gate_proj.shape[1]
     want = {**got["qwen"][2], "experts.gate_proj": gu[:, :f_], "experts.up_proj": gu[:, f_:]}
     for name, g in got["ours"][2].items():
-        b = bounds[name + ".grad"]
-        assert_equivalent(g, want[name], b, b + extra.get(name, 0), what=name + ".grad")
+        assert_equivalent(g, want[name], what=name + ".grad")
     assert set(SHARED) <= set(got["ours"][2])
 
 
@@ -132,7 +113,7 @@ def test_shared_expert_specs_train_like_unsharded_on_the_interpreter(capsys, spe
     rc = main(["check", f"{MODELS}:moe_block_shared", "--spec", os.path.join(SPECS, spec), "--json"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and out["verdict"] == "OK", out.get("why")
-    assert_never_wrong(out)
+    assert_check_ok(out)
     fwd = [(c["kind"], c["axis"]) for c in out["collectives"] if c["phase"] == "forward"]
     assert fwd.count(("all_to_all", "ep")) == 2  # the tokens to their experts and back
 
@@ -153,16 +134,14 @@ def test_shared_expert_dp2_ep2_trains_under_torchrun_like_unsharded(capsys):
 def test_random_dp2_ep2_steps_exchange_tokens_by_all_to_all_and_equal_unsharded(per, top_k, capacity, skew, seed):
     """dp=2 x ep=2 over expert counts, top-k, capacities and routings: the tokens travel by
     all_to_all over ep (never gathered over ep), the step equals the unsharded one. top_k < E
-    (with k = E and the skewed router the router's gradient is ~1e-15: nothing for any
-    precision to resolve, so no check can vouch for it)."""
+    (with k = E the router's gradient is zero up to rounding, in a module of its own: see
+    test_moe.py)."""
     experts = 2 * per
     case = MoeCase(experts=experts, top_k=min(top_k, experts - 1), batch=4, seq=4, hidden=4, inter=4,
                    capacity=capacity, ep=2, dp=2, skew=skew)
     c = compile_graph(parse_graph(model_text(case)), parse_spec(spec_text(case), "case.pcs"))
     f = feeds(c.logical, case, seed)
-    r = lockstep(c, None, None, f, 1)["vs_unsharded"]
-    if verdict(r) == "CANNOT VOUCH":  # as `parcomp check`: the float64 re-check must vouch
-        r = lockstep(promote_compiled(c), None, None, promote_feeds(f), 1)["vs_unsharded"]
+    r = lockstep(c, None, None, f, 1)["vs_unsharded"]  # in float64, as `parcomp check`
     assert verdict(r) == "OK", (case, r["why"])
     fwd = [(e["kind"], e["axis"]) for e in c.report["collectives"] if e["phase"] == "forward"]
     assert fwd.count(("all_to_all", "ep")) == 2 and ("all_gather", "ep") not in fwd, fwd

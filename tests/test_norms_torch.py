@@ -1,6 +1,6 @@
 """The norms + embedding part (issue 17) against torch: the dropout mask bit for bit, the
 aten lowerings (LayerNorm, RMSNorm, LlamaRMSNorm, Embedding, dropout, native ops), tied
-embeddings against autograd, the error bounds of torch's kernels against float64, and the
+embeddings against autograd, and the
 emitted program of a sequence- and vocab-parallel block under torchrun."""
 import numpy as np
 import pytest
@@ -10,7 +10,6 @@ from parcomp.ir import parse_graph
 from parcomp.reference import norm_ops
 from parcomp.reference.interpreter import run_spmd
 from parcomp.reference.numpy_ops import run_unsharded
-from parcomp.tolerance import output_bounds
 
 from graphs import spec
 from numerics import assert_all_equivalent, assert_equivalent
@@ -77,8 +76,7 @@ def test_tied_embedding_gradient_sums_both_uses_once():
     logits = m(ids)
     torch.nn.functional.cross_entropy(logits.reshape(-1, 8), torch.tensor(labels).reshape(-1)).backward()
     want = m.wte.weight.grad.numpy()  # autograd: both uses summed
-    bounds = output_bounds(c.logical, feeds)
-    assert_equivalent(got[f"{table}.grad"], want, bounds[f"{table}.grad"])
+    assert_equivalent(got[f"{table}.grad"], want)
     emb_only = [n for n in c.logical.nodes if n.op == "embedding_grad"]
     assert len(emb_only) == 1  # the embedding's scatter-add, added to the head's matmul gradient
 
@@ -143,7 +141,7 @@ def test_frontend_lowers_norms_embedding_and_llama_rmsnorm_pattern():
     assert [n.name for n in g.by_op("rms_norm")] == ["rms_norm", "rms_norm_2"]  # a spec can name them
     feeds = {**{k: v.detach().numpy() for k, v in m.state_dict().items()}, "ids": ids.numpy()}
     got = run_unsharded(g, feeds)["output"]
-    assert_equivalent(got, m(ids).detach().numpy(), output_bounds(g, feeds)["output"])
+    assert_equivalent(got, m(ids).detach().numpy())
 
 
 def test_frontend_dropout_in_training_mode_and_native_ops_after_decomposition():
@@ -184,7 +182,6 @@ def test_sequence_parallel_vocab_parallel_program_on_two_gloo_ranks(tmp_path):
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from parcomp.frontends.torch_export import import_torch
-    from parcomp.tolerance import training_bounds
     from parcomp.reference.training import train_steps
     from parcomp_backends.torch import assemble_training_outputs, run_torchrun
     from parcomp_backends.torch.launch import write_program
@@ -205,39 +202,8 @@ def test_sequence_parallel_vocab_parallel_program_on_two_gloo_ranks(tmp_path):
     assert res.returncode == 0, res.stderr[-4000:]
     out, losses = assemble_training_outputs(tmp_path / "out.pt", c.program)
     want = train_steps(lambda s: run_unsharded(c.logical, s), c.logical, feeds, 2)
-    bounds = training_bounds(c.logical, feeds, 2)
-    assert_all_equivalent(out, want["outputs"], bounds["outputs"])
-    assert_equivalent(np.array(losses), np.array(want["losses"]), np.array(bounds["losses"]))
-
-
-# --- error bounds: sound against float64, for numpy and torch, with cancellation ----------
-
-@pytest.mark.parametrize("op", ["layer_norm", "rms_norm", "layer_norm_grad", "rms_norm_grad"])
-def test_norm_error_bounds_hold_against_float64(op):
-    torch = pytest.importorskip("torch")
-    from parcomp.ir import Node, TensorType, make_attrs
-    from parcomp.reference.numpy_ops import NUMPY_OPS
-    from parcomp.tolerance import op_bound
-    from parcomp_backends.torch.emit import _code
-    from parcomp_backends.torch.emit_norms import NORM_RUNTIME
-
-    env = {"torch": torch}
-    exec(NORM_RUNTIME, env)  # noqa: S102 - the helpers program.py pastes
-    rng = np.random.default_rng(0)
-    eps = {"eps": 1e-5}
-    for n, shift, scale in [(4, 0.0, 1.0), (64, 10.0, 1.0), (512, 100.0, 30.0), (16, 1.0, 1e-3)]:
-        x = (rng.standard_normal((3, n)) * scale + shift).astype("f4")
-        w, b, dy = (rng.standard_normal(s).astype("f4") for s in (n, n, (3, n)))
-        ins = {"layer_norm": [x, w, b], "rms_norm": [x, w], "layer_norm_grad": [dy, x, w],
-               "rms_norm_grad": [dy, x]}[op]
-        names = tuple(f"a{i}" for i in range(len(ins)))
-        node = Node("y", op, names, TensorType(x.shape), make_attrs(**eps))
-        exact = NUMPY_OPS[op]([a.astype("f8") for a in ins], Node("y", op, names, TensorType(x.shape, "float64"),
-                                                                   node.attrs))
-        got, bound = op_bound(node, ins)
-        torch_got = eval(_code(node, list(names)), {**env, **{k: torch.tensor(a) for k, a in zip(names, ins)}})
-        for what, value in (("numpy", got), ("torch", torch_got.numpy())):
-            assert (np.abs(value.astype("f8") - exact) <= bound).all(), f"{op} {what} n={n} shift={shift}"
+    assert_all_equivalent(out, want["outputs"])
+    assert_equivalent(np.array(losses), np.array(want["losses"]))
 
 
 def test_frontend_native_layer_norm_value_and_its_stats_rejected():
@@ -259,6 +225,6 @@ def test_frontend_native_layer_norm_value_and_its_stats_rejected():
     assert [n.op for n in g.nodes if n.op not in ("param", "input")] == ["layer_norm"]
     m = Native(False)
     feeds = {"w": m.w.detach().numpy(), "b": m.b.detach().numpy(), "x": x.numpy()}
-    assert_equivalent(run_unsharded(g, feeds)["output"], m(x).detach().numpy(), output_bounds(g, feeds)["output"])
+    assert_equivalent(run_unsharded(g, feeds)["output"], m(x).detach().numpy())
     with pytest.raises(FrontendError, match="output 2 of aten.native_layer_norm"):
         import_torch(Native(True), (x,))

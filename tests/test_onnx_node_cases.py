@@ -3,8 +3,8 @@
 ``onnx.backend.test.case.node`` builds each small model with its inputs and expected
 outputs. Every case of a supported op (named ``test_<op>`` or ``test_<op>_...``, its
 ``_expanded`` function-body variants included) is imported by parcomp's ONNX frontend and
-run on the reference interpreter; the outputs must equal onnx's within the graph's error
-bound (constant outputs, computed at import: exactly).
+run on the reference interpreter; the outputs must equal onnx's within the tolerance of their
+dtype (constant outputs, computed at import: exactly).
 
 parcomp compiles static programs, so what ONNX lets be a run-time input but parcomp needs
 at compile time is given as an initializer: integer inputs (shapes, axes) and
@@ -29,7 +29,9 @@ from parcomp.errors import ParcompError  # noqa: E402
 from parcomp.frontends.onnx import MIN_OPSET, checked, import_onnx, ir_name  # noqa: E402
 from parcomp.frontends.onnx_ops import supported_ops  # noqa: E402
 from parcomp.reference.numpy_ops import run_unsharded  # noqa: E402
-from parcomp.tolerance import compare, output_bounds  # noqa: E402
+from parcomp.differential import compare  # noqa: E402
+
+from numerics import rtol_of  # noqa: E402
 
 
 #: supported ops no onnx node case can show, and why (tested in test_frontend_onnx.py instead)
@@ -104,7 +106,6 @@ def run_case(case) -> str | None:
         inits = {t.name: t for t in model.graph.initializer}
         feeds.update({p: numpy_helper.to_array(inits[name]) for p, name in got.params.items()})
         values.update(run_unsharded(graph, feeds))
-        bounds = output_bounds(graph, feeds)
     for name, w in zip(outs, want):
         w, g = np.asarray(w), values[name]
         if g.dtype != w.dtype or g.shape != w.shape:
@@ -115,7 +116,7 @@ def run_case(case) -> str | None:
             if not np.array_equal(g, w):
                 return f"constant output {name} differs"
             continue
-        res = compare(g, w, bounds[name])
+        res = compare(g, w, rtol_of(g, w))
         if not res["ok"]:
             return f"output {name}: {res['why']}"
     return None

@@ -26,10 +26,10 @@ def collectives(plan) -> list:
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
 def test_dp2_pp2_tp2_step_equals_the_unsharded_step(name):
-    got, want, bounds, plan = pipelined(chain_graph(blocks=4), HEAD, f"{TRAIN} microbatches=2 schedule={name}")
+    got, want, plan = pipelined(chain_graph(blocks=4), HEAD, f"{TRAIN} microbatches=2 schedule={name}")
     assert len(plan.local) == 2
-    assert_all_equivalent(got, want, bounds)
-    assert_detects_a_wrong_scale(got, want, bounds)
+    assert_all_equivalent(got, want)
+    assert_detects_a_wrong_scale(got, want)
 
 
 def test_schedules_give_the_same_numbers_with_tp():
@@ -43,8 +43,8 @@ def test_schedules_give_the_same_numbers_with_tp():
 
 def test_adamw_with_tp_inside_stages():
     train = "train optimizer=adamw(lr=0.01) input_grads=no microbatches=2 schedule=1f1b"
-    got, want, bounds, _ = pipelined(chain_graph(blocks=4), HEAD, train)
-    assert_all_equivalent(got, want, bounds)
+    got, want, _ = pipelined(chain_graph(blocks=4), HEAD, train)
+    assert_all_equivalent(got, want)
 
 
 def test_megatron_collectives_inside_each_stage_are_pinned():
@@ -104,11 +104,11 @@ def test_three_free_running_steps_with_tp_equal_the_unsharded_trajectory(opt):
     from test_pipeline import reference
 
     train = f"train optimizer={opt} input_grads=no microbatches=2 schedule=1f1b"
-    ref, feeds, _, _ = reference(chain_graph(blocks=4), train)
+    ref, feeds, _ = reference(chain_graph(blocks=4), train)
     plan = plan_pipeline(chain_graph(blocks=4), spec(f"{HEAD}{train}\n"))
     res = compare_steps(plan, ref, feeds, 3)
     assert res["ok"], res["why"]
-    assert res["per_key"]["losses"]["max_abs_err"] < res["per_key"]["losses"]["tolerance"]
+    assert "drift" in res  # over 3 steps the losses are judged, the other values reported
     from parcomp.reference.pipeline import run_pipeline_step
     from parcomp.reference.training import train_steps
 
@@ -140,6 +140,6 @@ def tp_chain_case(draw):
 @given(tp_chain_case(), st.integers(0, 2**16))
 def test_random_chains_with_tp_inside_stages_equal_unsharded(case, seed):
     g, head, train = case
-    got, want, bounds, plan = pipelined(g, head, train, seed)
+    got, want, plan = pipelined(g, head, train, seed)
     assert len(plan.local) == plan.pp
-    assert_all_equivalent(got, want, bounds)
+    assert_all_equivalent(got, want)

@@ -4,8 +4,8 @@ Each microbatch's forward in the compute dtype, its parameter gradients widened 
 before they are summed, one reduction per step; fp16 scales every microbatch's loss by the
 same scale, unscales the sum once and counts inf/NaN once (one all_reduce, every rank
 agrees). Checked step by step against torch.autocast (+ GradScaler) running the K
-microbatches with one ``backward()`` each, within the dtype's bound (``resolve=None``: a
-low-precision bound cannot resolve 10%, see tests/test_precision.py)."""
+microbatches with one ``backward()`` each, within the dtype's tolerance, and in float64
+against the unsharded step (``parcomp check``'s comparison, tests/test_precision.py)."""
 from __future__ import annotations
 
 import json
@@ -34,11 +34,11 @@ def _compile(tmp_path, text):
 def _lockstep(compiled, steps=2):
     c, module, example = compiled
     feeds = commands._train_feeds(c, module, example, 0)
-    return train_check.lockstep(c, module, example, feeds, steps, resolve=None)
+    return train_check.lockstep(c, module, example, feeds, steps)
 
 
-def _within_bounds(r):
-    for side in ("vs_unsharded", "vs_torch"):
+def _all_ok(r):
+    for side in ("vs_unsharded", "native", "vs_torch"):
         assert r[side]["ok"] and r[side]["err_over_tol"] <= 1, (side, r[side]["why"])
 
 
@@ -55,7 +55,7 @@ def test_low_precision_accumulation_on_tp2_equals_autocast_per_microbatch(tmp_pa
     unscaled = [n for n in c.logical.nodes if n.name.startswith("amp.") and n.name.endswith(".unscaled")]
     assert len(unscaled) == (len(PARAMS) if "fp16" in opts else 0)
     assert all(c.logical[n.inputs[0]].type.dtype == "float32" for n in unscaled)
-    _within_bounds(_lockstep(compiled))
+    _all_ok(_lockstep(compiled))
 
 
 def test_fp16_accumulation_on_dp2_tp2_reduces_in_float32_once_per_step(tmp_path):
@@ -67,7 +67,7 @@ def test_fp16_accumulation_on_dp2_tp2_reduces_in_float32_once_per_step(tmp_path)
     assert grads and {x["dtype"] for x in grads} == {"float32"}
     producers = [x["producer"] for x in grads]
     assert not any(".mb0." in p or ".mb1." in p or p.startswith("mb") for p in producers), producers
-    _within_bounds(_lockstep(compiled))
+    _all_ok(_lockstep(compiled))
 
 
 def test_the_check_sees_microbatches_left_unscaled(tmp_path, monkeypatch):
@@ -117,12 +117,12 @@ def test_fp16_overflow_in_one_microbatch_skips_the_step_on_every_rank(tmp_path):
 @pytest.mark.slow
 def test_bf16_accumulation_program_py_on_gloo_equals_autocast(tmp_path, capsys):
     """program.py under torchrun (TP=2), bf16 with accumulate=2: every step (--replay) and the
-    free-running run within the bf16 bound of torch.autocast; never MISMATCH."""
+    free-running run's losses within bfloat16's tolerance of torch.autocast."""
     from parcomp.cli import main
 
     spec = tmp_path / "t.pcs"
     spec.write_text(TP2.format(opts=" precision=bf16"))
     main(["run", MLP, "--spec", str(spec), "--nproc", "2", "--json"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert out["verdict"] in ("OK", "CANNOT VOUCH"), out.get("why")
+    assert out["verdict"] == "OK", out.get("why")
     assert out["err_over_tol"] <= 1 and len(out["losses"]) == 2 and np.all(np.isfinite(out["losses"]))

@@ -19,7 +19,6 @@ from parcomp.ir.transitions import TRANSITIONS
 from parcomp.reference.interpreter import _LAYOUT_OPS, assemble, split_for_ranks
 from parcomp.reference.numpy_ops import NUMPY_OPS
 from parcomp.redistribute import plan, step_bytes
-from parcomp.rules.error import ERROR_RULES
 from parcomp.rules.sharding import STRATEGY_RULES
 from parcomp.rules.vjp import VJP_RULES
 from parcomp_backends.torch.emit import OP_FORMATS
@@ -68,7 +67,6 @@ TABLES = {
     "VJP (parcomp/rules/vjp.py VJP_RULES)": lambda op: op in VJP_RULES,
     "numpy (parcomp/reference/numpy_ops.py NUMPY_OPS; interpreter _LAYOUT_OPS)":
         lambda op: op in NUMPY_OPS or op in _LAYOUT_OPS,
-    "error bound (parcomp/rules/error.py ERROR_RULES)": lambda op: op in ERROR_RULES,
     "torch emitter (backends/torch/emit.py OP_FORMATS)": lambda op: op in OP_FORMATS,
     "torch frontend (parcomp/frontends/aten_table.py TABLE)": lambda op: op in _torch_frontend_ops(),
 }
@@ -94,9 +92,6 @@ EXEMPT = {
        for op in _GRADS},
     (_T["VJP"], "adamw_param"): "the optimizer update comes after the backward pass",
     (_T["numpy"], "kind:source"): "fed by the caller (split_for_ranks), nothing to compute",
-    (_T["error"], "kind:source"): "a feed is exact: its error is zero",
-    **{(_T["error"], k): "tolerance.py moves errors through the interpreter's _LAYOUT_OPS"
-       for k in _LAYOUT_KINDS},
     (_T["torch"], "kind:source"): "emitted as load_params / load_inputs, not as a formula",
     **{(_T["torch_frontend"], k): _AFTER_AUTODIFF for k in _LAYOUT_KINDS},
     **{(_T["torch_frontend"], op): _BY_AUTODIFF
@@ -161,10 +156,10 @@ def test_exemptions_are_not_stale():
 
 
 @pytest.mark.parametrize("table, op", [
-    ("VJP", "relu"), ("numpy", "matmul"), ("error", "add"), ("torch", "gelu"), ("transition", "all_gather"),
+    ("VJP", "relu"), ("numpy", "matmul"), ("torch", "gelu"), ("transition", "all_gather"),
 ])
 def test_a_deleted_entry_is_listed(monkeypatch, table, op):
-    tables = {"VJP": VJP_RULES, "numpy": NUMPY_OPS, "error": ERROR_RULES, "torch": OP_FORMATS,
+    tables = {"VJP": VJP_RULES, "numpy": NUMPY_OPS, "torch": OP_FORMATS,
               "transition": TRANSITIONS}
     monkeypatch.delitem(tables[table], op)
     assert (op, _T[table]) in missing_pairs()

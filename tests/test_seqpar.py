@@ -9,7 +9,6 @@ from parcomp.ir import parse_graph
 from parcomp.ir.types import Shard, layout_str
 from parcomp.reference.interpreter import run_spmd
 from parcomp.reference.numpy_ops import run_unsharded
-from parcomp.tolerance import output_bounds
 
 from graphs import random_feeds, spec
 from numerics import assert_all_equivalent
@@ -92,8 +91,7 @@ def test_sequence_parallel_changes_the_plan_to_megatrons():
                           ("reduce_scatter", "backward"), ("all_reduce", "backward")]
     feeds = random_feeds(sp.logical, 0)
     run = run_spmd(sp.program, feeds)
-    assert_all_equivalent(run.outputs(sp.program), run_unsharded(sp.logical, feeds),
-                          output_bounds(sp.logical, feeds))
+    assert_all_equivalent(run.outputs(sp.program), run_unsharded(sp.logical, feeds))
 
 
 def test_data_parallel_axis_keeps_the_batch_split():

@@ -6,11 +6,7 @@ from parcomp.ir import parse_graph
 from parcomp.ir.graph import Graph
 from parcomp.passes.autodiff import Builder, backward
 from parcomp.reference.numpy_ops import run_unsharded
-from parcomp.rules.error import unit_roundoff
 from parcomp.rules.vjp import VJP_RULES
-from parcomp.tolerance import output_bounds
-
-from numerics import assert_equivalent
 
 _ATTN = ("%q: f64[1,1,3,4] = reshape(%a)\n%k: f64[1,1,5,4] = input()\n"  # attention part (issue 17)
          "%v: f64[1,1,5,2] = input()\n")
@@ -106,11 +102,12 @@ def test_vjp_matches_central_differences(case):
     gg = Graph(tuple(b.nodes), tuple(grads[w] for w in wrt))
     got = run_unsharded(gg, feeds)
     eps = 1e-6
-    bounds = output_bounds(gg, feeds)
+    loss = float(np.max(np.abs(run_unsharded(g, feeds)["loss"])))
     for w, gname in zip(wrt, gg.outputs):
         num, num2 = _central(g, feeds, w, eps), _central(g, feeds, w, 2 * eps)
-        assert_equivalent(got[gname], num, bounds[gname], _fd_error(g, feeds, w, eps, num, num2),
-                          what=f"d/d{w}")
+        allowed = _fd_error(loss, feeds, w, eps, num, num2) + 1e-9 * np.max(np.abs(num))
+        err = np.abs(got[gname] - num)
+        assert (err <= allowed).all(), (f"d/d{w}", float(err.max()), float(allowed.min()))
 
 
 def _central(g, feeds, w, eps):
@@ -124,12 +121,12 @@ def _central(g, feeds, w, eps):
     return num
 
 
-def _fd_error(g, feeds, w, eps, num, num2):
+def _fd_error(loss, feeds, w, eps, num, num2):
     """Error of a central difference with step eps: truncation |D(2h) - D(h)| (3x Richardson's
-    estimate of the h**2 term), the loss's rounding over 2h, and the rounding of x +- h."""
-    u = unit_roundoff("float64")
-    loss_bound = output_bounds(g, feeds)["loss"]
-    return np.abs(num2 - num) + loss_bound / eps + u * np.abs(feeds[w]) / eps * np.abs(num)
+    estimate of the h**2 term), the loss's rounding over 2h (64 roundings of its scale: these
+    graphs are a few ops deep), and the rounding of x +- h."""
+    u = 2.0 ** -53  # float64's unit roundoff
+    return np.abs(num2 - num) + 64 * u * loss / eps + u * np.abs(feeds[w]) / eps * np.abs(num)
 
 
 def test_every_differentiable_op_has_a_case():

@@ -147,9 +147,8 @@ def spec_text(cfg: Config) -> str:
 
 def feeds(graph, cfg: Config, seed: int) -> dict:
     """Token ids and labels in the real vocab (labels 20% ignored: -100); embedding rows
-    N(0, 1) (the residual stream's scale, so norms do not amplify rounding), projection weights
-    N(0, (1/in)^2) (each matmul then shrinks a worst-case error instead of growing it), norm
-    weights around 1. The worst-case error bounds then stay finite through a few layers."""
+    N(0, 1) (the residual stream's scale), projection weights N(0, (1/in)^2), norm weights
+    around 1: activations of order 1 through a few layers."""
     rng = np.random.default_rng(seed)
     out = {}
     for n in graph.nodes:

@@ -6,8 +6,8 @@ torch.onnx writes transformers' ``LlamaRMSNorm`` (``w * (x * rsqrt(mean(x^2, -1)
 
 (``Div(x, Sqrt(...))``, ``Pow(s, -0.5)`` and ``Mul(x, x)`` are read too; either operand
 order).  :func:`rewrite_rms_norm` replaces the root by one ``RMSNormalization(x[, w])``
-node with the same output (lowered to parcomp's ``rms_norm``, whose error bound and
-gradient are the op's rather than five ops'); ``w`` joins when it is a 1-D value of
+node with the same output (lowered to parcomp's ``rms_norm``, whose gradient is the
+op's rather than five ops'); ``w`` joins when it is a 1-D value of
 ``x``'s last dim.  Unmatched formulas lower op by op.
 """
 from __future__ import annotations

@@ -9,7 +9,7 @@ into the sequence split. Every pin is ``relayout {grad=true}``, so backward mirr
 exchanged seq -> heads, ``sdpa_grad`` runs on whole sequences of its heads, and dQ/dK/dV are
 exchanged heads -> seq. All four exchanges per direction are planned by the ordinary layout
 search (``S(2) -> S(1)`` on one axis is one ``all_to_all``, ``parcomp/ir/transitions.py``), so
-the interpreter, the error bounds and program.py need nothing new.
+the interpreter and program.py need nothing new.
 
 Grouped-query attention (the frontend's ``expand`` + ``reshape`` repeat of kv heads):
 

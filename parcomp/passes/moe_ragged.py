@@ -7,8 +7,7 @@ row, and routing fills only some: the rest are zero rows, as are the experts' ou
 ``ragged=true``: each rank first exchanges which rows of each chunk are nonzero (the per-rank
 split sizes, one byte per row), then sends only those rows (``all_to_all_single`` with split
 sizes); the receiver puts them back into zeros. The result equals the dense all_to_all's for
-any value (a zero row arrives as +0.0), so this is a lowering, not a layout change, and the
-error bound moves through it unchanged; what it changes is the bytes: those of the routed
+any value (a zero row arrives as +0.0), so this is a lowering, not a layout change; what it changes is the bytes: those of the routed
 tokens, which the interpreter logs per rank (``sent_bytes``) and report.json's ``bytes`` bounds.
 """
 from __future__ import annotations

@@ -111,7 +111,8 @@ def assemble(locals_by_rank, layout, global_shape, mesh, dtype="float32") -> np.
     """
     locals_by_rank, layout = _reduce_max_axes(locals_by_rank, layout, mesh)
     ty = TensorType(tuple(global_shape), dtype)
-    full, seen = np.zeros(global_shape, dtype=np.result_type(dtype, np.float64)), {}
+    wide = dtype if np.dtype(dtype).kind in "iu" else np.result_type(dtype, np.float64)  # int64 keys: exact
+    full, seen = np.zeros(global_shape, dtype=wide), {}
     for r, local in enumerate(locals_by_rank):
         coords = mesh.coords(r)
         key = tuple(c if not isinstance(p, Replicate) else 0 for c, p in zip(coords, layout))

@@ -157,20 +157,38 @@ def _declared(f):
 NUMPY_OPS.update({k: _declared(f) for k, f in NUMPY_OPS.items()})
 
 
-def run_unsharded(graph, feeds: dict) -> dict:
+def run_unsharded(graph, feeds: dict, overrides: dict | None = None, env: dict | None = None) -> dict:
     """Evaluate a global graph on one process: ``feeds`` maps input/param names to arrays.
 
-    Returns ``{public output name: array}``. Raises KeyError naming a missing feed.
+    ``overrides``: ``{value name: array}`` taken as those values instead of computing them
+    (the optimizer run on given gradients, parcomp/train_check.py). ``env``: a dict that
+    receives every value computed. Returns ``{public output name: array}``. Raises KeyError
+    naming a missing feed.
     """
-    env = {}
+    env = {} if env is None else env
+    overrides = overrides or {}
     for n in graph.nodes:
-        if n.op in ("input", "param"):
+        if n.name in overrides:
+            env[n.name] = overrides[n.name]
+        elif n.op in ("input", "param"):
             if n.name not in feeds:
                 raise KeyError(f"no value given for {n.op} {n.name!r}")
             env[n.name] = source_array(n, feeds[n.name])  # a fused weight's view (issue 17)
         else:
             env[n.name] = NUMPY_OPS[n.op]([env[i] for i in n.inputs], n)
     return {name: env[v] for name, v in graph.named_outputs()}
+
+
+def rerun_with(graph, env: dict, overrides: dict) -> dict:
+    """The outputs of ``graph`` had its values ``overrides`` been these arrays: ``env`` (every
+    value of a :func:`run_unsharded` run, left unchanged) with only the values that depend on
+    an overridden one computed again (the optimizer on other gradients: cheap)."""
+    new, dirty = {**env, **overrides}, set(overrides)
+    for n in graph.nodes:
+        if n.name not in overrides and any(i in dirty for i in n.inputs):
+            new[n.name] = NUMPY_OPS[n.op]([new[i] for i in n.inputs], n)
+            dirty.add(n.name)
+    return {name: new[v] for name, v in graph.named_outputs()}
 from .moe_ops import MOE_NUMPY_OPS  # noqa: E402  expert parallel MoE (issue 14)
 
 NUMPY_OPS.update(MOE_NUMPY_OPS)

@@ -20,7 +20,7 @@ from ..passes.zb_split import WSTASH
 from .interpreter import run_spmd
 from .numpy_ops import run_unsharded
 
-__all__ = ["run_pipeline_step", "check_pipeline_step", "compare_steps", "compare_pipeline_step"]
+__all__ = ["run_pipeline_step", "check_pipeline_step", "compare_steps"]
 
 
 def _slices(feeds, names, plan):
@@ -72,7 +72,7 @@ def run_pipeline_step(plan, feeds: dict) -> dict:
         for s in held:
             sums[s][grad_name(p)] = total
     scale = np.float32(1.0 / (plan.microbatches * plan.dp))
-    arr = np.asarray(losses)  # the model's float dtype (float64 in the float64 re-check)
+    arr = np.asarray(losses)  # the model's float dtype (float64 in check)
     out = {"loss": (np.sum(arr, dtype=arr.dtype) * arr.dtype.type(scale)).astype(arr.dtype)}
     for s, acc in enumerate(sums):
         opt_feeds = {**feeds, **{k: (v * scale).astype(v.dtype) for k, v in acc.items()}}
@@ -130,61 +130,52 @@ def _backward(plan, v, kind, feeds, stash, got, acc, m) -> None:
 
 
 def check_pipeline_step(compiled, feeds: dict, steps: int = 1) -> dict:
-    """``steps`` pipelined training steps of ``compiled.program_.pipeline`` on the
-    interpreter, free-running as program.py runs them (each step's updated params and
-    optimizer state start the next), against as many unsharded steps (``compiled.logical``)
-    from the same state (optimizer state zeros, AdamW's ``step`` 1, 2, ...):
-    ``parcomp.tolerance.compare_all``'s result over the last step's outputs and every step's
-    loss (``losses``), within the bounds of ``steps`` steps (input gradients are not pipeline
-    outputs).  When the float32 bound overflows (``unbounded``: a transformer's), the same
-    plan is made again from the model promoted to float64 and compared there
-    (parcomp/check64.py); the result then says so in ``note``."""
+    """``steps`` pipelined training steps of ``compiled``'s plan on the interpreter, each from
+    the state the unsharded run starts that step from, against the unsharded step
+    (:func:`parcomp.train_check.step_result`), in float64: the plan is made again from the
+    model promoted to float64 (parcomp/check64.py). Input gradients are not pipeline outputs."""
     from ..check64 import promote_feeds, promote_graph
+    from ..differential import THRESHOLD
     from ..passes.pipeline_plan import plan_pipeline
-
-    result = compare_steps(compiled.program_.pipeline, compiled.logical, feeds, steps)
-    if not result.get("unbounded"):
-        return result
-    from ..train_check import brief
-
-    plan = plan_pipeline(promote_graph(compiled.unsharded), compiled.spec)
-    wide = compare_steps(plan, promote_graph(compiled.logical), promote_feeds(feeds), steps)
-    if not wide["ok"]:
-        return result
-    return {**wide, "note": f"float32 cannot vouch (its bound overflowed: {brief(result['why'], 200)}); "
-                            f"the same pipeline in float64 equals the unsharded step"}
-
-
-def compare_steps(plan, logical, feeds: dict, steps: int, got=None) -> dict:
-    """``steps`` free-running steps of ``plan`` (or ``got``: the last step's outputs plus
-    ``losses``, e.g. program.py's) against the unsharded steps of ``logical``, within
-    :func:`parcomp.tolerance.training_bounds`."""
-    from ..tolerance import training_bounds
+    from ..train_check import merge_steps, step_result
     from .training import train_steps
 
+    plan = plan_pipeline(promote_graph(compiled.unsharded), compiled.spec)
+    logical = promote_graph(compiled.logical)
+    params = [n.name for n in compiled.unsharded.params]
+    ref = train_steps(lambda st: run_unsharded(logical, st), logical, promote_feeds(feeds), steps, record=True)
+    results = []
+    for start, want in zip(ref["starts"], ref["per_step"]):
+        got = run_pipeline_step(plan, start)
+        results.append(step_result(logical, start, got, {k: v for k, v in want.items() if k in got},
+                                   params, THRESHOLD))
+    return merge_steps(results)
+
+
+def compare_steps(plan, logical, feeds: dict, steps: int, got=None, rtol: float | None = None) -> dict:
+    """``steps`` free-running steps of ``plan`` (or ``got``: the last step's outputs plus
+    ``losses``, e.g. program.py's) against the unsharded steps of ``logical`` from the same
+    state, within ``rtol`` (default: the tolerance of ``logical``'s float dtype,
+    :mod:`parcomp.differential`). One step compares every output (the optimizer's against the
+    unsharded optimizer on ``got``'s gradients); over several steps only the losses are judged
+    and how far the other values drifted apart is reported (``drift``): free-running
+    trajectories part by rounding alone (parcomp/train_check.py)."""
+    from ..differential import compare_all, tolerance_for
+    from ..train_check import optimizer_on
+    from .training import train_steps
+
+    if rtol is None:
+        rtol = tolerance_for(next((n.type.dtype for n in logical.params if n.type.dtype.startswith("float")),
+                                  "float32"))
     if got is None:
         run = train_steps(lambda st: run_pipeline_step(plan, st), logical, feeds, steps)
         got = {**run["outputs"], "losses": np.asarray(run["losses"])}
-    ref = train_steps(lambda st: run_unsharded(logical, st), logical, feeds, steps)
+    ref = train_steps(lambda st: run_unsharded(logical, st), logical, feeds, steps, record=True)
     want = {**ref["outputs"], "losses": np.asarray(ref["losses"])}
-    b = training_bounds(logical, feeds, steps)
-    bounds = {**b["outputs"], "losses": np.asarray(b["losses"])}
-    if steps > 1:  # free-running: the compounding bound is reported, not relied on (train_check.py)
-        from ..tolerance import compare_all
-
-        return compare_all(got, want, bounds, sorted(k for k in got if k in want))
-    return compare_pipeline_step(got, want, bounds)
-
-
-def compare_pipeline_step(got: dict, want: dict, bounds: dict) -> dict:
-    """``parcomp.tolerance.compare_all`` of a pipelined step's outputs (``got``) against the
-    unsharded step's (``want``) within ``bounds``, over the keys both have. The loss and the
-    gradients must also be resolved by their bounds (docs/design.md, "Resolution"): a bound too
-    loose to see a 10% error fails as ``unbounded``/``loose`` (CANNOT VOUCH), never ``OK``;
-    the optimizer's outputs are exempt, as in ``training_errors``."""
-    from ..resolution import RESOLVE
-    from ..tolerance import compare_all
-
     keys = sorted(k for k in got if k in want)
-    return compare_all(got, want, bounds, keys, resolve=RESOLVE,
-                       resolve_keys={k for k in keys if k in ("loss", "losses") or k.endswith(".grad")})
+    if steps == 1:
+        want.update({k: v for k, v in optimizer_on(logical, ref["starts"][0], got).items() if k in got})
+        return compare_all(got, want, keys, rtol)
+    res = compare_all(got, want, ["losses"], rtol)
+    drift = compare_all(got, want, keys, rtol)
+    return {**res, "drift": {k: drift[k] for k in ("max_abs_err", "rel_err", "worst")}}

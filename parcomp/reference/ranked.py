@@ -3,8 +3,8 @@
 Two parts of issue 17 need them: dropout and vocab-parallel embedding (``index_start`` /
 ``index_shape`` / ``vocab_start``: :func:`parcomp.reference.norm_ops.at_rank`), and the ops that
 index a split dim (``pick``, ``argmax_key``, ``mask_pad``: ``index_start``,
-:func:`parcomp.reference.reduce_ops.at_rank`). The interpreter and the per-rank error bounds
-call this one function; each part's own returns other ops unchanged.
+:func:`parcomp.reference.reduce_ops.at_rank`). The interpreter calls this one
+function; each part's own returns other ops unchanged.
 """
 from __future__ import annotations
 

@@ -68,7 +68,7 @@ def train_steps(run_step, graph, feeds: dict, steps: int, record: bool = False) 
     starts, per_step = [], []
     for k in range(1, steps + 1):
         if "step" in graph:
-            state["step"] = np.array(float(k), graph["step"].type.dtype)  # float64 re-check: float64
+            state["step"] = np.array(float(k), graph["step"].type.dtype)  # float64 check: float64
         if record:
             starts.append(dict(state))  # the step returns new arrays: a shallow copy suffices
         out = run_step(state)

@@ -1,7 +1,7 @@
-"""Rules of the MoE ops (issue 14): sharding strategies, VJPs and error bounds of
+"""Rules of the MoE ops (issue 14): sharding strategies and VJPs of
 ``moe_route`` (+ ``moe_route_grad``), ``moe_dispatch``, ``moe_combine`` (+ ``moe_combine_grad_c``).
 
-Merged into STRATEGY_RULES, VJP_RULES and ERROR_RULES. Sharding, one mesh axis (tokens
+Merged into STRATEGY_RULES and VJP_RULES. Sharding, one mesh axis (tokens
 ``x[B, S, H]``, weights ``c[B, S, E]``, slots ``y[B, E, C, H]``; semantics in
 parcomp/reference/moe_ops.py, where every result is computed per row and per expert):
 
@@ -17,10 +17,7 @@ Expert parallelism is then ``S(0) -> S(1)`` of the slots between dispatch and th
 """
 from __future__ import annotations
 
-import numpy as np
-
 from ..ir.types import P, R, Shard
-from ..reference import moe_ops
 
 
 # ---- sharding: (node, in types) -> [(in placements, out placement)] -------------------
@@ -75,109 +72,3 @@ def _combine_vjp(b, n, g):
 
 
 MOE_VJP_RULES = {"moe_route": _route_vjp, "moe_dispatch": _dispatch_vjp, "moe_combine": _combine_vjp}
-
-
-# ---- error bounds: (vals, errs, node, out, u) -> bound (see parcomp/rules/error.py) ------
-
-def _gamma(k, u):
-    ku = float(k) * u
-    return ku / (1 - ku) if ku < 1 else float("inf")
-
-
-def _full(e, x):
-    return np.broadcast_to(np.asarray(e, np.float64), np.shape(x))
-
-
-def _tiny(node):
-    dt = np.dtype(node.type.dtype)
-    return float(np.finfo(dt).tiny) if dt.kind == "f" else 0.0
-
-
-def _unstable(z, e, top, capacity):
-    """Tokens whose top-k set an error ``e`` could change (rows, with a capacity: a changed
-    choice moves every later token's slot): bool ``[..., S, 1]``."""
-    lo = np.min(np.where(top, z - e, np.inf), axis=-1, keepdims=True)
-    hi = np.max(np.where(top, -np.inf, z + e), axis=-1, keepdims=True)
-    bad = ~(lo > hi)  # k == E: hi is -inf, never unstable
-    if capacity:
-        bad = np.broadcast_to(np.any(bad, axis=-2, keepdims=True), bad.shape)
-    return bad
-
-
-def _route_parts(z, ez, node, u):
-    k, cap = node.attr("top_k"), node.attr("capacity", 0)
-    top, kept = moe_ops.top_mask(z, k, cap)
-    w = moe_ops._weights(z, top)
-    mix = np.sum(w * ez, axis=-1, keepdims=True)
-    zmax = np.max(np.where(top, np.abs(z), 0), axis=-1, keepdims=True)
-    dw = w * (ez + mix) + w * (_gamma(2 * z.shape[-1] + 16, u) + 8 * u * (1 + zmax))
-    return top, kept, w, dw, _unstable(z, ez, top, cap)
-
-
-def _route_err(vals, errs, node, out, u):
-    """Softmax over the top-k (|dw_i| <= w_i (e_i + sum w_j e_j) + rounding); inf for a token
-    whose top-k set is within the error of changing."""
-    z = vals[0]
-    top, kept, w, dw, bad = _route_parts(z, _full(errs[0], z), node, u)
-    err = np.where(kept, dw + u * np.abs(out), 0) + _tiny(node)
-    return np.where(bad, np.inf, err)
-
-
-def _route_grad_err(vals, errs, node, out, u):
-    """dz = w (g' - s), s = sum g' w: first-order in the errors of g and of w."""
-    g, z = vals
-    eg = np.where(moe_ops.top_mask(z, node.attr("top_k"), node.attr("capacity", 0))[1], _full(errs[0], g), 0)
-    top, kept, w, dw, bad = _route_parts(z, _full(errs[1], z), node, u)
-    gk = np.where(kept, g, 0)
-    s = np.sum(gk * w, axis=-1, keepdims=True)
-    ds = (np.sum(eg * (w + dw) + np.abs(gk) * dw, axis=-1, keepdims=True)
-          + _gamma(z.shape[-1], u) * np.sum(np.abs(gk) * w, axis=-1, keepdims=True))
-    err = dw * (np.abs(gk - s) + eg + ds) + w * (eg + ds) + 2 * u * w * (np.abs(gk) + np.abs(s))
-    err = np.where(top, err + u * np.abs(out), 0) + 2 * _tiny(node)
-    return np.where(bad, np.inf, err)
-
-
-def _pairs(c, capacity):
-    return moe_ops.slots(c, capacity)
-
-
-def _dispatch_err(vals, errs, node, out, u):
-    x, c = vals
-    ex, ec = _full(errs[0], x), _full(errs[1], c)
-    b, s, e, pos = _pairs(c, node.attr("capacity"))
-    err = np.zeros(np.shape(out))
-    if node.attr("weighted", False):
-        ac, ecs = np.abs(c[b, s, e])[:, None], ec[b, s, e][:, None]
-        err[b, e, pos] = (ac + ecs) * ex[b, s] + ecs * np.abs(x[b, s]) + u * np.abs(out[b, e, pos]) + _tiny(node)
-    else:
-        err[b, e, pos] = ex[b, s]
-    return err
-
-
-def _combine_err(vals, errs, node, out, u):
-    y, c = vals
-    ey, ec = _full(errs[0], y), _full(errs[1], c)
-    b, s, e, pos = _pairs(c, y.shape[2])
-    w = node.attr("weighted", True)
-    ac = np.abs(c[b, s, e])[:, None] if w else 1.0
-    ecs = ec[b, s, e][:, None] if w else 0.0
-    ay = np.abs(y[b, e, pos])
-    terms = (ac + ecs) * ey[b, e, pos] + ecs * ay + _gamma(c.shape[2] + 1, u) * ac * ay + 2 * _tiny(node)
-    err = np.zeros(np.shape(out))
-    np.add.at(err, (b, s), terms)
-    return err
-
-
-def _combine_grad_c_err(vals, errs, node, out, u):
-    g, y, c = vals
-    eg, ey = _full(errs[0], g), _full(errs[1], y)
-    b, s, e, pos = _pairs(c, y.shape[2])
-    ag, ay, egs, eys = np.abs(g[b, s]), np.abs(y[b, e, pos]), eg[b, s], ey[b, e, pos]
-    h = g.shape[-1]
-    err = np.zeros(np.shape(out))
-    err[b, s, e] = np.sum(ag * eys + egs * ay + egs * eys + _gamma(h, u) * ag * ay, axis=-1) + h * _tiny(node)
-    return err
-
-
-MOE_ERROR_RULES = {"moe_route": _route_err, "moe_route_grad": _route_grad_err, "moe_dispatch": _dispatch_err,
-                   "moe_combine": _combine_err, "moe_combine_grad_c": _combine_grad_c_err}
