@@ -203,6 +203,22 @@ def test_a_ranks_own_error_is_printed_with_its_traceback_and_named_by_the_others
                     "rank stops: rank 2: KeyError: 'w' (step 2); this rank: stopped by the launcher (SIGTERM)")
 
 
+def test_a_rank_that_fails_with_a_message_is_named_with_it(monkeypatch, capsys, four_ranks):
+    """Rank 1 exits 2 through fail() mid-run (its line printed); the ranks the launcher then
+    stops name it and its message, not as gone without a word."""
+    store = FakeStore()
+    monkeypatch.setattr(cl, "RANK", 1)
+    monkeypatch.setattr(cl, "FAULT", {**cl.FAULT, "store": store, "lock": cl.threading.Lock()})
+    monkeypatch.setattr(cl, "FAILED", ["--save ck: cannot write there"])
+    cl.note_exit(2)
+    for rank in (2, 3):
+        _posted(store, rank, "stopped stopped by the launcher (SIGTERM) (step 2)")
+    assert _report(monkeypatch, store, 0, "stopped by the launcher (SIGTERM)") == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "program.py (rank 0): error: step 2: the run failed on rank 1 (on a) of 4, so every rank stops: "
+        "rank 1: --save ck: cannot write there (step 2); this rank: stopped by the launcher (SIGTERM)")
+
+
 def test_sigterm_with_every_rank_present_exits_143_naming_nobody(monkeypatch, capsys, four_ranks):
     """A plain stop (torchrun's SIGTERM to every rank, none hung or failed): exit 143."""
     store = FakeStore()

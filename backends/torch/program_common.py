@@ -527,6 +527,9 @@ def main(argv=None):
         fail_load(e)
     except Exception as e:  # noqa: BLE001 - a collective that failed, or this rank's own error
         report_fault(e)  # one line naming the ranks that failed or stopped answering; exits
+    except SystemExit as e:  # fail() printed why: posted too, so the others name this rank and why
+        note_exit(e.code)
+        raise
     finally:
         dist.destroy_process_group()
 # <<< program.py

@@ -820,6 +820,7 @@ def add_cluster_args(ap):
 
 
 FAULT_WAIT_S = 10  # after a collective failed here, how long to wait for the other ranks' reports
+FAULT_KEY = "parcomp/fault/"  # the reports' keys in the launcher's store
 FAULT = {"store": None, "timeout": None, "where": "starting", "lock": threading.Lock()}
 
 
@@ -876,11 +877,9 @@ def report_fault(cause):
     text = cause if isinstance(cause, str) else f"{type(cause).__name__}: {first_line(cause)}"
     if own:
         sys.stderr.write("".join(traceback.format_exception(cause)))
-    store, key, silent, others = FAULT["store"], "parcomp/fault/", [], {}
+    store, key, silent, others = FAULT["store"], FAULT_KEY, [], {}
     try:
-        store.set(f"{key}rank{RANK}", f"{'error' if own else 'stopped'} {text} ({FAULT['where']})")
-        store.append(f"{key}ranks", f"{RANK} ")
-        count, quiet = store.add(f"{key}count", 1), time.monotonic()
+        count, quiet = post_fault("error" if own else "stopped", text), time.monotonic()
         while not own and count < WORLD_SIZE and not store.check([f"{key}silent"]) \
                 and time.monotonic() - quiet < FAULT_WAIT_S:
             time.sleep(0.2)
@@ -899,6 +898,26 @@ def report_fault(cause):
                      f"{fault_summary(text, silent, errors)}\n")
     plain_stop = text.startswith("stopped by the launcher") and not silent and not errors
     exit_now(1 if own else 143 if plain_stop else 2)
+
+
+def post_fault(kind, text):
+    """Post this rank's report (``kind`` "error": its own failure, which the others name;
+    "stopped": it was stopped) to the launcher's store; the number of reports so far."""
+    store = FAULT["store"]
+    store.set(f"{FAULT_KEY}rank{RANK}", f"{kind} {text} ({FAULT['where']})")
+    store.append(f"{FAULT_KEY}ranks", f"{RANK} ")
+    return store.add(f"{FAULT_KEY}count", 1)
+
+
+def note_exit(code):
+    """This rank leaves with ``code`` (2: fail() printed why): post fail()'s message as this
+    rank's own error, once, so the ranks the launcher then stops name it and why instead of
+    counting it as gone without a word. The store's failure is let pass (the line is printed)."""
+    if code == 2 and FAILED and FAULT["store"] is not None and FAULT["lock"].acquire(blocking=False):
+        try:
+            post_fault("error", FAILED[-1])
+        except Exception:  # noqa: BLE001 - the store is gone too
+            pass
 
 
 def fault_summary(text, silent, errors):
@@ -1172,6 +1191,9 @@ def main(argv=None):
         fail_load(e)
     except Exception as e:  # noqa: BLE001 - a collective that failed, or this rank's own error
         report_fault(e)  # one line naming the ranks that failed or stopped answering; exits
+    except SystemExit as e:  # fail() printed why: posted too, so the others name this rank and why
+        note_exit(e.code)
+        raise
     finally:
         dist.destroy_process_group()
 
