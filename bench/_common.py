@@ -50,6 +50,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+PG_TIMEOUT_S = 60  # every process group's timeout (an emitted program's make_groups(PG_TIMEOUT_S))
+
 warnings.filterwarnings("ignore", category=FutureWarning)
 warnings.filterwarnings("ignore", category=UserWarning)
 
@@ -68,7 +70,7 @@ def _entry(rank, world, port, fn, args, results):
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=PG_TIMEOUT_S))
         results.put((rank, True, fn(rank, world, *args)))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         results.put((rank, False, traceback.format_exc()))

@@ -97,7 +97,7 @@ def load_program(path: str, name: str):
     spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    mod.make_groups()
+    mod.make_groups(C.PG_TIMEOUT_S)
     return mod
 
 

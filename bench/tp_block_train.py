@@ -141,7 +141,7 @@ class ParcompStep:
         spec = importlib.util.spec_from_file_location(name, path)
         self.prog = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(self.prog)
-        self.prog.make_groups()
+        self.prog.make_groups(C.PG_TIMEOUT_S)
         self.params = self.prog.load_params({f"block.{k}": v for k, v in sd.items()})
         self.inputs = self.prog.load_inputs({"x": x, "dy": dy})
         self.out = None

@@ -121,7 +121,7 @@ def import_program(path: str, name: str):
     spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    mod.make_groups()  # collective: every rank creates the program's groups in the same order
+    mod.make_groups(C.PG_TIMEOUT_S)  # collective: every rank creates the program's groups in the same order
     return mod
 
 

@@ -252,7 +252,7 @@ def load_program(path: str, name: str, groups: bool = True):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     if groups:
-        mod.make_groups()  # collective: every rank creates the program's groups in the same order
+        mod.make_groups(C.PG_TIMEOUT_S)  # collective: every rank creates the program's groups in the same order
     return mod
 
 

@@ -175,22 +175,27 @@ def test_collective_prefers_a_device_module_replacement(monkeypatch):
 
 
 def test_groups_are_made_only_for_used_axes_and_world_is_reused(monkeypatch):
+    """Each rank makes its own line of each axis it communicates over (one call per axis, with
+    the timeout); an axis whose one line holds every rank is WORLD."""
     made = []
-    monkeypatch.setattr(torch.distributed, "new_group", lambda ranks: made.append(ranks) or tuple(ranks))
+    monkeypatch.setattr(torch.distributed, "new_group", lambda ranks, **kw: made.append((ranks, kw)) or tuple(ranks))
     monkeypatch.setattr(rt, "GROUP_RANKS", {"dp": [[0, 2], [1, 3]], "tp": [[0, 1], [2, 3]]})
-    monkeypatch.setattr(rt, "GROUPS", {})
-    for comm, want_made, want in ((("tp",), [[0, 1], [2, 3]], {"tp": (0, 1)}),
-                                  (("dp", "tp"), [[0, 2], [1, 3], [0, 1], [2, 3]], {"dp": (0, 2), "tp": (0, 1)})):
+    monkeypatch.setattr(rt, "WORLD_SIZE", 4)
+    monkeypatch.setattr(rt, "RANK", 0)
+    wait = {"timeout": datetime.timedelta(seconds=7), "use_local_synchronization": True}
+    for comm, want_made, want in ((("tp",), [[0, 1]], {"tp": (0, 1)}),
+                                  (("dp", "tp"), [[0, 2], [0, 1]], {"dp": (0, 2), "tp": (0, 1)})):
         made.clear()
-        rt.GROUPS.clear()
+        monkeypatch.setattr(rt, "GROUPS", {})
+        monkeypatch.setattr(rt, "LINE_GROUPS", {})
         monkeypatch.setattr(rt, "COMM_AXES", comm)
-        rt.make_groups()
-        assert made == want_made and rt.GROUPS == want
+        rt.make_groups(7)
+        assert made == [(ranks, wait) for ranks in want_made] and rt.GROUPS == want
     made.clear()
     rt.GROUPS.clear()
     monkeypatch.setattr(rt, "GROUP_RANKS", {"tp": [[0, 1, 2, 3]]})
     monkeypatch.setattr(rt, "COMM_AXES", ("tp",))
-    rt.make_groups()
+    rt.make_groups(7)
     assert made == [] and rt.GROUPS == {"tp": torch.distributed.group.WORLD}
 
 

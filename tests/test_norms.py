@@ -63,6 +63,39 @@ def test_dropout_hash_stays_in_32_bits_without_overflow():
     assert len(set(h.tolist())) == len(idx)
 
 
+DROP_TRAIN = """\
+%x: f32[4,8,8] = input()
+%d: f32[4,8,8] = dropout(%x) {p=0.5, seed=5}
+%w: f32[8,8] = param()
+%y: f32[4,8,8] = matmul(%d, %w)
+return %y as output
+"""
+
+
+def test_training_dropout_draws_a_new_mask_each_step_the_same_on_every_sharding():
+    """The training step's dropouts (the forward's and the gradient's) read the step counter:
+    steps 1 and 2 of the same params and batch drop different elements, and at each step the
+    dp=2 x tp=2 program equals the unsharded step."""
+    c = compile_graph(parse_graph(DROP_TRAIN), spec("mesh dp=2 tp=2\nw colwise\ninput x [S(0), R]\n"
+                                                    "train loss=mse optimizer=sgd(lr=0.1)\n"))
+    assert [n.inputs[1] for n in c.logical.by_op("dropout")] == ["step", "step"]
+    feeds = random_feeds(c.logical, 0)
+    grads = []
+    for k in (1, 2):
+        feeds["step"] = np.array(k, "f4")
+        want = run_unsharded(c.logical, feeds)
+        assert_all_equivalent(run_spmd(c.program, feeds).outputs(c.program), want, output_bounds(c.logical, feeds))
+        grads.append(want["x.grad"])
+    dropped = [g == 0 for g in grads]  # x.grad is zero exactly where the mask dropped x
+    assert 0.35 < np.mean(dropped[0]) < 0.65 and np.mean(dropped[0] != dropped[1]) > 0.3
+
+
+def test_dropout_masks_differ_between_steps():
+    node = parse_graph(DROP)["y"]
+    a, b = (norm_ops.dropout_keep(node, (64, 64), k) for k in (1, 2))
+    assert np.mean(a != b) > 0.3 and np.mean(a != norm_ops.dropout_keep(node, (64, 64))) > 0.3
+
+
 # --- embedding: vocab-parallel (Megatron's VocabParallelEmbedding) and hidden-split ----------
 
 EMB = """\

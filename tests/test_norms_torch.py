@@ -34,10 +34,16 @@ def test_dropout_mask_numpy_equals_torch_bit_for_bit():
         want = norm_ops.dropout_keep(n, shape)
         got = env["dropout_keep"](shape, p, seed, gshape, start).numpy()
         np.testing.assert_array_equal(got, want)
+        for step in (1, 7, 2**24):  # a training step's mask: the step counter is a float32 tensor
+            want = norm_ops.dropout_keep(n, shape, step)
+            got = env["dropout_keep"](shape, p, seed, gshape, start, step=torch.tensor(float(step))).numpy()
+            np.testing.assert_array_equal(got, want)
     x = np.arange(1, 13, dtype="f4").reshape(3, 4)
     n = node.with_attrs(p=0.25, seed=3)
     got = env["dropout_by_index"](torch.tensor(x), 0.25, 3, (3, 4), (0, 0)).numpy()
     np.testing.assert_array_equal(got, norm_ops.NORM_NUMPY_OPS["dropout"]([x], n))
+    got = env["dropout_by_index"](torch.tensor(x), 0.25, 3, (3, 4), (0, 0), step=torch.tensor(2.0)).numpy()
+    np.testing.assert_array_equal(got, norm_ops.NORM_NUMPY_OPS["dropout"]([x, np.float32(2)], n))
 
 
 # --- tied input/output embeddings (GPT-2's lm_head.weight is wte.weight) -------------------

@@ -16,13 +16,15 @@ from parcomp_backends.torch.runtime import (CONSTANT_LOADER, MAIN, ONNX_READER, 
 
 
 @pytest.fixture
-def one_rank_gloo():
-    """A 1-process gloo world with the runtime's groups made (mesh x=1)."""
+def one_rank_gloo(monkeypatch):
+    """A 1-process gloo world with the runtime's groups made (mesh x=1: WORLD)."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(free_port())
+    monkeypatch.setattr(rt, "WORLD_SIZE", 1)
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
-        rt.make_groups()
+        rt.make_groups(60)
+        assert rt.GROUPS == {"x": dist.group.WORLD}
         yield
     finally:
         rt.GROUPS.clear()

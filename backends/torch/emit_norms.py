@@ -16,7 +16,7 @@ NORM_FORMATS = {
     "rms_norm": "torch.nn.functional.rms_norm({norm_args})",
     "layer_norm_grad": "norm_grad({grad_args}, rms=False)",
     "rms_norm_grad": "norm_grad({grad_args}, rms=True)",
-    "dropout": "dropout_by_index({0}, {p}, {seed}, {index_shape}, {index_start})",
+    "dropout": "dropout_by_index({0}, {p}, {seed}, {index_shape}, {index_start}{step})",
     "embedding": "embedding_rows({0}, {1}, {vocab_start})",
     "embedding_grad": "embedding_grad_rows({0}, {1}, {rows}, {vocab_start}{padding})",
     # lowered (parcomp/passes/bucket.py)
@@ -64,7 +64,8 @@ def norm_kw(program, n, args) -> dict:
     if n.op == "dropout":
         starts = ", ".join(_start(program, n, d) for d in range(n.type.rank))
         return {"index_shape": repr(_global_shape(program, n)),
-                "index_start": f"({starts}{',' if n.type.rank == 1 else ''})"}
+                "index_start": f"({starts}{',' if n.type.rank == 1 else ''})",
+                "step": f", step={args[1]}" if len(args) > 1 else ""}
     if n.op == "bucket_cat":
         return {"flat_args": ", ".join(f"{a}.reshape(-1)" for a in args)}
     if n.op == "embedding":

@@ -45,10 +45,7 @@ def peer_failure(k, error, timeout):
 def inner_mesh():
     """The device mesh of the axes inside a stage (COMM_AXES), made once by every rank."""
     if "mesh" not in DEVICE_MESH:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        full = init_device_mesh("cpu", tuple(MESH.values()), mesh_dim_names=tuple(MESH))
-        DEVICE_MESH["mesh"] = full[COMM_AXES]
+        DEVICE_MESH["mesh"] = device_mesh(COMM_AXES)
     return DEVICE_MESH["mesh"]
 
 

@@ -50,21 +50,17 @@ def reduce_over(t, group, lines, rank, what):
     waiting(f"the {what} all_reduce with ranks {ranks}", dist.all_reduce, t, group=group)
 
 
-def setup(rank):
-    """This rank's pp coordinate, dp coordinate and dp group (every rank creates every group)."""
+def setup(rank, timeout):
+    """This rank's pp coordinate, dp coordinate and dp group; each group made by one call per
+    rank (line_group), every collective on it waiting at most ``timeout`` seconds."""
     c = coords(rank)
     coord, d = c["pp"], c.get("dp", 0)
-    dp_group = None
-    for ranks in DP_GROUPS:  # every rank creates every group, in the same order
-        g = dist.new_group(ranks)
-        if rank in ranks:
-            dp_group = g
-    make_groups()  # the groups of the axes inside a stage (tp): COMM_AXES
+    make_groups(timeout)  # the groups of the axes inside a stage (tp): COMM_AXES
+    dp_group = line_group(DP_GROUPS) if DP_GROUPS else None
     for i, lines in enumerate(TIED_SETS):  # tied weights: the ranks of the stages holding a copy
-        for ranks in lines:
-            g = dist.new_group(ranks)
-            if rank in ranks:
-                TIED_GROUP[i] = g
+        group = line_group(lines)
+        if group is not None:
+            TIED_GROUP[i] = group
     return coord, d, dp_group
 
 
@@ -244,7 +240,7 @@ def main():
     sd, data = load_checked(args)  # before any process group: a bad file stops every rank now
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
     rank = dist.get_rank()
-    coord, d, dp_group = setup(rank)
+    coord, d, dp_group = setup(rank, args.timeout)
     p = {k: local_shard(sd[k], SPLITS.get(k, [])) if k in sd else
          torch.zeros(STATE_SHAPES[k][0], dtype=getattr(torch, STATE_SHAPES[k][1]))
          for t in STAGES[coord] for k in PARAMS[t]}

@@ -15,6 +15,7 @@ of a ``movedim`` copy: gloo accepts only the concatenated dim-0 form of
 """
 # flake8: noqa: E402 (the sections keep program.py's layout; argparse is imported by the modules that parse)
 import argparse
+import datetime
 import importlib
 import json
 import math
@@ -76,6 +77,7 @@ MESH_TEXT = " ".join(f"{axis}={size}" for axis, size in MESH.items())
 AXIS = {axis: i for i, axis in enumerate(MESH)}
 DEVICE = torch.device("cpu")  # set by main()
 GROUPS = {}  # mesh axis -> this rank's process group, set by make_groups()
+LINE_GROUPS = {"timeout": None}  # the groups line_group() made (and their timeout)
 FILES = {}  # "checkpoint" / "input" -> the path read (for messages), set by read_tensors()
 FAILED = []  # the messages fail() printed on this rank (agree() gathers the last one)
 
@@ -100,18 +102,47 @@ def mesh_coords(rank):
 COORD = mesh_coords(RANK)
 
 
-def make_groups():
-    """The process group of each axis the program communicates over (COMM_AXES): WORLD when
-    the axis spans every rank, else one group per line of the axis, made by every rank in order."""
+def make_groups(timeout):
+    """The process group of each axis the program communicates over (COMM_AXES), each made by
+    one call per rank (:func:`line_group`), waiting at most ``timeout`` seconds per collective."""
+    LINE_GROUPS["timeout"] = datetime.timedelta(seconds=timeout)
     for axis in COMM_AXES:
-        lines = GROUP_RANKS[axis]
-        if len(lines) == 1:  # one line holds every rank: no second communicator
-            GROUPS[axis] = dist.group.WORLD
-            continue
-        for ranks in lines:
-            group = dist.new_group(ranks)
-            if RANK in ranks:
-                GROUPS[axis] = group
+        GROUPS[axis] = line_group(GROUP_RANKS[axis])
+
+
+def line_group(lines):
+    """This rank's process group among ``lines`` (the same rank lists on every rank), or None
+    when no line holds this rank. One line of every rank: WORLD, no second communicator.
+    Otherwise one call makes it, with make_groups' timeout: ``split_group`` of WORLD, one
+    communicator split for all the lines, where WORLD is bound to an NCCL device (every rank
+    calls it); else ``new_group`` of this rank's line alone, synchronised only among its ranks
+    (gloo, HCCL), so no rank takes part in the other lines' creation. A line made before
+    (another axis with the same ranks) is reused."""
+    mine = next((tuple(r) for r in lines if RANK in r), None)
+    if mine is not None and len(mine) == WORLD_SIZE:
+        return dist.group.WORLD
+    split = getattr(dist.group.WORLD, "bound_device_id", None) is not None and dist.get_backend() == "nccl"
+    key = tuple(map(tuple, lines)) if split else mine
+    if key not in LINE_GROUPS:
+        if split:
+            LINE_GROUPS[key] = dist.split_group(split_ranks=[list(r) for r in lines],
+                                                timeout=LINE_GROUPS["timeout"])
+        elif mine is not None:
+            LINE_GROUPS[key] = dist.new_group(list(mine), timeout=LINE_GROUPS["timeout"],
+                                              use_local_synchronization=True)
+    return LINE_GROUPS.get(key)
+
+
+def device_mesh(axes):
+    """A DeviceMesh of the mesh axes ``axes`` (in mesh order: all of MESH, or the axes inside a
+    pipeline stage) through this rank, on the groups of :func:`line_group`: DTensor's and
+    torch.distributed.checkpoint's view of the mesh, with no process group of its own."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    ranks = torch.arange(MESH_SIZE).reshape(tuple(MESH.values()))
+    ranks = ranks[tuple(slice(None) if axis in axes else COORD[AXIS[axis]] for axis in MESH)]
+    return DeviceMesh.from_group([line_group(GROUP_RANKS[axis]) for axis in axes], DEVICE.type,
+                                 mesh=ranks, mesh_dim_names=tuple(axes))
 
 
 # ---- layout changes; semantics: parcomp/reference/interpreter.py (_LAYOUT_OPS) ----
@@ -488,11 +519,17 @@ def main(argv=None):
         import_prelude()
         backend, DEVICE = DIST_BACKEND, profile_device()
     init_dist(backend, args)  # then every failure is agreed on: no rank waits for one that left
+    watch_faults(args.timeout)  # and a rank that hung or died is named by the others
     try:
         check_placement(args.placement)
         run(args)
     except LoadError as e:  # a checkpoint that cannot be loaded: the message names the file
         fail_load(e)
+    except Exception as e:  # noqa: BLE001 - a collective that failed, or this rank's own error
+        report_fault(e)  # one line naming the ranks that failed or stopped answering; exits
+    except SystemExit as e:  # fail() printed why: posted too, so the others name this rank and why
+        note_exit(e.code)
+        raise
     finally:
         dist.destroy_process_group()
 # <<< program.py

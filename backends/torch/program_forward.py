@@ -58,13 +58,16 @@ def load(args):
 
 def run(args):
     """Everything between init_process_group and destroy_process_group."""
-    make_groups()
+    FAULT["where"] = "loading"
+    make_groups(args.timeout)
     params, inputs = agree(lambda: load(args), "loading")
     step = compiled_step(forward, args)
+    FAULT["where"] = "the forward step"
     with torch.inference_mode():
         outputs = step(params, inputs)
         if args.bench > 0:
             bench(step, params, inputs, args.bench)
     if args.output:
+        FAULT["where"] = "writing the outputs"
         agree(lambda: write_outputs(outputs, args.output), "writing the outputs")
 # <<< program.py

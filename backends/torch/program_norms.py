@@ -27,20 +27,24 @@ def mix32(x):
     return x ^ (x >> 16)
 
 
-def dropout_keep(shape, p, seed, global_shape, start, device=None):
-    """Keep mask of dropout: a hash of the seed and each element's global flat index."""
+def dropout_keep(shape, p, seed, global_shape, start, device=None, step=None):
+    """Keep mask of dropout: a hash of the seed, the training step (a 0-d tensor; None: no
+    step) and each element's global flat index."""
     idx, stride = torch.zeros(tuple(shape), dtype=torch.int64, device=device), 1
     for d in reversed(range(len(shape))):
         r = (torch.arange(shape[d], dtype=torch.int64, device=device) + start[d]) * stride
         idx = idx + r.reshape((-1,) + (1,) * (len(shape) - d - 1))
         stride *= global_shape[d]
-    h = mix32(mix32(seed & M32) ^ (idx >> 32))
+    h = mix32(seed & M32)
+    if step is not None:
+        h = mix32(h ^ (step.to(torch.int64) & M32))
+    h = mix32(h ^ (idx >> 32))
     return mix32(h ^ (idx & M32)) >= int(round(float(p) * 2.0 ** 32))
 
 
-def dropout_by_index(x, p, seed, global_shape, start):
-    """x * mask / (1 - p), the mask fixed by the global element index (any sharding)."""
-    keep = dropout_keep(x.shape, p, seed, global_shape, start, x.device)
+def dropout_by_index(x, p, seed, global_shape, start, step=None):
+    """x * mask / (1 - p), the mask fixed by the step and the global element index (any sharding)."""
+    keep = dropout_keep(x.shape, p, seed, global_shape, start, x.device, step)
     return x * (keep.to(x.dtype) * (0.0 if p >= 1 else 1.0 / (1.0 - p)))
 
 

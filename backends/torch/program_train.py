@@ -92,11 +92,10 @@ def dtensor_placements(layout):
 def as_dtensors(values):
     """``values`` (this rank's slices of CARRIED values) as DTensors on the mesh, with their
     global shapes: what torch.distributed.checkpoint needs to save and to reshard on load."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
     if "mesh" not in DEVICE_MESH:
-        DEVICE_MESH["mesh"] = init_device_mesh(DEVICE.type, tuple(MESH.values()), mesh_dim_names=tuple(MESH))
+        DEVICE_MESH["mesh"] = device_mesh(tuple(MESH))
     out = {}
     for name, local in values.items():
         shape = torch.Size(OUTPUT_GLOBAL_SHAPES[name])
@@ -344,6 +343,7 @@ def train(params, batches, starts=None, step=None, log_every=1, first=1):
     numbers = torch.arange(1, first + len(batches), dtype=torch.float32, device=DEVICE)
     last = first + len(batches) - 1
     for k, inputs in enumerate(batches, start=first):
+        FAULT["where"] = f"step {k}"  # what a failure's message says this rank was doing
         if starts is not None:
             params = {**params, **starts[k - first]}
         outputs = step(params, with_step(inputs, k, numbers))
@@ -367,7 +367,8 @@ def load(args):
 
 def run(args):
     """Everything between init_process_group and destroy_process_group."""
-    make_groups()
+    FAULT["where"] = "loading"
+    make_groups(args.timeout)
     params, batches, starts = agree(lambda: load(args), "loading")
     first = 1
     if args.resume:  # issue 13: sharded checkpoint of any mesh's program
@@ -382,7 +383,9 @@ def run(args):
             copies = {k: v.clone() for k, v in params.items()}
             bench(train_step, copies, with_step(batches[0], 1), args.bench)
     if args.save:
+        FAULT["where"] = "saving the checkpoint"
         save_checkpoint(args.save, {**params, **outputs}, first + args.steps - 1)
     if args.output:
+        FAULT["where"] = "writing the outputs"
         agree(lambda: write_outputs(outputs, losses, args.output), "writing the outputs")
 # <<< program.py

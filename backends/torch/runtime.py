@@ -43,9 +43,12 @@ import json
 import math
 import os
 import shlex
+import signal
 import socket
 import sys
+import threading
 import time
+import traceback
 
 import torch
 import torch.distributed as dist"""

@@ -350,8 +350,9 @@ _def("pad", 1, "pad", _pad, {**_PAD, "value": _NUM})
 # ---- end of the attention part ----
 # ---- norms + embedding part (issue 17): layer_norm, rms_norm, dropout, embedding ----
 # Norms normalise over the LAST dim: (x[, weight[, bias]]) {eps}; their ``*_grad(dy, x[, w])``
-# is dx (linear in dy). ``dropout(x) {p, seed}``: keep-mask from a hash of the seed and each
-# element's GLOBAL flat index (parcomp/reference/norm_ops.py), so identical under any sharding;
+# is dx (linear in dy). ``dropout(x[, step]) {p, seed}``: keep-mask from a hash of the seed, the
+# training step (a 0-d float32 counter: autodiff adds it) and each element's GLOBAL flat index
+# (parcomp/reference/norm_ops.py), so identical under any sharding and new at every step;
 # ``index_start``/``index_shape`` are this rank's block (set per rank, never in a model).
 # ``embedding(ids, table)`` -> ids.shape + [dim]; ``vocab_start``: first table row this rank
 # holds (vocab-parallel; ids outside its rows give zero rows). ``embedding_grad(dy, ids)``:
@@ -364,7 +365,7 @@ _def("layer_norm", -1, "nonlinear", _norm, _EPS)
 _def("rms_norm", -1, "nonlinear", _norm, _EPS)
 _def("layer_norm_grad", -1, "linear0", _norm_grad, _EPS)
 _def("rms_norm_grad", -1, "linear0", _norm_grad, _EPS)
-_def("dropout", 1, "linear", _same, {"p": _NUM, "seed": Attr("int", required=True),
+_def("dropout", -1, "linear", _same, {"p": _NUM, "seed": Attr("int", required=True),
                                      "index_start": Attr("ints"), "index_shape": Attr("ints")})
 _EMB = {"vocab_start": Attr("int"), "padding_idx": Attr("int")}
 _def("embedding", 2, "gather", _embedding, _EMB)

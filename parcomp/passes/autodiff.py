@@ -150,8 +150,21 @@ def add_training_step(graph: Graph, spec) -> Graph:
     for x in finputs:
         outs.append((f"{x}.grad", _pin(b, grads[x], graph[x].layout, f"gradient of input {x}")))
     outs = amp.skip_on_overflow(b, outs, cfg, spec, _pin)  # fp16: a step with inf/NaN is skipped
+    dropout_steps(b, spec)
     return dead_code_elimination(Graph(tuple(b.nodes), tuple(v for _, v in outs), graph.mesh,
                                        graph.stage, tuple(k for k, _ in outs)))
+
+
+def dropout_steps(b, spec) -> None:
+    """Give every dropout of the training step (the model's, their recomputations and the
+    gradients' masks) the step counter k as its second operand: the mask hashes the seed, k
+    and each element's global index, so every step draws a new mask, the same on every
+    sharding (parcomp/reference/norm_ops.py)."""
+    if not any(n.op == "dropout" and len(n.inputs) == 1 for n in b.nodes):
+        return
+    step = _step_input(b, spec)
+    b.nodes = [evolve(n, inputs=n.inputs + (step,)) if n.op == "dropout" and len(n.inputs) == 1 else n
+               for n in b.nodes]
 
 
 def dead_code_elimination(graph: Graph) -> Graph:

@@ -2,9 +2,9 @@
 input gradients, dropout and embedding; merged into :data:`parcomp.reference.numpy_ops.NUMPY_OPS`.
 
 Three ops read where this rank's block lies in the global tensor (:func:`at_rank` puts it
-on the node, per rank, from the layouts): ``dropout`` (its mask hashes each element's
-*global* flat index with the seed, so every sharding and the unsharded run draw the same
-mask), ``embedding`` with a vocab-split table (rows ``vocab_start ...`` are this rank's;
+on the node, per rank, from the layouts): ``dropout`` (its mask hashes the seed, the training
+step (its second operand, in a training step) and each element's *global* flat index, so every
+sharding and the unsharded run draw the same mask, and each step a new one), ``embedding`` with a vocab-split table (rows ``vocab_start ...`` are this rank's;
 other ids give zero rows, Megatron's VocabParallelEmbedding) and ``embedding_grad`` of a
 vocab-split table gradient. Without those attributes an op computes the unsharded value.
 
@@ -35,10 +35,14 @@ def _mix32(x):
     return x ^ (x >> 16)
 
 
-def index_hash(seed: int, index):
-    """32-bit hash (int64 array) of ``seed`` and each global flat ``index`` (int64, >= 0)."""
+def index_hash(seed: int, index, step=None):
+    """32-bit hash (int64 array) of ``seed``, the training step ``step`` (a whole number >= 0,
+    or None: a forward program's one pass) and each global flat ``index`` (int64, >= 0)."""
     index = np.asarray(index, np.int64)
-    h = _mix32(np.int64(_mix32(np.int64(seed & M32))) ^ (index >> 32))
+    h = np.int64(_mix32(np.int64(seed & M32)))
+    if step is not None:
+        h = np.int64(_mix32(h ^ np.int64(int(step) & M32)))
+    h = _mix32(h ^ (index >> 32))
     return _mix32(h ^ (index & M32))
 
 
@@ -59,11 +63,12 @@ def global_index(shape, start, global_shape):
     return idx
 
 
-def dropout_keep(node, shape) -> np.ndarray:
-    """The keep mask (bool, ``shape``) of a dropout node on this rank's block."""
+def dropout_keep(node, shape, step=None) -> np.ndarray:
+    """The keep mask (bool, ``shape``) of a dropout node on this rank's block at training step
+    ``step`` (its second operand's value; None for a dropout without one)."""
     start = node.attr("index_start") or (0,) * len(shape)
     gshape = node.attr("index_shape") or tuple(shape)
-    h = index_hash(int(node.attr("seed")), global_index(shape, start, gshape))
+    h = index_hash(int(node.attr("seed")), global_index(shape, start, gshape), step)
     return h >= drop_threshold(node.attr("p"))
 
 
@@ -72,8 +77,9 @@ def dropout_scale(p: float) -> float:
     return 0.0 if p >= 1 else 1.0 / (1.0 - float(p))
 
 
-def _dropout(x, node):
-    keep = dropout_keep(node, x.shape).astype(x.dtype)
+def _dropout(a, node):
+    x, step = a[0], (int(np.asarray(a[1])) if len(a) > 1 else None)
+    keep = dropout_keep(node, x.shape, step).astype(x.dtype)
     return x * (keep * x.dtype.type(dropout_scale(node.attr("p"))))
 
 
@@ -136,7 +142,7 @@ NORM_NUMPY_OPS = {
     "rms_norm": _norm,
     "layer_norm_grad": _norm_grad,
     "rms_norm_grad": _norm_grad,
-    "dropout": lambda a, n: _dropout(a[0], n),
+    "dropout": _dropout,
     "embedding": _embedding,
     "embedding_grad": _embedding_grad,
     # lowered (parcomp/passes/bucket.py): one flat buffer for several gradients, and back

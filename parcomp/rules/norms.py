@@ -36,7 +36,8 @@ def _norm_grad(node, ts):
 
 
 def _dropout(node, ts):
-    return [((R,), R), ((P,), P)] + [((Shard(d),), Shard(d)) for d in range(ts[0].rank)]
+    step = (R,) * (len(ts) - 1)  # the step counter: a replicated scalar
+    return [((R,) + step, R), ((P,) + step, P)] + [((Shard(d),) + step, Shard(d)) for d in range(ts[0].rank)]
 
 
 def _embedding(node, ts):
@@ -70,8 +71,8 @@ def _norm_vjp(b, n, g):
     return tuple(out)
 
 
-def _dropout_vjp(b, n, g):  # the same mask (same seed, same global indices) on the gradient
-    return (b.op("dropout", [g], p=n.attr("p"), seed=n.attr("seed")),)
+def _dropout_vjp(b, n, g):  # the same mask (same seed, step and global indices) on the gradient
+    return (b.op("dropout", [g, *n.inputs[1:]], p=n.attr("p"), seed=n.attr("seed")),) + (None,) * (len(n.inputs) - 1)
 
 
 def _embedding_vjp(b, n, g):

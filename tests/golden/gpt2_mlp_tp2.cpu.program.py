@@ -29,9 +29,12 @@ import json
 import math
 import os
 import shlex
+import signal
 import socket
 import sys
+import threading
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -77,6 +80,7 @@ MESH_TEXT = " ".join(f"{axis}={size}" for axis, size in MESH.items())
 AXIS = {axis: i for i, axis in enumerate(MESH)}
 DEVICE = torch.device("cpu")  # set by main()
 GROUPS = {}  # mesh axis -> this rank's process group, set by make_groups()
+LINE_GROUPS = {"timeout": None}  # the groups line_group() made (and their timeout)
 FILES = {}  # "checkpoint" / "input" -> the path read (for messages), set by read_tensors()
 FAILED = []  # the messages fail() printed on this rank (agree() gathers the last one)
 
@@ -101,18 +105,47 @@ def mesh_coords(rank):
 COORD = mesh_coords(RANK)
 
 
-def make_groups():
-    """The process group of each axis the program communicates over (COMM_AXES): WORLD when
-    the axis spans every rank, else one group per line of the axis, made by every rank in order."""
+def make_groups(timeout):
+    """The process group of each axis the program communicates over (COMM_AXES), each made by
+    one call per rank (:func:`line_group`), waiting at most ``timeout`` seconds per collective."""
+    LINE_GROUPS["timeout"] = datetime.timedelta(seconds=timeout)
     for axis in COMM_AXES:
-        lines = GROUP_RANKS[axis]
-        if len(lines) == 1:  # one line holds every rank: no second communicator
-            GROUPS[axis] = dist.group.WORLD
-            continue
-        for ranks in lines:
-            group = dist.new_group(ranks)
-            if RANK in ranks:
-                GROUPS[axis] = group
+        GROUPS[axis] = line_group(GROUP_RANKS[axis])
+
+
+def line_group(lines):
+    """This rank's process group among ``lines`` (the same rank lists on every rank), or None
+    when no line holds this rank. One line of every rank: WORLD, no second communicator.
+    Otherwise one call makes it, with make_groups' timeout: ``split_group`` of WORLD, one
+    communicator split for all the lines, where WORLD is bound to an NCCL device (every rank
+    calls it); else ``new_group`` of this rank's line alone, synchronised only among its ranks
+    (gloo, HCCL), so no rank takes part in the other lines' creation. A line made before
+    (another axis with the same ranks) is reused."""
+    mine = next((tuple(r) for r in lines if RANK in r), None)
+    if mine is not None and len(mine) == WORLD_SIZE:
+        return dist.group.WORLD
+    split = getattr(dist.group.WORLD, "bound_device_id", None) is not None and dist.get_backend() == "nccl"
+    key = tuple(map(tuple, lines)) if split else mine
+    if key not in LINE_GROUPS:
+        if split:
+            LINE_GROUPS[key] = dist.split_group(split_ranks=[list(r) for r in lines],
+                                                timeout=LINE_GROUPS["timeout"])
+        elif mine is not None:
+            LINE_GROUPS[key] = dist.new_group(list(mine), timeout=LINE_GROUPS["timeout"],
+                                              use_local_synchronization=True)
+    return LINE_GROUPS.get(key)
+
+
+def device_mesh(axes):
+    """A DeviceMesh of the mesh axes ``axes`` (in mesh order: all of MESH, or the axes inside a
+    pipeline stage) through this rank, on the groups of :func:`line_group`: DTensor's and
+    torch.distributed.checkpoint's view of the mesh, with no process group of its own."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    ranks = torch.arange(MESH_SIZE).reshape(tuple(MESH.values()))
+    ranks = ranks[tuple(slice(None) if axis in axes else COORD[AXIS[axis]] for axis in MESH)]
+    return DeviceMesh.from_group([line_group(GROUP_RANKS[axis]) for axis in axes], DEVICE.type,
+                                 mesh=ranks, mesh_dim_names=tuple(axes))
 
 
 # ---- layout changes; semantics: parcomp/reference/interpreter.py (_LAYOUT_OPS) ----
@@ -814,6 +847,121 @@ def add_cluster_args(ap):
                          f"(default topology: {TOPOLOGY_TEXT})")
 
 
+FAULT_WAIT_S = 10  # after a collective failed here, how long to wait for the other ranks' reports
+FAULT_KEY = "parcomp/fault/"  # the reports' keys in the launcher's store
+FAULT = {"store": None, "timeout": None, "where": "starting", "lock": threading.Lock()}
+
+
+def watch_faults(timeout):
+    """Make a failure during the run end with one line on every rank naming the ranks that
+    failed or stopped answering (:func:`report_fault`). Two paths lead there: main's handler of
+    an exception (a collective that timed out after ``timeout`` seconds or lost a peer, or this
+    rank's own error), and the launcher's SIGTERM (torchrun stops every rank once one has
+    exited), taken on a thread: the main thread may be blocked in a collective."""
+    FAULT.update(store=dist.distributed_c10d._get_default_store(), timeout=timeout)
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    signal.signal(signal.SIGTERM, lambda *_: None)  # the thread below acts on it
+    signal.set_wakeup_fd(write)  # the signal's number is written here, whatever the main thread does
+
+    def watch():
+        while True:
+            if signal.SIGTERM in os.read(read, 64):
+                report_fault("stopped by the launcher (SIGTERM)")
+
+    threading.Thread(target=watch, name="faults", daemon=True).start()
+
+
+def collective_error(error):
+    """Whether ``error`` is a collective's failure (it timed out, or a peer closed the
+    connection) rather than an error of this rank's own."""
+    text = str(error)
+    return isinstance(error, dist.DistError) or any(
+        word in text for word in ("gloo", "NCCL", "HCCL", "Timed out", "Connection closed", "Connection reset"))
+
+
+def first_line(error):
+    """The first line of an error's message, without the C++ source location gloo puts first."""
+    text = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    text = text.split("] ", 1)[1] if text.startswith("[") and "] " in text else text
+    return text.split(". ")[0][:300]
+
+
+def report_fault(cause):
+    """Post what stopped this rank (``cause``: an exception, or a text) to the launcher's
+    key-value store, learn what stopped the others, print one line and exit; never returns.
+
+    This rank's own error (not a collective's) is printed with its traceback and posted, and
+    the rank exits 1 at once. A failed collective or the launcher's SIGTERM waits for the other
+    ranks' reports until every rank has posted or none has for FAULT_WAIT_S seconds; the ranks
+    that have not posted by then are the ones that stopped answering (hung, or gone without a
+    word: killed, crashed). The first rank to decide writes that verdict and every rank uses
+    it, so a hung rank that the launcher's SIGTERM wakes later is still named. Exit 2 (143:
+    SIGTERM and nothing found wrong). The store's own failure leaves this rank's line alone."""
+    if not FAULT["lock"].acquire(blocking=False):  # the other path is reporting: it exits
+        while True:
+            time.sleep(60)
+    own = isinstance(cause, BaseException) and not collective_error(cause)
+    text = cause if isinstance(cause, str) else f"{type(cause).__name__}: {first_line(cause)}"
+    if own:
+        sys.stderr.write("".join(traceback.format_exception(cause)))
+    store, key, silent, others = FAULT["store"], FAULT_KEY, [], {}
+    try:
+        count, quiet = post_fault("error" if own else "stopped", text), time.monotonic()
+        while not own and count < WORLD_SIZE and not store.check([f"{key}silent"]) \
+                and time.monotonic() - quiet < FAULT_WAIT_S:
+            time.sleep(0.5)  # every rank polls: at 1,000 ranks, 2,000 store calls a second
+            now = store.add(f"{key}count", 0)
+            count, quiet = now, quiet if now == count else time.monotonic()
+        reported = {int(r) for r in store.get(f"{key}ranks").decode().split()}
+        if not own:
+            mine = " ".join(str(r) for r in range(WORLD_SIZE) if r not in reported) or "-"
+            silent = [int(r) for r in store.compare_set(f"{key}silent", "", mine).decode().split() if r != "-"]
+        others = {r: store.get(f"{key}rank{r}").decode(errors="replace")
+                  for r in sorted(reported - {RANK})[:64]}
+    except Exception as e:  # noqa: BLE001 - the store is gone too: say what this rank knows
+        text += f"; the launcher's store failed too ({type(e).__name__}: {first_line(e)})"
+    errors = {r: m[len("error "):] for r, m in others.items() if m.startswith("error ")}
+    sys.stderr.write(f"program.py (rank {RANK}): error: {FAULT['where']}: "
+                     f"{fault_summary(text, silent, errors)}\n")
+    plain_stop = text.startswith("stopped by the launcher") and not silent and not errors
+    exit_now(1 if own else 143 if plain_stop else 2)
+
+
+def post_fault(kind, text):
+    """Post this rank's report (``kind`` "error": its own failure, which the others name;
+    "stopped": it was stopped) to the launcher's store; the number of reports so far."""
+    store = FAULT["store"]
+    store.set(f"{FAULT_KEY}rank{RANK}", f"{kind} {text} ({FAULT['where']})")
+    store.append(f"{FAULT_KEY}ranks", f"{RANK} ")
+    return store.add(f"{FAULT_KEY}count", 1)
+
+
+def note_exit(code):
+    """This rank leaves with ``code`` (2: fail() printed why): post fail()'s message as this
+    rank's own error, once, so the ranks the launcher then stops name it and why instead of
+    counting it as gone without a word. The store's failure is let pass (the line is printed)."""
+    if code == 2 and FAILED and FAULT["store"] is not None and FAULT["lock"].acquire(blocking=False):
+        try:
+            post_fault("error", FAILED[-1])
+        except Exception:  # noqa: BLE001 - the store is gone too
+            pass
+
+
+def fault_summary(text, silent, errors):
+    """The line of :func:`report_fault`: the ranks that stopped answering, the other ranks'
+    own errors (``{rank: message}``), then this rank's ``text``."""
+    parts = []
+    if silent:
+        who = "this rank" if silent == [RANK] else rank_text(silent)
+        parts.append(f"{who} stopped answering (hung, or gone without a word: killed or crashed); "
+                     f"each collective waits at most --timeout {FAULT['timeout']:g} s")
+    if errors:
+        parts.append(failure_summary("the run", sorted(errors), errors))
+    parts.append(f"this rank: {text}")
+    return "; ".join(parts)
+
+
 def timeout_arg(text):
     """``--timeout S``: seconds, finite, in (0, MAX_TIMEOUT_S], else an argparse error (exit 2)."""
     try:
@@ -1022,14 +1170,17 @@ def load(args):
 
 def run(args):
     """Everything between init_process_group and destroy_process_group."""
-    make_groups()
+    FAULT["where"] = "loading"
+    make_groups(args.timeout)
     params, inputs = agree(lambda: load(args), "loading")
     step = compiled_step(forward, args)
+    FAULT["where"] = "the forward step"
     with torch.inference_mode():
         outputs = step(params, inputs)
         if args.bench > 0:
             bench(step, params, inputs, args.bench)
     if args.output:
+        FAULT["where"] = "writing the outputs"
         agree(lambda: write_outputs(outputs, args.output), "writing the outputs")
 
 
@@ -1060,11 +1211,17 @@ def main(argv=None):
         import_prelude()
         backend, DEVICE = DIST_BACKEND, profile_device()
     init_dist(backend, args)  # then every failure is agreed on: no rank waits for one that left
+    watch_faults(args.timeout)  # and a rank that hung or died is named by the others
     try:
         check_placement(args.placement)
         run(args)
     except LoadError as e:  # a checkpoint that cannot be loaded: the message names the file
         fail_load(e)
+    except Exception as e:  # noqa: BLE001 - a collective that failed, or this rank's own error
+        report_fault(e)  # one line naming the ranks that failed or stopped answering; exits
+    except SystemExit as e:  # fail() printed why: posted too, so the others name this rank and why
+        note_exit(e.code)
+        raise
     finally:
         dist.destroy_process_group()
 
