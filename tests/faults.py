@@ -34,8 +34,8 @@ def model_of(spec: str) -> str:
     """The model a shipped spec is written for (``FILE.py:FACTORY`` or a .pcir path)."""
     if spec.startswith("tiny_relu_mlp"):
         return str(SPECS / "tiny_relu_mlp.pcir")
-    factory = spec.split("_tp")[0].split("_dp")[0]
-    if spec.startswith("moe_"):
+    factory = spec.split("_tp")[0].split("_dp")[0].split("_ep")[0]
+    if spec.startswith("moe_") and not spec.startswith("moe_lm"):
         factory = "moe_block_shared" if spec.startswith("moe_shared") else "moe_block"
     if spec.startswith("attention_cp"):
         factory = "causal_attention"
