@@ -32,6 +32,7 @@ from parcomp_backends.torch import program_common as rt  # noqa: E402
 from parcomp_backends.torch.launch import (run_torchrun_multinode, write_checkpoint, write_inputs,  # noqa: E402
                                            write_program)
 
+from fake_store import FakeStore  # noqa: E402
 from numerics import assert_equivalent  # noqa: E402
 
 SPECS = Path(__file__).resolve().parent.parent / "specs"
@@ -204,32 +205,6 @@ def test_emitted_program_uses_only_its_collective_axes(gpt2):
     for compiled in (dp2tp2, sp):  # dp=2 x tp=2 forward: no dp collective
         text = emit_program(compiled, "cpu")
         assert 'COMM_AXES = ("tp",)' in text and 'HOST_AXES = ("tp",)' in text
-
-
-class FakeStore:
-    """The launcher's key-value store, for one process playing every rank."""
-
-    def __init__(self):
-        self.data = {}
-
-    def set(self, key, value):
-        self.data[key] = value.encode() if isinstance(value, str) else value
-
-    def append(self, key, value):
-        self.data[key] = self.data.get(key, b"") + value.encode()
-
-    def add(self, key, n):
-        self.data[key] = str(int(self.data.get(key, b"0")) + n).encode()
-        return int(self.data[key])
-
-    def wait(self, keys):
-        assert all(k in self.data for k in keys), "a rank would wait for the others"
-
-    def check(self, keys):
-        return all(k in self.data for k in keys)
-
-    def get(self, key):
-        return self.data[key]
 
 
 def test_agree_gathers_every_failed_rank_and_exits_2(monkeypatch, capsys):

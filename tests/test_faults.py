@@ -27,9 +27,11 @@ from parcomp_backends.torch import program_cluster as cl  # noqa: E402
 from parcomp_backends.torch import program_common as rt  # noqa: E402
 from parcomp_backends.torch.launch import run_torchrun, write_program  # noqa: E402
 
+from fake_store import FakeStore  # noqa: E402
+
 SPECS = Path(__file__).resolve().parent.parent / "specs"
 TIMEOUT_S = 10  # the program's --timeout in the torchrun runs
-STARTUP_S = 60  # torchrun, 4 imports of torch and the first step on a loaded 2-core machine
+STARTUP_S = 120  # torchrun, 4 imports of torch and the first step on a busy 2-core machine (~20 s idle)
 
 # runs program.py with rank 3 hanging (MODE=hang) or killed by SIGKILL (MODE=kill) at its
 # first all_reduce: a tp all_reduce of step 1's forward
@@ -65,6 +67,15 @@ def dp2tp2(tmp_path_factory):
     return d
 
 
+def assert_no_raw_gloo_errors(stderr):
+    """No gloo message or worker traceback outside the ranks' one-line errors (torchrun's own
+    report of the failed workers, at the end, is the launcher's)."""
+    workers = stderr.split("ChildFailedError")[0]
+    other = [ln for ln in workers.splitlines() if not ln.startswith("program.py (rank")]
+    assert not [ln for ln in other if "gloo" in ln or "Connection" in ln or "Timed out" in ln], workers[-4000:]
+    assert "Traceback" not in workers.split("program.py (rank")[0], workers[-4000:]
+
+
 def _run(d, mode):
     """The faulty run; the launcher's limit bounds it (a subprocess.TimeoutExpired fails the
     test): startup, then --timeout, then 30 s for every rank to report and exit."""
@@ -89,7 +100,7 @@ def test_a_rank_hung_in_a_tp_collective_is_named_by_every_other_rank_within_the_
         assert "stopped answering" in line and "--timeout 10 s" in line, line
         assert "Timed out waiting 10000ms" in line, line
     assert errors[3].startswith("step 1: this rank stopped answering"), errors[3]
-    assert "Traceback" not in res.stderr.split("program.py (rank")[0], res.stderr[-4000:]
+    assert_no_raw_gloo_errors(res.stderr)
 
 
 @pytest.mark.slow
@@ -101,39 +112,10 @@ def test_a_rank_killed_with_sigkill_is_named_by_every_survivor(dp2tp2):
     assert sorted(errors) == [0, 1, 2], res.stderr[-4000:]
     for line in errors.values():
         assert line.startswith("step 1: rank 3 (on ") and "stopped answering" in line, line
-    assert "Traceback" not in res.stderr.split("program.py (rank")[0], res.stderr[-4000:]
-    assert "Connection" not in res.stderr.replace(errors[2], ""), res.stderr[-4000:]
+    assert_no_raw_gloo_errors(res.stderr)
 
 
 # --- in this process --------------------------------------------------------------------
-
-class FakeStore:
-    """The launcher's key-value store, for one process playing every rank."""
-
-    def __init__(self):
-        self.data = {}
-
-    def set(self, key, value):
-        self.data[key] = value.encode() if isinstance(value, str) else value
-
-    def append(self, key, value):
-        self.data[key] = self.data.get(key, b"") + value.encode()
-
-    def add(self, key, n):
-        self.data[key] = str(int(self.data.get(key, b"0")) + n).encode()
-        return int(self.data[key])
-
-    def check(self, keys):
-        return all(k in self.data for k in keys)
-
-    def get(self, key):
-        return self.data[key]
-
-    def compare_set(self, key, expected, desired):
-        if self.data.get(key, b"").decode() == expected:
-            self.set(key, desired)
-        return self.data[key]
-
 
 def _posted(store, rank, report):
     """``rank``'s report as report_fault posts it (a rank this process does not play)."""
