@@ -142,7 +142,7 @@ def test_pipelined_resume_from_a_truncated_checkpoint_names_the_file(tmp_path):
     g = chain_graph(blocks=2)
     (tmp_path / "program.py").write_text(emit_program(compile_graph(g, spec(f"mesh pp=2\n{TRAIN} microbatches=2 "
                                                                              f"schedule=1f1b\n"))))
-    ref, feeds, _, _ = reference(g)
+    ref, feeds, _ = reference(g)
     torch.save({k: torch.from_numpy(np.asarray(v)) for k, v in feeds.items() if ref[k].op == "param"},
                tmp_path / "model.pt")
     torch.save({k: torch.from_numpy(np.asarray(feeds[k])) for k in ("x", "target")}, tmp_path / "inputs.pt")

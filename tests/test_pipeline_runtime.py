@@ -41,7 +41,7 @@ def program(tmp_path_factory):
     g = chain_graph(blocks=4)
     d = tmp_path_factory.mktemp("pp2")
     (d / "program.py").write_text(emit_program(compile_graph(g, spec(f"mesh pp=2\n{ADAMW}\n"))))
-    ref, feeds, _, _ = reference(g, ADAMW)
+    ref, feeds, _ = reference(g, ADAMW)
     ck = {k: torch.from_numpy(np.asarray(v)) for k, v in feeds.items() if ref[k].op == "param"}
     inp = {k: torch.from_numpy(np.asarray(feeds[k])) for k in ("x", "target")}
     torch.save(ck, d / "model.pt")
@@ -126,7 +126,7 @@ def test_tp_inside_stages_saves_full_tensors_and_resumes_exactly(tmp_path):
     d = tmp_path / "pp2tp2"
     d.mkdir()
     (d / "program.py").write_text(emit_program(compile_graph(g, spec(f"mesh pp=2 tp=2\n{TP_LAYOUTS}{ADAMW}\n"))))
-    ref, feeds, _, _ = reference(g, ADAMW)
+    ref, feeds, _ = reference(g, ADAMW)
     torch.save({k: torch.from_numpy(np.asarray(v)) for k, v in feeds.items() if ref[k].op == "param"}, d / "model.pt")
     torch.save({k: torch.from_numpy(np.asarray(feeds[k])) for k in ("x", "target")}, d / "inputs.pt")
 

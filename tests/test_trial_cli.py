@@ -25,7 +25,7 @@ def pipelined(tmp_path_factory):
     g = chain_graph(blocks=2)
     c = compile_graph(g, spec(f"mesh pp=2\n{TRAIN} microbatches=2 schedule=1f1b\n"))
     (d / "program.py").write_text(emit_program(c))
-    ref, feeds, _, _ = reference(g)
+    ref, feeds, _ = reference(g)
     ck = {k: torch.from_numpy(np.asarray(v)) for k, v in feeds.items() if ref[k].op == "param"}
     inp = {k: torch.from_numpy(np.asarray(feeds[k])) for k in ("x", "target")}
     torch.save(ck, d / "model.pt")
