@@ -224,7 +224,7 @@ def test_tp1_check_prints_no_collective_and_one_rank(tmp_path, capsys):
     model, spec = write(tmp_path, "tiny.pcir", TINY), write(tmp_path, "one.pcs", "mesh tp=1\n" + TP_RULES)
     assert main(["check", model, "--spec", spec]) == 0
     out = capsys.readouterr().out
-    assert "collectives: none" in out and "numpy interpreter, 1 rank:" in out
+    assert "collectives: none" in out and "numpy interpreter, 1 rank, in float64:" in out
 
 
 # --- 4. program.py: no silent dtype cast, unused keys noted once --------------------------

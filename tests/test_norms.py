@@ -84,7 +84,7 @@ def test_training_dropout_draws_a_new_mask_each_step_the_same_on_every_sharding(
     for k in (1, 2):
         feeds["step"] = np.array(k, "f4")
         want = run_unsharded(c.logical, feeds)
-        assert_all_equivalent(run_spmd(c.program, feeds).outputs(c.program), want, output_bounds(c.logical, feeds))
+        assert_all_equivalent(run_spmd(c.program, feeds).outputs(c.program), want)
         grads.append(want["x.grad"])
     dropped = [g == 0 for g in grads]  # x.grad is zero exactly where the mask dropped x
     assert 0.35 < np.mean(dropped[0]) < 0.65 and np.mean(dropped[0] != dropped[1]) > 0.3
