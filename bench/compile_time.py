@@ -22,10 +22,10 @@ loss, backward and SGD update before sharding).
 Measured in one process with 1 thread, median of 3 (min-max shown):
 
   torch.export      ``torch.export.export(module, inputs, strict=False)`` alone
-  import            ``parcomp.frontends.torch_export.import_torch`` (export + lowering to
+  import            ``parcomp.frontends.torch.export.import_torch`` (export + lowering to
                     parcomp IR); "lowering" = import_torch with its torch.export step
                     replaced by a cached ExportedProgram (the aten -> parcomp IR walk alone)
-  compile           ``parcomp.compiler.compile_graph(graph, spec)``, with a per-pass
+  compile           ``parcomp.compile.compiler.compile_graph(graph, spec)``, with a per-pass
                     breakdown taken from its ``after`` callback (each pass includes the IR
                     verification that follows it)
   emit              ``parcomp_backends.torch.emit_program(compiled, "cpu")``
@@ -83,7 +83,7 @@ def med(ts):
 
 def measure_compile(graph, spec, reps):
     """compile_graph timings: total and per pass (median over reps); the last Compiled."""
-    from parcomp.compiler import compile_graph
+    from parcomp.compile.compiler import compile_graph
 
     totals, per_pass, compiled = [], {}, None
     for _ in range(reps):
@@ -115,8 +115,8 @@ def measure_emit(compiled, reps):
 
 
 def measure(name, factory, blocks, reps):
-    import parcomp.frontends.torch_export as tx
-    from parcomp.frontends.torch_export import import_torch
+    import parcomp.frontends.torch.export as tx
+    from parcomp.frontends.torch.export import import_torch
     from parcomp.spec import parse_spec
 
     module, inputs, names = factory()
@@ -155,7 +155,7 @@ def measure(name, factory, blocks, reps):
 
 
 def main():
-    from parcomp.frontends.torch_export import import_torch
+    from parcomp.frontends.torch.export import import_torch
 
     torch.set_num_threads(1)
     t_start = time.perf_counter()

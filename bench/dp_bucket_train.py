@@ -77,8 +77,8 @@ def spec_text(extra: str) -> str:
 
 def emit(directory: str) -> dict:
     """Write program_bucketed.py / program_per_param.py; return their compile reports."""
-    from parcomp.compiler import compile_graph
-    from parcomp.frontends.torch_export import import_torch
+    from parcomp.compile.compiler import compile_graph
+    from parcomp.frontends.torch.export import import_torch
     from parcomp.spec import parse_spec
     from parcomp_backends.torch import emit_program
 

@@ -14,7 +14,7 @@ Columns (seconds, median of ``REPS`` in one process, 1 thread):
                  the whole graph, the Program and the report
   emit           ``emit_program(compiled, "cpu")``: program.py's text
   IR->py         compile + emit: the issue's "IR -> Program -> program.py" (goal < 0.5 s at 48)
-  reuse          ``compile_graph(graph, spec)`` (block-plan reuse, parcomp/repeat_compile.py: a
+  reuse          ``compile_graph(graph, spec)`` (block-plan reuse, parcomp/compile/repeat_compile.py: a
                  5-block compile stamped onto every block; ``reused`` says whether it ran, else it
                  is the whole-graph compile) + emit on its result: the IR->py a user gets
   reuse CPU      the same, CPU seconds of this process (``time.process_time``), the best of
@@ -61,7 +61,7 @@ def gpt2(n_layer: int):
 
 
 def measure(depth: int) -> list:
-    from parcomp.frontends.torch_export import import_torch
+    from parcomp.frontends.torch.export import import_torch
     from parcomp.spec import load_spec
 
     module, inputs, names = gpt2(depth)
@@ -90,7 +90,7 @@ def measure_reuse(graph, spec) -> tuple:
     """Median IR->py (s, wall) of the default compile (block-plan reuse where it applies) +
     emit, its best CPU time (s) and whether reuse ran. Checks program.py equals the
     whole-graph compile's."""
-    from parcomp.compiler import compile_graph
+    from parcomp.compile.compiler import compile_graph
     from parcomp_backends.torch import emit_program
 
     ts, cpu, compiled, text = [], [], None, None

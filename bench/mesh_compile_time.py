@@ -33,8 +33,8 @@ import types  # noqa: E402
 
 import torch  # noqa: E402
 
-from parcomp.compiler import compile_graph  # noqa: E402
-from parcomp.frontends.torch_export import import_torch  # noqa: E402
+from parcomp.compile.compiler import compile_graph  # noqa: E402
+from parcomp.frontends.torch.export import import_torch  # noqa: E402
 from parcomp.spec import parse_spec  # noqa: E402
 from parcomp_backends.torch import emit_program  # noqa: E402
 

@@ -76,9 +76,9 @@ def gpt2_lm(blocks: int):
 
 
 def main():
-    from parcomp.compiler import compile_graph
-    from parcomp.frontends.onnx import load_onnx
-    from parcomp.frontends.torch_export import import_torch
+    from parcomp.compile.compiler import compile_graph
+    from parcomp.frontends.onnx.frontend import load_onnx
+    from parcomp.frontends.torch.export import import_torch
     from parcomp.spec import parse_spec
     from parcomp_backends.torch import emit_program
 

@@ -127,8 +127,8 @@ def serial_ms() -> float:
 
 
 def _program(schedule, work) -> str:
-    from parcomp.compiler import compile_graph
-    from parcomp.frontends.torch_export import import_torch
+    from parcomp.compile.compiler import compile_graph
+    from parcomp.frontends.torch.export import import_torch
     from parcomp.spec import parse_spec
     from parcomp_backends.torch import emit_program
 
@@ -145,7 +145,7 @@ def _program(schedule, work) -> str:
 
 
 def main():
-    from parcomp.passes.schedule import analytic
+    from parcomp.passes.pipeline.schedule import analytic
 
     torch.set_num_threads(1)
     serial = serial_ms()

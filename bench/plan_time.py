@@ -1,6 +1,6 @@
 """`parcomp plan` time on chains of MLP blocks (specs/models.py:mlp_chain), mesh tp=2.
 
-Prints, per depth, the seconds of :func:`parcomp.plan.plan` (the search over every
+Prints, per depth, the seconds of :func:`parcomp.plan.planner.plan` (the search over every
 parameter's and activation's layout; torch.export import not included), which search ran,
 whether it is proven optimal, and whether the plan is Megatron's (one all_reduce per block).
 
@@ -20,9 +20,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--blocks", default="12,48")
     args = ap.parse_args()
-    from parcomp.compiler import compile_graph
-    from parcomp.frontends.torch_export import import_torch
-    from parcomp.plan import plan
+    from parcomp.compile.compiler import compile_graph
+    from parcomp.frontends.torch.export import import_torch
+    from parcomp.plan.planner import plan
     from parcomp.spec import parse_spec
 
     spec = importlib.util.spec_from_file_location("models", os.path.join(HERE, "..", "specs", "models.py"))

@@ -117,8 +117,8 @@ def make_inputs(h):
 
 def emit(h, directory):
     """program_tp.py and program_sp.py for the block; their compile reports."""
-    from parcomp.compiler import compile_graph
-    from parcomp.frontends.torch_export import import_torch
+    from parcomp.compile.compiler import compile_graph
+    from parcomp.frontends.torch.export import import_torch
     from parcomp.spec import parse_spec
     from parcomp_backends.torch import emit_program
 

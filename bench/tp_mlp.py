@@ -102,8 +102,8 @@ def make_input(h: int) -> torch.Tensor:
 
 def emit(h: int, directory: str) -> tuple:
     """Compile the h-MLP under SPEC; write program.py; return (path, compile report)."""
-    from parcomp.compiler import compile_graph
-    from parcomp.frontends.torch_export import import_torch
+    from parcomp.compile.compiler import compile_graph
+    from parcomp.frontends.torch.export import import_torch
     from parcomp.spec import parse_spec
     from parcomp_backends.torch import emit_program
 

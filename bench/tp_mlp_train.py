@@ -136,8 +136,8 @@ def emit(h: int, directory: str) -> tuple:
     """Compile the h-MLP training spec (and the spec + PIN); write program.py,
     program_pinned.py and program_tuned.py (the pinned one edited by :func:`tune_program`);
     return (path, compile report, pinned compile report, tuned edits applied)."""
-    from parcomp.compiler import compile_graph
-    from parcomp.frontends.torch_export import import_torch
+    from parcomp.compile.compiler import compile_graph
+    from parcomp.frontends.torch.export import import_torch
     from parcomp.spec import parse_spec
     from parcomp_backends.torch import emit_program
 

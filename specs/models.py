@@ -153,7 +153,7 @@ def llama_lm_loss():
 # ---- expert parallel MoE (issue 14) ----
 class MixtralMoE(nn.Module):
     """transformers' ``MixtralSparseMoeBlock`` written with parcomp's MoE custom ops, so that
-    ``torch.export`` keeps static shapes (parcomp/frontends/torch_moe.py says why).
+    ``torch.export`` keeps static shapes (parcomp/frontends/torch/moe.py says why).
 
     Params: ``gate.weight`` [E, H] (the router), ``experts.gate_proj`` / ``experts.up_proj``
     [E, F, H] (Mixtral's fused ``gate_up_proj`` [E, 2F, H] cut in its two halves) and
@@ -176,7 +176,7 @@ class MixtralMoE(nn.Module):
         self.experts.down_proj = nn.Parameter(moe.experts.down_proj.detach().clone())
 
     def forward(self, x):
-        from parcomp.frontends.torch_moe import moe_combine, moe_dispatch, moe_route
+        from parcomp.frontends.torch.moe import moe_combine, moe_dispatch, moe_route
 
         b, s, h = x.shape
         e, slots = self.experts_n, self.capacity or s

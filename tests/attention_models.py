@@ -1,4 +1,4 @@
-"""Small transformers attention blocks (random weights) for tests/test_attention.py.
+"""Small transformers attention blocks (random weights) for tests/rules/test_attention.py.
 
 Factories return ``(module, example_inputs, input_names)`` as ``parcomp check FILE:FACTORY``
 expects. Llama's block includes its rotary embedding (cos/sin computed from the

@@ -1,5 +1,5 @@
 """Faults injected into a compiled program as the numpy interpreter runs it: the errors a
-differential check must catch (tests/test_verdict.py, tools/noise_floor.py).
+differential check must catch (tests/check/test_verdict.py, tools/noise_floor.py).
 
 - ``scale``: one collective's result times (1 + 1e-6) on every rank;
 - ``bias``: one collective's operand plus a bias vector of 1e-6 of its scale on every rank (a

@@ -1,5 +1,5 @@
 """Mixtral-style MoE blocks as ``.pcir`` text (the graph ``specs/models.py:moe_block``
-exports to), their expert-parallel specs and feeds, for tests/test_moe.py's properties."""
+exports to), their expert-parallel specs and feeds, for tests/moe/test_moe.py's properties."""
 from __future__ import annotations
 
 from dataclasses import dataclass

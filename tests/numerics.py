@@ -1,8 +1,8 @@
-"""The suite's numerical assertions: ``parcomp.differential``'s comparison with pytest's messages.
+"""The suite's numerical assertions: ``parcomp.check.differential``'s comparison with pytest's messages.
 
 Tolerances are never typed in a test: a comparison is scale-relative within the tolerance of
-the least precise dtype of the two sides (:data:`parcomp.differential.DTYPE_TOLERANCE`;
-float64 against float64: :data:`parcomp.differential.THRESHOLD`, what ``parcomp check``
+the least precise dtype of the two sides (:data:`parcomp.check.differential.DTYPE_TOLERANCE`;
+float64 against float64: :data:`parcomp.check.differential.THRESHOLD`, what ``parcomp check``
 decides by). :func:`assert_program_equivalent` is ``check``'s own comparison: a compiled
 program (every rank) against its unsharded graph, both promoted to float64.
 Exact small-integer tests use ``np.testing.assert_array_equal`` instead.
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from parcomp.check64 import promote_compiled, promote_feeds, promote_graph
-from parcomp.differential import compare, compare_all, tolerance_for
+from parcomp.check.check64 import promote_compiled, promote_feeds, promote_graph
+from parcomp.check.differential import compare, compare_all, tolerance_for
 from parcomp.reference.interpreter import run_spmd
 from parcomp.reference.numpy_ops import run_unsharded
 
@@ -40,7 +40,7 @@ def assert_equivalent(got, want, what="value", rtol=None):
 
 def assert_all_equivalent(got: dict, want: dict, keys=None, rtol=None):
     """:func:`assert_equivalent` for every key of ``want`` (or ``keys``), each at its module's
-    floor (:func:`parcomp.differential.compare_all`); a missing key fails."""
+    floor (:func:`parcomp.check.differential.compare_all`); a missing key fails."""
     keys = list(want) if keys is None else list(keys)
     if rtol is None:
         rtol = rtol_of(*[got[k] for k in keys if k in got], *[want[k] for k in keys])

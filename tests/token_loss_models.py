@@ -1,5 +1,5 @@
 """Small torch models that compute their own loss (``train loss=output``), for the tests of
-gradient accumulation of a token-mean loss (tests/test_accumulate_token_mean.py)."""
+gradient accumulation of a token-mean loss (tests/training/test_accumulate_token_mean.py)."""
 from __future__ import annotations
 
 from pathlib import Path

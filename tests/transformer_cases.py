@@ -1,5 +1,5 @@
 """Whole small transformer LMs as ``.pcir`` text, for the hypothesis property of
-tests/test_transformer_props.py: token + (optional) vocab-parallel embedding, ``layers``
+tests/check/test_transformer_props.py: token + (optional) vocab-parallel embedding, ``layers``
 pre-norm blocks (LayerNorm or RMSNorm; attention with ``heads`` query heads and ``kv_heads``
 key/value heads repeated as transformers' ``repeat_kv`` does, causal sdpa; a GELU MLP or
 Llama's SiLU-gated one), a final norm, an LM head over a vocab padded to a multiple of tp

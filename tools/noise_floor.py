@@ -2,7 +2,7 @@
 
 For every shipped spec (specs/*.pcs with its model from specs/models.py):
 
-- the noise floor: the largest scale-relative difference (:mod:`parcomp.differential`) over
+- the noise floor: the largest scale-relative difference (:mod:`parcomp.check.differential`) over
   every carried value of every step between the sharded program (all ranks, numpy
   interpreter) and the unsharded graph, both in float64 from the same state;
 - the signal: one collective's result scaled by (1 + 1e-6) (tests/faults.py), the smallest
@@ -28,14 +28,14 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from faults import collectives, injected, model_of  # noqa: E402
 
-from parcomp import commands  # noqa: E402
-from parcomp.check64 import promote_compiled, promote_feeds  # noqa: E402
-from parcomp.passes.train_config import train_config  # noqa: E402
-from parcomp.differential import THRESHOLD, compare_outputs, value_scale  # noqa: E402
+from parcomp.check.check64 import promote_compiled, promote_feeds  # noqa: E402
+from parcomp.check.differential import THRESHOLD, compare_outputs, value_scale  # noqa: E402
+from parcomp.check.train_check import one_step, optimizer_on, step_result  # noqa: E402
+from parcomp.check.training import initial_state  # noqa: E402
+from parcomp.cli import commands  # noqa: E402
 from parcomp.reference.interpreter import run_spmd  # noqa: E402
 from parcomp.reference.numpy_ops import run_unsharded  # noqa: E402
-from parcomp.reference.training import initial_state  # noqa: E402
-from parcomp.train_check import one_step, optimizer_on, step_result  # noqa: E402
+from parcomp.spec.train_config import train_config  # noqa: E402
 
 
 def compiled_spec(spec: str):
@@ -91,7 +91,7 @@ def measure(spec: str, most: int | None) -> dict:
     correct = steps(wide, feeds, training, count)
     noise = correct["rel_err"]
     if c.program_.pipeline is not None:  # the pipelined step, as check runs it
-        from parcomp.reference.pipeline import check_pipeline_step
+        from parcomp.check.pipeline import check_pipeline_step
 
         noise = max(noise, check_pipeline_step(c, narrow, count)["rel_err"])
     names = collectives(wide.program)

@@ -1,6 +1,6 @@
 """torch.distributed backend: emit a self-contained ``program.py`` for torchrun and launch it.
 
-- :func:`emit_program` turns a :class:`parcomp.compiler.Compiled` into program text.
+- :func:`emit_program` turns a :class:`parcomp.compile.compiler.Compiled` into program text.
 - :data:`PROFILES` holds the device profiles (``cpu``/gloo, ``cuda``/nccl, ``ascend``/hccl).
 - :func:`run_torchrun` launches a program locally; :func:`assemble_outputs` reads its outputs.
 - A training program (``train_step`` in a loop, see :func:`training_facts`) also writes every

@@ -22,8 +22,8 @@ import uuid
 
 import numpy as np
 
+from parcomp.compile.program import assemble, cp_outputs
 from parcomp.ir.types import Replicate, layout_str
-from parcomp.program import assemble, cp_outputs
 
 from .emit import emit_program
 
@@ -291,7 +291,7 @@ def assemble_outputs(output_path, program) -> dict:
     ``program`` is the local graph the program was emitted from (``compiled.program``).
     Replicated outputs: one file written by rank 0.  Otherwise one file per rank
     (``rank_path``), whose slices are put back together (``Partial`` axes summed)
-    with :func:`parcomp.reference.interpreter.assemble`.
+    with :func:`parcomp.reference.assemble.assemble`.
 
     Raises:
         FileNotFoundError: a file is missing.

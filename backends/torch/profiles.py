@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parcomp.program import ParcompError
+from parcomp.compile.program import ParcompError
 
 
 class ProfileError(ParcompError, ValueError):
@@ -55,7 +55,7 @@ class DeviceProfile:
 
 
 # fp32 matmuls and convolutions in fp32, whatever torch's defaults: parcomp run's float32
-# tolerance (parcomp/differential.py) assumes fp32 rounding; TF32 keeps 10 mantissa bits (issue 16)
+# tolerance (parcomp/check/differential.py) assumes fp32 rounding; TF32 keeps 10 mantissa bits (issue 16)
 _TF32_OFF = ("torch.backends.cuda.matmul.allow_tf32 = False  # TF32 off: fp32 GEMMs as checked",
              "torch.backends.cudnn.allow_tf32 = False")
 _GLOO_ENV = ("export GLOO_SOCKET_IFNAME=eth0  # the interface that reaches the other nodes",)

@@ -2,7 +2,7 @@
 
 A factory is a zero-argument callable returning ``(module, example_inputs)`` or
 ``(module, example_inputs, input_names)``; the module is imported with
-:func:`parcomp.frontends.torch_export.import_torch`.  ``pkg.mod`` is imported
+:func:`parcomp.frontends.torch.export.import_torch`.  ``pkg.mod`` is imported
 as ``python -m`` would find it: from ``sys.path`` and, failing that, from the
 current directory.  ``FILE.py`` is imported as ``python FILE.py`` runs it: its folder
 is first on ``sys.path`` while it is imported and its factory called (so it imports its
@@ -33,7 +33,7 @@ def load_model(ref: str) -> tuple:
     """Load ``ref`` as ``(graph, module, example_inputs)``.
 
     ``FILE.pcir`` is parsed (module ``None``, example_inputs ``()``); ``FILE.onnx`` is
-    imported by :func:`parcomp.frontends.onnx.load_onnx` (module: its
+    imported by :func:`parcomp.frontends.onnx.frontend.load_onnx` (module: its
     :class:`~parcomp.frontends.model_file.ModelFile`); otherwise the factory is called and
     its module traced (torch is imported only then).
 
@@ -47,7 +47,7 @@ def load_model(ref: str) -> tuple:
     if ref.endswith(".pcir"):
         return _read_pcir(ref), None, ()
     if ref.endswith(".onnx"):
-        from .onnx import load_onnx
+        from .onnx.frontend import load_onnx
 
         return load_onnx(ref)
     if ":" not in ref:
@@ -62,7 +62,7 @@ def load_model(ref: str) -> tuple:
         if not callable(factory):
             raise FrontendError(_missing(mod, name, ref), where=ref)
         module, inputs, names = _call(factory, ref)
-    from .torch_export import import_torch
+    from .torch.export import import_torch
 
     return import_torch(module, inputs, names), module, inputs
 

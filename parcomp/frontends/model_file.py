@@ -10,7 +10,7 @@ from __future__ import annotations
 
 class ModelFile:
     """The interface of an imported model file (subclassed by
-    :class:`parcomp.frontends.onnx.OnnxModel`).
+    :class:`parcomp.frontends.onnx.frontend.OnnxModel`).
 
     Attributes:
         path: the file; ``program.py`` reads its weights from it (``--checkpoint``).

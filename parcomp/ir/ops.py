@@ -430,13 +430,13 @@ _def("moe_combine", 2, "bilinear", moe_combine_type, {"weighted": Attr("bool", d
 _def("moe_combine_grad_c", 3, "bilinear", moe_combine_grad_c_type)
 # ---- end of the MoE part ----
 # training options (issue 13): clip_coef(sumsq) {max_norm} = min(1, max_norm / (sqrt(sumsq) + 1e-6)),
-# the factor torch.nn.utils.clip_grad_norm_ scales every gradient by (parcomp/passes/train_options.py)
+# the factor torch.nn.utils.clip_grad_norm_ scales every gradient by (parcomp/spec/train_options.py)
 _def("clip_coef", 1, "nonlinear", _same, {"max_norm": _NUM})
 # mixed precision (issue 13): a gradient widened to float32 (exact); ``partial_over``: mesh axes
 # on which its operand must stay a partial sum, so the reduction runs in float32 after it
 _def("grad_upcast", 1, "linear", lambda ts, n: TensorType(ts[0].shape, "float32"),
      {"partial_over": Attr("str", default="")})
-# fp16 dynamic loss scaling (issue 13, parcomp/passes/amp.py): nonfinite(x) = 1.0 where x is inf/NaN;
+# fp16 dynamic loss scaling (issue 13, parcomp/passes/train/amp.py): nonfinite(x) = 1.0 where x is inf/NaN;
 # amp_select(found, new, old) = old where found > 0 (a skipped step) else new; the scale's update
 _def("nonfinite", 1, "nonlinear", lambda ts, n: TensorType(ts[0].shape, "float32"))
 _def("amp_select", 3, "nonlinear", lambda ts, n: ts[1])
@@ -449,7 +449,7 @@ _def("param", 0, "source", _own, {**_SOURCE, "trainable": Attr("bool", default=T
                                   "stored_shape": Attr("ints"),
                                   # a tied weight's other names, comma-separated (spec rules match them)
                                   "aliases": Attr("str")})
-# layout changes inserted by insert-collectives (see parcomp/redistribute.py); ``dim``:
+# layout changes inserted by insert-collectives (see parcomp/ir/redistribute.py); ``dim``:
 # the tensor dim gathered/scattered/sliced (the target dim of all_to_all), ``src_dim``:
 # the dim all_to_all concatenates; ``reason``: why (for reports and comments)
 _MOVE = {"axis": Attr("str", required=True), "reason": Attr("str")}
@@ -460,7 +460,7 @@ _def("all_reduce", 1, "collective", _same, {**_MOVE, **_REDUCE})
 _def("all_gather", 1, "collective", _same, {**_MOVE, "dim": _DIM})
 _def("reduce_scatter", 1, "collective", _same, {**_MOVE, "dim": _DIM})
 _def("all_to_all", 1, "collective", _same, {**_MOVE, "dim": _DIM, "src_dim": _DIM,
-                                            "ragged": Attr("bool", default=False)})  # issue 14: passes/moe_ragged.py
+                                            "ragged": Attr("bool", default=False)})  # issue 14: passes/lowering/moe_ragged.py
 _def("shard_slice", 1, "local", _same, {**_MOVE, "dim": _DIM})
 _def("partial_mask", 1, "local", _same, {**_MOVE, **_REDUCE})
 
@@ -472,7 +472,7 @@ _def("relayout", 1, "relayout", _same, {"origin": Attr("str"),  # origin: the sp
                                          "default": Attr("bool", default=False),  # unnamed output
                                          "grad": Attr("bool", default=False)})  # gradient pinned too
 
-# lowered ops: made by parcomp/passes/lower.py from the ops above, only in local programs
+# lowered ops: made by parcomp/passes/lowering/lower.py from the ops above, only in local programs
 # (their layout rules were checked on the ops they replace). Lowering annotates nodes with
 # ``inplace`` (the result is written into the first operand's buffer, dead afterwards),
 # ``async_op`` (an all_reduce that a ``wait`` completes) and ``frees`` (values dying after it)
@@ -485,7 +485,7 @@ _def("axpby", 2, "lowered", _own, {"a": _NUM, "b": _NUM, **_INPLACE})  # a x + b
 _def("mse_sum", 2, "lowered", _own)  # (y, t) -> sum((y - t)**2) over all dims (0-d)
 _def("mse_grad", 3, "lowered", _own)  # (dl, y, t) -> dl * 2 * (y - t), dl broadcast
 _def("wait", 1, "lowered", _same)  # the value of an all_reduce started with async_op=true
-# norms + embedding part (issue 17), parcomp/passes/bucket.py: (a, b, ...) -> their
+# norms + embedding part (issue 17), parcomp/passes/lowering/bucket.py: (a, b, ...) -> their
 # flattened concatenation; (flat) -> flat[offset:offset+numel] reshaped to its type (a view)
 _def("bucket_cat", -1, "lowered", _own)
 _def("bucket_part", 1, "lowered", _own, {"offset": Attr("int", required=True),

@@ -21,7 +21,7 @@ the partial kind: the op turns ``P(reduce_op)`` into ``R`` (or back). A P(max) i
 never reduce_scattered: no backend here has an honest max reduce_scatter (gloo has
 none), so the planner reduces it with all_reduce(max) and slices locally.
 
-Read by the planner (:mod:`parcomp.redistribute`: the step each change needs and
+Read by the planner (:mod:`parcomp.ir.redistribute`: the step each change needs and
 its bytes), the verifier (each layout op's input -> output placements) and the
 reference interpreter (which simulation runs, which ops are logged as traffic).
 """
@@ -80,4 +80,4 @@ TRANSITIONS = {t.op: t for t in (
 JOINT_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 """Layout ops that may run over a joint group of several mesh axes at once (``axis="dp,tp"``):
 the group's ranks in rank order, the first axis outermost (the shard order), so the op is the
-per-axis ops over those axes in a row (:mod:`parcomp.redistribute`)."""
+per-axis ops over those axes in a row (:mod:`parcomp.ir.redistribute`)."""

@@ -19,8 +19,6 @@ import sys
 
 from dataclasses import replace
 
-from .option_loc import option_loc
-from .vocab_pad import padded_logits
 from ..errors import SpecError, closest
 from ..ir.graph import Graph, Node, evolve, make_attrs
 from ..ir.names import NameGen
@@ -28,13 +26,15 @@ from ..ir.ops import OPS
 from ..ir.types import Partial, Replicate, Shard, TensorType, replicated, shard_axes
 from ..rules.vjp import VJP_RULES
 from ..spec.model import pattern_regex
-from .decompose import Emitter, cross_entropy_parts, padded_size
-from .train_config import train_config
-from .accumulate import accumulated_step
-from . import amp
-from .precision import lower_forward, upcast_grads, wrt_names
-from .train_options import (clip_gradients, lr_factor, recompute_view, scheduled_sgd_step, scheduled_update,
+from ..spec.option_loc import option_loc
+from ..spec.train_config import train_config
+from ..spec.train_options import (clip_gradients, lr_factor, recompute_view, scheduled_sgd_step, scheduled_update,
                             start_recompute)
+from .decompose import Emitter, cross_entropy_parts, padded_size
+from .train import amp
+from .train.accumulate import accumulated_step
+from .train.precision import lower_forward, upcast_grads, wrt_names
+from .vocab_pad import padded_logits
 
 
 class Builder:
@@ -127,7 +127,7 @@ def add_training_step(graph: Graph, spec) -> Graph:
     b = Builder(graph)
     outs = []
     start_recompute(b, graph, cfg.options)  # issue 13: recompute=selective
-    if cfg.options.accumulate > 1:  # issue 13: K microbatches (parcomp/passes/accumulate.py)
+    if cfg.options.accumulate > 1:  # issue 13: K microbatches (parcomp/passes/train/accumulate.py)
         b = Builder(Graph(tuple(n for n in graph.nodes if n.op == "param"), (), graph.mesh))
         start_recompute(b, graph, cfg.options)
         loss, params, grads = accumulated_step(b, graph, cfg, spec, params, sys.modules[__name__], cast)
@@ -340,7 +340,7 @@ def _state(b, param, suffix, layout):
 
 
 def training_options(b, grads, cfg, spec):
-    """Gradient clipping and the LR schedule's factor (issue 13: parcomp/passes/train_options.py).
+    """Gradient clipping and the LR schedule's factor (issue 13: parcomp/spec/train_options.py).
     Returns ``(grads, clipped if asked; the factor node lr_k / lr, or None)``."""
     opts = cfg.options
     if opts.clip_grad_norm is not None:

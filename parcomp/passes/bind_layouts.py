@@ -23,10 +23,10 @@ from ..ir.types import P, R, Shard, divisibility_problem, layout_str, replicated
 from ..rules.sharding import reshape_dim_map
 from ..spec import Spec
 from ..spec.parser import check_names
-from ..frontends.fused import fused_bias_follows, fused_split_dim  # attention part (issue 17)
-from .heads import check_heads  # attention part (issue 17)
-from .seqpar import pin_sequence_parallel  # sequence parallel (issue 17)
-from .ctxpar import pin_context_parallel  # context parallel (issue 14)
+from .attention.ctxpar import pin_context_parallel  # context parallel (issue 14)
+from .attention.heads import check_heads  # attention part (issue 17)
+from .attention.seqpar import pin_sequence_parallel  # sequence parallel (issue 17)
+from .fused_weights import fused_bias_follows, fused_split_dim  # attention part (issue 17)
 from .vocab_pad import pad_vocab_tables  # padded vocab (issue 17)
 
 
@@ -250,7 +250,7 @@ def _matmuls_of(graph, users, name):
 
 def _fused_note(node) -> str:
     """For a fused weight (GPT-2's ``c_attn``), how its layouts are written: on the view of
-    its parts, not the stored shape (:mod:`parcomp.frontends.fused`)."""
+    its parts, not the stored shape (:mod:`parcomp.passes.fused_weights`)."""
     stored = tuple(node.attr("stored_shape") or ())
     if not stored:
         return ""

@@ -14,7 +14,7 @@ reduced dim ends up split is shard-prop's choice, made later. The forms:
   max, sum of exps and the target logit (``pick``, held by one rank) are the three
   reductions over the vocab dim; ignored labels give 0.
 
-The lowering pass ``fuse-reductions`` (:mod:`.fuse_reductions`) writes a softmax,
+The lowering pass ``fuse-reductions`` (:mod:`.lowering.fuse_reductions`) writes a softmax,
 log_softmax or argmax back as one op where nothing split it. Each form keeps the original
 node's name, layout and phase on its last node.
 """

@@ -1,7 +1,7 @@
 """insert-collectives: make every producer/consumer layout mismatch explicit.
 
 For each operand whose producer layout differs from the layout the consumer's
-strategy needs, the redistribution plan (:func:`parcomp.redistribute.plan`)
+strategy needs, the redistribution plan (:func:`parcomp.ir.redistribute.plan`)
 becomes a chain of collective / local nodes, each carrying ``axis``, ``dim`` and
 a ``reason`` a person can read.  A conversion of the same value to the same
 layout is made once and shared.  ``relayout`` nodes disappear: their consumers
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from ..ir.graph import Graph, Node, evolve, make_attrs
 from ..ir.names import NameGen
+from ..ir.redistribute import plan
 from ..ir.types import Partial, R, Replicate, layout_str
-from ..redistribute import plan
 
 
 def insert_collectives(graph: Graph) -> Graph:

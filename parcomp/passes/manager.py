@@ -16,7 +16,7 @@ from .bind_layouts import bind_layouts
 from .decompose import decompose_reductions
 from .insert_collectives import insert_collectives
 from .localize import localize
-from .lower import LOWERING, SPEC_LOWERING
+from .lowering.lower import LOWERING, SPEC_LOWERING
 from .shard_prop import shard_prop
 from .verify import verify
 
@@ -37,7 +37,7 @@ def forward_pipeline(spec, heuristic: bool = False) -> list:
 
     With a ``train`` line in the spec, ``autodiff`` appends loss, backward and
     optimizer update to the global graph before anything is sharded. The lowering
-    passes of :mod:`.lower` (fusions, overlap, in-place, frees) come last. ``heuristic``:
+    passes of :mod:`.lowering.lower` (fusions, overlap, in-place, frees) come last. ``heuristic``:
     shard-prop skips the ILP (see :func:`.shard_prop.shard_prop`).
     """
     train = [Pass("autodiff", lambda g: add_training_step(g, spec))] if spec.train else []

@@ -5,7 +5,7 @@ layouts the spec fixes.  Output: every node has ``layout`` (what it produces)
 and ``in_layouts`` (what its op consumes); ``insert-collectives`` turns the
 differences into collectives.
 
-Cost of a solution (seconds, :mod:`parcomp.redistribute`): every node's local
+Cost of a solution (seconds, :mod:`parcomp.ir.redistribute`): every node's local
 compute, plus for every value the redistributions to each *distinct* layout
 its consumers need (a conversion is made once and shared).
 
@@ -15,9 +15,9 @@ Search:
    produce ``v`` in ``O``) and a reverse pass fixing each strategy given what
    its consumers ask — exact where every value is read once (chains, trees),
    and then the answer;
-2. otherwise the integer program of :mod:`.layout_ilp` (HiGHS), exact, started
+2. otherwise the integer program of :mod:`.search.layout_ilp` (HiGHS), exact, started
    from the best of the DP, a forward greedy pass (DTensor-style propagation)
-   and local moves (:mod:`.shard_moves`: a node re-picks its strategy, operands
+   and local moves (:mod:`.search.shard_moves`: a node re-picks its strategy, operands
    computed only for it follow), which is also kept if the solver's time budget runs out first.
 
 Both are checked against brute-force enumeration in the tests (test_optimality,
@@ -30,12 +30,12 @@ import time
 
 from ..errors import ShardingError
 from ..ir.graph import Graph, describe, evolve
+from ..ir.redistribute import compute_cost, gathers_over, plan_cost
 from ..ir.types import layout_str
-from ..redistribute import compute_cost, gathers_over, plan_cost
-from .keep_dp import batch_axes, batch_values, blocked_record, prune, unbatched_values
 from ..rules.sharding import mesh_strategies
-from .layout_ilp import DEFAULT_SECONDS, MemoryLimit, solve_ilp, too_large
-from .shard_moves import LocalMoves
+from .search.keep_dp import batch_axes, batch_values, blocked_record, prune, unbatched_values
+from .search.layout_ilp import DEFAULT_SECONDS, MemoryLimit, solve_ilp, too_large
+from .search.shard_moves import LocalMoves
 
 _TOL = 1e-15
 # collectives over a batch axis (dp; ep where it splits the batch) that make one of the
@@ -54,18 +54,18 @@ def shard_prop(graph: Graph, seconds: float = DEFAULT_SECONDS, memory: int | Non
     """Complete the layouts of ``graph`` with the least estimated cost.
 
     On a tree (every value read once) the DP is exact; otherwise the ILP of
-    :mod:`.layout_ilp` runs for at most ``seconds``, started from the heuristic's
+    :mod:`.search.layout_ilp` runs for at most ``seconds``, started from the heuristic's
     plan.  The returned graph's ``search`` says which search produced the plan,
     its cost (seconds) and whether it is proven optimal under the cost model.
     Data parallel stays data parallel: no plan all-gathers the batch over ``dp``
     (:class:`_Problem`) unless none can avoid it (``search["data_parallel"]`` False).
     With ``memory`` (bytes per rank), plans whose resident bytes
-    (:mod:`parcomp.memory`) exceed it are infeasible.  ``free`` maps a source (param or
+    (:mod:`parcomp.cost.memory`) exceed it are infeasible.  ``free`` maps a source (param or
     input) to the layouts it may take (``parcomp plan``); other sources keep theirs.
     ``heuristic`` skips the ILP as a graph over MAX_STRATEGIES does (block-plan reuse compiles
-    a few blocks of a model whose whole graph is over it: parcomp/repeat_compile.py).
+    a few blocks of a model whose whole graph is over it: parcomp/compile/repeat_compile.py).
     ``problem``: this graph's :class:`_Problem` (``free`` empty), already pruned with data
-    parallel kept (:func:`.keep_dp.prune` True), which block-plan reuse builds first to count
+    parallel kept (:func:`.search.keep_dp.prune` True), which block-plan reuse builds first to count
     the strategies; it is used as built.
 
     Raises:
@@ -130,7 +130,7 @@ def _search(prob, limit, seconds, heuristic=False) -> tuple:
 class _Problem(LocalMoves):
     """Options per node and the exact cost of a plan.  With ``data_parallel`` (the default)
     a conversion that all-gathers one of the batch's values over a batch axis (``dp``; ``ep``
-    where the spec splits an input over it: :func:`.keep_dp.batch_axes`) costs
+    where the spec splits an input over it: :func:`.search.keep_dp.batch_axes`) costs
     infinity (:func:`batch_values`), except into a layout the spec pins that value to."""
 
     def __init__(self, graph, free=None, data_parallel: bool = True):
@@ -177,7 +177,7 @@ class _Problem(LocalMoves):
         return self._canon.setdefault(layout, layout)
 
     def plan_cost(self, src, tgt, ty, value=None) -> float:
-        """:func:`parcomp.redistribute.plan_cost` on this mesh, cached by object identity
+        """:func:`parcomp.ir.redistribute.plan_cost` on this mesh, cached by object identity
         (layouts are interned; types and fixed layouts live as long as the graph); infinity
         for a conversion of ``value`` that data parallel forbids (see the class)."""
         if value in self.batch and tgt not in self.pinned.get(value, ()):
@@ -334,7 +334,7 @@ class _Problem(LocalMoves):
 
 def _in_order(graph, sol) -> dict:
     """``sol`` in program order: its cost (a float sum over it) then does not depend on
-    which search built it (a reused block plan prices the same sum: parcomp/repeat_compile.py)."""
+    which search built it (a reused block plan prices the same sum: parcomp/compile/repeat_compile.py)."""
     return {n.name: sol[n.name] for n in graph.nodes if n.name in sol}
 
 

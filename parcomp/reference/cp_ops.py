@@ -1,6 +1,6 @@
 """Where a context-parallel rank's query rows start (issue 14).
 
-A causal ``sdpa`` / ``sdpa_grad`` marked ``cp`` (``parcomp/passes/ctxpar.py``) may run on a
+A causal ``sdpa`` / ``sdpa_grad`` marked ``cp`` (``parcomp/passes/attention/ctxpar.py``) may run on a
 block of the query rows; its causal mask must then be taken at the block's global row offset.
 :func:`at_rank` gives such a node ``q_start`` (read by
 :func:`parcomp.reference.numpy_attn.attention_probs`), the interpreter and the per-rank error
@@ -37,7 +37,7 @@ def q_start(program, node, coords) -> int:
 
 def at_rank(program, node, rank: int):
     """``node`` of local ``program`` with ``q_start`` for mesh rank ``rank`` (others unchanged).
-    Balanced chunking (parcomp/passes/cp_balance.py): a marked ``arange`` gets ``storage=True``
+    Balanced chunking (parcomp/passes/attention/cp_balance.py): a marked ``arange`` gets ``storage=True``
     (positions in storage order), a marked sdpa ``balanced_mask=True`` (mask by positions); an
     unsharded run (no ``at_rank``) keeps the natural order."""
     if node.op == "arange" and node.attr("balanced"):

@@ -47,7 +47,7 @@ def positions(chunking: str, n: int, coord: int, rows: int) -> np.ndarray:
 
 def storage_order(n: int, length: int) -> np.ndarray:
     """Natural positions of storage rows ``0 .. length-1`` under balanced chunking over ``n``
-    (rank-major: rank 0's chunks, then rank 1's, ...; parcomp/passes/cp_balance.py)."""
+    (rank-major: rank 0's chunks, then rank 1's, ...; parcomp/passes/attention/cp_balance.py)."""
     return np.concatenate([positions("balanced", n, c, length // n) for c in range(n)])
 
 

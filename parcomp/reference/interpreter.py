@@ -3,7 +3,7 @@
 It runs a *local* program (after ``localize``) on all ranks of the mesh in
 lockstep, node by node.  Compute ops use :data:`NUMPY_OPS`; collectives combine
 the group's local arrays in coordinate order and are logged, so tests can pin
-the exact collectives that ran. It runs the lowered program (parcomp/passes/lower.py):
+the exact collectives that ran. It runs the lowered program (parcomp/passes/lowering/lower.py):
 the same op sequence, frees and in-place writes as the emitted program.py. An
 ``all_reduce{async_op=true}`` completes at once; its ``wait`` passes the value on.
 """
@@ -15,14 +15,15 @@ import numpy as np
 
 from ..errors import VerifyError
 from ..ir.graph import Graph, describe
+from ..ir.liveness import broadcast_view, frees_of, storage_roots
+from ..ir.redistribute import Step, step_bytes
 from ..ir.transitions import TRANSITIONS
-from ..ir.types import R, Partial, Replicate, TensorType, shard_offsets
-from ..passes.lower import broadcast_view, frees_of, storage_roots
-from ..redistribute import Step, step_bytes
-from .numpy_attn import source_array
-from .moe_ops import ragged_all_to_all
+from ..ir.types import Partial, Replicate, TensorType, shard_offsets
+from .assemble import assemble
 from .cp_ring import is_ring, run_ring
-from ..passes.cp_balance import feed as cp_feed, outputs as cp_outputs
+from .cp_storage import feed as cp_feed, outputs as cp_outputs
+from .moe_ops import ragged_all_to_all
+from .numpy_attn import source_array
 from .numpy_ops import NUMPY_OPS
 from .ranked import at_rank
 
@@ -90,43 +91,9 @@ def _split_max(locs, full, layout, mesh, a, rng):
             locs[r] = (locs[r] - offs[coords[a]]).astype(full.dtype)
 
 
-def _reduce_max_axes(locals_by_rank, layout, mesh):
-    """Per-rank locals with every P(max) axis reduced by max (then treated as R)."""
-    locs = list(locals_by_rank)
-    for a, p in enumerate(layout):
-        if isinstance(p, Partial) and p.op == "max":
-            for group in mesh.groups(a):
-                top = np.maximum.reduce([np.asarray(locs[r]) for r in group])
-                for r in group:
-                    locs[r] = top
-    return locs, tuple(R if isinstance(p, Partial) and p.op == "max" else p for p in layout)
-
-
-def assemble(locals_by_rank, layout, global_shape, mesh, dtype="float32") -> np.ndarray:
-    """Rebuild the full array from per-rank locals; replicas must be bit-identical.
-    Partial-sum axes are summed, partial-max axes combined by max.
-
-    Raises:
-        ValueError: two replicas of the same block differ (a rank diverged).
-    """
-    locals_by_rank, layout = _reduce_max_axes(locals_by_rank, layout, mesh)
-    ty = TensorType(tuple(global_shape), dtype)
-    wide = dtype if np.dtype(dtype).kind in "iu" else np.result_type(dtype, np.float64)  # int64 keys: exact
-    full, seen = np.zeros(global_shape, dtype=wide), {}
-    for r, local in enumerate(locals_by_rank):
-        coords = mesh.coords(r)
-        key = tuple(c if not isinstance(p, Replicate) else 0 for c, p in zip(coords, layout))
-        if key in seen:
-            if any(isinstance(p, Replicate) for p in layout) and not np.array_equal(seen[key], local, equal_nan=True):
-                raise ValueError(f"replicas differ: rank {r} vs another rank at coords {key}")
-            continue
-        seen[key] = local
-        idx = tuple(slice(s, s + n) for s, n in shard_offsets(ty, layout, mesh, coords))
-        full[idx] += local
-    return full.astype(dtype)
-
-
 @dataclass
+
+
 class SPMDRun:
     """Result of :func:`run_spmd`: per-rank values, the collective log, the executed op
     sequence (node names, in order), each rank's peak live bytes, and the point-to-point
@@ -200,7 +167,7 @@ def check_in_place(program: Graph, roots: dict) -> None:
     compute the value (its ``expand`` is a copy), but the emitted program's ``x.add_(y)``
     on a stride-0 tensor dies under torchrun ("more than one element of the written-to
     tensor refers to a single memory location"); the in-place pass never marks such a node
-    (:func:`parcomp.passes.lower.broadcast_view`), a hand-written ``.pcir`` may.
+    (:func:`parcomp.ir.liveness.broadcast_view`), a hand-written ``.pcir`` may.
 
     ``roots``: :func:`storage_roots` of ``program``.
 

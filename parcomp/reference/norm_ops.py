@@ -9,7 +9,7 @@ other ids give zero rows, Megatron's VocabParallelEmbedding) and ``embedding_gra
 vocab-split table gradient. Without those attributes an op computes the unsharded value.
 
 The hash is integer arithmetic on int64 that never overflows (32-bit products split in
-16-bit halves), so numpy and torch (``backends/torch/program_norms.py``) agree bit for bit.
+16-bit halves), so numpy and torch (``backends/torch/runtime/program_norms.py``) agree bit for bit.
 """
 from __future__ import annotations
 
@@ -145,7 +145,7 @@ NORM_NUMPY_OPS = {
     "dropout": _dropout,
     "embedding": _embedding,
     "embedding_grad": _embedding_grad,
-    # lowered (parcomp/passes/bucket.py): one flat buffer for several gradients, and back
+    # lowered (parcomp/passes/lowering/bucket.py): one flat buffer for several gradients, and back
     "bucket_cat": lambda a, n: np.concatenate([np.reshape(x, -1) for x in a]),
     "bucket_part": lambda a, n: a[0][n.attr("offset"):n.attr("offset") + n.attr("numel")].reshape(n.type.shape),
 }

@@ -117,7 +117,7 @@ NUMPY_OPS = {
     "cross_entropy": lambda a, n: _cross_entropy(a[0], a[1], n),
     "cross_entropy_grad": lambda a, n: _cross_entropy_grad(a[0], a[1], a[2], n),
     "adamw_param": lambda a, n: _adamw(a[0], a[1], a[2], a[3], n),
-    # lowered ops (parcomp/passes/lower.py); ``inplace`` changes where torch writes, not the value
+    # lowered ops (parcomp/passes/lowering/lower.py); ``inplace`` changes where torch writes, not the value
     "dense": lambda a, n: np.matmul(a[0], np.swapaxes(a[1], -1, -2)) + (a[2] if len(a) > 2 else 0),
     "addmm": lambda a, n: a[0] + np.matmul(a[1], a[2]),
     "matmul_t": lambda a, n: np.ascontiguousarray(np.swapaxes(np.matmul(a[0], a[1]), -1, -2)),
@@ -161,7 +161,7 @@ def run_unsharded(graph, feeds: dict, overrides: dict | None = None, env: dict |
     """Evaluate a global graph on one process: ``feeds`` maps input/param names to arrays.
 
     ``overrides``: ``{value name: array}`` taken as those values instead of computing them
-    (the optimizer run on given gradients, parcomp/train_check.py). ``env``: a dict that
+    (the optimizer run on given gradients, parcomp/check/train_check.py). ``env``: a dict that
     receives every value computed. Returns ``{public output name: array}``. Raises KeyError
     naming a missing feed.
     """

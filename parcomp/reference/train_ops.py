@@ -18,7 +18,7 @@ def clip_coef(sumsq, max_norm: float):
 
 TRAIN_NUMPY_OPS = {"clip_coef": lambda a, n: clip_coef(a[0], n.attr("max_norm")),
                    "grad_upcast": lambda a, n: np.asarray(a[0]).astype(n.type.dtype),  # exact widening (float64 check: f64)
-                   # fp16 loss scaling (parcomp/passes/amp.py)
+                   # fp16 loss scaling (parcomp/passes/train/amp.py)
                    "nonfinite": lambda a, n: (~np.isfinite(a[0])).astype(n.type.dtype),
                    "amp_select": lambda a, n: np.where(a[0] > 0, a[2], a[1]).astype(a[1].dtype),
                    "amp_ratio": lambda a, n: amp_ratio(a[0], a[1], a[2], n.attr("interval")),

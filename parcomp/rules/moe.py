@@ -13,7 +13,7 @@ parcomp/reference/moe_ops.py, where every result is computed per row and per exp
   expert dim of the router (top-k compares all experts).
 
 Expert parallelism is then ``S(0) -> S(1)`` of the slots between dispatch and the experts: one
-``all_to_all`` over ``ep`` there and its inverse before combine (parcomp/redistribute.py).
+``all_to_all`` over ``ep`` there and its inverse before combine (parcomp/ir/redistribute.py).
 """
 from __future__ import annotations
 

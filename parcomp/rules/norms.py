@@ -67,7 +67,7 @@ def _norm_vjp(b, n, g):
         xhat = b.op(n.op, [x], eps=eps)
         out.append(b.op("sum", [b.op("mul", [g, xhat])], dims=lead, bucket="norm"))
     if len(n.inputs) > 2:  # bias
-        out.append(b.op("sum", [g], dims=lead, bucket="norm"))  # bucket: parcomp/passes/bucket.py
+        out.append(b.op("sum", [g], dims=lead, bucket="norm"))  # bucket: parcomp/passes/lowering/bucket.py
     return tuple(out)
 
 

@@ -5,7 +5,7 @@ of its gradient contribution (or None), where ``g`` names the gradient of the
 node's output and ``b`` is a :class:`parcomp.passes.autodiff.Builder` that adds
 nodes to the global graph.  Broadcast operands get their gradient summed back
 to their own shape (:func:`unbroadcast`).  Each rule is checked against central
-finite differences in float64 in ``tests/test_vjp.py``.
+finite differences in float64 in ``tests/rules/test_vjp.py``.
 """
 from __future__ import annotations
 

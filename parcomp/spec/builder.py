@@ -5,16 +5,16 @@ from __future__ import annotations
 
 from lark import Token
 
+from ..cost.links import LINK_KEYS, LINKS
+from ..cost.memory import parse_size
 from ..errors import SourceLoc, SpecError
 from ..ir.types import Mesh, R
-from ..links import LINK_KEYS, LINKS
-from ..memory import parse_size
-from ..passes.train_config import train_config
-from .model import LAYOUT_WORDS, LayoutSpec, Rule, Spec, TrainSpec, check_mesh_size, default_axis
-from .stages import make_stage, check_stages
 from .ctxpar import make_context_parallel  # context parallel (issue 14)
+from .model import LAYOUT_WORDS, LayoutSpec, Rule, Spec, TrainSpec, check_mesh_size, default_axis
 from .moe import make_moe  # MoE capacity policy (issue 14)
+from .stages import make_stage, check_stages
 from .syntax import _WORDS, _hint, _int, _loc
+from .train_config import train_config
 
 _TOPOLOGY = ("nodes", "devices_per_node")
 # how program.py runs on a cluster (issue 16): key -> the words it takes, or None: whole seconds

@@ -10,13 +10,13 @@ named ``cp``; a mesh without one must say ``over AXIS``, never a silent tp or dp
 
 - ``all_to_all`` (DeepSpeed-Ulysses; ``ulysses`` is the same): q/k/v exchanged from the
   sequence split to a heads split, attention on whole sequences, the output exchanged back
-  (``parcomp/passes/cp_ulysses.py``).
+  (``parcomp/passes/attention/cp_ulysses.py``).
 - ``ring``: K/V blocks passed around the ring by point-to-point sends, an online-softmax
   merge; backward with each step's own block, dK/dV returned to their owners
   (``parcomp/reference/cp_ring.py``).
 
 ``chunking=balanced`` (rank r holds chunks r and 2cp-1-r of 2cp) works with the all_gather and
-ring lowerings (``parcomp/passes/cp_balance.py``).
+ring lowerings (``parcomp/passes/attention/cp_balance.py``).
 
 ``load_balanced`` is named here so that a spec asking for it as a lowering gets a located error
 (the balanced placement is ``chunking=balanced``), never a silent other lowering.
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from ..errors import SourceLoc
 
 #: lowerings built, and those named but not built yet (a located error)
-LOWERINGS = ("all_gather", "all_to_all", "ring")  # all_to_all: DeepSpeed-Ulysses (passes/cp_ulysses.py)
+LOWERINGS = ("all_gather", "all_to_all", "ring")  # all_to_all: DeepSpeed-Ulysses (passes/attention/cp_ulysses.py)
 NOT_BUILT = ("load_balanced",)
 ALIASES = {"ulysses": "all_to_all"}  # DeepSpeed's name for the all_to_all form
 CHUNKINGS = ("contiguous", "balanced")  # issue 14
@@ -42,7 +42,7 @@ class ContextParallel:
     axis: str
     lowering: str
     loc: SourceLoc
-    chunking: str = "contiguous"  # or "balanced" (issue 14): parcomp/passes/cp_balance.py
+    chunking: str = "contiguous"  # or "balanced" (issue 14): parcomp/passes/attention/cp_balance.py
 
 
 def make_context_parallel(builder, tok, payload) -> ContextParallel:
@@ -86,7 +86,7 @@ def make_context_parallel(builder, tok, payload) -> ContextParallel:
 
 def _chunking(builder, key, val) -> str:
     """``contiguous`` (rank r holds rows r*L .. r*L+L-1) or ``balanced`` (the sequence cut into
-    2cp chunks, rank r holds chunks r and 2cp-1-r: parcomp/passes/cp_balance.py).
+    2cp chunks, rank r holds chunks r and 2cp-1-r: parcomp/passes/attention/cp_balance.py).
 
     Raises:
         SpecError: at the option, for any other value.

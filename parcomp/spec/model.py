@@ -200,14 +200,14 @@ class Spec:
     topology: tuple | None = None  # (nodes, devices_per_node)
     train: TrainSpec | None = None
     topology_loc: SourceLoc | None = None  # where the topology statement is
-    links: tuple = ()  # the topology's link keys, sorted (key, value) pairs (parcomp/links.py)
+    links: tuple = ()  # the topology's link keys, sorted (key, value) pairs (parcomp/cost/links.py)
     memory: int | None = None  # bytes per device (the `memory` statement), or None
     memory_loc: SourceLoc | None = None
     stages: tuple = ()  # StageRule per pipeline stage, in stage order (empty: none given)
     launch: tuple = ()  # the topology's placement= / timeout= pairs, sorted (program.py's defaults)
     # `sequence-parallel [over AXIS]` (transformer SP, issue 17): (axis, loc) or None
     sequence_parallel: tuple | None = None
-    # `context-parallel [over AXIS] [lowering=...]` (issue 14): parcomp.passes.ctxpar.ContextParallel or None
+    # `context-parallel [over AXIS] [lowering=...]` (issue 14): parcomp.passes.attention.ctxpar.ContextParallel or None
     context_parallel: object = None
     # `moe capacity_factor=F [drop=tokens]` / `moe drop=none` (issue 14): parcomp.spec.moe.MoeSpec or None
     moe: object = None

@@ -40,7 +40,7 @@ def parse_spec(text: str, file: str = "<string>") -> Spec:
             word or mesh axis, a layout with the wrong number of placements, a
             missing, misplaced or repeated ``mesh``, a bad mesh axis size or a
             repeated axis name, a bad ``topology``, a repeated ``train`` or a
-            train option out of its range (see :mod:`parcomp.passes.train_config`).
+            train option out of its range (see :mod:`parcomp.spec.train_config`).
     """
     text = text[1:] if text.startswith("\ufeff") else text
     lines = source_lines(text)

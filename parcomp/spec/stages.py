@@ -3,7 +3,7 @@
 An item is a module path (``ln_f``, ``h.3``, ``0``) or a range of numbered modules
 (``0-5``, ``h.0-11``), expanded here to the paths it names.  A spec either gives one
 stage statement for every stage ``0 .. pp-1`` or none (then the stages are balanced by
-the cost model of :mod:`parcomp.passes.split_stages`, or ``train stages=balanced`` says
+the cost model of :mod:`parcomp.passes.pipeline.split_stages`, or ``train stages=balanced`` says
 so explicitly).  Every error is a :class:`~parcomp.errors.SpecError` at the statement.
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ Usage (repo root, the repo's venv): ``.venv/bin/python tools/gpu_check/prepare.p
 (DIR defaults to ``.gpu_check``, which .gitignore ignores). For each case it writes
 DIR/CASE/ with program.py (``--profile cuda``), model.pt, inputs.pt, the CPU/gloo run's
 outputs.pt and case.json: the steps and the float32 tolerance (``rtol``, a fraction of each
-value's scale, :data:`parcomp.differential.DTYPE_TOLERANCE`) the GPU run must meet.
+value's scale, :data:`parcomp.check.differential.DTYPE_TOLERANCE`) the GPU run must meet.
 Then copy DIR and ``tools/gpu_check/gpu_run.py`` to a GPU machine and run
 ``python3 gpu_run.py`` inside DIR (torch with CUDA and NCCL; parcomp is not needed there).
 """
@@ -14,7 +14,7 @@ import shutil
 import subprocess
 import sys
 
-from parcomp.differential import DTYPE_TOLERANCE
+from parcomp.check.differential import DTYPE_TOLERANCE
 
 HERE = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else ".gpu_check")
 os.makedirs(HERE, exist_ok=True)
@@ -29,7 +29,7 @@ for name, (model, spec_text, steps) in CASES.items():
     shutil.rmtree(d, ignore_errors=True)
     spec_path = os.path.join(HERE, name + ".pcs")
     open(spec_path, "w").write(spec_text)
-    cmd = [sys.executable, "-m", "parcomp.cli", "run", model, "--spec", spec_path, "--nproc", "1",
+    cmd = [sys.executable, "-m", "parcomp.cli.main", "run", model, "--spec", spec_path, "--nproc", "1",
            "--profile", "cuda", "--keep", d, "--json"]
     p = subprocess.run(cmd, capture_output=True, text=True)
     print(name, "cpu run rc", p.returncode, p.stdout.strip().splitlines()[-1][:300] if p.stdout.strip() else p.stderr[-2000:])

@@ -1,0 +1,166 @@
+"""Emit a self-contained, readable ``program.py`` for torchrun from a compiled program.
+
+The program is one rank's view of the local (per-rank) graph: a PROFILE block
+(the only lines that depend on the device profile), constants describing the
+mesh, a small runtime of collectives written with ``torch.distributed`` (same
+semantics as ``parcomp/reference/interpreter.py``), one line per parameter
+slice, one line per graph node, and a ``main`` that checks the world size,
+loads, runs, writes the outputs and optionally times forward steps.  Nothing in
+it imports parcomp.  The text is deterministic: same input, same bytes.
+
+Everything it prints comes from fields of the :class:`parcomp.compile.program.Program`:
+a training program (``Program.train``) becomes ``train_step`` plus a loop:
+``--steps K`` steps, each feeding its CARRIED outputs back as params and
+optimizer state (the state starts at zeros), the step input set to 1..K (see
+:mod:`parcomp_backends.torch.runtime`).  Variables are named after the model's modules where the
+frontend knew them (``c_fc``, ``c_proj_matmul``), and every line a spec rule
+caused ends with that rule's ``spec.pcs:LINE``.
+
+This module assembles the program and writes its step function; the per-node text (op
+tables, ``_code``) is :mod:`.nodes`, the other sections (header, PROFILE block,
+constants, loaders, value names) :mod:`.sections`.  Their names that callers import
+from here (``OP_FORMATS``, ``_code``, ``_names``, ``EmitError``, ...) are re-exported.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import replace
+from json.encoder import encode_basestring_ascii as _json_str  # json.dumps of a str
+
+from parcomp.compile.program import Program, TrainLoop, no_cycle_collection
+from parcomp.ir.ops import LAYOUT_OPS
+from parcomp.ir.types import layout_str
+
+from .cp_ring import ring_comment, ring_sections
+from .moe import moe_sections  # issue 14
+from .norms import runtime_sections
+from .reduce import reduce_sections
+# the per-node text and the other sections (re-exported: callers import them from here)
+from ..profiles import get_profile
+from ..runtime import (CONSTANT_LOADER, FUNCTIONAL, IMPORTS, MAIN, ONNX_READER, RUNTIME, TIED_LOADER, TRAIN_MAIN,
+                      TRAIN_RUNTIME)
+from .nodes import (ASYNC_FORMATS, ATTR_DEFAULTS, IN_PLACE_FORMATS, OP_FORMATS, TORCH_DTYPES,  # noqa: F401
+                         EmitError, _code, _py)
+from .sections import (COMMENT_WIDTH, RESERVED, _comment, _constants, _header, _loaders,  # noqa: F401
+                            _names, _profile_block)
+
+LOCAL_LAYOUT_OPS = ("shard_slice", "partial_mask")
+_LAYOUT_OPS = frozenset(LAYOUT_OPS)
+
+
+Training = TrainLoop  # the name this backend exported before the Program held the facts
+
+
+def training_facts(compiled) -> TrainLoop | None:
+    """The training loop facts of a compiled graph (or a Program), or None for a forward program."""
+    return _program_of(compiled).train
+
+
+def _program_of(compiled) -> Program:
+    prog = compiled if isinstance(compiled, Program) else getattr(compiled, "program_", None)
+    if not isinstance(prog, Program) or prog.graph.stage != "local" or prog.mesh is None:
+        raise EmitError("emit_program needs a compiled graph (compile_graph) or its Program")
+    return prog
+
+
+def emit_program(compiled, profile="cpu", model: str | None = None, steps: int | None = None,
+                 functional: bool = False, constants=()) -> str:
+    """The text of ``program.py`` for ``compiled`` (a :class:`parcomp.compile.compiler.Compiled`).
+
+    Args:
+        compiled: a :class:`parcomp.compile.compiler.Compiled` (its ``program_``) or a
+            :class:`parcomp.compile.program.Program`: the only facts this backend reads.
+        profile: a name of :data:`PROFILES` or a :class:`DeviceProfile`.
+        model: what the graph was imported from, for the header (e.g. ``models.py:torch_mlp``);
+            a ``.onnx`` file's program also reads that file as its checkpoint.
+        steps: a training program's default ``--steps``; default: the spec's
+            (``Program.train.steps``). Ignored for forward programs.
+        functional: collectives from ``torch.distributed._functional_collectives`` (new
+            tensors, nothing in place), so ``program.py --compile`` captures whole steps.
+        constants: names of params parcomp computed at import (not in the model's
+            state_dict): the program reads each from ``--checkpoint`` if it holds it, else
+            from ``constants.safetensors`` beside program.py (``program_files`` writes it).
+
+    Returns:
+        Python source, one statement per line, ending in a newline.
+
+    Raises:
+        EmitError: an op or dtype without a torch mapping.
+        ValueError: unknown profile name.
+    """
+    with no_cycle_collection():  # parcomp/compile/gcpause.py: no cycles are made, none to collect
+        return _emit(compiled, profile, model, steps, functional, constants)
+
+
+def _emit(compiled, profile, model, steps, functional, constants) -> str:
+    prof, prog = get_profile(profile), _program_of(compiled)
+    if prog.pipeline is not None:  # a pp mesh axis: the pipelined program (pipeline_emit.py)
+        from .pipeline import check_pipeline_profile, emit_pipeline_program, pipeline_emittable
+
+        if pipeline_emittable(prog):  # else (tp inside a stage) the SPMD program, pp replicated
+            check_pipeline_profile(prof.name)
+            return emit_pipeline_program(prog, model, _code)
+    program, train = prog.graph, prog.train
+    if train is not None and steps:
+        train = replace(train, steps=int(steps))
+    names = _names(prog)
+    runtime = TRAIN_RUNTIME if train else RUNTIME
+    if model and model.endswith(".onnx"):
+        runtime += "\n\n\n" + ONNX_READER
+    parts = [_profile_block(prof), _constants(prog, train), runtime, *runtime_sections(program),
+             *reduce_sections(program), *moe_sections(program), *ring_sections(program), *([FUNCTIONAL] if functional else []),
+             *([CONSTANT_LOADER] if constants else []),
+             *([TIED_LOADER] if any(n.attr("aliases") for n in program.params) else []),
+             _loaders(prog, train, constants), _forward(prog, names, train), TRAIN_MAIN if train else MAIN]
+    head = _header(prog, model, train) + "\n" + IMPORTS
+    return "\n\n\n".join(p.strip("\n") for p in [head] + parts) + "\n"
+
+
+def _forward(prog, names, train) -> str:
+    """The step function: one statement per node of the lowered program, in its order,
+    then ``del`` of the values the node ``frees`` (parcomp/passes/lowering/lower.py)."""
+    fn, doc = ("train_step", "One training step (forward, backward, update)") if train else (
+        "forward", "One forward step on this rank")
+    lines = [f"def {fn}(p, inp):", f'    """{doc}: local slices in, {{output name: local value}} out."""']
+    program, provenance, var_of = prog.graph, prog.provenance, names.__getitem__
+    tails = {}  # (id(layout), id(type)) -> "  # [S(0), R] f32[8,32]": nodes share these objects
+    for n in program.nodes:
+        op = n.op
+        tail = tails.get((id(n.layout), id(n.type)))
+        if tail is None:
+            tail = tails[id(n.layout), id(n.type)] = f"  # {layout_str(n.layout)} {n.type}"
+        ref = provenance[n.name].spec_ref
+        if ref:  # as _spec_ref, after a "; "
+            tail += f"; {ref}"
+        var = names[n.name]
+        if op == "input" or op == "param":
+            src = "p" if op == "param" else "inp"
+            lines.append(f"    {var} = {src}[{_json_str(n.name)}]{tail}")
+            continue
+        if op in _LAYOUT_OPS:
+            lines += _layout_comment(program, n, prog.collective(n.name), names)
+        lines += [c for text in ring_comment(prog, n) for c in _comment(text, "    ")]  # issue 14
+        lines.append(f"    {var} = {_code(n, list(map(var_of, n.inputs)), program)}{tail}")
+        frees = n.attr("frees")
+        if frees:
+            lines.append("    del " + ", ".join(map(var_of, frees.split())))
+    ret = ", ".join(f"{json.dumps(pub)}: {names[v]}" for pub, v in program.named_outputs())
+    lines.append(f"    return {{{ret}}}")
+    return "\n".join(lines)
+
+
+def _layout_comment(program, n, record, names) -> list:
+    """The comment above a layout change: kind, axis, layouts, bytes, the reason (whose spec
+    references are basenames: no machine path reaches a program), a value it names written
+    as the program's variable (``%linear_1_mm`` -> ``_2_dense``) where the program has it."""
+    src = program[n.inputs[0]]
+    reason = record.reason if record else n.attr("reason", "")
+    reason = re.sub(r"%([\w.]+)", lambda m: names.get(m.group(1), m.group(0)), reason)
+    change = f"{layout_str(src.layout)} -> {layout_str(n.layout)}"
+    if n.op in LOCAL_LAYOUT_OPS:
+        head = f"{n.op} over {n.attr('axis')} {change} (local, no communication):"
+    else:
+        nbytes = record.bytes if record else "?"
+        head = f"{n.op} over {n.attr('axis')} {change}, bytes/rank {nbytes}:"
+    return _comment(f"{head} {reason}", "    ")

@@ -1,0 +1,29 @@
+"""The torch emitter's rows for the MoE ops (issue 14), merged into ``emit.OP_FORMATS``; a
+program using one gets the ``moe`` section of :mod:`parcomp_backends.torch.runtime.program_moe`."""
+from __future__ import annotations
+
+from ..runtime import sections
+
+MOE_FORMATS = {
+    "moe_route": "moe_route({0}, {top_k}, {capacity})",
+    "moe_route_grad": "moe_route_grad({0}, {1}, {top_k}, {capacity})",
+    "moe_dispatch": "moe_dispatch({0}, {1}, {capacity}, {weighted})",
+    "moe_combine": "moe_combine({0}, {1}, {weighted})",
+    "moe_combine_grad_c": "moe_combine_grad_c({0}, {1}, {2})",
+    "all_to_all_ragged": "all_to_all_ragged({0}, {src_dim}, {dim}, {axis})",
+}
+MOE_DEFAULTS = {"moe_route": {"capacity": 0}, "moe_route_grad": {"capacity": 0},
+                "moe_dispatch": {"weighted": False}, "moe_combine": {"weighted": True}}
+HELPER_NAMES = ("moe_top_mask", "moe_weights", "moe_slots") + tuple(MOE_FORMATS)
+
+
+def moe_key(n, key: str) -> str:
+    """The format key of ``n``: ``all_to_all_ragged`` for a ragged all_to_all, else ``key``."""
+    return "all_to_all_ragged" if n.op == "all_to_all" and n.attr("ragged") else key
+
+
+def moe_sections(program) -> list:
+    """The ``moe`` (and ``moe_ragged``) runtime sections ``program`` uses."""
+    got = sections("program_moe")
+    return ([got["moe"]] if any(n.op in MOE_FORMATS for n in program.nodes) else []) + \
+        ([got["moe_ragged"]] if any(n.attr("ragged") for n in program.nodes) else [])

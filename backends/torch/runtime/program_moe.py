@@ -1,0 +1,101 @@
+"""Runtime helpers of the MoE ops (issue 14), pasted into a ``program.py`` only when it uses
+them (see :mod:`parcomp_backends.torch.emit.moe`); the torch model of ``specs/models.py:moe_block`` calls the same
+functions through the custom ops of ``parcomp/frontends/torch/moe.py``. Semantics (and their
+proof obligations): ``parcomp/reference/moe_ops.py``.
+
+The expert-parallel exchange itself is no helper: it is the ``all_to_all`` of the dispatch
+buffer between ``moe_dispatch`` and the experts, and back before ``moe_combine``
+(program_common's ``all_to_all`` / ``all_to_all_v``).
+"""
+# flake8: noqa: E402
+import torch
+import torch.distributed as dist
+
+GROUPS, MESH = {}, {}  # stand-ins: program_common's process groups and mesh
+
+
+# >>> program.py: moe
+def moe_top_mask(z, top_k, capacity):
+    """(top-k mask, kept mask) of logits z[..., S, E]: ties to the lower expert, then at most
+    ``capacity`` tokens per expert per row, in token order (0: no limit)."""
+    order = torch.sort(z, dim=-1, descending=True, stable=True).indices[..., :top_k]
+    top = torch.zeros_like(z, dtype=torch.bool).scatter(-1, order, True)
+    kept = top & (torch.cumsum(top.to(torch.int64), dim=-2) <= capacity) if capacity else top
+    return top, kept
+
+
+def moe_weights(z, top):
+    """softmax over the top-k entries of each token (0 elsewhere)."""
+    m = torch.amax(z.masked_fill(~top, float("-inf")), dim=-1, keepdim=True)
+    e = torch.exp(z - m).masked_fill(~top, 0.0)
+    return e / torch.sum(e, dim=-1, keepdim=True)
+
+
+def moe_route(z, top_k, capacity):
+    """Combine weights [..., S, E] (Mixtral's renormalised top-k softmax; dropped slots 0)."""
+    top, kept = moe_top_mask(z, top_k, capacity)
+    return moe_weights(z, top).masked_fill(~kept, 0.0)
+
+
+def moe_route_grad(g, z, top_k, capacity):
+    """VJP of moe_route: w (g' - sum(g' w)) on the top-k, g' = g on kept slots."""
+    top, kept = moe_top_mask(z, top_k, capacity)
+    w = moe_weights(z, top)
+    gk = g.masked_fill(~kept, 0.0)
+    return (w * (gk - torch.sum(gk * w, dim=-1, keepdim=True))).masked_fill(~top, 0.0)
+
+
+def moe_slots(c, capacity):
+    """(b, s, e, slot) of the routed (token, expert) pairs of weights c[B, S, E] that fit."""
+    sel = c != 0
+    pos = torch.cumsum(sel.to(torch.int64), dim=1) - 1
+    b, s, e = torch.nonzero(sel & (pos < capacity), as_tuple=True)
+    return b, s, e, pos[b, s, e]
+
+
+def moe_dispatch(x, c, capacity, weighted):
+    """[B, E, capacity, H]: each routed token's row in its expert's slot (times c if weighted)."""
+    out = x.new_zeros((x.shape[0], c.shape[2], capacity, x.shape[2]))
+    b, s, e, pos = moe_slots(c, capacity)
+    rows = x[b, s] * c[b, s, e].unsqueeze(-1) if weighted else x[b, s]
+    out[b, e, pos] = rows
+    return out
+
+
+def moe_combine(y, c, weighted):
+    """[B, S, H]: each token's slots summed (times c if weighted)."""
+    b, s, e, pos = moe_slots(c, y.shape[2])
+    rows = y[b, e, pos] * c[b, s, e].unsqueeze(-1) if weighted else y[b, e, pos]
+    return y.new_zeros((c.shape[0], c.shape[1], y.shape[3])).index_put_((b, s), rows, accumulate=True)
+
+
+def moe_combine_grad_c(g, y, c):
+    """[B, S, E]: g[b, s] . y[b, e, slot] on routed pairs, 0 elsewhere."""
+    b, s, e, pos = moe_slots(c, y.shape[2])
+    out = torch.zeros_like(c)
+    out[b, s, e] = torch.sum(g[b, s] * y[b, e, pos], dim=-1)
+    return out
+# <<< program.py
+
+
+# >>> program.py: moe_ragged
+def all_to_all_ragged(x, src_dim, dim, axis):
+    """S(src_dim) -> S(dim) like ``all_to_all``, sending only the nonzero rows (last dim) of
+    each chunk: first a one-byte-per-row mask of them (the split sizes, ``all_to_all_single``),
+    then the rows with ``input_split_sizes`` / ``output_split_sizes``; the receiver puts them
+    back into zeros. Equal to the dense all_to_all (a zero row arrives as +0.0)."""
+    n = MESH[axis]
+    send = torch.stack(x.chunk(n, dim)).contiguous()
+    rows = send.reshape(n, -1, send.shape[-1])
+    mask = rows.ne(0).any(-1)
+    got = torch.empty_like(mask, dtype=torch.uint8)
+    dist.all_to_all_single(got, mask.to(torch.uint8), group=GROUPS[axis])
+    got = got.bool()
+    packed = rows[mask]
+    recv = rows.new_empty((int(got.sum()), rows.shape[-1]))
+    dist.all_to_all_single(recv, packed, [int(c) for c in got.sum(1)], [int(c) for c in mask.sum(1)],
+                           group=GROUPS[axis])
+    out = torch.zeros_like(rows)
+    out[got] = recv
+    return torch.cat(out.reshape(send.shape).unbind(0), dim=src_dim)
+# <<< program.py

@@ -1,0 +1,80 @@
+"""Runtime helpers of the norms + embedding part (issue 17) for the emitted ``program.py``.
+
+Pasted (the ``norms`` section) only into programs that use ``layer_norm_grad``,
+``rms_norm_grad``, ``dropout``, ``embedding`` or ``embedding_grad``
+(:func:`parcomp_backends.torch.emit.norms.runtime_sections`). The formulas are those of
+``parcomp/reference/norm_ops.py``; the dropout hash is the same int64 arithmetic (no
+product reaches 2**63), so the masks equal numpy's bit for bit. ``start`` arguments say
+where this rank's block lies in the global tensor (the emitter writes them from COORD).
+"""
+import torch
+
+# >>> program.py: norms
+M32 = 0xFFFFFFFF
+
+
+def mul32(x, c):
+    """(x * c) mod 2**32 for 0 <= x < 2**32 (a tensor or an int), no int64 overflow."""
+    return (((x & 0xFFFF) * c) + ((((x >> 16) * c) & 0xFFFF) << 16)) & M32
+
+
+def mix32(x):
+    """A 32-bit integer finaliser (lowbias32), the same as parcomp's numpy dropout."""
+    x = x ^ (x >> 16)
+    x = mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def dropout_keep(shape, p, seed, global_shape, start, device=None, step=None):
+    """Keep mask of dropout: a hash of the seed, the training step (a 0-d tensor; None: no
+    step) and each element's global flat index."""
+    idx, stride = torch.zeros(tuple(shape), dtype=torch.int64, device=device), 1
+    for d in reversed(range(len(shape))):
+        r = (torch.arange(shape[d], dtype=torch.int64, device=device) + start[d]) * stride
+        idx = idx + r.reshape((-1,) + (1,) * (len(shape) - d - 1))
+        stride *= global_shape[d]
+    h = mix32(seed & M32)
+    if step is not None:
+        h = mix32(h ^ (step.to(torch.int64) & M32))
+    h = mix32(h ^ (idx >> 32))
+    return mix32(h ^ (idx & M32)) >= int(round(float(p) * 2.0 ** 32))
+
+
+def dropout_by_index(x, p, seed, global_shape, start, step=None):
+    """x * mask / (1 - p), the mask fixed by the step and the global element index (any sharding)."""
+    keep = dropout_keep(x.shape, p, seed, global_shape, start, x.device, step)
+    return x * (keep.to(x.dtype) * (0.0 if p >= 1 else 1.0 / (1.0 - p)))
+
+
+def norm_grad(dy, x, w, eps, rms):
+    """dx of layer_norm (rms=False) / rms_norm over the last dim."""
+    d = x if rms else x - x.mean(-1, keepdim=True)
+    rstd = 1 / torch.sqrt((d * d).mean(-1, keepdim=True) + eps)
+    xhat = d * rstd
+    g = dy if w is None else dy * w
+    inner = g - xhat * (g * xhat).mean(-1, keepdim=True)
+    if not rms:
+        inner = inner - g.mean(-1, keepdim=True)
+    return rstd * inner
+
+
+def embedding_rows(ids, table, start):
+    """Rows of ids in this rank's table rows start.. (vocab-parallel); others are zero."""
+    local = ids - start
+    ok = (local >= 0) & (local < table.shape[0])
+    out = torch.nn.functional.embedding(torch.where(ok, local, 0), table)
+    return torch.where(ok.unsqueeze(-1), out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+def embedding_grad_rows(dy, ids, rows, start, padding_idx=None):
+    """Scatter-add of dy into this rank's ``rows`` table rows from ``start`` (others skipped;
+    so are the ids equal to the global ``padding_idx``: torch's padding row gets no gradient)."""
+    local = ids - start
+    ok = (local >= 0) & (local < rows)
+    if padding_idx is not None:
+        ok = ok & (ids != padding_idx)
+    out = torch.zeros((rows, dy.shape[-1]), dtype=dy.dtype, device=dy.device)
+    return out.index_add_(0, local[ok], dy[ok])
+# <<< program.py

@@ -1,0 +1,138 @@
+"""Runtime helpers of ring attention (``context-parallel lowering=ring``, issue 14), pasted into a
+``program.py`` only when it has a ring-marked sdpa (see :mod:`parcomp_backends.torch.emit.cp_ring`). Semantics, step
+for step: ``parcomp/reference/cp_ring.py`` (the numpy simulation the interpreter runs).
+
+Blocks move by point-to-point ``isend`` / ``irecv`` (``torch.distributed.batch_isend_irecv``,
+gloo and NCCL alike): coordinate c of the axis's group sends to c+1 and receives from c-1.
+"""
+# flake8: noqa: E402
+import torch
+import torch.distributed as dist
+
+GROUPS, GROUP_RANKS, RANK, DEVICE = {}, {}, 0, torch.device("cpu")  # stand-ins: program_common's
+
+
+# >>> program.py: ring
+def ring_line(axis):
+    """(this rank's coordinate, the global ranks of its group of ``axis`` in coordinate order)."""
+    line = next(ranks for ranks in GROUP_RANKS[axis] if RANK in ranks)
+    return line.index(RANK), line
+
+
+def ring_shift(tensors, axis):
+    """One ring step: send each tensor to coordinate c+1, return what coordinate c-1 sent."""
+    c, line = ring_line(axis)
+    nxt, prv = line[(c + 1) % len(line)], line[(c - 1) % len(line)]
+    got = [torch.empty_like(t) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, GROUPS[axis]) for t in tensors]
+    ops += [dist.P2POp(dist.irecv, g, prv, GROUPS[axis]) for g in got]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return got
+
+
+def ring_positions(chunking, n, coord, rows):
+    """Global sequence positions of a coordinate's local rows (contiguous or balanced chunks)."""
+    if chunking != "balanced":
+        return torch.arange(rows, device=DEVICE) + coord * rows
+    h = rows // 2
+    return torch.cat([torch.arange(h, device=DEVICE) + coord * h,
+                      torch.arange(h, device=DEVICE) + (2 * n - 1 - coord) * h])
+
+
+def ring_scores(q, k, scale, causal, qpos, kpos, window=0):
+    """(scores of q against one K block, fully masked?): causal by global positions (and only
+    the last ``window`` keys up to each query's position when ``window`` > 0)."""
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if not causal:
+        return s, False
+    keep = kpos[None, :] <= qpos[:, None]
+    if window:
+        keep = keep & (kpos[None, :] > qpos[:, None] - window)
+    return s.masked_fill(~keep, float("-inf")), not bool(keep.any())
+
+
+def ring_stats(q, k, v, scale, causal, axis, chunking, window=0):
+    """(output, row logsumexp) of attention over the ring: the online-softmax merge."""
+    c, line = ring_line(axis)
+    n, rows = len(line), q.shape[2]
+    qpos = ring_positions(chunking, n, c, rows)
+    m = torch.full(q.shape[:-1] + (1,), float("-inf"), dtype=q.dtype, device=q.device)
+    l = torch.zeros_like(m)
+    acc = torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)
+    for step in range(n):
+        owner = (c - step) % n
+        s, empty = ring_scores(q, k, scale, causal, qpos, ring_positions(chunking, n, owner, rows), window)
+        if not empty:  # a block whose keys all follow this rank's queries is skipped
+            m_new = torch.maximum(m, torch.amax(s, dim=-1, keepdim=True))
+            alpha, p = torch.exp(m - m_new), torch.exp(s - m_new)
+            l = l * alpha + torch.sum(p, dim=-1, keepdim=True)
+            acc = acc * alpha + torch.matmul(p, v)
+            m = m_new
+        if step < n - 1:
+            k, v = ring_shift([k, v], axis)
+    return acc / l, m + torch.log(l)
+
+
+def ring_sdpa(q, k, v, scale, causal, axis, chunking, window=0):
+    """Ring attention forward: this rank's query rows against every rank's K/V block."""
+    return ring_stats(q, k, v, scale, causal, axis, chunking, window)[0]
+
+
+def ring_sdpa_grad(dy, q, k, v, scale, causal, axis, chunking, wrt, window=0):
+    """The gradient ``wrt`` (q, k or v) of ring attention: statistics recomputed by one ring
+    pass, then a second in which each step uses its own K/V block; partial dK/dV travel with
+    their block and a last shift returns them to the owner."""
+    out, lse = ring_stats(q, k, v, scale, causal, axis, chunking, window)
+    c, line = ring_line(axis)
+    n, rows = len(line), q.shape[2]
+    qpos, d = ring_positions(chunking, n, c, rows), torch.sum(dy * out, dim=-1, keepdim=True)
+    dq, part = torch.zeros_like(q), torch.zeros_like(k if wrt == "k" else v)
+    for step in range(n):
+        owner = (c - step) % n
+        s, empty = ring_scores(q, k, scale, causal, qpos, ring_positions(chunking, n, owner, rows), window)
+        if not empty:
+            p = torch.exp(s - lse)  # this step's block of the global probabilities
+            ds = p * (torch.matmul(dy, v.transpose(-1, -2)) - d)
+            if wrt == "q":
+                dq = dq + torch.matmul(ds, k) * scale
+            elif wrt == "k":
+                part = part + torch.matmul(ds.transpose(-1, -2), q) * scale
+            else:
+                part = part + torch.matmul(p.transpose(-1, -2), dy)
+        if wrt == "q":
+            if step < n - 1:
+                k, v = ring_shift([k, v], axis)
+        elif step < n - 1:  # the block's partial gradient travels with it
+            k, v, part = ring_shift([k, v, part], axis)
+        else:  # and a last shift returns it to the block's owner
+            part = ring_shift([part], axis)[0]
+    return dq if wrt == "q" else part
+# <<< program.py
+
+
+# >>> program.py: balanced
+def balance_order(n, length):
+    """Natural positions of storage rows 0 .. length-1 under balanced chunking over n ranks:
+    rank c holds chunks c and 2n-1-c of the 2n (parcomp/passes/attention/cp_balance.py)."""
+    h = length // (2 * n)
+    return torch.cat([torch.cat([torch.arange(h) + c * h, torch.arange(h) + (2 * n - 1 - c) * h])
+                      for c in range(n)])
+
+
+def balance_rows(x, dims, n):
+    """``x`` (natural order along each of ``dims``) in balanced storage order."""
+    for d in dims:
+        x = x.index_select(d, balance_order(n, x.shape[d]).to(x.device))
+    return x
+
+
+def balanced_keep(lq, lk, start, n, window=0):
+    """[lq, lk] causal mask by global positions: this rank's query rows (storage rows start ..
+    start+lq-1) against the whole K in storage order; with ``window`` > 0 only the last
+    ``window`` keys up to each query's position."""
+    order = balance_order(n, lk).to(DEVICE)
+    qpos = order[start:start + lq][:, None]
+    keep = order[None, :] <= qpos
+    return keep & (order[None, :] > qpos - window) if window else keep
+# <<< program.py

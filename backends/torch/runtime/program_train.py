@@ -1,0 +1,391 @@
+"""The fixed part of a training ``program.py`` (sections pasted by :mod:`parcomp_backends.torch.runtime`).
+
+Real, importable Python; it runs with :mod:`.program_common` (whose sections
+program.py holds too) and the stand-ins below for what the emitter generates.
+"""
+# flake8: noqa: E402,F403,F405 (program.py is one namespace: the common sections are in it)
+import argparse
+
+import torch
+
+from .program_cluster import *
+from .program_common import *
+
+# ---- stand-ins for what the emitter generates (never pasted) ----
+MAX_STEPS = 1_000_000  # parcomp.compile.program.MAX_STEPS, emitted as a constant
+STATE = ()
+CARRIED = ()
+STEP_INPUT = None
+TRAIN_STEPS = 1
+OUTPUT_LAYOUTS = {}
+OUTPUT_GLOBAL_SHAPES = {}
+
+
+def train_step(params, inputs):
+    """Stand-in: program.py's generated training step."""
+    return {"loss": torch.zeros(())}
+
+
+# >>> program.py: write_outputs
+def write_outputs(outputs, losses, path):
+    """The last step's outputs, written as a forward program writes its outputs, plus
+    "losses": [every step's loss] in the file (rank 0's) or in every rank's file."""
+    local = {name: value.detach().cpu() for name, value in outputs.items()}
+    if not SHARDED_OUTPUT:
+        if RANK == 0:
+            torch.save({**local, "losses": losses}, path)
+        return
+    torch.save({"rank": RANK, "coords": list(COORD), "outputs": local, "layouts": OUTPUT_LAYOUTS,
+                "global_shapes": OUTPUT_GLOBAL_SHAPES, "losses": losses}, rank_path(path, RANK))
+# <<< program.py
+
+
+# >>> program.py: parse_args
+def step_count(text):
+    """The value of --steps: a whole number of steps from 1 to MAX_STEPS."""
+    steps = int(text)  # argparse reports a ValueError as an invalid value
+    if not 1 <= steps <= MAX_STEPS:
+        raise argparse.ArgumentTypeError(f"{text}: give 1 to {MAX_STEPS:_} training steps")
+    return steps
+
+
+def parse_args(argv):
+    """Command line (see the module docstring)."""
+    ap = argparse.ArgumentParser(description=f"parcomp program for mesh {MESH_TEXT}; run: {RUN_HINT}")
+    ap.add_argument("--checkpoint", required=True,
+                    help=".safetensors, .pt state_dict, or a sharded checkpoint (directory or index.json)")
+    ap.add_argument("--key-map", type=key_map_arg, default=(), metavar="RULES", help=KEY_MAP_HELP)
+    ap.add_argument("--load-report", metavar="FILE", help=LOAD_REPORT_HELP)
+    ap.add_argument("--input", required=bool(INPUTS),
+                    help=".pt dict of inputs for every step, or a list of one dict per step")
+    ap.add_argument("--output", help="where to write the last step's outputs and the losses (.pt)")
+    ap.add_argument("--steps", type=step_count, default=TRAIN_STEPS, metavar="K",
+                    help=f"training steps (default {TRAIN_STEPS})")
+    ap.add_argument("--device", choices=sorted({"cpu", PROFILE}), default=PROFILE)
+    ap.add_argument("--bench", type=bench_count, default=0, metavar="N",
+                    help="time N training steps from the loaded parameters (not applied)")
+    ap.add_argument("--log-every", type=step_count, default=1, metavar="N",
+                    help="rank 0 prints the loss of every N-th step and the last (default 1)")
+    ap.add_argument("--save", metavar="DIR",
+                    help="after the last step, save params, optimizer state and the step number as a "
+                         "sharded torch.distributed.checkpoint in DIR/step-K (atomic: DIR/latest names it)")
+    ap.add_argument("--resume", metavar="DIR",
+                    help="start from the checkpoint DIR/latest names (saved by any mesh's program of this "
+                         "model): its params, optimizer state and step; --steps more steps follow")
+    ap.add_argument("--replay", metavar="FILE",
+                    help="a .pt list of K full checkpoints (optimizer state included): step k starts "
+                         "from the k-th instead of step k-1's result (parcomp run's step-by-step check)")
+    add_cluster_args(ap)
+    return ap.parse_args(argv)
+# <<< program.py
+
+
+# >>> program.py: checkpoint
+def dtensor_placements(layout):
+    """DTensor placements of a layout string such as "[R, S(1)]" (one per mesh axis)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    return [Replicate() if p.strip() == "R" else Shard(int(p.strip()[2:-1]))
+            for p in layout.strip("[]").split(",")]
+
+
+def as_dtensors(values):
+    """``values`` (this rank's slices of CARRIED values) as DTensors on the mesh, with their
+    global shapes: what torch.distributed.checkpoint needs to save and to reshard on load."""
+    from torch.distributed.tensor import DTensor
+
+    if "mesh" not in DEVICE_MESH:
+        DEVICE_MESH["mesh"] = device_mesh(tuple(MESH))
+    out = {}
+    for name, local in values.items():
+        shape = torch.Size(OUTPUT_GLOBAL_SHAPES[name])
+        stride = torch.empty(shape, device="meta").stride()
+        out[name] = DTensor.from_local(local, DEVICE_MESH["mesh"], dtensor_placements(OUTPUT_LAYOUTS[name]),
+                                       run_check=False, shape=shape, stride=stride)
+    return out
+
+
+DEVICE_MESH = {}
+
+
+def save_checkpoint(path, params, step):
+    """Save the CARRIED values and ``step`` to ``path``/step-<step> with torch.distributed.checkpoint.
+    Atomic: every rank writes into step-<step>.partial; after all have finished, rank 0 renames
+    it and then replaces ``path``/latest (a one-line file naming it), so an interrupted save
+    leaves the previous checkpoint the one ``--resume`` loads."""
+    import torch.distributed.checkpoint as dcp
+
+    final = os.path.join(path, f"step-{step}")
+    if os.path.exists(final):
+        fail(f"--save {path}: {final} exists; parcomp's program never replaces a checkpoint")
+    state = {**as_dtensors({name: params[name] for name in CARRIED}), "step": torch.tensor(step)}
+    dcp.save(state, checkpoint_id=final + ".partial")
+    dist.barrier()
+    if RANK == 0:
+        os.rename(final + ".partial", final)
+        with open(os.path.join(path, "latest.partial"), "w") as f:
+            f.write(f"step-{step}\n")
+        os.replace(os.path.join(path, "latest.partial"), os.path.join(path, "latest"))
+        print(f"saved step {step} to {final}", flush=True)
+    dist.barrier()
+# <<< program.py
+
+
+# >>> program.py: checkpoint_checks
+def latest_checkpoint(path):
+    """``(step directory, None)``: the one ``path``/latest names; or ``(None, what is wrong)``,
+    naming the file: no ``latest``, one that is not a step name, or one naming a step that is
+    not there (the steps that are listed)."""
+    latest = os.path.join(path, "latest")
+    if not os.path.isfile(latest):
+        return None, f"no checkpoint there ({latest} is missing; --save DIR writes it)"
+    try:
+        with open(latest, encoding="utf-8") as f:
+            name = f.read(4096).strip()
+    except (OSError, UnicodeDecodeError) as e:
+        return None, f"{latest} cannot be read as the name of a step ({type(e).__name__}: {e})"
+    if not name or "\n" in name or os.sep in name or name in (".", ".."):
+        return None, f"{latest} does not name a step directory (it holds {name[:40]!r}; --save writes 'step-K')"
+    where = os.path.join(path, name)
+    if not os.path.isdir(where):
+        steps = sorted((d for d in os.listdir(path) if d.startswith("step-") and d[5:].isdigit()
+                        and os.path.isdir(os.path.join(path, d))), key=lambda d: int(d[5:]))
+        partial = os.path.isdir(where + ".partial")
+        return None, (f"{latest} names {name}, but {where} " + ("is not a directory" if os.path.exists(where)
+                      else "does not exist") + (f" ({name}.partial is there: a save that did not finish)"
+                                                if partial else "")
+                      + (f"; the steps there: {', '.join(steps[-6:])}" if steps else "; no step-K is there"))
+    return where, None
+
+
+def checkpoint_damage(where):
+    """``(file, message naming it)``: what is wrong with the torch.distributed.checkpoint
+    directory ``where``, or None. Its ``.metadata`` (the index, written once every rank has
+    saved) missing, empty or unreadable; a data file the index lists missing, or shorter than
+    the bytes the index places in it (a truncated copy). Reads only the index and file sizes."""
+    import torch.distributed.checkpoint as dcp
+
+    if not os.path.isdir(where):
+        return where, f"{where} is not a directory"
+    meta = os.path.join(where, ".metadata")
+    if not os.path.isfile(meta):
+        shards = [f for f in os.listdir(where) if f.endswith(".distcp")]
+        return meta, (f"{meta} is missing: the checkpoint's index, written once every rank has saved; "
+                      + (f"without it the {len(shards)} .distcp file(s) there cannot be read (a save "
+                         f"that did not finish, or an incomplete copy?)" if shards else "no checkpoint is there"))
+    if os.path.getsize(meta) == 0:
+        return meta, f"{meta} is empty (0 bytes): the checkpoint's index is lost"
+    try:
+        index = dcp.FileSystemReader(where).read_metadata()
+    except Exception as e:  # noqa: BLE001 - a truncated or corrupt pickle
+        return meta, f"{meta} cannot be read, truncated or corrupt ({type(e).__name__}: {str(e)[:200]})"
+    files = {}
+    for key, item in (getattr(index, "storage_data", None) or {}).items():
+        if not hasattr(item, "relative_path"):
+            return None  # not the file system writer's index: nothing here to check
+        ends = files.setdefault(item.relative_path, [])
+        ends.append((item.offset + item.length, getattr(key, "fqn", str(key))))
+    for name, ends in sorted(files.items()):
+        file = os.path.join(where, name)
+        if not os.path.isfile(file):
+            values = sorted({fqn for _, fqn in ends})
+            return file, (f"{file} is missing: the checkpoint's .metadata places {len(values)} value(s) "
+                          f"in it ({', '.join(values[:4])}{', ...' if len(values) > 4 else ''})")
+        size, need = os.path.getsize(file), max(end for end, _ in ends)
+        if size < need:
+            cut = sorted({fqn for end, fqn in ends if end > size})
+            return file, (f"{file} is truncated: it has {size} bytes, the checkpoint's .metadata places "
+                          f"{need} bytes in it; lost: {', '.join(cut[:4])}{', ...' if len(cut) > 4 else ''}")
+    return None
+
+
+def dcp_failure(error):
+    """The first line of what a rank's torch.distributed.checkpoint call raised (its
+    CheckpointException wraps each rank's exception and traceback)."""
+    failures = getattr(error, "failures", None)
+    if failures:
+        error = next(iter(failures.values()))[0]
+    text = (str(error).strip().splitlines() or [""])[0]
+    return f"{type(error).__name__}: {text[:300]}"
+
+
+def resume_location(path):
+    """The step directory ``path``/latest names, its index and files checked; exit 2 naming
+    the damaged file (:func:`latest_checkpoint`, :func:`checkpoint_damage`)."""
+    where, problem = latest_checkpoint(path)
+    if problem is None and checkpoint_damage(where) is not None:
+        problem = checkpoint_damage(where)[1]
+    if problem:
+        fail(f"--resume {path}: {problem}")
+    return where
+
+
+def saved_latest(path):
+    """Whether ``path``/latest is what save_checkpoint writes: one line ``step-K`` naming a
+    directory ``path``/step-K (so replacing it loses nothing of the user's)."""
+    try:
+        with open(os.path.join(path, "latest")) as f:
+            name = f.read(64).strip()
+    except (OSError, UnicodeDecodeError):
+        return False
+    return (name.startswith("step-") and name[5:].isdigit()
+            and os.path.isdir(os.path.join(path, name)))
+
+
+def check_save(path, step):
+    """``--save DIR`` before the first step (a failing save would lose the whole run): exit 2
+    when DIR is not a directory, ``DIR/step-<step>`` exists, or DIR (or the nearest folder
+    above it that exists, where DIR is still to be made) is not writable."""
+    final = os.path.join(path, f"step-{step}")
+    if os.path.exists(path) and not os.path.isdir(path):
+        fail(f"--save {path}: it exists and is not a directory")
+    if os.path.exists(final) or os.path.exists(final + ".partial"):
+        fail(f"--save {path}: {final} exists; parcomp's program never replaces a checkpoint")
+    latest = os.path.join(path, "latest")
+    if os.path.lexists(latest) and not saved_latest(path):
+        fail(f"--save {path}: {latest} exists but does not name a step-K checkpoint there, so "
+             f"a parcomp program did not write it; it is left alone: give another directory")
+    folder = os.path.abspath(path)
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
+        fail(f"--save {path}: cannot write there ({folder} is not a writable directory)")
+
+
+def check_resume(path, where, state):
+    """Exit 2 unless the checkpoint ``where`` holds every value of ``state`` with its global
+    shape (one located line: a checkpoint of another model, optimizer or spec names what it
+    lacks and what it has, instead of DCP's per-rank traceback)."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        saved = dcp.FileSystemReader(where).read_metadata().state_dict_metadata
+    except Exception as e:  # noqa: BLE001 - a missing or unreadable .metadata
+        fail(f"--resume {path}: cannot read checkpoint {where}: {type(e).__name__}: {e}")
+    missing = [k for k in state if k not in saved]
+    if missing:
+        extra = sorted(k for k in saved if k not in state)
+        fail(f"--resume {path}: checkpoint {where} was saved by another program: it lacks "
+             f"{', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''}"
+             f"{'; it has ' + ', '.join(extra[:6]) if extra else ''} (another optimizer or model?)")
+    for k, v in state.items():
+        size = getattr(saved[k], "size", None)
+        if size is not None and list(size) != list(v.shape):
+            fail(f"--resume {path}: {k} in checkpoint {where} has shape {list(size)}, this program's "
+                 f"is {list(v.shape)}")
+# <<< program.py
+
+
+# >>> program.py: resume
+def resume_checkpoint(path, params):
+    """``(params, first step)``: the CARRIED values of the checkpoint ``path``/latest names,
+    resharded to this program's layouts (any mesh may have saved it), and its step + 1."""
+    import torch.distributed.checkpoint as dcp
+
+    where = agree(lambda: resume_location(path), "reading --resume")  # every rank exits 2 on damage
+    state = {**as_dtensors({name: params[name] for name in CARRIED}), "step": torch.tensor(0)}
+    check_resume(path, where, state)
+    try:
+        dcp.load(state, checkpoint_id=where)
+    except (Exception, dcp.api.CheckpointException) as e:  # BaseException: not an Exception
+        fail(f"--resume {path}: cannot load {where} into this program: {dcp_failure(e)}")
+    return {**params, **{name: state[name].to_local() for name in CARRIED}}, int(state["step"]) + 1
+# <<< program.py
+
+
+# >>> program.py: loop
+def read_batches(path, steps):
+    """This rank's slices of every step's inputs: one dict {input name: tensor} serves
+    every step; a list holds one such dict per step."""
+    feeds = read_tensors(path, "input")
+    if isinstance(feeds, torch.Tensor) and len(INPUTS) == 1:
+        feeds = {INPUTS[0]: feeds}
+    if isinstance(feeds, dict):
+        note_unused(feeds, INPUTS, "input")
+        return [load_inputs(feeds)] * steps
+    if not isinstance(feeds, (list, tuple)) or not all(isinstance(f, dict) for f in feeds):
+        fail(f"input file {path} must hold a dict {{input name: tensor}} for inputs {list(INPUTS)} "
+             f"or a list of one such dict per step")
+    if len(feeds) != steps:
+        fail(f"input file {path} holds the inputs of {len(feeds)} steps but --steps is {steps}")
+    note_unused(feeds[0] if feeds else {}, INPUTS, "input")
+    return [load_inputs(f) for f in feeds]
+
+
+def with_step(inputs, k, numbers=None):
+    """The inputs of step ``k`` (counted from 1), with the step number the optimizer reads
+    (``numbers[k-1]`` when given: a view of one device tensor, no copy to the device per step)."""
+    if STEP_INPUT is None:
+        return inputs
+    if numbers is not None:
+        return {**inputs, STEP_INPUT: numbers[k - 1]}
+    return {**inputs, STEP_INPUT: torch.tensor(float(k), dtype=torch.float32, device=DEVICE)}
+
+
+def read_replay(path, steps):
+    """This rank's slices of the K checkpoints of a --replay file (a list, K = --steps)."""
+    states = read_tensors(path, "replay")
+    if not isinstance(states, (list, tuple)) or not all(isinstance(s, dict) for s in states):
+        fail(f"replay file {path} must hold a list of one checkpoint dict per step")
+    if len(states) != steps:
+        fail(f"replay file {path} holds {len(states)} checkpoints but --steps is {steps}")
+    return [load_params(s) for s in states]
+
+
+def train(params, batches, starts=None, step=None, log_every=1, first=1):
+    """One ``step`` (default train_step) per batch, numbered from ``first``; the CARRIED outputs
+    are the next step's params and state (with ``starts``, step k starts from ``starts[k-first]``).
+
+    Losses stay on the device: rank 0 prints every ``log_every``-th step's loss and the last
+    (the only reads to the host). Returns the last step's outputs and every loss (floats).
+    """
+    step, outputs, losses = step or train_step, {}, []
+    numbers = torch.arange(1, first + len(batches), dtype=torch.float32, device=DEVICE)
+    last = first + len(batches) - 1
+    for k, inputs in enumerate(batches, start=first):
+        FAULT["where"] = f"step {k}"  # what a failure's message says this rank was doing
+        if starts is not None:
+            params = {**params, **starts[k - first]}
+        outputs = step(params, with_step(inputs, k, numbers))
+        params = {**params, **{name: outputs[name] for name in CARRIED}}
+        losses.append(outputs["loss"])
+        if RANK == 0 and (k % log_every == 0 or k == last):
+            print(f"step {k} loss {outputs['loss'].item():.6g}", flush=True)
+    return outputs, torch.stack(losses).tolist() if losses else []
+
+
+def load(args):
+    """This rank's params, every step's inputs and the --replay starts (``--output``'s
+    directory checked first); under agree()."""
+    check_output(args)
+    params = load_checkpoint(args.checkpoint, args.key_map, args.load_report)
+    batches = read_batches(args.input, args.steps) if INPUTS else [{}] * args.steps
+    with torch.no_grad():
+        starts = read_replay(args.replay, args.steps) if args.replay else None
+    return params, batches, starts
+
+
+def run(args):
+    """Everything between init_process_group and destroy_process_group."""
+    FAULT["where"] = "loading"
+    make_groups(args.timeout)
+    params, batches, starts = agree(lambda: load(args), "loading")
+    first = 1
+    if args.resume:  # issue 13: sharded checkpoint of any mesh's program
+        params, first = resume_checkpoint(args.resume, params)
+    if args.save:  # before training: a save that cannot succeed is found now, not after the last step
+        agree(lambda: check_save(args.save, first + args.steps - 1), "checking --save")
+    with torch.no_grad():  # the backward pass is explicit in train_step: no autograd state
+        outputs, losses = train(params, batches, starts, compiled_step(train_step, args), args.log_every,
+                                first)
+        if args.bench > 0:
+            # on copies: train_step updates params and state in place
+            copies = {k: v.clone() for k, v in params.items()}
+            bench(train_step, copies, with_step(batches[0], 1), args.bench)
+    if args.save:
+        FAULT["where"] = "saving the checkpoint"
+        save_checkpoint(args.save, {**params, **outputs}, first + args.steps - 1)
+    if args.output:
+        FAULT["where"] = "writing the outputs"
+        agree(lambda: write_outputs(outputs, losses, args.output), "writing the outputs")
+# <<< program.py

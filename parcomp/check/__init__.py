@@ -1,0 +1,1 @@
+"""The verdict of ``parcomp check`` / ``run``: the unsharded ground truth and the comparison."""

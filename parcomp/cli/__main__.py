@@ -1,0 +1,6 @@
+"""``python -m parcomp.cli``: the ``parcomp`` command."""
+import sys
+
+from .main import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""The compile driver: graph + spec -> sharded graph, per-rank Program, report; block reuse."""

@@ -1,0 +1,1 @@
+"""ONNX frontend: a ``.onnx`` file becomes a parcomp Graph."""

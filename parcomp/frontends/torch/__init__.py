@@ -1,0 +1,1 @@
+"""torch.export frontend: an ``nn.Module`` becomes a parcomp Graph."""

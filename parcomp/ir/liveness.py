@@ -1,0 +1,83 @@
+"""Liveness of a lowered local program: which values share a buffer (views, in-place results),
+when each dies (``frees``), and the peak bytes live on one rank.
+
+The one model shared by the lowering passes (:mod:`parcomp.passes.lowering.lower`), the reference
+interpreter and the report: parameters and inputs are held by the caller and never freed;
+temporaries inside one statement are not counted.
+"""
+from __future__ import annotations
+
+from .graph import Graph, Node
+
+
+SOURCES = ("input", "param")
+
+# results that alias their (first) operand: no new buffer
+VIEW_OPS = ("permute", "reshape", "relayout", "expand", "wait", "slice",  # slice: attention part
+            "bucket_part")  # bucket_part: norms part (issue 17)
+
+# results that may alias their operand (a local slice, coordinate 0 of a mask)
+MAYBE_VIEW_OPS = ("shard_slice", "partial_mask")
+
+IN_PLACE_OPS = ("all_reduce", "add", "add_scaled", "axpby", "adamw_param")
+
+
+def is_view(n: Node) -> bool:
+    return (n.op in VIEW_OPS or (n.op == "sum" and not n.attr("dims"))
+            or (n.op in IN_PLACE_OPS and bool(n.attr("inplace"))))
+
+
+def storage_roots(graph: Graph) -> dict:
+    """value name -> the name of the value whose buffer it lives in (itself if it allocates)."""
+    roots = {}
+    for n in graph.nodes:
+        roots[n.name] = roots[n.inputs[0]] if n.inputs and is_view(n) else n.name
+    return roots
+
+
+def frees_of(n: Node) -> tuple:
+    """The values ``n``'s ``frees`` attribute says die after it."""
+    return tuple(n.attr("frees", "").split())
+
+
+def peak_bytes(graph: Graph) -> int:
+    """Peak bytes live on one rank while ``graph`` (a lowered local program) runs.
+
+    A buffer is counted from the node that allocates it until every value living in it
+    has been freed (``frees``); sources and outputs are never freed.
+    """
+    roots, holders, size, live, peak = storage_roots(graph), {}, {}, 0, 0
+    nbytes = {}  # id(type) -> its bytes: the nodes share few type objects (alive in graph)
+    for n in graph.nodes:
+        name = n.name
+        r = roots[name]
+        if r == name:
+            got = nbytes.get(id(n.type))
+            if got is None:
+                got = nbytes[id(n.type)] = n.type.nbytes
+            size[r] = got
+            live += got
+            if live > peak:  # live grows only here
+                peak = live
+            holders[r] = {name}
+        else:
+            holders[r].add(name)
+        for v in n.attr("frees", "").split():  # frees_of(n)
+            held = holders[roots[v]]
+            held.discard(v)
+            if not held:
+                live -= size[roots[v]]
+    return int(peak)
+
+
+def broadcast_view(graph, x, root) -> str | None:
+    """The ``expand`` through which ``x`` is a view of ``root``'s buffer (``root``:
+    :func:`storage_roots`), or None. Several elements of such a view share one memory
+    location (stride 0), and torch refuses to write into it ("more than one element of
+    the written-to tensor refers to a single memory location": ``add_`` on cross-entropy's
+    label-smoothing gradient, an expanded sum), so no in-place op may write into ``x``."""
+    while x != root:
+        if graph[x].op == "expand":
+            return x
+        x = graph[x].inputs[0]
+    return None

@@ -1,0 +1,1 @@
+"""Lowering: the local program rewritten into the op sequence every backend runs."""

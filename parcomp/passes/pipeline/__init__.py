@@ -1,0 +1,1 @@
+"""Pipeline parallelism: stage splitting, per-stage programs, schedules and their simulator."""

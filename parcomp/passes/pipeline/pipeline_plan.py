@@ -1,0 +1,308 @@
+"""The pipeline plan of a spec with a ``pp`` axis: stages, their programs, schedule, simulation.
+
+:func:`plan_pipeline` runs split-stages (:mod:`.split_stages`), builds each stage's
+forward / backward / optimizer programs (:mod:`.stage_train`) for one microbatch, makes
+the action lists of the spec's schedule (:mod:`.schedule`) and simulates them before
+anything is emitted.  The loss is the mean over the global batch: each microbatch's
+loss is the mean over the microbatch, gradients are summed over the microbatches (and
+over ``dp``) and scaled once by ``1 / (microbatches * dp)`` before the update.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from parcomp.errors import SpecError
+from parcomp.ir.graph import Graph
+from parcomp.spec.option_loc import option_loc
+from parcomp.spec.train_config import train_config
+from ..verify import verify
+from .schedule import Simulation, analytic, build, rank_actions, simulate
+from .split_stages import (assign_stages, balanced_rules, node_flops, param_stages, rebatch,
+                           split_stages)
+from .stage_train import stage_programs
+
+__all__ = ["PipelinePlan", "plan_pipeline", "attach_pipeline", "format_pipeline"]
+
+
+@dataclass(frozen=True, eq=False)
+class PipelinePlan:
+    """Everything a backend needs to run a pipelined training step.
+
+    Attributes:
+        pp, dp: sizes of the ``pp`` and ``dp`` mesh axes (dp 1 without one).
+        microbatches, schedule: from the train line; ``micro_batch``: dim 0 of one microbatch.
+        batch: the global batch, ``micro_batch * microbatches * dp``.
+        stage_of: ``{node name: stage}`` of the model graph.
+        stages: one :class:`~parcomp.passes.pipeline.stage_train.StagePrograms` per stage.
+        actions: one action list per stage (:func:`~parcomp.passes.pipeline.schedule.schedule`).
+        simulation: the :class:`~parcomp.passes.pipeline.schedule.Simulation` of ``actions``.
+        stage_flops: forward FLOPs of one microbatch per stage (the simulation's times).
+        local: one :class:`~parcomp.passes.pipeline.stage_shard.StageLocal` per stage when the mesh
+            has axes besides ``pp`` and ``dp`` larger than 1 (tp inside a stage), else ().
+        tied: ``((param, (stage, ...)), ...)``: trainable params held by several stages (tied
+            weights); their gradients are summed over those stages before the dp reduction.
+        virtual: model chunks per rank (interleaved 1F1B; 1 otherwise): ``stages`` (and
+            ``local``, ``split``) are the ``pp x virtual`` virtual stages, virtual stage
+            ``c * pp + r`` on pp coordinate ``r``; ``actions`` one list per pp coordinate.
+        split: ZB-H1: per virtual stage its backward cut into input- and weight-gradient
+            programs (:class:`~parcomp.passes.pipeline.zb_split.SplitBackward`; of ``local``'s
+            per-rank backward when tp is inside the stages), else ().
+    """
+
+    pp: int
+    dp: int
+    microbatches: int
+    schedule: str
+    micro_batch: int
+    batch: int
+    stage_of: dict
+    stages: tuple
+    actions: tuple
+    simulation: Simulation
+    stage_flops: tuple
+    local: tuple = ()
+    tied: tuple = ()
+    virtual: int = 1
+    split: tuple = ()
+
+    @property
+    def analytic_bubble(self) -> float:
+        """The schedule's idle fraction with equal stages (:func:`.schedule.analytic`)."""
+        return analytic(self.schedule, self.pp, self.microbatches, self.virtual)
+
+    def rank_of_stage(self, stage: int) -> int:
+        """The pp coordinate holding virtual stage ``stage``."""
+        return stage % self.pp
+
+    def rank_actions(self, mesh, rank: int) -> tuple:
+        """The action list of global ``rank`` (peers as global ranks)."""
+        return rank_actions(mesh, self.actions, rank)
+
+    def latency(self) -> float:
+        """One microbatch's forward through every stage, in the simulation's time unit (the
+        largest stage's forward): the sum of the stages' times; pp does not shorten it."""
+        top = max(self.stage_flops) or 1
+        return sum(f / top for f in self.stage_flops)
+
+    def report(self) -> dict:
+        """The ``report.json`` record of the pipeline."""
+        sim = self.simulation
+        return {"pp": self.pp, "dp": self.dp, "schedule": self.schedule, "virtual": self.virtual,
+                "microbatches": self.microbatches, "micro_batch": self.micro_batch,
+                "global_batch": self.batch,
+                "stages": [{"stage": s.index, "params": list(s.params), "recv": list(s.recv),
+                            "send": list(s.send), "forward_flops": f,
+                            "stash_bytes_per_microbatch": s.saved_bytes,
+                            "peak_inflight_microbatches": peak,
+                            "peak_inflight_bytes": peak * s.saved_bytes,
+                            **stage_memory(s, self.local[s.index] if self.local else None)}
+                           for s, f, peak in zip(self.stages, self.stage_flops,
+                                                 [sim.peak_inflight[self.rank_of_stage(k)]
+                                                  for k in range(len(self.stages))])],
+                "latency_one_microbatch": self.latency(),
+                "bubble_analytic": self.analytic_bubble, "bubble_simulated": sim.bubble,
+                "makespan": sim.makespan,
+                "tied": {p: list(held) for p, held in self.tied},
+                "actions": [[str(a) for a in acts] for acts in self.actions],
+                "collectives": self.collective_counts()}
+
+    def collective_counts(self) -> list:
+        """What one rank of each pp coordinate communicates in one training step: per pp
+        coordinate a list of ``{"kind", "axis", "phase", "count"}``, sorted.
+
+        This is what the pipelined program.py runs (``pipeline_main.step``), not the SPMD
+        program's list in ``report["collectives"]``: the collectives inside each of the rank's
+        stage programs (tp, ...) once per microbatch, phase ``forward``/``backward``/
+        ``optimizer`` by the program; ``send``/``recv`` over ``pp``, one per tensor crossing
+        the cut (phase ``forward`` for activations, ``backward`` for their gradients); then in
+        phase ``optimizer`` one ``all_reduce`` over ``pp`` per tied gradient the rank holds (its
+        group: the ranks of the stages holding the tied weight, same dp and tp coordinates),
+        one over ``dp`` per gradient (not bucketed); and the loss's
+        ``all_reduce`` over ``dp`` (phase ``loss``) on the rank holding the last stage."""
+        from collections import Counter
+
+        from parcomp.ir.ops import COLLECTIVES
+
+        m = self.microbatches
+        ranks_of = [{self.rank_of_stage(t) for t in held} for _, held in self.tied]
+        out = []
+        for r in range(self.pp):
+            n = Counter()
+            chunks = range(r, len(self.stages), self.pp)
+            for t in chunks:
+                progs = self.local[t] if self.local else self.stages[t]
+                for phase, times in (("forward", m), ("backward", m), ("optimizer", 1)):
+                    for node in getattr(progs, phase).nodes:
+                        if node.op in COLLECTIVES:
+                            n[node.op, node.attr("axis"), phase] += times
+            for a in self.actions[r]:
+                st = self.stages[a.chunk * self.pp + r]
+                sizes = {"send_fwd": len(st.send), "recv_fwd": len(st.recv),
+                         "send_bwd": len(st.recv), "recv_bwd": len(st.send)}
+                if a.kind in sizes and sizes[a.kind]:
+                    kind, direction = a.kind.split("_")
+                    n[kind, "pp", "forward" if direction == "fwd" else "backward"] += sizes[a.kind]
+            tied = sum(1 for held in ranks_of if r in held and len(held) > 1)
+            if tied:
+                n["all_reduce", "pp", "optimizer"] += tied
+            if self.dp > 1:
+                n["all_reduce", "dp", "optimizer"] += len({p for t in chunks for p in self.stages[t].params})
+                if len(self.stages) - 1 in chunks:
+                    n["all_reduce", "dp", "loss"] += 1
+            out.append([{"kind": k, "axis": x, "phase": ph, "count": c}
+                        for (k, x, ph), c in sorted(n.items())])
+        return out
+
+
+def stage_memory(stage, local=None) -> dict:
+    """Bytes one rank of ``stage`` holds: its weights, their gradients (summed over
+    microbatches) and the optimizer's state; with tp inside the stage (``local``, a
+    :class:`~parcomp.passes.pipeline.stage_shard.StageLocal`), this rank's shards."""
+    opt = local.optimizer if local is not None else stage.optimizer
+    types = {n.name: n.type for n in opt.nodes}
+    if local is None:
+        types = {**{n.name: n.type for n in stage.forward.nodes}, **types}
+    weights = sum(types[p].nbytes for p in stage.params)
+    state = sum(n.type.nbytes for n in opt.params if n.phase == "optimizer")
+    return {"weight_bytes": weights, "grad_bytes": weights, "optimizer_state_bytes": state}
+
+
+def plan_pipeline(graph: Graph, spec) -> PipelinePlan:
+    """The :class:`PipelinePlan` of a global model ``graph`` under a spec with a ``pp`` axis
+    and a ``train`` line.
+
+    Raises:
+        SpecError: bad stage statements (see :func:`.split_stages.assign_stages`), a batch
+            that does not split into ``microbatches * dp`` equal parts, a hand-made
+            schedule that cannot run (:class:`~parcomp.passes.pipeline.schedule.ScheduleError`).
+    """
+    cfg = train_config(spec)
+    refuse_unpipelined_options(spec.train, cfg)
+    mesh = spec.mesh
+    pp = mesh.sizes[mesh.axis_index("pp")]
+    dp = mesh.sizes[mesh.axis_index("dp")] if "dp" in mesh.names else 1
+    nvs = pp * cfg.virtual  # interleaved 1F1B: pp x virtual chunks
+    at = option_loc(cfg.loc, "virtual" if "virtual=" in (cfg.loc.text or "") else "schedule")
+    rules = spec.stages or balanced_rules(graph, nvs, (cfg.virtual, at) if cfg.virtual > 1 else None)
+    stage_of = assign_stages(graph, rules, nvs)
+    batch = cfg.batch or graph.inputs[0].type.shape[0]
+    parts = cfg.microbatches * dp
+    if batch % parts:
+        raise SpecError(f"the global batch {batch} does not split into microbatches={cfg.microbatches}"
+                        f" x dp={dp} = {parts} equal parts", cfg.loc)
+    micro = rebatch(graph, batch // parts)
+    stages = split_stages(micro, stage_of, nvs)
+    progs = tuple(stage_programs(st, cfg, st.index == nvs - 1) for st in stages)
+    for p in progs:
+        for g in (p.forward, p.backward, p.optimizer):
+            verify(g)
+    types = {n.name: n.type for n in micro.nodes}
+    flops = tuple(sum(node_flops(n, types) for n in st.graph.nodes) for st in stages)
+    top = max(flops) or 1
+    acts = build(cfg.schedule, pp, cfg.microbatches, cfg.virtual)
+    per_rank = [sum(flops[r::pp]) / top for r in range(pp)]  # a rank's chunks together
+    sim = simulate(acts, per_rank, [2 * f for f in per_rank])
+    trained = {p for st in progs for p in st.params}
+    tied = tuple((p, held) for p, held in param_stages(graph, stage_of).items()
+                 if len(held) > 1 and p in trained)
+    local = _local(graph, spec, progs, cfg)
+    split = _split(progs, local) if cfg.schedule == "zb-h1" else ()
+    return PipelinePlan(pp, dp, cfg.microbatches, cfg.schedule, batch // parts, batch, stage_of,
+                        progs, acts, sim, flops, local, tied, cfg.virtual, split)
+
+
+#: train options the pipelined step does not implement: ``(key, its value in cfg, the default)``
+#: readers; given with a value other than the default, they would be silently ignored, so
+#: they are refused (a new-user trial found ``precision=bf16`` under pp said OK while the
+#: program ran float32)
+_NOT_PIPELINED = (
+    ("zero", lambda c: c.zero, 0),
+    ("bucket_cap_mb", lambda c: None, None),
+    ("clip_grad_norm", lambda c: c.options.clip_grad_norm, None),
+    ("lr_schedule", lambda c: c.options.schedule[0], "constant"),
+    ("accumulate", lambda c: c.options.accumulate, 1),
+    ("recompute", lambda c: c.options.recompute, "none"),
+    ("precision", lambda c: c.options.precision, "fp32"),
+    ("grad_reduce", lambda c: c.options.grad_reduce, "fp32"),
+    ("loss_scale", lambda c: None, None),
+    ("growth_interval", lambda c: None, None),
+)
+
+
+def refuse_unpipelined_options(t, cfg) -> None:
+    """Raise SpecError at the option's column for a train option of :data:`_NOT_PIPELINED`
+    given with a non-default value (``bucket_cap_mb``, ``loss_scale`` and ``growth_interval``
+    whenever written), or a cross_entropy ``ignore_index``/``label_smoothing``, on a spec with a
+    ``pp`` axis: the pipelined step would run without it."""
+    given = {k for k, _ in t.options}
+    for key, read, default in _NOT_PIPELINED:
+        if key in given and (read(cfg) != default or default is None):
+            raise SpecError(f"train option {key}= is not supported with a pp mesh axis: the pipelined "
+                            f"step does not implement it and would run without it; remove it (pipelines "
+                            f"take loss, optimizer, batch, steps, microbatches, schedule, stages, "
+                            f"virtual, trainable, input_grads and output)", option_loc(t.loc, key))
+    if cfg.loss_args:
+        raise SpecError(f"loss={cfg.loss}({', '.join(f'{k}=' for k, _ in cfg.loss_args)}...) is not "
+                        f"supported with a pp mesh axis: the pipelined loss is the plain mean cross "
+                        f"entropy; remove the loss's options", option_loc(t.loc, "loss"))
+
+
+def _split(progs, local) -> tuple:
+    """ZB-H1: each stage's backward (``local``'s per-rank one when there) cut into input- and
+    weight-gradient programs (:mod:`.zb_split`)."""
+    from .stage_train import grad_name
+    from .zb_split import split_backward
+
+    return tuple(split_backward((local[st.index] if local else st).backward,
+                                {grad_name(v) for v in st.recv}) for st in progs)
+
+
+def _local(graph, spec, progs, cfg) -> tuple:
+    """The stages' programs sharded over the mesh less pp and dp (:mod:`.stage_shard`), or ()
+    when that mesh has one rank."""
+    from ..bind_layouts import bind_layouts
+    from ..decompose import decompose_reductions
+    from .stage_shard import inner_mesh, shard_stages
+
+    if inner_mesh(spec.mesh).size == 1:
+        return ()
+    return shard_stages(progs, bind_layouts(decompose_reductions(graph), spec), spec.mesh, cfg.loc)
+
+
+def attach_pipeline(graph: Graph, spec, program, report: dict) -> tuple:
+    """``(program with its pipeline field set, report with "pipeline" and "placement_table")``.
+
+    Raises:
+        SpecError: as :func:`plan_pipeline`.
+    """
+    from dataclasses import replace
+
+    from parcomp.cost.placement import placement_table
+
+    plan = plan_pipeline(graph, spec)
+    training = report.get("training")
+    if training:  # the batch arithmetic counts the microbatches too (global = m x micro x dp)
+        training = {**training, "microbatch_per_dp_rank": plan.micro_batch, "microbatches": plan.microbatches,
+                    "batch_note": f"global batch {plan.batch} = {plan.microbatches} microbatch"
+                                  f"{'' if plan.microbatches == 1 else 'es'} of {plan.micro_batch} x dp {plan.dp}"}
+    return replace(program, pipeline=plan), {**report, "pipeline": plan.report(), "training": training,
+                                             "placement_table": placement_table(spec.mesh, spec.topology)}
+
+
+def format_pipeline(report: dict) -> str:
+    """The pipeline lines of ``parcomp compile``'s summary: schedule, batch, bubble, per-stage
+    stash, then the placement table (from ``report.json``'s ``pipeline`` and ``placement_table``)."""
+    from parcomp.cost.placement import format_placement
+
+    p = report["pipeline"]
+    lines = [f"pipeline: pp={p['pp']} schedule {p['schedule']}, global batch {p['global_batch']} = "
+             f"microbatch {p['micro_batch']} x {p['microbatches']} microbatches x dp {p['dp']}; "
+             f"bubble {p['bubble_analytic']:.3f} analytic, {p['bubble_simulated']:.3f} simulated"]
+    for s in p["stages"]:
+        lines.append(f"  stage {s['stage']}: {len(s['params'])} params, sends {len(s['send'])} "
+                     f"value(s), peak {s['peak_inflight_microbatches']} microbatch(es) stashed "
+                     f"({s['peak_inflight_bytes']} bytes); weights {s['weight_bytes']}, grads "
+                     f"{s['grad_bytes']}, optimizer state {s['optimizer_state_bytes']} bytes")
+    lines.append(f"  one microbatch's latency: {p['latency_one_microbatch']:.2f} x the largest stage's "
+                 f"forward (the sum of the stages: pp does not shorten it)")
+    return "\n".join(lines + [format_placement(report["placement_table"])])

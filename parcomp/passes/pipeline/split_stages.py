@@ -1,0 +1,321 @@
+"""split-stages: a global forward graph cut into pipeline (``pp``) stages.
+
+Which stage a node belongs to comes from the spec's ``stage K: ITEM ...`` statements
+(an item is a module path prefix: a node traced from module ``h.3.attn`` belongs to the
+stage of ``h.3``) or, without them, from a cost model that balances FLOPs over the
+stages (:func:`balanced_rules`).  A node without a module path (a loss, a reshape the
+frontend made) follows its inputs: the latest stage among them.
+
+A value crossing a cut is *relayed*: a value of stage 0 used on stage 2 is sent 0 -> 1
+and 1 -> 2, so every point-to-point transfer is between neighbouring stages, and a
+value used by several later stages travels once.  On the way back its gradient
+contributions are summed on each stage before they are sent on (autodiff adds the
+gradient a stage receives for a relayed value to its own uses of it).  Model inputs
+(data, targets) are read directly by every stage that uses them.
+
+Everything here is pure: graphs in, graphs and name lists out.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from parcomp.errors import ParcompError, SpecError
+from parcomp.ir.graph import Graph, Node
+from parcomp.ir.ops import OPS
+from parcomp.ir.types import TensorType
+from parcomp.spec.model import StageRule
+
+__all__ = ["StageGraph", "assign_stages", "balanced_rules", "split_stages", "rebatch", "node_path",
+           "node_flops", "param_stages"]
+
+
+@dataclass(frozen=True)
+class StageGraph:
+    """One stage's forward program for one microbatch.
+
+    Attributes:
+        index: the stage (its coordinate on the ``pp`` mesh axis).
+        graph: inputs are the model inputs it reads and the values it receives
+            (``input`` nodes named as the value they carry), params are its own;
+            outputs are the values it sends (public name = value name) and, on the
+            last stage, the model's outputs.
+        recv: values received from stage ``index - 1``, in graph order.
+        send: values sent to stage ``index + 1``, in graph order (a relayed value is
+            in both ``recv`` and ``send``).
+        params: the params this stage holds.
+    """
+
+    index: int
+    graph: Graph
+    recv: tuple
+    send: tuple
+    params: tuple
+
+
+def node_path(node: Node) -> str | None:
+    """The module path a node came from: its ``source``, or a param's name less its last
+    component (``h.0.mlp.c_fc.weight`` -> ``h.0.mlp.c_fc``); None when unknown."""
+    if node.source:
+        return node.source
+    if node.op == "param" and "." in node.name:
+        return node.name.rsplit(".", 1)[0]
+    return None
+
+
+def module_path(node: Node, graph: Graph) -> str | None:
+    """:func:`node_path`, or for a node without one (a ``.pcir`` model) the path of its
+    first param operand that has one: ``matmul(%x, %l0.weight)`` belongs to ``l0``."""
+    if node.op in ("input", "param"):
+        return node_path(node)
+    return node_path(node) or next((node_path(graph[i]) for i in node.inputs
+                                    if graph[i].op == "param" and node_path(graph[i])), None)
+
+
+def _prefixes(path: str):
+    parts = path.split(".")
+    return (".".join(parts[:i]) for i in range(len(parts), 0, -1))
+
+
+def node_flops(node: Node, types: dict) -> int:
+    """FLOPs of one node: ``2*M*N*K`` for a matmul, one per output element otherwise,
+    0 for inputs and params."""
+    if node.op in ("input", "param"):
+        return 0
+    out = node.type.numel if node.type.rank else 1
+    if node.op == "matmul":
+        return 2 * out * types[node.inputs[0]].shape[-1]
+    return out
+
+
+def assign_stages(graph: Graph, rules: tuple, pp: int) -> dict:
+    """``{node name: stage}`` for every param and compute node of ``graph`` (inputs are
+    read directly and get none).
+
+    Raises:
+        SpecError: at a stage statement: an item that matches no module, a module in
+            no stage, a module that uses a value of a later stage, a stage with no computation, the model output not on the last stage.
+    """
+    owner = {p: r for r in rules for p in r.items}
+    hit, stage = set(), {}
+    for n in graph.nodes:
+        if n.op == "input":
+            continue
+        rule = _rule_of(module_path(n, graph), owner, hit)
+        if rule is None and n.source and rules:
+            raise SpecError(f"module {n.source} (%{n.name}) is in no stage; add it to a stage "
+                            f"statement", rules[-1].loc)
+        ins = [stage[i] for i in n.inputs if i in stage]  # a param is in only when a rule placed it
+        latest = max(ins, default=0)
+        computed = max((stage[i] for i in n.inputs if i in stage and graph[i].op != "param"), default=0)
+        if rule is not None and rule.index < computed:  # a param on a later stage is tied, not late
+            latest = computed
+            src = next(i for i in n.inputs if stage.get(i) == latest and graph[i].op != "param")
+            raise SpecError(f"module {module_path(n, graph)} is on stage {rule.index} but uses %{src} "
+                            f"computed on stage {latest}: stages must follow the data flow "
+                            f"(stage k may use only values of stages 0..k)", rule.loc)
+        if n.op != "param" or rule is not None:
+            stage[n.name] = rule.index if rule is not None else latest
+    _place_params(graph, stage, rules)
+    _check_cover(graph, rules, hit, stage, pp)
+    return stage
+
+
+def _rule_of(path, owner, hit):
+    for p in _prefixes(path) if path else ():
+        if p in owner:
+            hit.add(p)
+            return owner[p]
+    return None
+
+
+def _place_params(graph, stage, rules) -> None:
+    """A param without a stage of its own goes to the first stage of its users; a param
+    used on several stages (tied weights) is held by each of them (:func:`param_stages`)."""
+    users = graph.users()
+    for p in graph.params:
+        if p.name not in stage:
+            stage[p.name] = min((stage[u] for u in users[p.name] if u in stage), default=0)
+
+
+def param_stages(graph: Graph, stage: dict) -> dict:
+    """``{param: (stage, ...)}``: the stages holding each param, those of its users (its own
+    stage when it has none).  A param on more than one stage is *tied*: each holds a copy,
+    computes its gradient contribution, and the contributions are summed over exactly those
+    stages' ranks before the dp reduction, so every copy takes the same update."""
+    users = graph.users()
+    return {p.name: tuple(sorted({stage[u] for u in users[p.name] if u in stage} or {stage[p.name]}))
+            for p in graph.params}
+
+
+def _check_cover(graph, rules, hit, stage, pp) -> None:
+    for r in rules:
+        missed = [p for p in r.items if p not in hit]
+        if missed:
+            raise SpecError(f"stage {r.index}: {missed[0]} matches no module of the model", r.loc)
+    compute = [n for n in graph.nodes if n.op not in ("input", "param")]
+    empty = sorted(set(range(pp)) - {stage[n.name] for n in compute})
+    if empty:
+        loc = next((r.loc for r in rules if r.index == empty[0]), None)
+        raise SpecError(f"stage {empty[0]} computes nothing: every stage needs some of the "
+                        f"model's modules", loc)
+    late = [v for v in graph.outputs if v in stage and stage[v] != pp - 1]
+    if late:
+        loc = rules[-1].loc if rules else None
+        raise SpecError(f"the model output %{late[0]} is computed on stage {stage[late[0]]}, not "
+                        f"on the last stage {pp - 1}: the loss runs on the last stage", loc)
+
+
+def _unit(path: str, above: frozenset = frozenset()) -> str:
+    """The balancing unit of a module path: up to its first numbered component
+    (``h.3.attn`` -> ``h.3``, ``12`` -> ``12``), else its shortest prefix that is not in
+    ``above`` (the paths above numbered units: ``transformer.ln_f`` stays apart from
+    ``transformer.h.0``), ``ln_f`` for a top-level module."""
+    parts = path.split(".")
+    for i, p in enumerate(parts):
+        if p.isdigit():
+            return ".".join(parts[:i + 1])
+    return next((".".join(parts[:i]) for i in range(1, len(parts) + 1)
+                 if ".".join(parts[:i]) not in above), path)
+
+
+def _above_numbered(paths) -> frozenset:
+    """Every proper prefix of a numbered unit (``transformer``, ``transformer.h`` for
+    ``transformer.h.0``)."""
+    out = set()
+    for path in paths:
+        parts = _unit(path).split(".")
+        if parts[-1].isdigit():
+            out.update(".".join(parts[:i]) for i in range(1, len(parts)))
+    return frozenset(out)
+
+
+def module_units(graph: Graph) -> dict:
+    """``{node name: balancing unit}`` (:func:`_unit`) of every op node with a module path, in
+    graph order (params and inputs follow their users, so they are not listed)."""
+    paths = {n.name: module_path(n, graph) for n in graph.nodes if n.op not in ("input", "param")}
+    above = _above_numbered(p for p in paths.values() if p)
+    return {name: _unit(p, above) for name, p in paths.items() if p}
+
+
+def balanced_rules(graph: Graph, pp: int, virtual=None) -> tuple:
+    """Stage rules that split the model's modules, in graph order, into ``pp`` contiguous
+    groups minimizing the largest group's FLOPs (:func:`node_flops`; a linear partition,
+    O(units^2 * pp)). ``virtual``: ``(K, loc of virtual=)`` when the ``pp`` groups are the
+    ``ranks x K`` chunks of interleaved 1F1B, else None.
+
+    Raises:
+        ParcompError: the model has fewer modules than stages.
+        SpecError: at ``virtual=``, with ``virtual``, when the model has fewer modules than
+            chunks (saying how many chunks per rank it can make).
+    """
+    types = {n.name: n.type for n in graph.nodes}
+    units, cost = [], {}
+    for name, u in module_units(graph).items():
+        if u not in cost:
+            units.append(u)
+            cost[u] = 0
+        cost[u] += node_flops(graph[name], types)
+    if virtual is not None and virtual[0] > 1 and len(units) < pp:
+        k, loc = virtual
+        ranks, most = pp // k, len(units) // (pp // k)
+        can = (f"give virtual={most} or fewer" if most > 1 else
+               "too few to interleave (it needs 2 per rank): use schedule=1f1b")
+        raise SpecError(f"virtual={k} cuts the model into pp {ranks} x {k} = {pp} chunks, but it has "
+                        f"{len(units)} module(s) ({', '.join(units[:8])}{', ...' if len(units) > 8 else ''})"
+                        f" and a chunk holds at least one: it can make {most} chunk(s) per rank; {can}", loc)
+    if len(units) < pp:
+        raise ParcompError(f"the model has {len(units)} module(s) ({', '.join(units)}) to split "
+                           f"into pp={pp} stages; give fewer stages", where="pp")
+    cuts = _partition([cost[u] for u in units], pp)
+    bounds = [0, *cuts, len(units)]
+    return tuple(StageRule(s, tuple(units[bounds[s]:bounds[s + 1]]), (), None) for s in range(pp))
+
+
+def _partition(costs: list, k: int) -> list:
+    """Cut points ``[c1 < ... < c_{k-1}]`` splitting ``costs`` into ``k`` non-empty runs
+    with the smallest largest sum (ties: the earliest cuts)."""
+    n = len(costs)
+    pre = [0]
+    for c in costs:
+        pre.append(pre[-1] + c)
+    best = {(0, 0): (0, None)}  # (runs, items) -> (largest run, previous cut)
+    for j in range(1, k + 1):
+        for i in range(j, n - (k - j) + 1):
+            best[j, i] = min(((max(best[j - 1, c][0], pre[i] - pre[c]), c)
+                              for c in range(j - 1, i) if (j - 1, c) in best), key=lambda t: t[0])
+    cuts, i = [], n
+    for j in range(k, 0, -1):
+        i = best[j, i][1]
+        cuts.append(i)
+    return sorted(cuts)[1:]
+
+
+def split_stages(graph: Graph, stage: dict, pp: int) -> tuple:
+    """The :class:`StageGraph` of every stage (see :func:`assign_stages` for ``stage``)."""
+    users, held = graph.users(), param_stages(graph, stage)
+    compute = [n for n in graph.nodes if n.op not in ("input", "param")]
+    last_use = {n.name: max((stage[u] for u in users[n.name]), default=stage[n.name]) for n in compute}
+    live = [[n.name for n in compute if stage[n.name] <= c < last_use[n.name]] for c in range(pp)]
+    out = []
+    for s in range(pp):
+        mine = [n for n in compute if stage[n.name] == s]
+        recv = tuple(live[s - 1]) if s else ()
+        params = [n for n in graph.params if s in held[n.name]]
+        used = {i for n in mine for i in n.inputs}
+        inputs = [n for n in graph.inputs if n.name in used]
+        nodes = [*inputs, *(Node(v, "input", (), graph[v].type, (), graph[v].layout) for v in recv),
+                 *params, *mine]
+        outs = list(live[s])
+        names = list(outs)
+        if s == pp - 1:
+            outs += list(graph.outputs)
+            names += list(graph.output_names)
+        g = Graph(tuple(nodes), tuple(outs), graph.mesh, graph.stage, tuple(names))
+        out.append(StageGraph(s, g, recv, tuple(live[s]), tuple(p.name for p in params)))
+    return tuple(out)
+
+
+def rebatch(graph: Graph, batch: int) -> Graph:
+    """``graph`` with dim 0 of every input set to ``batch`` (a microbatch) and every
+    other type inferred again (a reshape whose operand shrank shrinks its dim 0 alike:
+    GPT-2's ``[2,8,32] -> [16,32]`` becomes ``[1,8,32] -> [8,32]``).
+
+    Raises:
+        ParcompError: an input has no batch dim, or an op's inferred type fails (an op
+            with a fixed shape attribute that names the batch).
+    """
+    types, nodes = {}, []
+    for n in graph.nodes:
+        if n.op == "input":
+            if not n.type.rank:
+                raise ParcompError(f"input {n.name} is a scalar: microbatches split dim 0 of "
+                                   f"every input", where=n.name)
+            ty = TensorType((batch, *n.type.shape[1:]), n.type.dtype)
+        elif n.op == "param":
+            ty = n.type
+        else:
+            n = _rebatch_reshape(n, graph, types)
+            try:
+                ty = OPS[n.op].infer([types[i] for i in n.inputs], n)
+            except Exception as e:  # noqa: BLE001 - any inference failure is the same user error
+                raise ParcompError(f"cannot split the batch into microbatches of {batch}: "
+                                   f"{n.op} %{n.name} does not take the smaller batch ({e})",
+                                   where=n.name) from None
+        types[n.name] = ty
+        nodes.append(Node(n.name, n.op, n.inputs, ty, n.attrs, n.layout, n.in_layouts, n.phase,
+                          n.source, n.spec_loc))
+    return graph.with_nodes(nodes)
+
+
+def _rebatch_reshape(node: Node, graph: Graph, types: dict) -> Node:
+    """A reshape whose operand's element count changed gets its dim 0 scaled alike (the
+    batch leads both shapes); any other node is returned as is."""
+    if node.op != "reshape" or not node.type.rank:
+        return node
+    old, new = graph[node.inputs[0]].type.numel, types[node.inputs[0]].numel
+    lead = node.type.shape[0] * new
+    if old == new or lead % old:
+        return node
+    shape = (lead // old, *node.type.shape[1:])
+    return Node(node.name, node.op, node.inputs, node.type.with_shape(shape), node.attrs, node.layout,
+                node.in_layouts, node.phase, node.source, node.spec_loc)

@@ -1,0 +1,1 @@
+"""The layout search's internals: local moves, the ILP, the data-parallel pins."""

@@ -1,0 +1,1 @@
+"""Rewrites of the training step that autodiff calls: accumulation, mixed precision, loss scaling."""

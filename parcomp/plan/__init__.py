@@ -1,0 +1,1 @@
+"""``parcomp plan``: choose every layout for a mesh and write it as a spec."""

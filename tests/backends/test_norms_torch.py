@@ -1,0 +1,236 @@
+"""The norms + embedding part (issue 17) against torch: the dropout mask bit for bit, the
+aten lowerings (LayerNorm, RMSNorm, LlamaRMSNorm, Embedding, dropout, native ops), tied
+embeddings against autograd, and the
+emitted program of a sequence- and vocab-parallel block under torchrun."""
+import numpy as np
+import pytest
+
+from parcomp.compile.compiler import compile_graph
+from parcomp.ir import parse_graph
+from parcomp.reference import norm_ops
+from parcomp.reference.interpreter import run_spmd
+from parcomp.reference.numpy_ops import run_unsharded
+
+from graphs import spec
+from numerics import assert_all_equivalent, assert_equivalent
+from test_norms import DROP
+
+torch = pytest.importorskip("torch")
+
+
+def test_dropout_mask_numpy_equals_torch_bit_for_bit():
+    torch = pytest.importorskip("torch")
+    from parcomp_backends.torch.emit.norms import NORM_RUNTIME
+
+    env = {"torch": torch}
+    exec(NORM_RUNTIME, env)  # noqa: S102 - the helpers program.py pastes
+    node = parse_graph(DROP)["y"]
+    # blocks of small and huge tensors: flat indices beyond 2**32 and 2**40
+    for shape, gshape, start, p, seed in [((4, 8, 8), (4, 8, 8), (0, 0, 0), 0.5, 5),
+                                          ((3, 5), (9, 10), (6, 5), 0.1, 2**31 + 7),
+                                          ((2, 7), (2**20, 2**21), (2**20 - 2, 2**21 - 7), 0.9, 0),
+                                          ((5,), (2**45,), (2**45 - 5,), 0.3, 123)]:
+        n = node.with_attrs(p=p, seed=seed, index_start=start, index_shape=gshape)
+        want = norm_ops.dropout_keep(n, shape)
+        got = env["dropout_keep"](shape, p, seed, gshape, start).numpy()
+        np.testing.assert_array_equal(got, want)
+        for step in (1, 7, 2**24):  # a training step's mask: the step counter is a float32 tensor
+            want = norm_ops.dropout_keep(n, shape, step)
+            got = env["dropout_keep"](shape, p, seed, gshape, start, step=torch.tensor(float(step))).numpy()
+            np.testing.assert_array_equal(got, want)
+    x = np.arange(1, 13, dtype="f4").reshape(3, 4)
+    n = node.with_attrs(p=0.25, seed=3)
+    got = env["dropout_by_index"](torch.tensor(x), 0.25, 3, (3, 4), (0, 0)).numpy()
+    np.testing.assert_array_equal(got, norm_ops.NORM_NUMPY_OPS["dropout"]([x], n))
+    got = env["dropout_by_index"](torch.tensor(x), 0.25, 3, (3, 4), (0, 0), step=torch.tensor(2.0)).numpy()
+    np.testing.assert_array_equal(got, norm_ops.NORM_NUMPY_OPS["dropout"]([x, np.float32(2)], n))
+
+
+# --- tied input/output embeddings (GPT-2's lm_head.weight is wte.weight) -------------------
+
+def _tied_module():
+    """Embedding -> LayerNorm -> head whose weight IS the embedding table (GPT-2's tying)."""
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = torch.nn.Embedding(8, 4)
+            self.ln = torch.nn.LayerNorm(4)
+            self.head = torch.nn.Linear(4, 8, bias=False)
+            self.head.weight = self.wte.weight
+
+        def forward(self, ids):
+            return self.head(self.ln(self.wte(ids)))
+
+    torch.manual_seed(0)
+    return Tied()
+
+
+def test_tied_embedding_gradient_sums_both_uses_once():
+    from parcomp.frontends.torch.export import import_torch
+
+    m = _tied_module()
+    ids = torch.tensor([[1, 4, 7, 3], [0, 4, 2, 6]])
+    g = import_torch(m, (ids,))
+    (table,) = [n.name for n in g.params if n.type.shape == (8, 4)]  # one parameter, used twice
+    assert len(g.users()[table]) == 2
+    c = compile_graph(g, spec(f"mesh tp=2\n{table} [S(0)]\ninput ids replicated\n"
+                              "train loss=cross_entropy optimizer=sgd(lr=0.0)\n"))
+    labels = np.array([[2, 5, 0, 7], [1, 3, 3, 4]])
+    feeds = {**{k: v.detach().numpy() for k, v in m.state_dict().items() if k in c.logical},
+             "ids": ids.numpy(), "labels": labels}
+    got = run_spmd(c.program, feeds).outputs(c.program)
+    logits = m(ids)
+    torch.nn.functional.cross_entropy(logits.reshape(-1, 8), torch.tensor(labels).reshape(-1)).backward()
+    want = m.wte.weight.grad.numpy()  # autograd: both uses summed
+    assert_equivalent(got[f"{table}.grad"], want)
+    emb_only = [n for n in c.logical.nodes if n.op == "embedding_grad"]
+    assert len(emb_only) == 1  # the embedding's scatter-add, added to the head's matmul gradient
+
+
+def test_torch_reference_names_a_tied_weight_as_export_does_and_resumes_its_state():
+    from parcomp.frontends.torch.export import import_torch
+    from parcomp.spec.train_config import train_config
+    from parcomp.check.training import torch_train
+
+    m = _tied_module()
+    ids, labels = torch.tensor([[1, 4, 7, 3]]), np.array([[2, 5, 0, 7]])
+    names = {n.name for n in import_torch(m, (ids,)).params}
+    cfg = train_config(spec("mesh tp=2\ntrain loss=cross_entropy optimizer=adamw(lr=0.01)\n"))
+    two = torch_train(m, (ids,), ["ids"], {"labels": labels}, cfg, 2)
+    assert set(two["params"]) == names and "head.weight.exp_avg" in two["state"]  # not wte.weight
+    one = torch_train(m, (ids,), ["ids"], {"labels": labels}, cfg, 1)
+    resumed = torch_train(m, (ids,), ["ids"], {"labels": labels}, cfg, 1,
+                          start={**one["params"], **one["state"]}, first=2)
+    for k in names:  # step 2 from step 1's state (the tied weight's moments included) is step 2
+        np.testing.assert_array_equal(resumed["params"][k], two["params"][k])
+
+
+# --- torch.export frontend --------------------------------------------------------------
+
+def _norms_module(torch, dropout=0.0):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = torch.nn.Embedding(16, 8)
+            self.ln = torch.nn.LayerNorm(8)
+            self.rms = torch.nn.RMSNorm(8, eps=1e-6)
+            self.llama = LlamaRMSNorm(8, eps=1e-6)
+            self.plain = torch.nn.LayerNorm(8, elementwise_affine=False)
+            self.drop = torch.nn.Dropout(dropout)
+            self.fc = torch.nn.Linear(8, 8)
+
+        def forward(self, ids):
+            h = self.drop(self.ln(self.wte(ids)))
+            return self.plain(self.fc(self.llama(self.rms(h))))
+
+    torch.manual_seed(0)
+    m = Block()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    return m
+
+
+def test_frontend_lowers_norms_embedding_and_llama_rmsnorm_pattern():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from parcomp.frontends.torch.export import import_torch
+
+    m = _norms_module(torch)
+    ids = torch.tensor([[1, 15, 7, 8], [0, 3, 12, 4]])
+    g = import_torch(m, (ids,))
+    ops = [n.op for n in g.nodes if n.op not in ("param", "input")]
+    assert ops == ["embedding", "layer_norm", "rms_norm", "rms_norm", "permute", "matmul", "add", "layer_norm"]
+    assert g[g.by_op("rms_norm")[1].name].inputs[1] == "llama.weight"  # w * (x * rsqrt(...)) folded
+    assert [n.name for n in g.by_op("rms_norm")] == ["rms_norm", "rms_norm_2"]  # a spec can name them
+    feeds = {**{k: v.detach().numpy() for k, v in m.state_dict().items()}, "ids": ids.numpy()}
+    got = run_unsharded(g, feeds)["output"]
+    assert_equivalent(got, m(ids).detach().numpy())
+
+
+def test_frontend_dropout_in_training_mode_and_native_ops_after_decomposition():
+    torch = pytest.importorskip("torch")
+    from parcomp.frontends.torch.export import import_torch
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln = torch.nn.LayerNorm(8)
+            self.drop = torch.nn.Dropout(0.2)
+
+        def forward(self, x):
+            h = self.drop(self.ln(x))
+            h.relu_()  # an in-place op: export decomposes to native_dropout / getitem
+            return self.drop(h)
+
+    g = import_torch(M(), (torch.randn(2, 4, 8),))
+    drops = g.by_op("dropout")
+    assert [(n.attr("p"), n.attr("seed")) for n in drops] == [(0.2, 0), (0.2, 1)]  # one seed per site
+    assert len(g.by_op("layer_norm")) == 1
+    assert not import_torch(M().eval(), (torch.randn(2, 4, 8),)).by_op("dropout")
+
+
+def test_frontend_rejects_a_non_last_dim_norm_with_a_location():
+    torch = pytest.importorskip("torch")
+    from parcomp.errors import FrontendError
+    from parcomp.frontends.torch.export import import_torch
+
+    with pytest.raises(FrontendError, match=r"normalized_shape \[3, 4\].*last dim only"):
+        import_torch(torch.nn.LayerNorm([3, 4]), (torch.randn(2, 3, 4),))
+
+
+# --- the emitted program under torchrun ---------------------------------------------------
+
+@pytest.mark.slow
+def test_sequence_parallel_vocab_parallel_program_on_two_gloo_ranks(tmp_path):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from parcomp.frontends.torch.export import import_torch
+    from parcomp.check.training import train_steps
+    from parcomp_backends.torch import assemble_training_outputs, run_torchrun
+    from parcomp_backends.torch.launch import write_program
+
+    m = _norms_module(torch, dropout=0.25).train()
+    ids = torch.tensor([[1, 15, 7, 8], [0, 3, 12, 4]])
+    g = import_torch(m, (ids,))
+    # Megatron's SP plan: `sequence-parallel` pins the norm regions split along the sequence
+    c = compile_graph(g, spec("mesh tp=2\nwte.weight [S(0)]\nfc.weight colwise\ninput ids replicated\n"
+                              "sequence-parallel\ntrain loss=mse optimizer=sgd(lr=0.1) steps=2\n"))
+    assert c.program.by_op("bucket_cat") and c.program.by_op("dropout")
+    target = np.random.default_rng(1).standard_normal(c.logical["target"].type.shape).astype("f4")
+    feeds = {**{k: v.detach().numpy() for k, v in m.state_dict().items() if k in c.logical},
+             "ids": ids.numpy(), "target": target}
+    write_program(c, tmp_path)
+    res = run_torchrun(tmp_path, 2, m, {"ids": ids, "target": torch.tensor(target)}, tmp_path / "out.pt",
+                       ("--device", "cpu", "--steps", "2"), timeout=180)
+    assert res.returncode == 0, res.stderr[-4000:]
+    out, losses = assemble_training_outputs(tmp_path / "out.pt", c.program)
+    want = train_steps(lambda s: run_unsharded(c.logical, s), c.logical, feeds, 2)
+    assert_all_equivalent(out, want["outputs"])
+    assert_equivalent(np.array(losses), np.array(want["losses"]))
+
+
+def test_frontend_native_layer_norm_value_and_its_stats_rejected():
+    torch = pytest.importorskip("torch")
+    from parcomp.errors import FrontendError
+    from parcomp.frontends.torch.export import import_torch
+
+    class Native(torch.nn.Module):
+        def __init__(self, stats):
+            super().__init__()
+            self.w, self.b, self.stats = torch.nn.Parameter(torch.randn(8)), torch.nn.Parameter(torch.randn(8)), stats
+
+        def forward(self, x):
+            y, mean, rstd = torch.native_layer_norm(x, [8], self.w, self.b, 1e-5)
+            return y * rstd if self.stats else y
+
+    x = torch.randn(2, 3, 8)
+    g = import_torch(Native(False), (x,))
+    assert [n.op for n in g.nodes if n.op not in ("param", "input")] == ["layer_norm"]
+    m = Native(False)
+    feeds = {"w": m.w.detach().numpy(), "b": m.b.detach().numpy(), "x": x.numpy()}
+    assert_equivalent(run_unsharded(g, feeds)["output"], m(x).detach().numpy())
+    with pytest.raises(FrontendError, match="output 2 of aten.native_layer_norm"):
+        import_torch(Native(True), (x,))

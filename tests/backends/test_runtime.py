@@ -1,0 +1,89 @@
+"""The runtime pasted into every program.py, tested as the real modules it is pasted from."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = torch.distributed
+
+from parcomp_backends.torch.launch import free_port  # noqa: E402
+from parcomp_backends.torch.runtime import program_common as rt  # noqa: E402
+from parcomp_backends.torch.runtime import program_forward, program_train  # noqa: E402
+from parcomp_backends.torch.runtime import (CONSTANT_LOADER, MAIN, ONNX_READER, RUNTIME, TIED_LOADER,  # noqa: E402
+                                            TRAIN_MAIN, TRAIN_RUNTIME, sections)
+
+
+@pytest.fixture
+def one_rank_gloo(monkeypatch):
+    """A 1-process gloo world with the runtime's groups made (mesh x=1: WORLD)."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(free_port())
+    monkeypatch.setattr(rt, "WORLD_SIZE", 1)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        rt.make_groups(60)
+        assert rt.GROUPS == {"x": dist.group.WORLD}
+        yield
+    finally:
+        rt.GROUPS.clear()
+        dist.destroy_process_group()
+
+
+def test_collectives_on_one_rank_are_identities_and_keep_their_input(one_rank_gloo):
+    x = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4)
+    keep = x.clone()
+    for y in (rt.all_reduce(x, "x"), rt.all_gather(x, 1, "x"), rt.reduce_scatter(x, 2, "x"),
+              rt.all_to_all(x, 0, 2, "x"), rt.shard_slice(x, 1, "x"), rt.partial_mask(x, "x")):
+        assert torch.equal(y, keep) and y.shape == keep.shape
+    assert torch.equal(x, keep)  # nothing but all_reduce_ writes its operand
+    fresh = x * 1
+    assert rt.all_reduce_(fresh, "x") is fresh
+
+
+def test_mesh_coords_are_row_major(monkeypatch):
+    monkeypatch.setattr(rt, "MESH", {"dp": 2, "tp": 3})
+    assert [rt.mesh_coords(r) for r in (0, 1, 3, 5)] == [(0, 0), (0, 1), (1, 0), (1, 2)]
+
+
+def test_steps_argument_is_checked(capsys):
+    assert program_train.parse_args(["--checkpoint", "m.pt", "--steps", "7"]).steps == 7
+    for bad in ("0", "1000001", "two"):
+        with pytest.raises(SystemExit) as e:
+            program_train.parse_args(["--checkpoint", "m.pt", "--steps", bad])
+        assert e.value.code == 2
+    assert "give 1 to 1_000_000 training steps" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        program_train.parse_args(["--steps", "2"])  # a training program needs its checkpoint
+    assert "--checkpoint" in capsys.readouterr().err
+
+
+def test_bench_argument_is_bounded(capsys):
+    assert program_forward.parse_args(["--bench", "3"]).bench == 3
+    assert program_train.parse_args(["--checkpoint", "m.pt", "--bench", "0"]).bench == 0
+    for parse in (program_forward.parse_args, lambda a: program_train.parse_args(["--checkpoint", "m.pt", *a])):
+        for bad in ("-1", "100001", "1e12", "x"):
+            with pytest.raises(SystemExit) as info:
+                parse(["--bench", bad])
+            assert info.value.code == 2
+    assert "give 0 to 100_000 timed steps" in capsys.readouterr().err
+
+
+def test_forward_arguments_and_fail_exit_2(capsys):
+    args = program_forward.parse_args(["--output", "o.pt", "--bench", "3"])
+    assert (args.output, args.bench, args.device) == ("o.pt", 3, "cpu")
+    with pytest.raises(SystemExit) as e:
+        rt.fail("no such file")
+    assert e.value.code == 2 and "error: no such file" in capsys.readouterr().err
+
+
+def test_every_section_is_pasted_and_stand_ins_are_not():
+    pasted = (RUNTIME + MAIN + TRAIN_RUNTIME + TRAIN_MAIN + ONNX_READER  # .onnx models
+              + CONSTANT_LOADER + TIED_LOADER)  # computed constants, tied weights
+    for module in ("program_common", "program_forward", "program_train"):
+        for name, text in sections(module).items():
+            assert text in pasted, f"{module} section {name} is never pasted"
+    assert "Stand-in" not in pasted and "from .program_common" not in pasted
+    for text in (MAIN, TRAIN_MAIN):  # both leave through exit_now (no C++ static destructors)
+        assert 'if __name__ == "__main__":' in text and text.rstrip().endswith("exit_now(0)")

@@ -1,0 +1,191 @@
+"""Sharded checkpoints of a training program.py (issue 13): torch.distributed.checkpoint save and
+resume, on the same or another mesh; atomic saves."""
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from parcomp.check.training import numpy_train
+from parcomp.cli import commands
+from parcomp_backends.torch.launch import assemble_training_outputs, run_torchrun, write_program
+
+from numerics import assert_all_equivalent
+
+BODY = "train loss=mse optimizer=adamw(lr=0.01) input_grads=no steps=3\n"
+TP2 = "mesh tp=2\nc_fc.weight colwise\nc_proj.weight rowwise\n" + BODY
+DP2 = "mesh dp=2\ninput x [S(0)]\n" + BODY
+MODEL = "specs/models.py:gpt2_mlp"
+
+
+def _compile(tmp_path, text, name):
+    path = tmp_path / f"{name}.pcs"
+    path.write_text(text)
+    c, module, example = commands._compile(SimpleNamespace(model=MODEL, spec=str(path)), numeric="check")
+    return c, module, example
+
+
+def _launch(directory, compiled, module, feeds, extra):
+    import torch
+
+    write_program(compiled, directory)
+    inputs = {k: torch.from_numpy(np.asarray(v)) for k, v in feeds.items() if k in ("x", "target")}
+    res = run_torchrun(directory, 2, module, inputs, directory / "out.pt", ("--device", "cpu", *extra),
+                       timeout=300)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return res
+
+
+# a launcher that runs program.py with rank 1 dying right after torch.distributed.checkpoint has
+# written its part of a save and before the save is committed (renamed, ``latest`` replaced)
+DYING = """\
+import os, runpy, sys
+import torch.distributed.checkpoint as dcp
+real = dcp.save
+def dying(*args, **kw):
+    out = real(*args, **kw)
+    if os.environ["RANK"] == "1":
+        os._exit(9)
+    return out
+dcp.save = dying
+sys.argv[0] = "program.py"
+runpy.run_path("program.py", run_name="__main__")
+"""
+
+
+def _launch(directory, compiled, module, feeds, extra, program="program.py", ok=True):
+    import torch
+
+    write_program(compiled, directory)
+    (directory / "dying.py").write_text(DYING)
+    inputs = {k: torch.from_numpy(np.asarray(v)) for k, v in feeds.items() if k in ("x", "target")}
+    res = run_torchrun(directory, 2, module, inputs, directory / "out.pt", ("--device", "cpu", *extra),
+                       timeout=300, program=program)
+    assert (res.returncode == 0) == ok, res.stderr[-4000:]
+    return res
+
+
+@pytest.mark.slow
+def test_resume_on_another_mesh_after_a_killed_save_equals_the_unsharded_steps(tmp_path):
+    """2 AdamW steps on tp=2, saved; a run that resumes, trains step 3 and is killed (rank 1)
+    during its save: the previous checkpoint stays the one ``latest`` names. Resumed on
+    dp=2 (another program, another layout of every tensor), step 3 equals 3 unsharded steps
+    (params, optimizer state and the step counter carried over). The saved checkpoint also
+    loads into plain torch (dcp_to_torch_save) as the full tensors of 2 unsharded steps."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    tp, module, example = _compile(tmp_path, TP2, "tp2")
+    dp, _, _ = _compile(tmp_path, DP2, "dp2")
+    feeds = commands._train_feeds(tp, module, example, 0)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    res = _launch(tmp_path / "a", tp, module, feeds, ("--steps", "2", "--save", str(ckpt)))
+    assert (ckpt / "latest").read_text().strip() == "step-2" and "saved step 2" in res.stdout
+    res = _launch(tmp_path / "k", tp, module, feeds, ("--steps", "1", "--resume", str(ckpt), "--save", str(ckpt)),
+                  program="dying.py", ok=False)
+    assert "step 3 loss" in res.stdout and (ckpt / "step-3.partial").is_dir()  # killed while saving
+    assert (ckpt / "latest").read_text().strip() == "step-2" and not (ckpt / "step-3").exists()
+    res = _launch(tmp_path / "b", dp, module, feeds, ("--steps", "1", "--resume", str(ckpt)))
+    assert "step 3 loss" in res.stdout and "step 1 loss" not in res.stdout
+    out, losses = assemble_training_outputs(tmp_path / "b" / "out.pt", dp.program)
+    want = numpy_train(tp.logical, feeds, 3)
+    keys = [k for k in want["state"] if k in out]
+    assert len(keys) == 12  # 4 params, their exp_avg and exp_avg_sq
+    assert_all_equivalent({k: out[k] for k in keys}, want["state"], keys)
+    dcp_to_torch_save(str(ckpt / "step-2"), str(tmp_path / "full.pt"))
+    full = torch.load(tmp_path / "full.pt")
+    two = numpy_train(tp.logical, feeds, 2)
+    assert int(full["step"]) == 2
+    assert_all_equivalent({k: full[k].numpy() for k in keys}, two["state"], keys)
+
+
+@pytest.mark.slow
+def test_export_of_a_tp2_checkpoint_is_a_full_safetensors_transformers_loads(tmp_path):
+    """3 AdamW steps on tp=2, saved; exported to model.safetensors: transformers' own loader
+    (the one from_pretrained uses) reads it, GPT2MLP loads it strictly, and its weights are
+    the full tensors of 3 unsharded steps. A second export to the same path is refused."""
+    import torch
+    from transformers.modeling_utils import load_state_dict
+
+    from parcomp.errors import ParcompError
+    from parcomp.cli.export import export_safetensors
+
+    tp, module, example = _compile(tmp_path, TP2, "tp2")
+    feeds = commands._train_feeds(tp, module, example, 0)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    _launch(tmp_path / "a", tp, module, feeds, ("--steps", "3", "--save", str(ckpt)))
+    out = tmp_path / "model.safetensors"
+    names = export_safetensors(tp, str(ckpt), str(out))
+    assert sorted(names) == sorted(k for k, _ in module.named_parameters())
+    sd = load_state_dict(str(out))
+    mlp = copy.deepcopy(module)  # transformers' GPT2MLP, its own weights replaced below
+    mlp.load_state_dict(sd, strict=True)
+    want = numpy_train(tp.logical, feeds, 3)
+    got = {k: v.detach().numpy() for k, v in mlp.state_dict().items()}
+    assert_all_equivalent(got, want["state"], names)
+    assert not np.allclose(got["c_fc.weight"], module.c_fc.weight.detach().numpy())  # trained
+    with pytest.raises(ParcompError, match="exists"):
+        export_safetensors(tp, str(ckpt), str(out))
+    assert isinstance(sd["c_fc.weight"], torch.Tensor) and sd["c_fc.weight"].is_contiguous()
+
+
+def test_export_restores_stored_shapes():
+    """A per-part view goes back to the checkpoint's fused shape; a padded vocab table loses
+    its padding rows."""
+    import torch
+
+    from parcomp.cli.export import _stored
+
+    fused = torch.arange(24.0).reshape(2, 3, 4)  # [in, 3, out] view of a [in, 3*out] Conv1D weight
+    assert _stored(fused, (2, 12)).shape == (2, 12) and torch.equal(_stored(fused, (2, 12)).reshape(2, 3, 4), fused)
+    padded = torch.arange(12.0).reshape(6, 2)  # vocab 5 padded to 6 rows
+    assert torch.equal(_stored(padded, (5, 2)), padded[:5])
+    assert torch.equal(_stored(padded, None), padded)
+
+
+@pytest.mark.slow
+def test_gpt2_tp2_checkpoint_exports_to_what_from_pretrained_loads(tmp_path, capsys):
+    """2 AdamW steps of specs/gpt2_lm_tp2_train.pcs under torchrun, saved sharded by DCP;
+    ``parcomp export`` writes a directory GPT2LMHeadModel.from_pretrained loads with nothing
+    missing or unexpected, the tied embedding written once and equal to the checkpoint's full
+    tensor, and its logits those of the model holding the checkpoint's tensors (the
+    equivalence of TP=2 and unsharded training: tests/cli/test_export.py, in float64)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from transformers import GPT2LMHeadModel
+
+    from parcomp.cli.main import main
+
+    model, spec = "specs/models.py:gpt2_lm", "specs/gpt2_lm_tp2_train.pcs"
+    c, module, example = commands._compile(SimpleNamespace(model=model, spec=spec), numeric="check")
+    feeds = commands._train_feeds(c, module, example, 0)
+    ckpt, work = tmp_path / "ckpt", tmp_path / "a"
+    ckpt.mkdir()
+    write_program(c, work)
+    inputs = {k: torch.from_numpy(np.asarray(feeds[k])) for k in ("input_ids", "labels")}
+    weights = commands._checkpoint(str(work), c.unsharded, feeds, module)  # folded constants too
+    res = run_torchrun(work, 2, weights, inputs, work / "out.pt",
+                       ("--device", "cpu", "--steps", "2", "--save", str(ckpt)), timeout=300)
+    assert res.returncode == 0, res.stderr[-4000:]
+    out = tmp_path / "hf"
+    assert main(["export", model, "--spec", spec, str(ckpt), "-o", str(out)]) == 0
+    assert "wrote model.safetensors, config.json" in capsys.readouterr().out
+    got, info = GPT2LMHeadModel.from_pretrained(str(out), output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert got.lm_head.weight is got.transformer.wte.weight
+    dcp_to_torch_save(str(ckpt / "step-2"), str(tmp_path / "full.pt"))
+    full = torch.load(tmp_path / "full.pt")
+    assert int(full["step"]) == 2
+    want = copy.deepcopy(module)
+    want.load_state_dict({k: full[k].reshape(v.shape) for k, v in want.state_dict().items() if k in full},
+                         strict=False)  # the fused c_attn's per-part view back in its stored shape
+    for k, v in want.state_dict().items():  # lm_head.weight is transformer.wte.weight in both
+        np.testing.assert_array_equal(got.state_dict()[k].numpy(), v.numpy())
+    assert not np.array_equal(want.lm_head.weight.detach().numpy(), module.lm_head.weight.detach().numpy())
+    ids = torch.from_numpy(np.asarray(feeds["input_ids"]))
+    with torch.no_grad():
+        np.testing.assert_array_equal(got.eval()(ids).logits.numpy(), want(ids).logits.numpy())

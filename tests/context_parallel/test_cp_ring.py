@@ -1,0 +1,324 @@
+"""Ring attention (issue 14, `context-parallel lowering=ring`): K/V blocks around the cp ring with an
+online-softmax merge, the causal mask from global positions (fully masked blocks skipped), a
+backward that uses each step's own K/V block and returns dK/dV to their owners; equal to
+unsharded forward and backward on the interpreter and under torchrun (2 gloo ranks)."""
+import json
+import pathlib
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from parcomp.cli.main import main
+from parcomp.compile.compiler import compile_graph
+from parcomp.errors import SpecError
+from parcomp.ir import parse_graph
+from parcomp.reference import cp_ring
+from parcomp.reference.interpreter import run_spmd
+from parcomp.reference.numpy_ops import run_unsharded
+
+from graphs import random_feeds, spec
+from numerics import assert_all_equivalent, assert_equivalent
+from test_context_parallel import EXACT, _attn
+
+ROOT = pathlib.Path(__file__).resolve().parents[1].parent
+MODEL = f"{ROOT / 'specs' / 'models.py'}:causal_attention"
+CANONICAL = ROOT / "specs" / "attention_cp2_ring_train.pcs"
+BALANCED = ROOT / "specs" / "attention_cp2_ring_balanced_train.pcs"
+TRAIN = "train loss=mse optimizer=sgd(lr=0.1)\n"
+
+
+def _ring_spec(cp=2, dp=False, train=TRAIN, lowering="ring", chunking="contiguous"):
+    mesh, io = ((f"dp=2 cp={cp}", "input x [S(0), S(2)]\noutput output [S(0), S(2)]\n") if dp else
+                (f"cp={cp}", "input x split-seq\noutput output split-seq\n"))
+    return spec(f"mesh {mesh}\ncontext-parallel lowering={lowering} chunking={chunking}\n{io}{train}")
+
+
+def test_statement_takes_the_ring_lowering_and_marks_the_axis():
+    assert spec("mesh dp=2 cp=2\ncontext-parallel lowering=ring\n").context_parallel.lowering == "ring"
+    c = compile_graph(parse_graph(_attn(8)), _ring_spec(2))
+    rings = [n for n in c.program.nodes if cp_ring.is_ring(n)]
+    assert [n.op for n in rings] == ["sdpa", "sdpa_grad", "sdpa_grad", "sdpa_grad"]
+    assert {n.attr("cp_axis") for n in rings} == {"cp"}
+    # no collective of the search moves q, k or v: every attention operand stays S(seq)
+    assert all(str(c.program[i].layout[0]) == "S(2)" for n in rings for i in n.inputs)
+
+
+def test_chunking_option_and_its_located_errors():
+    assert spec("mesh cp=2\ncontext-parallel\n").context_parallel.chunking == "contiguous"
+    assert spec("mesh cp=2\ncontext-parallel lowering=ring chunking=balanced\n").context_parallel.chunking == "balanced"
+    with pytest.raises(SpecError, match="'zigzag' is not a chunking") as e:
+        spec("mesh cp=2\ncontext-parallel chunking=zigzag\n")
+    assert (e.value.loc.line, e.value.loc.col) == (2, 18)
+    bal = "context-parallel lowering=ring chunking=balanced\ninput * split-seq\n"
+    with pytest.raises(SpecError, match="a sequence of 6 does not cut into 4 equal chunks") as e:
+        compile_graph(parse_graph(_attn(6)), spec("mesh cp=2\n" + bal))
+    assert e.value.loc.line == 2
+    # an input as long as the sequence but not split would be fed in natural order
+    with pytest.raises(SpecError, match="input x .* not split over cp") as e:
+        compile_graph(parse_graph(_attn(8)), spec("mesh cp=2\ncontext-parallel chunking=balanced\n"))
+    assert e.value.loc.line == 2
+
+
+# ---- exact small case: a rank's queries need another rank's keys ----------------------------
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_rows_see_other_ranks_keys_exactly(cp):
+    """q = 0: each query averages the values of the keys it sees (exact in float32). With cp=2,
+    rows 2, 3 (rank 1) average v[0..2] and v[0..3], v[0], v[1] arriving from rank 0 on the ring:
+    2.0 and 2.5 (only its own block would give 3.0 and 3.5). With cp=4 every rank holds one row
+    and rank 0 skips the three blocks after it."""
+    c = compile_graph(parse_graph(EXACT), spec(f"mesh cp={cp}\ncontext-parallel lowering=ring\n"
+                                               "input * split-seq\noutput output split-seq\n"))
+    feeds = {"q": np.zeros((1, 1, 4, 1), np.float32), "k": np.zeros((1, 1, 4, 1), np.float32),
+             "v": np.arange(1, 5, dtype=np.float32).reshape(1, 1, 4, 1)}
+    run = run_spmd(c.program, feeds)
+    want = np.array([1.0, 1.5, 2.0, 2.5], np.float32)
+    np.testing.assert_array_equal(run.outputs(c.program)["output"].reshape(-1), want)
+    per = 4 // cp
+    np.testing.assert_array_equal(run.env[cp - 1][c.program.outputs[0]].reshape(-1), want[-per:])
+    recs = c.report["collectives"]
+    assert [(r["kind"], r["axis"]) for r in recs] == [("send_recv", "cp")]  # K/V around the ring only
+    assert recs[0]["bytes"] == (cp - 1) * 2 * 4 * per  # cp - 1 shifts of one K and one V block
+
+
+@pytest.mark.parametrize("lowering", ["ring", "all_gather"])
+def test_balanced_rank_zero_rows_need_rank_one_keys_exactly(lowering):
+    """Balanced chunks of 1 row on cp=2: rank 0 holds positions 0 and 3, rank 1 positions 1 and 2.
+    q = 0, so position 3's output is the mean of v[0..3] = 2.5, two of those keys (1, 2) being
+    rank 1's; the assembled output is back in natural order."""
+    c = compile_graph(parse_graph(EXACT), spec(f"mesh cp=2\ncontext-parallel lowering={lowering} "
+                                               "chunking=balanced\ninput * split-seq\noutput output split-seq\n"))
+    feeds = {"q": np.zeros((1, 1, 4, 1), np.float32), "k": np.zeros((1, 1, 4, 1), np.float32),
+             "v": np.arange(1, 5, dtype=np.float32).reshape(1, 1, 4, 1)}
+    run = run_spmd(c.program, feeds)
+    np.testing.assert_array_equal(run.outputs(c.program)["output"].reshape(-1), [1.0, 1.5, 2.0, 2.5])
+    np.testing.assert_array_equal(run.env[0][c.program.outputs[0]].reshape(-1), [1.0, 2.5])
+    np.testing.assert_array_equal(run.env[1][c.program.outputs[0]].reshape(-1), [1.5, 2.0])
+
+
+def test_program_outputs_of_balanced_chunks_assemble_in_natural_order(tmp_path):
+    """What each rank of program.py writes (its storage-order slice) is put back in natural order
+    by ``parcomp run``'s assembly, as by the interpreter's."""
+    import torch
+    from parcomp.ir.types import layout_str
+    from parcomp_backends.torch.launch import assemble_outputs, rank_path
+
+    c = compile_graph(parse_graph(EXACT), spec("mesh cp=2\ncontext-parallel lowering=ring chunking=balanced\n"
+                                               "input * split-seq\noutput output split-seq\n"))
+    feeds = {"q": np.zeros((1, 1, 4, 1), np.float32), "k": np.zeros((1, 1, 4, 1), np.float32),
+             "v": np.arange(1, 5, dtype=np.float32).reshape(1, 1, 4, 1)}
+    run, value = run_spmd(c.program, feeds), c.program.outputs[0]
+    path = tmp_path / "out.pt"
+    for r in range(2):
+        torch.save({"rank": r, "layouts": {"output": layout_str(c.program[value].layout)},
+                    "global_shapes": {"output": [1, 1, 4, 1]},
+                    "outputs": {"output": torch.from_numpy(run.env[r][value])}}, rank_path(path, r))
+    np.testing.assert_array_equal(assemble_outputs(path, c.program)["output"].reshape(-1), [1.0, 1.5, 2.0, 2.5])
+
+
+def test_contiguous_causal_skips_later_blocks_and_balanced_evens_the_work():
+    """Work per rank (query-key pairs computed) for seq 16 on cp=4: contiguous chunks give rank c
+    c + 1 blocks (the others are fully masked and skipped); balanced chunks (c and 7 - c) give every
+    rank the same number of visible pairs."""
+    n, rows = 4, 4
+
+    def visible(chunking, c):
+        pos = [cp_ring.positions(chunking, n, j, rows) for j in range(n)]
+        return [int((pos[j][None, :] <= pos[c][:, None]).sum()) for j in range(n)]
+
+    assert [sum(1 for v in visible("contiguous", c) if v) for c in range(n)] == [1, 2, 3, 4]
+    assert len({sum(visible("balanced", c)) for c in range(n)}) == 1
+    assert [list(cp_ring.positions("balanced", 2, c, 4)) for c in range(2)] == [[0, 1, 6, 7], [2, 3, 4, 5]]
+
+
+# ---- the kernel: every chunking and sequence length, forward and the three gradients -----------
+
+def _full_graph(op, shape, causal):
+    t = f"{shape[0]},{shape[1]},{shape[2]},{shape[3]}"
+    head = "".join(f"%{w}: f32[{t}] = input()\n" for w in ("dy", "q", "k", "v"))
+    attrs = f"causal={'true' if causal else 'false'}, scale=0.5"
+    if op == "sdpa":
+        return parse_graph(head + f"%o: f32[{t}] = sdpa(%q, %k, %v) {{{attrs}}}\nreturn %o as o\n")
+    body = "".join(f"%d{w}: f32[{t}] = sdpa_grad(%dy, %q, %k, %v) {{wrt=\"{w}\", {attrs}}}\n" for w in "qkv")
+    return parse_graph(head + body + "return %dq as dq, %dk as dk, %dv as dv\n")
+
+
+@settings(max_examples=20, deadline=None)
+@given(cp=st.sampled_from([2, 4]), half=st.integers(1, 3), chunking=st.sampled_from(["contiguous", "balanced"]),
+       causal=st.booleans(), seed=st.integers(0, 10_000))
+def test_ring_kernel_equals_unsharded_attention(cp, half, chunking, causal, seed):
+    """The ring (all ranks simulated) against numpy attention on the whole sequence, taken in the
+    ranks' storage order (balanced: chunks c and 2cp-1-c): output and dq, dk, dv."""
+    rows = 2 * half
+    shape = (1, 2, cp * rows, 3)
+    rng = np.random.default_rng(seed)
+    feeds = {w: rng.standard_normal(shape).astype(np.float32) for w in ("dy", "q", "k", "v")}
+    order = np.concatenate([cp_ring.positions(chunking, cp, c, rows) for c in range(cp)])
+    blocks = {w: np.split(x[:, :, order], cp, axis=2) for w, x in feeds.items()}
+    for op in ("sdpa", "sdpa_grad"):
+        g = _full_graph(op, shape, causal)
+        want = run_unsharded(g, feeds)
+        for name, node in ((o, g[v]) for o, v in g.named_outputs()):
+            node = node.with_attrs(cp="ring")
+            got = cp_ring.ring_group_values(node, blocks["q"], blocks["k"], blocks["v"],
+                                            blocks["dy"] if op == "sdpa_grad" else None, chunking)
+            back = np.empty(shape, np.float32)
+            back[:, :, order] = np.concatenate(got, axis=2)
+            assert_equivalent(back, want[name], what=f"{name} ({chunking}, cp={cp})")
+
+
+# ---- compiled programs equal to unsharded, forward and backward ------------------------------
+
+@settings(max_examples=12, deadline=None)
+@given(cp=st.sampled_from([2, 4]), blocks=st.integers(1, 3), batch=st.integers(1, 2),
+       dp=st.booleans(), chunking=st.sampled_from(["contiguous", "balanced"]), seed=st.integers(0, 10_000))
+def test_ring_training_equals_unsharded(cp, blocks, batch, dp, chunking, seed):
+    """Sequence cp x blocks (balanced: 2 cp x blocks, two chunks per rank), with and without dp
+    splitting the batch: loss, every gradient (x.grad back in natural order) and every updated
+    weight; the only cp traffic of attention is the ring's send_recv."""
+    seq = cp * blocks * (2 if chunking == "balanced" else 1)
+    c = compile_graph(parse_graph(_attn(seq, 2 if dp else batch)), _ring_spec(cp, dp, chunking=chunking))
+    kinds = {(r["kind"], r["phase"]) for r in c.report["collectives"] if r["axis"] == "cp"}
+    assert {("send_recv", "forward"), ("send_recv", "backward")} <= kinds
+    assert ("reduce_scatter", "backward") not in kinds
+    feeds = random_feeds(c.logical, seed)
+    run = run_spmd(c.program, feeds)
+    assert_all_equivalent(run.outputs(c.program), run_unsharded(c.logical, feeds))
+    # the shifts the simulation did are the ones the report lists (forward cp-1; per gradient
+    # 2 (cp-1) of K/V, and cp of dK or dV home)
+    ran = {r["name"]: sum(r["shifts"].values()) for r in run.p2p}
+    assert ran == {n.name: sum(k for _, k, _ in cp_ring.ring_steps(n, cp))
+                   for n in c.program.nodes if cp_ring.is_ring(n)}
+    assert sorted(ran.values()) == sorted([cp - 1, 2 * (cp - 1), 3 * cp - 2, 3 * cp - 2])
+
+
+@settings(max_examples=8, deadline=None)
+@given(cp=st.sampled_from([2, 4]), blocks=st.integers(1, 2), dp=st.booleans(), seed=st.integers(0, 10_000))
+def test_all_gather_with_balanced_chunking_trains_like_unsharded(cp, blocks, dp, seed):
+    """The all_gather lowering on balanced chunks: K/V gathered in storage order, each rank's mask
+    by the global positions of its rows and of every gathered key."""
+    c = compile_graph(parse_graph(_attn(2 * cp * blocks, 2)), _ring_spec(cp, dp, lowering="all_gather",
+                                                                       chunking="balanced"))
+    assert ("all_gather", "forward") in {(r["kind"], r["phase"]) for r in c.report["collectives"]}
+    feeds = random_feeds(c.logical, seed)
+    run = run_spmd(c.program, feeds)
+    assert_all_equivalent(run.outputs(c.program), run_unsharded(c.logical, feeds))
+
+
+POSITIONS = """\
+%x: f32[1,1,8,4] = input()
+%wq: f32[4,4] = param()
+%q: f32[1,1,8,4] = matmul(%x, %wq)
+%pos: f32[8] = arange()
+%c: f32[8] = cos(%pos)
+%cr: f32[1,1,8] = reshape(%c)
+%ce: f32[1,1,8,4] = expand(%cr) {dims=(3,)}
+%qr: f32[1,1,8,4] = mul(%q, %ce)
+%o: f32[1,1,8,4] = sdpa(%qr, %x, %x) {causal=true, scale=0.5}
+return %o as output
+"""
+
+
+@pytest.mark.parametrize("lowering", ["ring", "all_gather"])
+def test_balanced_positions_from_arange_are_global(tmp_path, lowering):
+    """A position table computed in the program (``arange`` -> cos, as RoPE computes its angles):
+    under balanced chunking the arange yields storage-order positions, so each rank's rows get
+    the angles of their global positions (natural-order positions fail this)."""
+    s = _ring_spec(2, lowering=lowering, chunking="balanced")
+    c = compile_graph(parse_graph(POSITIONS), s)
+    assert [dict(n.attrs).get("balanced") for n in c.program.nodes if n.op == "arange"] == [2]
+    feeds = random_feeds(c.logical, 1)
+    run = run_spmd(c.program, feeds)
+    assert_all_equivalent(run.outputs(c.program), run_unsharded(c.logical, feeds))
+    from parcomp_backends.torch.emit import emit_program
+
+    assert "balance_rows(torch.arange((8,)[0]" in emit_program(c, "cpu")
+
+
+def _check(tmp_path, capsys, spec_text):
+    path = tmp_path / "s.pcs"
+    path.write_text(spec_text)
+    rc = main(["check", MODEL, "--spec", str(path), "--json"])
+    return rc, json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("cp,lowering,chunking", [(2, "ring", "contiguous"), (4, "ring", "contiguous"),
+                                                  (2, "ring", "balanced"), (4, "ring", "balanced"),
+                                                  (2, "all_gather", "balanced"), (4, "all_gather", "balanced")])
+def test_llama_attention_cp_equals_unsharded_forward_and_backward(tmp_path, capsys, cp, lowering, chunking):
+    """transformers' LlamaAttention (RoPE tables from global positions, GQA): the ring over cp, and
+    balanced chunking (the folded RoPE tables fed in storage order) with either lowering."""
+    fwd = (f"mesh cp={cp}\ncontext-parallel lowering={lowering} chunking={chunking}\n"
+           "input x split-seq\noutput output split-seq\n")
+    rc, out = _check(tmp_path, capsys, fwd)
+    assert rc == 0 and out["ok"] and out["err_over_tol"] <= 1, out
+    if lowering == "ring":
+        assert [c["kind"] for c in out["collectives"]] == ["send_recv"]  # no all_gather of K/V
+    rc, out = _check(tmp_path, capsys, fwd + TRAIN)
+    assert rc == 0 and out["ok"] and out["err_over_tol"] <= 1 and out["max_grad_err"] is not None, out
+
+
+def test_canonical_ring_spec_lists_every_ring_pass_with_its_reason(tmp_path, capsys):
+    """specs/attention_cp2_ring_train.pcs: forward one pass (cp-1 shifts of K and V); each of the
+    three sdpa_grads a statistics pass and a gradient pass, dK/dV one more pass home."""
+    rc = main(["check", MODEL, "--spec", str(CANONICAL), "--json"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and out["ok"] and out["err_over_tol"] <= 1, out
+    ring = [c for c in out["collectives"] if c["kind"] == "send_recv"]
+    assert [c["phase"] for c in ring] == ["forward"] + ["backward"] * 8
+    kv = 2 * 4 * 8 * 8 * 4  # one block of K (or V): batch 2, 4 heads, 8 rows, dim 8, f32
+    assert [c["bytes"] for c in ring] == [2 * kv] + [2 * kv, 2 * kv] + [2 * kv, 2 * kv, 2 * kv] * 2
+    assert all(c["reason"].startswith("ring attention") for c in ring)
+    assert "(sdpa)" in ring[0]["reason"] and all("(sdpa_grad " in c["reason"] for c in ring[1:])
+    assert sum("softmax statistics" in c["reason"] for c in ring) == 3  # each sdpa_grad recomputes them
+    assert sum("returns to the block's owner" in c["reason"] for c in ring) == 2  # dK and dV
+
+
+def test_program_calls_the_ring_and_comments_each_pass(tmp_path):
+    out = tmp_path / "out"
+    assert main(["compile", MODEL, "--spec", str(CANONICAL), "-o", str(out)]) == 0
+    text = (out / "program.py").read_text()
+    assert text.count("= ring_sdpa(") == 1 and text.count("= ring_sdpa_grad(") == 3
+    assert "scaled_dot_product_attention(" not in text.split("def train_step")[1]
+    assert "def ring_shift(" in text and "batch_isend_irecv" in text
+    assert 'COMM_AXES = ("cp",)' in text
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if "= ring_sdpa" in line:  # the comment above names each pass: axis, bytes, why
+            above = "\n".join(lines[i - 12:i])
+            assert "send_recv over cp" in above and "bytes/rank" in above, above
+
+
+def test_balanced_program_loads_in_storage_order_and_masks_by_position(tmp_path):
+    out = tmp_path / "out"
+    assert main(["compile", MODEL, "--spec", str(BALANCED), "-o", str(out)]) == 0
+    text = (out / "program.py").read_text()
+    assert 'balance_rows(take(feeds, "x", (2, 16, 32), torch.float32), (1,), 2).narrow(1, COORD[0] * 8, 8)' in text
+    assert 'balance_rows(whole(take_constant(ckpt, "rope.cos", (1, 1, 16, 8), torch.float32)), (2,), 2)' in text
+    assert text.count('"cp", "balanced"') == 4  # ring_sdpa and its three gradients
+    ag = tmp_path / "ag.pcs"
+    ag.write_text(BALANCED.read_text().replace("lowering=ring", "lowering=all_gather"))
+    assert main(["compile", MODEL, "--spec", str(ag), "-o", str(tmp_path / "ag")]) == 0
+    assert (tmp_path / "ag" / "program.py").read_text().count("attn_mask=balanced_keep(8, 16, COORD[0] * 8, 2)") == 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", [CANONICAL, BALANCED], ids=["contiguous", "balanced"])
+def test_ring_specs_run_on_two_gloo_ranks_like_unsharded(capsys, path):
+    rc = main(["run", MODEL, "--spec", str(path), "--nproc", "2", "--json"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and out["ok"] and out["err_over_tol"] <= 1, out
+
+
+@pytest.mark.parametrize("lowering", ["ring", "all_gather"])
+def test_balanced_chunking_with_a_replicated_output_is_a_located_error(lowering):
+    """Balanced chunks hold the sequence in storage order: an output gathered to replicated would
+    be assembled out of order (wrong numbers, found by a new-user trial), so it is refused."""
+    from parcomp.frontends.loader import load_model
+    graph = load_model(str(pathlib.Path(__file__).parents[1].parent / "specs" / "models.py") + ":causal_attention")[0]
+    text = (f"mesh cp=2\ncontext-parallel lowering={lowering} chunking=balanced\n"
+            "input x split-seq\noutput output replicated\n")
+    with pytest.raises(SpecError, match="output output .* not split over cp") as e:
+        compile_graph(graph, spec(text))
+    assert ":2:" in str(e.value)
