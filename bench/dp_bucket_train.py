@@ -1,4 +1,4 @@
-"""DP=2 training step on 2 gloo ranks: bucketed vs per-parameter dp gradient reduction (issue 16).
+"""DP=2 training step on 2 gloo ranks: bucketed vs per-parameter dp gradient reduction.
 
 Model: ``nn.Sequential`` of L Linear(h, h) layers with ReLU between (2L parameters), x and a
 fixed target of shape (B, h), fp32, MSE loss (mean), SGD lr=0.01. The spec is data parallel
@@ -12,7 +12,7 @@ Variants, all timed in ONE ``torch.multiprocessing`` spawn of 2 gloo ranks, inte
                      one flat all_reduce per bucket, started as soon as its last gradient
                      exists, waited for before the optimizer
   parcomp-per-param  program.py for the spec plus ``bucket_cap_mb=0``: one all_reduce per
-                     parameter (what parcomp emitted before issue 16)
+                     parameter (what parcomp emitted before gradient buckets)
   ddp                hand-written torch: ``DistributedDataParallel`` (gloo, bucket_cap_mb=25),
                      ``F.mse_loss`` on the local half of the batch, ``torch.optim.SGD``
 

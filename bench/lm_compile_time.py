@@ -1,4 +1,4 @@
-"""Compile time of a whole GPT-2 LM (issue 17): IR -> Program -> program.py, by depth.
+"""Compile time of a whole GPT-2 LM: IR -> Program -> program.py, by depth.
 
 Model: transformers' ``GPT2LMHeadModel`` with ``specs/models.py:gpt2_lm``'s small config
 (n_embd 32, 4 heads, vocab 101, seq 8, tied head, sdpa, eval) and ``n_layer`` in {1, 12, 48}.

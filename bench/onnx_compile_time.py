@@ -1,4 +1,4 @@
-"""Compile time of one model from ONNX beside the same model from torch.export (issue 9).
+"""Compile time of one model from ONNX beside the same model from torch.export.
 
 Model: ``specs/models.py:mlp_chain(blocks=N)`` (default N = 48: 48 x Linear(32,128), GELU,
 Linear(128,32); 192 parameters). Spec: ``mesh tp=2``, every block Megatron (first Linear

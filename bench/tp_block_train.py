@@ -1,4 +1,4 @@
-"""GPT-2-style block, forward + backward step, TP=2 and TP+SP on 2 gloo ranks (issue 17):
+"""GPT-2-style block, forward + backward step, TP=2 and TP+SP on 2 gloo ranks:
 parcomp's emitted ``train_step`` vs DTensor and hand-written Megatron (torch.distributed).
 
 Block (the anchor's, ``shared/anchors/bench/tp_sp_block.py``): ``x = x + o(attn(ln1(x)))``;

@@ -489,7 +489,7 @@ def micro(h: int, program_path: str, reps: int) -> dict:
     grads_t = [grads[0].t().contiguous().t(), grads[1], grads[2].t().contiguous().t(), grads[3]]
     ws = [w1.clone(), b1.clone(), w2.clone(), b2.clone()]
 
-    def emitted_loss():  # the loss + loss-gradient chain emitted before issue 8's lowering
+    def emitted_loss():  # the loss + loss-gradient chain emitted before the lowering passes
         sub = y - target
         loss = torch.sum(torch.pow(sub, 2.0), dim=(0, 1, 2)) * (1.0 / n)
         one = torch.ones((), dtype=torch.float32) * (1.0 / n)

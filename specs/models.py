@@ -113,7 +113,7 @@ def llama_lm():
     return module, (torch.randint(0, 128, (2, 8)),), ["input_ids"]
 
 
-# ---- a model computing its own loss (loss part, issue 17) ----
+# ---- a model computing its own loss (loss part) ----
 def with_labels(module):
     """``module`` (a transformers ``*ForCausalLM``) with ``forward(input_ids, labels)``: its own
     forward called with ``labels=``, so it returns ``loss`` (``ForCausalLMLoss``: labels padded
@@ -150,7 +150,7 @@ def llama_lm_loss():
     return with_labels(module), (ids, _labels(ids, 128)), ["input_ids", "labels"]
 
 
-# ---- expert parallel MoE (issue 14) ----
+# ---- expert parallel MoE ----
 class MixtralMoE(nn.Module):
     """transformers' ``MixtralSparseMoeBlock`` written with parcomp's MoE custom ops, so that
     ``torch.export`` keeps static shapes (parcomp/frontends/torch/moe.py says why).
@@ -295,7 +295,7 @@ class _CausalAttention(nn.Module):
 
 
 def causal_attention(seq: int = 16):
-    """Causal self-attention for context parallel (issue 14): transformers' ``LlamaAttention``
+    """Causal self-attention for context parallel: transformers' ``LlamaAttention``
     (hidden 32, 4 query heads and 2 kv heads of dim 8, RoPE from global positions 0..seq-1,
     sdpa with ``is_causal``), eval mode, no cache.
 

@@ -10,7 +10,7 @@ from torch import nn
 
 MODELS = str(Path(__file__).resolve())
 
-#: the spec of issue 7's buffer case: fc1 column-, fc2 row-parallel, 3 SGD steps
+#: the spec of the buffer case: fc1 column-, fc2 row-parallel, 3 SGD steps
 BUFFER_SPEC = ("mesh tp=2\nfc1.weight colwise\nfc2.weight rowwise\ninput x replicated\n"
                "train loss=mse optimizer=sgd(lr=0.5) steps=3\n")
 
@@ -55,7 +55,7 @@ def two_outputs():
     return TwoOutputs().eval(), (torch.randn(4, 8),), ["x"]
 
 
-# training options (issue 13)
+# training options
 def rowwise_linear():
     """``nn.Sequential(Linear(8, 4))``: with ``0.weight rowwise`` on tp=2 the weight is split
     and the bias replicated (added once after the sum): clipping's exact case."""
@@ -71,7 +71,7 @@ def classifier():
 
 def mlp_batch8():
     """``Linear(8,16) -> ReLU -> Linear(16,8)`` on a batch of 8: splits over 4 ranks (2-D
-    data parallel, ``input x [S(0), S(0)]`` on ``mesh dp=2 tp=2``; issue 11)."""
+    data parallel, ``input x [S(0), S(0)]`` on ``mesh dp=2 tp=2``)."""
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)).eval(), (torch.randn(8, 8),), ["x"]
 
@@ -79,7 +79,7 @@ def mlp_batch8():
 def wide_batch_mlp():
     """``nn.Sequential(Linear(8, 16), GELU, Linear(16, 8))`` on 262144 tokens: on dp=2 x tp=2
     all-reducing each weight gradient over dp is cheaper than gathering activations (mixed
-    precision's gradient reductions, issue 13)."""
+    precision's gradient reductions)."""
     torch.manual_seed(0)
     return (nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)).eval(), (torch.randn(262144, 8),),
             ["x"])

@@ -321,7 +321,7 @@ def assemble_outputs(output_path, program) -> dict:
         gshape = tuple(per_rank[0]["global_shapes"][pub])
         result[pub] = assemble([_numpy(d["outputs"][pub]) for d in per_rank], node.layout, gshape,
                                mesh, dtype)
-    return cp_outputs(program, result)  # balanced chunking (issue 14): natural order
+    return cp_outputs(program, result)  # balanced chunking: natural order
 
 
 def read_losses(output_path) -> list:

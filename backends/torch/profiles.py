@@ -37,7 +37,7 @@ class DeviceProfile:
         dtype_check: expression that must be true once the device is bound (it may read
             ``COLLECTIVE_DTYPES``, the dtypes the program's collectives carry), or None.
         dtype_message: what ``program.py`` prints (then exits 2) when ``dtype_check`` is false.
-        policy: statements run once the device is bound (cuda: TF32 off, issue 16).
+        policy: statements run once the device is bound (cuda: TF32 off).
     """
 
     name: str
@@ -55,7 +55,7 @@ class DeviceProfile:
 
 
 # fp32 matmuls and convolutions in fp32, whatever torch's defaults: parcomp run's float32
-# tolerance (parcomp/check/differential.py) assumes fp32 rounding; TF32 keeps 10 mantissa bits (issue 16)
+# tolerance (parcomp/check/differential.py) assumes fp32 rounding; TF32 keeps 10 mantissa bits
 _TF32_OFF = ("torch.backends.cuda.matmul.allow_tf32 = False  # TF32 off: fp32 GEMMs as checked",
              "torch.backends.cudnn.allow_tf32 = False")
 _GLOO_ENV = ("export GLOO_SOCKET_IFNAME=eth0  # the interface that reaches the other nodes",)

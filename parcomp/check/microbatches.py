@@ -1,4 +1,4 @@
-"""Data of an ``accumulate=K`` training step (issue 13): stacking K microbatches into the step's
+"""Data of an ``accumulate=K`` training step: stacking K microbatches into the step's
 inputs and taking them apart again, as :mod:`parcomp.passes.train.accumulate` slices them.
 
 Microbatch k of a stacked array X ([K*B, ...], dim 0 split D ways by its layout) is

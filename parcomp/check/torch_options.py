@@ -1,4 +1,4 @@
-"""The torch side of the training options (issue 13), for :func:`parcomp.check.training.torch_train`:
+"""The torch side of the training options, for :func:`parcomp.check.training.torch_train`:
 torch.nn.utils.clip_grad_norm_ and torch.optim.lr_scheduler themselves, never parcomp's formulas."""
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ from .training import data_for, initial_state, torch_train, train_steps
 def train_feeds(compiled, module, example, seed, feeds_for) -> dict:
     """The model inputs (``feeds_for``) plus the seeded loss data (``target`` / ``labels``)."""
     feeds = feeds_for(compiled.unsharded, module, example, seed)
-    feeds.update(stacked_feeds(compiled, feeds, seed))  # issue 13: accumulate=K microbatches
+    feeds.update(stacked_feeds(compiled, feeds, seed))  # accumulate=K microbatches
     feeds.update(data_for(compiled.logical, seed))
     return feeds
 
@@ -60,7 +60,7 @@ def torch_reference(compiled, module, example, feeds, steps, start=None, first=1
     graph = compiled.unsharded
     names = [n.name for n in graph.inputs]
     output = graph.output_names.index(cfg.output) if cfg.output else 0
-    if start is not None:  # torch holds a fused weight (issue 17) whole, as stored
+    if start is not None:  # torch holds a fused weight whole, as stored
         start = to_stored_shapes(narrow_feeds(start, compiled.logical), compiled.logical)
     ref = torch_train(module, example, names, feeds, cfg, steps, output, start, first,
                       microbatches(compiled, feeds), whole_batch=accumulates_token_mean(graph, cfg))
@@ -69,7 +69,7 @@ def torch_reference(compiled, module, example, feeds, steps, start=None, first=1
             **ref["state"],
             **(ref["input_grads"] if cfg.input_grads else {}),
             **{f"{k}.grad": v for k, v in ref["grads"].items()}}
-    # fused weights per part, padded vocab tables padded (issue 17): as the logical graph holds them
+    # fused weights per part, padded vocab tables padded: as the logical graph holds them
     return ref["losses"], to_view_shapes(want, compiled.logical)
 
 

@@ -25,7 +25,7 @@ def initial_state(graph, feeds: dict) -> dict:
 
 def _loss_input(graph, name) -> bool:
     """Whether ``name`` is an input the training loss added (phase ``loss``), not a model's own
-    input of that name (a model computing its own loss takes ``labels``: loss part, issue 17)."""
+    input of that name (a model computing its own loss takes ``labels``: loss part)."""
     return name in graph and graph[name].phase == "loss"
 
 
@@ -39,7 +39,7 @@ def data_for(graph, seed=0) -> dict:
     if _loss_input(graph, "labels"):
         # the classes of the logits the labels index (cross_entropy or its decomposition's
         # pick); a padded vocab (mask_pad) draws only real classes
-        labels = {"labels"}  # and its microbatches (accumulate=K, issue 13: reshape/slice of it)
+        labels = {"labels"}  # and its microbatches (accumulate=K: reshape/slice of it)
         labels.update(n.name for n in graph.nodes if n.op in ("reshape", "slice") and n.inputs[0] in labels)
         classes = next(graph[n.inputs[0]].type.shape[-1] for n in graph.nodes
                        if n.op in ("cross_entropy", "pick") and n.inputs[1] in labels)
@@ -127,8 +127,8 @@ def torch_train(module, example, input_names, data: dict, cfg, steps: int, outpu
                                 eps=h["eps"], weight_decay=h["weight_decay"])
     if start is not None:
         _load_start(m, opt, named, start, first, cfg.optimizer)
-    sched = make_scheduler(opt, cfg, first)  # training options (issue 13)
-    scaler = make_scaler(cfg, start, opt, named)  # fp16: torch.amp.GradScaler (issue 13)
+    sched = make_scheduler(opt, cfg, first)  # training options
+    scaler = make_scaler(cfg, start, opt, named)  # fp16: torch.amp.GradScaler
     names = _aliases(m)  # a tied weight (lm_head.weight is wte.weight) under export's name for it
     xs = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in example]
     losses, grads = [], {}
@@ -136,10 +136,10 @@ def torch_train(module, example, input_names, data: dict, cfg, steps: int, outpu
         opt.zero_grad(set_to_none=True)
         for x in xs:
             x.grad = None
-        if micro is not None:  # issue 13: accumulate=K, one backward() per microbatch
+        if micro is not None:  # accumulate=K, one backward() per microbatch
             loss = torch.tensor(accumulate_backward(m, micro, input_names, cfg, output, scaler, whole_batch))
         else:
-            with autocast(cfg):  # issue 13: precision=bf16|fp16 is torch.autocast's, the loss in float32
+            with autocast(cfg):  # precision=bf16|fp16 is torch.autocast's, the loss in float32
                 y = m(*xs)
             y = [o for o in torch.utils._pytree.tree_leaves(y) if o is not None][output].float()  # export's order
             if cfg.loss == "mse":
@@ -155,7 +155,7 @@ def torch_train(module, example, input_names, data: dict, cfg, steps: int, outpu
             for x in xs:
                 if x.grad is not None:
                     x.grad /= scaler.get_scale()
-        clip([p for _, p in named], cfg)  # issue 13: p.grad is the clipped gradient, as torch has it
+        clip([p for _, p in named], cfg)  # p.grad is the clipped gradient, as torch has it
         losses.append(float(loss.detach()))
         grads = {names[id(p)]: p.grad.detach().numpy().copy() for _, p in named if p.grad is not None}
         opt.step() if scaler is None else scaler_step(scaler, opt)
@@ -180,7 +180,7 @@ _OPTIMIZER_STATE = {"sgd": ("momentum_buffer",), "adamw": ("exp_avg", "exp_avg_s
 def _aliases(m) -> dict:
     """``{id(parameter): the name torch.export gives it}``: a tied weight has several names
     (GPT-2's ``transformer.wte.weight`` is ``lm_head.weight``); named_parameters() keeps the
-    first, torch.export (and so the compiled graph) the last (norms part, issue 17)."""
+    first, torch.export (and so the compiled graph) the last (norms part)."""
     return {id(p): k for k, p in m.named_parameters(remove_duplicate=False)}
 
 

@@ -14,7 +14,7 @@ from ..errors import ParcompError, VerifyError
 from ..frontends.loader import load_model, pointing_into
 from ..frontends.model_file import ModelFile
 from ..ir.text import print_graph
-from ..passes.moe_capacity import capacity_notes, spec_changes_capacity  # the spec's MoE capacity (issue 14)
+from ..passes.moe_capacity import capacity_notes, spec_changes_capacity  # the spec's MoE capacity
 from ..reference.numpy_ops import run_unsharded
 from ..report.report import format_collectives
 from ..spec import load_spec
@@ -222,7 +222,7 @@ DROPOUT_NOTE = ("note: the model has dropout in training mode; parcomp draws its
 def _reference(compiled, module):
     """``module``, or None where the torch module computes another model than the graph, so the
     unsharded graph (``compiled.unsharded``, numpy) is the reference: the spec's ``moe``
-    statement changed the model's capacity (issue 14), or the graph has a training-mode
+    statement changed the model's capacity, or the graph has a training-mode
     ``dropout`` (parcomp's mask, not torch's generator's: the eval-mode or torch-trained
     module would differ by the dropped elements; a note on stderr says so)."""
     if spec_changes_capacity(compiled.report.get("moe_capacity", ())):

@@ -47,8 +47,8 @@ def explain_command(args, feeds_for=None) -> dict:
     graph, module, example = load_model(args.model)
     compiled = [compile_for(args.model, graph, p) for p in paths]
     xs = [explain(c) for c in compiled]
-    moe = _moe(compiled[0], module, example, feeds_for)  # issue 14: TP inside every expert vs EP
-    spcp = compiled[0].report.get("sp_vs_cp")  # issue 14: SP vs CP (parcomp/report/cp_report.py)
+    moe = _moe(compiled[0], module, example, feeds_for)  # TP inside every expert vs EP
+    spcp = compiled[0].report.get("sp_vs_cp")  # SP vs CP (parcomp/report/cp_report.py)
     written = None
     if args.plots:
         if len(compiled) > 1:
@@ -60,7 +60,7 @@ def explain_command(args, feeds_for=None) -> dict:
     if len(xs) == 1:
         if not args.json:
             show(blocks(xs[0]) + (pipeline_blocks(pipe) if pipe else []) + (moe_blocks(moe) if moe else [])
-                 + ([("text", sp_cp_lines(spcp))] if spcp else []))  # issue 14: SP vs CP
+                 + ([("text", sp_cp_lines(spcp))] if spcp else []))  # SP vs CP
             _say_written(args.plots, written)
         return {"ok": True, "explain": xs[0], "plots": written, **({"moe": moe} if moe else {}),
                 **({"sp_vs_cp": spcp} if spcp else {}), **({"pipeline": pipe} if pipe else {})}

@@ -1,4 +1,4 @@
-"""Export a training checkpoint as full, unsharded ``.safetensors`` (issue 13).
+"""Export a training checkpoint as full, unsharded ``.safetensors``.
 
 ``program.py --save DIR`` writes sharded torch.distributed.checkpoint directories
 (``DIR/step-K``). :func:`export_safetensors` turns one into the file transformers'

@@ -16,7 +16,7 @@ from ..check.training import numpy_train
 from ..errors import ParcompError
 from ..frontends.model_file import ModelFile
 from ..outdir import record_written, write_dir_atomic
-from ..passes.fused_weights import in_stored_indices, to_view_shapes  # attention part (issue 17)
+from ..passes.fused_weights import in_stored_indices, to_view_shapes  # attention part
 from ..report.report import format_collectives
 from ..spec.train_config import check_steps, train_config
 from ..units import plural
@@ -164,7 +164,7 @@ def _run_training(args, compiled, module, example):
     steps = train_config(compiled.spec).steps if args.steps is None else check_steps(args.steps)
     feeds = _train_feeds(compiled, module, example, 0)
     require_ids_in_tables(compiled.unsharded, feeds)
-    module = _reference(compiled, module)  # the spec's MoE capacity (issue 14)
+    module = _reference(compiled, module)  # the spec's MoE capacity
     replay = replay_reference(compiled, module if _is_torch(module) else None, example, feeds, steps)
     work = os.path.abspath(args.keep) if args.keep else tempfile.mkdtemp(prefix="parcomp-run-")
     try:

@@ -1,4 +1,4 @@
-"""``parcomp run`` of a pipelined training spec (a ``pp`` mesh axis, issue 10).
+"""``parcomp run`` of a pipelined training spec (a ``pp`` mesh axis).
 
 The pipelined ``program.py`` (:mod:`parcomp_backends.torch.emit.pipeline`) runs ``--steps``
 training steps (free-running, default 1) under torchrun on ``mesh.size`` gloo ranks, from

@@ -29,7 +29,7 @@ def build_program(sharded: Graph, local: Graph, spec) -> Program:
     """
     mesh = local.mesh
     groups = {a: axis_groups(mesh, i) for i, a in enumerate(mesh.names)}
-    for n in local.nodes:  # joint groups (issue 11): one entry per axis set a collective uses
+    for n in local.nodes:  # joint groups: one entry per axis set a collective uses
         if n.op in COLLECTIVES and n.attr("axis") not in groups:
             groups[n.attr("axis")] = joint_groups(mesh, mesh.axes_of(n.attr("axis")))
     prov = _provenances(local.nodes)
@@ -63,10 +63,10 @@ def _collectives(sharded, local, prov) -> tuple:
     users, outs = sharded.users(), {v: p for p, v in sharded.named_outputs()}
     recs, bucketed = [], set()
     for n in sharded.nodes:
-        recs += [Collective(**r, provenance=prov[n.name]) for r in ring_records(sharded, local, n)]  # issue 14
+        recs += [Collective(**r, provenance=prov[n.name]) for r in ring_records(sharded, local, n)]
         if n.op not in COLLECTIVES:
             continue
-        bucket = bucketed_members(local, n.name)  # norms part (issue 17): passes/lowering/bucket.py
+        bucket = bucketed_members(local, n.name)  # norms part: passes/lowering/bucket.py
         if bucket is not None:
             if bucket[0].name not in bucketed:
                 bucketed.add(bucket[0].name)
@@ -85,7 +85,7 @@ def _collectives(sharded, local, prov) -> tuple:
 
 
 def _collective_reason(local, n):
-    """``n``'s reason; a ragged all_to_all's (issue 14, parcomp/passes/lowering/moe_ragged.py) says how it sends."""
+    """``n``'s reason; a ragged all_to_all's (parcomp/passes/lowering/moe_ragged.py) says how it sends."""
     if n.name not in local or not local[n.name].attr("ragged"):
         return n.attr("reason")
     return (n.attr("reason") or "") + ("; ragged: only the routed tokens' rows travel, after the per-rank "
@@ -102,7 +102,7 @@ def _step(mesh, n, src, after=None) -> Step:
 
 def _bucket_record(sharded, local, bucket, prov) -> Collective:
     """The one all_reduce of a bucket of gradients (its members' records merged): norm-weight
-    gradients (passes/lowering/bucket.py) or dp gradients (passes/lowering/dp_buckets.py, issue 16). Bytes are
+    gradients (passes/lowering/bucket.py) or dp gradients (passes/lowering/dp_buckets.py). Bytes are
     the flat buffer's, whose layout is the bucket_cat's (a split member makes it S(0))."""
     ar, parts = bucket
     cat = local[ar.inputs[0]]

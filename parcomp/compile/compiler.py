@@ -9,11 +9,11 @@ from ..cost.topology import check_topology
 from ..ir.graph import Graph
 from ..passes.attention.cp_balance import check_ends as check_balanced_ends
 from ..passes.manager import forward_pipeline, run_pipeline
-from ..passes.moe_capacity import apply_moe_spec  # the spec's MoE capacity (issue 14)
+from ..passes.moe_capacity import apply_moe_spec  # the spec's MoE capacity
 from ..passes.pipeline.pipeline_plan import attach_pipeline
 from ..passes.train.accumulate import accumulate_warnings, loss_accumulation
 from ..passes.verify import check_model_mesh
-from ..report.cp_report import sp_cp_record  # issue 14: SP vs CP
+from ..report.cp_report import sp_cp_record  # SP vs CP
 from ..report.report import build_report
 from .build import build_program
 from .gcpause import no_cycle_collection
@@ -75,7 +75,7 @@ def compile_graph(graph: Graph, spec, after: Callable | None = None, reuse: bool
 
 
 def _compile(graph: Graph, spec, after, reuse=True) -> Compiled:
-    graph, moe_changes = apply_moe_spec(graph, spec)  # the spec's MoE capacity (issue 14)
+    graph, moe_changes = apply_moe_spec(graph, spec)  # the spec's MoE capacity
     check_model_mesh(graph, spec.mesh)
     placement = check_topology(spec)
     stages = None
@@ -86,7 +86,7 @@ def _compile(graph: Graph, spec, after, reuse=True) -> Compiled:
         stages = run_pipeline(graph, forward_pipeline(spec), after)
     sharded, program = stages["insert-collectives"], list(stages.values())[-1]  # lowered
     logical = stages["autodiff"] if "autodiff" in stages else stages["bind-layouts"]
-    check_balanced_ends(sharded, spec, {name for name, _ in graph.named_outputs()})  # issue 14: chunking=balanced needs split-seq ends
+    check_balanced_ends(sharded, spec, {name for name, _ in graph.named_outputs()})  # chunking=balanced needs split-seq ends
     prog = build_program(sharded, program, spec)
     report = build_report(prog, [n.name for n in graph.params])
     report["placement"] = placement
@@ -95,7 +95,7 @@ def _compile(graph: Graph, spec, after, reuse=True) -> Compiled:
     check_peak(report, spec)
     report["warnings"] = zero_warnings(logical, spec) + pinned_gather_warnings(
         sharded, report, getattr(getattr(spec, "context_parallel", None), "axis", None))
-    report.update(sp_cp_record(graph, spec, placement, sharded))  # issue 14: SP vs CP (parcomp/report/cp_report.py)
+    report.update(sp_cp_record(graph, spec, placement, sharded))  # SP vs CP (parcomp/report/cp_report.py)
     report["warnings"] += moe_gather_warnings(graph, sharded)  # tokens gathered, not all_to_all
     report["warnings"] += accumulate_warnings(graph, spec)  # a per-microbatch token mean, averaged
     if loss_accumulation(graph, spec):  # accumulate=K, loss=output: token mean or mean of K losses

@@ -1,4 +1,4 @@
-"""Python's cycle collector paused around a compile or an emit (issue 17, compile speed).
+"""Python's cycle collector paused around a compile or an emit (compile speed).
 
 The passes and the emitter allocate many small objects that form no reference cycles
 (immutable nodes, tuples, strings; reference counting frees them), and on a deep model every

@@ -1,4 +1,4 @@
-"""A warning when an MoE layer's tokens reach their experts by gathers, not all_to_all (issue 14).
+"""A warning when an MoE layer's tokens reach their experts by gathers, not all_to_all.
 
 With the experts split over a mesh axis (``experts.* ep=S(0)``) and nothing pinning the slot
 buffers, the layout search may gather every token onto every rank (all_gather of the tokens,

@@ -103,7 +103,7 @@ class TrainLoop:
         zero: ZeRO stage (0, 1, 2); ``dp``: size of the dp axis (1 without one);
         batch: global batch (dim 0 of the inputs), or None.
         options: the train line's clip_grad_norm / lr_schedule / accumulate
-            (:class:`parcomp.spec.train_options.TrainOptions`, issue 13).
+            (:class:`parcomp.spec.train_options.TrainOptions`).
     """
 
     steps: int
@@ -152,7 +152,7 @@ class Program:
     collectives: tuple
     train: TrainLoop | None
     search: dict | None = None
-    launch: dict | None = None  # {topology: (nodes, per node) | None, placement=, timeout=} (issue 16)
+    launch: dict | None = None  # {topology: (nodes, per node) | None, placement=, timeout=}
     pipeline: object = None
 
     @property

@@ -1,4 +1,4 @@
-"""Repeated blocks of a model graph (issue 17: block-plan reuse).
+"""Repeated blocks of a model graph (block-plan reuse).
 
 A transformer's input graph is: sources (params, inputs), a *prefix* (embeddings), ``N``
 *windows* of ``L`` compute nodes each (one per block), a *suffix* (final norm, head). Block

@@ -1,4 +1,4 @@
-"""Stamping sequences, and the norm-gradient bucket (issue 17: block-plan reuse).
+"""Stamping sequences, and the norm-gradient bucket (block-plan reuse).
 
 :func:`stamp_seq` repeats each run of template-owned items of a sequence (a stage's nodes, an
 operand list) next to itself (:mod:`parcomp.compile.repeat_stamp`).

@@ -1,4 +1,4 @@
-"""Block-plan reuse (issue 17): compile a few blocks, stamp the plan onto all of them.
+"""Block-plan reuse: compile a few blocks, stamp the plan onto all of them.
 
 For a model of ``N`` repeated blocks (:mod:`parcomp.compile.repeat`) whose whole graph shard-prop
 would search with its heuristic (over MAX_STRATEGIES), the pass pipeline runs on the model

@@ -1,4 +1,4 @@
-"""What loading the checkpoint costs each rank (issue 15), for the compile report.
+"""What loading the checkpoint costs each rank, for the compile report.
 
 program.py reads only each rank's own slice of every parameter (the torch runtime's
 loading section, backends/torch/runtime/program_loading.py): a parameter is read straight

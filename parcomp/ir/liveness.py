@@ -14,7 +14,7 @@ SOURCES = ("input", "param")
 
 # results that alias their (first) operand: no new buffer
 VIEW_OPS = ("permute", "reshape", "relayout", "expand", "wait", "slice",  # slice: attention part
-            "bucket_part")  # bucket_part: norms part (issue 17)
+            "bucket_part")  # bucket_part: norms part
 
 # results that may alias their operand (a local slice, coordinate 0 of a mask)
 MAYBE_VIEW_OPS = ("shard_slice", "partial_mask")

@@ -1,4 +1,4 @@
-"""Shape rules of the MoE ops (issue 14; declared in :mod:`parcomp.ir.ops`).
+"""Shape rules of the MoE ops (declared in :mod:`parcomp.ir.ops`).
 
 ``x[B, S, H]`` tokens in rows (a row is one routing group: capacity counts per row),
 ``c[B, S, E]`` combine weights, ``y[B, E, C, H]`` the dispatch buffer (C slots per expert).

@@ -149,7 +149,7 @@ def _cross_entropy_grad(ts, n):
     return logits
 
 
-def _norm(ts, n):  # norms part (issue 17): (x[, w[, b]]), w and b of shape [x.shape[-1]]
+def _norm(ts, n):  # norms part: (x[, w[, b]]), w and b of shape [x.shape[-1]]
     x = ts[0]
     most = 3 if n.op == "layer_norm" else 2
     if x.rank < 1 or not 1 <= len(ts) <= most:
@@ -180,7 +180,7 @@ def _embedding_grad(ts, n):
     if n.type is None or n.type.rank != 2 or dy.shape != ids.shape + n.type.shape[1:]:
         raise ValueError(f"embedding_grad of {dy} at ids {ids} cannot give table {n.type}")
     return n.type
-def _amax_grad(ts, n):  # reductions part (issue 17): (g, x, y) -> dx shaped as x
+def _amax_grad(ts, n):  # reductions part: (g, x, y) -> dx shaped as x
     g, x, y = ts
     if g.shape != y.shape or _sum([x], n).shape != y.shape:
         raise ValueError(f"amax_grad of {x} needs g and y shaped as its amax, got {g}, {y}")
@@ -245,14 +245,14 @@ for _n in ("relu_grad", "tanh_grad", "sigmoid_grad", "silu_grad"):
 _def("gelu_grad", 2, "linear0", _broadcast, _GELU)
 _def("pow_grad", 2, "linear0", _broadcast, {"exponent": _NUM})
 # per-token loss logsumexp - picked logit (0 where label == ignore_index), with torch's label
-# smoothing; the gradient dl * (softmax - target distribution). Reductions part (issue 17):
+# smoothing; the gradient dl * (softmax - target distribution). Reductions part:
 # ``ignore_index``, ``label_smoothing``; the training loss uses the split-vocab decomposition
 _CE = {"ignore_index": Attr("int", default=-100), "label_smoothing": Attr("number", default=0.0)}
 _def("cross_entropy", 2, "cross_entropy", _cross_entropy, _CE)
 _def("cross_entropy_grad", 3, "cross_entropy_grad", _cross_entropy_grad, _CE)
 _def("adamw_param", 4, "nonlinear", _broadcast,  # (p, m, v, t) -> updated p (torch.optim.AdamW)
      {k: _NUM for k in ("lr", "beta1", "beta2", "eps", "weight_decay")})
-# ---- attention part (issue 17): views, RoPE pointwise ops, scaled-dot-product attention ----
+# ---- attention part: views, RoPE pointwise ops, scaled-dot-product attention ----
 # slice(x) {dim, start, stop, step}: x[start:stop:step] along dim (0 <= start <= stop <= size,
 #   step >= 1; the frontend clamps torch's open ends); slice_grad(g) {same}: g put back into
 #   zeros of the node's own (unsliced) shape, the VJP of slice.
@@ -333,7 +333,7 @@ for _n in ("cos", "sin"):
     _def(_n, 1, "nonlinear", _same)
 _def("cast", 1, "nonlinear", _own)
 _def("arange", 0, "const", _own, {"start": Attr("number", default=0), "step": Attr("number", default=1)})
-# pad(x) {dim, before, after, value} (loss part, issue 17): x with ``before`` and ``after``
+# pad(x) {dim, before, after, value} (loss part): x with ``before`` and ``after``
 #   elements of the constant ``value`` added at the ends of ``dim`` (torch's constant pad of one
 #   dim; transformers' ForCausalLMLoss pads the labels with ignore_index before its shift)
 _PAD = {k: Attr("int", required=True) for k in ("dim", "before", "after")}
@@ -348,7 +348,7 @@ def _pad(ts, n):
 
 _def("pad", 1, "pad", _pad, {**_PAD, "value": _NUM})
 # ---- end of the attention part ----
-# ---- norms + embedding part (issue 17): layer_norm, rms_norm, dropout, embedding ----
+# ---- norms + embedding part: layer_norm, rms_norm, dropout, embedding ----
 # Norms normalise over the LAST dim: (x[, weight[, bias]]) {eps}; their ``*_grad(dy, x[, w])``
 # is dx (linear in dy). ``dropout(x[, step]) {p, seed}``: keep-mask from a hash of the seed, the
 # training step (a 0-d float32 counter: autodiff adds it) and each element's GLOBAL flat index
@@ -371,7 +371,7 @@ _EMB = {"vocab_start": Attr("int"), "padding_idx": Attr("int")}
 _def("embedding", 2, "gather", _embedding, _EMB)
 _def("embedding_grad", 2, "linear0", _embedding_grad, _EMB)
 # ---- end of the norms + embedding part ----
-# ---- reductions part (issue 17): amax, argmax, mean, log, softmax, log_softmax and the
+# ---- reductions part: amax, argmax, mean, log, softmax, log_softmax and the
 # pieces of their split-dim forms (parcomp/passes/decompose.py). ``dims``/``dim`` may be
 # negative (counted from the end); no keepdim. ``amax{detach=true}``: a shift the result
 # does not depend on (softmax's max): no gradient flows through it. ``argmax_key``: the
@@ -412,7 +412,7 @@ def index_dim(graph, node) -> tuple:
     d = node.attr(dim) if isinstance(dim, str) else dim
     return src.type, src.layout, d % src.type.rank
 # ---- end of the reductions part ----
-# ---- expert parallel MoE (issue 14): parcomp/rules/moe.py, parcomp/reference/moe_ops.py ----
+# ---- expert parallel MoE: parcomp/rules/moe.py, parcomp/reference/moe_ops.py ----
 # moe_route(z[..., S, E]) {top_k, capacity}: Mixtral's gate (softmax, top-k, renormalised) as a
 #   dense [..., S, E] of combine weights, 0 off the top-k and on slots dropped past `capacity`
 #   tokens per expert per row (0: none dropped); moe_route_grad(g, z): its VJP.
@@ -429,14 +429,14 @@ _def("moe_dispatch", 2, "bilinear", moe_dispatch_type, {"capacity": Attr("int", 
 _def("moe_combine", 2, "bilinear", moe_combine_type, {"weighted": Attr("bool", default=True)})
 _def("moe_combine_grad_c", 3, "bilinear", moe_combine_grad_c_type)
 # ---- end of the MoE part ----
-# training options (issue 13): clip_coef(sumsq) {max_norm} = min(1, max_norm / (sqrt(sumsq) + 1e-6)),
+# training options: clip_coef(sumsq) {max_norm} = min(1, max_norm / (sqrt(sumsq) + 1e-6)),
 # the factor torch.nn.utils.clip_grad_norm_ scales every gradient by (parcomp/spec/train_options.py)
 _def("clip_coef", 1, "nonlinear", _same, {"max_norm": _NUM})
-# mixed precision (issue 13): a gradient widened to float32 (exact); ``partial_over``: mesh axes
+# mixed precision: a gradient widened to float32 (exact); ``partial_over``: mesh axes
 # on which its operand must stay a partial sum, so the reduction runs in float32 after it
 _def("grad_upcast", 1, "linear", lambda ts, n: TensorType(ts[0].shape, "float32"),
      {"partial_over": Attr("str", default="")})
-# fp16 dynamic loss scaling (issue 13, parcomp/passes/train/amp.py): nonfinite(x) = 1.0 where x is inf/NaN;
+# fp16 dynamic loss scaling (parcomp/passes/train/amp.py): nonfinite(x) = 1.0 where x is inf/NaN;
 # amp_select(found, new, old) = old where found > 0 (a skipped step) else new; the scale's update
 _def("nonfinite", 1, "nonlinear", lambda ts, n: TensorType(ts[0].shape, "float32"))
 _def("amp_select", 3, "nonlinear", lambda ts, n: ts[1])
@@ -445,7 +445,7 @@ _def("amp_tracker", 2, "nonlinear", lambda ts, n: ts[1], {"interval": Attr("int"
 _SOURCE = {"global_shape": Attr("ints")}  # set by localize: the full shape
 _def("input", 0, "source", _own, _SOURCE)
 _def("param", 0, "source", _own, {**_SOURCE, "trainable": Attr("bool", default=True),
-                                  # a fused weight's per-part view: the checkpoint's shape (issue 17)
+                                  # a fused weight's per-part view: the checkpoint's shape
                                   "stored_shape": Attr("ints"),
                                   # a tied weight's other names, comma-separated (spec rules match them)
                                   "aliases": Attr("str")})
@@ -454,13 +454,13 @@ _def("param", 0, "source", _own, {**_SOURCE, "trainable": Attr("bool", default=T
 # the dim all_to_all concatenates; ``reason``: why (for reports and comments)
 _MOVE = {"axis": Attr("str", required=True), "reason": Attr("str")}
 _DIM = Attr("int", required=True)
-# reductions part (issue 17): the partial kind an all_reduce / partial_mask works on
+# reductions part: the partial kind an all_reduce / partial_mask works on
 _REDUCE = {"reduce_op": Attr("str", default="sum", choices=("sum", "max"))}
 _def("all_reduce", 1, "collective", _same, {**_MOVE, **_REDUCE})
 _def("all_gather", 1, "collective", _same, {**_MOVE, "dim": _DIM})
 _def("reduce_scatter", 1, "collective", _same, {**_MOVE, "dim": _DIM})
 _def("all_to_all", 1, "collective", _same, {**_MOVE, "dim": _DIM, "src_dim": _DIM,
-                                            "ragged": Attr("bool", default=False)})  # issue 14: passes/lowering/moe_ragged.py
+                                            "ragged": Attr("bool", default=False)})  # passes/lowering/moe_ragged.py
 _def("shard_slice", 1, "local", _same, {**_MOVE, "dim": _DIM})
 _def("partial_mask", 1, "local", _same, {**_MOVE, **_REDUCE})
 
@@ -485,7 +485,7 @@ _def("axpby", 2, "lowered", _own, {"a": _NUM, "b": _NUM, **_INPLACE})  # a x + b
 _def("mse_sum", 2, "lowered", _own)  # (y, t) -> sum((y - t)**2) over all dims (0-d)
 _def("mse_grad", 3, "lowered", _own)  # (dl, y, t) -> dl * 2 * (y - t), dl broadcast
 _def("wait", 1, "lowered", _same)  # the value of an all_reduce started with async_op=true
-# norms + embedding part (issue 17), parcomp/passes/lowering/bucket.py: (a, b, ...) -> their
+# norms + embedding part, parcomp/passes/lowering/bucket.py: (a, b, ...) -> their
 # flattened concatenation; (flat) -> flat[offset:offset+numel] reshaped to its type (a view)
 _def("bucket_cat", -1, "lowered", _own)
 _def("bucket_part", 1, "lowered", _own, {"offset": Attr("int", required=True),

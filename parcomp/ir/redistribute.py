@@ -12,7 +12,7 @@ the axis is still a partial sum, a local slice otherwise), and last ``R -> P``
 masks. A ``P(max)`` is reduced by ``all_reduce{reduce_op="max"}`` (never summed,
 never reduce_scattered).
 
-Joint groups (issue 11): consecutive steps of one kind that span several mesh axes
+Joint groups: consecutive steps of one kind that span several mesh axes
 (all_reduce of the same partial kind; all_gather or reduce_scatter of the same dim)
 become one step over the joint group of those axes (``Step.group``), whose ranks are
 ordered with the first mesh axis outermost, the shard order. Under the ring model
@@ -40,7 +40,7 @@ EPSILON_S = 1e-12
 # compute is priced too (as in AutoParallel's communication + compute cost), so
 # that work replicated across ranks costs more than the same work split
 SECONDS_PER_FLOP = 1e-11
-# the data-parallel mesh axis (issue 11): shard-prop never all-gathers the batch's values
+# the data-parallel mesh axis: shard-prop never all-gathers the batch's values
 # over it (passes/shard_prop.py, "data parallel stays data parallel")
 DP_AXIS = "dp"
 
@@ -170,7 +170,7 @@ def _all_to_all_moves(src, tgt, rank) -> dict:
     target, whose other shard axes e already has in the source. Each group of the axis
     then holds one chunk of the outer axes' split of d (and of e): its local all_to_all
     moves exactly the axis's sub-chunks (``dp x ep``: the MoE tokens' exchange over ep
-    while dp splits the same rows, issue 14).
+    while dp splits the same rows).
     """
     out = {}
     for a, (s, t) in enumerate(zip(src, tgt)):

@@ -80,7 +80,7 @@ def backward(b: Builder, graph: Graph, seeds: dict, wrt) -> dict:
         if n.op not in VJP_RULES:
             raise SpecError(f"cannot differentiate {n.op} %{n.name}: no gradient rule")
         b.prefix = f"bw.{n.name}"
-        contribs = VJP_RULES[n.op](b, recompute_view(b, n), _total(b, grads[n.name]))  # issue 13
+        contribs = VJP_RULES[n.op](b, recompute_view(b, n), _total(b, grads[n.name]))
         for i, gi in zip(n.inputs, contribs):
             if gi is not None and i in needs:
                 grads.setdefault(i, []).append(gi)
@@ -123,11 +123,11 @@ def add_training_step(graph: Graph, spec) -> Graph:
     cfg = train_config(spec)
     params = _trainable(graph, cfg)
     _check_batch(graph, spec, cfg)
-    graph, cast = lower_forward(graph, cfg, params, lambda n: _state_layout(n, cfg, spec))  # issue 13
+    graph, cast = lower_forward(graph, cfg, params, lambda n: _state_layout(n, cfg, spec))
     b = Builder(graph)
     outs = []
-    start_recompute(b, graph, cfg.options)  # issue 13: recompute=selective
-    if cfg.options.accumulate > 1:  # issue 13: K microbatches (parcomp/passes/train/accumulate.py)
+    start_recompute(b, graph, cfg.options)  # recompute=selective
+    if cfg.options.accumulate > 1:  # K microbatches (parcomp/passes/train/accumulate.py)
         b = Builder(Graph(tuple(n for n in graph.nodes if n.op == "param"), (), graph.mesh))
         start_recompute(b, graph, cfg.options)
         loss, params, grads = accumulated_step(b, graph, cfg, spec, params, sys.modules[__name__], cast)
@@ -139,10 +139,10 @@ def add_training_step(graph: Graph, spec) -> Graph:
         seed = amp.scaled_seed(b, b.op("ones", [], type=b.type(loss), name="bw.loss"), cfg, spec)  # fp16
         finputs = [n.name for n in graph.inputs if n.type.dtype.startswith("float")] if cfg.input_grads else []
         grads = backward(b, Graph(tuple(b.nodes), (loss,)), {loss: seed}, wrt_names(params, cast) + finputs)
-        grads.update(upcast_grads(b, graph, grads, cast, cfg))  # issue 13: mixed precision
+        grads.update(upcast_grads(b, graph, grads, cast, cfg))  # mixed precision
         grads = amp.unscale(b, {k: grads[k] for k in params + finputs}, cfg)
     outs.append(("loss", _pin(b, loss, replicated(len(spec.mesh.axes)), "the loss")))
-    clipped, factor = training_options(b, {p: grads[p] for p in params}, cfg, spec)  # issue 13
+    clipped, factor = training_options(b, {p: grads[p] for p in params}, cfg, spec)
     grads.update(clipped)
     for p in params:
         outs += _optimizer(b, graph[p], grads[p], cfg, spec, factor)
@@ -221,7 +221,7 @@ def _reaching(b, loss, params, cfg):
 
 
 def _check_batch(graph, spec, cfg):
-    k = cfg.options.accumulate  # issue 13: the model's batch is one of k microbatches
+    k = cfg.options.accumulate  # the model's batch is one of k microbatches
     for n in graph.inputs:
         if cfg.batch is not None and n.type.shape and n.type.shape[0] * k != cfg.batch:
             raise SpecError(f"batch={cfg.batch} but input {n.name} {n.type} has batch {n.type.shape[0]}"
@@ -245,7 +245,7 @@ def _model_output(graph, cfg):
     public, value = _loss_output(graph, cfg)
     node = graph[value]
     if node.op == "relayout" and node.attr("default", False):
-        value = padded_logits(graph, node.inputs[0])  # a padded vocab's masked logits (issue 17)
+        value = padded_logits(graph, node.inputs[0])  # a padded vocab's masked logits
         naxes = len(graph.mesh.axes)
         batch = {a for n in graph.inputs for a in shard_axes(n.layout, 0)}
         return value, tuple(Shard(0) if a in batch else Replicate() for a in range(naxes))
@@ -297,7 +297,7 @@ def _loss(b, graph, cfg):
 def _cross_entropy_loss(b, graph, y, labels, args):
     """Mean cross-entropy over the counted tokens (label != ignore_index, default -100),
     with the GLOBAL count; written as the reductions a vocab split turns into Megatron's
-    three all_reduces (reductions part, issue 17: parcomp/passes/decompose.py)."""
+    three all_reduces (reductions part: parcomp/passes/decompose.py)."""
     e = Emitter(b.names, b.types)
     pad = padded_size({n.name: n for n in graph.nodes}, y)
     per, valid = cross_entropy_parts(e, y, labels, "loss.ce", args.get("ignore_index", -100),
@@ -340,7 +340,7 @@ def _state(b, param, suffix, layout):
 
 
 def training_options(b, grads, cfg, spec):
-    """Gradient clipping and the LR schedule's factor (issue 13: parcomp/spec/train_options.py).
+    """Gradient clipping and the LR schedule's factor (parcomp/spec/train_options.py).
     Returns ``(grads, clipped if asked; the factor node lr_k / lr, or None)``."""
     opts = cfg.options
     if opts.clip_grad_norm is not None:

@@ -23,11 +23,11 @@ from ..ir.types import P, R, Shard, divisibility_problem, layout_str, replicated
 from ..rules.sharding import reshape_dim_map
 from ..spec import Spec
 from ..spec.parser import check_names
-from .attention.ctxpar import pin_context_parallel  # context parallel (issue 14)
-from .attention.heads import check_heads  # attention part (issue 17)
-from .attention.seqpar import pin_sequence_parallel  # sequence parallel (issue 17)
-from .fused_weights import fused_bias_follows, fused_split_dim  # attention part (issue 17)
-from .vocab_pad import pad_vocab_tables  # padded vocab (issue 17)
+from .attention.ctxpar import pin_context_parallel  # context parallel
+from .attention.heads import check_heads  # attention part
+from .attention.seqpar import pin_sequence_parallel  # sequence parallel
+from .fused_weights import fused_bias_follows, fused_split_dim  # attention part
+from .vocab_pad import pad_vocab_tables  # padded vocab
 
 
 def bind_layouts(graph: Graph, spec: Spec) -> Graph:
@@ -59,9 +59,9 @@ def bind_layouts(graph: Graph, spec: Spec) -> Graph:
                 _check_dims(n, layouts[n.name], rule)  # before any rewrite below reads a dim
             bound_by[n.name] = rule
     _bias_follows(graph, spec, layouts, bound_by)
-    fused_bias_follows(graph, layouts, bound_by)  # attention part (issue 17)
+    fused_bias_follows(graph, layouts, bound_by)  # attention part
     check_heads(graph, spec, layouts, bound_by)
-    graph = pad_vocab_tables(graph, spec.mesh, layouts, _ce_loss(spec))  # uneven vocab (issue 17)
+    graph = pad_vocab_tables(graph, spec.mesh, layouts, _ce_loss(spec))  # uneven vocab
     nodes = []
     for n in graph.nodes:
         if n.name in layouts:
@@ -73,7 +73,7 @@ def bind_layouts(graph: Graph, spec: Spec) -> Graph:
     graph = graph.with_nodes(nodes)
     graph = _pin_activations(graph, spec)
     graph = pin_sequence_parallel(_pin_outputs(graph, spec), spec)
-    return pin_context_parallel(graph, spec)  # context parallel (issue 14)
+    return pin_context_parallel(graph, spec)  # context parallel
 
 
 def _ce_loss(spec) -> bool:
@@ -175,7 +175,7 @@ def _resolve(graph, spec, rule, node, users):
     if node.op != "param":
         raise SpecError(f"'{rule.layout.word}' applies to weights, but {node.name} is an input",
                         rule.loc)
-    if node.attr("stored_shape"):  # attention part (issue 17): a fused weight, split per part
+    if node.attr("stored_shape"):  # attention part: a fused weight, split per part
         dim = fused_split_dim(node, rule.layout.word)
     else:
         dim = _weight_split_dim(graph, node, rule, users)

@@ -1,4 +1,4 @@
-"""Fused weights split per part (issue 17, attention part).
+"""Fused weights split per part (attention part).
 
 GPT-2's ``c_attn`` is one Conv1D weight ``[in, 3*out]`` whose output is split into q, k
 and v; Llama-style MLPs may fuse gate|up into one Linear ``[2*out, in]``. Megatron's

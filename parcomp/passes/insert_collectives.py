@@ -69,7 +69,7 @@ class _State:
                 attrs["dim"] = step.dim
             if step.src_dim is not None:
                 attrs["src_dim"] = step.src_dim
-            if step.reduce_op != "sum":  # a P(max) (reductions part, issue 17)
+            if step.reduce_op != "sum":  # a P(max) (reductions part)
                 attrs["reduce_op"] = step.reduce_op
             self.out.append(Node(new, step.kind, (cur,), ty, make_attrs(**attrs), step.after,
                                  phase=src_node.phase if src_node else "forward",
@@ -120,7 +120,7 @@ def _why_partial(src_node, axis) -> str:
         return f"its matmul contracts a dim split over {axis} (row-parallel), so each rank holds a partial sum"
     if src_node.op in ("input", "param"):
         return f"the spec declares it partial-sum over {axis}"
-    if src_node.op == "sum":  # reductions part (issue 17)
+    if src_node.op == "sum":  # reductions part
         return f"its sum runs over a dim split over {axis}, so each rank holds a partial sum"
     if src_node.op == "pick":
         return f"only the rank of {axis} holding the picked column has it (the others hold 0)"

@@ -41,7 +41,7 @@ def forward_pipeline(spec, heuristic: bool = False) -> list:
     shard-prop skips the ILP (see :func:`.shard_prop.shard_prop`).
     """
     train = [Pass("autodiff", lambda g: add_training_step(g, spec))] if spec.train else []
-    return [Pass("decompose-reductions", decompose_reductions),  # reductions part (issue 17)
+    return [Pass("decompose-reductions", decompose_reductions),  # reductions part
             Pass("bind-layouts", lambda g: bind_layouts(g, spec)), *train,
             Pass("shard-prop", lambda g: shard_prop(g, memory=getattr(spec, "memory", None),
                                                     memory_loc=getattr(spec, "memory_loc", None),

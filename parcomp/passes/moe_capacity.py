@@ -1,4 +1,4 @@
-"""The spec's MoE capacity policy (issue 14): ``moe capacity_factor=F [drop=tokens]`` / ``moe drop=none``.
+"""The spec's MoE capacity policy: ``moe capacity_factor=F [drop=tokens]`` / ``moe drop=none``.
 
 The capacity C of an MoE layer is the slot dim of its dispatch buffer ``[B, E, C, H]``, so it
 is a shape: changing it changes the types of every value between the ``moe_dispatch`` and the

@@ -176,7 +176,7 @@ def _operand_layouts(graph, n):
     return n.in_layouts if n.in_layouts is not None else tuple(graph[i].layout for i in n.inputs)
 
 
-# ops that may take a P(max) operand (reductions part, issue 17): the max reductions and
+# ops that may take a P(max) operand (reductions part): the max reductions and
 # ops that only move data; a layout op is checked against TRANSITIONS instead
 MAX_PARTIAL_OPS = ("amax", "relayout", "reshape", "permute", "expand", "wait")
 

@@ -1,4 +1,4 @@
-"""Vocab padding (issue 17): a vocab table split over ranks that do not divide the vocab.
+"""Vocab padding: a vocab table split over ranks that do not divide the vocab.
 
 GPT-2's vocab (50257) is odd; Megatron pads the embedding table and the LM head to a
 multiple of tp (``--make-vocab-size-divisible-by``) and masks the padded logits. parcomp does

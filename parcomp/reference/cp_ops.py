@@ -1,4 +1,4 @@
-"""Where a context-parallel rank's query rows start (issue 14).
+"""Where a context-parallel rank's query rows start.
 
 A causal ``sdpa`` / ``sdpa_grad`` marked ``cp`` (``parcomp/passes/attention/ctxpar.py``) may run on a
 block of the query rows; its causal mask must then be taken at the block's global row offset.

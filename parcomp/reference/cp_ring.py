@@ -1,4 +1,4 @@
-"""Ring attention (``context-parallel lowering=ring``, issue 14): numpy semantics, all ranks simulated.
+"""Ring attention (``context-parallel lowering=ring``): numpy semantics, all ranks simulated.
 
 An ``sdpa`` / ``sdpa_grad`` marked ``cp=ring`` holds, on every rank of the context-parallel
 group (``cp_axis``), its own block of the query rows **and** its own block of K and V

@@ -97,7 +97,7 @@ def _split_max(locs, full, layout, mesh, a, rng):
 class SPMDRun:
     """Result of :func:`run_spmd`: per-rank values, the collective log, the executed op
     sequence (node names, in order), each rank's peak live bytes, and the point-to-point
-    shifts of ring attention nodes (``p2p``, issue 14: parcomp/reference/cp_ring.py)."""
+    shifts of ring attention nodes (``p2p``: parcomp/reference/cp_ring.py)."""
 
     env: list
     log: list = field(default_factory=list)
@@ -113,7 +113,7 @@ class SPMDRun:
             gshape = _global_shape(program, value)
             out[public] = assemble([e[value] for e in self.env], node.layout, gshape,
                                    program.mesh, node.type.dtype)
-        return cp_outputs(program, out)  # balanced chunking (issue 14): natural order
+        return cp_outputs(program, out)  # balanced chunking: natural order
 
 
 def _global_shape(program, value):
@@ -145,13 +145,13 @@ def run_spmd(program: Graph, feeds: dict, partial_rng=None) -> SPMDRun:
     for n in program.nodes:
         run.ops.append(n.name)
         if n.op in ("input", "param"):
-            full = np.asarray(source_array(n, feeds[n.name]), dtype=n.type.dtype)  # fused views: issue 17
-            full = cp_feed(program, n, full)  # balanced chunking (issue 14): storage order
+            full = np.asarray(source_array(n, feeds[n.name]), dtype=n.type.dtype)  # fused views
+            full = cp_feed(program, n, full)  # balanced chunking: storage order
             for r, local in enumerate(split_for_ranks(full, n.layout, mesh, partial_rng)):
                 live[r][n.name] = local
         elif n.op in _LAYOUT_OPS:
             _layout_op(program, n, run, live)
-        elif is_ring(n):  # context parallel ring attention (issue 14): K/V blocks around the ring
+        elif is_ring(n):  # context parallel ring attention: K/V blocks around the ring
             run.p2p.append(run_ring(program, n, live))
         else:
             for r in ranks:  # at_rank: where this rank's block lies (ranked.py)
@@ -206,7 +206,7 @@ def _layout_op(program, n, run, live):
     mesh = program.mesh
     axes = mesh.axes_of(n.attr("axis"))  # one axis, or a joint group's (coordinate order)
     src = program[n.inputs[0]]
-    sent = {}  # ragged all_to_all (issue 14): rank -> bytes it sent
+    sent = {}  # ragged all_to_all: rank -> bytes it sent
     for group in mesh.groups(axes):
         xs = [live[r][n.inputs[0]] for r in group]
         ys = _LAYOUT_OPS[n.op](xs, n) if not n.attr("ragged") else ragged_all_to_all(xs, n, sent, group)

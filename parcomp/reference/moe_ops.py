@@ -1,4 +1,4 @@
-"""numpy semantics of the MoE ops (issue 14), merged into ``NUMPY_OPS``.
+"""numpy semantics of the MoE ops, merged into ``NUMPY_OPS``.
 
 Routing (Mixtral's ``MixtralTopKRouter``): the top-k experts of each token by logit (ties: the
 lower expert index first, as a stable descending sort), weights ``softmax`` over the top-k only

@@ -1,4 +1,4 @@
-"""numpy semantics of the norms + embedding part (issue 17): layer_norm, rms_norm, their
+"""numpy semantics of the norms + embedding part: layer_norm, rms_norm, their
 input gradients, dropout and embedding; merged into :data:`parcomp.reference.numpy_ops.NUMPY_OPS`.
 
 Three ops read where this rank's block lies in the global tensor (:func:`at_rank` puts it

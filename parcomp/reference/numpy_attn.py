@@ -1,4 +1,4 @@
-"""numpy semantics of the attention part's ops (issue 17): views, RoPE pointwise ops, sdpa.
+"""numpy semantics of the attention part's ops: views, RoPE pointwise ops, sdpa.
 
 Merged into :data:`parcomp.reference.numpy_ops.NUMPY_OPS`; same calling convention
 (operand arrays, node). The attention ops compute in the operands' dtype, as torch does.
@@ -25,7 +25,7 @@ def _slice_grad(g, node):
 
 
 def pad_array(x, node, value=None):
-    """``pad`` (loss part, issue 17): ``x`` with ``before``/``after`` copies of ``value`` (default:
+    """``pad`` (loss part): ``x`` with ``before``/``after`` copies of ``value`` (default:
     the node's) on ``dim``, in ``x``'s dtype (an int64 label pad stays int64)."""
     widths = [(0, 0)] * np.ndim(x)
     widths[node.attr("dim")] = (node.attr("before"), node.attr("after"))
@@ -36,11 +36,11 @@ def pad_array(x, node, value=None):
 def attention_probs(q, k, node):
     """softmax(scale q k^T) over the last dim, causal (top-left aligned: key j <= query i)
     entries kept when ``causal``; [..., Sq, Sk] in q's dtype. Query row i is global row
-    ``q_start + i`` (a context-parallel rank's block of q, issue 14; 0 by default)."""
+    ``q_start + i`` (a context-parallel rank's block of q; 0 by default)."""
     s = np.matmul(q, np.swapaxes(k, -1, -2)) * q.dtype.type(node.attr("scale"))
     if node.attr("causal", False):
         sq, sk = s.shape[-2:]
-        s = np.where(causal_keep(node, sq, sk), s, -np.inf)  # context parallel: cp_ops (issue 14)
+        s = np.where(causal_keep(node, sq, sk), s, -np.inf)  # context parallel: cp_ops
     s = s - np.max(s, axis=-1, keepdims=True)
     p = np.exp(s)
     return (p / np.sum(p, axis=-1, keepdims=True)).astype(q.dtype)
@@ -63,7 +63,7 @@ def sdpa_grads(dy, q, k, v, node) -> dict:
 def _arange(node):
     n, (start, step) = node.type.shape[0], (node.attr("start", 0), node.attr("step", 1))
     x = (start + step * np.arange(n, dtype=np.float64)).astype(node.type.dtype)
-    return x[storage_order(node.attr("balanced"), n)] if node.attr("storage") else x  # issue 14
+    return x[storage_order(node.attr("balanced"), n)] if node.attr("storage") else x
 
 
 def source_array(node, x):

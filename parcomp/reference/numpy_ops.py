@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-import ml_dtypes  # noqa: F401  registers numpy's bfloat16 (mixed precision, issue 13)
+import ml_dtypes  # noqa: F401  registers numpy's bfloat16 (mixed precision)
 import numpy as np
 
 from .norm_ops import NORM_NUMPY_OPS
@@ -126,21 +126,21 @@ NUMPY_OPS = {
     "mse_sum": lambda a, n: np.sum((a[0] - a[1]) * (a[0] - a[1])).astype(a[0].dtype),
     "mse_grad": lambda a, n: ((a[0] * a[0].dtype.type(2.0)) * (a[1] - a[2])).astype(a[1].dtype),
     "wait": lambda a, n: a[0],
-    # norms + embedding part (issue 17): layer_norm, rms_norm, dropout, embedding (+ grads)
+    # norms + embedding part: layer_norm, rms_norm, dropout, embedding (+ grads)
     **NORM_NUMPY_OPS,
-    **REDUCE_NUMPY_OPS,  # reductions part (issue 17): parcomp/reference/reduce_ops.py
+    **REDUCE_NUMPY_OPS,  # reductions part: parcomp/reference/reduce_ops.py
 }
 
-# ---- attention part (issue 17): views, RoPE pointwise ops, sdpa ----
+# ---- attention part: views, RoPE pointwise ops, sdpa ----
 from .numpy_attn import NUMPY_ATTN, source_array  # noqa: E402
 
 NUMPY_OPS.update(NUMPY_ATTN)
 # ---- end of the attention part ----
-from .train_ops import TRAIN_NUMPY_OPS  # noqa: E402  training options (issue 13)
+from .train_ops import TRAIN_NUMPY_OPS  # noqa: E402  training options
 
 NUMPY_OPS.update(TRAIN_NUMPY_OPS)
 #: dtypes whose results numpy may widen (bfloat16 matmul gives float32): rounded to the declared
-#: dtype after every op, as torch rounds a bf16/fp16 kernel's float32 accumulation (issue 13)
+#: dtype after every op, as torch rounds a bf16/fp16 kernel's float32 accumulation
 LOW_DTYPES = ("bfloat16", "float16")
 
 
@@ -173,7 +173,7 @@ def run_unsharded(graph, feeds: dict, overrides: dict | None = None, env: dict |
         elif n.op in ("input", "param"):
             if n.name not in feeds:
                 raise KeyError(f"no value given for {n.op} {n.name!r}")
-            env[n.name] = source_array(n, feeds[n.name])  # a fused weight's view (issue 17)
+            env[n.name] = source_array(n, feeds[n.name])  # a fused weight's view
         else:
             env[n.name] = NUMPY_OPS[n.op]([env[i] for i in n.inputs], n)
     return {name: env[v] for name, v in graph.named_outputs()}
@@ -189,6 +189,6 @@ def rerun_with(graph, env: dict, overrides: dict) -> dict:
             new[n.name] = NUMPY_OPS[n.op]([new[i] for i in n.inputs], n)
             dirty.add(n.name)
     return {name: new[v] for name, v in graph.named_outputs()}
-from .moe_ops import MOE_NUMPY_OPS  # noqa: E402  expert parallel MoE (issue 14)
+from .moe_ops import MOE_NUMPY_OPS  # noqa: E402  expert parallel MoE
 
 NUMPY_OPS.update(MOE_NUMPY_OPS)

@@ -1,4 +1,4 @@
-"""numpy semantics of the reductions part (issue 17); merged into
+"""numpy semantics of the reductions part; merged into
 :data:`parcomp.reference.numpy_ops.NUMPY_OPS`.
 
 ``amax`` / ``argmax`` / ``mean`` / ``log`` / ``softmax`` / ``log_softmax`` as torch computes

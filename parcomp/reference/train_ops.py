@@ -1,4 +1,4 @@
-"""numpy of the training-option ops (issue 13): ``clip_coef``."""
+"""numpy of the training-option ops: ``clip_coef``."""
 from __future__ import annotations
 
 import numpy as np

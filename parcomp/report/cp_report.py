@@ -1,4 +1,4 @@
-"""Sequence parallel vs context parallel, for the given sequence length and mesh (issue 14 item 3).
+"""Sequence parallel vs context parallel, for the given sequence length and mesh.
 
 A spec with a ``context-parallel`` or ``sequence-parallel`` statement and a model with
 attention (``sdpa``) gets, in report.json (``sp_vs_cp``) and ``parcomp explain``, a small

@@ -1,4 +1,4 @@
-"""TP inside every expert vs expert parallel, for the routing of given inputs (issue 14).
+"""TP inside every expert vs expert parallel, for the routing of given inputs.
 
 ``parcomp explain`` of a model with MoE layers (``moe_dispatch``) adds, per layer, the seed's
 two alternatives on the spec's ``ep`` axis (or its first axis) of ``n`` ranks, for the routing

@@ -41,11 +41,11 @@ def memory(program, model_params) -> dict:
 
 
 def options_record(opts) -> dict:
-    """The training options of issue 13 as report.json writes them."""
+    """The training options as report.json writes them."""
     name, args = opts.schedule
     from ..passes.train.precision import precision_record
 
-    mixed = getattr(opts, "precision", "fp32") != "fp32"  # mixed precision (issue 13)
+    mixed = getattr(opts, "precision", "fp32") != "fp32"  # mixed precision
     return {"clip_grad_norm": opts.clip_grad_norm, "accumulate": opts.accumulate,
             "lr_schedule": {"name": name, **dict(args)}, **(precision_record(opts) if mixed else {})}
 
@@ -55,7 +55,7 @@ def training_summary(program) -> dict | None:
     t = program.train
     if t is None:
         return None
-    k = t.options.accumulate if t.options else 1  # issue 13: accumulate=K microbatches per step
+    k = t.options.accumulate if t.options else 1  # accumulate=K microbatches per step
     micro = None if t.batch is None else t.batch // (t.dp * k)
     acc = f" x accumulate {k}" if k > 1 else ""
     return {"loss": t.loss, "optimizer": t.optimizer, "hyperparameters": dict(t.hyperparameters),
@@ -85,7 +85,7 @@ def build_report(program, model_params=()) -> dict:
         "training": training_summary(program),
         "search": (_with_note(program.search, recs)
                    if program.train or (program.search or {}).get("data_parallel") is False else program.search),
-        "grad_buckets": grad_buckets(program),  # issue 16: passes/lowering/dp_buckets.py
+        "grad_buckets": grad_buckets(program),  # passes/lowering/dp_buckets.py
     }
 
 

@@ -1,4 +1,4 @@
-"""Sharding rules and VJPs of the attention part (issue 17).
+"""Sharding rules and VJPs of the attention part.
 
 ``sdpa(q, k, v)`` works on ``[batch, heads, seq, head_dim]``; every (batch, head) pair
 is independent, so splitting batch or heads on all three operands is exact (Megatron's
@@ -24,9 +24,9 @@ def sdpa_strategies(node, ts):
     """Single-axis strategies of ``sdpa(q, k, v)`` (see the module docstring)."""
     out = [((R, R, R), R), ((R, R, P), P), ((R, R, Shard(3)), Shard(3))]
     out += [((Shard(d),) * 3, Shard(d)) for d in (0, 1)]
-    if node.attr("cp") == "ring":  # issue 14: K/V blocks around the ring inside the op
+    if node.attr("cp") == "ring":  # K/V blocks around the ring inside the op
         out.append(((Shard(2),) * 3, Shard(2)))
-    elif not node.attr("causal", False) or node.attr("cp"):  # cp: mask at q_start (issue 14)
+    elif not node.attr("causal", False) or node.attr("cp"):  # cp: mask at q_start
         out.append(((Shard(2), R, R), Shard(2)))
     return out
 
@@ -34,7 +34,7 @@ def sdpa_strategies(node, ts):
 def sdpa_grad_strategies(node, ts):
     """Single-axis strategies of ``sdpa_grad(dy, q, k, v)``."""
     out = [((R,) * 4, R), ((P, R, R, R), P)] + [((Shard(d),) * 4, Shard(d)) for d in (0, 1)]
-    if node.attr("cp") == "ring":  # issue 14: dq at its queries, dk/dv returned to their owners
+    if node.attr("cp") == "ring":  # dq at its queries, dk/dv returned to their owners
         out.append(((Shard(2),) * 4, Shard(2)))
     elif not node.attr("causal", False) or node.attr("cp"):  # query rows independent: dq split, dk/dv summed over them
         out.append(((Shard(2), Shard(2), R, R), Shard(2) if node.attr("wrt") == "q" else P))
@@ -43,7 +43,7 @@ def sdpa_grad_strategies(node, ts):
 
 def _sdpa_vjp(b, n, g):
     attrs = {"causal": n.attr("causal", False), "scale": n.attr("scale")}
-    for key in ("window", "cp", "cp_axis", "chunking", "cp_size"):  # context parallel (issue 14): the grads keep the split too
+    for key in ("window", "cp", "cp_axis", "chunking", "cp_size"):  # context parallel: the grads keep the split too
         if n.attr(key):
             attrs[key] = n.attr(key)
     return tuple(b.op("sdpa_grad", [g, *n.inputs], wrt=w, **attrs) for w in "qkv")

@@ -1,4 +1,4 @@
-"""Rules of the MoE ops (issue 14): sharding strategies and VJPs of
+"""Rules of the MoE ops: sharding strategies and VJPs of
 ``moe_route`` (+ ``moe_route_grad``), ``moe_dispatch``, ``moe_combine`` (+ ``moe_combine_grad_c``).
 
 Merged into STRATEGY_RULES and VJP_RULES. Sharding, one mesh axis (tokens

@@ -1,4 +1,4 @@
-"""Rules of the norms + embedding part (issue 17): sharding strategies and VJPs of
+"""Rules of the norms + embedding part: sharding strategies and VJPs of
 ``layer_norm``, ``rms_norm`` (+ ``*_grad``), ``dropout``, ``embedding`` (+ grad).
 
 Merged into the shared tables (:data:`parcomp.rules.sharding.STRATEGY_RULES`,

@@ -1,4 +1,4 @@
-"""Rules of the reductions part (issue 17): sharding strategies and VJPs of
+"""Rules of the reductions part: sharding strategies and VJPs of
 ``log``, ``amax`` (+ ``amax_grad``), ``argmax`` (+ ``argmax_key`` / ``argmax_index``),
 ``mean``, ``softmax``, ``log_softmax``, ``pick`` / ``pick_grad``, ``label_mask``, ``mask_pad``.
 

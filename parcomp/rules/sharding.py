@@ -159,12 +159,12 @@ STRATEGY_RULES = {
     "const": _ones,
     "cross_entropy": _cross_entropy,
     "cross_entropy_grad": _cross_entropy_grad,
-    **NORM_STRATEGY_RULES,  # norms + embedding part (issue 17): parcomp/rules/norms.py
-    **REDUCE_STRATEGY_RULES,  # reductions part (issue 17): parcomp/rules/reductions.py
+    **NORM_STRATEGY_RULES,  # norms + embedding part: parcomp/rules/norms.py
+    **REDUCE_STRATEGY_RULES,  # reductions part: parcomp/rules/reductions.py
 }
 
 
-# ---- attention part (issue 17): views (slice, slice_grad, cat) and sdpa ----
+# ---- attention part: views (slice, slice_grad, cat) and sdpa ----
 from .attention import ATTENTION_STRATEGIES  # noqa: E402
 from .views import VIEW_STRATEGIES  # noqa: E402
 
@@ -220,6 +220,6 @@ def is_valid_strategy(node, in_types, in_layouts, out_layout, mesh) -> bool:
         if pair not in per_axis:
             return False
     return True
-from .moe import MOE_STRATEGY_RULES  # noqa: E402  expert parallel MoE (issue 14)
+from .moe import MOE_STRATEGY_RULES  # noqa: E402  expert parallel MoE
 
 STRATEGY_RULES.update(MOE_STRATEGY_RULES)

@@ -1,4 +1,4 @@
-"""Sharding rules and VJPs of the view ops of the attention part (issue 17): slice, cat.
+"""Sharding rules and VJPs of the view ops of the attention part: slice, cat.
 
 Blocks are contiguous (:class:`parcomp.ir.types.Shard`), so the shard dim is remapped
 only where every rank's block of the result is a block of its operand's block:
@@ -61,7 +61,7 @@ def _cat_vjp(b, n, g):
 
 
 def pad_strategies(node, ts):
-    """``pad`` along ``dim`` (loss part, issue 17): every other dim keeps its split; the padded
+    """``pad`` along ``dim`` (loss part): every other dim keeps its split; the padded
     dim only when nothing is added; partial sums stay partial only for a zero fill (a
     nonzero fill on every rank would be summed ``n`` times)."""
     d = node.attr("dim")

@@ -114,18 +114,18 @@ VJP_RULES = {
     "sum": lambda b, n, g: (b.op("expand", [g], dims=n.attr("dims"), type=b.type(n.inputs[0])),),
     "expand": lambda b, n, g: (b.op("sum", [g], dims=n.attr("dims")),),
     "cross_entropy": _cross_entropy,
-    **NORM_VJP_RULES,  # norms + embedding part (issue 17): parcomp/rules/norms.py
-    **REDUCE_VJP_RULES,  # reductions part (issue 17): parcomp/rules/reductions.py
+    **NORM_VJP_RULES,  # norms + embedding part: parcomp/rules/norms.py
+    **REDUCE_VJP_RULES,  # reductions part: parcomp/rules/reductions.py
 }
 
 
-# ---- attention part (issue 17): views, sdpa, RoPE pointwise ops ----
+# ---- attention part: views, sdpa, RoPE pointwise ops ----
 from .attention import ATTENTION_VJPS  # noqa: E402
 from .views import VIEW_VJPS  # noqa: E402
 
 VJP_RULES.update(VIEW_VJPS)
 VJP_RULES.update(ATTENTION_VJPS)
 # ---- end of the attention part ----
-from .moe import MOE_VJP_RULES  # noqa: E402  expert parallel MoE (issue 14)
+from .moe import MOE_VJP_RULES  # noqa: E402  expert parallel MoE
 
 VJP_RULES.update(MOE_VJP_RULES)

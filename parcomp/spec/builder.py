@@ -9,15 +9,15 @@ from ..cost.links import LINK_KEYS, LINKS
 from ..cost.memory import parse_size
 from ..errors import SourceLoc, SpecError
 from ..ir.types import Mesh, R
-from .ctxpar import make_context_parallel  # context parallel (issue 14)
+from .ctxpar import make_context_parallel  # context parallel
 from .model import LAYOUT_WORDS, LayoutSpec, Rule, Spec, TrainSpec, check_mesh_size, default_axis
-from .moe import make_moe  # MoE capacity policy (issue 14)
+from .moe import make_moe  # MoE capacity policy
 from .stages import make_stage, check_stages
 from .syntax import _WORDS, _hint, _int, _loc
 from .train_config import train_config
 
 _TOPOLOGY = ("nodes", "devices_per_node")
-# how program.py runs on a cluster (issue 16): key -> the words it takes, or None: whole seconds
+# how program.py runs on a cluster: key -> the words it takes, or None: whole seconds
 _LAUNCH_KEYS = {"placement": ("refuse", "warn"), "timeout": None}
 MAX_TIMEOUT_S = 10_000_000  # seconds (~116 days): program.py's --timeout takes at most this
 #: the statements whose payload is ``key=value`` options (each key at most once: _Builder.no_repeats)
@@ -67,12 +67,12 @@ class _Builder:
                 memory = parse_size(str(payload[0]), lambda m: self.err(payload[0], m))
             elif kind == "stage":
                 pass
-            elif kind == "sequence-parallel":  # transformer SP (issue 17)
+            elif kind == "sequence-parallel":  # transformer SP
                 seqpar = (default_axis(self.mesh) if payload[0] is None
                           else self.axis(payload[0], "'sequence-parallel over'"), self.loc(tok))
-            elif kind == "context-parallel":  # context parallel attention (issue 14)
+            elif kind == "context-parallel":  # context parallel attention
                 ctxpar = make_context_parallel(self, tok, payload)
-            elif kind == "moe":  # MoE capacity policy (issue 14)
+            elif kind == "moe":  # MoE capacity policy
                 moe = make_moe(self, tok, payload)
             elif kind == "train":
                 train = TrainSpec(self.options(payload, "option"), self.loc(tok))

@@ -1,4 +1,4 @@
-"""``context-parallel [over AXIS] [lowering=NAME]``: causal attention over a split sequence (issue 14).
+"""``context-parallel [over AXIS] [lowering=NAME]``: causal attention over a split sequence.
 
 The statement says which mesh axis splits the sequence of every ``sdpa`` (default: the axis
 named ``cp``; a mesh without one must say ``over AXIS``, never a silent tp or dp) and how attention is lowered across it:
@@ -32,7 +32,7 @@ from ..errors import SourceLoc
 LOWERINGS = ("all_gather", "all_to_all", "ring")  # all_to_all: DeepSpeed-Ulysses (passes/attention/cp_ulysses.py)
 NOT_BUILT = ("load_balanced",)
 ALIASES = {"ulysses": "all_to_all"}  # DeepSpeed's name for the all_to_all form
-CHUNKINGS = ("contiguous", "balanced")  # issue 14
+CHUNKINGS = ("contiguous", "balanced")
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class ContextParallel:
     axis: str
     lowering: str
     loc: SourceLoc
-    chunking: str = "contiguous"  # or "balanced" (issue 14): parcomp/passes/attention/cp_balance.py
+    chunking: str = "contiguous"  # or "balanced": parcomp/passes/attention/cp_balance.py
 
 
 def make_context_parallel(builder, tok, payload) -> ContextParallel:
@@ -63,7 +63,7 @@ def make_context_parallel(builder, tok, payload) -> ContextParallel:
                                f"has no 'cp' axis ({builder.axes_text()}); say 'context-parallel over AXIS'")
     lowering, chunking = LOWERINGS[0], "contiguous"
     for key, val in options:
-        if str(key) == "chunking":  # load-balanced causal chunking (issue 14)
+        if str(key) == "chunking":  # load-balanced causal chunking
             chunking = _chunking(builder, key, val)
             continue
         if str(key) != "lowering":

@@ -205,11 +205,11 @@ class Spec:
     memory_loc: SourceLoc | None = None
     stages: tuple = ()  # StageRule per pipeline stage, in stage order (empty: none given)
     launch: tuple = ()  # the topology's placement= / timeout= pairs, sorted (program.py's defaults)
-    # `sequence-parallel [over AXIS]` (transformer SP, issue 17): (axis, loc) or None
+    # `sequence-parallel [over AXIS]` (transformer SP): (axis, loc) or None
     sequence_parallel: tuple | None = None
-    # `context-parallel [over AXIS] [lowering=...]` (issue 14): parcomp.passes.attention.ctxpar.ContextParallel or None
+    # `context-parallel [over AXIS] [lowering=...]`: parcomp.passes.attention.ctxpar.ContextParallel or None
     context_parallel: object = None
-    # `moe capacity_factor=F [drop=tokens]` / `moe drop=none` (issue 14): parcomp.spec.moe.MoeSpec or None
+    # `moe capacity_factor=F [drop=tokens]` / `moe drop=none`: parcomp.spec.moe.MoeSpec or None
     moe: object = None
 
     def default_axis(self) -> str:

@@ -1,4 +1,4 @@
-"""``moe capacity_factor=F [drop=tokens]`` / ``moe drop=none``: the MoE capacity policy (issue 14).
+"""``moe capacity_factor=F [drop=tokens]`` / ``moe drop=none``: the MoE capacity policy.
 
 The statement sets the capacity of every MoE layer of the model (every ``moe_route`` and the
 ``moe_dispatch`` it feeds), whatever capacity the model was built with:

@@ -85,7 +85,7 @@ def check_stages(builder, stages: list, train) -> tuple:
     if train is not None and train.get("stages") is not None:
         raise builder.err_at(train.loc, "stages=balanced and stage statements both say where "
                                         "the stages are: keep one")
-    if train is not None and train.get("schedule") == "interleaved":  # issue 10: virtual stages
+    if train is not None and train.get("schedule") == "interleaved":  # virtual stages
         raise builder.err_at(stages[0].loc, "schedule=interleaved cuts the model into pp x virtual "
                                             "balanced chunks; drop the stage statements")
     return tuple(sorted(stages, key=lambda s: s.index))

@@ -26,8 +26,8 @@ WORDS = {  # every terminal of grammar.lark, as a syntax error says it
     "REP": _PLACEMENT, "SHARD": _PLACEMENT, "PART": _PLACEMENT,
     "MESH": "'mesh'", "TOPOLOGY": "'topology'", "TRAIN": "'train'", "MEMORY": "'memory'",
     "SEQPAR": "'sequence-parallel'",
-    "CTXPAR": "'context-parallel'",  # context parallel (issue 14)
-    "MOE": "'moe'",  # MoE capacity policy (issue 14)
+    "CTXPAR": "'context-parallel'",  # context parallel
+    "MOE": "'moe'",  # MoE capacity policy
     "MEMSIZE": "a memory size such as 80GiB (units B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)",
     "STAGE": "'stage'", "COLON": "':'", "RANGE": "a range of numbered modules such as h.0-5",
     "PARAM": "a rule target (param, input, output or activation)",

@@ -92,7 +92,7 @@ class TrainConfig:
     input_grads: bool = True
     output: str | None = None
     loss_args: tuple = ()  # cross_entropy's ignore_index / label_smoothing (torch's defaults)
-    options: object = None  # training options (issue 13): parcomp/spec/train_options.py
+    options: object = None  # training options: parcomp/spec/train_options.py
     microbatches: int = 1
     schedule: str = "1f1b"
     stages: str | None = None
@@ -143,14 +143,14 @@ def train_config(spec) -> TrainConfig:
     if output is not None and not isinstance(output, str):
         raise SpecError(f"output={output!r}: name a model output (quote a name with dots: "
                         f'output="a.b")', option_loc(t.loc, "output"))
-    options = train_options(t, hyper, _number, _check_range)  # issue 13
-    bucket_cap_bytes(spec, option_loc(t.loc, BUCKET_KEY))  # issue 16: checked here, read by the bucket-dp-grads lowering
+    options = train_options(t, hyper, _number, _check_range)
+    bucket_cap_bytes(spec, option_loc(t.loc, BUCKET_KEY))  # checked here, read by the bucket-dp-grads lowering
     return TrainConfig(loss, name, tuple(sorted(hyper.items())), batch, steps, zero,
                        str(t.get("trainable", "**")), t.loc, input_grads == "yes", output, loss_args,
                        options, *_pipeline_options(spec, t))
 
 
-# reductions part (issue 17): loss=cross_entropy(ignore_index=-100, label_smoothing=0.0), torch's
+# reductions part: loss=cross_entropy(ignore_index=-100, label_smoothing=0.0), torch's
 CE_OPTIONS = {"ignore_index": (int, (-(1 << 62), 1 << 62, True)), "label_smoothing": (float, (0, 1, True))}
 
 

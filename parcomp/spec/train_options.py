@@ -1,4 +1,4 @@
-"""Training options of the ``train`` line (issue 13): gradient clipping, LR schedules, accumulation.
+"""Training options of the ``train`` line: gradient clipping, LR schedules, accumulation.
 
 ``clip_grad_norm=C``
     torch.nn.utils.clip_grad_norm_(params, C) before the update: every gradient times

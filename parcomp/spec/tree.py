@@ -26,8 +26,8 @@ class _Tree(Transformer):
 
     mesh, topology, train = _statement("mesh"), _statement("topology"), _statement("train")
     memory, seqpar = _statement("memory"), _statement("sequence-parallel")
-    ctxpar = _statement("context-parallel")  # context parallel (issue 14)
-    moe = _statement("moe")  # MoE capacity policy (issue 14)
+    ctxpar = _statement("context-parallel")  # context parallel
+    moe = _statement("moe")  # MoE capacity policy
     stage = _statement("stage")
     del _statement
 

@@ -1,4 +1,4 @@
-"""The cluster runtime of program.py (issue 16): agreement on failure, the placement check at
+"""The cluster runtime of program.py: agreement on failure, the placement check at
 start, process groups, the Ascend prelude order, timeouts and ``--print-launch``.
 
 Three torchrun runs (slow): a checkpoint missing on one of two simulated nodes; dp=2 x tp=2

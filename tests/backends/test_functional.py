@@ -1,4 +1,4 @@
-"""Functional collectives and ``program.py --compile`` (issue 16).
+"""Functional collectives and ``program.py --compile``.
 
 A tp=2 AdamW training program emitted with ``functional=True`` runs twice under torchrun
 (CPU/gloo): eager, with every ``train_step`` counted for host syncs (none), and under

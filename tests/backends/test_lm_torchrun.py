@@ -1,4 +1,4 @@
-"""The shipped transformer specs under torchrun (issue 17): `parcomp run` launches program.py
+"""The shipped transformer specs under torchrun: `parcomp run` launches program.py
 on gloo ranks (free-running and step by step from the unsharded run's state) and compares
 logits' loss, gradients, parameters and optimizer state with the unsharded transformers model
 and torch.optim. A few launches only: TP+SP for both models on 2 ranks, DP x TP on 4."""

@@ -1,4 +1,4 @@
-"""Checkpoint loading (issue 15): each rank reads only its own bytes, from one .safetensors
+"""Checkpoint loading: each rank reads only its own bytes, from one .safetensors
 or .pt file or transformers' sharded layout; key map, dtype rule, load report, and every
 broken file a clear error naming it (exit 2 on every rank, no hang).
 
@@ -229,7 +229,7 @@ def test_the_loading_section_is_pasted_into_every_program():
 
 # --- torchrun: 0.5 GB, each rank's peak memory; broken files exit 2 on every rank ----------
 
-# the loader every program.py used before issue 15: the whole file, then this rank's slices
+# the loader every program.py used before the whole file, then this rank's slices
 WHOLE_FILE_LOAD = """\
 import json, resource, sys
 import torch, torch.distributed

@@ -1,4 +1,4 @@
-"""The norms + embedding part (issue 17) against torch: the dropout mask bit for bit, the
+"""The norms + embedding part against torch: the dropout mask bit for bit, the
 aten lowerings (LayerNorm, RMSNorm, LlamaRMSNorm, Embedding, dropout, native ops), tied
 embeddings against autograd, and the
 emitted program of a sequence- and vocab-parallel block under torchrun."""

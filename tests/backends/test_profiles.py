@@ -295,7 +295,7 @@ def test_topology_other_axes_may_span_nodes():
 
 
 def test_cuda_program_turns_tf32_off_after_binding_the_device(gpt2):
-    """parcomp run's float32 tolerance assumes fp32 rounding: the cuda program sets TF32 off (issue 16)."""
+    """parcomp run's float32 tolerance assumes fp32 rounding: the cuda program sets TF32 off."""
     cuda = emit_program(gpt2[2], "cuda")
     body = cuda[cuda.index("def profile_device():"):cuda.index("# ---- end of PROFILE ----")]
     assert body.index("torch.cuda.set_device(LOCAL_RANK)") < body.index(

@@ -186,14 +186,14 @@ OP_CASES = {  # op: (operand shapes, result shape, attrs)
     "sum": (((2, 3, 4),), (2,), {"dims": (1, 2)}), "sum_none": (_UNARY, (2, 3), {"dims": ()}),
     "expand": (((2,),), (2, 3), {"dims": (1,)}), "ones": ((), (2, 3), {}),
     "pow_grad": (_BINARY, (2, 3), {"exponent": 3.0}),
-    # attention part (issue 17)
+    # attention part
     "slice": (_UNARY, (2, 1), {"dim": 1, "start": 1, "stop": 3, "step": 2}),
     "slice_grad": (((2, 2),), (2, 4), {"dim": 1, "start": 1, "stop": 4, "step": 2}),
     "cat": (((2, 3), (2, 1), (2, 2)), (2, 6), {"dim": 1}),
     "sdpa": (((2, 2, 3, 4),) * 3, (2, 2, 3, 4), {"causal": True, "scale": 0.4}),
     "sdpa_grad": (((2, 2, 3, 4),) * 4, (2, 2, 3, 4), {"causal": True, "scale": 0.4, "wrt": "k"}),
     "arange": ((), (5,), {"start": 1, "step": 0.5}),
-    # model-computed loss (issue 17, loss17): transformers pads the labels before shifting them
+    # model-computed loss: transformers pads the labels before shifting them
     "pad": (_UNARY, (2, 6), {"dim": 1, "before": 1, "after": 2, "value": 0.5}),
 }
 
@@ -204,15 +204,15 @@ COMPUTE_OPS = sorted(set(OP_FORMATS) - set(LAYOUT_OPS) - {"relayout", "adamw_par
                                                             "cross_entropy_grad"} - set(LOWERED)
                      - set(NORM_FORMATS)  # norms + embedding part: in test_torch_training.py
                      - set(REDUCE_FORMATS)  # reductions part: tests/rules/test_reductions.py
-                     - {"clip_coef"}  # issue 13: a sum of squares (>= 0), in test_torch_training.py
-                     # issue 13 fp16 loss scaling: scalar scaler state operands; program.py runs them
+                     - {"clip_coef"}  # a sum of squares (>= 0), in test_torch_training.py
+                     # fp16 loss scaling: scalar scaler state operands; program.py runs them
                      # against torch's GradScaler in tests/training/test_precision.py
                      - {"amp_ratio", "amp_select", "amp_tracker"}
-                     # issue 14 MoE: routing weights, int capacities and ragged sizes as operands;
+                     # MoE: routing weights, int capacities and ragged sizes as operands;
                      # program.py runs them against the interpreter in tests/moe/test_moe.py (torchrun)
                      - {"moe_route", "moe_route_grad", "moe_dispatch", "moe_combine", "moe_combine_grad_c",
                         "all_to_all_ragged"}
-                     # issue 14 ring attention / balanced chunking: point-to-point inside the op, a
+                     # ring attention / balanced chunking: point-to-point inside the op, a
                      # process group; program.py runs them in tests/context_parallel/test_cp_ring.py (torchrun)
                      - {"sdpa_ring", "sdpa_grad_ring", "arange_balanced"})
 

@@ -42,12 +42,12 @@ F = torch.nn.functional
 _X = ((2, 3), (2, 3))
 COMPUTE_OPS = sorted(set(OP_FORMATS) - set(LAYOUT_OPS) - {"relayout"}  # lowered ops: test_lowering.py
                      - {op for op, d in OPS.items() if d.kind == "lowered"}
-                     - set(REDUCE_FORMATS)  # reductions part (issue 17): tests/rules/test_reductions.py
-                     # fp16 loss scaling (issue 13): scalar scaler state, tests/training/test_precision.py;
-                     # MoE (issue 14): routing operands, tests/moe/test_moe.py (torchrun vs interpreter)
+                     - set(REDUCE_FORMATS)  # reductions part: tests/rules/test_reductions.py
+                     # fp16 loss scaling: scalar scaler state, tests/training/test_precision.py;
+                     # MoE: routing operands, tests/moe/test_moe.py (torchrun vs interpreter)
                      - {"amp_ratio", "amp_select", "amp_tracker", "moe_route", "moe_route_grad", "moe_dispatch",
                         "moe_combine", "moe_combine_grad_c", "all_to_all_ragged"}
-                     # issue 14 ring attention / balanced chunking: point-to-point inside the op;
+                     # ring attention / balanced chunking: point-to-point inside the op;
                      # program.py runs them in tests/context_parallel/test_cp_ring.py (torchrun vs interpreter)
                      - {"sdpa_ring", "sdpa_grad_ring", "arange_balanced"})
 SHAPED_CASES = {  # case: (op, operand shapes, result shape, attrs); "i:2,3" = int64 labels in [0, 5)
@@ -75,7 +75,7 @@ SHAPED_CASES = {  # case: (op, operand shapes, result shape, attrs); "i:2,3" = i
     "expand_0d": ("expand", ((),), (2, 3), {"dims": (0, 1)}),
     "scale_0d": ("scale", ((),), (), {"value": 0.25}),
     "pow_grad_0d": ("pow_grad", ((), ()), (), {"exponent": 2.0}),
-    # attention part (issue 17)
+    # attention part
     "slice": ("slice", ((2, 3),), (2, 2), {"dim": 1, "start": 0, "stop": 3, "step": 2}),
     "slice_grad": ("slice_grad", ((1, 3),), (2, 3), {"dim": 0, "start": 1, "stop": 2, "step": 1}),
     "cat": ("cat", ((2, 3), (1, 3)), (3, 3), {"dim": 0}),
@@ -84,7 +84,7 @@ SHAPED_CASES = {  # case: (op, operand shapes, result shape, attrs); "i:2,3" = i
     "sdpa": ("sdpa", ((1, 2, 3, 4),) * 3, (1, 2, 3, 4), {"scale": 0.5}),
     **{"sdpa_grad" + ("" if w == "q" else f"_{w}"): ("sdpa_grad", ((1, 2, 3, 4),) * 4, (1, 2, 3, 4),
                                                     {"causal": True, "scale": 0.5, "wrt": w}) for w in "qkv"},
-    # norms + embedding part (issue 17); helpers from backends/torch/runtime/program_norms.py
+    # norms + embedding part; helpers from backends/torch/runtime/program_norms.py
     "layer_norm": ("layer_norm", ((2, 3, 8), (8,), (8,)), (2, 3, 8), {"eps": 1e-5}),
     "layer_norm_plain": ("layer_norm", ((2, 3, 8),), (2, 3, 8), {"eps": 1e-5}),
     "rms_norm": ("rms_norm", ((2, 3, 8), (8,)), (2, 3, 8), {"eps": 1e-6}),
@@ -94,7 +94,7 @@ SHAPED_CASES = {  # case: (op, operand shapes, result shape, attrs); "i:2,3" = i
     "dropout": ("dropout", ((4, 6),), (4, 6), {"p": 0.3, "seed": 11}),
     "embedding": ("embedding", ("i:2,3", (5, 4)), (2, 3, 4), {}),
     "embedding_grad": ("embedding_grad", ((2, 3, 4), "i:2,3"), (5, 4), {}),
-    # training options (issue 13): the clipping factor of a sum of squares, clipped and not
+    # training options: the clipping factor of a sum of squares, clipped and not
     "clip_coef": ("clip_coef", ("abs:",), (), {"max_norm": 0.5}),
     "clip_coef_off": ("clip_coef", ("abs:",), (), {"max_norm": 40.0}),
 }
@@ -370,7 +370,7 @@ def test_program_steps_out_of_range_is_an_argument_error(tmp_path):
 
 @pytest.mark.slow
 def test_buffer_model_three_steps_on_two_ranks_like_torch(tmp_path):
-    """Issue 7: ``fc2(relu(fc1(x)) * s)`` with a buffer ``s``, tp=2, 3 SGD steps."""
+    """``fc2(relu(fc1(x)) * s)`` with a buffer ``s``, tp=2, 3 SGD steps."""
     from train_models import BUFFER_SPEC
 
     from parcomp.frontends.torch.export import import_torch

@@ -1,4 +1,4 @@
-"""Sharded checkpoints of a training program.py (issue 13): torch.distributed.checkpoint save and
+"""Sharded checkpoints of a training program.py: torch.distributed.checkpoint save and
 resume, on the same or another mesh; atomic saves."""
 from __future__ import annotations
 

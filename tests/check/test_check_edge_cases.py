@@ -1,4 +1,4 @@
-"""A new user's attempts to break parcomp (issue 7 follow-up): each is a located error
+"""A new user's attempts to break parcomp: each is a located error
 (exit 2, no traceback), a sound verdict, or a supported case."""
 import json
 import os

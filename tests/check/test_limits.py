@@ -1,4 +1,4 @@
-"""Limits: inputs that used to hang, exhaust memory or print nonsense (issue 7).
+"""Limits: inputs that used to hang, exhaust memory or print nonsense.
 
 - A mesh has at most 2^20 ranks, checked at the mesh line before anything is
   enumerated; the topology check and placement summary are arithmetic.

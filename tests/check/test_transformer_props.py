@@ -1,4 +1,4 @@
-"""Hypothesis over whole random small transformer LMs (issue 17) on the numpy interpreter:
+"""Hypothesis over whole random small transformer LMs on the numpy interpreter:
 heads and kv heads (GQA, fewer kv heads than ranks included), head dim, layers, sequence,
 batch, a vocab not divisible by tp (padded, `mask_pad`), LayerNorm or RMSNorm, GELU or
 SiLU-gated MLP, tied or untied LM head, vocab-parallel or not, `sequence-parallel` or not,

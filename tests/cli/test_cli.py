@@ -152,7 +152,7 @@ def test_check_trains_a_buffer_model_for_the_specs_steps_like_torch(tmp_path, ca
 
 
 def test_check_fails_when_a_buffer_is_updated(tmp_path, capsys, monkeypatch):
-    """The compiler of issue 7 (a buffer given a gradient and an SGD update): step 1 is
+    """The compiler (a buffer given a gradient and an SGD update): step 1 is
     equal to torch's, steps 2-3 are not, and the buffer itself differs: check says so."""
     from train_models import BUFFER_SPEC, MODELS
 

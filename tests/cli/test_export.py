@@ -1,4 +1,4 @@
-"""``parcomp export`` / :func:`parcomp.cli.export.export_pretrained` (issue 13): a saved training
+"""``parcomp export`` / :func:`parcomp.cli.export.export_pretrained`: a saved training
 checkpoint as a directory transformers' ``from_pretrained`` reads, tied weights included."""
 from __future__ import annotations
 

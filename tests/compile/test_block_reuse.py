@@ -1,4 +1,4 @@
-"""Block-plan reuse (issue 17, parcomp/repeat*.py): a model of many repeated blocks compiled
+"""Block-plan reuse (parcomp/repeat*.py): a model of many repeated blocks compiled
 from a 5-block compile stamped to every block gives, byte for byte, the whole-graph compile's
 program.py, report and logical/sharded/program IR; where the stamp does not fit, the whole
 graph is compiled.

@@ -1,4 +1,4 @@
-"""Compile speed of deep transformers (issue 17, issue 11 item 4): the shortcuts that make a
+"""Compile speed of deep transformers: the shortcuts that make a
 deep model's compile linear in its depth give exactly the plans of the full work.
 
 - shard-prop: nodes of repeated blocks share one option list (a relayout's ``origin``, the
@@ -254,7 +254,7 @@ def test_evolve_is_dataclasses_replace():
         evolve(n, name="z").name = "w"
 
 
-# ---- linear in depth (issue 17 "Speed"): whole-program facts found once, not per node ----
+# ---- linear in depth: whole-program facts found once, not per node ----
 
 def _compiled_lm(n_layer, spec_name):
     from parcomp.compile.compiler import compile_graph

@@ -1,4 +1,4 @@
-"""The shipped transformer specs (issue 17): GPT-2 and Llama LMs from torch.export, TP=2 and
+"""The shipped transformer specs: GPT-2 and Llama LMs from torch.export, TP=2 and
 DP=2 x TP=2 training, checked step by step against the unsharded model and torch.optim."""
 from __future__ import annotations
 
@@ -38,10 +38,10 @@ def test_gpt2_lm_dp2_tp2_trains_like_torch(capsys):
     rc, out = _check(capsys, "gpt2_lm", "gpt2_lm_dp2_tp2_train.pcs")
     assert rc == 0
     assert_check_ok(out)
-    # data parallel (issue 11): nothing gathered over dp, each gradient summed over dp; Megatron's
+    # data parallel: nothing gathered over dp, each gradient summed over dp; Megatron's
     # 4 all_reduce over tp a block, except backward values partial over dp as well, summed over
     # the joint dp,tp group at once; the 17 gradients summed over dp alone go in 3 buckets
-    # (issue 16: a bucket holds gradients of one layout)
+    # (a bucket holds gradients of one layout)
     counts = collections.Counter((c["kind"], c["axis"], c["phase"]) for c in out["collectives"])
     assert counts == {("all_reduce", "tp", "forward"): 4, ("all_reduce", "tp", "backward"): 3,
                       ("all_reduce", "dp,tp", "backward"): 3, ("all_reduce", "dp", "loss"): 2,

@@ -1,4 +1,4 @@
-"""Compile speed, post-pass work (issue 17, emitspeed): the faster emitter, Program/report
+"""Compile speed, post-pass work: the faster emitter, Program/report
 builders and verifier give what the plain code gives. Each reference below is the code
 before the change (or a plain statement of what it computes): comment wrapping is
 ``textwrap.wrap``; ``_plain_code`` is the emitter's per-node text without its shortcuts;

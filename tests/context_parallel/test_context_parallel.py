@@ -1,4 +1,4 @@
-"""Context parallel attention (issue 14): the `context-parallel` statement, its located errors, the
+"""Context parallel attention: the `context-parallel` statement, its located errors, the
 all_gather lowering (K/V gathered forward, dK/dV reduce-scattered to their owners backward), the
 causal mask at each rank's global query rows, equal to unsharded forward and backward."""
 import json

@@ -1,4 +1,4 @@
-"""Ring attention (issue 14, `context-parallel lowering=ring`): K/V blocks around the cp ring with an
+"""Ring attention (`context-parallel lowering=ring`): K/V blocks around the cp ring with an
 online-softmax merge, the causal mask from global positions (fully masked blocks skipped), a
 backward that uses each step's own K/V block and returns dK/dV to their owners; equal to
 unsharded forward and backward on the interpreter and under torchrun (2 gloo ranks)."""

@@ -1,4 +1,4 @@
-"""Context parallel, the all_to_all (DeepSpeed-Ulysses) lowering (issue 14): q/k/v exchanged from
+"""Context parallel, the all_to_all (DeepSpeed-Ulysses) lowering: q/k/v exchanged from
 the sequence split to a heads split, attention with the unsharded causal mask, the output
 exchanged back; backward mirrored; GQA with fewer kv heads than cp ranks (kv heads repeated, their
 gradients summed over the copies); equal to unsharded forward and backward. Also the SP vs CP

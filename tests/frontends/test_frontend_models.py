@@ -1,4 +1,4 @@
-"""Whole transformers through torch.export (issue 17): the ``gpt2_lm`` / ``llama_lm``
+"""Whole transformers through torch.export: the ``gpt2_lm`` / ``llama_lm``
 factories, the exact aten inventory each exports to, what constant folding removes,
 and the located error for an op without a lowering."""
 from __future__ import annotations
@@ -58,7 +58,7 @@ FOLDED_AWAY = {
                  "aten.ne.Scalar", "aten.new_ones.default", "aten.sin.default", "aten.sub.Tensor",
                  "aten.to.device", "aten.to.dtype_layout"},
 }
-# lowerings another part of issue 17 adds (its own TABLE rows), until they are merged
+# lowerings another part adds (its own TABLE rows), until they are merged
 OTHER_PARTS = {
     "aten.embedding.default": "norms", "aten.layer_norm.default": "norms",
     "aten.mean.dim": "reductions",
@@ -95,7 +95,7 @@ def test_exact_op_inventory(made):
     inv = op_inventory(module, inputs)
     assert inv["lowered"] == LOWERED[name]
     assert set(inv["exported"]) - set(inv["lowered"]) == FOLDED_AWAY[name]
-    # every op left is lowered here or by another part of issue 17
+    # every op left is lowered here or by another part
     missing = set(inv["lowered"]) - set(supported_ops())
     assert missing <= set(OTHER_PARTS), sorted(missing - set(OTHER_PARTS))
 
@@ -132,7 +132,7 @@ def test_llama_folds_rope_tables_and_the_causal_mask():
 
 
 def test_whole_model_matches_transformers_or_names_the_missing_op(made):
-    """With every op lowered (issue 17 merged), the numpy run of the graph equals the
+    """With every op lowered, the numpy run of the graph equals the
     transformers model; before that, the import fails at an op another part lowers,
     naming it, its module and what to do about it (parcomp.frontends.torch.hints)."""
     name, (module, inputs, names) = made

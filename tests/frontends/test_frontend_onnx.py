@@ -1,4 +1,4 @@
-"""ONNX frontend (issue 9): torch.onnx exports compile with the torch specs, equal results
+"""ONNX frontend: torch.onnx exports compile with the torch specs, equal results
 (interpreter, onnx's reference evaluator, onnxruntime, torchrun), weight orientation by
 use, GELU patterns, located errors.
 

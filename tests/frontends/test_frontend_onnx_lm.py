@@ -1,4 +1,4 @@
-"""ONNX frontend, transformer op set (issue 9): GPT-2 and Llama exported with torch.onnx
+"""ONNX frontend, transformer op set: GPT-2 and Llama exported with torch.onnx
 compile with the shipped LM specs, run at TP=2 on the interpreter and equal onnxruntime on
 the unsharded file; attention, RMSNorm and position ids are recognised; what is not
 supported is a located error.

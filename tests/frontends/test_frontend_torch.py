@@ -152,7 +152,7 @@ def test_scalar_inplace_and_layout_ops_match_torch():
 
 
 class MoreViews(nn.Module):
-    """The frontend part's lowerings (issue 17) onto existing ops."""
+    """The frontend part's lowerings onto existing ops."""
 
     def __init__(self):
         super().__init__()

@@ -1,4 +1,4 @@
-"""A transformers model that computes its own loss (issue 17, item 5): called with ``labels``,
+"""A transformers model that computes its own loss: called with ``labels``,
 ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` pad the labels with -100, shift them and take the
 mean cross-entropy over the counted tokens (``ForCausalLMLoss``). The frontend lowers
 ``aten.pad`` to parcomp's ``pad`` and ``aten.cross_entropy_loss`` / ``nll_loss`` to the

@@ -1,4 +1,4 @@
-"""A torch model's vocab not divisible by tp (issue 17): GPT-2's tied table (101 rows, as
+"""A torch model's vocab not divisible by tp: GPT-2's tied table (101 rows, as
 50257 is odd) split over tp=2 is padded to 102 rows the way Megatron pads it; the padded
 logits are masked and sliced off, the loss stays vocab-parallel, and everything equals the
 unsharded transformers model and torch.optim (parcomp/passes/vocab_pad.py)."""

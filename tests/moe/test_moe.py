@@ -1,4 +1,4 @@
-"""Expert parallel MoE (issue 14): Mixtral's block through the MoE ops, ep=2 / ep=2 x tp=2 /
+"""Expert parallel MoE: Mixtral's block through the MoE ops, ep=2 / ep=2 x tp=2 /
 dp x ep training steps on the interpreter and under torchrun, the ragged all_to_all, and
 hypothesis over expert counts, top-k, capacities and routings."""
 from __future__ import annotations
@@ -171,12 +171,12 @@ def test_dp2_ep2_expert_gradients_never_reduced_over_ep():
     grads = [(e["name"], e["axis"], e["kind"]) for e in c.report["collectives"]
              if e["phase"] == "backward" and e["kind"] in ("all_reduce", "reduce_scatter")]
     assert not [g for g in grads if "experts" in g[0] and "ep" in g[1].split(",")], grads
-    # the expert weights' gradients: one dp bucket (issue 16), never over ep
+    # the expert weights' gradients: one dp bucket, never over ep
     buckets = c.report["grad_buckets"]["buckets"]
     assert [(b["axis"], sorted(b["members"])) for b in buckets] == [
         ("dp", ["experts.down_proj", "experts.gate_proj", "experts.up_proj"])]
     # the router's gradient (from the logits' gradient) is the one all_reduce over both axes:
-    # the joint dp,ep group (issue 11)
+    # the joint dp,ep group
     assert {(g.split(".")[1], a) for g, a, k in grads if k == "all_reduce"} == {("logits", "dp,ep"),
                                                                                 ("grad_bucket0", "dp")}
 

@@ -1,4 +1,4 @@
-"""The spec's MoE capacity policy (issue 14): ``moe capacity_factor=F [drop=tokens]`` / ``moe
+"""The spec's MoE capacity policy: ``moe capacity_factor=F [drop=tokens]`` / ``moe
 drop=none`` (parcomp/spec/moe.py, parcomp/passes/moe_capacity.py): the graph the spec makes is
 the graph of the model built with that capacity, the ep=2 step equals the unsharded step and
 torch's with that capacity, a token dropped from every slot leaves the block as zeros (the

@@ -1,4 +1,4 @@
-"""Shared experts (Qwen-MoE) and dp x ep (issue 14): specs/models.py:moe_block_shared equals
+"""Shared experts (Qwen-MoE) and dp x ep: specs/models.py:moe_block_shared equals
 transformers' Qwen2MoeSparseMoeBlock; its ep=2 and dp=2 x ep=2 training steps equal the
 unsharded step, with the exact collectives: the tokens travel by all_to_all over ep (on dp x ep
 too, where dp splits the same rows), the routed experts' gradients are reduced over dp only,

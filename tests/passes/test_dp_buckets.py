@@ -1,4 +1,4 @@
-"""Gradient bucketing of dp reductions (issue 16, item 5): parcomp/passes/lowering/dp_buckets.py.
+"""Gradient bucketing of dp reductions: parcomp/passes/lowering/dp_buckets.py.
 
 The collective lists of the tiny ReLU MLP at dp=2 and of an MLP at dp=2 x tp=2 are pinned,
 bucketed and not (``bucket_cap_mb=0``); the interpreter runs the same flatten -> all_reduce
@@ -86,7 +86,7 @@ def test_dp2_tp2_tp_split_gradients_share_a_bucket_the_replicated_bias_does_not(
     assert tp == [("all_reduce", "forward"), ("all_reduce", "backward")]
     assert dp_collectives(c) == [("all_reduce", "backward", 2112, "[P, S(0)]", "[R, S(0)]"),  # 16x8 x2 + 8
                                  ("all_reduce", "backward", 64, "[P, R]", "[R, R]")]
-    # the loss: one all_reduce over the joint dp,tp group (issue 11)
+    # the loss: one all_reduce over the joint dp,tp group
     assert [(r["kind"], r["phase"]) for r in c.report["collectives"] if r["axis"] == "dp,tp"] == [("all_reduce", "loss")]
     (b,) = c.report["grad_buckets"]["buckets"]
     assert b["members"] == ["l1.weight", "l0.bias", "l0.weight"]

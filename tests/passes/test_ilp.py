@@ -29,7 +29,7 @@ return %output
 
 
 def test_value_used_twice_trains_with_one_all_reduce():
-    """issue 11: ``y = fc(x)`` (rowwise, x split-hidden), model returns ``y @ y.t()``,
+    """``y = fc(x)`` (rowwise, x split-hidden), model returns ``y @ y.t()``,
     trained: the heuristic kept ``y`` partial for one use and needed 2-3 all_reduce;
     the exact plan reduces ``y`` once and the backward needs nothing more."""
     c = compile_graph(parse_graph(YYT), spec("mesh tp=2\nfc.weight rowwise\ninput x split-hidden\n"
@@ -123,7 +123,7 @@ def test_exact_search_equals_brute_force_on_random_dags(case):
 @given(dags(mesh="dp=2 tp=2", steps=(2, 4), training=False))
 def test_exact_search_equals_brute_force_on_two_axes(case):
     """The same on dp=2 x tp=2, where redistributions may be one collective over the joint
-    group and the batch is never gathered over dp, unless no plan can avoid it (issue 11).
+    group and the batch is never gathered over dp, unless no plan can avoid it.
     Forward graphs only: a training step's 20 nodes of up to 36 strategies each are beyond
     brute force."""
     _check_against_brute_force(case)

@@ -1,4 +1,4 @@
-"""Collectives over several mesh axes at once (issue 11): one all_reduce / all_gather /
+"""Collectives over several mesh axes at once: one all_reduce / all_gather /
 reduce_scatter over the joint group ``dp,tp`` when a layout change spans both axes.
 
 Pinned: the exact collective lists of 2-D data parallel (5 joint all_reduce, was 10) and of a
@@ -204,7 +204,7 @@ def test_where_no_plan_keeps_the_batch_split_every_plan_is_searched():
 def test_the_forward_never_sums_the_batch_over_dp():
     """A partial sum over dp in the forward (a dim moved onto dp, then contracted) would make
     the batch whole on every dp rank, a gather in disguise: not allowed either, so the plan's
-    forward has no collective over dp (issue 11)."""
+    forward has no collective over dp."""
     g = mlp_graph((8,), [8, 16, 8], [True, True], ["relu"])
     c = compile_graph(g, spec(DP2D))
     assert c.report["search"]["data_parallel"] is True

@@ -41,9 +41,9 @@ def _model(spec_name):
     factory = spec_name.split("_tp")[0].split("_dp")[0]
     if spec_name.startswith("moe_lm"):  # a whole MoE LM: specs/moe_lm_ep2_train.pcs
         factory = "moe_lm"
-    elif spec_name.startswith("moe_"):  # issue 14: specs/moe_ep2*_train.pcs
+    elif spec_name.startswith("moe_"):  # specs/moe_ep2*_train.pcs
         factory = "moe_block_shared" if spec_name.startswith("moe_shared") else "moe_block"
-    factory = "causal_attention" if spec_name.startswith("attention_cp") else factory  # issue 14
+    factory = "causal_attention" if spec_name.startswith("attention_cp") else factory
     if factory == "gpt2_mlp":
         pytest.importorskip("transformers")
     pytest.importorskip("torch")
@@ -222,7 +222,7 @@ LOWERED_CASES = {  # case: (op, operand shapes, result shape, attrs); "abs:" non
     "mse_sum": ("mse_sum", ((2, 3), (2, 3)), (), {}),
     "mse_grad": ("mse_grad", ((), (2, 3), (2, 3)), (2, 3), {}),
     "adamw_param_inplace": ("adamw_param", ((2, 3), (2, 3), "abs", "t"), (2, 3), {**_ADAMW, "inplace": True}),
-    # norms part (issue 17): the bucketed all_reduce of norm-weight gradients (passes/lowering/bucket.py)
+    # norms part: the bucketed all_reduce of norm-weight gradients (passes/lowering/bucket.py)
     "bucket_cat": ("bucket_cat", ((2, 3), (4,), (3,)), (13,), {}),
     "bucket_part": ("bucket_part", ((13,),), (2, 3), {"offset": 4, "numel": 6}),
 }

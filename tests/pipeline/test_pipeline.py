@@ -1,4 +1,4 @@
-"""Pipeline parallelism (issue 10): stage statements, split-stages, schedules, the simulator,
+"""Pipeline parallelism: stage statements, split-stages, schedules, the simulator,
 and a pipelined training step on the numpy interpreter equal to the unsharded step."""
 import importlib.util
 import pathlib

@@ -1,4 +1,4 @@
-"""Compile time of pipeline specs (issue 10): the layout search never splits a tensor over
+"""Compile time of pipeline specs: the layout search never splits a tensor over
 ``pp`` (stages split the model), and a problem too large for one integer program keeps the
 heuristic's plan without calling the solver (the solver would stop at its root with it)."""
 import pytest

@@ -1,5 +1,5 @@
 """ZB-H1 (backward split into input- and weight-gradient) and interleaved 1F1B (virtual
-stages) as action lists checked by the simulator (issue 10), and hypotheses over every
+stages) as action lists checked by the simulator, and hypotheses over every
 schedule, stage count, microbatch count, chunk count and stage times."""
 import pytest
 from hypothesis import given, settings, strategies as st

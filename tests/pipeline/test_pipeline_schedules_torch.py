@@ -1,4 +1,4 @@
-"""Every executed schedule under torchrun on gloo (issue 10, "Must show"): a 4-block MLP chain
+"""Every executed schedule under torchrun on gloo: a 4-block MLP chain
 and a tiny GPT-2, pp=2 on 2 ranks and dp=2 x pp=2 x tp=2 on 8 ranks.  For each (model, mesh)
 one test runs GPipe, 1F1B, ZB-H1 and interleaved 1F1B: each step equals the unsharded step
 (loss, gradients, parameters, momentum) within float32's tolerance, and the four schedules'

@@ -1,4 +1,4 @@
-"""Tied weights across pipeline stages and a tiny GPT-2 pipeline (issue 10).
+"""Tied weights across pipeline stages and a tiny GPT-2 pipeline.
 
 GPT-2's LM head is tied to its token embedding (torch.export keeps one param,
 ``lm_head.weight``): the first stage embeds with it, the last projects with it.  Each holds

@@ -1,4 +1,4 @@
-"""Tensor parallel inside a pipeline stage (issue 10): dp=2 x pp=2 x tp=2 on the numpy
+"""Tensor parallel inside a pipeline stage: dp=2 x pp=2 x tp=2 on the numpy
 interpreter equals the unsharded step for every schedule, with Megatron's collectives inside
 each stage (pinned), and the shipped 8-rank spec plans them.  The torchrun run of the same
 mesh is tests/pipeline/test_pipeline_schedules_torch.py."""

@@ -1,5 +1,5 @@
 """ZB-H1 (backward split into input- and weight-gradient programs) and interleaved 1F1B
-(pp x virtual model chunks) executed on the numpy interpreter (issue 10): one training step
+(pp x virtual model chunks) executed on the numpy interpreter: one training step
 equals the unsharded step for every schedule, every schedule gives the same numbers, and the
 report gives each schedule's bubble.  The torchrun runs are tests/pipeline/test_pipeline_schedules_torch.py."""
 import numpy as np

@@ -1,4 +1,4 @@
-"""`parcomp plan` on the transformer LMs (issue 11): Megatron's hand-written specs
+"""`parcomp plan` on the transformer LMs: Megatron's hand-written specs
 rediscovered (collective for collective), the written spec in Megatron's words, and
 sequence parallel chosen when (and only when) the memory limit asks for it."""
 from __future__ import annotations

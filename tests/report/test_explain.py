@@ -36,9 +36,9 @@ def _model(spec_name):
     factory = spec_name.split("_tp")[0].split("_dp")[0]
     if spec_name.startswith("moe_lm"):  # a whole MoE LM: specs/moe_lm_ep2_train.pcs
         factory = "moe_lm"
-    elif spec_name.startswith("moe_"):  # issue 14: specs/moe_ep2*_train.pcs
+    elif spec_name.startswith("moe_"):  # specs/moe_ep2*_train.pcs
         factory = "moe_block_shared" if spec_name.startswith("moe_shared") else "moe_block"
-    factory = "causal_attention" if spec_name.startswith("attention_cp") else factory  # issue 14
+    factory = "causal_attention" if spec_name.startswith("attention_cp") else factory
     pytest.importorskip("torch")
     if factory == "gpt2_mlp":
         pytest.importorskip("transformers")

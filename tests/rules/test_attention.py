@@ -1,4 +1,4 @@
-"""Attention (issue 17, attention part): sdpa with heads split over tp, GQA with fewer kv
+"""Attention (attention part): sdpa with heads split over tp, GQA with fewer kv
 heads than ranks, RoPE under a heads split, heads not divisible by tp, against the
 unsharded model through ``parcomp check`` (interpreter, float64: parcomp/check/differential.py)."""
 import json

@@ -1,4 +1,4 @@
-"""Norms, dropout and embeddings (issue 17, the norms + embedding part) on the interpreter:
+"""Norms, dropout and embeddings (the norms + embedding part) on the interpreter:
 exact small cases, the dropout mask under every sharding, vocab-parallel masking at the
 range boundaries, Megatron sequence parallel with one bucketed all_reduce of the
 norm-weight gradients, the SiLU-gated MLP, and hypothesis over shapes and layouts.
@@ -208,7 +208,7 @@ def test_bucket_is_one_flat_buffer_and_its_parts_keep_the_names():
 
 def test_norm_weight_gradient_all_reduces_of_dp_and_tp_bucket_once_over_the_joint_group():
     """Norm-weight gradients partial over dp and tp: one bucket, reduced over the joint
-    4-rank group at once (issue 11; it was one bucket per axis, 2 calls)."""
+    4-rank group at once (it was one bucket per axis, 2 calls)."""
     c, run, got, want, feeds = _run(SP_BLOCK, SP_SPEC.replace("mesh tp=2", "mesh dp=2 tp=2")
                                     .replace("input x split-seq", "input x [S(0), S(1)]")
                                     .replace("output output split-seq", "output output [S(0), S(1)]")

@@ -1,4 +1,4 @@
-"""Reductions part of issue 17: P(max), amax/argmax/softmax/log_softmax/mean over a split dim,
+"""Reductions part of P(max), amax/argmax/softmax/log_softmax/mean over a split dim,
 vocab-parallel cross-entropy and padded vocab. Exact small cases, a wrong reduction caught,
 torch-vs-numpy of the new ops, and hypothesis over shapes and layouts on the interpreter."""
 import math

@@ -96,29 +96,29 @@ EXEMPT = {
     (_T["torch"], "kind:source"): "emitted as load_params / load_inputs, not as a formula",
     **{(_T["torch_frontend"], k): _AFTER_AUTODIFF for k in _LAYOUT_KINDS},
     **{(_T["torch_frontend"], op): _BY_AUTODIFF
-       for op in _GRADS + ("adamw_param", "ones")},  # cross_entropy: the loss part's (issue 17)
+       for op in _GRADS + ("adamw_param", "ones")},  # cross_entropy: the loss part's
     (_T["torch_frontend"], "relayout"): "made by bind-layouts from the spec's output/activation rules",
     **{(_T[t], "kind:lowered"): why for t, why in (
         ("sharding", "made after sharding by parcomp/passes/lowering/lower.py from ops whose layouts were checked"),
         ("VJP", "made by lowering, after autodiff; never differentiated"),
         ("torch_frontend", "made by lowering (parcomp/passes/lowering/lower.py), never by a frontend"))},
-    # norms + embedding part (issue 17): the gradient ops are made by their forward op's VJP
+    # norms + embedding part: the gradient ops are made by their forward op's VJP
     **{(_T[t], op): why for op in ("layer_norm_grad", "rms_norm_grad", "embedding_grad") for t, why in (
         ("VJP", "gradients are not differentiated again (no second derivatives)"),
         ("torch_frontend", _BY_AUTODIFF))},
-    # attention part (issue 17)
+    # attention part
     **{(_T["torch_frontend"], op): _BY_AUTODIFF for op in ("slice_grad", "sdpa_grad")},
     **{(_T["VJP"], op): "gradients are not differentiated again (no second derivatives)"
        for op in ("sdpa_grad",)},
-    # reductions part (issue 17)
+    # reductions part
     (_T["VJP"], "amax_grad"): "gradients are not differentiated again (no second derivatives)",
     **{(_T["torch_frontend"], op): "made by decompose-reductions / autodiff (parcomp/passes/decompose.py)"
        for op in ("amax_grad", "argmax_key", "argmax_index", "pick_grad")},  # pick, label_mask: loss part
     (_T["torch_frontend"], "mask_pad"): "vocab padding: written in a model (.pcir) around padded logits",
-    # training options (issue 13): gradient clipping's factor, made by autodiff after backward
+    # training options: gradient clipping's factor, made by autodiff after backward
     (_T["VJP"], "clip_coef"): "the optimizer update comes after the backward pass",
     (_T["torch_frontend"], "clip_coef"): _BY_AUTODIFF,
-    # expert parallel MoE (issue 14): the gradient ops are made by their forward op's VJP
+    # expert parallel MoE: the gradient ops are made by their forward op's VJP
     **{(_T[t], op): why for op in ("moe_route_grad", "moe_combine_grad_c") for t, why in (
         ("VJP", "gradients are not differentiated again (no second derivatives)"),
         ("torch_frontend", _BY_AUTODIFF))},

@@ -22,7 +22,7 @@ from parcomp.rules.sharding import STRATEGY_RULES, axis_strategies
 from numerics import assert_equivalent
 
 MESH = Mesh((("tp", 2),))
-_QKV = "".join(f"%{x}: f64[2,2,4,2] = input()\n" for x in "qkv")  # attention part (issue 17)
+_QKV = "".join(f"%{x}: f64[2,2,4,2] = input()\n" for x in "qkv")  # attention part
 CASES = {  # op -> pcir lines defining %a [%b %c %d] and %y; every dim divisible by 2
     "relu": "%y: f64[4,6] = relu(%a)",
     "gelu": '%y: f64[4,6] = gelu(%a) {approximate="tanh"}',
@@ -57,19 +57,19 @@ CASES = {  # op -> pcir lines defining %a [%b %c %d] and %y; every dim divisible
                     "%y: f64[4,6] = adamw_param(%a, %m, %v, %t) {beta1=0.9, beta2=0.99, eps=1e-08, "
                     "lr=0.1, weight_decay=0.01}"),
     "ones": "%y: f64[4,6] = ones()",
-    "clip_coef": "%v: f64[4,6] = input()\n%y: f64[4,6] = clip_coef(%v) {max_norm=1.5}",  # issue 13
-    "grad_upcast": "%v: f16[4,6] = input()\n%y: f32[4,6] = grad_upcast(%v)",  # issue 13, mixed precision
-    "nonfinite": "%y: f32[4,6] = nonfinite(%a)",  # issue 13, fp16 loss scaling
+    "clip_coef": "%v: f64[4,6] = input()\n%y: f64[4,6] = clip_coef(%v) {max_norm=1.5}",
+    "grad_upcast": "%v: f16[4,6] = input()\n%y: f32[4,6] = grad_upcast(%v)",  # mixed precision
+    "nonfinite": "%y: f32[4,6] = nonfinite(%a)",  # fp16 loss scaling
     "amp_select": "%f: f64[] = input()\n%b: f64[4,6] = input()\n%y: f64[4,6] = amp_select(%f, %a, %b)",
     "amp_ratio": "%f: f64[] = input()\n%r: f64[] = input()\n%t: f64[] = input()\n"
                  "%y: f64[] = amp_ratio(%f, %r, %t) {interval=3}",
     "amp_tracker": "%f: f64[] = input()\n%t: f64[] = input()\n%y: f64[] = amp_tracker(%f, %t) {interval=3}",
-    # attention part (issue 17)
+    # attention part
     "slice": "%y: f64[4,3] = slice(%a) {dim=1, start=1, stop=6, step=2}",
     "slice_whole": "%y: f64[4,6] = slice(%a) {dim=1, start=0, stop=6, step=1}",
     "slice_grad": "%b: f64[2,6] = input()\n%y: f64[4,6] = slice_grad(%b) {dim=0, start=1, stop=4, step=2}",
     "cat": "%b: f64[4,2] = input()\n%y: f64[4,8] = cat(%a, %b) {dim=1}",
-    # loss part (issue 17): a constant pad of one dim; a zero fill keeps partial sums partial
+    # loss part: a constant pad of one dim; a zero fill keeps partial sums partial
     "pad": "%y: f64[4,9] = pad(%a) {after=2, before=1, dim=1, value=-100.0}",
     "pad_zero": "%y: f64[7,6] = pad(%a) {after=0, before=3, dim=0, value=0.0}",
     "sdpa": _QKV + "%y: f64[2,2,4,2] = sdpa(%q, %k, %v) {causal=true, scale=0.7}",
@@ -77,7 +77,7 @@ CASES = {  # op -> pcir lines defining %a [%b %c %d] and %y; every dim divisible
     **{f"sdpa_grad_{w}{c}": _QKV + f"%g: f64[2,2,4,2] = input()\n%y: f64[2,2,4,2] = sdpa_grad(%g, %q, %k, %v) "
        f"{{causal={c == ''}, scale=0.7, wrt=\"{w}\"}}".replace("True", "true").replace("False", "false")
        for w in "qkv" for c in ("", "_full")},
-    # context parallel (issue 14): causal with the query rows split, the mask at each rank's q_start
+    # context parallel: causal with the query rows split, the mask at each rank's q_start
     "sdpa_cp": _QKV + '%y: f64[2,2,4,2] = sdpa(%q, %k, %v) {causal=true, cp="all_gather", scale=0.7}',
     **{f"sdpa_grad_{w}_cp": _QKV + f"%g: f64[2,2,4,2] = input()\n%y: f64[2,2,4,2] = sdpa_grad(%g, %q, %k, %v) "
        f'{{causal=true, cp="all_gather", scale=0.7, wrt="{w}"}}' for w in "qkv"},
@@ -85,7 +85,7 @@ CASES = {  # op -> pcir lines defining %a [%b %c %d] and %y; every dim divisible
     "sin": "%y: f64[4,6] = sin(%a)",
     "cast": "%y: f32[4,6] = cast(%a)",
     "arange": "%y: f64[6] = arange() {start=1, step=0.5}",
-    # norms + embedding part (issue 17)
+    # norms + embedding part
     "layer_norm": "%w: f64[6] = input()\n%c: f64[6] = input()\n%y: f64[4,6] = layer_norm(%a, %w, %c) {eps=1e-05}",
     "layer_norm_plain": "%y: f64[4,6] = layer_norm(%a) {eps=1e-05}",
     "rms_norm": "%w: f64[6] = input()\n%y: f64[4,6] = rms_norm(%a, %w) {eps=1e-06}",
@@ -95,7 +95,7 @@ CASES = {  # op -> pcir lines defining %a [%b %c %d] and %y; every dim divisible
     "dropout": "%y: f64[4,6] = dropout(%a) {p=0.5, seed=7}",
     "embedding": "%ids: i64[2,4] = input()\n%y: f64[2,4,6] = embedding(%ids, %a)",
     "embedding_grad": "%g: f64[2,4,6] = input()\n%ids: i64[2,4] = input()\n%y: f64[4,6] = embedding_grad(%g, %ids)",
-    # reductions part (issue 17): a max over a split dim is a P(max), never summed
+    # reductions part: a max over a split dim is a P(max), never summed
     "log": "%b: f64[4,6] = input()\n%y: f64[4,6] = log(%b)",
     "amax": "%y: f64[4] = amax(%a) {dims=(1,)}",
     "amax_both": "%y: f64[] = amax(%a) {dims=(0, 1)}",
@@ -112,7 +112,7 @@ CASES = {  # op -> pcir lines defining %a [%b %c %d] and %y; every dim divisible
     "mask_pad": "%y: f64[4,6] = mask_pad(%a) {size=5}",
     "cross_entropy_smooth": ("%l: i64[4] = input()\n"
                              "%y: f64[4] = cross_entropy(%a, %l) {ignore_index=2, label_smoothing=0.1}"),
-    # expert parallel MoE (issue 14): rows, experts or hidden split; capacity 3 < seq 4 drops
+    # expert parallel MoE: rows, experts or hidden split; capacity 3 < seq 4 drops
     **{f"moe_route{c}": f"%z: f64[2,4,4] = input()\n%y: f64[2,4,4] = moe_route(%z) {{capacity={c}, top_k=2}}"
        for c in (0, 3)},
     "moe_route_grad": ("%g: f64[2,4,4] = input()\n%z: f64[2,4,4] = input()\n"
@@ -182,7 +182,7 @@ def _at_rank(local, split, ins, in_pl, out_pl, r):
     and the index of its first element along a split dim it indexes (pick, argmax_key, ...)."""
     types = [TensorType(s[r].shape, n.type.dtype) for s, n in zip(split, ins)]
     local = rank_attrs(local, types, [(p,) for p in in_pl], (out_pl,), MESH, MESH.coords(r))
-    if needs_q_start(local) and in_pl[Q_OPERAND[local.op]] == Shard(2):  # context parallel (issue 14)
+    if needs_q_start(local) and in_pl[Q_OPERAND[local.op]] == Shard(2):  # context parallel
         local = local.with_attrs(q_start=r * types[Q_OPERAND[local.op]].shape[2])
     return _at_index(local, r, ins, in_pl, out_pl)
 

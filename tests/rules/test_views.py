@@ -1,4 +1,4 @@
-"""View ops of the attention part (issue 17): slice, cat, reshape remaps, the aten view ops.
+"""View ops of the attention part: slice, cat, reshape remaps, the aten view ops.
 
 Views move values without arithmetic, so every comparison here is exact: small-integer
 cases pin which split survives which view (and which forces a redistribution), and a

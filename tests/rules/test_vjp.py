@@ -8,7 +8,7 @@ from parcomp.passes.autodiff import Builder, backward
 from parcomp.reference.numpy_ops import run_unsharded
 from parcomp.rules.vjp import VJP_RULES
 
-_ATTN = ("%q: f64[1,1,3,4] = reshape(%a)\n%k: f64[1,1,5,4] = input()\n"  # attention part (issue 17)
+_ATTN = ("%q: f64[1,1,3,4] = reshape(%a)\n%k: f64[1,1,5,4] = input()\n"  # attention part
          "%v: f64[1,1,5,2] = input()\n")
 CASES = {  # op -> (pcir body with inputs %a [%b], output %y), inputs positive where needed
     "relu": "%y: f64[3,4] = relu(%a)",
@@ -32,7 +32,7 @@ CASES = {  # op -> (pcir body with inputs %a [%b], output %y), inputs positive w
     "sum": "%y: f64[4] = sum(%a) {dims=(0,)}",
     "expand": "%b: f64[4] = input()\n%y: f64[3,4] = expand(%b) {dims=(0,)}",
     "cross_entropy": "%l: i64[3] = input()\n%y: f64[3] = cross_entropy(%a, %l)",
-    # attention part (issue 17)
+    # attention part
     "slice": "%y: f64[3,2] = slice(%a) {dim=1, start=1, stop=4, step=2}",
     "slice_grad": "%y: f64[6,4] = slice_grad(%a) {dim=0, start=1, stop=6, step=2}",
     "cat": "%b: f64[3,2] = input()\n%y: f64[3,6] = cat(%b, %a) {dim=1}",
@@ -43,12 +43,12 @@ CASES = {  # op -> (pcir body with inputs %a [%b], output %y), inputs positive w
     "sin": "%y: f64[3,4] = sin(%a)",
     "cast": "%y: f64[3,4] = cast(%a)",
     "arange": "%r: f64[4] = arange() {start=1, step=0.5}\n%y: f64[3,4] = mul(%a, %r)",
-    # norms + embedding part (issue 17)
+    # norms + embedding part
     "layer_norm": "%b: f64[4] = input()\n%c: f64[4] = input()\n%y: f64[3,4] = layer_norm(%a, %b, %c) {eps=1e-05}",
     "rms_norm": "%b: f64[4] = input()\n%y: f64[3,4] = rms_norm(%a, %b) {eps=1e-06}",
     "dropout": "%y: f64[3,4] = dropout(%a) {p=0.25, seed=3}",
     "embedding": "%l: i64[2,5] = input()\n%y: f64[2,5,4] = embedding(%l, %a)",
-    # reductions part (issue 17)
+    # reductions part
     "cross_entropy_smooth": ("%l: i64[3] = input()\n"
                              "%y: f64[3] = cross_entropy(%a, %l) {ignore_index=1, label_smoothing=0.2}"),
     "log": "%y: f64[3,4] = log(%a)",
@@ -62,7 +62,7 @@ CASES = {  # op -> (pcir body with inputs %a [%b], output %y), inputs positive w
 }
 # integer results: no gradient flows through them (their VJP gives None)
 NO_GRADIENT = {"argmax", "argmax_key", "argmax_index", "label_mask"}
-#: MoE ops (issue 14): their VJPs need routing operands (combine weights, capacities); they are
+#: MoE ops: their VJPs need routing operands (combine weights, capacities); they are
 #: checked against torch autograd and the real Mixtral block in tests/moe/test_moe.py
 MOE_OPS = {"moe_route", "moe_dispatch", "moe_combine"}
 

@@ -1,4 +1,4 @@
-"""The `sequence-parallel` spec statement (issue 17): parsing, located errors, the pins it adds
+"""The `sequence-parallel` spec statement: parsing, located errors, the pins it adds
 (norm inputs and outputs split along the sequence, their gradients too) and the plan they give.
 The whole-model cases (GPT-2, Llama; exact collective lists) are in tests/compile/test_lm_specs.py."""
 import pytest

@@ -1,4 +1,4 @@
-"""The float64 check of AdamW (issue 13): the step counter takes the graph's dtype, so the
+"""The float64 check of AdamW: the step counter takes the graph's dtype, so the
 unsharded reference computes AdamW's bias corrections in float64 like the promoted program
 (a float32 counter made ``1 - beta2**t`` float32 there: 6.6e-9 apart in every weight)."""
 from __future__ import annotations

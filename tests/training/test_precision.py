@@ -1,4 +1,4 @@
-"""Mixed precision (issue 13): ``train ... precision=bf16 [grad_reduce=fp32|compute]``.
+"""Mixed precision: ``train ... precision=bf16 [grad_reduce=fp32|compute]``.
 
 fp32 master parameters (split over dp like the optimizer state under ZeRO), compute and the
 forward/backward activation collectives in bfloat16, parameter-gradient reductions in
@@ -105,7 +105,7 @@ def test_bf16_dp2_tp2_reduces_parameter_gradients_in_fp32(tmp_path):
 
 WIDE = ("mesh dp=2 tp=2\n0.weight colwise over tp\n2.weight rowwise over tp\ninput x [S(0), R]\n"
         "train loss=mse optimizer=sgd(lr=0.1) input_grads=no precision=bf16 bucket_cap_mb=0{opts}\n")
-# bucket_cap_mb=0: one all_reduce per gradient (issue 16's buckets off), so each is seen in its dtype
+# bucket_cap_mb=0: one all_reduce per gradient (bucketing off), so each is seen in its dtype
 
 
 def test_grad_reduce_compute_sends_the_gradients_in_bfloat16(tmp_path):
@@ -113,7 +113,7 @@ def test_grad_reduce_compute_sends_the_gradients_in_bfloat16(tmp_path):
     ``grad_reduce=fp32`` (the default) reduces them in float32, ``grad_reduce=compute`` in
     bfloat16. The byte counts are not compared one to one: with gradient reductions half as
     dear the exact search picks another plan (weights gathered over tp, gradients summed over
-    the joint dp,tp group, issue 11) instead of Megatron's 2 MiB forward all_reduce."""
+    the joint dp,tp group) instead of Megatron's 2 MiB forward all_reduce."""
     c = _compile(tmp_path, WIDE.format(opts=""), f"{MODELS}:wide_batch_mlp")[0]
     half = _compile(tmp_path, WIDE.format(opts=" grad_reduce=compute"), f"{MODELS}:wide_batch_mlp")[0]
     dp = [(k, b) for k, a, d, b in _collectives(c, "backward") if "dp" in a.split(",")]  # dp or dp,tp
@@ -172,7 +172,7 @@ def test_low_precision_program_py_three_steps_on_gloo_equals_autocast(tmp_path, 
     tp = {x["bytes"] for x in out["collectives"] if x["axis"] == "tp"}
     assert tp - {4} == {tp_bytes}  # 2 bytes an element (4: fp16's float32 count of inf/NaN gradients)
     # fp16's count of inf/NaN gradients: one float32 all_reduce over tp, or over the joint dp,tp
-    # group on DP=2 x TP=2 (issue 11; 6 bytes a rank on 4 ranks)
+    # group on DP=2 x TP=2 (6 bytes a rank on 4 ranks)
     counts = [x for x in out["collectives"] if x["phase"] != "loss" and x["bytes"] in (4, 6)
               and "tp" in x["axis"].split(",")]
     assert bool(counts) == ("fp16" in opts)

@@ -1,4 +1,4 @@
-"""Mixed precision with gradient accumulation (issue 13): ``precision=bf16|fp16 accumulate=K``.
+"""Mixed precision with gradient accumulation: ``precision=bf16|fp16 accumulate=K``.
 
 Each microbatch's forward in the compute dtype, its parameter gradients widened to float32
 before they are summed, one reduction per step; fp16 scales every microbatch's loss by the

@@ -1,4 +1,4 @@
-"""``train ... recompute=all`` (issue 13): full recomputation with one checkpoint per layer.
+"""``train ... recompute=all``: full recomputation with one checkpoint per layer.
 
 Only the values one layer hands to the next are kept; everything else backward reads
 (matmul outputs, bias sums, activations) is recomputed from them where that layer's backward

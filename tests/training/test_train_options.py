@@ -1,4 +1,4 @@
-"""Training options (issue 13): clip_grad_norm, lr_schedule, accumulate.
+"""Training options: clip_grad_norm, lr_schedule, accumulate.
 
 Each is checked step by step (lockstep) against the unsharded step and against torch using
 the same option (torch.nn.utils.clip_grad_norm_, torch.optim.lr_scheduler, one backward()
@@ -211,7 +211,7 @@ def test_accumulated_gradients_are_reduced_once_per_step_not_per_microbatch():
     c = compile_graph(mlp_graph((4096, 8), [16, 32, 16], [True, True], ["gelu"]),
                       parse("mesh dp=2\ninput x [S(0)]\ntrain loss=mse optimizer=sgd(lr=0.1) accumulate=2\n"))
     bwd = sorted((r["kind"], r["producer"]) for r in c.report["collectives"] if r["phase"] == "backward")
-    assert bwd == [("all_reduce", "bw.grad_bucket0.dp")]  # the 4 accumulated gradients, one bucket (issue 16)
+    assert bwd == [("all_reduce", "bw.grad_bucket0.dp")]  # the 4 accumulated gradients, one bucket
     (bucket,) = c.report["grad_buckets"]["buckets"]
     assert sorted(bucket["members"]) == ["l0.bias", "l0.weight", "l1.bias", "l1.weight"]
     assert sorted(c.program[bucket["all_reduce"].replace(".all_reduce", "")].inputs) == [

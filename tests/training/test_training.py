@@ -73,7 +73,7 @@ def test_megatron_mlp_fwd_bwd_one_all_reduce_each_way():
 
 @pytest.mark.parametrize("batch", [4, 4096])
 def test_dp_tp_one_gradient_reduction_per_param_over_dp(batch):
-    """Data parallel stays data parallel at any batch (issue 11): gathering activations over
+    """Data parallel stays data parallel at any batch: gathering activations over
     dp is cheaper in calls on a small batch, but grows every rank's activation memory dp-fold,
     which the search never does (shard_prop.batch_values); before, it gathered up to ~16k tokens."""
     g = mlp_graph((batch, 8), [16, 32, 16], [True, True], ["gelu"])

@@ -33,7 +33,7 @@ from parcomp.ir.ops import LAYOUT_OPS
 from parcomp.ir.types import layout_str
 
 from .cp_ring import ring_comment, ring_sections
-from .moe import moe_sections  # issue 14
+from .moe import moe_sections
 from .norms import runtime_sections
 from .reduce import reduce_sections
 # the per-node text and the other sections (re-exported: callers import them from here)
@@ -140,7 +140,7 @@ def _forward(prog, names, train) -> str:
             continue
         if op in _LAYOUT_OPS:
             lines += _layout_comment(program, n, prog.collective(n.name), names)
-        lines += [c for text in ring_comment(prog, n) for c in _comment(text, "    ")]  # issue 14
+        lines += [c for text in ring_comment(prog, n) for c in _comment(text, "    ")]
         lines.append(f"    {var} = {_code(n, list(map(var_of, n.inputs)), program)}{tail}")
         frees = n.attr("frees")
         if frees:

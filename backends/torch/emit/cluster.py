@@ -1,4 +1,4 @@
-"""The constants of a ``program.py``'s cluster section (:mod:`parcomp_backends.torch.runtime.program_cluster`, issue 16).
+"""The constants of a ``program.py``'s cluster section (:mod:`parcomp_backends.torch.runtime.program_cluster`).
 
 - ``COMM_AXES``: the mesh axes the program's collectives run over; only their process
   groups are made (an axis spanning every rank reuses WORLD: ``make_groups``).
@@ -27,7 +27,7 @@ CLUSTER_NAMES = ("COMM_AXES", "HOST_AXES", "PLACEMENT", "TIMEOUT_S", "TOPOLOGY",
 def comm_axes(graph) -> list:
     """The mesh axes of ``graph``'s collectives (local layout ops need no group), in mesh order,
     then the joint groups they use (``"dp,tp"``: one collective over several axes), sorted."""
-    used = {n.attr("axis") for n in graph.nodes if n.op in COLLECTIVES} | ring_axes(graph)  # issue 14
+    used = {n.attr("axis") for n in graph.nodes if n.op in COLLECTIVES} | ring_axes(graph)
     return [a for a in graph.mesh.names if a in used] + sorted(a for a in used if "," in a)
 
 

@@ -1,4 +1,4 @@
-"""Torch emitter fields of context-parallel attention (issue 14).
+"""Torch emitter fields of context-parallel attention.
 
 A causal ``sdpa`` / ``sdpa_grad`` marked ``cp`` (``parcomp/passes/attention/ctxpar.py``) may hold a block
 of the query rows; torch's ``is_causal`` would put the mask at row 0, so such a node gets an

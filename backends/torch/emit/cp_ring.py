@@ -1,4 +1,4 @@
-"""The torch emitter's rows for ring attention (``context-parallel lowering=ring``, issue 14).
+"""The torch emitter's rows for ring attention (``context-parallel lowering=ring``).
 
 A ring-marked ``sdpa`` / ``sdpa_grad`` prints a call of the ``ring`` runtime section
 (:mod:`parcomp_backends.torch.runtime.program_ring`) instead of ``scaled_dot_product_attention``, with a comment above it

@@ -1,4 +1,4 @@
-"""The torch emitter's rows for the MoE ops (issue 14), merged into ``emit.OP_FORMATS``; a
+"""The torch emitter's rows for the MoE ops, merged into ``emit.OP_FORMATS``; a
 program using one gets the ``moe`` section of :mod:`parcomp_backends.torch.runtime.program_moe`."""
 from __future__ import annotations
 

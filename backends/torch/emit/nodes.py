@@ -15,9 +15,9 @@ from json.encoder import encode_basestring_ascii as _json_str  # json.dumps of a
 
 from parcomp.compile.program import ParcompError
 
-from .cp import Q_OPERAND, cp_kw  # context parallel (issue 14); Q_OPERAND: sdpa, sdpa_grad
+from .cp import Q_OPERAND, cp_kw  # context parallel; Q_OPERAND: sdpa, sdpa_grad
 from .cp_ring import RING_FORMATS, ring_key, ring_kw
-from .moe import MOE_DEFAULTS, MOE_FORMATS, moe_key  # issue 14
+from .moe import MOE_DEFAULTS, MOE_FORMATS, moe_key
 from .norms import NORM_FORMATS, norm_kw
 from .reduce import ASYNC_REDUCE, IN_PLACE_REDUCE, REDUCE_FORMATS, reduce_key, reduce_kw
 
@@ -72,12 +72,12 @@ OP_FORMATS = {
     "mse_sum": 'torch.nn.functional.mse_loss({0}, {1}, reduction="sum")',
     "mse_grad": "({1} - {2}).mul_({0} * 2.0)",
     "wait": "wait({0})",
-    # ---- attention part (issue 17): views, sdpa, RoPE pointwise ops ----
+    # ---- attention part: views, sdpa, RoPE pointwise ops ----
     "slice": "torch.ops.aten.slice({0}, {dim}, {start}, {stop}, {step})",
     "slice_grad": ("torch.ops.aten.slice_scatter(torch.zeros({local_shape}, dtype={dtype}, device=DEVICE), "
                    "{0}, {dim}, {start}, {stop}, {step})"),
     "cat": "torch.cat(({args},), dim={dim})",
-    # loss part (issue 17): a constant pad of one dim (moved last for F.pad, then back)
+    # loss part: a constant pad of one dim (moved last for F.pad, then back)
     "pad": "torch.nn.functional.pad({0}.movedim({dim}, -1), ({before}, {after}), value={value}).movedim(-1, {dim})",
     "sdpa": "torch.nn.functional.scaled_dot_product_attention({0}, {1}, {2}, {mask_args}, scale={scale})",
     "sdpa_grad": ("torch.func.vjp(lambda q, k, v: torch.nn.functional.scaled_dot_product_attention("
@@ -87,16 +87,16 @@ OP_FORMATS = {
     "cast": "{0}.to({dtype})",
     "arange": "torch.arange({local_shape}[0], dtype=torch.float64, device=DEVICE).mul({step}).add({start}).to({dtype})",
     # ---- end of the attention part ----
-    "clip_coef": "torch.clamp({max_norm} / (torch.sqrt({0}) + 1e-6), max=1.0)",  # issue 13
-    "grad_upcast": "{0}.float()",  # issue 13, mixed precision: the gradient widened before its reduction
-    "nonfinite": "(~torch.isfinite({0})).float()",  # issue 13: fp16 loss scaling (parcomp/passes/train/amp.py)
+    "clip_coef": "torch.clamp({max_norm} / (torch.sqrt({0}) + 1e-6), max=1.0)",
+    "grad_upcast": "{0}.float()",  # mixed precision: the gradient widened before its reduction
+    "nonfinite": "(~torch.isfinite({0})).float()",  # fp16 loss scaling (parcomp/passes/train/amp.py)
     "amp_select": "torch.where({0} > 0, {2}, {1})",
     "amp_ratio": "torch.where({0} > 0, {1} * 0.5 - 0.5, torch.where({2} + 1 >= {interval}, {1} * 2 + 1, {1}))",
     "amp_tracker": "torch.where(({0} > 0) | ({1} + 1 >= {interval}), torch.zeros_like({1}), {1} + 1)",
-    **NORM_FORMATS,  # norms + embedding part (issue 17): backends/torch/emit/norms.py
-    **REDUCE_FORMATS,  # reductions part (issue 17): backends/torch/emit/reduce.py
-    **MOE_FORMATS,  # expert parallel MoE (issue 14): backends/torch/emit/moe.py
-    **RING_FORMATS,  # ring attention (issue 14): backends/torch/emit/cp_ring.py
+    **NORM_FORMATS,  # norms + embedding part: backends/torch/emit/norms.py
+    **REDUCE_FORMATS,  # reductions part: backends/torch/emit/reduce.py
+    **MOE_FORMATS,  # expert parallel MoE: backends/torch/emit/moe.py
+    **RING_FORMATS,  # ring attention: backends/torch/emit/cp_ring.py
 }
 # ``inplace=true``: the result is written into the first operand (torch.optim's own updates)
 IN_PLACE_FORMATS = {
@@ -112,10 +112,10 @@ IN_PLACE_FORMATS = {
 ASYNC_FORMATS = {"all_reduce": "all_reduce_start({0}, {axis})", "all_reduce_": "all_reduce_start_({0}, {axis})",
                  **ASYNC_REDUCE}
 ATTR_DEFAULTS = {"gelu": {"approximate": "none"}, "gelu_grad": {"approximate": "none"},
-                 # attention part (issue 17)
+                 # attention part
                  **{op: {"causal": False} for op in ("sdpa", "sdpa_grad")},
                  **{op: {"step": 1} for op in ("slice", "slice_grad")}, "arange": {"start": 0, "step": 1},
-                 **MOE_DEFAULTS}  # issue 14
+                 **MOE_DEFAULTS}
 TORCH_DTYPES = {"float32": "torch.float32", "float64": "torch.float64", "float16": "torch.float16",
                 "bfloat16": "torch.bfloat16", "int64": "torch.int64", "int32": "torch.int32",
                 "bool": "torch.bool"}
@@ -169,14 +169,14 @@ def _code(n, args, program=None) -> str:
     kw["dtype"] = TORCH_DTYPES[ty.dtype]
     kw["args"] = ", ".join(args)
     if op in NORM_FORMATS:
-        kw.update(norm_kw(program, n, args))  # norms + embedding part (issue 17)
+        kw.update(norm_kw(program, n, args))  # norms + embedding part
     if op in REDUCE_FORMATS or rkey in REDUCE_FORMATS:  # reduce_kw's own test
-        kw.update(reduce_kw(program, n, _py))  # reductions part (issue 17)
+        kw.update(reduce_kw(program, n, _py))  # reductions part
     if op in Q_OPERAND:
-        kw.update(cp_kw(program, n, args))  # context parallel (issue 14): causal mask at the rank's rows
-        kw.update(ring_kw(n))  # ring attention (issue 14): sdpa / sdpa_grad only
+        kw.update(cp_kw(program, n, args))  # context parallel: causal mask at the rank's rows
+        kw.update(ring_kw(n))  # ring attention: sdpa / sdpa_grad only
     if op == "expand":
         kw["kept_shape"] = repr(tuple(1 if d in attr("dims") else s for d, s in enumerate(ty.shape)))
-    if op == "sdpa_grad":  # attention part (issue 17): which of torch.func.vjp's (dq, dk, dv)
+    if op == "sdpa_grad":  # attention part: which of torch.func.vjp's (dq, dk, dv)
         kw["wrt_index"] = "qkv".index(attr("wrt"))
     return table[key].format(*args, **kw)

@@ -1,4 +1,4 @@
-"""Torch emitter rows of the norms + embedding part (issue 17).
+"""Torch emitter rows of the norms + embedding part.
 
 :data:`NORM_FORMATS` joins :data:`parcomp_backends.torch.emit.OP_FORMATS`;
 :func:`norm_kw` gives the extra format fields a node needs (its operands as arguments,

@@ -1,4 +1,4 @@
-"""The torch emitter's rows for the reductions part (issue 17), merged into ``emit.OP_FORMATS``.
+"""The torch emitter's rows for the reductions part, merged into ``emit.OP_FORMATS``.
 
 ``{start}`` is the global index of this rank's first element along the dim a ranked op
 indexes (``pick``, ``argmax_key``, ``mask_pad``), written from ``COORD`` like a parameter's

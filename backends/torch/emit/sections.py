@@ -20,7 +20,7 @@ from ..runtime import (CLUSTER_HELP, CONSTANT_LOADER, FORWARD_HELP, FUNCTIONAL, 
                       TIED_LOADER, TRAIN_HELP, TRAIN_MAIN)
 from .cluster import CLUSTER_NAMES, cluster_constants
 from .cp_ring import HELPER_NAMES as RING_HELPERS, balance_src
-from .moe import HELPER_NAMES as MOE_HELPERS  # issue 14
+from .moe import HELPER_NAMES as MOE_HELPERS
 from .nodes import TORCH_DTYPES, EmitError
 from .norms import HELPER_NAMES as NORM_HELPERS
 from .reduce import HELPER_NAMES as REDUCE_HELPERS
@@ -151,7 +151,7 @@ def _profile_block(prof) -> str:
         lines += [f"    if not ({prof.check}):", f"        fail(f{json.dumps(prof.check_message)})"]
     if prof.set_device:
         lines.append(f"    {prof.set_device}")
-    lines += [f"    {line}" for line in prof.policy]  # cuda: TF32 off (issue 16)
+    lines += [f"    {line}" for line in prof.policy]  # cuda: TF32 off
     if prof.dtype_check:
         lines += [f"    if not ({prof.dtype_check}):", f"        fail(f{json.dumps(prof.dtype_message)})"]
     lines += [f"    return torch.device({prof.device})", "# ---- end of PROFILE ----"]
@@ -250,11 +250,11 @@ def _loaders(prog, train, constants=()) -> str:
             if kind == "param" and n.attr("aliases"):  # a tied weight: any of its names
                 take, key = "take_tied", "(" + ", ".join(map(json.dumps, (n.name, *n.attr("aliases").split(",")))) + ")"
             src = f"{take}({arg}, {key}, {full!r}, {TORCH_DTYPES[n.type.dtype]})"
-            if n.attr("stored_shape"):  # a fused weight: stored whole, viewed per part (issue 17)
+            if n.attr("stored_shape"):  # a fused weight: stored whole, viewed per part
                 src = _view_of(f"{take}({arg}, {key}, {tuple(n.attr('stored_shape'))!r}, "
                                f"{TORCH_DTYPES[n.type.dtype]})", n.attr("stored_shape"), full)
                 head += f"stored {_ty(n.type.dtype, n.attr('stored_shape'))}, viewed per part; "
-            sliced, what = _slice_expr(program, n, balance_src(program, n, src))  # issue 14
+            sliced, what = _slice_expr(program, n, balance_src(program, n, src))
             expr = f"place({sliced})"
             for a, p in enumerate(n.layout):
                 if p == Partial("sum"):  # a P(max) source: every rank keeps it
@@ -283,7 +283,7 @@ def _comment(text: str, indent: str) -> list:
 
 def _view_of(take: str, stored, full) -> str:
     """A stored tensor as the graph holds it: a fused weight's ``.reshape(view)``, or a
-    padded vocab table's zero rows appended (parcomp/passes/vocab_pad.py, issue 17)."""
+    padded vocab table's zero rows appended (parcomp/passes/vocab_pad.py)."""
     if math.prod(stored) == math.prod(full):
         return f"{take}.reshape({tuple(full)!r})"
     pad = [x for s, f in zip(reversed(stored), reversed(full)) for x in (0, f - s)]

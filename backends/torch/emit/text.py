@@ -1,5 +1,5 @@
-"""Text helpers of the torch emitter that run once per line of a deep program (issue 17,
-compile speed): a comment wrapper giving ``textwrap.wrap``'s lines without its per-call set-up.
+"""Text helpers of the torch emitter that run once per line of a deep program (compile
+speed): a comment wrapper giving ``textwrap.wrap``'s lines without its per-call set-up.
 
 A 48-block GPT-2's program.py has ~2k wrapped comments (one per parameter slice, one per
 layout change); ``textwrap.wrap`` builds a ``TextWrapper``, munges whitespace and splits the

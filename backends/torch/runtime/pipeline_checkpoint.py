@@ -1,7 +1,7 @@
 """``--save`` / ``--resume`` and the failure messages of a pipelined ``program.py`` (text
 printed by :mod:`parcomp_backends.torch.emit.pipeline` before :mod:`.pipeline_main`'s ``main``, which calls it).
 
-The checkpoint is the non-pipelined program's (:mod:`.program_train`, issue 13): a
+The checkpoint is the non-pipelined program's (:mod:`.program_train`): a
 torch.distributed.checkpoint directory ``DIR/step-K`` written as ``step-K.partial`` and
 renamed once every rank has written its part, then ``DIR/latest`` replaced (one line
 ``step-K``).  Each rank gives DCP the CARRIED values (params and optimizer state) of the

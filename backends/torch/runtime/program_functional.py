@@ -1,4 +1,4 @@
-"""Functional collectives for ``program.py`` (issue 16): ``emit_program(..., functional=True)``.
+"""Functional collectives for ``program.py``: ``emit_program(..., functional=True)``.
 
 The section below is pasted after the collectives of :mod:`.program_common` (and of
 :mod:`.program_reduce`) and redefines them with ``torch.distributed._functional_collectives``:

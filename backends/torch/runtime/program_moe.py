@@ -1,4 +1,4 @@
-"""Runtime helpers of the MoE ops (issue 14), pasted into a ``program.py`` only when it uses
+"""Runtime helpers of the MoE ops, pasted into a ``program.py`` only when it uses
 them (see :mod:`parcomp_backends.torch.emit.moe`); the torch model of ``specs/models.py:moe_block`` calls the same
 functions through the custom ops of ``parcomp/frontends/torch/moe.py``. Semantics (and their
 proof obligations): ``parcomp/reference/moe_ops.py``.

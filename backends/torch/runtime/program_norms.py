@@ -1,4 +1,4 @@
-"""Runtime helpers of the norms + embedding part (issue 17) for the emitted ``program.py``.
+"""Runtime helpers of the norms + embedding part for the emitted ``program.py``.
 
 Pasted (the ``norms`` section) only into programs that use ``layer_norm_grad``,
 ``rms_norm_grad``, ``dropout``, ``embedding`` or ``embedding_grad``

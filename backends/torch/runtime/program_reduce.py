@@ -1,4 +1,4 @@
-"""Runtime helpers of the reductions part (issue 17), pasted into a ``program.py`` only when it
+"""Runtime helpers of the reductions part, pasted into a ``program.py`` only when it
 uses them (see :mod:`parcomp_backends.torch.emit.reduce`). Semantics: ``parcomp/reference/reduce_ops.py`` and the
 interpreter's ``all_reduce{reduce_op="max"}``.
 

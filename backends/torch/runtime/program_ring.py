@@ -1,4 +1,4 @@
-"""Runtime helpers of ring attention (``context-parallel lowering=ring``, issue 14), pasted into a
+"""Runtime helpers of ring attention (``context-parallel lowering=ring``), pasted into a
 ``program.py`` only when it has a ring-marked sdpa (see :mod:`parcomp_backends.torch.emit.cp_ring`). Semantics, step
 for step: ``parcomp/reference/cp_ring.py`` (the numpy simulation the interpreter runs).
 

@@ -371,7 +371,7 @@ def run(args):
     make_groups(args.timeout)
     params, batches, starts = agree(lambda: load(args), "loading")
     first = 1
-    if args.resume:  # issue 13: sharded checkpoint of any mesh's program
+    if args.resume:  # sharded checkpoint of any mesh's program
         params, first = resume_checkpoint(args.resume, params)
     if args.save:  # before training: a save that cannot succeed is found now, not after the last step
         agree(lambda: check_save(args.save, first + args.steps - 1), "checking --save")

@@ -1,4 +1,4 @@
-"""Attention as ONNX exporters write it, found and lowered to parcomp's ``sdpa`` (issue 9).
+"""Attention as ONNX exporters write it, found and lowered to parcomp's ``sdpa``.
 
 Before opset 23 ONNX has no attention op; torch.onnx (dynamo) writes
 ``scaled_dot_product_attention`` out as

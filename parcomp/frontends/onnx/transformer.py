@@ -1,4 +1,4 @@
-"""ONNX lowerings of the transformer op set (issue 9), onto the IR ops the torch.export
+"""ONNX lowerings of the transformer op set, onto the IR ops the torch.export
 frontend uses for transformers (:mod:`parcomp.frontends.torch.attention`, :mod:`parcomp.frontends.torch.norms`).
 
 Added to :data:`parcomp.frontends.onnx.ops.TABLE` (same ``lower(b, node) -> [result, ...]``

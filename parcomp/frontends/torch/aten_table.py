@@ -136,7 +136,7 @@ TABLE = {
 }
 
 
-# ---- frontend part (issue 17): views, powers, batched matmuls and sums onto existing ops ----
+# ---- frontend part: views, powers, batched matmuls and sums onto existing ops ----
 
 def _pow(exponent: float):
     return lambda b, n, a: b.emit("pow", [b.val(a["self"])], exponent=exponent)

@@ -1,4 +1,4 @@
-"""aten lowerings of the attention part (issue 17): views, attention, RoPE's ops.
+"""aten lowerings of the attention part: views, attention, RoPE's ops.
 
 Merged into :data:`parcomp.frontends.torch.export.TABLE`. Each lowering is
 ``(builder, fx node, args bound by schema name) -> value name`` (a list of names for

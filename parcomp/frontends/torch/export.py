@@ -132,19 +132,19 @@ def _bind(fx) -> dict:
 # ops with no value that only assert facts torch already checked
 SKIP = {aten._assert_tensor_metadata.default}
 
-# ---- attention part (issue 17): views, sdpa, RoPE's ops (parcomp/frontends/torch/attention.py) ----
+# ---- attention part: views, sdpa, RoPE's ops (parcomp/frontends/torch/attention.py) ----
 from parcomp.passes.fused_weights import split_fused_weights  # noqa: E402
 from .attention import ATTENTION_TABLE, GETITEM, MULTI, mask_only_nodes  # noqa: E402
 
 TABLE.update(ATTENTION_TABLE)
 # ---- end of the attention part ----
-TABLE.update(NORM_TABLE)  # norms + embedding part (issue 17): parcomp/frontends/torch/norms.py
-# ---- reductions part (issue 17): amax, argmax, mean, log, softmax, log_softmax
+TABLE.update(NORM_TABLE)  # norms + embedding part: parcomp/frontends/torch/norms.py
+# ---- reductions part: amax, argmax, mean, log, softmax, log_softmax
 # (parcomp/frontends/torch/reductions.py) ----
 from .reductions import REDUCTION_TABLE  # noqa: E402
 
 TABLE.update(REDUCTION_TABLE)
-from .loss import LOSS_TABLE  # noqa: E402  loss part (issue 17): pad, cross_entropy_loss, nll_loss
+from .loss import LOSS_TABLE  # noqa: E402  loss part: pad, cross_entropy_loss, nll_loss
 
 TABLE.update(LOSS_TABLE)
 from .conv import CONV_TABLE  # noqa: E402  patch convolutions as a matmul over patches
@@ -346,7 +346,7 @@ def import_torch(module: torch.nn.Module, example_inputs: tuple,
     users = dict(zip(sig.user_inputs, _input_names(module, len(sig.user_inputs), input_names)))
     fx_nodes = list(ep.graph.nodes)
     tied = tied_aliases(module)
-    b.folded = mask_only_nodes(fx_nodes, SKIP)  # attention part (issue 17)
+    b.folded = mask_only_nodes(fx_nodes, SKIP)  # attention part
     b.fused = fused_patterns(fx_nodes)
     for n in fx_nodes:
         if n.op != "placeholder":
@@ -390,7 +390,7 @@ def import_torch(module: torch.nn.Module, example_inputs: tuple,
     names = tuple(wanted) if len(set(outs)) < len(outs) else None  # `return y, y`: two names, one value
     graph = Graph(tuple(n for n in nodes if n.op != "param" or n.name in used), tuple(outs),
                   output_names=names)
-    return split_fused_weights(graph)  # attention part (issue 17): fused q|k|v, gate|up per part
-from .moe import MOE_TABLE  # noqa: E402  expert parallel MoE (issue 14)
+    return split_fused_weights(graph)  # attention part: fused q|k|v, gate|up per part
+from .moe import MOE_TABLE  # noqa: E402  expert parallel MoE
 
 TABLE.update(MOE_TABLE)

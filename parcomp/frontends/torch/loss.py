@@ -1,4 +1,4 @@
-"""aten lowerings of a model that computes its own loss (loss part, issue 17), merged into
+"""aten lowerings of a model that computes its own loss (loss part), merged into
 :data:`parcomp.frontends.torch.export.TABLE`.
 
 transformers' ``ForCausalLMLoss`` pads the labels with ``ignore_index`` (``aten.pad``), shifts

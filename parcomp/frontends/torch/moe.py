@@ -1,4 +1,4 @@
-"""The MoE ops as torch custom ops (issue 14): what a torch model calls so that
+"""The MoE ops as torch custom ops: what a torch model calls so that
 ``torch.export`` keeps routing, dispatch and combine as single nodes, and their frontend rows.
 
 Mixtral's own ``MixtralSparseMoeBlock`` loops over the experts hit (``nonzero``,

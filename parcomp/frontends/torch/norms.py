@@ -1,4 +1,4 @@
-"""aten lowerings of the norms + embedding part (issue 17), joined to
+"""aten lowerings of the norms + embedding part, joined to
 :data:`parcomp.frontends.torch.export.TABLE`, and the fx patterns lowered as one op.
 
 - ``aten.layer_norm`` / ``aten.native_layer_norm`` (its ``[0]``) -> ``layer_norm``;

@@ -1,4 +1,4 @@
-"""aten lowerings of the reductions part (issue 17), merged into
+"""aten lowerings of the reductions part, merged into
 :data:`parcomp.frontends.torch.export.TABLE`: ``amax``, ``argmax``, ``mean``, ``log``,
 ``softmax``, ``log_softmax`` (dims normalised to >= 0; ``keepdim`` becomes a reshape).
 """

@@ -1,4 +1,4 @@
-"""Load-balanced causal chunking (``context-parallel chunking=balanced``, issue 14).
+"""Load-balanced causal chunking (``context-parallel chunking=balanced``).
 
 With a causal mask and contiguous chunks, rank c of n computes c + 1 blocks of the n x n
 score matrix: the last rank does n times the first's work. Balanced chunking cuts the sequence

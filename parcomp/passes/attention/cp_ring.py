@@ -1,4 +1,4 @@
-"""The point-to-point steps of ring attention as Program records (issue 14, ``lowering=ring``).
+"""The point-to-point steps of ring attention as Program records (``lowering=ring``).
 
 A ring-marked ``sdpa`` / ``sdpa_grad`` (``parcomp/passes/attention/ctxpar.py``) communicates inside the op:
 no collective of the layout search carries its K/V. So that the report, program.py's header and

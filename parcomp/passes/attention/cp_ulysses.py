@@ -1,4 +1,4 @@
-"""``context-parallel lowering=all_to_all``: DeepSpeed-Ulysses attention (issue 14).
+"""``context-parallel lowering=all_to_all``: DeepSpeed-Ulysses attention.
 
 q, k and v arrive split along the sequence over the context-parallel axis (``S(2)`` of
 ``[batch, heads, seq, head_dim]``, as for every lowering). One all_to_all each turns them into

@@ -1,4 +1,4 @@
-"""``context-parallel``: attention over a sequence split across the ranks of one mesh axis (issue 14).
+"""``context-parallel``: attention over a sequence split across the ranks of one mesh axis.
 
 The statement (``parcomp/spec/ctxpar.py``) pins, for every ``sdpa``, its q, k and v operands and
 its output to ``S(seq)`` (dim 2 of ``[batch, heads, seq, head_dim]``) on the context-parallel
@@ -37,7 +37,7 @@ from parcomp.ir.names import NameGen
 from parcomp.ir.types import Replicate, Shard, divisibility_problem, shard_axes
 from .cp_balance import mark_balanced
 from .cp_heads import heads_axes, with_heads  # CP x TP: heads split over tp
-from .cp_ulysses import pin_ulysses  # lowering=all_to_all (issue 14)
+from .cp_ulysses import pin_ulysses  # lowering=all_to_all
 
 SEQ = 2  # the sequence dim of sdpa's [batch, heads, seq, head_dim]
 
@@ -75,7 +75,7 @@ def pin_context_parallel(graph: Graph, spec) -> Graph:
     if cp.lowering == "all_to_all":  # DeepSpeed-Ulysses: seq split <-> heads split (cp_ulysses.py)
         return pin_ulysses(graph, {n.name for n in sdpas}, lay, cp, where, _repeat_source)
     graph = _pin_all(graph, {n.name for n in sdpas}, lay, cp, where, {a} | batch)
-    if cp.chunking == "balanced":  # load-balanced causal chunking (issue 14): passes/attention/cp_balance.py
+    if cp.chunking == "balanced":  # load-balanced causal chunking: passes/attention/cp_balance.py
         graph = graph.with_nodes(mark_balanced(graph, cp, {graph[n.inputs[0]].type.shape[SEQ] for n in sdpas}),
                                  graph.outputs)
     return graph

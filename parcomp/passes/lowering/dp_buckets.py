@@ -1,4 +1,4 @@
-"""bucket-dp-grads: data-parallel gradient reductions grouped into flat buffers (issue 16).
+"""bucket-dp-grads: data-parallel gradient reductions grouped into flat buffers.
 
 After ``shard-prop`` a data-parallel training step reduces every weight gradient with its
 own ``all_reduce`` over ``dp`` (the last ``all_reduce`` of a gradient's backward, read

@@ -1,4 +1,4 @@
-"""fuse-reductions (lowering, reductions part of issue 17): the forms of
+"""fuse-reductions (lowering, reductions part): the forms of
 :mod:`parcomp.passes.decompose` that nothing split become one op again in the local program.
 
 ``div(e, expand(sum(e)))`` with ``e = exp(x - expand(amax(x){detach}))`` -> ``softmax(x)``;

@@ -216,11 +216,11 @@ def free_dead(graph: Graph) -> Graph:
                              for n in graph.nodes])
 
 
-LOWERING = (("fuse-reductions", fuse_reductions),  # reductions part (issue 17): passes/lowering/fuse_reductions.py
+LOWERING = (("fuse-reductions", fuse_reductions),  # reductions part: passes/lowering/fuse_reductions.py
             ("fuse-matmuls", fuse_matmuls), ("fuse-mse", fuse_mse), ("fuse-updates", fuse_updates),
-            ("bucket-norm-grads", bucket_norm_grads),  # norms part (issue 17): passes/lowering/bucket.py
-            ("bucket-dp-grads", bucket_dp_grads),  # issue 16: passes/lowering/dp_buckets.py (spec: bucket_cap_mb)
-            ("moe-ragged", moe_ragged),  # expert parallel MoE (issue 14): passes/lowering/moe_ragged.py
+            ("bucket-norm-grads", bucket_norm_grads),  # norms part: passes/lowering/bucket.py
+            ("bucket-dp-grads", bucket_dp_grads),  # passes/lowering/dp_buckets.py (spec: bucket_cap_mb)
+            ("moe-ragged", moe_ragged),  # expert parallel MoE: passes/lowering/moe_ragged.py
             ("overlap-collectives", overlap_collectives), ("in-place", in_place),
             ("free-dead", free_dead))
 """The lowering passes in pipeline order (name, Graph -> Graph)."""

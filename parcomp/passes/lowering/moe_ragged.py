@@ -1,4 +1,4 @@
-"""``moe-ragged`` (issue 14): the all_to_all of an expert-parallel MoE sends only what routing filled.
+"""``moe-ragged``: the all_to_all of an expert-parallel MoE sends only what routing filled.
 
 A dispatch buffer ``[B, E, C, H]`` (parcomp/reference/moe_ops.py) holds C slots per expert per
 row, and routing fills only some: the rest are zero rows, as are the experts' outputs of them

@@ -1,4 +1,4 @@
-"""Data parallel stays data parallel (issue 11): the layout search never all-gathers the
+"""Data parallel stays data parallel: the layout search never all-gathers the
 batch over the mesh axes that split it (:func:`batch_axes`: ``dp``, and ``ep`` where the
 spec splits an input over it).
 

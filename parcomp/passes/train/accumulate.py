@@ -1,4 +1,4 @@
-"""Gradient accumulation (issue 13, ``train accumulate=K``) on the global graph.
+"""Gradient accumulation (``train accumulate=K``) on the global graph.
 
 The model's graph is traced at the *microbatch* shape; the step's data inputs (``x``,
 ``target``, ``labels``) hold K microbatches: their dim 0 is ``K * B`` (the global batch

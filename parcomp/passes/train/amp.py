@@ -1,4 +1,4 @@
-"""fp16 dynamic loss scaling (issue 13): ``train ... precision=fp16 [loss_scale=65536] [growth_interval=2000]``.
+"""fp16 dynamic loss scaling: ``train ... precision=fp16 [loss_scale=65536] [growth_interval=2000]``.
 
 torch.amp.GradScaler's algorithm, written on the *global* graph by autodiff (so the
 planner places its one collective and every rank agrees by construction):

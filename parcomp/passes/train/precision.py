@@ -1,4 +1,4 @@
-"""Mixed precision (issue 13): ``train ... precision=bf16|fp16|fp32 [grad_reduce=fp32|compute]``.
+"""Mixed precision: ``train ... precision=bf16|fp16|fp32 [grad_reduce=fp32|compute]``.
 
 What it writes on the *global* graph (before the loss; :func:`lower_forward`), so the
 planner places every collective and the interpreter checks it like any other op:
