@@ -41,9 +41,10 @@ MAY_IMPORT = {
                     "parcomp.frontends", "parcomp.report", "parcomp.compile", "parcomp.check", "parcomp.plan",
                     "parcomp_backends"),
     # the Python API (parallelize, check, explain, testing): a front end beside the CLI
+    # (check reuses the CLI's command body, so its verdict is the CLI's)
     "parcomp.api": (*_LOW, "parcomp.cost", "parcomp.spec", "parcomp.reference", "parcomp.rules", "parcomp.passes",
                     "parcomp.frontends", "parcomp.report", "parcomp.compile", "parcomp.check", "parcomp.plan",
-                    "parcomp_backends"),
+                    "parcomp_backends", "parcomp.cli"),
     "parcomp.testing": (*_LOW, "parcomp.cost", "parcomp.spec", "parcomp.reference", "parcomp.rules",
                         "parcomp.passes", "parcomp.frontends", "parcomp.report", "parcomp.compile", "parcomp.check",
                         "parcomp.api"),
