@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import weakref
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -174,10 +175,24 @@ class Explanation:
                    float(x["estimated_comm_seconds"]), raw)
 
 
-def _import(module, example_inputs, input_names):
+_GRAPHS = weakref.WeakKeyDictionary()  # module -> {(input signature, names, mode): graph}
+
+
+def imported_graph(module, example_inputs, input_names=None):
+    """``module`` traced by torch.export and lowered (:func:`import_torch`), once per module,
+    input shapes and dtypes, input names and train/eval mode: a property test that checks many
+    specs of one model imports it once. (A module whose code or structure changes in between
+    is not noticed: pass a new module.)"""
     from ..frontends.torch.export import import_torch
 
-    return import_torch(module, tuple(example_inputs), input_names)
+    key = (tuple((tuple(x.shape), str(x.dtype)) for x in example_inputs), tuple(input_names or ()), module.training)
+    per = _GRAPHS.setdefault(module, {})
+    if key not in per:
+        per[key] = import_torch(module, tuple(example_inputs), input_names)
+    return per[key]
+
+
+_import = imported_graph
 
 
 def check(module, example_inputs, spec, *, steps: int | None = None, seed: int = 0,
