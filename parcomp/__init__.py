@@ -10,7 +10,7 @@ import types as _types
 __version__ = "0.1.0"
 
 #: the names ``parcomp`` exports from :mod:`parcomp.api`, loaded on first use
-API = ("parallelize", "ParallelModule", "check", "explain", "CheckResult", "Explanation")
+API = ("parallelize", "ParallelModule", "check", "explain", "CheckResult", "Explanation", "spec_from_plan")
 
 
 def __getattr__(name):

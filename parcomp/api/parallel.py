@@ -70,8 +70,8 @@ def compile_for(module, example_inputs, spec, *, gather=False, input_grads=False
     from ..frontends.torch.export import import_torch
     from ..frontends.torch.fold import module_sources
 
-    spec = resolve_spec(spec, module)
     graph = import_torch(module, tuple(example_inputs))
+    spec = resolve_spec(spec, module, graph)
     progs = compile_programs(graph, spec, gather=gather, input_grads=input_grads, cache=cache,
                              use_cache=use_cache, profile=profile)
     weights, sources = set(module.state_dict()), module_sources(module)

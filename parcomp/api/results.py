@@ -206,8 +206,8 @@ def check(module, example_inputs, spec, *, steps: int | None = None, seed: int =
     """
     from ..cli.check_cmd import check as check_command
 
-    spec = resolve_spec(spec, module)
     graph = _import(module, example_inputs, input_names)
+    spec = resolve_spec(spec, module, graph)
     args = SimpleNamespace(model=(graph, module, tuple(example_inputs)), spec=spec, json=True, seed=seed,
                            steps=steps)
     with contextlib.redirect_stdout(io.StringIO()):
@@ -225,8 +225,8 @@ def explain(module, example_inputs, spec, *, input_names=None) -> Explanation:
     from ..report.explain import explain as explain_compiled
     from ..report.explain_pipeline import pipeline_record
 
-    spec = resolve_spec(spec, module)
-    compiled = compile_graph(_import(module, example_inputs, input_names), spec)
+    graph = _import(module, example_inputs, input_names)
+    compiled = compile_graph(graph, resolve_spec(spec, module, graph))
     raw = {"ok": True, "explain": explain_compiled(compiled), "plots": None}
     pipe = pipeline_record(compiled)
     if pipe:
@@ -235,3 +235,15 @@ def explain(module, example_inputs, spec, *, input_names=None) -> Explanation:
     if spcp:
         raw["sp_vs_cp"] = spcp
     return Explanation.from_json(json.loads(json.dumps(raw, sort_keys=True)))
+
+
+def spec_from_plan(plan: dict, mesh, module, example_inputs=None, *, train: str | None = None,
+                   input_names=None) -> str:
+    """The ``.pcs`` text a DTensor plan (``{module path: ColwiseParallel(), ...}`` over ``mesh``, a
+    DeviceMesh or ``{"tp": 2}``) translates to (:mod:`parcomp.api.dtensor_plan`); with
+    ``example_inputs`` the inputs' and outputs' layouts too; ``train``: a ``train ...`` line to add.
+    Save it as a ``.pcs`` file, or pass it as the spec."""
+    from .dtensor_plan import _mesh, plan_text
+
+    graph = None if example_inputs is None else _import(module, example_inputs, input_names)
+    return plan_text(plan, _mesh(mesh), module, graph, train)

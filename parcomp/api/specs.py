@@ -19,8 +19,9 @@ from ..spec import Spec, load_spec, parse_spec
 DERIVED = "<parcomp.parallelize>"
 
 
-def resolve_spec(spec, module=None) -> Spec:
-    """A parsed :class:`Spec` from what the user passed.
+def resolve_spec(spec, module=None, graph=None) -> Spec:
+    """A parsed :class:`Spec` from what the user passed (a DTensor plan is translated for
+    ``module``, whose imported ``graph`` names its inputs and outputs).
 
     Raises:
         ParcompError: a path that does not exist, or something that is no spec.
@@ -39,7 +40,7 @@ def resolve_spec(spec, module=None) -> Spec:
     if isinstance(spec, dict) or _is_plan_tuple(spec):
         from .dtensor_plan import plan_spec
 
-        return plan_spec(spec, module)
+        return plan_spec(spec, module, graph)
     raise ParcompError(f"spec must be a parcomp Spec, a .pcs path, its text or a DTensor plan dict "
                        f"(with its DeviceMesh); got {type(spec).__name__}")
 
