@@ -153,6 +153,7 @@ class ParallelModule(nn.Module):
         self._bwd = None if progs.backward is None else load_program(
             progs.backward, f"parcomp_backward_{_MODULES.n}", device, groups, timeout)
         full = {**_full_tensors(module), **progs.constants}
+        self._shapes = {k: tuple(v.shape) for k, v in full.items()}  # the module's own (a fused weight's view differs)
         if sync_module_states:
             for name in sorted(full):
                 t = full[name].detach().clone()
@@ -184,6 +185,17 @@ class ParallelModule(nn.Module):
     def from_cache(self) -> bool:
         """Whether the programs were read from the on-disk cache (no compile ran)."""
         return self._cached
+
+    @property
+    def mesh(self) -> dict:
+        """``{axis: size}`` of the spec's mesh."""
+        return dict(zip(self._meta["mesh"]["names"], self._meta["mesh"]["sizes"]))
+
+    @property
+    def coords(self) -> dict:
+        """This rank's ``{axis: coordinate}`` on the mesh (row-major: the last axis varies fastest);
+        a data loader reads the share of each batch that ``coords.get("dp", 0)`` names."""
+        return dict(zip(self._meta["mesh"]["names"], self._fwd.COORD))
 
     def layouts(self) -> dict:
         """``{param name: layout}``, e.g. ``{"c_fc.weight": "[S(1)]"}``."""
@@ -245,14 +257,16 @@ class ParallelModule(nn.Module):
         return total.sqrt()
 
     def full_state_dict(self) -> dict:
-        """``{name: whole tensor}`` of every parameter and buffer, gathered on every rank."""
+        """``{name: whole tensor}`` of every parameter and buffer, gathered on every rank, in the
+        original module's shapes (loadable by its ``load_state_dict``; a tied weight under the
+        one name the program keeps)."""
         out = {}
         for p in self._meta["params"]:
             t = self._local(p["name"]).detach()
             for a, pl in reversed(list(zip(self._meta["mesh"]["names"], parse_layout(p["layout"])))):
                 if isinstance(pl, Shard):
                     t = _all_gather(t, pl.dim, self._fwd, a)
-            out[p["name"]] = t
+            out[p["name"]] = t.reshape(self._shapes.get(p["name"], t.shape))
         return out
 
 
