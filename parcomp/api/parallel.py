@@ -213,6 +213,10 @@ class ParallelModule(nn.Module):
         if len(inputs) != len(self._input_names):
             raise ParcompError(f"the module was compiled with {len(self._input_names)} inputs "
                                f"({', '.join(self._input_names)}); got {len(inputs)}")
+        if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs) \
+                and not any(f"{n}.grad" in self._meta["grads"] for n in self._input_names):
+            raise ParcompError("an input requires grad, but the module was compiled without input "
+                               "gradients: parallelize(..., input_grads=True)")
         params = [self._local(n) for n in self._param_names]
         outs = _Step.apply(self, len(params), *params, *inputs)
         names = [o["name"] for o in self._outputs]

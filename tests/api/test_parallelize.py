@@ -22,8 +22,10 @@ def test_tp2_adamw_steps_equal_the_unsharded_loop(tmp_path):
 
 @pytest.mark.slow
 def test_dp2_tp2_adamw_steps_equal_the_unsharded_loop(tmp_path):
-    results = run_ranks("api_workers:train_equal", 4, spec="dp_tp", cache_dir=str(tmp_path))
+    # with clip_grad_norm_ (the unsharded norm; max_norm small enough to clip every step)
+    results = run_ranks("api_workers:train_equal", 4, spec="dp_tp", cache_dir=str(tmp_path), clip=0.05)
     for r in results:
+        assert len(r["norms"]) == 3 and min(r["norms"]) > 0.05 and r["norm_err"] <= 1e-5, r
         assert r["loss_err"] <= 1e-5 * max(map(abs, r["ref_losses"])), r
         assert r["param_err"] <= 1e-5, r
     assert len({r["fingerprint"] for r in results}) == 1
@@ -85,7 +87,17 @@ def test_tiny_gpt2_tp2_adamw_steps_equal_the_unsharded_loop(tmp_path):
 
 @pytest.mark.slow
 def test_tiny_gpt2_dp2_tp2_adamw_steps_equal_the_unsharded_loop(tmp_path):
-    results = run_ranks("api_workers:train_lm_equal", 4, spec="gpt2_dp_tp", cache_dir=str(tmp_path))
+    results = run_ranks("api_workers:train_lm_equal", 4, spec="gpt2_dp_tp", cache_dir=str(tmp_path), clip=0.5)
     for r in results:
+        assert len(r["norms"]) == 3 and r["norm_err"] <= 1e-5, r
         assert r["loss_err"] <= 1e-5 * max(map(abs, r["ref_losses"])), r
         assert r["param_err"] <= LM_PARAM_TOL, r
+
+
+@pytest.mark.slow
+def test_input_gradients_and_gathered_outputs(tmp_path):
+    for r in run_ranks("api_workers:options", 2, cache_dir=str(tmp_path)):
+        assert r["x_grad_err"] <= 1e-5, r
+        assert r["layouts"] == [{"output": "[S(2)]"}, {"output": "[R]"}], r
+        assert r["local_shape"] == [4, 3, 8] and r["local_err"] <= 1e-6 and r["whole_err"] <= 1e-6, r
+        assert "input_grads=True" in r["refused"], r
