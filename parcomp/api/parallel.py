@@ -264,9 +264,18 @@ class ParallelModule(nn.Module):
         """``{name: whole tensor}`` of every parameter and buffer, gathered on every rank, in the
         original module's shapes (loadable by its ``load_state_dict``; a tied weight under the
         one name the program keeps)."""
+        return self._gathered(lambda t: t.detach())
+
+    def full_grads(self) -> dict:
+        """``{name: whole gradient}`` of every parameter that has one, gathered on every rank."""
+        return self._gathered(lambda t: None if t.grad is None else t.grad.detach())
+
+    def _gathered(self, pick) -> dict:
         out = {}
         for p in self._meta["params"]:
-            t = self._local(p["name"]).detach()
+            t = pick(self._local(p["name"]))
+            if t is None:
+                continue
             for a, pl in reversed(list(zip(self._meta["mesh"]["names"], parse_layout(p["layout"])))):
                 if isinstance(pl, Shard):
                     t = _all_gather(t, pl.dim, self._fwd, a)

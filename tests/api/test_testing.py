@@ -1,6 +1,5 @@
 """parcomp.testing: hypothesis strategies over a user's model and assert_equivalent."""
 import sys
-import time
 from pathlib import Path
 
 import pytest
