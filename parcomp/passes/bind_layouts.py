@@ -1,6 +1,6 @@
 """bind-layouts: the spec's rules become layouts on params, inputs, outputs, activations.
 
-``colwise`` / ``rowwise`` are resolved by *use*, not by storage order (DESIGN.md):
+``colwise`` / ``rowwise`` are resolved by *use*, not by storage order:
 the pass follows the weight through ``permute`` / ``reshape`` to the matmul that
 consumes it as right operand ``b[k, n]``; colwise splits ``n`` (the output
 features, DTensor ColwiseParallel), rowwise splits ``k`` (the input features,
