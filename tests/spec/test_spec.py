@@ -538,3 +538,13 @@ def test_a_rule_missing_an_onnx_models_renamed_weights_says_why():
     with pytest.raises(SpecError) as e:  # a model without generated names: no such note
         check_names(s, ["ln1.weight", "k.weight"], ["x"], ["y"], [])
     assert "generated names" not in str(e.value)
+
+
+# ---- a memory size above any device ----
+
+@pytest.mark.parametrize("value", ["10000000TiB", "1025TiB", "2000000TB"])
+def test_a_memory_size_above_any_device_is_a_located_error(value):
+    with pytest.raises(SpecError, match=r"is above 1024.0 TiB, more than any one device holds") as e:
+        parse_spec(f"mesh tp=2\nmemory {value}\n", "s.pcs")
+    assert (e.value.loc.line, e.value.loc.col) == (2, 8)
+    assert parse_spec("mesh tp=2\nmemory 1024TiB\n", "s.pcs").memory == 2**50
