@@ -10,6 +10,7 @@ model, within bfloat16's tolerance (:mod:`parcomp.check.differential`).
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -227,3 +228,18 @@ def test_fp16_steps_equal_torch_gradscaler(tmp_path):
         r = _lockstep(compiled)
         _all_ok(r)
         assert r["losses"] and np.all(np.isfinite(r["losses"]))
+
+
+def test_bf16_with_the_models_own_loss_takes_the_loss_in_float32(tmp_path):
+    """``loss=output`` (transformers computes the loss inside the model): the loss ops run in
+    float32 on widened logits, as torch.autocast runs cross_entropy; each step equals
+    torch.autocast + AdamW within bfloat16's tolerance, and the sharding is exact in float64."""
+    text = (Path("specs/gpt2_lm_loss_dp2_train.pcs").read_text()
+            .replace("steps=2", "steps=2 precision=bf16"))
+    compiled = _compile(tmp_path, text, model="specs/models.py:gpt2_lm_loss")
+    c = compiled[0]
+    loss_ops = [n for n in c.logical.nodes if n.op in precision.FLOAT32_OPS]
+    assert "label_mask" in {n.op for n in loss_ops}  # cross_entropy is decomposed by now
+    assert all(n.type.dtype == "float32" for n in loss_ops)
+    assert c.logical[c.logical.outputs[0]].type.dtype == "float32"
+    _all_ok(_lockstep(compiled))

@@ -36,6 +36,11 @@ from parcomp.ir.types import TensorType, shard_axes
 from parcomp.spec.train_options import PRECISIONS
 
 
+# Ops torch.autocast runs in float32 whatever the compute dtype: a model's own loss
+# (transformers' ``ForCausalLMLoss``: cross_entropy, then its sum over the counted tokens).
+FLOAT32_OPS = frozenset({"cross_entropy", "label_mask"})
+
+
 def compute_dtype(opts) -> str | None:
     """The low compute dtype of TrainOptions ``opts``, or None for float32."""
     return PRECISIONS.get(getattr(opts, "precision", "fp32"))
@@ -57,6 +62,7 @@ def lower_forward(graph: Graph, cfg, params, state_layout) -> tuple:
     def lowered(ty):
         return TensorType(ty.shape, low) if ty.dtype == "float32" else ty
 
+    wide = set()  # values kept in float32: a model's own loss and what is computed from it only
     for n in graph.nodes:
         if n.op in ("input", "param"):
             if n.op == "param" and n.name in params and cfg.zero:
@@ -67,6 +73,27 @@ def lower_forward(graph: Graph, cfg, params, state_layout) -> tuple:
                 out.append(Node(cast[n.name], "cast", (n.name,), lowered(n.type), phase="forward"))
             continue
         ins = tuple(cast.get(i, i) for i in n.inputs)
+        floats = [i for i in n.inputs if graph[i].type.dtype == "float32"]
+        if n.type.dtype == "float32" and (n.op in FLOAT32_OPS or (floats and all(i in wide for i in floats))):
+            wide.add(n.name)  # as autocast: the loss ops run in float32 on widened operands
+            widened = []
+            for i, v in zip(n.inputs, ins):
+                if graph[i].type.dtype == "float32" and i not in wide:
+                    w = names.fresh(f"{v}.f32")
+                    out.append(Node(w, "cast", (v,), graph[i].type, phase="forward", source=n.source))
+                    v = w
+                widened.append(v)
+            out.append(replace(n, inputs=tuple(widened)))
+            continue
+        if any(i in wide for i in n.inputs):  # a float32 loss value read by low-precision compute
+            narrowed = []
+            for i, v in zip(n.inputs, ins):
+                if i in wide:
+                    w = names.fresh(f"{v}.low")
+                    out.append(Node(w, "cast", (v,), lowered(graph[i].type), phase="forward", source=n.source))
+                    v = w
+                narrowed.append(v)
+            ins = tuple(narrowed)
         if n.name in outputs and n.type.dtype == "float32":  # the loss is taken in float32
             v = names.fresh(f"{ins[0]}.f32")
             out.append(Node(v, "cast", ins[:1], n.type, phase="forward", source=n.source))
