@@ -178,13 +178,13 @@ def _resolve(graph, spec, rule, node, users):
     if node.attr("stored_shape"):  # attention part: a fused weight, split per part
         dim = fused_split_dim(node, rule.layout.word)
     else:
-        dim = _weight_split_dim(graph, node, rule, users)
+        dim = weight_split_dim(graph, node, rule, users)
     out = list(replicated(len(spec.mesh.axes)))
     out[spec.mesh.axis_index(rule.layout.axis)] = Shard(dim)
     return tuple(out)
 
 
-def _weight_split_dim(graph, node, rule, users) -> int:
+def weight_split_dim(graph, node, rule, users) -> int:
     """Stored dim of ``node`` that colwise/rowwise splits, found through its uses
     (``users``: ``graph.users()``)."""
     chain, cur = [], node.name

@@ -6,7 +6,7 @@ import re
 
 from ..errors import SpecError
 from .model import Spec, pattern_regex, suggest
-from .syntax import _show
+from .syntax import show_token
 
 
 def check_names(spec: Spec, param_names, input_names, output_names, value_names) -> None:
@@ -30,7 +30,7 @@ def check_names(spec: Spec, param_names, input_names, output_names, value_names)
         names = list(names)
         if any(rule.matches(n) for n in names):
             continue
-        msg = f"{rule.target} rule {_show(rule.pattern)} matches no {noun} of the model"
+        msg = f"{rule.target} rule {show_token(rule.pattern)} matches no {noun} of the model"
         wrapped = _wrapper_hint(rule.pattern, names, noun)
         hint = None if wrapped else suggest(rule.pattern, names)
         if wrapped:

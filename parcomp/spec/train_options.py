@@ -274,11 +274,11 @@ def scheduled_update(b, p: str, new: str, f: str | None) -> str:
 
 
 def _recomputable():
-    from ..ir.ops import OPS, _same
+    from ..ir.ops import OPS, same_type
 
     return frozenset(op for op, d in OPS.items() if d.kind in ("nonlinear", "linear")
                      and (d.arity == 1 or op == "dropout")  # dropout's step operand is a source
-                     and d.infer is _same and op not in ("clip_coef",))
+                     and d.infer is same_type and op not in ("clip_coef",))
 
 
 RECOMPUTE_OPS = _recomputable()

@@ -23,7 +23,7 @@ MODEL = "specs/models.py:gpt2_mlp"
 def _compile(tmp_path, text, name):
     path = tmp_path / f"{name}.pcs"
     path.write_text(text)
-    c, module, example = commands._compile(SimpleNamespace(model=MODEL, spec=str(path)), numeric="check")
+    c, module, example = commands.compile_model(SimpleNamespace(model=MODEL, spec=str(path)), numeric="check")
     return c, module, example
 
 
@@ -79,7 +79,7 @@ def test_resume_on_another_mesh_after_a_killed_save_equals_the_unsharded_steps(t
 
     tp, module, example = _compile(tmp_path, TP2, "tp2")
     dp, _, _ = _compile(tmp_path, DP2, "dp2")
-    feeds = commands._train_feeds(tp, module, example, 0)
+    feeds = commands.training_feeds(tp, module, example, 0)
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     res = _launch(tmp_path / "a", tp, module, feeds, ("--steps", "2", "--save", str(ckpt)))
@@ -114,7 +114,7 @@ def test_export_of_a_tp2_checkpoint_is_a_full_safetensors_transformers_loads(tmp
     from parcomp.cli.export import export_safetensors
 
     tp, module, example = _compile(tmp_path, TP2, "tp2")
-    feeds = commands._train_feeds(tp, module, example, 0)
+    feeds = commands.training_feeds(tp, module, example, 0)
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     _launch(tmp_path / "a", tp, module, feeds, ("--steps", "3", "--save", str(ckpt)))
@@ -161,13 +161,13 @@ def test_gpt2_tp2_checkpoint_exports_to_what_from_pretrained_loads(tmp_path, cap
     from parcomp.cli.main import main
 
     model, spec = "specs/models.py:gpt2_lm", "specs/gpt2_lm_tp2_train.pcs"
-    c, module, example = commands._compile(SimpleNamespace(model=model, spec=spec), numeric="check")
-    feeds = commands._train_feeds(c, module, example, 0)
+    c, module, example = commands.compile_model(SimpleNamespace(model=model, spec=spec), numeric="check")
+    feeds = commands.training_feeds(c, module, example, 0)
     ckpt, work = tmp_path / "ckpt", tmp_path / "a"
     ckpt.mkdir()
     write_program(c, work)
     inputs = {k: torch.from_numpy(np.asarray(feeds[k])) for k in ("input_ids", "labels")}
-    weights = commands._checkpoint(str(work), c.unsharded, feeds, module)  # folded constants too
+    weights = commands.checkpoint_file(str(work), c.unsharded, feeds, module)  # folded constants too
     res = run_torchrun(work, 2, weights, inputs, work / "out.pt",
                        ("--device", "cpu", "--steps", "2", "--save", str(ckpt)), timeout=300)
     assert res.returncode == 0, res.stderr[-4000:]

@@ -303,7 +303,7 @@ def test_a_complex_rotary_embedding_is_located_and_names_the_real_rewrite():
 import re  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from parcomp.cli.common import _vs_tolerance  # noqa: E402
+from parcomp.cli.common import vs_tolerance  # noqa: E402
 
 GPT_FILE = Path(__file__).resolve().parents[1] / "handwritten_gpt.py"
 TP2 = ("mesh tp=2\nblocks.*.attn.qkv.weight colwise\nblocks.*.attn.proj.weight rowwise\n"
@@ -311,7 +311,7 @@ TP2 = ("mesh tp=2\nblocks.*.attn.qkv.weight colwise\nblocks.*.attn.proj.weight r
 
 
 def test_a_report_line_gives_the_ratio_the_place_and_the_tolerance():
-    text = _vs_tolerance({"err_over_tol": 0.0042, "rel_err": 4.2e-12, "rtol": 1e-9, "worst": "step 1: w.grad[0]"})
+    text = vs_tolerance({"err_over_tol": 0.0042, "rel_err": 4.2e-12, "rtol": 1e-9, "worst": "step 1: w.grad[0]"})
     assert text == "error/tolerance 0.0042 at step 1: w.grad[0]: error 4.2e-12 of the scale, tolerance 1e-09"
 
 
@@ -350,12 +350,12 @@ def test_plan_says_how_many_parts_a_fused_weight_has(tmp_path):
 def test_model_pt_holds_a_tied_weight_under_each_name(tmp_path):
     """The trial's GPT (head.weight is tok.weight): model.pt named it head.weight only, so
     load_state_dict(strict=True) missed tok.weight; now both names, one storage."""
-    from parcomp.cli.run_cmd import _checkpoint
+    from parcomp.cli.run_cmd import checkpoint_file
     from parcomp.frontends.loader import load_model
 
     graph, module, _ = load_model(f"{GPT_FILE}:gpt")
     feeds = {n.name: module.state_dict()[n.name].numpy() for n in graph.params}
-    sd = torch.load(_checkpoint(str(tmp_path), graph, feeds, module), weights_only=True)
+    sd = torch.load(checkpoint_file(str(tmp_path), graph, feeds, module), weights_only=True)
     assert sd["head.weight"].data_ptr() == sd["tok.weight"].data_ptr()
     fresh = type(module)()
     fresh.load_state_dict(sd, strict=True)

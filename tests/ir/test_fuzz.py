@@ -143,7 +143,7 @@ def _outcome(tmp: Path, model: str, model_text: str | None, spec_text: str) -> s
 
 @pytest.fixture(scope="module")
 def cached_loader():
-    original = commands_common.load_model  # what commands._compile calls
+    original = commands_common.load_model  # what commands.compile_model calls
     commands_common.load_model = lambda ref: load_model(ref) if ref.endswith(".pcir") else _cached_model(ref)
     yield
     commands_common.load_model = original

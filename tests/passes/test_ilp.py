@@ -14,7 +14,7 @@ from parcomp.compile.compiler import compile_graph
 from parcomp.ir import parse_graph
 from parcomp.passes.autodiff import add_training_step
 from parcomp.passes.bind_layouts import bind_layouts
-from parcomp.passes.shard_prop import _Problem, shard_prop
+from parcomp.passes.shard_prop import ShardProblem, shard_prop
 
 from graphs import spec
 
@@ -135,13 +135,13 @@ def _check_against_brute_force(case):
     g = bind_layouts(parse_graph(text), sp)
     if train:
         g = add_training_step(g, sp)
-    prob = _Problem(g)
+    prob = ShardProblem(g)
     chosen = shard_prop(g)
     assert chosen.search["proven_optimal"], chosen.search
     want = brute_force(prob)
     if not chosen.search["data_parallel"]:  # only when no plan keeps the batch split over dp
         assert want == math.inf and prob.batch
-        prob = _Problem(g, data_parallel=False)
+        prob = ShardProblem(g, data_parallel=False)
         want = brute_force(prob)
     assert math.isclose(chosen_cost(prob, chosen), want, rel_tol=1e-9, abs_tol=1e-15), spec_text
     assert math.isclose(chosen.search["cost_s"], want, rel_tol=1e-9, abs_tol=1e-15)

@@ -58,7 +58,7 @@ def test_a_problem_over_the_solver_size_keeps_the_heuristic_plan(monkeypatch):
 
 def test_too_large_counts_every_strategy():
     g, s = _train_graph()
-    prob = shard_prop._Problem(add_training_step(bind_layouts(g, s), s))
+    prob = shard_prop.ShardProblem(add_training_step(bind_layouts(g, s), s))
     count = sum(len(o) for o in prob.options.values())
     assert layout_ilp.too_large(prob) == (count > layout_ilp.MAX_STRATEGIES)
     assert 100 < count < layout_ilp.MAX_STRATEGIES  # this graph is under the bound, a 48-block chain over

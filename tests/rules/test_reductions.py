@@ -22,7 +22,7 @@ from parcomp.reference.numpy_ops import run_unsharded
 from parcomp.reference.numpy_ops import NUMPY_OPS
 from parcomp.spec import parse_spec
 from parcomp_backends.torch import emit_program
-from parcomp_backends.torch.emit import _code
+from parcomp_backends.torch.emit import node_code
 from parcomp_backends.torch.emit.reduce import REDUCE_FORMATS
 from parcomp_backends.torch.runtime import program_reduce
 
@@ -284,7 +284,7 @@ def test_torch_rows_match_numpy(op):
     node = Node("y", op, tuple(f"a{i}" for i in range(len(xs))), ty, make_attrs(**attrs))
     env = {"torch": torch, **{k: getattr(program_reduce, k) for k in dir(program_reduce)}}
     env.update({f"a{i}": torch.tensor(x) for i, x in enumerate(xs)})
-    got = eval(_code(node, [f"a{i}" for i in range(len(xs))]), env)  # noqa: S307 - our own table
+    got = eval(node_code(node, [f"a{i}" for i in range(len(xs))]), env)  # noqa: S307 - our own table
     want = NUMPY_OPS[node.op](xs, node)
     assert tuple(got.shape) == tuple(np.shape(want))
     assert_equivalent(got.numpy(), want, what=op)

@@ -45,7 +45,7 @@ def _node(op, shape, w, **extra):
 @given(b=st.integers(1, 2), h=st.integers(1, 3), s=st.integers(1, 9), d=st.integers(1, 4),
        w=st.integers(1, 10), seed=st.integers(0, 1000))
 def test_numpy_sdpa_and_its_gradients_equal_torch_with_the_band_mask(b, h, s, d, w, seed):
-    from parcomp_backends.torch.emit.nodes import _code
+    from parcomp_backends.torch.emit.nodes import node_code
 
     rng = np.random.default_rng(seed)
     q, k, v, dy = (rng.standard_normal((b, h, s, d)) for _ in range(4))
@@ -61,10 +61,10 @@ def test_numpy_sdpa_and_its_gradients_equal_torch_with_the_band_mask(b, h, s, d,
     # the emitted expressions (one node, whole operands) compute the same
     env = {"torch": torch, "DEVICE": torch.device("cpu"),
            **{f"a{i}": torch.tensor(x) for i, x in enumerate((dy, q, k, v))}}
-    out = eval(_code(node, ["a1", "a2", "a3"]), env)  # noqa: S307 - our own table
+    out = eval(node_code(node, ["a1", "a2", "a3"]), env)  # noqa: S307 - our own table
     np.testing.assert_allclose(out.numpy(), got, rtol=1e-12, atol=1e-13)
     for wrt in "qkv":
-        g = eval(_code(_node("sdpa_grad", (b, h, s, d), w, wrt=wrt), ["a0", "a1", "a2", "a3"]), env)  # noqa: S307
+        g = eval(node_code(_node("sdpa_grad", (b, h, s, d), w, wrt=wrt), ["a0", "a1", "a2", "a3"]), env)  # noqa: S307
         np.testing.assert_allclose(g.numpy(), grads[wrt], rtol=1e-11, atol=1e-12, err_msg=wrt)
 
 

@@ -35,12 +35,12 @@ DP2TP2 = ("mesh dp=2 tp=2\nc_fc.weight colwise over tp\nc_proj.weight rowwise ov
 def _compile(tmp_path, text, model=MLP):
     path = tmp_path / "t.pcs"
     path.write_text(text)
-    return commands._compile(SimpleNamespace(model=model, spec=str(path)), numeric="check")
+    return commands.compile_model(SimpleNamespace(model=model, spec=str(path)), numeric="check")
 
 
 def _lockstep(compiled, steps=2):
     c, module, example = compiled
-    feeds = commands._train_feeds(c, module, example, 0)
+    feeds = commands.training_feeds(c, module, example, 0)
     return train_check.lockstep(c, module, example, feeds, steps)
 
 
@@ -84,7 +84,7 @@ def test_bf16_tp2_sends_bf16_and_equals_autocast(tmp_path):
     _all_ok(r)
     # autocast is really on: torch's fp32 and bf16 losses differ by more than float32 rounding
     _, _, ex = compiled
-    assert abs(r["native_reference_losses"][0] - train_check.lockstep(fp32, *compiled[1:], commands._train_feeds(
+    assert abs(r["native_reference_losses"][0] - train_check.lockstep(fp32, *compiled[1:], commands.training_feeds(
         fp32, compiled[1], ex, 0), 1)["reference_losses"][0]) > 64 * 2.0 ** -24  # float32's unit roundoff
 
 
@@ -197,7 +197,7 @@ def test_fp16_overflow_in_step_2_skips_that_step_on_every_rank(tmp_path):
 
     c, module, example = _compile(tmp_path, ROWWISE.format(lr=50), f"{MODELS}:rowwise_linear")
     assert ("all_reduce", "tp", "float32", 4) in _collectives(c, "backward")  # the count
-    feeds = commands._train_feeds(c, module, example, 0)
+    feeds = commands.training_feeds(c, module, example, 0)
     prog = c.program
     runs = train_steps(lambda st: run_spmd(prog, st).outputs(prog), c.logical, feeds, 3, record=True)
     amp = [(float(o["amp.scale_ratio"]), float(o["amp.skipped"])) for o in runs["per_step"]]

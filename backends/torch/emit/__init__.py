@@ -17,9 +17,9 @@ frontend knew them (``c_fc``, ``c_proj_matmul``), and every line a spec rule
 caused ends with that rule's ``spec.pcs:LINE``.
 
 This module assembles the program and writes its step function; the per-node text (op
-tables, ``_code``) is :mod:`.nodes`, the other sections (header, PROFILE block,
+tables, ``node_code``) is :mod:`.nodes`, the other sections (header, PROFILE block,
 constants, loaders, value names) :mod:`.sections`.  Their names that callers import
-from here (``OP_FORMATS``, ``_code``, ``_names``, ``EmitError``, ...) are re-exported.
+from here (``OP_FORMATS``, ``node_code``, ``python_names``, ``EmitError``, ...) are re-exported.
 """
 from __future__ import annotations
 
@@ -41,9 +41,9 @@ from ..profiles import get_profile
 from ..runtime import (CONSTANT_LOADER, FUNCTIONAL, IMPORTS, MAIN, ONNX_READER, RUNTIME, TIED_LOADER, TRAIN_MAIN,
                       TRAIN_RUNTIME)
 from .nodes import (ASYNC_FORMATS, ATTR_DEFAULTS, IN_PLACE_FORMATS, OP_FORMATS, TORCH_DTYPES,  # noqa: F401
-                         EmitError, _code, _py)
-from .sections import (COMMENT_WIDTH, RESERVED, _comment, _constants, _header, _loaders,  # noqa: F401
-                            _names, _profile_block)
+                         EmitError, node_code, py_literal)
+from .sections import (COMMENT_WIDTH, RESERVED, comment_lines, constants_section, header_section, loaders_section,  # noqa: F401
+                            python_names, profile_block)
 
 LOCAL_LAYOUT_OPS = ("shard_slice", "partial_mask")
 _LAYOUT_OPS = frozenset(LAYOUT_OPS)
@@ -100,20 +100,20 @@ def _emit(compiled, profile, model, steps, functional, constants) -> str:
 
         if pipeline_emittable(prog):  # else (tp inside a stage) the SPMD program, pp replicated
             check_pipeline_profile(prof.name)
-            return emit_pipeline_program(prog, model, _code)
+            return emit_pipeline_program(prog, model, node_code)
     program, train = prog.graph, prog.train
     if train is not None and steps:
         train = replace(train, steps=int(steps))
-    names = _names(prog)
+    names = python_names(prog)
     runtime = TRAIN_RUNTIME if train else RUNTIME
     if model and model.endswith(".onnx"):
         runtime += "\n\n\n" + ONNX_READER
-    parts = [_profile_block(prof), _constants(prog, train), runtime, *runtime_sections(program),
+    parts = [profile_block(prof), constants_section(prog, train), runtime, *runtime_sections(program),
              *reduce_sections(program), *moe_sections(program), *ring_sections(program), *([FUNCTIONAL] if functional else []),
              *([CONSTANT_LOADER] if constants else []),
              *([TIED_LOADER] if any(n.attr("aliases") for n in program.params) else []),
-             _loaders(prog, train, constants), _forward(prog, names, train), TRAIN_MAIN if train else MAIN]
-    head = _header(prog, model, train) + "\n" + IMPORTS
+             loaders_section(prog, train, constants), _forward(prog, names, train), TRAIN_MAIN if train else MAIN]
+    head = header_section(prog, model, train) + "\n" + IMPORTS
     return "\n\n\n".join(p.strip("\n") for p in [head] + parts) + "\n"
 
 
@@ -140,8 +140,8 @@ def _forward(prog, names, train) -> str:
             continue
         if op in _LAYOUT_OPS:
             lines += _layout_comment(program, n, prog.collective(n.name), names)
-        lines += [c for text in ring_comment(prog, n) for c in _comment(text, "    ")]
-        lines.append(f"    {var} = {_code(n, list(map(var_of, n.inputs)), program)}{tail}")
+        lines += [c for text in ring_comment(prog, n) for c in comment_lines(text, "    ")]
+        lines.append(f"    {var} = {node_code(n, list(map(var_of, n.inputs)), program)}{tail}")
         frees = n.attr("frees")
         if frees:
             lines.append("    del " + ", ".join(map(var_of, frees.split())))
@@ -163,4 +163,4 @@ def _layout_comment(program, n, record, names) -> list:
     else:
         nbytes = record.bytes if record else "?"
         head = f"{n.op} over {n.attr('axis')} {change}, bytes/rank {nbytes}:"
-    return _comment(f"{head} {reason}", "    ")
+    return comment_lines(f"{head} {reason}", "    ")

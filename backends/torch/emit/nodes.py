@@ -1,9 +1,9 @@
-"""The torch emitter's per-node text: the op tables and :func:`_code`, the right-hand side of
+"""The torch emitter's per-node text: the op tables and :func:`node_code`, the right-hand side of
 one statement of ``program.py`` per graph node (split from :mod:`parcomp_backends.torch.emit`, which re-exports
 every name here; :mod:`.sections` writes the program's other sections).
 
 Each op maps to a format string over its operand variables and attributes (Python
-literals from :func:`_py`); ``inplace=true`` and ``async_op=true`` nodes read their own
+literals from :func:`py_literal`); ``inplace=true`` and ``async_op=true`` nodes read their own
 tables.  The parts' rows come from ``emit_norms``, ``emit_reduce``, ``emit_moe`` and
 ``emit_cp_ring``.
 """
@@ -40,7 +40,7 @@ OP_FORMATS = {
     "matmul": "torch.matmul({0}, {1})",
     "permute": "{0}.permute{perm}",
     "reshape": "{0}.reshape({local_shape})",
-    "sum": "torch.sum({0}, dim={dims})",  # dims=() is the identity (see _code)
+    "sum": "torch.sum({0}, dim={dims})",  # dims=() is the identity (see node_code)
     "expand": "{0}.reshape({kept_shape}).expand({local_shape})",
     "ones": "torch.ones({local_shape}, dtype={dtype}, device=DEVICE)",
     "relu_grad": "{0} * ({1} > 0).to({0}.dtype)",
@@ -125,7 +125,7 @@ class EmitError(ParcompError):
     """The program cannot be emitted (an op or dtype the torch backend has no entry for)."""
 
 
-def _py(v) -> str:
+def py_literal(v) -> str:
     """A Python literal for an attribute value."""
     if type(v) is str:  # the most common: json.dumps(v)'s own encoder, without its set-up
         return _json_str(v)
@@ -141,7 +141,7 @@ def _py(v) -> str:
 
 
 
-def _code(n, args, program=None) -> str:
+def node_code(n, args, program=None) -> str:
     """The right-hand side computing node ``n`` from operand variables ``args``
     (``inplace``: :data:`IN_PLACE_FORMATS`; ``async_op``: :data:`ASYNC_FORMATS`)."""
     op, attr = n.op, n.attr
@@ -162,16 +162,16 @@ def _code(n, args, program=None) -> str:
     if op in ATTR_DEFAULTS:
         attrs = dict(ATTR_DEFAULTS[op])
         attrs.update(n.attrs)
-        kw = {k: _py(v) for k, v in attrs.items()}
+        kw = {k: py_literal(v) for k, v in attrs.items()}
     else:
-        kw = {k: _py(v) for k, v in dict(n.attrs).items()}
+        kw = {k: py_literal(v) for k, v in dict(n.attrs).items()}
     kw["local_shape"] = repr(tuple(ty.shape))
     kw["dtype"] = TORCH_DTYPES[ty.dtype]
     kw["args"] = ", ".join(args)
     if op in NORM_FORMATS:
         kw.update(norm_kw(program, n, args))  # norms + embedding part
     if op in REDUCE_FORMATS or rkey in REDUCE_FORMATS:  # reduce_kw's own test
-        kw.update(reduce_kw(program, n, _py))  # reductions part
+        kw.update(reduce_kw(program, n, py_literal))  # reductions part
     if op in Q_OPERAND:
         kw.update(cp_kw(program, n, args))  # context parallel: causal mask at the rank's rows
         kw.update(ring_kw(n))  # ring attention: sdpa / sdpa_grad only

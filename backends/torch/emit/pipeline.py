@@ -75,7 +75,7 @@ def _on_full_mesh(graph, mesh):
 
 def _function(fn: str, graph, doc: str, code) -> str:
     """A function computing ``graph``: params from ``p``, inputs from ``inp``, one line per node
-    (``code(node, operand variables, graph)``: :func:`parcomp_backends.torch.emit._code`, the torch op table)."""
+    (``code(node, operand variables, graph)``: :func:`parcomp_backends.torch.emit.node_code`, the torch op table)."""
     taken = {"p", "inp", "torch", "dist"}
     local = graph if graph.stage == "local" else None  # per-rank: block offsets read COORD
     names = {n.name: _ident(n.name, taken) for n in graph.nodes}
@@ -162,7 +162,7 @@ def _tied_groups(mesh, held) -> list:
 def emit_pipeline_program(program, model, code) -> str:
     """The text of ``program.py`` for a :class:`parcomp.compile.program.Program` whose ``pipeline``
     is set; ``model``: what it was imported from (for the docstring) or None; ``code``: the op
-    printer, :func:`parcomp_backends.torch.emit._code` (emit.py passes it, so this module does not import emit.py).
+    printer, :func:`parcomp_backends.torch.emit.node_code` (emit.py passes it, so this module does not import emit.py).
     With tp inside a stage the stage functions are the per-rank programs of ``plan.local``
     (their collectives over the inner axes), params are loaded as this rank's shards and the
     outputs gathered whole before they are written.

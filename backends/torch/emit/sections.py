@@ -41,7 +41,7 @@ RESERVED = (set(keyword.kwlist) | set(dir(builtins)) | _TOP_NAMES
             | set(CLUSTER_NAMES))
 
 
-def _names(prog) -> dict:
+def python_names(prog) -> dict:
     """value name -> unique Python identifier (sanitized, no keywords/builtins).
 
     A node the frontend traced inside a model module is named after the module
@@ -96,7 +96,7 @@ def _global_shape(program, node) -> tuple:
     return tuple(shape)
 
 
-def _header(prog, model, train) -> str:
+def header_section(prog, model, train) -> str:
     program, mesh, colls, spec_name = prog.graph, prog.mesh, prog.collectives, prog.spec_name
     total = sum(c.bytes for c in colls)
     kinds = ", ".join(f"{c.kind} over {c.axis}" + (f" ({c.phase})" if train else "")
@@ -136,7 +136,7 @@ def _run_hint(program, model=None) -> str:
     return f"torchrun --nproc-per-node {program.mesh.size} program.py " + " ".join(args)
 
 
-def _profile_block(prof) -> str:
+def profile_block(prof) -> str:
     lines = [f"# ---- PROFILE {prof.name}: the only lines that differ between device profiles ----",
              f"PROFILE = {json.dumps(prof.name)}",
              f"DIST_BACKEND = {json.dumps(prof.dist_backend)}",
@@ -167,7 +167,7 @@ def _all_replicated(program) -> bool:
     return all(isinstance(p, Replicate) for o in program.outputs for p in program[o].layout)
 
 
-def _constants(prog, train) -> str:
+def constants_section(prog, train) -> str:
     program, mesh = prog.graph, prog.mesh
     groups = {a: prog.group_ranks(a) for a in prog.groups}  # mesh axes, then joint groups "dp,tp"
     outs = program.named_outputs()
@@ -232,7 +232,7 @@ def _paren(expr: str) -> str:
     return f"({expr})" if "+" in expr else expr
 
 
-def _loaders(prog, train, constants=()) -> str:
+def loaders_section(prog, train, constants=()) -> str:
     program, out, state = prog.graph, [], train.state if train else ()
     for fn, kind, nodes, arg in (("load_params", "param", program.params, "ckpt"),
                                  ("load_inputs", "input", _data_inputs(program, train), "feeds")):
@@ -260,13 +260,13 @@ def _loaders(prog, train, constants=()) -> str:
                 if p == Partial("sum"):  # a P(max) source: every rank keeps it
                     expr = f"partial_mask({expr}, {json.dumps(program.mesh.names[a])})"
             if n.name in state:  # optimizer state: the checkpoint's (--replay), else zeros
-                lines += _comment(f"{head}optimizer state: zeros at step 1 unless the checkpoint "
-                                  f"holds it (--replay); {what}", "    ")
+                lines += comment_lines(f"{head}optimizer state: zeros at step 1 unless the checkpoint "
+                                       f"holds it (--replay); {what}", "    ")
                 lines += [f"    out[{json.dumps(n.name)}] = ({expr} if {json.dumps(n.name)} in {arg} "
                           f"else", f"        torch.zeros({tuple(n.type.shape)!r}, "
                           f"dtype={TORCH_DTYPES[n.type.dtype]}, device=DEVICE))"]
                 continue
-            lines += _comment(head + what, "    ")
+            lines += comment_lines(head + what, "    ")
             lines.append(f"    out[{json.dumps(n.name)}] = {expr}{_spec_ref(prog, n.name)}")
         lines.append("    return out")
         out.append("\n".join(lines))
@@ -277,7 +277,7 @@ def _ty(dtype, shape) -> str:
     return f"{DTYPE_SHORT.get(dtype, dtype)}[{','.join(str(s) for s in shape)}]"
 
 
-def _comment(text: str, indent: str) -> list:
+def comment_lines(text: str, indent: str) -> list:
     return wrap(text, COMMENT_WIDTH, indent + "# ", indent + "#   ")  # textwrap.wrap's lines
 
 

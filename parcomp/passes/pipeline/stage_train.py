@@ -24,7 +24,7 @@ from parcomp.errors import SpecError
 from parcomp.ir.graph import Graph
 from parcomp.ir.types import Mesh, TensorType
 from parcomp.spec.model import pattern_regex
-from ..autodiff import Builder, _optimizer, backward
+from ..autodiff import Builder, optimizer_update, backward
 
 __all__ = ["StagePrograms", "stage_programs", "grad_name"]
 
@@ -170,6 +170,6 @@ def _optimizer_graph(g, params, cfg) -> Graph:
     outs = []
     for p in params:
         gr = b.source(grad_name(p), "input", g[p].type, g[p].layout, "optimizer")
-        outs += _optimizer(b, b.nodes[[n.name for n in b.nodes].index(p)], gr, cfg, spec)
+        outs += optimizer_update(b, b.nodes[[n.name for n in b.nodes].index(p)], gr, cfg, spec)
     return Graph(tuple(b.nodes), tuple(v for _, v in outs), g.mesh, g.stage,
                  tuple(k for k, _ in outs))

@@ -4,7 +4,7 @@ This is the exact search behind ``shard-prop`` on graphs that are not trees
 (Alpa's and AutoParallel's formulation, with this compiler's cost model: each
 distinct conversion of a value is paid once, however many consumers share it).
 
-Variables (one ``_Problem`` of :mod:`parcomp.passes.shard_prop` in, one plan out):
+Variables (one ``ShardProblem`` of :mod:`parcomp.passes.shard_prop` in, one plan out):
 
 - ``x[n, k]`` binary: node ``n`` runs strategy ``k`` (``sum_k x[n, k] = 1``);
 - ``w[v, L]`` in [0, 1]: some consumer reads value ``v`` in layout ``L``
@@ -17,7 +17,7 @@ Variables (one ``_Problem`` of :mod:`parcomp.passes.shard_prop` in, one plan out
   charges a fractional ``w`` at least its cheapest conversion.)
 
 Minimise compute + conversions.  At binary ``x`` the continuous ``w`` and ``q``
-take exactly the values of :meth:`_Problem.total`, so the ILP optimum is the
+take exactly the values of :meth:`ShardProblem.total`, so the ILP optimum is the
 exact optimum of the cost model.  The objective is in nanoseconds (seconds are
 1e-12..1e1, too far apart for a solver's tolerances).
 """
@@ -50,12 +50,12 @@ MAX_STRATEGIES = 12_000
 
 
 def too_large(prob) -> bool:
-    """Whether ``prob`` (a :class:`parcomp.passes.shard_prop._Problem`) has more than MAX_STRATEGIES."""
+    """Whether ``prob`` (a :class:`parcomp.passes.shard_prop.ShardProblem`) has more than MAX_STRATEGIES."""
     return sum(len(o) for o in prob.options.values()) > MAX_STRATEGIES
 
 
 def solve_ilp(prob, warm: dict, seconds: float = DEFAULT_SECONDS, limit=None) -> tuple:
-    """The least-cost plan of ``prob`` (a :class:`parcomp.passes.shard_prop._Problem`), within ``seconds``.
+    """The least-cost plan of ``prob`` (a :class:`parcomp.passes.shard_prop.ShardProblem`), within ``seconds``.
 
     Args:
         prob: the problem (options per node, users, fixed source layouts).
