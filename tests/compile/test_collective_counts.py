@@ -267,7 +267,7 @@ def test_megatron_transformer_block_is_four_all_reduces(spec_name, blocks):
           "loss all_reduce dp 1")]),
 ])
 def test_pipeline_counts_scale_with_microbatches_and_chunks(schedule, want):
-    from parcomp.passes.pipeline.pipeline_plan import plan_pipeline
+    from parcomp.passes.pass_list import plan_pipeline
 
     from graphs import spec
     from test_pipeline import TRAIN, chain_graph

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from parcomp.compile.compiler import compile_graph
 from parcomp.ir import parse_graph
 from parcomp.passes.autodiff import add_training_step
-from parcomp.passes.bind_layouts import bind_layouts
+from parcomp.passes.pass_list import bind_layouts
 from parcomp.passes.shard_prop import ShardProblem, shard_prop
 
 from graphs import spec
