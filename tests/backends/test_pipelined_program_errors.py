@@ -1,5 +1,5 @@
-"""Findings of a new user's trial of the ONNX frontend, pipelines, training options and the
-emitted program.py runtime (userC). Each test reproduces one finding; the pipelined program's
+"""Errors of the ONNX frontend, pipelines, training options and the emitted program.py runtime,
+each a located message; the pipelined program's
 file checks run before ``init_process_group``, so they need no torchrun: the program is started
 as torchrun would start one rank (``RANK`` / ``WORLD_SIZE`` in the environment)."""
 import os
@@ -52,7 +52,7 @@ def _assert_clear_error(res, *words):
 
 
 def test_pipelined_program_names_a_checkpoint_param_of_the_wrong_shape(pipelined):
-    # finding: a wrong-shape weight crashed in the first matmul with a traceback on every rank
+    # unchecked, a wrong-shape weight would crash in the first matmul with a traceback on every rank
     d, ck, _ = pipelined
     name = sorted(ck)[0]
     torch.save({**ck, name: torch.zeros(3, 3)}, d / "bad_shape.pt")
@@ -61,7 +61,7 @@ def test_pipelined_program_names_a_checkpoint_param_of_the_wrong_shape(pipelined
 
 
 def test_pipelined_program_names_a_missing_param_and_the_nearest_keys(pipelined):
-    # finding: a missing weight was a KeyError traceback
+    # unchecked, a missing weight would be a KeyError traceback
     d, ck, _ = pipelined
     name = sorted(ck)[0]
     torch.save({k: v for k, v in ck.items() if k != name}, d / "missing.pt")
@@ -70,7 +70,7 @@ def test_pipelined_program_names_a_missing_param_and_the_nearest_keys(pipelined)
 
 
 def test_pipelined_program_checks_the_input_batch_and_dtype(pipelined):
-    # finding: a batch of another size was a broadcasting RuntimeError deep in a stage
+    # unchecked, a batch of another size would be a broadcasting RuntimeError deep in a stage
     d, _, inp = pipelined
     torch.save({**inp, "target": inp["target"][:2]}, d / "short.pt")
     res = _rank0(d, "--checkpoint", "model.pt", "--input", "short.pt", "--output", "o.pt")
@@ -81,8 +81,8 @@ def test_pipelined_program_checks_the_input_batch_and_dtype(pipelined):
 
 
 def test_pipelined_program_refuses_a_missing_file_and_output_dir_before_running(pipelined):
-    # finding: a missing checkpoint was torch.load's FileNotFoundError traceback; a missing
-    # --output directory failed only after every step had run
+    # unchecked, a missing checkpoint would be torch.load's FileNotFoundError traceback, and a
+    # missing --output directory would fail only after every step had run
     d, _, _ = pipelined
     res = _rank0(d, "--checkpoint", "nosuch.pt", "--input", "inputs.pt", "--output", "o.pt")
     _assert_clear_error(res, "checkpoint file nosuch.pt does not exist")
@@ -100,8 +100,8 @@ def test_pipelined_program_refuses_to_write_over_the_file_it_reads(pipelined):
 
 
 def test_pipelined_program_wrong_world_size_and_steps_are_one_line(pipelined):
-    # finding: a wrong world size was sys.exit(text) (status 1) after init_process_group;
-    # --steps 0 was an UnboundLocalError traceback after loading
+    # a wrong world size is one line and exit 2 before init_process_group; --steps 0 is refused
+    # before loading (not an UnboundLocalError traceback)
     d, _, _ = pipelined
     res = _rank0(d, "--checkpoint", "model.pt", "--input", "inputs.pt", "--output", "o.pt", world="3")
     _assert_clear_error(res, "mesh pp=2 (2 ranks)", "WORLD_SIZE=3", "--nproc-per-node 2")
@@ -112,8 +112,8 @@ def test_pipelined_program_wrong_world_size_and_steps_are_one_line(pipelined):
 
 @pytest.mark.slow
 def test_program_refuses_an_output_that_is_its_own_input_or_checkpoint(tmp_path):
-    # finding: `program.py --input in.pt --output in.pt` replaced the user's inputs with the
-    # outputs (and `--output model.pt` the checkpoint) without a word
+    # `program.py --input in.pt --output in.pt` must not replace the user's inputs with the
+    # outputs (nor `--output model.pt` the checkpoint)
     from parcomp.ir import parse_graph
     from parcomp.spec import load_spec
     from parcomp_backends.torch import run_torchrun
@@ -135,7 +135,7 @@ def test_program_refuses_an_output_that_is_its_own_input_or_checkpoint(tmp_path)
                                       ("HardSigmoid", "Sigmoid"), ("Hardmax", "Softmax"),
                                       ("ReduceLogSumExp", "by name only: ReduceSum")])
 def test_onnx_op_without_rule_names_the_nearest_supported_op(tmp_path, op, near):
-    # finding: the error listed all 40-odd supported ops but not the one to use instead
+    # the error names the op to use instead, not all 40-odd supported ops
     onnx = pytest.importorskip("onnx")
     from onnx import TensorProto, helper
 
@@ -163,8 +163,8 @@ def test_every_nearest_op_row_names_a_supported_op_and_an_unsupported_one():
 
 
 def test_onnx_dynamic_axis_error_names_the_symbolic_dim(tmp_path):
-    # finding: an export with dynamic_axes={"x": {0: "batch"}} was refused as "no static
-    # shape" without saying which dim, nor that dynamic_axes made it so
+    # an export with dynamic_axes={"x": {0: "batch"}} is refused naming the dim and saying that
+    # dynamic_axes made it so (not a bare "no static shape")
     onnx = pytest.importorskip("onnx")
     from onnx import TensorProto, helper
 
@@ -184,9 +184,9 @@ def test_onnx_dynamic_axis_error_names_the_symbolic_dim(tmp_path):
 
 @pytest.mark.slow
 def test_run_training_with_a_relative_keep_directory(tmp_path, monkeypatch, capsys):
-    # finding: `parcomp run MODEL --spec TRAIN.pcs --nproc 2 --keep out` (a relative --keep)
-    # failed in its --replay launch: "replay file out/replay.pt does not exist" (torchrun
-    # runs program.py in the work directory, where the relative path is not)
+    # `parcomp run MODEL --spec TRAIN.pcs --nproc 2 --keep out` (a relative --keep) must reach
+    # its --replay launch's file: torchrun runs program.py in the work directory, where the
+    # relative path "out/replay.pt" does not exist
     from parcomp.cli.main import main
 
     from graphs import mlp_text
@@ -203,9 +203,9 @@ def test_run_training_with_a_relative_keep_directory(tmp_path, monkeypatch, caps
 
 @pytest.mark.slow
 def test_resume_of_another_optimizers_checkpoint_is_one_located_line(tmp_path):
-    # finding: `program.py --resume DIR` of a checkpoint saved by an SGD-momentum program into
-    # an AdamW program printed DCP's CheckpointException traceback on every rank (it is a
-    # BaseException, which the `except Exception` around dcp.load did not catch)
+    # `program.py --resume DIR` of a checkpoint saved by an SGD-momentum program into an AdamW
+    # program: one located line, not DCP's CheckpointException traceback on every rank (it is
+    # a BaseException, which an `except Exception` around dcp.load does not catch)
     from parcomp.ir import parse_graph
     from parcomp_backends.torch import run_torchrun
     from parcomp_backends.torch.launch import write_program
@@ -240,8 +240,8 @@ def test_resume_of_another_optimizers_checkpoint_is_one_located_line(tmp_path):
 
 @pytest.mark.parametrize("flags", [["--profile", "cuda"], ["--target", "ascend"]])
 def test_pipelined_compile_for_a_gpu_or_npu_profile_is_refused(tmp_path, capsys, flags):
-    # finding: `compile --profile cuda` of a pp spec wrote a program that runs on the CPU under
-    # gloo (init_process_group("gloo"), no device) and said nothing
+    # `compile --profile cuda` of a pp spec is refused: the pipelined program runs on the CPU
+    # under gloo only (init_process_group("gloo"), no device)
     from parcomp.cli.main import main
 
     from graphs import mlp_text

@@ -1,4 +1,4 @@
-"""Bad input found by trying to break parcomp: each is a clear error, exit 2, no traceback."""
+"""Bad input to the CLI: each is a clear error, exit 2, no traceback."""
 import numpy as np
 import re
 

@@ -314,7 +314,7 @@ def test_ring_specs_run_on_two_gloo_ranks_like_unsharded(capsys, path):
 @pytest.mark.parametrize("lowering", ["ring", "all_gather"])
 def test_balanced_chunking_with_a_replicated_output_is_a_located_error(lowering):
     """Balanced chunks hold the sequence in storage order: an output gathered to replicated would
-    be assembled out of order (wrong numbers, found by a new-user trial), so it is refused."""
+    be assembled out of order (wrong numbers), so it is refused."""
     from parcomp.frontends.loader import load_model
     graph = load_model(str(pathlib.Path(__file__).parents[1].parent / "specs" / "models.py") + ":causal_attention")[0]
     text = (f"mesh cp=2\ncontext-parallel lowering={lowering} chunking=balanced\n"

@@ -1,5 +1,4 @@
-"""Findings of a trial by a Megatron user with a hand-written GPT, each pinned: a model file
-imports its neighbours as ``python FILE.py`` would; an unsupported op's hint names only a
+"""A Megatron user's hand-written GPT through the torch frontend: a model file imports its neighbours as ``python FILE.py`` would; an unsupported op's hint names only a
 related op or rewrite; a complex dtype is located like other frontend errors; report lines
 never show an infinite tolerance as if it were what an OK rests on; a fused parameter's
 index and part count are the user's."""
@@ -38,7 +37,7 @@ def _two_files(folder, tag):
 def test_a_model_file_imports_its_neighbour_from_any_directory(tmp_path, monkeypatch):
     """``parcomp check models/m.py:net`` from another directory: m.py's ``import <tag>``
     finds models/<tag>.py, and sys.path is as it was after loading."""
-    tag = "trialf_neighbour_a"
+    tag = "gpt_neighbour_a"
     path = _two_files(tmp_path / "models", tag)
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path / "elsewhere")
@@ -52,7 +51,7 @@ def test_a_model_file_imports_its_neighbour_from_any_directory(tmp_path, monkeyp
 
 
 def test_compile_of_a_model_file_with_a_neighbour_records_the_same_reference(tmp_path, monkeypatch, capsys):
-    tag = "trialf_neighbour_b"
+    tag = "gpt_neighbour_b"
     path = _two_files(tmp_path / "models", tag)
     (tmp_path / "s.pcs").write_text("mesh tp=2\nw.weight colwise\n")
     monkeypatch.chdir(tmp_path)
@@ -172,7 +171,7 @@ X = torch.randn(2, 8, 16)
 X32 = torch.randn(2, 8, 32)
 IDX = torch.randint(0, 8, (2, 8))
 _M = (lambda a: a.squeeze(-1) + torch.log(torch.exp(X - a).sum(-1)))
-ATT = [  # (what the trial wrote, the rewrite the hint names)
+ATT = [  # (what a user writes, the rewrite the hint names)
     ("masked_fill", lambda q, k, v: _scores(q, k).masked_fill(~_causal(), float("-inf")).softmax(-1) @ v, _sdpa),
     ("where", lambda q, k, v: torch.where(_causal(), _scores(q, k), float("-inf")).softmax(-1) @ v,
      lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=_causal())),
@@ -316,7 +315,7 @@ def test_a_report_line_gives_the_ratio_the_place_and_the_tolerance():
 
 
 def test_a_mismatch_in_a_fused_qkv_gpt_is_reported_at_the_user_s_indices(tmp_path, capsys, monkeypatch):
-    """The trial's GPT with bias-free LayerNorms under TP=2 training, its qkv gradient made
+    """The hand-written GPT with bias-free LayerNorms under TP=2 training, its qkv gradient made
     wrong: every index of qkv.weight ([96, 32] as stored, a [3, 32, 32] view inside) is 2-D."""
     from parcomp.check import train_check
 
@@ -348,8 +347,8 @@ def test_plan_says_how_many_parts_a_fused_weight_has(tmp_path):
 # ---- 5: run --keep's model.pt of a tied plain-torch model is the model's state_dict --------
 
 def test_model_pt_holds_a_tied_weight_under_each_name(tmp_path):
-    """The trial's GPT (head.weight is tok.weight): model.pt named it head.weight only, so
-    load_state_dict(strict=True) missed tok.weight; now both names, one storage."""
+    """The hand-written GPT (head.weight is tok.weight): model.pt holds both names, one storage,
+    so load_state_dict(strict=True) finds tok.weight too."""
     from parcomp.cli.run_cmd import checkpoint_file
     from parcomp.frontends.loader import load_model
 

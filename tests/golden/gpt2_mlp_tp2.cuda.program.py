@@ -1,9 +1,11 @@
-"""program.py: one rank's forward pass, emitted by parcomp (torch backend). Do not edit.
+"""program.py: one rank's forward pass, emitted by parcomp 0.1.0 (torch backend). Do not edit.
 
 model: models.py:gpt2_mlp
 spec:  gpt2_mlp_tp2.pcs
 mesh:  tp=2 (2 ranks; row-major, the last axis varies fastest)
 collectives per forward step: 1, 2048 bytes/rank in all: all_reduce over tp
+
+Below: this model's constants, parameter loading and step (forward); then, after the runtime line, the runtime.
 
 Run one process per rank:
     torchrun --nproc-per-node 2 program.py --checkpoint model.pt --input x.pt --output out.pt [--device cpu]
@@ -40,6 +42,89 @@ import torch
 import torch.distributed as dist
 
 
+MESH = {"tp": 2}  # mesh axes in order; ranks are row-major
+GROUP_RANKS = {"tp": [[0, 1]]}  # each axis's rank groups, in coordinate order
+PARAMS = ("c_fc.weight", "c_fc.bias", "c_proj.weight", "c_proj.bias")
+INPUTS = ("x",)
+OUTPUT_LAYOUTS = {"output": "[R]"}
+OUTPUT_GLOBAL_SHAPES = {"output": [2, 8, 32]}
+SHARDED_OUTPUT = False  # True: every rank writes its own slices
+RUN_HINT = "torchrun --nproc-per-node 2 program.py --checkpoint model.pt --input x.pt --output out.pt"
+COMM_AXES = ("tp",)  # the axes whose process groups the program uses
+HOST_AXES = ("tp",)  # axes whose groups must sit on one host (checked at start)
+PLACEMENT = "refuse"  # a HOST_AXES group on several hosts: refuse | warn (--placement)
+TIMEOUT_S = 600  # seconds a collective may wait (--timeout)
+TOPOLOGY = None  # the spec's nodes, devices per node (--print-launch)
+COLLECTIVE_DTYPES = ("float32",)  # what the collectives carry
+
+
+def load_params(ckpt):
+    """This rank's slice of every parameter, on DEVICE (full tensors are not kept)."""
+    out = {}
+    # c_fc.weight: full f32[32,128] [S(1)] -> f32[32,64]; dim 1 split over tp: this rank's 64 of 128 columns
+    out["c_fc.weight"] = place(take(ckpt, "c_fc.weight", (32, 128), torch.float32).narrow(1, COORD[0] * 64, 64))  # gpt2_mlp_tp2.pcs:4
+    # c_fc.bias: full f32[128] [S(0)] -> f32[64]; dim 0 split over tp: this rank's 64 of 128 entries
+    out["c_fc.bias"] = place(take(ckpt, "c_fc.bias", (128,), torch.float32).narrow(0, COORD[0] * 64, 64))  # gpt2_mlp_tp2.pcs:4
+    # c_proj.weight: full f32[128,32] [S(0)] -> f32[64,32]; dim 0 split over tp: this rank's 64 of 128 rows
+    out["c_proj.weight"] = place(take(ckpt, "c_proj.weight", (128, 32), torch.float32).narrow(0, COORD[0] * 64, 64))  # gpt2_mlp_tp2.pcs:5
+    # c_proj.bias: full f32[32] [R] -> f32[32]; replicated: every rank keeps all of it
+    out["c_proj.bias"] = place(take(ckpt, "c_proj.bias", (32,), torch.float32))
+    return out
+
+
+def load_inputs(feeds):
+    """This rank's slice of every input, on DEVICE (full tensors are not kept)."""
+    out = {}
+    # x: full f32[2,8,32] [R] -> f32[2,8,32]; replicated: every rank keeps all of it
+    out["x"] = place(take(feeds, "x", (2, 8, 32), torch.float32))  # gpt2_mlp_tp2.pcs:6
+    return out
+
+
+def forward(p, inp):
+    """One forward step on this rank: local slices in, {output name: local value} out."""
+    c_fc_weight = p["c_fc.weight"]  # [S(1)] f32[32,64]; gpt2_mlp_tp2.pcs:4
+    c_fc_bias = p["c_fc.bias"]  # [S(0)] f32[64]; gpt2_mlp_tp2.pcs:4
+    c_proj_weight = p["c_proj.weight"]  # [S(0)] f32[64,32]; gpt2_mlp_tp2.pcs:5
+    c_proj_bias = p["c_proj.bias"]  # [R] f32[32]
+    x = inp["x"]  # [R] f32[2,8,32]; gpt2_mlp_tp2.pcs:6
+    c_fc_reshape = x.reshape((16, 32))  # [R] f32[16,32]
+    c_fc_addmm = torch.addmm(c_fc_bias, c_fc_reshape, c_fc_weight)  # [S(1)] f32[16,64]
+    del c_fc_reshape
+    c_fc = c_fc_addmm.reshape((2, 8, 64))  # [S(2)] f32[2,8,64]
+    del c_fc_addmm
+    act_scale = c_fc * 0.5  # [S(2)] f32[2,8,64]
+    act_pow = torch.pow(c_fc, 3.0)  # [S(2)] f32[2,8,64]
+    act_scale_1 = act_pow * 0.044715  # [S(2)] f32[2,8,64]
+    del act_pow
+    act_add = c_fc.add_(act_scale_1)  # [S(2)] f32[2,8,64]
+    del c_fc, act_scale_1
+    act_scale_2 = act_add * 0.7978845608028654  # [S(2)] f32[2,8,64]
+    del act_add
+    act_tanh = torch.tanh(act_scale_2)  # [S(2)] f32[2,8,64]
+    del act_scale_2
+    act_add_scalar = act_tanh + 1.0  # [S(2)] f32[2,8,64]
+    del act_tanh
+    act = act_scale * act_add_scalar  # [S(2)] f32[2,8,64]
+    del act_scale, act_add_scalar
+    c_proj_reshape = act.reshape((16, 64))  # [S(1)] f32[16,64]
+    del act
+    c_proj_matmul = torch.matmul(c_proj_reshape, c_proj_weight)  # [P] f32[16,32]
+    del c_proj_reshape
+    # all_reduce over tp [P] -> [R], bytes/rank 2048: c_proj_matmul: its matmul contracts a dim split over
+    #   tp (row-parallel), so each rank holds a partial sum; add c_proj_add needs the full value [R]: sum
+    #   once
+    c_proj_all_reduce = all_reduce_(c_proj_matmul, "tp")  # [R] f32[16,32]; gpt2_mlp_tp2.pcs:5
+    del c_proj_matmul
+    c_proj_add = c_proj_all_reduce.add_(c_proj_bias)  # [R] f32[16,32]
+    del c_proj_all_reduce
+    c_proj = c_proj_add.reshape((2, 8, 32))  # [R] f32[2,8,32]
+    del c_proj_add
+    return {"output": c_proj}
+
+
+# ======== runtime (parcomp_backends/torch/runtime): profile, collectives, loading, main ========
+
+
 # ---- PROFILE cuda: the only lines that differ between device profiles ----
 PROFILE = "cuda"
 DIST_BACKEND = "nccl"
@@ -61,22 +146,6 @@ def profile_device():
     torch.backends.cudnn.allow_tf32 = False
     return torch.device(f"cuda:{LOCAL_RANK}")
 # ---- end of PROFILE ----
-
-
-MESH = {"tp": 2}  # mesh axes in order; ranks are row-major
-GROUP_RANKS = {"tp": [[0, 1]]}  # each axis's rank groups, in coordinate order
-PARAMS = ("c_fc.weight", "c_fc.bias", "c_proj.weight", "c_proj.bias")
-INPUTS = ("x",)
-OUTPUT_LAYOUTS = {"output": "[R]"}
-OUTPUT_GLOBAL_SHAPES = {"output": [2, 8, 32]}
-SHARDED_OUTPUT = False  # True: every rank writes its own slices
-RUN_HINT = "torchrun --nproc-per-node 2 program.py --checkpoint model.pt --input x.pt --output out.pt"
-COMM_AXES = ("tp",)  # the axes whose process groups the program uses
-HOST_AXES = ("tp",)  # axes whose groups must sit on one host (checked at start)
-PLACEMENT = "refuse"  # a HOST_AXES group on several hosts: refuse | warn (--placement)
-TIMEOUT_S = 600  # seconds a collective may wait (--timeout)
-TOPOLOGY = None  # the spec's nodes, devices per node (--print-launch)
-COLLECTIVE_DTYPES = ("float32",)  # what the collectives carry
 
 
 RANK = int(os.environ.get("RANK", "0"))
@@ -683,70 +752,6 @@ def current_rss():
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
-
-
-def load_params(ckpt):
-    """This rank's slice of every parameter, on DEVICE (full tensors are not kept)."""
-    out = {}
-    # c_fc.weight: full f32[32,128] [S(1)] -> f32[32,64]; dim 1 split over tp: this rank's 64 of 128 columns
-    out["c_fc.weight"] = place(take(ckpt, "c_fc.weight", (32, 128), torch.float32).narrow(1, COORD[0] * 64, 64))  # gpt2_mlp_tp2.pcs:4
-    # c_fc.bias: full f32[128] [S(0)] -> f32[64]; dim 0 split over tp: this rank's 64 of 128 entries
-    out["c_fc.bias"] = place(take(ckpt, "c_fc.bias", (128,), torch.float32).narrow(0, COORD[0] * 64, 64))  # gpt2_mlp_tp2.pcs:4
-    # c_proj.weight: full f32[128,32] [S(0)] -> f32[64,32]; dim 0 split over tp: this rank's 64 of 128 rows
-    out["c_proj.weight"] = place(take(ckpt, "c_proj.weight", (128, 32), torch.float32).narrow(0, COORD[0] * 64, 64))  # gpt2_mlp_tp2.pcs:5
-    # c_proj.bias: full f32[32] [R] -> f32[32]; replicated: every rank keeps all of it
-    out["c_proj.bias"] = place(take(ckpt, "c_proj.bias", (32,), torch.float32))
-    return out
-
-
-def load_inputs(feeds):
-    """This rank's slice of every input, on DEVICE (full tensors are not kept)."""
-    out = {}
-    # x: full f32[2,8,32] [R] -> f32[2,8,32]; replicated: every rank keeps all of it
-    out["x"] = place(take(feeds, "x", (2, 8, 32), torch.float32))  # gpt2_mlp_tp2.pcs:6
-    return out
-
-
-def forward(p, inp):
-    """One forward step on this rank: local slices in, {output name: local value} out."""
-    c_fc_weight = p["c_fc.weight"]  # [S(1)] f32[32,64]; gpt2_mlp_tp2.pcs:4
-    c_fc_bias = p["c_fc.bias"]  # [S(0)] f32[64]; gpt2_mlp_tp2.pcs:4
-    c_proj_weight = p["c_proj.weight"]  # [S(0)] f32[64,32]; gpt2_mlp_tp2.pcs:5
-    c_proj_bias = p["c_proj.bias"]  # [R] f32[32]
-    x = inp["x"]  # [R] f32[2,8,32]; gpt2_mlp_tp2.pcs:6
-    c_fc_reshape = x.reshape((16, 32))  # [R] f32[16,32]
-    c_fc_addmm = torch.addmm(c_fc_bias, c_fc_reshape, c_fc_weight)  # [S(1)] f32[16,64]
-    del c_fc_reshape
-    c_fc = c_fc_addmm.reshape((2, 8, 64))  # [S(2)] f32[2,8,64]
-    del c_fc_addmm
-    act_scale = c_fc * 0.5  # [S(2)] f32[2,8,64]
-    act_pow = torch.pow(c_fc, 3.0)  # [S(2)] f32[2,8,64]
-    act_scale_1 = act_pow * 0.044715  # [S(2)] f32[2,8,64]
-    del act_pow
-    act_add = c_fc.add_(act_scale_1)  # [S(2)] f32[2,8,64]
-    del c_fc, act_scale_1
-    act_scale_2 = act_add * 0.7978845608028654  # [S(2)] f32[2,8,64]
-    del act_add
-    act_tanh = torch.tanh(act_scale_2)  # [S(2)] f32[2,8,64]
-    del act_scale_2
-    act_add_scalar = act_tanh + 1.0  # [S(2)] f32[2,8,64]
-    del act_tanh
-    act = act_scale * act_add_scalar  # [S(2)] f32[2,8,64]
-    del act_scale, act_add_scalar
-    c_proj_reshape = act.reshape((16, 64))  # [S(1)] f32[16,64]
-    del act
-    c_proj_matmul = torch.matmul(c_proj_reshape, c_proj_weight)  # [P] f32[16,32]
-    del c_proj_reshape
-    # all_reduce over tp [P] -> [R], bytes/rank 2048: c_proj_matmul: its matmul contracts a dim split over
-    #   tp (row-parallel), so each rank holds a partial sum; add c_proj_add needs the full value [R]: sum
-    #   once
-    c_proj_all_reduce = all_reduce_(c_proj_matmul, "tp")  # [R] f32[16,32]; gpt2_mlp_tp2.pcs:5
-    del c_proj_matmul
-    c_proj_add = c_proj_all_reduce.add_(c_proj_bias)  # [R] f32[16,32]
-    del c_proj_all_reduce
-    c_proj = c_proj_add.reshape((2, 8, 32))  # [R] f32[2,8,32]
-    del c_proj_add
-    return {"output": c_proj}
 
 
 def rank_path(path, rank):

@@ -1,9 +1,11 @@
-"""program.py: one rank's forward pass, emitted by parcomp (torch backend). Do not edit.
+"""program.py: one rank's forward pass, emitted by parcomp 0.1.0 (torch backend). Do not edit.
 
 model: tiny_relu_mlp.pcir
 spec:  tiny_relu_mlp_tp2.pcs
 mesh:  tp=2 (2 ranks; row-major, the last axis varies fastest)
 collectives per forward step: 1, 8 bytes/rank in all: all_reduce over tp
+
+Below: this model's constants, parameter loading and step (forward); then, after the runtime line, the runtime.
 
 Run one process per rank:
     torchrun --nproc-per-node 2 program.py --checkpoint model.pt --input x.pt --output out.pt [--device cpu]
@@ -40,22 +42,6 @@ import torch
 import torch.distributed as dist
 
 
-# ---- PROFILE cpu: the only lines that differ between device profiles ----
-PROFILE = "cpu"
-DIST_BACKEND = "gloo"
-PRELUDE = ()  # imported first; skipped under --device cpu
-BIND_DEVICE_ID = False  # init_process_group(device_id=DEVICE)
-LAUNCH_ENV = (  # --print-launch: set on every node before torchrun
-    "export GLOO_SOCKET_IFNAME=eth0  # the interface that reaches the other nodes",
-)
-
-
-def profile_device():
-    """Bind this process to its device under profile cpu and return it."""
-    return torch.device("cpu")
-# ---- end of PROFILE ----
-
-
 MESH = {"tp": 2}  # mesh axes in order; ranks are row-major
 GROUP_RANKS = {"tp": [[0, 1]]}  # each axis's rank groups, in coordinate order
 PARAMS = ("fc1.weight", "fc2.weight")
@@ -70,6 +56,61 @@ PLACEMENT = "refuse"  # a HOST_AXES group on several hosts: refuse | warn (--pla
 TIMEOUT_S = 600  # seconds a collective may wait (--timeout)
 TOPOLOGY = None  # the spec's nodes, devices per node (--print-launch)
 COLLECTIVE_DTYPES = ("float32",)  # what the collectives carry
+
+
+def load_params(ckpt):
+    """This rank's slice of every parameter, on DEVICE (full tensors are not kept)."""
+    out = {}
+    # fc1.weight: full f32[4,2] [S(0)] -> f32[2,2]; dim 0 split over tp: this rank's 2 of 4 rows
+    out["fc1.weight"] = place(take(ckpt, "fc1.weight", (4, 2), torch.float32).narrow(0, COORD[0] * 2, 2))  # tiny_relu_mlp_tp2.pcs:4
+    # fc2.weight: full f32[2,4] [S(1)] -> f32[2,2]; dim 1 split over tp: this rank's 2 of 4 columns
+    out["fc2.weight"] = place(take(ckpt, "fc2.weight", (2, 4), torch.float32).narrow(1, COORD[0] * 2, 2))  # tiny_relu_mlp_tp2.pcs:5
+    return out
+
+
+def load_inputs(feeds):
+    """This rank's slice of every input, on DEVICE (full tensors are not kept)."""
+    out = {}
+    # x: full f32[1,2] [R] -> f32[1,2]; replicated: every rank keeps all of it
+    out["x"] = place(take(feeds, "x", (1, 2), torch.float32))  # tiny_relu_mlp_tp2.pcs:6
+    return out
+
+
+def forward(p, inp):
+    """One forward step on this rank: local slices in, {output name: local value} out."""
+    x = inp["x"]  # [R] f32[1,2]; tiny_relu_mlp_tp2.pcs:6
+    fc1_weight = p["fc1.weight"]  # [S(0)] f32[2,2]; tiny_relu_mlp_tp2.pcs:4
+    h = torch.nn.functional.linear(x, fc1_weight)  # [S(1)] f32[1,2]
+    r = torch.relu(h)  # [S(1)] f32[1,2]
+    del h
+    fc2_weight = p["fc2.weight"]  # [S(1)] f32[2,2]; tiny_relu_mlp_tp2.pcs:5
+    output = torch.nn.functional.linear(r, fc2_weight)  # [P] f32[1,2]
+    del r
+    # all_reduce over tp [P] -> [R], bytes/rank 8: output: its matmul contracts a dim split over tp
+    #   (row-parallel), so each rank holds a partial sum; output output (spec tiny_relu_mlp_tp2.pcs:7) needs
+    #   the full value [R]: sum once
+    output_all_reduce_tp = all_reduce_(output, "tp")  # [R] f32[1,2]; tiny_relu_mlp_tp2.pcs:7
+    del output
+    return {"output": output_all_reduce_tp}
+
+
+# ======== runtime (parcomp_backends/torch/runtime): profile, collectives, loading, main ========
+
+
+# ---- PROFILE cpu: the only lines that differ between device profiles ----
+PROFILE = "cpu"
+DIST_BACKEND = "gloo"
+PRELUDE = ()  # imported first; skipped under --device cpu
+BIND_DEVICE_ID = False  # init_process_group(device_id=DEVICE)
+LAUNCH_ENV = (  # --print-launch: set on every node before torchrun
+    "export GLOO_SOCKET_IFNAME=eth0  # the interface that reaches the other nodes",
+)
+
+
+def profile_device():
+    """Bind this process to its device under profile cpu and return it."""
+    return torch.device("cpu")
+# ---- end of PROFILE ----
 
 
 RANK = int(os.environ.get("RANK", "0"))
@@ -676,42 +717,6 @@ def current_rss():
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
-
-
-def load_params(ckpt):
-    """This rank's slice of every parameter, on DEVICE (full tensors are not kept)."""
-    out = {}
-    # fc1.weight: full f32[4,2] [S(0)] -> f32[2,2]; dim 0 split over tp: this rank's 2 of 4 rows
-    out["fc1.weight"] = place(take(ckpt, "fc1.weight", (4, 2), torch.float32).narrow(0, COORD[0] * 2, 2))  # tiny_relu_mlp_tp2.pcs:4
-    # fc2.weight: full f32[2,4] [S(1)] -> f32[2,2]; dim 1 split over tp: this rank's 2 of 4 columns
-    out["fc2.weight"] = place(take(ckpt, "fc2.weight", (2, 4), torch.float32).narrow(1, COORD[0] * 2, 2))  # tiny_relu_mlp_tp2.pcs:5
-    return out
-
-
-def load_inputs(feeds):
-    """This rank's slice of every input, on DEVICE (full tensors are not kept)."""
-    out = {}
-    # x: full f32[1,2] [R] -> f32[1,2]; replicated: every rank keeps all of it
-    out["x"] = place(take(feeds, "x", (1, 2), torch.float32))  # tiny_relu_mlp_tp2.pcs:6
-    return out
-
-
-def forward(p, inp):
-    """One forward step on this rank: local slices in, {output name: local value} out."""
-    x = inp["x"]  # [R] f32[1,2]; tiny_relu_mlp_tp2.pcs:6
-    fc1_weight = p["fc1.weight"]  # [S(0)] f32[2,2]; tiny_relu_mlp_tp2.pcs:4
-    h = torch.nn.functional.linear(x, fc1_weight)  # [S(1)] f32[1,2]
-    r = torch.relu(h)  # [S(1)] f32[1,2]
-    del h
-    fc2_weight = p["fc2.weight"]  # [S(1)] f32[2,2]; tiny_relu_mlp_tp2.pcs:5
-    output = torch.nn.functional.linear(r, fc2_weight)  # [P] f32[1,2]
-    del r
-    # all_reduce over tp [P] -> [R], bytes/rank 8: output: its matmul contracts a dim split over tp
-    #   (row-parallel), so each rank holds a partial sum; output output (spec tiny_relu_mlp_tp2.pcs:7) needs
-    #   the full value [R]: sum once
-    output_all_reduce_tp = all_reduce_(output, "tp")  # [R] f32[1,2]; tiny_relu_mlp_tp2.pcs:7
-    del output
-    return {"output": output_all_reduce_tp}
 
 
 def rank_path(path, rank):

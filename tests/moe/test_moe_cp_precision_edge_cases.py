@@ -1,5 +1,4 @@
-"""Findings of a new user's break test of MoE, context parallel and mixed precision, each pinned:
-the float64 check of an fp16/bf16 MoE step is OK (no float32 left in it) and check names the
+"""MoE, context parallel and mixed precision together: the float64 check of an fp16/bf16 MoE step is OK (no float32 left in it) and check names the
 run's precision, `context-parallel` without a `cp` axis needs `over`, train option errors
 point at the option, an MoE plan keeps its tokens split without pins, program.py's `--print-launch`
 keeps the options given with it, and an absurd `memory` is refused."""

@@ -1,11 +1,12 @@
 """Emit a self-contained, readable ``program.py`` for torchrun from a compiled program.
 
-The program is one rank's view of the local (per-rank) graph: a PROFILE block
-(the only lines that depend on the device profile), constants describing the
-mesh, a small runtime of collectives written with ``torch.distributed`` (same
-semantics as ``parcomp/reference/interpreter.py``), one line per parameter
-slice, one line per graph node, and a ``main`` that checks the world size,
-loads, runs, writes the outputs and optionally times forward steps.  Nothing in
+The program is one rank's view of the local (per-rank) graph, top down: the header
+docstring (model, spec, mesh, parcomp version, how to run it), then the model: constants
+describing the mesh, one line per parameter slice, one line per graph node; then one line,
+:data:`RUNTIME_MARK`, and the runtime: a PROFILE block (the only lines that depend on the
+device profile), collectives written with ``torch.distributed`` (same semantics as
+``parcomp/reference/interpreter.py``), checkpoint reading, and a ``main`` that checks the
+world size, loads, runs, writes the outputs and optionally times forward steps.  Nothing in
 it imports parcomp.  The text is deterministic: same input, same bytes.
 
 Everything it prints comes from fields of the :class:`parcomp.compile.program.Program`:
@@ -41,9 +42,9 @@ from ..profiles import get_profile
 from ..runtime import (CONSTANT_LOADER, FUNCTIONAL, IMPORTS, MAIN, ONNX_READER, RUNTIME, TIED_LOADER, TRAIN_MAIN,
                       TRAIN_RUNTIME)
 from .nodes import (ASYNC_FORMATS, ATTR_DEFAULTS, IN_PLACE_FORMATS, OP_FORMATS, TORCH_DTYPES,  # noqa: F401
-                         EmitError, node_code, py_literal)
-from .sections import (COMMENT_WIDTH, RESERVED, comment_lines, constants_section, header_section, loaders_section,  # noqa: F401
-                            python_names, profile_block)
+                    EmitError, node_code, py_literal)
+from .sections import (COMMENT_WIDTH, RESERVED, RUNTIME_MARK, comment_lines, constants_section,  # noqa: F401
+                       header_section, loaders_section, profile_block, python_names)
 
 LOCAL_LAYOUT_OPS = ("shard_slice", "partial_mask")
 _LAYOUT_OPS = frozenset(LAYOUT_OPS)
@@ -108,13 +109,15 @@ def _emit(compiled, profile, model, steps, functional, constants) -> str:
     runtime = TRAIN_RUNTIME if train else RUNTIME
     if model and model.endswith(".onnx"):
         runtime += "\n\n\n" + ONNX_READER
-    parts = [profile_block(prof), constants_section(prog, train), runtime, *runtime_sections(program),
-             *reduce_sections(program), *moe_sections(program), *ring_sections(program), *([FUNCTIONAL] if functional else []),
-             *([CONSTANT_LOADER] if constants else []),
-             *([TIED_LOADER] if any(n.attr("aliases") for n in program.params) else []),
-             loaders_section(prog, train, constants), _forward(prog, names, train), TRAIN_MAIN if train else MAIN]
     head = header_section(prog, model, train) + "\n" + IMPORTS
-    return "\n\n\n".join(p.strip("\n") for p in [head] + parts) + "\n"
+    model_part = [constants_section(prog, train), loaders_section(prog, train, constants), _forward(prog, names, train)]
+    runtime_part = [profile_block(prof), runtime, *runtime_sections(program), *reduce_sections(program),
+                    *moe_sections(program), *ring_sections(program), *([FUNCTIONAL] if functional else []),
+                    *([CONSTANT_LOADER] if constants else []),
+                    *([TIED_LOADER] if any(n.attr("aliases") for n in program.params) else []),
+                    TRAIN_MAIN if train else MAIN]
+    # top down: the header, this model, the one runtime line, the runtime (docs/ARCHITECTURE.md)
+    return "\n\n\n".join(p.strip("\n") for p in [head, *model_part, RUNTIME_MARK, *runtime_part]) + "\n"
 
 
 def _forward(prog, names, train) -> str:

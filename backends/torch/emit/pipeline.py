@@ -31,6 +31,7 @@ from ..runtime.pipeline_main import MAIN as _MAIN
 from .cluster import DEFAULT_TIMEOUT_S
 from .norms import runtime_sections
 from .reduce import reduce_sections
+from .sections import PARCOMP_VERSION, RUNTIME_MARK
 
 __all__ = ["check_pipeline_profile", "emit_pipeline_program", "pipeline_emittable", "PipelineEmitError"]
 
@@ -181,6 +182,8 @@ def emit_pipeline_program(program, model, code) -> str:
     inner = [a for a, _ in mesh.axes if a not in ("pp", "dp")]
     head = [f'"""parcomp pipelined training step: {program.spec_name or "spec"}'
             f"{f', model {model}' if model else ''}.",
+            f"Emitted by parcomp {PARCOMP_VERSION} (torch backend). Below: the constants, the action lists and the",
+            "stage functions; then, after the runtime line, the runtime.",
             "", f"mesh {mesh}, schedule {plan.schedule}"
             f"{f' ({plan.virtual} model chunks per rank)' if plan.virtual > 1 else ''}, "
             f"{plan.microbatches} microbatch(es) of "
@@ -276,6 +279,6 @@ def emit_pipeline_program(program, model, code) -> str:
     if plan.split:
         fns += [f"BACKWARD_{k.upper()} = {{{', '.join(f'{s}: stage{s}_backward_{k}' for s in range(n))}}}"
                 for k in ("input", "weight")]
-    body = ["\n".join(head), "\n".join(consts), runtime, "\n".join(acts), "\n\n\n".join(fns),
-            _CHECKPOINT.strip("\n"), *_CHECKS, _MAIN.strip("\n"), _ENTRY]
+    body = ["\n".join(head), "\n".join(consts), "\n".join(acts), "\n\n\n".join(fns), RUNTIME_MARK,
+            runtime, _CHECKPOINT.strip("\n"), *_CHECKS, _MAIN.strip("\n"), _ENTRY]
     return "\n\n\n".join(body) + "\n"

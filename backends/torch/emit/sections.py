@@ -1,6 +1,6 @@
 """The sections of ``program.py`` around its step function: the header docstring, the
-PROFILE block, the constants, the parameter and input loaders, and the Python names of
-the graph's values (split from :mod:`parcomp_backends.torch.emit`, which assembles them and re-exports every
+PROFILE block, the constants, the parameter and input loaders, the line that marks where the
+runtime starts (:data:`RUNTIME_MARK`), and the Python names of the graph's values (split from :mod:`parcomp_backends.torch.emit`, which assembles them and re-exports every
 name here that callers use).  Deterministic: same Program, same text.
 """
 from __future__ import annotations
@@ -12,6 +12,7 @@ import math
 import re
 import textwrap
 
+from parcomp import __version__ as PARCOMP_VERSION
 from parcomp.compile.program import MAX_STEPS, plural
 from parcomp.ir.ops import LAYOUT_OPS
 from parcomp.ir.types import DTYPE_SHORT, Partial, Replicate, layout_str, shard_axes
@@ -28,6 +29,11 @@ from .text import wrap
 
 _NON_WORD = re.compile(r"\W")
 COMMENT_WIDTH = 108
+
+#: program.py reads top down: the header, then this model (constants, parameter loading, the
+#: step), then this one line, then the runtime (the PROFILE block and the text pasted from
+#: parcomp_backends/torch/runtime: process groups, collectives, checkpoint reading, ``main``)
+RUNTIME_MARK = "# ======== runtime (parcomp_backends/torch/runtime): profile, collectives, loading, main ========"
 
 _TOP_NAMES = set(re.findall(r"^(?:def )?([A-Za-z_]\w*)", RUNTIME + MAIN + TRAIN_MAIN + ONNX_READER
                             + FUNCTIONAL + CONSTANT_LOADER + TIED_LOADER, re.M)) | {"funcol"}
@@ -108,12 +114,15 @@ def header_section(prog, model, train) -> str:
                           f"{total} bytes/rank in all: {kinds}", 96, subsequent_indent="    ")
     lines = [
         f"program.py: one rank's {'training steps' if train else 'forward pass'}, emitted by parcomp "
-        "(torch backend). Do not edit.",
+        f"{PARCOMP_VERSION} (torch backend). Do not edit.",
         "",
         f"model: {(model or 'a parcomp graph').replace(chr(34) * 3, '')}",
         f"spec:  {spec_name or '(none recorded)'}",
         f"mesh:  {mesh} ({plural(mesh.size, 'rank')}; row-major, the last axis varies fastest)",
         *steps,
+        "",
+        f"Below: this model's constants, parameter loading and step ({'train_step' if train else 'forward'}); "
+        "then, after the runtime line, the runtime.",
         "",
         "Run one process per rank:",
         f"    {_run_hint(program, model)} [--device cpu]",

@@ -6,8 +6,8 @@ rank reads only its own bytes), :mod:`.program_forward` and
 :mod:`.program_train` (outputs, argument parsing, ``run`` / the training loop).
 Each marks what program.py holds with ``# >>> program.py: NAME`` ...
 ``# <<< program.py``; this module pastes those sections (read as text, so
-emitting needs no torch) into :data:`RUNTIME` (after the generated constants)
-and :data:`MAIN` (after the generated ``forward``), or :data:`TRAIN_RUNTIME` and
+emitting needs no torch) into :data:`RUNTIME` and :data:`MAIN` (after the runtime line that
+follows the generated constants, loaders and ``forward``), or :data:`TRAIN_RUNTIME` and
 :data:`TRAIN_MAIN` for a training program.  The same files give the same bytes.
 
 The sections use only names the emitter defines: ``MESH``, ``GROUP_RANKS``,

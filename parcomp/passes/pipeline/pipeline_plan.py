@@ -215,8 +215,8 @@ def make_plan(graph: Graph, spec, bound: Graph, shard) -> PipelinePlan:
 
 #: train options the pipelined step does not implement: ``(key, its value in cfg, the default)``
 #: readers; given with a value other than the default, they would be silently ignored, so
-#: they are refused (a new-user trial found ``precision=bf16`` under pp said OK while the
-#: program ran float32)
+#: they are refused (``precision=bf16`` under pp would otherwise check OK while the program
+#: ran float32)
 _NOT_PIPELINED = (
     ("zero", lambda c: c.zero, 0),
     ("bucket_cap_mb", lambda c: None, None),
