@@ -518,6 +518,7 @@ def main(argv=None):
     else:
         import_prelude()
         backend, DEVICE = DIST_BACKEND, profile_device()
+        set_tf32(args.tf32)  # the cuda profile's default is off; --tf32 turns it on
     init_dist(backend, args)  # then every failure is agreed on: no rank waits for one that left
     watch_faults(args.timeout)  # and a rank that hung or died is named by the others
     try:
