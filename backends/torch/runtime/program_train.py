@@ -314,9 +314,26 @@ def resume_checkpoint(path, params):
 
 
 # >>> program.py: loop
+class StepBatches:
+    """Every step's inputs, each put on the device when its step reads it (``batches[k]``), so
+    one step's batch is on the device at a time; the host keeps the file's tensors."""
+
+    def __init__(self, feeds):
+        self.feeds = feeds
+
+    def __len__(self):
+        return len(self.feeds)
+
+    def __getitem__(self, k):
+        if not -len(self.feeds) <= k < len(self.feeds):
+            raise IndexError(k)
+        return load_inputs(self.feeds[k])
+
+
 def read_batches(path, steps):
     """This rank's slices of every step's inputs: one dict {input name: tensor} serves
-    every step; a list holds one such dict per step."""
+    every step (placed once); a list holds one such dict per step, every one checked now
+    (names, shapes, dtypes: under agree()) and placed on the device at its step."""
     feeds = read_tensors(path, "input")
     if isinstance(feeds, torch.Tensor) and len(INPUTS) == 1:
         feeds = {INPUTS[0]: feeds}
@@ -329,7 +346,13 @@ def read_batches(path, steps):
     if len(feeds) != steps:
         fail(f"input file {path} holds the inputs of {len(feeds)} steps but --steps is {steps}")
     note_unused(feeds[0] if feeds else {}, INPUTS, "input")
-    return [load_inputs(f) for f in feeds]
+    CHECK_ONLY["on"] = True
+    try:
+        for f in feeds:
+            load_inputs(f)  # checked, not placed
+    finally:
+        CHECK_ONLY["on"] = False
+    return StepBatches(feeds)
 
 
 def with_step(inputs, k, numbers=None):
@@ -363,11 +386,14 @@ def train(params, batches, starts=None, step=None, log_every=1, first=1, after_s
     step, outputs, losses = step or train_step, {}, []
     numbers = torch.arange(1, first + len(batches), dtype=torch.float32, device=DEVICE)
     last = first + len(batches) - 1
-    for k, inputs in enumerate(batches, start=first):
+    for k in range(first, last + 1):
         FAULT["where"] = f"step {k}"  # what a failure's message says this rank was doing
         if starts is not None:
             params = {**params, **starts[k - first]}
+        outputs = None  # the last step's gradients and other outputs die before this step runs
+        inputs = batches[k - first]  # on the device now (StepBatches), the last step's freed
         outputs = step(params, with_step(inputs, k, numbers))
+        del inputs
         params = {**params, **{name: outputs[name] for name in CARRIED}}
         losses.append(outputs["loss"])
         if RANK == 0 and (k % log_every == 0 or k == last):
