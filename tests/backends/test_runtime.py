@@ -133,3 +133,29 @@ def test_tf32_is_a_switch_off_by_default(capsys):
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
     assert MAIN.index("profile_device()") < MAIN.index("set_tf32(args.tf32)")
+
+
+def test_ragged_all_to_all_reads_its_split_sizes_in_one_copy(one_rank_gloo, monkeypatch):
+    """The ragged all_to_all's split sizes reach the host as one tensor copy, not one scalar
+    read (``aten._local_scalar_dense``: a device sync each on a GPU) per peer; the result equals
+    the dense exchange (here one rank: the input)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from parcomp_backends.torch.runtime import program_moe
+
+    monkeypatch.setattr(program_moe, "GROUPS", {"x": dist.group.WORLD})
+    monkeypatch.setattr(program_moe, "MESH", {"x": 1})
+
+    class Reads(TorchDispatchMode):
+        scalars = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                Reads.scalars += 1
+            return func(*args, **(kwargs or {}))
+
+    x = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4)
+    x[0, 1] = 0  # a row with nothing routed: not sent
+    with Reads():
+        y = program_moe.all_to_all_ragged(x, 0, 1, "x")
+    assert torch.equal(y, x) and Reads.scalars == 0
