@@ -133,13 +133,17 @@ def test_fp32_gradient_reduction_needs_the_partial_over_batch_axes(tmp_path, mon
 
 def test_bf16_zero_keeps_fp32_master_slices_split_over_dp(tmp_path):
     """ZeRO-1: each dp rank keeps and updates only its fp32 slice of a trained parameter (laid
-    out like its optimizer state); the bf16 copy is gathered. Equal to torch.autocast."""
+    out like its optimizer state); the bf16 copy is gathered; the gradients are reduce-scattered
+    in float32 (grad_reduce=fp32, the default). Equal to torch.autocast."""
     compiled = _compile(tmp_path, DP2TP2.format(opts=" precision=bf16 zero=1"))
     c = compiled[0]
     lay = {n.name: n.layout for n in c.logical.params}
     dp = c.logical.mesh.axis_index("dp")
     assert isinstance(lay["c_fc.weight"][dp], Shard) and lay["c_fc.weight"] == lay["c_fc.weight.exp_avg"]
     assert {d for k, a, d, _ in _collectives(c, "forward") if k == "all_gather"} == {"bfloat16"}
+    # the gradients' partial sums are widened before the ZeRO reduce_scatter: float32 on the wire
+    reductions = [(k, d) for k, a, d, _ in _collectives(c, "backward") if a == "dp"]
+    assert ("reduce_scatter", "float32") in reductions and {d for _, d in reductions} == {"float32"}
     _all_ok(_lockstep(compiled))
 
 

@@ -54,6 +54,7 @@ def lower_forward(graph: Graph, cfg, params, state_layout) -> tuple:
     Returns ``(graph, {param: name of its low-precision copy})``; unchanged for fp32.
     With ``accumulate=K`` the cast nodes are copied per microbatch like every compute node
     (:mod:`parcomp.passes.train.accumulate`)."""
+    check_low_params(graph, cfg, params)
     low = compute_dtype(cfg.options)
     if low is None:
         return graph, {}
@@ -103,6 +104,34 @@ def lower_forward(graph: Graph, cfg, params, state_layout) -> tuple:
     return graph.with_nodes(out), cast
 
 
+def check_low_params(graph: Graph, cfg, params) -> None:
+    """Refuse to train a bfloat16/float16 parameter without ``precision=pure``: it would train in
+    pure low precision without a word (AdamW state and gradient sums in 2-byte floats, updates
+    below the parameter's rounding step lost). The SpecError, at the train line's ``precision``
+    option or the line, names the parameter and both ways out: float32 weights with
+    ``precision=bf16`` (float32 master weights and optimizer state, torch.autocast's mixed
+    precision), or ``precision=pure`` to train in the model's dtype on purpose."""
+    if getattr(cfg.options, "precision", "fp32") == "pure":
+        return
+    trained = set(params)
+    low = [n for n in graph.nodes if n.op == "param" and n.name in trained
+           and n.type.dtype in ("bfloat16", "float16")]
+    if not low:
+        return
+    from parcomp.errors import SpecError
+    from parcomp.spec.option_loc import option_loc
+
+    n = low[0]
+    short = {"bfloat16": "bf16", "float16": "fp16"}[n.type.dtype]
+    raise SpecError(
+        f"parameter {n.name} is {n.type.dtype} ({len(low)} of the trained parameters are {short}): training "
+        f"it as it is would keep its gradients, their sums and the optimizer state in {n.type.dtype} "
+        f"(pure {short} training, updates smaller than its rounding step lost); load the model in float32 "
+        f"and write precision={short} (float32 master weights and optimizer state, {short} compute), or "
+        f"write precision=pure to train in {n.type.dtype} on purpose",
+        option_loc(cfg.loc, "precision") or cfg.loc)
+
+
 def batch_axes(graph: Graph) -> str:
     """Space-separated names of the mesh axes that split dim 0 of a model input."""
     axes = sorted({a for n in graph.inputs for a in shard_axes(n.layout, 0)})
@@ -129,5 +158,8 @@ def wrt_names(params, cast: dict) -> list:
 def precision_record(opts) -> dict:
     """report.json's ``precision`` entry of TrainOptions ``opts``."""
     low = compute_dtype(opts)
+    if opts.precision == "pure":  # the model's own dtype throughout, chosen in the spec
+        return {"precision": "pure", "compute_dtype": "model", "master_dtype": "model",
+                "grad_reduce_dtype": "model"}
     return {"precision": opts.precision, "compute_dtype": low or "float32", "master_dtype": "float32",
             "grad_reduce_dtype": "float32" if low is None or opts.grad_reduce == "fp32" else low}
