@@ -19,7 +19,7 @@ from ..verify import verify
 from .schedule import Simulation, analytic, build, rank_actions, simulate
 from .split_stages import (assign_stages, balanced_rules, node_flops, param_stages, rebatch,
                            split_stages)
-from .stage_train import stage_programs
+from .stage_train import reaching_params, stage_programs
 
 __all__ = ["PipelinePlan", "make_plan", "attach_pipeline", "format_pipeline"]
 
@@ -194,7 +194,8 @@ def make_plan(graph: Graph, spec, bound: Graph, shard) -> PipelinePlan:
                         f" x dp={dp} = {parts} equal parts", cfg.loc)
     micro = rebatch(graph, batch // parts)
     stages = split_stages(micro, stage_of, nvs)
-    progs = tuple(stage_programs(st, cfg, st.index == nvs - 1) for st in stages)
+    reaching = reaching_params(micro, cfg)
+    progs = tuple(stage_programs(st, cfg, st.index == nvs - 1, reaching) for st in stages)
     for p in progs:
         for g in (p.forward, p.backward, p.optimizer):
             verify(g)
