@@ -144,6 +144,7 @@ TABLE.update(NORM_TABLE)  # norms + embedding part: parcomp/frontends/torch/norm
 from .reductions import REDUCTION_TABLE  # noqa: E402
 
 TABLE.update(REDUCTION_TABLE)
+MULTI = MULTI + (aten.topk.default,)  # values and indices, picked by getitem
 from .loss import LOSS_TABLE  # noqa: E402  loss part: pad, cross_entropy_loss, nll_loss
 
 TABLE.update(LOSS_TABLE)
