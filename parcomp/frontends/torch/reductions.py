@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from parcomp.ir.types import TensorType
+
 aten = torch.ops.aten
 
 
@@ -38,8 +40,11 @@ def _reduction(op):
 
 
 def _softmax_lowering(op):
-    def lower(b, n, a):
+    def lower(b, n, a):  # softmax(x, dim, dtype=...): x converted to dtype first, as torch does
         x = b.val(a["self"])
+        want = b.type_of(n)
+        if want.dtype != b.types[x].dtype:
+            x = b.emit("cast", [x], "_in", ty=TensorType(b.types[x].shape, want.dtype))
         return b.emit(op, [x], dim=int(a["dim"]) % max(b.types[x].rank, 1))
     return lower
 
