@@ -502,3 +502,48 @@ def moe_lm(batch: int = 4, seq: int = 8):
             layer.mlp.experts.down_proj.normal_(0, 0.2)
         layer.mlp = MixtralMoE(layer.mlp, seq).eval()
     return module, (torch.randint(0, 64, (batch, seq)),), ["input_ids"]
+
+
+# ---- transformers' MoE LMs as they come (the experts traced with static shapes on import) ----
+def _draw_moe(module):
+    """transformers leaves the experts (and routers) ``torch.empty``: drawn as
+    :func:`mixtral_moe` draws them (normal, std 0.3 router / 0.2 experts)."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if ".mlp.experts." in name or name.endswith(".mlp.gate.weight"):
+                p.normal_(0, 0.3 if name.endswith("gate.weight") else 0.2)
+    return module
+
+
+def mixtral_lm(batch: int = 4, seq: int = 8):
+    """transformers' ``MixtralForCausalLM`` unedited: as :func:`moe_lm` (2 blocks, hidden 16,
+    4 query and 2 kv heads, 4 experts top-2, intermediate 32, vocab 64) with its own
+    ``MixtralSparseMoeBlock``: the router's softmax and ``topk``, the experts' fused
+    ``gate_up_proj`` [4, 64, 16] and ``down_proj`` [4, 16, 32]. Input ``input_ids``:
+    int64[batch, seq]; output ``logits`` f32[batch, seq, 64]."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(SEED)
+    config = MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                           num_experts_per_tok=2, max_position_embeddings=64, router_jitter_noise=0.0,
+                           bos_token_id=0, eos_token_id=1, pad_token_id=None, use_cache=False,
+                           attn_implementation="sdpa")
+    module = _draw_moe(MixtralForCausalLM(config).eval())
+    return module, (torch.randint(0, 64, (batch, seq)),), ["input_ids"]
+
+
+def qwen2_moe_lm(batch: int = 4, seq: int = 8):
+    """transformers' ``Qwen2MoeForCausalLM`` unedited: 2 blocks, hidden 16, 4 query and 2 kv
+    heads, 4 experts top-2 (intermediate 32) plus the shared expert (24) behind its sigmoid
+    gate, vocab 64. Input ``input_ids``: int64[batch, seq]; output ``logits`` f32[batch, seq, 64]."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    torch.manual_seed(SEED)
+    config = Qwen2MoeConfig(vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=32,
+                            shared_expert_intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                            max_position_embeddings=64, bos_token_id=0, eos_token_id=1, pad_token_id=None,
+                            use_cache=False, attn_implementation="sdpa")
+    module = _draw_moe(Qwen2MoeForCausalLM(config).eval())
+    return module, (torch.randint(0, 64, (batch, seq)),), ["input_ids"]

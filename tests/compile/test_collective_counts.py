@@ -161,6 +161,11 @@ EXPECTED = {
     "moe_lm_ep2_train": ("moe_lm", c(
         "forward all_to_all ep 4, loss all_reduce ep 2, backward all_to_all ep 4,"
         "backward all_reduce ep 13")),
+    # transformers' own Mixtral (its topk router, its fused expert tensors): the same exchanges
+    # as the rewritten block's
+    "mixtral_lm_ep2_train": ("mixtral_lm", c(
+        "forward all_to_all ep 4, loss all_reduce ep 2, backward all_to_all ep 4,"
+        "backward all_reduce ep 13")),
     # a model computing its own loss, dp: transformers' sum over the counted tokens and their
     # count all-reduced once each, in the forward where the model computes them (gpt2_lm with
     # loss=cross_entropy has the same two in the loss phase); backward the position
