@@ -12,7 +12,7 @@ import math
 import re
 import textwrap
 
-from parcomp import __version__ as PARCOMP_VERSION
+from parcomp.version import __version__ as PARCOMP_VERSION
 from parcomp.compile.program import MAX_STEPS, plural
 from parcomp.ir.ops import LAYOUT_OPS
 from parcomp.ir.types import DTYPE_SHORT, Partial, Replicate, layout_str, shard_axes
