@@ -100,7 +100,7 @@ def llama_lm():
     ``lm_head``, eval mode, sdpa attention, ``use_cache=False``.
 
     Input ``input_ids``: int64[2,8]; output ``logits`` f32[2,8,128]. RoPE's cos/sin and
-    the causal mask are folded at import (no op; see docs/design.md).
+    the causal mask are folded at import (no op; see docs/design/frontends.md).
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -1,4 +1,4 @@
-"""Measure what ``parcomp check``'s threshold separates (docs/design.md, "How check decides").
+"""Measure what ``parcomp check``'s threshold separates (docs/design/check.md, "How check decides").
 
 For every shipped spec (specs/*.pcs with its model from specs/models.py):
 

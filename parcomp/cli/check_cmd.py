@@ -21,7 +21,7 @@ from .common import (compile_model, feeds_for, is_torch_module, print_result, re
 
 #: what an OK of ``check`` rests on, said once below the numbers
 BASIS = ("every rank of the sharded program and the unsharded graph, both in float64 from the same "
-         "state, agree on every carried value within {rtol:.0e} of its scale (docs/design.md, "
+         "state, agree on every carried value within {rtol:.0e} of its scale (docs/design/check.md, "
          "\"How check decides\")")
 
 

@@ -216,7 +216,7 @@ def is_torch_module(module) -> bool:
 
 
 DROPOUT_NOTE = ("note: the model has dropout in training mode; parcomp draws its mask from each "
-                "element's global index (docs/design.md, \"Norms, dropout, embeddings\"), not from "
+                "element's global index (docs/design/rules.md, \"Norms, dropout, embeddings\"), not from "
                 "torch's generator, so the reference is the unsharded graph with parcomp's dropout "
                 "(numpy), not the torch module")
 

@@ -28,7 +28,7 @@ from .common import (compile_model, feeds_for, is_torch_module, print_kept, prin
 #: what ``run``'s verdict says and what it does not (the sharding is proven by ``check``)
 RUN_NOTE = ("torchrun's {dtype} result against the unsharded model in {dtype}, within {rtol:.0e} of each "
             "value's scale: a check of the program on real ranks; the sharding itself is proven by the "
-            "float64 check of the same program (parcomp check, docs/design.md \"How check decides\")")
+            "float64 check of the same program (parcomp check, docs/design/check.md \"How check decides\")")
 
 RUN_FILES = ("model.pt", "inputs.pt", "outputs.pt", "replay.pt")  # what ``run`` writes besides the program
 

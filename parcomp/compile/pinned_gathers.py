@@ -1,4 +1,4 @@
-"""A warning when the plan gathers whole a parameter the spec splits (docs/design.md, "Memory").
+"""A warning when the plan gathers whole a parameter the spec splits (docs/design/cost.md, "Memory").
 
 The layout search may all-gather a weight instead of moving activations when the weight is
 the smaller of the two (tiny models: a vocab-parallel LM head's [V, H] table against

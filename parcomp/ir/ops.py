@@ -2,7 +2,7 @@
 
 The algebraic ``kind`` is what the sharding rules and the verifier rely on:
 
-- ``nonlinear``: never accepts a ``Partial`` input (DESIGN.md "rules that always hold").
+- ``nonlinear``: never accepts a ``Partial`` input (a layout rule the verifier checks: ``parcomp/passes/verify.py``).
 - ``linear``: f(sum x_k) = sum f(x_k); passes ``Partial`` through.
 - ``additive``: add/sub, linear in all operands jointly (a ``Replicate``
   addend must be counted once, so every operand must be ``Partial`` together).

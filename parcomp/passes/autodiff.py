@@ -2,7 +2,7 @@
 
 The training step is differentiated before sharding, so the backward
 collectives come out of the same shard-prop / insert-collectives passes as
-the forward ones (see docs/design.md): the transposes (all_gather <->
+the forward ones (see docs/design/training.md): the transposes (all_gather <->
 reduce_scatter, all_reduce <-> identity, Megatron's f/g pair) are consequences
 of the rule tables, and the tests check them.
 

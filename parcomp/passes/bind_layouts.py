@@ -5,7 +5,7 @@ job: ``bind-layouts`` (params and inputs), ``bias-follows``, ``fused-bias-follow
 ``attention-heads``, ``pad-vocab``, ``check-even``, ``pin-activations``, ``pin-outputs``; a
 bound rule travels between them as the node's ``layout`` and ``spec_loc`` (:func:`bound_rules`).
 
-``colwise`` / ``rowwise`` are resolved by *use*, not by storage order (DESIGN.md):
+``colwise`` / ``rowwise`` are resolved by *use*, not by storage order:
 the pass follows the weight through ``permute`` / ``reshape`` to the matmul that
 consumes it as right operand ``b[k, n]``; colwise splits ``n`` (the output
 features, DTensor ColwiseParallel), rowwise splits ``k`` (the input features,

@@ -10,7 +10,7 @@ batch and free dims shard one operand and the output, a contracted dim sharded
 on both operands gives ``Partial``, and bilinearity lets one operand be
 ``Partial``.  Add counts a ``Replicate`` addend once: ``P + P -> P`` only, so an
 ``R`` bias must first become ``P`` (kept on one rank) or the sum must be reduced
-first (DESIGN.md, "rules that always hold").
+first (a layout rule :mod:`parcomp.passes.verify` checks).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""How ``parcomp check`` decides (parcomp/check/differential.py; docs/design.md, "How check decides").
+"""How ``parcomp check`` decides (parcomp/check/differential.py; docs/design/check.md, "How check decides").
 
 - the comparison: scale-relative per value and per row, a module's gradients at their
   module's scale, non-finite values matched exactly and then passed, integers exactly, a
