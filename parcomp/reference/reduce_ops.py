@@ -101,6 +101,12 @@ def topk_order(x, k: int, dim: int) -> np.ndarray:
     return np.take(order, np.arange(k), axis=dim).astype(np.int64)
 
 
+def _log(x):
+    """np.log, log(0) = -inf without a warning (a 0/1 mask's log is a fill of -inf on purpose)."""
+    with np.errstate(divide="ignore"):
+        return np.log(x)
+
+
 def _put_along(g, idx, node):
     dim = node.attr("dim") % g.ndim
     shape = list(g.shape)
@@ -115,7 +121,7 @@ def _put_along(g, idx, node):
 
 
 REDUCE_NUMPY_OPS = {
-    "log": lambda a, n: np.log(a[0]),
+    "log": lambda a, n: _log(a[0]),
     "amax": lambda a, n: np.max(a[0], axis=_dims(n, a[0])) if n.attr("dims") else a[0].copy(),
     "amax_grad": lambda a, n: _amax_grad(a[0], a[1], a[2], n),
     "argmax": lambda a, n: np.argmax(a[0], axis=n.attr("dim") % a[0].ndim).astype(np.int64),

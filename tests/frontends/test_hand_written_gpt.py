@@ -192,7 +192,6 @@ ELEMENTWISE = [
     ("expm1", torch.expm1, lambda x: torch.exp(x) - 1),
     ("exp2", torch.exp2, lambda x: torch.exp(x * math.log(2))),
     ("log1p", lambda x: torch.log1p(x * x), lambda x: torch.log(1 + x * x)),
-    ("copy", lambda x: _copied_into_zeros(x) * 2, lambda x: x * 2),
 ]
 
 
@@ -239,17 +238,27 @@ def test_an_op_s_hint_is_a_rewrite_that_imports(op, wrote, rewrite):
     check_against_torch(Elementwise(rewrite), (X,))
 
 
+def _written_in_parts(x):  # DeepSeek-V3's MLA keys: an empty buffer, two slices copied in
+    buf = x.new_empty(x.shape[:-1] + (24,))
+    buf[..., :16].copy_(x)
+    buf[..., 16:].copy_(x[..., :1])  # broadcast along the slice
+    return buf * 2
+
+
 # allocations shaped like a tensor: folded at import whatever the tensor (only its shape counts)
 ALLOCATIONS = [
     lambda x: x + torch.zeros_like(x), lambda x: x * torch.ones_like(x),
     lambda x: x + x.new_empty(x.shape).fill_(1.5), lambda x: x + torch.empty_like(x).fill_(1.5),
     lambda x: x + x.new_full(x.shape, 1.5), lambda x: x + x.new_zeros(x.shape[-1:]),
     lambda x: x * x.new_ones(x.shape[-1:]), lambda x: x * torch.full_like(x, 2.5),
+    lambda x: _copied_into_zeros(x) * 2, _written_in_parts,
 ]
 
 
+
 @pytest.mark.parametrize("wrote", ALLOCATIONS, ids=["zeros_like", "ones_like", "new_empty", "empty_like",
-                                                     "new_full", "new_zeros", "new_ones", "full_like"])
+                                                     "new_full", "new_zeros", "new_ones", "full_like",
+                                                     "copy", "copy_slices"])
 def test_an_allocation_shaped_like_a_tensor_imports_as_written(wrote):
     torch.manual_seed(0)
     check_against_torch(Elementwise(wrote), (X,))

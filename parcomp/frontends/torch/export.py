@@ -151,6 +151,9 @@ TABLE.update(LOSS_TABLE)
 from .conv import CONV_TABLE  # noqa: E402  patch convolutions as a matmul over patches
 
 TABLE.update(CONV_TABLE)
+from .buffers import BUFFER_TABLE, mask_patterns  # noqa: E402  buffers written in parts, routing masks
+
+TABLE.update(BUFFER_TABLE)
 
 
 def supported_ops() -> list:
@@ -348,7 +351,7 @@ def import_torch(module: torch.nn.Module, example_inputs: tuple,
     fx_nodes = list(ep.graph.nodes)
     tied = tied_aliases(module)
     b.folded = mask_only_nodes(fx_nodes, SKIP)  # attention part
-    b.fused = fused_patterns(fx_nodes)
+    b.fused = {**fused_patterns(fx_nodes), **mask_patterns(fx_nodes)}
     for n in fx_nodes:
         if n.op != "placeholder":
             continue

@@ -40,8 +40,6 @@ REWRITES = {
             f"(torch.ones(s, s).tril()) is folded at import",
     "triu": f"for a causal mask on attention scores, {_SDPA}; a mask from constants alone "
             f"(torch.ones(s, s).triu(1)) is folded at import",
-    "copy": "the source itself (h, or h.clone()) instead of copying it into a buffer (buf[:] = h, "
-            "buf.copy_(h)); a buffer written in parts is torch.cat of the parts",
     "repeat_interleave": "for the kv heads of grouped-query attention, "
                          "k[:, :, None].expand(b, kv_heads, rep, s, d).reshape(b, kv_heads * rep, s, d), "
                          "or F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)",
