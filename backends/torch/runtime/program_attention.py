@@ -14,10 +14,14 @@ import torch
 def attention_grads(dy, q, k, v, parts, **sdpa_args):
     """The gradients ``parts`` (a string of ``q``, ``k``, ``v``, in that order) of
     ``scaled_dot_product_attention(q, k, v, **sdpa_args)`` for the output gradient ``dy``: one
-    forward, one backward (autograd over sdpa once; only the operands in ``parts`` get one)."""
-    with torch.enable_grad():
-        leaves = [t.detach().requires_grad_(name in parts) for name, t in zip("qkv", (q, k, v))]
-        out = torch.nn.functional.scaled_dot_product_attention(*leaves, **sdpa_args)
-        grads = torch.autograd.grad(out, [leaves["qkv".index(c)] for c in parts], dy)
+    forward, one backward (one ``torch.func.vjp`` over sdpa, with respect to the operands in
+    ``parts`` only; torch.compile captures it whole, which ``torch.autograd.grad`` would break)."""
+    given = {"q": q, "k": k, "v": v}
+
+    def attend(*wrt):
+        ops = {**given, **dict(zip(parts, wrt))}
+        return torch.nn.functional.scaled_dot_product_attention(ops["q"], ops["k"], ops["v"], **sdpa_args)
+
+    grads = torch.func.vjp(attend, *(given[c] for c in parts))[1](dy)
     return grads if len(parts) > 1 else grads[0]
 # <<< program.py

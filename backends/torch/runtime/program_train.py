@@ -257,9 +257,10 @@ def check_save(path, steps):
     to be made) is not writable."""
     if os.path.exists(path) and not os.path.isdir(path):
         fail(f"--save {path}: it exists and is not a directory")
+    there = set(os.listdir(path)) if os.path.isdir(path) else set()  # one listing, however many saves
     for step in ([steps] if isinstance(steps, int) else steps):
-        final = os.path.join(path, f"step-{step}")
-        if os.path.exists(final):  # a .partial of it is a save that never finished: replaced
+        if f"step-{step}" in there:  # a .partial of it is a save that never finished: replaced
+            final = os.path.join(path, f"step-{step}")
             fail(f"--save {path}: {final} exists; parcomp's program never replaces a checkpoint")
     latest = os.path.join(path, "latest")
     if os.path.lexists(latest) and not saved_latest(path):
