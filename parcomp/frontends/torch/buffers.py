@@ -62,9 +62,9 @@ BUFFER_TABLE = {
 def _scatter_value(b, n, a):
     """scatter(zeros, dim, topk indices, value): ``put_along`` of the value at the indices."""
     base, index = a["self"], a["index"]
-    from .reductions import _ZEROS
+    from .reductions import ZERO_ALLOCATIONS
 
-    if not (isinstance(base, torch.fx.Node) and base.target in _ZEROS and _is_topk_indices(index)):
+    if not (isinstance(base, torch.fx.Node) and base.target in ZERO_ALLOCATIONS and _is_topk_indices(index)):
         raise b.fail("scatter is supported into a fresh zero tensor at topk indices only (distinct "
                      "indices: writing and adding agree)", "; write x.scatter_add into torch.zeros")
     idx, want = b.val(index), b.type_of(n)

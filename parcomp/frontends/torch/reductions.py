@@ -68,13 +68,13 @@ def _gather(b, n, a):
     return b.emit("take_along", [x, idx], dim=int(a["dim"]) % max(b.types[x].rank, 1))
 
 
-_ZEROS = (aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default)
+ZERO_ALLOCATIONS = (aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default)
 
 
 def _scatter_add(b, n, a):
     """scatter_add into a fresh zero tensor (zeros / zeros_like / new_zeros): ``put_along``."""
     base = a["self"]
-    if not (isinstance(base, torch.fx.Node) and base.target in _ZEROS):
+    if not (isinstance(base, torch.fx.Node) and base.target in ZERO_ALLOCATIONS):
         raise b.fail("scatter_add is supported into a fresh zero tensor only (torch.zeros, zeros_like, "
                      "new_zeros)", "; add the tensor it scatters into after: x + torch.zeros(...).scatter_add(...)")
     g, idx = b.val(a["src"]), b.val(a["index"])
