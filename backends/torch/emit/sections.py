@@ -136,6 +136,11 @@ def _run_hint(program, model=None) -> str:
     return f"torchrun --nproc-per-node {program.mesh.size} program.py " + " ".join(args)
 
 
+def profile_block(prof) -> str:
+    """The PROFILE block of the device profile ``prof``: the SPMD and the pipelined program's."""
+    return _profile_block(prof)
+
+
 def _profile_block(prof) -> str:
     lines = [f"# ---- PROFILE {prof.name}: the only lines that differ between device profiles ----",
              f"PROFILE = {json.dumps(prof.name)}",
