@@ -83,19 +83,26 @@ def _on_full_mesh(graph, mesh):
 
 
 def _function(fn: str, graph, doc: str, code) -> str:
-    """A function computing ``graph``: params from ``p``, inputs from ``inp``, one line per node
-    (``code(node, operand variables, graph)``: :func:`parcomp_backends.torch.emit._code`, the torch op table)."""
+    """A function computing ``graph``: params from ``p``, inputs taken out of ``inp``, one line
+    per node (``code(node, operand variables, graph)``: :func:`parcomp_backends.torch.emit._code`,
+    the torch op table), each value ``del``-ed after its last reader unless it is an output."""
     taken = {"p", "inp", "torch", "dist"}
     local = graph if graph.stage == "local" else None  # per-rank: block offsets read COORD
     names = {n.name: _ident(n.name, taken) for n in graph.nodes}
+    last = {v: i for i, n in enumerate(graph.nodes) for v in n.inputs}  # a value's last reader
+    keep = {v for _, v in graph.named_outputs()} | {n.name for n in graph.params}
     lines = [f"def {fn}(p, inp):", f'    """{doc}"""']
-    for n in graph.nodes:
+    for i, n in enumerate(graph.nodes):
         var = names[n.name]
-        if n.op in ("input", "param"):
-            src = "p" if n.op == "param" else "inp"
-            lines.append(f"    {var} = {src}[{json.dumps(n.name)}]  # {n.type}")
+        if n.op == "param":
+            lines.append(f"    {var} = p[{json.dumps(n.name)}]  # {n.type}")
+        elif n.op == "input":  # taken out of ``inp`` (the caller's dict), so ``del`` frees it
+            lines.append(f"    {var} = inp.pop({json.dumps(n.name)})  # {n.type}")
         else:
             lines.append(f"    {var} = {code(n, [names[i] for i in n.inputs], local)}  # {n.type}")
+        dead = [names[v] for v in dict.fromkeys(n.inputs) if last[v] == i and v not in keep]
+        if dead:  # the last reader of these values: free them now
+            lines.append(f"    del {', '.join(dead)}")
     ret = ", ".join(f"{json.dumps(pub)}: {names[v]}" for pub, v in graph.named_outputs())
     lines.append(f"    return {{{ret}}}")
     return "\n".join(lines)

@@ -225,8 +225,11 @@ def exchange(ops, k, pp_group, stash, grads_out, got, grads_in):
 
 def add_grads(sums, s, out):
     """Add stage ``s``'s parameter gradients of one microbatch to the step's sums."""
-    for k in GRADS[s]:
-        sums[k] = out[k] if k not in sums else sums[k] + out[k]
+    for k in GRADS[s]:  # in place: the sum is this step's own tensor (the first microbatch's)
+        if k in sums:
+            sums[k].add_(out.pop(k))
+        else:
+            sums[k] = out.pop(k)
 
 
 def reduce_over(t, group, k, what, lines):
@@ -266,7 +269,7 @@ def step(k, state, p, data):
                 out = BACKWARD[s](p, inp)
                 add_grads(sums, s, out)
             else:  # ZB-H1: the input gradient now; W reads the stash and the output gradients
-                out = BACKWARD_INPUT[s](p, inp)
+                out = BACKWARD_INPUT[s](p, dict(inp))  # W reads inp too
                 wstash[s, m] = {**inp, **{n[len("wstash."):]: v for n, v in out.items()
                                           if n.startswith("wstash.")}}
             if RECV[s]:
@@ -284,9 +287,13 @@ def step(k, state, p, data):
             for n in mine:  # the gradient of the global batch: sum, then scale once
                 if dp_group is not None:
                     reduce_over(sums[n], dp_group, k, "dp", DP_GROUPS)
-                sums[n] = sums[n] * SCALE
-            for t in STAGES[coord]:
-                result.update(OPTIMIZER[t](p, {**sums, "step": torch.tensor(STEP[0], device=DEVICE)}))
+                sums[n].mul_(SCALE)
+            number, held = torch.tensor(STEP[0], device=DEVICE), STAGES[coord]
+            for i, t in enumerate(held):  # each update takes its gradients out of sums (and frees
+                later = {n for u in held[i + 1:] for n in GRADS[u]}  # them) but a later chunk's
+                grads = {n: sums[n] if n in later else sums.pop(n) for n in GRADS[t] if n in sums}
+                result.update(OPTIMIZER[t](p, {**grads, "step": number}))
+                del grads
             sums.clear()
     if losses:
         loss = torch.stack(losses).sum()
@@ -332,9 +339,10 @@ def load(args):
 def train(args, state, p, data, first):
     """``--steps`` steps numbered from ``first`` (updated params and state carry over in
     ``p``); the last step's result, with "losses"; rank 0 prints each step's loss."""
-    losses, run_step = [], compiled_step(step, args)
+    losses, run_step, result = [], compiled_step(step, args), {}
     for k in range(first, first + args.steps):
         STEP[0] = float(k)
+        result.clear()  # the last step's outputs (its gradients) are not kept through this one
         result = run_step(k, state, p, data)
         if "loss" in result:
             losses.append(result["loss"])
