@@ -101,8 +101,8 @@ def _emit(compiled, profile, model, steps, functional, constants) -> str:
         from .pipeline import check_pipeline_profile, emit_pipeline_program, pipeline_emittable
 
         if pipeline_emittable(prog):  # else (tp inside a stage) the SPMD program, pp replicated
-            check_pipeline_profile(prof.name)
-            return emit_pipeline_program(prog, model, node_code)
+            check_pipeline_profile(prof)
+            return emit_pipeline_program(prog, model, node_code, prof, constants)
     program, train = prog.graph, prog.train
     if train is not None and steps:
         train = replace(train, steps=int(steps))

@@ -40,15 +40,17 @@ def write_outputs(outputs, losses, path):
 # <<< program.py
 
 
-# >>> program.py: parse_args
+# >>> program.py: step_count
 def step_count(text):
     """The value of --steps: a whole number of steps from 1 to MAX_STEPS."""
     steps = int(text)  # argparse reports a ValueError as an invalid value
     if not 1 <= steps <= MAX_STEPS:
         raise argparse.ArgumentTypeError(f"{text}: give 1 to {MAX_STEPS:_} training steps")
     return steps
+# <<< program.py
 
 
+# >>> program.py: parse_args
 def parse_args(argv):
     """Command line (see the module docstring)."""
     ap = argparse.ArgumentParser(description=f"parcomp program for mesh {MESH_TEXT}; run: {RUN_HINT}")
