@@ -232,6 +232,8 @@ def _choices(node, graph):
         return node.inputs[0], node.attr("dim"), 1
     if node.op == "moe_route":
         return node.inputs[0], -1, int(node.attr("top_k"))
+    if node.op in ("topk", "topk_index"):  # which k are chosen (their order follows their values)
+        return node.inputs[0], node.attr("dim"), int(node.attr("k"))
     if node.op == "amax_grad":  # the gradient goes to the maxima: a near tie splits it differently
         dims = node.attr("dims")
         return (node.inputs[1], dims[0], 1) if len(dims) == 1 else None

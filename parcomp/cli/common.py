@@ -24,9 +24,11 @@ def compile_model(args, after=None, numeric: str | None = None):
     """Load and compile ``args.model`` with ``args.spec``; ``numeric`` names a command that
     computes with numpy/torch on this machine (``check``/``run``), which then refuses
     dtypes numpy cannot compute in (:func:`require_numpy_dtypes`)."""
-    graph, module, example = load_model(args.model)
-    spec = load_spec(args.spec)
-    with pointing_into(args.model):  # a .pcir model's layout problems: at its line
+    # args.model / args.spec: a reference and a path, or (parcomp.check from Python) the model
+    # already imported, (graph, module, example), and a parsed Spec
+    graph, module, example = load_model(args.model) if isinstance(args.model, str) else args.model
+    spec = load_spec(args.spec) if isinstance(args.spec, str) else args.spec
+    with pointing_into(args.model if isinstance(args.model, str) else "<module>"):  # a .pcir model: at its line
         if numeric:
             require_numpy_dtypes(graph, numeric)
         compiled = compile_graph(graph, spec, after)

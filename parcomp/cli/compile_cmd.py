@@ -16,8 +16,13 @@ from .common import compile_model, feeds_for, print_kept, print_warnings, progra
 def compile(args):  # noqa: A001 - the subcommand's name
     """``parcomp compile``: write program.py, report.json, sharded.pcir, program.pcir (and the
     computed constants' ``constants.safetensors``) atomically."""
-    def show(name, graph):
-        print(f"# ----- IR after {name} -----\n{print_graph(graph)}")
+    last = []
+
+    def show(name, graph):  # a check (or a pass that changed nothing) returns the graph it was given
+        same = bool(last) and last[0] is graph
+        last[:] = [graph]
+        print(f"# ----- IR after {name} (unchanged) -----" if same else
+              f"# ----- IR after {name} -----\n{print_graph(graph)}")
 
     compiled, module, _ = compile_model(args, show if args.print_ir_after_all else None)
     kept = write_dir_atomic(args.out, program_files(compiled, args.target, args.profile,

@@ -200,6 +200,31 @@ def _argmax(ts, n):
     return TensorType(tuple(s for d, s in enumerate(x.shape) if d != n.attr("dim") % x.rank), "int64")
 
 
+def _topk(ts, n):  # topk, topk_index: x with its dim cut to k (values; int64 indices)
+    x, k = ts[0], n.attr("k")
+    if not -x.rank <= n.attr("dim") < x.rank:
+        raise ValueError(f"{n.op} over dim {n.attr('dim')} of {x}")
+    dim = n.attr("dim") % x.rank
+    if not 1 <= k <= x.shape[dim]:
+        raise ValueError(f"{n.op} k={k} of dim {dim} of {x} (size {x.shape[dim]})")
+    shape = x.shape[:dim] + (k,) + x.shape[dim + 1:]
+    return TensorType(shape, "int64" if n.op == "topk_index" else x.dtype)
+
+
+def _along(ts, n):  # take_along(x, idx), put_along(g, idx): idx's shape but along dim
+    x, idx = ts
+    if not idx.dtype.startswith("int") or idx.rank != x.rank:
+        raise ValueError(f"{n.op} takes integer indices of the rank of {x}, got {idx}")
+    dim = n.attr("dim") % max(x.rank, 1)
+    others = [d for d in range(x.rank) if d != dim]
+    if any(x.shape[d] != idx.shape[d] for d in others):
+        raise ValueError(f"{n.op}: {x} and indices {idx} differ outside dim {dim}")
+    if n.op == "take_along":
+        return TensorType(idx.shape, x.dtype)
+    size = n.attr("size")
+    return TensorType(x.shape[:dim] + (size,) + x.shape[dim + 1:], x.dtype)
+
+
 def _pick(ts, n):
     z, labels = ts
     if z.shape[:-1] != labels.shape:
@@ -392,6 +417,17 @@ _def("amax_grad", 3, "linear0", _amax_grad, {"dims": Attr("ints", required=True)
 _def("argmax", 1, "nonlinear", _argmax, {"dim": Attr("int", required=True)})
 _def("argmax_key", 1, "nonlinear", _argmax, {"dim": Attr("int", required=True), **_START})
 _def("argmax_index", 1, "nonlinear", same_type)
+# ``topk(x) {k, dim}``: the k largest along dim, largest first; ties to the lower index (a
+# NaN counts as the largest, as in torch); ``topk_index``: their int64 indices (torch.topk's
+# two results). ``take_along(x, idx) {dim}``: x's entries at idx along dim
+# (torch.gather, numpy take_along_axis); ``put_along(g, idx) {dim, size}``: its transpose, g
+# added into zeros of dim ``size`` at idx (torch.scatter_add into zeros).
+_TOPK = {"k": Attr("int", required=True), "dim": Attr("int", required=True)}
+_def("topk", 1, "nonlinear", _topk, _TOPK)
+_def("topk_index", 1, "nonlinear", _topk, _TOPK)
+_def("take_along", 2, "linear0", _along, {"dim": Attr("int", required=True)})
+_def("put_along", 2, "linear0", _along, {"dim": Attr("int", required=True),
+                                         "size": Attr("int", required=True)})
 _def("mean", 1, "linear", _reduce_some, {"dims": Attr("ints", required=True)})
 _def("softmax", 1, "nonlinear", same_type, {"dim": Attr("int", required=True)})
 _def("log_softmax", 1, "nonlinear", same_type, {"dim": Attr("int", required=True)})

@@ -101,6 +101,8 @@ def shard_prop(graph: Graph, seconds: float = DEFAULT_SECONDS, memory: int | Non
             info["batch_gathered_by"] = blocked
     if search == "heuristic" and limit is None and too_large(prob):
         info["solver_skipped"] = sum(len(o) for o in prob.options.values())  # strategies
+    elif prob.ilp_skipped_columns:
+        info["solver_skipped_columns"] = prob.ilp_skipped_columns
     if limit is not None:
         info.update(memory_limit=memory, resident_bytes=limit.bytes(sol))
     nodes = [n if n.name not in sol else evolve(n, layout=sol[n.name][1], in_layouts=sol[n.name][0]
@@ -119,6 +121,8 @@ def _search(prob, limit, seconds, heuristic=False) -> tuple:
     if limit is None and (heuristic or too_large(prob)):  # the solver would stop at its root with this plan
         return sol, "heuristic", False
     ilp, proven = solve_ilp(prob, sol, seconds, limit)
+    if proven is None:  # over MAX_COLUMNS: the solver was not called
+        return sol, "heuristic", False
     fits = [s for s in (ilp, sol) if limit is None or limit.fits(s)]
     if not fits:
         raise limit.not_found(seconds)
@@ -139,6 +143,7 @@ class ShardProblem(LocalMoves):
         self.batch = batch_values(graph) if data_parallel else frozenset()
         self.batch_axes = batch_axes(graph)
         self.blocked = None  # keep_dp.prune: the first node it left without a strategy
+        self.ilp_skipped_columns = 0  # layout_ilp.solve_ilp: the columns of a program it did not solve
         self.pinned = {}  # value -> layouts a relayout (a spec pin) reads it in
         for n in graph.nodes:
             if n.op == "relayout":

@@ -48,7 +48,7 @@ import textwrap
 from ..cost.memory import MemoryLimitError, over_limit
 from ..errors import ParcompError, SourceLoc
 from ..ir.types import R, Shard, divisibility_problem, layout_str
-from ..passes.bind_layouts import bind_layouts
+from ..passes.pass_list import bind_layouts
 from ..passes.search.layout_ilp import DEFAULT_SECONDS
 from ..passes.shard_prop import shard_prop
 from ..spec import parse_spec

@@ -177,7 +177,7 @@ def bound_params(graph, text: str) -> dict:
     Raises:
         ParcompError: the text does not parse or bind.
     """
-    from ..passes.bind_layouts import bind_layouts
+    from ..passes.pass_list import bind_layouts
 
     bound = bind_layouts(graph, parse_spec(text, "plan.pcs"))
     return {n.name: n.layout for n in bound.params}

@@ -189,3 +189,51 @@ def test_gpt2_tp2_checkpoint_exports_to_what_from_pretrained_loads(tmp_path, cap
     ids = torch.from_numpy(np.asarray(feeds["input_ids"]))
     with torch.no_grad():
         np.testing.assert_array_equal(got.eval()(ids).logits.numpy(), want(ids).logits.numpy())
+
+
+# a launcher that runs program.py with rank 1 dying when the 4th save starts (after step 4):
+# the checkpoints of steps 1-3 are committed, the 4th is never written
+DIES_AT_FOURTH_SAVE = """\
+import os, runpy, sys
+import torch.distributed.checkpoint as dcp
+real, calls = dcp.save, []
+def dying(*args, **kw):
+    calls.append(1)
+    if len(calls) == 4 and os.environ["RANK"] == "1":
+        os._exit(9)
+    return real(*args, **kw)
+dcp.save = dying
+sys.argv[0] = "program.py"
+runpy.run_path("program.py", run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_run_killed_after_step_3_of_6_with_save_every_1_resumes_equal_to_the_unkilled_run(tmp_path):
+    """6 AdamW steps on tp=2 with ``--save-every 1``, rank 1 killed as step 4's save starts:
+    ``latest`` names step 3 (steps 1-3 committed, nothing partial of step 4 is trusted). The
+    run resumed from it for steps 4-6 ends bit-equal to a run of 6 steps that was never
+    killed (params, optimizer state, the last loss); step 4's unfinished save is replaced."""
+    tp, module, example = _compile(tmp_path, TP2, "tp2")
+    feeds = commands._train_feeds(tp, module, example, 0)
+    ckpt = tmp_path / "ckpt"
+    (tmp_path / "k").mkdir()
+    (tmp_path / "k" / "dies.py").write_text(DIES_AT_FOURTH_SAVE)
+    res = _launch(tmp_path / "k", tp, module, feeds, ("--steps", "6", "--save", str(ckpt), "--save-every", "1"),
+                  program="dies.py", ok=False)
+    assert "saved step 3" in res.stdout and "saved step 4" not in res.stdout
+    assert (ckpt / "latest").read_text().strip() == "step-3"
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step-")) == [
+        "step-1", "step-2", "step-3", "step-4.partial"]  # rank 0 wrote its part of step 4's save
+    res = _launch(tmp_path / "r", tp, module, feeds, ("--steps", "3", "--resume", str(ckpt), "--save", str(ckpt),
+                                                     "--save-every", "1"))
+    assert "step 4 loss" in res.stdout and "step 3 loss" not in res.stdout and "saved step 6" in res.stdout
+    assert (ckpt / "latest").read_text().strip() == "step-6" and not (ckpt / "step-4.partial").exists()
+    _launch(tmp_path / "u", tp, module, feeds, ("--steps", "6"))
+    resumed, r_losses = assemble_training_outputs(tmp_path / "r" / "out.pt", tp.program)
+    whole, w_losses = assemble_training_outputs(tmp_path / "u" / "out.pt", tp.program)
+    keys = [k for k in whole if k.endswith(("weight", "bias", "exp_avg", "exp_avg_sq"))]
+    assert len(keys) == 12
+    for k in keys:
+        assert np.array_equal(resumed[k], whole[k]), k
+    assert r_losses[-1] == w_losses[-1] and len(r_losses) == 3

@@ -18,7 +18,7 @@ import pytest
 from parcomp.errors import VerifyError
 from parcomp.ir.types import TensorType
 from parcomp.passes import shard_prop as sp
-from parcomp.passes.manager import forward_pipeline, run_pipeline
+from parcomp.passes.pass_list import passes_for, run_passes
 from parcomp.passes.verify import verify
 from parcomp.spec import load_spec
 
@@ -41,9 +41,9 @@ def _gpt2(n_layer):
 
 def _before_shard_prop(n_layer, spec_name):
     spec = load_spec(os.path.join(SPECS, spec_name))
-    passes = forward_pipeline(spec)
+    passes = passes_for(spec)
     upto = [p.name for p in passes].index("shard-prop")
-    return list(run_pipeline(_gpt2(n_layer), passes[:upto]).values())[-1]
+    return list(run_passes(_gpt2(n_layer), spec, passes[:upto]).values())[-1]
 
 
 def _improve_every_node(prob, sol, rounds=8):

@@ -209,14 +209,13 @@ def _mutants(graph, rng, count):
 
 
 def test_verify_with_memo_and_dedup_fails_where_checking_every_node_fails():
-    from parcomp.passes.manager import forward_pipeline, run_pipeline
+    from parcomp.passes.pass_list import run_passes
     from parcomp.passes.verify import verify
     from parcomp.spec import load_spec
     from parcomp.frontends.loader import load_model
 
     graph, _, _ = load_model(os.path.join(SPECS, "models.py:gpt2_lm"))
-    stages = list(run_pipeline(graph, forward_pipeline(load_spec(os.path.join(SPECS, "gpt2_lm_tp2_sp_train.pcs"))))
-                  .values())
+    stages = list(run_passes(graph, load_spec(os.path.join(SPECS, "gpt2_lm_tp2_sp_train.pcs"))).values())
     rng, failed, memo = random.Random(3), 0, {}
     for before, g in zip(stages, stages[1:]):
         verify(before, memo)

@@ -13,6 +13,7 @@ import contextlib
 import functools
 import io
 import json
+import os
 import re
 from argparse import Namespace
 from pathlib import Path
@@ -148,7 +149,8 @@ def cached_loader():
     commands_common.load_model = original
 
 
-FUZZ = settings(max_examples=1000, deadline=None, database=None,
+# 400 cases a test in the suite; PARCOMP_FUZZ_EXAMPLES=5000 for a longer hunt.
+FUZZ = settings(max_examples=int(os.environ.get("PARCOMP_FUZZ_EXAMPLES", "400")), deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
                                        HealthCheck.filter_too_much, HealthCheck.data_too_large])
 

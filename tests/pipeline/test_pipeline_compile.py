@@ -8,7 +8,7 @@ import parcomp.passes.shard_prop as shard_prop
 from parcomp.compile.compiler import compile_graph
 from parcomp.ir.types import R
 from parcomp.passes.autodiff import add_training_step
-from parcomp.passes.bind_layouts import bind_layouts
+from parcomp.passes.pass_list import bind_layouts
 from parcomp.rules.sharding import mesh_strategies
 
 from graphs import mlp_graph, spec

@@ -275,6 +275,12 @@ TORCH_CASES = {  # op: (operands, result type, attrs)
     "pick_grad": ([np.array([1.5, 2], "f4"), np.array([1, 0])], TensorType((2, 3)), {"ignore_index": 0}),
     "label_mask": ([np.array([1, -100, 3])], TensorType((3,)), {}),
     "mask_pad": ([np.arange(6, dtype="f4").reshape(2, 3)], TensorType((2, 3)), {"size": 2}),
+    "topk": ([np.array([[1, 5, 4], [-2, -1, -3]], "f4")], TensorType((2, 2)), {"k": 2, "dim": 1}),
+    "topk_index": ([np.array([[1, 5, 4], [-2, -1, -3]], "f4")], TensorType((2, 2), "int64"), {"k": 2, "dim": 1}),
+    "take_along": ([np.arange(6, dtype="f4").reshape(2, 3), np.array([[2, 0], [1, 1]])], TensorType((2, 2)),
+                   {"dim": 1}),
+    "put_along": ([np.array([[1.5, 2], [3, 4]], "f4"), np.array([[2, 0], [1, 1]])], TensorType((2, 3)),
+                  {"dim": 1, "size": 3}),
 }
 
 

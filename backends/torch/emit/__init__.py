@@ -33,6 +33,7 @@ from parcomp.compile.program import Program, TrainLoop, no_cycle_collection
 from parcomp.ir.ops import LAYOUT_OPS
 from parcomp.ir.types import layout_str
 
+from .attention import attention_sections, joint_grads, joint_targets
 from .cp_ring import ring_comment, ring_sections
 from .moe import moe_sections
 from .norms import runtime_sections
@@ -100,8 +101,8 @@ def _emit(compiled, profile, model, steps, functional, constants) -> str:
         from .pipeline import check_pipeline_profile, emit_pipeline_program, pipeline_emittable
 
         if pipeline_emittable(prog):  # else (tp inside a stage) the SPMD program, pp replicated
-            check_pipeline_profile(prof.name)
-            return emit_pipeline_program(prog, model, node_code)
+            check_pipeline_profile(prof)
+            return emit_pipeline_program(prog, model, node_code, prof, constants)
     program, train = prog.graph, prog.train
     if train is not None and steps:
         train = replace(train, steps=int(steps))
@@ -112,7 +113,8 @@ def _emit(compiled, profile, model, steps, functional, constants) -> str:
     head = header_section(prog, model, train) + "\n" + IMPORTS
     model_part = [constants_section(prog, train), loaders_section(prog, train, constants), _forward(prog, names, train)]
     runtime_part = [profile_block(prof), runtime, *runtime_sections(program), *reduce_sections(program),
-                    *moe_sections(program), *ring_sections(program), *([FUNCTIONAL] if functional else []),
+                    *moe_sections(program), *ring_sections(program), *attention_sections(program),
+                    *([FUNCTIONAL] if functional else []),
                     *([CONSTANT_LOADER] if constants else []),
                     *([TIED_LOADER] if any(n.attr("aliases") for n in program.params) else []),
                     TRAIN_MAIN if train else MAIN]
@@ -143,8 +145,16 @@ def _forward(prog, names, train) -> str:
             continue
         if op in _LAYOUT_OPS:
             lines += _layout_comment(program, n, prog.collective(n.name), names)
-        lines += [c for text in ring_comment(prog, n) for c in comment_lines(text, "    ")]
-        lines.append(f"    {var} = {node_code(n, list(map(var_of, n.inputs)), program)}{tail}")
+        first, parts = joint_grads(program).get(n.name, (None, None))
+        if first is not None and first != n.name:
+            lines.append(f"    # {var}: computed above with {names[first]} (one backward of the attention)")
+        else:
+            lines += [c for text in ring_comment(prog, n) for c in comment_lines(text, "    ")]
+        if first == n.name:  # one attention's gradients in one statement (emit/attention.py)
+            lines.append(f"    {joint_targets(program, first, names)} = "
+                         f"{node_code(n, list(map(var_of, n.inputs)), program, parts)}{tail}")
+        elif first is None:
+            lines.append(f"    {var} = {node_code(n, list(map(var_of, n.inputs)), program)}{tail}")
         frees = n.attr("frees")
         if frees:
             lines.append("    del " + ", ".join(map(var_of, frees.split())))

@@ -16,6 +16,7 @@ from json.encoder import encode_basestring_ascii as _json_str  # json.dumps of a
 from parcomp.compile.program import ParcompError
 
 from .cp import Q_OPERAND, cp_kw  # context parallel; Q_OPERAND: sdpa, sdpa_grad
+from .attention import JOINT_FORMATS  # one attention's gradients together
 from .cp_ring import RING_FORMATS, ring_key, ring_kw
 from .moe import MOE_DEFAULTS, MOE_FORMATS, moe_key
 from .norms import NORM_FORMATS, norm_kw
@@ -141,14 +142,17 @@ def py_literal(v) -> str:
 
 
 
-def node_code(n, args, program=None) -> str:
+def node_code(n, args, program=None, parts=None) -> str:
     """The right-hand side computing node ``n`` from operand variables ``args``
-    (``inplace``: :data:`IN_PLACE_FORMATS`; ``async_op``: :data:`ASYNC_FORMATS`)."""
+    (``inplace``: :data:`IN_PLACE_FORMATS`; ``async_op``: :data:`ASYNC_FORMATS`; ``parts``: an
+    ``sdpa_grad``'s attention's gradients wanted together, emit/attention.py)."""
     op, attr = n.op, n.attr
     async_op, inplace = attr("async_op"), attr("inplace")
     table = (ASYNC_FORMATS if async_op else IN_PLACE_FORMATS if inplace else OP_FORMATS)
     rkey = reduce_key(n)
     key = ring_key(n, moe_key(n, rkey + ("_" if async_op and inplace else "")))
+    if op == "sdpa_grad" and parts:  # the gradients ``parts`` of one attention together
+        table, key = JOINT_FORMATS, key + "_joint"
     if key not in table:
         raise EmitError(f"op {n.op!r} (%{n.name}) has no torch mapping; the torch backend "
                         f"knows: {', '.join(sorted(OP_FORMATS))}")
@@ -179,4 +183,6 @@ def node_code(n, args, program=None) -> str:
         kw["kept_shape"] = repr(tuple(1 if d in attr("dims") else s for d, s in enumerate(ty.shape)))
     if op == "sdpa_grad":  # attention part: which of torch.func.vjp's (dq, dk, dv)
         kw["wrt_index"] = "qkv".index(attr("wrt"))
+        if parts:
+            kw["parts"] = _py(parts)
     return table[key].format(*args, **kw)

@@ -12,13 +12,14 @@ import math
 import re
 import textwrap
 
-from parcomp import __version__ as PARCOMP_VERSION
+from parcomp.version import __version__ as PARCOMP_VERSION
 from parcomp.compile.program import MAX_STEPS, plural
 from parcomp.ir.ops import LAYOUT_OPS
 from parcomp.ir.types import DTYPE_SHORT, Partial, Replicate, layout_str, shard_axes
 
 from ..runtime import (CLUSTER_HELP, CONSTANT_LOADER, FORWARD_HELP, FUNCTIONAL, MAIN, ONNX_READER, RUNTIME,
                       TIED_LOADER, TRAIN_HELP, TRAIN_MAIN)
+from .attention import HELPER_NAMES as ATTENTION_HELPERS
 from .cluster import CLUSTER_NAMES, cluster_constants
 from .cp_ring import HELPER_NAMES as RING_HELPERS, balance_src
 from .moe import HELPER_NAMES as MOE_HELPERS
@@ -43,7 +44,7 @@ RESERVED = (set(keyword.kwlist) | set(dir(builtins)) | _TOP_NAMES
                "PARAMS", "INPUTS", "OUTPUT_LAYOUTS", "OUTPUT_GLOBAL_SHAPES", "SHARDED_OUTPUT",
                "RUN_HINT", "load_params", "load_inputs", "forward", "STATE", "CARRIED", "STEP_INPUT",
                "TRAIN_STEPS", "MAX_STEPS", "train_step"} | set(NORM_HELPERS) | set(REDUCE_HELPERS) | set(MOE_HELPERS)
-            | set(RING_HELPERS)
+            | set(RING_HELPERS) | set(ATTENTION_HELPERS)
             | set(CLUSTER_NAMES))
 
 
