@@ -51,13 +51,13 @@ def test_training_step_runs_the_attention_forward_twice_and_its_gradients_equal_
     per gradient made it 4) and every weight gradient equals torch's autograd of the module."""
     spec = tmp_path / "t.pcs"
     spec.write_text("mesh tp=1\ntrain loss=mse optimizer=sgd(lr=0.1) input_grads=no\n")
-    c, module, example = commands._compile(SimpleNamespace(model=MODEL, spec=str(spec)), numeric="check")
+    c, module, example = commands.compile_model(SimpleNamespace(model=MODEL, spec=str(spec)), numeric="check")
     text = emit_program(c, "cpu")
     step = text.split("def train_step")[1]
     assert step.count("= attention_grads(") == 1 and "torch.func.vjp" not in step
     (tmp_path / "program.py").write_text(text)
     program = _import(tmp_path / "program.py")
-    feeds = commands._train_feeds(c, module, example, 0)
+    feeds = commands.training_feeds(c, module, example, 0)
     params = {n.name: torch.from_numpy(np.asarray(feeds[n.name])).clone() for n in c.logical.params}
     inputs = {n.name: torch.from_numpy(np.asarray(feeds[n.name])).clone() for n in c.logical.inputs}
     with _CountSdpa() as count, torch.no_grad():

@@ -215,7 +215,7 @@ def test_run_killed_after_step_3_of_6_with_save_every_1_resumes_equal_to_the_unk
     run resumed from it for steps 4-6 ends bit-equal to a run of 6 steps that was never
     killed (params, optimizer state, the last loss); step 4's unfinished save is replaced."""
     tp, module, example = _compile(tmp_path, TP2, "tp2")
-    feeds = commands._train_feeds(tp, module, example, 0)
+    feeds = commands.training_feeds(tp, module, example, 0)
     ckpt = tmp_path / "ckpt"
     (tmp_path / "k").mkdir()
     (tmp_path / "k" / "dies.py").write_text(DIES_AT_FOURTH_SAVE)

@@ -184,5 +184,5 @@ def node_code(n, args, program=None, parts=None) -> str:
     if op == "sdpa_grad":  # attention part: which of torch.func.vjp's (dq, dk, dv)
         kw["wrt_index"] = "qkv".index(attr("wrt"))
         if parts:
-            kw["parts"] = _py(parts)
+            kw["parts"] = py_literal(parts)
     return table[key].format(*args, **kw)
