@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from parcomp.cli import commands  # noqa: E402
-from parcomp_backends.torch.emit import emit_program  # noqa: E402
+from parcomp_backends.torch.emit import RUNTIME_MARK, emit_program  # noqa: E402
 from parcomp_backends.torch.launch import free_port  # noqa: E402
 from parcomp_backends.torch.runtime import program_attention, program_ring  # noqa: E402
 
@@ -53,7 +53,7 @@ def test_training_step_runs_the_attention_forward_twice_and_its_gradients_equal_
     spec.write_text("mesh tp=1\ntrain loss=mse optimizer=sgd(lr=0.1) input_grads=no\n")
     c, module, example = commands.compile_model(SimpleNamespace(model=MODEL, spec=str(spec)), numeric="check")
     text = emit_program(c, "cpu")
-    step = text.split("def train_step")[1]
+    step = text.split("def train_step")[1].split(RUNTIME_MARK)[0]  # the step, not the runtime after it
     assert step.count("= attention_grads(") == 1 and "torch.func.vjp" not in step
     (tmp_path / "program.py").write_text(text)
     program = _import(tmp_path / "program.py")
