@@ -10,7 +10,7 @@ the model's graph node for node (names, module paths, phases, attributes); the w
 over MAX_STRATEGIES (its own search would be the heuristic; counted from the reduced problem's
 per-node option lists) and the plan keeps data parallel; every stage stamped has the shape
 ``repeat_stamp.fits`` needs and is SSA with operands made before use; the stamped program
-passes the verifier. The search record's cost is ``_Problem.total``'s sum in the whole
+passes the verifier. The search record's cost is ``ShardProblem.total``'s sum in the whole
 graph's order (the report's ``cost_s``). ``tests/compile/test_block_reuse.py`` checks program.py,
 the report and the .pcir stages are byte-identical to the whole-graph compile's.
 """
@@ -22,7 +22,7 @@ from ..ir.graph import Graph
 from ..passes.pass_list import run_passes
 from ..passes.search.keep_dp import prune
 from ..passes.search.layout_ilp import MAX_STRATEGIES
-from ..passes.shard_prop import _Problem
+from ..passes.shard_prop import ShardProblem
 from ..passes.verify import verify
 from .repeat import find_blocks, reduced, spec_names_a_block
 from .repeat_stamp import Stamper, fits, stamp, stamp_order
@@ -109,7 +109,7 @@ def _whole_problem(before: Graph, order: list) -> tuple | None:
     (``order``: for each of its nodes the index of the reduced node it is stamped from, see
     :func:`stamp_order`); None where the whole graph is not over MAX_STRATEGIES (its search
     is the ILP: reuse does not apply) or data parallel cannot be kept."""
-    prob = _Problem(before)
+    prob = ShardProblem(before)
     if prob.batch and not prune(prob):
         return None
     names = [before.nodes[k].name for k in order]
@@ -122,7 +122,7 @@ def _search_info(prob, count: int, planned: Graph, order: list, small: dict) -> 
     breaks data parallel). ``prob``, ``count``: :func:`_whole_problem`'s; ``planned``: the
     reduced model's shard-prop stage.
 
-    The cost is ``_Problem.total``'s sum over the whole graph, in program order (as shard_prop
+    The cost is ``ShardProblem.total``'s sum over the whole graph, in program order (as shard_prop
     prices it), of each node's compute and conversion terms, a stamped node's being its reduced
     original's (same op, types, layouts and readers' layouts)."""
     canon, nodes = prob._intern, prob.g.nodes

@@ -5,7 +5,7 @@ job: ``bind-layouts`` (params and inputs), ``bias-follows``, ``fused-bias-follow
 ``attention-heads``, ``pad-vocab``, ``check-even``, ``pin-activations``, ``pin-outputs``; a
 bound rule travels between them as the node's ``layout`` and ``spec_loc`` (:func:`bound_rules`).
 
-``colwise`` / ``rowwise`` are resolved by *use*, not by storage order (DESIGN.md):
+``colwise`` / ``rowwise`` are resolved by *use*, not by storage order:
 the pass follows the weight through ``permute`` / ``reshape`` to the matmul that
 consumes it as right operand ``b[k, n]``; colwise splits ``n`` (the output
 features, DTensor ColwiseParallel), rowwise splits ``k`` (the input features,
@@ -260,13 +260,13 @@ def _resolve(graph, spec, rule, node, users):
     if node.attr("stored_shape"):  # attention part: a fused weight, split per part
         dim = fused_split_dim(node, rule.layout.word)
     else:
-        dim = _weight_split_dim(graph, node, rule, users)
+        dim = weight_split_dim(graph, node, rule, users)
     out = list(replicated(len(spec.mesh.axes)))
     out[spec.mesh.axis_index(rule.layout.axis)] = Shard(dim)
     return tuple(out)
 
 
-def _weight_split_dim(graph, node, rule, users) -> int:
+def weight_split_dim(graph, node, rule, users) -> int:
     """Stored dim of ``node`` that colwise/rowwise splits, found through its uses
     (``users``: ``graph.users()``)."""
     chain, cur = [], node.name

@@ -18,7 +18,7 @@ trims it on the way out. The LM head's matmul then makes ``V_pad`` logits; ``mas
 makes the padded ones the lowest finite number (they never win a max or argmax, their exp is
 0, and their gradient is 0, so the padded rows stay 0 under any optimizer), and a ``slice``
 back to ``V`` gives the model's logits their own shape under their own name. A training loss
-on those logits is taken on the masked, padded ones (autodiff's ``_model_output``), so the
+on those logits is taken on the masked, padded ones (autodiff's ``model_output``), so the
 cross-entropy stays vocab-parallel. Ids and labels index the real vocab only.
 """
 from __future__ import annotations

@@ -35,7 +35,7 @@ The written spec pins the parameters (in Megatron's words where they apply:
 listed as comments (compiling the spec re-derives them: the search is
 deterministic).  It starts with a header line carrying a checksum of the rest, so
 ``plan`` overwrites only a spec it wrote and nobody changed since
-(docs/design.md: parcomp never overwrites a file it did not write).
+(docs/design/plan.md: parcomp never overwrites a file it did not write).
 """
 from __future__ import annotations
 

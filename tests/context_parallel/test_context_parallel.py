@@ -183,7 +183,7 @@ def test_canonical_spec_collective_list_is_pinned(tmp_path, capsys):
     """specs/attention_cp2_train.pcs: forward all_gather of K and of V; backward reduce_scatter
     of dK and of dV to their owners. The other gathers are the cost model's choice at this tiny
     size (2 x 16 tokens): activations are gathered for the weight gradients and the loss rather
-    than all-reducing the weight gradients (docs/design.md, "Consequence worth knowing")."""
+    than all-reducing the weight gradients (docs/design/search.md, "Consequence worth knowing")."""
     rc = main(["check", MODEL, "--spec", str(CANONICAL), "--json"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and out["ok"] and out["err_over_tol"] <= 1, out

@@ -1,5 +1,4 @@
-"""Findings of a new user's break test of MoE, context parallel and mixed precision, each pinned:
-the float64 check of an fp16/bf16 MoE step is OK (no float32 left in it) and check names the
+"""MoE, context parallel and mixed precision together: the float64 check of an fp16/bf16 MoE step is OK (no float32 left in it) and check names the
 run's precision, `context-parallel` without a `cp` axis needs `over`, train option errors
 point at the option, an MoE plan keeps its tokens split without pins, program.py's `--print-launch`
 keeps the options given with it, and an absurd `memory` is refused."""
@@ -34,7 +33,7 @@ def _moe(tmp_path, train_opts="", pins=True):
 
 
 def _compile(path, model=MOE):
-    return commands._compile(SimpleNamespace(model=model, spec=str(path)), numeric="check")
+    return commands.compile_model(SimpleNamespace(model=model, spec=str(path)), numeric="check")
 
 
 # ---- 1. the float64 check of a mixed-precision MoE step ---------------------------------------
@@ -46,7 +45,7 @@ def test_float64_check_of_a_mixed_precision_ep2_moe_step_is_ok(tmp_path, precisi
     (an error of 2**-31, far over the float64 threshold). It widens to the graph's dtype now.
     The step in its own precision equals the unsharded one within that dtype's tolerance."""
     c, module, example = _compile(_moe(tmp_path, f" precision={precision}"))
-    feeds = commands._train_feeds(c, module, example, 0)
+    feeds = commands.training_feeds(c, module, example, 0)
     r = lockstep(c, None, example, feeds, 1)
     assert r["vs_unsharded"]["ok"] and r["vs_unsharded"]["err_over_tol"] <= 1, r["vs_unsharded"]["why"]
     assert r["native"]["ok"], r["native"]["why"]

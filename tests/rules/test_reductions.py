@@ -22,7 +22,7 @@ from parcomp.reference.numpy_ops import run_unsharded
 from parcomp.reference.numpy_ops import NUMPY_OPS
 from parcomp.spec import parse_spec
 from parcomp_backends.torch import emit_program
-from parcomp_backends.torch.emit import _code
+from parcomp_backends.torch.emit import node_code
 from parcomp_backends.torch.emit.reduce import REDUCE_FORMATS
 from parcomp_backends.torch.runtime import program_reduce
 
@@ -275,6 +275,12 @@ TORCH_CASES = {  # op: (operands, result type, attrs)
     "pick_grad": ([np.array([1.5, 2], "f4"), np.array([1, 0])], TensorType((2, 3)), {"ignore_index": 0}),
     "label_mask": ([np.array([1, -100, 3])], TensorType((3,)), {}),
     "mask_pad": ([np.arange(6, dtype="f4").reshape(2, 3)], TensorType((2, 3)), {"size": 2}),
+    "topk": ([np.array([[1, 5, 4], [-2, -1, -3]], "f4")], TensorType((2, 2)), {"k": 2, "dim": 1}),
+    "topk_index": ([np.array([[1, 5, 4], [-2, -1, -3]], "f4")], TensorType((2, 2), "int64"), {"k": 2, "dim": 1}),
+    "take_along": ([np.arange(6, dtype="f4").reshape(2, 3), np.array([[2, 0], [1, 1]])], TensorType((2, 2)),
+                   {"dim": 1}),
+    "put_along": ([np.array([[1.5, 2], [3, 4]], "f4"), np.array([[2, 0], [1, 1]])], TensorType((2, 3)),
+                  {"dim": 1, "size": 3}),
 }
 
 
@@ -284,7 +290,7 @@ def test_torch_rows_match_numpy(op):
     node = Node("y", op, tuple(f"a{i}" for i in range(len(xs))), ty, make_attrs(**attrs))
     env = {"torch": torch, **{k: getattr(program_reduce, k) for k in dir(program_reduce)}}
     env.update({f"a{i}": torch.tensor(x) for i, x in enumerate(xs)})
-    got = eval(_code(node, [f"a{i}" for i in range(len(xs))]), env)  # noqa: S307 - our own table
+    got = eval(node_code(node, [f"a{i}" for i in range(len(xs))]), env)  # noqa: S307 - our own table
     want = NUMPY_OPS[node.op](xs, node)
     assert tuple(got.shape) == tuple(np.shape(want))
     assert_equivalent(got.numpy(), want, what=op)

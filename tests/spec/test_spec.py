@@ -521,7 +521,7 @@ def test_layout_round_trip_property(data):
 
 def test_a_dotted_name_with_a_digit_unquoted_says_to_quote_it():
     """'output=a.0' lexes '.0' as a number: the error says to write the whole name quoted, and
-    the quoted form parses to that name (a new-user trial finding)."""
+    the quoted form parses to that name."""
     with pytest.raises(SpecError) as e:
         parse_spec("mesh tp=2\ntrain loss=mse output=a.0 steps=2\n", "t.pcs")
     msg = str(e.value)
@@ -531,7 +531,7 @@ def test_a_dotted_name_with_a_digit_unquoted_says_to_quote_it():
 
 def test_a_rule_missing_an_onnx_models_renamed_weights_says_why():
     """torch.onnx's dynamo export with optimize=True names folded weights val_N: the error for a
-    rule written with module names says so and how to keep them (a new-user trial finding)."""
+    rule written with module names says so and how to keep them."""
     s = parse_spec("mesh tp=2\nq.weight colwise\n", "t.pcs")
     with pytest.raises(SpecError, match="generated names such as val_3: .*optimize=False"):
         check_names(s, ["ln1.weight", "val_3", "val_7"], ["x"], ["y"], [])

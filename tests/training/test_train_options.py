@@ -30,8 +30,8 @@ def _compiled(tmp_path, model, text):
     path = tmp_path / "t.pcs"
     path.write_text(text)
     args = SimpleNamespace(model=model, spec=str(path))
-    c, module, example = commands._compile(args, numeric="check")
-    return c, module, example, commands._train_feeds(c, module, example, 0)
+    c, module, example = commands.compile_model(args, numeric="check")
+    return c, module, example, commands.training_feeds(c, module, example, 0)
 
 
 def _lockstep(compiled, steps):

@@ -376,10 +376,16 @@ def whole(t):
 
 def place(t):
     """A compact copy of ``t`` on DEVICE (so the full tensor it was cut from can be freed);
-    a checkpoint Slice is read here."""
+    a checkpoint Slice is read here. While CHECK_ONLY["on"] (inputs checked before the run,
+    placed at their step): ``t`` itself, nothing copied."""
     if isinstance(t, Slice):
         return t.read().to(DEVICE)
+    if CHECK_ONLY["on"]:
+        return t
     return torch.empty(t.shape, dtype=t.dtype, device=DEVICE).copy_(t)
+
+
+CHECK_ONLY = {"on": False}
 
 
 def note_unused(tensors, used, what):
@@ -518,6 +524,7 @@ def main(argv=None):
     else:
         import_prelude()
         backend, DEVICE = DIST_BACKEND, profile_device()
+        set_tf32(args.tf32)  # the cuda profile's default is off; --tf32 turns it on
     init_dist(backend, args)  # then every failure is agreed on: no rank waits for one that left
     watch_faults(args.timeout)  # and a rank that hung or died is named by the others
     try:

@@ -1,8 +1,8 @@
 """The pipeline plan of a spec with a ``pp`` axis: stages, their programs, schedule, simulation.
 
-:func:`make_plan` (the pass ``split-stages`` of :mod:`parcomp.passes.pass_list`) runs split-stages (:mod:`.split_stages`), builds each stage's
-forward / backward / optimizer programs (:mod:`.stage_train`) for one microbatch, makes
-the action lists of the spec's schedule (:mod:`.schedule`) and simulates them before
+:func:`make_plan` (the pass ``split-stages`` of :mod:`parcomp.passes.pass_list`) runs
+split-stages (:mod:`.split_stages`), builds each stage's forward / backward / optimizer
+programs (:mod:`.stage_train`) for one microbatch, makes the action lists of the spec's schedule (:mod:`.schedule`) and simulates them before
 anything is emitted.  The loss is the mean over the global batch: each microbatch's
 loss is the mean over the microbatch, gradients are summed over the microbatches (and
 over ``dp``) and scaled once by ``1 / (microbatches * dp)`` before the update.
@@ -19,7 +19,7 @@ from ..verify import verify
 from .schedule import Simulation, analytic, build, rank_actions, simulate
 from .split_stages import (assign_stages, balanced_rules, node_flops, param_stages, rebatch,
                            split_stages)
-from .stage_train import stage_programs
+from .stage_train import reaching_params, stage_programs
 
 __all__ = ["PipelinePlan", "make_plan", "attach_pipeline", "format_pipeline"]
 
@@ -194,7 +194,8 @@ def make_plan(graph: Graph, spec, bound: Graph, shard) -> PipelinePlan:
                         f" x dp={dp} = {parts} equal parts", cfg.loc)
     micro = rebatch(graph, batch // parts)
     stages = split_stages(micro, stage_of, nvs)
-    progs = tuple(stage_programs(st, cfg, st.index == nvs - 1) for st in stages)
+    reaching = reaching_params(micro, cfg)
+    progs = tuple(stage_programs(st, cfg, st.index == nvs - 1, reaching) for st in stages)
     for p in progs:
         for g in (p.forward, p.backward, p.optimizer):
             verify(g)
@@ -215,8 +216,8 @@ def make_plan(graph: Graph, spec, bound: Graph, shard) -> PipelinePlan:
 
 #: train options the pipelined step does not implement: ``(key, its value in cfg, the default)``
 #: readers; given with a value other than the default, they would be silently ignored, so
-#: they are refused (a new-user trial found ``precision=bf16`` under pp said OK while the
-#: program ran float32)
+#: they are refused (``precision=bf16`` under pp would otherwise check OK while the program
+#: ran float32)
 _NOT_PIPELINED = (
     ("zero", lambda c: c.zero, 0),
     ("bucket_cap_mb", lambda c: None, None),
