@@ -245,8 +245,10 @@ def group(name: str, spec=None) -> tuple:
 def run_passes(graph: Graph, spec, passes=None, after: Callable | None = None, *, heuristic: bool = False,
                problem=None, check: bool = True) -> dict:
     """Run ``passes`` (default: :func:`passes_for` ``spec``) in order on ``graph``; returns
-    ``{"input": graph, pass name: its result}``. With ``check``, the input and each new graph
-    are verified (a pass returning its input object unchanged is not: it passed already).
+    ``{"input": graph, pass name: its result}``. With ``check``, the graph the first pass
+    after group ``model`` reads (the model with the spec's MoE capacity; the input when that
+    group does not run) and each new graph after it are verified (a pass returning its input
+    object unchanged is not: it passed already).
     ``after(name, graph)`` sees every result (each of a pipeline plan's stage programs).
 
     Raises:
@@ -256,9 +258,11 @@ def run_passes(graph: Graph, spec, passes=None, after: Callable | None = None, *
     out = {"input": graph}
     ctx = PassContext(spec, heuristic, problem, MappingProxyType(out))
     memo = {}  # nodes verified unchanged are not checked again (verify's memo)
-    if check:
-        verify(graph, memo)
+    verified = False  # group model's passes take the model as given: its checks speak first
     for p in passes:
+        if check and not verified and p.group != "model":
+            verify(graph, memo)
+            verified = True
         got = p.run(graph, ctx)
         if not isinstance(got, Graph):  # split-stages: a pipeline plan of several graphs
             out[p.name] = got
@@ -268,7 +272,7 @@ def run_passes(graph: Graph, spec, passes=None, after: Callable | None = None, *
             continue
         before, graph = graph, got
         try:
-            if check and graph is not before:
+            if verified and graph is not before:
                 verify(graph, memo)
         except VerifyError as e:
             err = VerifyError(f"after pass {p.name}: {e.message}")
@@ -277,6 +281,8 @@ def run_passes(graph: Graph, spec, passes=None, after: Callable | None = None, *
         out[p.name] = graph
         if after is not None:
             after(p.name, graph)
+    if check and not verified:
+        verify(graph, memo)
     return out
 
 

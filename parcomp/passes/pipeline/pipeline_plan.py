@@ -1,8 +1,8 @@
 """The pipeline plan of a spec with a ``pp`` axis: stages, their programs, schedule, simulation.
 
-:func:`make_plan` (the pass ``split-stages`` of :mod:`parcomp.passes.pass_list`) runs split-stages (:mod:`.split_stages`), builds each stage's
-forward / backward / optimizer programs (:mod:`.stage_train`) for one microbatch, makes
-the action lists of the spec's schedule (:mod:`.schedule`) and simulates them before
+:func:`make_plan` (the pass ``split-stages`` of :mod:`parcomp.passes.pass_list`) runs
+split-stages (:mod:`.split_stages`), builds each stage's forward / backward / optimizer
+programs (:mod:`.stage_train`) for one microbatch, makes the action lists of the spec's schedule (:mod:`.schedule`) and simulates them before
 anything is emitted.  The loss is the mean over the global batch: each microbatch's
 loss is the mean over the microbatch, gradients are summed over the microbatches (and
 over ``dp``) and scaled once by ``1 / (microbatches * dp)`` before the update.
