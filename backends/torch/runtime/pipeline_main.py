@@ -22,14 +22,13 @@ Real, importable Python; it runs with the stand-ins below for what the emitter g
 # flake8: noqa: E402,F403,F405 (program.py is one namespace: the common sections are in it)
 import argparse
 import os
-import time
 
 import torch
 import torch.distributed as dist
 
 from .program_cluster import *
 from .program_common import *
-from .program_train import check_save, resume_location, check_resume, dcp_failure, step_count
+from .program_train import check_save, step_count
 
 # ---- stand-ins for what the emitter generates (never pasted): a one-stage, one-rank program ----
 STAGE_PARAMS = {0: []}
