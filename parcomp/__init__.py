@@ -7,7 +7,7 @@ used, so ``import parcomp`` stays free of torch.
 import sys as _sys
 import types as _types
 
-__version__ = "0.1.0"
+from .version import __version__  # noqa: F401 (the package's version)
 
 #: the names ``parcomp`` exports from :mod:`parcomp.api`, loaded on first use
 API = ("parallelize", "ParallelModule", "check", "explain", "CheckResult", "Explanation", "spec_from_plan")

@@ -37,7 +37,7 @@ from ..spec import parse_spec
 ORIGIN = "<DTensor plan>"
 
 
-def mesh_sizes(mesh) -> dict:
+def mesh_axes(mesh) -> dict:
     """``{axis: size}`` of a DeviceMesh or a dict."""
     if isinstance(mesh, dict):
         return {str(k): int(v) for k, v in mesh.items()}
@@ -112,7 +112,7 @@ def plan_spec(plan, module=None, graph=None, mesh=None, train: str | None = None
         raise ParcompError("a DTensor plan needs its mesh: pass (plan, device_mesh) or (plan, {'tp': 2})")
     if module is None:
         raise ParcompError("translating a DTensor plan needs the module its keys name")
-    return parse_spec(plan_text(plan, mesh_sizes(mesh), module, graph, train), ORIGIN)
+    return parse_spec(plan_text(plan, mesh_axes(mesh), module, graph, train), ORIGIN)
 
 
 def plan_text(plan: dict, mesh: dict, module, graph=None, train: str | None = None) -> str:

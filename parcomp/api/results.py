@@ -243,7 +243,7 @@ def spec_from_plan(plan: dict, mesh, module, example_inputs=None, *, train: str 
     DeviceMesh or ``{"tp": 2}``) translates to (:mod:`parcomp.api.dtensor_plan`); with
     ``example_inputs`` the inputs' and outputs' layouts too; ``train``: a ``train ...`` line to add.
     Save it as a ``.pcs`` file, or pass it as the spec."""
-    from .dtensor_plan import mesh_sizes, plan_text
+    from .dtensor_plan import mesh_axes, plan_text
 
     graph = None if example_inputs is None else _import(module, example_inputs, input_names)
-    return plan_text(plan, mesh_sizes(mesh), module, graph, train)
+    return plan_text(plan, mesh_axes(mesh), module, graph, train)

@@ -1,7 +1,10 @@
 """``stage K: ITEM ...`` statements: which modules each pipeline (``pp``) stage holds.
 
 An item is a module path (``ln_f``, ``h.3``, ``0``) or a range of numbered modules
-(``0-5``, ``h.0-11``), expanded here to the paths it names.  A spec either gives one
+(``0-5``, ``h.0-11``), expanded here to the paths it names, or an open range ``h.12-end``
+(``h.12`` to the model's last numbered ``h.N``), kept as written and matched against the
+model's modules by :func:`parcomp.passes.pipeline.split_stages.assign_stages` (the spec does not
+know how many layers the model has).  A spec either gives one
 stage statement for every stage ``0 .. pp-1`` or none (then the stages are balanced by
 the cost model of :mod:`parcomp.passes.pipeline.split_stages`, or ``train stages=balanced`` says
 so explicitly).  Every error is a :class:`~parcomp.errors.SpecError` at the statement.

@@ -93,15 +93,17 @@ def assign_stages(graph: Graph, rules: tuple, pp: int) -> dict:
 
     Raises:
         SpecError: at a stage statement: an item that matches no module, a module in
-            no stage, a module that uses a value of a later stage, a stage with no computation, the model output not on the last stage.
+            no stage (a param of a module no stage names, such as rotary embeddings'
+            cos/sin tables, is held by every stage that reads it instead), a module that uses a value of a later stage, a stage with no computation, the model output not on the last stage.
     """
-    owner = {p: r for r in rules for p in r.items}
+    owner = {p: r for r in rules for p in r.items if open_range(p) is None}
+    opened = [(open_range(p), p, r) for r in rules for p in r.items if open_range(p) is not None]
     hit, stage = set(), {}
     for n in graph.nodes:
         if n.op == "input":
             continue
-        rule = _rule_of(module_path(n, graph), owner, hit)
-        if rule is None and n.source and rules:
+        rule = _rule_of(module_path(n, graph), owner, hit, opened)
+        if rule is None and n.source and rules and n.op != "param":
             raise SpecError(f"module {n.source} (%{n.name}) is in no stage; add it to a stage "
                             f"statement", rules[-1].loc)
         ins = [stage[i] for i in n.inputs if i in stage]  # a param is in only when a rule placed it
@@ -120,11 +122,26 @@ def assign_stages(graph: Graph, rules: tuple, pp: int) -> dict:
     return stage
 
 
-def _rule_of(path, owner, hit):
+def open_range(item: str):
+    """``(prefix, first)`` of an open range item ``h.12-end`` (the numbered modules
+    ``h.12``, ``h.13``, ... to the model's last), else None."""
+    head, sep, tail = item.rpartition("-")
+    if not sep or tail != "end":
+        return None
+    prefix, _, first = head.rpartition(".")
+    return (prefix, int(first)) if first.isdigit() else None
+
+
+def _rule_of(path, owner, hit, opened=()):
     for p in _prefixes(path) if path else ():
         if p in owner:
             hit.add(p)
             return owner[p]
+        for (prefix, first), item, rule in opened:  # h.12-end owns h.12, h.13, ...
+            head, _, last = p.rpartition(".")
+            if head == prefix and last.isdigit() and int(last) >= first:
+                hit.add(item)
+                return rule
     return None
 
 
@@ -309,7 +326,18 @@ def rebatch(graph: Graph, batch: int) -> Graph:
 
 def _rebatch_reshape(node: Node, graph: Graph, types: dict) -> Node:
     """A reshape whose operand's element count changed gets its dim 0 scaled alike (the
-    batch leads both shapes); any other node is returned as is."""
+    batch leads both shapes); a node whose type is its own attribute (an ``expand`` not along
+    dim 0, a ``cast``, a ``slice`` of another dim) and whose dim 0 followed its operand's
+    batch takes the new batch (GQA's ``expand`` of the kv heads); any other node is returned
+    as is."""
+    if node.op != "reshape" and node.inputs and node.type.rank:
+        old, new = graph[node.inputs[0]].type, types[node.inputs[0]]
+        if (old.rank and new.rank and old.shape[0] != new.shape[0] and node.type.shape[0] == old.shape[0]
+                and not (node.op == "expand" and 0 in node.attr("dims"))
+                and not (node.op in ("slice", "slice_grad") and node.attr("dim") == 0)):
+            return Node(node.name, node.op, node.inputs, node.type.with_shape((new.shape[0], *node.type.shape[1:])),
+                        node.attrs, node.layout, node.in_layouts, node.phase, node.source, node.spec_loc)
+        return node
     if node.op != "reshape" or not node.type.rank:
         return node
     old, new = graph[node.inputs[0]].type.numel, types[node.inputs[0]].numel

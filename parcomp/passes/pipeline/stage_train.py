@@ -24,7 +24,7 @@ from parcomp.errors import SpecError
 from parcomp.ir.graph import Graph
 from parcomp.ir.types import Mesh, TensorType
 from parcomp.spec.model import pattern_regex
-from ..autodiff import Builder, _optimizer, backward
+from ..autodiff import Builder, optimizer_update, backward
 
 __all__ = ["StagePrograms", "stage_programs", "grad_name"]
 
@@ -58,8 +58,26 @@ class StagePrograms:
     saved_bytes: int
 
 
-def stage_programs(stage, cfg, last: bool) -> StagePrograms:
-    """The :class:`StagePrograms` of a :class:`StageGraph` under training config ``cfg``.
+def loss_output(graph: Graph, cfg) -> str | None:
+    """The model output the loss is taken on: ``output=``'s, else the last one."""
+    named = dict(zip(graph.output_names, graph.outputs))
+    return named[cfg.output] if cfg.output in named else (graph.outputs[-1] if graph.outputs else None)
+
+
+def reaching_params(graph: Graph, cfg) -> frozenset:
+    """The params of the model ``graph`` the loss depends on: as in the unsharded step
+    (``autodiff._reaching``, torch.optim), one the loss does not reach (BERT's pooler when
+    the loss is on ``last_hidden_state``) has no gradient, no optimizer state and no update."""
+    live = {loss_output(graph, cfg)}
+    for n in reversed(graph.nodes):
+        if n.name in live:
+            live.update(n.inputs)
+    return frozenset(p.name for p in graph.params if p.name in live)
+
+
+def stage_programs(stage, cfg, last: bool, reaching=None) -> StagePrograms:
+    """The :class:`StagePrograms` of a :class:`StageGraph` under training config ``cfg``;
+    ``reaching``: the params the loss reaches (:func:`reaching_params`; None: every one).
 
     Raises:
         SpecError: a loss this builder does not support on a pipeline (``loss=output``
@@ -76,7 +94,8 @@ def stage_programs(stage, cfg, last: bool) -> StagePrograms:
     for v in stage.send:
         seeds[v] = b.source(grad_name(v), "input", b.type(v), g[v].layout, "backward")
     rx = pattern_regex(cfg.trainable)
-    params = [p for p in stage.params if rx.fullmatch(p) and g[p].attr("trainable", True)]
+    params = [p for p in stage.params if rx.fullmatch(p) and g[p].attr("trainable", True)
+              and (reaching is None or p in reaching)]
     recv = [v for v in stage.recv if g[v].type.dtype.startswith("float")]
     whole = Graph(tuple(b.nodes), tuple(seeds))
     grads = backward(b, whole, seeds, params + recv)
@@ -144,8 +163,7 @@ def _stage_loss(b, g, cfg) -> str:
     b.prefix, b.phase = "loss", "loss"
     if not g.outputs:
         raise SpecError("the last stage has no model output to compute the loss on", cfg.loc)
-    named = dict(zip(g.output_names, g.outputs))
-    y = named[cfg.output] if cfg.output in named else g.outputs[-1]
+    y = loss_output(g, cfg)
     ty = b.type(y)
     if cfg.loss == "output":
         if ty.rank:
@@ -170,6 +188,6 @@ def _optimizer_graph(g, params, cfg) -> Graph:
     outs = []
     for p in params:
         gr = b.source(grad_name(p), "input", g[p].type, g[p].layout, "optimizer")
-        outs += _optimizer(b, b.nodes[[n.name for n in b.nodes].index(p)], gr, cfg, spec)
+        outs += optimizer_update(b, b.nodes[[n.name for n in b.nodes].index(p)], gr, cfg, spec)
     return Graph(tuple(b.nodes), tuple(v for _, v in outs), g.mesh, g.stage,
                  tuple(k for k, _ in outs))
