@@ -58,6 +58,9 @@ ZOO = {
     # MLA's low-rank projections and the group-limited sigmoid router
     "deepseek_v3_lm": {("all_gather", "forward"): 12, ("all_reduce", "forward"): 2, ("all_gather", "backward"): 1,
                        ("all_reduce", "backward"): 2},
+    # the same with a complex rotary embedding (real arithmetic) and a softmax router
+    "deepseek_v2_lm": {("all_gather", "forward"): 12, ("all_reduce", "forward"): 2, ("all_gather", "backward"): 1,
+                       ("all_reduce", "backward"): 2},
 }
 
 
