@@ -26,11 +26,11 @@ def _node(op, shape, dtype="float64", n_in=1, **attrs):
 
 
 def _emitted(node, args):
-    from parcomp_backends.torch.emit.nodes import _code
+    from parcomp_backends.torch.emit.nodes import node_code
     from parcomp_backends.torch.runtime.program_reduce import put_along
 
     env = {"torch": torch, "put_along": put_along, **{f"a{i}": torch.tensor(x) for i, x in enumerate(args)}}
-    return eval(_code(node, [f"a{i}" for i in range(len(args))]), env).numpy()  # noqa: S307 - our own table
+    return eval(node_code(node, [f"a{i}" for i in range(len(args))]), env).numpy()  # noqa: S307 - our own table
 
 
 @settings(max_examples=40, deadline=None)
