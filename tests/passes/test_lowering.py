@@ -9,6 +9,7 @@ Then the passes one by one, on small graphs: each rewrite and each refusal.
 from __future__ import annotations
 
 import ast
+import re
 import functools
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from parcomp.reference.interpreter import run_spmd
 from parcomp.reference.numpy_ops import NUMPY_OPS
 from parcomp.spec import load_spec, parse_spec
 
+from faults import model_of
 from graphs import mlp_graph, random_feeds
 
 ROOT = Path(__file__).resolve().parents[1].parent
@@ -36,18 +38,9 @@ SHIPPED = sorted(p.stem for p in SPECS.glob("*.pcs"))
 def _model(spec_name):
     from parcomp.frontends.loader import load_model
 
-    if spec_name.startswith("tiny_relu_mlp"):
-        return load_model(str(SPECS / "tiny_relu_mlp.pcir"))[0]
-    factory = spec_name.split("_tp")[0].split("_dp")[0]
-    if spec_name.startswith("moe_lm"):  # a whole MoE LM: specs/moe_lm_ep2_train.pcs
-        factory = "moe_lm"
-    elif spec_name.startswith("moe_"):  # specs/moe_ep2*_train.pcs
-        factory = "moe_block_shared" if spec_name.startswith("moe_shared") else "moe_block"
-    factory = "causal_attention" if spec_name.startswith("attention_cp") else factory
-    if factory == "gpt2_mlp":
-        pytest.importorskip("transformers")
     pytest.importorskip("torch")
-    return load_model(f"{MODELS}:{factory}")[0]
+    pytest.importorskip("transformers")
+    return load_model(model_of(spec_name))[0]
 
 
 def _compiled(spec_name):
@@ -71,15 +64,24 @@ def _statements(text, program):
     from parcomp_backends.torch.emit import python_names
 
     var_to_node = {v: k for k, v in python_names(program).items()}
-    tree = ast.parse(text)
+    # one attention's gradients are one statement at the first of them (``a, b, c =
+    # attention_grads(...)``); the others keep their place as a comment "X: computed above with
+    # A", read here as the statement ``X = X``
+    above = re.compile(r"^(\s+)# (\w+): computed above with \w+ \(one backward of the attention\)$", re.M)
+    later = {v for _, v in above.findall(text)}
+    tree = ast.parse(above.sub(r"\1\2 = \2", text))
     fn = next(f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name in ("forward", "train_step"))
     out = []
     for st in fn.body:
         if isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant):
             continue  # the docstring
         if isinstance(st, ast.Assign):
-            assert len(st.targets) == 1 and isinstance(st.targets[0], ast.Name), ast.unparse(st)
-            out.append((var_to_node[st.targets[0].id], []))
+            assert len(st.targets) == 1, ast.unparse(st)
+            target = st.targets[0]
+            names = [e.id for e in target.elts] if isinstance(target, ast.Tuple) else [target.id]
+            here = [v for v in names if v not in later] if len(names) > 1 else names
+            assert len(here) == 1, ast.unparse(st)
+            out.append((var_to_node[here[0]], []))
         elif isinstance(st, ast.Delete):
             out[-1][1].extend(var_to_node[t.id] for t in st.targets)
         else:

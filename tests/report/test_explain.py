@@ -18,6 +18,7 @@ from parcomp.reference.interpreter import run_spmd
 from parcomp.report.explain import explain
 from parcomp.spec import load_spec, parse_spec
 
+from faults import model_of
 from graphs import random_feeds
 
 ROOT = Path(__file__).resolve().parents[1].parent
@@ -31,18 +32,9 @@ TINY = str(SPECS / "tiny_relu_mlp.pcir")
 def _model(spec_name):
     from parcomp.frontends.loader import load_model
 
-    if spec_name.startswith("tiny_relu_mlp"):
-        return load_model(TINY)[0]
-    factory = spec_name.split("_tp")[0].split("_dp")[0]
-    if spec_name.startswith("moe_lm"):  # a whole MoE LM: specs/moe_lm_ep2_train.pcs
-        factory = "moe_lm"
-    elif spec_name.startswith("moe_"):  # specs/moe_ep2*_train.pcs
-        factory = "moe_block_shared" if spec_name.startswith("moe_shared") else "moe_block"
-    factory = "causal_attention" if spec_name.startswith("attention_cp") else factory
     pytest.importorskip("torch")
-    if factory == "gpt2_mlp":
-        pytest.importorskip("transformers")
-    return load_model(f"{MODELS}:{factory}")[0]
+    pytest.importorskip("transformers")
+    return load_model(model_of(spec_name))[0]
 
 
 def _compiled(spec_name, spec=None):
