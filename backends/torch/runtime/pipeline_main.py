@@ -61,6 +61,8 @@ def setup(rank, timeout):
         group = line_group(lines)
         if group is not None:
             TIED_GROUP[i] = group
+    if STATS:  # the stages' shares of the sums every update reads (clip_grad_norm)
+        PP_GROUP[0] = line_group(PP_GROUPS)
     return coord, d, dp_group
 
 
@@ -122,8 +124,14 @@ def step(rank, coord, d, dp_group, p, data):
                 if dp_group is not None:
                     reduce_over(sums[k], dp_group, DP_GROUPS, rank, "dp")
                 sums[k] = sums[k] * SCALE
+            agreed = {}  # clip_grad_norm's sum of squares: this rank's stages', then over pp
             for t in STAGES[coord]:
-                result.update(OPTIMIZER[t](p, {**sums, "step": torch.tensor(STEP[0])}))
+                for k, v in (STATS[t](p, sums).items() if t in STATS else ()):
+                    agreed[k] = v if k not in agreed else agreed[k] + v
+            for k in sorted(agreed):
+                reduce_over(agreed[k], PP_GROUP[0], PP_GROUPS, rank, "pp")
+            for t in STAGES[coord]:
+                result.update(OPTIMIZER[t](p, {**sums, **agreed, "step": torch.tensor(STEP[0])}))
     if losses:
         loss = torch.stack(losses).sum()
         if dp_group is not None:

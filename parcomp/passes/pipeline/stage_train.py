@@ -21,10 +21,11 @@ from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 from parcomp.errors import SpecError
-from parcomp.ir.graph import Graph
+from parcomp.ir.graph import Graph, Node
 from parcomp.ir.types import Mesh, TensorType
 from parcomp.spec.model import pattern_regex
 from ..autodiff import Builder, _optimizer, backward
+from ..train.precision import compute_dtype, lower_forward, wrt_names
 
 __all__ = ["StagePrograms", "stage_programs", "grad_name"]
 
@@ -45,6 +46,12 @@ class StagePrograms:
         saved: values ``forward`` outputs for ``backward`` (stashed per microbatch).
         params: the trainable params of the stage (``grad.<p>`` accumulated over microbatches).
         saved_bytes: bytes one microbatch's stash holds.
+        stats: with ``clip_grad_norm``, the program from the stage's summed, scaled gradients
+            to its share of what every stage must agree on before the update: ``clip.norm_sq``,
+            the sum of squares of the gradients it owns (a tied weight counted by the first
+            stage holding it only).  The runtime sums the stages' shares over ``pp`` (one
+            scalar all_reduce) and gives the total to every stage's ``optimizer``, so the
+            norm is the global one over all stages and tp shards; None without such an option.
     """
 
     index: int
@@ -56,6 +63,7 @@ class StagePrograms:
     saved: tuple
     params: tuple
     saved_bytes: int
+    stats: Graph | None = None
 
 
 def loss_output(graph: Graph, cfg) -> str | None:
@@ -75,15 +83,16 @@ def reaching_params(graph: Graph, cfg) -> frozenset:
     return frozenset(p.name for p in graph.params if p.name in live)
 
 
-def stage_programs(stage, cfg, last: bool, reaching=None) -> StagePrograms:
+def stage_programs(stage, cfg, last: bool, reaching=None, owned=None) -> StagePrograms:
     """The :class:`StagePrograms` of a :class:`StageGraph` under training config ``cfg``;
-    ``reaching``: the params the loss reaches (:func:`reaching_params`; None: every one).
+    ``reaching``: the params the loss reaches (:func:`reaching_params`; None: every one);
+    ``owned``: the params whose gradient this stage counts in the global norm (None: all its own).
 
     Raises:
         SpecError: a loss this builder does not support on a pipeline (``loss=output``
             with a non-scalar output is rejected as in the unsharded step).
     """
-    g = stage.graph
+    g, cast = _lower(stage, cfg, last)
     b = Builder(g)
     seeds = {}
     if last:
@@ -96,9 +105,13 @@ def stage_programs(stage, cfg, last: bool, reaching=None) -> StagePrograms:
     rx = pattern_regex(cfg.trainable)
     params = [p for p in stage.params if rx.fullmatch(p) and g[p].attr("trainable", True)
               and (reaching is None or p in reaching)]
-    recv = [v for v in stage.recv if g[v].type.dtype.startswith("float")]
+    recv = [v for v in stage.recv if g[v].type.dtype.startswith(("float", "bfloat"))]
     whole = Graph(tuple(b.nodes), tuple(seeds))
-    grads = backward(b, whole, seeds, params + recv)
+    grads = backward(b, whole, seeds, wrt_names(params, cast) + recv)
+    for p in params:  # mixed precision: each gradient widened to float32 before it is summed
+        if p in cast and cast[p] in grads:  # (over microbatches, then dp: in float32)
+            b.prefix, b.phase = f"bw.{p}", "backward"
+            grads[p] = b.op("grad_upcast", [grads[cast[p]]], name=f"bw.{p}.f32", partial_over="")
     nodes = {n.name: n for n in b.nodes}
     fwd = [n for n in b.nodes if n.phase in ("forward", "loss")]
     derived = _weight_derived(fwd)
@@ -117,8 +130,34 @@ def stage_programs(stage, cfg, last: bool, reaching=None) -> StagePrograms:
     bw_graph = Graph(tuple(_dedupe(sources + stash) + bwd), tuple(v for _, v in b_outs), g.mesh,
                      g.stage, tuple(k for k, _ in b_outs))
     saved_bytes = sum(nodes[v].type.nbytes for v in saved)
+    owned = params if owned is None else [p for p in params if p in owned]
     return StagePrograms(stage.index, forward, bw_graph, _optimizer_graph(g, params, cfg),
-                         stage.recv, stage.send, saved, tuple(params), saved_bytes)
+                         stage.recv, stage.send, saved, tuple(params), saved_bytes,
+                         _stats_graph(g, owned, cfg))
+
+
+def _lower(stage, cfg, last: bool) -> tuple:
+    """``(stage graph, {param: its low copy})`` in ``precision=``'s compute dtype, as the
+    unsharded step's forward (:func:`parcomp.passes.train.precision.lower_forward`: fp32
+    master params read through a ``cast``, every float32 value in the compute dtype, the
+    model output cast back to float32 for the loss); the values received are in the compute
+    dtype already (their sender computed them so: the p2p sends 2-byte elements)."""
+    low = compute_dtype(cfg.options)
+    g = stage.graph
+    if low is None:
+        return g, {}
+    recv = set(stage.recv)
+    nodes = tuple(replace(n, type=TensorType(n.type.shape, low))
+                  if n.name in recv and n.type.dtype == "float32" else n for n in g.nodes)
+    lowered, cast = lower_forward(Graph(nodes, (), g.mesh, g.stage, ()), cfg, list(stage.params),
+                                  lambda n: n.layout)
+    out, outs, sent = list(lowered.nodes), [], set(stage.send)
+    for v in g.outputs:  # a model output (last stage) back in float32 for the loss, as unpipelined
+        if last and v not in sent and g[v].type.dtype == "float32":
+            out.append(Node(f"{v}.f32", "cast", (v,), g[v].type, phase="forward", source=g[v].source))
+            v = f"{v}.f32"
+        outs.append(v)
+    return Graph(tuple(out), tuple(outs), g.mesh, g.stage, g.output_names), cast
 
 
 def _weight_derived(fwd) -> set:
@@ -181,13 +220,58 @@ def _stage_loss(b, g, cfg) -> str:
     return b.op("scale", [total], value=1.0 / count, name="loss")
 
 
+#: the global sum of squares of every stage's gradients (``clip_grad_norm``)
+NORM_SQ = "clip.norm_sq"
+
+
+def _stats_graph(g, owned, cfg) -> Graph | None:
+    """:attr:`StagePrograms.stats`: ``clip.norm_sq`` of the gradients of ``owned`` (torch's
+    ``clip_grad_norm_`` sums every parameter's squares once), or None without clipping."""
+    if cfg.options.clip_grad_norm is None:
+        return None
+    b = Builder(Graph((), ()))
+    b.prefix, b.phase = "opt.clip", "optimizer"
+    total = None
+    for p in owned:
+        gr = b.source(grad_name(p), "input", g[p].type, g[p].layout, "optimizer")
+        sq = b.op("mul", [gr, gr], name=f"opt.{p}.grad_sq")
+        rank = b.type(sq).rank
+        part = b.op("sum", [sq], dims=tuple(range(rank)), name=f"opt.{p}.grad_sq_sum") if rank else sq
+        total = part if total is None else b.op("add", [total, part], name="opt.clip.norm_sq_part")
+    if total is None:  # nothing of its own to count (only tied copies, or no trained param)
+        total = b.op("scale", [b.op("ones", [], type=TensorType((), _float(g, owned)))], value=0.0)
+    return Graph(tuple(b.nodes), (total,), g.mesh, g.stage, (NORM_SQ,))
+
+
+def _float(g, params) -> str:
+    """The dtype of the stage's gradients (float64 in ``check``), float32 without any."""
+    return next((g[p].type.dtype for p in params), "float32")
+
+
 def _optimizer_graph(g, params, cfg) -> Graph:
-    """The update of the stage's params from their summed, scaled gradients ``grad.<p>``."""
+    """The update of the stage's params from their summed, scaled gradients ``grad.<p>``:
+    clipped by the global norm (input ``clip.norm_sq``, the stages' :func:`_stats_graph`
+    summed over pp) and at the lr schedule's step ``lr_k`` as in the unsharded step
+    (:func:`parcomp.passes.autodiff.training_options`)."""
+    from parcomp.spec.train_options import lr_factor
+
     b = Builder(Graph(tuple(g[p] for p in params), ()))
     spec = SimpleNamespace(mesh=Mesh(()))
+    grads = {p: b.source(grad_name(p), "input", g[p].type, g[p].layout, "optimizer") for p in params}
+    if cfg.options.clip_grad_norm is not None:
+        b.prefix, b.phase = "opt.clip", "optimizer"
+        norm_sq = b.source(NORM_SQ, "input", TensorType((), _float(g, params)), None, "optimizer")
+        coef = b.op("clip_coef", [norm_sq], max_norm=cfg.options.clip_grad_norm, name="opt.clip.coef")
+        grads = {p: b.op("mul", [gr, coef], name=f"opt.{p}.clipped_grad") for p, gr in grads.items()}
+    factor = lr_factor(b, cfg.options.schedule, cfg.h("lr"), lambda: _step(b))
     outs = []
     for p in params:
-        gr = b.source(grad_name(p), "input", g[p].type, g[p].layout, "optimizer")
-        outs += _optimizer(b, b.nodes[[n.name for n in b.nodes].index(p)], gr, cfg, spec)
+        outs += _optimizer(b, b.nodes[[n.name for n in b.nodes].index(p)], grads[p], cfg, spec, factor)
     return Graph(tuple(b.nodes), tuple(v for _, v in outs), g.mesh, g.stage,
                  tuple(k for k, _ in outs))
+
+
+def _step(b) -> str:
+    """The step counter k = 1, 2, ... (the input ``step`` the runtime sets)."""
+    return "step" if "step" in b.types else b.source("step", "input", TensorType((), "float32"), None,
+                                                     "optimizer")
