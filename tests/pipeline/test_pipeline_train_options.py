@@ -88,7 +88,7 @@ def test_accumulate_multiplies_the_microbatches():
     assert "accumulate=2" in str(e.value) and "equal parts" in str(e.value)
 
 
-@pytest.mark.parametrize("key,value", [("zero", "1"), ("precision", "fp16")])
+@pytest.mark.parametrize("key,value", [("zero", "1"), ("recompute", "all")])
 def test_options_not_pipelined_yet_are_refused_at_their_column(key, value):
     with pytest.raises(SpecError) as e:
         plan_pipeline(chain_graph(blocks=4), spec(f"mesh dp=2 pp=2\n{OPT} {key}={value}\n"))
@@ -117,11 +117,13 @@ def test_program_with_clip_schedule_and_accumulate_runs_three_steps_equal_to_tor
     assert "STATS = {0: stage0_stats, 1: stage1_stats}" in text and "MICROBATCHES = 4" in text
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("head", MESHES, ids=["pp2", "dp2pp2", "dp2pp2tp2"])
-def test_bf16_equals_the_unsharded_step_accumulating_the_same_microbatches(head):
-    """precision=bf16: fp32 master params read through a bf16 cast, bf16 activations and p2p,
-    each microbatch's parameter gradients widened to fp32 before they are summed (over
-    microbatches, then dp). The unsharded reference that sums the same microbatches is
+def test_low_precision_equals_the_unsharded_step_accumulating_the_same_microbatches(head, precision):
+    """precision=bf16|fp16: fp32 master params read through a cast, low-precision activations
+    and p2p, each microbatch's parameter gradients widened to fp32 before they are summed (over
+    microbatches, then dp); fp16 seeds the last stage's backward with the loss scale and unscales
+    the summed gradients in every stage's update. The unsharded reference that sums the same microbatches is
     ``accumulate=K`` (torch: K autocast forward/backward into fp32 .grad, as
     tests/training/test_precision_accumulate.py shows): equal within float32's tolerance (the
     unsharded full-batch bf16 step differs by bf16 rounding: its gradient sums over the batch
@@ -130,34 +132,61 @@ def test_bf16_equals_the_unsharded_step_accumulating_the_same_microbatches(head)
     from parcomp.check.pipeline import run_pipeline_step
 
     dp = 2 if "dp=2" in head else 1
-    train = f"{OPT} precision=bf16 {CLIP}"
+    train = f"{OPT} precision={precision} {CLIP}"
     ref, feeds, want = reference(chain_graph(blocks=4, batch=8 // (2 * dp)),
                                  f"{train} accumulate={2 * dp}")
     plan = plan_pipeline(chain_graph(blocks=4, batch=8), spec(f"{head}{train}\n"))
-    assert str(plan.stages[1].forward[plan.stages[1].recv[0]].type).startswith("bf16")  # p2p in bf16
+    low = {"bf16": "bfloat16", "fp16": "float16"}[precision]
+    assert plan.stages[1].forward[plan.stages[1].recv[0]].type.dtype == low  # p2p in 2 bytes
     got = run_pipeline_step(plan, feeds)
-    # tp inside a stage: a row-parallel matmul's partial sums are bf16, reduced over tp (as
-    # Megatron's): within bf16's tolerance of the one unsplit matmul, not float32's
-    assert_all_equivalent(got, want, rtol=tolerance_for("bfloat16") if "tp=2" in head else None)
-    fp32 = run_pipeline_step(plan_pipeline(chain_graph(blocks=4, batch=8), spec(f"{head}{OPT} {CLIP}\n")), feeds)
-    assert not compare_all(fp32, want, sorted(got), 1e-3)["ok"]  # the precision shows
+    # tp inside a stage: a row-parallel matmul's partial sums are low precision, reduced over tp
+    # (as Megatron's): within the dtype's tolerance of the one unsplit matmul, not float32's
+    assert_all_equivalent(got, want, rtol=tolerance_for(low) if "tp=2" in head else None)
+    fp32 = run_pipeline_step(plan_pipeline(chain_graph(blocks=4, batch=8), spec(f"{head}{OPT} {CLIP}\n")),
+                             {k: v for k, v in feeds.items() if not k.startswith("amp.")})
+    assert not compare_all(fp32, want, sorted(fp32), 1e-3)["ok"]  # the precision shows
+
+
+@pytest.mark.parametrize("head", MESHES[1:], ids=["dp2pp2", "dp2pp2tp2"])
+def test_fp16_overflow_skips_the_step_on_every_stage(head):
+    """A loss scale that overflows float16: every stage counts its non-finite gradients, the
+    counts are summed over the stages (the stats), and every stage keeps its params and state,
+    halves the scale and counts the skip, as the unsharded GradScaler step."""
+    from parcomp.check.pipeline import run_pipeline_step
+
+    train = f"{OPT} precision=fp16 loss_scale=1e19"
+    plan = plan_pipeline(chain_graph(blocks=4, batch=8), spec(f"{head}{train}\n"))
+    with np.errstate(all="ignore"):  # the overflow is the point
+        ref, feeds, want = reference(chain_graph(blocks=4, batch=2), f"{train} accumulate=4")
+        got = run_pipeline_step(plan, feeds)
+    assert (float(got["amp.skipped"]), float(got["amp.scale_ratio"])) == (1.0, -0.5)
+    for p in ("0.weight", "11.weight"):  # the first and the last stage both skipped
+        np.testing.assert_array_equal(got[p], feeds[p])
+    assert_all_equivalent(got, want, [k for k in want if not k.endswith(".grad") and k != "loss"])
 
 
 @pytest.mark.slow
-def test_bf16_program_runs_three_steps_on_two_ranks(tmp_path, capsys):
-    """program.py with precision=bf16 (bf16 p2p: gloo sends the 2-byte elements) and the clip,
-    3 steps on 2 gloo ranks against the unsharded bf16 steps, within bf16's tolerance."""
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_low_precision_program_runs_three_steps_on_two_ranks(tmp_path, capsys, precision):
+    """program.py with precision=bf16|fp16 (p2p of 2-byte elements; fp16: the loss scale and
+    the stages' overflow count summed over pp) and the clip, 3 steps on 2 gloo ranks against the
+    unsharded steps in that precision, within its tolerance."""
     pytest.importorskip("torch")
     from parcomp.cli.main import main
 
     from graphs import mlp_text
 
     (tmp_path / "m.pcir").write_text(mlp_text((8,), [4, 8, 8, 4], [True] * 3, ["relu", "tanh", "none"]))
-    (tmp_path / "s.pcs").write_text(f"mesh pp=2\n{OPT} {CLIP} precision=bf16\n")
+    # fp16 at loss_scale=256: the reference is the full-batch step, whose fp16 batch sums overflow
+    # at the default 65536 on this model where the pipeline's (fp32 sums of microbatches) do not
+    scale = " loss_scale=256" if precision == "fp16" else ""
+    (tmp_path / "s.pcs").write_text(f"mesh pp=2\n{OPT} {CLIP} precision={precision}{scale}\n")
     rc = main(["run", str(tmp_path / "m.pcir"), "--spec", str(tmp_path / "s.pcs"), "--nproc", "2",
                "--keep", str(tmp_path / "work"), "--steps", "3", "--json"])
     out = capsys.readouterr().out
     assert rc == 0, out
     res = json.loads(out.strip().splitlines()[-1])
     assert res["ok"] and len(res["losses"]) == 3
-    assert "bfloat16" in (tmp_path / "work" / "program.py").read_text()
+    text = (tmp_path / "work" / "program.py").read_text()
+    assert {"bf16": "bfloat16", "fp16": "float16"}[precision] in text
+    assert ("amp.found" in text) == (precision == "fp16")

@@ -198,7 +198,7 @@ def plan_pipeline(graph: Graph, spec) -> PipelinePlan:
     reaching = reaching_params(micro, cfg)
     first = {p: held[0] for p, held in param_stages(graph, stage_of).items()}  # counts a tied grad
     progs = tuple(stage_programs(st, cfg, st.index == nvs - 1, reaching,
-                                 {p for p in st.params if first[p] == st.index}) for st in stages)
+                                 {p for p in st.params if first[p] == st.index}, parts) for st in stages)
     for p in progs:
         for g in (p.forward, p.backward, p.optimizer):
             verify(g)
@@ -225,17 +225,13 @@ _NOT_PIPELINED = (
     ("zero", lambda c: c.zero, 0),
     ("bucket_cap_mb", lambda c: None, None),
     ("recompute", lambda c: c.options.recompute, "none"),
-    ("precision", lambda c: "fp32" if c.options.precision == "bf16" else c.options.precision, "fp32"),
     ("grad_reduce", lambda c: c.options.grad_reduce, "fp32"),
-    ("loss_scale", lambda c: None, None),
-    ("growth_interval", lambda c: None, None),
 )
 
 
 def refuse_unpipelined_options(t, cfg) -> None:
     """Raise SpecError at the option's column for a train option of :data:`_NOT_PIPELINED`
-    given with a non-default value (``bucket_cap_mb``, ``loss_scale`` and ``growth_interval``
-    whenever written), or a cross_entropy ``ignore_index``/``label_smoothing``, on a spec with a
+    given with a non-default value (``bucket_cap_mb`` whenever written), or a cross_entropy ``ignore_index``/``label_smoothing``, on a spec with a
     ``pp`` axis: the pipelined step would run without it."""
     given = {k for k, _ in t.options}
     for key, read, default in _NOT_PIPELINED:
@@ -243,8 +239,8 @@ def refuse_unpipelined_options(t, cfg) -> None:
             raise SpecError(f"train option {key}= is not supported with a pp mesh axis: the pipelined "
                             f"step does not implement it and would run without it; remove it (pipelines "
                             f"take loss, optimizer, batch, steps, microbatches, schedule, stages, "
-                            f"virtual, trainable, input_grads, output, clip_grad_norm, lr_schedule "
-                            f"and accumulate)", option_loc(t.loc, key))
+                            f"virtual, trainable, input_grads, output, clip_grad_norm, lr_schedule, "
+                            f"accumulate, precision, loss_scale and growth_interval)", option_loc(t.loc, key))
     if cfg.loss_args:
         raise SpecError(f"loss={cfg.loss}({', '.join(f'{k}=' for k, _ in cfg.loss_args)}...) is not "
                         f"supported with a pp mesh axis: the pipelined loss is the plain mean cross "

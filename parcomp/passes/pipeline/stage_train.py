@@ -25,6 +25,7 @@ from parcomp.ir.graph import Graph, Node
 from parcomp.ir.types import Mesh, TensorType
 from parcomp.spec.model import pattern_regex
 from ..autodiff import Builder, _optimizer, backward
+from ..train import amp
 from ..train.precision import compute_dtype, lower_forward, wrt_names
 
 __all__ = ["StagePrograms", "stage_programs", "grad_name"]
@@ -83,10 +84,15 @@ def reaching_params(graph: Graph, cfg) -> frozenset:
     return frozenset(p.name for p in graph.params if p.name in live)
 
 
-def stage_programs(stage, cfg, last: bool, reaching=None, owned=None) -> StagePrograms:
+def stage_programs(stage, cfg, last: bool, reaching=None, owned=None, parts: int = 1) -> StagePrograms:
     """The :class:`StagePrograms` of a :class:`StageGraph` under training config ``cfg``;
     ``reaching``: the params the loss reaches (:func:`reaching_params`; None: every one);
-    ``owned``: the params whose gradient this stage counts in the global norm (None: all its own).
+    ``owned``: the params whose gradient this stage counts in the global norm (None: all its own);
+    ``parts``: microbatches x dp, the loss's share of one microbatch (fp16 seeds
+    ``scale / parts``, as GradScaler's ``scale(loss / K).backward()`` under accumulation: the
+    per-microbatch gradients stay as large as the full batch's, so they overflow only where
+    the unsharded step's would; the update unscales by ``parts / scale`` after the runtime's
+    ``1 / parts``).
 
     Raises:
         SpecError: a loss this builder does not support on a pipeline (``loss=output``
@@ -98,7 +104,10 @@ def stage_programs(stage, cfg, last: bool, reaching=None, owned=None) -> StagePr
     if last:
         loss = _stage_loss(b, g, cfg)
         b.prefix, b.phase = "bw", "backward"
-        seeds[loss] = b.op("ones", [], type=b.type(loss), name="bw.loss")
+        seed = b.op("ones", [], type=b.type(loss), name="bw.loss")
+        seeds[loss] = amp.scaled_seed(b, seed, cfg, SimpleNamespace(mesh=Mesh(())))  # fp16: x scale
+        if amp.enabled(cfg) and parts > 1:
+            seeds[loss] = b.op("scale", [seeds[loss]], value=1.0 / parts, name="bw.loss_share")
     b.phase = "backward"
     for v in stage.send:
         seeds[v] = b.source(grad_name(v), "input", b.type(v), g[v].layout, "backward")
@@ -131,9 +140,9 @@ def stage_programs(stage, cfg, last: bool, reaching=None, owned=None) -> StagePr
                      g.stage, tuple(k for k, _ in b_outs))
     saved_bytes = sum(nodes[v].type.nbytes for v in saved)
     owned = params if owned is None else [p for p in params if p in owned]
-    return StagePrograms(stage.index, forward, bw_graph, _optimizer_graph(g, params, cfg),
+    return StagePrograms(stage.index, forward, bw_graph, _optimizer_graph(g, params, cfg, parts),
                          stage.recv, stage.send, saved, tuple(params), saved_bytes,
-                         _stats_graph(g, owned, cfg))
+                         _stats_graph(g, params, owned, cfg, parts))
 
 
 def _lower(stage, cfg, last: bool) -> tuple:
@@ -222,25 +231,61 @@ def _stage_loss(b, g, cfg) -> str:
 
 #: the global sum of squares of every stage's gradients (``clip_grad_norm``)
 NORM_SQ = "clip.norm_sq"
+#: the count of non-finite gradient elements of every stage (``precision=fp16``)
+FOUND = "amp.found"
 
 
-def _stats_graph(g, owned, cfg) -> Graph | None:
-    """:attr:`StagePrograms.stats`: ``clip.norm_sq`` of the gradients of ``owned`` (torch's
-    ``clip_grad_norm_`` sums every parameter's squares once), or None without clipping."""
-    if cfg.options.clip_grad_norm is None:
+def _stats_graph(g, params, owned, cfg, parts: int = 1) -> Graph | None:
+    """:attr:`StagePrograms.stats`: ``clip.norm_sq``, the sum of squares of the (unscaled)
+    gradients of ``owned`` (torch's ``clip_grad_norm_`` sums every parameter's squares once),
+    and with ``precision=fp16`` ``amp.found``, the count of non-finite gradient elements of the
+    stage (GradScaler's ``found_inf``: any stage's makes every stage skip); None with neither."""
+    fp16 = amp.enabled(cfg)
+    if cfg.options.clip_grad_norm is None and not fp16:
         return None
     b = Builder(Graph((), ()))
     b.prefix, b.phase = "opt.clip", "optimizer"
-    total = None
-    for p in owned:
-        gr = b.source(grad_name(p), "input", g[p].type, g[p].layout, "optimizer")
-        sq = b.op("mul", [gr, gr], name=f"opt.{p}.grad_sq")
-        rank = b.type(sq).rank
-        part = b.op("sum", [sq], dims=tuple(range(rank)), name=f"opt.{p}.grad_sq_sum") if rank else sq
-        total = part if total is None else b.op("add", [total, part], name="opt.clip.norm_sq_part")
-    if total is None:  # nothing of its own to count (only tied copies, or no trained param)
-        total = b.op("scale", [b.op("ones", [], type=TensorType((), _float(g, owned)))], value=0.0)
-    return Graph(tuple(b.nodes), (total,), g.mesh, g.stage, (NORM_SQ,))
+    grads = {p: b.source(grad_name(p), "input", g[p].type, g[p].layout, "optimizer")
+             for p in (params if fp16 else owned)}  # fp16 counts inf/NaN in every gradient
+    outs = []
+    if fp16:
+        grads = _unscaled(b, grads, cfg, parts)
+        found = None
+        for p, gr in grads.items():
+            bad = b.op("nonfinite", [gr], name=f"amp.{p}.nonfinite")
+            n = b.op("sum", [bad], dims=tuple(range(b.type(bad).rank))) if b.type(bad).rank else bad
+            found = n if found is None else b.op("add", [found, n], name="amp.found_sum")
+        outs.append((FOUND, found if found is not None else _zero(b, "float32")))
+    if cfg.options.clip_grad_norm is not None:
+        total = None
+        for p in owned:
+            gr = grads[p]
+            sq = b.op("mul", [gr, gr], name=f"opt.{p}.grad_sq")
+            rank = b.type(sq).rank
+            part = b.op("sum", [sq], dims=tuple(range(rank)), name=f"opt.{p}.grad_sq_sum") if rank else sq
+            total = part if total is None else b.op("add", [total, part], name="opt.clip.norm_sq_part")
+        outs.append((NORM_SQ, total if total is not None else _zero(b, _float(g, owned))))
+    return Graph(tuple(b.nodes), tuple(v for _, v in outs), g.mesh, g.stage, tuple(k for k, _ in outs))
+
+
+def _zero(b, dtype) -> str:
+    """A 0-d zero: the share of a stage with nothing of its own to count."""
+    return b.op("scale", [b.op("ones", [], type=TensorType((), dtype))], value=0.0)
+
+
+def _unscaled(b, grads: dict, cfg, parts: int = 1) -> dict:
+    """fp16: every gradient times ``parts / scale`` (``scaler.unscale_`` of gradients seeded
+    with ``scale / parts`` and scaled by ``1 / parts`` again by the runtime), the scale made from
+    the carried ``amp.scale_ratio`` as :func:`parcomp.passes.train.amp.scaled_seed` makes it."""
+    s0 = cfg.options.loss_scale
+    ratio = amp.RATIO if amp.RATIO in b.types else b.source(amp.RATIO, "param", TensorType((), "float32"), (),
+                                                            "optimizer")
+    b.amp = {"scale": b.op("add_scalar", [b.op("scale", [ratio], value=s0)], value=s0, name="amp.scale")}
+    one = b.op("ones", [], type=TensorType((), "float32"))
+    inv = b.op("div", [one, b.amp["scale"]], name="amp.inv_scale")
+    if parts > 1:
+        inv = b.op("scale", [inv], value=float(parts), name="amp.inv_scale_share")
+    return {p: b.op("mul", [gr, inv], name=f"amp.{p}.unscaled") for p, gr in grads.items()}
 
 
 def _float(g, params) -> str:
@@ -248,16 +293,22 @@ def _float(g, params) -> str:
     return next((g[p].type.dtype for p in params), "float32")
 
 
-def _optimizer_graph(g, params, cfg) -> Graph:
+def _optimizer_graph(g, params, cfg, parts: int = 1) -> Graph:
     """The update of the stage's params from their summed, scaled gradients ``grad.<p>``:
-    clipped by the global norm (input ``clip.norm_sq``, the stages' :func:`_stats_graph`
-    summed over pp) and at the lr schedule's step ``lr_k`` as in the unsharded step
-    (:func:`parcomp.passes.autodiff.training_options`)."""
+    unscaled (fp16), clipped by the global norm (input ``clip.norm_sq``, the stages'
+    :func:`_stats_graph` summed over pp), at the lr schedule's step ``lr_k``, and with fp16
+    every carried value kept and the scale halved when any stage found inf/NaN (input
+    ``amp.found``), as in the unsharded step (:func:`parcomp.passes.autodiff.training_options`,
+    :mod:`parcomp.passes.train.amp`)."""
     from parcomp.spec.train_options import lr_factor
 
     b = Builder(Graph(tuple(g[p] for p in params), ()))
     spec = SimpleNamespace(mesh=Mesh(()))
     grads = {p: b.source(grad_name(p), "input", g[p].type, g[p].layout, "optimizer") for p in params}
+    if amp.enabled(cfg):
+        b.prefix, b.phase = "amp", "optimizer"
+        grads = _unscaled(b, grads, cfg, parts)
+        b.amp["found"] = b.source(FOUND, "input", TensorType((), "float32"), None, "optimizer")
     if cfg.options.clip_grad_norm is not None:
         b.prefix, b.phase = "opt.clip", "optimizer"
         norm_sq = b.source(NORM_SQ, "input", TensorType((), _float(g, params)), None, "optimizer")
@@ -267,8 +318,19 @@ def _optimizer_graph(g, params, cfg) -> Graph:
     outs = []
     for p in params:
         outs += _optimizer(b, b.nodes[[n.name for n in b.nodes].index(p)], grads[p], cfg, spec, factor)
+    outs = amp.skip_on_overflow(b, outs, cfg, spec, _pin)  # fp16: a step with inf/NaN is skipped
     return Graph(tuple(b.nodes), tuple(v for _, v in outs), g.mesh, g.stage,
                  tuple(k for k, _ in outs))
+
+
+def _pin(b, value, layout, what):
+    """``relayout(value) -> layout``, an output of the update, in the phase of ``value`` (as the
+    unsharded step pins its outputs)."""
+    phase, b.phase = b.phase, b.phases[value]
+    out = b.op("relayout", [value], name=f"{value}.as_output", layout=layout,
+               origin=f"output {what} (layout of the training step's outputs)")
+    b.phase = phase
+    return out
 
 
 def _step(b) -> str:
