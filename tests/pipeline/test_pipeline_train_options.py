@@ -190,3 +190,18 @@ def test_low_precision_program_runs_three_steps_on_two_ranks(tmp_path, capsys, p
     text = (tmp_path / "work" / "program.py").read_text()
     assert {"bf16": "bfloat16", "fp16": "float16"}[precision] in text
     assert ("amp.found" in text) == (precision == "fp16")
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "zb-h1", "interleaved"])
+def test_every_schedule_takes_every_option(schedule):
+    """fp16 (loss scale, overflow count), the global clip and an lr schedule under GPipe, ZB-H1
+    (the backward split in two) and interleaved 1F1B (a rank's two chunks share one sum of
+    squares, the tied-free chain's 4 virtual stages): the unsharded accumulating step exactly."""
+    from parcomp.check.pipeline import run_pipeline_step
+
+    train = (f"train optimizer=adamw(lr=0.01) input_grads=no microbatches=2 schedule={schedule} "
+             f"precision=fp16 {CLIP} lr_schedule=linear(total_iters=4)")
+    ref, feeds, want = reference(chain_graph(blocks=4, batch=4), f"{train} accumulate=2")
+    plan = plan_pipeline(chain_graph(blocks=4, batch=8), spec(f"mesh pp=2\n{train}\n"))
+    assert all(st.stats is not None for st in plan.stages)
+    assert_all_equivalent(run_pipeline_step(plan, feeds), want)
