@@ -82,13 +82,12 @@ def parcomp_worker(rank, world, program_path):
     spec = importlib.util.spec_from_file_location("pipeline_program", program_path)
     prog = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(prog)
-    coord, d, dp_group = prog.setup(rank)
-    sd = _models().mlp_chain(BLOCKS, HIDDEN)[0].state_dict()
-    p = {k: sd[k] if k in sd else torch.zeros(prog.STATE_SHAPES[k][0])
-         for s in prog.STAGES[coord] for k in prog.PARAMS[s]}  # every model chunk of this rank
+    state = prog.setup(prog.TIMEOUT_S)  # (pp coordinate, dp coordinate, dp group, pp group)
+    p = prog.load_params(_models().mlp_chain(BLOCKS, HIDDEN)[0].state_dict())  # this rank's chunks
     x, y = _data()
     data = {"x": x, "target": y}
-    return _timed(lambda: prog.step(rank, coord, d, dp_group, p, data))
+    with torch.no_grad():
+        return _timed(lambda: prog.step(1, state, p, data))
 
 
 def torch_worker(rank, world, schedule):

@@ -100,7 +100,7 @@ def llama_lm():
     ``lm_head``, eval mode, sdpa attention, ``use_cache=False``.
 
     Input ``input_ids``: int64[2,8]; output ``logits`` f32[2,8,128]. RoPE's cos/sin and
-    the causal mask are folded at import (no op; see docs/design.md).
+    the causal mask are folded at import (no op; see docs/design/frontends.md).
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -502,3 +502,112 @@ def moe_lm(batch: int = 4, seq: int = 8):
             layer.mlp.experts.down_proj.normal_(0, 0.2)
         layer.mlp = MixtralMoE(layer.mlp, seq).eval()
     return module, (torch.randint(0, 64, (batch, seq)),), ["input_ids"]
+
+
+# ---- transformers' MoE LMs as they come (the experts traced with static shapes on import) ----
+def _draw_moe(module):
+    """transformers leaves the experts (and routers) ``torch.empty``: drawn as
+    :func:`mixtral_moe` draws them (normal, std 0.3 router / 0.2 experts)."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if ".mlp.experts." in name or name.endswith(".mlp.gate.weight"):
+                p.normal_(0, 0.3 if name.endswith("gate.weight") else 0.2)
+    return module
+
+
+def mixtral_lm(batch: int = 4, seq: int = 8):
+    """transformers' ``MixtralForCausalLM`` unedited: as :func:`moe_lm` (2 blocks, hidden 16,
+    4 query and 2 kv heads, 4 experts top-2, intermediate 32, vocab 64) with its own
+    ``MixtralSparseMoeBlock``: the router's softmax and ``topk``, the experts' fused
+    ``gate_up_proj`` [4, 64, 16] and ``down_proj`` [4, 16, 32]. Input ``input_ids``:
+    int64[batch, seq]; output ``logits`` f32[batch, seq, 64]."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(SEED)
+    config = MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                           num_experts_per_tok=2, max_position_embeddings=64, router_jitter_noise=0.0,
+                           bos_token_id=0, eos_token_id=1, pad_token_id=None, use_cache=False,
+                           attn_implementation="sdpa")
+    module = _draw_moe(MixtralForCausalLM(config).eval())
+    return module, (torch.randint(0, 64, (batch, seq)),), ["input_ids"]
+
+
+def qwen2_moe_lm(batch: int = 4, seq: int = 8):
+    """transformers' ``Qwen2MoeForCausalLM`` unedited: 2 blocks, hidden 16, 4 query and 2 kv
+    heads, 4 experts top-2 (intermediate 32) plus the shared expert (24) behind its sigmoid
+    gate, vocab 64. Input ``input_ids``: int64[batch, seq]; output ``logits`` f32[batch, seq, 64]."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    torch.manual_seed(SEED)
+    config = Qwen2MoeConfig(vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=32,
+                            shared_expert_intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                            max_position_embeddings=64, bos_token_id=0, eos_token_id=1, pad_token_id=None,
+                            use_cache=False, attn_implementation="sdpa")
+    module = _draw_moe(Qwen2MoeForCausalLM(config).eval())
+    return module, (torch.randint(0, 64, (batch, seq)),), ["input_ids"]
+
+
+def phi3_lm():
+    """transformers' ``Phi3ForCausalLM``: 2 blocks, hidden 64, 4 query and 2 kv heads of dim 16
+    in one fused ``qkv_proj`` [128, 64] (q | k | v rows), a fused ``gate_up_proj`` [256, 64]
+    (gate | up rows) before ``down_proj``, RoPE, RMSNorm, vocab 128, ``pad_token_id`` 0
+    (``padding_idx=0``), sdpa attention. Input ``input_ids``: int64[2,8]; output ``logits``."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(SEED)
+    config = Phi3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                        bos_token_id=0, eos_token_id=1, pad_token_id=0, use_cache=False,
+                        attn_implementation="sdpa")
+    return Phi3ForCausalLM(config).eval(), (torch.randint(0, 128, (2, 8)),), ["input_ids"]
+
+
+def gpt_neox_lm():
+    """transformers' ``GPTNeoXForCausalLM``: 2 parallel-residual blocks, hidden 64, 4 heads with
+    q|k|v interleaved per head in ``query_key_value`` [192, 64], partial RoPE (25%), GELU MLP 128,
+    LayerNorm, untied ``embed_out``, vocab 128, sdpa. Input ``input_ids``: int64[2,8]."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(SEED)
+    config = GPTNeoXConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, max_position_embeddings=64, bos_token_id=0,
+                           eos_token_id=1, use_cache=False, attn_implementation="sdpa")
+    return GPTNeoXForCausalLM(config).eval(), (torch.randint(0, 128, (2, 8)),), ["input_ids"]
+
+
+def falcon_lm():
+    """transformers' ``FalconForCausalLM`` with multi-query attention (Falcon-7B's layout):
+    2 parallel-attention blocks, hidden 64, 4 query heads and one kv head of dim 16 in a fused
+    ``query_key_value`` [96, 64], RoPE, GELU MLP 256, LayerNorm, LM head tied to the embedding,
+    vocab 128, sdpa, dropout 0. Input ``input_ids``: int64[2,8]; output ``logits``."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    torch.manual_seed(SEED)
+    config = FalconConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                          multi_query=True, new_decoder_architecture=False, parallel_attn=True,
+                          bias=False, max_position_embeddings=64, bos_token_id=0, eos_token_id=1,
+                          hidden_dropout=0.0, attention_dropout=0.0, use_cache=False,
+                          attn_implementation="sdpa")
+    return FalconForCausalLM(config).eval(), (torch.randint(0, 128, (2, 8)),), ["input_ids"]
+
+
+def deepseek_v3_lm():
+    """transformers' ``DeepseekV3ForCausalLM``: 2 blocks (the first dense, the second MoE:
+    4 routed experts top-2 with sigmoid scores, group-limited routing, one shared expert), MLA
+    attention (q through a rank-32 LoRA, keys and values from a rank-16 latent, rotary part 8
+    and no-position part 16 per head, 4 heads), hidden 64, vocab 128, sdpa. Input
+    ``input_ids``: int64[2,8]; output ``logits`` f32[2,8,128]."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(SEED)
+    config = DeepseekV3Config(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                              num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4,
+                              num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=2,
+                              topk_group=1, n_shared_experts=1, q_lora_rank=32, kv_lora_rank=16,
+                              qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                              max_position_embeddings=64, bos_token_id=0, eos_token_id=1,
+                              pad_token_id=None, use_cache=False, attn_implementation="sdpa")
+    module = _draw_moe(DeepseekV3ForCausalLM(config).eval())
+    return module, (torch.randint(0, 128, (2, 8)),), ["input_ids"]

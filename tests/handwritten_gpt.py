@@ -1,4 +1,4 @@
-"""The hand-written Megatron-style GPT of new-user trial F: pre-norm, hand-written RMSNorm (or
+"""A hand-written Megatron-style GPT: pre-norm, hand-written RMSNorm (or
 nn.LayerNorm), fused qkv Linear, F.scaled_dot_product_attention(is_causal=True), SwiGLU MLP,
 embedding tied to the LM head; 2 layers, d=32. Factories for ``parcomp check
 tests/handwritten_gpt.py:NAME`` (tests/frontends/test_hand_written_gpt.py, test_tied_lm.py, test_explain_counts.py,

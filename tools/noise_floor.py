@@ -1,4 +1,4 @@
-"""Measure what ``parcomp check``'s threshold separates (docs/design.md, "How check decides").
+"""Measure what ``parcomp check``'s threshold separates (docs/design/check.md, "How check decides").
 
 For every shipped spec (specs/*.pcs with its model from specs/models.py):
 
@@ -40,9 +40,9 @@ from parcomp.spec.train_config import train_config  # noqa: E402
 
 def compiled_spec(spec: str):
     args = SimpleNamespace(model=model_of(spec), spec=str(ROOT / "specs" / f"{spec}.pcs"))
-    c, module, example = commands._compile(args, numeric="check")
+    c, module, example = commands.compile_model(args, numeric="check")
     training = bool(c.report.get("training"))
-    feeds = (commands._train_feeds(c, module, example, 0) if training
+    feeds = (commands.training_feeds(c, module, example, 0) if training
              else commands.feeds_for(c.unsharded, module, example, 0))
     return c, promote_compiled(c), promote_feeds(feeds), training, feeds
 

@@ -61,14 +61,31 @@ _TF32_OFF = ("torch.backends.cuda.matmul.allow_tf32 = False  # TF32 off: fp32 GE
 _GLOO_ENV = ("export GLOO_SOCKET_IFNAME=eth0  # the interface that reaches the other nodes",)
 _NCCL_ENV = ("export NCCL_SOCKET_IFNAME=eth0  # the interface for bootstrap and socket traffic",
              "export NCCL_IB_HCA=mlx5  # the InfiniBand/RoCE adapters (ibv_devices lists them)",
-             "export NCCL_DEBUG=WARN  # INFO prints the rings and transports NCCL picked")
+             "export NCCL_DEBUG=WARN  # INFO prints the rings and transports NCCL picked",
+             "# export NCCL_IB_GID_INDEX=3  # RoCE only: the RoCE v2 GID (show_gids lists them); not on InfiniBand",
+             "export CUDA_DEVICE_MAX_CONNECTIONS=1  # one launch queue: a collective starts before the "
+             "compute issued after it (Megatron's tensor-parallel overlap)",
+             "export TORCH_NCCL_ASYNC_ERROR_HANDLING=3  # a collective past --timeout aborts its "
+             "communicator and the process (torch's default; 1: also tear down)",
+             "export TORCH_NCCL_TRACE_BUFFER_SIZE=2000  # the flight recorder: each rank's last 2000 "
+             "collective events",
+             "export TORCH_NCCL_DUMP_ON_TIMEOUT=1  # a timeout writes them to the file below (+ rank)",
+             "export TORCH_NCCL_DEBUG_INFO_TEMP_FILE=/tmp/nccl_trace_rank_  # a shared file system keeps "
+             "every rank's",
+             "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # less fragmentation, fewer "
+             "out-of-memory stops")
 _HCCL_ENV = ("source /usr/local/Ascend/ascend-toolkit/set_env.sh  # the CANN environment",
              "export HCCL_IF_IP=THIS_NODE_IP  # or HCCL_SOCKET_IFNAME=eth0: the host interface",
              "export HCCL_CONNECT_TIMEOUT=600  # seconds to build links (default 120)",
              "export HCCL_EXEC_TIMEOUT={timeout}  # seconds a collective may wait (default 1836)",
              "export HCCL_BUFFSIZE=200  # MB per communicator buffer (default 200)",
              "# export HCCL_DETERMINISTIC=true  # reproducible reductions, slower",
-             "export ASCEND_RT_VISIBLE_DEVICES={devices}  # the NPUs of this node")
+             "export ASCEND_RT_VISIBLE_DEVICES={devices}  # the NPUs of this node",
+             "export HCCL_ASYNC_ERROR_HANDLING=1  # torch_npu: a failed or timed-out collective aborts "
+             "the process",
+             "export PYTORCH_NPU_ALLOC_CONF=expandable_segments:True  # torch_npu: less fragmentation",
+             "# export HCCL_RDMA_TC=132 HCCL_RDMA_SL=4  # RoCE: the traffic class and service level "
+             "of the lossless queue")
 # HCCL reduces bfloat16 only on Atlas A2 (Ascend910B) and newer; these names are older chips
 _ASCEND_NO_BF16 = ("Ascend910A", "Ascend910Pro", "Ascend910Premium", "Ascend310")
 

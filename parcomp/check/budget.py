@@ -13,7 +13,7 @@ The limit is :data:`MEMORY_FRACTION` of the memory this machine has available
 now (``MemAvailable`` of ``/proc/meminfo``, else ``os.sysconf``), or
 :data:`FALLBACK_LIMIT_BYTES` where neither can be read.  The estimates are
 upper bounds of what is held at once, plus a fixed cost per array (numpy
-header) and per process (Python + torch + gloo).  See docs/design.md, "Limits".
+header) and per process (Python + torch + gloo).  See docs/design/cost.md, "Limits".
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""How ``parcomp check`` decides: a differential comparison, scale-relative (docs/design.md,
+"""How ``parcomp check`` decides: a differential comparison, scale-relative (docs/design/check.md,
 "How check decides").
 
 The sharded Program (every rank on the numpy interpreter) and the unsharded graph run in
@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import numpy as np
 
-#: scale-relative tolerance of a float64 differential comparison (docs/design.md, "How check
+#: scale-relative tolerance of a float64 differential comparison (docs/design/check.md, "How check
 #: decides": the noise floor of every shipped spec and the smallest injected error it catches)
 THRESHOLD = 1e-9
 #: scale-relative tolerance of a comparison computed in a narrower dtype (``run``, torch.optim)
@@ -232,6 +232,8 @@ def _choices(node, graph):
         return node.inputs[0], node.attr("dim"), 1
     if node.op == "moe_route":
         return node.inputs[0], -1, int(node.attr("top_k"))
+    if node.op in ("topk", "topk_index"):  # which k are chosen (their order follows their values)
+        return node.inputs[0], node.attr("dim"), int(node.attr("k"))
     if node.op == "amax_grad":  # the gradient goes to the maxima: a near tie splits it differently
         dims = node.attr("dims")
         return (node.inputs[1], dims[0], 1) if len(dims) == 1 else None

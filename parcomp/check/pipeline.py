@@ -142,7 +142,7 @@ def check_pipeline_step(compiled, feeds: dict, steps: int = 1) -> dict:
     model promoted to float64 (parcomp/check/check64.py). Input gradients are not pipeline outputs."""
     from .check64 import promote_feeds, promote_graph
     from .differential import THRESHOLD
-    from ..passes.pipeline.pipeline_plan import plan_pipeline
+    from ..passes.pass_list import plan_pipeline
     from .train_check import merge_steps, step_result
     from .training import train_steps
 

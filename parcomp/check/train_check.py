@@ -1,6 +1,6 @@
 """Checking a training program: step by step (lockstep) against the unsharded step and torch.optim.
 
-Why lockstep (docs/design.md, "Checking training"): the claim parcomp makes is that the
+Why lockstep (docs/design/check.md, "Checking training"): the claim parcomp makes is that the
 sharded *step function* equals the unsharded one. Two free-running trajectories drift apart
 by float arithmetic alone (AdamW's update is nearly scale-free in the gradient: step 1 is
 lr g / (|g| + eps), so a rounding-sized change of a near-zero gradient moves a weight by up

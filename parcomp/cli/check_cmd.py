@@ -16,12 +16,12 @@ from ..reference.numpy_ops import run_unsharded
 from ..report.report import format_collectives, format_memory, format_search
 from ..spec.train_config import check_steps, train_config
 from ..units import plural
-from .common import (_compile, feeds_for, _is_torch, _print_result, _reference, reference_outputs,
-                              require_finite, _short_losses, _summary, _train_feeds, _vs_tolerance)
+from .common import (compile_model, feeds_for, is_torch_module, print_result, reference_module, reference_outputs,
+                              require_finite, short_losses, collective_summary, training_feeds, vs_tolerance)
 
 #: what an OK of ``check`` rests on, said once below the numbers
 BASIS = ("every rank of the sharded program and the unsharded graph, both in float64 from the same "
-         "state, agree on every carried value within {rtol:.0e} of its scale (docs/design.md, "
+         "state, agree on every carried value within {rtol:.0e} of its scale (docs/design/check.md, "
          "\"How check decides\")")
 
 
@@ -29,28 +29,28 @@ def check(args):
     """``parcomp check``: every rank in the numpy interpreter against the unsharded model
     (for training: the spec's ``steps`` steps against the unsharded steps and, for torch
     models, torch.optim; every carried value is compared, buffers and optimizer state too)."""
-    compiled, module, example = _compile(args, numeric="check")
+    compiled, module, example = compile_model(args, numeric="check")
     check_memory(compiled, "check")
     training = compiled.report.get("training")
     if not training and getattr(args, "steps", None) is not None:
         raise ParcompError(f"--steps {args.steps}: the spec has no train line, so the program is "
                            f"one forward pass; drop --steps or add a train line")
-    steps = _check_steps(args, compiled) if training else 1
+    steps = steps_to_check(args, compiled) if training else 1
     est = check_time(compiled, steps)
     if est > CHECK_SECONDS_ANNOUNCE:
         print(f"parcomp check: this takes about {est:,.0f} s", file=sys.stderr, flush=True)
     if training:
-        return _check_training(args, compiled, module, example, steps)
+        return check_training(args, compiled, module, example, steps)
     feeds = feeds_for(compiled.unsharded, module, example, args.seed)
     require_finite(compiled.unsharded, feeds)
-    result = _forward_check(compiled, _reference(compiled, module), example, feeds)
-    _print_result(args, compiled, result, f"numpy interpreter, {plural(compiled.program.mesh.size, 'rank')}, "
+    result = forward_check(compiled, reference_module(compiled, module), example, feeds)
+    print_result(args, compiled, result, f"numpy interpreter, {plural(compiled.program.mesh.size, 'rank')}, "
                                           f"in float64")
-    return {**result, "collectives": _summary(compiled.report["collectives"]),
+    return {**result, "collectives": collective_summary(compiled.report["collectives"]),
             "world_size": compiled.program.mesh.size}
 
 
-def _forward_check(compiled, module, example, feeds) -> dict:
+def forward_check(compiled, module, example, feeds) -> dict:
     """Every rank of the program in float64 on the numpy interpreter against the unsharded
     graph in float64 (:func:`parcomp.check.differential.compare_outputs`; a failure where the
     unsharded run chose on a near tie is CANNOT VOUCH, naming it); with a torch module or a
@@ -73,22 +73,22 @@ def _forward_check(compiled, module, example, feeds) -> dict:
     return result
 
 
-def _check_steps(args, compiled) -> int:
+def steps_to_check(args, compiled) -> int:
     """The training steps ``check`` runs: ``--steps`` or the spec's."""
     given = getattr(args, "steps", None)
     return train_config(compiled.spec).steps if given is None else check_steps(given)
 
 
-def _check_training(args, compiled, module, example, steps):
+def check_training(args, compiled, module, example, steps):
     """``check`` of a training program: :func:`parcomp.check.train_check.lockstep`."""
-    feeds = _train_feeds(compiled, module, example, args.seed)
+    feeds = training_feeds(compiled, module, example, args.seed)
     require_finite(compiled.unsharded, feeds)
-    instead, ref = None, _reference(compiled, module)  # the torch module may compute another model
-    if _is_torch(module) and ref is None:
+    instead, ref = None, reference_module(compiled, module)  # the torch module may compute another model
+    if is_torch_module(module) and ref is None:
         caps = compiled.report.get("moe_capacity", ())
         instead = (reference_text(caps, compiled.spec.moe.capacity_factor) if spec_changes_capacity(caps)
                    else "the unsharded step with parcomp's dropout mask (training-mode dropout)")
-    ls = lockstep(compiled, ref if _is_torch(ref) else None, example, feeds, steps)
+    ls = lockstep(compiled, ref if is_torch_module(ref) else None, example, feeds, steps)
     main = ls["vs_unsharded"]
     result = {**main, "losses": ls["losses"], "reference_losses": ls["reference_losses"]}
     if instead:
@@ -113,15 +113,15 @@ def _check_training(args, compiled, module, example, steps):
         if "pipeline" in result:
             r = result["pipeline"]
             print(f"pipelined step on the numpy interpreter vs unsharded step, in float64: "
-                  f"{_vs_tolerance(r)} {'OK' if r['ok'] else verdict(r) + ': ' + r['why']}")
-        _print_training(result, f"numpy interpreter, {plural(steps, 'step')}, each from the "
-                        f"unsharded run's state, in float64", compiled)
-    return {**result, "collectives": _summary(compiled.report["collectives"]),
+                  f"{vs_tolerance(r)} {'OK' if r['ok'] else verdict(r) + ': ' + r['why']}")
+        print_training(result, f"numpy interpreter, {plural(steps, 'step')}, each from the "
+                       f"unsharded run's state, in float64", compiled)
+    return {**result, "collectives": collective_summary(compiled.report["collectives"]),
             "world_size": compiled.program.mesh.size, "steps": steps}
 
 
-def _print_training(result, how, compiled=None):
-    print(f"{how}: losses {_short_losses(result['losses'])}")
+def print_training(result, how, compiled=None):
+    print(f"{how}: losses {short_losses(result['losses'])}")
     why = []
     low = ((compiled.report.get("training") or {}).get("options") or {}).get("compute_dtype") if compiled else None
     lines = (("vs unsharded step", result), (f"in {low}, vs unsharded", result.get("native")),
@@ -130,7 +130,7 @@ def _print_training(result, how, compiled=None):
         if r is None:
             continue
         print(f"  {name + ':':22} loss {r['max_loss_err']:.2e}  grads {r['max_grad_err']:.2e}"
-              f"  params {r['max_param_err']:.2e}  all carried {r['max_abs_err']:.2e}  ({_vs_tolerance(r)})")
+              f"  params {r['max_param_err']:.2e}  all carried {r['max_abs_err']:.2e}  ({vs_tolerance(r)})")
         if r.get("missing"):
             print(f"    missing from the program: {', '.join(r['missing'])}")
         if r["why"] and r["why"] not in [w for _, w in why]:

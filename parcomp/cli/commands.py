@@ -7,14 +7,14 @@ The bodies live in :mod:`parcomp.cli.check_cmd`, :mod:`parcomp.cli.run_cmd` and
 """
 from __future__ import annotations
 
-from .check_cmd import _check_steps, _check_training, _forward_check, _print_training, check  # noqa: F401
-from .common import (NO_NUMPY_DTYPES, _compile, _file_report, _is_torch, _print_result,  # noqa: F401
-                              _reference, _short_losses, _summary, _train_feeds, _vs_tolerance, feeds_for,
+from .check_cmd import steps_to_check, check_training, forward_check, print_training, check  # noqa: F401
+from .common import (NO_NUMPY_DTYPES, compile_model, file_report, is_torch_module, print_result,  # noqa: F401
+                              reference_module, short_losses, collective_summary, training_feeds, vs_tolerance, feeds_for,
                               print_kept, print_warnings, program_files, reference_outputs, require_finite,
                               require_numpy_dtypes)
 from .compile_cmd import compile, explain, export, plan  # noqa: F401, A004 - the subcommands' names
-from .run_cmd import (RUN_FILES, _checkpoint, _end_work, _launch, _print_run_training,  # noqa: F401
-                           _run_files, _run_training, _write_work, run)
+from .run_cmd import (RUN_FILES, checkpoint_file, end_work, launch_run, print_run_training,  # noqa: F401
+                           run_files, run_training, write_work, run)
 # what this module imported before the split and callers use through it
 from ..check.differential import verdict  # noqa: F401
 from ..check.train_check import train_feeds  # noqa: F401

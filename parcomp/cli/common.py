@@ -20,13 +20,15 @@ from ..report.report import format_collectives
 from ..spec import load_spec
 
 
-def _compile(args, after=None, numeric: str | None = None):
+def compile_model(args, after=None, numeric: str | None = None):
     """Load and compile ``args.model`` with ``args.spec``; ``numeric`` names a command that
     computes with numpy/torch on this machine (``check``/``run``), which then refuses
     dtypes numpy cannot compute in (:func:`require_numpy_dtypes`)."""
-    graph, module, example = load_model(args.model)
-    spec = load_spec(args.spec)
-    with pointing_into(args.model):  # a .pcir model's layout problems: at its line
+    # args.model / args.spec: a reference and a path, or (parcomp.check from Python) the model
+    # already imported, (graph, module, example), and a parsed Spec
+    graph, module, example = load_model(args.model) if isinstance(args.model, str) else args.model
+    spec = load_spec(args.spec) if isinstance(args.spec, str) else args.spec
+    with pointing_into(args.model if isinstance(args.model, str) else "<module>"):  # a .pcir model: at its line
         if numeric:
             require_numpy_dtypes(graph, numeric)
         compiled = compile_graph(graph, spec, after)
@@ -99,7 +101,7 @@ def program_files(compiled, target: str, profile: str | None, model: str | None 
     if target == "ascend" and profile not in (None, "ascend"):
         raise ParcompError(f"--target ascend emits the ascend (torch_npu/HCCL) profile; "
                            f"--profile {profile} contradicts it (use --target torch --profile {profile})")
-    files = {"report.json": json.dumps(_file_report(compiled.report), indent=2, sort_keys=True) + "\n",
+    files = {"report.json": json.dumps(file_report(compiled.report), indent=2, sort_keys=True) + "\n",
              "sharded.pcir": print_graph(compiled.sharded),
              "program.pcir": print_graph(compiled.program)}
     if target in ("torch", "ascend"):
@@ -113,7 +115,7 @@ def program_files(compiled, target: str, profile: str | None, model: str | None 
     return files
 
 
-def _file_report(report: dict) -> dict:
+def file_report(report: dict) -> dict:
     """The report as written to report.json: without the search's wall time, so the same
     model and spec give a byte-identical file (the time is printed, not written)."""
     search = report.get("search")
@@ -129,7 +131,7 @@ def print_kept(out: str, kept: list) -> None:
               f"parcomp did not write: {', '.join(kept)}")
 
 
-def _summary(recs) -> list:
+def collective_summary(recs) -> list:
     return [{k: r[k] for k in ("kind", "axis", "dim", "phase", "bytes", "local_shape", "reason")}
             for r in recs]
 
@@ -208,18 +210,18 @@ def reference_outputs(graph, module, example, feeds) -> dict:
     return {name: o.detach().cpu().numpy() for name, o in zip(graph.output_names, outs)}
 
 
-def _is_torch(module) -> bool:
+def is_torch_module(module) -> bool:
     """Whether ``module`` (from ``load_model``) is a torch module (training compares with torch.optim)."""
     return module is not None and not isinstance(module, ModelFile)
 
 
 DROPOUT_NOTE = ("note: the model has dropout in training mode; parcomp draws its mask from each "
-                "element's global index (docs/design.md, \"Norms, dropout, embeddings\"), not from "
+                "element's global index (docs/design/rules.md, \"Norms, dropout, embeddings\"), not from "
                 "torch's generator, so the reference is the unsharded graph with parcomp's dropout "
                 "(numpy), not the torch module")
 
 
-def _reference(compiled, module):
+def reference_module(compiled, module):
     """``module``, or None where the torch module computes another model than the graph, so the
     unsharded graph (``compiled.unsharded``, numpy) is the reference: the spec's ``moe``
     statement changed the model's capacity, or the graph has a training-mode
@@ -233,7 +235,7 @@ def _reference(compiled, module):
     return module
 
 
-def _print_result(args, compiled, result, how):
+def print_result(args, compiled, result, how):
     result["verdict"] = verdict(result)  # in the --json result too, as for training
     if args.json:
         return
@@ -242,13 +244,13 @@ def _print_result(args, compiled, result, how):
         print(f"note: {result['note']}")
     word = verdict(result)
     vs = result.get("vs_model")
-    extra = f"; vs the model's own framework: {_vs_tolerance(vs)}" if vs else ""
+    extra = f"; vs the model's own framework: {vs_tolerance(vs)}" if vs else ""
     print(f"{how}: max abs error vs unsharded {result['max_abs_err']:.3e} "
-          f"(output scale {result['output_scale']:.3e}; {_vs_tolerance(result)}{extra}) "
+          f"(output scale {result['output_scale']:.3e}; {vs_tolerance(result)}{extra}) "
           + verdict_text(word, [("", result["why"])], indent=""))
 
 
-def _vs_tolerance(result) -> str:
+def vs_tolerance(result) -> str:
     """The ``error/tolerance R at WHERE (error E of the scale; tolerance T)`` part of a report
     line: R <= 1 passes (:mod:`parcomp.check.differential`)."""
     at = result["worst"]
@@ -256,11 +258,11 @@ def _vs_tolerance(result) -> str:
             + f": error {result['rel_err']:.1e} of the scale, tolerance {result['rtol']:.0e}")
 
 
-def _train_feeds(compiled, module, example, seed):
+def training_feeds(compiled, module, example, seed):
     return train_feeds(compiled, module, example, seed, feeds_for)
 
 
-def _short_losses(losses) -> str:
+def short_losses(losses) -> str:
     """The per-step losses, the first and last five when there are more than twelve."""
     xs = [f"{x:.6f}" for x in losses]
     return ", ".join(xs if len(xs) <= 12 else xs[:5] + [f"... ({len(xs) - 10} more)"] + xs[-5:])

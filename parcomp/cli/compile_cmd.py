@@ -10,16 +10,21 @@ from ..ir.text import print_graph
 from ..outdir import write_dir_atomic
 from ..report.report import format_collectives, format_load, format_memory, format_search
 from ..units import plural
-from .common import _compile, feeds_for, print_kept, print_warnings, program_files, _summary
+from .common import compile_model, feeds_for, print_kept, print_warnings, program_files, collective_summary
 
 
 def compile(args):  # noqa: A001 - the subcommand's name
     """``parcomp compile``: write program.py, report.json, sharded.pcir, program.pcir (and the
     computed constants' ``constants.safetensors``) atomically."""
-    def show(name, graph):
-        print(f"# ----- IR after {name} -----\n{print_graph(graph)}")
+    last = []
 
-    compiled, module, _ = _compile(args, show if args.print_ir_after_all else None)
+    def show(name, graph):  # a check (or a pass that changed nothing) returns the graph it was given
+        same = bool(last) and last[0] is graph
+        last[:] = [graph]
+        print(f"# ----- IR after {name} (unchanged) -----" if same else
+              f"# ----- IR after {name} -----\n{print_graph(graph)}")
+
+    compiled, module, _ = compile_model(args, show if args.print_ir_after_all else None)
     kept = write_dir_atomic(args.out, program_files(compiled, args.target, args.profile,
                                                     os.path.basename(args.model),
                                                     args.functional_collectives, module))
@@ -40,7 +45,7 @@ def compile(args):  # noqa: A001 - the subcommand's name
             print(format_pipeline(compiled.report))
         print(f"wrote {args.out}/")
         print_kept(args.out, kept)
-    return {"ok": True, "out": args.out, "collectives": _summary(recs), "kept": kept}
+    return {"ok": True, "out": args.out, "collectives": collective_summary(recs), "kept": kept}
 
 
 def export(args):
@@ -49,7 +54,7 @@ def export(args):
     (:func:`parcomp.cli.export.export_pretrained`)."""
     from .export import export_pretrained
 
-    compiled, module, _ = _compile(args)
+    compiled, module, _ = compile_model(args)
     if not compiled.report.get("training"):
         raise ParcompError(f"{args.spec}: the spec has no train line; export reads the checkpoint of a "
                            f"training program.py", where=args.spec)
@@ -87,4 +92,4 @@ def plan(args):
     print(format_collectives(compiled.report["collectives"]))
     print(f"wrote {args.out}")
     return {"ok": True, "spec": args.out, "search": chosen.search,
-            "collectives": _summary(compiled.report["collectives"])} if args.json else None
+            "collectives": collective_summary(compiled.report["collectives"])} if args.json else None

@@ -20,20 +20,20 @@ from ..passes.fused_weights import in_stored_indices, to_view_shapes  # attentio
 from ..report.report import format_collectives
 from ..spec.train_config import check_steps, train_config
 from ..units import plural
-from .common import (_compile, feeds_for, _is_torch, print_kept, _print_result, program_files, _reference,
+from .common import (compile_model, feeds_for, is_torch_module, print_kept, print_result, program_files, reference_module,
                               require_ids_in_tables,
-                              reference_outputs, _short_losses, _summary, _train_feeds, _vs_tolerance)
+                              reference_outputs, short_losses, collective_summary, training_feeds, vs_tolerance)
 
 
 #: what ``run``'s verdict says and what it does not (the sharding is proven by ``check``)
 RUN_NOTE = ("torchrun's {dtype} result against the unsharded model in {dtype}, within {rtol:.0e} of each "
             "value's scale: a check of the program on real ranks; the sharding itself is proven by the "
-            "float64 check of the same program (parcomp check, docs/design.md \"How check decides\")")
+            "float64 check of the same program (parcomp check, docs/design/check.md \"How check decides\")")
 
 RUN_FILES = ("model.pt", "inputs.pt", "outputs.pt", "replay.pt")  # what ``run`` writes besides the program
 
 
-def _run_files(compiled) -> tuple:
+def run_files(compiled) -> tuple:
     """What ``run`` writes into its work directory besides the program: RUN_FILES and
     each rank's ``outputs.rank{r}.pt``."""
     stages = compiled.program_.pipeline.stages if compiled.program_.pipeline is not None else ()
@@ -41,25 +41,25 @@ def _run_files(compiled) -> tuple:
             + tuple(f"outputs.pt.stage{s.index}" for s in stages))  # a pipeline's (pipeline_run.py)
 
 
-def _write_work(args, work: str, compiled, module=None) -> None:
+def write_work(args, work: str, compiled, module=None) -> None:
     kept = write_dir_atomic(work, program_files(compiled, "torch", args.profile,
                                                 os.path.basename(args.model), module=module),
-                            _run_files(compiled),
+                            run_files(compiled),
                             flag="--keep" if args.keep else "the work directory", command="run")
     if args.keep and not args.json:
         print_kept(work, kept)
 
 
-def _end_work(args, work: str, compiled) -> None:
+def end_work(args, work: str, compiled) -> None:
     """After a run: ``--keep``'s run files get their hashes in the manifest (a later edit
     makes them the user's); a temporary work directory is removed."""
     if args.keep:
-        record_written(work, _run_files(compiled))
+        record_written(work, run_files(compiled))
     else:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _checkpoint(work: str, graph, feeds: dict, module) -> str:
+def checkpoint_file(work: str, graph, feeds: dict, module) -> str:
     """The checkpoint program.py reads: a model file itself (its weights, each rank reading
     its slices), else ``work/model.pt`` written from ``feeds``: a tied weight under each of
     its names (param attr ``aliases``; one storage in the file), so that it is also the
@@ -83,17 +83,17 @@ def run(args):
     with the unsharded module (for training: K steps against torch.optim / the unsharded step)."""
     from parcomp_backends.torch.launch import assemble_outputs, run_torchrun, write_inputs
 
-    compiled, module, example = _compile(args, numeric="run")
+    compiled, module, example = compile_model(args, numeric="run")
     if compiled.program_.pipeline is not None:  # one pipelined step (parcomp/cli/run_pipeline.py)
         from .run_pipeline import run_pipeline
 
-        return run_pipeline(args, compiled, _train_feeds(compiled, module, example, 0),
-                            lambda work: _write_work(args, work, compiled, module),
-                            lambda work: _end_work(args, work, compiled))
+        return run_pipeline(args, compiled, training_feeds(compiled, module, example, 0),
+                            lambda work: write_work(args, work, compiled, module),
+                            lambda work: end_work(args, work, compiled))
     if args.nproc == compiled.program.mesh.size:  # else the --nproc error below comes first
         check_memory(compiled, "run")
     if compiled.report.get("training"):
-        return _run_training(args, compiled, module, example)
+        return run_training(args, compiled, module, example)
     if args.steps is not None:
         raise ParcompError(f"--steps {args.steps}: the spec has no train line, so the program is "
                            f"one forward pass; drop --steps or add a train line")
@@ -106,8 +106,8 @@ def run(args):
     require_ids_in_tables(graph, feeds)  # before launching: torch's IndexError is no located error
     work = os.path.abspath(args.keep) if args.keep else tempfile.mkdtemp(prefix="parcomp-run-")
     try:
-        _write_work(args, work, compiled, module)
-        ckpt = _checkpoint(work, graph, feeds, module)
+        write_work(args, work, compiled, module)
+        ckpt = checkpoint_file(work, graph, feeds, module)
         write_inputs({n.name: feeds[n.name] for n in graph.inputs}, os.path.join(work, "inputs.pt"))
         out_path = os.path.join(work, "outputs.pt")
         proc = run_torchrun(work, size, ckpt, os.path.join(work, "inputs.pt"),
@@ -118,19 +118,19 @@ def run(args):
                                f"its output is above")
         got = assemble_outputs(out_path, compiled.program)
     finally:
-        _end_work(args, work, compiled)
+        end_work(args, work, compiled)
     dtype = least_precise(compiled.unsharded)
-    result = compare_outputs(got, reference_outputs(graph, _reference(compiled, module), example, feeds),
+    result = compare_outputs(got, reference_outputs(graph, reference_module(compiled, module), example, feeds),
                              tolerance_for(dtype))
     result["note"] = RUN_NOTE.format(dtype=dtype, rtol=tolerance_for(dtype))
-    _print_result(args, compiled, result, f"torchrun, {plural(size, 'gloo rank')}")
-    return {**result, "collectives": _summary(compiled.report["collectives"]), "world_size": size}
+    print_result(args, compiled, result, f"torchrun, {plural(size, 'gloo rank')}")
+    return {**result, "collectives": collective_summary(compiled.report["collectives"]), "world_size": size}
 
 
-def _launch(compiled, work, feeds, nproc, extra, module=None):
+def launch_run(compiled, work, feeds, nproc, extra, module=None):
     from parcomp_backends.torch.launch import run_torchrun, write_inputs
 
-    ckpt = _checkpoint(work, compiled.unsharded, feeds, module)
+    ckpt = checkpoint_file(work, compiled.unsharded, feeds, module)
     data = {n.name: feeds[n.name] for n in compiled.program.inputs if n.name in feeds}
     write_inputs(data, os.path.join(work, "inputs.pt"))
     out_path = os.path.join(work, "outputs.pt")
@@ -149,7 +149,7 @@ def _launch(compiled, work, feeds, nproc, extra, module=None):
     return out_path
 
 
-def _run_training(args, compiled, module, example):
+def run_training(args, compiled, module, example):
     """``run`` of a training program: program.py under torchrun twice, with ``--replay`` (each
     step from the reference state, every carried value within the dtype's tolerance: the
     verdict's main evidence; see :mod:`parcomp.check.train_check`) and free-running (its losses
@@ -162,24 +162,24 @@ def _run_training(args, compiled, module, example):
         raise ParcompError(f"--nproc {args.nproc} but the spec's mesh {compiled.program.mesh} has "
                            f"{plural(size, 'rank')}")
     steps = train_config(compiled.spec).steps if args.steps is None else check_steps(args.steps)
-    feeds = _train_feeds(compiled, module, example, 0)
+    feeds = training_feeds(compiled, module, example, 0)
     require_ids_in_tables(compiled.unsharded, feeds)
-    module = _reference(compiled, module)  # the spec's MoE capacity
-    replay = replay_reference(compiled, module if _is_torch(module) else None, example, feeds, steps)
+    module = reference_module(compiled, module)  # the spec's MoE capacity
+    replay = replay_reference(compiled, module if is_torch_module(module) else None, example, feeds, steps)
     work = os.path.abspath(args.keep) if args.keep else tempfile.mkdtemp(prefix="parcomp-run-")
     try:
-        _write_work(args, work, compiled, module)
-        out_path = _launch(compiled, work, feeds, size, ("--steps", str(steps)), module)
+        write_work(args, work, compiled, module)
+        out_path = launch_run(compiled, work, feeds, size, ("--steps", str(steps)), module)
         outputs, losses = assemble_training_outputs(out_path, compiled.program)
         # absolute: torchrun runs program.py in ``work``, where a relative --keep is not
         replay_path = os.path.abspath(os.path.join(work, "replay.pt"))
         torch.save([{k: torch.from_numpy(np.ascontiguousarray(v).reshape(np.shape(v))) for k, v in s.items()}
                     for s in replay["starts"]], replay_path)
-        out_path = _launch(compiled, work, feeds, size, ("--steps", str(steps), "--replay", replay_path),
-                           module)
+        out_path = launch_run(compiled, work, feeds, size, ("--steps", str(steps), "--replay", replay_path),
+                              module)
         replayed, replayed_losses = assemble_training_outputs(out_path, compiled.program)
     finally:
-        _end_work(args, work, compiled)
+        end_work(args, work, compiled)
     params = [n.name for n in compiled.unsharded.params]
     dtype = compute_dtype(compiled) or least_precise(compiled.unsharded)
     rtol = tolerance_for(dtype)
@@ -193,7 +193,7 @@ def _run_training(args, compiled, module, example):
     kept = to_view_shapes({n.name: feeds[n.name] for n in compiled.logical.params if n.name in feeds},
                           compiled.logical)
     got = {**kept, **outputs, "losses": np.array(losses, "float32")}
-    if _is_torch(module):
+    if is_torch_module(module):
         ref_losses, want = _torch_reference(compiled, module, example, feeds, steps)
     else:
         ref = numpy_train(compiled.logical, feeds, steps)
@@ -206,9 +206,9 @@ def _run_training(args, compiled, module, example):
     result["losses"], result["reference_losses"] = losses, ref_losses
     if not args.json:
         print(format_collectives(compiled.report["collectives"]))
-        ref_name = "torch.optim" if _is_torch(module) else "unsharded numpy"
-        _print_run_training(result, size, steps, ref_name, ref_losses)
-    return {**result, "collectives": _summary(compiled.report["collectives"]), "world_size": size,
+        ref_name = "torch.optim" if is_torch_module(module) else "unsharded numpy"
+        print_run_training(result, size, steps, ref_name, ref_losses)
+    return {**result, "collectives": collective_summary(compiled.report["collectives"]), "world_size": size,
             "steps": steps}
 
 
@@ -226,16 +226,16 @@ def free_running(got: dict, want: dict, params, rtol: float) -> dict:
                     f"{res['rel_err']:.1e} of the scale at {res['worst']}"}
 
 
-def _print_run_training(result, size, steps, ref_name, ref_losses):
+def print_run_training(result, size, steps, ref_name, ref_losses):
     free = result["free_running"]
     print(f"torchrun, {plural(size, 'gloo rank')}, {plural(steps, 'step')}: losses "
-          f"{_short_losses(result['losses'])}")
-    print(f"  reference losses: {_short_losses(ref_losses)}")
+          f"{short_losses(result['losses'])}")
+    print(f"  reference losses: {short_losses(ref_losses)}")
     for name, r in ((f"each step from the unsharded run's state, vs {ref_name}", result),
                     ("free-running, vs " + ref_name, free)):
         print(f"  {name}:\n    loss {r['max_loss_err']:.2e}  grads {r['max_grad_err']:.2e}"
               f"  params {r['max_param_err']:.2e}  all carried {r['max_abs_err']:.2e}  "
-              + f"({_vs_tolerance(r)}{'; ' + r['note'] if r is free else ''})")
+              + f"({vs_tolerance(r)}{'; ' + r['note'] if r is free else ''})")
         if r.get("missing"):
             print(f"    missing from the program: {', '.join(r['missing'])}")
     if result.get("note"):  # what the verdict rests on; the last line is the verdict

@@ -28,7 +28,7 @@ def run_pipeline(args, compiled, feeds: dict, write_work, end_work) -> dict:
         compiled: a :class:`parcomp.compile.compiler.Compiled` whose ``program_.pipeline`` is set.
         feeds: the model inputs and loss data (``train_check.train_feeds``).
         write_work: ``write_work(dir)`` writes program.py and the run's files there
-            (``commands._write_work``: never over a file parcomp did not write);
+            (``commands.write_work``: never over a file parcomp did not write);
             ``end_work(dir)`` records ``--keep``'s run files or removes a temporary directory.
 
     Returns:

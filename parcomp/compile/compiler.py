@@ -8,11 +8,10 @@ from ..cost.memory import check_peak
 from ..cost.topology import check_topology
 from ..ir.graph import Graph
 from ..passes.attention.cp_balance import check_ends as check_balanced_ends
-from ..passes.manager import forward_pipeline, run_pipeline
 from ..passes.moe_capacity import apply_moe_spec  # the spec's MoE capacity
+from ..passes.pass_list import logical_stage, model_stage, passes_for, program_stage, run_passes
 from ..passes.pipeline.pipeline_plan import attach_pipeline
 from ..passes.train.accumulate import accumulate_warnings, loss_accumulation
-from ..passes.verify import check_model_mesh
 from ..report.cp_report import sp_cp_record  # SP vs CP
 from ..report.report import build_report
 from .build import build_program
@@ -75,17 +74,18 @@ def compile_graph(graph: Graph, spec, after: Callable | None = None, reuse: bool
 
 
 def _compile(graph: Graph, spec, after, reuse=True) -> Compiled:
-    graph, moe_changes = apply_moe_spec(graph, spec)  # the spec's MoE capacity
-    check_model_mesh(graph, spec.mesh)
-    placement = check_topology(spec)
+    passes = passes_for(spec)  # the one pass list (parcomp/passes/pass_list.py), for this spec
     stages = None
-    if reuse and after is None and reuse_fits(spec, moe_changes):
-        stages = reused_stages(graph, spec)  # None: reuse does not apply (parcomp/compile/repeat_compile.py)
+    if reuse and after is None and reuse_fits(spec):
+        stages = reused_stages(graph, spec, passes)  # None: reuse does not apply (parcomp/compile/repeat_compile.py)
     reused = stages is not None
     if stages is None:
-        stages = run_pipeline(graph, forward_pipeline(spec), after)
-    sharded, program = stages["insert-collectives"], list(stages.values())[-1]  # lowered
-    logical = stages["autodiff"] if "autodiff" in stages else stages["bind-layouts"]
+        stages = run_passes(graph, spec, passes, after)
+    graph = model_stage(stages)  # with the spec's MoE capacity
+    moe_changes = apply_moe_spec(stages["input"], spec)[1] if "moe-capacity" in stages else []
+    placement = check_topology(spec)  # the list's check-topology passed: the placement
+    sharded, program = stages["insert-collectives"], program_stage(stages)  # lowered
+    logical = logical_stage(stages)
     check_balanced_ends(sharded, spec, {name for name, _ in graph.named_outputs()})  # chunking=balanced needs split-seq ends
     prog = build_program(sharded, program, spec)
     report = build_report(prog, [n.name for n in graph.params])
@@ -100,6 +100,6 @@ def _compile(graph: Graph, spec, after, reuse=True) -> Compiled:
     report["warnings"] += accumulate_warnings(graph, spec)  # a per-microbatch token mean, averaged
     if loss_accumulation(graph, spec):  # accumulate=K, loss=output: token mean or mean of K losses
         report["training"]["loss_accumulation"] = loss_accumulation(graph, spec)
-    if "pp" in spec.mesh.names and spec.train is not None:
-        prog, report = attach_pipeline(graph, spec, prog, report)
+    if "split-stages" in stages:  # a pp mesh axis and a train line: the pipeline's plan
+        prog, report = attach_pipeline(stages["split-stages"], spec, prog, report)
     return Compiled(graph, logical, sharded, program, report, spec, prog, reused)

@@ -4,7 +4,7 @@ With the experts split over a mesh axis (``experts.* ep=S(0)``) and nothing pinn
 buffers, the layout search may gather every token onto every rank (all_gather of the tokens,
 each rank running its own experts on every token, a reduce_scatter of dx: Megatron's
 "allgather dispatcher") rather than expert parallel's all_to_all of the slot buffer: at toy
-sizes the gather is cheaper in the cost model than the padded all_to_all (docs/design.md,
+sizes the gather is cheaper in the cost model than the padded all_to_all (docs/design/moe.md,
 "Expert parallel MoE"). The program still equals the unsharded model, but a user who split the
 experts expects the all_to_all, so the plan says what it did and which pins give the
 all_to_all (``specs/moe_ep2_train.pcs``).

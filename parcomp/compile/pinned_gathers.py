@@ -1,4 +1,4 @@
-"""A warning when the plan gathers whole a parameter the spec splits (docs/design.md, "Memory").
+"""A warning when the plan gathers whole a parameter the spec splits (docs/design/cost.md, "Memory").
 
 The layout search may all-gather a weight instead of moving activations when the weight is
 the smaller of the two (tiny models: a vocab-parallel LM head's [V, H] table against
@@ -57,7 +57,7 @@ def _message(sharded, p, axis: str, cs: list, cp_axis) -> str:
     head = (f"{p.name}: the spec splits it ({p.spec_loc}), but the plan all-gathers it whole "
             f"over {axis} ({calls}{format_bytes(sum(c['bytes'] for c in cs))} per rank) for "
             f"{', '.join(dict.fromkeys(consumers))}: ")
-    if axis == cp_axis:  # userM trial: the old text blamed the cost model
+    if axis == cp_axis:  # context parallel keeps weights whole over cp: not the cost model's choice
         return (head + f"context-parallel over {cp_axis} keeps every weight whole over that axis "
                 f"(each rank holds its own tokens and the whole weights), so this split is undone; "
                 f"split the weight over another mesh axis (e.g. tp) instead")

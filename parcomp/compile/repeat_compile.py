@@ -1,8 +1,8 @@
 """Block-plan reuse: compile a few blocks, stamp the plan onto all of them.
 
 For a model of ``N`` repeated blocks (:mod:`parcomp.compile.repeat`) whose whole graph shard-prop
-would search with its heuristic (over MAX_STRATEGIES), the pass pipeline runs on the model
-cut to :data:`REDUCED` blocks, its shard-prop forced to the same heuristic, and the stages
+would search with its heuristic (over MAX_STRATEGIES), the one pass list
+(:mod:`parcomp.passes.pass_list`) runs on the model cut to :data:`REDUCED` blocks, its shard-prop forced to the same heuristic, and the stages
 the compiler keeps (``logical``, ``sharded``, ``program``) are stamped to ``N`` blocks
 (:mod:`parcomp.compile.repeat_stamp`). Checks, any failing -> None (the caller compiles the whole
 graph), the cheap ones before the reduced compile's shard-prop: the stamped input graph equals
@@ -10,7 +10,7 @@ the model's graph node for node (names, module paths, phases, attributes); the w
 over MAX_STRATEGIES (its own search would be the heuristic; counted from the reduced problem's
 per-node option lists) and the plan keeps data parallel; every stage stamped has the shape
 ``repeat_stamp.fits`` needs and is SSA with operands made before use; the stamped program
-passes the verifier. The search record's cost is ``_Problem.total``'s sum in the whole
+passes the verifier. The search record's cost is ``ShardProblem.total``'s sum in the whole
 graph's order (the report's ``cost_s``). ``tests/compile/test_block_reuse.py`` checks program.py,
 the report and the .pcir stages are byte-identical to the whole-graph compile's.
 """
@@ -19,10 +19,10 @@ from __future__ import annotations
 import math
 
 from ..ir.graph import Graph
-from ..passes.manager import Pass, forward_pipeline, run_pipeline
+from ..passes.pass_list import run_passes
 from ..passes.search.keep_dp import prune
 from ..passes.search.layout_ilp import MAX_STRATEGIES
-from ..passes.shard_prop import _Problem, shard_prop
+from ..passes.shard_prop import ShardProblem
 from ..passes.verify import verify
 from .repeat import find_blocks, reduced, spec_names_a_block
 from .repeat_stamp import Stamper, fits, stamp, stamp_order
@@ -31,18 +31,18 @@ from .repeat_stamp import Stamper, fits, stamp, stamp_order
 REDUCED = 5
 
 
-def reuse_fits(spec, moe_changes) -> bool:
+def reuse_fits(spec) -> bool:
     """Whether the spec allows reuse: no pipeline (``pp``, stages), memory limit, context
     parallel or MoE (each makes blocks differ or the plan global)."""
     return not ("pp" in spec.mesh.names or getattr(spec, "stages", ()) or spec.memory is not None
                 or getattr(spec, "context_parallel", None) is not None
-                or getattr(spec, "moe", None) is not None or moe_changes)
+                or getattr(spec, "moe", None) is not None)
 
 
-def reused_stages(graph: Graph, spec) -> dict | None:
+def reused_stages(graph: Graph, spec, passes) -> dict | None:
     """``{pass name: graph}`` for the stages ``parcomp.compile.compiler`` reads (``input``, the
     logical stage, ``shard-prop``, ``insert-collectives``, the last), built by stamping a
-    reduced compile, or None where reuse does not apply or a check fails (module docstring).
+    reduced compile of ``passes`` (the pass list of ``spec``), or None where reuse does not apply or a check fails (module docstring).
     A lowering pass whose reduced output does not stamp (``bucket-dp-grads``: its buckets of
     every block's gradients are cut by byte size) runs, with the passes after it, on the whole
     stamped graph before it (verified, as the pipeline does); sequence parallel's norm-gradient
@@ -64,17 +64,15 @@ def reused_stages(graph: Graph, spec) -> dict | None:
     inp = stamp(st, small, blocks.n)
     if inp is None or not _same(inp, graph):  # the blocks are not alike
         return None
-    passes = forward_pipeline(spec, heuristic=True)
     names = [p.name for p in passes]
     first = names.index("shard-prop")
-    stages = run_pipeline(small, passes[:first])
+    stages = run_passes(small, spec, passes[:first], heuristic=True)
     before = stages[names[first - 1]]
     order = stamp_order(st, before, blocks.n) if fits(st, before) else None
     whole = None if order is None else _whole_problem(before, order)
     if whole is None:  # the whole graph's search would be the ILP (or gather the batch)
         return None
-    plan = Pass("shard-prop", lambda g: shard_prop(g, heuristic=True, problem=whole[0]))
-    later = run_pipeline(before, [plan, *passes[first + 1:]])
+    later = run_passes(before, spec, passes[first:], heuristic=True, problem=whole[0])  # the reduced plan
     later.pop("input")
     stages.update(later)
     search = stages["shard-prop"].search
@@ -87,7 +85,7 @@ def reused_stages(graph: Graph, spec) -> dict | None:
     info = _search_info(*whole, stages["shard-prop"], order, search)
     if info is None:
         return None
-    logical = "autodiff" if "autodiff" in stages else "bind-layouts"
+    logical = names[first - 1]  # the logical stage: the one before shard-prop (pass_list.logical_stage)
     keep = dict.fromkeys([logical, "insert-collectives", names[good - 1]])
     out = {"input": graph}
     planned = names[first:good]
@@ -97,7 +95,7 @@ def reused_stages(graph: Graph, spec) -> dict | None:
             return None
         out[key] = got
     if good < len(names):  # the rest of the lowering on the whole graph
-        rest = run_pipeline(out[names[good - 1]], passes[good:])
+        rest = run_passes(out[names[good - 1]], spec, passes[good:])
         rest.pop("input")
         out.update(rest)
     else:
@@ -111,7 +109,7 @@ def _whole_problem(before: Graph, order: list) -> tuple | None:
     (``order``: for each of its nodes the index of the reduced node it is stamped from, see
     :func:`stamp_order`); None where the whole graph is not over MAX_STRATEGIES (its search
     is the ILP: reuse does not apply) or data parallel cannot be kept."""
-    prob = _Problem(before)
+    prob = ShardProblem(before)
     if prob.batch and not prune(prob):
         return None
     names = [before.nodes[k].name for k in order]
@@ -124,7 +122,7 @@ def _search_info(prob, count: int, planned: Graph, order: list, small: dict) -> 
     breaks data parallel). ``prob``, ``count``: :func:`_whole_problem`'s; ``planned``: the
     reduced model's shard-prop stage.
 
-    The cost is ``_Problem.total``'s sum over the whole graph, in program order (as shard_prop
+    The cost is ``ShardProblem.total``'s sum over the whole graph, in program order (as shard_prop
     prices it), of each node's compute and conversion terms, a stamped node's being its reduced
     original's (same op, types, layouts and readers' layouts)."""
     canon, nodes = prob._intern, prob.g.nodes

@@ -34,7 +34,7 @@ loopback    5            25.0     50.0     an assumption, not a published figure
 ==========  ===========  =======  =======  ===============================================
 
 The spec's ``topology`` line picks the classes and may override the numbers
-(``docs/design.md``, "Explain"): ``intra=CLASS inter=CLASS`` (inside a node / across
+(``docs/design/report.md``, "Explain"): ``intra=CLASS inter=CLASS`` (inside a node / across
 nodes, default ``nvlink`` / ``infiniband``) and ``intra_gb_per_s=N``,
 ``intra_latency_ns=N`` (and ``inter_...``) in GB/s and nanoseconds per ring hop.
 """

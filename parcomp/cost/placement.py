@@ -1,4 +1,4 @@
-"""assign-devices: the placement table of a mesh on its topology (the 8-device example of docs/design.md, "Pipeline parallelism").
+"""assign-devices: the placement table of a mesh on its topology (the 8-device example of docs/design/pipeline.md, "Pipeline parallelism").
 
 Ranks are mesh coordinates row-major, the last axis fastest (as the spec writes the
 mesh), so ``mesh dp=2 pp=2 tp=2`` puts a tp pair on neighbouring ranks, and torchrun

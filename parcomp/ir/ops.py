@@ -2,7 +2,7 @@
 
 The algebraic ``kind`` is what the sharding rules and the verifier rely on:
 
-- ``nonlinear``: never accepts a ``Partial`` input (DESIGN.md "rules that always hold").
+- ``nonlinear``: never accepts a ``Partial`` input (a layout rule the verifier checks: ``parcomp/passes/verify.py``).
 - ``linear``: f(sum x_k) = sum f(x_k); passes ``Partial`` through.
 - ``additive``: add/sub, linear in all operands jointly (a ``Replicate``
   addend must be counted once, so every operand must be ``Partial`` together).
@@ -81,7 +81,7 @@ def attr_problem(op: str, attrs) -> str | None:
     return None
 
 
-def _same(ts, n):
+def same_type(ts, n):
     return ts[0]
 
 
@@ -200,6 +200,31 @@ def _argmax(ts, n):
     return TensorType(tuple(s for d, s in enumerate(x.shape) if d != n.attr("dim") % x.rank), "int64")
 
 
+def _topk(ts, n):  # topk, topk_index: x with its dim cut to k (values; int64 indices)
+    x, k = ts[0], n.attr("k")
+    if not -x.rank <= n.attr("dim") < x.rank:
+        raise ValueError(f"{n.op} over dim {n.attr('dim')} of {x}")
+    dim = n.attr("dim") % x.rank
+    if not 1 <= k <= x.shape[dim]:
+        raise ValueError(f"{n.op} k={k} of dim {dim} of {x} (size {x.shape[dim]})")
+    shape = x.shape[:dim] + (k,) + x.shape[dim + 1:]
+    return TensorType(shape, "int64" if n.op == "topk_index" else x.dtype)
+
+
+def _along(ts, n):  # take_along(x, idx), put_along(g, idx): idx's shape but along dim
+    x, idx = ts
+    if not idx.dtype.startswith("int") or idx.rank != x.rank:
+        raise ValueError(f"{n.op} takes integer indices of the rank of {x}, got {idx}")
+    dim = n.attr("dim") % max(x.rank, 1)
+    others = [d for d in range(x.rank) if d != dim]
+    if any(x.shape[d] != idx.shape[d] for d in others):
+        raise ValueError(f"{n.op}: {x} and indices {idx} differ outside dim {dim}")
+    if n.op == "take_along":
+        return TensorType(idx.shape, x.dtype)
+    size = n.attr("size")
+    return TensorType(x.shape[:dim] + (size,) + x.shape[dim + 1:], x.dtype)
+
+
 def _pick(ts, n):
     z, labels = ts
     if z.shape[:-1] != labels.shape:
@@ -223,12 +248,12 @@ def _def(name, arity, kind, infer, attrs=None):
 _NUM = Attr("number", required=True)
 _GELU = {"approximate": Attr("str", default="none", choices=("none", "tanh"))}
 for _n in ("relu", "tanh", "exp", "sigmoid", "silu"):
-    _def(_n, 1, "nonlinear", _same)
-_def("gelu", 1, "nonlinear", _same, _GELU)
-_def("pow", 1, "nonlinear", _same, {"exponent": _NUM})
-_def("add_scalar", 1, "nonlinear", _same, {"value": _NUM})
-_def("neg", 1, "linear", _same)
-_def("scale", 1, "linear", _same, {"value": _NUM})
+    _def(_n, 1, "nonlinear", same_type)
+_def("gelu", 1, "nonlinear", same_type, _GELU)
+_def("pow", 1, "nonlinear", same_type, {"exponent": _NUM})
+_def("add_scalar", 1, "nonlinear", same_type, {"value": _NUM})
+_def("neg", 1, "linear", same_type)
+_def("scale", 1, "linear", same_type, {"value": _NUM})
 _def("add", 2, "additive", _broadcast)
 _def("sub", 2, "additive", _broadcast)
 _def("mul", 2, "bilinear", _broadcast)
@@ -330,7 +355,7 @@ _def("sdpa", 3, "sdpa", _sdpa, _SDPA)
 _def("sdpa_grad", 4, "sdpa_grad", _sdpa_grad, {**_SDPA, "wrt": Attr("str", required=True,
                                                                     choices=("q", "k", "v"))})
 for _n in ("cos", "sin"):
-    _def(_n, 1, "nonlinear", _same)
+    _def(_n, 1, "nonlinear", same_type)
 _def("cast", 1, "nonlinear", _own)
 _def("arange", 0, "const", _own, {"start": Attr("number", default=0), "step": Attr("number", default=1)})
 # pad(x) {dim, before, after, value} (loss part): x with ``before`` and ``after``
@@ -365,7 +390,7 @@ _def("layer_norm", -1, "nonlinear", _norm, _EPS)
 _def("rms_norm", -1, "nonlinear", _norm, _EPS)
 _def("layer_norm_grad", -1, "linear0", _norm_grad, _EPS)
 _def("rms_norm_grad", -1, "linear0", _norm_grad, _EPS)
-_def("dropout", -1, "linear", _same, {"p": _NUM, "seed": Attr("int", required=True),
+_def("dropout", -1, "linear", same_type, {"p": _NUM, "seed": Attr("int", required=True),
                                      "index_start": Attr("ints"), "index_shape": Attr("ints")})
 _EMB = {"vocab_start": Attr("int"), "padding_idx": Attr("int")}
 _def("embedding", 2, "gather", _embedding, _EMB)
@@ -385,21 +410,32 @@ _def("embedding_grad", 2, "linear0", _embedding_grad, _EMB)
 # (set per rank by the interpreter / program.py; 0 unsharded).
 _IGNORE = {"ignore_index": Attr("int", default=-100)}
 _START = {"index_start": Attr("int", default=0)}
-_def("log", 1, "nonlinear", _same)
+_def("log", 1, "nonlinear", same_type)
 _def("amax", 1, "reduce_max", _reduce_some, {"dims": Attr("ints", required=True),
                                       "detach": Attr("bool", default=False)})
 _def("amax_grad", 3, "linear0", _amax_grad, {"dims": Attr("ints", required=True)})
 _def("argmax", 1, "nonlinear", _argmax, {"dim": Attr("int", required=True)})
 _def("argmax_key", 1, "nonlinear", _argmax, {"dim": Attr("int", required=True), **_START})
-_def("argmax_index", 1, "nonlinear", _same)
+_def("argmax_index", 1, "nonlinear", same_type)
+# ``topk(x) {k, dim}``: the k largest along dim, largest first; ties to the lower index (a
+# NaN counts as the largest, as in torch); ``topk_index``: their int64 indices (torch.topk's
+# two results). ``take_along(x, idx) {dim}``: x's entries at idx along dim
+# (torch.gather, numpy take_along_axis); ``put_along(g, idx) {dim, size}``: its transpose, g
+# added into zeros of dim ``size`` at idx (torch.scatter_add into zeros).
+_TOPK = {"k": Attr("int", required=True), "dim": Attr("int", required=True)}
+_def("topk", 1, "nonlinear", _topk, _TOPK)
+_def("topk_index", 1, "nonlinear", _topk, _TOPK)
+_def("take_along", 2, "linear0", _along, {"dim": Attr("int", required=True)})
+_def("put_along", 2, "linear0", _along, {"dim": Attr("int", required=True),
+                                         "size": Attr("int", required=True)})
 _def("mean", 1, "linear", _reduce_some, {"dims": Attr("ints", required=True)})
-_def("softmax", 1, "nonlinear", _same, {"dim": Attr("int", required=True)})
-_def("log_softmax", 1, "nonlinear", _same, {"dim": Attr("int", required=True)})
+_def("softmax", 1, "nonlinear", same_type, {"dim": Attr("int", required=True)})
+_def("log_softmax", 1, "nonlinear", same_type, {"dim": Attr("int", required=True)})
 _def("pick", 2, "linear0", _pick, {**_IGNORE, **_START})
 _def("pick_grad", 2, "linear0", _own, {**_IGNORE, **_START})
 _def("label_mask", 1, "nonlinear", _label_mask, {**_IGNORE, "dtype": Attr("str", default="float32")})
-_def("mask_pad", 1, "nonlinear", _same, {"size": Attr("int", required=True), **_START,
-                                         "fill": Attr("str", default="lowest", choices=("lowest", "0"))})
+_def("mask_pad", 1, "nonlinear", same_type, {"size": Attr("int", required=True), **_START,
+                                             "fill": Attr("str", default="lowest", choices=("lowest", "0"))})
 # op -> (operand whose global index it uses, None: its result; that dim: an int, or the
 # name of the attribute holding it): the ops that need ``index_start`` when the dim is split
 RANKED_OPS = {"argmax_key": (0, "dim"), "pick": (0, -1), "pick_grad": (None, -1), "mask_pad": (None, -1)}
@@ -422,8 +458,8 @@ def index_dim(graph, node) -> tuple:
 #   -> [B, S, E]: g . y[slot] where routed.
 from .moe_types import moe_combine_grad_c_type, moe_combine_type, moe_dispatch_type  # noqa: E402
 _ROUTE = {"top_k": Attr("int", required=True), "capacity": Attr("int", default=0)}
-_def("moe_route", 1, "nonlinear", _same, _ROUTE)
-_def("moe_route_grad", 2, "linear0", _same, _ROUTE)
+_def("moe_route", 1, "nonlinear", same_type, _ROUTE)
+_def("moe_route_grad", 2, "linear0", same_type, _ROUTE)
 _def("moe_dispatch", 2, "bilinear", moe_dispatch_type, {"capacity": Attr("int", required=True),
                                                    "weighted": Attr("bool", default=False)})
 _def("moe_combine", 2, "bilinear", moe_combine_type, {"weighted": Attr("bool", default=True)})
@@ -431,7 +467,7 @@ _def("moe_combine_grad_c", 3, "bilinear", moe_combine_grad_c_type)
 # ---- end of the MoE part ----
 # training options: clip_coef(sumsq) {max_norm} = min(1, max_norm / (sqrt(sumsq) + 1e-6)),
 # the factor torch.nn.utils.clip_grad_norm_ scales every gradient by (parcomp/spec/train_options.py)
-_def("clip_coef", 1, "nonlinear", _same, {"max_norm": _NUM})
+_def("clip_coef", 1, "nonlinear", same_type, {"max_norm": _NUM})
 # mixed precision: a gradient widened to float32 (exact); ``partial_over``: mesh axes
 # on which its operand must stay a partial sum, so the reduction runs in float32 after it
 _def("grad_upcast", 1, "linear", lambda ts, n: TensorType(ts[0].shape, "float32"),
@@ -456,19 +492,19 @@ _MOVE = {"axis": Attr("str", required=True), "reason": Attr("str")}
 _DIM = Attr("int", required=True)
 # reductions part: the partial kind an all_reduce / partial_mask works on
 _REDUCE = {"reduce_op": Attr("str", default="sum", choices=("sum", "max"))}
-_def("all_reduce", 1, "collective", _same, {**_MOVE, **_REDUCE})
-_def("all_gather", 1, "collective", _same, {**_MOVE, "dim": _DIM})
-_def("reduce_scatter", 1, "collective", _same, {**_MOVE, "dim": _DIM})
-_def("all_to_all", 1, "collective", _same, {**_MOVE, "dim": _DIM, "src_dim": _DIM,
-                                            "ragged": Attr("bool", default=False)})  # passes/lowering/moe_ragged.py
-_def("shard_slice", 1, "local", _same, {**_MOVE, "dim": _DIM})
-_def("partial_mask", 1, "local", _same, {**_MOVE, **_REDUCE})
+_def("all_reduce", 1, "collective", same_type, {**_MOVE, **_REDUCE})
+_def("all_gather", 1, "collective", same_type, {**_MOVE, "dim": _DIM})
+_def("reduce_scatter", 1, "collective", same_type, {**_MOVE, "dim": _DIM})
+_def("all_to_all", 1, "collective", same_type, {**_MOVE, "dim": _DIM, "src_dim": _DIM,
+                                                "ragged": Attr("bool", default=False)})  # passes/lowering/moe_ragged.py
+_def("shard_slice", 1, "local", same_type, {**_MOVE, "dim": _DIM})
+_def("partial_mask", 1, "local", same_type, {**_MOVE, **_REDUCE})
 
 COLLECTIVES = tuple(op for op, t in TRANSITIONS.items() if t.collective)  # from the one table
 LAYOUT_OPS = COLLECTIVES + tuple(op for op, t in TRANSITIONS.items() if not t.collective)
 # identity whose output layout is fixed by the spec (outputs, pinned activations);
 # insert-collectives replaces it by the redistribution it asks for
-_def("relayout", 1, "relayout", _same, {"origin": Attr("str"),  # origin: the spec rule, in words
+_def("relayout", 1, "relayout", same_type, {"origin": Attr("str"),  # origin: the spec rule, in words
                                          "default": Attr("bool", default=False),  # unnamed output
                                          "grad": Attr("bool", default=False)})  # gradient pinned too
 
@@ -484,7 +520,7 @@ _def("add_scaled", 2, "lowered", _own, {"b": _NUM, **_INPLACE})  # x + b * y (SG
 _def("axpby", 2, "lowered", _own, {"a": _NUM, "b": _NUM, **_INPLACE})  # a x + b y (momentum)
 _def("mse_sum", 2, "lowered", _own)  # (y, t) -> sum((y - t)**2) over all dims (0-d)
 _def("mse_grad", 3, "lowered", _own)  # (dl, y, t) -> dl * 2 * (y - t), dl broadcast
-_def("wait", 1, "lowered", _same)  # the value of an all_reduce started with async_op=true
+_def("wait", 1, "lowered", same_type)  # the value of an all_reduce started with async_op=true
 # norms + embedding part, parcomp/passes/lowering/bucket.py: (a, b, ...) -> their
 # flattened concatenation; (flat) -> flat[offset:offset+numel] reshaped to its type (a view)
 _def("bucket_cat", -1, "lowered", _own)

@@ -1,7 +1,7 @@
 """Redistribution planning: a layout change as a list of steps, before any code.
 
 The per-axis steps, their placements and bytes come from the one transition
-table, :data:`parcomp.ir.transitions.TRANSITIONS` (DESIGN.md "Redistribution").
+table, :data:`parcomp.ir.transitions.TRANSITIONS` (docs/design/search.md, "Redistribution").
 
 Multi-axis plans respect the shard-order convention of :mod:`parcomp.ir.types`
 (first mesh axis outer): per tensor dim, the common prefix of source and target
@@ -33,7 +33,7 @@ from .types import DTYPE_BYTES, Layout, Mesh, Partial, Replicate, Shard, TensorT
 # alpha-beta cost model (DTensor _collective_utils.py style): seconds per collective
 # call plus seconds per byte sent per rank. Local steps cost EPSILON to break ties.
 # One model for every device profile (the Program must not change between them); see
-# docs/design.md for why alpha is 1e-4 s.
+# docs/design/search.md for why alpha is 1e-4 s.
 ALPHA_S = 1e-4
 BETA_S_PER_BYTE = 1e-10
 EPSILON_S = 1e-12

@@ -1,6 +1,6 @@
 """The one per-axis transition table: which layout op turns which placement into which.
 
-DESIGN.md "Redistribution" (DTensor ``_redistribute.py``), for one mesh axis of
+See docs/design/search.md, "Redistribution" (as DTensor's ``_redistribute.py``), for one mesh axis of
 ``n`` ranks; ``before`` / ``after``: bytes of one rank's local tensor around the op.
 
 ==============  =================  ============================

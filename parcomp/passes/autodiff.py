@@ -2,7 +2,7 @@
 
 The training step is differentiated before sharding, so the backward
 collectives come out of the same shard-prop / insert-collectives passes as
-the forward ones (see docs/design.md): the transposes (all_gather <->
+the forward ones (see docs/design/training.md): the transposes (all_gather <->
 reduce_scatter, all_reduce <-> identity, Megatron's f/g pair) are consequences
 of the rule tables, and the tests check them.
 
@@ -123,7 +123,7 @@ def add_training_step(graph: Graph, spec) -> Graph:
     cfg = train_config(spec)
     params = _trainable(graph, cfg)
     _check_batch(graph, spec, cfg)
-    graph, cast = lower_forward(graph, cfg, params, lambda n: _state_layout(n, cfg, spec))
+    graph, cast = lower_forward(graph, cfg, params, lambda n: state_layout(n, cfg, spec))
     b = Builder(graph)
     outs = []
     start_recompute(b, graph, cfg.options)  # recompute=selective
@@ -134,7 +134,7 @@ def add_training_step(graph: Graph, spec) -> Graph:
         finputs = []
     else:
         loss = _loss(b, graph, cfg)
-        params = _reaching(b, loss, params, cfg)
+        params = reached_params(b, loss, params, cfg)
         b.prefix, b.phase = "bw", "backward"
         seed = amp.scaled_seed(b, b.op("ones", [], type=b.type(loss), name="bw.loss"), cfg, spec)  # fp16
         finputs = [n.name for n in graph.inputs if n.type.dtype.startswith("float")] if cfg.input_grads else []
@@ -145,7 +145,7 @@ def add_training_step(graph: Graph, spec) -> Graph:
     clipped, factor = training_options(b, {p: grads[p] for p in params}, cfg, spec)
     grads.update(clipped)
     for p in params:
-        outs += _optimizer(b, graph[p], grads[p], cfg, spec, factor)
+        outs += optimizer_update(b, graph[p], grads[p], cfg, spec, factor)
     b.phase = "backward"
     for x in finputs:
         outs.append((f"{x}.grad", _pin(b, grads[x], graph[x].layout, f"gradient of input {x}")))
@@ -206,7 +206,7 @@ def _trainable(graph, cfg):
     return names
 
 
-def _reaching(b, loss, params, cfg):
+def reached_params(b, loss, params, cfg):
     """The ``params`` the loss depends on: as in torch.optim, one the loss does not
     reach has no gradient and is not updated (not even by weight decay)."""
     live = {loss}
@@ -232,7 +232,7 @@ def _check_batch(graph, spec, cfg):
             raise SpecError(f"batch={cfg.batch} is not divisible by the dp axis of size {dp}", cfg.loc)
 
 
-def _model_output(graph, cfg):
+def model_output(graph, cfg):
     """The model output the loss is computed on, and the layout the loss's target gets.
 
     That is the output ``cfg.output`` names, else the model's only output; a
@@ -253,7 +253,7 @@ def _model_output(graph, cfg):
 
 
 def _loss_output(graph, cfg):
-    """``(public name, value)`` of the output the loss is on (see :func:`_model_output`)."""
+    """``(public name, value)`` of the output the loss is on (see :func:`model_output`)."""
     named = graph.named_outputs()
     names = [p for p, _ in named]
     if cfg.output is None and len(named) == 1:
@@ -271,14 +271,14 @@ def _loss_output(graph, cfg):
 
 def _loss(b, graph, cfg):
     b.prefix, b.phase = "loss", "loss"
-    y, lay = _model_output(graph, cfg)
+    y, lay = model_output(graph, cfg)
     ty = b.type(y)
     if cfg.loss == "output":
         if ty.rank:
             raise SpecError(f"loss=output needs the model to return a scalar loss; it returns {ty}", cfg.loc)
         return y
     if cfg.loss == "mse":
-        target = _input(b, "target", ty, lay)
+        target = loss_input(b, "target", ty, lay)
         d = b.op("sub", [y, target])
         per, count = b.op("pow", [d], exponent=2.0), ty.numel
     else:
@@ -287,8 +287,8 @@ def _loss(b, graph, cfg):
                             f"is {ty}, a loss the model computes itself: write 'loss=output' (its options, "
                             "as label_smoothing or ignore_index, are the model's own)",
                             option_loc(cfg.loc, "loss"))
-        labels = _input(b, "labels", TensorType(ty.shape[:-1], "int64"),
-                        tuple(Replicate() if p == Shard(ty.rank - 1) else p for p in lay))
+        labels = loss_input(b, "labels", TensorType(ty.shape[:-1], "int64"),
+                            tuple(Replicate() if p == Shard(ty.rank - 1) else p for p in lay))
         return _cross_entropy_loss(b, graph, y, labels, dict(cfg.loss_args))
     total = b.op("sum", [per], dims=tuple(range(b.type(per).rank)))
     return b.op("scale", [total], value=1.0 / count, name="loss")  # global count, never mean of means
@@ -310,12 +310,12 @@ def _cross_entropy_loss(b, graph, y, labels, args):
     return b.op("div", [total, count], name="loss")  # global count, never a mean of means
 
 
-def _input(b, name, ty, layout, phase="loss"):
+def loss_input(b, name, ty, layout, phase="loss"):
     return b.source(name, "input", ty, tuple(Replicate() if isinstance(p, Partial) else p for p in layout),
                     phase)
 
 
-def _state_layout(param, cfg, spec):
+def state_layout(param, cfg, spec):
     """The optimizer state's layout: the param's, or with ZeRO also split over dp.
 
     ZeRO splits the first dim no other mesh axis splits (so a tp shard is not
@@ -350,14 +350,14 @@ def training_options(b, grads, cfg, spec):
 
 def _step_input(b, spec):
     """The step counter k = 1, 2, ... (an input the program's loop sets)."""
-    return "step" if "step" in b.types else _input(b, "step", TensorType((), "float32"),
-                                                   replicated(len(spec.mesh.axes)), "optimizer")
+    return "step" if "step" in b.types else loss_input(b, "step", TensorType((), "float32"),
+                                                       replicated(len(spec.mesh.axes)), "optimizer")
 
 
-def _optimizer(b, param, g, cfg, spec, factor=None):
+def optimizer_update(b, param, g, cfg, spec, factor=None):
     """The update of one parameter; returns its (public name, value) outputs."""
     b.prefix, b.phase = f"opt.{param.name}", "optimizer"
-    p, st_lay = param.name, _state_layout(param, cfg, spec)
+    p, st_lay = param.name, state_layout(param, cfg, spec)
     out = [(f"{p}.grad", _pin(b, g, st_lay, f"gradient of {p}"))]
     if cfg.optimizer == "sgd":
         if cfg.h("weight_decay"):

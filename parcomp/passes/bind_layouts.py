@@ -1,6 +1,11 @@
-"""bind-layouts: the spec's rules become layouts on params, inputs, outputs, activations.
+"""Binding the spec's rules to the model: layouts on params, inputs, outputs, activations.
 
-``colwise`` / ``rowwise`` are resolved by *use*, not by storage order (DESIGN.md):
+The binding is a run of passes of the one list (:mod:`parcomp.passes.pass_list`), each one
+job: ``bind-layouts`` (params and inputs), ``bias-follows``, ``fused-bias-follows``,
+``attention-heads``, ``pad-vocab``, ``check-even``, ``pin-activations``, ``pin-outputs``; a
+bound rule travels between them as the node's ``layout`` and ``spec_loc`` (:func:`bound_rules`).
+
+``colwise`` / ``rowwise`` are resolved by *use*, not by storage order:
 the pass follows the weight through ``permute`` / ``reshape`` to the matmul that
 consumes it as right operand ``b[k, n]``; colwise splits ``n`` (the output
 features, DTensor ColwiseParallel), rowwise splits ``k`` (the input features,
@@ -30,13 +35,15 @@ from .fused_weights import fused_bias_follows, fused_split_dim  # attention part
 from .vocab_pad import pad_vocab_tables  # padded vocab
 
 
-def bind_layouts(graph: Graph, spec: Spec) -> Graph:
-    """Attach the spec's layouts to ``graph`` (which must be an unsharded graph).
+def bind_param_layouts(graph: Graph, spec: Spec) -> Graph:
+    """The pass ``bind-layouts``: every param and input of ``graph`` (an unsharded model graph)
+    gets the layout of its spec rule (replicated when none names it) and the rule's location;
+    the graph gets the spec's mesh. The rules are checked first: each names something in the
+    model and none is shadowed by an earlier one.
 
     Raises:
-        SpecError: a rule names nothing in the model, ``colwise`` on a tensor that
-            is not a matmul weight, or a layout that splits a dim unevenly (the
-            message names tensor, dim, sizes and mesh axis, at the rule's line).
+        SpecError: a rule names nothing in the model, ``colwise`` on a tensor that is not a
+            matmul weight, an ``S(d)`` naming a dim the tensor does not have (at the rule's line).
     """
     inserted = [n for n in graph.nodes if n.op in LAYOUT_OPS + ("relayout",)]
     if inserted:
@@ -49,31 +56,106 @@ def bind_layouts(graph: Graph, spec: Spec) -> Graph:
                            "input": [n.name for n in graph.inputs],
                            "output": list(graph.output_names), "activation": values})
     graph = replace(graph, mesh=spec.mesh)
-    layouts, bound_by, users, named = {}, {}, graph.users(), {}
+    users, nodes = graph.users(), []
     for n in graph.nodes:
         if n.op in ("input", "param"):
-            rule, named[n.name] = _rule_of(spec, n)
-            with _tied_note(n, named[n.name]):
-                layouts[n.name] = (_resolve(graph, spec, rule, n, users) if rule
-                                   else replicated(len(spec.mesh.axes)))
-                _check_dims(n, layouts[n.name], rule)  # before any rewrite below reads a dim
-            bound_by[n.name] = rule
-    _bias_follows(graph, spec, layouts, bound_by)
-    fused_bias_follows(graph, layouts, bound_by)  # attention part
-    check_heads(graph, spec, layouts, bound_by)
-    graph = pad_vocab_tables(graph, spec.mesh, layouts, _ce_loss(spec))  # uneven vocab
-    nodes = []
+            rule, used = _rule_of(spec, n)
+            with _tied_note(n, used):
+                lay = _resolve(graph, spec, rule, n, users) if rule else replicated(len(spec.mesh.axes))
+                _check_dims(n, lay, rule)  # before any later pass reads a dim
+            n = replace(n, layout=lay, spec_loc=rule.loc if rule else None)
+        nodes.append(n)
+    return graph.with_nodes(nodes)
+
+
+def bound_rules(graph: Graph, spec: Spec) -> tuple:
+    """``(layouts, bound_by)`` of the params and inputs of a graph after ``bind-layouts``, in
+    node order: ``{name: layout}`` and ``{name: the spec rule that bound it, or None}`` (a rule
+    is found by its location, which the binding passes set as the node's ``spec_loc``; a bias
+    that follows its weight carries the weight's rule)."""
+    by_loc = {}
+    for r in spec.rules:
+        by_loc.setdefault(id(r.loc), r)
+    layouts, bound_by = {}, {}
+    for n in graph.nodes:
+        if n.op in ("input", "param"):
+            layouts[n.name] = n.layout
+            bound_by[n.name] = by_loc.get(id(n.spec_loc)) if n.spec_loc is not None else None
+    return layouts, bound_by
+
+
+def with_bound(graph: Graph, layouts: dict, bound_by: dict) -> Graph:
+    """``graph`` with the params and inputs whose layout or rule changed in ``layouts`` /
+    ``bound_by`` (as :func:`bound_rules` gives them) rebound; ``graph`` itself when none did."""
+    nodes, changed = [], False
     for n in graph.nodes:
         if n.name in layouts:
-            with _tied_note(n, named.get(n.name, n.name)):
-                _check_even(n, layouts[n.name], spec, bound_by[n.name])
             rule = bound_by[n.name]
-            n = replace(n, layout=layouts[n.name], spec_loc=rule.loc if rule else None)
+            loc = rule.loc if rule else None
+            if layouts[n.name] != n.layout or loc is not n.spec_loc:
+                n, changed = replace(n, layout=layouts[n.name], spec_loc=loc), True
         nodes.append(n)
-    graph = graph.with_nodes(nodes)
-    graph = _pin_activations(graph, spec)
-    graph = pin_sequence_parallel(_pin_outputs(graph, spec), spec)
-    return pin_context_parallel(graph, spec)  # context parallel
+    return graph.with_nodes(nodes) if changed else graph
+
+
+def bias_follows(graph: Graph, spec: Spec) -> Graph:
+    """The pass ``bias-follows``: a bias no rule names, added to a colwise weight's matmul
+    output, takes the weight's split (on its last dim) and rule."""
+    layouts, bound_by = bound_rules(graph, spec)
+    _bias_follows(graph, spec, layouts, bound_by)
+    return with_bound(graph, layouts, bound_by)
+
+
+def fused_bias_layouts(graph: Graph, spec: Spec) -> Graph:
+    """The pass ``fused-bias-follows``: an unnamed fused bias follows its colwise fused weight
+    (:func:`parcomp.passes.fused_weights.fused_bias_follows`)."""
+    layouts, bound_by = bound_rules(graph, spec)
+    fused_bias_follows(graph, layouts, bound_by)
+    return with_bound(graph, layouts, bound_by)
+
+
+def attention_heads(graph: Graph, spec: Spec) -> Graph:
+    """The pass ``attention-heads``: a colwise weight's heads split evenly over its axis, or a
+    grouped-query kv projection with fewer heads than ranks is replicated on that axis
+    (:func:`parcomp.passes.attention.heads.check_heads`).
+
+    Raises:
+        SpecError: heads that cannot be split evenly (not a GQA repeat).
+    """
+    layouts, bound_by = bound_rules(graph, spec)
+    check_heads(graph, spec, layouts, bound_by)
+    return with_bound(graph, layouts, bound_by)
+
+
+def pad_vocab(graph: Graph, spec: Spec) -> Graph:
+    """The pass ``pad-vocab``: a vocab table split unevenly is padded (:mod:`.vocab_pad`)."""
+    layouts, _ = bound_rules(graph, spec)
+    return pad_vocab_tables(graph, spec.mesh, layouts, _ce_loss(spec))
+
+
+def check_even(graph: Graph, spec: Spec) -> Graph:
+    """The check ``check-even``: every param's and input's layout splits its dims evenly.
+
+    Raises:
+        SpecError: the message names tensor, dim, sizes and mesh axis, at the rule's line.
+    """
+    _, bound_by = bound_rules(graph, spec)
+    for n in graph.nodes:
+        if n.name in bound_by:
+            with _tied_note(n, _rule_of(spec, n)[1]):
+                _check_even(n, n.layout, spec, bound_by[n.name])
+    return graph
+
+
+def pin_activations(graph: Graph, spec: Spec) -> Graph:
+    """The pass ``pin-activations``: each activation a rule names gets a ``relayout`` to it."""
+    return _pin_activations(graph, spec)
+
+
+def pin_outputs(graph: Graph, spec: Spec) -> Graph:
+    """The pass ``pin-outputs``: each model output gets a ``relayout`` to the spec's layout
+    (replicated when no rule names it)."""
+    return _pin_outputs(graph, spec)
 
 
 def _ce_loss(spec) -> bool:
@@ -178,13 +260,13 @@ def _resolve(graph, spec, rule, node, users):
     if node.attr("stored_shape"):  # attention part: a fused weight, split per part
         dim = fused_split_dim(node, rule.layout.word)
     else:
-        dim = _weight_split_dim(graph, node, rule, users)
+        dim = weight_split_dim(graph, node, rule, users)
     out = list(replicated(len(spec.mesh.axes)))
     out[spec.mesh.axis_index(rule.layout.axis)] = Shard(dim)
     return tuple(out)
 
 
-def _weight_split_dim(graph, node, rule, users) -> int:
+def weight_split_dim(graph, node, rule, users) -> int:
     """Stored dim of ``node`` that colwise/rowwise splits, found through its uses
     (``users``: ``graph.users()``)."""
     chain, cur = [], node.name
@@ -263,8 +345,8 @@ def _fused_note(node) -> str:
 
 def _check_dims(node, layout, rule):
     """Every ``S(d)`` of ``layout`` names a dim ``node`` has. Checked as soon as a rule's layout
-    is resolved, so the rewrites that run before :func:`_check_even` (bias and fused-bias
-    following, head checks, vocab padding) index only dims the tensor has."""
+    is resolved, so the passes that run before ``check-even`` (bias and fused-bias following,
+    the heads, vocab padding) index only dims the tensor has."""
     bad = next((p.dim for p in layout if isinstance(p, Shard) and not 0 <= p.dim < node.type.rank), None)
     if bad is not None:
         raise SpecError(f"{node.op} {node.name} {node.type} as {layout_str(layout)}: S({bad}) names a "

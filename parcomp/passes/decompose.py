@@ -1,5 +1,5 @@
 """decompose-reductions: softmax, log_softmax, mean, argmax and cross_entropy written as the
-reductions shard-prop can split (reductions part; see docs/design.md).
+reductions shard-prop can split (reductions part; see docs/design/rules.md).
 
 Runs on the global graph after ``bind-layouts`` and before ``autodiff``, always: whether a
 reduced dim ends up split is shard-prop's choice, made later. The forms:

@@ -58,13 +58,13 @@ def shard_prop(graph: Graph, seconds: float = DEFAULT_SECONDS, memory: int | Non
     plan.  The returned graph's ``search`` says which search produced the plan,
     its cost (seconds) and whether it is proven optimal under the cost model.
     Data parallel stays data parallel: no plan all-gathers the batch over ``dp``
-    (:class:`_Problem`) unless none can avoid it (``search["data_parallel"]`` False).
+    (:class:`ShardProblem`) unless none can avoid it (``search["data_parallel"]`` False).
     With ``memory`` (bytes per rank), plans whose resident bytes
     (:mod:`parcomp.cost.memory`) exceed it are infeasible.  ``free`` maps a source (param or
     input) to the layouts it may take (``parcomp plan``); other sources keep theirs.
     ``heuristic`` skips the ILP as a graph over MAX_STRATEGIES does (block-plan reuse compiles
     a few blocks of a model whose whole graph is over it: parcomp/compile/repeat_compile.py).
-    ``problem``: this graph's :class:`_Problem` (``free`` empty), already pruned with data
+    ``problem``: this graph's :class:`ShardProblem` (``free`` empty), already pruned with data
     parallel kept (:func:`.search.keep_dp.prune` True), which block-plan reuse builds first to count
     the strategies; it is used as built.
 
@@ -76,7 +76,7 @@ def shard_prop(graph: Graph, seconds: float = DEFAULT_SECONDS, memory: int | Non
     t0 = time.perf_counter()
     blocked = None
     if problem is None:
-        prob = _Problem(graph, free or {})
+        prob = ShardProblem(graph, free or {})
         gathered = bool(prob.batch) and not prune(prob)
         blocked = blocked_record(prob)
     else:
@@ -88,7 +88,7 @@ def shard_prop(graph: Graph, seconds: float = DEFAULT_SECONDS, memory: int | Non
         cost = prob.total(sol)
         gathered = math.isinf(cost)
     if gathered:  # no plan keeps the batch split over dp (pins, a batch-mixing op): the best of all
-        prob = _Problem(graph, free or {}, data_parallel=False)
+        prob = ShardProblem(graph, free or {}, data_parallel=False)
         limit = None if memory is None else MemoryLimit(prob, memory, memory_loc)
         sol, search, proven = _search(prob, limit, seconds, heuristic)
         sol = _in_order(graph, sol)
@@ -101,6 +101,8 @@ def shard_prop(graph: Graph, seconds: float = DEFAULT_SECONDS, memory: int | Non
             info["batch_gathered_by"] = blocked
     if search == "heuristic" and limit is None and too_large(prob):
         info["solver_skipped"] = sum(len(o) for o in prob.options.values())  # strategies
+    elif prob.ilp_skipped_columns:
+        info["solver_skipped_columns"] = prob.ilp_skipped_columns
     if limit is not None:
         info.update(memory_limit=memory, resident_bytes=limit.bytes(sol))
     nodes = [n if n.name not in sol else evolve(n, layout=sol[n.name][1], in_layouts=sol[n.name][0]
@@ -119,6 +121,8 @@ def _search(prob, limit, seconds, heuristic=False) -> tuple:
     if limit is None and (heuristic or too_large(prob)):  # the solver would stop at its root with this plan
         return sol, "heuristic", False
     ilp, proven = solve_ilp(prob, sol, seconds, limit)
+    if proven is None:  # over MAX_COLUMNS: the solver was not called
+        return sol, "heuristic", False
     fits = [s for s in (ilp, sol) if limit is None or limit.fits(s)]
     if not fits:
         raise limit.not_found(seconds)
@@ -127,7 +131,7 @@ def _search(prob, limit, seconds, heuristic=False) -> tuple:
     return best, "ilp" if proven or better else "heuristic", proven
 
 
-class _Problem(LocalMoves):
+class ShardProblem(LocalMoves):
     """Options per node and the exact cost of a plan.  With ``data_parallel`` (the default)
     a conversion that all-gathers one of the batch's values over a batch axis (``dp``; ``ep``
     where the spec splits an input over it: :func:`.search.keep_dp.batch_axes`) costs
@@ -139,6 +143,7 @@ class _Problem(LocalMoves):
         self.batch = batch_values(graph) if data_parallel else frozenset()
         self.batch_axes = batch_axes(graph)
         self.blocked = None  # keep_dp.prune: the first node it left without a strategy
+        self.ilp_skipped_columns = 0  # layout_ilp.solve_ilp: the columns of a program it did not solve
         self.pinned = {}  # value -> layouts a relayout (a spec pin) reads it in
         for n in graph.nodes:
             if n.op == "relayout":

@@ -1,7 +1,7 @@
 """The IR verifier, run after every pass: invariants as a table of checks.
 
 Checks, in order: SSA well-formedness; types agree with each op's shape rule
-(global graphs); and, once layouts exist, the layout rules of DESIGN.md:
+(global graphs); and, once layouts exist, the layout rules:
 a nonlinear op never sees ``P``; a ``P(max)`` reaches only all_reduce(max), amax and
 identity/movement ops (it is never summed); ``P + R`` never happens (an ``R`` addend must be
 made ``P`` on one rank first, so it is counted once); a product has at most one

@@ -2,8 +2,8 @@
 
 GPT-2's vocab (50257) is odd; Megatron pads the embedding table and the LM head to a
 multiple of tp (``--make-vocab-size-divisible-by``) and masks the padded logits. parcomp does
-the same, as part of bind-layouts, for a parameter whose rule splits a dim the mesh does not
-divide, when that dim is a vocab:
+the same, in the pass ``pad-vocab`` (after ``bind-layouts``), for a parameter whose rule splits a
+dim the mesh does not divide, when that dim is a vocab:
 
 - the parameter is an ``embedding`` table (the split dim its rows), and/or
 - it reaches a matmul as the right operand (through a permute) whose output's last dim is
@@ -18,7 +18,7 @@ trims it on the way out. The LM head's matmul then makes ``V_pad`` logits; ``mas
 makes the padded ones the lowest finite number (they never win a max or argmax, their exp is
 0, and their gradient is 0, so the padded rows stay 0 under any optimizer), and a ``slice``
 back to ``V`` gives the model's logits their own shape under their own name. A training loss
-on those logits is taken on the masked, padded ones (autodiff's ``_model_output``), so the
+on those logits is taken on the masked, padded ones (autodiff's ``model_output``), so the
 cross-entropy stays vocab-parallel. Ids and labels index the real vocab only.
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ def pad_vocab_tables(graph: Graph, mesh, layouts: dict, logits_loss: bool = Fals
     """``graph`` with every unevenly split vocab table padded (see the module docstring).
 
     ``layouts`` maps param names to the layouts the spec's rules gave them; a param whose
-    split is uneven but that is not a vocab table is left alone (bind-layouts then reports
+    split is uneven but that is not a vocab table is left alone (check-even then reports
     the uneven split, as before). ``logits_loss``: the step's loss is a cross-entropy on the
     model output (an untied LM head's output is then logits). An ``S(d)`` naming a dim the
     param does not have is left alone too (bind-layouts reports it at the rule).

@@ -35,7 +35,7 @@ The written spec pins the parameters (in Megatron's words where they apply:
 listed as comments (compiling the spec re-derives them: the search is
 deterministic).  It starts with a header line carrying a checksum of the rest, so
 ``plan`` overwrites only a spec it wrote and nobody changed since
-(docs/design.md: parcomp never overwrites a file it did not write).
+(docs/design/plan.md: parcomp never overwrites a file it did not write).
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ import textwrap
 from ..cost.memory import MemoryLimitError, over_limit
 from ..errors import ParcompError, SourceLoc
 from ..ir.types import R, Shard, divisibility_problem, layout_str
-from ..passes.bind_layouts import bind_layouts
+from ..passes.pass_list import bind_layouts
 from ..passes.search.layout_ilp import DEFAULT_SECONDS
 from ..passes.shard_prop import shard_prop
 from ..spec import parse_spec

@@ -126,13 +126,13 @@ def _parts(node) -> str:
 def _word_dim(graph, users, node, word):
     """The stored dim ``word`` splits on ``node`` (bind-layouts' resolution), or None."""
     from ..passes.fused_weights import fused_split_dim
-    from ..passes.bind_layouts import _weight_split_dim
+    from ..passes.bind_layouts import weight_split_dim
 
     if node.attr("stored_shape"):  # a fused weight's view [in, k, out] (its bias: [k, out])
         return fused_split_dim(node, word) if node.type.rank >= 3 else None
     rule = SimpleNamespace(layout=SimpleNamespace(word=word), loc=None)
     try:
-        return _weight_split_dim(graph, node, rule, users)
+        return weight_split_dim(graph, node, rule, users)
     except ParcompError:
         return None
 
@@ -177,7 +177,7 @@ def bound_params(graph, text: str) -> dict:
     Raises:
         ParcompError: the text does not parse or bind.
     """
-    from ..passes.bind_layouts import bind_layouts
+    from ..passes.pass_list import bind_layouts
 
     bound = bind_layouts(graph, parse_spec(text, "plan.pcs"))
     return {n.name: n.layout for n in bound.params}

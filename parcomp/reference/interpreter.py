@@ -81,7 +81,9 @@ def _split_max(locs, full, layout, mesh, a, rng):
     keys = {}
     for r in range(mesh.size):
         coords = mesh.coords(r)
-        key = tuple(0 if (i == a or isinstance(q, Replicate)) else c
+        # one owner per group along ``a`` whatever the coordinates on the other P(max) axes, so
+        # that on two such axes some rank (the owners' crossing) still holds the exact value
+        key = tuple(0 if (i == a or isinstance(q, (Replicate, Partial))) else c
                     for i, (c, q) in enumerate(zip(coords, layout)))
         if key not in keys:
             keys[key] = (int(rng.integers(mesh.sizes[a])),

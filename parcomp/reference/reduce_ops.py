@@ -89,8 +89,39 @@ def _mask_pad(x, node):
     return np.where(idx >= int(node.attr("size")), x.dtype.type(fill), x)
 
 
+def topk_order(x, k: int, dim: int) -> np.ndarray:
+    """int64 indices of the ``k`` largest of ``x`` along ``dim``, largest first; equal values
+    in index order (the lower index first); NaN above every number, as torch.topk ranks it."""
+    x = np.asarray(x)
+    key = np.where(np.isnan(x), np.inf, x) if x.dtype.kind == "f" else x
+    order = np.argsort(-key if x.dtype.kind == "f" else -key.astype(np.int64), axis=dim, kind="stable")
+    if x.dtype.kind == "f":  # NaN first (stable: in index order), then the numbers
+        nan = np.take_along_axis(np.isnan(x), order, axis=dim)
+        order = np.take_along_axis(order, np.argsort(~nan, axis=dim, kind="stable"), axis=dim)
+    return np.take(order, np.arange(k), axis=dim).astype(np.int64)
+
+
+def _log(x):
+    """np.log, log(0) = -inf without a warning (a 0/1 mask's log is a fill of -inf on purpose)."""
+    with np.errstate(divide="ignore"):
+        return np.log(x)
+
+
+def _put_along(g, idx, node):
+    dim = node.attr("dim") % g.ndim
+    shape = list(g.shape)
+    shape[dim] = int(node.attr("size"))
+    out = np.zeros(shape, g.dtype)
+    for j in range(idx.shape[dim]):  # duplicate indices add up (scatter_add)
+        sel = [slice(None)] * g.ndim
+        sel[dim] = slice(j, j + 1)
+        sl = tuple(sel)
+        np.put_along_axis(out, idx[sl], np.take_along_axis(out, idx[sl], axis=dim) + g[sl], axis=dim)
+    return out
+
+
 REDUCE_NUMPY_OPS = {
-    "log": lambda a, n: np.log(a[0]),
+    "log": lambda a, n: _log(a[0]),
     "amax": lambda a, n: np.max(a[0], axis=_dims(n, a[0])) if n.attr("dims") else a[0].copy(),
     "amax_grad": lambda a, n: _amax_grad(a[0], a[1], a[2], n),
     "argmax": lambda a, n: np.argmax(a[0], axis=n.attr("dim") % a[0].ndim).astype(np.int64),
@@ -103,6 +134,12 @@ REDUCE_NUMPY_OPS = {
     "pick_grad": lambda a, n: _pick_grad(a[0], a[1], n),
     "label_mask": lambda a, n: (np.asarray(a[0]) != int(n.attr("ignore_index", -100))).astype(n.type.dtype),
     "mask_pad": lambda a, n: _mask_pad(a[0], n),
+    "topk": lambda a, n: np.take_along_axis(a[0], topk_order(a[0], n.attr("k"), n.attr("dim") % a[0].ndim),
+                                            axis=n.attr("dim") % a[0].ndim),
+    "topk_index": lambda a, n: topk_order(a[0], n.attr("k"), n.attr("dim") % a[0].ndim),
+    "take_along": lambda a, n: np.take_along_axis(a[0], np.asarray(a[1], np.int64),
+                                                  axis=n.attr("dim") % a[0].ndim),
+    "put_along": lambda a, n: _put_along(a[0], np.asarray(a[1], np.int64), n),
 }
 
 

@@ -132,7 +132,7 @@ def layer_ways(b, h, hkv, s, d, e, n, link, train: bool, causal: bool = True,
 
 def heads_split(sharded, axis: str) -> int:
     """Over how many ranks of the mesh axes other than ``axis`` the first forward sdpa of the
-    ``sharded`` graph splits its heads (dim 1: tp's heads under CP x TP, docs/design.md); 1
+    ``sharded`` graph splits its heads (dim 1: tp's heads under CP x TP, docs/design/context_parallel.md); 1
     when none does or ``sharded`` is None."""
     for n in (sharded.nodes if sharded is not None else ()):
         if n.op == "sdpa" and n.phase in (None, "forward") and n.layout:

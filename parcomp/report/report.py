@@ -176,6 +176,9 @@ def format_search(search, training: bool | None = None) -> str:
     if search.get("solver_skipped"):  # shard_prop: too large for the integer program
         proof = (f"not proven optimal ({search['solver_skipped']} strategies: too many for the "
                  f"integer program's budget, the heuristic's plan is kept)")
+    if search.get("solver_skipped_columns"):  # shard_prop: its integer program has too many columns
+        proof = (f"not proven optimal ({search['solver_skipped_columns']} columns: too many for the "
+                 f"integer program's budget, the heuristic's plan is kept)")
     covers = {True: " per training step (forward, backward, update; gradient reductions before bucketing)",
               False: " for the forward pass", None: " per step"}[training]
     return (f"layouts: {_SEARCHES[search['search']]}, {proof}; search estimate (compute + layout "

@@ -1,12 +1,16 @@
 """Rules of the reductions part: sharding strategies and VJPs of
 ``log``, ``amax`` (+ ``amax_grad``), ``argmax`` (+ ``argmax_key`` / ``argmax_index``),
-``mean``, ``softmax``, ``log_softmax``, ``pick`` / ``pick_grad``, ``label_mask``, ``mask_pad``.
+``mean``, ``softmax``, ``log_softmax``, ``pick`` / ``pick_grad``, ``label_mask``, ``mask_pad``,
+``topk`` / ``topk_index`` and ``take_along`` / ``put_along`` (their gradients).
 
 Merged into :data:`parcomp.rules.sharding.STRATEGY_RULES` and :data:`parcomp.rules.vjp.VJP_RULES`.
 Sharding, one mesh axis:
 
 - a max over a split dim gives a partial max ``P(max)`` (amax, argmax_key); a sum over one a
   partial sum (``sum``, and ``pick`` of a vocab-split z: only the owner of the column holds it);
+- ``topk`` / ``topk_index`` never split the dim they choose along (a split one would need a
+  local top-k and a merge); ``take_along`` / ``put_along`` split any other dim with their
+  indices, and are linear in their first operand (``P`` passes through);
 - ``mean``, ``softmax``, ``log_softmax`` and ``argmax`` never split their reduced dim: the
   decompose pass (parcomp/passes/decompose.py) writes them as amax / sum / pick first, and
   shard-prop may then split that dim;
@@ -74,9 +78,21 @@ def _pick_grad(node, ts):
             + [((Shard(d), Shard(d)), Shard(d)) for d in range(rank - 1)])
 
 
+def _topk(node, ts):
+    dim = node.attr("dim") % ts[0].rank
+    return [((R,), R)] + [((Shard(d),), Shard(d)) for d in range(ts[0].rank) if d != dim]
+
+
+def _along(node, ts):
+    dim = node.attr("dim") % ts[0].rank
+    return [((R, R), R), ((P, R), P)] + [((Shard(d), Shard(d)), Shard(d))
+                                         for d in range(ts[0].rank) if d != dim]
+
+
 REDUCE_STRATEGY_RULES = {"amax": _amax, "amax_grad": _amax_grad, "mean": _mean, "softmax": _keep_dim,
                          "log_softmax": _keep_dim, "argmax": _argmax, "argmax_key": _argmax,
-                         "pick": _pick, "pick_grad": _pick_grad}
+                         "pick": _pick, "pick_grad": _pick_grad, "topk": _topk, "topk_index": _topk,
+                         "take_along": _along, "put_along": _along}
 """op -> strategy rule; ``log``, ``argmax_index``, ``label_mask`` and ``mask_pad`` are
 pointwise (kind ``nonlinear``: R and S(d), never P)."""
 
@@ -112,6 +128,13 @@ def _amax_vjp(b, n, g):
     return (b.op("amax_grad", [g, n.inputs[0], n.name], dims=n.attr("dims")),)
 
 
+def _topk_vjp(b, n, g):
+    """dx: g put back at the chosen indices (0 elsewhere)."""
+    x, dim = n.inputs[0], n.attr("dim")
+    idx = b.op("topk_index", [x], k=n.attr("k"), dim=dim)
+    return (b.op("put_along", [g, idx], dim=dim, size=b.type(x).shape[dim]),)
+
+
 def _no_grad(b, n, g):
     return (None,) * len(n.inputs)
 
@@ -128,4 +151,8 @@ REDUCE_VJP_RULES = {
     "pick_grad": lambda b, n, g: (b.op("pick", [g, n.inputs[1]], ignore_index=n.attr("ignore_index", -100)),
                                   None),
     "mask_pad": lambda b, n, g: (b.op("mask_pad", [g], size=n.attr("size"), fill="0"),),
+    "topk": _topk_vjp, "topk_index": _no_grad,
+    "take_along": lambda b, n, g: (b.op("put_along", [g, n.inputs[1]], dim=n.attr("dim"),
+                                        size=b.type(n.inputs[0]).shape[n.attr("dim")]), None),
+    "put_along": lambda b, n, g: (b.op("take_along", [g, n.inputs[1]], dim=n.attr("dim")), None),
 }

@@ -10,7 +10,7 @@ batch and free dims shard one operand and the output, a contracted dim sharded
 on both operands gives ``Partial``, and bilinearity lets one operand be
 ``Partial``.  Add counts a ``Replicate`` addend once: ``P + P -> P`` only, so an
 ``R`` bias must first become ``P`` (kept on one rank) or the sum must be reduced
-first (DESIGN.md, "rules that always hold").
+first (a layout rule :mod:`parcomp.passes.verify` checks).
 """
 from __future__ import annotations
 
@@ -202,10 +202,12 @@ def mesh_strategies(node, in_types, mesh) -> list:
 def _on_axis(per_axis, name, node=None) -> list:
     """The single-axis strategies allowed on mesh axis ``name``: a pipeline axis (``pp``)
     splits the model into stages, never a tensor, so only the replicated strategy. An axis
-    in ``node``'s ``partial_over`` (mixed precision's ``grad_upcast``) takes no replicated
-    operand there: its operand's partial sums are reduced after it, in float32."""
+    in ``node``'s ``partial_over`` (mixed precision's ``grad_upcast``) takes its operand's
+    partial sums there and reduces nothing before it: neither a replicated operand (an
+    all_reduce before it) nor a split one (a ZeRO reduce_scatter before it), so the reduction
+    after it sends float32."""
     if node is not None and name in (node.attr("partial_over", "") or "").split():
-        return [s for s in per_axis if R not in s[0]]
+        return [s for s in per_axis if all(p == P for p in s[0])] or [s for s in per_axis if R not in s[0]]
     if name != "pp":
         return per_axis
     rep = [s for s in per_axis if s[1] == R and all(p == R for p in s[0])]

@@ -13,25 +13,25 @@ from .ctxpar import make_context_parallel  # context parallel
 from .model import LAYOUT_WORDS, LayoutSpec, Rule, Spec, TrainSpec, check_mesh_size, default_axis
 from .moe import make_moe  # MoE capacity policy
 from .stages import make_stage, check_stages
-from .syntax import _WORDS, _hint, _int, _loc
+from .syntax import LAYOUT_WORDS_TEXT, did_you_mean, spec_int, source_loc
 from .train_config import train_config
 
 _TOPOLOGY = ("nodes", "devices_per_node")
 # how program.py runs on a cluster: key -> the words it takes, or None: whole seconds
 _LAUNCH_KEYS = {"placement": ("refuse", "warn"), "timeout": None}
 MAX_TIMEOUT_S = 10_000_000  # seconds (~116 days): program.py's --timeout takes at most this
-#: the statements whose payload is ``key=value`` options (each key at most once: _Builder.no_repeats)
+#: the statements whose payload is ``key=value`` options (each key at most once: SpecBuilder.no_repeats)
 _OPTION_STATEMENTS = ("train", "moe", "context-parallel", "topology")
 
 
-class _Builder:
+class SpecBuilder:
     """Checks raw statements against the mesh and builds the :class:`Spec`."""
 
     def __init__(self, file: str, lines: list):
         self.file, self.lines = file, lines
 
     def loc(self, tok) -> SourceLoc:
-        return _loc(self.file, self.lines, tok.line, tok.column)
+        return source_loc(self.file, self.lines, tok.line, tok.column)
 
     def err(self, tok, msg) -> SpecError:
         return SpecError(msg, self.loc(tok))
@@ -43,7 +43,7 @@ class _Builder:
         if not stmts:
             raise SpecError("the spec is empty: it has no statements, so no mesh statement; "
                             "start it with one such as 'mesh tp=2'",
-                            _loc(self.file, self.lines, 1, 1))
+                            source_loc(self.file, self.lines, 1, 1))
         kind, tok, _ = stmts[0]
         if kind != "mesh":
             raise self.err(tok, "the first statement must be the mesh, such as 'mesh tp=2' "
@@ -90,7 +90,7 @@ class _Builder:
         check_mesh_size(axes, self.err)
         names = {}
         for name, size in axes:
-            _int(size, self.file, self.lines)
+            spec_int(size, self.file, self.lines)
             if str(name) in names:
                 raise self.err(name, f"mesh axis {name} is given twice (axis names must differ)")
             if int(size) < 1:
@@ -106,7 +106,7 @@ class _Builder:
             k = str(key)
             if k not in _TOPOLOGY and k not in LINK_KEYS:
                 keys = (*_TOPOLOGY, *LINK_KEYS, *_LAUNCH_KEYS)
-                raise self.err(key, f"unknown topology key {k!r}{_hint(k, keys)} (keys: {', '.join(keys)})")
+                raise self.err(key, f"unknown topology key {k!r}{did_you_mean(k, keys)} (keys: {', '.join(keys)})")
             links_key = k in LINK_KEYS
             self.check_topo_value(k, val, LINK_KEYS.get(k, "a count"))
             (links if links_key else vals)[k] = str(val) if val.type == "NAME" else int(val)
@@ -134,7 +134,7 @@ class _Builder:
                 raise self.err(val, f"topology {k}={val}: give {' or '.join(words)}")
             if not words:
                 self.check_topo_value(k, val, "seconds")
-                if _int(val, self.file, self.lines) > MAX_TIMEOUT_S:  # program.py's --timeout bound
+                if spec_int(val, self.file, self.lines) > MAX_TIMEOUT_S:  # program.py's --timeout bound
                     raise self.err(val, f"topology {k}={val}: at most {MAX_TIMEOUT_S:_} seconds")
             launch[k] = str(val) if words else int(val)
         self.launch = tuple(sorted(launch.items()))
@@ -144,12 +144,12 @@ class _Builder:
         """A topology value of the right kind: a link class name, or a whole number >= 1."""
         if wants == "a link class":
             if val.type != "NAME" or str(val) not in LINKS:
-                raise self.err(val, f"topology {key}={val}: not a link class{_hint(str(val), LINKS)} "
+                raise self.err(val, f"topology {key}={val}: not a link class{did_you_mean(str(val), LINKS)} "
                                     f"(classes: {', '.join(LINKS)})")
             return
         if val.type == "NAME":
             raise self.err(val, f"topology {key}={val}: give a whole number ({wants}), such as {key}=2")
-        _int(val, self.file, self.lines)
+        spec_int(val, self.file, self.lines)
         if int(val) < 1:
             raise self.err(val, f"topology {key} is {int(val)}; it must be >= 1")
 
@@ -183,7 +183,7 @@ class _Builder:
     def axis(self, tok, where: str) -> str:
         names = self.mesh.names
         if str(tok) not in names:
-            raise self.err(tok, f"unknown mesh axis {str(tok)!r} in {where}{_hint(str(tok), names)}"
+            raise self.err(tok, f"unknown mesh axis {str(tok)!r} in {where}{did_you_mean(str(tok), names)}"
                                 f" (the mesh has axes: {', '.join(names)})")
         return str(tok)
 
@@ -206,8 +206,8 @@ class _Builder:
             if isinstance(tok, Token):
                 if str(tok) not in LAYOUT_WORDS:
                     raise self.err(tok, f"unknown layout word {str(tok)!r}"
-                                        f"{_hint(str(tok), LAYOUT_WORDS)} "
-                                        f"(layout words: {_WORDS}; placements: R, S(d), P)")
+                                        f"{did_you_mean(str(tok), LAYOUT_WORDS)} "
+                                        f"(layout words: {LAYOUT_WORDS_TEXT}; placements: R, S(d), P)")
                 return LayoutSpec(str(tok), None, axis)
             full = [R] * naxes
             full[self.mesh.axis_index(axis)] = tok

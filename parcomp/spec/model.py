@@ -39,7 +39,7 @@ TARGETS = ("param", "input", "output", "activation")
 #: training clusters built so far (~10^5 accelerators).  Up to it everything that
 #: is per rank (program.py's process-group table, the numpy interpreter's ranks)
 #: stays within seconds and megabytes; beyond it a typo (``tp=1000000000000``)
-#: would make those loops run for hours.  See docs/design.md, "Limits".
+#: would make those loops run for hours.  See docs/design/cost.md, "Limits".
 MAX_MESH_RANKS = 2 ** 20
 
 

@@ -6,7 +6,7 @@ import re
 
 from ..errors import SpecError
 from .model import Spec, pattern_regex, suggest
-from .syntax import _show
+from .syntax import show_token
 
 
 def check_names(spec: Spec, param_names, input_names, output_names, value_names) -> None:
@@ -30,7 +30,7 @@ def check_names(spec: Spec, param_names, input_names, output_names, value_names)
         names = list(names)
         if any(rule.matches(n) for n in names):
             continue
-        msg = f"{rule.target} rule {_show(rule.pattern)} matches no {noun} of the model"
+        msg = f"{rule.target} rule {show_token(rule.pattern)} matches no {noun} of the model"
         wrapped = _wrapper_hint(rule.pattern, names, noun)
         hint = None if wrapped else suggest(rule.pattern, names)
         if wrapped:
@@ -56,8 +56,8 @@ def _wrapper_hint(pattern: str, names: list, noun: str) -> str:
 
     The prefix is the shortest that makes the rule match (ties: the first in sorted
     order), so the rule to write keeps the user's wildcards; a "did you mean" with
-    one concrete name such as ``model.transformer.h.1.mlp.c_fc.weight`` misled (a
-    new-user finding).
+    one concrete name such as ``model.transformer.h.1.mlp.c_fc.weight`` would point at one
+    block only.
     """
     regex = pattern_regex(pattern)
     found = set()
@@ -91,7 +91,7 @@ def _common_prefix(names: list) -> str:
 def _onnx_renamed(target: str, names: list) -> str:
     """A note when an ONNX model's weights carry generated names (``val_12``): torch.onnx's
     dynamo exporter with ``optimize=True`` (its default) renames the weights it folds, so a
-    rule written with the module's names matches nothing (a new-user trial finding)."""
+    rule written with the module's names matches nothing."""
     made = [n for n in names if re.fullmatch(r"val_\d+", n)]
     if target != "param" or not made:
         return ""

@@ -1,7 +1,7 @@
 """Parser of the parallel spec language (``.pcs``), grammar in ``grammar.lark``.
 
-Lark (LALR, contextual lexer) builds the tree; :class:`_Tree` turns it into raw
-statements that still carry their tokens; :class:`_Builder` checks them against
+Lark (LALR, contextual lexer) builds the tree; :class:`SpecTree` turns it into raw
+statements that still carry their tokens; :class:`SpecBuilder` checks them against
 the mesh and makes the frozen :class:`~parcomp.spec.model.Spec`.  Every problem
 is a :class:`~parcomp.errors.SpecError` at ``file:line:col`` with a caret; a
 syntax error says in words (:data:`WORDS`, one phrase per grammar terminal) what
@@ -20,11 +20,11 @@ from lark import Lark, UnexpectedInput
 from lark.exceptions import VisitError
 
 from ..errors import SpecError, source_lines
-from .builder import _Builder
+from .builder import SpecBuilder
 from .model import Spec
 from .names import check_names
-from .syntax import WORDS, _loc, _syntax_error
-from .tree import _Tree
+from .syntax import WORDS, source_loc, syntax_error
+from .tree import SpecTree
 
 __all__ = ["parse_spec", "load_spec", "check_names", "WORDS"]
 
@@ -47,17 +47,17 @@ def parse_spec(text: str, file: str = "<string>") -> Spec:
     try:
         tree = _PARSER.parse(text if text.endswith("\n") else text + "\n")
     except UnexpectedInput as e:
-        raise _syntax_error(e, file, lines) from None
+        raise syntax_error(e, file, lines) from None
     try:
-        stmts = _Tree(file, lines).transform(tree)
+        stmts = SpecTree(file, lines).transform(tree)
     except VisitError as e:
         if isinstance(e.orig_exc, SpecError):
             raise e.orig_exc from None
         meta = getattr(e.obj, "meta", e.obj)  # a Tree's meta, or the Token itself
         raise SpecError(f"cannot read this {e.rule}: {type(e.orig_exc).__name__}: {e.orig_exc}",
-                        _loc(file, lines, getattr(meta, "line", 1), getattr(meta, "column", 1))
+                        source_loc(file, lines, getattr(meta, "line", 1), getattr(meta, "column", 1))
                         ) from None
-    return _Builder(file, lines).build(stmts)
+    return SpecBuilder(file, lines).build(stmts)
 
 
 def load_spec(path) -> Spec:

@@ -11,8 +11,8 @@ from lark import UnexpectedInput
 from ..errors import SourceLoc, SpecError, bad_char, char_name, closest, join_words
 from .model import LAYOUT_WORDS
 
-_WORDS = ", ".join(LAYOUT_WORDS)
-_LAYOUT = (f"a layout: a layout word ({_WORDS}), a placement R, S(d) or P, "
+LAYOUT_WORDS_TEXT = ", ".join(LAYOUT_WORDS)
+_LAYOUT = (f"a layout: a layout word ({LAYOUT_WORDS_TEXT}), a placement R, S(d) or P, "
            "a per-axis list such as [S(0), R], or axis=placement such as tp=S(1)")
 _STATEMENT = ("a statement: mesh, topology, memory, sequence-parallel, train, stage, or a rule such as 'c_fc.weight colwise' "
               "(a name pattern and a layout, after param, input, output or activation if you like)")
@@ -46,28 +46,28 @@ _NAME_PHRASES = {"mesh": "a mesh axis such as tp=2", "topology": "nodes=N, devic
 _KEYWORDS = ("mesh", "topology", "memory", "train", "stage", "sequence-parallel")
 
 
-def _hint(name: str, known) -> str:
+def did_you_mean(name: str, known) -> str:
     """``"; did you mean X?"`` for the closest of ``known``, or ``""``."""
     near = closest(name, known)
     return f"; did you mean {near}?" if near else ""
 
 
-def _int(tok, file: str, lines: list) -> int:
+def spec_int(tok, file: str, lines: list) -> int:
     """``int(tok)``; a SpecError at the token when it has more than :data:`MAX_DIGITS` digits."""
     digits = str(tok).lstrip("+-").lstrip("0")
     if len(digits) > MAX_DIGITS:
         raise SpecError(f"this number has {len(digits)} digits; at most {MAX_DIGITS}",
-                        _loc(file, lines, getattr(tok, "line", 1), getattr(tok, "column", 1)))
+                        source_loc(file, lines, getattr(tok, "line", 1), getattr(tok, "column", 1)))
     return int(str(tok))
 
 
-def _show(tok, most: int = 60) -> str:
+def show_token(tok, most: int = 60) -> str:
     """``repr`` of a token, cut to ``most`` characters."""
     s = str(tok)
     return repr(s) if len(s) <= most else repr(s[:most]) + "..."
 
 
-def _loc(file: str, lines: list, line: int, col: int) -> SourceLoc:
+def source_loc(file: str, lines: list, line: int, col: int) -> SourceLoc:
     line = max(line or 1, 1)
     text = lines[line - 1] if line <= len(lines) else ""
     return SourceLoc(file, line, max(col or 1, 1), text)
@@ -100,7 +100,7 @@ def _expected(exp, line_text: str, col: int) -> str:
     return join_words(out)
 
 
-def _syntax_error(e: UnexpectedInput, file: str, lines: list) -> SpecError:
+def syntax_error(e: UnexpectedInput, file: str, lines: list) -> SpecError:
     tok = getattr(e, "token", None)
     line, col = e.line if e.line and e.line > 0 else 1, e.column if e.column and e.column > 0 else 1
     text = lines[line - 1] if 0 < line <= len(lines) else ""
@@ -112,10 +112,10 @@ def _syntax_error(e: UnexpectedInput, file: str, lines: list) -> SpecError:
         problem = bad_char(c, text[col - 2] if col > 1 else "", _ALPHABET, _NAME_CHARS,
                            "outside comments and strings")
         if problem:
-            return SpecError(problem, _loc(file, lines, line, col))
+            return SpecError(problem, source_loc(file, lines, line, col))
         got = f"the character {char_name(c)}" if c else "input"
     else:
-        got = WORDS[tok.type] if tok.type in ("_NL", "$END") else _show(tok)
+        got = WORDS[tok.type] if tok.type in ("_NL", "$END") else show_token(tok)
     msg = f"expected {_expected(exp, text, col)}; got {got}" if exp else f"unexpected {got}"
     if tok is not None and str(tok).startswith(".") and col > 1 and text[col - 2].isalnum():
         start = col - 1  # 'output=a.0': '.0' read as a number; the whole name must be quoted
@@ -125,13 +125,13 @@ def _syntax_error(e: UnexpectedInput, file: str, lines: list) -> SpecError:
         msg += f" (a name with a number after a dot is written quoted: \"{name}\")"
     size = _memory_value(text, col)
     if size:  # 'memory 80 GiB', 'memory 80GiBs': the whole value, not its first token
-        col, msg = size[0], f"expected {WORDS['MEMSIZE']}; got {_show(size[1])}"
+        col, msg = size[0], f"expected {WORDS['MEMSIZE']}; got {show_token(size[1])}"
     word = text.split("#", 1)[0].split()[:1]
     near = closest(word[0], _KEYWORDS) if word and word[0] not in _KEYWORDS else None
     if near:  # 'trian loss=mse' read as a rule for the name 'trian': say the likely typo first
         col = len(text) - len(text.lstrip()) + 1
         msg = f"'{word[0]}' is not a statement; did you mean '{near}'? (read as a rule, {msg})"
-    return SpecError(msg, _loc(file, lines, line, col))
+    return SpecError(msg, source_loc(file, lines, line, col))
 
 
 

@@ -41,7 +41,7 @@ def bucket_cap_bytes(spec, loc=None) -> int:
 
 
 LOSSES = ("mse", "cross_entropy", "output")
-#: pipeline schedules (docs/design.md, "Pipeline parallelism"); interleaved takes ``virtual=K``
+#: pipeline schedules (docs/design/pipeline.md, "Pipeline parallelism"); interleaved takes ``virtual=K``
 SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved")
 #: most model chunks per rank ``virtual=K`` may ask for (interleaved 1F1B)
 MAX_VIRTUAL = 64

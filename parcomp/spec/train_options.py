@@ -41,8 +41,9 @@ from dataclasses import dataclass
 from ..errors import SpecError
 
 
-#: precision= value -> compute dtype (None: float32 throughout)
-PRECISIONS = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
+#: precision= value -> compute dtype (None: no casts; ``pure``: a bf16/fp16 model trained in its own
+#: dtype throughout, parameters, gradients and optimizer state, chosen on purpose)
+PRECISIONS = {"fp32": None, "bf16": "bfloat16", "fp16": "float16", "pure": None}
 
 #: grad_reduce= values: reduce gradients in float32, or in the compute dtype
 GRAD_REDUCE = ("fp32", "compute")
@@ -60,8 +61,9 @@ def precision_options(t) -> tuple:
     if g not in GRAD_REDUCE:
         raise SpecError(f"grad_reduce={g!r}: say fp32 (reduce gradients in float32) or compute "
                         f"(in the compute dtype)", option_loc(t.loc, "grad_reduce"))
-    if p == "fp32" and t.get("grad_reduce") is not None:
-        raise SpecError("grad_reduce= needs precision=bf16 or fp16 (with fp32 every gradient is float32)",
+    if PRECISIONS[p] is None and t.get("grad_reduce") is not None:
+        raise SpecError(f"grad_reduce= needs precision=bf16 or fp16 (with {p} every gradient is reduced in "
+                        f"the parameter's own dtype)",
                         option_loc(t.loc, "grad_reduce"))
 
     return (p, g, *amp_options(t, p))
@@ -117,7 +119,7 @@ class TrainOptions:
         schedule: ``(name, ((arg, value), ...))`` with every argument (defaults filled).
         accumulate: microbatches per step (1: none).
         recompute: ``none`` | ``selective`` | ``all``.
-        precision: ``fp32`` | ``bf16`` | ``fp16``; grad_reduce: ``fp32`` | ``compute``
+        precision: ``fp32`` | ``bf16`` | ``fp16`` | ``pure``; grad_reduce: ``fp32`` | ``compute``
             (mixed precision: :mod:`parcomp.passes.train.precision`).
     """
 
@@ -274,11 +276,11 @@ def scheduled_update(b, p: str, new: str, f: str | None) -> str:
 
 
 def _recomputable():
-    from ..ir.ops import OPS, _same
+    from ..ir.ops import OPS, same_type
 
     return frozenset(op for op, d in OPS.items() if d.kind in ("nonlinear", "linear")
                      and (d.arity == 1 or op == "dropout")  # dropout's step operand is a source
-                     and d.infer is _same and op not in ("clip_coef",))
+                     and d.infer is same_type and op not in ("clip_coef",))
 
 
 RECOMPUTE_OPS = _recomputable()

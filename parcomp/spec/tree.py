@@ -8,10 +8,10 @@ from lark import Token, Transformer, v_args
 
 from ..errors import SpecError
 from ..ir.types import make_placement
-from .syntax import _int, _loc
+from .syntax import spec_int, source_loc
 
 
-class _Tree(Transformer):
+class SpecTree(Transformer):
     """Lark tree -> raw statements ``(kind, first token, payload)`` with tokens kept."""
 
     def __init__(self, file: str, lines: list):
@@ -74,10 +74,10 @@ class _Tree(Transformer):
         return make_placement("R")
 
     def shard(self, c):
-        return make_placement("S", _int(c[1], self.file, self.lines))
+        return make_placement("S", spec_int(c[1], self.file, self.lines))
 
     def partial(self, c):
         try:
             return make_placement("P", None if c[1] is None else str(c[1]))
         except ValueError as e:
-            raise SpecError(str(e), _loc(self.file, self.lines, c[1].line, c[1].column)) from None
+            raise SpecError(str(e), source_loc(self.file, self.lines, c[1].line, c[1].column)) from None

@@ -296,6 +296,11 @@ def test_print_launch_gives_env_and_one_torchrun_line_per_node(gpt2, tmp_path):
     assert res.returncode == 0, res.stderr
     lines = res.stdout.splitlines()
     assert any(ln.startswith("export NCCL_SOCKET_IFNAME=") for ln in lines)
+    exported = {ln.removeprefix("# ").split()[1].split("=")[0]
+                for ln in lines if ln.startswith(("export ", "# export "))}
+    assert {"CUDA_DEVICE_MAX_CONNECTIONS", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_TRACE_BUFFER_SIZE",
+            "TORCH_NCCL_DUMP_ON_TIMEOUT", "NCCL_IB_GID_INDEX", "PYTORCH_CUDA_ALLOC_CONF"} <= exported, exported
+    assert "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in res.stdout
     runs = [ln for ln in lines if ln.startswith("torchrun ")]
     assert [r.split(" program.py")[0] for r in runs] == [
         f"torchrun --nnodes 2 --node-rank {i} --nproc-per-node 2 --master-addr NODE0_ADDR "

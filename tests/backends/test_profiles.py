@@ -18,6 +18,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -247,6 +248,47 @@ def alive(pid) -> bool:
     return state not in "ZX"
 
 
+# --- --print-launch keeps the options given with it ------------------------------------------
+
+def _program(tmp_path_factory, *profile):
+    out = tmp_path_factory.mktemp("launch") / "o"
+    assert parcomp_main(["compile", "specs/models.py:gpt2_mlp", "--spec", "specs/gpt2_mlp_tp2.pcs", *profile,
+                 "-o", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def program_dir(tmp_path_factory):
+    return _program(tmp_path_factory)
+
+
+def _launch(program_dir, *args):
+    return subprocess.run([sys.executable, "program.py", "--print-launch", *args], cwd=program_dir,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_print_launch_uses_the_options_given_with_it(program_dir):
+    res = _launch(program_dir, "1x2", "--checkpoint", "my model.pt", "--input", "x.pt", "--timeout", "30")
+    assert res.returncode == 0, res.stderr
+    (run,) = [ln for ln in res.stdout.splitlines() if ln.startswith("torchrun ")]
+    assert run.endswith("program.py --checkpoint 'my model.pt' --input x.pt --timeout 30")
+    res = _launch(program_dir)  # none given: the run hint's
+    assert res.stdout.rstrip().endswith("program.py --checkpoint model.pt --input x.pt --output out.pt")
+
+
+def test_print_launch_sets_the_timeout_given_with_it(tmp_path_factory):
+    ascend = _program(tmp_path_factory, "--profile", "ascend")
+    assert "export HCCL_EXEC_TIMEOUT=600 " in _launch(ascend).stdout  # the program's default
+    res = _launch(ascend, "--checkpoint", "m.pt", "--input", "x.pt", "--timeout", "30")
+    assert res.returncode == 0 and "export HCCL_EXEC_TIMEOUT=30 " in res.stdout, res.stderr
+
+
+def test_print_launch_rejects_a_bad_option_given_with_it(program_dir):
+    res = _launch(program_dir, "--checkpoint", "m.pt", "--input", "x.pt", "--stepz", "3")
+    assert res.returncode == 2 and "unrecognized arguments: --stepz 3" in res.stderr
+    assert "torchrun" not in res.stdout
+
+
 # --- topology ---------------------------------------------------------------------------
 
 
@@ -301,4 +343,5 @@ def test_cuda_program_turns_tf32_off_after_binding_the_device(gpt2):
     assert body.index("torch.cuda.set_device(LOCAL_RANK)") < body.index(
         "torch.backends.cuda.matmul.allow_tf32 = False") < body.index("return torch.device")
     assert "torch.backends.cudnn.allow_tf32 = False" in body
-    assert "allow_tf32" not in emit_program(gpt2[2], "cpu") + emit_program(gpt2[2], "ascend")
+    for other in (emit_program(gpt2[2], "cpu"), emit_program(gpt2[2], "ascend")):  # only --tf32 sets it there
+        assert "allow_tf32" not in other[other.index("# ---- PROFILE"):other.index("# ---- end of PROFILE ----")]

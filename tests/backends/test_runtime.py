@@ -87,3 +87,75 @@ def test_every_section_is_pasted_and_stand_ins_are_not():
     assert "Stand-in" not in pasted and "from .program_common" not in pasted
     for text in (MAIN, TRAIN_MAIN):  # both leave through exit_now (no C++ static destructors)
         assert 'if __name__ == "__main__":' in text and text.rstrip().endswith("exit_now(0)")
+
+
+def test_save_every_saves_each_multiple_and_the_last_step(capsys):
+    """``--save-every N``: the steps saved during a run are the multiples of N (counted on from
+    a resumed step) and the last; the hook runs after each step with that step's result."""
+    assert program_train.saved_steps(1, 6, 1) == [1, 2, 3, 4, 5, 6]
+    assert program_train.saved_steps(1, 6, 4) == [4, 6]
+    assert program_train.saved_steps(4, 9, 3) == [6, 9]
+    assert program_train.saved_steps(1, 6) == [6]  # --save alone: after the last step
+    assert program_train.parse_args(["--checkpoint", "m.pt", "--save", "d", "--save-every", "2"]).save_every == 2
+    with pytest.raises(SystemExit) as e:
+        program_train.parse_args(["--checkpoint", "m.pt", "--save-every", "2"])
+    assert e.value.code == 2 and "--save-every N needs --save DIR" in capsys.readouterr().err
+    seen = []
+
+    def step(params, inputs):
+        return {"loss": params["w"].sum(), "w": params["w"] + 1}
+
+    old = program_train.CARRIED
+    program_train.CARRIED = ("w",)
+    try:
+        program_train.train({"w": torch.zeros(2)}, [{}] * 3, step=step, first=4,
+                            after_step=lambda k, p: seen.append((k, float(p["w"][0]))))
+    finally:
+        program_train.CARRIED = old
+    assert seen == [(4, 1.0), (5, 2.0), (6, 3.0)]  # each step's result, numbered on from 4
+
+
+def test_tf32_is_a_switch_off_by_default(capsys):
+    """``--tf32`` turns TF32 matmuls and convolutions on after the cuda profile turned them off
+    (rank 0 says so); without it the program leaves them off. main() calls it once the device
+    is bound (the pasted text)."""
+    from parcomp_backends.torch.runtime import program_cluster
+
+    assert program_train.parse_args(["--checkpoint", "m.pt"]).tf32 is False
+    assert program_forward.parse_args(["--tf32"]).tf32 is True
+    before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    try:
+        program_cluster.set_tf32(True)
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+        assert "--tf32: float32 matmuls and convolutions run in TF32" in capsys.readouterr().out
+        program_cluster.set_tf32(False)
+        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+    assert MAIN.index("profile_device()") < MAIN.index("set_tf32(args.tf32)")
+
+
+def test_ragged_all_to_all_reads_its_split_sizes_in_one_copy(one_rank_gloo, monkeypatch):
+    """The ragged all_to_all's split sizes reach the host as one tensor copy, not one scalar
+    read (``aten._local_scalar_dense``: a device sync each on a GPU) per peer; the result equals
+    the dense exchange (here one rank: the input)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from parcomp_backends.torch.runtime import program_moe
+
+    monkeypatch.setattr(program_moe, "GROUPS", {"x": dist.group.WORLD})
+    monkeypatch.setattr(program_moe, "MESH", {"x": 1})
+
+    class Reads(TorchDispatchMode):
+        scalars = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                Reads.scalars += 1
+            return func(*args, **(kwargs or {}))
+
+    x = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4)
+    x[0, 1] = 0  # a row with nothing routed: not sent
+    with Reads():
+        y = program_moe.all_to_all_ragged(x, 0, 1, "x")
+    assert torch.equal(y, x) and Reads.scalars == 0

@@ -24,7 +24,7 @@ from parcomp.reference.numpy_ops import run_unsharded  # noqa: E402
 from parcomp.reference.numpy_ops import NUMPY_OPS  # noqa: E402
 from parcomp.spec import load_spec, parse_spec  # noqa: E402
 from parcomp_backends.torch import PROFILES, assemble_outputs, emit_program, run_torchrun  # noqa: E402
-from parcomp_backends.torch.emit import OP_FORMATS, _code  # noqa: E402
+from parcomp_backends.torch.emit import OP_FORMATS, node_code  # noqa: E402
 from parcomp_backends.torch.emit.norms import NORM_FORMATS  # noqa: E402
 from parcomp_backends.torch.emit.reduce import REDUCE_FORMATS  # noqa: E402
 from parcomp_backends.torch.launch import write_checkpoint, write_program  # noqa: E402
@@ -171,7 +171,7 @@ def test_op_without_torch_mapping_is_an_emit_error():
 
     node = Node("loss", "no_such_op", ("a0", "a1"), TensorType((2,)))
     with pytest.raises(EmitError, match="'no_such_op' .* no torch mapping"):
-        _code(node, ["a0", "a1"])
+        node_code(node, ["a0", "a1"])
 
 
 # every compute op of the table, evaluated with torch, equals the numpy reference
@@ -227,7 +227,7 @@ def test_op_table_matches_numpy(case):
     node = Node("y", op, tuple(f"a{i}" for i in range(len(xs))), TensorType(out), make_attrs(**attrs))
     env = {"torch": torch, "DEVICE": torch.device("cpu")}
     env.update({f"a{i}": torch.tensor(x) for i, x in enumerate(xs)})
-    got = eval(_code(node, [f"a{i}" for i in range(len(xs))]), env)  # noqa: S307 - our own table
+    got = eval(node_code(node, [f"a{i}" for i in range(len(xs))]), env)  # noqa: S307 - our own table
     want = NUMPY_OPS[node.op](xs, node)
     assert tuple(got.shape) == tuple(np.shape(want))
     assert_equivalent(got.numpy(), want, what=case)

@@ -24,7 +24,7 @@ from parcomp.reference.numpy_ops import NUMPY_OPS  # noqa: E402
 from parcomp.spec import parse_spec  # noqa: E402
 from parcomp_backends.torch import (assemble_training_outputs, emit_program,  # noqa: E402
                                     run_torchrun, training_facts)
-from parcomp_backends.torch.emit import OP_FORMATS, _code  # noqa: E402
+from parcomp_backends.torch.emit import OP_FORMATS, node_code  # noqa: E402
 from parcomp_backends.torch.emit.norms import NORM_RUNTIME  # noqa: E402
 from parcomp_backends.torch.emit.reduce import REDUCE_FORMATS  # noqa: E402
 from parcomp_backends.torch.launch import write_program  # noqa: E402
@@ -121,7 +121,7 @@ def test_every_op_including_training_ops_matches_numpy(case):
     env = {"torch": torch, "DEVICE": torch.device("cpu")}
     exec(NORM_RUNTIME, env)  # noqa: S102 - the helpers program.py pastes (norms + embedding part)
     env.update({f"a{i}": torch.tensor(x) for i, x in enumerate(xs)})
-    got = eval(_code(node, [f"a{i}" for i in range(len(xs))]), env)  # noqa: S307 - our own table
+    got = eval(node_code(node, [f"a{i}" for i in range(len(xs))]), env)  # noqa: S307 - our own table
     want = NUMPY_OPS[op](xs, node)
     assert tuple(got.shape) == tuple(np.shape(want)) and got.dtype == torch.float32
     assert_equivalent(got.numpy(), want, what=case)

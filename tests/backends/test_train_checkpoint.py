@@ -23,7 +23,7 @@ MODEL = "specs/models.py:gpt2_mlp"
 def _compile(tmp_path, text, name):
     path = tmp_path / f"{name}.pcs"
     path.write_text(text)
-    c, module, example = commands._compile(SimpleNamespace(model=MODEL, spec=str(path)), numeric="check")
+    c, module, example = commands.compile_model(SimpleNamespace(model=MODEL, spec=str(path)), numeric="check")
     return c, module, example
 
 
@@ -79,7 +79,7 @@ def test_resume_on_another_mesh_after_a_killed_save_equals_the_unsharded_steps(t
 
     tp, module, example = _compile(tmp_path, TP2, "tp2")
     dp, _, _ = _compile(tmp_path, DP2, "dp2")
-    feeds = commands._train_feeds(tp, module, example, 0)
+    feeds = commands.training_feeds(tp, module, example, 0)
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     res = _launch(tmp_path / "a", tp, module, feeds, ("--steps", "2", "--save", str(ckpt)))
@@ -114,7 +114,7 @@ def test_export_of_a_tp2_checkpoint_is_a_full_safetensors_transformers_loads(tmp
     from parcomp.cli.export import export_safetensors
 
     tp, module, example = _compile(tmp_path, TP2, "tp2")
-    feeds = commands._train_feeds(tp, module, example, 0)
+    feeds = commands.training_feeds(tp, module, example, 0)
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     _launch(tmp_path / "a", tp, module, feeds, ("--steps", "3", "--save", str(ckpt)))
@@ -161,13 +161,13 @@ def test_gpt2_tp2_checkpoint_exports_to_what_from_pretrained_loads(tmp_path, cap
     from parcomp.cli.main import main
 
     model, spec = "specs/models.py:gpt2_lm", "specs/gpt2_lm_tp2_train.pcs"
-    c, module, example = commands._compile(SimpleNamespace(model=model, spec=spec), numeric="check")
-    feeds = commands._train_feeds(c, module, example, 0)
+    c, module, example = commands.compile_model(SimpleNamespace(model=model, spec=spec), numeric="check")
+    feeds = commands.training_feeds(c, module, example, 0)
     ckpt, work = tmp_path / "ckpt", tmp_path / "a"
     ckpt.mkdir()
     write_program(c, work)
     inputs = {k: torch.from_numpy(np.asarray(feeds[k])) for k in ("input_ids", "labels")}
-    weights = commands._checkpoint(str(work), c.unsharded, feeds, module)  # folded constants too
+    weights = commands.checkpoint_file(str(work), c.unsharded, feeds, module)  # folded constants too
     res = run_torchrun(work, 2, weights, inputs, work / "out.pt",
                        ("--device", "cpu", "--steps", "2", "--save", str(ckpt)), timeout=300)
     assert res.returncode == 0, res.stderr[-4000:]
@@ -189,3 +189,51 @@ def test_gpt2_tp2_checkpoint_exports_to_what_from_pretrained_loads(tmp_path, cap
     ids = torch.from_numpy(np.asarray(feeds["input_ids"]))
     with torch.no_grad():
         np.testing.assert_array_equal(got.eval()(ids).logits.numpy(), want(ids).logits.numpy())
+
+
+# a launcher that runs program.py with rank 1 dying when the 4th save starts (after step 4):
+# the checkpoints of steps 1-3 are committed, the 4th is never written
+DIES_AT_FOURTH_SAVE = """\
+import os, runpy, sys
+import torch.distributed.checkpoint as dcp
+real, calls = dcp.save, []
+def dying(*args, **kw):
+    calls.append(1)
+    if len(calls) == 4 and os.environ["RANK"] == "1":
+        os._exit(9)
+    return real(*args, **kw)
+dcp.save = dying
+sys.argv[0] = "program.py"
+runpy.run_path("program.py", run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_run_killed_after_step_3_of_6_with_save_every_1_resumes_equal_to_the_unkilled_run(tmp_path):
+    """6 AdamW steps on tp=2 with ``--save-every 1``, rank 1 killed as step 4's save starts:
+    ``latest`` names step 3 (steps 1-3 committed, nothing partial of step 4 is trusted). The
+    run resumed from it for steps 4-6 ends bit-equal to a run of 6 steps that was never
+    killed (params, optimizer state, the last loss); step 4's unfinished save is replaced."""
+    tp, module, example = _compile(tmp_path, TP2, "tp2")
+    feeds = commands.training_feeds(tp, module, example, 0)
+    ckpt = tmp_path / "ckpt"
+    (tmp_path / "k").mkdir()
+    (tmp_path / "k" / "dies.py").write_text(DIES_AT_FOURTH_SAVE)
+    res = _launch(tmp_path / "k", tp, module, feeds, ("--steps", "6", "--save", str(ckpt), "--save-every", "1"),
+                  program="dies.py", ok=False)
+    assert "saved step 3" in res.stdout and "saved step 4" not in res.stdout
+    assert (ckpt / "latest").read_text().strip() == "step-3"
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step-")) == [
+        "step-1", "step-2", "step-3", "step-4.partial"]  # rank 0 wrote its part of step 4's save
+    res = _launch(tmp_path / "r", tp, module, feeds, ("--steps", "3", "--resume", str(ckpt), "--save", str(ckpt),
+                                                     "--save-every", "1"))
+    assert "step 4 loss" in res.stdout and "step 3 loss" not in res.stdout and "saved step 6" in res.stdout
+    assert (ckpt / "latest").read_text().strip() == "step-6" and not (ckpt / "step-4.partial").exists()
+    _launch(tmp_path / "u", tp, module, feeds, ("--steps", "6"))
+    resumed, r_losses = assemble_training_outputs(tmp_path / "r" / "out.pt", tp.program)
+    whole, w_losses = assemble_training_outputs(tmp_path / "u" / "out.pt", tp.program)
+    keys = [k for k in whole if k.endswith(("weight", "bias", "exp_avg", "exp_avg_sq"))]
+    assert len(keys) == 12
+    for k in keys:
+        assert np.array_equal(resumed[k], whole[k]), k
+    assert r_losses[-1] == w_losses[-1] and len(r_losses) == 3

@@ -1,5 +1,5 @@
-"""A new user's attempts to break parcomp: each is a located error
-(exit 2, no traceback), a sound verdict, or a supported case."""
+"""Edge cases of ``parcomp check``: each is a located error (exit 2, no traceback), a sound
+verdict, or a supported case."""
 import json
 import os
 import subprocess

@@ -1,5 +1,5 @@
-"""`parcomp check` vouches for a hand-written GPT with a tied embedding/LM head (new-user
-trial F), and a wrong collective there is a MISMATCH. The tied weight's two gradient
+"""`parcomp check` vouches for a hand-written Megatron-style GPT with a tied embedding/LM head
+(``tests/handwritten_gpt.py``), and a wrong collective there is a MISMATCH. The tied weight's two gradient
 contributions are summed at the end of the backward; the float64 differential check compares
 that sum like any other gradient.
 """
@@ -16,7 +16,7 @@ from parcomp.reference import interpreter
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = os.path.join(HERE, "handwritten_gpt.py")
-SPEC = """# Megatron TP=2 training (new-user trial F)
+SPEC = """# Megatron TP=2 training
 mesh tp=2
 blocks.*.attn.qkv.weight   colwise
 blocks.*.attn.proj.weight  rowwise
@@ -64,7 +64,7 @@ def test_a_wrong_all_reduce_in_the_tied_gpt_is_a_mismatch(capsys, monkeypatch, s
 
 
 def test_a_mismatch_over_many_values_is_one_line_per_value_not_one_6kb_line():
-    """Trial F: a failing line listed every failing value with its whole explanation."""
+    """A failing line lists each failing value once, not every value with its whole explanation."""
     from parcomp.check.differential import compare_all, verdict
     from parcomp.check.train_check import merge_steps, verdict_text
 

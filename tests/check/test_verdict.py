@@ -1,4 +1,4 @@
-"""How ``parcomp check`` decides (parcomp/check/differential.py; docs/design.md, "How check decides").
+"""How ``parcomp check`` decides (parcomp/check/differential.py; docs/design/check.md, "How check decides").
 
 - the comparison: scale-relative per value and per row, a module's gradients at their
   module's scale, non-finite values matched exactly and then passed, integers exactly, a
@@ -124,9 +124,9 @@ def test_a_choice_on_a_near_tie_is_cannot_vouch_and_names_the_element():
 @functools.lru_cache(maxsize=None)
 def _shipped(name):
     args = SimpleNamespace(model=model_of(name), spec=str(SPECS / f"{name}.pcs"))
-    c, module, example = commands._compile(args, numeric="check")
+    c, module, example = commands.compile_model(args, numeric="check")
     training = bool(c.report.get("training"))
-    feeds = (commands._train_feeds(c, module, example, 0) if training
+    feeds = (commands.training_feeds(c, module, example, 0) if training
              else commands.feeds_for(c.unsharded, module, example, 0))
     return c, feeds, training
 
@@ -135,7 +135,7 @@ def _verdict(c, feeds, training) -> dict:
     """``check``'s float64 comparison of one step (training) or one forward pass."""
     if training:
         return train_check.lockstep(c, None, None, feeds, 1)["vs_unsharded"]
-    return commands._forward_check(c, None, None, feeds)
+    return commands.forward_check(c, None, None, feeds)
 
 
 @pytest.mark.parametrize("name", SHIPPED)
@@ -250,9 +250,9 @@ def test_a_mixed_precision_program_is_ok_and_a_fault_in_it_is_caught(tmp_path, p
     (within that dtype's tolerance) are OK; one collective off by 1e-6 is a MISMATCH in float64,
     far below what bf16/fp16 rounding could show."""
     (tmp_path / "t.pcs").write_text(TP2.format(p=precision))
-    c, module, example = commands._compile(SimpleNamespace(model=MLP, spec=str(tmp_path / "t.pcs")),
+    c, module, example = commands.compile_model(SimpleNamespace(model=MLP, spec=str(tmp_path / "t.pcs")),
                                            numeric="check")
-    feeds = commands._train_feeds(c, module, example, 0)
+    feeds = commands.training_feeds(c, module, example, 0)
     r = train_check.lockstep(c, module, example, feeds, 2)
     assert all(r[k]["ok"] for k in ("vs_unsharded", "native", "vs_torch")), r
     with injected("scale", target(c.program, "scale")):
@@ -273,11 +273,11 @@ def test_a_skipped_fp16_step_is_ok_when_both_sides_skip_it(tmp_path, capsys):
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["verdict"] == "OK" and out["native"]["ok"] and out["vs_torch"]["ok"], out
-    c, module, example = commands._compile(SimpleNamespace(model=f"{MODELS}:rowwise_linear",
+    c, module, example = commands.compile_model(SimpleNamespace(model=f"{MODELS}:rowwise_linear",
                                                            spec=str(tmp_path / "t.pcs")), numeric="check")
     from parcomp.check.training import numpy_train
 
-    ref = numpy_train(c.logical, commands._train_feeds(c, module, example, 0), 3)
+    ref = numpy_train(c.logical, commands.training_feeds(c, module, example, 0), 3)
     assert float(ref["state"]["amp.skipped"]) == 2.0  # the unsharded run skipped two steps
 
 

@@ -1,4 +1,4 @@
-"""Bad input found by trying to break parcomp: each is a clear error, exit 2, no traceback."""
+"""Bad input to the CLI: each is a clear error, exit 2, no traceback."""
 import numpy as np
 import re
 
@@ -63,6 +63,26 @@ def test_bad_train_options_are_located(tmp_path, capsys, line, needle):
 def test_bfloat16_model_compiles(tmp_path, capsys):
     rc, err = run_cli(tmp_path, capsys, BASE.replace("f32", "bf16"), SPEC, cmd="compile")
     assert rc == 0, err
+
+
+@pytest.mark.parametrize("dtype,short", [("bf16", "bf16"), ("f16", "fp16")])
+def test_low_precision_model_with_a_train_line_is_refused_unless_precision_pure(tmp_path, capsys, dtype, short):
+    """A bf16/fp16 model with a train line would train in pure 2-byte floats (optimizer state and
+    gradient sums included) without a word: a located error naming the parameter and both
+    ways out; ``precision=pure`` compiles it on purpose, and report.json says so."""
+    import json
+
+    train = SPEC.replace("output y replicated\n", "") + "train loss=mse optimizer=adamw(lr=0.01){opts}\n"
+    for opts in ("", " precision=" + short):
+        rc, err = run_cli(tmp_path, capsys, BASE.replace("f32", dtype), train.format(opts=opts), cmd="compile")
+        assert rc == 2 and "Traceback" not in err and re.search(r"s\.pcs:5:\d+", err), err
+        assert "parameter w1 is " in err and "precision=pure" in err and f"precision={short}" in err
+        assert not (tmp_path / "out").exists()
+    rc, err = run_cli(tmp_path, capsys, BASE.replace("f32", dtype), train.format(opts=" precision=pure"),
+                      cmd="compile")
+    assert rc == 0, err
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["training"]["options"]["master_dtype"] == "model"
 
 
 def test_nan_outputs_identical_on_every_replica_are_not_a_divergence():

@@ -72,7 +72,7 @@ def test_state_dict_checkpoint_runs_and_equals_the_torch_module(tmp_path, capsys
     proc = _launch(out, ckpt, ids, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = torch.load(tmp_path / "logits.pt")["logits"].numpy()
-    # the same program with every value in the checkpoint (the trial's workaround): same bytes
+    # the same program with every value in the checkpoint (the manual way): same bytes
     from parcomp.frontends.torch.fold import module_sources
 
     graph, mod, example = load_model(os.path.join(ROOT, "specs", "models.py") + f":{name}")

@@ -36,8 +36,8 @@ def trained(tmp_path_factory):
     import torch
     import torch.distributed.checkpoint as dcp
 
-    c, module, example = commands._compile(SimpleNamespace(model=GPT2, spec=SPEC), numeric="check")
-    narrow = commands._train_feeds(c, module, example, 0)
+    c, module, example = commands.compile_model(SimpleNamespace(model=GPT2, spec=SPEC), numeric="check")
+    narrow = commands.training_feeds(c, module, example, 0)
     wide, feeds = promote_compiled(c), promote_feeds(narrow)
     prog = wide.program
     tp2 = train_steps(lambda s: run_spmd(prog, s).outputs(prog), wide.logical, feeds, STEPS)["state"]

@@ -56,7 +56,7 @@ def saved(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("frozen")
     (tmp / "m.py").write_text(FACTORY)
     model = f"{tmp / 'm.py'}:gpt2_frozen_wpe"
-    c, module, _ = commands._compile(SimpleNamespace(model=model, spec=SPEC), numeric="check")
+    c, module, _ = commands.compile_model(SimpleNamespace(model=model, spec=SPEC), numeric="check")
     assert c.logical[FROZEN].attr("trainable") is False and FROZEN not in c.program_.train.carried
     sources = module_sources(module)
     trained = [n.name for n in c.unsharded.params if n.name in set(c.logical.output_names)

@@ -1,5 +1,5 @@
-"""Break-test of the features merged on ``mall`` (userM): each test is one finding, a new
-user's exact repro through the CLI, with the located error or the number it should give."""
+"""Loss, MoE and context-parallel options through the CLI: each test is one command line, with
+the located error or the number it should give."""
 from __future__ import annotations
 
 import pytest

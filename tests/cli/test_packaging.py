@@ -33,3 +33,18 @@ def test_regular_install_has_parcomp_backends_and_no_backends(tmp_path):
     r = _py("import parcomp_backends; print(parcomp_backends.__file__)", str(tmp_path), env, flags=("-S",))
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == str(target / "parcomp_backends" / "__init__.py")
+
+
+def test_every_package_folder_is_in_the_wheel():
+    """pyproject.toml lists the packages by hand (backends/ installs as parcomp_backends): every
+    folder with an ``__init__.py`` under parcomp/ and backends/ is in that list."""
+    import tomllib
+    from pathlib import Path
+
+    listed = set(tomllib.loads(Path(ROOT, "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = set()
+    for top, name in (("parcomp", "parcomp"), ("backends", "parcomp_backends")):
+        for init in Path(ROOT, top).rglob("__init__.py"):
+            rel = init.parent.relative_to(Path(ROOT, top)).parts
+            found.add(".".join((name, *rel)))
+    assert found - listed == set(), f"packages missing from pyproject.toml: {sorted(found - listed)}"

@@ -1,5 +1,5 @@
-"""Findings of a newcomer's trial of the recent features (pipelines, memory limits, spec
-rules, the layout search), each pinned: a located message that names the whole bad value, a
+"""Spec and option errors of pipelines, memory limits, spec rules and the layout search: a
+located message that names the whole bad value, a
 duplicate rule said as such, a warning when the plan gathers a weight the spec splits, and a
 wide pipelined step is compared at its gradients' scale, not within a bound wider than them."""
 import pytest

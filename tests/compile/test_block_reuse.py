@@ -165,13 +165,13 @@ def test_the_sequence_parallel_norm_bucket_is_stamped_not_rerun():
     """Under sp one bucket_cat reads every block's norm-weight gradients: it stamps (operands,
     frees, flat size, reason count, part offsets; byte identity above), so no lowering pass
     reruns on the whole graph; a bucket whose parts are not in offset order does not stamp."""
-    from parcomp.passes.manager import forward_pipeline, run_pipeline
+    from parcomp.passes.pass_list import passes_for, run_passes
     from parcomp.compile.repeat_stamp import fits, stamp
 
     graph, spec = _model("gpt2", DEPTH), _spec("gpt2_lm_tp2_sp_train.pcs")
     blocks = find_blocks(graph)
     st = Stamper(blocks, 5)
-    stages = run_pipeline(reduced(graph, blocks, 5), forward_pipeline(spec, heuristic=True))
+    stages = run_passes(reduced(graph, blocks, 5), spec, passes_for(spec), heuristic=True)
     final = stages["free-dead"]
     assert final.by_op("bucket_cat") and all(fits(st, g) for g in stages.values())
     big = stamp(st, final, DEPTH)
@@ -187,14 +187,14 @@ def test_the_final_verify_passes_copies_and_catches_a_copy_across_blocks():
     """The stamped program verifies (copies are alike to their template node, checked once);
     a copy reading another block's value whose layout is corrupted is caught."""
     from parcomp.errors import VerifyError
-    from parcomp.passes.manager import forward_pipeline, run_pipeline
+    from parcomp.passes.pass_list import passes_for, run_passes
     from parcomp.passes.verify import verify
     from parcomp.compile.repeat_stamp import stamp
 
     graph, spec = _model("gpt2", DEPTH), _spec("gpt2_lm_tp2_train.pcs")
     blocks = find_blocks(graph)
     st = Stamper(blocks, 5)
-    final = run_pipeline(reduced(graph, blocks, 5), forward_pipeline(spec, heuristic=True))["free-dead"]
+    final = run_passes(reduced(graph, blocks, 5), spec, passes_for(spec), heuristic=True)["free-dead"]
     big = stamp(st, final, DEPTH)
     verify(big)
     t = st.t  # a template node reading the block before or after it, and its copy at block 6

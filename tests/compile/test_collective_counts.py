@@ -54,7 +54,7 @@ SEQUENCE_PARALLEL_2_BLOCKS = c("forward all_gather tp 5, forward reduce_scatter 
 # the attention output (forward) and of the q/k/v projections' output gradients (backward), the
 # operands of the 4 weight gradients, and the loss's all_gather, are the cost model's choice at
 # this size (2 x 16 tokens: gathering them moves fewer bytes than all-reducing the weight
-# gradients; docs/design.md,
+# gradients; docs/design/search.md,
 # "Consequence worth knowing"); the minimum in calls would be one bucketed all_reduce of the
 # weight gradients over cp and a scalar loss all_reduce.
 CP_WEIGHT_GRAD_GATHERS = c("forward all_gather cp 2, loss all_gather cp 1, backward all_gather cp 3")
@@ -83,7 +83,7 @@ EXPECTED = {
     # + dp: the MSE's scalar sum over the batch (split over dp; the loss's elementwise part also
     # runs on token slices over tp, free after the forward all_reduce); the gradients over dp in
     # DDP buckets, one per layout: c_fc.weight, c_fc.bias and c_proj.weight ([P, S] over dp, tp)
-    # in one, c_proj.bias ([P, R]) alone (docs/design.md, "Gradient buckets for dp reductions":
+    # in one, c_proj.bias ([P, R]) alone (docs/design/lowering.md, "Gradient buckets for dp reductions":
     # Megatron's DDP puts both in one buffer, so 1 over DDP's minimum)
     "gpt2_mlp_dp2_tp2_train": ("gpt2_mlp", c("forward all_reduce tp 1, loss all_reduce dp,tp 1,"
                                              "backward all_reduce tp 1, backward all_reduce dp 2")),
@@ -149,7 +149,7 @@ EXPECTED = {
     # shared expert, ep: rows kept split, 2 all_to_all each way, the loss over ep; the 5
     # gradients of the router, the shared expert's 3 projections and its gate (all ran on split
     # rows) over ep one by one: DDP's minimum is one bucket (buckets are built over the dp axis
-    # alone, docs/design.md "Gradient buckets"), so 4 over it
+    # alone, docs/design/lowering.md "Gradient buckets"), so 4 over it
     "moe_shared_ep2_train": ("moe_block_shared", c(
         "forward all_to_all ep 2, loss all_reduce ep 1, backward all_to_all ep 2,"
         "backward all_reduce ep 5")),
@@ -161,6 +161,11 @@ EXPECTED = {
     "moe_lm_ep2_train": ("moe_lm", c(
         "forward all_to_all ep 4, loss all_reduce ep 2, backward all_to_all ep 4,"
         "backward all_reduce ep 13")),
+    # transformers' own Mixtral (its topk router, its fused expert tensors): the same exchanges
+    # as the rewritten block's
+    "mixtral_lm_ep2_train": ("mixtral_lm", c(
+        "forward all_to_all ep 4, loss all_reduce ep 2, backward all_to_all ep 4,"
+        "backward all_reduce ep 13")),
     # a model computing its own loss, dp: transformers' sum over the counted tokens and their
     # count all-reduced once each, in the forward where the model computes them (gpt2_lm with
     # loss=cross_entropy has the same two in the loss phase); backward the position
@@ -169,14 +174,14 @@ EXPECTED = {
     # dp x ep: 2 all_to_all each way; the scalar loss over dp,ep; the routed experts'
     # gradients over dp (one bucket); the 5 gradients of the router, the shared expert's 3
     # projections and its gate over dp,ep one by one: DDP's minimum is one bucket there
-    # (buckets are built over the dp axis alone, docs/design.md "Gradient buckets"), so 4 over it
+    # (buckets are built over the dp axis alone, docs/design/lowering.md "Gradient buckets"), so 4 over it
     "moe_shared_dp2_ep2_train": ("moe_block_shared", c(
         "forward all_to_all ep 2, loss all_reduce dp,ep 1, backward all_to_all ep 2,"
         "backward all_reduce dp 1, backward all_reduce dp,ep 5")),
     # pipelines, one table per pp coordinate (one microbatch): Megatron's all_reduces inside
     # each stage's programs; one activation sent forward and its gradient back; after the
     # microbatches every gradient all-reduced over dp one by one (the pipelined program does not
-    # bucket: docs/design.md "Gradient buckets", so one call per parameter where DDP's minimum
+    # bucket: docs/design/lowering.md "Gradient buckets", so one call per parameter where DDP's minimum
     # is one bucket), the loss over dp on the last stage.
     # 48 blocks, 24 a stage; stage 0's first block has no input gradient (input_grads=no)
     "mlp_chain_dp2_pp2_tp2_train": ("mlp_chain", [
@@ -267,7 +272,7 @@ def test_megatron_transformer_block_is_four_all_reduces(spec_name, blocks):
           "loss all_reduce dp 1")]),
 ])
 def test_pipeline_counts_scale_with_microbatches_and_chunks(schedule, want):
-    from parcomp.passes.pipeline.pipeline_plan import plan_pipeline
+    from parcomp.passes.pass_list import plan_pipeline
 
     from graphs import spec
     from test_pipeline import TRAIN, chain_graph

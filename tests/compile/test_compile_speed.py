@@ -18,7 +18,7 @@ import pytest
 from parcomp.errors import VerifyError
 from parcomp.ir.types import TensorType
 from parcomp.passes import shard_prop as sp
-from parcomp.passes.manager import forward_pipeline, run_pipeline
+from parcomp.passes.pass_list import passes_for, run_passes
 from parcomp.passes.verify import verify
 from parcomp.spec import load_spec
 
@@ -41,9 +41,9 @@ def _gpt2(n_layer):
 
 def _before_shard_prop(n_layer, spec_name):
     spec = load_spec(os.path.join(SPECS, spec_name))
-    passes = forward_pipeline(spec)
+    passes = passes_for(spec)
     upto = [p.name for p in passes].index("shard-prop")
-    return list(run_pipeline(_gpt2(n_layer), passes[:upto]).values())[-1]
+    return list(run_passes(_gpt2(n_layer), spec, passes[:upto]).values())[-1]
 
 
 def _improve_every_node(prob, sol, rounds=8):
@@ -57,7 +57,7 @@ def _improve_every_node(prob, sol, rounds=8):
 
 @pytest.mark.parametrize("n_layer,spec_name", [(2, "gpt2_lm_tp2_train.pcs"), (3, "gpt2_lm_tp2_sp_train.pcs")])
 def test_skipping_unchanged_nodes_gives_the_plan_of_trying_every_node(n_layer, spec_name):
-    prob = sp._Problem(_before_shard_prop(n_layer, spec_name))
+    prob = sp.ShardProblem(_before_shard_prop(n_layer, spec_name))
     for start in (prob.dp_solution(), prob.greedy_solution()):
         calls = []
         full = _improve_every_node(prob, start)
@@ -72,13 +72,13 @@ def test_skipping_unchanged_nodes_gives_the_plan_of_trying_every_node(n_layer, s
 
 def test_repeated_blocks_share_option_lists_and_the_plan_is_unchanged(monkeypatch):
     g = _before_shard_prop(3, "gpt2_lm_tp2_train.pcs")
-    prob = sp._Problem(g)
+    prob = sp.ShardProblem(g)
     outs = [f"opt.transformer.h.{b}.attn.c_attn.weight.adamw_param.as_output" for b in range(3)]
     assert len({g[o].attr("origin") for o in outs}) == 3  # the words differ per block ...
     assert prob.options[outs[0]] is prob.options[outs[1]] is prob.options[outs[2]]  # ... the options not
     shared = sp.shard_prop(g)
     monkeypatch.setattr(sp, "_strategy_attrs", lambda n: n.attrs)  # one option list per origin
-    alone = sp._Problem(g)
+    alone = sp.ShardProblem(g)
     assert alone.options[outs[0]] is not alone.options[outs[1]]
     separate = sp.shard_prop(g)
     assert [(n.layout, n.in_layouts) for n in shared.nodes] == [(n.layout, n.in_layouts) for n in separate.nodes]
@@ -204,7 +204,7 @@ def test_fast_costs_and_moves_give_the_plain_searchs_plans_and_costs(n_layer, sp
     """The DP reusing its forward sums, value costs of fixed reads kept, one-read values
     priced directly, the current option not priced again, shared compute tables and a
     neighbourhood without the readers of fixed values: the same plans, the same floats."""
-    prob = sp._Problem(_before_shard_prop(n_layer, spec_name))
+    prob = sp.ShardProblem(_before_shard_prop(n_layer, spec_name))
     assert prob._info("step")[4]  # the optimizer's step: every update reads it the same way
     dp = prob.dp_solution()
     assert _same_plan(dp, _naive_dp(prob))

@@ -1,7 +1,7 @@
-"""The warning for a split weight the plan gathers whole (trialF finding 3): one warning per
+"""The warning for a split weight the plan gathers whole: one warning per
 weight (a tied table gathered for its lookup and its LM head is one), and its advice is a rule
 that works: ``activation embedding [P]`` keeps the tied table split (vocab-parallel lookup,
-column-parallel LM head), where the trial's ``output output [S(2)]`` and ``memory`` did not."""
+column-parallel LM head), where ``output output [S(2)]`` and ``memory`` do not."""
 from __future__ import annotations
 
 import json
@@ -34,7 +34,7 @@ def test_one_warning_per_gathered_weight_naming_the_rule_that_keeps_it_split(ext
     c = _compile(BLOCKS + extra + TRAIN)
     gathers = [x for x in c.report["collectives"] if x["kind"] == "all_gather" and x["phase"] == "forward"
                and x["producer"] in ("head.weight", "linear_10_wt")]
-    assert gathers  # the trial's plans gather the tied table (the cost model's choice at these sizes)
+    assert gathers  # these plans gather the tied table (the cost model's choice at these sizes)
     warned = [w for w in c.report["warnings"] if "the plan all-gathers it whole" in w]
     assert len(warned) == 1, warned
     assert warned[0].startswith("head.weight: the spec splits it (v.pcs:7:1)") and ADVICE in warned[0]
@@ -56,7 +56,7 @@ def test_the_advised_rules_keep_the_tied_table_split(extra):
 
 
 def test_the_advised_spec_is_a_vocab_parallel_embedding_and_lm_head(tmp_path, capsys):
-    """The trial's spec (``output output [S(2)]``) with the advice: its collectives, pinned, and
+    """The spec with ``output output [S(2)]`` and the advice: its collectives, pinned, and
     ``check`` passes."""
     warned = _compile(BLOCKS + "output output [S(2)]\n" + TRAIN).report["warnings"]
     assert _advice(warned[0]) == "activation embedding [P]\nactivation output [S(2)]\n"

@@ -66,7 +66,7 @@ def test_wrap_gives_textwrap_lines():
 # ---- the emitter's per-node text ----
 
 def _plain_code(n, args, program=None) -> str:
-    """emit._code before the speed pass: every helper asked for every node."""
+    """emit.node_code before the speed pass: every helper asked for every node."""
     from parcomp_backends.torch import emit as E
     from parcomp_backends.torch.emit.cp import cp_kw
     from parcomp_backends.torch.emit.cp_ring import ring_key, ring_kw
@@ -86,12 +86,12 @@ def _plain_code(n, args, program=None) -> str:
         raise E.EmitError(f"%{n.name} has dtype {n.type.dtype}, which has no torch name")
     attrs = dict(E.ATTR_DEFAULTS.get(n.op, {}))
     attrs.update(n.attrs)
-    kw = {k: E._py(v) for k, v in attrs.items()}
+    kw = {k: E.py_literal(v) for k, v in attrs.items()}
     kw["local_shape"] = repr(tuple(n.type.shape))
     kw["dtype"] = E.TORCH_DTYPES[n.type.dtype]
     kw["args"] = ", ".join(args)
     kw.update(norm_kw(program, n, args))
-    kw.update(reduce_kw(program, n, E._py))
+    kw.update(reduce_kw(program, n, E.py_literal))
     kw.update(cp_kw(program, n))
     kw.update(ring_kw(n))
     if n.op == "expand":
@@ -108,13 +108,13 @@ def test_code_gives_the_plain_text_on_every_node(compiled):
 
     for spec, c in compiled.items():
         program = c.program
-        names = E._names(c.program_)
+        names = E.python_names(c.program_)
         for n in program.nodes:
             if n.op in ("input", "param"):
                 continue
             args = [names[i] for i in n.inputs]
-            assert E._code(n, args, program) == _plain_code(n, args, program), (spec, n)
-            assert E._py(n.name) == json.dumps(n.name)
+            assert E.node_code(n, args, program) == _plain_code(n, args, program), (spec, n)
+            assert E.py_literal(n.name) == json.dumps(n.name)
 
 
 # ---- the Program and the report ----
@@ -209,14 +209,13 @@ def _mutants(graph, rng, count):
 
 
 def test_verify_with_memo_and_dedup_fails_where_checking_every_node_fails():
-    from parcomp.passes.manager import forward_pipeline, run_pipeline
+    from parcomp.passes.pass_list import run_passes
     from parcomp.passes.verify import verify
     from parcomp.spec import load_spec
     from parcomp.frontends.loader import load_model
 
     graph, _, _ = load_model(os.path.join(SPECS, "models.py:gpt2_lm"))
-    stages = list(run_pipeline(graph, forward_pipeline(load_spec(os.path.join(SPECS, "gpt2_lm_tp2_sp_train.pcs"))))
-                  .values())
+    stages = list(run_passes(graph, load_spec(os.path.join(SPECS, "gpt2_lm_tp2_sp_train.pcs"))).values())
     rng, failed, memo = random.Random(3), 0, {}
     for before, g in zip(stages, stages[1:]):
         verify(before, memo)

@@ -14,6 +14,7 @@ from parcomp.errors import SpecError
 from parcomp.ir import parse_graph
 from parcomp.reference.interpreter import run_spmd
 from parcomp.reference.numpy_ops import run_unsharded
+from parcomp.spec import parse_spec
 
 from graphs import random_feeds, spec
 from numerics import assert_all_equivalent, assert_equivalent
@@ -183,7 +184,7 @@ def test_canonical_spec_collective_list_is_pinned(tmp_path, capsys):
     """specs/attention_cp2_train.pcs: forward all_gather of K and of V; backward reduce_scatter
     of dK and of dV to their owners. The other gathers are the cost model's choice at this tiny
     size (2 x 16 tokens): activations are gathered for the weight gradients and the loss rather
-    than all-reducing the weight gradients (docs/design.md, "Consequence worth knowing")."""
+    than all-reducing the weight gradients (docs/design/search.md, "Consequence worth knowing")."""
     rc = main(["check", MODEL, "--spec", str(CANONICAL), "--json"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and out["ok"] and out["err_over_tol"] <= 1, out
@@ -201,7 +202,7 @@ def test_program_masks_at_the_rank_rows_and_comments_every_collective(tmp_path):
     out = tmp_path / "out"
     assert main(["compile", MODEL, "--spec", str(CANONICAL), "-o", str(out)]) == 0
     text = (out / "program.py").read_text()
-    assert text.count(".tril(COORD[0] * 8)") == 4  # sdpa and its three gradients
+    assert text.count(".tril(COORD[0] * 8)") == 2  # sdpa, and its three gradients in one statement
     assert "is_causal=True" not in text
     lines = text.splitlines()
     calls = [i for i, line in enumerate(lines) if "= all_gather(" in line or "= reduce_scatter(" in line]
@@ -219,3 +220,14 @@ def test_canonical_spec_runs_on_two_gloo_ranks_like_unsharded(capsys):
     rc = main(["run", MODEL, "--spec", str(CANONICAL), "--nproc", "2", "--json"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and out["ok"] and out["err_over_tol"] <= 1, out
+
+
+# ---- context-parallel needs a cp axis or `over` ----
+
+@pytest.mark.parametrize("mesh", ["tp=2", "dp=2"])
+def test_context_parallel_on_a_mesh_without_cp_needs_over(mesh):
+    with pytest.raises(SpecError, match=r"no 'cp' axis .*say 'context-parallel over AXIS'") as e:
+        parse_spec(f"mesh {mesh}\ncontext-parallel\n", "s.pcs")
+    assert (e.value.loc.line, e.value.loc.col) == (2, 1)
+    assert parse_spec(f"mesh {mesh}\ncontext-parallel over {mesh[:2]}\n", "s.pcs").context_parallel.axis == mesh[:2]
+    assert parse_spec("mesh cp=2\ncontext-parallel\n", "s.pcs").context_parallel.axis == "cp"

@@ -16,6 +16,7 @@ from parcomp.ir import parse_graph
 from parcomp.reference import cp_ring
 from parcomp.reference.interpreter import run_spmd
 from parcomp.reference.numpy_ops import run_unsharded
+from parcomp_backends.torch.emit import RUNTIME_MARK
 
 from graphs import random_feeds, spec
 from numerics import assert_all_equivalent, assert_equivalent
@@ -178,7 +179,10 @@ def test_ring_training_equals_unsharded(cp, blocks, batch, dp, chunking, seed):
     splitting the batch: loss, every gradient (x.grad back in natural order) and every updated
     weight; the only cp traffic of attention is the ring's send_recv."""
     seq = cp * blocks * (2 if chunking == "balanced" else 1)
-    c = compile_graph(parse_graph(_attn(seq, 2 if dp else batch)), _ring_spec(cp, dp, chunking=chunking))
+    # in float64, as `check` decides: the ring's other summation order is then within 1e-9 of the
+    # scale (in float32 a gradient with cancellation once missed 1e-3 by 1.4x at seed 852)
+    f64 = _attn(seq, 2 if dp else batch).replace("f32[", "f64[")
+    c = compile_graph(parse_graph(f64), _ring_spec(cp, dp, chunking=chunking))
     kinds = {(r["kind"], r["phase"]) for r in c.report["collectives"] if r["axis"] == "cp"}
     assert {("send_recv", "forward"), ("send_recv", "backward")} <= kinds
     assert ("reduce_scatter", "backward") not in kinds
@@ -198,8 +202,8 @@ def test_ring_training_equals_unsharded(cp, blocks, batch, dp, chunking, seed):
 def test_all_gather_with_balanced_chunking_trains_like_unsharded(cp, blocks, dp, seed):
     """The all_gather lowering on balanced chunks: K/V gathered in storage order, each rank's mask
     by the global positions of its rows and of every gathered key."""
-    c = compile_graph(parse_graph(_attn(2 * cp * blocks, 2)), _ring_spec(cp, dp, lowering="all_gather",
-                                                                       chunking="balanced"))
+    c = compile_graph(parse_graph(_attn(2 * cp * blocks, 2).replace("f32[", "f64[")),
+                      _ring_spec(cp, dp, lowering="all_gather", chunking="balanced"))
     assert ("all_gather", "forward") in {(r["kind"], r["phase"]) for r in c.report["collectives"]}
     feeds = random_feeds(c.logical, seed)
     run = run_spmd(c.program, feeds)
@@ -279,8 +283,10 @@ def test_program_calls_the_ring_and_comments_each_pass(tmp_path):
     out = tmp_path / "out"
     assert main(["compile", MODEL, "--spec", str(CANONICAL), "-o", str(out)]) == 0
     text = (out / "program.py").read_text()
-    assert text.count("= ring_sdpa(") == 1 and text.count("= ring_sdpa_grad(") == 3
-    assert "scaled_dot_product_attention(" not in text.split("def train_step")[1]
+    assert text.count("= ring_sdpa(") == 1 and text.count("= ring_sdpa_grads(") == 1  # one backward ring
+    step = text.split("def train_step")[1].split(RUNTIME_MARK)[0]  # the step, not the runtime after it
+    assert "ring_sdpa_grad(" not in step
+    assert "scaled_dot_product_attention(" not in step
     assert "def ring_shift(" in text and "batch_isend_irecv" in text
     assert 'COMM_AXES = ("cp",)' in text
     lines = text.splitlines()
@@ -296,11 +302,12 @@ def test_balanced_program_loads_in_storage_order_and_masks_by_position(tmp_path)
     text = (out / "program.py").read_text()
     assert 'balance_rows(take(feeds, "x", (2, 16, 32), torch.float32), (1,), 2).narrow(1, COORD[0] * 8, 8)' in text
     assert 'balance_rows(whole(take_constant(ckpt, "rope.cos", (1, 1, 16, 8), torch.float32)), (2,), 2)' in text
-    assert text.count('"cp", "balanced"') == 4  # ring_sdpa and its three gradients
+    assert text.count('"cp", "balanced"') == 2  # ring_sdpa and the one backward ring of its three gradients
     ag = tmp_path / "ag.pcs"
     ag.write_text(BALANCED.read_text().replace("lowering=ring", "lowering=all_gather"))
     assert main(["compile", MODEL, "--spec", str(ag), "-o", str(tmp_path / "ag")]) == 0
-    assert (tmp_path / "ag" / "program.py").read_text().count("attn_mask=balanced_keep(8, 16, COORD[0] * 8, 2)") == 4
+    ag_text = (tmp_path / "ag" / "program.py").read_text()
+    assert ag_text.count("attn_mask=balanced_keep(8, 16, COORD[0] * 8, 2)") == 2  # sdpa; one call for its 3 grads
 
 
 @pytest.mark.slow
@@ -314,7 +321,7 @@ def test_ring_specs_run_on_two_gloo_ranks_like_unsharded(capsys, path):
 @pytest.mark.parametrize("lowering", ["ring", "all_gather"])
 def test_balanced_chunking_with_a_replicated_output_is_a_located_error(lowering):
     """Balanced chunks hold the sequence in storage order: an output gathered to replicated would
-    be assembled out of order (wrong numbers, found by a new-user trial), so it is refused."""
+    be assembled out of order (wrong numbers), so it is refused."""
     from parcomp.frontends.loader import load_model
     graph = load_model(str(pathlib.Path(__file__).parents[1].parent / "specs" / "models.py") + ":causal_attention")[0]
     text = (f"mesh cp=2\ncontext-parallel lowering={lowering} chunking=balanced\n"

@@ -188,8 +188,8 @@ def test_trains_on_four_gloo_ranks_like_unsharded(tmp_path, capsys, lowering, me
 
 def test_a_weight_split_over_the_cp_axis_is_warned_as_cp_s_doing():
     """``context-parallel over tp`` with q/k/v/o split on tp: CP keeps weights whole over its
-    axis, so the plan gathers them; the warning says the CP statement undoes the split (it
-    blamed the cost model before: a new-user trial finding) and the result stays equal."""
+    axis, so the plan gathers them; the warning says the CP statement undoes the split (not
+    the cost model) and the result stays equal."""
     g = parse_graph(_mha(8, 4, 4))
     s = spec("mesh tp=2\ncontext-parallel over tp lowering=all_gather\nwq colwise\nwk colwise\nwv colwise\n"
              "wo rowwise\ninput x split-seq\noutput output split-seq\n")

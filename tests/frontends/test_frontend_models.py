@@ -29,7 +29,7 @@ models = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(models)
 
 # What each model's forward leaves for the aten TABLE after constant folding and the
-# causal-mask rewrite (torch 2.13, transformers 5.24). docs/design.md has the same table.
+# causal-mask rewrite (torch 2.13, transformers 5.24). docs/design/frontends.md has the same table.
 LOWERED = {
     "gpt2_lm": {
         "aten.add.Tensor": 9, "aten.addmm.default": 8, "aten.alias.default": 1,

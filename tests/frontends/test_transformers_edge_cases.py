@@ -1,5 +1,6 @@
-"""A new user's trial of transformers models through torch.export (GPT-2, Llama and their
-neighbours, small configs, random weights): each finding is a test here."""
+"""transformers models through torch.export (GPT-2, Llama and their neighbours, small configs,
+random weights): training-mode dropout, sliding windows, label smoothing, ignored labels, in-place
+writes, and token ids or sequences the model cannot take."""
 import json
 
 import pytest
@@ -56,7 +57,7 @@ MISTRAL_TP2 = ("mesh tp=2\nmodel.layers.*.self_attn.q_proj.weight colwise\n"
 
 @pytest.fixture
 def play(tmp_path):
-    (tmp_path / "trial.py").write_text(FACTORIES)
+    (tmp_path / "hf_models.py").write_text(FACTORIES)
     return tmp_path
 
 
@@ -71,7 +72,7 @@ def _json(capsys) -> tuple:
 # dropout, and a note says why.
 def test_training_mode_dropout_forward_check_is_ok_against_parcomps_dropout(play, capsys):
     spec = write(play, "mlp.pcs", MLP_TP2)
-    assert main(["check", f"{play}/trial.py:mlp_dropout", "--spec", spec, "--json"]) == 0
+    assert main(["check", f"{play}/hf_models.py:mlp_dropout", "--spec", spec, "--json"]) == 0
     res, err = _json(capsys)
     assert res["ok"] and res["verdict"] == "OK" and res["err_over_tol"] < 1, res
     assert "not from torch's generator" in err and "not the torch module" in err
@@ -79,7 +80,7 @@ def test_training_mode_dropout_forward_check_is_ok_against_parcomps_dropout(play
 
 def test_training_mode_dropout_training_check_is_ok(play, capsys):
     spec = write(play, "mlp_t.pcs", MLP_TP2 + "train loss=mse optimizer=sgd(lr=0.1) steps=2\n")
-    assert main(["check", f"{play}/trial.py:mlp_dropout", "--spec", spec, "--json"]) == 0
+    assert main(["check", f"{play}/hf_models.py:mlp_dropout", "--spec", spec, "--json"]) == 0
     res, err = _json(capsys)
     assert res["ok"] and "vs_torch" not in res, res
     assert "not the torch module" in err
@@ -99,7 +100,7 @@ def test_training_mode_dropout_still_catches_a_wrong_sharding(play, capsys, monk
 
     monkeypatch.setattr(cc, "run_spmd", halved)
     spec = write(play, "mlp.pcs", MLP_TP2)
-    assert main(["check", f"{play}/trial.py:mlp_dropout", "--spec", spec, "--json"]) != 0
+    assert main(["check", f"{play}/hf_models.py:mlp_dropout", "--spec", spec, "--json"]) != 0
     res, _ = _json(capsys)
     assert not res["ok"] and res["verdict"] == "MISMATCH", res
 
@@ -118,7 +119,7 @@ def _fails(argv, capsys, *needles) -> str:
 # wants to train with dropout is told which dropout is the unsupported one and what to set.
 def test_attention_dropout_names_the_config_knob(play, capsys):
     spec = write(play, "g.pcs", GPT2_TP2)
-    _fails(["check", f"{play}/trial.py:gpt2_attn_dropout_train", "--spec", spec], capsys,
+    _fails(["check", f"{play}/hf_models.py:gpt2_attn_dropout_train", "--spec", spec], capsys,
            "dropout_p=0.1", "attn_pdrop", "call module.eval()", "modeling_gpt2.py:")
 
 
@@ -127,13 +128,13 @@ def test_attention_dropout_names_the_config_knob(play, capsys):
 # values), and a window covering the sequence compiles to the causal mask.
 def test_sliding_window_shorter_than_the_sequence_compiles_to_a_windowed_sdpa(play, capsys):
     spec = write(play, "m.pcs", MISTRAL_TP2)
-    assert main(["compile", f"{play}/trial.py:mistral", "--spec", spec, "-o", str(play / "out")]) == 0
+    assert main(["compile", f"{play}/hf_models.py:mistral", "--spec", spec, "-o", str(play / "out")]) == 0
     assert "window=4}" in (play / "out" / "sharded.pcir").read_text()
 
 
 def test_sliding_window_covering_the_sequence_is_causal(play, capsys):
     spec = write(play, "m.pcs", MISTRAL_TP2)
-    assert main(["check", f"{play}/trial.py:mistral_window8", "--spec", spec, "--json"]) == 0
+    assert main(["check", f"{play}/hf_models.py:mistral_window8", "--spec", spec, "--json"]) == 0
     res, _ = _json(capsys)
     assert res["ok"], res
 
@@ -143,7 +144,7 @@ def test_sliding_window_covering_the_sequence_is_causal(play, capsys):
 # in-place pass wrote the smoothing gradient's add into an expand (a stride-0 view).
 def test_label_smoothing_program_runs_under_torchrun(play, capsys):
     spec = write(play, "ls.pcs", MLP_TP2 + "train loss=cross_entropy(label_smoothing=0.1) optimizer=sgd(lr=0.1)\n")
-    assert main(["run", f"{play}/trial.py:mlp", "--spec", spec, "--nproc", "2", "--json"]) == 0
+    assert main(["run", f"{play}/hf_models.py:mlp", "--spec", spec, "--nproc", "2", "--json"]) == 0
     res, err = _json(capsys)
     assert res["ok"], (res, err[-3000:])
 
@@ -154,7 +155,7 @@ def test_in_place_never_writes_into_an_expanded_view(play):
     from parcomp.spec import load_spec
 
     spec = write(play, "ls.pcs", MLP_TP2 + "train loss=cross_entropy(label_smoothing=0.1) optimizer=sgd(lr=0.1)\n")
-    graph, _, _ = load_model(f"{play}/trial.py:mlp")
+    graph, _, _ = load_model(f"{play}/hf_models.py:mlp")
     g = compile_graph(graph, load_spec(spec)).program  # the lowered per-rank graph
     expands = {n.name for n in g.nodes if n.op == "expand"}
     assert expands and not [n.name for n in g.nodes if n.attr("inplace") and n.inputs[0] in expands]
@@ -173,7 +174,7 @@ def test_ignored_labels_under_dp_tp_equal_torch(play):
     spec = write(play, "ign.pcs", "mesh dp=2 tp=2\n0.weight colwise over tp\n2.weight rowwise over tp\n"
                  "input x [S(0), R]\ntrain loss=cross_entropy(ignore_index=-100, label_smoothing=0.1) "
                  "optimizer=sgd(lr=0.1)\n")
-    graph, module, example = load_model(f"{play}/trial.py:mlp")
+    graph, module, example = load_model(f"{play}/hf_models.py:mlp")
     c = compile_graph(graph, load_spec(spec))
     feeds = train_feeds(c, module, example, 0, feeds_for)
     labels = feeds["labels"].copy()
@@ -191,12 +192,12 @@ def test_ignored_labels_under_dp_tp_equal_torch(play):
 def test_token_id_outside_the_vocab_is_a_located_error(play, capsys, command):
     spec = write(play, "g.pcs", GPT2_TP2)
     extra = ["--nproc", "2"] if command == "run" else []
-    _fails([command, f"{play}/trial.py:gpt2_bad_id", "--spec", spec, *extra], capsys,
+    _fails([command, f"{play}/hf_models.py:gpt2_bad_id", "--spec", spec, *extra], capsys,
            "input input_ids holds 1 id(s) outside the 101 rows", "500, at [0, 1]", "[0, 101)")
 
 
 def test_sequence_longer_than_the_positions_is_a_located_error(play, capsys):
     spec = write(play, "g.pcs", GPT2_TP2)
-    _fails(["check", f"{play}/trial.py:gpt2_too_long", "--spec", spec], capsys,
+    _fails(["check", f"{play}/hf_models.py:gpt2_too_long", "--spec", spec], capsys,
            "param transformer.arange holds 16 id(s) outside the 64 rows", "transformer.wpe.weight",
            "sequence longer")

@@ -1,9 +1,11 @@
-"""program.py: one rank's forward pass, emitted by parcomp (torch backend). Do not edit.
+"""program.py: one rank's forward pass, emitted by parcomp 0.1.0 (torch backend). Do not edit.
 
 model: models.py:gpt2_mlp
 spec:  gpt2_mlp_tp2.pcs
 mesh:  tp=2 (2 ranks; row-major, the last axis varies fastest)
 collectives per forward step: 1, 2048 bytes/rank in all: all_reduce over tp
+
+Below: this model's constants, parameter loading and step (forward); then, after the runtime line, the runtime.
 
 Run one process per rank:
     torchrun --nproc-per-node 2 program.py --checkpoint model.pt --input x.pt --output out.pt [--device cpu]
@@ -40,22 +42,6 @@ import torch
 import torch.distributed as dist
 
 
-# ---- PROFILE cpu: the only lines that differ between device profiles ----
-PROFILE = "cpu"
-DIST_BACKEND = "gloo"
-PRELUDE = ()  # imported first; skipped under --device cpu
-BIND_DEVICE_ID = False  # init_process_group(device_id=DEVICE)
-LAUNCH_ENV = (  # --print-launch: set on every node before torchrun
-    "export GLOO_SOCKET_IFNAME=eth0  # the interface that reaches the other nodes",
-)
-
-
-def profile_device():
-    """Bind this process to its device under profile cpu and return it."""
-    return torch.device("cpu")
-# ---- end of PROFILE ----
-
-
 MESH = {"tp": 2}  # mesh axes in order; ranks are row-major
 GROUP_RANKS = {"tp": [[0, 1]]}  # each axis's rank groups, in coordinate order
 PARAMS = ("c_fc.weight", "c_fc.bias", "c_proj.weight", "c_proj.bias")
@@ -70,6 +56,89 @@ PLACEMENT = "refuse"  # a HOST_AXES group on several hosts: refuse | warn (--pla
 TIMEOUT_S = 600  # seconds a collective may wait (--timeout)
 TOPOLOGY = None  # the spec's nodes, devices per node (--print-launch)
 COLLECTIVE_DTYPES = ("float32",)  # what the collectives carry
+
+
+def load_params(ckpt):
+    """This rank's slice of every parameter, on DEVICE (full tensors are not kept)."""
+    out = {}
+    # c_fc.weight: full f32[32,128] [S(1)] -> f32[32,64]; dim 1 split over tp: this rank's 64 of 128 columns
+    out["c_fc.weight"] = place(take(ckpt, "c_fc.weight", (32, 128), torch.float32).narrow(1, COORD[0] * 64, 64))  # gpt2_mlp_tp2.pcs:4
+    # c_fc.bias: full f32[128] [S(0)] -> f32[64]; dim 0 split over tp: this rank's 64 of 128 entries
+    out["c_fc.bias"] = place(take(ckpt, "c_fc.bias", (128,), torch.float32).narrow(0, COORD[0] * 64, 64))  # gpt2_mlp_tp2.pcs:4
+    # c_proj.weight: full f32[128,32] [S(0)] -> f32[64,32]; dim 0 split over tp: this rank's 64 of 128 rows
+    out["c_proj.weight"] = place(take(ckpt, "c_proj.weight", (128, 32), torch.float32).narrow(0, COORD[0] * 64, 64))  # gpt2_mlp_tp2.pcs:5
+    # c_proj.bias: full f32[32] [R] -> f32[32]; replicated: every rank keeps all of it
+    out["c_proj.bias"] = place(take(ckpt, "c_proj.bias", (32,), torch.float32))
+    return out
+
+
+def load_inputs(feeds):
+    """This rank's slice of every input, on DEVICE (full tensors are not kept)."""
+    out = {}
+    # x: full f32[2,8,32] [R] -> f32[2,8,32]; replicated: every rank keeps all of it
+    out["x"] = place(take(feeds, "x", (2, 8, 32), torch.float32))  # gpt2_mlp_tp2.pcs:6
+    return out
+
+
+def forward(p, inp):
+    """One forward step on this rank: local slices in, {output name: local value} out."""
+    c_fc_weight = p["c_fc.weight"]  # [S(1)] f32[32,64]; gpt2_mlp_tp2.pcs:4
+    c_fc_bias = p["c_fc.bias"]  # [S(0)] f32[64]; gpt2_mlp_tp2.pcs:4
+    c_proj_weight = p["c_proj.weight"]  # [S(0)] f32[64,32]; gpt2_mlp_tp2.pcs:5
+    c_proj_bias = p["c_proj.bias"]  # [R] f32[32]
+    x = inp["x"]  # [R] f32[2,8,32]; gpt2_mlp_tp2.pcs:6
+    c_fc_reshape = x.reshape((16, 32))  # [R] f32[16,32]
+    c_fc_addmm = torch.addmm(c_fc_bias, c_fc_reshape, c_fc_weight)  # [S(1)] f32[16,64]
+    del c_fc_reshape
+    c_fc = c_fc_addmm.reshape((2, 8, 64))  # [S(2)] f32[2,8,64]
+    del c_fc_addmm
+    act_scale = c_fc * 0.5  # [S(2)] f32[2,8,64]
+    act_pow = torch.pow(c_fc, 3.0)  # [S(2)] f32[2,8,64]
+    act_scale_1 = act_pow * 0.044715  # [S(2)] f32[2,8,64]
+    del act_pow
+    act_add = c_fc.add_(act_scale_1)  # [S(2)] f32[2,8,64]
+    del c_fc, act_scale_1
+    act_scale_2 = act_add * 0.7978845608028654  # [S(2)] f32[2,8,64]
+    del act_add
+    act_tanh = torch.tanh(act_scale_2)  # [S(2)] f32[2,8,64]
+    del act_scale_2
+    act_add_scalar = act_tanh + 1.0  # [S(2)] f32[2,8,64]
+    del act_tanh
+    act = act_scale * act_add_scalar  # [S(2)] f32[2,8,64]
+    del act_scale, act_add_scalar
+    c_proj_reshape = act.reshape((16, 64))  # [S(1)] f32[16,64]
+    del act
+    c_proj_matmul = torch.matmul(c_proj_reshape, c_proj_weight)  # [P] f32[16,32]
+    del c_proj_reshape
+    # all_reduce over tp [P] -> [R], bytes/rank 2048: c_proj_matmul: its matmul contracts a dim split over
+    #   tp (row-parallel), so each rank holds a partial sum; add c_proj_add needs the full value [R]: sum
+    #   once
+    c_proj_all_reduce = all_reduce_(c_proj_matmul, "tp")  # [R] f32[16,32]; gpt2_mlp_tp2.pcs:5
+    del c_proj_matmul
+    c_proj_add = c_proj_all_reduce.add_(c_proj_bias)  # [R] f32[16,32]
+    del c_proj_all_reduce
+    c_proj = c_proj_add.reshape((2, 8, 32))  # [R] f32[2,8,32]
+    del c_proj_add
+    return {"output": c_proj}
+
+
+# ======== runtime (parcomp_backends/torch/runtime): profile, collectives, loading, main ========
+
+
+# ---- PROFILE cpu: the only lines that differ between device profiles ----
+PROFILE = "cpu"
+DIST_BACKEND = "gloo"
+PRELUDE = ()  # imported first; skipped under --device cpu
+BIND_DEVICE_ID = False  # init_process_group(device_id=DEVICE)
+LAUNCH_ENV = (  # --print-launch: set on every node before torchrun
+    "export GLOO_SOCKET_IFNAME=eth0  # the interface that reaches the other nodes",
+)
+
+
+def profile_device():
+    """Bind this process to its device under profile cpu and return it."""
+    return torch.device("cpu")
+# ---- end of PROFILE ----
 
 
 RANK = int(os.environ.get("RANK", "0"))
@@ -195,20 +264,27 @@ def wait(handle):
 
 
 def all_gather(x, dim, axis):
-    """S(dim) -> R: concatenate the group's shards along ``dim``, in coordinate order."""
-    x0 = x.movedim(dim, 0).contiguous()
-    out = x0.new_empty((group_size(axis) * x0.shape[0],) + tuple(x0.shape[1:]))
-    collective("all_gather_single", "all_gather_into_tensor")(out, x0, group=GROUPS[axis])
-    return out.movedim(0, dim).contiguous()
+    """S(dim) -> R: concatenate the group's shards along ``dim``, in coordinate order. The
+    shards arrive stacked ``[n, *shard]``; along a dim other than 0 one copy interleaves them
+    (the shard is sent as it is, not moved to dim 0 first)."""
+    n = group_size(axis)
+    x = x.contiguous()
+    out = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]))  # the shards one after another
+    collective("all_gather_single", "all_gather_into_tensor")(out, x, group=GROUPS[axis])
+    if dim == 0:
+        return out
+    return out.view((n,) + tuple(x.shape)).movedim(0, dim).flatten(dim, dim + 1)
 
 
 def reduce_scatter(x, dim, axis):
-    """P -> S(dim): sum over the group, keep this rank's chunk of ``dim``."""
-    x0 = x.movedim(dim, 0).contiguous()
-    out = x0.new_empty((x0.shape[0] // group_size(axis),) + tuple(x0.shape[1:]))
-    collective("reduce_scatter_single", "reduce_scatter_tensor")(out, x0, op=dist.ReduceOp.SUM,
-                                                                 group=GROUPS[axis])
-    return out.movedim(0, dim).contiguous()
+    """P -> S(dim): sum over the group, keep this rank's chunk of ``dim``. Along a dim other
+    than 0 one copy puts chunk j first for coordinate j (``[n, *chunk]``); the result needs none."""
+    n = group_size(axis)
+    x0 = x.contiguous() if dim == 0 else x.unflatten(dim, (n, x.shape[dim] // n)).movedim(dim, 0).contiguous()
+    out = x.new_empty(tuple(x.shape[:dim]) + (x.shape[dim] // n,) + tuple(x.shape[dim + 1:]))
+    x0 = x0.view((n * out.shape[0],) + tuple(out.shape[1:]))  # the chunks one after another
+    collective("reduce_scatter_single", "reduce_scatter_tensor")(out, x0, op=dist.ReduceOp.SUM, group=GROUPS[axis])
+    return out
 
 
 def all_to_all(x, src_dim, dim, axis):
@@ -284,10 +360,16 @@ def whole(t):
 
 def place(t):
     """A compact copy of ``t`` on DEVICE (so the full tensor it was cut from can be freed);
-    a checkpoint Slice is read here."""
+    a checkpoint Slice is read here. While CHECK_ONLY["on"] (inputs checked before the run,
+    placed at their step): ``t`` itself, nothing copied."""
     if isinstance(t, Slice):
         return t.read().to(DEVICE)
+    if CHECK_ONLY["on"]:
+        return t
     return torch.empty(t.shape, dtype=t.dtype, device=DEVICE).copy_(t)
+
+
+CHECK_ONLY = {"on": False}
 
 
 def note_unused(tensors, used, what):
@@ -678,70 +760,6 @@ def current_rss():
         return 0
 
 
-def load_params(ckpt):
-    """This rank's slice of every parameter, on DEVICE (full tensors are not kept)."""
-    out = {}
-    # c_fc.weight: full f32[32,128] [S(1)] -> f32[32,64]; dim 1 split over tp: this rank's 64 of 128 columns
-    out["c_fc.weight"] = place(take(ckpt, "c_fc.weight", (32, 128), torch.float32).narrow(1, COORD[0] * 64, 64))  # gpt2_mlp_tp2.pcs:4
-    # c_fc.bias: full f32[128] [S(0)] -> f32[64]; dim 0 split over tp: this rank's 64 of 128 entries
-    out["c_fc.bias"] = place(take(ckpt, "c_fc.bias", (128,), torch.float32).narrow(0, COORD[0] * 64, 64))  # gpt2_mlp_tp2.pcs:4
-    # c_proj.weight: full f32[128,32] [S(0)] -> f32[64,32]; dim 0 split over tp: this rank's 64 of 128 rows
-    out["c_proj.weight"] = place(take(ckpt, "c_proj.weight", (128, 32), torch.float32).narrow(0, COORD[0] * 64, 64))  # gpt2_mlp_tp2.pcs:5
-    # c_proj.bias: full f32[32] [R] -> f32[32]; replicated: every rank keeps all of it
-    out["c_proj.bias"] = place(take(ckpt, "c_proj.bias", (32,), torch.float32))
-    return out
-
-
-def load_inputs(feeds):
-    """This rank's slice of every input, on DEVICE (full tensors are not kept)."""
-    out = {}
-    # x: full f32[2,8,32] [R] -> f32[2,8,32]; replicated: every rank keeps all of it
-    out["x"] = place(take(feeds, "x", (2, 8, 32), torch.float32))  # gpt2_mlp_tp2.pcs:6
-    return out
-
-
-def forward(p, inp):
-    """One forward step on this rank: local slices in, {output name: local value} out."""
-    c_fc_weight = p["c_fc.weight"]  # [S(1)] f32[32,64]; gpt2_mlp_tp2.pcs:4
-    c_fc_bias = p["c_fc.bias"]  # [S(0)] f32[64]; gpt2_mlp_tp2.pcs:4
-    c_proj_weight = p["c_proj.weight"]  # [S(0)] f32[64,32]; gpt2_mlp_tp2.pcs:5
-    c_proj_bias = p["c_proj.bias"]  # [R] f32[32]
-    x = inp["x"]  # [R] f32[2,8,32]; gpt2_mlp_tp2.pcs:6
-    c_fc_reshape = x.reshape((16, 32))  # [R] f32[16,32]
-    c_fc_addmm = torch.addmm(c_fc_bias, c_fc_reshape, c_fc_weight)  # [S(1)] f32[16,64]
-    del c_fc_reshape
-    c_fc = c_fc_addmm.reshape((2, 8, 64))  # [S(2)] f32[2,8,64]
-    del c_fc_addmm
-    act_scale = c_fc * 0.5  # [S(2)] f32[2,8,64]
-    act_pow = torch.pow(c_fc, 3.0)  # [S(2)] f32[2,8,64]
-    act_scale_1 = act_pow * 0.044715  # [S(2)] f32[2,8,64]
-    del act_pow
-    act_add = c_fc.add_(act_scale_1)  # [S(2)] f32[2,8,64]
-    del c_fc, act_scale_1
-    act_scale_2 = act_add * 0.7978845608028654  # [S(2)] f32[2,8,64]
-    del act_add
-    act_tanh = torch.tanh(act_scale_2)  # [S(2)] f32[2,8,64]
-    del act_scale_2
-    act_add_scalar = act_tanh + 1.0  # [S(2)] f32[2,8,64]
-    del act_tanh
-    act = act_scale * act_add_scalar  # [S(2)] f32[2,8,64]
-    del act_scale, act_add_scalar
-    c_proj_reshape = act.reshape((16, 64))  # [S(1)] f32[16,64]
-    del act
-    c_proj_matmul = torch.matmul(c_proj_reshape, c_proj_weight)  # [P] f32[16,32]
-    del c_proj_reshape
-    # all_reduce over tp [P] -> [R], bytes/rank 2048: c_proj_matmul: its matmul contracts a dim split over
-    #   tp (row-parallel), so each rank holds a partial sum; add c_proj_add needs the full value [R]: sum
-    #   once
-    c_proj_all_reduce = all_reduce_(c_proj_matmul, "tp")  # [R] f32[16,32]; gpt2_mlp_tp2.pcs:5
-    del c_proj_matmul
-    c_proj_add = c_proj_all_reduce.add_(c_proj_bias)  # [R] f32[16,32]
-    del c_proj_all_reduce
-    c_proj = c_proj_add.reshape((2, 8, 32))  # [R] f32[2,8,32]
-    del c_proj_add
-    return {"output": c_proj}
-
-
 def rank_path(path, rank):
     """``out.pt`` -> ``out.rank{rank}.pt``: where a rank writes its slices of sharded outputs."""
     root, ext = os.path.splitext(path)
@@ -841,6 +859,9 @@ def add_cluster_args(ap):
                          f"(default {PLACEMENT})")
     ap.add_argument("--compile", action="store_true",
                     help="run the step under torch.compile (capture, fuse and reorder it)")
+    ap.add_argument("--tf32", action="store_true",
+                    help="CUDA: float32 matmuls and convolutions in TF32 (10-bit mantissa, faster on "
+                         "Ampere and newer); off by default, the float32 rounding parcomp run checks")
     ap.add_argument("--print-launch", nargs="?", const="", metavar="NODESxDEVICES",
                     help="print the environment and the torchrun line of every node (with the options "
                          "given with it, else the run hint's), then exit "
@@ -979,6 +1000,16 @@ MAX_TIMEOUT_S = 10_000_000  # ~116 days; datetime.timedelta and c10d's milliseco
 def compiled_step(step, args):
     """``step`` under torch.compile with ``--compile`` (fullgraph on a functional program), else ``step``."""
     return torch.compile(step, fullgraph="funcol" in globals()) if args.compile else step
+
+
+def set_tf32(on):
+    """``--tf32``: TF32 float32 matmuls and convolutions (CUDA), which the cuda profile turns off
+    by default; rank 0 says so, since float32 results then differ from the checked rounding."""
+    torch.backends.cuda.matmul.allow_tf32 = on
+    torch.backends.cudnn.allow_tf32 = on
+    if on and RANK == 0:
+        print("note: --tf32: float32 matmuls and convolutions run in TF32 (10-bit mantissa); their "
+              "results differ from float32 by up to ~1e-3 of their scale", flush=True)
 
 
 def launch_request(argv):
@@ -1210,6 +1241,7 @@ def main(argv=None):
     else:
         import_prelude()
         backend, DEVICE = DIST_BACKEND, profile_device()
+        set_tf32(args.tf32)  # the cuda profile's default is off; --tf32 turns it on
     init_dist(backend, args)  # then every failure is agreed on: no rank waits for one that left
     watch_faults(args.timeout)  # and a rank that hung or died is named by the others
     try:

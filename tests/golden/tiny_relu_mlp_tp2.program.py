@@ -1,9 +1,11 @@
-"""program.py: one rank's forward pass, emitted by parcomp (torch backend). Do not edit.
+"""program.py: one rank's forward pass, emitted by parcomp 0.1.0 (torch backend). Do not edit.
 
 model: tiny_relu_mlp.pcir
 spec:  tiny_relu_mlp_tp2.pcs
 mesh:  tp=2 (2 ranks; row-major, the last axis varies fastest)
 collectives per forward step: 1, 8 bytes/rank in all: all_reduce over tp
+
+Below: this model's constants, parameter loading and step (forward); then, after the runtime line, the runtime.
 
 Run one process per rank:
     torchrun --nproc-per-node 2 program.py --checkpoint model.pt --input x.pt --output out.pt [--device cpu]
@@ -40,22 +42,6 @@ import torch
 import torch.distributed as dist
 
 
-# ---- PROFILE cpu: the only lines that differ between device profiles ----
-PROFILE = "cpu"
-DIST_BACKEND = "gloo"
-PRELUDE = ()  # imported first; skipped under --device cpu
-BIND_DEVICE_ID = False  # init_process_group(device_id=DEVICE)
-LAUNCH_ENV = (  # --print-launch: set on every node before torchrun
-    "export GLOO_SOCKET_IFNAME=eth0  # the interface that reaches the other nodes",
-)
-
-
-def profile_device():
-    """Bind this process to its device under profile cpu and return it."""
-    return torch.device("cpu")
-# ---- end of PROFILE ----
-
-
 MESH = {"tp": 2}  # mesh axes in order; ranks are row-major
 GROUP_RANKS = {"tp": [[0, 1]]}  # each axis's rank groups, in coordinate order
 PARAMS = ("fc1.weight", "fc2.weight")
@@ -70,6 +56,61 @@ PLACEMENT = "refuse"  # a HOST_AXES group on several hosts: refuse | warn (--pla
 TIMEOUT_S = 600  # seconds a collective may wait (--timeout)
 TOPOLOGY = None  # the spec's nodes, devices per node (--print-launch)
 COLLECTIVE_DTYPES = ("float32",)  # what the collectives carry
+
+
+def load_params(ckpt):
+    """This rank's slice of every parameter, on DEVICE (full tensors are not kept)."""
+    out = {}
+    # fc1.weight: full f32[4,2] [S(0)] -> f32[2,2]; dim 0 split over tp: this rank's 2 of 4 rows
+    out["fc1.weight"] = place(take(ckpt, "fc1.weight", (4, 2), torch.float32).narrow(0, COORD[0] * 2, 2))  # tiny_relu_mlp_tp2.pcs:4
+    # fc2.weight: full f32[2,4] [S(1)] -> f32[2,2]; dim 1 split over tp: this rank's 2 of 4 columns
+    out["fc2.weight"] = place(take(ckpt, "fc2.weight", (2, 4), torch.float32).narrow(1, COORD[0] * 2, 2))  # tiny_relu_mlp_tp2.pcs:5
+    return out
+
+
+def load_inputs(feeds):
+    """This rank's slice of every input, on DEVICE (full tensors are not kept)."""
+    out = {}
+    # x: full f32[1,2] [R] -> f32[1,2]; replicated: every rank keeps all of it
+    out["x"] = place(take(feeds, "x", (1, 2), torch.float32))  # tiny_relu_mlp_tp2.pcs:6
+    return out
+
+
+def forward(p, inp):
+    """One forward step on this rank: local slices in, {output name: local value} out."""
+    x = inp["x"]  # [R] f32[1,2]; tiny_relu_mlp_tp2.pcs:6
+    fc1_weight = p["fc1.weight"]  # [S(0)] f32[2,2]; tiny_relu_mlp_tp2.pcs:4
+    h = torch.nn.functional.linear(x, fc1_weight)  # [S(1)] f32[1,2]
+    r = torch.relu(h)  # [S(1)] f32[1,2]
+    del h
+    fc2_weight = p["fc2.weight"]  # [S(1)] f32[2,2]; tiny_relu_mlp_tp2.pcs:5
+    output = torch.nn.functional.linear(r, fc2_weight)  # [P] f32[1,2]
+    del r
+    # all_reduce over tp [P] -> [R], bytes/rank 8: output: its matmul contracts a dim split over tp
+    #   (row-parallel), so each rank holds a partial sum; output output (spec tiny_relu_mlp_tp2.pcs:7) needs
+    #   the full value [R]: sum once
+    output_all_reduce_tp = all_reduce_(output, "tp")  # [R] f32[1,2]; tiny_relu_mlp_tp2.pcs:7
+    del output
+    return {"output": output_all_reduce_tp}
+
+
+# ======== runtime (parcomp_backends/torch/runtime): profile, collectives, loading, main ========
+
+
+# ---- PROFILE cpu: the only lines that differ between device profiles ----
+PROFILE = "cpu"
+DIST_BACKEND = "gloo"
+PRELUDE = ()  # imported first; skipped under --device cpu
+BIND_DEVICE_ID = False  # init_process_group(device_id=DEVICE)
+LAUNCH_ENV = (  # --print-launch: set on every node before torchrun
+    "export GLOO_SOCKET_IFNAME=eth0  # the interface that reaches the other nodes",
+)
+
+
+def profile_device():
+    """Bind this process to its device under profile cpu and return it."""
+    return torch.device("cpu")
+# ---- end of PROFILE ----
 
 
 RANK = int(os.environ.get("RANK", "0"))
@@ -195,20 +236,27 @@ def wait(handle):
 
 
 def all_gather(x, dim, axis):
-    """S(dim) -> R: concatenate the group's shards along ``dim``, in coordinate order."""
-    x0 = x.movedim(dim, 0).contiguous()
-    out = x0.new_empty((group_size(axis) * x0.shape[0],) + tuple(x0.shape[1:]))
-    collective("all_gather_single", "all_gather_into_tensor")(out, x0, group=GROUPS[axis])
-    return out.movedim(0, dim).contiguous()
+    """S(dim) -> R: concatenate the group's shards along ``dim``, in coordinate order. The
+    shards arrive stacked ``[n, *shard]``; along a dim other than 0 one copy interleaves them
+    (the shard is sent as it is, not moved to dim 0 first)."""
+    n = group_size(axis)
+    x = x.contiguous()
+    out = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]))  # the shards one after another
+    collective("all_gather_single", "all_gather_into_tensor")(out, x, group=GROUPS[axis])
+    if dim == 0:
+        return out
+    return out.view((n,) + tuple(x.shape)).movedim(0, dim).flatten(dim, dim + 1)
 
 
 def reduce_scatter(x, dim, axis):
-    """P -> S(dim): sum over the group, keep this rank's chunk of ``dim``."""
-    x0 = x.movedim(dim, 0).contiguous()
-    out = x0.new_empty((x0.shape[0] // group_size(axis),) + tuple(x0.shape[1:]))
-    collective("reduce_scatter_single", "reduce_scatter_tensor")(out, x0, op=dist.ReduceOp.SUM,
-                                                                 group=GROUPS[axis])
-    return out.movedim(0, dim).contiguous()
+    """P -> S(dim): sum over the group, keep this rank's chunk of ``dim``. Along a dim other
+    than 0 one copy puts chunk j first for coordinate j (``[n, *chunk]``); the result needs none."""
+    n = group_size(axis)
+    x0 = x.contiguous() if dim == 0 else x.unflatten(dim, (n, x.shape[dim] // n)).movedim(dim, 0).contiguous()
+    out = x.new_empty(tuple(x.shape[:dim]) + (x.shape[dim] // n,) + tuple(x.shape[dim + 1:]))
+    x0 = x0.view((n * out.shape[0],) + tuple(out.shape[1:]))  # the chunks one after another
+    collective("reduce_scatter_single", "reduce_scatter_tensor")(out, x0, op=dist.ReduceOp.SUM, group=GROUPS[axis])
+    return out
 
 
 def all_to_all(x, src_dim, dim, axis):
@@ -284,10 +332,16 @@ def whole(t):
 
 def place(t):
     """A compact copy of ``t`` on DEVICE (so the full tensor it was cut from can be freed);
-    a checkpoint Slice is read here."""
+    a checkpoint Slice is read here. While CHECK_ONLY["on"] (inputs checked before the run,
+    placed at their step): ``t`` itself, nothing copied."""
     if isinstance(t, Slice):
         return t.read().to(DEVICE)
+    if CHECK_ONLY["on"]:
+        return t
     return torch.empty(t.shape, dtype=t.dtype, device=DEVICE).copy_(t)
+
+
+CHECK_ONLY = {"on": False}
 
 
 def note_unused(tensors, used, what):
@@ -678,42 +732,6 @@ def current_rss():
         return 0
 
 
-def load_params(ckpt):
-    """This rank's slice of every parameter, on DEVICE (full tensors are not kept)."""
-    out = {}
-    # fc1.weight: full f32[4,2] [S(0)] -> f32[2,2]; dim 0 split over tp: this rank's 2 of 4 rows
-    out["fc1.weight"] = place(take(ckpt, "fc1.weight", (4, 2), torch.float32).narrow(0, COORD[0] * 2, 2))  # tiny_relu_mlp_tp2.pcs:4
-    # fc2.weight: full f32[2,4] [S(1)] -> f32[2,2]; dim 1 split over tp: this rank's 2 of 4 columns
-    out["fc2.weight"] = place(take(ckpt, "fc2.weight", (2, 4), torch.float32).narrow(1, COORD[0] * 2, 2))  # tiny_relu_mlp_tp2.pcs:5
-    return out
-
-
-def load_inputs(feeds):
-    """This rank's slice of every input, on DEVICE (full tensors are not kept)."""
-    out = {}
-    # x: full f32[1,2] [R] -> f32[1,2]; replicated: every rank keeps all of it
-    out["x"] = place(take(feeds, "x", (1, 2), torch.float32))  # tiny_relu_mlp_tp2.pcs:6
-    return out
-
-
-def forward(p, inp):
-    """One forward step on this rank: local slices in, {output name: local value} out."""
-    x = inp["x"]  # [R] f32[1,2]; tiny_relu_mlp_tp2.pcs:6
-    fc1_weight = p["fc1.weight"]  # [S(0)] f32[2,2]; tiny_relu_mlp_tp2.pcs:4
-    h = torch.nn.functional.linear(x, fc1_weight)  # [S(1)] f32[1,2]
-    r = torch.relu(h)  # [S(1)] f32[1,2]
-    del h
-    fc2_weight = p["fc2.weight"]  # [S(1)] f32[2,2]; tiny_relu_mlp_tp2.pcs:5
-    output = torch.nn.functional.linear(r, fc2_weight)  # [P] f32[1,2]
-    del r
-    # all_reduce over tp [P] -> [R], bytes/rank 8: output: its matmul contracts a dim split over tp
-    #   (row-parallel), so each rank holds a partial sum; output output (spec tiny_relu_mlp_tp2.pcs:7) needs
-    #   the full value [R]: sum once
-    output_all_reduce_tp = all_reduce_(output, "tp")  # [R] f32[1,2]; tiny_relu_mlp_tp2.pcs:7
-    del output
-    return {"output": output_all_reduce_tp}
-
-
 def rank_path(path, rank):
     """``out.pt`` -> ``out.rank{rank}.pt``: where a rank writes its slices of sharded outputs."""
     root, ext = os.path.splitext(path)
@@ -813,6 +831,9 @@ def add_cluster_args(ap):
                          f"(default {PLACEMENT})")
     ap.add_argument("--compile", action="store_true",
                     help="run the step under torch.compile (capture, fuse and reorder it)")
+    ap.add_argument("--tf32", action="store_true",
+                    help="CUDA: float32 matmuls and convolutions in TF32 (10-bit mantissa, faster on "
+                         "Ampere and newer); off by default, the float32 rounding parcomp run checks")
     ap.add_argument("--print-launch", nargs="?", const="", metavar="NODESxDEVICES",
                     help="print the environment and the torchrun line of every node (with the options "
                          "given with it, else the run hint's), then exit "
@@ -951,6 +972,16 @@ MAX_TIMEOUT_S = 10_000_000  # ~116 days; datetime.timedelta and c10d's milliseco
 def compiled_step(step, args):
     """``step`` under torch.compile with ``--compile`` (fullgraph on a functional program), else ``step``."""
     return torch.compile(step, fullgraph="funcol" in globals()) if args.compile else step
+
+
+def set_tf32(on):
+    """``--tf32``: TF32 float32 matmuls and convolutions (CUDA), which the cuda profile turns off
+    by default; rank 0 says so, since float32 results then differ from the checked rounding."""
+    torch.backends.cuda.matmul.allow_tf32 = on
+    torch.backends.cudnn.allow_tf32 = on
+    if on and RANK == 0:
+        print("note: --tf32: float32 matmuls and convolutions run in TF32 (10-bit mantissa); their "
+              "results differ from float32 by up to ~1e-3 of their scale", flush=True)
 
 
 def launch_request(argv):
@@ -1182,6 +1213,7 @@ def main(argv=None):
     else:
         import_prelude()
         backend, DEVICE = DIST_BACKEND, profile_device()
+        set_tf32(args.tf32)  # the cuda profile's default is off; --tf32 turns it on
     init_dist(backend, args)  # then every failure is agreed on: no rank waits for one that left
     watch_faults(args.timeout)  # and a rank that hung or died is named by the others
     try:

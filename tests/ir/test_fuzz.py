@@ -13,6 +13,7 @@ import contextlib
 import functools
 import io
 import json
+import os
 import re
 from argparse import Namespace
 from pathlib import Path
@@ -142,13 +143,14 @@ def _outcome(tmp: Path, model: str, model_text: str | None, spec_text: str) -> s
 
 @pytest.fixture(scope="module")
 def cached_loader():
-    original = commands_common.load_model  # what commands._compile calls
+    original = commands_common.load_model  # what commands.compile_model calls
     commands_common.load_model = lambda ref: load_model(ref) if ref.endswith(".pcir") else _cached_model(ref)
     yield
     commands_common.load_model = original
 
 
-FUZZ = settings(max_examples=1000, deadline=None, database=None,
+# 400 cases a test in the suite; PARCOMP_FUZZ_EXAMPLES=5000 for a longer hunt.
+FUZZ = settings(max_examples=int(os.environ.get("PARCOMP_FUZZ_EXAMPLES", "400")), deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
                                        HealthCheck.filter_too_much, HealthCheck.data_too_large])
 

@@ -150,7 +150,7 @@ def cases(draw):
     skew = draw(st.sampled_from([0.0, 0.0, 1.0, 3.0]))
     # top_k = E under a skewed router: the router's gradient is zero up to rounding (every
     # expert kept, the weights renormalised), and the router is a module of its own: no scale
-    # but its rounding to compare it at (docs/design.md, "How check decides"), so k < E there
+    # but its rounding to compare it at (docs/design/check.md, "How check decides"), so k < E there
     top_k = draw(st.integers(1, max(1, experts - 1) if skew else experts))
     seq = draw(st.sampled_from([3, 4, 6]))
     return MoeCase(experts=experts, top_k=top_k, batch=ep * draw(st.sampled_from([1, 2])), seq=seq,

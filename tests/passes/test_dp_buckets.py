@@ -26,7 +26,7 @@ from numerics import assert_all_equivalent
 
 SPECS = Path(__file__).resolve().parents[1].parent / "specs"
 # the worked example with a batch of 8, so dp=2 splits it; h pinned split over dp keeps the
-# step data-parallel (at this size the search would rather gather x: docs/design.md)
+# step data-parallel (at this size the search would rather gather x: docs/design/search.md)
 TINY_DP2 = ("mesh dp=2\ninput x split-seq\nactivation h split-seq\noutput output split-seq\n"
             "train loss=mse optimizer=sgd(lr=0.1) input_grads=no {extra}\n")
 DP_TP = ("mesh dp=2 tp=2\nl0.weight colwise over tp\nl1.weight rowwise over tp\ninput x [S(0), R]\n"

@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from parcomp.compile.compiler import compile_graph
 from parcomp.ir import parse_graph
 from parcomp.passes.autodiff import add_training_step
-from parcomp.passes.bind_layouts import bind_layouts
-from parcomp.passes.shard_prop import _Problem, shard_prop
+from parcomp.passes.pass_list import bind_layouts
+from parcomp.passes.shard_prop import ShardProblem, shard_prop
 
 from graphs import spec
 
@@ -135,13 +135,45 @@ def _check_against_brute_force(case):
     g = bind_layouts(parse_graph(text), sp)
     if train:
         g = add_training_step(g, sp)
-    prob = _Problem(g)
+    prob = ShardProblem(g)
     chosen = shard_prop(g)
     assert chosen.search["proven_optimal"], chosen.search
     want = brute_force(prob)
     if not chosen.search["data_parallel"]:  # only when no plan keeps the batch split over dp
         assert want == math.inf and prob.batch
-        prob = _Problem(g, data_parallel=False)
+        prob = ShardProblem(g, data_parallel=False)
         want = brute_force(prob)
     assert math.isclose(chosen_cost(prob, chosen), want, rel_tol=1e-9, abs_tol=1e-15), spec_text
     assert math.isclose(chosen.search["cost_s"], want, rel_tol=1e-9, abs_tol=1e-15)
+
+
+def _three_axis_mlp(sizes, monkeypatch):
+    """A training MLP on a ``dp x sq x tp`` mesh of ``sizes``, with the column budget at 0."""
+    import torch
+
+    from parcomp.frontends.torch.export import import_torch
+    from parcomp.passes.search import layout_ilp
+
+    monkeypatch.setattr(layout_ilp, "MAX_COLUMNS", 0)
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+    g = import_torch(m, (torch.randn(16, 8, 16),), ["x"])
+    dp, sq, tp = sizes
+    return compile_graph(g, spec(f"mesh dp={dp} sq={sq} tp={tp}\n0.weight colwise over tp\n"
+                                 "2.weight rowwise over tp\ninput x [S(0), S(1), R]\n"
+                                 "train loss=mse optimizer=adamw(lr=0.001) steps=1\n"))
+
+
+def test_an_integer_program_over_the_column_budget_keeps_the_heuristics_plan(monkeypatch):
+    """Over MAX_COLUMNS the solver is not called (a 3-axis mesh's root LP outran 300 s): the
+    heuristic's plan is kept and the record says why. The problem's size (its columns) does not
+    grow with the ranks: 1,024 ranks have no more than 8 on the same axes (larger axes only rule
+    out layouts that do not divide)."""
+    from parcomp.report.report import format_search
+
+    small = _three_axis_mlp((2, 2, 2), monkeypatch).report["search"]
+    large = _three_axis_mlp((16, 8, 8), monkeypatch).report["search"]
+    for s in (small, large):
+        assert s["search"] == "heuristic" and not s["proven_optimal"] and s["data_parallel"]
+        assert "columns: too many for the integer program" in format_search(s, True)
+    assert small["solver_skipped_columns"] >= large["solver_skipped_columns"] > 1000

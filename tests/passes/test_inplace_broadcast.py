@@ -59,10 +59,10 @@ def test_the_in_place_pass_never_marks_a_write_into_an_expand():
 def test_torch_refuses_the_statement_the_interpreter_refuses():
     """The model of torch the check encodes: the emitted ``expand`` then ``add_``."""
     torch = pytest.importorskip("torch")
-    from parcomp_backends.torch.emit import _code
+    from parcomp_backends.torch.emit import node_code
 
     prog = parse_graph(HEAD + "%y: f32[3,4] [R] = add(%e, %b) {inplace=true}\nreturn %y\n")
     env = {"torch": torch, "h": torch.ones(4), "b": torch.ones(3, 4)}
-    env["e"] = eval(_code(prog["e"], ["h"]), env)  # noqa: S307 - our own table
+    env["e"] = eval(node_code(prog["e"], ["h"]), env)  # noqa: S307 - our own table
     with pytest.raises(RuntimeError, match="single memory location"):
-        eval(_code(prog["y"], ["e", "b"]), env)  # noqa: S307
+        eval(node_code(prog["y"], ["e", "b"]), env)  # noqa: S307

@@ -68,9 +68,9 @@ def _feeds(c):
 
 def _statements(text, program):
     """``[(node name, [names deleted after it])]`` of the emitted step function, in order."""
-    from parcomp_backends.torch.emit import _names
+    from parcomp_backends.torch.emit import python_names
 
-    var_to_node = {v: k for k, v in _names(program).items()}
+    var_to_node = {v: k for k, v in python_names(program).items()}
     tree = ast.parse(text)
     fn = next(f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name in ("forward", "train_step"))
     out = []
@@ -240,7 +240,7 @@ def test_lowered_op_matches_numpy(case):
     torch = pytest.importorskip("torch")
     from numerics import assert_equivalent
     from parcomp.ir import Node, TensorType, make_attrs
-    from parcomp_backends.torch.emit import _code
+    from parcomp_backends.torch.emit import node_code
 
     op, shapes, out, attrs = LOWERED_CASES[case]
     rng = np.random.default_rng(0)
@@ -248,7 +248,7 @@ def test_lowered_op_matches_numpy(case):
           else rng.standard_normal(s).astype("f4") for s in shapes]
     node = Node("y", op, tuple(f"a{i}" for i in range(len(xs))), TensorType(out), make_attrs(**attrs))
     env = {"torch": torch, **{f"a{i}": torch.tensor(x) for i, x in enumerate(xs)}}
-    code = _code(node, [f"a{i}" for i in range(len(xs))])
+    code = node_code(node, [f"a{i}" for i in range(len(xs))])
     got = eval(code, env)  # noqa: S307 - our own table
     want = NUMPY_OPS[node.op](xs, node)
     assert tuple(got.shape) == tuple(np.shape(want)) and got.dtype == torch.float32

@@ -7,7 +7,7 @@ from parcomp.compile.compiler import compile_graph
 from parcomp.cost.memory import resident_bytes
 from parcomp.errors import ParcompError, SpecError
 from parcomp.passes.autodiff import add_training_step
-from parcomp.passes.bind_layouts import bind_layouts
+from parcomp.passes.pass_list import bind_layouts
 from parcomp.passes.shard_prop import shard_prop
 
 from graphs import mlp_graph, spec

@@ -4,7 +4,7 @@ import itertools
 from hypothesis import given, settings, strategies as st
 
 from parcomp.ir.redistribute import plan_cost
-from parcomp.passes.bind_layouts import bind_layouts
+from parcomp.passes.pass_list import bind_layouts
 from parcomp.passes.shard_prop import shard_prop
 from parcomp.rules.sharding import mesh_strategies
 

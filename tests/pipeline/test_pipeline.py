@@ -13,8 +13,8 @@ from parcomp.check.training import data_for, initial_state
 from parcomp.cost.placement import format_placement, placement_table
 from parcomp.errors import ParcompError, SpecError
 from parcomp.passes.autodiff import add_training_step
-from parcomp.passes.bind_layouts import bind_layouts
-from parcomp.passes.pipeline.pipeline_plan import format_pipeline, plan_pipeline
+from parcomp.passes.pass_list import bind_layouts, plan_pipeline
+from parcomp.passes.pipeline.pipeline_plan import format_pipeline
 from parcomp.passes.pipeline.schedule import (Action, ScheduleError, analytic_bubble, rank_actions,
                                      schedule, simulate)
 from parcomp.reference.numpy_ops import run_unsharded

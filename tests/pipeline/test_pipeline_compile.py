@@ -8,7 +8,7 @@ import parcomp.passes.shard_prop as shard_prop
 from parcomp.compile.compiler import compile_graph
 from parcomp.ir.types import R
 from parcomp.passes.autodiff import add_training_step
-from parcomp.passes.bind_layouts import bind_layouts
+from parcomp.passes.pass_list import bind_layouts
 from parcomp.rules.sharding import mesh_strategies
 
 from graphs import mlp_graph, spec
@@ -58,7 +58,7 @@ def test_a_problem_over_the_solver_size_keeps_the_heuristic_plan(monkeypatch):
 
 def test_too_large_counts_every_strategy():
     g, s = _train_graph()
-    prob = shard_prop._Problem(add_training_step(bind_layouts(g, s), s))
+    prob = shard_prop.ShardProblem(add_training_step(bind_layouts(g, s), s))
     count = sum(len(o) for o in prob.options.values())
     assert layout_ilp.too_large(prob) == (count > layout_ilp.MAX_STRATEGIES)
     assert 100 < count < layout_ilp.MAX_STRATEGIES  # this graph is under the bound, a 48-block chain over
@@ -102,12 +102,12 @@ def test_the_batch_line_of_a_pipeline_counts_the_microbatches(mesh, micro, line)
 
 
 @pytest.mark.parametrize("option", [
-    "precision=fp16", "zero=1", "recompute=all", "bucket_cap_mb=1",
+    "zero=1", "recompute=all", "bucket_cap_mb=1",
 ])
 def test_a_train_option_the_pipeline_does_not_run_is_refused_at_the_option(option):
-    """A new-user trial found ``precision=bf16`` under pp compiled a float32 program that
-    check called OK (``zero=1`` gave a traceback): every option the pipelined step does not
-    implement is a SpecError at its own column, never silently dropped."""
+    """Every option the pipelined step does not implement is a SpecError at its own column,
+    never silently dropped (``precision=bf16`` under pp would compile a float32 program that
+    check calls OK; ``zero=1`` would be a traceback)."""
     from parcomp.errors import SpecError
 
     g = mlp_graph((8,), (4, 8, 8, 4), (True, True, True), ("relu", "relu"))

@@ -8,7 +8,7 @@ before the dp reduction.  The comparisons run the model promoted to float64
 import pytest
 
 from parcomp.check.check64 import promote_graph
-from parcomp.passes.pipeline.pipeline_plan import plan_pipeline
+from parcomp.passes.pass_list import plan_pipeline
 
 from graphs import spec
 from numerics import assert_all_equivalent

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from parcomp.errors import SpecError
-from parcomp.passes.pipeline.pipeline_plan import plan_pipeline
+from parcomp.passes.pass_list import plan_pipeline
 
 from graphs import spec
 from numerics import assert_all_equivalent

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from parcomp.errors import SpecError
-from parcomp.passes.pipeline.pipeline_plan import plan_pipeline
+from parcomp.passes.pass_list import plan_pipeline
 from parcomp.passes.pipeline.schedule import analytic_bubble
 from parcomp.passes.pipeline.stage_train import grad_name
 from parcomp.passes.pipeline.zb_split import WSTASH, _needs

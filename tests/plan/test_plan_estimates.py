@@ -1,4 +1,4 @@
-"""``parcomp plan``'s estimate and ``parcomp check``'s (trialF finding 2): the plan's search runs on
+"""``parcomp plan``'s estimate and ``parcomp check``'s: the plan's search runs on
 the forward graph, check's on the training step compiled from the plan; the written spec's
 header says which figure covers what, and both are reproduced by compiling the written spec."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""parcomp explain counts and prices the collectives the program runs (trialF finding 1): a
+"""parcomp explain counts and prices the collectives the program runs: a
 bucket of fused gradient all_reduces (passes/lowering/bucket.py, passes/lowering/dp_buckets.py) is one
 collective with the flat buffer's bytes, as in report.json's list; backward collectives are
 listed under the module of the forward op they differentiate."""

@@ -139,7 +139,7 @@ def test_sdpa_numpy_matches_torch_causal_and_scaled():
 
 @pytest.mark.slow
 def test_llama_attention_trains_under_torchrun_like_torch(tmp_path, capsys):
-    """The emitted program (sdpa, its three gradients via torch.func.vjp, RoPE's arange/cos/sin)
+    """The emitted program (sdpa, its three gradients from one sdpa backward, RoPE's arange/cos/sin)
     on 2 gloo ranks against torch.optim on the unsharded module."""
     (tmp_path / "s.pcs").write_text("mesh tp=2\n" + LLAMA_TP + "train loss=mse steps=2\n")
     rc = main(["run", f"{MODELS}:llama_attention", "--spec", str(tmp_path / "s.pcs"), "--nproc", "2", "--json"])

@@ -2,7 +2,7 @@
 
 Adding an op (softmax, say) is a checklist: run this file and it lists the missing
 ``(op, table)`` pairs.  An op may be left out of a table only by an entry of
-:data:`EXEMPT` that says why.  The same order is docs/design.md's "How to add an op".
+:data:`EXEMPT` that says why.  The same order is docs/design/ir.md's "How to add an op".
 """
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def _text_round_trips(op) -> bool:
     return parse_graph(print_graph(g)) == g
 
 
-# table -> test "op is in it"; in the order docs/design.md's "How to add an op" lists them
+# table -> test "op is in it"; in the order docs/design/ir.md's "How to add an op" lists them
 TABLES = {
     "transition (parcomp/ir/transitions.py TRANSITIONS)": lambda op: op in TRANSITIONS,
     "IR text (parcomp/ir/text.py print -> parse)": _text_round_trips,

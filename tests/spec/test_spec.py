@@ -521,7 +521,7 @@ def test_layout_round_trip_property(data):
 
 def test_a_dotted_name_with_a_digit_unquoted_says_to_quote_it():
     """'output=a.0' lexes '.0' as a number: the error says to write the whole name quoted, and
-    the quoted form parses to that name (a new-user trial finding)."""
+    the quoted form parses to that name."""
     with pytest.raises(SpecError) as e:
         parse_spec("mesh tp=2\ntrain loss=mse output=a.0 steps=2\n", "t.pcs")
     msg = str(e.value)
@@ -531,10 +531,20 @@ def test_a_dotted_name_with_a_digit_unquoted_says_to_quote_it():
 
 def test_a_rule_missing_an_onnx_models_renamed_weights_says_why():
     """torch.onnx's dynamo export with optimize=True names folded weights val_N: the error for a
-    rule written with module names says so and how to keep them (a new-user trial finding)."""
+    rule written with module names says so and how to keep them."""
     s = parse_spec("mesh tp=2\nq.weight colwise\n", "t.pcs")
     with pytest.raises(SpecError, match="generated names such as val_3: .*optimize=False"):
         check_names(s, ["ln1.weight", "val_3", "val_7"], ["x"], ["y"], [])
     with pytest.raises(SpecError) as e:  # a model without generated names: no such note
         check_names(s, ["ln1.weight", "k.weight"], ["x"], ["y"], [])
     assert "generated names" not in str(e.value)
+
+
+# ---- a memory size above any device ----
+
+@pytest.mark.parametrize("value", ["10000000TiB", "1025TiB", "2000000TB"])
+def test_a_memory_size_above_any_device_is_a_located_error(value):
+    with pytest.raises(SpecError, match=r"is above 1024.0 TiB, more than any one device holds") as e:
+        parse_spec(f"mesh tp=2\nmemory {value}\n", "s.pcs")
+    assert (e.value.loc.line, e.value.loc.col) == (2, 8)
+    assert parse_spec("mesh tp=2\nmemory 1024TiB\n", "s.pcs").memory == 2**50

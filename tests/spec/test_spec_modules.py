@@ -27,9 +27,9 @@ def test_the_emit_module_still_exports_what_callers_import():
     from parcomp_backends.torch.emit import nodes as emit_nodes, sections as emit_sections
 
     assert emit.emit_program is emit_program and emit.EmitError is emit_nodes.EmitError is EmitError
-    for name in ("OP_FORMATS", "IN_PLACE_FORMATS", "ASYNC_FORMATS", "ATTR_DEFAULTS", "TORCH_DTYPES", "_code", "_py"):
+    for name in ("OP_FORMATS", "IN_PLACE_FORMATS", "ASYNC_FORMATS", "ATTR_DEFAULTS", "TORCH_DTYPES", "node_code", "py_literal"):
         assert getattr(emit, name) is getattr(emit_nodes, name), name
-    for name in ("_names", "RESERVED", "COMMENT_WIDTH"):
+    for name in ("python_names", "RESERVED", "COMMENT_WIDTH"):
         assert getattr(emit, name) is getattr(emit_sections, name), name
     assert emit.OP_FORMATS["relu"] == "torch.relu({0})" and "forward" in emit.RESERVED
 

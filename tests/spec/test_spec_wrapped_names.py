@@ -1,7 +1,7 @@
 """A spec rule written for a model that the user then wrapped (``model.transformer.h.0...``,
 DDP's ``module.layers.0...``) matches no parameter: the error names the wrapper prefix and
 the rule to write, keeping the rule's wildcards, instead of "did you mean" one concrete
-name (a new-user finding)."""
+name."""
 import pytest
 
 from parcomp.cli.main import main

@@ -105,9 +105,9 @@ def test_export_writes_the_vocab_parallel_tied_table_once(tmp_path):
     from parcomp.check.training import train_steps
 
     spec = write(tmp_path, "train.pcs", GPT2_VOCAB + "train loss=cross_entropy optimizer=sgd(lr=0.1) steps=1\n")
-    c, module, example = commands._compile(SimpleNamespace(model=GPT2, spec=spec), numeric="check")
+    c, module, example = commands.compile_model(SimpleNamespace(model=GPT2, spec=spec), numeric="check")
     assert c.sharded["lm_head.weight"].attr("stored_shape") == (101, 32)  # padded to 102 rows for tp=2
-    wide, feeds = promote_compiled(c), promote_feeds(commands._train_feeds(c, module, example, 0))
+    wide, feeds = promote_compiled(c), promote_feeds(commands.training_feeds(c, module, example, 0))
     state = train_steps(lambda s: run_spmd(wide.program, s).outputs(wide.program), wide.logical, feeds, 1)["state"]
     sd = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in state.items()}
     sd["step"] = torch.tensor(1)

@@ -32,7 +32,7 @@ SPEC = ("mesh dp=2\ninput input_ids [S(0)]\ninput labels [S(0)]\n"
 def _compile(tmp_path, factory, K=2):
     path = tmp_path / f"{factory}{K}.pcs"
     path.write_text(SPEC.format(K=K, B=2 * K))
-    c, module, example = commands._compile(SimpleNamespace(model=f"{MODELS}:{factory}", spec=str(path)),
+    c, module, example = commands.compile_model(SimpleNamespace(model=f"{MODELS}:{factory}", spec=str(path)),
                                            numeric="check")
     return c, module, example, path
 
@@ -68,7 +68,7 @@ def test_accumulated_token_mean_equals_the_full_batch_step(tmp_path, factory):
     gradient of the step (unsharded graph and all ranks of the sharded program) equal torch's
     full-batch step (float64), and the loss is not the mean of the microbatch means."""
     c, module, example, _ = _compile(tmp_path, factory)
-    feeds = _uneven(commands._train_feeds(c, module, example, 0))
+    feeds = _uneven(commands.training_feeds(c, module, example, 0))
     want_loss, want_grads = _torch_full_batch(module, feeds)
     assert abs(_torch_mean_of_means(module, feeds) - want_loss) > 1e-3 * want_loss  # 100x the tolerance below
     for got in (run_unsharded(c.logical, feeds), run_spmd(c.program, feeds).outputs(c.program)):

@@ -17,9 +17,9 @@ def test_a_correct_adamw_tp2_program_equals_the_unsharded_steps_in_float64(tmp_p
     spec = tmp_path / "tp2.pcs"
     spec.write_text("mesh tp=2\nc_fc.weight colwise\nc_proj.weight rowwise\n"
                     "train loss=mse optimizer=adamw(lr=0.01, weight_decay=0.1) input_grads=no steps=3\n")
-    c, module, example = commands._compile(SimpleNamespace(model="specs/models.py:gpt2_mlp", spec=str(spec)),
+    c, module, example = commands.compile_model(SimpleNamespace(model="specs/models.py:gpt2_mlp", spec=str(spec)),
                                            numeric="check")
-    wide, feeds = promote_compiled(c), promote_feeds(commands._train_feeds(c, module, example, 0))
+    wide, feeds = promote_compiled(c), promote_feeds(commands.training_feeds(c, module, example, 0))
     prog = wide.program
     got = train_steps(lambda s: run_spmd(prog, s).outputs(prog), wide.logical, feeds, 3)["state"]
     want = numpy_train(wide.logical, feeds, 3)["state"]

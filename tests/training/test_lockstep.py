@@ -17,8 +17,8 @@ MODEL = "specs/models.py:gpt2_mlp"
 @pytest.fixture(scope="module")
 def compiled():
     args = SimpleNamespace(model=MODEL, spec=SPEC)
-    compiled, module, example = commands._compile(args, numeric="check")
-    return compiled, module, example, commands._train_feeds(compiled, module, example, 0)
+    compiled, module, example = commands.compile_model(args, numeric="check")
+    return compiled, module, example, commands.training_feeds(compiled, module, example, 0)
 
 
 def test_lockstep_passes_and_names_each_side(compiled):

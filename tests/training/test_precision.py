@@ -10,6 +10,7 @@ model, within bfloat16's tolerance (:mod:`parcomp.check.differential`).
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -34,12 +35,12 @@ DP2TP2 = ("mesh dp=2 tp=2\nc_fc.weight colwise over tp\nc_proj.weight rowwise ov
 def _compile(tmp_path, text, model=MLP):
     path = tmp_path / "t.pcs"
     path.write_text(text)
-    return commands._compile(SimpleNamespace(model=model, spec=str(path)), numeric="check")
+    return commands.compile_model(SimpleNamespace(model=model, spec=str(path)), numeric="check")
 
 
 def _lockstep(compiled, steps=2):
     c, module, example = compiled
-    feeds = commands._train_feeds(c, module, example, 0)
+    feeds = commands.training_feeds(c, module, example, 0)
     return train_check.lockstep(c, module, example, feeds, steps)
 
 
@@ -83,7 +84,7 @@ def test_bf16_tp2_sends_bf16_and_equals_autocast(tmp_path):
     _all_ok(r)
     # autocast is really on: torch's fp32 and bf16 losses differ by more than float32 rounding
     _, _, ex = compiled
-    assert abs(r["native_reference_losses"][0] - train_check.lockstep(fp32, *compiled[1:], commands._train_feeds(
+    assert abs(r["native_reference_losses"][0] - train_check.lockstep(fp32, *compiled[1:], commands.training_feeds(
         fp32, compiled[1], ex, 0), 1)["reference_losses"][0]) > 64 * 2.0 ** -24  # float32's unit roundoff
 
 
@@ -132,13 +133,17 @@ def test_fp32_gradient_reduction_needs_the_partial_over_batch_axes(tmp_path, mon
 
 def test_bf16_zero_keeps_fp32_master_slices_split_over_dp(tmp_path):
     """ZeRO-1: each dp rank keeps and updates only its fp32 slice of a trained parameter (laid
-    out like its optimizer state); the bf16 copy is gathered. Equal to torch.autocast."""
+    out like its optimizer state); the bf16 copy is gathered; the gradients are reduce-scattered
+    in float32 (grad_reduce=fp32, the default). Equal to torch.autocast."""
     compiled = _compile(tmp_path, DP2TP2.format(opts=" precision=bf16 zero=1"))
     c = compiled[0]
     lay = {n.name: n.layout for n in c.logical.params}
     dp = c.logical.mesh.axis_index("dp")
     assert isinstance(lay["c_fc.weight"][dp], Shard) and lay["c_fc.weight"] == lay["c_fc.weight.exp_avg"]
     assert {d for k, a, d, _ in _collectives(c, "forward") if k == "all_gather"} == {"bfloat16"}
+    # the gradients' partial sums are widened before the ZeRO reduce_scatter: float32 on the wire
+    reductions = [(k, d) for k, a, d, _ in _collectives(c, "backward") if a == "dp"]
+    assert ("reduce_scatter", "float32") in reductions and {d for _, d in reductions} == {"float32"}
     _all_ok(_lockstep(compiled))
 
 
@@ -196,7 +201,7 @@ def test_fp16_overflow_in_step_2_skips_that_step_on_every_rank(tmp_path):
 
     c, module, example = _compile(tmp_path, ROWWISE.format(lr=50), f"{MODELS}:rowwise_linear")
     assert ("all_reduce", "tp", "float32", 4) in _collectives(c, "backward")  # the count
-    feeds = commands._train_feeds(c, module, example, 0)
+    feeds = commands.training_feeds(c, module, example, 0)
     prog = c.program
     runs = train_steps(lambda st: run_spmd(prog, st).outputs(prog), c.logical, feeds, 3, record=True)
     amp = [(float(o["amp.scale_ratio"]), float(o["amp.skipped"])) for o in runs["per_step"]]
@@ -227,3 +232,18 @@ def test_fp16_steps_equal_torch_gradscaler(tmp_path):
         r = _lockstep(compiled)
         _all_ok(r)
         assert r["losses"] and np.all(np.isfinite(r["losses"]))
+
+
+def test_bf16_with_the_models_own_loss_takes_the_loss_in_float32(tmp_path):
+    """``loss=output`` (transformers computes the loss inside the model): the loss ops run in
+    float32 on widened logits, as torch.autocast runs cross_entropy; each step equals
+    torch.autocast + AdamW within bfloat16's tolerance, and the sharding is exact in float64."""
+    text = (Path("specs/gpt2_lm_loss_dp2_train.pcs").read_text()
+            .replace("steps=2", "steps=2 precision=bf16"))
+    compiled = _compile(tmp_path, text, model="specs/models.py:gpt2_lm_loss")
+    c = compiled[0]
+    loss_ops = [n for n in c.logical.nodes if n.op in precision.FLOAT32_OPS]
+    assert "label_mask" in {n.op for n in loss_ops}  # cross_entropy is decomposed by now
+    assert all(n.type.dtype == "float32" for n in loss_ops)
+    assert c.logical[c.logical.outputs[0]].type.dtype == "float32"
+    _all_ok(_lockstep(compiled))

@@ -29,12 +29,12 @@ PARAMS = ("c_fc.weight", "c_fc.bias", "c_proj.weight", "c_proj.bias")
 def _compile(tmp_path, text):
     path = tmp_path / "t.pcs"
     path.write_text(text)
-    return commands._compile(SimpleNamespace(model=MLP, spec=str(path)), numeric="check")
+    return commands.compile_model(SimpleNamespace(model=MLP, spec=str(path)), numeric="check")
 
 
 def _lockstep(compiled, steps=2):
     c, module, example = compiled
-    feeds = commands._train_feeds(c, module, example, 0)
+    feeds = commands.training_feeds(c, module, example, 0)
     return train_check.lockstep(c, module, example, feeds, steps)
 
 
@@ -99,9 +99,9 @@ def test_fp16_overflow_in_one_microbatch_skips_the_step_on_every_rank(tmp_path):
 
     path = tmp_path / "t.pcs"
     path.write_text(ROWWISE)
-    c, module, example = commands._compile(SimpleNamespace(model=f"{MODELS}:rowwise_linear", spec=str(path)),
+    c, module, example = commands.compile_model(SimpleNamespace(model=f"{MODELS}:rowwise_linear", spec=str(path)),
                                            numeric="check")
-    feeds = commands._train_feeds(c, module, example, 0)
+    feeds = commands.training_feeds(c, module, example, 0)
     prog = c.program
     runs = train_steps(lambda st: run_spmd(prog, st).outputs(prog), c.logical, feeds, 3, record=True)
     amp = [(float(o["amp.scale_ratio"]), float(o["amp.skipped"])) for o in runs["per_step"]]

@@ -30,8 +30,8 @@ def _compiled(tmp_path, model, text):
     path = tmp_path / "t.pcs"
     path.write_text(text)
     args = SimpleNamespace(model=model, spec=str(path))
-    c, module, example = commands._compile(args, numeric="check")
-    return c, module, example, commands._train_feeds(c, module, example, 0)
+    c, module, example = commands.compile_model(args, numeric="check")
+    return c, module, example, commands.training_feeds(c, module, example, 0)
 
 
 def _lockstep(compiled, steps):
@@ -334,3 +334,31 @@ def test_program_py_with_the_options_equals_torch_on_gloo_ranks(tmp_path, capsys
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert last["verdict"] == "OK" and last["ok"] and len(last["losses"]) == 3
     assert last["free_running"]["ok"]
+
+
+# ---- a train option's error points at the option ----
+
+OPTION_TRAIN = "train loss=mse optimizer=sgd(lr=0.1) "
+
+
+@pytest.mark.parametrize("opts,key,message", [
+    ("precision=fp8", "precision", "precision='fp8' is not supported"),
+    ("precision=bf16 loss_scale=1024", "loss_scale", "needs precision=fp16"),
+    ("precision=fp16 loss_scale=-1", "loss_scale", "loss_scale=-1 must be"),
+    ("precision=fp16 growth_interval=-5", "growth_interval", "growth_interval=-5 must be"),
+    ("grad_reduce=compute", "grad_reduce", "grad_reduce= needs precision"),
+    ("precision=bf16 grad_reduce=int8", "grad_reduce", "grad_reduce='int8'"),
+    ("clip_grad_norm=-1", "clip_grad_norm", "clip_grad_norm=-1.0 must be positive"),
+    ("accumulate=0", "accumulate", "accumulate=0 is out of range"),
+    ("recompute=some", "recompute", "recompute='some' is not supported"),
+    ("lr_schedule=cosine(T_max=-3)", "T_max", "cosine"),
+    ("lr_schedule=cosine(T_max=3, warm=2)", "warm", "has no argument .warm."),
+    ("microbatches=2", "microbatches", "pipeline option"),
+])
+def test_a_train_option_error_points_at_the_option(tmp_path, opts, key, message):
+    path = tmp_path / "t.pcs"
+    path.write_text("mesh tp=2\nc_fc.weight colwise\nc_proj.weight rowwise\n" + OPTION_TRAIN + opts + "\n")
+    with pytest.raises(SpecError, match=message) as e:
+        commands.compile_model(SimpleNamespace(model="specs/models.py:gpt2_mlp", spec=str(path)), numeric="check")
+    line = (OPTION_TRAIN + opts)
+    assert (e.value.loc.line, e.value.loc.col) == (4, line.index(key + "=") + 1)

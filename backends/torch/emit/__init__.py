@@ -1,11 +1,12 @@
 """Emit a self-contained, readable ``program.py`` for torchrun from a compiled program.
 
-The program is one rank's view of the local (per-rank) graph: a PROFILE block
-(the only lines that depend on the device profile), constants describing the
-mesh, a small runtime of collectives written with ``torch.distributed`` (same
-semantics as ``parcomp/reference/interpreter.py``), one line per parameter
-slice, one line per graph node, and a ``main`` that checks the world size,
-loads, runs, writes the outputs and optionally times forward steps.  Nothing in
+The program is one rank's view of the local (per-rank) graph, top down: the header
+docstring (model, spec, mesh, parcomp version, how to run it), then the model: constants
+describing the mesh, one line per parameter slice, one line per graph node; then one line,
+:data:`RUNTIME_MARK`, and the runtime: a PROFILE block (the only lines that depend on the
+device profile), collectives written with ``torch.distributed`` (same semantics as
+``parcomp/reference/interpreter.py``), checkpoint reading, and a ``main`` that checks the
+world size, loads, runs, writes the outputs and optionally times forward steps.  Nothing in
 it imports parcomp.  The text is deterministic: same input, same bytes.
 
 Everything it prints comes from fields of the :class:`parcomp.compile.program.Program`:
@@ -17,9 +18,9 @@ frontend knew them (``c_fc``, ``c_proj_matmul``), and every line a spec rule
 caused ends with that rule's ``spec.pcs:LINE``.
 
 This module assembles the program and writes its step function; the per-node text (op
-tables, ``_code``) is :mod:`.nodes`, the other sections (header, PROFILE block,
+tables, ``node_code``) is :mod:`.nodes`, the other sections (header, PROFILE block,
 constants, loaders, value names) :mod:`.sections`.  Their names that callers import
-from here (``OP_FORMATS``, ``_code``, ``_names``, ``EmitError``, ...) are re-exported.
+from here (``OP_FORMATS``, ``node_code``, ``python_names``, ``EmitError``, ...) are re-exported.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from parcomp.compile.program import Program, TrainLoop, no_cycle_collection
 from parcomp.ir.ops import LAYOUT_OPS
 from parcomp.ir.types import layout_str
 
+from .attention import attention_sections, joint_grads, joint_targets
 from .cp_ring import ring_comment, ring_sections
 from .moe import moe_sections
 from .norms import runtime_sections
@@ -41,9 +43,9 @@ from ..profiles import get_profile
 from ..runtime import (CONSTANT_LOADER, FUNCTIONAL, IMPORTS, MAIN, ONNX_READER, RUNTIME, TIED_LOADER, TRAIN_MAIN,
                       TRAIN_RUNTIME)
 from .nodes import (ASYNC_FORMATS, ATTR_DEFAULTS, IN_PLACE_FORMATS, OP_FORMATS, TORCH_DTYPES,  # noqa: F401
-                         EmitError, _code, _py)
-from .sections import (COMMENT_WIDTH, RESERVED, _comment, _constants, _header, _loaders,  # noqa: F401
-                            _names, _profile_block)
+                    EmitError, node_code, py_literal)
+from .sections import (COMMENT_WIDTH, RESERVED, RUNTIME_MARK, comment_lines, constants_section,  # noqa: F401
+                       header_section, loaders_section, profile_block, python_names)
 
 LOCAL_LAYOUT_OPS = ("shard_slice", "partial_mask")
 _LAYOUT_OPS = frozenset(LAYOUT_OPS)
@@ -99,22 +101,25 @@ def _emit(compiled, profile, model, steps, functional, constants) -> str:
         from .pipeline import check_pipeline_profile, emit_pipeline_program, pipeline_emittable
 
         if pipeline_emittable(prog):  # else (tp inside a stage) the SPMD program, pp replicated
-            check_pipeline_profile(prof.name)
-            return emit_pipeline_program(prog, model, _code)
+            check_pipeline_profile(prof)
+            return emit_pipeline_program(prog, model, node_code, prof, constants)
     program, train = prog.graph, prog.train
     if train is not None and steps:
         train = replace(train, steps=int(steps))
-    names = _names(prog)
+    names = python_names(prog)
     runtime = TRAIN_RUNTIME if train else RUNTIME
     if model and model.endswith(".onnx"):
         runtime += "\n\n\n" + ONNX_READER
-    parts = [_profile_block(prof), _constants(prog, train), runtime, *runtime_sections(program),
-             *reduce_sections(program), *moe_sections(program), *ring_sections(program), *([FUNCTIONAL] if functional else []),
-             *([CONSTANT_LOADER] if constants else []),
-             *([TIED_LOADER] if any(n.attr("aliases") for n in program.params) else []),
-             _loaders(prog, train, constants), _forward(prog, names, train), TRAIN_MAIN if train else MAIN]
-    head = _header(prog, model, train) + "\n" + IMPORTS
-    return "\n\n\n".join(p.strip("\n") for p in [head] + parts) + "\n"
+    head = header_section(prog, model, train) + "\n" + IMPORTS
+    model_part = [constants_section(prog, train), loaders_section(prog, train, constants), _forward(prog, names, train)]
+    runtime_part = [profile_block(prof), runtime, *runtime_sections(program), *reduce_sections(program),
+                    *moe_sections(program), *ring_sections(program), *attention_sections(program),
+                    *([FUNCTIONAL] if functional else []),
+                    *([CONSTANT_LOADER] if constants else []),
+                    *([TIED_LOADER] if any(n.attr("aliases") for n in program.params) else []),
+                    TRAIN_MAIN if train else MAIN]
+    # top down: the header, this model, the one runtime line, the runtime (docs/ARCHITECTURE.md)
+    return "\n\n\n".join(p.strip("\n") for p in [head, *model_part, RUNTIME_MARK, *runtime_part]) + "\n"
 
 
 def _forward(prog, names, train) -> str:
@@ -140,8 +145,16 @@ def _forward(prog, names, train) -> str:
             continue
         if op in _LAYOUT_OPS:
             lines += _layout_comment(program, n, prog.collective(n.name), names)
-        lines += [c for text in ring_comment(prog, n) for c in _comment(text, "    ")]
-        lines.append(f"    {var} = {_code(n, list(map(var_of, n.inputs)), program)}{tail}")
+        first, parts = joint_grads(program).get(n.name, (None, None))
+        if first is not None and first != n.name:
+            lines.append(f"    # {var}: computed above with {names[first]} (one backward of the attention)")
+        else:
+            lines += [c for text in ring_comment(prog, n) for c in comment_lines(text, "    ")]
+        if first == n.name:  # one attention's gradients in one statement (emit/attention.py)
+            lines.append(f"    {joint_targets(program, first, names)} = "
+                         f"{node_code(n, list(map(var_of, n.inputs)), program, parts)}{tail}")
+        elif first is None:
+            lines.append(f"    {var} = {node_code(n, list(map(var_of, n.inputs)), program)}{tail}")
         frees = n.attr("frees")
         if frees:
             lines.append("    del " + ", ".join(map(var_of, frees.split())))
@@ -163,4 +176,4 @@ def _layout_comment(program, n, record, names) -> list:
     else:
         nbytes = record.bytes if record else "?"
         head = f"{n.op} over {n.attr('axis')} {change}, bytes/rank {nbytes}:"
-    return _comment(f"{head} {reason}", "    ")
+    return comment_lines(f"{head} {reason}", "    ")

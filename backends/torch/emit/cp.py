@@ -9,7 +9,7 @@ sdpa keeps ``is_causal``.
 """
 from __future__ import annotations
 
-from .norms import _start
+from .norms import block_start
 
 #: the operand holding q, per op (as parcomp/reference/cp_ops.py: backends see only parcomp.ir
 #: and parcomp.compile.program)
@@ -37,7 +37,7 @@ def cp_kw(program, n, args=None) -> dict:
     else:
         q, k = program[n.inputs[qi]], program[n.inputs[qi + 1]]
         lq, lk = q.type.shape[SEQ], k.type.shape[SEQ]
-        start = _start(program, q, SEQ) if needs_q_start(n) else "0"
+        start = block_start(program, q, SEQ) if needs_q_start(n) else "0"
     if n.attr("chunking") == "balanced":  # balanced chunking: by global positions (emit_cp_ring.py)
         band = f", {w}" if w else ""
         return {"mask_args": f"attn_mask=balanced_keep({lq}, {lk}, {start}, {n.attr('cp_size')}{band})"}

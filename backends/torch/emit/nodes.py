@@ -1,9 +1,9 @@
-"""The torch emitter's per-node text: the op tables and :func:`_code`, the right-hand side of
+"""The torch emitter's per-node text: the op tables and :func:`node_code`, the right-hand side of
 one statement of ``program.py`` per graph node (split from :mod:`parcomp_backends.torch.emit`, which re-exports
 every name here; :mod:`.sections` writes the program's other sections).
 
 Each op maps to a format string over its operand variables and attributes (Python
-literals from :func:`_py`); ``inplace=true`` and ``async_op=true`` nodes read their own
+literals from :func:`py_literal`); ``inplace=true`` and ``async_op=true`` nodes read their own
 tables.  The parts' rows come from ``emit_norms``, ``emit_reduce``, ``emit_moe`` and
 ``emit_cp_ring``.
 """
@@ -16,6 +16,7 @@ from json.encoder import encode_basestring_ascii as _json_str  # json.dumps of a
 from parcomp.compile.program import ParcompError
 
 from .cp import Q_OPERAND, cp_kw  # context parallel; Q_OPERAND: sdpa, sdpa_grad
+from .attention import JOINT_FORMATS  # one attention's gradients together
 from .cp_ring import RING_FORMATS, ring_key, ring_kw
 from .moe import MOE_DEFAULTS, MOE_FORMATS, moe_key
 from .norms import NORM_FORMATS, norm_kw
@@ -40,7 +41,7 @@ OP_FORMATS = {
     "matmul": "torch.matmul({0}, {1})",
     "permute": "{0}.permute{perm}",
     "reshape": "{0}.reshape({local_shape})",
-    "sum": "torch.sum({0}, dim={dims})",  # dims=() is the identity (see _code)
+    "sum": "torch.sum({0}, dim={dims})",  # dims=() is the identity (see node_code)
     "expand": "{0}.reshape({kept_shape}).expand({local_shape})",
     "ones": "torch.ones({local_shape}, dtype={dtype}, device=DEVICE)",
     "relu_grad": "{0} * ({1} > 0).to({0}.dtype)",
@@ -125,7 +126,7 @@ class EmitError(ParcompError):
     """The program cannot be emitted (an op or dtype the torch backend has no entry for)."""
 
 
-def _py(v) -> str:
+def py_literal(v) -> str:
     """A Python literal for an attribute value."""
     if type(v) is str:  # the most common: json.dumps(v)'s own encoder, without its set-up
         return _json_str(v)
@@ -141,14 +142,17 @@ def _py(v) -> str:
 
 
 
-def _code(n, args, program=None) -> str:
+def node_code(n, args, program=None, parts=None) -> str:
     """The right-hand side computing node ``n`` from operand variables ``args``
-    (``inplace``: :data:`IN_PLACE_FORMATS`; ``async_op``: :data:`ASYNC_FORMATS`)."""
+    (``inplace``: :data:`IN_PLACE_FORMATS`; ``async_op``: :data:`ASYNC_FORMATS`; ``parts``: an
+    ``sdpa_grad``'s attention's gradients wanted together, emit/attention.py)."""
     op, attr = n.op, n.attr
     async_op, inplace = attr("async_op"), attr("inplace")
     table = (ASYNC_FORMATS if async_op else IN_PLACE_FORMATS if inplace else OP_FORMATS)
     rkey = reduce_key(n)
     key = ring_key(n, moe_key(n, rkey + ("_" if async_op and inplace else "")))
+    if op == "sdpa_grad" and parts:  # the gradients ``parts`` of one attention together
+        table, key = JOINT_FORMATS, key + "_joint"
     if key not in table:
         raise EmitError(f"op {n.op!r} (%{n.name}) has no torch mapping; the torch backend "
                         f"knows: {', '.join(sorted(OP_FORMATS))}")
@@ -162,16 +166,16 @@ def _code(n, args, program=None) -> str:
     if op in ATTR_DEFAULTS:
         attrs = dict(ATTR_DEFAULTS[op])
         attrs.update(n.attrs)
-        kw = {k: _py(v) for k, v in attrs.items()}
+        kw = {k: py_literal(v) for k, v in attrs.items()}
     else:
-        kw = {k: _py(v) for k, v in dict(n.attrs).items()}
+        kw = {k: py_literal(v) for k, v in dict(n.attrs).items()}
     kw["local_shape"] = repr(tuple(ty.shape))
     kw["dtype"] = TORCH_DTYPES[ty.dtype]
     kw["args"] = ", ".join(args)
     if op in NORM_FORMATS:
         kw.update(norm_kw(program, n, args))  # norms + embedding part
     if op in REDUCE_FORMATS or rkey in REDUCE_FORMATS:  # reduce_kw's own test
-        kw.update(reduce_kw(program, n, _py))  # reductions part
+        kw.update(reduce_kw(program, n, py_literal))  # reductions part
     if op in Q_OPERAND:
         kw.update(cp_kw(program, n, args))  # context parallel: causal mask at the rank's rows
         kw.update(ring_kw(n))  # ring attention: sdpa / sdpa_grad only
@@ -179,4 +183,6 @@ def _code(n, args, program=None) -> str:
         kw["kept_shape"] = repr(tuple(1 if d in attr("dims") else s for d, s in enumerate(ty.shape)))
     if op == "sdpa_grad":  # attention part: which of torch.func.vjp's (dq, dk, dv)
         kw["wrt_index"] = "qkv".index(attr("wrt"))
+        if parts:
+            kw["parts"] = py_literal(parts)
     return table[key].format(*args, **kw)

@@ -37,7 +37,7 @@ def _global_shape(program, node) -> tuple:
     return tuple(shape)
 
 
-def _start(program, node, d) -> str:
+def block_start(program, node, d) -> str:
     """The expression of where dim ``d`` of this rank's block of ``node`` starts."""
     axes = shard_axes(node.layout, d) if program is not None and node.layout else ()
     if not axes:
@@ -62,17 +62,17 @@ def norm_kw(program, n, args) -> dict:
     if n.op in ("layer_norm_grad", "rms_norm_grad"):
         return {"grad_args": f"{args[0]}, {args[1]}, {args[2] if len(args) > 2 else None}, {eps}"}
     if n.op == "dropout":
-        starts = ", ".join(_start(program, n, d) for d in range(n.type.rank))
+        starts = ", ".join(block_start(program, n, d) for d in range(n.type.rank))
         return {"index_shape": repr(_global_shape(program, n)),
                 "index_start": f"({starts}{',' if n.type.rank == 1 else ''})",
                 "step": f", step={args[1]}" if len(args) > 1 else ""}
     if n.op == "bucket_cat":
         return {"flat_args": ", ".join(f"{a}.reshape(-1)" for a in args)}
     if n.op == "embedding":
-        return {"vocab_start": _start(program, program[n.inputs[1]], 0) if program is not None else "0"}
+        return {"vocab_start": block_start(program, program[n.inputs[1]], 0) if program is not None else "0"}
     if n.op == "embedding_grad":
         pad = n.attr("padding_idx")
-        return {"vocab_start": _start(program, n, 0), "rows": str(n.type.shape[0]),
+        return {"vocab_start": block_start(program, n, 0), "rows": str(n.type.shape[0]),
                 "padding": "" if pad is None else f", padding_idx={int(pad)}"}
     return {}
 

@@ -1,19 +1,23 @@
 """``program.py`` for a pipelined training step (a spec with a ``pp`` mesh axis).
 
-The program holds, as plain Python: the placement table, every rank's action list
-(``ACTIONS``, the schedule parcomp simulated), and per stage three functions printed from
-the stage's graphs (``stage0_forward``, ``stage0_backward``, ``stage0_optimizer``, one
-statement per node, with the same op table as :mod:`parcomp_backends.torch.emit`).  ``main`` walks this rank's
-action list: ``recv_*`` is a blocking ``dist.recv``, ``send_*`` an ``isend`` waited for
-before the update, gradients are summed over microbatches and ``all_reduce``-d over ``dp``,
-then scaled once by 1/(microbatches x dp).  The rank of ``dp`` (and ``tp``) coordinate 0 of
-each stage writes the stage's outputs of the last step to ``OUTPUT.stageK``.  Nothing in it imports
-parcomp.  With ``tp`` inside the stages the functions are the per-rank programs
-(:mod:`parcomp.passes.pipeline.stage_shard`) and the SPMD runtime's collectives are pasted in; tied
-weights' gradients are summed over their stages' ranks (``TIED_SETS``) before ``dp``;
-``--steps K`` runs K free-running steps.  ``--timeout``, ``--save`` and ``--resume`` are
-:mod:`parcomp_backends.torch.runtime.pipeline_checkpoint`'s (with the SPMD program's checks, pasted); ``CARRIED`` lists per stage
-what they write and read.
+The program holds, as plain Python: the PROFILE block (the SPMD program's, for every device
+profile), the placement table, every rank's actions (``ACTIONS``: the schedule parcomp simulated,
+each run of sends and receives one slot, a ``batch_isend_irecv`` whose order on both ranks
+:func:`parcomp.passes.pipeline.schedule.p2p_slots` checked), and per stage three functions printed
+from the stage's graphs (``stage0_forward``, ``stage0_backward``, ``stage0_optimizer``, one
+statement per node, with the same op table as :mod:`parcomp_backends.torch.emit`).  The runtime is
+the SPMD program's (:mod:`parcomp_backends.torch.runtime`: ``--device``, ``--key-map``,
+``--load-report``, ``--compile``, ``--placement``, ``--print-launch``, ``--timeout`` on every
+group, failures agreed by every rank, checkpoint loading where each rank reads only its stages'
+bytes) with :mod:`parcomp_backends.torch.runtime.pipeline_main`'s step and loop: gradients are
+summed over microbatches and ``all_reduce``-d over ``dp``, then scaled once by
+1/(microbatches x dp).  The rank of ``dp`` (and ``tp``) coordinate 0 of each stage writes the
+stage's outputs of the last step to ``OUTPUT.stageK``.  Nothing in it imports parcomp.  With
+``tp`` inside the stages the functions are the per-rank programs
+(:mod:`parcomp.passes.pipeline.stage_shard`); tied weights' gradients are summed over their
+stages' ranks (``TIED_SETS``) before ``dp``.  ``--save`` and ``--resume`` are
+:mod:`parcomp_backends.torch.runtime.pipeline_checkpoint`'s (with the SPMD program's checks);
+``CARRIED`` lists per stage what they write and read.
 """
 from __future__ import annotations
 
@@ -21,16 +25,19 @@ import json
 import re
 from dataclasses import replace
 
-from parcomp.compile.program import ParcompError, format_placement, placement_table
+from parcomp.compile.program import MAX_STEPS, ParcompError, format_placement, placement_table
 
 from parcomp.ir.types import Replicate
 
-from ..runtime import sections
+from parcomp.ir.ops import COLLECTIVES
+
+from ..profiles import get_profile
+from ..runtime import CLUSTER_HELP, IMPORTS, TRAIN_HELP, sections
 from ..runtime.pipeline_checkpoint import CHECKPOINT as _CHECKPOINT
-from ..runtime.pipeline_main import MAIN as _MAIN
-from .cluster import DEFAULT_TIMEOUT_S
+from .cluster import DEFAULT_PLACEMENT, DEFAULT_TIMEOUT_S, HOST_AXIS
 from .norms import runtime_sections
 from .reduce import reduce_sections
+from .sections import PARCOMP_VERSION, RUNTIME_MARK, profile_block
 
 __all__ = ["check_pipeline_profile", "emit_pipeline_program", "pipeline_emittable", "PipelineEmitError"]
 
@@ -40,10 +47,12 @@ class PipelineEmitError(ParcompError):
 
 
 
-# pasted from the non-pipelined program: --timeout's check, --save's and --resume's checks, and
-# the entry point (exit without C++ static destructors: a gloo teardown at exit can abort)
-_CHECKS = (sections("program_cluster")["timeout"], sections("program_train")["checkpoint_checks"])
-_ENTRY = sections("program_common")["entry"]
+# the SPMD program's runtime, pasted whole: process facts, collectives, loading (each rank reads
+# only its bytes), the cluster checks, --save/--resume's checks, main and the entry point
+_COMMON, _TRAIN = sections("program_common"), sections("program_train")
+_LOADING = sections("program_loading")["loading"]
+_CLUSTER = "\n\n\n".join(sections("program_cluster").values())
+_PIPELINE = sections("pipeline_main")["pipeline"]  # the step and the loop of a pipelined program
 
 
 def _ident(name: str, taken: set) -> str:
@@ -74,19 +83,26 @@ def _on_full_mesh(graph, mesh):
 
 
 def _function(fn: str, graph, doc: str, code) -> str:
-    """A function computing ``graph``: params from ``p``, inputs from ``inp``, one line per node
-    (``code(node, operand variables, graph)``: :func:`parcomp_backends.torch.emit._code`, the torch op table)."""
+    """A function computing ``graph``: params from ``p``, inputs taken out of ``inp``, one line
+    per node (``code(node, operand variables, graph)``: :func:`parcomp_backends.torch.emit.node_code`,
+    the torch op table), each value ``del``-ed after its last reader unless it is an output."""
     taken = {"p", "inp", "torch", "dist"}
     local = graph if graph.stage == "local" else None  # per-rank: block offsets read COORD
     names = {n.name: _ident(n.name, taken) for n in graph.nodes}
+    last = {v: i for i, n in enumerate(graph.nodes) for v in n.inputs}  # a value's last reader
+    keep = {v for _, v in graph.named_outputs()} | {n.name for n in graph.params}
     lines = [f"def {fn}(p, inp):", f'    """{doc}"""']
-    for n in graph.nodes:
+    for i, n in enumerate(graph.nodes):
         var = names[n.name]
-        if n.op in ("input", "param"):
-            src = "p" if n.op == "param" else "inp"
-            lines.append(f"    {var} = {src}[{json.dumps(n.name)}]  # {n.type}")
+        if n.op == "param":
+            lines.append(f"    {var} = p[{json.dumps(n.name)}]  # {n.type}")
+        elif n.op == "input":  # taken out of ``inp`` (the caller's dict), so ``del`` frees it
+            lines.append(f"    {var} = inp.pop({json.dumps(n.name)})  # {n.type}")
         else:
             lines.append(f"    {var} = {code(n, [names[i] for i in n.inputs], local)}  # {n.type}")
+        dead = [names[v] for v in dict.fromkeys(n.inputs) if last[v] == i and v not in keep]
+        if dead:  # the last reader of these values: free them now
+            lines.append(f"    del {', '.join(dead)}")
     ret = ", ".join(f"{json.dumps(pub)}: {names[v]}" for pub, v in graph.named_outputs())
     lines.append(f"    return {{{ret}}}")
     return "\n".join(lines)
@@ -119,18 +135,14 @@ def _file_shapes(plan) -> tuple:
 
 
 def check_pipeline_profile(profile: str) -> None:
-    """The pipelined program runs on CPU ranks under gloo only (its p2p and collectives are
-    gloo's, its tensors are never moved to a device).
+    """Every device profile emits a pipelined program (its PROFILE block is the SPMD
+    program's: cuda runs NCCL, ascend HCCL through torch_npu, cpu gloo; ``--device cpu`` runs
+    any of them on CPU ranks under gloo).
 
     Raises:
-        PipelineEmitError: ``profile`` is not ``cpu`` (``--profile cuda``, ``--target
-            ascend``): a cuda or ascend program would silently run on the CPU.
+        ProfileError: an unknown profile name.
     """
-    if profile != "cpu":
-        raise PipelineEmitError(
-            f"a pipelined program (a pp mesh axis) is emitted for the cpu profile only (gloo, "
-            f"tensors on the CPU); profile {profile} is not supported yet: compile with "
-            f"--profile cpu, or drop pp from the mesh", where="--profile")
+    get_profile(profile)
 
 
 def pipeline_emittable(program) -> bool:
@@ -159,10 +171,85 @@ def _tied_groups(mesh, held) -> list:
     return out
 
 
-def emit_pipeline_program(program, model, code) -> str:
+def _header(program, model, plan, mesh, table) -> list:
+    """The module docstring: what the program is, its schedule, placement and options."""
+    hint = _run_hint(mesh)
+    return [f'"""parcomp pipelined training step: {program.spec_name or "spec"}'
+            f"{f', model {model}' if model else ''}.",
+            f"Emitted by parcomp {PARCOMP_VERSION} (torch backend). Below: the constants, the action lists and the",
+            "stage functions; then, after the runtime line, the runtime.",
+            "", f"mesh {mesh}, schedule {plan.schedule}"
+            f"{f' ({plan.virtual} model chunks per rank)' if plan.virtual > 1 else ''}, "
+            f"{plan.microbatches} microbatch(es) of "
+            f"{plan.micro_batch}, global batch {plan.batch} = {plan.micro_batch} x "
+            f"{plan.microbatches} x dp {plan.dp}; bubble {plan.analytic_bubble:.3f} (analytic), "
+            f"{plan.simulation.bubble:.3f} (simulated).", "", format_placement(table), "",
+            "Run one process per rank:", f"    {hint} [--device cpu]", "",
+            *TRAIN_HELP.format(out="OUTPUT.stageK: each stage's outputs, written by the stage's first rank",
+                               steps=program.train.steps if program.train else 1, step="",
+                               cluster=CLUSTER_HELP).split("\n"),
+            '"""']
+
+
+def _run_hint(mesh) -> str:
+    return (f"torchrun --nproc-per-node {mesh.size} program.py --checkpoint model.pt "
+            f"--input inputs.pt --output out.pt")
+
+
+def _collective_dtypes(plan) -> tuple:
+    """The dtypes the program's collectives and point-to-point carry (a profile's dtype check)."""
+    graphs = [g for st in (plan.local or plan.stages) for g in (st.forward, st.backward, st.optimizer)]
+    out = {g[n.inputs[0]].type.dtype for g in graphs for n in g.nodes if n.op in COLLECTIVES}
+    out |= {dt for st in plan.stages for _, _, dt in _specs(st, st.send)}
+    return tuple(sorted(out))
+
+
+def _load_facts(plan) -> tuple:
+    """``(STORED_SHAPES, ALIASES)``: fused weights' stored shapes, tied weights' other names."""
+    stored, aliases = {}, {}
+    for st in plan.stages:
+        for g in (st.forward, st.backward, st.optimizer):
+            for n in g.params:
+                if n.attr("stored_shape"):
+                    stored[n.name] = list(n.attr("stored_shape"))
+                if n.attr("aliases"):
+                    aliases[n.name] = tuple(n.attr("aliases").split(","))
+    return dict(sorted(stored.items())), dict(sorted(aliases.items()))
+
+
+def _actions(plan, mesh, table) -> list:
+    """``ACTIONS``: every rank's list, each point-to-point slot of
+    ``plan.simulation.slots`` (the order the schedule's simulator checked) one entry
+    ``("p2p", (op, ...), None, None)``."""
+    slots = plan.simulation.slots
+    acts = ["# every rank's actions, (action, microbatch, peer rank, stage), run in order by step();",
+            "# a (\"p2p\", ops, None, None) slot posts its sends and receives in one batch_isend_irecv and",
+            "# waits for them all; parcomp ran every rank's slots together: each send meets its",
+            "# receive in the same order on both ranks (NCCL and HCCL match by order), no deadlock",
+            "ACTIONS = {"]
+    for r in range(mesh.size):
+        coord = table["ranks"][r]["stage"]
+        mine = plan.rank_actions(mesh, r)
+
+        def one(a):
+            return (a.kind, a.micro, a.peer, a.chunk * plan.pp + coord)
+        acts.append(f"    {r}: [  # stage {coord}")
+        for e in slots[coord]:
+            row = ("p2p", tuple(one(mine[k]) for k in e), None, None) if isinstance(e, tuple) else one(mine[e])
+            acts.append(f"        {row!r},")
+        acts.append("    ],")
+    acts.append("}")
+    return acts
+
+
+def emit_pipeline_program(program, model, code, profile="cpu", constants=()) -> str:
     """The text of ``program.py`` for a :class:`parcomp.compile.program.Program` whose ``pipeline``
     is set; ``model``: what it was imported from (for the docstring) or None; ``code``: the op
-    printer, :func:`parcomp_backends.torch.emit._code` (emit.py passes it, so this module does not import emit.py).
+    printer, :func:`parcomp_backends.torch.emit.node_code` (emit.py passes it, so this module does not import emit.py);
+    ``profile``: a :class:`parcomp_backends.torch.profiles.DeviceProfile` (its PROFILE block:
+    the same as the SPMD program's); ``constants``: params parcomp computed at import.
+    The runtime is the SPMD program's (loading, cluster checks, ``main``) with
+    :mod:`parcomp_backends.torch.runtime.pipeline_main`'s step in place of its loop.
     With tp inside a stage the stage functions are the per-rank programs of ``plan.local``
     (their collectives over the inner axes), params are loaded as this rank's shards and the
     outputs gathered whole before they are written.
@@ -176,30 +263,36 @@ def emit_pipeline_program(program, model, code) -> str:
         extra = next(a for a, n in mesh.axes if a not in ("pp", "dp") and n > 1)
         raise PipelineEmitError(f"the pipeline has mesh axis {extra} > 1 but no sharded stage "
                                 f"programs to print")
+    prof = get_profile(profile)
     table = placement_table(mesh)
     dp_groups = table["groups"].get("dp", [])
     inner = [a for a, _ in mesh.axes if a not in ("pp", "dp")]
-    head = [f'"""parcomp pipelined training step: {program.spec_name or "spec"}'
-            f"{f', model {model}' if model else ''}.",
-            "", f"mesh {mesh}, schedule {plan.schedule}"
-            f"{f' ({plan.virtual} model chunks per rank)' if plan.virtual > 1 else ''}, "
-            f"{plan.microbatches} microbatch(es) of "
-            f"{plan.micro_batch}, global batch {plan.batch} = {plan.micro_batch} x "
-            f"{plan.microbatches} x dp {plan.dp}; bubble {plan.analytic_bubble:.3f} (analytic), "
-            f"{plan.simulation.bubble:.3f} (simulated).", "", format_placement(table), "",
-            f"torchrun --nproc-per-node {mesh.size} program.py --checkpoint model.pt "
-            f"--input inputs.pt --output out.pt [--steps K] [--save DIR] [--resume DIR] [--timeout S]",
-            '"""', "import argparse", "import datetime", "import difflib", "import math", "import os",
-            "import sys", "import time", "", "import torch", "import torch.distributed as dist", ""]
+    head = _header(program, model, plan, mesh, table)
     groups = {a: table["groups"][a] for a in inner if a in table["groups"]}
-    consts = [f"MESH = {dict(mesh.axes)!r}", f"WORLD = {mesh.size}",
+    sizes = dict(mesh.axes)
+    launch = getattr(program, "launch", None) or {}
+    topology = launch.get("topology")
+    consts = [f"MESH = {sizes!r}",
               f"GROUP_RANKS = {groups!r}  # the groups of the axes inside a stage",
-              f"COMM_AXES = {tuple(a for a in inner if dict(mesh.axes)[a] > 1)!r}",
+              f"COMM_AXES = {tuple(a for a in inner if sizes[a] > 1)!r}",
+              f"HOST_AXES = {tuple(a for a in inner if a == HOST_AXIS and sizes[a] > 1)!r}"
+              "  # axes whose groups must sit on one host (checked at start)",
+              f"PLACEMENT = {launch.get('placement', DEFAULT_PLACEMENT)!r}"
+              "  # a HOST_AXES group on several hosts: refuse | warn (--placement)",
+              f"TIMEOUT_S = {launch.get('timeout', DEFAULT_TIMEOUT_S)!r}"
+              "  # seconds a point-to-point slot or collective may wait (--timeout)",
+              f"TOPOLOGY = {tuple(topology) if topology else None!r}"
+              "  # the spec's nodes, devices per node (--print-launch)",
+              f"COLLECTIVE_DTYPES = {_collective_dtypes(plan)!r}  # what the collectives and p2p carry",
               f"MICROBATCHES = {plan.microbatches}", f"MICRO_BATCH = {plan.micro_batch}",
               f"SCALE = 1.0 / {plan.microbatches * plan.dp}  # 1 / (microbatches x dp)",
               f"DP_GROUPS = {dp_groups!r}",
+              f"PP_GROUPS = {table['groups'].get('pp', [list(range(mesh.size))])!r}"
+              "  # the point-to-point groups: one rank per stage",
               f"STAGES = {({r: list(range(r, len(plan.stages), plan.pp)) for r in range(plan.pp)})!r}"
-              "  # per pp coordinate, the (virtual) stages it holds"]
+              "  # per pp coordinate, the (virtual) stages it holds",
+              f"TRAIN_STEPS = {program.train.steps if program.train else 1}  # default of --steps",
+              f"MAX_STEPS = {MAX_STEPS:_}  # the most --steps allows (as a spec's steps=)"]
     params, state, batch, grads, sends, recvs, splits, carried = {}, {}, {}, {}, {}, {}, {}, {}
     for st in plan.stages:
         opt = plan.local[st.index].optimizer if plan.local else st.optimizer
@@ -215,7 +308,12 @@ def emit_pipeline_program(program, model, code) -> str:
             splits.update({k: _splits(v, inner) for k, v in plan.local[st.index].layouts.items()
                            if _splits(v, inner)})
     full_params, full_inputs = _file_shapes(plan)
-    consts += [f"PARAMS = {params!r}", f"STATE_SHAPES = {state!r}", f"BATCH_INPUTS = {batch!r}",
+    stored, aliases = _load_facts(plan)
+    consts += [f"PARAMS = {tuple(full_params) + tuple(sorted(state))!r}"
+               "  # every stage's params and optimizer state (a rank loads its stages' only)",
+               f"INPUTS = {tuple(full_inputs)!r}", "OUTPUT_LAYOUTS = {}", "OUTPUT_GLOBAL_SHAPES = {}",
+               "SHARDED_OUTPUT = False", f"RUN_HINT = {_run_hint(mesh)!r}",
+               f"STAGE_PARAMS = {params!r}", f"STATE_SHAPES = {state!r}", f"BATCH_INPUTS = {batch!r}",
                "# what --checkpoint and --input must hold: full (unsharded) shapes and dtypes;",
                "# an input holds the global batch, microbatches x dp of the stages' microbatch",
                f"PARAM_SHAPES = {full_params!r}", f"INPUT_SHAPES = {full_inputs!r}",
@@ -225,8 +323,10 @@ def emit_pipeline_program(program, model, code) -> str:
                f"SPLITS = {splits!r}",
                "# per stage, the values each step updates: what --save writes and --resume reads",
                f"CARRIED = {carried!r}",
-               f"TIMEOUT_S = {(getattr(program, 'launch', None) or {}).get('timeout', DEFAULT_TIMEOUT_S)!r}"
-               "  # seconds a send, recv or collective may wait (--timeout)"]
+               "# fused weights (stored whole, viewed per part), tied weights' other names, and the",
+               "# params parcomp computed at import (constants.safetensors beside program.py)",
+               f"STORED_SHAPES = {stored!r}", f"ALIASES = {aliases!r}",
+               f"CONSTANT_PARAMS = {tuple(sorted(set(constants) & set(full_params)))!r}"]
     ranks_of = [(q, tuple(sorted({plan.rank_of_stage(t) for t in held}))) for q, held in plan.tied]
     ranks_of = [(q, held) for q, held in ranks_of if len(held) > 1]  # one rank's chunks: one sum
     sets = sorted({held for _, held in ranks_of})
@@ -236,21 +336,8 @@ def emit_pipeline_program(program, model, code) -> str:
                "# coordinates) whose gradient contributions are summed before the dp all_reduce",
                f"TIED_SETS = {[_tied_groups(mesh, held) for held in sets]!r}",
                f"TIED = {({s: v for s, v in tied.items() if v})!r}", "TIED_GROUP = {}",
-               "STEP = [1.0]  # the step counter k of main()'s loop (AdamW's bias corrections)",
-               f"PP_GROUPS = {table['groups'].get('pp', [])!r}  # STATS' sums over the stages",
-               "PP_GROUP = {}"]
-    runtime = "# ---- process facts and collectives (the SPMD program's runtime) ----\n" + \
-        sections("program_common")["process"]
-    acts = ["# every rank's action list, (action, microbatch, peer rank, stage), run in order by main();",
-            "# parcomp simulated all of them together: every send meets its recv, no deadlock",
-            "ACTIONS = {"]
-    for r in range(mesh.size):
-        coord = table["ranks"][r]["stage"]
-        row = [(a.kind, a.micro, a.peer, a.chunk * plan.pp + coord) for a in plan.rank_actions(mesh, r)]
-        acts.append(f"    {r}: [  # stage {table['ranks'][r]['stage']}")
-        acts += [f"        {x!r}," for x in row]
-        acts.append("    ],")
-    acts.append("}")
+               "STEP = [1.0]  # the step counter k of main()'s loop (AdamW's bias corrections)"]
+    acts = _actions(plan, mesh, table)
     fns, graphs = [], []
     for st in plan.stages:
         s = st.index
@@ -275,7 +362,9 @@ def emit_pipeline_program(program, model, code) -> str:
                     _function(f"stage{s}_backward_weight", bw, f"Stage {s}: parameter gradients of "
                               f"one microbatch (ZB-H1's W).", code)]
     helpers = {text for x in graphs for text in runtime_sections(x) + reduce_sections(x)}
-    runtime = "\n\n\n".join([runtime, *sorted(helpers)])
+    runtime = "\n\n\n".join(["# ---- the SPMD program's runtime: process facts, collectives, loading ----",
+                              _COMMON["process"], _COMMON["take_place"], _LOADING, _COMMON["constants"],
+                              _COMMON["tied"], *sorted(helpers)])
     n = len(plan.stages)
     fns += [f"FORWARD = {{{', '.join(f'{s}: stage{s}_forward' for s in range(n))}}}",
             f"BACKWARD = {{{', '.join(f'{s}: stage{s}_backward' for s in range(n))}}}",
@@ -284,6 +373,8 @@ def emit_pipeline_program(program, model, code) -> str:
     if plan.split:
         fns += [f"BACKWARD_{k.upper()} = {{{', '.join(f'{s}: stage{s}_backward_{k}' for s in range(n))}}}"
                 for k in ("input", "weight")]
-    body = ["\n".join(head), "\n".join(consts), runtime, "\n".join(acts), "\n\n\n".join(fns),
-            _CHECKPOINT.strip("\n"), *_CHECKS, _MAIN.strip("\n"), _ENTRY]
+    body = ["\n".join(head) + "\n" + IMPORTS, "\n".join(consts), "\n".join(acts), "\n\n\n".join(fns),
+            RUNTIME_MARK, profile_block(prof), runtime, _CHECKPOINT.strip("\n"), _TRAIN["checkpoint_checks"],
+            _CLUSTER, _COMMON["rank_path"], _COMMON["sync"], _COMMON["bench"], _COMMON["world"],
+            _TRAIN["step_count"], _COMMON["main"], _PIPELINE, _COMMON["entry"]]
     return "\n\n\n".join(body) + "\n"

@@ -26,13 +26,17 @@ REDUCE_FORMATS = {
     "pick_grad": "pick_grad({0}, {1}, {local_shape}, {start}, {ignore_index})",
     "label_mask": "({0} != {ignore_index}).to({dtype})",
     "mask_pad": "mask_pad({0}, {size}, {start}, {fill})",
+    "topk": "torch.topk({0}, {k}, dim={dim}).values",  # torch's tie order: the model's own
+    "topk_index": "torch.topk({0}, {k}, dim={dim}).indices",
+    "take_along": "torch.gather({0}, {dim}, {1})",
+    "put_along": "put_along({0}, {1}, {dim}, {size})",
     "all_reduce_max": "all_reduce_max({0}, {axis})",
     "partial_mask_max": "{0}",  # R -> P(max): every rank keeps the value
 }
 IN_PLACE_REDUCE = {"all_reduce_max": "all_reduce_max_({0}, {axis})"}
 ASYNC_REDUCE = {"all_reduce_max": "all_reduce_max_start({0}, {axis})",
                 "all_reduce_max_": "all_reduce_max_start_({0}, {axis})"}
-_HELPERS = ("amax_grad", "argmax_key", "argmax_index", "pick", "pick_grad", "mask_pad")
+_HELPERS = ("amax_grad", "argmax_key", "argmax_index", "pick", "pick_grad", "mask_pad", "put_along")
 HELPER_NAMES = ("all_reduce_max", "all_reduce_max_", "all_reduce_max_start", "all_reduce_max_start_",
                 "ARGMAX_LOW", "_pick_cols") + _HELPERS
 

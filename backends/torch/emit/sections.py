@@ -1,6 +1,6 @@
 """The sections of ``program.py`` around its step function: the header docstring, the
-PROFILE block, the constants, the parameter and input loaders, and the Python names of
-the graph's values (split from :mod:`parcomp_backends.torch.emit`, which assembles them and re-exports every
+PROFILE block, the constants, the parameter and input loaders, the line that marks where the
+runtime starts (:data:`RUNTIME_MARK`), and the Python names of the graph's values (split from :mod:`parcomp_backends.torch.emit`, which assembles them and re-exports every
 name here that callers use).  Deterministic: same Program, same text.
 """
 from __future__ import annotations
@@ -12,12 +12,14 @@ import math
 import re
 import textwrap
 
+from parcomp.version import __version__ as PARCOMP_VERSION
 from parcomp.compile.program import MAX_STEPS, plural
 from parcomp.ir.ops import LAYOUT_OPS
 from parcomp.ir.types import DTYPE_SHORT, Partial, Replicate, layout_str, shard_axes
 
 from ..runtime import (CLUSTER_HELP, CONSTANT_LOADER, FORWARD_HELP, FUNCTIONAL, MAIN, ONNX_READER, RUNTIME,
                       TIED_LOADER, TRAIN_HELP, TRAIN_MAIN)
+from .attention import HELPER_NAMES as ATTENTION_HELPERS
 from .cluster import CLUSTER_NAMES, cluster_constants
 from .cp_ring import HELPER_NAMES as RING_HELPERS, balance_src
 from .moe import HELPER_NAMES as MOE_HELPERS
@@ -29,6 +31,11 @@ from .text import wrap
 _NON_WORD = re.compile(r"\W")
 COMMENT_WIDTH = 108
 
+#: program.py reads top down: the header, then this model (constants, parameter loading, the
+#: step), then this one line, then the runtime (the PROFILE block and the text pasted from
+#: parcomp_backends/torch/runtime: process groups, collectives, checkpoint reading, ``main``)
+RUNTIME_MARK = "# ======== runtime (parcomp_backends/torch/runtime): profile, collectives, loading, main ========"
+
 _TOP_NAMES = set(re.findall(r"^(?:def )?([A-Za-z_]\w*)", RUNTIME + MAIN + TRAIN_MAIN + ONNX_READER
                             + FUNCTIONAL + CONSTANT_LOADER + TIED_LOADER, re.M)) | {"funcol"}
 RESERVED = (set(keyword.kwlist) | set(dir(builtins)) | _TOP_NAMES
@@ -37,11 +44,11 @@ RESERVED = (set(keyword.kwlist) | set(dir(builtins)) | _TOP_NAMES
                "PARAMS", "INPUTS", "OUTPUT_LAYOUTS", "OUTPUT_GLOBAL_SHAPES", "SHARDED_OUTPUT",
                "RUN_HINT", "load_params", "load_inputs", "forward", "STATE", "CARRIED", "STEP_INPUT",
                "TRAIN_STEPS", "MAX_STEPS", "train_step"} | set(NORM_HELPERS) | set(REDUCE_HELPERS) | set(MOE_HELPERS)
-            | set(RING_HELPERS)
+            | set(RING_HELPERS) | set(ATTENTION_HELPERS)
             | set(CLUSTER_NAMES))
 
 
-def _names(prog) -> dict:
+def python_names(prog) -> dict:
     """value name -> unique Python identifier (sanitized, no keywords/builtins).
 
     A node the frontend traced inside a model module is named after the module
@@ -96,7 +103,7 @@ def _global_shape(program, node) -> tuple:
     return tuple(shape)
 
 
-def _header(prog, model, train) -> str:
+def header_section(prog, model, train) -> str:
     program, mesh, colls, spec_name = prog.graph, prog.mesh, prog.collectives, prog.spec_name
     total = sum(c.bytes for c in colls)
     kinds = ", ".join(f"{c.kind} over {c.axis}" + (f" ({c.phase})" if train else "")
@@ -108,12 +115,15 @@ def _header(prog, model, train) -> str:
                           f"{total} bytes/rank in all: {kinds}", 96, subsequent_indent="    ")
     lines = [
         f"program.py: one rank's {'training steps' if train else 'forward pass'}, emitted by parcomp "
-        "(torch backend). Do not edit.",
+        f"{PARCOMP_VERSION} (torch backend). Do not edit.",
         "",
         f"model: {(model or 'a parcomp graph').replace(chr(34) * 3, '')}",
         f"spec:  {spec_name or '(none recorded)'}",
         f"mesh:  {mesh} ({plural(mesh.size, 'rank')}; row-major, the last axis varies fastest)",
         *steps,
+        "",
+        f"Below: this model's constants, parameter loading and step ({'train_step' if train else 'forward'}); "
+        "then, after the runtime line, the runtime.",
         "",
         "Run one process per rank:",
         f"    {_run_hint(program, model)} [--device cpu]",
@@ -136,7 +146,7 @@ def _run_hint(program, model=None) -> str:
     return f"torchrun --nproc-per-node {program.mesh.size} program.py " + " ".join(args)
 
 
-def _profile_block(prof) -> str:
+def profile_block(prof) -> str:
     lines = [f"# ---- PROFILE {prof.name}: the only lines that differ between device profiles ----",
              f"PROFILE = {json.dumps(prof.name)}",
              f"DIST_BACKEND = {json.dumps(prof.dist_backend)}",
@@ -167,7 +177,7 @@ def _all_replicated(program) -> bool:
     return all(isinstance(p, Replicate) for o in program.outputs for p in program[o].layout)
 
 
-def _constants(prog, train) -> str:
+def constants_section(prog, train) -> str:
     program, mesh = prog.graph, prog.mesh
     groups = {a: prog.group_ranks(a) for a in prog.groups}  # mesh axes, then joint groups "dp,tp"
     outs = program.named_outputs()
@@ -232,7 +242,7 @@ def _paren(expr: str) -> str:
     return f"({expr})" if "+" in expr else expr
 
 
-def _loaders(prog, train, constants=()) -> str:
+def loaders_section(prog, train, constants=()) -> str:
     program, out, state = prog.graph, [], train.state if train else ()
     for fn, kind, nodes, arg in (("load_params", "param", program.params, "ckpt"),
                                  ("load_inputs", "input", _data_inputs(program, train), "feeds")):
@@ -260,13 +270,13 @@ def _loaders(prog, train, constants=()) -> str:
                 if p == Partial("sum"):  # a P(max) source: every rank keeps it
                     expr = f"partial_mask({expr}, {json.dumps(program.mesh.names[a])})"
             if n.name in state:  # optimizer state: the checkpoint's (--replay), else zeros
-                lines += _comment(f"{head}optimizer state: zeros at step 1 unless the checkpoint "
-                                  f"holds it (--replay); {what}", "    ")
+                lines += comment_lines(f"{head}optimizer state: zeros at step 1 unless the checkpoint "
+                                       f"holds it (--replay); {what}", "    ")
                 lines += [f"    out[{json.dumps(n.name)}] = ({expr} if {json.dumps(n.name)} in {arg} "
                           f"else", f"        torch.zeros({tuple(n.type.shape)!r}, "
                           f"dtype={TORCH_DTYPES[n.type.dtype]}, device=DEVICE))"]
                 continue
-            lines += _comment(head + what, "    ")
+            lines += comment_lines(head + what, "    ")
             lines.append(f"    out[{json.dumps(n.name)}] = {expr}{_spec_ref(prog, n.name)}")
         lines.append("    return out")
         out.append("\n".join(lines))
@@ -277,7 +287,7 @@ def _ty(dtype, shape) -> str:
     return f"{DTYPE_SHORT.get(dtype, dtype)}[{','.join(str(s) for s in shape)}]"
 
 
-def _comment(text: str, indent: str) -> list:
+def comment_lines(text: str, indent: str) -> list:
     return wrap(text, COMMENT_WIDTH, indent + "# ", indent + "#   ")  # textwrap.wrap's lines
 
 

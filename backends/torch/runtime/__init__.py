@@ -6,8 +6,8 @@ rank reads only its own bytes), :mod:`.program_forward` and
 :mod:`.program_train` (outputs, argument parsing, ``run`` / the training loop).
 Each marks what program.py holds with ``# >>> program.py: NAME`` ...
 ``# <<< program.py``; this module pastes those sections (read as text, so
-emitting needs no torch) into :data:`RUNTIME` (after the generated constants)
-and :data:`MAIN` (after the generated ``forward``), or :data:`TRAIN_RUNTIME` and
+emitting needs no torch) into :data:`RUNTIME` and :data:`MAIN` (after the runtime line that
+follows the generated constants, loaders and ``forward``), or :data:`TRAIN_RUNTIME` and
 :data:`TRAIN_MAIN` for a training program.  The same files give the same bytes.
 
 The sections use only names the emitter defines: ``MESH``, ``GROUP_RANKS``,
@@ -111,6 +111,6 @@ CONSTANT_LOADER = _COMMON["constants"]  # a program with params computed at impo
 TIED_LOADER = _COMMON["tied"]  # a program with tied weights (param attr ``aliases``)
 ONNX_READER = _COMMON["onnx"]  # appended to the runtime of a program compiled from an .onnx file
 TRAIN_MAIN = _join(_COMMON["rank_path"], _TRAIN["write_outputs"], _COMMON["sync"], _COMMON["bench"],
-                   _TRAIN["parse_args"], _COMMON["world"], _CLUSTER, _TRAIN["checkpoint"],
+                   _TRAIN["step_count"], _TRAIN["parse_args"], _COMMON["world"], _CLUSTER, _TRAIN["checkpoint"],
                    _TRAIN["checkpoint_checks"], _TRAIN["resume"], _TRAIN["loop"],
                    _COMMON["main"], _COMMON["entry"])

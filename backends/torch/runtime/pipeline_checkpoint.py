@@ -1,4 +1,4 @@
-"""``--save`` / ``--resume`` and the failure messages of a pipelined ``program.py`` (text
+"""``--save`` / ``--resume`` of a pipelined ``program.py`` (text
 printed by :mod:`parcomp_backends.torch.emit.pipeline` before :mod:`.pipeline_main`'s ``main``, which calls it).
 
 The checkpoint is the non-pipelined program's (:mod:`.program_train`): a
@@ -12,34 +12,13 @@ global names and shapes, so the checkpoint reads like one of the non-pipelined p
 ``parcomp export`` / ``dcp_to_torch_save`` read it); rank 0 adds ``stages.json``, which names
 every stage's ranks and values.  Before the rename nothing in ``DIR`` changes.
 
-Every blocking wait of a step (``recv``, the sends' ``wait``, the tied and dp ``all_reduce``)
-records what it waits for in ``WAITING``; the process group's ``--timeout`` bounds each wait, so
-a peer that exited or hung makes this rank fail with a message naming the peer's rank.
+Every wait of a step (a point-to-point slot, the tied and dp ``all_reduce``) says what it waits
+for in ``FAULT["where"]`` (:mod:`.program_cluster`): every group's ``--timeout`` bounds it, and
+a peer that exited or hung makes every rank stop with a line naming that wait and the peer.
 """
 
 CHECKPOINT = '''
-WAITING = []  # the wait in progress: ["recv_fwd of microbatch 0 for stage 1 from rank 0"], else []
 DEVICE_MESH = {}  # the stages' inner mesh (tp), made by every rank when a value is split
-
-
-def waiting(what, fn, *args, **kwargs):
-    """``fn(*args, **kwargs)``, a blocking communication, with ``what`` (naming the peer
-    ranks) in WAITING while it runs."""
-    WAITING[:] = [what]
-    out = fn(*args, **kwargs)
-    WAITING.clear()
-    return out
-
-
-def peer_failure(k, error, timeout):
-    """The message of a step that failed: the wait in progress and its peer ranks, else the error."""
-    text = (str(error).strip().splitlines() or [type(error).__name__])[0]
-    text = text.split("] ", 1)[1] if text.startswith("[") and "] " in text else text  # gloo's source line
-    text = text.split(". ")[0][:300]
-    if not WAITING:
-        return f"step {k}: {type(error).__name__}: {text}"
-    return (f"step {k}: {WAITING[0]} failed ({text}): that rank exited, failed or hung (each "
-            f"wait is at most --timeout {timeout:g} s); its own message, if any, is above")
 
 
 def inner_mesh():
@@ -76,7 +55,7 @@ def carried_state(p, coord, step):
 def stage_table():
     """``stages.json``: every (virtual) stage's ranks and the values it saves."""
     return {"format": "torch.distributed.checkpoint", "mesh": MESH, "stages": [
-        {"stage": t, "ranks": [r for r in range(WORLD) if t in STAGES[coords(r)["pp"]]],
+        {"stage": t, "ranks": [r for r in range(MESH_SIZE) if t in STAGES[coords(r)["pp"]]],
          "values": CARRIED[t]} for t in sorted(CARRIED)]}
 
 

@@ -1,16 +1,89 @@
-"""The ``main`` of a pipelined ``program.py`` (printed by :mod:`parcomp_backends.torch.emit.pipeline`), as text."""
+"""The pipelined ``program.py``'s own part (sections pasted by :mod:`parcomp_backends.torch.emit.pipeline`).
 
-MAIN = '''
+A pipelined program is the SPMD program's runtime (:mod:`.program_common`, :mod:`.program_loading`,
+:mod:`.program_cluster`: the PROFILE block and ``--device``, checkpoint loading where each rank
+reads only its own bytes, ``--key-map``, ``--load-report``, the cluster checks, failure agreement,
+``--timeout`` on every group, ``--print-launch``, ``main``) with the sections below in place of
+the SPMD program's step and loop:
+
+- ``load_params``: this rank's stages' params only (the other stages' bytes are never read),
+  each as this rank's block inside the stage (``SPLITS``, tp), fused weights read whole and
+  viewed per part, tied weights from whichever of their names the checkpoint holds;
+- ``step``: this rank's entries of ``ACTIONS`` in order: a compute entry runs a stage function,
+  a slot ``("p2p", ops)`` posts its sends and receives in one ``batch_isend_irecv`` (the order
+  :func:`parcomp.passes.pipeline.schedule.p2p_slots` checked against every other rank's) and
+  waits for all of them, so a boundary tensor lives until its slot ends and no ``Work`` handle
+  outlives its slot; what the schedule no longer needs (sent activations, a stash after its
+  backward) is dropped at once;
+- ``parse_args`` / ``run``: the SPMD training program's options, run under ``main``.
+
+Real, importable Python; it runs with the stand-ins below for what the emitter generates.
+"""
+# flake8: noqa: E402,F403,F405 (program.py is one namespace: the common sections are in it)
+import argparse
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from .program_cluster import *
+from .program_common import *
+from .program_train import check_save, resume_location, check_resume, dcp_failure, step_count
+
+# ---- stand-ins for what the emitter generates (never pasted): a one-stage, one-rank program ----
+STAGE_PARAMS = {0: []}
+STATE_SHAPES = {}
+BATCH_INPUTS = {0: []}
+PARAM_SHAPES = {}
+INPUT_SHAPES = {}
+STORED_SHAPES = {}
+ALIASES = {}
+CONSTANT_PARAMS = ()
+GRADS = {0: []}
+SEND = {0: []}
+RECV = {0: []}
+SPLITS = {}
+CARRIED = {0: []}
+STAGES = {0: [0]}
+DP_GROUPS = []
+PP_GROUPS = [[0]]
+TIED_SETS = []
+TIED = {}
+TIED_GROUP = {}
+STEP = [1.0]
+MICROBATCHES = 1
+MICRO_BATCH = 1
+SCALE = 1.0
+TRAIN_STEPS = 1
+ACTIONS = {0: [("optimizer", None, None, 0)]}
+FORWARD, BACKWARD, OPTIMIZER, BACKWARD_INPUT, BACKWARD_WEIGHT, STATS = {}, {}, {}, {}, {}, {}
+
+
+def resume_stages(path, p, coord):
+    """Stand-in: :mod:`.pipeline_checkpoint`'s."""
+    raise NotImplementedError
+
+
+def save_stages(path, p, coord, step):
+    """Stand-in: :mod:`.pipeline_checkpoint`'s."""
+    raise NotImplementedError
+
+
+# >>> program.py: pipeline
 def coords(rank):
     """``{axis: coordinate}`` of a global rank (row-major, the last axis fastest)."""
     return dict(zip(MESH, mesh_coords(rank)))
 
 
-def local_shard(t, splits):
-    """This rank's block of a full tensor: ``splits`` = ``[(dim, axis), ...]`` of its layout."""
+def block(t, splits, shape):
+    """This rank's block of a full tensor or checkpoint Slice ``t`` of full ``shape``:
+    ``splits`` = ``[(dim, axis), ...]`` of its layout inside the stage, the first axis outer."""
+    shape = list(shape)
     for dim, axis in splits:
-        t = t.chunk(MESH[axis], dim)[COORD[AXIS[axis]]]
-    return t.contiguous()
+        shape[dim] //= MESH[axis]
+        t = t.narrow(dim, COORD[AXIS[axis]] * shape[dim], shape[dim])
+    return t
 
 
 def whole_value(t, splits):
@@ -21,159 +94,71 @@ def whole_value(t, splits):
     return t
 
 
-def tag(m, direction, stage, j):
-    """The p2p tag of value j of microbatch m to virtual stage ``stage``, direction 0
-    forward, 1 backward."""
-    return ((m * 2 + direction) * len(FORWARD) + stage) * 1000 + j
-
-
-def send(tensors, peer, m, direction, stage):
-    """``[(handle, peer), ...]``: the isends of ``tensors``, waited for before the update."""
-    what = f"{('send_fwd', 'send_bwd')[direction]} of microbatch {m} for stage {stage} to rank {peer}"
-    return [(waiting(what, dist.isend, t.contiguous(), peer, tag=tag(m, direction, stage, j)), peer)
-            for j, t in enumerate(tensors)]
-
-
-def recv(specs, peer, m, direction, stage):
-    what = f"{('recv_fwd', 'recv_bwd')[direction]} of microbatch {m} for stage {stage} from rank {peer}"
-    out = {}
-    for j, (name, shape, dtype) in enumerate(specs):
-        buf = torch.empty(shape, dtype=getattr(torch, dtype))
-        waiting(what, dist.recv, buf, peer, tag=tag(m, direction, stage, j))
-        out[name] = buf
+def load_params(ckpt):
+    """This rank's block of every param of the stages it holds, on DEVICE: only those
+    params' bytes are read (a Slice is read by place()); optimizer state starts at zeros
+    unless the checkpoint holds it."""
+    coord, out = coords(RANK)["pp"], {}
+    for t in STAGES[coord]:
+        for name in STAGE_PARAMS[t]:
+            if name in out:
+                continue
+            if name in STATE_SHAPES:  # optimizer state: the checkpoint's, else zeros
+                shape, dtype = STATE_SHAPES[name]
+                if name not in ckpt:
+                    out[name] = torch.zeros(shape, dtype=getattr(torch, dtype), device=DEVICE)
+                    continue
+                shape = list(shape)
+                for dim, axis in SPLITS.get(name, []):
+                    shape[dim] *= MESH[axis]
+            else:
+                shape, dtype = PARAM_SHAPES[name]
+            dtype = getattr(torch, dtype)
+            if name in ALIASES:  # a tied weight: any of its names
+                src = take_tied(ckpt, (name, *ALIASES[name]), tuple(shape), dtype)
+            elif name in STORED_SHAPES:  # a fused weight: stored whole, viewed per part
+                src = take(ckpt, name, tuple(STORED_SHAPES[name]), dtype).reshape(tuple(shape))
+            elif name in CONSTANT_PARAMS:
+                src = take_constant(ckpt, name, tuple(shape), dtype)
+            else:
+                src = take(ckpt, name, tuple(shape), dtype)
+            out[name] = place(block(src, SPLITS.get(name, []), shape))
     return out
 
 
-def reduce_over(t, group, lines, rank, what):
-    """``all_reduce`` of ``t`` (in place) over ``group``, the line of ``lines`` holding ``rank``."""
-    ranks = next(r for r in lines if rank in r)
-    waiting(f"the {what} all_reduce with ranks {ranks}", dist.all_reduce, t, group=group)
-
-
-def setup(rank, timeout):
-    """This rank's pp coordinate, dp coordinate and dp group; each group made by one call per
-    rank (line_group), every collective on it waiting at most ``timeout`` seconds."""
-    c = coords(rank)
-    coord, d = c["pp"], c.get("dp", 0)
-    make_groups(timeout)  # the groups of the axes inside a stage (tp): COMM_AXES
-    dp_group = line_group(DP_GROUPS) if DP_GROUPS else None
-    for i, lines in enumerate(TIED_SETS):  # tied weights: the ranks of the stages holding a copy
-        group = line_group(lines)
-        if group is not None:
-            TIED_GROUP[i] = group
-    if STATS:  # the stages' shares of the sums every update reads (clip_grad_norm)
-        PP_GROUP[0] = line_group(PP_GROUPS)
-    return coord, d, dp_group
-
-
-def add_grads(sums, s, out):
-    """Add stage ``s``'s parameter gradients of one microbatch to the step's sums."""
-    for k in GRADS[s]:
-        sums[k] = out[k] if k not in sums else sums[k] + out[k]
-
-
-def step(rank, coord, d, dp_group, p, data):
-    """One training step of this rank: its action list in order; the updated state (and the
-    loss on the last stage).  An action names its virtual stage (the pp coordinate unless
-    interleaved: STAGES[coord], the model chunks this rank holds)."""
-    rows = MICRO_BATCH * MICROBATCHES
-
-    def micro(m, s):
-        lo = d * rows + m * MICRO_BATCH
-        return {k: data[k][lo:lo + MICRO_BATCH] for k in BATCH_INPUTS[s]}
-
-    stash, got, grads_in, grads_out, wstash, sums, handles, losses = {}, {}, {}, {}, {}, {}, [], []
-    result = {}
-    for kind, m, peer, s in ACTIONS[rank]:
-        if kind == "recv_fwd":
-            got[s, m] = recv(RECV[s], peer, m, 0, s)
-        elif kind == "forward":
-            stash[s, m] = FORWARD[s](p, {**micro(m, s), **got.pop((s, m), {})})
-            if "loss" in stash[s, m]:
-                losses.append(stash[s, m]["loss"])
-        elif kind == "send_fwd":
-            handles += send([stash[s, m][v] for v, _, _ in SEND[s]], peer, m, 0, s + 1)
-        elif kind == "recv_bwd":
-            grads_in[s, m] = recv([("grad." + v, sh, t) for v, sh, t in SEND[s]], peer, m, 1, s)
-        elif kind in ("backward", "backward_input"):
-            saved = {k[len("saved."):]: v for k, v in stash[s, m].items() if k.startswith("saved.")}
-            inp = {**micro(m, s), **saved, **grads_in.pop((s, m), {})}
-            if kind == "backward":
-                del stash[s, m]
-                out = BACKWARD[s](p, inp)
-                add_grads(sums, s, out)
-            else:  # ZB-H1: the input gradient now; W reads the stash and the output gradients
-                out = BACKWARD_INPUT[s](p, inp)
-                wstash[s, m] = {**inp, **{k[len("wstash."):]: v for k, v in out.items()
-                                          if k.startswith("wstash.")}}
-            grads_out[s, m] = [out["grad." + v] for v, _, _ in RECV[s]]
-        elif kind == "backward_weight":
-            del stash[s, m]
-            add_grads(sums, s, BACKWARD_WEIGHT[s](p, wstash.pop((s, m))))
-        elif kind == "send_bwd":
-            handles += send(grads_out.pop((s, m)), peer, m, 1, s - 1)
-        elif kind == "optimizer":
-            for h, to in handles:
-                waiting(f"a send to rank {to} (its wait)", h.wait)
-            mine = sorted(sums)  # this rank's gradients, every chunk's (a param twice here: one sum)
-            for k in mine:  # collectives reduce in place: a strided sum (a transpose's) is copied
-                sums[k] = sums[k].contiguous()
-            for k, i in TIED.get(coord, []):  # a tied weight: its stages' sum, before dp
-                reduce_over(sums[k], TIED_GROUP[i], TIED_SETS[i], rank, "tied-weight")
-            for k in mine:  # the gradient of the global batch: sum, then scale once
-                if dp_group is not None:
-                    reduce_over(sums[k], dp_group, DP_GROUPS, rank, "dp")
-                sums[k] = sums[k] * SCALE
-            agreed = {}  # clip_grad_norm's sum of squares: this rank's stages', then over pp
-            for t in STAGES[coord]:
-                for k, v in (STATS[t](p, sums).items() if t in STATS else ()):
-                    agreed[k] = v if k not in agreed else agreed[k] + v
-            for k in sorted(agreed):
-                reduce_over(agreed[k], PP_GROUP[0], PP_GROUPS, rank, "pp")
-            for t in STAGES[coord]:
-                result.update(OPTIMIZER[t](p, {**sums, **agreed, "step": torch.tensor(STEP[0])}))
-    if losses:
-        loss = torch.stack(losses).sum()
-        if dp_group is not None:
-            reduce_over(loss, dp_group, DP_GROUPS, rank, "dp")
-        result["loss"] = loss * SCALE
-    return result
-
-
-def count_arg(low):
-    """An argparse type: a whole number from ``low`` to 1,000,000 (``--steps``, ``--bench``)."""
-    def parse(text):
-        n = int(text)  # argparse reports a ValueError as an invalid value
-        if not low <= n <= 1_000_000:
-            raise argparse.ArgumentTypeError(f"{text}: give {low} to 1_000_000")
-        return n
-    return parse
-
-
-def check_tensors(found, want, what, path):
-    """Exit 2 (every rank reads the same file, so every rank stops) unless ``found`` holds
-    each name of ``want`` ({name: (full shape, dtype)}) with that shape and dtype; never casts."""
-    if not isinstance(found, dict):
-        fail(f"{what} file {path} holds a {type(found).__name__}, not a dict of named tensors")
-    for name, (shape, dtype) in want.items():
-        t = found.get(name)
+def load_batch(path):
+    """The input file, every batch input checked against its global shape and dtype (never
+    cast), on DEVICE; exit 2 naming what is wrong."""
+    feeds = read_tensors(path, "input")
+    if not isinstance(feeds, dict):
+        fail(f"input file {path} holds a {type(feeds).__name__}, not a dict {{input name: tensor}} "
+             f"for inputs {list(INPUTS)}")
+    note_unused(feeds, INPUTS, "input")
+    out = {}
+    for name, (shape, dtype) in INPUT_SHAPES.items():
+        t = feeds.get(name)
         if not isinstance(t, torch.Tensor):
-            near = difflib.get_close_matches(name, [str(k) for k in found], n=3) or sorted(map(str, found))[:8]
-            fail(f"{what} {name!r} (full shape {shape}) is missing from {path}; it has: {', '.join(near)}")
+            fail(f"input {name!r} (global shape {shape}) is missing from {path}; it has: "
+                 f"{', '.join(sorted(map(str, feeds))[:8]) or 'nothing'}")
         if list(t.shape) != shape:
-            fail(f"{what} {name!r} in {path} has shape {list(t.shape)}, expected the full "
-                 f"(unsharded) shape {shape}")
+            fail(f"input {name!r} in {path} has shape {list(t.shape)}, expected the global batch's "
+                 f"shape {shape} (microbatches x dp x the micro batch along dim 0)")
         if t.dtype != getattr(torch, dtype):
-            fail(f"{what} {name!r} in {path} is {str(t.dtype).replace('torch.', '')}, compiled for "
+            fail(f"input {name!r} in {path} is {str(t.dtype).replace('torch.', '')}, compiled for "
                  f"{dtype}; convert the file (program.py never casts)")
+        out[name] = t.to(DEVICE)
+    return out
 
 
-def check_output(args):
-    """Exit 2 unless ``--output``'s directory exists and no file it writes is one it reads."""
+def check_stage_outputs(args):
+    """Exit 2 unless ``--output``'s directory exists and no file it writes (``OUT.stageK``,
+    one per stage) is one this run reads."""
+    if not args.output:
+        return
     if not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
         fail(f"--output {args.output}: its directory does not exist")
     reads = {os.path.realpath(f): flag for f, flag in ((args.checkpoint, "--checkpoint"),
-             (args.input, "--input"), (__file__, "program.py"))}
+             (args.input, "--input"), (__file__, "program.py")) if f}
     for t in range(len(FORWARD)):
         target = os.path.realpath(f"{args.output}.stage{t}")
         if target in reads:
@@ -181,31 +166,165 @@ def check_output(args):
                  f"{reads[target]}; give another name")
 
 
-def load_checked(args):
-    """(full checkpoint dict, input dict), every name, shape and dtype checked, or exit 2."""
-    check_output(args)
-    sd = read_tensors(args.checkpoint, "checkpoint")
-    constants = os.path.join(os.path.dirname(os.path.abspath(__file__)), "constants.safetensors")
-    if os.path.isfile(constants):  # what parcomp computed at import, if the checkpoint lacks it
-        from safetensors.torch import load_file
+def setup(timeout):
+    """This rank's pp coordinate, dp coordinate, dp group and pp group; each group made by one
+    call per rank (line_group) with ``timeout``; the pp group's communicator started by one
+    all_reduce of its ranks (a first point-to-point batch may involve only some of them)."""
+    c = coords(RANK)
+    make_groups(timeout)  # the groups of the axes inside a stage (tp): COMM_AXES
+    dp_group = line_group(DP_GROUPS) if DP_GROUPS else None
+    for i, lines in enumerate(TIED_SETS):  # tied weights: the ranks of the stages holding a copy
+        group = line_group(lines)
+        if group is not None:
+            TIED_GROUP[i] = group
+    pp_group = line_group(PP_GROUPS)
+    dist.all_reduce(torch.zeros(1, device=DEVICE), group=pp_group)
+    return c["pp"], c.get("dp", 0), dp_group, pp_group
 
-        sd = {**load_file(constants), **sd}
-    check_tensors(sd, PARAM_SHAPES, "param", args.checkpoint)
-    data = read_tensors(args.input, "input")
-    check_tensors(data, INPUT_SHAPES, "input", args.input)
-    return sd, data
+
+def describe(op):
+    """``recv_fwd of microbatch 0 for stage 1 from rank 0``: one send or receive of a slot."""
+    kind, m, peer, s = op
+    return f"{kind} of microbatch {m} for stage {s} {'to' if kind.startswith('send') else 'from'} rank {peer}"
 
 
-def parse_args():
-    """Command line (``--help``)."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\\n")[0])
-    ap.add_argument("--checkpoint", required=True)
-    ap.add_argument("--input", required=True)
-    ap.add_argument("--output", required=True)
-    ap.add_argument("--steps", type=count_arg(1), default=1, metavar="K",
+def tag(m, direction, stage, j):
+    """The p2p tag of value j of microbatch m to virtual stage ``stage``, direction 0
+    forward, 1 backward (gloo matches by tag; NCCL and HCCL by order, which the slots keep)."""
+    return ((m * 2 + direction) * len(FORWARD) + stage) * 1000 + j
+
+
+def exchange(ops, k, pp_group, stash, grads_out, got, grads_in):
+    """One slot: its sends (activations of ``stash``, gradients of ``grads_out``, dropped from
+    them) and receives (into ``got`` / ``grads_in``) posted in one batch_isend_irecv, in the
+    order every rank's slots were checked in, then every one of them waited for."""
+    FAULT["where"] = f"step {k}: " + ", ".join(map(describe, ops))
+    batch, arrived = [], []
+    for kind, m, peer, s in ops:
+        if kind == "send_fwd":
+            out = [stash[s, m].pop(v).contiguous() for v, _, _ in SEND[s]]
+            batch += [dist.P2POp(dist.isend, t, peer, group=pp_group, tag=tag(m, 0, s + 1, j))
+                      for j, t in enumerate(out)]
+        elif kind == "send_bwd":
+            out = [t.contiguous() for t in grads_out.pop((s, m))]
+            batch += [dist.P2POp(dist.isend, t, peer, group=pp_group, tag=tag(m, 1, s - 1, j))
+                      for j, t in enumerate(out)]
+        else:
+            fwd = kind == "recv_fwd"
+            specs = RECV[s] if fwd else [("grad." + v, sh, dt) for v, sh, dt in SEND[s]]
+            bufs = {name: torch.empty(shape, dtype=getattr(torch, dtype), device=DEVICE)
+                    for name, shape, dtype in specs}
+            batch += [dist.P2POp(dist.irecv, b, peer, group=pp_group, tag=tag(m, 0 if fwd else 1, s, j))
+                      for j, b in enumerate(bufs.values())]
+            arrived.append((got if fwd else grads_in, (s, m), bufs))
+    for work in dist.batch_isend_irecv(batch):
+        work.wait()
+    for where, key, bufs in arrived:
+        where[key] = bufs
+
+
+def add_grads(sums, s, out):
+    """Add stage ``s``'s parameter gradients of one microbatch to the step's sums."""
+    for k in GRADS[s]:  # in place: the sum is this step's own tensor (the first microbatch's)
+        if k in sums:
+            sums[k].add_(out.pop(k))
+        else:
+            sums[k] = out.pop(k)
+
+
+def reduce_over(t, group, k, what, lines):
+    """``all_reduce`` of ``t`` (in place) over ``group``, the line of ``lines`` holding this rank."""
+    ranks = next(r for r in lines if RANK in r)
+    FAULT["where"] = f"step {k}: the {what} all_reduce with ranks {ranks}"
+    dist.all_reduce(t, group=group)
+
+
+def step(k, state, p, data):
+    """Training step ``k`` of this rank: its ACTIONS in order; the updated state (and the loss
+    on the last stage).  An action names its virtual stage (the pp coordinate unless
+    interleaved: STAGES[coord], the model chunks this rank holds).  ``state``: what setup()
+    returned."""
+    coord, d, dp_group, pp_group = state
+    rows = MICRO_BATCH * MICROBATCHES
+
+    def micro(m, s):
+        lo = d * rows + m * MICRO_BATCH
+        return {name: data[name][lo:lo + MICRO_BATCH] for name in BATCH_INPUTS[s]}
+
+    stash, got, grads_in, grads_out, wstash, sums, losses, result = {}, {}, {}, {}, {}, {}, [], {}
+    for kind, m, peer, s in ACTIONS[RANK]:
+        FAULT["where"] = f"step {k}"
+        if kind == "p2p":  # m: the slot's sends and receives
+            exchange(m, k, pp_group, stash, grads_out, got, grads_in)
+        elif kind == "forward":
+            stash[s, m] = FORWARD[s](p, {**micro(m, s), **got.pop((s, m), {})})
+            if "loss" in stash[s, m]:
+                losses.append(stash[s, m].pop("loss"))
+        elif kind in ("backward", "backward_input"):
+            saved = {n[len("saved."):]: v for n, v in stash[s, m].items() if n.startswith("saved.")}
+            inp = {**micro(m, s), **saved, **grads_in.pop((s, m), {})}
+            del saved
+            if kind == "backward":
+                del stash[s, m]
+                out = BACKWARD[s](p, inp)
+                add_grads(sums, s, out)
+            else:  # ZB-H1: the input gradient now; W reads the stash and the output gradients
+                out = BACKWARD_INPUT[s](p, dict(inp))  # W reads inp too
+                wstash[s, m] = {**inp, **{n[len("wstash."):]: v for n, v in out.items()
+                                          if n.startswith("wstash.")}}
+            if RECV[s]:
+                grads_out[s, m] = [out["grad." + v] for v, _, _ in RECV[s]]
+            del inp, out
+        elif kind == "backward_weight":
+            del stash[s, m]
+            add_grads(sums, s, BACKWARD_WEIGHT[s](p, wstash.pop((s, m))))
+        elif kind == "optimizer":
+            mine = sorted(sums)  # this rank's gradients, every chunk's (a param twice here: one sum)
+            for n in mine:  # collectives reduce in place: a strided sum (a transpose's) is copied
+                sums[n] = sums[n].contiguous()
+            for n, i in TIED.get(coord, []):  # a tied weight: its stages' sum, before dp
+                reduce_over(sums[n], TIED_GROUP[i], k, "tied-weight", TIED_SETS[i])
+            for n in mine:  # the gradient of the global batch: sum, then scale once
+                if dp_group is not None:
+                    reduce_over(sums[n], dp_group, k, "dp", DP_GROUPS)
+                sums[n].mul_(SCALE)
+            number, held = torch.tensor(STEP[0], device=DEVICE), STAGES[coord]
+            agreed = {}  # clip_grad_norm's sum of squares, fp16's overflow count: every stage's
+            for t in held:  # share (this rank's chunks', then summed over pp), read by every update
+                for n, v in (STATS[t](p, sums).items() if t in STATS else ()):
+                    agreed[n] = v if n not in agreed else agreed[n] + v
+            for n in sorted(agreed):
+                reduce_over(agreed[n], pp_group, k, "pp", PP_GROUPS)
+            for i, t in enumerate(held):  # each update takes its gradients out of sums (and frees
+                later = {n for u in held[i + 1:] for n in GRADS[u]}  # them) but a later chunk's
+                grads = {n: sums[n] if n in later else sums.pop(n) for n in GRADS[t] if n in sums}
+                result.update(OPTIMIZER[t](p, {**grads, **agreed, "step": number}))
+                del grads
+            sums.clear()
+    if losses:
+        loss = torch.stack(losses).sum()
+        if dp_group is not None:
+            reduce_over(loss, dp_group, k, "dp", DP_GROUPS)
+        result["loss"] = loss * SCALE
+    return result
+
+
+def parse_args(argv):
+    """Command line (see the module docstring)."""
+    ap = argparse.ArgumentParser(description=f"parcomp pipelined program for mesh {MESH_TEXT}; run: {RUN_HINT}")
+    ap.add_argument("--checkpoint", required=True,
+                    help=".safetensors, .pt state_dict, or a sharded checkpoint (directory or index.json)")
+    ap.add_argument("--key-map", type=key_map_arg, default=(), metavar="RULES", help=KEY_MAP_HELP)
+    ap.add_argument("--load-report", metavar="FILE", help=LOAD_REPORT_HELP)
+    ap.add_argument("--input", required=True, help=".pt or .safetensors dict {input name: the global batch}")
+    ap.add_argument("--output", help="each stage's outputs of the last step (and its losses) go to "
+                                     "OUTPUT.stageK, written by the stage's first rank")
+    ap.add_argument("--steps", type=step_count, default=TRAIN_STEPS, metavar="K",
                     help="training steps, each from the last one's state")
-    ap.add_argument("--bench", type=count_arg(0), default=0, metavar="N",
-                    help="then time N more steps (ms per step)")
+    ap.add_argument("--device", choices=sorted({"cpu", PROFILE}), default=PROFILE)
+    ap.add_argument("--bench", type=bench_count, default=0, metavar="N",
+                    help="then N warm-up + N timed steps from the trained state (not applied); "
+                         "rank 0 prints {\"step_ms\": [...]}")
     ap.add_argument("--save", metavar="DIR",
                     help="after the last step, save every stage's params and optimizer state and the "
                          "step number as a torch.distributed.checkpoint in DIR/step-K (atomic: "
@@ -213,63 +332,59 @@ def parse_args():
     ap.add_argument("--resume", metavar="DIR",
                     help="start from the checkpoint DIR/latest names: its params, optimizer state "
                          "and step; --steps more steps follow")
-    ap.add_argument("--timeout", type=timeout_arg, default=TIMEOUT_S, metavar="S",
-                    help=f"seconds a send, recv or collective may wait for the other ranks "
-                         f"(default {TIMEOUT_S:g}): a rank that exited or hung stops every rank")
-    return ap.parse_args()
+    add_cluster_args(ap)
+    return ap.parse_args(argv)
 
 
-def train(args, rank, coord, d, dp_group, p, data, first):
-    """``--steps`` free-running steps numbered from ``first`` (updated params and state carry
-    over in ``p``); the last step's result, with "losses".  A wait that fails (a peer that
-    exited, or none answered within ``--timeout``) exits 2 naming the peer."""
-    losses = []
+def load(args):
+    """This rank's params and the input batch (``--output`` checked first); under agree()."""
+    check_stage_outputs(args)
+    return load_checkpoint(args.checkpoint, args.key_map, args.load_report), load_batch(args.input)
+
+
+def train(args, state, p, data, first):
+    """``--steps`` steps numbered from ``first`` (updated params and state carry over in
+    ``p``); the last step's result, with "losses"; rank 0 prints each step's loss."""
+    losses, run_step, result = [], compiled_step(step, args), {}
     for k in range(first, first + args.steps):
         STEP[0] = float(k)
-        try:
-            result = step(rank, coord, d, dp_group, p, data)
-        except RuntimeError as e:  # gloo: connection closed, or timed out
-            if not WAITING:
-                raise
-            fail(peer_failure(k, e, args.timeout))
-        losses += [result["loss"]] if "loss" in result else []
+        result.clear()  # the last step's outputs (its gradients) are not kept through this one
+        result = run_step(k, state, p, data)
+        if "loss" in result:
+            losses.append(result["loss"])
         p.update({q: result[q] for q in p if q in result})
     if losses:
         result["losses"] = torch.stack(losses)
     return result
 
 
-def main():
-    args = parse_args()
-    if "WORLD_SIZE" not in os.environ or WORLD_SIZE != WORLD:
-        fail(f"program compiled for mesh {MESH_TEXT} ({WORLD} ranks) but started with "
-             f"WORLD_SIZE={os.environ.get('WORLD_SIZE', 'unset')}; run: torchrun "
-             f"--nproc-per-node {WORLD} program.py --checkpoint ... --input ... --output ...")
-    sd, data = load_checked(args)  # before any process group: a bad file stops every rank now
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
-    rank = dist.get_rank()
-    coord, d, dp_group = setup(rank, args.timeout)
-    p = {k: local_shard(sd[k], SPLITS.get(k, [])) if k in sd else
-         torch.zeros(STATE_SHAPES[k][0], dtype=getattr(torch, STATE_SHAPES[k][1]))
-         for t in STAGES[coord] for k in PARAMS[t]}
-    first = resume_stages(args.resume, p, coord) if args.resume else 1
+def run(args):
+    """Everything between init_process_group and destroy_process_group."""
+    FAULT["where"] = "loading"
+    state = setup(args.timeout)
+    coord = state[0]
+    p, data = agree(lambda: load(args), "loading")
+    first = 1
+    if args.resume:
+        first = agree(lambda: resume_stages(args.resume, p, coord), "reading --resume")
     if args.save:  # before the first step: a save that cannot succeed is found now
-        check_save(args.save, first + args.steps - 1)
-    result = train(args, rank, coord, d, dp_group, p, data, first)
+        agree(lambda: check_save(args.save, first + args.steps - 1), "checking --save")
+    with torch.no_grad():  # the backward pass is explicit in the stage functions
+        result = train(args, state, p, data, first)
     if args.save:
+        FAULT["where"] = "saving the checkpoint"
         save_stages(args.save, p, coord, first + args.steps - 1)
-    result = {k: whole_value(v, SPLITS.get(k, [])) for k, v in result.items()}
-    if all(c == 0 for a, c in coords(rank).items() if a != "pp"):  # one rank per stage writes
-        for t in STAGES[coord]:  # each (virtual) stage's file: this rank's outputs
-            torch.save({k: v.detach().clone() for k, v in result.items()}, f"{args.output}.stage{t}")
+    FAULT["where"] = "writing the outputs"
+    result = {n: whole_value(v, SPLITS.get(n, [])) for n, v in result.items()}
+    first_of_stage = all(c == 0 for a, c in coords(RANK).items() if a != "pp")
+    if "losses" in result and first_of_stage:  # the last stage's first rank
+        for i, loss in enumerate(result["losses"].tolist(), start=first):
+            print(f"step {i} loss {loss:.6g}", flush=True)
+    if args.output and first_of_stage:
+        for t in STAGES[coord]:  # one rank per stage writes each (virtual) stage's file
+            torch.save({n: v.detach().cpu().clone() for n, v in result.items()}, f"{args.output}.stage{t}")
     if args.bench:  # every step from the same state: the time of one step, not a trajectory
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(args.bench):
-            step(rank, coord, d, dp_group, p, data)
-        dist.barrier()
-        if rank == 0:
-            print(f"bench: {(time.perf_counter() - t0) * 1e3 / args.bench:.3f} ms per step")
+        with torch.no_grad():
+            bench(lambda params, inputs: step(first, state, params, inputs), p, data, args.bench)
     dist.barrier()
-    dist.destroy_process_group()
-'''
+# <<< program.py

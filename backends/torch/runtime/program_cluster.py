@@ -46,6 +46,9 @@ def add_cluster_args(ap):
                          f"(default {PLACEMENT})")
     ap.add_argument("--compile", action="store_true",
                     help="run the step under torch.compile (capture, fuse and reorder it)")
+    ap.add_argument("--tf32", action="store_true",
+                    help="CUDA: float32 matmuls and convolutions in TF32 (10-bit mantissa, faster on "
+                         "Ampere and newer); off by default, the float32 rounding parcomp run checks")
     ap.add_argument("--print-launch", nargs="?", const="", metavar="NODESxDEVICES",
                     help="print the environment and the torchrun line of every node (with the options "
                          "given with it, else the run hint's), then exit "
@@ -190,6 +193,16 @@ MAX_TIMEOUT_S = 10_000_000  # ~116 days; datetime.timedelta and c10d's milliseco
 def compiled_step(step, args):
     """``step`` under torch.compile with ``--compile`` (fullgraph on a functional program), else ``step``."""
     return torch.compile(step, fullgraph="funcol" in globals()) if args.compile else step
+
+
+def set_tf32(on):
+    """``--tf32``: TF32 float32 matmuls and convolutions (CUDA), which the cuda profile turns off
+    by default; rank 0 says so, since float32 results then differ from the checked rounding."""
+    torch.backends.cuda.matmul.allow_tf32 = on
+    torch.backends.cudnn.allow_tf32 = on
+    if on and RANK == 0:
+        print("note: --tf32: float32 matmuls and convolutions run in TF32 (10-bit mantissa); their "
+              "results differ from float32 by up to ~1e-3 of their scale", flush=True)
 
 
 def launch_request(argv):

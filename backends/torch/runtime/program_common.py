@@ -192,20 +192,27 @@ def wait(handle):
 
 
 def all_gather(x, dim, axis):
-    """S(dim) -> R: concatenate the group's shards along ``dim``, in coordinate order."""
-    x0 = x.movedim(dim, 0).contiguous()
-    out = x0.new_empty((group_size(axis) * x0.shape[0],) + tuple(x0.shape[1:]))
-    collective("all_gather_single", "all_gather_into_tensor")(out, x0, group=GROUPS[axis])
-    return out.movedim(0, dim).contiguous()
+    """S(dim) -> R: concatenate the group's shards along ``dim``, in coordinate order. The
+    shards arrive stacked ``[n, *shard]``; along a dim other than 0 one copy interleaves them
+    (the shard is sent as it is, not moved to dim 0 first)."""
+    n = group_size(axis)
+    x = x.contiguous()
+    out = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]))  # the shards one after another
+    collective("all_gather_single", "all_gather_into_tensor")(out, x, group=GROUPS[axis])
+    if dim == 0:
+        return out
+    return out.view((n,) + tuple(x.shape)).movedim(0, dim).flatten(dim, dim + 1)
 
 
 def reduce_scatter(x, dim, axis):
-    """P -> S(dim): sum over the group, keep this rank's chunk of ``dim``."""
-    x0 = x.movedim(dim, 0).contiguous()
-    out = x0.new_empty((x0.shape[0] // group_size(axis),) + tuple(x0.shape[1:]))
-    collective("reduce_scatter_single", "reduce_scatter_tensor")(out, x0, op=dist.ReduceOp.SUM,
-                                                                 group=GROUPS[axis])
-    return out.movedim(0, dim).contiguous()
+    """P -> S(dim): sum over the group, keep this rank's chunk of ``dim``. Along a dim other
+    than 0 one copy puts chunk j first for coordinate j (``[n, *chunk]``); the result needs none."""
+    n = group_size(axis)
+    x0 = x.contiguous() if dim == 0 else x.unflatten(dim, (n, x.shape[dim] // n)).movedim(dim, 0).contiguous()
+    out = x.new_empty(tuple(x.shape[:dim]) + (x.shape[dim] // n,) + tuple(x.shape[dim + 1:]))
+    x0 = x0.view((n * out.shape[0],) + tuple(out.shape[1:]))  # the chunks one after another
+    collective("reduce_scatter_single", "reduce_scatter_tensor")(out, x0, op=dist.ReduceOp.SUM, group=GROUPS[axis])
+    return out
 
 
 def all_to_all(x, src_dim, dim, axis):
@@ -376,10 +383,16 @@ def whole(t):
 
 def place(t):
     """A compact copy of ``t`` on DEVICE (so the full tensor it was cut from can be freed);
-    a checkpoint Slice is read here."""
+    a checkpoint Slice is read here. While CHECK_ONLY["on"] (inputs checked before the run,
+    placed at their step): ``t`` itself, nothing copied."""
     if isinstance(t, Slice):
         return t.read().to(DEVICE)
+    if CHECK_ONLY["on"]:
+        return t
     return torch.empty(t.shape, dtype=t.dtype, device=DEVICE).copy_(t)
+
+
+CHECK_ONLY = {"on": False}
 
 
 def note_unused(tensors, used, what):
@@ -518,6 +531,7 @@ def main(argv=None):
     else:
         import_prelude()
         backend, DEVICE = DIST_BACKEND, profile_device()
+        set_tf32(args.tf32)  # the cuda profile's default is off; --tf32 turns it on
     init_dist(backend, args)  # then every failure is agreed on: no rank waits for one that left
     watch_faults(args.timeout)  # and a rank that hung or died is named by the others
     try:

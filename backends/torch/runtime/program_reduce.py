@@ -87,4 +87,12 @@ def mask_pad(x, size, start, fill):
     ("lowest": the dtype's most negative finite number, or "0")."""
     idx = torch.arange(x.shape[-1], device=x.device) + start
     return x.masked_fill(idx >= size, torch.finfo(x.dtype).min if fill == "lowest" else 0.0)
+
+
+def put_along(g, idx, dim, size):
+    """g added into zeros whose ``dim`` has ``size`` entries, at ``idx`` along it (the
+    transpose of torch.gather: torch.scatter_add)."""
+    shape = list(g.shape)
+    shape[dim] = size
+    return g.new_zeros(shape).scatter_add(dim, idx, g)
 # <<< program.py

@@ -108,6 +108,39 @@ def ring_sdpa_grad(dy, q, k, v, scale, causal, axis, chunking, wrt, window=0):
         else:  # and a last shift returns it to the block's owner
             part = ring_shift([part], axis)[0]
     return dq if wrt == "q" else part
+
+
+def ring_sdpa_grads(dy, q, k, v, scale, causal, axis, chunking, parts, window=0):
+    """The gradients ``parts`` (a string of ``q``, ``k``, ``v``, in that order) of ring
+    attention in one backward ring: the statistics recomputed by one forward ring pass, then
+    one pass in which each step uses its K/V block and the block's partial dK and dV travel
+    with it (one shift of [K, V, dK, dV] per step), and a last shift returns dK and dV to the
+    block's owner. At cp=2: 3 shifts for all three gradients (:func:`ring_sdpa_grad`: 8)."""
+    out, lse = ring_stats(q, k, v, scale, causal, axis, chunking, window)
+    c, line = ring_line(axis)
+    n, rows = len(line), q.shape[2]
+    qpos, d = ring_positions(chunking, n, c, rows), torch.sum(dy * out, dim=-1, keepdim=True)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    travel = "k" in parts or "v" in parts  # partial dK / dV go round with their block
+    for step in range(n):
+        owner = (c - step) % n
+        s, empty = ring_scores(q, k, scale, causal, qpos, ring_positions(chunking, n, owner, rows), window)
+        if not empty:
+            p = torch.exp(s - lse)  # this step's block of the global probabilities
+            ds = p * (torch.matmul(dy, v.transpose(-1, -2)) - d)
+            if "q" in parts:
+                dq = dq + torch.matmul(ds, k) * scale
+            if "k" in parts:
+                dk = dk + torch.matmul(ds.transpose(-1, -2), q) * scale
+            if "v" in parts:
+                dv = dv + torch.matmul(p.transpose(-1, -2), dy)
+        if step < n - 1:
+            k, v, dk, dv = ring_shift([k, v, dk, dv], axis) if travel else (*ring_shift([k, v], axis), dk, dv)
+        elif travel:  # a last shift returns them to the block's owner
+            dk, dv = ring_shift([dk, dv], axis)
+    got = {"q": dq, "k": dk, "v": dv}
+    grads = tuple(got[c] for c in parts)
+    return grads if len(parts) > 1 else grads[0]
 # <<< program.py
 
 

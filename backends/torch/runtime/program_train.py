@@ -40,15 +40,17 @@ def write_outputs(outputs, losses, path):
 # <<< program.py
 
 
-# >>> program.py: parse_args
+# >>> program.py: step_count
 def step_count(text):
     """The value of --steps: a whole number of steps from 1 to MAX_STEPS."""
     steps = int(text)  # argparse reports a ValueError as an invalid value
     if not 1 <= steps <= MAX_STEPS:
         raise argparse.ArgumentTypeError(f"{text}: give 1 to {MAX_STEPS:_} training steps")
     return steps
+# <<< program.py
 
 
+# >>> program.py: parse_args
 def parse_args(argv):
     """Command line (see the module docstring)."""
     ap = argparse.ArgumentParser(description=f"parcomp program for mesh {MESH_TEXT}; run: {RUN_HINT}")
@@ -69,6 +71,9 @@ def parse_args(argv):
     ap.add_argument("--save", metavar="DIR",
                     help="after the last step, save params, optimizer state and the step number as a "
                          "sharded torch.distributed.checkpoint in DIR/step-K (atomic: DIR/latest names it)")
+    ap.add_argument("--save-every", type=step_count, metavar="N",
+                    help="with --save: also save after every step whose number is a multiple of N (resumed "
+                         "runs count on from the saved step), so a run that dies resumes from the last one")
     ap.add_argument("--resume", metavar="DIR",
                     help="start from the checkpoint DIR/latest names (saved by any mesh's program of this "
                          "model): its params, optimizer state and step; --steps more steps follow")
@@ -76,7 +81,10 @@ def parse_args(argv):
                     help="a .pt list of K full checkpoints (optimizer state included): step k starts "
                          "from the k-th instead of step k-1's result (parcomp run's step-by-step check)")
     add_cluster_args(ap)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.save_every and not args.save:
+        ap.error("--save-every N needs --save DIR (where the checkpoints go)")
+    return args
 # <<< program.py
 
 
@@ -112,13 +120,19 @@ def save_checkpoint(path, params, step):
     """Save the CARRIED values and ``step`` to ``path``/step-<step> with torch.distributed.checkpoint.
     Atomic: every rank writes into step-<step>.partial; after all have finished, rank 0 renames
     it and then replaces ``path``/latest (a one-line file naming it), so an interrupted save
-    leaves the previous checkpoint the one ``--resume`` loads."""
+    leaves the previous checkpoint the one ``--resume`` loads (a step-<step>.partial such a save
+    left is removed first: a resumed run saves that step again)."""
     import torch.distributed.checkpoint as dcp
 
     final = os.path.join(path, f"step-{step}")
     if os.path.exists(final):
         fail(f"--save {path}: {final} exists; parcomp's program never replaces a checkpoint")
     state = {**as_dtensors({name: params[name] for name in CARRIED}), "step": torch.tensor(step)}
+    import shutil
+
+    if RANK == 0 and os.path.isdir(final + ".partial"):  # left by a run that died while saving this step
+        shutil.rmtree(final + ".partial")
+    dist.barrier()
     dcp.save(state, checkpoint_id=final + ".partial")
     dist.barrier()
     if RANK == 0:
@@ -232,15 +246,24 @@ def saved_latest(path):
             and os.path.isdir(os.path.join(path, name)))
 
 
-def check_save(path, step):
+def saved_steps(first, last, every=None):
+    """The steps a run of steps ``first``..``last`` saves: every ``every``-th (with
+    --save-every) and the last."""
+    return sorted({k for k in range(first, last + 1) if every and k % every == 0} | {last})
+
+
+def check_save(path, steps):
     """``--save DIR`` before the first step (a failing save would lose the whole run): exit 2
-    when DIR is not a directory, ``DIR/step-<step>`` exists, or DIR (or the nearest folder
-    above it that exists, where DIR is still to be made) is not writable."""
-    final = os.path.join(path, f"step-{step}")
+    when DIR is not a directory, ``DIR/step-K`` exists for a step K of ``steps`` (an int or the
+    list the run saves), or DIR (or the nearest folder above it that exists, where DIR is still
+    to be made) is not writable."""
     if os.path.exists(path) and not os.path.isdir(path):
         fail(f"--save {path}: it exists and is not a directory")
-    if os.path.exists(final) or os.path.exists(final + ".partial"):
-        fail(f"--save {path}: {final} exists; parcomp's program never replaces a checkpoint")
+    there = set(os.listdir(path)) if os.path.isdir(path) else set()  # one listing, however many saves
+    for step in ([steps] if isinstance(steps, int) else steps):
+        if f"step-{step}" in there:  # a .partial of it is a save that never finished: replaced
+            final = os.path.join(path, f"step-{step}")
+            fail(f"--save {path}: {final} exists; parcomp's program never replaces a checkpoint")
     latest = os.path.join(path, "latest")
     if os.path.lexists(latest) and not saved_latest(path):
         fail(f"--save {path}: {latest} exists but does not name a step-K checkpoint there, so "
@@ -294,9 +317,26 @@ def resume_checkpoint(path, params):
 
 
 # >>> program.py: loop
+class StepBatches:
+    """Every step's inputs, each put on the device when its step reads it (``batches[k]``), so
+    one step's batch is on the device at a time; the host keeps the file's tensors."""
+
+    def __init__(self, feeds):
+        self.feeds = feeds
+
+    def __len__(self):
+        return len(self.feeds)
+
+    def __getitem__(self, k):
+        if not -len(self.feeds) <= k < len(self.feeds):
+            raise IndexError(k)
+        return load_inputs(self.feeds[k])
+
+
 def read_batches(path, steps):
     """This rank's slices of every step's inputs: one dict {input name: tensor} serves
-    every step; a list holds one such dict per step."""
+    every step (placed once); a list holds one such dict per step, every one checked now
+    (names, shapes, dtypes: under agree()) and placed on the device at its step."""
     feeds = read_tensors(path, "input")
     if isinstance(feeds, torch.Tensor) and len(INPUTS) == 1:
         feeds = {INPUTS[0]: feeds}
@@ -309,7 +349,13 @@ def read_batches(path, steps):
     if len(feeds) != steps:
         fail(f"input file {path} holds the inputs of {len(feeds)} steps but --steps is {steps}")
     note_unused(feeds[0] if feeds else {}, INPUTS, "input")
-    return [load_inputs(f) for f in feeds]
+    CHECK_ONLY["on"] = True
+    try:
+        for f in feeds:
+            load_inputs(f)  # checked, not placed
+    finally:
+        CHECK_ONLY["on"] = False
+    return StepBatches(feeds)
 
 
 def with_step(inputs, k, numbers=None):
@@ -332,9 +378,10 @@ def read_replay(path, steps):
     return [load_params(s) for s in states]
 
 
-def train(params, batches, starts=None, step=None, log_every=1, first=1):
+def train(params, batches, starts=None, step=None, log_every=1, first=1, after_step=None):
     """One ``step`` (default train_step) per batch, numbered from ``first``; the CARRIED outputs
-    are the next step's params and state (with ``starts``, step k starts from ``starts[k-first]``).
+    are the next step's params and state (with ``starts``, step k starts from ``starts[k-first]``);
+    ``after_step(k, params)``, when given, runs after step k with its result (--save-every).
 
     Losses stay on the device: rank 0 prints every ``log_every``-th step's loss and the last
     (the only reads to the host). Returns the last step's outputs and every loss (floats).
@@ -342,15 +389,20 @@ def train(params, batches, starts=None, step=None, log_every=1, first=1):
     step, outputs, losses = step or train_step, {}, []
     numbers = torch.arange(1, first + len(batches), dtype=torch.float32, device=DEVICE)
     last = first + len(batches) - 1
-    for k, inputs in enumerate(batches, start=first):
+    for k in range(first, last + 1):
         FAULT["where"] = f"step {k}"  # what a failure's message says this rank was doing
         if starts is not None:
             params = {**params, **starts[k - first]}
+        outputs = None  # the last step's gradients and other outputs die before this step runs
+        inputs = batches[k - first]  # on the device now (StepBatches), the last step's freed
         outputs = step(params, with_step(inputs, k, numbers))
+        del inputs
         params = {**params, **{name: outputs[name] for name in CARRIED}}
         losses.append(outputs["loss"])
         if RANK == 0 and (k % log_every == 0 or k == last):
             print(f"step {k} loss {outputs['loss'].item():.6g}", flush=True)
+        if after_step is not None:
+            after_step(k, params)
     return outputs, torch.stack(losses).tolist() if losses else []
 
 
@@ -373,18 +425,26 @@ def run(args):
     first = 1
     if args.resume:  # sharded checkpoint of any mesh's program
         params, first = resume_checkpoint(args.resume, params)
+    last = first + args.steps - 1
+    saves = saved_steps(first, last, args.save_every) if args.save else []
     if args.save:  # before training: a save that cannot succeed is found now, not after the last step
-        agree(lambda: check_save(args.save, first + args.steps - 1), "checking --save")
+        agree(lambda: check_save(args.save, saves), "checking --save")
+
+    def save_during(k, now):  # --save-every: atomic, so a run killed later resumes from step k
+        if k in saves and k != last:
+            FAULT["where"] = f"saving the checkpoint of step {k}"
+            save_checkpoint(args.save, now, k)
+
     with torch.no_grad():  # the backward pass is explicit in train_step: no autograd state
         outputs, losses = train(params, batches, starts, compiled_step(train_step, args), args.log_every,
-                                first)
+                                first, save_during if args.save_every else None)
         if args.bench > 0:
             # on copies: train_step updates params and state in place
             copies = {k: v.clone() for k, v in params.items()}
             bench(train_step, copies, with_step(batches[0], 1), args.bench)
     if args.save:
         FAULT["where"] = "saving the checkpoint"
-        save_checkpoint(args.save, {**params, **outputs}, first + args.steps - 1)
+        save_checkpoint(args.save, {**params, **outputs}, last)
     if args.output:
         FAULT["where"] = "writing the outputs"
         agree(lambda: write_outputs(outputs, losses, args.output), "writing the outputs")

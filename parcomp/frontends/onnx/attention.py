@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .patterns import ONode, _factors
+from .patterns import ONode, factors
 
 #: the internal op type of a recognised attention (not an ONNX op; never in a file)
 OP = "parcomp.Attention"
@@ -71,16 +71,16 @@ def _scores(x: str, prod: dict, scalar):
     n, mask = prod.get(x), ""
     if n is not None and n.op == "Add" and len(n.inputs) == 2:
         for a, m in (n.inputs, n.inputs[::-1]):
-            c, fs = _factors(a, prod, scalar)
+            c, fs = factors(a, prod, scalar)
             if len(fs) == 1 and prod.get(fs[0]) is not None and prod[fs[0]].op == "MatMul":
                 x, mask = a, m
                 break
-    c, fs = _factors(x, prod, scalar)
+    c, fs = factors(x, prod, scalar)
     mm = prod.get(fs[0]) if len(fs) == 1 else None
     if mm is None or mm.op != "MatMul":
         return None
     (cq, fq), (ck, fk) = ((c, f) if len(f) == 1 else (1.0, [i])  # a product of values: itself
-                          for i, (c, f) in zip(mm.inputs, (_factors(i, prod, scalar) for i in mm.inputs)))
+                          for i, (c, f) in zip(mm.inputs, (factors(i, prod, scalar) for i in mm.inputs)))
     return c * cq * ck, fq[0], fk[0], mask
 
 

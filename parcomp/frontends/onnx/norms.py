@@ -12,13 +12,13 @@ op's rather than five ops'); ``w`` joins when it is a 1-D value of
 """
 from __future__ import annotations
 
-from .patterns import ONode, _near
+from .patterns import ONode, near_const
 
 
 def _squared(name, prod, scalar):
     """``x`` when ``name`` is ``Pow(x, 2)`` or ``Mul(x, x)``, else None."""
     n = prod.get(name)
-    if n is not None and n.op == "Pow" and _near(scalar(n.inputs[1]), 2.0):
+    if n is not None and n.op == "Pow" and near_const(scalar(n.inputs[1]), 2.0):
         return n.inputs[0]
     if n is not None and n.op == "Mul" and n.inputs[0] == n.inputs[1]:
         return n.inputs[0]
@@ -49,7 +49,7 @@ def _inv_sqrt(name, prod, scalar):
     if n is not None and n.op == "Reciprocal":
         s = prod.get(n.inputs[0])
         return s.inputs[0] if s is not None and s.op == "Sqrt" else None
-    if n is not None and n.op == "Pow" and _near(scalar(n.inputs[1]), -0.5):
+    if n is not None and n.op == "Pow" and near_const(scalar(n.inputs[1]), -0.5):
         return n.inputs[0]
     return None
 

@@ -38,7 +38,7 @@ def dtype_of(elem_type: int) -> str:
     return DTYPES[elem_type]
 
 
-def _float(b, v: str, what: str) -> str:
+def require_float(b, v: str, what: str) -> str:
     if b.type(v).dtype not in FLOATS:
         raise b.fail(f"{what} of a computed {b.type(v)} value: parcomp computes "
                      f"{b.cur.op} on floating-point tensors only")
@@ -66,12 +66,12 @@ def _operands(b, n):
     for c, other in ((x, y), (y, x)):
         if b.static(c) is None:
             continue
-        v = _float(b, b.value(other), n.op)
+        v = require_float(b, b.value(other), n.op)
         k = _scalar(b, c, v)
         if k is None:  # a tensor constant: rebuilt as ops when it is an arange (b.value), else an error
             break
         return (c, v, k, None) if c == x else (v, c, None, k)
-    return _float(b, b.value(x), n.op), _float(b, b.value(y), n.op), None, None
+    return require_float(b, b.value(x), n.op), require_float(b, b.value(y), n.op), None, None
 
 
 def _add(b, n):
@@ -112,7 +112,7 @@ def _div(b, n):
 
 def _pow(b, n):
     x, e = n.inputs[:2]
-    v = _float(b, b.value(x), "Pow")
+    v = require_float(b, b.value(x), "Pow")
     c = _scalar(b, e, v)
     if c is None:
         raise b.fail(f"the exponent {e!r} must be a scalar constant (parcomp's pow takes its "
@@ -120,13 +120,13 @@ def _pow(b, n):
     return [v if c == 1 else b.emit("pow", [v], exponent=c)]
 
 
-def _unary(op: str, **attrs):
-    return lambda b, n: [b.emit(op, [_float(b, b.value(n.inputs[0]), n.op)], **attrs)]
+def unary(op: str, **attrs):
+    return lambda b, n: [b.emit(op, [require_float(b, b.value(n.inputs[0]), n.op)], **attrs)]
 
 
 def _gelu(b, n):
     approx = n.attrs.get("approximate", "none")
-    return [b.emit("gelu", [_float(b, b.value(n.inputs[0]), "Gelu")], approximate=approx)]
+    return [b.emit("gelu", [require_float(b, b.value(n.inputs[0]), "Gelu")], approximate=approx)]
 
 
 def _identity(b, n):
@@ -187,14 +187,14 @@ def _gemm(b, n):
     return [b.emit("add", [mm, bias])]
 
 
-def _reshape_to(b, v: str, shape) -> str:
+def reshape_to(b, v: str, shape) -> str:
     shape = tuple(int(s) for s in shape)
     if shape == b.type(v).shape:
         return v
     return b.emit("reshape", [v], ty=TensorType(shape, b.type(v).dtype))
 
 
-def _need_static(b, name: str, what: str) -> np.ndarray:
+def need_static(b, name: str, what: str) -> np.ndarray:
     c = b.static(name)
     if c is None:
         raise b.fail(f"{what} {name!r} is computed at run time; parcomp needs it constant "
@@ -223,28 +223,28 @@ def reshape_shape(shape, target, allowzero: bool) -> tuple:
 
 def _reshape(b, n):
     v = b.value(n.inputs[0])
-    target = _need_static(b, n.inputs[1], "the shape")
+    target = need_static(b, n.inputs[1], "the shape")
     try:
         shape = reshape_shape(b.type(v).shape, target, bool(n.attrs.get("allowzero", 0)))
     except ValueError as e:
         raise b.fail(str(e)) from None
-    return [_reshape_to(b, v, shape)]
+    return [reshape_to(b, v, shape)]
 
 
 def _axes(b, n, rank: int):
     """Unsqueeze/Squeeze axes (the second input), normalised to [0, rank); None if absent."""
     if len(n.inputs) < 2 or not n.inputs[1]:
         return None
-    return sorted(int(a) % rank for a in _need_static(b, n.inputs[1], "the axes").reshape(-1))
+    return sorted(int(a) % rank for a in need_static(b, n.inputs[1], "the axes").reshape(-1))
 
 
 def _unsqueeze(b, n):
     v = b.value(n.inputs[0])
     shape = list(b.type(v).shape)
-    axes = _axes(b, n, len(shape) + len(_need_static(b, n.inputs[1], "the axes").reshape(-1)))
+    axes = _axes(b, n, len(shape) + len(need_static(b, n.inputs[1], "the axes").reshape(-1)))
     for a in axes:
         shape.insert(a, 1)
-    return [_reshape_to(b, v, shape)]
+    return [reshape_to(b, v, shape)]
 
 
 def _squeeze(b, n):
@@ -254,7 +254,7 @@ def _squeeze(b, n):
     axes = [d for d, s in enumerate(shape) if s == 1] if axes is None else axes
     if any(shape[a] != 1 for a in axes):
         raise b.fail(f"Squeeze of axes {axes} of shape {list(shape)}: not all are 1")
-    return [_reshape_to(b, v, [s for d, s in enumerate(shape) if d not in axes])]
+    return [reshape_to(b, v, [s for d, s in enumerate(shape) if d not in axes])]
 
 
 def _flatten(b, n):
@@ -262,7 +262,7 @@ def _flatten(b, n):
     shape = b.type(v).shape
     axis = int(n.attrs.get("axis", 1))
     axis = axis + len(shape) if axis < 0 else axis
-    return [_reshape_to(b, v, (math.prod(shape[:axis]), math.prod(shape[axis:])))]
+    return [reshape_to(b, v, (math.prod(shape[:axis]), math.prod(shape[axis:])))]
 
 
 def _transpose(b, n):
@@ -289,9 +289,9 @@ def _size(b, n):
 TABLE = {
     "MatMul": _matmul, "Gemm": _gemm,
     "Add": _add, "Sub": _sub, "Mul": _mul, "Div": _div, "Pow": _pow,
-    "Relu": _unary("relu"), "Tanh": _unary("tanh"), "Sigmoid": _unary("sigmoid"),
-    "Exp": _unary("exp"), "Neg": _unary("neg"), "Gelu": _gelu,
-    "Sqrt": _unary("pow", exponent=0.5), "Reciprocal": _unary("pow", exponent=-1.0),
+    "Relu": unary("relu"), "Tanh": unary("tanh"), "Sigmoid": unary("sigmoid"),
+    "Exp": unary("exp"), "Neg": unary("neg"), "Gelu": _gelu,
+    "Sqrt": unary("pow", exponent=0.5), "Reciprocal": unary("pow", exponent=-1.0),
     "Reshape": _reshape, "Transpose": _transpose, "Flatten": _flatten,
     "Unsqueeze": _unsqueeze, "Squeeze": _squeeze,
     "Identity": _identity, "Dropout": _dropout, "CastLike": _cast_like,  # Cast: onnx_transformer

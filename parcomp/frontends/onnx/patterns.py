@@ -41,11 +41,11 @@ class ONode:
     proto: object = None
 
 
-def _near(a, b) -> bool:
+def near_const(a, b) -> bool:
     return a is not None and abs(a - b) <= CONST_RTOL * abs(b)
 
 
-def _factors(name, prod, scalar, depth=0) -> tuple:
+def factors(name, prod, scalar, depth=0) -> tuple:
     """``name`` as ``(c, [f1, f2, ...])``: the value is ``c * f1 * f2 ...``."""
     s = scalar(name)
     if s is not None:
@@ -53,11 +53,11 @@ def _factors(name, prod, scalar, depth=0) -> tuple:
     n = prod.get(name)
     if n is not None and depth < _DEPTH and len(n.inputs) == 2:
         if n.op == "Mul":
-            (c1, f1), (c2, f2) = (_factors(i, prod, scalar, depth + 1) for i in n.inputs)
+            (c1, f1), (c2, f2) = (factors(i, prod, scalar, depth + 1) for i in n.inputs)
             return c1 * c2, f1 + f2
         d = scalar(n.inputs[1]) if n.op == "Div" else None
         if d:
-            c, f = _factors(n.inputs[0], prod, scalar, depth + 1)
+            c, f = factors(n.inputs[0], prod, scalar, depth + 1)
             return c / d, f
     return 1.0, [name]
 
@@ -69,26 +69,26 @@ def _one_plus(name, prod, scalar, op):
         return None
     for a, b in (n.inputs, n.inputs[::-1]):
         t = prod.get(a)
-        if t is not None and t.op == op and _near(scalar(b), 1.0):
+        if t is not None and t.op == op and near_const(scalar(b), 1.0):
             return t.inputs[0]
     return None
 
 
 def _is_cube_term(name, x, prod, scalar) -> bool:
     """``name`` is ``0.044715 * x^3``."""
-    c, fs = _factors(name, prod, scalar)
-    if not _near(c, 0.044715):
+    c, fs = factors(name, prod, scalar)
+    if not near_const(c, 0.044715):
         return False
     if fs == [x, x, x]:
         return True
     p = prod.get(fs[0]) if len(fs) == 1 else None
-    return p is not None and p.op == "Pow" and p.inputs[0] == x and _near(scalar(p.inputs[1]), 3.0)
+    return p is not None and p.op == "Pow" and p.inputs[0] == x and near_const(scalar(p.inputs[1]), 3.0)
 
 
 def _tanh_arg_ok(name, x, prod, scalar) -> bool:
     """``name`` is ``sqrt(2/pi) * (x + 0.044715 * x^3)``."""
-    c, fs = _factors(name, prod, scalar)
-    s = prod.get(fs[0]) if len(fs) == 1 and _near(c, math.sqrt(2 / math.pi)) else None
+    c, fs = factors(name, prod, scalar)
+    s = prod.get(fs[0]) if len(fs) == 1 and near_const(c, math.sqrt(2 / math.pi)) else None
     if s is None or s.op not in _ADDS or len(s.inputs) != 2:
         return False
     return any(a == x and _is_cube_term(b, x, prod, scalar) for a, b in (s.inputs, s.inputs[::-1]))
@@ -102,14 +102,14 @@ def gelu_of(n: ONode, prod: dict, scalar) -> tuple:
     """
     if n.op != "Mul" or len(n.inputs) != 2:
         return None, None
-    c, fs = _factors(n.outputs[0], prod, scalar)
-    if len(fs) != 2 or not _near(c, 0.5):
+    c, fs = factors(n.outputs[0], prod, scalar)
+    if len(fs) != 2 or not near_const(c, 0.5):
         return None, None
     for x, a in (fs, fs[::-1]):
         inner = _one_plus(a, prod, scalar, "Erf")
         if inner is not None:
-            ce, fe = _factors(inner, prod, scalar)
-            if fe == [x] and _near(ce, 1 / math.sqrt(2)):
+            ce, fe = factors(inner, prod, scalar)
+            if fe == [x] and near_const(ce, 1 / math.sqrt(2)):
                 return x, "none"
         inner = _one_plus(a, prod, scalar, "Tanh")
         if inner is not None and _tanh_arg_ok(inner, x, prod, scalar):

@@ -33,7 +33,7 @@ import math
 import numpy as np
 
 from parcomp.ir.types import TensorType
-from .ops import TABLE, _float, _need_static, _reshape_to, _unary, dtype_of
+from .ops import TABLE, require_float, need_static, reshape_to, unary, dtype_of
 
 
 def _axis(b, n, rank: int, default: int = 0) -> int:
@@ -95,7 +95,7 @@ def materialize(b, name: str, c: np.ndarray) -> str | None:
     if dtype not in ("int64", "float32", "float64", "float16"):
         return None
     r = b.emit("arange", [], "_arange", ty=TensorType((c.shape[d],), dtype), start=start, step=step)
-    r = _reshape_to(b, r, tuple(s for i, s in enumerate(c.shape) if i == d or s == 1))
+    r = reshape_to(b, r, tuple(s for i, s in enumerate(c.shape) if i == d or s == 1))
     wide = tuple(i for i, s in enumerate(c.shape) if i != d and s != 1)
     if not wide:
         return r
@@ -128,14 +128,14 @@ def _gather(b, n):
     if not parts:
         raise b.fail("Gather with no indices")
     r = parts[0] if len(parts) == 1 else b.emit("cat", parts, "_cat", dim=axis)
-    return [_reshape_to(b, r, shape[:axis] + tuple(k.shape) + shape[axis + 1:])]
+    return [reshape_to(b, r, shape[:axis] + tuple(k.shape) + shape[axis + 1:])]
 
 
 def _layer_norm(op: str):
     """Normalise over ``axis`` and every later dim: those dims are flattened into one
     (``reshape``), normalised as the last, and the result reshaped back."""
     def lower(b, n):
-        x = _float(b, b.value(n.inputs[0]), n.op)
+        x = require_float(b, b.value(n.inputs[0]), n.op)
         shape = b.type(x).shape
         axis = _axis(b, n, len(shape), -1)
         tail = shape[axis:]
@@ -147,16 +147,16 @@ def _layer_norm(op: str):
             w = b.value(i)
             if b.type(w).shape != tail:
                 raise b.fail(f"{n.op}'s scale/bias {b.type(w)} must have shape {list(tail)} (no broadcasting)")
-            affine.append(_reshape_to(b, w, flat))
-        y = b.emit(op, [_reshape_to(b, x, shape[:axis] + flat), *affine], "_norm" if len(tail) != 1 else "",
+            affine.append(reshape_to(b, w, flat))
+        y = b.emit(op, [reshape_to(b, x, shape[:axis] + flat), *affine], "_norm" if len(tail) != 1 else "",
                    eps=float(n.attrs.get("epsilon", 1e-5)))
-        return [_reshape_to(b, y, shape)]
+        return [reshape_to(b, y, shape)]
     return lower
 
 
 def _softmax(op: str):
     def lower(b, n):
-        x = _float(b, b.value(n.inputs[0]), n.op)
+        x = require_float(b, b.value(n.inputs[0]), n.op)
         return [b.emit(op, [x], dim=_axis(b, n, b.type(x).rank, -1))]
     return lower
 
@@ -164,9 +164,9 @@ def _softmax(op: str):
 def _reduce(op: str):
     """ReduceMean/Sum/Max: axes from the second input (opset 18) or the attribute."""
     def lower(b, n):
-        x = _float(b, b.value(n.inputs[0]), n.op)
+        x = require_float(b, b.value(n.inputs[0]), n.op)
         rank = b.type(x).rank
-        axes = (_need_static(b, n.inputs[1], "the axes").reshape(-1) if len(n.inputs) > 1 and n.inputs[1]
+        axes = (need_static(b, n.inputs[1], "the axes").reshape(-1) if len(n.inputs) > 1 and n.inputs[1]
                 else n.attrs.get("axes"))
         if axes is None or not len(axes):
             if n.attrs.get("noop_with_empty_axes", 0):
@@ -177,7 +177,7 @@ def _reduce(op: str):
             raise b.fail(f"{n.op} over an empty axis of {b.type(x)}: no value to reduce")
         r = b.emit(op, [x], "_reduce" if n.attrs.get("keepdims", 1) else "", dims=dims)
         if n.attrs.get("keepdims", 1):
-            r = _reshape_to(b, r, [1 if d in dims else s for d, s in enumerate(b.type(x).shape)])
+            r = reshape_to(b, r, [1 if d in dims else s for d, s in enumerate(b.type(x).shape)])
         return [r]
     return lower
 
@@ -185,7 +185,7 @@ def _reduce(op: str):
 def _slice(b, n):
     x = b.value(n.inputs[0])
     rank = b.type(x).rank
-    arg = lambda i: (_need_static(b, n.inputs[i], "Slice's operand").reshape(-1)  # noqa: E731
+    arg = lambda i: (need_static(b, n.inputs[i], "Slice's operand").reshape(-1)  # noqa: E731
                      if len(n.inputs) > i and n.inputs[i] else None)
     starts, ends, axes, steps = arg(1), arg(2), arg(3), arg(4)
     axes = range(len(starts)) if axes is None else axes
@@ -213,7 +213,7 @@ def _split(b, n):
     dim = _axis(b, n, b.type(x).rank)
     size = b.type(x).shape[dim]
     if len(n.inputs) > 1 and n.inputs[1]:
-        sizes = [int(s) for s in _need_static(b, n.inputs[1], "the split sizes").reshape(-1)]
+        sizes = [int(s) for s in need_static(b, n.inputs[1], "the split sizes").reshape(-1)]
     else:
         k = int(n.attrs.get("num_outputs", len(n.outputs)))
         step = -(-size // k)
@@ -226,12 +226,12 @@ def _split_to_sequence(b, n):
     x = b.value(n.inputs[0])
     dim = _axis(b, n, b.type(x).rank)
     size = b.type(x).shape[dim]
-    split = _need_static(b, n.inputs[1], "the split") if len(n.inputs) > 1 and n.inputs[1] else None
+    split = need_static(b, n.inputs[1], "the split") if len(n.inputs) > 1 and n.inputs[1] else None
     if split is None:
         parts = _parts(b, x, dim, [1] * size)
         if not n.attrs.get("keepdims", 1):
             shape = b.type(x).shape
-            parts = [_reshape_to(b, p, shape[:dim] + shape[dim + 1:]) for p in parts]
+            parts = [reshape_to(b, p, shape[:dim] + shape[dim + 1:]) for p in parts]
         return [tuple(parts)]
     if split.ndim == 0:
         step = int(split)
@@ -243,7 +243,7 @@ def _sequence_at(b, n):
     seq = b.env.get(n.inputs[0])
     if not isinstance(seq, tuple):
         raise b.fail(f"{n.inputs[0]!r} is not a sequence parcomp made (only SplitToSequence's are read)")
-    i = int(_need_static(b, n.inputs[1], "the position"))
+    i = int(need_static(b, n.inputs[1], "the position"))
     return [seq[i]]
 
 
@@ -258,7 +258,7 @@ def _concat(b, n):
 def _expand(b, n):
     x = b.value(n.inputs[0])
     want = b.onnx_type(n.outputs[0]).shape if b.types_onnx.get(n.outputs[0]) is not None else \
-        tuple(np.broadcast_shapes(b.type(x).shape, tuple(_need_static(b, n.inputs[1], "the shape"))))
+        tuple(np.broadcast_shapes(b.type(x).shape, tuple(need_static(b, n.inputs[1], "the shape"))))
     return [expand_to(b, x, want)]
 
 
@@ -290,6 +290,6 @@ TRANSFORMER_TABLE = {
     "ReduceMean": _reduce("mean"), "ReduceSum": _reduce("sum"), "ReduceMax": _reduce("amax"),
     "Slice": _slice, "Split": _split, "SplitToSequence": _split_to_sequence,
     "SequenceAt": _sequence_at, "Concat": _concat, "Expand": _expand,
-    "Cos": _unary("cos"), "Sin": _unary("sin"), "Cast": _cast, "Where": _where,
+    "Cos": unary("cos"), "Sin": unary("sin"), "Cast": _cast, "Where": _where,
 }
 TABLE.update(TRANSFORMER_TABLE)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from parcomp.ir.ops import OPS
+from parcomp.ir.types import TensorType
 
 aten = torch.ops.aten
 
@@ -26,6 +27,15 @@ def _unary(op: str):
     return lambda b, n, a: b.emit(op, [b.val(a["self"])])
 
 
+def _promoted(b, n, fx, suffix: str) -> str:
+    """The value of tensor operand ``fx`` in the dtype torch computes ``n`` in (type promotion:
+    float32 + float64 is float64), converted where it differs."""
+    x, dtype = b.val(fx), b.type_of(n).dtype
+    if b.types[x].dtype == dtype:
+        return x
+    return b.emit("cast", [x], suffix, ty=TensorType(b.types[x].shape, dtype))
+
+
 def _scaled(b, x: str, alpha, suffix: str) -> str:
     return x if alpha == 1 else b.emit("scale", [x], suffix, value=float(alpha))
 
@@ -36,7 +46,7 @@ def _additive(op: str, sign: float):
         x, y, alpha = a["self"], a["other"], a.get("alpha", 1)
         if _is_scalar(y):
             return b.emit("add_scalar", [b.val(x)], value=float(sign * y * alpha))
-        return b.emit(op, [b.val(x), _scaled(b, b.val(y), alpha, "_alpha")])
+        return b.emit(op, [_promoted(b, n, x, "_x"), _scaled(b, _promoted(b, n, y, "_y"), alpha, "_alpha")])
     return lower
 
 
@@ -45,7 +55,7 @@ def _rsub(b, n, a):  # other - alpha * self
     if _is_scalar(y):
         neg = b.emit("scale", [b.val(x)], "_neg", value=float(-alpha))
         return b.emit("add_scalar", [neg], value=float(y))
-    return b.emit("sub", [b.val(y), _scaled(b, b.val(x), alpha, "_alpha")])
+    return b.emit("sub", [_promoted(b, n, y, "_y"), _scaled(b, _promoted(b, n, x, "_x"), alpha, "_alpha")])
 
 
 def _mul(b, n, a):
@@ -54,14 +64,14 @@ def _mul(b, n, a):
         x, y = y, x
     if _is_scalar(y):
         return b.emit("scale", [b.val(x)], value=float(y))
-    return b.emit("mul", [b.val(x), b.val(y)])
+    return b.emit("mul", [_promoted(b, n, x, "_x"), _promoted(b, n, y, "_y")])
 
 
 def _div(b, n, a):
     x, y = a["self"], a["other"]
     if _is_scalar(y):
         return b.emit("scale", [b.val(x)], value=1.0 / float(y))
-    return b.emit("div", [b.val(x), b.val(y)])
+    return b.emit("div", [_promoted(b, n, x, "_x"), _promoted(b, n, y, "_y")])
 
 
 def _linear(b, n, a):

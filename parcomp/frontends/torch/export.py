@@ -144,12 +144,16 @@ TABLE.update(NORM_TABLE)  # norms + embedding part: parcomp/frontends/torch/norm
 from .reductions import REDUCTION_TABLE  # noqa: E402
 
 TABLE.update(REDUCTION_TABLE)
+MULTI = MULTI + (aten.topk.default,)  # values and indices, picked by getitem
 from .loss import LOSS_TABLE  # noqa: E402  loss part: pad, cross_entropy_loss, nll_loss
 
 TABLE.update(LOSS_TABLE)
 from .conv import CONV_TABLE  # noqa: E402  patch convolutions as a matmul over patches
 
 TABLE.update(CONV_TABLE)
+from .buffers import BUFFER_TABLE, mask_patterns  # noqa: E402  buffers written in parts, routing masks
+
+TABLE.update(BUFFER_TABLE)
 
 
 def supported_ops() -> list:
@@ -220,7 +224,7 @@ def _export(module, example_inputs: tuple):
     try:
         # traced in the mode it is given (not switched to eval: the user's module is not
         # changed); dropout with p > 0 in training mode becomes parcomp's dropout
-        with _quiet_torch_logs(), _no_partial_graph_dump():
+        with _quiet_torch_logs(), _no_partial_graph_dump(), static_experts(module):
             try:
                 ep = torch.export.export(module, tuple(example_inputs), strict=False)
             except RuntimeError as e:  # a dataclass output: register it, as the user would
@@ -347,7 +351,7 @@ def import_torch(module: torch.nn.Module, example_inputs: tuple,
     fx_nodes = list(ep.graph.nodes)
     tied = tied_aliases(module)
     b.folded = mask_only_nodes(fx_nodes, SKIP)  # attention part
-    b.fused = fused_patterns(fx_nodes)
+    b.fused = {**fused_patterns(fx_nodes), **mask_patterns(fx_nodes)}
     for n in fx_nodes:
         if n.op != "placeholder":
             continue
@@ -391,6 +395,6 @@ def import_torch(module: torch.nn.Module, example_inputs: tuple,
     graph = Graph(tuple(n for n in nodes if n.op != "param" or n.name in used), tuple(outs),
                   output_names=names)
     return split_fused_weights(graph)  # attention part: fused q|k|v, gate|up per part
-from .moe import MOE_TABLE  # noqa: E402  expert parallel MoE
+from .moe import MOE_TABLE, static_experts  # noqa: E402  expert parallel MoE
 
 TABLE.update(MOE_TABLE)

@@ -16,7 +16,11 @@ mask is kept at all.
 
 Not folded: anything that reads a model input or a parameter (trainable or frozen:
 a frozen parameter can still be loaded from a checkpoint), and random ops (dropout,
-rand: ``torch.Tag.nondeterministic_seeded``).
+rand: ``torch.Tag.nondeterministic_seeded``). Except: an allocation shaped like a tensor
+(``zeros_like``, ``new_zeros``, ``new_empty``, ``full_like``, ...: :data:`ALLOCATIONS`)
+reads only its operand's static shape and dtype, so it folds whatever the operand is; an
+uninitialised one (``new_empty``, ``empty_like``) folds to zeros (a model that reads it
+before writing it reads whatever torch left there, no value in particular).
 """
 from __future__ import annotations
 
@@ -61,6 +65,27 @@ def _foldable(n, vals: dict) -> bool:
     return torch.Tag.nondeterministic_seeded not in getattr(n.target, "tags", ())
 
 
+# allocation op -> its fill (None: the op's fill_value argument); the shape and dtype are
+# the node's own (torch's static meta value)
+ALLOCATIONS = {aten.zeros_like.default: 0.0, aten.new_zeros.default: 0.0, aten.empty_like.default: 0.0,
+               aten.new_empty.default: 0.0, aten.new_empty_strided.default: 0.0,
+               aten.ones_like.default: 1.0, aten.new_ones.default: 1.0,
+               aten.full_like.default: None, aten.new_full.default: None}
+
+
+def _allocated(n):
+    """The value of allocation node ``n`` (:data:`ALLOCATIONS`), or None if its shape is not static."""
+    meta = n.meta.get("val")
+    if not isinstance(meta, torch.Tensor) or not all(isinstance(s, int) for s in meta.shape):
+        return None
+    fill = ALLOCATIONS[n.target]
+    if fill is None:
+        fill = n.kwargs.get("fill_value", n.args[2] if n.target is aten.new_full.default else n.args[1])
+    if isinstance(fill, torch.fx.Node):
+        return None
+    return torch.full(tuple(meta.shape), fill, dtype=meta.dtype)
+
+
 def fold(ep) -> dict:
     """``{fx node: value}`` for every node of ``ep`` computable from constants alone.
 
@@ -75,6 +100,9 @@ def fold(ep) -> dict:
     for n in ep.graph.nodes:
         if n.op == "placeholder" and leaves.get(n.name) is not None:
             vals[n] = leaves[n.name]
+        elif n.op == "call_function" and n.target in ALLOCATIONS:
+            if (v := _allocated(n)) is not None:
+                vals[n] = v
         elif _foldable(n, vals):
             args, kwargs = map_arg((n.args, n.kwargs), lambda x: vals[x])
             try:

@@ -29,10 +29,6 @@ _MASK = (f"for a causal mask on attention scores, {_SDPA} instead of masking the
          f"attn_mask= a bool mask from constants: torch.ones(s, s, dtype=torch.bool).tril())")
 _ROPE = ("rotary embeddings in real arithmetic: q * cos + rotate_half(q) * sin with cos/sin "
          "tables (buffers, folded at import), rotate_half(x) = torch.cat((-x2, x1), -1) of x.chunk(2, -1)")
-#: a buffer made empty and then filled: what it holds, written as a constant or as the value copied
-_FILLED = ("torch.full(shape, value) (a constant, folded at import) instead of {made} filled with "
-           ".fill_(value); a buffer every element of which is copied from a tensor h (buf[:] = h, "
-           ".copy_(h)) is h itself")
 #: what the error about a complex dtype suggests (complex rotary embeddings, Meta's Llama)
 COMPLEX = "parcomp computes in real dtypes: write " + _ROPE
 
@@ -44,21 +40,6 @@ REWRITES = {
             f"(torch.ones(s, s).tril()) is folded at import",
     "triu": f"for a causal mask on attention scores, {_SDPA}; a mask from constants alone "
             f"(torch.ones(s, s).triu(1)) is folded at import",
-    "full_like": "torch.full(x.shape, value) (a constant, folded at import) instead of "
-                 f"torch.full_like(x, value); for a causal mask, {_SDPA}",
-    "zeros_like": "torch.zeros(x.shape) (a constant, folded at import) instead of torch.zeros_like(x)",
-    "ones_like": "torch.ones(x.shape) (a constant, folded at import) instead of torch.ones_like(x)",
-    "new_zeros": "torch.zeros(shape) (a constant, folded at import) instead of x.new_zeros(shape)",
-    "new_empty": _FILLED.format(made="x.new_empty(shape)"),
-    "empty_like": _FILLED.format(made="torch.empty_like(x)"),
-    "new_full": "torch.full(shape, value) (a constant, folded at import) instead of x.new_full(shape, value)",
-    "copy": "the source itself (h, or h.clone()) instead of copying it into a buffer (buf[:] = h, "
-            "buf.copy_(h)); a buffer written in parts is torch.cat of the parts",
-    "topk": "x.amax(d, keepdim=True) for torch.topk(x, 1, d).values and x.argmax(d, keepdim=True) for "
-            "its .indices (k = 1); a mixture-of-experts router's top-k softmax: "
-            "parcomp.frontends.torch.moe.moe_route(router_logits, top_k, 0) (with moe_dispatch and "
-            "moe_combine: specs/models.py:MixtralMoE)",
-    "new_ones": "torch.ones(shape) (a constant, folded at import) instead of x.new_ones(shape)",
     "repeat_interleave": "for the kv heads of grouped-query attention, "
                          "k[:, :, None].expand(b, kv_heads, rep, s, d).reshape(b, kv_heads * rep, s, d), "
                          "or F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)",

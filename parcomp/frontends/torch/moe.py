@@ -11,6 +11,9 @@ against the real class in tests/moe/test_moe.py). Eager forward and backward run
 """
 from __future__ import annotations
 
+import contextlib
+import types
+
 import torch
 
 from parcomp_backends.torch.runtime import program_moe as _moe
@@ -95,3 +98,56 @@ MOE_TABLE = {  # frontend rows: (builder, fx node, args by schema name) -> value
     _ops.moe_combine.default: lambda b, n, a: b.emit("moe_combine", [b.val(a["y"]), b.val(a["c"])],
                                                      weighted=bool(a["weighted"])),
 }
+
+
+# ---- transformers' own experts modules --------------------------------------------------
+# transformers (5.x) stores a MoE block's experts as 3-D tensors in one module whose forward
+# it picks at run time (``@use_experts_implementation``: an expert loop over ``nonzero``, or
+# ``grouped_mm`` after a sort by expert): data-dependent shapes either way. The experts'
+# contract is fixed, though: ``forward(hidden_states [T, H], top_k_index [T, k],
+# top_k_weights [T, k])`` with ``gate_up_proj`` [E, 2F, H] (or ``up_proj``), ``down_proj``
+# [E, H, F] (``is_transposed``: [E, H, 2F] and [E, F, H]) and ``_apply_gate``. While torch.export
+# traces, :func:`static_experts` gives each such module :func:`experts_forward`, the same sum
+# written with the MoE ops above: the router's choice as combine weights [T, E], each token its
+# own routing group with one slot per expert (nothing is dropped), the experts as one batched
+# matmul per projection. The router (transformers' own, ``topk`` included) is traced as written.
+
+def is_transformers_experts(m) -> bool:
+    """Whether ``m`` is an experts module of transformers' ``@use_experts_implementation``."""
+    weights = getattr(m, "gate_up_proj", None) if getattr(m, "has_gate", False) else getattr(m, "up_proj", None)
+    down = getattr(m, "down_proj", None)
+    return (hasattr(m, "_apply_gate") and hasattr(m, "is_transposed") and isinstance(m.num_experts, int)
+            and isinstance(weights, torch.nn.Parameter) and isinstance(down, torch.nn.Parameter)
+            and weights.dim() == 3 and down.dim() == 3)
+
+
+def experts_forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+    """transformers' experts (``sum_k w_k * expert_{i_k}(x)`` per token) with static shapes."""
+    if getattr(self, "has_bias", False) or getattr(self, "has_post_expert_norm", False):
+        raise NotImplementedError("parcomp's static experts: expert biases and post-expert norms "
+                                  "are not supported")
+    t, h = hidden_states.shape
+    e = self.num_experts
+    c = torch.zeros(t, e, dtype=hidden_states.dtype).scatter_add(
+        1, top_k_index, top_k_weights.to(hidden_states.dtype))  # combine weights [T, E]
+    x, c = hidden_states.unsqueeze(1), c.unsqueeze(1)  # a token per routing group: [T, 1, H]
+    d = moe_dispatch(x, c, 1, False).permute(1, 0, 2, 3).reshape(e, t, h)  # [E, T, H]
+    up = self.gate_up_proj if self.has_gate else self.up_proj
+    y = torch.matmul(d, up if self.is_transposed else up.transpose(1, 2))
+    y = self._apply_gate(y) if self.has_gate else self.act_fn(y)
+    y = torch.matmul(y, self.down_proj if self.is_transposed else self.down_proj.transpose(1, 2))
+    return moe_combine(y.reshape(e, t, 1, h).permute(1, 0, 2, 3), c, True).reshape(t, h)
+
+
+@contextlib.contextmanager
+def static_experts(module):
+    """:func:`experts_forward` as the forward of every transformers experts module of
+    ``module`` while the block runs (the modules are unchanged after)."""
+    found = [m for m in module.modules() if is_transformers_experts(m) and "forward" not in vars(m)]
+    for m in found:
+        m.forward = types.MethodType(experts_forward, m)
+    try:
+        yield found
+    finally:
+        for m in found:
+            del m.forward

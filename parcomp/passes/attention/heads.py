@@ -1,4 +1,4 @@
-"""Attention heads and tensor parallelism (attention part): part of bind-layouts.
+"""Attention heads and tensor parallelism (attention part): the pass attention-heads.
 
 ``colwise`` on a q/k/v projection splits its output features; the model then splits
 those features into heads (``reshape [.., H*D] -> [.., H, D]``). The split is Megatron's

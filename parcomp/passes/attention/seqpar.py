@@ -12,7 +12,7 @@ its input, to ``S(seq)`` on that axis, **and their gradients to the same layout*
 the gradient in the placement the forward started from). Everything else is left to the layout
 search: with the norms' inputs and outputs split, a row-parallel output is cheaper to
 reduce_scatter than to all_reduce, so the residual stream, dropout and residual additions follow
-on the split sequence, and the colwise matmuls gather it (see docs/design.md, "Sequence
+on the split sequence, and the colwise matmuls gather it (see docs/design/context_parallel.md, "Sequence
 parallel"). On the other mesh axes the pin takes ``S(0)`` where a model input's dim 0 (the
 batch) is split over that axis (data parallel), else ``R``.
 """

@@ -1,10 +1,10 @@
 """Lowering: the local program rewritten into the op sequence every backend runs.
 
-Pure ``Graph -> Graph`` passes, run after ``localize`` (see :mod:`parcomp.passes.manager`), each
-verified.  They replace patterns of the op vocabulary by the lowered ops of
-:mod:`parcomp.ir.ops` (kind ``lowered``) and annotate where buffers are reused and
-freed, so the reference interpreter executes exactly the statements an emitter
-prints (one statement per node, plus ``del``):
+Pure ``Graph -> Graph`` passes, run after ``localize`` in the order of the one pass list
+(:mod:`parcomp.passes.pass_list`, group ``lower``), each verified.  They replace patterns of
+the op vocabulary by the lowered ops of :mod:`parcomp.ir.ops` (kind ``lowered``) and
+annotate where buffers are reused and freed, so the reference interpreter executes exactly
+the statements an emitter prints (one statement per node, plus ``del``):
 
 - ``fuse-matmuls``: ``matmul(a, permute(w){perm=(1, 0)}) [+ b]`` -> ``dense(a, w[, b])`` (F.linear);
   ``add(matmul(a, w), b)`` (2-D, 1-D bias) -> ``addmm(b, a, w)``; ``permute(matmul(a, b))``
@@ -33,10 +33,6 @@ from dataclasses import replace
 
 from parcomp.ir.graph import Graph, Node, evolve
 from parcomp.ir.liveness import IN_PLACE_OPS, MAYBE_VIEW_OPS, SOURCES, broadcast_view, is_view
-from .bucket import bucket_norm_grads
-from .dp_buckets import bucket_dp_grads
-from .fuse_reductions import fuse_reductions
-from .moe_ragged import moe_ragged
 
 
 def _rebuild(graph: Graph, new: dict, maybe_dead: set, order=None) -> Graph:
@@ -214,15 +210,3 @@ def free_dead(graph: Graph) -> Graph:
             dies.setdefault(last[n.name], []).append(n.name)
     return graph.with_nodes([n.with_attrs(frees=" ".join(dies[n.name])) if n.name in dies else n
                              for n in graph.nodes])
-
-
-LOWERING = (("fuse-reductions", fuse_reductions),  # reductions part: passes/lowering/fuse_reductions.py
-            ("fuse-matmuls", fuse_matmuls), ("fuse-mse", fuse_mse), ("fuse-updates", fuse_updates),
-            ("bucket-norm-grads", bucket_norm_grads),  # norms part: passes/lowering/bucket.py
-            ("bucket-dp-grads", bucket_dp_grads),  # passes/lowering/dp_buckets.py (spec: bucket_cap_mb)
-            ("moe-ragged", moe_ragged),  # expert parallel MoE: passes/lowering/moe_ragged.py
-            ("overlap-collectives", overlap_collectives), ("in-place", in_place),
-            ("free-dead", free_dead))
-"""The lowering passes in pipeline order (name, Graph -> Graph)."""
-SPEC_LOWERING = ("bucket-dp-grads",)
-"""Lowering passes that also read the spec (``fn(graph, spec)``)."""

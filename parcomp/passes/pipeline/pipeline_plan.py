@@ -1,8 +1,8 @@
 """The pipeline plan of a spec with a ``pp`` axis: stages, their programs, schedule, simulation.
 
-:func:`plan_pipeline` runs split-stages (:mod:`.split_stages`), builds each stage's
-forward / backward / optimizer programs (:mod:`.stage_train`) for one microbatch, makes
-the action lists of the spec's schedule (:mod:`.schedule`) and simulates them before
+:func:`make_plan` (the pass ``split-stages`` of :mod:`parcomp.passes.pass_list`) runs
+split-stages (:mod:`.split_stages`), builds each stage's forward / backward / optimizer
+programs (:mod:`.stage_train`) for one microbatch, makes the action lists of the spec's schedule (:mod:`.schedule`) and simulates them before
 anything is emitted.  The loss is the mean over the global batch: each microbatch's
 loss is the mean over the microbatch, gradients are summed over the microbatches (and
 over ``dp``) and scaled once by ``1 / (microbatches * dp)`` before the update.
@@ -21,7 +21,7 @@ from .split_stages import (assign_stages, balanced_rules, node_flops, param_stag
                            split_stages)
 from .stage_train import reaching_params, stage_programs
 
-__all__ = ["PipelinePlan", "plan_pipeline", "attach_pipeline", "format_pipeline"]
+__all__ = ["PipelinePlan", "make_plan", "attach_pipeline", "format_pipeline"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -168,9 +168,11 @@ def stage_memory(stage, local=None) -> dict:
     return {"weight_bytes": weights, "grad_bytes": weights, "optimizer_state_bytes": state}
 
 
-def plan_pipeline(graph: Graph, spec) -> PipelinePlan:
+def make_plan(graph: Graph, spec, bound: Graph, shard) -> PipelinePlan:
     """The :class:`PipelinePlan` of a global model ``graph`` under a spec with a ``pp`` axis
-    and a ``train`` line.
+    and a ``train`` line. ``bound``: ``graph`` after the binding passes (the param layouts);
+    ``shard(graph) -> (sharded, local)``: the list's sharding passes, run on each stage's
+    programs when the mesh has axes inside a stage (:mod:`.stage_shard`).
 
     Raises:
         SpecError: bad stage statements (see :func:`.split_stages.assign_stages`), a batch
@@ -211,7 +213,7 @@ def plan_pipeline(graph: Graph, spec) -> PipelinePlan:
     trained = {p for st in progs for p in st.params}
     tied = tuple((p, held) for p, held in param_stages(graph, stage_of).items()
                  if len(held) > 1 and p in trained)
-    local = _local(graph, spec, progs, cfg)
+    local = _local(bound, spec, progs, cfg, shard)
     split = _split(progs, local) if cfg.schedule == "zb-h1" else ()
     return PipelinePlan(pp, dp, count, cfg.schedule, batch // parts, batch, stage_of,
                         progs, acts, sim, flops, local, tied, cfg.virtual, split)
@@ -219,8 +221,8 @@ def plan_pipeline(graph: Graph, spec) -> PipelinePlan:
 
 #: train options the pipelined step does not implement: ``(key, its value in cfg, the default)``
 #: readers; given with a value other than the default, they would be silently ignored, so
-#: they are refused (a new-user trial found ``precision=bf16`` under pp said OK while the
-#: program ran float32)
+#: they are refused (``precision=bf16`` under pp would otherwise check OK while the program
+#: ran float32)
 _NOT_PIPELINED = (
     ("zero", lambda c: c.zero, 0),
     ("bucket_cap_mb", lambda c: None, None),
@@ -257,29 +259,23 @@ def _split(progs, local) -> tuple:
                                 {grad_name(v) for v in st.recv}) for st in progs)
 
 
-def _local(graph, spec, progs, cfg) -> tuple:
+def _local(bound, spec, progs, cfg, shard) -> tuple:
     """The stages' programs sharded over the mesh less pp and dp (:mod:`.stage_shard`), or ()
     when that mesh has one rank."""
-    from ..bind_layouts import bind_layouts
-    from ..decompose import decompose_reductions
     from .stage_shard import inner_mesh, shard_stages
 
     if inner_mesh(spec.mesh).size == 1:
         return ()
-    return shard_stages(progs, bind_layouts(decompose_reductions(graph), spec), spec.mesh, cfg.loc)
+    return shard_stages(progs, bound, spec.mesh, cfg.loc, shard)
 
 
-def attach_pipeline(graph: Graph, spec, program, report: dict) -> tuple:
-    """``(program with its pipeline field set, report with "pipeline" and "placement_table")``.
-
-    Raises:
-        SpecError: as :func:`plan_pipeline`.
-    """
+def attach_pipeline(plan: PipelinePlan, spec, program, report: dict) -> tuple:
+    """``(program with its pipeline field set to ``plan``, report with "pipeline" and
+    "placement_table")``."""
     from dataclasses import replace
 
     from parcomp.cost.placement import placement_table
 
-    plan = plan_pipeline(graph, spec)
     training = report.get("training")
     if training:  # the batch arithmetic counts the microbatches too (global = m x micro x dp)
         training = {**training, "microbatch_per_dp_rank": plan.micro_batch, "microbatches": plan.microbatches,

@@ -40,7 +40,8 @@ from dataclasses import dataclass
 from parcomp.errors import ParcompError
 
 __all__ = ["Action", "ScheduleError", "Simulation", "schedule", "simulate", "analytic_bubble",
-           "rank_actions", "SCHEDULES", "analytic_bubble_zb_h1", "interleaved", "build", "analytic"]
+           "rank_actions", "SCHEDULES", "analytic_bubble_zb_h1", "interleaved", "build", "analytic",
+           "p2p_slots"]
 
 KINDS = ("recv_fwd", "forward", "send_fwd", "recv_bwd", "backward", "send_bwd", "optimizer",
          "backward_input", "backward_weight")
@@ -194,6 +195,7 @@ class Simulation:
         bubble: idle fraction, ``1 - sum(busy) / (pp * makespan)``.
         peak_inflight: per stage, the most microbatches stashed at once (forward done,
             backward not).
+        slots: per stage, the order its sends and receives run in (:func:`p2p_slots`).
     """
 
     order: tuple
@@ -201,6 +203,7 @@ class Simulation:
     busy: tuple
     bubble: float
     peak_inflight: tuple
+    slots: tuple = ()
 
 
 class _Rank:
@@ -245,10 +248,11 @@ def simulate(actions, t_fwd=1.0, t_bwd=2.0) -> Simulation:
         raise ScheduleError(f"rank {src} step {step}: {kind} m={m} to rank {dst} is never "
                             f"received", src, step)
     _check_complete(actions, ranks)
+    slots = p2p_slots(actions)
     makespan = max(r.clock for r in ranks)
     busy = tuple(r.busy for r in ranks)
     bubble = 1 - sum(busy) / (pp * makespan) if makespan else 0.0
-    return Simulation(tuple(order), makespan, busy, bubble, tuple(r.peak for r in ranks))
+    return Simulation(tuple(order), makespan, busy, bubble, tuple(r.peak for r in ranks), slots)
 
 
 def _step(s, r, a, sent, tf, tb, sizes) -> bool:
@@ -316,6 +320,158 @@ def _check_complete(actions, ranks) -> None:
         if actions[s][-1].kind != "optimizer":
             raise ScheduleError(f"rank {s}: the list must end with the optimizer step", s,
                                 len(actions[s]) - 1)
+
+
+COMM = ("recv_fwd", "send_fwd", "recv_bwd", "send_bwd")
+
+
+def _message(s, a, pp) -> tuple:
+    """What a send or receive of stage ``s`` carries: (direction, microbatch, the receiving
+    virtual stage); a send and the receive that gets it have the same."""
+    vs, d = a.chunk * pp + s, a.kind[5:]
+    if a.kind.startswith("send"):
+        vs += 1 if d == "fwd" else -1
+    return (d, a.micro, vs)
+
+
+def p2p_slots(actions) -> tuple:
+    """The order program.py runs each rank's point-to-point in: per rank, a tuple of entries,
+    ``k`` (the index of a compute action of its list) or a slot ``(k, ...)``: the indices of the
+    sends and receives it posts together in one ``batch_isend_irecv`` and waits for together
+    (Megatron's ``send_forward_recv_backward``), in posting order.
+
+    A slot starts as a run of consecutive sends and receives of the list.  Then the slots are
+    run as NCCL and HCCL run them: a rank posts its slot's operations and waits until each has
+    met its partner in the peer's posted slot; where that waits forever, the partner receive is
+    posted earlier, in the peer's slot then posted (a receive posted early only holds its buffer
+    longer; a send is never moved).  Last, the receives of a slot from one peer are put in the
+    order that peer sends them: between two ranks the k-th send meets the k-th receive.
+
+    Raises:
+        ScheduleError: slots that wait on each other forever (every blocked rank named), or a
+            receive that would get (by order) another message than its own.
+    """
+    pp = len(actions)
+    slots = []
+    for acts in actions:
+        out, run = [], []
+        for k, a in enumerate(acts):
+            if a.kind in COMM:
+                run.append(k)
+                continue
+            if run:
+                out.append(run)
+                run = []
+            out.append(k)
+        if run:
+            out.append(run)
+        slots.append(out)
+    msg = [{k: _message(s, a, pp) for k, a in enumerate(acts) if a.kind in COMM}
+           for s, acts in enumerate(actions)]
+    where = {}  # (stage, message, "send"/"recv") -> the stage's action index
+    for s, acts in enumerate(actions):
+        for k, m in msg[s].items():
+            where[s, m, acts[k].kind[:4]] = k
+    while True:
+        stuck = _rendezvous(actions, slots, msg)
+        if stuck is None:
+            break
+        moved = False
+        for s, i in stuck:  # the blocked ops whose partner is a receive not posted yet: post it now
+            for k in slots[s][i]:
+                a = actions[s][k]
+                if not a.kind.startswith("send"):
+                    continue
+                peer, m = a.peer, msg[s][k]
+                j, pos = where[peer, m, "recv"], next((t for t, p in stuck if t == peer), None)
+                pos = [i2 for t, i2 in stuck if t == peer]
+                if not pos or j in slots[peer][pos[0]]:
+                    continue
+                for e in slots[peer][pos[0] + 1:]:
+                    if isinstance(e, list) and j in e:
+                        e.remove(j)
+                        break
+                slots[peer][pos[0]].append(j)
+                moved = True
+        slots = [[e for e in out if e != []] for out in slots]
+        if not moved:
+            waits = "; ".join(f"rank {t} waits in its slot {[str(actions[t][k]) for k in slots[t][i]]}"
+                              for t, i in stuck)
+            raise ScheduleError(f"point-to-point deadlock: {waits}", stuck[0][0], stuck[0][1])
+    order = {}  # (sender, receiver) -> {message: its place in the sender's sends}
+    for s, out in enumerate(slots):
+        for e in out:
+            for k in (e if isinstance(e, list) else ()):
+                a = actions[s][k]
+                if a.kind.startswith("send"):
+                    mine = order.setdefault((s, a.peer), {})
+                    mine[msg[s][k]] = len(mine)
+    for s, out in enumerate(slots):
+        for e in out:
+            if isinstance(e, list):
+                sends = [k for k in e if actions[s][k].kind.startswith("send")]
+                recvs = sorted((k for k in e if not actions[s][k].kind.startswith("send")),
+                               key=lambda k: (actions[s][k].peer,
+                                              order.get((actions[s][k].peer, s), {}).get(msg[s][k], -1)))
+                e[:] = sends + recvs
+    _check_pair_order(actions, slots, msg)
+    return tuple(tuple(tuple(e) if isinstance(e, list) else e for e in out) for out in slots)
+
+
+def _rendezvous(actions, slots, msg):
+    """Run the slots together; None when every rank finishes, else the blocked ``[(rank,
+    slot index)]``.  A posted op meets its partner once both ranks have posted it."""
+    pp = len(actions)
+    pos = [0] * pp
+    left = [None] * pp
+
+    def advance(s):  # to the next slot (compute entries run at once)
+        while pos[s] < len(slots[s]) and not isinstance(slots[s][pos[s]], list):
+            pos[s] += 1
+        left[s] = None if pos[s] >= len(slots[s]) else {
+            (actions[s][k].kind[:4], msg[s][k]) for k in slots[s][pos[s]]}
+    for s in range(pp):
+        advance(s)
+    progress = True
+    while progress:
+        progress = False
+        posted = [set(left[s] or ()) for s in range(pp)]
+        peers = [{actions[s][k].peer for k in slots[s][pos[s]]} if left[s] else set() for s in range(pp)]
+        for s in range(pp):
+            if not left[s]:
+                continue
+            met = {(kind, m) for kind, m in left[s]
+                   if any(("recv" if kind == "send" else "send", m) in posted[t] for t in peers[s])}
+            left[s] -= met
+        for s in range(pp):
+            if left[s] is not None and not left[s]:
+                pos[s] += 1
+                advance(s)
+                progress = True
+    stuck = [(s, pos[s]) for s in range(pp) if left[s]]
+    return stuck or None
+
+
+def _check_pair_order(actions, slots, msg) -> None:
+    """Between two ranks the k-th send posted must be the message of the k-th receive."""
+    sends, recvs = {}, {}
+    for s, out in enumerate(slots):
+        for e in out:
+            for k in (e if isinstance(e, list) else ()):
+                a = actions[s][k]
+                if a.kind.startswith("send"):
+                    sends.setdefault((s, a.peer), []).append((k, a, msg[s][k]))
+                else:
+                    recvs.setdefault((a.peer, s), []).append((k, a, msg[s][k]))
+    for pair in sorted(set(sends) | set(recvs)):
+        out, got = sends.get(pair, []), recvs.get(pair, [])
+        for (ks, a, m), (kr, b, n) in zip(out, got):
+            if m != n:
+                raise ScheduleError(f"rank {pair[1]} step {kr}: {b} would receive (point-to-point "
+                                    f"meets in order) rank {pair[0]} step {ks}: {a}", pair[1], kr)
+        if len(out) != len(got):
+            who, (k, a, _) = (pair[0], out[len(got)]) if len(out) > len(got) else (pair[1], got[len(out)])
+            raise ScheduleError(f"rank {who} step {k}: {a} has no partner", who, k)
 
 
 def rank_actions(mesh, actions, rank: int) -> tuple:

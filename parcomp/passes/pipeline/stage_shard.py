@@ -21,10 +21,6 @@ from dataclasses import dataclass, replace
 from parcomp.errors import SpecError
 from parcomp.ir.graph import Graph, Node, make_attrs
 from parcomp.ir.types import Mesh, layout_str, replicated
-from ..insert_collectives import insert_collectives
-from ..localize import localize
-from ..shard_prop import shard_prop
-from ..verify import verify
 from .stage_train import grad_name
 
 __all__ = ["StageLocal", "inner_mesh", "shard_stages"]
@@ -61,9 +57,11 @@ def _project(layout, mesh: Mesh) -> tuple:
     return tuple(p for a, p in zip(mesh.names, layout) if a not in OUTER)
 
 
-def shard_stages(stages, bound: Graph, mesh: Mesh, loc=None) -> tuple:
+def shard_stages(stages, bound: Graph, mesh: Mesh, loc, shard) -> tuple:
     """One :class:`StageLocal` per stage of ``stages`` (:class:`~.stage_train.StagePrograms`),
-    the param layouts read from ``bound`` (the model graph after bind-layouts on ``mesh``).
+    the param layouts read from ``bound`` (the model graph after bind-layouts on ``mesh``);
+    ``shard(graph) -> (sharded, local)``: the sharding passes of the one pass list
+    (:mod:`parcomp.passes.pass_list`, group ``shard``: shard-prop, insert-collectives, localize).
 
     Raises:
         SpecError: a param split over ``dp`` or ``pp`` (ZeRO-style sharding is not run inside
@@ -81,19 +79,19 @@ def shard_stages(stages, bound: Graph, mesh: Mesh, loc=None) -> tuple:
                                     f"a param may split only over {', '.join(inner.names)}",
                                     bound[p].spec_loc or loc)
             lay[p] = _project(full, mesh)
-        out.append(_shard_stage(st, lay, inner))
+        out.append(_shard_stage(st, lay, inner, shard))
     return tuple(out)
 
 
-def _shard_stage(st, params: dict, inner: Mesh) -> StageLocal:
+def _shard_stage(st, params: dict, inner: Mesh, shard) -> StageLocal:
     rep = replicated(len(inner.axes))
     fixed = {**params, **{grad_name(p): params[p] for p in st.params}}
-    fwd = _shard(st.forward, inner, fixed, rep, {v: rep for v in (*st.send, "loss")})
+    fwd = _shard(shard, st.forward, inner, fixed, rep, {v: rep for v in (*st.send, "loss")})
     saved = {f"saved.{v}": fwd[0][v].layout for v in st.saved}
     lay = {**fixed, **saved, **{v: l for v, l in zip(st.saved, saved.values())}}
     bw_out = {grad_name(v): rep for v in st.recv}
     bw_out.update({grad_name(p): params[p] for p in st.params})
-    bwd = _shard(st.backward, inner, lay, rep, bw_out)
+    bwd = _shard(shard, st.backward, inner, lay, rep, bw_out)
     opt_lay = dict(fixed)
     for n in st.optimizer.params:  # optimizer state: as its param (named <p>.<state>)
         if n.name not in opt_lay:
@@ -103,7 +101,7 @@ def _shard_stage(st, params: dict, inner: Mesh) -> StageLocal:
     for pub, v in st.optimizer.named_outputs():
         base = pub[:-len(".grad")] if pub.endswith(".grad") else pub
         opt_out[pub] = opt_lay.get(base, opt_lay.get(v, rep))
-    opt = _shard(st.optimizer, inner, opt_lay, rep, opt_out)
+    opt = _shard(shard, st.optimizer, inner, opt_lay, rep, opt_out)
     layouts = {**opt_lay, **saved, **{k: v for k, v in opt_out.items()}}
     stats = None
     if st.stats is not None:  # a scalar every rank of the stage holds whole (tp's partials reduced)
@@ -111,7 +109,7 @@ def _shard_stage(st, params: dict, inner: Mesh) -> StageLocal:
     return StageLocal(fwd[1], bwd[1], opt[1], layouts, stats)
 
 
-def _shard(graph: Graph, inner: Mesh, sources: dict, default, outputs: dict) -> tuple:
+def _shard(shard, graph: Graph, inner: Mesh, sources: dict, default, outputs: dict) -> tuple:
     """``(global sharded graph, local graph)`` of ``graph`` on ``inner``: sources take
     ``sources[name]`` (else ``default``), each named output in ``outputs`` is pinned to its
     layout by a ``relayout``; other outputs keep what shard-prop chose."""
@@ -134,8 +132,4 @@ def _shard(graph: Graph, inner: Mesh, sources: dict, default, outputs: dict) -> 
                           outputs[pub], phase=src.phase, source=src.source))
         outs.append(new)
     g = replace(graph, nodes=tuple(nodes), outputs=tuple(outs), mesh=inner)
-    verify(g)
-    sharded = insert_collectives(shard_prop(g))
-    local = localize(sharded)
-    verify(local)
-    return sharded, local
+    return shard(g)  # verified before and after each pass

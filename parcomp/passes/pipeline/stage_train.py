@@ -24,7 +24,7 @@ from parcomp.errors import SpecError
 from parcomp.ir.graph import Graph, Node
 from parcomp.ir.types import Mesh, TensorType
 from parcomp.spec.model import pattern_regex
-from ..autodiff import Builder, _optimizer, backward
+from ..autodiff import Builder, optimizer_update, backward
 from ..train import amp
 from ..train.precision import compute_dtype, lower_forward, wrt_names
 
@@ -317,7 +317,7 @@ def _optimizer_graph(g, params, cfg, parts: int = 1) -> Graph:
     factor = lr_factor(b, cfg.options.schedule, cfg.h("lr"), lambda: _step(b))
     outs = []
     for p in params:
-        outs += _optimizer(b, b.nodes[[n.name for n in b.nodes].index(p)], grads[p], cfg, spec, factor)
+        outs += optimizer_update(b, b.nodes[[n.name for n in b.nodes].index(p)], grads[p], cfg, spec, factor)
     outs = amp.skip_on_overflow(b, outs, cfg, spec, _pin)  # fp16: a step with inf/NaN is skipped
     return Graph(tuple(b.nodes), tuple(v for _, v in outs), g.mesh, g.stage,
                  tuple(k for k, _ in outs))

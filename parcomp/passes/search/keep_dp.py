@@ -7,7 +7,7 @@ The batch's values are every value computed from a graph input outside the optim
 (:func:`batch_values`).  Gathering one over dp makes every dp rank hold and compute on the
 whole batch of it: fewer collective calls on a tiny batch, but per-rank activation memory
 grows dp-fold, which the alpha-beta cost model does not see, and a reader of "data
-parallel" expects gradient all_reduce instead.  So in :class:`parcomp.passes.shard_prop._Problem` such a
+parallel" expects gradient all_reduce instead.  So in :class:`parcomp.passes.shard_prop.ShardProblem` such a
 conversion is not allowed (infinite cost), except into a layout the spec pins the value to.
 This is a restriction of the plan space, not a price: it leaves the cost model's numbers
 alone, and :func:`prune` removes the strategies it makes unusable before any search, so the

@@ -4,7 +4,7 @@ This is the exact search behind ``shard-prop`` on graphs that are not trees
 (Alpa's and AutoParallel's formulation, with this compiler's cost model: each
 distinct conversion of a value is paid once, however many consumers share it).
 
-Variables (one ``_Problem`` of :mod:`parcomp.passes.shard_prop` in, one plan out):
+Variables (one ``ShardProblem`` of :mod:`parcomp.passes.shard_prop` in, one plan out):
 
 - ``x[n, k]`` binary: node ``n`` runs strategy ``k`` (``sum_k x[n, k] = 1``);
 - ``w[v, L]`` in [0, 1]: some consumer reads value ``v`` in layout ``L``
@@ -17,7 +17,7 @@ Variables (one ``_Problem`` of :mod:`parcomp.passes.shard_prop` in, one plan out
   charges a fractional ``w`` at least its cheapest conversion.)
 
 Minimise compute + conversions.  At binary ``x`` the continuous ``w`` and ``q``
-take exactly the values of :meth:`_Problem.total`, so the ILP optimum is the
+take exactly the values of :meth:`ShardProblem.total`, so the ILP optimum is the
 exact optimum of the cost model.  The objective is in nanoseconds (seconds are
 1e-12..1e1, too far apart for a solver's tolerances).
 """
@@ -47,15 +47,22 @@ DEFAULT_SECONDS = 300.0
 #: whose root LP alone ran 10-45 s on a loaded 2-core machine and ended with the warm start;
 #: every shipped spec but that one is below it (the largest, gpt2_lm_dp2_tp2_train: 9,436)
 MAX_STRATEGIES = 12_000
+#: above this many columns (strategies plus the conversion variables of every value) the
+#: solver is not called either: a 6-linear MLP training step on a 3-axis mesh (dp x sq x tp,
+#: 7,128 strategies) has 195,000 columns, whose root LP did not finish in 300 s; the largest
+#: shipped spec (gpt2_lm_dp2_tp2_train) has 61,464 and solves in ~10 s. The column count
+#: grows with the mesh's number of axes (layouts per value), not with its ranks (larger axes
+#: only rule out layouts that do not divide).
+MAX_COLUMNS = 120_000
 
 
 def too_large(prob) -> bool:
-    """Whether ``prob`` (a :class:`parcomp.passes.shard_prop._Problem`) has more than MAX_STRATEGIES."""
+    """Whether ``prob`` (a :class:`parcomp.passes.shard_prop.ShardProblem`) has more than MAX_STRATEGIES."""
     return sum(len(o) for o in prob.options.values()) > MAX_STRATEGIES
 
 
 def solve_ilp(prob, warm: dict, seconds: float = DEFAULT_SECONDS, limit=None) -> tuple:
-    """The least-cost plan of ``prob`` (a :class:`parcomp.passes.shard_prop._Problem`), within ``seconds``.
+    """The least-cost plan of ``prob`` (a :class:`parcomp.passes.shard_prop.ShardProblem`), within ``seconds``.
 
     Args:
         prob: the problem (options per node, users, fixed source layouts).
@@ -65,11 +72,16 @@ def solve_ilp(prob, warm: dict, seconds: float = DEFAULT_SECONDS, limit=None) ->
         limit: a :class:`MemoryLimit` (one more row), or None.
 
     Returns:
-        ``(plan, proven)``: the best plan found and whether HiGHS proved it optimal.
+        ``(plan, proven)``: the best plan found and whether HiGHS proved it optimal; proven is
+        None where the problem has over MAX_COLUMNS columns and the solver was not called
+        (``prob.ilp_skipped_columns`` says how many).
     """
     import highspy
 
     model = _Model(prob)
+    if len(model.cost) > MAX_COLUMNS and limit is None:  # its root LP alone would outrun the budget
+        prob.ilp_skipped_columns = len(model.cost)
+        return dict(warm), None
     if limit is not None:
         model.rows.append(limit.row(model.x))
     with _quiet_stdout():

@@ -2,9 +2,9 @@
 re-picks its strategy, operands computed only for it following, while that strictly lowers
 the plan's cost.
 
-:class:`LocalMoves` is a base of :class:`parcomp.passes.shard_prop._Problem` and reads its state:
+:class:`LocalMoves` is a base of :class:`parcomp.passes.shard_prop.ShardProblem` and reads its state:
 ``g``, ``users``, ``options``, the caches ``_moves``, ``_fit``, ``_reads``, and its costs
-(:meth:`~parcomp.passes.shard_prop._Problem.value_cost`, ``plan_cost``, ``_compute``, ``_read_info``).
+(:meth:`~parcomp.passes.shard_prop.ShardProblem.value_cost`, ``plan_cost``, ``_compute``, ``_read_info``).
 """
 from __future__ import annotations
 

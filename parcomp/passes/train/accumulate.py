@@ -85,7 +85,7 @@ def accumulated_step(b, graph: Graph, cfg, spec, params: list, ad, cast=None) ->
     if dict(spec.train.options).get("input_grads") == "yes":
         raise SpecError(f"accumulate={K} with input_grads=yes: an input's gradient is per microbatch; "
                         f"drop input_grads (accumulation trains on data inputs)", cfg.loc)
-    y, lay = ad._model_output(graph, cfg)
+    y, lay = ad.model_output(graph, cfg)
     stacked = {n.name: _stacked_input(b, n, K, mesh, cfg) for n in graph.inputs}
     mean = token_mean(graph, y) if cfg.loss == "output" else None
     counted = [_forward_clone(b, graph, stacked, k, K, mesh, only=_ancestors(graph, mean[1]))
@@ -108,7 +108,7 @@ def accumulated_step(b, graph: Graph, cfg, spec, params: list, ad, cast=None) ->
         tot = ren[mean[0]] if mean else _loss_sum(b, graph, cfg, ren[y], data, k, K, mesh)
         totals.append(tot)
         if k == 0:
-            params = ad._reaching(b, tot, params, cfg)
+            params = ad.reached_params(b, tot, params, cfg)
         b.phase = "backward"
         low = {p: ren[cast[p]] for p in params if p in cast}
         grads = ad.backward(b, Graph(tuple(b.nodes), (tot,)), {tot: seed}, [low.get(p, p) for p in params])
@@ -164,11 +164,11 @@ def _loss_data(b, graph, cfg, y, ty, lay, K, ad) -> str | None:
     """The stacked ``target`` (mse) or ``labels`` (cross_entropy) input, or None."""
     stack = lambda t: TensorType((K * t.shape[0],) + t.shape[1:], t.dtype)  # noqa: E731
     if cfg.loss == "mse":
-        return ad._input(b, "target", stack(ty), lay)
+        return ad.loss_input(b, "target", stack(ty), lay)
     if cfg.loss == "cross_entropy":
         from parcomp.ir.types import Replicate, Shard
         lab = tuple(Replicate() if p == Shard(ty.rank - 1) else p for p in lay)
-        return ad._input(b, "labels", stack(TensorType(ty.shape[:-1], "int64")), lab)
+        return ad.loss_input(b, "labels", stack(TensorType(ty.shape[:-1], "int64")), lab)
     return None
 
 

@@ -36,6 +36,11 @@ from parcomp.ir.types import TensorType, shard_axes
 from parcomp.spec.train_options import PRECISIONS
 
 
+# Ops torch.autocast runs in float32 whatever the compute dtype: a model's own loss
+# (transformers' ``ForCausalLMLoss``: cross_entropy, then its sum over the counted tokens).
+FLOAT32_OPS = frozenset({"cross_entropy", "label_mask"})
+
+
 def compute_dtype(opts) -> str | None:
     """The low compute dtype of TrainOptions ``opts``, or None for float32."""
     return PRECISIONS.get(getattr(opts, "precision", "fp32"))
@@ -49,6 +54,7 @@ def lower_forward(graph: Graph, cfg, params, state_layout) -> tuple:
     Returns ``(graph, {param: name of its low-precision copy})``; unchanged for fp32.
     With ``accumulate=K`` the cast nodes are copied per microbatch like every compute node
     (:mod:`parcomp.passes.train.accumulate`)."""
+    check_low_params(graph, cfg, params)
     low = compute_dtype(cfg.options)
     if low is None:
         return graph, {}
@@ -57,6 +63,7 @@ def lower_forward(graph: Graph, cfg, params, state_layout) -> tuple:
     def lowered(ty):
         return TensorType(ty.shape, low) if ty.dtype == "float32" else ty
 
+    wide = set()  # values kept in float32: a model's own loss and what is computed from it only
     for n in graph.nodes:
         if n.op in ("input", "param"):
             if n.op == "param" and n.name in params and cfg.zero:
@@ -67,6 +74,27 @@ def lower_forward(graph: Graph, cfg, params, state_layout) -> tuple:
                 out.append(Node(cast[n.name], "cast", (n.name,), lowered(n.type), phase="forward"))
             continue
         ins = tuple(cast.get(i, i) for i in n.inputs)
+        floats = [i for i in n.inputs if graph[i].type.dtype == "float32"]
+        if n.type.dtype == "float32" and (n.op in FLOAT32_OPS or (floats and all(i in wide for i in floats))):
+            wide.add(n.name)  # as autocast: the loss ops run in float32 on widened operands
+            widened = []
+            for i, v in zip(n.inputs, ins):
+                if graph[i].type.dtype == "float32" and i not in wide:
+                    w = names.fresh(f"{v}.f32")
+                    out.append(Node(w, "cast", (v,), graph[i].type, phase="forward", source=n.source))
+                    v = w
+                widened.append(v)
+            out.append(replace(n, inputs=tuple(widened)))
+            continue
+        if any(i in wide for i in n.inputs):  # a float32 loss value read by low-precision compute
+            narrowed = []
+            for i, v in zip(n.inputs, ins):
+                if i in wide:
+                    w = names.fresh(f"{v}.low")
+                    out.append(Node(w, "cast", (v,), lowered(graph[i].type), phase="forward", source=n.source))
+                    v = w
+                narrowed.append(v)
+            ins = tuple(narrowed)
         if n.name in outputs and n.type.dtype == "float32":  # the loss is taken in float32
             v = names.fresh(f"{ins[0]}.f32")
             out.append(Node(v, "cast", ins[:1], n.type, phase="forward", source=n.source))
@@ -74,6 +102,34 @@ def lower_forward(graph: Graph, cfg, params, state_layout) -> tuple:
         else:
             out.append(replace(n, inputs=ins, type=lowered(n.type)))
     return graph.with_nodes(out), cast
+
+
+def check_low_params(graph: Graph, cfg, params) -> None:
+    """Refuse to train a bfloat16/float16 parameter without ``precision=pure``: it would train in
+    pure low precision without a word (AdamW state and gradient sums in 2-byte floats, updates
+    below the parameter's rounding step lost). The SpecError, at the train line's ``precision``
+    option or the line, names the parameter and both ways out: float32 weights with
+    ``precision=bf16`` (float32 master weights and optimizer state, torch.autocast's mixed
+    precision), or ``precision=pure`` to train in the model's dtype on purpose."""
+    if getattr(cfg.options, "precision", "fp32") == "pure":
+        return
+    trained = set(params)
+    low = [n for n in graph.nodes if n.op == "param" and n.name in trained
+           and n.type.dtype in ("bfloat16", "float16")]
+    if not low:
+        return
+    from parcomp.errors import SpecError
+    from parcomp.spec.option_loc import option_loc
+
+    n = low[0]
+    short = {"bfloat16": "bf16", "float16": "fp16"}[n.type.dtype]
+    raise SpecError(
+        f"parameter {n.name} is {n.type.dtype} ({len(low)} of the trained parameters are {short}): training "
+        f"it as it is would keep its gradients, their sums and the optimizer state in {n.type.dtype} "
+        f"(pure {short} training, updates smaller than its rounding step lost); load the model in float32 "
+        f"and write precision={short} (float32 master weights and optimizer state, {short} compute), or "
+        f"write precision=pure to train in {n.type.dtype} on purpose",
+        option_loc(cfg.loc, "precision") or cfg.loc)
 
 
 def batch_axes(graph: Graph) -> str:
@@ -102,5 +158,8 @@ def wrt_names(params, cast: dict) -> list:
 def precision_record(opts) -> dict:
     """report.json's ``precision`` entry of TrainOptions ``opts``."""
     low = compute_dtype(opts)
+    if opts.precision == "pure":  # the model's own dtype throughout, chosen in the spec
+        return {"precision": "pure", "compute_dtype": "model", "master_dtype": "model",
+                "grad_reduce_dtype": "model"}
     return {"precision": opts.precision, "compute_dtype": low or "float32", "master_dtype": "float32",
             "grad_reduce_dtype": "float32" if low is None or opts.grad_reduce == "fp32" else low}

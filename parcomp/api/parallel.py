@@ -1,0 +1,350 @@
+"""``parcomp.parallelize``: a module compiled for this rank, trained from the user's own loop.
+
+Every rank calls ``parallelize(module, example_inputs, spec)``. Rank 0 imports the module
+(torch.export), compiles it (the CLI's compile, or the on-disk cache: :mod:`.compiling`) and
+broadcasts the two programs to the others, which compile nothing; a compile error is raised on
+every rank alike. The result, a :class:`ParallelModule`, holds this rank's shards of the
+parameters (cut from rank 0's weights, broadcast, as DDP starts) and runs the forward program;
+its backward is the backward program (:class:`_Step`), so ``loss.backward()``, ``torch.optim``
+and the user's loss work as on one device.
+
+Gradients: the backward program computes the gradient of ``sum_i <output_i, cotangent_i>`` where
+the cotangent is assembled from the ranks' local output gradients in the output's layout (a
+replicated output's gradient is taken once, a split one's pieces are put side by side). With
+``grad_reduction="mean"`` (the default, as DDP) the gradients are divided by the number of ranks
+that split the output's batch (dim 0): a loss that is each rank's mean over its own batch trains
+as the mean over the global batch; ``"sum"`` keeps the plain product (a loss divided by the
+global count).
+"""
+from __future__ import annotations
+
+import math
+import threading
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import ParcompError
+from ..ir.types import Shard, parse_layout
+from .compiling import Programs, compile_programs
+from .runtime import call, load_program
+from .specs import resolve_spec
+
+_MODULES = threading.local()  # a counter for the programs' module names
+
+
+def _broadcast(obj, group=None):
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+def _compile_on_rank0(module, example_inputs, spec, *, gather, input_grads, cache, use_cache, profile):
+    """Rank 0 compiles (or reads the cache) and broadcasts; every rank gets the same result or the
+    same error."""
+    payload, err = None, None
+    if dist.get_rank() == 0:
+        try:
+            progs = compile_for(module, example_inputs, spec, gather=gather, input_grads=input_grads,
+                                cache=cache, use_cache=use_cache, profile=profile)
+            payload = ("ok", progs)
+        except ParcompError as e:
+            payload, err = ("error", type(e), e.message, e.loc, e.where), e
+        except Exception as e:  # noqa: BLE001 - the other ranks must not wait for a rank that failed
+            payload, err = ("crash", type(e).__name__, str(e), None, None), e
+    payload = _broadcast(payload)
+    if payload[0] == "ok":
+        return payload[1]
+    if err is not None:
+        raise err
+    kind, message, loc, where = payload[1:]
+    if isinstance(kind, type) and issubclass(kind, ParcompError):
+        raise kind(message, loc, where=where)
+    raise ParcompError(f"compiling on rank 0 failed: {kind}: {message}")
+
+
+def compile_for(module, example_inputs, spec, *, gather=False, input_grads=False, cache=None, use_cache=True,
+                profile="cpu") -> Programs:
+    """Import ``module`` and compile its two programs (one process; no torch.distributed)."""
+    from ..frontends.torch.export import import_torch
+    from ..frontends.torch.fold import module_sources
+
+    graph = import_torch(module, tuple(example_inputs))
+    spec = resolve_spec(spec, module, graph)
+    progs = compile_programs(graph, spec, gather=gather, input_grads=input_grads, cache=cache,
+                             use_cache=use_cache, profile=profile)
+    weights, sources = set(module.state_dict()), module_sources(module)
+    progs.constants = {n.name: sources[n.name].detach().cpu().clone() for n in graph.params
+                       if n.name not in weights and n.name in sources}
+    return progs
+
+
+def parallelize(module: nn.Module, example_inputs, spec, *, gather_outputs: bool = False,
+                grad_reduction: str = "mean", input_grads: bool = False, cache_dir=None, use_cache: bool = True,
+                sync_module_states: bool = True, timeout: int = 600) -> "ParallelModule":
+    """``module`` compiled under ``spec`` for this rank; call it on every rank.
+
+    Args:
+        module: the unsharded model (in the mode it will run: ``.train()`` or ``.eval()``).
+        example_inputs: a tuple of tensors, the *global* shapes (every rank's local batch put
+            together, as the spec's layouts split them).
+        spec: a :class:`parcomp.spec.Spec`, a ``.pcs`` path, its text, or a DTensor plan
+            (``(plan dict, DeviceMesh)``, :mod:`parcomp.api.dtensor_plan`). A ``train`` line is
+            ignored: the user's loop trains.
+        gather_outputs: return every output whole on every rank (the program gathers it).
+        grad_reduction: ``"mean"`` (DDP's) or ``"sum"``: see the module docstring.
+        input_grads: also compute gradients of the float inputs (a module inside a larger model).
+        cache_dir: where compiled programs are kept (default ``$PARCOMP_CACHE_DIR`` or
+            ``~/.cache/parcomp``); ``use_cache=False`` compiles every time.
+        sync_module_states: start from rank 0's weights (broadcast), as DDP does.
+        timeout: seconds a collective may wait.
+
+    Raises:
+        ParcompError: the spec does not fit the model (on every rank alike), torch.distributed is
+            not initialised, or its world size is not the mesh's.
+    """
+    if grad_reduction not in ("mean", "sum"):
+        raise ParcompError(f"grad_reduction={grad_reduction!r}: give 'mean' or 'sum'")
+    if not dist.is_available() or not dist.is_initialized():
+        raise ParcompError("parcomp.parallelize needs torch.distributed initialised (run under torchrun "
+                           "and call torch.distributed.init_process_group first)")
+    progs = _compile_on_rank0(module, example_inputs, spec, gather=gather_outputs, input_grads=input_grads,
+                              cache=cache_dir, use_cache=use_cache, profile="cpu")
+    if sync_module_states:
+        progs.constants = _broadcast(progs.constants if dist.get_rank() == 0 else None)
+    return ParallelModule(module, progs, grad_reduction=grad_reduction, sync_module_states=sync_module_states,
+                          timeout=timeout)
+
+
+def _tree(root: nn.Module, name: str):
+    """The submodule of ``root`` that holds attribute ``name`` (dotted), made if missing."""
+    *path, leaf = name.split(".")
+    mod = root
+    for part in path:
+        child = mod._modules.get(part)
+        if child is None:
+            child = nn.Module()
+            mod.add_module(part, child)
+        mod = child
+    return mod, leaf
+
+
+class ParallelModule(nn.Module):
+    """This rank's part of a parallelized module (made by :func:`parallelize`).
+
+    Its parameters are named as the original's (``c_fc.weight``) and hold this rank's local
+    slice, laid out as the spec says (``layouts()``); ``full_state_dict()`` gathers them whole.
+    ``forward(*inputs)`` takes this rank's local inputs and returns its local outputs (or whole
+    ones with ``gather_outputs=True``), in the original's structure: one tensor, a tuple, or a
+    dict by output name.
+    """
+
+    def __init__(self, module: nn.Module, progs: Programs, *, grad_reduction="mean", sync_module_states=True,
+                 timeout=600):
+        super().__init__()
+        device = next((p.device for p in module.parameters()), torch.device("cpu"))
+        self._meta, self._key, self._cached = progs.meta, progs.key, progs.cached
+        _MODULES.n = getattr(_MODULES, "n", 0) + 1
+        groups = {"timeout": None}
+        self._fwd = load_program(progs.forward, f"parcomp_forward_{_MODULES.n}", device, groups, timeout)
+        for axis in self._fwd.MESH:  # every axis's group now, on every rank in the same order
+            _group(self._fwd, axis)
+        self._bwd = None if progs.backward is None else load_program(
+            progs.backward, f"parcomp_backward_{_MODULES.n}", device, groups, timeout)
+        full = {**_full_tensors(module), **progs.constants}
+        self._shapes = {k: tuple(v.shape) for k, v in full.items()}  # the module's own (a fused weight's view differs)
+        if sync_module_states:
+            for name in sorted(full):
+                t = full[name].detach().clone()
+                dist.broadcast(t, src=0)
+                full[name] = t
+        local = call(self._fwd, "load_params", full)
+        self._param_names = [p["name"] for p in self._meta["params"]]
+        self._trainable = {p["name"]: p["trainable"] and _requires_grad(module, p["name"])
+                           for p in self._meta["params"]}
+        for name in self._param_names:
+            owner, leaf = _tree(self, name)
+            if self._trainable[name]:
+                owner.register_parameter(leaf, nn.Parameter(local[name], requires_grad=True))
+            else:
+                owner.register_buffer(leaf, local[name], persistent=name in module.state_dict())
+        self._input_names = [i["name"] for i in self._meta["inputs"]]
+        self._outputs = self._meta["outputs"]
+        self.grad_reduction = grad_reduction
+        self._scales = [_batch_scale(o["layout"], self._meta["mesh"]) if grad_reduction == "mean" else 1.0
+                        for o in self._outputs]
+
+    # ---- what the user reads ----
+    @property
+    def fingerprint(self) -> str:
+        """The cache key of the compiled programs."""
+        return self._key
+
+    @property
+    def from_cache(self) -> bool:
+        """Whether the programs were read from the on-disk cache (no compile ran)."""
+        return self._cached
+
+    @property
+    def mesh(self) -> dict:
+        """``{axis: size}`` of the spec's mesh."""
+        return dict(zip(self._meta["mesh"]["names"], self._meta["mesh"]["sizes"]))
+
+    @property
+    def coords(self) -> dict:
+        """This rank's ``{axis: coordinate}`` on the mesh (row-major: the last axis varies fastest);
+        a data loader reads the share of each batch that ``coords.get("dp", 0)`` names."""
+        return dict(zip(self._meta["mesh"]["names"], self._fwd.COORD))
+
+    def layouts(self) -> dict:
+        """``{param name: layout}``, e.g. ``{"c_fc.weight": "[S(1)]"}``."""
+        return {p["name"]: p["layout"] for p in self._meta["params"]}
+
+    def output_layouts(self) -> dict:
+        """``{output name: layout}`` of the outputs :meth:`forward` returns."""
+        return {o["name"]: o["layout"] for o in self._outputs}
+
+    def _local(self, name):
+        owner, leaf = _tree(self, name)
+        return getattr(owner, leaf)
+
+    def forward(self, *inputs):
+        if len(inputs) != len(self._input_names):
+            raise ParcompError(f"the module was compiled with {len(self._input_names)} inputs "
+                               f"({', '.join(self._input_names)}); got {len(inputs)}")
+        params = [self._local(n) for n in self._param_names]
+        outs = _Step.apply(self, len(params), *params, *inputs)
+        names = [o["name"] for o in self._outputs]
+        if names == ["output"]:
+            return outs[0]
+        if names == [f"output_{i}" for i in range(len(names))]:
+            return tuple(outs)
+        return dict(zip(names, outs))
+
+    # ---- collectives the user's loop needs ----
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the *unsharded* parameters: every element of
+        every parameter counted once however it is split; returns the total norm."""
+        if norm_type != 2.0:
+            raise ParcompError("clip_grad_norm_: only norm_type=2 is implemented")
+        total = self.grad_norm()
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for p in self.parameters():
+            if p.grad is not None:
+                p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))
+        return total
+
+    def grad_norm(self) -> torch.Tensor:
+        """The 2-norm of the unsharded gradients (one all_reduce per set of split axes)."""
+        by_axes = {}
+        for p in self._meta["params"]:
+            if not self._trainable[p["name"]]:
+                continue
+            g = self._local(p["name"]).grad
+            if g is None:
+                continue
+            axes = tuple(a for a, pl in zip(self._meta["mesh"]["names"], parse_layout(p["layout"]))
+                         if isinstance(pl, Shard))
+            sq = g.detach().float().pow(2).sum()
+            by_axes[axes] = by_axes.get(axes, 0) + sq
+        total = torch.zeros((), dtype=torch.float32)
+        for axes, sq in sorted(by_axes.items()):
+            sq = torch.as_tensor(sq, dtype=torch.float32)
+            for a in axes:
+                sq = _all_reduce(sq, self._fwd, a)
+            total = total + sq
+        return total.sqrt()
+
+    def full_state_dict(self) -> dict:
+        """``{name: whole tensor}`` of every parameter and buffer, gathered on every rank, in the
+        original module's shapes (loadable by its ``load_state_dict``; a tied weight under the
+        one name the program keeps)."""
+        out = {}
+        for p in self._meta["params"]:
+            t = self._local(p["name"]).detach()
+            for a, pl in reversed(list(zip(self._meta["mesh"]["names"], parse_layout(p["layout"])))):
+                if isinstance(pl, Shard):
+                    t = _all_gather(t, pl.dim, self._fwd, a)
+            out[p["name"]] = t.reshape(self._shapes.get(p["name"], t.shape))
+        return out
+
+
+def _group(mod, axis):
+    if axis not in mod.GROUPS:
+        mod.GROUPS[axis] = mod.line_group(mod.GROUP_RANKS[axis])
+    return mod.GROUPS[axis]
+
+
+def _all_reduce(x, mod, axis):
+    _group(mod, axis)
+    return mod.all_reduce(x, axis)
+
+
+def _all_gather(x, dim, mod, axis):
+    _group(mod, axis)
+    return mod.all_gather(x, dim, axis)
+
+
+def _requires_grad(module, name):
+    p = dict(module.named_parameters()).get(name)
+    return p is None or p.requires_grad
+
+
+def _full_tensors(module) -> dict:
+    from ..frontends.torch.fold import module_sources
+
+    return {k: v.detach() for k, v in module_sources(module).items()}
+
+
+def _batch_scale(layout: str, mesh: dict) -> float:
+    """1 / the ranks that split dim 0 of an output laid out ``layout``."""
+    n = math.prod(s for s, p in zip(mesh["sizes"], parse_layout(layout)) if p == Shard(0))
+    return 1.0 / n
+
+
+class _Step(torch.autograd.Function):
+    """The forward program forward, the backward program backward."""
+
+    @staticmethod
+    def forward(ctx, owner, nparams, *tensors):
+        params = dict(zip(owner._param_names, tensors[:nparams]))
+        inputs = dict(zip(owner._input_names, tensors[nparams:]))
+        with torch.no_grad():
+            out = call(owner._fwd, "forward", params, inputs)
+        ctx.owner, ctx.nparams = owner, nparams
+        ctx.save_for_backward(*tensors)
+        results = tuple(out[o["name"]] for o in owner._outputs)
+        ctx.mark_non_differentiable(*[r for r in results if not r.is_floating_point()])
+        return results
+
+    @staticmethod
+    def backward(ctx, *grads):
+        owner, nparams = ctx.owner, ctx.nparams
+        tensors = ctx.saved_tensors
+        none = (None, None) + (None,) * len(tensors)
+        if owner._bwd is None:
+            return none
+        params = dict(zip(owner._param_names, tensors[:nparams]))
+        inputs = dict(zip(owner._input_names, tensors[nparams:]))
+        wanted = set(owner._meta["backward_inputs"])
+        for o, g, scale, out in zip(owner._outputs, grads, owner._scales, owner._outputs):
+            cot = o["cotangent"]
+            if cot is None or cot not in wanted:
+                continue
+            if g is None:
+                g = torch.zeros(_local_shape(o, owner), dtype=getattr(torch, o["dtype"]))
+            inputs[cot] = g * scale if scale != 1.0 else g
+        with torch.no_grad():
+            res = call(owner._bwd, "train_step", params, {k: v for k, v in inputs.items() if k in wanted})
+        pgrads = [res.get(f"{n}.grad") if owner._trainable[n] else None for n in owner._param_names]
+        igrads = [res.get(f"{n}.grad") for n in owner._input_names]
+        return (None, None, *pgrads, *igrads)
+
+
+def _local_shape(out: dict, owner) -> tuple:
+    shape = list(out["shape"])
+    for size, p in zip(owner._meta["mesh"]["sizes"], parse_layout(out["layout"])):
+        if isinstance(p, Shard):
+            shape[p.dim] //= size
+    return tuple(shape)

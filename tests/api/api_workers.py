@@ -1,0 +1,152 @@
+"""What each gloo rank runs in tests/api (through gloo_ranks.run_ranks)."""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import parcomp
+
+MLP_TP = """mesh tp=2
+0.weight colwise
+2.weight rowwise
+input  input replicated
+output output replicated
+"""
+
+MLP_DP_TP = """mesh dp=2 tp=2
+0.weight colwise over tp
+2.weight rowwise over tp
+input  input [S(0), R]
+output output [S(0), R]
+"""
+
+GPT2_TP = """mesh tp=2
+transformer.h.*.attn.c_attn.weight  colwise
+transformer.h.*.attn.c_proj.weight  rowwise
+transformer.h.*.mlp.c_fc.weight     colwise
+transformer.h.*.mlp.c_proj.weight   rowwise
+"""
+
+GPT2_DP_TP = """mesh dp=2 tp=2
+transformer.h.*.attn.c_attn.weight  colwise over tp
+transformer.h.*.attn.c_proj.weight  rowwise over tp
+transformer.h.*.mlp.c_fc.weight     colwise over tp
+transformer.h.*.mlp.c_proj.weight   rowwise over tp
+input input_ids [S(0), R]
+output logits [S(0), R]
+"""
+
+SPECS = {"tp": MLP_TP, "dp_tp": MLP_DP_TP, "gpt2_tp": GPT2_TP, "gpt2_dp_tp": GPT2_DP_TP}
+
+
+def tiny_gpt2():
+    """transformers' GPT2LMHeadModel, 2 blocks, n_embd 32, vocab 101, tied embeddings, no dropout."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=101, n_positions=16, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, use_cache=False,
+                        attn_implementation="sdpa")
+    return GPT2LMHeadModel(config).eval()
+
+
+def _lm_batches(steps, batch=4, seq=8, vocab=101):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, vocab, (batch, seq), generator=g), torch.randint(0, vocab, (batch, seq), generator=g))
+            for _ in range(steps)]
+
+
+def train_lm_equal(rank, world, spec="gpt2_tp", steps=3, cache_dir=None):
+    """train_equal for the tiny GPT-2 LM: cross-entropy on its logits, AdamW, 3 steps."""
+    text = SPECS[spec]
+    model = tiny_gpt2()
+    ref = copy.deepcopy(model)
+    batches = _lm_batches(steps)
+
+    def loss_of(logits, labels):
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_losses = []
+    for ids, labels in batches:
+        loss = loss_of(ref(ids).logits, labels)
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(loss.item())
+    par = parcomp.parallelize(model, (batches[0][0],), text, cache_dir=cache_dir)
+    opt = torch.optim.AdamW(par.parameters(), lr=1e-2, weight_decay=0.1)
+    dp, coord = _dp_coord(text, rank)
+    losses = []
+    for ids, labels in batches:
+        loss = loss_of(par(ids.chunk(dp)[coord])["logits"], labels.chunk(dp)[coord])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world)
+    full = par.full_state_dict()
+    param_err = max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items() if k in full)
+    return {"ref_losses": ref_losses, "losses": losses, "param_err": param_err,
+            "loss_err": max(abs(a - b) for a, b in zip(ref_losses, losses)),
+            "compared": len([k for k in ref.state_dict() if k in full]), "params": len(ref.state_dict()),
+            "output_layouts": par.output_layouts()}
+
+
+def small_mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+
+
+def _batches(steps, batch=4, seq=3, width=16):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(batch, seq, width, generator=g), torch.randn(batch, seq, width, generator=g))
+            for _ in range(steps)]
+
+
+def _dp_coord(spec_text, rank):
+    """(dp size, this rank's dp coordinate) for a spec whose mesh is ``dp=D tp=T`` or ``tp=T``."""
+    mesh = dict(kv.split("=") for kv in spec_text.splitlines()[0].split()[1:])
+    dp, tp = int(mesh.get("dp", 1)), int(mesh.get("tp", 1))
+    return dp, rank // tp
+
+
+def train_equal(rank, world, spec="tp", steps=3, cache_dir=None):
+    """3 AdamW steps of the unsharded MLP and of parcomp.parallelize(MLP), from the same start:
+    max abs differences of losses and of the final parameters."""
+    text = SPECS[spec]
+    model = small_mlp()
+    ref = copy.deepcopy(model)
+    batches = _batches(steps)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_losses = []
+    for x, t in batches:
+        loss = nn.functional.mse_loss(ref(x), t)
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(loss.item())
+
+    par = parcomp.parallelize(model, (batches[0][0],), text, cache_dir=cache_dir)
+    opt = torch.optim.AdamW(par.parameters(), lr=1e-2, weight_decay=0.1)
+    dp, coord = _dp_coord(text, rank)
+    losses = []
+    for x, t in batches:
+        xl, tl = x.chunk(dp)[coord], t.chunk(dp)[coord]
+        loss = nn.functional.mse_loss(par(xl), tl)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world)
+    # every tp rank of a dp group holds the same loss: the mean over ranks is the mean over dp
+    full = par.full_state_dict()
+    param_err = max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+    return {"ref_losses": ref_losses, "losses": losses, "param_err": param_err,
+            "loss_err": max(abs(a - b) for a, b in zip(ref_losses, losses)),
+            "from_cache": par.from_cache, "fingerprint": par.fingerprint}

@@ -1,0 +1,72 @@
+"""DTensor plan dicts as parcomp specs: the same collectives as parcomp's own spec."""
+import sys
+from pathlib import Path
+
+import pytest
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+import parcomp
+from parcomp.errors import ParcompError
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "specs"))
+from models import gpt2_mlp, llama_lm  # noqa: E402
+
+TRAIN = "train loss=cross_entropy optimizer=adamw(lr=0.001) steps=2"
+
+# the DTensor tutorial's Llama block plan, in transformers' module names
+BLOCK = "model.layers.*"
+TP_PLAN = {
+    f"{BLOCK}.self_attn.q_proj": ColwiseParallel(),
+    f"{BLOCK}.self_attn.k_proj": ColwiseParallel(),
+    f"{BLOCK}.self_attn.v_proj": ColwiseParallel(),
+    f"{BLOCK}.self_attn.o_proj": RowwiseParallel(),
+    f"{BLOCK}.mlp.gate_proj": ColwiseParallel(),
+    f"{BLOCK}.mlp.up_proj": ColwiseParallel(),
+    f"{BLOCK}.mlp.down_proj": RowwiseParallel(),
+}
+SP_PLAN = {
+    f"{BLOCK}.input_layernorm": SequenceParallel(),
+    f"{BLOCK}.self_attn": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+    **{k: v for k, v in TP_PLAN.items() if "o_proj" not in k and "down_proj" not in k},
+    f"{BLOCK}.self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+    f"{BLOCK}.post_attention_layernorm": SequenceParallel(),
+    f"{BLOCK}.mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+}
+
+
+def _kinds(x):
+    return [(c.kind, c.axis, c.phase) for c in x.collectives]
+
+
+def test_the_tutorial_tp_plan_gives_parcomps_own_collectives_four_all_reduces_per_block():
+    m, ex, names = llama_lm()
+    text = parcomp.spec_from_plan(TP_PLAN, {"tp": 2}, m, ex, train=TRAIN, input_names=names)
+    got = parcomp.explain(m, ex, text, input_names=names)
+    own = parcomp.explain(m, ex, str(ROOT / "specs/llama_lm_tp2_train.pcs"), input_names=names)
+    assert _kinds(got) == _kinds(own)
+    assert got.count("all_reduce") == 4 * 2 == len(got.collectives)  # 2 blocks
+
+
+def test_the_tutorial_sequence_parallel_plan_gives_parcomps_sequence_parallel():
+    m, ex, names = llama_lm()
+    text = parcomp.spec_from_plan(SP_PLAN, {"tp": 2}, m, ex, train=TRAIN, input_names=names)
+    assert "sequence-parallel" in text
+    got = parcomp.explain(m, ex, text, input_names=names)
+    own = parcomp.explain(m, ex, str(ROOT / "specs/llama_lm_tp2_sp_train.pcs"), input_names=names)
+    assert _kinds(got) == _kinds(own)
+
+
+def test_a_plan_with_its_mesh_is_a_spec_for_check():
+    m, ex, names = gpt2_mlp()
+    plan = {"c_fc": ColwiseParallel(), "c_proj": RowwiseParallel()}
+    assert parcomp.check(m, ex, (plan, {"tp": 2}), input_names=names).ok
+    text = parcomp.spec_from_plan(plan, {"tp": 2}, m)
+    assert "c_fc.weight [S(1)]" in text and "c_fc.bias [S(0)]" in text and "c_proj.weight [S(0)]" in text
+
+
+def test_a_plan_key_naming_no_module_is_an_error():
+    m, ex, names = gpt2_mlp()
+    with pytest.raises(ParcompError, match="plan key 'c_fcc' names no module"):
+        parcomp.check(m, ex, ({"c_fcc": ColwiseParallel()}, {"tp": 2}), input_names=names)

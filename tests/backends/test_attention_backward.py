@@ -1,0 +1,148 @@
+"""Attention's backward in program.py: the gradients of one attention (dq, dk, dv: three
+``sdpa_grad`` nodes in the IR) from one forward and one backward of
+``scaled_dot_product_attention``, and ring attention's three gradients from one backward ring.
+Counted (sdpa calls, ring shifts) and compared with torch's autograd."""
+from __future__ import annotations
+
+import importlib.util
+import os
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from parcomp.cli import commands  # noqa: E402
+from parcomp_backends.torch.emit import RUNTIME_MARK, emit_program  # noqa: E402
+from parcomp_backends.torch.launch import free_port  # noqa: E402
+from parcomp_backends.torch.runtime import program_attention, program_ring  # noqa: E402
+
+MODEL = "specs/models.py:causal_attention"  # transformers' LlamaAttention, RoPE, GQA 4/2 heads
+
+
+def _import(path):
+    spec = importlib.util.spec_from_file_location("parcomp_attention_program", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class _CountSdpa:
+    """Counts the calls of torch's scaled_dot_product_attention (looked up when called)."""
+
+    def __enter__(self):
+        self.real, self.calls = torch.nn.functional.scaled_dot_product_attention, 0
+
+        def counting(*args, **kw):
+            self.calls += 1
+            return self.real(*args, **kw)
+
+        torch.nn.functional.scaled_dot_product_attention = counting
+        return self
+
+    def __exit__(self, *exc):
+        torch.nn.functional.scaled_dot_product_attention = self.real
+
+
+def test_training_step_runs_the_attention_forward_twice_and_its_gradients_equal_torch(tmp_path):
+    """A world-size-1 program.py of LlamaAttention trained one SGD step: the step calls sdpa
+    twice (the forward, and one backward's recomputation for dq, dk and dv together; one vjp
+    per gradient made it 4) and every weight gradient equals torch's autograd of the module."""
+    spec = tmp_path / "t.pcs"
+    spec.write_text("mesh tp=1\ntrain loss=mse optimizer=sgd(lr=0.1) input_grads=no\n")
+    c, module, example = commands.compile_model(SimpleNamespace(model=MODEL, spec=str(spec)), numeric="check")
+    text = emit_program(c, "cpu")
+    step = text.split("def train_step")[1].split(RUNTIME_MARK)[0]  # the step, not the runtime after it
+    assert step.count("= attention_grads(") == 1 and "torch.func.vjp" not in step
+    (tmp_path / "program.py").write_text(text)
+    program = _import(tmp_path / "program.py")
+    feeds = commands.training_feeds(c, module, example, 0)
+    params = {n.name: torch.from_numpy(np.asarray(feeds[n.name])).clone() for n in c.logical.params}
+    inputs = {n.name: torch.from_numpy(np.asarray(feeds[n.name])).clone() for n in c.logical.inputs}
+    with _CountSdpa() as count, torch.no_grad():
+        out = program.train_step(params, inputs)
+    assert count.calls == 2
+    for name, w in module.named_parameters():
+        w.data.copy_(torch.from_numpy(np.asarray(feeds[name])))
+    torch.nn.functional.mse_loss(module(inputs["x"]), inputs["target"]).backward()
+    grads = dict(module.named_parameters())
+    assert len(grads) == 4
+    for name, w in grads.items():
+        torch.testing.assert_close(out[name + ".grad"], w.grad, rtol=1e-5, atol=1e-6 * float(w.grad.abs().max()))
+
+
+@pytest.mark.parametrize("parts", ["qkv", "kv", "q"])
+def test_attention_grads_equal_torch_autograd_with_one_forward(parts):
+    """The runtime helper: only the gradients asked for, each equal to torch's autograd of sdpa,
+    from one sdpa call (causal, GQA-free, a given scale)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dy = (torch.randn(2, 3, 8, 4, generator=g) for _ in range(4))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True, scale=0.3).backward(dy)
+    with _CountSdpa() as count, torch.no_grad():
+        got = program_attention.attention_grads(dy, q, k, v, parts, is_causal=True, scale=0.3)
+    assert count.calls == 1
+    got = got if len(parts) > 1 else (got,)
+    assert len(got) == len(parts)
+    for c, t in zip(parts, got):
+        torch.testing.assert_close(t, leaves["qkv".index(c)].grad, rtol=1e-5, atol=1e-6)
+
+
+def _ring_rank(rank, port, out_dir):
+    """One of 2 gloo ranks: ring attention's gradients of this rank's rows, jointly and one
+    gradient at a time, with the ring shifts each made."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        program_ring.GROUPS, program_ring.GROUP_RANKS = {"cp": torch.distributed.group.WORLD}, {"cp": [[0, 1]]}
+        program_ring.RANK = rank
+        g = torch.Generator().manual_seed(0)
+        full = [torch.randn(1, 2, 8, 4, generator=g) for _ in range(4)]  # dy, q, k, v
+        dy, q, k, v = (t[:, :, 4 * rank:4 * rank + 4] for t in full)  # contiguous chunks
+        shifts, real = [0], program_ring.ring_shift
+
+        def counting(tensors, axis):
+            shifts[0] += 1
+            return real(tensors, axis)
+
+        program_ring.ring_shift = counting
+        joint = program_ring.ring_sdpa_grads(dy, q, k, v, 0.5, True, "cp", "contiguous", "qkv")
+        together, shifts[0] = shifts[0], 0
+        single = [program_ring.ring_sdpa_grad(dy, q, k, v, 0.5, True, "cp", "contiguous", w) for w in "qkv"]
+        torch.save({"joint": joint, "single": single, "shifts": (together, shifts[0])},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_ring_backward_runs_one_ring_for_the_three_gradients(tmp_path):
+    """cp=2 (two gloo processes): ring_sdpa_grads gives dq, dk, dv with 3 ring shifts (the
+    statistics pass, one pass of K/V with their partial dK/dV, dK/dV home), where one
+    ring_sdpa_grad per gradient made 8; both equal torch's autograd of the whole sequence."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_ring_rank, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    g = torch.Generator().manual_seed(0)
+    dy, q, k, v = (torch.randn(1, 2, 8, 4, generator=g) for _ in range(4))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True, scale=0.5).backward(dy)
+    got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert [r["shifts"] for r in got] == [(3, 8), (3, 8)]
+    for i, leaf in enumerate(leaves):
+        for key in ("joint", "single"):
+            whole = torch.cat([r[key][i] for r in got], dim=2)
+            torch.testing.assert_close(whole, leaf.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_attention_grads_compile_as_one_graph():
+    """torch.compile(fullgraph=True) captures the joint backward (``--compile`` of a functional
+    program captures the whole step): no graph break, the same gradients."""
+    g = torch.Generator().manual_seed(1)
+    args = [torch.randn(1, 2, 8, 4, generator=g) for _ in range(4)]
+    with torch.no_grad():
+        eager = program_attention.attention_grads(*args, "qkv", is_causal=True, scale=0.3)
+        compiled = torch.compile(lambda *t: program_attention.attention_grads(*t, "qkv", is_causal=True, scale=0.3),
+                                 fullgraph=True)(*args)
+    for a, b in zip(eager, compiled):
+        torch.testing.assert_close(a, b)
