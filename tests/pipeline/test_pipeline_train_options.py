@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from parcomp.errors import SpecError
-from parcomp.passes.pipeline.pipeline_plan import plan_pipeline
+from parcomp.passes.pass_list import plan_pipeline
 
 from graphs import spec
 from numerics import assert_all_equivalent

@@ -105,7 +105,7 @@ def _shard_stage(st, params: dict, inner: Mesh, shard) -> StageLocal:
     layouts = {**opt_lay, **saved, **{k: v for k, v in opt_out.items()}}
     stats = None
     if st.stats is not None:  # a scalar every rank of the stage holds whole (tp's partials reduced)
-        stats = _shard(st.stats, inner, fixed, rep, {k: rep for k in st.stats.output_names})[1]
+        stats = _shard(shard, st.stats, inner, fixed, rep, {k: rep for k in st.stats.output_names})[1]
     return StageLocal(fwd[1], bwd[1], opt[1], layouts, stats)
 
 
