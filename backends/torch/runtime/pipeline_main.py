@@ -291,7 +291,7 @@ def step(k, state, p, data):
             number, held = torch.tensor(STEP[0], device=DEVICE), STAGES[coord]
             agreed = {}  # clip_grad_norm's sum of squares, fp16's overflow count: every stage's
             for t in held:  # share (this rank's chunks', then summed over pp), read by every update
-                for n, v in (STATS[t](p, sums).items() if t in STATS else ()):
+                for n, v in (STATS[t](p, dict(sums)).items() if t in STATS else ()):  # (it pops inp)
                     agreed[n] = v if n not in agreed else agreed[n] + v
             for n in sorted(agreed):
                 reduce_over(agreed[n], pp_group, k, "pp", PP_GROUPS)
