@@ -149,7 +149,8 @@ def main():
             logits = par(ids)["logits"]
             loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
             loss.backward()
-            norm = par.clip_grad_norm_(args.max_norm)
+            norm = par.clip_grad_norm_(args.max_norm)  # the norm of the unsharded gradients
+            lr = sched.get_last_lr()[0]
             opt.step()
             sched.step()
             opt.zero_grad()
@@ -159,7 +160,7 @@ def main():
             seconds = time.perf_counter() - t0
             if dist.get_rank() == 0:
                 print(f"step {step:4d}  loss {mean.item():.4f}  grad_norm {norm.item():.3f}  "
-                      f"lr {sched.get_last_lr()[0]:.2e}  {args.batch * args.seq / seconds:,.0f} tokens/s", flush=True)
+                      f"lr {lr:.2e}  {args.batch * args.seq / seconds:,.0f} tokens/s", flush=True)
             if step % args.ckpt_every == 0 or step == args.steps:
                 save(args.ckpt_dir, step, par, opt, sched)
     finally:

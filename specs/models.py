@@ -611,3 +611,23 @@ def deepseek_v3_lm():
                               pad_token_id=None, use_cache=False, attn_implementation="sdpa")
     module = _draw_moe(DeepseekV3ForCausalLM(config).eval())
     return module, (torch.randint(0, 128, (2, 8)),), ["input_ids"]
+
+
+def deepseek_v2_lm():
+    """transformers' ``DeepseekV2ForCausalLM``: as :func:`deepseek_v3_lm` (MLA, a dense then an
+    MoE block, hidden 64, vocab 128) with DeepSeek-V2's complex rotary embedding
+    (``view_as_complex`` times the ``polar`` table, ``view_as_real``: real arithmetic on import)
+    and its softmax router (greedy top-2 of 4 experts, one shared expert). Input ``input_ids``:
+    int64[2,8]; output ``logits`` f32[2,8,128]."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    torch.manual_seed(SEED)
+    config = DeepseekV2Config(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                              num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4,
+                              num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+                              n_shared_experts=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+                              qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=64,
+                              bos_token_id=0, eos_token_id=1, pad_token_id=None, use_cache=False,
+                              attn_implementation="sdpa")
+    module = _draw_moe(DeepseekV2ForCausalLM(config).eval())
+    return module, (torch.randint(0, 128, (2, 8)),), ["input_ids"]

@@ -213,6 +213,10 @@ class ParallelModule(nn.Module):
         if len(inputs) != len(self._input_names):
             raise ParcompError(f"the module was compiled with {len(self._input_names)} inputs "
                                f"({', '.join(self._input_names)}); got {len(inputs)}")
+        if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs) \
+                and not any(f"{n}.grad" in self._meta["grads"] for n in self._input_names):
+            raise ParcompError("an input requires grad, but the module was compiled without input "
+                               "gradients: parallelize(..., input_grads=True)")
         params = [self._local(n) for n in self._param_names]
         outs = _Step.apply(self, len(params), *params, *inputs)
         names = [o["name"] for o in self._outputs]
@@ -260,9 +264,18 @@ class ParallelModule(nn.Module):
         """``{name: whole tensor}`` of every parameter and buffer, gathered on every rank, in the
         original module's shapes (loadable by its ``load_state_dict``; a tied weight under the
         one name the program keeps)."""
+        return self._gathered(lambda t: t.detach())
+
+    def full_grads(self) -> dict:
+        """``{name: whole gradient}`` of every parameter that has one, gathered on every rank."""
+        return self._gathered(lambda t: None if t.grad is None else t.grad.detach())
+
+    def _gathered(self, pick) -> dict:
         out = {}
         for p in self._meta["params"]:
-            t = self._local(p["name"]).detach()
+            t = pick(self._local(p["name"]))
+            if t is None:
+                continue
             for a, pl in reversed(list(zip(self._meta["mesh"]["names"], parse_layout(p["layout"])))):
                 if isinstance(pl, Shard):
                     t = _all_gather(t, pl.dim, self._fwd, a)

@@ -109,10 +109,12 @@ def _io_layout(mesh, ty):
     return lay if not divisibility_problem(ty, lay, mesh) else tuple(R for _ in mesh.names)
 
 
-def may_stay_replicated(graph) -> set:
+def may_stay_replicated(graph, ranks: int | None = None) -> set:
     """Params of ``graph`` that a model-parallel axis need not split (module docstring):
     ``embedding`` tables, weights of a matmul making a model output (reached through
-    permutes and reshapes, as ``colwise`` follows them), non-trainable buffers."""
+    permutes and reshapes, as ``colwise`` follows them), non-trainable buffers; with
+    ``ranks`` (the smallest model-parallel axis), the kv projections of multi-query /
+    grouped-query attention whose kv heads ``ranks`` does not divide (:func:`_shared_kv`)."""
     users, outputs = graph.users(), set(graph.outputs)
     out = {n.inputs[1] for n in graph.nodes if n.op == "embedding"}
     for p in graph.params:
@@ -125,9 +127,38 @@ def may_stay_replicated(graph) -> set:
                 node = graph[u]
                 if node.op in ("permute", "reshape"):
                     frontier.append(u)
-                elif node.op == "matmul" and node.inputs[1] == cur and _reaches_output(graph, users, u, outputs):
+                elif node.op == "matmul" and node.inputs[1] == cur and (
+                        _reaches_output(graph, users, u, outputs)
+                        or (ranks and (_shared_kv(graph, users, u) or ranks) % ranks)):
                     out.add(p.name)
     return out
+
+
+def _shared_kv(graph, users, name, depth: int = 40) -> int | None:
+    """The kv heads of the ``sdpa`` whose keys or values matmul product ``name`` becomes
+    before any other matmul, when they are fewer than its query heads (multi-query /
+    grouped-query attention: the sdpa's k/v has fewer heads than its q, or transformers'
+    ``repeat_kv`` repeated them by an ``expand`` on the way), else None. Megatron keeps
+    such kv projections replicated when the ranks do not divide the kv heads (every rank
+    computes the shared heads; their gradients are summed) instead of gathering them."""
+    frontier, seen = [(name, None)], {name}
+    while frontier and depth:
+        depth -= 1
+        nxt = []
+        for cur, heads in frontier:
+            for u in users[cur]:
+                node = graph[u]
+                if node.op == "sdpa":
+                    q, k = graph[node.inputs[0]].type, graph[node.inputs[1]].type
+                    if cur in node.inputs[1:3] and (heads or q.shape[-3] > k.shape[-3]):
+                        return heads or k.shape[-3]
+                elif node.op not in ("matmul", "sdpa_grad") and u not in seen:
+                    seen.add(u)
+                    src = graph[node.inputs[0]].type if node.inputs else None
+                    rep = node.op == "expand" and src is not None and src.rank == 4
+                    nxt.append((u, src.shape[-3] if rep else heads))
+        frontier = nxt
+    return None
 
 
 def _reaches_output(graph, users, name, outputs) -> bool:
@@ -190,7 +221,8 @@ def plan(graph, mesh: str, memory: str | None = None, train: str | None = None,
     spec = parse_spec(text, "plan.pcs")
     bound = bind_layouts(graph, spec)  # the forward graph: see the module docstring
     model_params = {n.name for n in graph.params}
-    ends = may_stay_replicated(bound)
+    model_axes = [size for name, size in zip(spec.mesh.names, spec.mesh.sizes) if name != "dp"]
+    ends = may_stay_replicated(bound, min(model_axes) if model_axes else None)
     free = {n.name: param_layouts(n.type, spec.mesh, n.name, n.name in ends) for n in bound.params
             if n.name in model_params}
     check_seconds(seconds)

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 import parcomp
+import parcomp.errors
 
 MLP_TP = """mesh tp=2
 0.weight colwise
@@ -59,7 +60,7 @@ def _lm_batches(steps, batch=4, seq=8, vocab=101):
             for _ in range(steps)]
 
 
-def train_lm_equal(rank, world, spec="gpt2_tp", steps=3, cache_dir=None):
+def train_lm_equal(rank, world, spec="gpt2_tp", steps=3, cache_dir=None, clip=None):
     """train_equal for the tiny GPT-2 LM: cross-entropy on its logits, AdamW, 3 steps."""
     text = SPECS[spec]
     model = tiny_gpt2()
@@ -70,10 +71,13 @@ def train_lm_equal(rank, world, spec="gpt2_tp", steps=3, cache_dir=None):
         return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
-    ref_losses = []
+    ref_losses, ref_norms, norms, ref_grads, grad_err = [], [], [], None, None
     for ids, labels in batches:
         loss = loss_of(ref(ids).logits, labels)
         loss.backward()
+        ref_grads = ref_grads or {k: p.grad.clone() for k, p in ref.named_parameters()}
+        if clip:
+            ref_norms.append(nn.utils.clip_grad_norm_(ref.parameters(), clip).item())
         ref_opt.step()
         ref_opt.zero_grad()
         ref_losses.append(loss.item())
@@ -84,6 +88,12 @@ def train_lm_equal(rank, world, spec="gpt2_tp", steps=3, cache_dir=None):
     for ids, labels in batches:
         loss = loss_of(par(ids.chunk(dp)[coord])["logits"], labels.chunk(dp)[coord])
         loss.backward()
+        if grad_err is None:  # the first step's gradients, before clipping: the scale is seen here
+            full = par.full_grads()
+            grad_err = max(((full[k] - g).abs().max() / g.abs().max()).item() for k, g in ref_grads.items()
+                           if k in full)
+        if clip:
+            norms.append(par.clip_grad_norm_(clip).item())
         opt.step()
         opt.zero_grad()
         mean = loss.detach().clone()
@@ -93,6 +103,7 @@ def train_lm_equal(rank, world, spec="gpt2_tp", steps=3, cache_dir=None):
     param_err = max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items() if k in full)
     return {"ref_losses": ref_losses, "losses": losses, "param_err": param_err,
             "loss_err": max(abs(a - b) for a, b in zip(ref_losses, losses)),
+            "grad_err": grad_err, "norm_err": max((abs(a - b) / a for a, b in zip(ref_norms, norms)), default=0.0), "norms": norms,
             "compared": len([k for k in ref.state_dict() if k in full]), "params": len(ref.state_dict()),
             "output_layouts": par.output_layouts()}
 
@@ -115,7 +126,7 @@ def _dp_coord(spec_text, rank):
     return dp, rank // tp
 
 
-def train_equal(rank, world, spec="tp", steps=3, cache_dir=None):
+def train_equal(rank, world, spec="tp", steps=3, cache_dir=None, clip=None):
     """3 AdamW steps of the unsharded MLP and of parcomp.parallelize(MLP), from the same start:
     max abs differences of losses and of the final parameters."""
     text = SPECS[spec]
@@ -123,10 +134,13 @@ def train_equal(rank, world, spec="tp", steps=3, cache_dir=None):
     ref = copy.deepcopy(model)
     batches = _batches(steps)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
-    ref_losses = []
+    ref_losses, ref_norms, norms, ref_grads, grad_err = [], [], [], None, None
     for x, t in batches:
         loss = nn.functional.mse_loss(ref(x), t)
         loss.backward()
+        ref_grads = ref_grads or {k: p.grad.clone() for k, p in ref.named_parameters()}
+        if clip:
+            ref_norms.append(nn.utils.clip_grad_norm_(ref.parameters(), clip).item())
         ref_opt.step()
         ref_opt.zero_grad()
         ref_losses.append(loss.item())
@@ -139,6 +153,12 @@ def train_equal(rank, world, spec="tp", steps=3, cache_dir=None):
         xl, tl = x.chunk(dp)[coord], t.chunk(dp)[coord]
         loss = nn.functional.mse_loss(par(xl), tl)
         loss.backward()
+        if grad_err is None:  # the first step's gradients, before clipping: the scale is seen here
+            full = par.full_grads()
+            grad_err = max(((full[k] - g).abs().max() / g.abs().max()).item() for k, g in ref_grads.items()
+                           if k in full)
+        if clip:
+            norms.append(par.clip_grad_norm_(clip).item())
         opt.step()
         opt.zero_grad()
         mean = loss.detach().clone()
@@ -149,4 +169,41 @@ def train_equal(rank, world, spec="tp", steps=3, cache_dir=None):
     param_err = max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())
     return {"ref_losses": ref_losses, "losses": losses, "param_err": param_err,
             "loss_err": max(abs(a - b) for a, b in zip(ref_losses, losses)),
+            "grad_err": grad_err, "norm_err": max((abs(a - b) / a for a, b in zip(ref_norms, norms)), default=0.0), "norms": norms,
             "from_cache": par.from_cache, "fingerprint": par.fingerprint}
+
+
+def options(rank, world, cache_dir=None):
+    """input_grads=True: the input's gradient equals torch's; gather_outputs=True: a split
+    output comes back whole; an input needing grad without input_grads is a clear error."""
+    model = small_mlp()
+    x = torch.randn(4, 3, 16)
+    xr = x.clone().requires_grad_(True)
+    model(xr).pow(2).sum().backward()
+    par = parcomp.parallelize(model, (x,), MLP_TP, input_grads=True, cache_dir=cache_dir)
+    xp = x.clone().requires_grad_(True)
+    par(xp).pow(2).sum().backward()
+    split = MLP_TP.replace("output output replicated", "output output split-hidden")
+    local = parcomp.parallelize(model, (x,), split, cache_dir=cache_dir)
+    whole = parcomp.parallelize(model, (x,), split, gather_outputs=True, cache_dir=cache_dir)
+    with torch.no_grad():
+        want = model(x)
+        got_local, got_whole = local(x), whole(x)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+    planned = parcomp.parallelize(model, (x,), (plan, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))),
+                                  cache_dir=cache_dir)
+    with torch.no_grad():
+        plan_err = (planned(x) - want).abs().max().item()
+    try:
+        local(x.clone().requires_grad_(True))
+        refused = ""
+    except parcomp.errors.ParcompError as e:
+        refused = str(e)
+    return {"x_grad_err": (xp.grad - xr.grad).abs().max().item(),
+            "local_shape": list(got_local.shape), "layouts": [local.output_layouts(), whole.output_layouts()],
+            "whole_err": (got_whole - want).abs().max().item(),
+            "local_err": (got_local - want.chunk(2, -1)[rank]).abs().max().item(), "refused": refused,
+            "plan_err": plan_err, "plan_layouts": planned.layouts()}

@@ -17,15 +17,17 @@ def test_tp2_adamw_steps_equal_the_unsharded_loop(tmp_path):
     results = run_ranks("api_workers:train_equal", 2, spec="tp", cache_dir=str(tmp_path))
     for r in results:
         assert r["loss_err"] <= 1e-5 * max(map(abs, r["ref_losses"])), r
-        assert r["param_err"] <= 1e-5, r
+        assert r["param_err"] <= 1e-5 and r["grad_err"] <= 1e-5, r
 
 
 @pytest.mark.slow
 def test_dp2_tp2_adamw_steps_equal_the_unsharded_loop(tmp_path):
-    results = run_ranks("api_workers:train_equal", 4, spec="dp_tp", cache_dir=str(tmp_path))
+    # with clip_grad_norm_ (the unsharded norm; max_norm small enough to clip every step)
+    results = run_ranks("api_workers:train_equal", 4, spec="dp_tp", cache_dir=str(tmp_path), clip=0.05)
     for r in results:
+        assert len(r["norms"]) == 3 and min(r["norms"]) > 0.05 and r["norm_err"] <= 1e-5, r
         assert r["loss_err"] <= 1e-5 * max(map(abs, r["ref_losses"])), r
-        assert r["param_err"] <= 1e-5, r
+        assert r["param_err"] <= 1e-5 and r["grad_err"] <= 1e-5, r
     assert len({r["fingerprint"] for r in results}) == 1
 
 
@@ -79,13 +81,26 @@ def test_tiny_gpt2_tp2_adamw_steps_equal_the_unsharded_loop(tmp_path):
     results = run_ranks("api_workers:train_lm_equal", 2, spec="gpt2_tp", cache_dir=str(tmp_path))
     for r in results:
         assert r["loss_err"] <= 1e-5 * max(map(abs, r["ref_losses"])), r
-        assert r["param_err"] <= LM_PARAM_TOL, r
+        assert r["param_err"] <= LM_PARAM_TOL and r["grad_err"] <= 1e-4, r
         assert r["compared"] == r["params"] - 1  # all but the tied lm_head.weight (one param: wte)
 
 
 @pytest.mark.slow
 def test_tiny_gpt2_dp2_tp2_adamw_steps_equal_the_unsharded_loop(tmp_path):
-    results = run_ranks("api_workers:train_lm_equal", 4, spec="gpt2_dp_tp", cache_dir=str(tmp_path))
+    results = run_ranks("api_workers:train_lm_equal", 4, spec="gpt2_dp_tp", cache_dir=str(tmp_path), clip=0.5)
     for r in results:
+        assert len(r["norms"]) == 3 and r["norm_err"] <= 1e-5, r
         assert r["loss_err"] <= 1e-5 * max(map(abs, r["ref_losses"])), r
-        assert r["param_err"] <= LM_PARAM_TOL, r
+        assert r["param_err"] <= LM_PARAM_TOL and r["grad_err"] <= 1e-4, r
+
+
+@pytest.mark.slow
+def test_input_gradients_gathered_outputs_and_a_dtensor_plan(tmp_path):
+    for r in run_ranks("api_workers:options", 2, cache_dir=str(tmp_path)):
+        assert r["x_grad_err"] <= 1e-5, r
+        assert r["layouts"] == [{"output": "[S(2)]"}, {"output": "[R]"}], r
+        assert r["local_shape"] == [4, 3, 8] and r["local_err"] <= 1e-6 and r["whole_err"] <= 1e-6, r
+        assert "input_grads=True" in r["refused"], r
+        # a DTensor plan over a DeviceMesh
+        assert r["plan_err"] <= 1e-6 and r["plan_layouts"]["0.weight"] == "[S(0)]", r
+        assert r["plan_layouts"]["2.weight"] == "[S(1)]", r

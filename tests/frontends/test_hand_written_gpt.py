@@ -270,10 +270,9 @@ def test_index_select_of_rows_is_an_embedding():
 
 
 def test_every_rewrite_is_pinned_by_a_test():
-    tested = {c[0] for c in ATT + ELEMENTWISE} | {"repeat_interleave", "index_select", "view_as_complex"}
-    # the rest are the same rewrite as a tested one: the other complex ops as view_as_complex,
-    # triu as tril
-    assert set(REWRITES) - tested == {"view_as_real", "polar", "triu"}
+    tested = {c[0] for c in ATT + ELEMENTWISE} | {"repeat_interleave", "index_select"}
+    # the rest are the same rewrite as a tested one: triu as tril
+    assert set(REWRITES) - tested == {"triu"}
 
 
 @pytest.mark.parametrize("op,hint", [
@@ -286,19 +285,34 @@ def test_without_a_rewrite_only_an_overload_or_a_close_name_is_named(op, hint):
     assert unsupported_hint(op, supported_ops()) == hint
 
 
-# ---- 3: a complex dtype is located like every other frontend error -----------------------
+# ---- 3: complex rotary embeddings as real arithmetic; other complex ops located --------------
 
-def test_a_complex_rotary_embedding_is_located_and_names_the_real_rewrite():
-    """mistakes.py:complex_rope: the message named the line in its text, with no
-    file:line:col header; the real-arithmetic RoPE it suggests imports and matches torch."""
+def _rope_complex_abs(q, k, v):
+    freqs, _ = _rope_tables()
+    z = torch.view_as_complex(q.reshape(2, 4, 8, 4, 2)) * torch.polar(torch.ones(8, 4), freqs)
+    return _sdpa(torch.cat((z.abs(), z.abs()), -1), k, v)
+
+
+def test_a_complex_rotary_embedding_imports_equal_to_torch():
+    """view_as_complex, a complex product with the folded polar table, view_as_real: each
+    complex value a pair of real ones; the table two frozen params (real, imaginary)."""
+    torch.manual_seed(0)
+    check_against_torch(Attn(_rope_complex), (X32,))
+    torch.manual_seed(0)
+    graph = import_torch(Attn(_rope_complex), (X32,))
+    assert sorted(p.name.rsplit(".", 1)[-1] for p in graph.params if "polar" in p.name) == ["imag", "real"]
+
+
+def test_another_complex_op_is_located_and_names_the_real_rewrite():
+    """The message names the op and the user's line, with the real-arithmetic RoPE."""
     torch.manual_seed(0)
     with pytest.raises(FrontendError) as e:
-        import_torch(Attn(_rope_complex), (X32,))
+        import_torch(Attn(_rope_complex_abs), (X32,))
     err, text = e.value, str(e.value)
-    assert "dtype torch.complex64" in err.message and "rotate_half(q) * sin" in err.message
+    assert "aten.abs.default on a complex value is not supported" in err.message
+    assert "rotate_half(q) * sin" in err.message
     assert err.loc is not None and err.loc.file == __file__ and "self.how(q, k, v)" in err.loc.text
     assert text.startswith(f"{__file__}:{err.loc.line}:{err.loc.col}\n") and "\n  at " not in text
-    assert err.message.index("in the top-level module (") < err.message.index("; parcomp computes in real")
     torch.manual_seed(0)
     check_against_torch(Attn(_rope_real), (X32,))
 

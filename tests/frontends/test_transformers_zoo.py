@@ -49,14 +49,17 @@ ZOO = {
     "gpt_neox_lm": {("all_reduce", "forward"): 2, ("all_reduce", "backward"): 4},
     # fused qkv_proj / gate_up_proj: the plan gathers the attention and MLP inputs' parts
     "phi3_lm": {("all_gather", "forward"): 4, ("all_reduce", "forward"): 2, ("all_reduce", "backward"): 2},
-    # multi-query attention in one fused query_key_value
-    "falcon_lm": {("all_gather", "forward"): 2, ("all_reduce", "forward"): 2, ("all_gather", "backward"): 2,
-                  ("all_reduce", "backward"): 2},
+    # multi-query attention in one fused query_key_value (1 kv head: the fused weight may stay
+    # replicated, nothing gathered forward); parallel attention and MLP: one all_reduce a block
+    "falcon_lm": {("all_reduce", "forward"): 2, ("all_gather", "backward"): 2, ("all_reduce", "backward"): 2},
     # experts split over tp (each rank 2 of 4); the router's logits gathered for its softmax
     "mixtral_lm": {("all_reduce", "forward"): 2, ("all_gather", "forward"): 4, ("all_reduce", "backward"): 4},
     "qwen2_moe_lm": {("all_reduce", "forward"): 4, ("all_gather", "forward"): 6, ("all_reduce", "backward"): 4},
     # MLA's low-rank projections and the group-limited sigmoid router
     "deepseek_v3_lm": {("all_gather", "forward"): 12, ("all_reduce", "forward"): 2, ("all_gather", "backward"): 1,
+                       ("all_reduce", "backward"): 2},
+    # the same with a complex rotary embedding (real arithmetic) and a softmax router
+    "deepseek_v2_lm": {("all_gather", "forward"): 12, ("all_reduce", "forward"): 2, ("all_gather", "backward"): 1,
                        ("all_reduce", "backward"): 2},
 }
 
@@ -74,3 +77,34 @@ def test_a_family_as_transformers_builds_it_plans_and_checks_at_tp2(factory):
     assert ls["vs_torch"] is not None and ls["vs_torch"]["ok"]
     counts = collections.Counter((r["kind"], r["phase"]) for r in compiled.report["collectives"])
     assert dict(counts) == ZOO[factory]
+
+
+def test_kv_projections_of_multi_query_attention_stay_replicated_never_gathered():
+    """Llama with one kv head at tp=2: the planner may keep k_proj / v_proj replicated (the
+    ranks do not divide the kv heads), so no block gathers them or their keys and values (before,
+    both weights were split and gathered every block). Where the query heads and o_proj go is
+    the cost model's choice at this size: it gathers the rotated queries and o_proj's weight
+    (attention replicated) rather than all-reduce o_proj's partial sums."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    import torch
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=64,
+                         bos_token_id=0, eos_token_id=1, pad_token_id=None, use_cache=False,
+                         attn_implementation="sdpa")
+    module = LlamaForCausalLM(config).eval()
+    example = (torch.randint(0, 128, (2, 8)),)
+    graph = import_torch(module, example, ["input_ids"])
+    text, _ = plan(graph, "tp=2", train=TRAIN, seconds=5.0)
+    rules = [ln.split()[0] for ln in text.splitlines() if ln and not ln.startswith(("#", " "))]
+    assert not [r for r in rules if "k_proj" in r or "v_proj" in r]  # no rule: replicated
+    compiled = compile_graph(graph, parse_spec(text, "mqa_plan.pcs"))
+    counts = collections.Counter((r["kind"], r["phase"]) for r in compiled.report["collectives"])
+    # per block: the queries and o_proj's weight gathered, the MLP's all_reduce each way (with
+    # k_proj / v_proj split, 4 all_gather a block)
+    assert dict(counts) == {("all_gather", "forward"): 4, ("all_reduce", "forward"): 2,
+                            ("all_reduce", "backward"): 2}
+    feeds = train_feeds(compiled, module, example, 0, feeds_for)
+    ls = lockstep(compiled, module, example, feeds, 2)
+    assert verdict(*[ls["vs_unsharded"]] + [ls[k] for k in ("native", "vs_torch") if ls[k] is not None]) == "OK"

@@ -91,3 +91,38 @@ def test_pp_tp_pipeline_for_cuda_runs_on_cpu_equal_to_the_cpu_program_reading_it
         whole = sum(ck[n].numel() * ck[n].element_size() for n in names)
         report = json.loads((d / f"cuda.rank{r}.json").read_text())  # a block's short runs: whole rows read
         assert split and report["bytes_kept"] == nbytes and report["bytes_read"] <= whole, (r, report)
+
+
+@pytest.mark.slow
+def test_gpt2_pipeline_loads_a_plain_transformers_state_dict(tmp_path):
+    # a GPT2LMHeadModel's own state_dict(): c_attn's fused weight [32, 96] and bias [96] (the
+    # program views them per part, [3, 32] for the bias), lm_head.weight tied to wte; loss of
+    # the first step equals torch's cross-entropy of the model's logits
+    pytest.importorskip("transformers")
+    import importlib.util
+
+    from parcomp.cli.main import main
+
+    from test_pipeline import ROOT
+
+    models = str(ROOT / "specs" / "models.py")
+    (tmp_path / "s.pcs").write_text(
+        "mesh pp=2\nstage 0: transformer transformer.h.0\nstage 1: transformer.h.1 transformer.ln_f lm_head\n"
+        "train loss=cross_entropy optimizer=sgd(lr=0.1) input_grads=no microbatches=2 schedule=1f1b\n")
+    out = tmp_path / "out"
+    assert main(["compile", f"{models}:gpt2_lm", "--spec", str(tmp_path / "s.pcs"), "--profile", "cuda",
+                 "-o", str(out)]) == 0
+    assert "'transformer.h.0.attn.c_attn.bias': [96]" in (out / "program.py").read_text()
+    spec_ = importlib.util.spec_from_file_location("models_for_gpt2", models)
+    mod = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(mod)
+    module = mod.gpt2_lm()[0]
+    torch.manual_seed(1)
+    ids, labels = torch.randint(0, 101, (2, 8)), torch.randint(0, 101, (2, 8))
+    with torch.no_grad():
+        want = torch.nn.functional.cross_entropy(module(ids).logits.reshape(-1, 101), labels.reshape(-1))
+    res = run_torchrun(out, 2, module.state_dict(), {"input_ids": ids, "labels": labels}, str(out / "o.pt"),
+                       ("--device", "cpu"), timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    got = torch.load(out / "o.pt.stage1")["losses"]
+    assert got.shape == (1,) and abs(got[0].item() - want.item()) < 1e-5 * want.item(), (got, want)

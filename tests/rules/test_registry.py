@@ -96,7 +96,7 @@ EXEMPT = {
     (_T["torch"], "kind:source"): "emitted as load_params / load_inputs, not as a formula",
     **{(_T["torch_frontend"], k): _AFTER_AUTODIFF for k in _LAYOUT_KINDS},
     **{(_T["torch_frontend"], op): _BY_AUTODIFF
-       for op in _GRADS + ("adamw_param", "ones")},  # cross_entropy: the loss part's
+       for op in _GRADS + ("adamw_param",)},  # cross_entropy: the loss part's; ones: a routing mask's
     (_T["torch_frontend"], "relayout"): "made by bind-layouts from the spec's output/activation rules",
     **{(_T[t], "kind:lowered"): why for t, why in (
         ("sharding", "made after sharding by parcomp/passes/lowering/lower.py from ops whose layouts were checked"),

@@ -66,6 +66,10 @@ def test_a_sequence_not_divisible_by_the_axis_is_a_located_error():
     with pytest.raises(SpecError, match=r"sequence-parallel over tp: layer_norm %h .*not divisible") as e:
         compile_graph(parse_graph(BLOCK.replace("2,8,", "2,7,")), spec("mesh tp=2\nsequence-parallel\n"))
     assert e.value.loc.line == 2
+    # the padding to add, as Megatron pads (a ViT's 17 tokens with the class token: 18 at tp=2)
+    assert "feed 8 positions (1 padding token at the end" in str(e.value)
+    with pytest.raises(SpecError, match=r"feed 8 positions \(3 padding tokens"):
+        compile_graph(parse_graph(BLOCK.replace("2,8,", "2,5,")), spec("mesh tp=4\nsequence-parallel\n"))
 
 
 def test_norm_input_output_and_their_gradients_are_pinned_split_seq():

@@ -22,14 +22,13 @@ Real, importable Python; it runs with the stand-ins below for what the emitter g
 # flake8: noqa: E402,F403,F405 (program.py is one namespace: the common sections are in it)
 import argparse
 import os
-import time
 
 import torch
 import torch.distributed as dist
 
 from .program_cluster import *
 from .program_common import *
-from .program_train import check_save, resume_location, check_resume, dcp_failure, step_count
+from .program_train import check_save, step_count
 
 # ---- stand-ins for what the emitter generates (never pasted): a one-stage, one-rank program ----
 STAGE_PARAMS = {0: []}
@@ -94,10 +93,20 @@ def whole_value(t, splits):
     return t
 
 
+def held_shape(ckpt, name):
+    """The shape ``ckpt`` (a Checkpoint or a dict of tensors) holds param ``name`` in, or None."""
+    if isinstance(ckpt, Checkpoint):
+        entry = ckpt.entries.get(ckpt.key(name))
+        return None if entry is None else tuple(entry[2] if len(entry) == 5 else entry[1].shape)
+    t = ckpt.get(name)
+    return tuple(t.shape) if isinstance(t, torch.Tensor) else None
+
+
 def load_params(ckpt):
     """This rank's block of every param of the stages it holds, on DEVICE: only those
     params' bytes are read (a Slice is read by place()); optimizer state starts at zeros
-    unless the checkpoint holds it."""
+    unless the checkpoint holds it. A fused weight is read in the shape the model stores it
+    (transformers' ``state_dict()``) or in the program's view of it (a parcomp checkpoint)."""
     coord, out = coords(RANK)["pp"], {}
     for t in STAGES[coord]:
         for name in STAGE_PARAMS[t]:
@@ -116,7 +125,8 @@ def load_params(ckpt):
             dtype = getattr(torch, dtype)
             if name in ALIASES:  # a tied weight: any of its names
                 src = take_tied(ckpt, (name, *ALIASES[name]), tuple(shape), dtype)
-            elif name in STORED_SHAPES:  # a fused weight: stored whole, viewed per part
+            elif name in STORED_SHAPES and held_shape(ckpt, name) != tuple(shape):
+                # a fused weight as the model stores it (c_attn's [96]), viewed per part ([3, 32])
                 src = take(ckpt, name, tuple(STORED_SHAPES[name]), dtype).reshape(tuple(shape))
             elif name in CONSTANT_PARAMS:
                 src = take_constant(ckpt, name, tuple(shape), dtype)

@@ -34,6 +34,7 @@ from .fold import (causal_attention, defining, fold, folded_constants,  # noqa: 
                          materialized, remember, same_value)
 from .hints import (COMPLEX, DATA_DEPENDENT, is_data_dependent, module_path as _module_path,
                           raising_frame, unsupported, user_frame, where_of)
+from .complex import REAL, Complex, lower_complex, touches_complex
 from .norms import NORM_TABLE, fused_patterns
 from .outputs import name_outputs, output_names, register_output_dataclasses
 
@@ -87,6 +88,10 @@ class _Builder:
 
     def val(self, arg) -> str:
         """The value name of an fx operand that must be a tensor."""
+        if isinstance(arg, torch.fx.Node) and isinstance(self.env.get(arg), Complex):
+            raise self.fail(f"complex operand %{arg.name} of {self.cur.target}: parcomp computes in real "
+                            "dtypes (complex values are lowered for rotary embeddings only)",
+                            f"; {COMPLEX}")
         if isinstance(arg, torch.fx.Node) and self.env.get(arg) is not None:
             return self.env[arg]
         raise self.fail(f"operand {arg!r} of {self.cur.target} is not a tensor value")
@@ -169,6 +174,8 @@ def _lower(b: _Builder, n) -> str | None:
         return b.env[n.args[0]][n.args[1]]
     if n in b.fused:  # a pattern lowered as one op (norms part: torch_norms.py)
         return b.fused[n](b, n, _bind(n) if getattr(n.target, "_schema", None) is not None else {})
+    if touches_complex(n):  # complex part: a pair of real values (parcomp/frontends/torch/complex.py)
+        return lower_complex(b, n, TABLE, _bind)
     fn = TABLE.get(n.target)
     if fn is None:
         raise unsupported(n, supported_ops())
@@ -364,15 +371,23 @@ def import_torch(module: torch.nn.Module, example_inputs: tuple,
             raise FrontendError(f"model input %{n.name} is a token or an opaque object; only "
                                 "parameters, buffers, constants and tensor inputs are supported")
     values = {}
+
+    def frozen(n, value, suffix=""):  # one param per distinct value (each layer's RoPE cos is one)
+        found = next((k for k, v in values.items() if same_value(v, value)), None)
+        if found is None:
+            at = defining(n)
+            ty = TensorType(tuple(value.shape), DTYPES[value.dtype]) if suffix else _type_of(n, b)
+            found = b.add(Node(b.fresh(".".join(filter(None, (_module_path(at), at.name))) + suffix),
+                               "param", (), ty, make_attrs(trainable=False), source=_module_path(at)))
+            values[found] = value.clone()
+        return found
+
     for n in materialized(ep, consts):  # folded values that computed nodes use: frozen params
         b.cur, value = n, consts[n].detach()
-        b.env[n] = next((k for k, v in values.items() if same_value(v, value)), None)
-        if b.env[n] is None:  # one param per distinct value (each layer's RoPE cos is one)
-            at = defining(n)
-            b.env[n] = b.add(Node(b.fresh(".".join(filter(None, (_module_path(at), at.name)))),
-                                  "param", (), _type_of(n, b), make_attrs(trainable=False),
-                                  source=_module_path(at)))
-            values[b.env[n]] = value.clone()
+        if value.dtype.is_complex and value.dtype in REAL:  # complex part: its two real parts
+            b.env[n] = Complex(frozen(n, value.real.contiguous(), ".real"), frozen(n, value.imag.contiguous(), ".imag"))
+        else:
+            b.env[n] = frozen(n, value)
     remember(module, values)
     bad = [s for s in sig.output_specs if s.kind.name != "USER_OUTPUT"]
     if bad:

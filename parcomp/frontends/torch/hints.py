@@ -30,7 +30,8 @@ _MASK = (f"for a causal mask on attention scores, {_SDPA} instead of masking the
 _ROPE = ("rotary embeddings in real arithmetic: q * cos + rotate_half(q) * sin with cos/sin "
          "tables (buffers, folded at import), rotate_half(x) = torch.cat((-x2, x1), -1) of x.chunk(2, -1)")
 #: what the error about a complex dtype suggests (complex rotary embeddings, Meta's Llama)
-COMPLEX = "parcomp computes in real dtypes: write " + _ROPE
+COMPLEX = ("parcomp computes in real dtypes (complex values only as a rotary embedding's "
+           "view_as_complex, mul, view_as_real and views); write " + _ROPE)
 
 #: aten op name (no overload) -> how to write it with ops the frontend lowers
 REWRITES = {
@@ -45,9 +46,6 @@ REWRITES = {
                          "or F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)",
     "roll": "torch.cat((x[:, -k:], x[:, :-k]), dim=1) instead of torch.roll(x, k, dims=1) "
             "(cat of two slices)",
-    "view_as_complex": _ROPE,
-    "view_as_real": _ROPE,
-    "polar": _ROPE,
     "cumsum": "x @ torch.ones(n, n).triu() (the triangle is a constant, folded at import) "
               "for torch.cumsum(x, -1)",
     "index_select": "F.embedding(idx, w) for torch.index_select(w, 0, idx) (rows of a table)",

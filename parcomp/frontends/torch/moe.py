@@ -116,7 +116,8 @@ def is_transformers_experts(m) -> bool:
     """Whether ``m`` is an experts module of transformers' ``@use_experts_implementation``."""
     weights = getattr(m, "gate_up_proj", None) if getattr(m, "has_gate", False) else getattr(m, "up_proj", None)
     down = getattr(m, "down_proj", None)
-    return (hasattr(m, "_apply_gate") and hasattr(m, "is_transposed") and isinstance(m.num_experts, int)
+    return (hasattr(m, "_apply_gate") and hasattr(m, "is_transposed")
+            and isinstance(getattr(m, "num_experts", None), int)
             and isinstance(weights, torch.nn.Parameter) and isinstance(down, torch.nn.Parameter)
             and weights.dim() == 3 and down.dim() == 3)
 

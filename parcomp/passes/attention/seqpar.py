@@ -59,8 +59,13 @@ def pin_sequence_parallel(graph: Graph, spec) -> Graph:
                     for i in range(len(graph.mesh.axes)))
         problem = divisibility_problem(n.type, lay, graph.mesh)
         if problem:
+            seq, size = n.type.shape[n.type.rank - 2], graph.mesh.sizes[a]
+            pad = -seq % size
+            hint = (f"; the sequence must divide by {axis}={size}: feed {seq + pad} positions ({pad} "
+                    f"padding token{'s' if pad > 1 else ''} at the end, masked out of attention and "
+                    f"the loss, as Megatron pads), or drop sequence-parallel") if pad else ""
             raise SpecError(f"sequence-parallel over {axis}: {n.op} %{n.name} {n.type} "
-                            f"(module {n.source or '?'}): {problem}", loc)
+                            f"(module {n.source or '?'}): {problem}{hint}", loc)
         pins[n.name] = lay
     return _pin_all(graph, pins, where, loc)
 
