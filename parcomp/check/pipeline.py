@@ -6,7 +6,8 @@ backward needs, ``send_*`` / ``recv_*`` move values through a mailbox keyed by
 (receiving stage, direction, microbatch), a ``backward`` adds the microbatch's parameter
 gradients to the stage's sums.  After every microbatch of every dp replica, the sums are
 scaled once by ``1 / (microbatches * dp)`` (the dp all-reduce is the sum over replicas)
-and each stage's optimizer program runs.  With tp inside a stage (``plan.local``) each
+and each stage's optimizer program runs, after the stages' ``stats`` programs (clip_grad_norm's
+sum of squares) are summed over every stage and given to it.  With tp inside a stage (``plan.local``) each
 program is the stage's per-rank program run on every rank of the inner mesh
 (:func:`~parcomp.reference.interpreter.run_spmd`, its collectives included); values passed
 between programs are assembled to full arrays and split again by the next program's layouts.
@@ -74,9 +75,14 @@ def run_pipeline_step(plan, feeds: dict) -> dict:
     scale = np.float32(1.0 / (plan.microbatches * plan.dp))
     arr = np.asarray(losses)  # the model's float dtype (float64 in check)
     out = {"loss": (np.sum(arr, dtype=arr.dtype) * arr.dtype.type(scale)).astype(arr.dtype)}
-    for s, acc in enumerate(sums):
-        opt_feeds = {**feeds, **{k: (v * scale).astype(v.dtype) for k, v in acc.items()}}
-        out.update(_run(plan, s, "optimizer", opt_feeds))
+    scaled = [{**feeds, **{k: (v * scale).astype(v.dtype) for k, v in acc.items()}} for acc in sums]
+    agreed = {}  # the stages' stats summed over all of them (program.py: an all_reduce over pp)
+    for s, st in enumerate(plan.stages):
+        if st.stats is not None:
+            for k, v in _run(plan, s, "stats", scaled[s]).items():
+                agreed[k] = v if k not in agreed else agreed[k] + v
+    for s in range(len(plan.stages)):
+        out.update(_run(plan, s, "optimizer", {**scaled[s], **agreed}))
     return out
 
 

@@ -42,7 +42,8 @@ def run_pipeline(args, compiled, feeds: dict, write_work, end_work) -> dict:
 
     from ..check.pipeline import compare_steps
     from ..check.training import initial_state
-    from ..check.differential import verdict
+    from ..check.differential import tolerance_for, verdict
+    from ..check.train_check import compute_dtype
 
     prog, size = compiled.program_, compiled.program.mesh.size
     if args.nproc != size:
@@ -59,7 +60,8 @@ def run_pipeline(args, compiled, feeds: dict, write_work, end_work) -> dict:
     if "step" in logical:
         state["step"] = np.array(1.0, "float32")
     got = _launch(args, compiled, (write_work, end_work), state, size, steps)
-    result = compare_steps(None, logical, state, steps, got)
+    low = compute_dtype(compiled)  # a mixed-precision step: within its compute dtype's tolerance
+    result = compare_steps(None, logical, state, steps, got, tolerance_for(low) if low else None)
     result.update(world_size=size, losses=[float(x) for x in np.atleast_1d(got.get("losses", []))],
                   verdict=verdict(result))
     if not args.json:

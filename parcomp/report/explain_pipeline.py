@@ -1,6 +1,7 @@
 """The pipeline section of ``parcomp explain`` for a spec with a ``pp`` axis: each stage's
 modules and devices, the schedule, the point-to-point sends of one microbatch with their
-bytes, and the bubble (the idle fraction of a step).
+bytes, the bubble (the idle fraction of a step), and per pp rank its memory (weights,
+gradients, optimizer state, the schedule's peak stash) and the p2p bytes of a step.
 
 Nothing is recomputed here: the stages, sends and bubble come from the compiled program's
 :class:`~parcomp.passes.pipeline.pipeline_plan.PipelinePlan` (the analytic bubble of
@@ -37,12 +38,36 @@ def pipeline_record(compiled) -> dict | None:
     for st in plan.stages:
         mods = list(dict.fromkeys(u for n, u in units.items() if plan.stage_of.get(n) == st.index))
         pp_rank = plan.rank_of_stage(st.index)
+        mem = rep["stages"][st.index]
         stages.append({"stage": st.index, "pp_rank": pp_rank, "modules": mods,
                        "ranks": [r["rank"] for r in ranks if r["stage"] == pp_rank],
-                       "send": _values(st.forward, st.send), "recv": _values(st.forward, st.recv)})
+                       "send": _values(st.forward, st.send), "recv": _values(st.forward, st.recv),
+                       **{k: mem[k] for k in MEMORY_KEYS}})
     return {**{k: rep[k] for k in ("pp", "dp", "schedule", "virtual", "microbatches", "micro_batch",
                                    "bubble_analytic", "bubble_simulated")},
-            "stages": stages, "bubble_formula": _formula(plan.schedule, plan.pp, plan.microbatches, plan.virtual)}
+            "stages": stages, "bubble_formula": _formula(plan.schedule, plan.pp, plan.microbatches, plan.virtual),
+            "ranks": _rank_memory(stages, plan.pp, plan.microbatches)}
+
+
+#: the per-stage memory figures of report.json's pipeline record (one rank of the stage)
+MEMORY_KEYS = ("weight_bytes", "grad_bytes", "optimizer_state_bytes", "stash_bytes_per_microbatch",
+               "peak_inflight_microbatches", "peak_inflight_bytes")
+
+
+def _rank_memory(stages, pp, m) -> list:
+    """Per pp coordinate (every rank of it holds the same): its stages' weights, gradients and
+    optimizer state, the peak stash of the schedule (its stages' in-flight microbatches times
+    their stash), their sum, and the p2p bytes one rank sends in a step (each activation
+    forward and its gradient back, per microbatch)."""
+    out = []
+    for r in range(pp):
+        mine = [s for s in stages if s["pp_rank"] == r]
+        row = {k: sum(s[k] for s in mine) for k in ("weight_bytes", "grad_bytes", "optimizer_state_bytes",
+                                                    "peak_inflight_bytes")}
+        sent = sum(v["bytes"] for s in mine for v in s["send"] + s["recv"]) * m
+        out.append({"pp_rank": r, "ranks": mine[0]["ranks"], **row, "total_bytes": sum(row.values()),
+                    "p2p_bytes_per_step": sent})
+    return out
 
 
 def _formula(schedule, pp, m, virtual) -> str:
@@ -73,7 +98,14 @@ def pipeline_blocks(rec: dict) -> list:
             ("table", "pipeline stages (p2p per microbatch, each rank to its peer; backward returns the same bytes)",
              ["stage", "modules", "ranks", "sends to the next stage", "bytes/microbatch"], rows),
             ("text", [f"bubble (idle fraction of a step): {rec['bubble_analytic']:.3f} with equal stages, "
-                      f"{rec['bubble_formula']}; {rec['bubble_simulated']:.3f} simulated on these stages' FLOPs"])]
+                      f"{rec['bubble_formula']}; {rec['bubble_simulated']:.3f} simulated on these stages' FLOPs"]),
+            ("table", "per-rank memory of each pp rank (one rank of it; stash: the schedule's peak "
+                      "in-flight microbatches x each stage's stash), and the p2p bytes it sends in a step",
+             ["pp rank", "ranks", "weights", "grads", "optimizer state", "stash peak", "total", "p2p/step"],
+             [[str(r["pp_rank"]), " ".join(map(str, r["ranks"])), format_bytes(r["weight_bytes"]),
+               format_bytes(r["grad_bytes"]), format_bytes(r["optimizer_state_bytes"]),
+               format_bytes(r["peak_inflight_bytes"]), format_bytes(r["total_bytes"]),
+               format_bytes(r["p2p_bytes_per_step"])] for r in rec["ranks"]])]
 
 
 def _modules(mods: list) -> str:

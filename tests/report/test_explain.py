@@ -243,6 +243,14 @@ def test_a_pipeline_spec_explains_its_stages_p2p_and_bubble(schedule, micro, bub
     for s in p["stages"][:-1]:  # one [microbatch, 32] float32 activation to the next stage
         assert [(v["shape"], v["bytes"]) for v in s["send"]] == [([2 // micro, 8, 32], 4 * 8 * 32 * (2 // micro))]
     assert p["stages"][-1]["send"] == [] and 0 <= p["bubble_simulated"] < 1
+    assert "per-rank memory" in text and "stash peak" in text
+    for r in p["ranks"]:  # per pp rank: its chunks' weights, grads (as large), state, stash
+        mine = [s for s in p["stages"] if s["pp_rank"] == r["pp_rank"]]
+        assert r["weight_bytes"] == r["grad_bytes"] == sum(s["weight_bytes"] for s in mine) > 0
+        assert r["peak_inflight_bytes"] == sum(s["stash_bytes_per_microbatch"] * s["peak_inflight_microbatches"]
+                                               for s in mine) > 0
+        assert r["total_bytes"] == r["weight_bytes"] * 2 + r["optimizer_state_bytes"] + r["peak_inflight_bytes"]
+        assert r["p2p_bytes_per_step"] == micro * sum(v["bytes"] for s in mine for v in s["send"] + s["recv"]) > 0
 
 
 def test_moe_comparison_is_a_table_of_short_lines(capsys):

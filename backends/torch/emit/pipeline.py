@@ -348,6 +348,11 @@ def emit_pipeline_program(program, model, code, profile="cpu", constants=()) -> 
         fns += [_function(f"stage{s}_forward", f, f"Stage {s}: forward of one microbatch.", code),
                 _function(f"stage{s}_backward", b, f"Stage {s}: backward of one microbatch.", code),
                 _function(f"stage{s}_optimizer", o, f"Stage {s}: the update.", code)]
+        if st.stats is not None:  # what every stage agrees on before the update (clip_grad_norm)
+            x = _on_full_mesh(g.stats, mesh) if plan.local else g.stats
+            graphs.append(x)
+            fns.append(_function(f"stage{s}_stats", x, f"Stage {s}: its share of the sums every "
+                                 f"stage's update reads (summed over pp).", code))
         if plan.split:  # ZB-H1: the backward cut into input- and weight-gradient programs
             bi, bw = (_on_full_mesh(x, mesh) if plan.local else x
                       for x in (plan.split[s].backward_input, plan.split[s].backward_weight))
@@ -363,7 +368,8 @@ def emit_pipeline_program(program, model, code, profile="cpu", constants=()) -> 
     n = len(plan.stages)
     fns += [f"FORWARD = {{{', '.join(f'{s}: stage{s}_forward' for s in range(n))}}}",
             f"BACKWARD = {{{', '.join(f'{s}: stage{s}_backward' for s in range(n))}}}",
-            f"OPTIMIZER = {{{', '.join(f'{s}: stage{s}_optimizer' for s in range(n))}}}"]
+            f"OPTIMIZER = {{{', '.join(f'{s}: stage{s}_optimizer' for s in range(n))}}}",
+            f"STATS = {{{', '.join(f'{s}: stage{s}_stats' for s in range(n) if plan.stages[s].stats is not None)}}}"]
     if plan.split:
         fns += [f"BACKWARD_{k.upper()} = {{{', '.join(f'{s}: stage{s}_backward_{k}' for s in range(n))}}}"
                 for k in ("input", "weight")]

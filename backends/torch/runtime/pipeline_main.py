@@ -56,7 +56,7 @@ MICRO_BATCH = 1
 SCALE = 1.0
 TRAIN_STEPS = 1
 ACTIONS = {0: [("optimizer", None, None, 0)]}
-FORWARD, BACKWARD, OPTIMIZER, BACKWARD_INPUT, BACKWARD_WEIGHT = {}, {}, {}, {}, {}
+FORWARD, BACKWARD, OPTIMIZER, BACKWARD_INPUT, BACKWARD_WEIGHT, STATS = {}, {}, {}, {}, {}, {}
 
 
 def resume_stages(path, p, coord):
@@ -299,10 +299,16 @@ def step(k, state, p, data):
                     reduce_over(sums[n], dp_group, k, "dp", DP_GROUPS)
                 sums[n].mul_(SCALE)
             number, held = torch.tensor(STEP[0], device=DEVICE), STAGES[coord]
+            agreed = {}  # clip_grad_norm's sum of squares, fp16's overflow count: every stage's
+            for t in held:  # share (this rank's chunks', then summed over pp), read by every update
+                for n, v in (STATS[t](p, dict(sums)).items() if t in STATS else ()):  # (it pops inp)
+                    agreed[n] = v if n not in agreed else agreed[n] + v
+            for n in sorted(agreed):
+                reduce_over(agreed[n], pp_group, k, "pp", PP_GROUPS)
             for i, t in enumerate(held):  # each update takes its gradients out of sums (and frees
                 later = {n for u in held[i + 1:] for n in GRADS[u]}  # them) but a later chunk's
                 grads = {n: sums[n] if n in later else sums.pop(n) for n in GRADS[t] if n in sums}
-                result.update(OPTIMIZER[t](p, {**grads, "step": number}))
+                result.update(OPTIMIZER[t](p, {**grads, **agreed, "step": number}))
                 del grads
             sums.clear()
     if losses:

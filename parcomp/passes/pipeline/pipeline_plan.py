@@ -30,7 +30,8 @@ class PipelinePlan:
 
     Attributes:
         pp, dp: sizes of the ``pp`` and ``dp`` mesh axes (dp 1 without one).
-        microbatches, schedule: from the train line; ``micro_batch``: dim 0 of one microbatch.
+        microbatches, schedule: from the train line (``microbatches`` times ``accumulate=K``:
+            the microbatches are the accumulation); ``micro_batch``: dim 0 of one microbatch.
         batch: the global batch, ``micro_batch * microbatches * dp``.
         stage_of: ``{node name: stage}`` of the model graph.
         stages: one :class:`~parcomp.passes.pipeline.stage_train.StagePrograms` per stage.
@@ -187,22 +188,26 @@ def make_plan(graph: Graph, spec, bound: Graph, shard) -> PipelinePlan:
     at = option_loc(cfg.loc, "virtual" if "virtual=" in (cfg.loc.text or "") else "schedule")
     rules = spec.stages or balanced_rules(graph, nvs, (cfg.virtual, at) if cfg.virtual > 1 else None)
     stage_of = assign_stages(graph, rules, nvs)
-    batch = cfg.batch or graph.inputs[0].type.shape[0]
-    parts = cfg.microbatches * dp
+    k = cfg.options.accumulate  # the model's batch is one of k (as unpipelined); k x the microbatches
+    batch = cfg.batch or graph.inputs[0].type.shape[0] * k
+    count = cfg.microbatches * k
+    parts = count * dp
     if batch % parts:
         raise SpecError(f"the global batch {batch} does not split into microbatches={cfg.microbatches}"
-                        f" x dp={dp} = {parts} equal parts", cfg.loc)
+                        f"{f' x accumulate={k}' if k > 1 else ''} x dp={dp} = {parts} equal parts", cfg.loc)
     micro = rebatch(graph, batch // parts)
     stages = split_stages(micro, stage_of, nvs)
     reaching = reaching_params(micro, cfg)
-    progs = tuple(stage_programs(st, cfg, st.index == nvs - 1, reaching) for st in stages)
+    first = {p: held[0] for p, held in param_stages(graph, stage_of).items()}  # counts a tied grad
+    progs = tuple(stage_programs(st, cfg, st.index == nvs - 1, reaching,
+                                 {p for p in st.params if first[p] == st.index}, parts) for st in stages)
     for p in progs:
         for g in (p.forward, p.backward, p.optimizer):
             verify(g)
     types = {n.name: n.type for n in micro.nodes}
     flops = tuple(sum(node_flops(n, types) for n in st.graph.nodes) for st in stages)
     top = max(flops) or 1
-    acts = build(cfg.schedule, pp, cfg.microbatches, cfg.virtual)
+    acts = build(cfg.schedule, pp, count, cfg.virtual)
     per_rank = [sum(flops[r::pp]) / top for r in range(pp)]  # a rank's chunks together
     sim = simulate(acts, per_rank, [2 * f for f in per_rank])
     trained = {p for st in progs for p in st.params}
@@ -210,7 +215,7 @@ def make_plan(graph: Graph, spec, bound: Graph, shard) -> PipelinePlan:
                  if len(held) > 1 and p in trained)
     local = _local(bound, spec, progs, cfg, shard)
     split = _split(progs, local) if cfg.schedule == "zb-h1" else ()
-    return PipelinePlan(pp, dp, cfg.microbatches, cfg.schedule, batch // parts, batch, stage_of,
+    return PipelinePlan(pp, dp, count, cfg.schedule, batch // parts, batch, stage_of,
                         progs, acts, sim, flops, local, tied, cfg.virtual, split)
 
 
@@ -221,21 +226,14 @@ def make_plan(graph: Graph, spec, bound: Graph, shard) -> PipelinePlan:
 _NOT_PIPELINED = (
     ("zero", lambda c: c.zero, 0),
     ("bucket_cap_mb", lambda c: None, None),
-    ("clip_grad_norm", lambda c: c.options.clip_grad_norm, None),
-    ("lr_schedule", lambda c: c.options.schedule[0], "constant"),
-    ("accumulate", lambda c: c.options.accumulate, 1),
     ("recompute", lambda c: c.options.recompute, "none"),
-    ("precision", lambda c: c.options.precision, "fp32"),
     ("grad_reduce", lambda c: c.options.grad_reduce, "fp32"),
-    ("loss_scale", lambda c: None, None),
-    ("growth_interval", lambda c: None, None),
 )
 
 
 def refuse_unpipelined_options(t, cfg) -> None:
     """Raise SpecError at the option's column for a train option of :data:`_NOT_PIPELINED`
-    given with a non-default value (``bucket_cap_mb``, ``loss_scale`` and ``growth_interval``
-    whenever written), or a cross_entropy ``ignore_index``/``label_smoothing``, on a spec with a
+    given with a non-default value (``bucket_cap_mb`` whenever written), or a cross_entropy ``ignore_index``/``label_smoothing``, on a spec with a
     ``pp`` axis: the pipelined step would run without it."""
     given = {k for k, _ in t.options}
     for key, read, default in _NOT_PIPELINED:
@@ -243,7 +241,8 @@ def refuse_unpipelined_options(t, cfg) -> None:
             raise SpecError(f"train option {key}= is not supported with a pp mesh axis: the pipelined "
                             f"step does not implement it and would run without it; remove it (pipelines "
                             f"take loss, optimizer, batch, steps, microbatches, schedule, stages, "
-                            f"virtual, trainable, input_grads and output)", option_loc(t.loc, key))
+                            f"virtual, trainable, input_grads, output, clip_grad_norm, lr_schedule, "
+                            f"accumulate, precision, loss_scale and growth_interval)", option_loc(t.loc, key))
     if cfg.loss_args:
         raise SpecError(f"loss={cfg.loss}({', '.join(f'{k}=' for k, _ in cfg.loss_args)}...) is not "
                         f"supported with a pp mesh axis: the pipelined loss is the plain mean cross "

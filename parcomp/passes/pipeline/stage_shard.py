@@ -44,6 +44,7 @@ class StageLocal:
     backward: Graph
     optimizer: Graph
     layouts: dict
+    stats: Graph | None = None
 
 
 def inner_mesh(mesh: Mesh) -> Mesh:
@@ -102,7 +103,10 @@ def _shard_stage(st, params: dict, inner: Mesh, shard) -> StageLocal:
         opt_out[pub] = opt_lay.get(base, opt_lay.get(v, rep))
     opt = _shard(shard, st.optimizer, inner, opt_lay, rep, opt_out)
     layouts = {**opt_lay, **saved, **{k: v for k, v in opt_out.items()}}
-    return StageLocal(fwd[1], bwd[1], opt[1], layouts)
+    stats = None
+    if st.stats is not None:  # a scalar every rank of the stage holds whole (tp's partials reduced)
+        stats = _shard(shard, st.stats, inner, fixed, rep, {k: rep for k in st.stats.output_names})[1]
+    return StageLocal(fwd[1], bwd[1], opt[1], layouts, stats)
 
 
 def _shard(shard, graph: Graph, inner: Mesh, sources: dict, default, outputs: dict) -> tuple:

@@ -21,10 +21,12 @@ from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 from parcomp.errors import SpecError
-from parcomp.ir.graph import Graph
+from parcomp.ir.graph import Graph, Node
 from parcomp.ir.types import Mesh, TensorType
 from parcomp.spec.model import pattern_regex
 from ..autodiff import Builder, optimizer_update, backward
+from ..train import amp
+from ..train.precision import compute_dtype, lower_forward, wrt_names
 
 __all__ = ["StagePrograms", "stage_programs", "grad_name"]
 
@@ -45,6 +47,12 @@ class StagePrograms:
         saved: values ``forward`` outputs for ``backward`` (stashed per microbatch).
         params: the trainable params of the stage (``grad.<p>`` accumulated over microbatches).
         saved_bytes: bytes one microbatch's stash holds.
+        stats: with ``clip_grad_norm``, the program from the stage's summed, scaled gradients
+            to its share of what every stage must agree on before the update: ``clip.norm_sq``,
+            the sum of squares of the gradients it owns (a tied weight counted by the first
+            stage holding it only).  The runtime sums the stages' shares over ``pp`` (one
+            scalar all_reduce) and gives the total to every stage's ``optimizer``, so the
+            norm is the global one over all stages and tp shards; None without such an option.
     """
 
     index: int
@@ -56,6 +64,7 @@ class StagePrograms:
     saved: tuple
     params: tuple
     saved_bytes: int
+    stats: Graph | None = None
 
 
 def loss_output(graph: Graph, cfg) -> str | None:
@@ -75,30 +84,43 @@ def reaching_params(graph: Graph, cfg) -> frozenset:
     return frozenset(p.name for p in graph.params if p.name in live)
 
 
-def stage_programs(stage, cfg, last: bool, reaching=None) -> StagePrograms:
+def stage_programs(stage, cfg, last: bool, reaching=None, owned=None, parts: int = 1) -> StagePrograms:
     """The :class:`StagePrograms` of a :class:`StageGraph` under training config ``cfg``;
-    ``reaching``: the params the loss reaches (:func:`reaching_params`; None: every one).
+    ``reaching``: the params the loss reaches (:func:`reaching_params`; None: every one);
+    ``owned``: the params whose gradient this stage counts in the global norm (None: all its own);
+    ``parts``: microbatches x dp, the loss's share of one microbatch (fp16 seeds
+    ``scale / parts``, as GradScaler's ``scale(loss / K).backward()`` under accumulation: the
+    per-microbatch gradients stay as large as the full batch's, so they overflow only where
+    the unsharded step's would; the update unscales by ``parts / scale`` after the runtime's
+    ``1 / parts``).
 
     Raises:
         SpecError: a loss this builder does not support on a pipeline (``loss=output``
             with a non-scalar output is rejected as in the unsharded step).
     """
-    g = stage.graph
+    g, cast = _lower(stage, cfg, last)
     b = Builder(g)
     seeds = {}
     if last:
         loss = _stage_loss(b, g, cfg)
         b.prefix, b.phase = "bw", "backward"
-        seeds[loss] = b.op("ones", [], type=b.type(loss), name="bw.loss")
+        seed = b.op("ones", [], type=b.type(loss), name="bw.loss")
+        seeds[loss] = amp.scaled_seed(b, seed, cfg, SimpleNamespace(mesh=Mesh(())))  # fp16: x scale
+        if amp.enabled(cfg) and parts > 1:
+            seeds[loss] = b.op("scale", [seeds[loss]], value=1.0 / parts, name="bw.loss_share")
     b.phase = "backward"
     for v in stage.send:
         seeds[v] = b.source(grad_name(v), "input", b.type(v), g[v].layout, "backward")
     rx = pattern_regex(cfg.trainable)
     params = [p for p in stage.params if rx.fullmatch(p) and g[p].attr("trainable", True)
               and (reaching is None or p in reaching)]
-    recv = [v for v in stage.recv if g[v].type.dtype.startswith("float")]
+    recv = [v for v in stage.recv if g[v].type.dtype.startswith(("float", "bfloat"))]
     whole = Graph(tuple(b.nodes), tuple(seeds))
-    grads = backward(b, whole, seeds, params + recv)
+    grads = backward(b, whole, seeds, wrt_names(params, cast) + recv)
+    for p in params:  # mixed precision: each gradient widened to float32 before it is summed
+        if p in cast and cast[p] in grads:  # (over microbatches, then dp: in float32)
+            b.prefix, b.phase = f"bw.{p}", "backward"
+            grads[p] = b.op("grad_upcast", [grads[cast[p]]], name=f"bw.{p}.f32", partial_over="")
     nodes = {n.name: n for n in b.nodes}
     fwd = [n for n in b.nodes if n.phase in ("forward", "loss")]
     derived = _weight_derived(fwd)
@@ -117,8 +139,34 @@ def stage_programs(stage, cfg, last: bool, reaching=None) -> StagePrograms:
     bw_graph = Graph(tuple(_dedupe(sources + stash) + bwd), tuple(v for _, v in b_outs), g.mesh,
                      g.stage, tuple(k for k, _ in b_outs))
     saved_bytes = sum(nodes[v].type.nbytes for v in saved)
-    return StagePrograms(stage.index, forward, bw_graph, _optimizer_graph(g, params, cfg),
-                         stage.recv, stage.send, saved, tuple(params), saved_bytes)
+    owned = params if owned is None else [p for p in params if p in owned]
+    return StagePrograms(stage.index, forward, bw_graph, _optimizer_graph(g, params, cfg, parts),
+                         stage.recv, stage.send, saved, tuple(params), saved_bytes,
+                         _stats_graph(g, params, owned, cfg, parts))
+
+
+def _lower(stage, cfg, last: bool) -> tuple:
+    """``(stage graph, {param: its low copy})`` in ``precision=``'s compute dtype, as the
+    unsharded step's forward (:func:`parcomp.passes.train.precision.lower_forward`: fp32
+    master params read through a ``cast``, every float32 value in the compute dtype, the
+    model output cast back to float32 for the loss); the values received are in the compute
+    dtype already (their sender computed them so: the p2p sends 2-byte elements)."""
+    low = compute_dtype(cfg.options)
+    g = stage.graph
+    if low is None:
+        return g, {}
+    recv = set(stage.recv)
+    nodes = tuple(replace(n, type=TensorType(n.type.shape, low))
+                  if n.name in recv and n.type.dtype == "float32" else n for n in g.nodes)
+    lowered, cast = lower_forward(Graph(nodes, (), g.mesh, g.stage, ()), cfg, list(stage.params),
+                                  lambda n: n.layout)
+    out, outs, sent = list(lowered.nodes), [], set(stage.send)
+    for v in g.outputs:  # a model output (last stage) back in float32 for the loss, as unpipelined
+        if last and v not in sent and g[v].type.dtype == "float32":
+            out.append(Node(f"{v}.f32", "cast", (v,), g[v].type, phase="forward", source=g[v].source))
+            v = f"{v}.f32"
+        outs.append(v)
+    return Graph(tuple(out), tuple(outs), g.mesh, g.stage, g.output_names), cast
 
 
 def _weight_derived(fwd) -> set:
@@ -181,13 +229,111 @@ def _stage_loss(b, g, cfg) -> str:
     return b.op("scale", [total], value=1.0 / count, name="loss")
 
 
-def _optimizer_graph(g, params, cfg) -> Graph:
-    """The update of the stage's params from their summed, scaled gradients ``grad.<p>``."""
+#: the global sum of squares of every stage's gradients (``clip_grad_norm``)
+NORM_SQ = "clip.norm_sq"
+#: the count of non-finite gradient elements of every stage (``precision=fp16``)
+FOUND = "amp.found"
+
+
+def _stats_graph(g, params, owned, cfg, parts: int = 1) -> Graph | None:
+    """:attr:`StagePrograms.stats`: ``clip.norm_sq``, the sum of squares of the (unscaled)
+    gradients of ``owned`` (torch's ``clip_grad_norm_`` sums every parameter's squares once),
+    and with ``precision=fp16`` ``amp.found``, the count of non-finite gradient elements of the
+    stage (GradScaler's ``found_inf``: any stage's makes every stage skip); None with neither."""
+    fp16 = amp.enabled(cfg)
+    if cfg.options.clip_grad_norm is None and not fp16:
+        return None
+    b = Builder(Graph((), ()))
+    b.prefix, b.phase = "opt.clip", "optimizer"
+    grads = {p: b.source(grad_name(p), "input", g[p].type, g[p].layout, "optimizer")
+             for p in (params if fp16 else owned)}  # fp16 counts inf/NaN in every gradient
+    outs = []
+    if fp16:
+        grads = _unscaled(b, grads, cfg, parts)
+        found = None
+        for p, gr in grads.items():
+            bad = b.op("nonfinite", [gr], name=f"amp.{p}.nonfinite")
+            n = b.op("sum", [bad], dims=tuple(range(b.type(bad).rank))) if b.type(bad).rank else bad
+            found = n if found is None else b.op("add", [found, n], name="amp.found_sum")
+        outs.append((FOUND, found if found is not None else _zero(b, "float32")))
+    if cfg.options.clip_grad_norm is not None:
+        total = None
+        for p in owned:
+            gr = grads[p]
+            sq = b.op("mul", [gr, gr], name=f"opt.{p}.grad_sq")
+            rank = b.type(sq).rank
+            part = b.op("sum", [sq], dims=tuple(range(rank)), name=f"opt.{p}.grad_sq_sum") if rank else sq
+            total = part if total is None else b.op("add", [total, part], name="opt.clip.norm_sq_part")
+        outs.append((NORM_SQ, total if total is not None else _zero(b, _float(g, owned))))
+    return Graph(tuple(b.nodes), tuple(v for _, v in outs), g.mesh, g.stage, tuple(k for k, _ in outs))
+
+
+def _zero(b, dtype) -> str:
+    """A 0-d zero: the share of a stage with nothing of its own to count."""
+    return b.op("scale", [b.op("ones", [], type=TensorType((), dtype))], value=0.0)
+
+
+def _unscaled(b, grads: dict, cfg, parts: int = 1) -> dict:
+    """fp16: every gradient times ``parts / scale`` (``scaler.unscale_`` of gradients seeded
+    with ``scale / parts`` and scaled by ``1 / parts`` again by the runtime), the scale made from
+    the carried ``amp.scale_ratio`` as :func:`parcomp.passes.train.amp.scaled_seed` makes it."""
+    s0 = cfg.options.loss_scale
+    ratio = amp.RATIO if amp.RATIO in b.types else b.source(amp.RATIO, "param", TensorType((), "float32"), (),
+                                                            "optimizer")
+    b.amp = {"scale": b.op("add_scalar", [b.op("scale", [ratio], value=s0)], value=s0, name="amp.scale")}
+    one = b.op("ones", [], type=TensorType((), "float32"))
+    inv = b.op("div", [one, b.amp["scale"]], name="amp.inv_scale")
+    if parts > 1:
+        inv = b.op("scale", [inv], value=float(parts), name="amp.inv_scale_share")
+    return {p: b.op("mul", [gr, inv], name=f"amp.{p}.unscaled") for p, gr in grads.items()}
+
+
+def _float(g, params) -> str:
+    """The dtype of the stage's gradients (float64 in ``check``), float32 without any."""
+    return next((g[p].type.dtype for p in params), "float32")
+
+
+def _optimizer_graph(g, params, cfg, parts: int = 1) -> Graph:
+    """The update of the stage's params from their summed, scaled gradients ``grad.<p>``:
+    unscaled (fp16), clipped by the global norm (input ``clip.norm_sq``, the stages'
+    :func:`_stats_graph` summed over pp), at the lr schedule's step ``lr_k``, and with fp16
+    every carried value kept and the scale halved when any stage found inf/NaN (input
+    ``amp.found``), as in the unsharded step (:func:`parcomp.passes.autodiff.training_options`,
+    :mod:`parcomp.passes.train.amp`)."""
+    from parcomp.spec.train_options import lr_factor
+
     b = Builder(Graph(tuple(g[p] for p in params), ()))
     spec = SimpleNamespace(mesh=Mesh(()))
+    grads = {p: b.source(grad_name(p), "input", g[p].type, g[p].layout, "optimizer") for p in params}
+    if amp.enabled(cfg):
+        b.prefix, b.phase = "amp", "optimizer"
+        grads = _unscaled(b, grads, cfg, parts)
+        b.amp["found"] = b.source(FOUND, "input", TensorType((), "float32"), None, "optimizer")
+    if cfg.options.clip_grad_norm is not None:
+        b.prefix, b.phase = "opt.clip", "optimizer"
+        norm_sq = b.source(NORM_SQ, "input", TensorType((), _float(g, params)), None, "optimizer")
+        coef = b.op("clip_coef", [norm_sq], max_norm=cfg.options.clip_grad_norm, name="opt.clip.coef")
+        grads = {p: b.op("mul", [gr, coef], name=f"opt.{p}.clipped_grad") for p, gr in grads.items()}
+    factor = lr_factor(b, cfg.options.schedule, cfg.h("lr"), lambda: _step(b))
     outs = []
     for p in params:
-        gr = b.source(grad_name(p), "input", g[p].type, g[p].layout, "optimizer")
-        outs += optimizer_update(b, b.nodes[[n.name for n in b.nodes].index(p)], gr, cfg, spec)
+        outs += optimizer_update(b, b.nodes[[n.name for n in b.nodes].index(p)], grads[p], cfg, spec, factor)
+    outs = amp.skip_on_overflow(b, outs, cfg, spec, _pin)  # fp16: a step with inf/NaN is skipped
     return Graph(tuple(b.nodes), tuple(v for _, v in outs), g.mesh, g.stage,
                  tuple(k for k, _ in outs))
+
+
+def _pin(b, value, layout, what):
+    """``relayout(value) -> layout``, an output of the update, in the phase of ``value`` (as the
+    unsharded step pins its outputs)."""
+    phase, b.phase = b.phase, b.phases[value]
+    out = b.op("relayout", [value], name=f"{value}.as_output", layout=layout,
+               origin=f"output {what} (layout of the training step's outputs)")
+    b.phase = phase
+    return out
+
+
+def _step(b) -> str:
+    """The step counter k = 1, 2, ... (the input ``step`` the runtime sets)."""
+    return "step" if "step" in b.types else b.source("step", "input", TensorType((), "float32"), None,
+                                                     "optimizer")
