@@ -125,10 +125,10 @@ def _search_info(prob, count: int, planned: Graph, order: list, small: dict) -> 
     The cost is ``ShardProblem.total``'s sum over the whole graph, in program order (as shard_prop
     prices it), of each node's compute and conversion terms, a stamped node's being its reduced
     original's (same op, types, layouts and readers' layouts)."""
-    canon, nodes = prob._intern, prob.g.nodes
+    canon, nodes = prob.intern, prob.g.nodes
     sol = {x.name: (tuple(canon(lay) for lay in x.in_layouts), canon(x.layout))
            for x in planned.nodes if x.name in prob.options}
-    compute = {name: prob._compute(sol, name) for name in sol}
+    compute = {name: prob.compute_cost(sol, name) for name in sol}
     value = [prob.value_cost(sol, x.name) for x in nodes]
     names = [nodes[k].name for k in order]
     cost = sum(compute[name] for name in names if name in compute) + sum(value[k] for k in order)

@@ -158,7 +158,7 @@ class ShardProblem(LocalMoves):
         for n in graph.nodes:
             if n.op in ("input", "param"):
                 if n.name in (free or {}):
-                    self.options[n.name] = [(0.0, (), self._intern(lay)) for lay in free[n.name]]
+                    self.options[n.name] = [(0.0, (), self.intern(lay)) for lay in free[n.name]]
                 continue
             in_types = tuple(graph[i].type for i in n.inputs)
             key = (n.op, _strategy_attrs(n), n.type, in_types, n.layout)
@@ -175,9 +175,9 @@ class ShardProblem(LocalMoves):
         if n.layout is not None:
             opts = [o for o in opts if o[1] == n.layout]
         return [(compute_cost(n, list(in_types), i, o, self.mesh),
-                 tuple(self._intern(lay) for lay in i), self._intern(o)) for i, o in opts]
+                 tuple(self.intern(lay) for lay in i), self.intern(o)) for i, o in opts]
 
-    def _intern(self, layout):
+    def intern(self, layout):
         """One object per distinct layout, so costs can be cached by identity."""
         return self._canon.setdefault(layout, layout)
 
@@ -260,10 +260,11 @@ class ShardProblem(LocalMoves):
 
     def total(self, sol) -> float:
         """Exact cost (seconds) of a solution: compute plus each distinct conversion once."""
-        compute = sum(self._compute(sol, name) for name in sol)
+        compute = sum(self.compute_cost(sol, name) for name in sol)
         return compute + sum(self.value_cost(sol, n.name) for n in self.g.nodes)
 
-    def _compute(self, sol, name):
+    def compute_cost(self, sol, name):
+        """The compute seconds of node ``name`` under plan ``sol`` (its strategy's cost)."""
         ins, out = sol[name]
         opts = self.options[name]
         table = self._computes.get(id(opts))  # nodes sharing an option list share its table

@@ -4,7 +4,7 @@ the plan's cost.
 
 :class:`LocalMoves` is a base of :class:`parcomp.passes.shard_prop.ShardProblem` and reads its state:
 ``g``, ``users``, ``options``, the caches ``_moves``, ``_fit``, ``_reads``, and its costs
-(:meth:`~parcomp.passes.shard_prop.ShardProblem.value_cost`, ``plan_cost``, ``_compute``, ``_read_info``).
+(:meth:`~parcomp.passes.shard_prop.ShardProblem.value_cost`, ``plan_cost``, ``compute_cost``, ``_read_info``).
 """
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ class LocalMoves:
         cur = sol[n.name]
         if not feeders and all(ins is cur[0] and out is cur[1] for _, ins, out in self.options[n.name]):
             return False  # every option is the current state (no feeder to change): nothing to price
-        compute, value_cost = self._compute, self.value_cost
+        compute, value_cost = self.compute_cost, self.value_cost
 
         def local():
             return sum(compute(sol, m) for m in moved) + sum(value_cost(sol, v) for v in touched)
