@@ -29,6 +29,10 @@ def check(args):
     """``parcomp check``: every rank in the numpy interpreter against the unsharded model
     (for training: the spec's ``steps`` steps against the unsharded steps and, for torch
     models, torch.optim; every carried value is compared, buffers and optimizer state too)."""
+    if getattr(args, "examples", None) is not None:  # N drawn specs: parcomp.testing's search
+        from .examples_cmd import check_examples
+
+        return check_examples(args, check)  # each drawn spec checked by this function
     compiled, module, example = compile_model(args, numeric="check")
     check_memory(compiled, "check")
     training = compiled.report.get("training")

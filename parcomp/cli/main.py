@@ -49,9 +49,10 @@ def _count(least: int):
     return parse
 
 
-def _common(p):
+def _common(p, spec_required: bool = True):
     p.add_argument("model", help="a .pcir or .onnx file, FILE.py:FACTORY or package.module:factory")
-    p.add_argument("--spec", required=True, help="the parallel spec (.pcs)")
+    p.add_argument("--spec", required=spec_required,
+                   help="the parallel spec (.pcs)" + ("" if spec_required else "; with --examples, its mesh"))
     p.add_argument("--json", action="store_true", help="end with one JSON line")
 
 
@@ -69,9 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--functional-collectives", action="store_true",
                    help="program.py uses functional collectives, so its --compile captures whole steps")
     k = sub.add_parser("check", help="run every rank in the numpy interpreter, compare with unsharded")
-    _common(k)
+    _common(k, spec_required=False)
     k.add_argument("--seed", type=_count(0), default=0)
     k.add_argument("--steps", type=int, default=None, help="training steps (default: the spec's)")
+    k.add_argument("--examples", type=_count(1), default=None,
+                   help="draw N specs (parcomp.testing's search), check each, print the smallest failing one")
+    k.add_argument("-o", "--out", default=None, help="with --examples: write the smallest failing spec here")
     pl = sub.add_parser("plan", help="choose every layout for a mesh and write it as a spec")
     pl.add_argument("model", help="a .pcir file, FILE.py:FACTORY or package.module:factory")
     pl.add_argument("--mesh", required=True, help="axis sizes, such as dp=2,tp=4")
@@ -117,6 +121,13 @@ def check_flags(args) -> None:
         check_seconds(args.seconds)
 
 
+def _check_usage() -> tuple:
+    """``(usage, prog)`` of ``parcomp check``, for a :class:`UsageError` argparse cannot raise."""
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    k = sub.choices["check"]
+    return k.format_usage(), k.prog
+
+
 def _fail_json(kind: str, message: str, where) -> None:
     print(json.dumps({"ok": False, "error": message, "where": where, "kind": kind}, sort_keys=True))
 
@@ -128,6 +139,11 @@ def main(argv=None) -> int:
     want_json = "--json" in argv
     try:
         args = build_parser().parse_args(argv)
+        if args.cmd == "check" and args.spec is None and args.examples is None:
+            raise UsageError("check needs --spec FILE (or --examples N to draw specs)", *_check_usage())
+        if args.cmd == "check" and args.out is not None and args.examples is None:
+            raise UsageError("check -o/--out writes the smallest failing spec of --examples N; give --examples",
+                             *_check_usage())
     except UsageError as e:
         print(f"{e.usage}{e.prog}: error: {e.message}", file=sys.stderr)
         if want_json:
