@@ -79,8 +79,11 @@ def _adamw(p, m, v, t, node):
     lr, b1, b2 = node.attr("lr"), node.attr("beta1"), node.attr("beta2")
     eps, wd = node.attr("eps"), node.attr("weight_decay")
     p = p * (1 - lr * wd)
+    # bias corrections as Python floats, as torch.optim computes them: in double precision
+    # whatever the dtype of the step counter (a float32 step made 1 - 0.999**t off by 1.3e-5)
+    t = float(np.asarray(t))
     bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
-    denom = np.sqrt(v) / np.sqrt(bc2) + eps
+    denom = np.sqrt(v) / math.sqrt(bc2) + eps
     return (p - (lr / bc1) * m / denom).astype(p.dtype)
 
 

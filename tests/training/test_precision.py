@@ -247,3 +247,22 @@ def test_bf16_with_the_models_own_loss_takes_the_loss_in_float32(tmp_path):
     assert all(n.type.dtype == "float32" for n in loss_ops)
     assert c.logical[c.logical.outputs[0]].type.dtype == "float32"
     _all_ok(_lockstep(compiled))
+
+
+def test_adamw_bias_corrections_are_double_precision_whatever_the_step_dtype():
+    """The reference's AdamW takes 1 - beta**t in double precision, as torch.optim does (Python
+    floats): a float32 step counter (the pipelined stage programs' ``step`` input) once made
+    1 - 0.999**1 off by 1.3e-5, and a float64 check of a pp x tp AdamW step a MISMATCH."""
+    from parcomp.ir import Node, TensorType, make_attrs
+    from parcomp.reference.numpy_ops import NUMPY_OPS
+
+    rng = np.random.default_rng(0)
+    p, m = rng.standard_normal(8), rng.standard_normal(8)
+    v = np.abs(rng.standard_normal(8))
+    node = Node("u", "adamw_param", ("p", "m", "v", "t"), TensorType((8,), "float64"),
+                make_attrs(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01))
+    f64 = NUMPY_OPS["adamw_param"]([p, m, v, np.array(1.0)], node)
+    f32 = NUMPY_OPS["adamw_param"]([p, m, v, np.array(1.0, np.float32)], node)
+    assert np.array_equal(f64, f32)
+    want = p * (1 - 1e-3 * 0.01) - 1e-3 / (1 - 0.9) * m / (np.sqrt(v) / (1 - 0.999) ** 0.5 + 1e-8)
+    assert np.allclose(f64, want, rtol=1e-15, atol=0)
