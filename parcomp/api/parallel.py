@@ -29,7 +29,7 @@ from ..errors import ParcompError
 from ..ir.types import Shard, parse_layout
 from .compiling import Programs, compile_programs
 from .runtime import call, load_program
-from .specs import resolve_spec
+from .specs import mesh_text, resolve_spec
 
 _MODULES = threading.local()  # a counter for the programs' module names
 
@@ -72,6 +72,10 @@ def compile_for(module, example_inputs, spec, *, gather=False, input_grads=False
 
     graph = import_torch(module, tuple(example_inputs))
     spec = resolve_spec(spec, module, graph)
+    if "pp" in spec.mesh.names:  # the stage programs and their schedule are program.py's runtime
+        raise ParcompError(f"parcomp.parallelize runs one SPMD program; this spec's mesh has a pp axis "
+                           f"({mesh_text(spec)}): compile it with `parcomp compile` and run its program.py "
+                           f"under torchrun, or leave pp out of the mesh", where="spec")
     progs = compile_programs(graph, spec, gather=gather, input_grads=input_grads, cache=cache,
                              use_cache=use_cache, profile=profile)
     weights, sources = set(module.state_dict()), module_sources(module)

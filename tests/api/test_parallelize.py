@@ -104,3 +104,11 @@ def test_input_gradients_gathered_outputs_and_a_dtensor_plan(tmp_path):
         # a DTensor plan over a DeviceMesh
         assert r["plan_err"] <= 1e-6 and r["plan_layouts"]["0.weight"] == "[S(0)]", r
         assert r["plan_layouts"]["2.weight"] == "[S(1)]", r
+
+
+def test_a_pipeline_spec_is_refused_with_the_way_out(tmp_path):
+    """parallelize runs one SPMD program: a pp mesh is a clear error (it was an internal
+    VerifyError about the loss), naming the mesh and `parcomp compile`."""
+    spec = "mesh pp=2\ntrain loss=mse optimizer=sgd(lr=0.1) microbatches=2\n"
+    with pytest.raises(ParcompError, match=r"pp axis \(pp=2\).*parcomp compile"):
+        compile_for(small_mlp(), (torch.randn(4, 3, 16),), spec, cache=tmp_path)
