@@ -101,6 +101,11 @@ CASES = {  # op -> pcir lines defining %a [%b %c %d] and %y; every dim divisible
     "amax_both": "%y: f64[] = amax(%a) {dims=(0, 1)}",
     "amax_grad": "%g: f64[4] = input()\n%m: f64[4] = input()\n%y: f64[4,6] = amax_grad(%g, %a, %m) {dims=(1,)}",
     "argmax": "%y: i64[4] = argmax(%a) {dim=1}",
+    "topk": "%y: f64[4,2] = topk(%a) {dim=1, k=2}",
+    "topk_index": "%y: i64[4,2] = topk_index(%a) {dim=1, k=2}",
+    "take_along": "%i: i64[4,2] = input()\n%y: f64[4,2] = take_along(%a, %i) {dim=1}",
+    "put_along": ("%g: f64[4,2] = input()\n%i: i64[4,2] = input()\n"
+                  "%y: f64[4,6] = put_along(%g, %i) {dim=1, size=6}"),
     "argmax_key": "%y: i64[6] = argmax_key(%a) {dim=0}",
     "argmax_index": "%k: i64[4] = input()\n%y: i64[4] = argmax_index(%k)",
     "mean": "%y: f64[6] = mean(%a) {dims=(0,)}",

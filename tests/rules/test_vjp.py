@@ -57,11 +57,14 @@ CASES = {  # op -> (pcir body with inputs %a [%b], output %y), inputs positive w
     "softmax": "%y: f64[3,4] = softmax(%a) {dim=1}",
     "log_softmax": "%y: f64[3,4] = log_softmax(%a) {dim=0}",
     "pick": "%l: i64[3] = input()\n%y: f64[3] = pick(%a, %l) {ignore_index=2}",
+    "topk": "%y: f64[3,2] = topk(%a) {dim=1, k=2}",
+    "take_along": "%i: i64[3,2] = input()\n%y: f64[3,2] = take_along(%a, %i) {dim=1}",
+    "put_along": "%i: i64[3,4] = input()\n%y: f64[3,6] = put_along(%a, %i) {dim=1, size=6}",
     "pick_grad": "%g: f64[3] = input()\n%l: i64[3] = input()\n%y: f64[3,4] = pick_grad(%g, %l)",
     "mask_pad": "%y: f64[3,4] = mask_pad(%a) {fill=\"0\", size=3}",  # lowest * w would overflow
 }
 # integer results: no gradient flows through them (their VJP gives None)
-NO_GRADIENT = {"argmax", "argmax_key", "argmax_index", "label_mask"}
+NO_GRADIENT = {"argmax", "argmax_key", "argmax_index", "label_mask", "topk_index"}
 #: MoE ops: their VJPs need routing operands (combine weights, capacities); they are
 #: checked against torch autograd and the real Mixtral block in tests/moe/test_moe.py
 MOE_OPS = {"moe_route", "moe_dispatch", "moe_combine"}
