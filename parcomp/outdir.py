@@ -322,3 +322,43 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def check_own_file(path: str, header: str, writer: str) -> None:
+    """Refuse (ParcompError naming ``-o``) unless ``path`` may take a file ``writer`` writes
+    with the checksum ``header``: a new file in an existing directory, or one that ``writer``
+    wrote and nobody changed since (its first line: ``header`` + sha256 of the rest)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) or not os.path.isdir(folder):
+        raise ParcompError(f"{path}: " + ("a directory; give a file name for the spec" if os.path.isdir(path)
+                                          else f"its directory {folder} does not exist"), where="-o")
+    if os.path.exists(path):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            first, rest = f.readline(), f.read()
+        if not first.startswith(header) or first[len(header):].strip() != _text_digest(rest):
+            raise ParcompError(f"{path} exists and was not written by {writer} (or was changed since): "
+                               "parcomp never overwrites it; choose another -o or remove it", where="-o")
+
+
+def write_own_file(path: str, text: str, header: str, writer: str) -> None:
+    """Write ``text`` to ``path`` under ``header`` + its checksum, all or nothing (a fresh
+    temporary name, then one rename), after :func:`check_own_file`.
+
+    Raises:
+        ParcompError: see :func:`check_own_file`; or the directory cannot be written."""
+    check_own_file(path, header, writer)
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".parcomp-tmp-", dir=folder)
+    except OSError as e:
+        raise ParcompError(f"{path}: cannot write in {folder} ({e.strerror})", where="-o") from None
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(f"{header}{_text_digest(text)}\n{text}")
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(tmp, 0o666 & ~mask)  # as open() would have made it (mkstemp: 0600)
+    os.replace(tmp, path)
+
+
+def _text_digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

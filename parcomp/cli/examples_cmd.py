@@ -12,14 +12,12 @@ mesh is kept and every layout drawn on it (its other lines are not used).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
-import os
 import sys
-import tempfile
 from types import SimpleNamespace
 
 from ..errors import ParcompError, VerifyError
+from ..outdir import check_own_file, write_own_file
 from ..frontends.loader import load_model, pointing_into
 from ..spec import load_spec
 from ..spec.parser import parse_spec
@@ -147,39 +145,14 @@ def _indent(text: str) -> str:
     return "\n".join("  " + line for line in text.splitlines())
 
 
-def _digest(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
 def check_target(path: str) -> None:
     """ParcompError (naming ``-o``) unless ``path`` can take the found spec: a new file in an
     existing directory, or an unchanged one ``--examples`` wrote."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path) or not os.path.isdir(folder):
-        raise ParcompError(f"{path}: " + ("a directory; give a file name for the spec" if os.path.isdir(path)
-                                          else f"its directory {folder} does not exist"), where="-o")
-    if os.path.exists(path):
-        with open(path, encoding="utf-8", errors="replace") as f:
-            first, rest = f.readline(), f.read()
-        if not first.startswith(HEADER) or first[len(HEADER):].strip() != _digest(rest):
-            raise ParcompError(f"{path} exists and was not written by parcomp check --examples (or was "
-                               f"changed since): parcomp never overwrites it; choose another -o or remove it",
-                               where="-o")
+    check_own_file(path, HEADER, "parcomp check --examples")
 
 
 def write_found(path: str, text: str) -> None:
     """Write the found spec to ``path`` with :data:`HEADER`, all or nothing (a temporary file,
     then one rename)."""
-    check_target(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=".parcomp-tmp-", dir=folder)
-    except OSError as e:
-        raise ParcompError(f"{path}: cannot write in {folder} ({e.strerror})", where="-o") from None
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(f"{HEADER}{_digest(text)}\n{text}")
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(tmp, 0o666 & ~mask)  # as open() would have made it (mkstemp: 0600)
-    os.replace(tmp, path)
+    write_own_file(path, text, HEADER, "parcomp check --examples")
     print(f"wrote {path}", file=sys.stderr)

@@ -39,14 +39,12 @@ deterministic).  It starts with a header line carrying a checksum of the rest, s
 """
 from __future__ import annotations
 
-import hashlib
 import itertools
-import os
-import tempfile
 import textwrap
 
 from ..cost.memory import MemoryLimitError, over_limit
 from ..errors import ParcompError, SourceLoc
+from ..outdir import write_own_file
 from ..ir.types import R, Shard, divisibility_problem, layout_str
 from ..passes.pass_list import bind_layouts
 from ..passes.search.layout_ilp import DEFAULT_SECONDS
@@ -328,31 +326,7 @@ def write_spec(path: str, text: str) -> None:
         ParcompError: ``path`` exists and is not an unchanged ``parcomp plan`` spec, is a
             directory, or its directory does not exist or cannot be written (names ``-o``).
     """
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path) or not os.path.isdir(folder):
-        raise ParcompError(f"{path}: " + ("a directory; give a file name for the spec" if os.path.isdir(path)
-                                          else f"its directory {folder} does not exist"), where="-o")
-    if os.path.exists(path):
-        with open(path, encoding="utf-8", errors="replace") as f:
-            first, rest = f.readline(), f.read()
-        if not first.startswith(HEADER) or first[len(HEADER):].strip() != _digest(rest):
-            raise ParcompError(f"{path} exists and was not written by parcomp plan (or was changed "
-                               "since): parcomp never overwrites it; choose another -o or remove it",
-                               where="-o")
-    try:  # a fresh temporary name (never a file of the user's), then one rename
-        fd, tmp = tempfile.mkstemp(prefix=".parcomp-tmp-", dir=folder)
-    except OSError as e:
-        raise ParcompError(f"{path}: cannot write in {folder} ({e.strerror})", where="-o") from None
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(f"{HEADER}{_digest(text)}\n{text}")
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(tmp, 0o666 & ~mask)  # as open() would have made it (mkstemp: 0600)
-    os.replace(tmp, path)
-
-
-def _digest(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    write_own_file(path, text, HEADER, "parcomp plan")
 
 
 def _us(seconds: float) -> str:
