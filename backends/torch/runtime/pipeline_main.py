@@ -249,6 +249,20 @@ def reduce_over(t, group, k, what, lines):
     dist.all_reduce(t, group=group)
 
 
+def dp_split(name):
+    """The dim ``zero=1`` splits gradient ``name`` along over dp (``SPLITS``), or None: a
+    gradient all_reduced whole over dp."""
+    return next((dim for dim, axis in SPLITS.get(name, ()) if axis == "dp"), None)
+
+
+def scatter_over(t, dim, k):
+    """``zero=1``: the sum over the dp group of ``t`` (float32), this rank's chunk of ``dim``
+    kept (reduce_scatter, the SPMD program's), for the update of this rank's part."""
+    ranks = next(r for r in DP_GROUPS if RANK in r)
+    FAULT["where"] = f"step {k}: the dp reduce_scatter with ranks {ranks}"
+    return reduce_scatter(t, dim, "dp")
+
+
 def step(k, state, p, data):
     """Training step ``k`` of this rank: its ACTIONS in order; the updated state (and the loss
     on the last stage).  An action names its virtual stage (the pp coordinate unless
@@ -295,7 +309,9 @@ def step(k, state, p, data):
             for n, i in TIED.get(coord, []):  # a tied weight: its stages' sum, before dp
                 reduce_over(sums[n], TIED_GROUP[i], k, "tied-weight", TIED_SETS[i])
             for n in mine:  # the gradient of the global batch: sum, then scale once
-                if dp_group is not None:
+                if dp_group is not None and dp_split(n) is not None:  # zero=1: this rank's part
+                    sums[n] = scatter_over(sums[n], dp_split(n), k)
+                elif dp_group is not None:
                     reduce_over(sums[n], dp_group, k, "dp", DP_GROUPS)
                 sums[n].mul_(SCALE)
             number, held = torch.tensor(STEP[0], device=DEVICE), STAGES[coord]

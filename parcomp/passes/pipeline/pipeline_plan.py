@@ -118,7 +118,7 @@ class PipelinePlan:
         the cut (phase ``forward`` for activations, ``backward`` for their gradients); then in
         phase ``optimizer`` one ``all_reduce`` over ``pp`` per tied gradient the rank holds (its
         group: the ranks of the stages holding the tied weight, same dp and tp coordinates),
-        one over ``dp`` per gradient (not bucketed); and the loss's
+        one over ``dp`` per gradient (a ``reduce_scatter`` for one ``zero=1`` splits); and the loss's
         ``all_reduce`` over ``dp`` (phase ``loss``) on the rank holding the last stage."""
         from collections import Counter
 
@@ -146,8 +146,14 @@ class PipelinePlan:
             tied = sum(1 for held in ranks_of if r in held and len(held) > 1)
             if tied:
                 n["all_reduce", "pp", "optimizer"] += tied
-            if self.dp > 1:
-                n["all_reduce", "dp", "optimizer"] += len({p for t in chunks for p in self.stages[t].params})
+            if self.dp > 1:  # zero=1: a gradient split over dp is reduce-scattered
+                held = {p for t in chunks for p in self.stages[t].params}
+                split = {p for t in chunks if self.local and self.local[t].axes for p in self.stages[t].params
+                         if any(a == "dp" and hasattr(q, "dim") for a, q in
+                                zip(self.local[t].axes, self.local[t].layouts[f"grad.{p}"]))}
+                for kind, count in (("all_reduce", len(held - split)), ("reduce_scatter", len(split))):
+                    if count:
+                        n[kind, "dp", "optimizer"] += count
                 if len(self.stages) - 1 in chunks:
                     n["all_reduce", "dp", "loss"] += 1
             out.append([{"kind": k, "axis": x, "phase": ph, "count": c}
@@ -224,7 +230,7 @@ def make_plan(graph: Graph, spec, bound: Graph, shard) -> PipelinePlan:
 #: they are refused (``precision=bf16`` under pp would otherwise check OK while the program
 #: ran float32)
 _NOT_PIPELINED = (
-    ("zero", lambda c: c.zero, 0),
+    ("zero", lambda c: 0 if c.zero == 1 else c.zero, 0),  # zero=1 is run (inside each stage)
     ("bucket_cap_mb", lambda c: None, None),
     ("recompute", lambda c: c.options.recompute, "none"),
     ("grad_reduce", lambda c: c.options.grad_reduce, "fp32"),
@@ -242,7 +248,7 @@ def refuse_unpipelined_options(t, cfg) -> None:
                             f"step does not implement it and would run without it; remove it (pipelines "
                             f"take loss, optimizer, batch, steps, microbatches, schedule, stages, "
                             f"virtual, trainable, input_grads, output, clip_grad_norm, lr_schedule, "
-                            f"accumulate, precision, loss_scale and growth_interval)", option_loc(t.loc, key))
+                            f"accumulate, precision, loss_scale, growth_interval and zero=1)", option_loc(t.loc, key))
     if cfg.loss_args:
         raise SpecError(f"loss={cfg.loss}({', '.join(f'{k}=' for k, _ in cfg.loss_args)}...) is not "
                         f"supported with a pp mesh axis: the pipelined loss is the plain mean cross "
@@ -261,12 +267,14 @@ def _split(progs, local) -> tuple:
 
 def _local(bound, spec, progs, cfg, shard) -> tuple:
     """The stages' programs sharded over the mesh less pp and dp (:mod:`.stage_shard`), or ()
-    when that mesh has one rank."""
+    when that mesh has one rank; with ``zero=1`` over dp > 1 the update and stats programs
+    sharded over the mesh less pp as well."""
     from .stage_shard import inner_mesh, shard_stages
 
-    if inner_mesh(spec.mesh).size == 1:
+    zero = bool(cfg.zero) and "dp" in spec.mesh.names and spec.mesh.sizes[spec.mesh.axis_index("dp")] > 1
+    if inner_mesh(spec.mesh).size == 1 and not zero:
         return ()
-    return shard_stages(progs, bound, spec.mesh, cfg.loc, shard)
+    return shard_stages(progs, bound, spec.mesh, cfg.loc, shard, zero)
 
 
 def attach_pipeline(plan: PipelinePlan, spec, program, report: dict) -> tuple:
