@@ -341,6 +341,9 @@ def emit_pipeline_program(program, model, code, profile="cpu", constants=()) -> 
                "# coordinates) whose gradient contributions are summed before the dp all_reduce",
                f"TIED_SETS = {[_tied_groups(mesh, held) for held in sets]!r}",
                f"TIED = {({s: v for s, v in tied.items() if v})!r}", "TIED_GROUP = {}",
+               "# per pp coordinate, the dp gradient buckets (bucket_cap_mb): (stages whose last backward",
+               "# starts it, all_reduce | reduce_scatter (zero=1), gradients); a tied gradient is reduced alone",
+               f"DP_BUCKETS = {({r: [list(b) for b in bs] for r, bs in enumerate(plan.dp_buckets)})!r}",
                "STEP = [1.0]  # the step counter k of main()'s loop (AdamW's bias corrections)"]
     acts = _actions(plan, mesh, table)
     fns, graphs = [], []

@@ -50,6 +50,7 @@ PP_GROUPS = [[0]]
 TIED_SETS = []
 TIED = {}
 TIED_GROUP = {}
+DP_BUCKETS = {}
 STEP = [1.0]
 MICROBATCHES = 1
 MICRO_BATCH = 1
@@ -263,6 +264,55 @@ def scatter_over(t, dim, k):
     return reduce_scatter(t, dim, "dp")
 
 
+def bucket_starts():
+    """``{index in ACTIONS[RANK]: [bucket, ...]}``: each of this rank's DP_BUCKETS at the last
+    backward (or ZB-H1 backward_weight) of the stages holding its gradients."""
+    last = {}
+    for i, (kind, _, _, s) in enumerate(ACTIONS[RANK]):
+        if kind in ("backward", "backward_weight"):
+            last[s] = i
+    out = {}
+    for stages, kind, names in DP_BUCKETS.get(coords(RANK)["pp"], []):
+        out.setdefault(max(last[s] for s in stages), []).append((kind, names))
+    return out
+
+
+def start_bucket(bucket, sums, dp_group):
+    """Start one bucket's dp reduction (async): its gradients (taken out of ``sums``) copied
+    into one flat buffer, all_reduce-d, or with zero=1 reduce_scatter-ed (the buffer holds
+    chunk j of every gradient, along the dim SPLITS names, before chunk j + 1: rank j gets
+    its chunks); ``finish_bucket`` waits and gives them back."""
+    kind, names = bucket
+    grads = [sums.pop(n) for n in names]
+    if kind == "all_reduce":
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=dp_group, async_op=True)
+        return kind, names, [g.shape for g in grads], flat, work
+    n = MESH["dp"]
+    chunks = [g.chunk(n, dp_split(name)) for g, name in zip(grads, names)]
+    flat = torch.cat([c[j].reshape(-1) for j in range(n) for c in chunks])
+    out = flat.new_empty(flat.numel() // n)
+    work = collective("reduce_scatter_single", "reduce_scatter_tensor")(
+        out, flat, op=dist.ReduceOp.SUM, group=dp_group, async_op=True)
+    return kind, names, [c[0].shape for c in chunks], out, work
+
+
+def finish_bucket(started, sums, k, i):
+    """Wait for a bucket started by start_bucket; each gradient (this rank's part with
+    zero=1) back in ``sums`` as a view of the reduced buffer, scaled once."""
+    kind, names, shapes, flat, work = started
+    ranks = next(r for r in DP_GROUPS if RANK in r)
+    FAULT["where"] = f"step {k}: the dp {kind} of gradient bucket {i} ({len(names)} gradients) with ranks {ranks}"
+    work.wait()
+    flat.mul_(SCALE)
+    at = 0
+    for name, shape in zip(names, shapes):
+        size = math.prod(shape)
+        sums[name] = flat.narrow(0, at, size).view(shape)
+        at += size
+    return set(names)
+
+
 def step(k, state, p, data):
     """Training step ``k`` of this rank: its ACTIONS in order; the updated state (and the loss
     on the last stage).  An action names its virtual stage (the pp coordinate unless
@@ -276,7 +326,8 @@ def step(k, state, p, data):
         return {name: data[name][lo:lo + MICRO_BATCH] for name in BATCH_INPUTS[s]}
 
     stash, got, grads_in, grads_out, wstash, sums, losses, result = {}, {}, {}, {}, {}, {}, [], {}
-    for kind, m, peer, s in ACTIONS[RANK]:
+    starts, started = (bucket_starts() if dp_group is not None else {}), []
+    for i, (kind, m, peer, s) in enumerate(ACTIONS[RANK]):
         FAULT["where"] = f"step {k}"
         if kind == "p2p":  # m: the slot's sends and receives
             exchange(m, k, pp_group, stash, grads_out, got, grads_in)
@@ -302,12 +353,18 @@ def step(k, state, p, data):
         elif kind == "backward_weight":
             del stash[s, m]
             add_grads(sums, s, BACKWARD_WEIGHT[s](p, wstash.pop((s, m))))
+        if i in starts:  # the last backward adding to these gradients: their dp buckets start
+            started += [start_bucket(b, sums, dp_group) for b in starts[i]]
         elif kind == "optimizer":
-            mine = sorted(sums)  # this rank's gradients, every chunk's (a param twice here: one sum)
+            done = set()  # the buckets' gradients: reduced over dp and scaled
+            for j, bucket in enumerate(started):
+                done |= finish_bucket(bucket, sums, k, j)
+            started.clear()
+            mine = sorted(set(sums) - done)  # the others (tied) of every chunk (a param twice: one sum)
             for n in mine:  # collectives reduce in place: a strided sum (a transpose's) is copied
                 sums[n] = sums[n].contiguous()
-            for n, i in TIED.get(coord, []):  # a tied weight: its stages' sum, before dp
-                reduce_over(sums[n], TIED_GROUP[i], k, "tied-weight", TIED_SETS[i])
+            for n, j in TIED.get(coord, []):  # a tied weight: its stages' sum, before dp
+                reduce_over(sums[n], TIED_GROUP[j], k, "tied-weight", TIED_SETS[j])
             for n in mine:  # the gradient of the global batch: sum, then scale once
                 if dp_group is not None and dp_split(n) is not None:  # zero=1: this rank's part
                     sums[n] = scatter_over(sums[n], dp_split(n), k)

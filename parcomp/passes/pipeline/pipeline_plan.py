@@ -9,13 +9,14 @@ over ``dp``) and scaled once by ``1 / (microbatches * dp)`` before the update.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from parcomp.errors import SpecError
 from parcomp.ir.graph import Graph
 from parcomp.spec.option_loc import option_loc
-from parcomp.spec.train_config import train_config
+from parcomp.spec.train_config import BUCKET_KEY, bucket_cap_bytes, train_config
 from ..verify import verify
+from .dp_buckets import dp_buckets
 from .schedule import Simulation, analytic, build, rank_actions, simulate
 from .split_stages import (assign_stages, balanced_rules, node_flops, param_stages, rebatch,
                            split_stages)
@@ -48,6 +49,8 @@ class PipelinePlan:
         split: ZB-H1: per virtual stage its backward cut into input- and weight-gradient
             programs (:class:`~parcomp.passes.pipeline.zb_split.SplitBackward`; of ``local``'s
             per-rank backward when tp is inside the stages), else ().
+        dp_buckets: per pp coordinate the dp gradient buckets (``bucket_cap_mb``; see
+            :mod:`.dp_buckets`), () when dp is 1.
     """
 
     pp: int
@@ -65,6 +68,7 @@ class PipelinePlan:
     tied: tuple = ()
     virtual: int = 1
     split: tuple = ()
+    dp_buckets: tuple = ()
 
     @property
     def analytic_bubble(self) -> float:
@@ -118,7 +122,8 @@ class PipelinePlan:
         the cut (phase ``forward`` for activations, ``backward`` for their gradients); then in
         phase ``optimizer`` one ``all_reduce`` over ``pp`` per tied gradient the rank holds (its
         group: the ranks of the stages holding the tied weight, same dp and tp coordinates),
-        one over ``dp`` per gradient (a ``reduce_scatter`` for one ``zero=1`` splits); and the loss's
+        one over ``dp`` per gradient bucket (:mod:`.dp_buckets`; a ``reduce_scatter`` of the
+        gradients ``zero=1`` splits), and one per tied gradient (not bucketed); and the loss's
         ``all_reduce`` over ``dp`` (phase ``loss``) on the rank holding the last stage."""
         from collections import Counter
 
@@ -146,14 +151,14 @@ class PipelinePlan:
             tied = sum(1 for held in ranks_of if r in held and len(held) > 1)
             if tied:
                 n["all_reduce", "pp", "optimizer"] += tied
-            if self.dp > 1:  # zero=1: a gradient split over dp is reduce-scattered
+            if self.dp > 1:  # one call per bucket (zero=1: a reduce_scatter), tied gradients alone
                 held = {p for t in chunks for p in self.stages[t].params}
-                split = {p for t in chunks if self.local and self.local[t].axes for p in self.stages[t].params
-                         if any(a == "dp" and hasattr(q, "dim") for a, q in
-                                zip(self.local[t].axes, self.local[t].layouts[f"grad.{p}"]))}
-                for kind, count in (("all_reduce", len(held - split)), ("reduce_scatter", len(split))):
-                    if count:
-                        n[kind, "dp", "optimizer"] += count
+                bucketed = set()
+                for _, kind, names in self.dp_buckets[r]:
+                    n[kind, "dp", "optimizer"] += 1
+                    bucketed |= {g[len("grad."):] for g in names}
+                if held - bucketed:
+                    n["all_reduce", "dp", "optimizer"] += len(held - bucketed)
                 if len(self.stages) - 1 in chunks:
                     n["all_reduce", "dp", "loss"] += 1
             out.append([{"kind": k, "axis": x, "phase": ph, "count": c}
@@ -221,8 +226,10 @@ def make_plan(graph: Graph, spec, bound: Graph, shard) -> PipelinePlan:
                  if len(held) > 1 and p in trained)
     local = _local(bound, spec, progs, cfg, shard)
     split = _split(progs, local) if cfg.schedule == "zb-h1" else ()
-    return PipelinePlan(pp, dp, count, cfg.schedule, batch // parts, batch, stage_of,
+    plan = PipelinePlan(pp, dp, count, cfg.schedule, batch // parts, batch, stage_of,
                         progs, acts, sim, flops, local, tied, cfg.virtual, split)
+    cap = bucket_cap_bytes(spec, option_loc(spec.train.loc, BUCKET_KEY))
+    return replace(plan, dp_buckets=dp_buckets(plan, cap))
 
 
 #: train options the pipelined step does not implement: ``(key, its value in cfg, the default)``
@@ -231,7 +238,6 @@ def make_plan(graph: Graph, spec, bound: Graph, shard) -> PipelinePlan:
 #: ran float32)
 _NOT_PIPELINED = (
     ("zero", lambda c: 0 if c.zero == 1 else c.zero, 0),  # zero=1 is run (inside each stage)
-    ("bucket_cap_mb", lambda c: None, None),
     ("recompute", lambda c: c.options.recompute, "none"),
     ("grad_reduce", lambda c: c.options.grad_reduce, "fp32"),
 )
@@ -239,7 +245,7 @@ _NOT_PIPELINED = (
 
 def refuse_unpipelined_options(t, cfg) -> None:
     """Raise SpecError at the option's column for a train option of :data:`_NOT_PIPELINED`
-    given with a non-default value (``bucket_cap_mb`` whenever written), or a cross_entropy ``ignore_index``/``label_smoothing``, on a spec with a
+    given with a non-default value, or a cross_entropy ``ignore_index``/``label_smoothing``, on a spec with a
     ``pp`` axis: the pipelined step would run without it."""
     given = {k for k, _ in t.options}
     for key, read, default in _NOT_PIPELINED:
@@ -248,7 +254,7 @@ def refuse_unpipelined_options(t, cfg) -> None:
                             f"step does not implement it and would run without it; remove it (pipelines "
                             f"take loss, optimizer, batch, steps, microbatches, schedule, stages, "
                             f"virtual, trainable, input_grads, output, clip_grad_norm, lr_schedule, "
-                            f"accumulate, precision, loss_scale, growth_interval and zero=1)", option_loc(t.loc, key))
+                            f"accumulate, precision, loss_scale, growth_interval, bucket_cap_mb and zero=1)", option_loc(t.loc, key))
     if cfg.loss_args:
         raise SpecError(f"loss={cfg.loss}({', '.join(f'{k}=' for k, _ in cfg.loss_args)}...) is not "
                         f"supported with a pp mesh axis: the pipelined loss is the plain mean cross "
