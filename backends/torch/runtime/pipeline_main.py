@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from .program_cluster import *
 from .program_common import *
-from .program_train import check_save, step_count
+from .program_train import check_save, saved_steps, step_count
 
 # ---- stand-ins for what the emitter generates (never pasted): a one-stage, one-rank program ----
 STAGE_PARAMS = {0: []}
@@ -408,15 +408,24 @@ def parse_args(argv):
     ap.add_argument("--bench", type=bench_count, default=0, metavar="N",
                     help="then N warm-up + N timed steps from the trained state (not applied); "
                          "rank 0 prints {\"step_ms\": [...]}")
+    ap.add_argument("--log-every", type=step_count, default=1, metavar="N",
+                    help="the last stage's first rank prints the loss of every N-th step and the last "
+                         "(default 1)")
     ap.add_argument("--save", metavar="DIR",
                     help="after the last step, save every stage's params and optimizer state and the "
                          "step number as a torch.distributed.checkpoint in DIR/step-K (atomic: "
                          "DIR/latest names it; DIR/step-K/stages.json names each stage's ranks)")
+    ap.add_argument("--save-every", type=step_count, metavar="N",
+                    help="with --save: also save after every step whose number is a multiple of N (resumed "
+                         "runs count on from the saved step), so a run that dies resumes from the last one")
     ap.add_argument("--resume", metavar="DIR",
                     help="start from the checkpoint DIR/latest names: its params, optimizer state "
                          "and step; --steps more steps follow")
     add_cluster_args(ap)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.save_every and not args.save:
+        ap.error("--save-every N needs --save DIR (where the checkpoints go)")
+    return args
 
 
 def load(args):
@@ -425,17 +434,29 @@ def load(args):
     return load_checkpoint(args.checkpoint, args.key_map, args.load_report), load_batch(args.input)
 
 
-def train(args, state, p, data, first):
+def first_of_stage():
+    """Whether this rank is its stage's first (dp and tp coordinates 0): it prints and writes."""
+    return all(c == 0 for a, c in coords(RANK).items() if a != "pp")
+
+
+def train(args, state, p, data, first, after_step=None):
     """``--steps`` steps numbered from ``first`` (updated params and state carry over in
-    ``p``); the last step's result, with "losses"; rank 0 prints each step's loss."""
+    ``p``); the last step's result, with "losses". The last stage's first rank prints the loss
+    of every ``--log-every``-th step and the last (the only reads of a loss to the host);
+    ``after_step(k)``, when given, runs after step k has updated ``p`` (--save-every)."""
     losses, run_step, result = [], compiled_step(step, args), {}
-    for k in range(first, first + args.steps):
+    last, printer = first + args.steps - 1, first_of_stage()
+    for k in range(first, last + 1):
         STEP[0] = float(k)
         result.clear()  # the last step's outputs (its gradients) are not kept through this one
         result = run_step(k, state, p, data)
         if "loss" in result:
             losses.append(result["loss"])
+            if printer and (k % args.log_every == 0 or k == last):
+                print(f"step {k} loss {float(result['loss']):.6g}", flush=True)
         p.update({q: result[q] for q in p if q in result})
+        if after_step is not None:
+            after_step(k)
     if losses:
         result["losses"] = torch.stack(losses)
     return result
@@ -450,20 +471,24 @@ def run(args):
     first = 1
     if args.resume:
         first = agree(lambda: resume_stages(args.resume, p, coord), "reading --resume")
+    last = first + args.steps - 1
+    saves = saved_steps(first, last, args.save_every) if args.save else []
     if args.save:  # before the first step: a save that cannot succeed is found now
-        agree(lambda: check_save(args.save, first + args.steps - 1), "checking --save")
+        agree(lambda: check_save(args.save, saves), "checking --save")
+
+    def save_during(k):  # --save-every: atomic, so a run killed later resumes from step k
+        if k in saves and k != last:
+            FAULT["where"] = f"saving the checkpoint of step {k}"
+            save_stages(args.save, p, coord, k)
+
     with torch.no_grad():  # the backward pass is explicit in the stage functions
-        result = train(args, state, p, data, first)
+        result = train(args, state, p, data, first, save_during if args.save_every else None)
     if args.save:
         FAULT["where"] = "saving the checkpoint"
-        save_stages(args.save, p, coord, first + args.steps - 1)
+        save_stages(args.save, p, coord, last)
     FAULT["where"] = "writing the outputs"
     result = {n: whole_value(v, SPLITS.get(n, [])) for n, v in result.items()}
-    first_of_stage = all(c == 0 for a, c in coords(RANK).items() if a != "pp")
-    if "losses" in result and first_of_stage:  # the last stage's first rank
-        for i, loss in enumerate(result["losses"].tolist(), start=first):
-            print(f"step {i} loss {loss:.6g}", flush=True)
-    if args.output and first_of_stage:
+    if args.output and first_of_stage():
         for t in STAGES[coord]:  # one rank per stage writes each (virtual) stage's file
             torch.save({n: v.detach().cpu().clone() for n, v in result.items()}, f"{args.output}.stage{t}")
     if args.bench:  # every step from the same state: the time of one step, not a trajectory
