@@ -109,7 +109,31 @@ class PipelinePlan:
                 "makespan": sim.makespan,
                 "tied": {p: list(held) for p, held in self.tied},
                 "actions": [[str(a) for a in acts] for acts in self.actions],
-                "collectives": self.collective_counts()}
+                "collectives": self.collective_counts(), "ranks": self.rank_memory()}
+
+    def rank_memory(self) -> list:
+        """Per pp coordinate, what one of its ranks holds (its chunks' together; a param two
+        of them hold counted once): ``{"pp", "stages", "weight_bytes", "grad_bytes",
+        "optimizer_state_bytes", "stash_peak_bytes", "checkpoint_bytes_read"}``, the last the
+        bytes it reads of the checkpoint (every param its stages' programs read, frozen ones
+        too, as this rank's tp block)."""
+        out = []
+        for r in range(self.pp):
+            chunks = list(range(r, len(self.stages), self.pp))
+            held, trained, state = {}, {}, {}
+            for t in chunks:
+                st, local = self.stages[t], (self.local[t] if self.local else None)
+                progs = local or st
+                for g in (progs.forward, progs.backward, progs.optimizer):
+                    for n in g.params:
+                        (state if n.phase == "optimizer" else held)[n.name] = n.type.nbytes
+                trained.update({p: held[p] for p in st.params if p in held})
+            peak = self.simulation.peak_inflight[r]
+            out.append({"pp": r, "stages": chunks, "weight_bytes": sum(trained.values()),
+                        "grad_bytes": sum(trained.values()), "optimizer_state_bytes": sum(state.values()),
+                        "stash_peak_bytes": max(peak * self.stages[t].saved_bytes for t in chunks),
+                        "checkpoint_bytes_read": sum(held.values())})
+        return out
 
     def collective_counts(self) -> list:
         """What one rank of each pp coordinate communicates in one training step: per pp
