@@ -54,6 +54,22 @@ def test_zero1_splits_the_state_over_dp_and_gathers_the_params(head):
         assert mine < whole and mine >= whole // 2
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "zb-h1", "interleaved"])
+def test_zero1_under_every_schedule(schedule):
+    """ZB-H1 (the backward split in two) and interleaved 1F1B (a rank's two chunks, each its own
+    update on the mesh less pp) with zero=1 and the clip: the unsharded step; program.py prints."""
+    from parcomp.compile.compiler import compile_graph
+    from parcomp_backends.torch.emit import emit_program
+
+    train = OPT.replace("schedule=1f1b", f"schedule={schedule}")
+    _, feeds, want = reference(chain_graph(blocks=4), train)
+    s = spec(f"mesh dp=2 pp=2\n{train} zero=1\n")
+    plan = plan_pipeline(chain_graph(blocks=4), s)
+    assert all(local.axes == ("dp",) for local in plan.local)
+    assert_all_equivalent(run_pipeline_step(plan, feeds), want)
+    assert "reduce_scatter" in emit_program(compile_graph(chain_graph(blocks=4), s))
+
+
 def test_zero2_is_refused_at_its_column():
     with pytest.raises(SpecError) as e:
         plan_pipeline(chain_graph(blocks=4), spec(f"mesh dp=2 pp=2\n{OPT} zero=2\n"))
