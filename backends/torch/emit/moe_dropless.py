@@ -30,6 +30,7 @@ the whole program dense, and :func:`dropless_plan` says which.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 SLOT_ATOMS = ("B", "E", "C")
@@ -93,12 +94,11 @@ def _atoms_dims(shape, names) -> tuple:
     return tuple(((a, s),) for a, s in zip(names, shape))
 
 
-_FEATURE = [0]
+_FEATURE_IDS = itertools.count()  # a feature atom's identity: only compared, never printed
 
 
 def _feature(size):
-    _FEATURE[0] += 1
-    return (("f", _FEATURE[0]), size)
+    return (("f", next(_FEATURE_IDS)), size)
 
 
 def _regroup(dims, shape):
