@@ -179,3 +179,47 @@ def test_transformers_mixtral_lm_ep2_runs_dropless_under_torchrun_like_unsharded
                "--nproc", "2", "--json"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and out["verdict"] == "OK" and out["world_size"] == 2, out.get("why")
+
+
+# ---- the packed forms against the numpy reference, and the dense fallback -----------------
+
+def _forward_program(text, tmp_path, name, spec="mesh ep=1\ninput x replicated\n"):
+    from parcomp.ir import parse_graph
+
+    c, mod, program = _program(parse_graph(text), spec, tmp_path, name)
+    return c, mod, program
+
+
+@pytest.mark.parametrize("experts, top_k, skew", [(4, 1, 0.0), (4, 4, 0.0), (6, 2, 3.0), (8, 3, 0.0)])
+def test_dropless_forward_equals_the_reference_for_any_routing(tmp_path, experts, top_k, skew):
+    """top-1, every expert (top_k = E), a skewed router (experts without a token), odd counts:
+    program.py's dropless forward equals the numpy interpreter's dense buffer."""
+    from moe_cases import MoeCase, feeds, model_text
+    from parcomp.reference.numpy_ops import run_unsharded
+
+    case = MoeCase(experts=experts, top_k=top_k, batch=3, seq=5, hidden=4, inter=6, capacity=0, ep=1, skew=skew)
+    c, mod, text = _forward_program(model_text(case), tmp_path, f"fw{experts}{top_k}")
+    assert "# MoE: dropless" in text
+    f = feeds(c.logical, case, 0)
+    want = run_unsharded(c.logical, f)["output"]
+    p = {n.name: torch.from_numpy(f[n.name]) for n in c.logical.params}
+    got = mod.forward(p, {"x": torch.from_numpy(f["x"])})["output"]
+    assert_equivalent(got.numpy(), want, what="output")
+
+
+def test_a_reduction_over_the_slots_keeps_the_program_dense(tmp_path):
+    """A sum over the slot dim has no packed form here: the whole program keeps the dense
+    buffer and its first comment line names the statement."""
+    from moe_cases import MoeCase, feeds, model_text
+    from parcomp.reference.numpy_ops import run_unsharded
+
+    case = MoeCase(experts=4, top_k=2, batch=2, seq=4, hidden=4, inter=6, capacity=0, ep=1)
+    text = model_text(case).replace("return %output\n", "%load: f32[4,6] = sum(%a) {dims=(1,)}\n"
+                                    "return %output, %load\n")
+    c, mod, program = _forward_program(text, tmp_path, "fallback")
+    assert "# MoE: the dense slot buffer [B, E, C, H]: %load: sum of slots" in program
+    f = feeds(c.logical, case, 0)
+    p = {n.name: torch.from_numpy(f[n.name]) for n in c.logical.params}
+    got = mod.forward(p, {"x": torch.from_numpy(f["x"])})
+    for name, want in run_unsharded(c.logical, f).items():
+        assert_equivalent(got[name].numpy(), want, what=name)

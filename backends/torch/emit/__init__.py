@@ -36,7 +36,7 @@ from parcomp.ir.types import layout_str
 from .attention import attention_sections, joint_grads, joint_targets
 from .cp_ring import ring_comment, ring_sections
 from .moe import moe_sections
-from .moe_dropless import dropless_plan
+from .moe_dropless import DROPLESS_EXCHANGE, dropless_plan
 from .norms import runtime_sections
 from .reduce import reduce_sections
 # the per-node text and the other sections (re-exported: callers import them from here)
@@ -151,7 +151,7 @@ def _forward(prog, names, train, dropless=None) -> str:
             lines.append(f"    {var} = {src}[{_json_str(n.name)}]{tail}")
             continue
         if op in _LAYOUT_OPS:
-            lines += _layout_comment(program, n, prog.collective(n.name), names)
+            lines += _layout_comment(program, n, prog.collective(n.name), names, n.name in packed)
         first, parts = joint_grads(program).get(n.name, (None, None))
         if first is not None and first != n.name:
             lines.append(f"    # {var}: computed above with {names[first]} (one backward of the attention)")
@@ -172,13 +172,15 @@ def _forward(prog, names, train, dropless=None) -> str:
     return "\n".join(lines)
 
 
-def _layout_comment(program, n, record, names) -> list:
+def _layout_comment(program, n, record, names, dropless=False) -> list:
     """The comment above a layout change: kind, axis, layouts, bytes, the reason (whose spec
     references are basenames: no machine path reaches a program), a value it names written
     as the program's variable (``%linear_1_mm`` -> ``_2_dense``) where the program has it."""
     src = program[n.inputs[0]]
     reason = record.reason if record else n.attr("reason", "")
     reason = re.sub(r"%([\w.]+)", lambda m: names.get(m.group(1), m.group(0)), reason)
+    if dropless:  # the packed exchange of emit/moe_dropless.py
+        reason = reason.split("; ragged:")[0] + DROPLESS_EXCHANGE
     change = f"{layout_str(src.layout)} -> {layout_str(n.layout)}"
     if n.op in LOCAL_LAYOUT_OPS:
         head = f"{n.op} over {n.attr('axis')} {change} (local, no communication):"

@@ -34,6 +34,9 @@ import itertools
 from dataclasses import dataclass, field
 
 SLOT_ATOMS = ("B", "E", "C")
+DROPLESS_EXCHANGE = ("; dropless: only the routed tokens' rows travel, packed by expert, after the "
+                     "per-expert counts (one all_to_all per layer and step); bytes here: the padded "
+                     "buffer's, an upper bound")
 ELEMENTWISE = frozenset({
     "relu", "gelu", "tanh", "exp", "sigmoid", "silu", "pow", "add_scalar", "neg", "scale", "cast",
     "add", "sub", "mul", "div", "add_scaled", "axpby", "relu_grad", "tanh_grad", "sigmoid_grad",
@@ -171,6 +174,8 @@ def _plan(program, names) -> DroplessPlan:
             if ins[0] is not None or ins[1] is not None:
                 raise NotDropless(f"%{n.name}: a moe_dispatch of slots")
             x, c = (program[i] for i in n.inputs)
+            if n.name in outputs:
+                raise NotDropless(f"%{n.name}: slots as a program output")
             if n.attr("capacity") < c.type.shape[1]:
                 raise NotDropless(f"%{n.name}: capacity {n.attr('capacity')} below the row's tokens")
             plan, pre = route_plan(n.inputs[1])
@@ -181,10 +186,10 @@ def _plan(program, names) -> DroplessPlan:
             continue
         if all(p is None for p in ins):
             continue
-        if n.name in outputs:
-            raise NotDropless(f"%{n.name}: slots as a program output")
         lines[n.name], out = _statement(program, n, ins, names, packed, plans, expert_plans, back, fresh, route_plan)
         if out is not None:
+            if n.name in outputs:
+                raise NotDropless(f"%{n.name}: slots as a program output")
             packed[n.name] = out
     layers = sum(1 for n in program.nodes if n.op == "moe_dispatch" and not any(
         program[i].op == "moe_dispatch" for i in n.inputs))
