@@ -78,7 +78,6 @@ class DroplessPlan:
     (``lines``), or why the program stays dense (``why``)."""
     lines: dict = field(default_factory=dict)
     why: str = ""
-    layers: int = 0
 
     @property
     def active(self) -> bool:
@@ -139,7 +138,7 @@ def dropless_plan(prog, names) -> DroplessPlan:
     if not any(n.op == "moe_dispatch" for n in program.nodes):
         return DroplessPlan()
     if any(n.op == "moe_route" and n.attr("capacity", 0) for n in program.nodes):
-        return DroplessPlan(why="a capacity is set (moe capacity_factor): the dense slot buffer")
+        return DroplessPlan(why="a capacity is set (the spec's moe capacity_factor, or the model's)")
     try:
         return _plan(program, names)
     except NotDropless as e:
@@ -186,18 +185,17 @@ def _plan(program, names) -> DroplessPlan:
             continue
         if all(p is None for p in ins):
             continue
-        lines[n.name], out = _statement(program, n, ins, names, packed, plans, expert_plans, back, fresh, route_plan)
+        lines[n.name], out = _statement(program, n, ins, names, expert_plans, back, fresh, route_plan)
         if out is not None:
             if n.name in outputs:
                 raise NotDropless(f"%{n.name}: slots as a program output")
             packed[n.name] = out
-    layers = sum(1 for n in program.nodes if n.op == "moe_dispatch" and not any(
-        program[i].op == "moe_dispatch" for i in n.inputs))
-    return DroplessPlan(lines=lines, layers=layers)
+    return DroplessPlan(lines=lines)
 
 
-def _statement(program, n, ins, names, packed, plans, expert_plans, back, fresh, route_plan):
-    """(lines, Packed of the result or None) of node ``n`` with some packed operand."""
+def _statement(program, n, ins, names, expert_plans, back, fresh, route_plan):
+    """(lines, Packed of the result or None) of node ``n`` with some packed operand; lines
+    None: the dense statement as it is, on the packed rows."""
     var, args = names[n.name], [names[i] for i in n.inputs]
     op = n.op
     p = next(q for q in ins if q is not None)
