@@ -105,7 +105,7 @@ def full_tensors(compiled, checkpoint: str, module=None) -> dict:
                                f"the program {tuple(graph[k].type.shape)} (a checkpoint of another model?)",
                                where=k)
     alias = tied_names(module)
-    trained = {alias.get(k, k): _stored(saved[k], graph[k].attr("stored_shape")) for k in names}
+    trained = {alias.get(k, k): _stored(saved[k], graph[k].attr("stored_shape"), graph[k].attr("stored_order")) for k in names}
     return {**trained, **untrained_tensors(module, trained)}
 
 
@@ -200,8 +200,9 @@ def _umask() -> int:
     return mask
 
 
-def _stored(t, stored):
-    """``t`` in the checkpoint's stored shape: padding rows dropped, a per-part view reshaped."""
+def _stored(t, stored, order=None):
+    """``t`` in the checkpoint's stored shape: padding rows dropped, a per-part view reshaped
+    (a grouped q|k|v's head units put back in their stored ``order``: fused_weights.py)."""
     if stored is None:
         return t.contiguous()
     stored = tuple(stored)
@@ -210,4 +211,10 @@ def _stored(t, stored):
         n *= s
     if n < t.numel():  # a padded vocab table: the first rows are the real ones
         t = t[:stored[0]]
+    if order:
+        import torch
+        a = next(d for d in range(len(stored)) if d >= t.dim() or t.shape[d] != stored[d])
+        units = t.reshape(stored[:a] + (len(order), -1) + stored[a + 1:])
+        back = sorted(range(len(order)), key=lambda i: order[i])  # argsort: stored unit -> view unit
+        t = units.index_select(a, torch.tensor(back))
     return t.reshape(stored).contiguous()

@@ -210,6 +210,10 @@ def _load_facts(plan) -> tuple:
     for st in plan.stages:
         for g in (st.forward, st.backward, st.optimizer):
             for n in g.params:
+                if n.attr("stored_order"):  # its loader only reshapes
+                    raise PipelineEmitError(f"param {n.name}: a grouped q|k|v fused weight (its heads reordered "
+                                    f"on load) in a pipeline stage is not built; give the model separate "
+                                    f"q, k and v projections")
                 if n.attr("stored_shape"):
                     stored[n.name] = list(n.attr("stored_shape"))
                 if n.attr("aliases"):
