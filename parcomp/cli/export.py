@@ -33,6 +33,7 @@ import tempfile
 
 from ..errors import ParcompError
 from ..outdir import check_target, write_dir_atomic
+from ..reference.numpy_attn import view_to_stored
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
 
@@ -213,8 +214,5 @@ def _stored(t, stored, order=None):
         t = t[:stored[0]]
     if order:
         import torch
-        a = next(d for d in range(len(stored)) if d >= t.dim() or t.shape[d] != stored[d])
-        units = t.reshape(stored[:a] + (len(order), -1) + stored[a + 1:])
-        back = sorted(range(len(order)), key=lambda i: order[i])  # argsort: stored unit -> view unit
-        t = units.index_select(a, torch.tensor(back))
+        return torch.from_numpy(view_to_stored(t.detach().cpu().numpy(), stored, order).copy())
     return t.reshape(stored).contiguous()
