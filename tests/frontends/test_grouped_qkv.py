@@ -114,3 +114,12 @@ def test_the_grouped_split_trains_under_torchrun_like_torch(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and out["ok"], out
 
+
+
+@pytest.mark.slow
+def test_parallelize_trains_it_and_gives_the_weight_back_in_its_stored_rows(tmp_path):
+    """parcomp.parallelize in a user's loop (2 gloo ranks): the steps equal the unsharded
+    model's, and ``full_state_dict`` gives qkv_proj back as the checkpoint stores it."""
+    from gloo_ranks import run_ranks
+    for r in run_ranks("api_grouped_workers:train_phi3_equal", 2, cache_dir=str(tmp_path)):
+        assert r["qkv_shape"] == [128, 64] and r["loss_err"] <= 1e-5 and r["param_err"] <= 1e-3, r
