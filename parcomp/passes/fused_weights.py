@@ -20,6 +20,11 @@ per-part feature dim and ``rowwise`` the input dim (:func:`fused_split_dim`), an
 unnamed fused bias of the same module follows a colwise weight (:func:`fused_bias_follows`).
 Updated values and gradients of such a param keep the view's shape
 (:func:`to_view_shapes` reshapes torch's for comparison).
+
+Grouped-query q|k|v in one weight (Phi-3's ``qkv_proj``: parts of unequal width, fewer kv
+heads than query heads; :func:`_grouped`) is viewed per kv group instead: R + 2 parts of G
+heads each, its stored head units reordered (``stored_order``) so that ``colwise`` gives each
+rank whole groups (:func:`_grouped_parts`).
 """
 from __future__ import annotations
 

@@ -212,8 +212,8 @@ def _load_facts(plan) -> tuple:
             for n in g.params:
                 if n.attr("stored_order"):  # its loader only reshapes
                     raise PipelineEmitError(f"param {n.name}: a grouped q|k|v fused weight (its heads reordered "
-                                    f"on load) in a pipeline stage is not built; give the model separate "
-                                    f"q, k and v projections")
+                                    f"on load) is not built for pipeline stages, whose loader only reshapes; "
+                                    f"compile it without a pp axis (tp splits it by kv group)")
                 if n.attr("stored_shape"):
                     stored[n.name] = list(n.attr("stored_shape"))
                 if n.attr("aliases"):
