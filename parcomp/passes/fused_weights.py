@@ -325,8 +325,11 @@ def in_stored_indices(result, graph):
         idx = tuple(int(i) for i in m.group(1).split(","))
         if len(idx) != len(view) or any(i >= n for i, n in zip(idx, view)):
             return m.group(0)
-        flat = stored_to_view(np.arange(int(np.prod(stored))).reshape(stored), view, order)[idx]
-        new = np.unravel_index(int(flat), stored)
+        if order:  # the stored element at that view index: a grouped q|k|v's heads reordered
+            flat = int(stored_to_view(np.arange(int(np.prod(stored))).reshape(stored), view, order)[idx])
+        else:
+            flat = np.ravel_multi_index(idx, view)
+        new = np.unravel_index(flat, stored)
         return "[" + (", " if " " in m.group(1) else ",").join(str(int(i)) for i in new) + "]"
 
     def clauses(m):
