@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import ParcompError
+from ..ir.types import Replicate as PReplicate
 from ..ir.types import Shard, parse_layout
 from .compiling import Programs, compile_programs
 from .runtime import call, load_program
@@ -86,7 +87,7 @@ def compile_for(module, example_inputs, spec, *, gather=False, input_grads=False
 
 def parallelize(module: nn.Module, example_inputs, spec, *, gather_outputs: bool = False,
                 grad_reduction: str = "mean", input_grads: bool = False, cache_dir=None, use_cache: bool = True,
-                sync_module_states: bool = True, timeout: int = 600) -> "ParallelModule":
+                sync_module_states: bool = True, timeout: int = 600, dtensor=False) -> "ParallelModule":
     """``module`` compiled under ``spec`` for this rank; call it on every rank.
 
     Args:
@@ -103,6 +104,14 @@ def parallelize(module: nn.Module, example_inputs, spec, *, gather_outputs: bool
             ``~/.cache/parcomp``); ``use_cache=False`` compiles every time.
         sync_module_states: start from rank 0's weights (broadcast), as DDP does.
         timeout: seconds a collective may wait.
+        dtensor: ``True``: the parameters (and buffers) are ``DTensor``s on the spec's mesh (a
+            ``DeviceMesh`` over the program's own process groups), placed as the spec's layouts
+            say (``Shard(d)`` / ``Replicate()`` per mesh axis), so ``torch.optim``,
+            ``torch.nn.utils.clip_grad_norm_``, ``state_dict()`` and
+            ``torch.distributed.checkpoint`` see whole tensors. A ``DeviceMesh`` instead of
+            ``True`` is used as that mesh (its dim names and sizes the spec's, its ranks laid
+            out row-major as the spec's mesh). ``False`` (the default): plain tensors holding
+            this rank's slice.
 
     Raises:
         ParcompError: the spec does not fit the model (on every rank alike), torch.distributed is
@@ -118,7 +127,7 @@ def parallelize(module: nn.Module, example_inputs, spec, *, gather_outputs: bool
     if sync_module_states:
         progs.constants = _broadcast(progs.constants if dist.get_rank() == 0 else None)
     return ParallelModule(module, progs, grad_reduction=grad_reduction, sync_module_states=sync_module_states,
-                          timeout=timeout)
+                          timeout=timeout, dtensor=dtensor)
 
 
 def _tree(root: nn.Module, name: str):
@@ -145,7 +154,7 @@ class ParallelModule(nn.Module):
     """
 
     def __init__(self, module: nn.Module, progs: Programs, *, grad_reduction="mean", sync_module_states=True,
-                 timeout=600):
+                 timeout=600, dtensor=False):
         super().__init__()
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
         self._meta, self._key, self._cached = progs.meta, progs.key, progs.cached
@@ -167,12 +176,17 @@ class ParallelModule(nn.Module):
         self._param_names = [p["name"] for p in self._meta["params"]]
         self._trainable = {p["name"]: p["trainable"] and _requires_grad(module, p["name"])
                            for p in self._meta["params"]}
-        for name in self._param_names:
+        self.device_mesh = None if dtensor is False else _device_mesh(self._fwd, dtensor)
+        for p in self._meta["params"]:
+            name = p["name"]
+            value = local[name]
+            if self.device_mesh is not None:
+                value = _as_dtensor(value, self.device_mesh, p)
             owner, leaf = _tree(self, name)
             if self._trainable[name]:
-                owner.register_parameter(leaf, nn.Parameter(local[name], requires_grad=True))
+                owner.register_parameter(leaf, nn.Parameter(value, requires_grad=True))
             else:
-                owner.register_buffer(leaf, local[name], persistent=name in module.state_dict())
+                owner.register_buffer(leaf, value, persistent=name in module.state_dict())
         self._input_names = [i["name"] for i in self._meta["inputs"]]
         self._outputs = self._meta["outputs"]
         self.grad_reduction = grad_reduction
@@ -221,7 +235,7 @@ class ParallelModule(nn.Module):
                 and not any(f"{n}.grad" in self._meta["grads"] for n in self._input_names):
             raise ParcompError("an input requires grad, but the module was compiled without input "
                                "gradients: parallelize(..., input_grads=True)")
-        params = [self._local(n) for n in self._param_names]
+        params = [_plain(self._local(n)) for n in self._param_names]  # DTensor.to_local: grads come back as DTensors
         outs = _Step.apply(self, len(params), *params, *inputs)
         names = [o["name"] for o in self._outputs]
         if names == ["output"]:
@@ -240,7 +254,8 @@ class ParallelModule(nn.Module):
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for p in self.parameters():
             if p.grad is not None:
-                p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))
+                g = _plain(p.grad)
+                g.mul_(coef.to(g.device, g.dtype))
         return total
 
     def grad_norm(self) -> torch.Tensor:
@@ -252,6 +267,7 @@ class ParallelModule(nn.Module):
             g = self._local(p["name"]).grad
             if g is None:
                 continue
+            g = _plain(g)
             axes = tuple(a for a, pl in zip(self._meta["mesh"]["names"], parse_layout(p["layout"]))
                          if isinstance(pl, Shard))
             sq = g.detach().float().pow(2).sum()
@@ -280,11 +296,64 @@ class ParallelModule(nn.Module):
             t = pick(self._local(p["name"]))
             if t is None:
                 continue
+            t = _plain(t)
             for a, pl in reversed(list(zip(self._meta["mesh"]["names"], parse_layout(p["layout"])))):
                 if isinstance(pl, Shard):
                     t = _all_gather(t, pl.dim, self._fwd, a)
             out[p["name"]] = t.reshape(self._shapes.get(p["name"], t.shape))
         return out
+
+
+def _plain(t):
+    """This rank's local tensor of ``t`` (a DTensor's ``to_local()``, differentiable)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _device_mesh(prog, given):
+    """The DeviceMesh the parameters live on: the program's own (``given is True``: one
+    DeviceMesh over its process groups, no new communicator), or ``given`` checked against the
+    spec's mesh (dim names, sizes, and this rank's coordinate)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    names, sizes = list(prog.MESH), list(prog.MESH.values())
+    if given is True:
+        return call(prog, "device_mesh", tuple(names))
+    if not isinstance(given, DeviceMesh):
+        raise ParcompError(f"dtensor= takes True or a DeviceMesh; got {type(given).__name__}")
+    got_names = list(given.mesh_dim_names or ())
+    if got_names != names or list(given.mesh.shape) != sizes:
+        raise ParcompError(f"dtensor=: the DeviceMesh has dims {got_names or '(unnamed)'} of sizes "
+                           f"{list(given.mesh.shape)}, the spec's mesh is {prog.MESH_TEXT}: give a DeviceMesh "
+                           f"with mesh_dim_names={tuple(names)} and shape {tuple(sizes)}, or dtensor=True")
+    coord = given.get_coordinate()
+    if coord is None or tuple(coord) != tuple(prog.COORD):
+        raise ParcompError(f"dtensor=: rank {prog.RANK} is at {coord} on the DeviceMesh but at "
+                           f"{tuple(prog.COORD)} on the spec's mesh (row-major, the last axis varying fastest): "
+                           f"lay the DeviceMesh's ranks out as torch.arange(world).reshape{tuple(sizes)}, as "
+                           f"init_device_mesh does")
+    return given
+
+
+def _as_dtensor(local, mesh, param):
+    """``local`` (this rank's slice of ``param``) as a DTensor of the parameter's global shape,
+    placed per mesh axis as its layout says."""
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor import Shard as TShard
+
+    placements = []
+    for axis, pl in zip(mesh.mesh_dim_names, parse_layout(param["layout"])):
+        if isinstance(pl, Shard):
+            placements.append(TShard(pl.dim))
+        elif isinstance(pl, PReplicate):
+            placements.append(Replicate())
+        else:
+            raise ParcompError(f"parameter {param['name']} is laid out {param['layout']}: a DTensor holds a "
+                               f"split or a replicated parameter, not {pl} over {axis}", where=param["name"])
+    shape = torch.Size(param["shape"])
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape,
+                              stride=torch.empty(shape, device="meta").stride())
 
 
 def _group(mod, axis):

@@ -207,3 +207,81 @@ def options(rank, world, cache_dir=None):
             "whole_err": (got_whole - want).abs().max().item(),
             "local_err": (got_local - want.chunk(2, -1)[rank]).abs().max().item(), "refused": refused,
             "plan_err": plan_err, "plan_layouts": planned.layouts()}
+
+
+def train_dtensor_equal(rank, world, spec="tp", steps=3, cache_dir=None, clip=0.05, ckpt_dir=None):
+    """parallelize(..., dtensor=True): stock AdamW and torch.nn.utils.clip_grad_norm_ on the
+    DTensor parameters for 3 steps, against the unsharded loop; then a torch.distributed.checkpoint
+    save of the model's and the optimizer's state, the parameters overwritten, and a load back."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.tensor import DTensor
+
+    text = SPECS[spec]
+    model = small_mlp()
+    ref = copy.deepcopy(model)
+    batches = _batches(steps)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_losses, ref_norms = [], []
+    for x, t in batches:
+        loss = nn.functional.mse_loss(ref(x), t)
+        loss.backward()
+        ref_norms.append(nn.utils.clip_grad_norm_(ref.parameters(), clip).item())
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(loss.item())
+
+    par = parcomp.parallelize(model, (batches[0][0],), text, cache_dir=cache_dir, dtensor=True)
+    placements = {k: [str(p) for p in v.placements] for k, v in par.named_parameters()}
+    all_dtensors = all(isinstance(v, DTensor) for v in par.state_dict().values())
+    opt = torch.optim.AdamW(par.parameters(), lr=1e-2, weight_decay=0.1)
+    dp, coord = _dp_coord(text, rank)
+    losses, norms = [], []
+    for x, t in batches:
+        loss = nn.functional.mse_loss(par(x.chunk(dp)[coord]), t.chunk(dp)[coord])
+        loss.backward()
+        grads_are_dtensors = all(isinstance(p.grad, DTensor) for p in par.parameters())
+        norms.append(nn.utils.clip_grad_norm_(par.parameters(), clip).item())
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world)
+    full = {k: v.full_tensor() for k, v in par.state_dict().items()}
+    param_err = max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+
+    # checkpoint round trip: model and optimizer state through torch.distributed.checkpoint
+    model_sd, optim_sd = get_state_dict(par, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=ckpt_dir)
+    saved_exp_avg = {k: v.full_tensor().clone() for k, v in opt.state_dict()["state"][0].items()
+                     if isinstance(v, DTensor)}
+    with torch.no_grad():
+        for p in par.parameters():
+            p.zero_()
+        for st in opt.state.values():
+            for v in st.values():
+                if isinstance(v, torch.Tensor) and v.is_floating_point():
+                    v.zero_()
+    zeroed = max(p.full_tensor().abs().max().item() for p in par.parameters())
+    model_sd, optim_sd = get_state_dict(par, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=ckpt_dir)
+    set_state_dict(par, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    loaded = {k: v.full_tensor() for k, v in par.state_dict().items()}
+    load_err = max((loaded[k] - full[k]).abs().max().item() for k in full)
+    state_err = max((opt.state_dict()["state"][0][k].full_tensor() - v).abs().max().item()
+                    for k, v in saved_exp_avg.items())
+    from torch.distributed.device_mesh import init_device_mesh
+
+    try:  # a DeviceMesh whose dims are not the spec's
+        parcomp.parallelize(model, (batches[0][0],), text, cache_dir=cache_dir,
+                            dtensor=init_device_mesh("cpu", (world,), mesh_dim_names=("x",)))
+        wrong_mesh = ""
+    except parcomp.errors.ParcompError as e:
+        wrong_mesh = str(e)
+    return {"ref_losses": ref_losses, "losses": losses, "param_err": param_err,
+            "loss_err": max(abs(a - b) for a, b in zip(ref_losses, losses)),
+            "norm_err": max(abs(a - b) / a for a, b in zip(ref_norms, norms)), "norms": norms,
+            "placements": placements, "all_dtensors": all_dtensors, "grads_are_dtensors": grads_are_dtensors,
+            "zeroed": zeroed, "load_err": load_err, "state_err": state_err, "state_keys": sorted(saved_exp_avg),
+            "wrong_mesh": wrong_mesh}
