@@ -28,7 +28,7 @@ from torch import nn
 from ..errors import ParcompError
 from ..ir.types import Replicate as PReplicate
 from ..ir.types import Shard, parse_layout
-from .compiling import Programs, compile_programs
+from .compiling import Programs, compile_programs, compile_train_program
 from .runtime import call, load_program
 from .specs import mesh_text, resolve_spec
 
@@ -44,12 +44,17 @@ def _broadcast(obj, group=None):
 def _compile_on_rank0(module, example_inputs, spec, *, gather, input_grads, cache, use_cache, profile):
     """Rank 0 compiles (or reads the cache) and broadcasts; every rank gets the same result or the
     same error."""
+    return _on_rank0(lambda: compile_for(module, example_inputs, spec, gather=gather, input_grads=input_grads,
+                                         cache=cache, use_cache=use_cache, profile=profile))
+
+
+def _on_rank0(work):
+    """``work()`` on rank 0, its result broadcast; a ParcompError (or a crash) there is raised on
+    every rank alike, so no rank waits for one that failed."""
     payload, err = None, None
     if dist.get_rank() == 0:
         try:
-            progs = compile_for(module, example_inputs, spec, gather=gather, input_grads=input_grads,
-                                cache=cache, use_cache=use_cache, profile=profile)
-            payload = ("ok", progs)
+            payload = ("ok", work())
         except ParcompError as e:
             payload, err = ("error", type(e), e.message, e.loc, e.where), e
         except Exception as e:  # noqa: BLE001 - the other ranks must not wait for a rank that failed
@@ -85,6 +90,20 @@ def compile_for(module, example_inputs, spec, *, gather=False, input_grads=False
     return progs
 
 
+def compile_train_for(module, example_inputs, spec, *, cache=None, use_cache=True, profile="cpu") -> tuple:
+    """Import ``module`` and compile the spec's training step (its ``train`` line):
+    ``(program text, key, cached)``; one process, no torch.distributed."""
+    from ..frontends.torch.export import import_torch
+
+    graph = import_torch(module, tuple(example_inputs))
+    spec = resolve_spec(spec, module, graph)
+    if spec.train is None:
+        raise ParcompError(f"train_step runs the spec's training step, and this spec has no train line "
+                           f"(in {spec.file}): add one such as 'train loss=mse optimizer=adamw(lr=1e-3)', "
+                           f"or train from your own loop (forward and loss.backward())", where=spec.file)
+    return compile_train_program(graph, spec, cache=cache, use_cache=use_cache, profile=profile)
+
+
 def parallelize(module: nn.Module, example_inputs, spec, *, gather_outputs: bool = False,
                 grad_reduction: str = "mean", input_grads: bool = False, cache_dir=None, use_cache: bool = True,
                 sync_module_states: bool = True, timeout: int = 600, dtensor=False) -> "ParallelModule":
@@ -95,8 +114,9 @@ def parallelize(module: nn.Module, example_inputs, spec, *, gather_outputs: bool
         example_inputs: a tuple of tensors, the *global* shapes (every rank's local batch put
             together, as the spec's layouts split them).
         spec: a :class:`parcomp.spec.Spec`, a ``.pcs`` path, its text, or a DTensor plan
-            (``(plan dict, DeviceMesh)``, :mod:`parcomp.api.dtensor_plan`). A ``train`` line is
-            ignored: the user's loop trains.
+            (``(plan dict, DeviceMesh)``, :mod:`parcomp.api.dtensor_plan`). Its ``train`` line,
+            if any, is what :meth:`ParallelModule.train_step` runs; ``forward`` and
+            ``loss.backward()`` serve the user's own loop either way.
         gather_outputs: return every output whole on every rank (the program gathers it).
         grad_reduction: ``"mean"`` (DDP's) or ``"sum"``: see the module docstring.
         input_grads: also compute gradients of the float inputs (a module inside a larger model).
@@ -126,8 +146,10 @@ def parallelize(module: nn.Module, example_inputs, spec, *, gather_outputs: bool
                               cache=cache_dir, use_cache=use_cache, profile="cpu")
     if sync_module_states:
         progs.constants = _broadcast(progs.constants if dist.get_rank() == 0 else None)
-    return ParallelModule(module, progs, grad_reduction=grad_reduction, sync_module_states=sync_module_states,
-                          timeout=timeout, dtensor=dtensor)
+    par = ParallelModule(module, progs, grad_reduction=grad_reduction, sync_module_states=sync_module_states,
+                         timeout=timeout, dtensor=dtensor)
+    par._source = (module, tuple(example_inputs), spec, cache_dir, use_cache, timeout)
+    return par
 
 
 def _tree(root: nn.Module, name: str):
@@ -189,6 +211,7 @@ class ParallelModule(nn.Module):
                 owner.register_buffer(leaf, value, persistent=name in module.state_dict())
         self._input_names = [i["name"] for i in self._meta["inputs"]]
         self._outputs = self._meta["outputs"]
+        self._device, self._source, self._train, self._train_held, self._steps_run = device, None, None, {}, 0
         self.grad_reduction = grad_reduction
         self._scales = [_batch_scale(o["layout"], self._meta["mesh"]) if grad_reduction == "mean" else 1.0
                         for o in self._outputs]
@@ -243,6 +266,74 @@ class ParallelModule(nn.Module):
         if names == [f"output_{i}" for i in range(len(names))]:
             return tuple(outs)
         return dict(zip(names, outs))
+
+    # ---- the spec's own training step ----
+    def train_step(self, *inputs, **named) -> torch.Tensor:
+        """One step of the spec's ``train`` line, as ``parcomp compile``'s program.py runs it:
+        forward, the loss the line names, backward, gradient collectives, clipping and the
+        optimizer update (with its learning-rate schedule, precision, recompute, accumulation),
+        all in one compiled program; returns the step's loss (replicated, the global batch's).
+
+        ``inputs`` are this rank's local slices of the model's inputs, in order; the loss's
+        other inputs by name (``target=`` for ``loss=mse`` / ``cross_entropy``), local slices
+        too. The parameters are updated in place (``torch.optim`` is not used); the optimizer's
+        state is kept here (``train_state()``). The first call compiles the step (rank 0, cached
+        on disk as the other programs) on every rank at once, as ``parallelize`` did.
+
+        Raises:
+            ParcompError: the spec has no ``train`` line (naming the spec), an input is missing
+                or unknown, or the step's program lays out a parameter otherwise than the
+                forward program (pin it in the spec).
+        """
+        prog = self._train_program()
+        feeds = dict(zip(self._input_names, inputs))
+        if len(inputs) > len(self._input_names):
+            raise ParcompError(f"train_step takes the model's {len(self._input_names)} inputs "
+                               f"({', '.join(self._input_names)}) in order; got {len(inputs)}")
+        feeds.update(named)
+        wanted = [n for n in prog.INPUTS if n != prog.STEP_INPUT]
+        missing, unknown = [n for n in wanted if n not in feeds], [n for n in feeds if n not in wanted]
+        if missing or unknown:
+            raise ParcompError(f"train_step: the spec's training step reads inputs {', '.join(wanted)}"
+                               + (f"; missing {', '.join(missing)}" if missing else "")
+                               + (f"; no input named {', '.join(unknown)}" if unknown else "")
+                               + " (give the model's inputs in order and the others by name, e.g. target=...)")
+        self._steps_run += 1
+        if prog.STEP_INPUT is not None:
+            feeds[prog.STEP_INPUT] = torch.tensor(float(self._steps_run), dtype=torch.float32)
+        params = {n: _plain(self._local(n)).detach() for n in self._param_names if n in prog.PARAMS}
+        params.update(self._train_held)
+        with torch.no_grad():
+            out = call(prog, "train_step", params, feeds)
+            for name in prog.CARRIED:
+                held, new = params[name], out[name]
+                if new is not held and new.data_ptr() != held.data_ptr():
+                    held.copy_(new)
+        return out["loss"]
+
+    def train_state(self) -> dict:
+        """``{name: this rank's slice}`` of what the training step keeps besides the parameters
+        (the optimizer's moments, ...); empty before the first ``train_step``."""
+        return dict(self._train_held)
+
+    def _train_program(self):
+        if self._train is not None:
+            return self._train
+        module, example, spec, cache, use_cache, timeout = self._source
+        text, _key, _cached = _on_rank0(lambda: compile_train_for(module, example, spec, cache=cache,
+                                                                  use_cache=use_cache))
+        prog = load_program(text, f"parcomp_train_{id(self)}", self._device, self._fwd.LINE_GROUPS, timeout)
+        mine = self.layouts()
+        for name in self._param_names:
+            theirs = prog.OUTPUT_LAYOUTS.get(name)
+            if name in prog.CARRIED and theirs is not None and theirs != mine[name]:
+                raise ParcompError(f"train_step: the training step lays parameter {name} out {theirs}, the "
+                                   f"forward program {mine[name]}: pin it in the spec (e.g. '{name} {mine[name]}')",
+                                   where=name)
+        local = call(prog, "load_params", self.full_state_dict())
+        self._train_held = {k: v for k, v in local.items() if k not in self._param_names}
+        self._train = prog
+        return prog
 
     # ---- collectives the user's loop needs ----
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

@@ -285,3 +285,45 @@ def train_dtensor_equal(rank, world, spec="tp", steps=3, cache_dir=None, clip=0.
             "placements": placements, "all_dtensors": all_dtensors, "grads_are_dtensors": grads_are_dtensors,
             "zeroed": zeroed, "load_err": load_err, "state_err": state_err, "state_keys": sorted(saved_exp_avg),
             "wrong_mesh": wrong_mesh}
+
+
+TRAIN_LINE = "train loss=mse optimizer=adamw(lr=1e-2, weight_decay=0.1) clip_grad_norm=0.05\n"
+
+
+def train_step_equal(rank, world, spec="tp", steps=3, cache_dir=None):
+    """par.train_step: the spec's train line (mse, AdamW, clipping) run as one compiled step for 3
+    steps, against torch's unsharded loop; and a spec without a train line refused."""
+    text = SPECS[spec] + TRAIN_LINE
+    model = small_mlp()
+    ref = copy.deepcopy(model)
+    batches = _batches(steps)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_losses = []
+    for x, t in batches:
+        loss = nn.functional.mse_loss(ref(x), t)
+        loss.backward()
+        nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(loss.item())
+    par = parcomp.parallelize(model, (batches[0][0],), text, cache_dir=cache_dir)
+    dp, coord = _dp_coord(text, rank)
+    losses = [par.train_step(x.chunk(dp)[coord], target=t.chunk(dp)[coord]).item() for x, t in batches]
+    full = par.full_state_dict()
+    param_err = max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+    with torch.no_grad():  # the module's forward sees the trained parameters
+        fwd_err = (par(batches[0][0].chunk(dp)[coord]) - ref(batches[0][0]).chunk(dp)[coord]).abs().max().item()
+    try:
+        par.train_step(batches[0][0].chunk(dp)[coord])
+        missing = ""
+    except parcomp.errors.ParcompError as e:
+        missing = str(e)
+    plain = parcomp.parallelize(model, (batches[0][0],), SPECS[spec], cache_dir=cache_dir)
+    try:
+        plain.train_step(batches[0][0].chunk(dp)[coord], target=batches[0][1].chunk(dp)[coord])
+        no_line = ""
+    except parcomp.errors.ParcompError as e:
+        no_line = str(e)
+    return {"ref_losses": ref_losses, "losses": losses, "param_err": param_err, "fwd_err": fwd_err,
+            "loss_err": max(abs(a - b) for a, b in zip(ref_losses, losses)),
+            "state": sorted(par.train_state()), "missing": missing, "no_line": no_line}

@@ -50,6 +50,19 @@ def test_dtensor_parameters_train_with_stock_adamw_clip_and_checkpoint(tmp_path,
         assert "mesh_dim_names=" in r["wrong_mesh"], r
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("spec,world", [("tp", 2), ("dp_tp", 4)])
+def test_train_step_runs_the_specs_train_line(tmp_path, spec, world):
+    """par.train_step runs the spec's train line (mse, AdamW, clip_grad_norm) as one compiled
+    step: 3 steps equal torch's unsharded loop, the module's forward sees the trained weights;
+    a missing loss input and a spec with no train line are clear errors."""
+    for r in run_ranks("api_workers:train_step_equal", world, spec=spec, cache_dir=str(tmp_path)):
+        assert r["loss_err"] <= 1e-5 * max(map(abs, r["ref_losses"])) and r["param_err"] <= 1e-5, r
+        assert r["fwd_err"] <= 1e-5 and "0.weight.exp_avg" in r["state"], r
+        assert "missing target" in r["missing"], r
+        assert "no train line (in <spec text>)" in r["no_line"], r
+
+
 def test_a_second_compile_of_the_same_model_and_spec_reads_the_cache(tmp_path):
     x = torch.randn(4, 3, 16)
     first = compile_for(small_mlp(), (x,), MLP_TP, cache=tmp_path)
