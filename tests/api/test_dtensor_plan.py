@@ -70,3 +70,31 @@ def test_a_plan_key_naming_no_module_is_an_error():
     m, ex, names = gpt2_mlp()
     with pytest.raises(ParcompError, match="plan key 'c_fcc' names no module"):
         parcomp.check(m, ex, ({"c_fcc": ColwiseParallel()}, {"tp": 2}), input_names=names)
+
+
+def test_explain_of_a_plan_says_where_dtensor_would_issue_more_collectives():
+    """DTensor run on the tutorial's plan (a fake process group of 2) reduces the gradient of
+    each ColwiseParallel input by itself: 5 backward all_reduces per block (q, k, v, gate, up)
+    where parcomp's program issues 2; forward they agree (o_proj and down_proj)."""
+    m, ex, names = llama_lm()
+    x = parcomp.explain(m, ex, (TP_PLAN, {"tp": 2}), input_names=names, train=TRAIN)
+    cmp = x.dtensor
+    assert cmp.ran and cmp.blocks == ("model.layers.0", "model.layers.1"), cmp
+    blocks = {"model.layers.0": 2, "model.layers.1": 2}
+    assert cmp.per_block("forward", "all_reduce") == cmp.per_block("forward", "all_reduce", "parcomp") == blocks
+    assert cmp.per_block("backward", "all_reduce") == {b: 5 for b in blocks}
+    assert cmp.per_block("backward", "all_reduce", "parcomp") == blocks
+    assert [(c.block, c.phase, c.kind, c.dtensor, c.parcomp) for c in cmp.more] == [
+        ("model.layers.0", "backward", "all_reduce", 5, 2), ("model.layers.1", "backward", "all_reduce", 5, 2)]
+    assert str(cmp) == ("DTensor's plan issues more: model.layers.* (2 blocks), backward: 5 all_reduce over tp "
+                        "each where parcomp's program issues 2")
+    assert x.raw["dtensor_comparison"]["lines"] == [str(cmp)]
+    assert _kinds(x) == _kinds(parcomp.explain(m, ex, str(ROOT / "specs/llama_lm_tp2_train.pcs"), input_names=names))
+
+
+def test_a_plan_dtensor_cannot_run_is_said_so():
+    m, ex, names = gpt2_mlp()  # transformers' Conv1D: DTensor's ColwiseParallel takes nn.Linear only
+    x = parcomp.explain(m, ex, ({"c_fc": ColwiseParallel(), "c_proj": RowwiseParallel()}, {"tp": 2}),
+                        input_names=names)
+    assert not x.dtensor.ran and "nn.Linear" in x.dtensor.why
+    assert str(x.dtensor).startswith("DTensor's plan: not run (NotImplementedError")
