@@ -335,6 +335,51 @@ class ParallelModule(nn.Module):
         self._train = prog
         return prog
 
+    # ---- the loss of vocab-split logits ----
+    def cross_entropy(self, logits, labels, *, output: str | None = None, ignore_index: int = -100,
+                      reduction: str = "mean") -> torch.Tensor:
+        """``torch.nn.functional.cross_entropy`` of this rank's ``logits`` (an output of
+        :meth:`forward`, the class dim last) against ``labels`` (its shape less that dim).
+
+        When the output is split over its last dim (a DTensor plan's ``loss_parallel`` with
+        ``Shard(-1)`` logits, or a spec's ``output logits [S(2)]``), the loss is computed
+        without gathering the logits (:mod:`parcomp.api.loss`: three all_reduces of one value
+        per token); otherwise it is torch's own. ``reduction="mean"`` is the mean over this
+        rank's counted tokens (labels not ``ignore_index``): with the default
+        ``grad_reduction="mean"`` it trains as the global mean when every dp rank counts as many
+        tokens, as with DDP.
+        """
+        out = self._output_named(output)
+        rank, names = len(out["shape"]), self._meta["mesh"]["names"]
+        axes = [a for a, pl in zip(names, parse_layout(out["layout"])) if pl == Shard(rank - 1)]
+        if not axes:
+            return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                                     ignore_index=ignore_index, reduction=reduction)
+        if len(axes) > 1:
+            raise ParcompError(f"cross_entropy: output {out['name']} is split over its last dim by "
+                               f"{' and '.join(axes)}; vocab-parallel cross entropy takes one axis",
+                               where=out["name"])
+        from .loss import vocab_parallel_cross_entropy
+
+        axis = axes[0]
+        start = self.coords[axis] * logits.shape[-1]
+        return vocab_parallel_cross_entropy(logits, labels, _group(self._fwd, axis), start,
+                                            ignore_index=ignore_index, reduction=reduction)
+
+    def _output_named(self, name):
+        floats = [o for o in self._outputs if o["dtype"].startswith("float")]
+        if name is None:
+            pick = [o for o in floats if o["name"] == "logits"] or floats
+            if len(pick) != 1:
+                raise ParcompError(f"cross_entropy: say which output holds the logits: output= one of "
+                                   f"{', '.join(o['name'] for o in floats)}")
+            return pick[0]
+        for o in self._outputs:
+            if o["name"] == name:
+                return o
+        raise ParcompError(f"cross_entropy: no output named {name!r} (outputs: "
+                           f"{', '.join(o['name'] for o in self._outputs)})", where=name)
+
     # ---- collectives the user's loop needs ----
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the *unsharded* parameters: every element of

@@ -327,3 +327,39 @@ def train_step_equal(rank, world, spec="tp", steps=3, cache_dir=None):
     return {"ref_losses": ref_losses, "losses": losses, "param_err": param_err, "fwd_err": fwd_err,
             "loss_err": max(abs(a - b) for a, b in zip(ref_losses, losses)),
             "state": sorted(par.train_state()), "missing": missing, "no_line": no_line}
+
+
+def loss_parallel_equal(rank, world, cache_dir=None):
+    """The DTensor tutorial's Llama plan with lm_head ColwiseParallel(Shard(-1)) and loss_parallel:
+    the logits come back split over the vocabulary, par.cross_entropy (no gather) equals torch's
+    cross entropy of the unsharded model, and so do the gradients."""
+    import sys
+    from pathlib import Path
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "specs"))
+    from models import llama_lm
+    from test_dtensor_plan import TP_PLAN
+
+    model, (ids,), _ = llama_lm()
+    labels = torch.randint(0, 128, ids.shape, generator=torch.Generator().manual_seed(3))
+    labels[0, :3] = -100  # ignored tokens
+    ref = copy.deepcopy(model)
+    want = nn.functional.cross_entropy(ref(ids).logits.flatten(0, 1), labels.flatten())
+    want.backward()
+    plan = {**TP_PLAN, "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+            "loss_parallel": loss_parallel}
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    par = parcomp.parallelize(model, (ids,), (plan, mesh), cache_dir=cache_dir)
+    logits = par(ids)["logits"]
+    loss = par.cross_entropy(logits, labels)
+    loss.backward()
+    grads = par.full_grads()
+    grad_err = max(((grads[k] - p.grad).abs().max() / p.grad.abs().max()).item()
+                   for k, p in ref.named_parameters() if k in grads)
+    return {"layout": par.output_layouts()["logits"], "local_shape": list(logits.shape),
+            "loss": loss.item(), "want": want.item(), "grad_err": grad_err,
+            "compared": len([k for k, _ in ref.named_parameters() if k in grads])}

@@ -98,3 +98,32 @@ def test_a_plan_dtensor_cannot_run_is_said_so():
                         input_names=names)
     assert not x.dtensor.ran and "nn.Linear" in x.dtensor.why
     assert str(x.dtensor).startswith("DTensor's plan: not run (NotImplementedError")
+
+
+def test_loss_parallel_keeps_the_logits_split_over_the_vocabulary():
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    m, ex, names = llama_lm()
+    lm_head = {"lm_head": ColwiseParallel()}
+    for entry in ({"loss_parallel": True}, {"loss_parallel": loss_parallel}):
+        text = parcomp.spec_from_plan({**TP_PLAN, **lm_head, **entry}, {"tp": 2}, m, ex, input_names=names)
+        assert "output logits [S(2)]" in text and "lm_head.weight [S(0)]" in text, text
+    # without lm_head in the plan, loss_parallel alone keeps the logits split
+    assert "output logits" not in parcomp.spec_from_plan(TP_PLAN, {"tp": 2}, m, ex, input_names=names)
+    text = parcomp.spec_from_plan({**TP_PLAN, "loss_parallel": True}, {"tp": 2}, m, ex, input_names=names)
+    assert "output logits [S(2)]" in text
+    with pytest.raises(ParcompError, match="plan key 'loss_parallel': give True"):
+        parcomp.spec_from_plan({**TP_PLAN, "loss_parallel": "yes"}, {"tp": 2}, m, ex, input_names=names)
+
+
+@pytest.mark.slow
+def test_loss_parallel_cross_entropy_equals_the_unsharded_loss_and_gradients(tmp_path):
+    """The tutorial's Llama plan, lm_head ColwiseParallel(Shard(-1)) and loss_parallel on 2 gloo
+    ranks: the logits come back split ([2, 8, 64] of vocab 128), par.cross_entropy (some labels
+    ignored) equals torch's loss of the unsharded model, and every gradient equals torch's."""
+    from gloo_ranks import run_ranks
+
+    for r in run_ranks("api_workers:loss_parallel_equal", 2, cache_dir=str(tmp_path)):
+        assert r["layout"] == "[S(2)]" and r["local_shape"] == [2, 8, 64], r
+        assert abs(r["loss"] - r["want"]) <= 1e-5 * abs(r["want"]), r
+        assert r["grad_err"] <= 1e-5 and r["compared"] == 21, r
