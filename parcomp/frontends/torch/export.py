@@ -55,6 +55,7 @@ class _Builder:
         self.cur = None  # fx node being lowered, for error messages
         self.folded = set()  # fx nodes evaluated at import, not lowered (attention masks)
         self.fused = {}  # fx node -> lowering(builder, fx node) of a fused pattern (norms part)
+        self.dropout_sites = 0  # dropout nodes emitted so far (the next one's seed)
 
     def fresh(self, base: str) -> str:
         return self.taken.fresh(re.sub(r"[^A-Za-z0-9_.]", "_", base) or "v")
@@ -227,7 +228,13 @@ def _no_partial_graph_dump():
     real.write(buf.getvalue())
 
 
-def _export(module, example_inputs: tuple):
+def export_module(module, example_inputs: tuple):
+    """``torch.export.export(module, example_inputs, strict=False)`` as the frontend runs it:
+    torch's own tracebacks quiet, a dataclass output registered, in-place ops functionalized.
+
+    Raises:
+        FrontendError: torch.export fails (the user's line that raised, when known).
+    """
     try:
         # traced in the mode it is given (not switched to eval: the user's module is not
         # changed); dropout with p > 0 in training mode becomes parcomp's dropout
@@ -288,12 +295,13 @@ def _tied(tied: dict, name: str) -> dict:
     return {"aliases": ",".join(sorted(tied[name]))} if tied.get(name) else {}
 
 
-def _frozen(module, sig, fx_name: str) -> dict:
-    """``{"trainable": False}`` for a buffer or a ``requires_grad=False`` parameter, else ``{}``."""
-    if fx_name in sig.inputs_to_buffers:
+def _frozen(frozen_params: set, buffers, params, fx_name: str) -> dict:
+    """``{"trainable": False}`` for a buffer or a ``requires_grad=False`` parameter, else
+    ``{}``; ``buffers``/``params``: the signature's placeholder -> state_dict key maps, read
+    once per import (torch builds them anew on each access, a walk over every input)."""
+    if fx_name in buffers or params[fx_name] in frozen_params:
         return {"trainable": False}
-    param = module.get_parameter(sig.inputs_to_parameters[fx_name])
-    return {} if param.requires_grad else {"trainable": False}
+    return {}
 
 
 def op_inventory(module: torch.nn.Module, example_inputs: tuple) -> dict:
@@ -306,7 +314,7 @@ def op_inventory(module: torch.nn.Module, example_inputs: tuple) -> dict:
     Raises:
         FrontendError: torch.export fails.
     """
-    ep = _export(module, example_inputs)
+    ep = export_module(module, example_inputs)
 
     def count(nodes) -> dict:
         names = [str(n.target) for n in nodes if n.op == "call_function" and n.target not in SKIP
@@ -349,11 +357,21 @@ def import_torch(module: torch.nn.Module, example_inputs: tuple,
             related supported op or rewrite: :mod:`.hints`), a shape is dynamic, or a
             dtype is unknown (complex: the real-arithmetic RoPE rewrite).
     """
-    ep = _export(module, example_inputs)
+    return import_exported(module, export_module(module, example_inputs), input_names)
+
+
+def import_exported(module: torch.nn.Module, ep, input_names: list | None = None) -> Graph:
+    """:func:`import_torch` past its torch.export step: ``ep`` (what :func:`export_module`
+    gave for ``module``; its fx graph is changed in place: causal masks are dropped) lowered
+    to a parcomp Graph. The work is linear in the exported graph's size: every fx node and
+    every input spec is visited a bounded number of times."""
     consts = fold(ep)  # fx node -> value, for what depends on constants and buffers only
     causal_attention(ep, consts, _bind)
     sig, b = ep.graph_signature, _Builder()
-    sources = {**sig.inputs_to_parameters, **sig.inputs_to_buffers}
+    params, buffers = dict(sig.inputs_to_parameters), dict(sig.inputs_to_buffers)
+    sources = {**params, **buffers}
+    frozen_params = {name for name, p in module.named_parameters(remove_duplicate=False)
+                     if not p.requires_grad}
     users = dict(zip(sig.user_inputs, _input_names(module, len(sig.user_inputs), input_names)))
     fx_nodes = list(ep.graph.nodes)
     tied = tied_aliases(module)
@@ -363,7 +381,7 @@ def import_torch(module: torch.nn.Module, example_inputs: tuple,
         if n.op != "placeholder":
             continue
         if n.name in sources:
-            b.env[n] = b.source("param", sources[n.name], n, **_frozen(module, sig, n.name),
+            b.env[n] = b.source("param", sources[n.name], n, **_frozen(frozen_params, buffers, params, n.name),
                                 **_tied(tied, sources[n.name]))
         elif n.name in users:
             b.env[n] = b.source("input", users[n.name], n)
