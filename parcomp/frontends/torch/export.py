@@ -122,6 +122,23 @@ def _type_of(fx, b: _Builder) -> TensorType:
     return TensorType(tuple(int(s) for s in val.shape), DTYPES[val.dtype])
 
 
+def _batch_size(inputs) -> int | None:
+    """The batch: dim 0 shared by every user input fx node that is a tensor of rank 1 or
+    more; None when there is none or they differ."""
+    sizes = {int(v.shape[0]) for v in (n.meta.get("val") for n in inputs)
+             if isinstance(v, torch.Tensor) and v.dim() and isinstance(v.shape[0], int)}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def _repeats_over_batch(value: torch.Tensor, batch: int | None) -> bool:
+    """Whether folded ``value`` is one row repeated over the batch: dim 0 is the batch
+    (more than 1) and every row equals the first (a mask built for each sequence of the batch,
+    ``expand``-ed from the example input's shape)."""
+    if batch is None or batch < 2 or value.dim() == 0 or value.shape[0] != batch:
+        return False
+    return all(same_value(value[0], value[i]) for i in range(1, batch))
+
+
 def _bind(fx) -> dict:
     """fx args/kwargs by schema argument name (defaults filled in)."""
     out = {}
@@ -389,12 +406,13 @@ def import_exported(module: torch.nn.Module, ep, input_names: list | None = None
             raise FrontendError(f"model input %{n.name} is a token or an opaque object; only "
                                 "parameters, buffers, constants and tensor inputs are supported")
     values = {}
+    batch = _batch_size([n for n in fx_nodes if n.name in users])
 
-    def frozen(n, value, suffix=""):  # one param per distinct value (each layer's RoPE cos is one)
+    def frozen(n, value, suffix="", own_shape=False):  # one param per distinct value (each layer's RoPE cos is one)
         found = next((k for k, v in values.items() if same_value(v, value)), None)
         if found is None:
             at = defining(n)
-            ty = TensorType(tuple(value.shape), DTYPES[value.dtype]) if suffix else _type_of(n, b)
+            ty = TensorType(tuple(value.shape), DTYPES[value.dtype]) if suffix or own_shape else _type_of(n, b)
             found = b.add(Node(b.fresh(".".join(filter(None, (_module_path(at), at.name))) + suffix),
                                "param", (), ty, make_attrs(trainable=False), source=_module_path(at)))
             values[found] = value.clone()
@@ -404,6 +422,9 @@ def import_exported(module: torch.nn.Module, ep, input_names: list | None = None
         b.cur, value = n, consts[n].detach()
         if value.dtype.is_complex and value.dtype in REAL:  # complex part: its two real parts
             b.env[n] = Complex(frozen(n, value.real.contiguous(), ".real"), frozen(n, value.imag.contiguous(), ".imag"))
+        elif _repeats_over_batch(value, batch):  # one row, expanded over the batch (ir.md)
+            b.env[n] = b.emit("expand", [frozen(n, value[0].contiguous(), own_shape=True)], "_batch",
+                              ty=_type_of(n, b), dims=(0,))
         else:
             b.env[n] = frozen(n, value)
     remember(module, values)
