@@ -202,7 +202,10 @@ def collective(new, old):
 
 def group_size(axis):
     """Ranks in one group of ``axis``: a mesh axis, or a joint group such as ``"dp,tp"``."""
-    return math.prod(MESH[a] for a in axis.split(","))
+    size = 1
+    for a in axis.split(","):  # a loop, not math.prod of a generator: torch.compile traces it
+        size *= MESH[a]
+    return size
 
 
 def all_reduce(x, axis):
@@ -224,12 +227,18 @@ def all_reduce_start(x, axis):
 
 
 def all_reduce_start_(x, axis):
-    """Start an in-place all_reduce of a fresh contiguous value nothing else reads."""
+    """Start an in-place all_reduce of a fresh contiguous value nothing else reads. Under
+    torch.compile (``--compile``) the functional all_reduce instead: the compiler cannot trace
+    ``async_op=True`` (a graph break), and places the wait where :func:`wait` is."""
+    if torch.compiler.is_compiling():
+        return dist._functional_collectives.all_reduce(x, "sum", GROUPS[axis])
     return x, dist.all_reduce(x, op=dist.ReduceOp.SUM, group=GROUPS[axis], async_op=True)
 
 
 def wait(handle):
     """The value of a started collective, once it has arrived."""
+    if torch.compiler.is_compiling():  # a functional collective's tensor (all_reduce_start_)
+        return dist._functional_collectives.wait_tensor(handle)
     x, work = handle
     work.wait()
     return x
@@ -970,8 +979,13 @@ MAX_TIMEOUT_S = 10_000_000  # ~116 days; datetime.timedelta and c10d's milliseco
 
 
 def compiled_step(step, args):
-    """``step`` under torch.compile with ``--compile`` (fullgraph on a functional program), else ``step``."""
-    return torch.compile(step, fullgraph="funcol" in globals()) if args.compile else step
+    """``step`` under torch.compile with ``--compile`` (fullgraph on a functional program), else ``step``.
+    The started collectives trace as ``torch.distributed._functional_collectives`` (imported here,
+    so the compiler finds it as ``dist._functional_collectives``): a tensor-parallel step is one graph."""
+    if not args.compile:
+        return step
+    importlib.import_module("torch.distributed._functional_collectives")
+    return torch.compile(step, fullgraph="funcol" in globals())
 
 
 def set_tf32(on):

@@ -191,8 +191,13 @@ MAX_TIMEOUT_S = 10_000_000  # ~116 days; datetime.timedelta and c10d's milliseco
 
 # >>> program.py: cluster_run
 def compiled_step(step, args):
-    """``step`` under torch.compile with ``--compile`` (fullgraph on a functional program), else ``step``."""
-    return torch.compile(step, fullgraph="funcol" in globals()) if args.compile else step
+    """``step`` under torch.compile with ``--compile`` (fullgraph on a functional program), else ``step``.
+    The started collectives trace as ``torch.distributed._functional_collectives`` (imported here,
+    so the compiler finds it as ``dist._functional_collectives``): a tensor-parallel step is one graph."""
+    if not args.compile:
+        return step
+    importlib.import_module("torch.distributed._functional_collectives")
+    return torch.compile(step, fullgraph="funcol" in globals())
 
 
 def set_tf32(on):

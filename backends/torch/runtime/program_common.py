@@ -158,7 +158,10 @@ def collective(new, old):
 
 def group_size(axis):
     """Ranks in one group of ``axis``: a mesh axis, or a joint group such as ``"dp,tp"``."""
-    return math.prod(MESH[a] for a in axis.split(","))
+    size = 1
+    for a in axis.split(","):  # a loop, not math.prod of a generator: torch.compile traces it
+        size *= MESH[a]
+    return size
 
 
 def all_reduce(x, axis):
@@ -180,12 +183,18 @@ def all_reduce_start(x, axis):
 
 
 def all_reduce_start_(x, axis):
-    """Start an in-place all_reduce of a fresh contiguous value nothing else reads."""
+    """Start an in-place all_reduce of a fresh contiguous value nothing else reads. Under
+    torch.compile (``--compile``) the functional all_reduce instead: the compiler cannot trace
+    ``async_op=True`` (a graph break), and places the wait where :func:`wait` is."""
+    if torch.compiler.is_compiling():
+        return dist._functional_collectives.all_reduce(x, "sum", GROUPS[axis])
     return x, dist.all_reduce(x, op=dist.ReduceOp.SUM, group=GROUPS[axis], async_op=True)
 
 
 def wait(handle):
     """The value of a started collective, once it has arrived."""
+    if torch.compiler.is_compiling():  # a functional collective's tensor (all_reduce_start_)
+        return dist._functional_collectives.wait_tensor(handle)
     x, work = handle
     work.wait()
     return x
