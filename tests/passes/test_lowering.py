@@ -79,6 +79,11 @@ def _statements(text, program):
             assert len(st.targets) == 1, ast.unparse(st)
             target = st.targets[0]
             names = [e.id for e in target.elts] if isinstance(target, ast.Tuple) else [target.id]
+            if not any(v in var_to_node for v in names):
+                # the dropless MoE program's routing plans (``X_route_plan = moe_route_plan(X)``):
+                # no node of their own, computed just before the statement that reads them
+                assert all("_plan" in v for v in names), ast.unparse(st)
+                continue
             here = [v for v in names if v not in later] if len(names) > 1 else names
             assert len(here) == 1, ast.unparse(st)
             out.append((var_to_node[here[0]], []))
