@@ -40,6 +40,10 @@ def test_collectives_on_one_rank_are_identities_and_keep_their_input(one_rank_gl
     assert torch.equal(x, keep)  # nothing but all_reduce_ writes its operand
     fresh = x * 1
     assert rt.all_reduce_(fresh, "x") is fresh
+    for dim in (0, 1):  # started, then waited for: the same values as the blocking forms
+        assert torch.equal(rt.wait(rt.all_gather_start(x, dim, "x")), rt.all_gather(x, dim, "x"))
+        assert torch.equal(rt.wait(rt.reduce_scatter_start(x, dim, "x")), rt.reduce_scatter(x, dim, "x"))
+    assert torch.equal(x, keep)
 
 
 def test_mesh_coords_are_row_major(monkeypatch):

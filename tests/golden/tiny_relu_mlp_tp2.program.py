@@ -229,10 +229,11 @@ def all_reduce_start_(x, axis):
 
 
 def wait(handle):
-    """The value of a started collective, once it has arrived."""
-    x, work = handle
+    """The value of a started collective, once it has arrived (a gather along a dim other
+    than 0 interleaves its shards then: one copy)."""
+    x, work = handle[:2]
     work.wait()
-    return x
+    return handle[2](x) if len(handle) > 2 else x
 
 
 def all_gather(x, dim, axis):
@@ -246,6 +247,28 @@ def all_gather(x, dim, axis):
     if dim == 0:
         return out
     return out.view((n,) + tuple(x.shape)).movedim(0, dim).flatten(dim, dim + 1)
+
+
+def all_gather_start(x, dim, axis):
+    """Start all_gather(x, dim, axis) without waiting; ``wait(handle)`` returns the gathered value."""
+    n = group_size(axis)
+    x = x.contiguous()
+    out = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]))
+    work = collective("all_gather_single", "all_gather_into_tensor")(out, x, group=GROUPS[axis], async_op=True)
+    if dim == 0:
+        return out, work
+    shape = tuple(x.shape)
+    return out, work, lambda o: o.view((n,) + shape).movedim(0, dim).flatten(dim, dim + 1)
+
+
+def reduce_scatter_start(x, dim, axis):
+    """Start reduce_scatter(x, dim, axis) without waiting; ``wait(handle)`` returns this rank's chunk."""
+    n = group_size(axis)
+    x0 = x.contiguous() if dim == 0 else x.unflatten(dim, (n, x.shape[dim] // n)).movedim(dim, 0).contiguous()
+    out = x.new_empty(tuple(x.shape[:dim]) + (x.shape[dim] // n,) + tuple(x.shape[dim + 1:]))
+    x0 = x0.view((n * out.shape[0],) + tuple(out.shape[1:]))
+    return out, collective("reduce_scatter_single", "reduce_scatter_tensor")(
+        out, x0, op=dist.ReduceOp.SUM, group=GROUPS[axis], async_op=True)
 
 
 def reduce_scatter(x, dim, axis):
