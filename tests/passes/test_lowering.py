@@ -222,6 +222,14 @@ def test_zero_gathers_overlap_the_next_update_and_reduce_scatters_the_backward()
     scatters = [n for n in c.program.by_op("reduce_scatter") if n.attr("async_op")]
     assert any(any(m.phase == "backward" and m.op in ("matmul", "matmul_t", "dense") for m in between(n))
                for n in scatters), scatters
+    from parcomp_backends.torch import emit_program
+
+    lines = [ln.strip() for ln in emit_program(c, "cpu").split("def train_step", 1)[1].splitlines()]
+    started = [i for i, ln in enumerate(lines) if "= all_gather_start(" in ln]
+    assert started and any("= reduce_scatter_start(" in ln for ln in lines)
+    var = lines[started[0]].split(" = ")[0]  # program.py: started, another param's update, waited
+    waited = next(i for i, ln in enumerate(lines) if f"= wait({var})" in ln)
+    assert any("torch.sqrt(" in ln for ln in lines[started[0] + 1:waited])
     feeds = random_feeds(c.logical, 0)
     feeds["step"] = np.array(3.0, "f4")
     for n in c.logical.params:
