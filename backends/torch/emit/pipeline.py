@@ -210,6 +210,10 @@ def _load_facts(plan) -> tuple:
     for st in plan.stages:
         for g in (st.forward, st.backward, st.optimizer):
             for n in g.params:
+                if n.attr("stored_order"):  # its loader only reshapes
+                    raise PipelineEmitError(f"param {n.name}: a grouped q|k|v fused weight (its heads reordered "
+                                    f"on load) is not built for pipeline stages, whose loader only reshapes; "
+                                    f"compile it without a pp axis (tp splits it by kv group)")
                 if n.attr("stored_shape"):
                     stored[n.name] = list(n.attr("stored_shape"))
                 if n.attr("aliases"):
