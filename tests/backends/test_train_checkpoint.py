@@ -258,7 +258,7 @@ def step(params, inputs):
     if len(calls) == 2 and os.environ["RANK"] == "0":
         os.kill(os.getppid(), signal.SIGTERM)
         end = time.monotonic() + 60
-        while not program.STOP["asked"] and time.monotonic() < end:
+        while not getattr(program, "STOP", {}).get("asked") and time.monotonic() < end:
             time.sleep(0.01)
     return real(params, inputs)
 program.train_step = step
