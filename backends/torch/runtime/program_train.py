@@ -412,7 +412,7 @@ def stop_after(k):
     posted after step k-1 (``STOP["asked"]``, set by SIGTERM's handler), combined by one
     all_reduce of one int that ran during step k, so no rank waits for it; then, unless
     stopping, this step's flag is posted for the next. Every rank reads the same maximum, so
-    all stop after the same step: the one after the step a SIGTERM came in."""
+    all stop after the same step: each ends the step its SIGTERM came in and at most one more."""
     if stop_wait():
         return True
     flag = torch.tensor([int(STOP["asked"])], dtype=torch.int32, device=DEVICE)
