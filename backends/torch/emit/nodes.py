@@ -114,7 +114,8 @@ IN_PLACE_FORMATS = {
 }
 # ``async_op=true``: start the collective, ``wait`` returns its value (key + "_": in place)
 ASYNC_FORMATS = {"all_reduce": "all_reduce_start({0}, {axis})", "all_reduce_": "all_reduce_start_({0}, {axis})",
-                 **ASYNC_REDUCE}
+                 "all_gather": "all_gather_start({0}, {dim}, {axis})",
+                 "reduce_scatter": "reduce_scatter_start({0}, {dim}, {axis})", **ASYNC_REDUCE}
 ATTR_DEFAULTS = {"gelu": {"approximate": "none"}, "gelu_grad": {"approximate": "none"},
                  # attention part
                  **{op: {"causal": False} for op in ("sdpa", "sdpa_grad")},

@@ -530,7 +530,8 @@ def train(params, batches, starts=None, step=None, log_every=1, first=1, after_s
     ``after_step(k, params)``, when given, runs after step k with its result (--save-every).
 
     Losses stay on the device: rank 0 prints every ``log_every``-th step's loss and the last
-    (the only reads to the host). Returns the last step's outputs and every loss (floats).
+    (the only reads to the host). Returns the last step's outputs and every loss (floats);
+    ``after_step`` returning True ends the loop after that step (a SIGTERM: :func:`stop_after`).
     """
     step, outputs, losses = step or train_step, {}, []
     numbers = torch.arange(1, first + len(batches), dtype=torch.float32, device=DEVICE)
@@ -547,9 +548,32 @@ def train(params, batches, starts=None, step=None, log_every=1, first=1, after_s
         losses.append(outputs["loss"])
         if RANK == 0 and (k % log_every == 0 or k == last):
             print(f"step {k} loss {outputs['loss'].item():.6g}", flush=True)
-        if after_step is not None:
-            after_step(k, params)
+        if after_step is not None and after_step(k, params):
+            break
     return outputs, torch.stack(losses).tolist() if losses else []
+
+
+def stop_after(k):
+    """Whether every rank stops after step ``k`` (a SIGTERM on some rank): the flags every rank
+    posted after step k-1 (``STOP["asked"]``, set by SIGTERM's handler), combined by one
+    all_reduce of one int that ran during step k, so no rank waits for it; then, unless
+    stopping, this step's flag is posted for the next. Every rank reads the same maximum, so
+    all stop after the same step: each ends the step its SIGTERM came in and at most one more."""
+    if stop_wait():
+        return True
+    flag = torch.tensor([int(STOP["asked"])], dtype=torch.int32, device=DEVICE)
+    STOP["flag"] = (flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True))
+    return False
+
+
+def stop_wait():
+    """The posted stop flag's maximum over the ranks (False when none is posted); waits for it
+    (at most --timeout, as every collective)."""
+    if STOP["flag"] is None:
+        return False
+    (flag, work), STOP["flag"] = STOP["flag"], None
+    work.wait()
+    return bool(flag.item())
 
 
 def load(args):
@@ -582,14 +606,22 @@ def run(args):
     if args.save:  # before training: a save that cannot succeed is found now, not after the last step
         agree(lambda: check_save(args.save, saves), "checking --save")
 
+    done = []  # the steps run
+
     def save_during(k, now):  # --save-every: atomic, so a run killed later resumes from step k
+        done.append(k)
         if k in saves and k != last:
             FAULT["where"] = f"saving the checkpoint of step {k}"
             save_checkpoint(args.save, now, k)
+        return k != last and stop_after(k)  # a SIGTERM: save step k (below) and exit
 
+    STOP["armed"] = bool(args.save)  # from here a SIGTERM ends the step and saves it
     with torch.no_grad():  # the backward pass is explicit in train_step: no autograd state
         outputs, losses = train(params, batches, starts, compiled_step(train_step, args), args.log_every,
-                                first, save_during if args.save_every else None)
+                                first, save_during if args.save else None)
+        stop_wait()  # the last step's flag: the run has ended anyway
+        if done and done[-1] != last:
+            stopped(args, {**params, **outputs}, done[-1], done[-1] in saves)
         if args.bench > 0:
             # on copies: train_step updates params and state in place
             copies = {k: v.clone() for k, v in params.items()}
@@ -600,4 +632,17 @@ def run(args):
     if args.output:
         FAULT["where"] = "writing the outputs"
         agree(lambda: write_outputs(outputs, losses, args.output), "writing the outputs")
+
+
+def stopped(args, now, k, saved):
+    """The end of a run stopped by SIGTERM after step ``k``: its checkpoint (unless --save-every
+    saved it), rank 0's line saying how to go on, and exit 143 on every rank (128 + SIGTERM:
+    the run did not reach its last step; --output is not written)."""
+    if not saved:
+        FAULT["where"] = f"saving the checkpoint of step {k} (stopped by SIGTERM)"
+        save_checkpoint(args.save, now, k)
+    if RANK == 0:
+        print(f"stopped by SIGTERM after step {k}: saved {os.path.join(args.save, f'step-{k}')}; "
+              f"go on with --resume {args.save}", flush=True)
+    raise SystemExit(143)
 # <<< program.py
