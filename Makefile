@@ -17,6 +17,6 @@ demo: setup
 	$(BIN)/parcomp run specs/models.py:gpt2_mlp --spec specs/gpt2_mlp_tp2.pcs --nproc 2
 
 test: setup
-	$(BIN)/python -m pytest -q --durations=30
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=30
 
 .PHONY: setup demo test

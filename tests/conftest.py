@@ -1,8 +1,11 @@
 """Shared test set-up: hypothesis profiles (bounded in CI) and small graph builders."""
+import inspect
 import os
+import re
 import sys
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 
@@ -17,3 +20,25 @@ settings.register_profile("ci", max_examples=40, deadline=None, derandomize=True
 settings.register_profile("dev", max_examples=100, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
+
+
+# `make test` runs the suite on two pytest-xdist workers (--dist loadgroup). A test that starts ranks
+# (marked slow, or calling torchrun, mp.spawn or `parcomp run --nproc` itself) is put in one group,
+# so one worker runs those one after another while the other worker takes the in-process tests: two
+# 4- or 8-rank runs do not compete for the two cores of a CI machine.
+_STARTS_RANKS = re.compile(r"mp\.spawn|run_torchrun|torchrun\(|\"--nproc\"|gloo_ranks|run_ranks")
+
+
+def _starts_ranks(item) -> bool:
+    if item.get_closest_marker("slow"):
+        return True
+    try:
+        return bool(_STARTS_RANKS.search(inspect.getsource(item.obj)))
+    except (OSError, TypeError):
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _starts_ranks(item):
+            item.add_marker(pytest.mark.xdist_group("ranks"))

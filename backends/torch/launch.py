@@ -12,6 +12,7 @@ output form the program writes; :func:`read_losses` and
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -28,9 +29,32 @@ from parcomp.ir.types import Replicate, layout_str
 from .emit import emit_program
 
 
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (``ip_local_port_range``; 32768 if unknown)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for torchrun's --master-port)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for torchrun's --master-port).
+
+    Drawn at random below the kernel's ephemeral range, not ``bind(0)``: a port from the ephemeral
+    range can be taken by any outgoing connection (gloo opens many) between this check and the
+    store's bind, and two launchers asking the kernel at once tend to get neighbouring ports."""
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(64):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # every draw taken: the kernel's
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -10,20 +10,15 @@ import datetime
 import importlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from parcomp_backends.torch.launch import free_port
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(target: str, world: int, timeout: float = 600, env=None, **kwargs) -> list:
