@@ -32,8 +32,13 @@ def _slices(feeds, names, plan):
 
 def _run(plan, s: int, kind: str, feeds: dict) -> dict:
     """Stage ``s``'s ``kind`` program (forward / backward / optimizer, or ZB-H1's
-    backward_input / backward_weight of ``plan.split``) on full arrays."""
-    if kind.startswith("backward_"):
+    backward_input / backward_weight of ``plan.split``) on full arrays: the lowered program
+    (``plan.lowered``, what program.py prints) once ``lower-stages`` ran."""
+    if plan.lowered:
+        local = plan.lowered[s].programs[kind]
+        if local.stage != "local":
+            return run_unsharded(local, feeds)
+    elif kind.startswith("backward_"):
         graph = getattr(plan.split[s], kind)
         local = graph if plan.local else None
     elif not plan.local:

@@ -102,7 +102,7 @@ def _emit(compiled, profile, model, steps, functional, constants) -> str:
 
         if pipeline_emittable(prog):  # else (tp inside a stage) the SPMD program, pp replicated
             check_pipeline_profile(prof)
-            return emit_pipeline_program(prog, model, node_code, prof, constants)
+            return emit_pipeline_program(prog, model, step_function, prof, constants)
     program, train = prog.graph, prog.train
     if train is not None and steps:
         train = replace(train, steps=int(steps))
@@ -127,21 +127,49 @@ def _forward(prog, names, train) -> str:
     then ``del`` of the values the node ``frees`` (parcomp/passes/lowering/lower.py)."""
     fn, doc = ("train_step", "One training step (forward, backward, update)") if train else (
         "forward", "One forward step on this rank")
-    lines = [f"def {fn}(p, inp):", f'    """{doc}: local slices in, {{output name: local value}} out."""']
+    return step_function(prog, fn, f"{doc}: local slices in, {{output name: local value}} out.", names)
+
+
+def step_function(prog, fn: str, doc: str, names=None, pop_inputs: bool = False) -> str:
+    """``def fn(p, inp)`` computing ``prog``'s lowered graph: one statement per node, in its
+    order, each ending in its layout, type and the spec rule that caused it; above each
+    collective the comment saying why it is there and its bytes per rank; ``del`` of the
+    values a node ``frees``. The SPMD program's step and each pipeline stage's functions
+    (:mod:`.pipeline`) are printed by it. ``names``: value -> Python name (default
+    :func:`python_names`); ``pop_inputs``: inputs are taken out of ``inp`` (the caller's
+    dict) and deleted after their last reader, so a stage function frees a received
+    activation or a stashed value as soon as it is read for the last time."""
+    names = python_names(prog) if names is None else names
+    lines = [f"def {fn}(p, inp):", f'    """{doc}"""']
     program, provenance, var_of = prog.graph, prog.provenance, names.__getitem__
+    last = {}  # pop_inputs: an input's last reader
+    if pop_inputs:
+        keep = set(program.outputs)
+        inputs = {n.name for n in program.inputs} - keep
+        last = {}
+        for n in program.nodes:
+            for v in n.inputs:
+                if v in inputs:
+                    last[v] = n.name
+        by_reader = {}
+        for v, r in last.items():
+            by_reader.setdefault(r, []).append(v)
+        last = by_reader
     tails = {}  # (id(layout), id(type)) -> "  # [S(0), R] f32[8,32]": nodes share these objects
     for n in program.nodes:
         op = n.op
         tail = tails.get((id(n.layout), id(n.type)))
         if tail is None:
-            tail = tails[id(n.layout), id(n.type)] = f"  # {layout_str(n.layout)} {n.type}"
+            tail = tails[id(n.layout), id(n.type)] = (f"  # {layout_str(n.layout)} {n.type}"
+                                                      if n.layout is not None else f"  # {n.type}")
         ref = provenance[n.name].spec_ref
         if ref:  # as _spec_ref, after a "; "
             tail += f"; {ref}"
         var = names[n.name]
         if op == "input" or op == "param":
             src = "p" if op == "param" else "inp"
-            lines.append(f"    {var} = {src}[{_json_str(n.name)}]{tail}")
+            take = ".pop(" if pop_inputs and op == "input" else "["
+            lines.append(f"    {var} = {src}{take}{_json_str(n.name)}{')' if take == '.pop(' else ']'}{tail}")
             continue
         if op in _LAYOUT_OPS:
             lines += _layout_comment(program, n, prog.collective(n.name), names)
@@ -150,14 +178,16 @@ def _forward(prog, names, train) -> str:
             lines.append(f"    # {var}: computed above with {names[first]} (one backward of the attention)")
         else:
             lines += [c for text in ring_comment(prog, n) for c in comment_lines(text, "    ")]
+        block = program if program.stage == "local" else None  # per-rank: block offsets read COORD
         if first == n.name:  # one attention's gradients in one statement (emit/attention.py)
             lines.append(f"    {joint_targets(program, first, names)} = "
-                         f"{node_code(n, list(map(var_of, n.inputs)), program, parts)}{tail}")
+                         f"{node_code(n, list(map(var_of, n.inputs)), block, parts)}{tail}")
         elif first is None:
-            lines.append(f"    {var} = {node_code(n, list(map(var_of, n.inputs)), program)}{tail}")
-        frees = n.attr("frees")
+            lines.append(f"    {var} = {node_code(n, list(map(var_of, n.inputs)), block)}{tail}")
+        frees = n.attr("frees").split() if n.attr("frees") else []
+        frees += last.get(n.name, [])
         if frees:
-            lines.append("    del " + ", ".join(map(var_of, frees.split())))
+            lines.append("    del " + ", ".join(map(var_of, frees)))
     ret = ", ".join(f"{json.dumps(pub)}: {names[v]}" for pub, v in program.named_outputs())
     lines.append(f"    return {{{ret}}}")
     return "\n".join(lines)

@@ -22,7 +22,6 @@ stages' ranks (``TIED_SETS``) before ``dp``.  ``--save`` and ``--resume`` are
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import replace
 
 from parcomp.compile.program import MAX_STEPS, ParcompError, format_placement, placement_table
@@ -39,6 +38,8 @@ from .norms import runtime_sections
 from .reduce import reduce_sections
 from .sections import PARCOMP_VERSION, RUNTIME_MARK, profile_block
 
+KINDS = ("forward", "backward", "backward_input", "backward_weight", "stats", "optimizer")
+
 __all__ = ["check_pipeline_profile", "emit_pipeline_program", "pipeline_emittable", "PipelineEmitError"]
 
 
@@ -53,17 +54,6 @@ _COMMON, _TRAIN = sections("program_common"), sections("program_train")
 _LOADING = sections("program_loading")["loading"]
 _CLUSTER = "\n\n\n".join(sections("program_cluster").values())
 _PIPELINE = sections("pipeline_main")["pipeline"]  # the step and the loop of a pipelined program
-
-
-def _ident(name: str, taken: set) -> str:
-    base = re.sub(r"\W", "_", name)
-    base = base if re.match(r"[A-Za-z_]", base) else "v" + base
-    out, k = base, 1
-    while out in taken:
-        k += 1
-        out = f"{base}_{k}"
-    taken.add(out)
-    return out
 
 
 def _on_full_mesh(graph, mesh):
@@ -82,30 +72,13 @@ def _on_full_mesh(graph, mesh):
     return replace(graph, nodes=tuple(replace(n, layout=full(n.layout)) for n in graph.nodes), mesh=mesh)
 
 
-def _function(fn: str, graph, doc: str, code) -> str:
-    """A function computing ``graph``: params from ``p``, inputs taken out of ``inp``, one line
-    per node (``code(node, operand variables, graph)``: :func:`parcomp_backends.torch.emit.node_code`,
-    the torch op table), each value ``del``-ed after its last reader unless it is an output."""
-    taken = {"p", "inp", "torch", "dist"}
-    local = graph if graph.stage == "local" else None  # per-rank: block offsets read COORD
-    names = {n.name: _ident(n.name, taken) for n in graph.nodes}
-    last = {v: i for i, n in enumerate(graph.nodes) for v in n.inputs}  # a value's last reader
-    keep = {v for _, v in graph.named_outputs()} | {n.name for n in graph.params}
-    lines = [f"def {fn}(p, inp):", f'    """{doc}"""']
-    for i, n in enumerate(graph.nodes):
-        var = names[n.name]
-        if n.op == "param":
-            lines.append(f"    {var} = p[{json.dumps(n.name)}]  # {n.type}")
-        elif n.op == "input":  # taken out of ``inp`` (the caller's dict), so ``del`` frees it
-            lines.append(f"    {var} = inp.pop({json.dumps(n.name)})  # {n.type}")
-        else:
-            lines.append(f"    {var} = {code(n, [names[i] for i in n.inputs], local)}  # {n.type}")
-        dead = [names[v] for v in dict.fromkeys(n.inputs) if last[v] == i and v not in keep]
-        if dead:  # the last reader of these values: free them now
-            lines.append(f"    del {', '.join(dead)}")
-    ret = ", ".join(f"{json.dumps(pub)}: {names[v]}" for pub, v in graph.named_outputs())
-    lines.append(f"    return {{{ret}}}")
-    return "\n".join(lines)
+#: the docstring of each stage function (the programs of :data:`KINDS`)
+_DOCS = {"forward": "Stage {s}: forward of one microbatch.",
+         "backward": "Stage {s}: backward of one microbatch.",
+         "backward_input": "Stage {s}: input gradients of one microbatch (ZB-H1's B), and what W reads (wstash.*).",
+         "backward_weight": "Stage {s}: parameter gradients of one microbatch (ZB-H1's W).",
+         "stats": "Stage {s}: its share of the sums every stage's update reads (summed over pp).",
+         "optimizer": "Stage {s}: the update."}
 
 
 def _specs(stage, values) -> list:
@@ -339,28 +312,16 @@ def emit_pipeline_program(program, model, code, profile="cpu", constants=()) -> 
                "STEP = [1.0]  # the step counter k of main()'s loop (AdamW's bias corrections)"]
     acts = _actions(plan, mesh, table)
     fns, graphs = [], []
-    for st in plan.stages:
+    for st in plan.stages:  # each stage program printed as the SPMD step is (emit.step_function)
         s = st.index
-        g = plan.local[s] if plan.local else st
-        f, b, o = (_on_full_mesh(x, mesh) if plan.local else x
-                   for x in (g.forward, g.backward, g.optimizer))
-        graphs += [f, b, o]
-        fns += [_function(f"stage{s}_forward", f, f"Stage {s}: forward of one microbatch.", code),
-                _function(f"stage{s}_backward", b, f"Stage {s}: backward of one microbatch.", code),
-                _function(f"stage{s}_optimizer", o, f"Stage {s}: the update.", code)]
-        if st.stats is not None:  # what every stage agrees on before the update (clip_grad_norm)
-            x = _on_full_mesh(g.stats, mesh) if plan.local else g.stats
-            graphs.append(x)
-            fns.append(_function(f"stage{s}_stats", x, f"Stage {s}: its share of the sums every "
-                                 f"stage's update reads (summed over pp).", code))
-        if plan.split:  # ZB-H1: the backward cut into input- and weight-gradient programs
-            bi, bw = (_on_full_mesh(x, mesh) if plan.local else x
-                      for x in (plan.split[s].backward_input, plan.split[s].backward_weight))
-            graphs += [bi, bw]
-            fns += [_function(f"stage{s}_backward_input", bi, f"Stage {s}: input gradients of one "
-                              f"microbatch (ZB-H1's B), and what W reads (wstash.*).", code),
-                    _function(f"stage{s}_backward_weight", bw, f"Stage {s}: parameter gradients of "
-                              f"one microbatch (ZB-H1's W).", code)]
+        for kind in KINDS:
+            if kind not in program.stages[s]:
+                continue
+            prog = program.stages[s][kind]
+            if plan.local:  # per-rank: layouts on the program's whole mesh (block offsets read COORD)
+                prog = replace(prog, graph=_on_full_mesh(prog.graph, mesh))
+            graphs.append(prog.graph)
+            fns.append(code(prog, f"stage{s}_{kind}", _DOCS[kind].format(s=s), pop_inputs=True))
     helpers = {text for x in graphs for text in runtime_sections(x) + reduce_sections(x)}
     runtime = "\n\n\n".join(["# ---- the SPMD program's runtime: process facts, collectives, loading ----",
                               _COMMON["process"], _COMMON["take_place"], _LOADING, _COMMON["constants"],

@@ -65,6 +65,7 @@ class PipelinePlan:
     tied: tuple = ()
     virtual: int = 1
     split: tuple = ()
+    lowered: tuple = ()
 
     @property
     def analytic_bubble(self) -> float:

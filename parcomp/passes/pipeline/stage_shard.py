@@ -38,6 +38,10 @@ class StageLocal:
         layouts: ``{source or output name: layout on the inner mesh}`` of every value that
             crosses between programs, the runtime and the checkpoint (params, state,
             ``grad.<p>``, ``saved.<v>``).
+        stats: the per-rank program of the sums every stage agrees on (clip_grad_norm), or None.
+        sharded: ``{kind: global sharded graph}`` of the programs above (``forward``,
+            ``backward``, ``optimizer``, ``stats``): every collective with its global types,
+            what a collective's bytes are computed from (:mod:`parcomp.compile.build`).
     """
 
     forward: Graph
@@ -45,6 +49,7 @@ class StageLocal:
     optimizer: Graph
     layouts: dict
     stats: Graph | None = None
+    sharded: dict | None = None
 
 
 def inner_mesh(mesh: Mesh) -> Mesh:
@@ -79,7 +84,8 @@ def shard_stages(stages, bound: Graph, mesh: Mesh, loc, shard) -> tuple:
                                     f"a param may split only over {', '.join(inner.names)}",
                                     bound[p].spec_loc or loc)
             lay[p] = _project(full, mesh)
-        out.append(_shard_stage(st, lay, inner, shard))
+        rules = {p: bound[p].spec_loc for p in lay if p in bound and bound[p].spec_loc is not None}
+        out.append(_shard_stage(st, lay, inner, lambda g: shard(_with_rules(g, rules))))
     return tuple(out)
 
 
@@ -105,8 +111,19 @@ def _shard_stage(st, params: dict, inner: Mesh, shard) -> StageLocal:
     layouts = {**opt_lay, **saved, **{k: v for k, v in opt_out.items()}}
     stats = None
     if st.stats is not None:  # a scalar every rank of the stage holds whole (tp's partials reduced)
-        stats = _shard(shard, st.stats, inner, fixed, rep, {k: rep for k in st.stats.output_names})[1]
-    return StageLocal(fwd[1], bwd[1], opt[1], layouts, stats)
+        stats = _shard(shard, st.stats, inner, fixed, rep, {k: rep for k in st.stats.output_names})
+    sharded = {"forward": fwd[0], "backward": bwd[0], "optimizer": opt[0],
+               **({"stats": stats[0]} if stats else {})}
+    return StageLocal(fwd[1], bwd[1], opt[1], layouts, stats[1] if stats else None, sharded)
+
+
+def _with_rules(graph: Graph, rules: dict) -> Graph:
+    """``graph`` with each param's spec rule (``spec_loc``, from the bound model graph) set, so
+    the collectives its layout causes name that rule, as in the SPMD program."""
+    if not any(n.name in rules and n.op == "param" for n in graph.nodes):
+        return graph
+    return graph.with_nodes([replace(n, spec_loc=rules[n.name]) if n.op == "param" and n.name in rules
+                             else n for n in graph.nodes])
 
 
 def _shard(shard, graph: Graph, inner: Mesh, sources: dict, default, outputs: dict) -> tuple:
