@@ -22,11 +22,12 @@ stages' ranks (``TIED_SETS``) before ``dp``.  ``--save`` and ``--resume`` are
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 
 from parcomp.compile.program import MAX_STEPS, ParcompError, format_placement, placement_table
 
-from parcomp.ir.types import Replicate
+from parcomp.ir.types import DTYPE_BYTES, Replicate
 
 from parcomp.ir.ops import COLLECTIVES
 
@@ -36,7 +37,7 @@ from ..runtime.pipeline_checkpoint import CHECKPOINT as _CHECKPOINT
 from .cluster import DEFAULT_PLACEMENT, DEFAULT_TIMEOUT_S, HOST_AXIS
 from .norms import runtime_sections
 from .reduce import reduce_sections
-from .sections import PARCOMP_VERSION, RUNTIME_MARK, profile_block
+from .sections import PARCOMP_VERSION, RUNTIME_MARK, comment_lines, profile_block
 
 KINDS = ("forward", "backward", "backward_input", "backward_weight", "stats", "optimizer")
 
@@ -190,6 +191,64 @@ def _load_facts(plan) -> tuple:
     return dict(sorted(stored.items())), dict(sorted(aliases.items()))
 
 
+def _nbytes(specs) -> int:
+    return sum(math.prod(shape) * DTYPE_BYTES[dtype] for _, shape, dtype in specs)
+
+
+def _p2p_reason(plan, ops) -> str:
+    """The comment above a point-to-point slot: its bytes and why each send or receive is there."""
+    sent, why = 0, []
+    for kind, m, peer, s in ops:
+        st = plan.stages[s]
+        if kind in ("send_fwd", "recv_bwd"):
+            names, size = ", ".join(v for v in st.send), _nbytes(_specs(st, st.send))
+        else:
+            names, size = ", ".join(v for v in st.recv), _nbytes(_specs(st, st.recv))
+        if kind == "send_fwd":
+            sent += size
+            why.append(f"send_fwd m={m} -> rank {peer}: stage {s + 1}'s forward of microbatch {m} starts "
+                       f"from stage {s}'s output {names}")
+        elif kind == "recv_fwd":
+            why.append(f"recv_fwd m={m} <- rank {peer}: this stage's forward of microbatch {m} starts from "
+                       f"stage {s - 1}'s output {names}")
+        elif kind == "send_bwd":
+            sent += size
+            why.append(f"send_bwd m={m} -> rank {peer}: stage {s - 1}'s backward of microbatch {m} starts "
+                       f"from the loss's gradient with respect to {names}, which stage {s}'s backward made")
+        else:
+            why.append(f"recv_bwd m={m} <- rank {peer}: this stage's backward of microbatch {m} starts from "
+                       f"the loss's gradient with respect to its output {names}")
+    return f"send/recv over pp, bytes/rank {sent}: " + "; ".join(why)
+
+
+def _reductions(plan) -> list:
+    """The comments saying why ``step()`` all_reduces over dp (and over the tied weights'
+    stages): the collectives of a pipelined step that no stage program holds."""
+    out = []
+    if plan.dp > 1:
+        ring = 2 * (plan.dp - 1) / plan.dp
+        for st in plan.stages:
+            prog = plan.lowered[st.index].optimizer if plan.lowered else st.optimizer
+            size = sum(prog[f"grad.{q}"].type.nbytes for q in st.params if f"grad.{q}" in prog)
+            out += comment_lines(
+                f"all_reduce over dp of each of stage {st.index}'s {len(st.params)} gradients (GRADS), "
+                f"bytes/rank {round(ring * size)} in all, once per step before the update: each dp replica "
+                f"summed its own microbatches' gradients, and the update needs the gradient of the global "
+                f"batch, the sum over dp (then scaled by SCALE)", "")
+        out += comment_lines(f"all_reduce over dp of the loss on the last stage, bytes/rank "
+                             f"{round(ring * 4)}: the loss printed is the mean over the global batch, every "
+                             f"replica's share summed", "")
+    if any(st.stats is not None for st in plan.stages):
+        out += comment_lines("all_reduce over pp of the stages' STATS (clip_grad_norm's sum of squares, an fp16 "
+                             "overflow count), bytes/rank a few scalars: every stage's update reads the total "
+                             "over all stages (one global gradient norm)", "")
+    if plan.tied:
+        out += comment_lines("all_reduce of each tied weight's gradient over the ranks of the stages holding "
+                             "a copy (TIED_SETS), before dp: each copy's update needs the gradient of every "
+                             "use of the weight, the sum of its stages' shares", "")
+    return out
+
+
 def _actions(plan, mesh, table) -> list:
     """``ACTIONS``: every rank's list, each point-to-point slot of
     ``plan.simulation.slots`` (the order the schedule's simulator checked) one entry
@@ -209,6 +268,8 @@ def _actions(plan, mesh, table) -> list:
         acts.append(f"    {r}: [  # stage {coord}")
         for e in slots[coord]:
             row = ("p2p", tuple(one(mine[k]) for k in e), None, None) if isinstance(e, tuple) else one(mine[e])
+            if isinstance(e, tuple):  # why each send and receive is there, as above a collective
+                acts += comment_lines(_p2p_reason(plan, row[1]), "        ")
             acts.append(f"        {row!r},")
         acts.append("    ],")
     acts.append("}")
@@ -259,7 +320,7 @@ def emit_pipeline_program(program, model, code, profile="cpu", constants=()) -> 
               f"COLLECTIVE_DTYPES = {_collective_dtypes(plan)!r}  # what the collectives and p2p carry",
               f"MICROBATCHES = {plan.microbatches}", f"MICRO_BATCH = {plan.micro_batch}",
               f"SCALE = 1.0 / {plan.microbatches * plan.dp}  # 1 / (microbatches x dp)",
-              f"DP_GROUPS = {dp_groups!r}",
+              *_reductions(plan), f"DP_GROUPS = {dp_groups!r}",
               f"PP_GROUPS = {table['groups'].get('pp', [list(range(mesh.size))])!r}"
               "  # the point-to-point groups: one rank per stage",
               f"STAGES = {({r: list(range(r, len(plan.stages), plan.pp)) for r in range(plan.pp)})!r}"
