@@ -4,8 +4,11 @@ The program holds, as plain Python: the PROFILE block (the SPMD program's, for e
 profile), the placement table, every rank's actions (``ACTIONS``: the schedule parcomp simulated,
 each run of sends and receives one slot, a ``batch_isend_irecv`` whose order on both ranks
 :func:`parcomp.passes.pipeline.schedule.p2p_slots` checked), and per stage three functions printed
-from the stage's graphs (``stage0_forward``, ``stage0_backward``, ``stage0_optimizer``, one
-statement per node, with the same op table as :mod:`parcomp_backends.torch.emit`).  The runtime is
+from the stage's lowered programs (``stage0_forward``, ``stage0_backward``, ``stage0_optimizer``:
+``plan.lowered``, printed from ``Program.stages`` by the SPMD step's printer,
+:func:`parcomp_backends.torch.emit.step_function`: one statement per node, its layout, type and
+spec rule, a reason above each collective, ``del`` where values die); each point-to-point slot
+and each all_reduce ``step()`` runs has its reason in a comment too.  The runtime is
 the SPMD program's (:mod:`parcomp_backends.torch.runtime`: ``--device``, ``--key-map``,
 ``--load-report``, ``--compile``, ``--placement``, ``--print-launch``, ``--timeout`` on every
 group, failures agreed by every rank, checkpoint loading where each rank reads only its stages'
@@ -34,7 +37,9 @@ from parcomp.ir.ops import COLLECTIVES
 from ..profiles import get_profile
 from ..runtime import CLUSTER_HELP, IMPORTS, TRAIN_HELP, sections
 from ..runtime.pipeline_checkpoint import CHECKPOINT as _CHECKPOINT
+from .attention import attention_sections
 from .cluster import DEFAULT_PLACEMENT, DEFAULT_TIMEOUT_S, HOST_AXIS
+from .moe import moe_sections
 from .norms import runtime_sections
 from .reduce import reduce_sections
 from .sections import PARCOMP_VERSION, RUNTIME_MARK, comment_lines, profile_block
@@ -383,7 +388,8 @@ def emit_pipeline_program(program, model, code, profile="cpu", constants=()) -> 
                 prog = replace(prog, graph=_on_full_mesh(prog.graph, mesh))
             graphs.append(prog.graph)
             fns.append(code(prog, f"stage{s}_{kind}", _DOCS[kind].format(s=s), pop_inputs=True))
-    helpers = {text for x in graphs for text in runtime_sections(x) + reduce_sections(x)}
+    helpers = {text for x in graphs  # the runtime helpers the printed statements call, as the SPMD program's
+               for text in runtime_sections(x) + reduce_sections(x) + attention_sections(x) + moe_sections(x)}
     runtime = "\n\n\n".join(["# ---- the SPMD program's runtime: process facts, collectives, loading ----",
                               _COMMON["process"], _COMMON["take_place"], _LOADING, _COMMON["constants"],
                               _COMMON["tied"], *sorted(helpers)])
