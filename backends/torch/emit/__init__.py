@@ -142,19 +142,8 @@ def step_function(prog, fn: str, doc: str, names=None, pop_inputs: bool = False)
     names = python_names(prog) if names is None else names
     lines = [f"def {fn}(p, inp):", f'    """{doc}"""']
     program, provenance, var_of = prog.graph, prog.provenance, names.__getitem__
-    last = {}  # pop_inputs: an input's last reader
-    if pop_inputs:
-        keep = set(program.outputs)
-        inputs = {n.name for n in program.inputs} - keep
-        last = {}
-        for n in program.nodes:
-            for v in n.inputs:
-                if v in inputs:
-                    last[v] = n.name
-        by_reader = {}
-        for v, r in last.items():
-            by_reader.setdefault(r, []).append(v)
-        last = by_reader
+    popped = _popped_inputs(program) if pop_inputs else {}
+    block = program if program.stage == "local" else None  # per-rank: block offsets read COORD
     tails = {}  # (id(layout), id(type)) -> "  # [S(0), R] f32[8,32]": nodes share these objects
     for n in program.nodes:
         op = n.op
@@ -167,9 +156,9 @@ def step_function(prog, fn: str, doc: str, names=None, pop_inputs: bool = False)
             tail += f"; {ref}"
         var = names[n.name]
         if op == "input" or op == "param":
-            src = "p" if op == "param" else "inp"
-            take = ".pop(" if pop_inputs and op == "input" else "["
-            lines.append(f"    {var} = {src}{take}{_json_str(n.name)}{')' if take == '.pop(' else ']'}{tail}")
+            key = _json_str(n.name)
+            take = f"p[{key}]" if op == "param" else f"inp.pop({key})" if pop_inputs else f"inp[{key}]"
+            lines.append(f"    {var} = {take}{tail}")
             continue
         if op in _LAYOUT_OPS:
             lines += _layout_comment(program, n, prog.collective(n.name), names)
@@ -178,19 +167,32 @@ def step_function(prog, fn: str, doc: str, names=None, pop_inputs: bool = False)
             lines.append(f"    # {var}: computed above with {names[first]} (one backward of the attention)")
         else:
             lines += [c for text in ring_comment(prog, n) for c in comment_lines(text, "    ")]
-        block = program if program.stage == "local" else None  # per-rank: block offsets read COORD
         if first == n.name:  # one attention's gradients in one statement (emit/attention.py)
             lines.append(f"    {joint_targets(program, first, names)} = "
                          f"{node_code(n, list(map(var_of, n.inputs)), block, parts)}{tail}")
         elif first is None:
             lines.append(f"    {var} = {node_code(n, list(map(var_of, n.inputs)), block)}{tail}")
         frees = n.attr("frees").split() if n.attr("frees") else []
-        frees += last.get(n.name, [])
+        frees += popped.get(n.name, [])
         if frees:
             lines.append("    del " + ", ".join(map(var_of, frees)))
     ret = ", ".join(f"{json.dumps(pub)}: {names[v]}" for pub, v in program.named_outputs())
     lines.append(f"    return {{{ret}}}")
     return "\n".join(lines)
+
+
+def _popped_inputs(program) -> dict:
+    """``{node: [inputs whose last reader it is]}`` (inputs that are no output)."""
+    outs, last = set(program.outputs), {}
+    inputs = {n.name for n in program.inputs} - outs
+    for n in program.nodes:
+        for v in n.inputs:
+            if v in inputs:
+                last[v] = n.name
+    out = {}
+    for v, reader in last.items():
+        out.setdefault(reader, []).append(v)
+    return out
 
 
 def _layout_comment(program, n, record, names) -> list:
