@@ -82,3 +82,25 @@ def test_every_stage_program_went_through_the_lowering(head):
         assert {"dense", "matmul_t", "axpby", "add_scaled"} <= ops and "matmul" not in ops
         assert any(n.attr("frees") for g in st.programs.values() for n in g.nodes)
         assert all(n.attr("inplace") for n in st.optimizer.nodes if n.op in ("axpby", "add_scaled"))
+
+
+def test_a_tied_param_two_chunks_of_one_rank_update_is_updated_out_of_place():
+    """Interleaved: virtual stages 0 and 2 both on pp coordinate 0. Were a param tied between
+    them, each chunk's update must read the step's old value (program.py runs both updates
+    before it takes their results), so neither writes it, or its momentum, in place."""
+    from dataclasses import replace
+
+    from parcomp.passes.pass_list import group, program_stage, run_passes
+    from parcomp.passes.pipeline.stage_lower import lower_stages
+
+    plan = plan_pipeline(chain_graph(blocks=4), spec(f"mesh pp=2\n{TRAIN} microbatches=2 schedule=interleaved\n"))
+    assert plan.rank_of_stage(0) == plan.rank_of_stage(2)
+
+    def written(p):  # the params and state whose buffer an update of stage 0 writes
+        return {n.inputs[0] for n in p.lowered[0].optimizer.nodes if n.attr("inplace")}
+
+    assert {"0.weight", "0.weight.momentum_buffer"} <= written(plan)
+    tied = lower_stages(replace(plan, tied=(("0.weight", (0, 2)),)),
+                        lambda g: program_stage(run_passes(g, None, group("lower"))))
+    got = written(tied)
+    assert "0.weight" not in got and "0.weight.momentum_buffer" not in got and "0.bias" in got
