@@ -24,7 +24,12 @@ unsharded step is ~1 ms and the measured bubble is p2p latency and Python overhe
 ``--hidden 256 --batch 32`` compute dominates and the measured bubble can be read against the
 analytic one.
 
-Run:  .venv/bin/python bench/pipeline_step.py [--steps 20] [--hidden 32] [--batch 8]
+``--rounds R`` runs every schedule's parcomp and torch measurements R times, alternated, and
+reports the median of each round's parcomp / torch ratio (on a shared machine whose load drifts
+between two measurements a minute apart); ``--schedules 1f1b`` measures only the ones named.
+
+Run:  .venv/bin/python bench/pipeline_step.py [--steps 20] [--hidden 32] [--batch 8] [--rounds 1]
+      [--schedules gpipe,1f1b,zb-h1,interleaved]
 """
 from __future__ import annotations
 
@@ -49,6 +54,8 @@ WARMUP, MICRO, BLOCKS = 3, 4, 4
 HIDDEN = int(C.arg_value("--hidden", 32))  # --hidden 256 --batch 32: ~100x the compute per step
 BATCH = int(C.arg_value("--batch", 8))  # a multiple of MICRO
 CUT = 6  # modules 0-5 on stage 0, 6-11 on stage 1
+ROUNDS = int(C.arg_value("--rounds", 1))  # parcomp and torch alternated, R times: a drifting load hits both
+SCHEDULES = tuple(C.arg_value("--schedules", "gpipe,1f1b,zb-h1,interleaved").split(","))
 if BATCH % MICRO:
     sys.exit(f"--batch {BATCH}: not a multiple of the {MICRO} microbatches")
 
@@ -148,22 +155,35 @@ def main():
 
     torch.set_num_threads(1)
     serial = serial_ms()
-    rows = []
+    rows, runs = [], {}
     with tempfile.TemporaryDirectory(prefix="pcbench-pp-") as work:
-        for schedule in ("gpipe", "1f1b", "zb-h1", "interleaved"):
-            ours = max(C.spawn(parcomp_worker, 2, (_program(schedule, work),)))
-            # torch.distributed.pipelining's ZB / interleaved schedules need several stages per
-            # rank and other stage objects: parcomp's alone, measured against its estimate
-            theirs = max(C.spawn(torch_worker, 2, (schedule,))) if schedule in ("gpipe", "1f1b") else float("nan")
+        programs = {schedule: _program(schedule, work) for schedule in SCHEDULES}
+        runs = {schedule: [] for schedule in SCHEDULES}
+        for _ in range(ROUNDS):  # each round: parcomp then torch, back to back, per schedule
+            for schedule in SCHEDULES:
+                ours = max(C.spawn(parcomp_worker, 2, (programs[schedule],)))
+                # torch.distributed.pipelining's ZB / interleaved schedules need several stages per
+                # rank and other stage objects: parcomp's alone, measured against its estimate
+                theirs = max(C.spawn(torch_worker, 2, (schedule,))) if schedule in ("gpipe", "1f1b") else float("nan")
+                runs[schedule].append((ours, theirs))
+        for schedule in SCHEDULES:
+            ours = statistics.median(o for o, _ in runs[schedule])
+            theirs = statistics.median(t for _, t in runs[schedule])
+            ratio = statistics.median(o / t for o, t in runs[schedule])  # of each round's pair
             bubble = analytic(schedule, 2, MICRO, 2 if schedule == "interleaved" else 1)
-            rows.append((schedule, ours, theirs, ours / theirs, bubble,
+            rows.append((schedule, ours, theirs, ratio, bubble,
                          1 - serial / (2 * ours), 1 - serial / (2 * theirs)))
     print(f"pipeline_step: mlp_chain({BLOCKS}), hidden {HIDDEN}, batch {BATCH} in {MICRO} microbatches, "
-          f"pp=2 on 2 gloo ranks, median of {STEPS} steps; unsharded step in one process "
+          f"pp=2 on 2 gloo ranks, median of {STEPS} steps, {ROUNDS} round(s) (ms: median over rounds; "
+          f"parcomp/torch: median of each round's ratio); unsharded step in one process "
           f"{serial:.3f} ms; {C.loadavg()}")
     print("schedule  parcomp ms  torch ms  parcomp/torch  bubble analytic  measured parcomp  measured torch")
     for r in rows:
         print(f"{r[0]:8}  {r[1]:10.3f}  {r[2]:8.3f}  {r[3]:13.2f}  {r[4]:15.3f}  {r[5]:16.3f}  {r[6]:14.3f}")
+    if ROUNDS > 1:
+        for schedule in SCHEDULES:
+            print(f"{schedule} rounds (parcomp ms / torch ms): "
+                  + ", ".join(f"{o:.1f}/{t:.1f}" for o, t in runs[schedule]))
 
 
 if __name__ == "__main__":

@@ -135,7 +135,8 @@ def _meta(graph: Graph, fwd, bwd, cots: dict) -> dict:
     inputs, outputs (public name, layout), mesh, and which gradients the backward returns."""
     sharded = fwd.sharded
     params = [{"name": n.name, "layout": layout_str(n.layout), "shape": list(n.type.shape),
-               "dtype": n.type.dtype, "trainable": bool(n.attr("trainable", True))}
+               "dtype": n.type.dtype, "trainable": bool(n.attr("trainable", True)),
+               **({"stored_order": list(n.attr("stored_order"))} if n.attr("stored_order") else {})}
               for n in sharded.params]
     inputs = [{"name": n.name, "layout": layout_str(n.layout), "shape": list(n.type.shape), "dtype": n.type.dtype}
               for n in sharded.inputs]

@@ -283,8 +283,20 @@ class ParallelModule(nn.Module):
             for a, pl in reversed(list(zip(self._meta["mesh"]["names"], parse_layout(p["layout"])))):
                 if isinstance(pl, Shard):
                     t = _all_gather(t, pl.dim, self._fwd, a)
+            if p.get("stored_order"):  # a grouped q|k|v: its heads back in the stored order
+                t = _stored_order(t, self._shapes[p["name"]], p["stored_order"])
             out[p["name"]] = t.reshape(self._shapes.get(p["name"], t.shape))
         return out
+
+
+def _stored_order(t, stored, order):
+    """A grouped q|k|v fused weight's view ``t`` with its head units in the stored order
+    (the inverse of the loader's reorder: parcomp/passes/fused_weights.py)."""
+    stored = tuple(stored)
+    a = next(d for d in range(len(stored)) if d >= t.dim() or t.shape[d] != stored[d])
+    back = sorted(range(len(order)), key=lambda i: order[i])
+    units = t.reshape(stored[:a] + (len(order), -1) + stored[a + 1:])
+    return units.index_select(a, torch.tensor(back, device=t.device))
 
 
 def _group(mod, axis):

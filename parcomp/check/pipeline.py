@@ -36,17 +36,14 @@ def _run(plan, s: int, kind: str, feeds: dict) -> dict:
     (``plan.lowered``, what program.py prints) once ``lower-stages`` ran."""
     if plan.lowered:
         local = plan.lowered[s].programs[kind]
-        if local.stage != "local":
-            return run_unsharded(local, feeds)
     elif kind.startswith("backward_"):
-        graph = getattr(plan.split[s], kind)
-        local = graph if plan.local else None
+        local = getattr(plan.split[s], kind)
     elif not plan.local:
         return run_unsharded(getattr(plan.stages[s], kind), feeds)
     else:
         local = getattr(plan.local[s], kind)
-    if local is None:
-        return run_unsharded(graph, feeds)
+    if local.stage != "local":  # a global program (zero=1 without tp: the forward and backward)
+        return run_unsharded(local, feeds)
     return run_spmd(local, {n.name: feeds[n.name] for n in local.nodes
                             if n.op in ("input", "param")}).outputs(local)
 

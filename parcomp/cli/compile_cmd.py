@@ -32,7 +32,7 @@ def compile(args):  # noqa: A001 - the subcommand's name
     if not args.json:
         print(format_collectives(recs))
         print(format_memory(compiled.report))
-        print(format_load(compiled.report["checkpoint_load"]))
+        print(format_load(compiled.report["checkpoint_load"], compiled.report.get("pipeline")))
         print(format_search(compiled.report["search"], compiled.report.get("training") is not None))
         place = compiled.report["placement"]
         if place["nodes"] is not None:

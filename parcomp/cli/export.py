@@ -33,6 +33,7 @@ import tempfile
 
 from ..errors import ParcompError
 from ..outdir import check_target, write_dir_atomic
+from ..reference.numpy_attn import view_to_stored
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
 
@@ -105,7 +106,7 @@ def full_tensors(compiled, checkpoint: str, module=None) -> dict:
                                f"the program {tuple(graph[k].type.shape)} (a checkpoint of another model?)",
                                where=k)
     alias = tied_names(module)
-    trained = {alias.get(k, k): _stored(saved[k], graph[k].attr("stored_shape")) for k in names}
+    trained = {alias.get(k, k): _stored(saved[k], graph[k].attr("stored_shape"), graph[k].attr("stored_order")) for k in names}
     return {**trained, **untrained_tensors(module, trained)}
 
 
@@ -200,8 +201,9 @@ def _umask() -> int:
     return mask
 
 
-def _stored(t, stored):
-    """``t`` in the checkpoint's stored shape: padding rows dropped, a per-part view reshaped."""
+def _stored(t, stored, order=None):
+    """``t`` in the checkpoint's stored shape: padding rows dropped, a per-part view reshaped
+    (a grouped q|k|v's head units put back in their stored ``order``: fused_weights.py)."""
     if stored is None:
         return t.contiguous()
     stored = tuple(stored)
@@ -210,4 +212,7 @@ def _stored(t, stored):
         n *= s
     if n < t.numel():  # a padded vocab table: the first rows are the real ones
         t = t[:stored[0]]
+    if order:
+        import torch
+        return torch.from_numpy(view_to_stored(t.detach().cpu().numpy(), stored, order).copy())
     return t.reshape(stored).contiguous()

@@ -483,6 +483,8 @@ _def("input", 0, "source", _own, _SOURCE)
 _def("param", 0, "source", _own, {**_SOURCE, "trainable": Attr("bool", default=True),
                                   # a fused weight's per-part view: the checkpoint's shape
                                   "stored_shape": Attr("ints"),
+                                  # grouped q|k|v: the stored head units in the view's order
+                                  "stored_order": Attr("ints"),
                                   # a tied weight's other names, comma-separated (spec rules match them)
                                   "aliases": Attr("str")})
 # layout changes inserted by insert-collectives (see parcomp/ir/redistribute.py); ``dim``:

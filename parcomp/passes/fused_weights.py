@@ -20,6 +20,11 @@ per-part feature dim and ``rowwise`` the input dim (:func:`fused_split_dim`), an
 unnamed fused bias of the same module follows a colwise weight (:func:`fused_bias_follows`).
 Updated values and gradients of such a param keep the view's shape
 (:func:`to_view_shapes` reshapes torch's for comparison).
+
+Grouped-query q|k|v in one weight (Phi-3's ``qkv_proj``: parts of unequal width, fewer kv
+heads than query heads; :func:`_grouped`) is viewed per kv group instead: R + 2 parts of G
+heads each, its stored head units reordered (``stored_order``) so that ``colwise`` gives each
+rank whole groups (:func:`_grouped_parts`).
 """
 from __future__ import annotations
 
@@ -83,19 +88,23 @@ def _match(graph, users, value):
     return {"x": mm.inputs[0], "w": w, "wt": wt, "bias": bias, "chain": chain[::-1], "mm": mm, "add": add}
 
 
-def _view(node, shape):
-    return replace(node, type=TensorType(tuple(shape), node.type.dtype)).with_attrs(
-        stored_shape=tuple(node.type.shape))
+def _view(node, shape, order=None):
+    attrs = {"stored_shape": tuple(node.type.shape)}
+    if order:
+        attrs["stored_order"] = tuple(order)
+    return replace(node, type=TensorType(tuple(shape), node.type.dtype)).with_attrs(**attrs)
 
 
-def _parts(graph, m, slices, names):
-    """New nodes computing each part: ``{mm name: [nodes]}`` and the views of w and bias."""
+def _parts(graph, m, slices, names, order=None):
+    """New nodes computing each part: ``[nodes]`` and the views of w and bias. ``slices``:
+    the name each part's value takes; ``order``: the view's ``stored_order``
+    (:func:`_grouped_parts`)."""
     k, w = len(slices), graph[m["w"]]
     linear = m["wt"] is not None
     a, bdim = w.type.shape
     s = (a if linear else bdim) // k
-    wv = _view(w, (k, s, bdim) if linear else (a, k, s))
-    bv = _view(graph[m["bias"]], (k, s)) if m["bias"] else None
+    wv = _view(w, (k, s, bdim) if linear else (a, k, s), order)
+    bv = _view(graph[m["bias"]], (k, s), order) if m["bias"] else None
     dt, out = w.type.dtype, []
     for i, final in enumerate(slices):
         src = m["mm"].source
@@ -127,6 +136,71 @@ def _parts(graph, m, slices, names):
     return out, wv, bv
 
 
+def _grouped(graph, users, value):
+    """Grouped-query q|k|v fused in one weight (Phi-3's ``qkv_proj``: 4 query heads | 2 key
+    heads | 2 value heads of one head dim): every user of ``value`` a step-1 slice of its
+    last dim into three parts q | k | v covering it, k and v of equal width split into
+    G >= 2 heads by a reshape, q into H = R * G heads of the same dim. Returns
+    ``(q, k, v slice names, G, R, head dim)`` or None.
+
+    Equal parts (G = H) are :func:`_equal_parts`'s. With one kv head (multi-query) no split
+    per head exists: the kv part is shared by every query head, so there is nothing to view."""
+    ty = graph[value].type
+    us = [graph[u] for u in users[value]]
+    if len(us) != 3 or not ty.rank or any(u.op != "slice" or u.attr("step", 1) != 1
+                                          or u.attr("dim") != ty.rank - 1 for u in us):
+        return None
+    cuts = sorted((u.attr("start"), u.attr("stop"), u.name) for u in us)
+    (q0, q1, q), (k0, k1, k), (v0, v1, v) = cuts
+    if q0 != 0 or q1 != k0 or k1 != v0 or v1 != ty.shape[-1] or k1 - k0 != v1 - v0 or q1 <= k1 - k0:
+        return None
+    heads = [_heads(graph, users, x) for x in (q, k, v)]
+    if any(h is None for h in heads) or len({h[1] for h in heads}) != 1:
+        return None
+    (hq, hd), (g, _), (gv, _) = heads
+    if g != gv or g < 2 or hq % g or hq * hd != q1 or g * hd != k1 - k0:
+        return None
+    return (q, k, v), g, hq // g, hd
+
+
+def _heads(graph, users, name):
+    """``(heads, head dim)`` of the one reshape ``[.., F] -> [.., heads, head dim]`` that
+    uses ``name``, else None."""
+    us = [graph[u] for u in users[name]]
+    src = graph[name].type
+    if len(us) != 1 or us[0].op != "reshape" or us[0].type.shape[:src.rank - 1] != src.shape[:-1] \
+            or us[0].type.rank != src.rank + 1:
+        return None
+    return us[0].type.shape[-2], us[0].type.shape[-1]
+
+
+def _grouped_parts(graph, m, grouped, names):
+    """The nodes of a grouped q|k|v (:func:`_grouped`) split per part and per group, as
+    Megatron lays out its fused ``linear_qkv``: the view has R + 2 parts (the R query heads of
+    each kv group, the key, the value), each of G heads (one per group), so ``colwise`` (the
+    per-part dim) gives each rank whole groups: its query heads with the key and value heads
+    they read. No reshape of the stored rows q | k | v gives those parts, so the view
+    reorders the stored head units (``stored_order``: unit ``g*R + j`` of q is part j's head
+    g; the key's and value's heads follow in order); every loader applies it. The queries
+    are put back in the model's head order (``h = g*R + j``) by a cat of the R query parts
+    over a new dim and a reshape, so the graph after them is unchanged."""
+    (q, k, v), g, r, hd = grouped
+    order = [gi * r + j for j in range(r) for gi in range(g)]
+    order += [r * g + gi for gi in range(g)] + [r * g + g + gi for gi in range(g)]
+    qparts = [names.fresh(f"{m['mm'].name}_q{j}") for j in range(r)]
+    out, wv, bv = _parts(graph, m, qparts + [k, v], names, order)
+    qty = graph[q].type
+    lead, dt, src = qty.shape[:-1], qty.dtype, m["mm"].source
+    grown = []
+    for qp in qparts:
+        name = names.fresh(f"{qp}_heads")
+        grown.append(Node(name, "reshape", (qp,), TensorType(lead + (g, 1, hd), dt), make_attrs(), source=src))
+    cat = Node(names.fresh(f"{m['mm'].name}_q_heads"), "cat", tuple(n.name for n in grown),
+               TensorType(lead + (g, r, hd), dt), make_attrs(dim=len(lead) + 1), source=src)
+    qn = Node(q, "reshape", (cat.name,), qty, make_attrs(), source=src)
+    return out + grown + [cat, qn], wv, bv
+
+
 def split_fused_weights(graph: Graph) -> Graph:
     """Rewrite every fused weight of ``graph`` (see the module docstring); others unchanged.
     One pass: the patterns of different weights share no node."""
@@ -135,10 +209,15 @@ def split_fused_weights(graph: Graph) -> Graph:
     at, views, gone = {}, {}, set()  # mm name -> part nodes; param name -> view; nodes dropped
     for n in graph.nodes:
         slices = _equal_parts(graph, users, n.name)
-        m = _match(graph, users, n.name) if slices else None
+        grouped = None if slices else _grouped(graph, users, n.name)
+        m = _match(graph, users, n.name) if slices or grouped else None
         if m is None:
             continue
-        at[m["mm"].name], wv, bv = _parts(graph, m, slices, names)
+        if grouped:
+            at[m["mm"].name], wv, bv = _grouped_parts(graph, m, grouped, names)
+            slices = list(grouped[0])
+        else:
+            at[m["mm"].name], wv, bv = _parts(graph, m, slices, names)
         views.update({v.name: v for v in (wv, bv) if v is not None})
         gone |= {m["mm"].name, *slices, *(r.name for r in m["chain"])}
         gone |= {x.name for x in (m["add"], m["wt"]) if x is not None}
@@ -183,7 +262,8 @@ def to_view_shapes(values: dict, graph) -> dict:
     for key, v in values.items():
         base = next((p for p in views if key == p or key.startswith(p + ".")), None)
         if base is not None and tuple(np.shape(v)) == tuple(views[base].attr("stored_shape")):
-            out[key] = to_shape(np.asarray(v), views[base].type.shape)  # a padded vocab: pad
+            out[key] = stored_to_view(np.asarray(v), views[base].type.shape,  # a padded vocab: pad
+                                      views[base].attr("stored_order"))
     return out
 
 
@@ -197,20 +277,31 @@ def to_stored_shapes(values: dict, graph, derived: bool = True) -> dict:
     for key, v in values.items():
         base = next((p for p in views if key == p or (derived and key.startswith(p + "."))), None)
         if base is not None and tuple(np.shape(v)) == tuple(views[base].type.shape):
-            out[key] = _stored(np.asarray(v), views[base].attr("stored_shape"))
+            out[key] = _stored(np.asarray(v), views[base].attr("stored_shape"), views[base].attr("stored_order"))
     return out
 
 
-def _stored(x, shape):
-    """A view's value in the stored shape: reshaped, or (a padded vocab table) trimmed."""
+def _stored(x, shape, order=None):
+    """A view's value in the stored shape: reshaped (its head units put back in the stored
+    order), or (a padded vocab table) trimmed."""
     if x.size == int(np.prod(shape)):
-        return x.reshape(shape)
+        return view_to_stored(x, shape, order)
     return x[tuple(slice(0, n) for n in shape)]
 
 
 def to_shape(x, shape):  # noqa: D103 - see parcomp.reference.numpy_attn.to_shape
     from ..reference.numpy_attn import to_shape as pad_or_reshape
     return pad_or_reshape(x, shape)
+
+
+def stored_to_view(x, shape, order=None):  # noqa: D103 - see parcomp.reference.numpy_attn
+    from ..reference.numpy_attn import stored_to_view as to_view
+    return to_view(x, shape, order)
+
+
+def view_to_stored(x, shape, order=None):  # noqa: D103 - see parcomp.reference.numpy_attn
+    from ..reference.numpy_attn import view_to_stored as to_stored
+    return to_stored(x, shape, order)
 
 
 _INDEX = re.compile(r"\[(\d+(?:, ?\d+)*)\]")
@@ -223,23 +314,27 @@ def in_stored_indices(result, graph):
     ``NAME[i,j,k]`` and, in a ``NAME: reason`` clause (up to ``;``), each index of the
     view's rank. Names with suffixes (``.grad``, ``.exp_avg``) count: they have the view's
     shape. A graph without fused views returns ``result`` unchanged."""
-    views = {n.name: (n.type.shape, n.attr("stored_shape")) for n in graph.params
+    views = {n.name: (n.type.shape, n.attr("stored_shape"), n.attr("stored_order")) for n in graph.params
              if n.attr("stored_shape") and int(np.prod(n.type.shape)) == int(np.prod(n.attr("stored_shape")))}
     if not views:
         return result
     names = "|".join(re.escape(v) for v in sorted(views, key=len, reverse=True))
     clause = re.compile(rf"(?<![\w.])({names})((?:\.[A-Za-z_]\w*)*)(\[[\d, ]+\]|: [^;]*)")
 
-    def index(view, stored, m):
+    def index(view, stored, order, m):
         idx = tuple(int(i) for i in m.group(1).split(","))
         if len(idx) != len(view) or any(i >= n for i, n in zip(idx, view)):
             return m.group(0)
-        new = np.unravel_index(np.ravel_multi_index(idx, view), stored)
+        if order:  # the stored element at that view index: a grouped q|k|v's heads reordered
+            flat = int(stored_to_view(np.arange(int(np.prod(stored))).reshape(stored), view, order)[idx])
+        else:
+            flat = np.ravel_multi_index(idx, view)
+        new = np.unravel_index(flat, stored)
         return "[" + (", " if " " in m.group(1) else ",").join(str(int(i)) for i in new) + "]"
 
     def clauses(m):
-        view, stored = views[m.group(1)]
-        return m.group(1) + m.group(2) + _INDEX.sub(lambda i: index(view, stored, i), m.group(3))
+        view, stored, order = views[m.group(1)]
+        return m.group(1) + m.group(2) + _INDEX.sub(lambda i: index(view, stored, order, i), m.group(3))
 
     def walk(x, key=None):
         if isinstance(x, dict):

@@ -112,7 +112,8 @@ def may_stay_replicated(graph, ranks: int | None = None) -> set:
     ``embedding`` tables, weights of a matmul making a model output (reached through
     permutes and reshapes, as ``colwise`` follows them), non-trainable buffers; with
     ``ranks`` (the smallest model-parallel axis), the kv projections of multi-query /
-    grouped-query attention whose kv heads ``ranks`` does not divide (:func:`_shared_kv`)."""
+    grouped-query attention whose kv heads ``ranks`` does not divide (:func:`_shared_kv`);
+    low-rank (down) projections such as MLA's (:func:`_low_rank`)."""
     users, outputs = graph.users(), set(graph.outputs)
     out = {n.inputs[1] for n in graph.nodes if n.op == "embedding"}
     for p in graph.params:
@@ -126,10 +127,42 @@ def may_stay_replicated(graph, ranks: int | None = None) -> set:
                 if node.op in ("permute", "reshape"):
                     frontier.append(u)
                 elif node.op == "matmul" and node.inputs[1] == cur and (
-                        _reaches_output(graph, users, u, outputs)
+                        _reaches_output(graph, users, u, outputs) or _low_rank(graph, users, u)
                         or (ranks and (_shared_kv(graph, users, u) or ranks) % ranks)):
                     out.add(p.name)
     return out
+
+
+#: ops a low-rank projection's product passes through on its way to the up projection
+_TO_UP = ("slice", "reshape", "permute", "rms_norm", "layer_norm")
+
+
+def _low_rank(graph, users, name, depth: int = 12) -> bool:
+    """Whether matmul ``name`` is a low-rank (down) projection: fewer output than input
+    features, and its product reaches the activation operand of another matmul through
+    slices, reshapes, permutes and norms only (MLA's ``q_a_proj`` -> ``q_a_layernorm`` ->
+    ``q_b_proj`` and ``kv_a_proj_with_mqa`` -> ``kv_a_layernorm`` -> ``kv_b_proj``; a LoRA
+    pair). Megatron keeps those replicated and splits the up projections by heads; split,
+    the latent would be gathered every block (its norm needs the whole row). A residual
+    ``add`` ends the walk, so an MLP's down projection is no such weight."""
+    node = graph[name]
+    x = graph[node.inputs[0]].type
+    if not x.rank or node.type.shape[-1] >= x.shape[-1]:
+        return False
+    frontier, seen = [name], {name}
+    while frontier and depth:
+        depth -= 1
+        nxt = []
+        for cur in frontier:
+            for u in users[cur]:
+                n = graph[u]
+                if n.op == "matmul" and n.inputs[0] == cur and graph[n.inputs[1]].op in ("param", "permute"):
+                    return True
+                if n.op in _TO_UP and n.inputs[0] == cur and u not in seen:
+                    seen.add(u)
+                    nxt.append(u)
+        frontier = nxt
+    return False
 
 
 def _shared_kv(graph, users, name, depth: int = 40) -> int | None:

@@ -120,7 +120,12 @@ def _parts(node) -> str:
     from ..passes.fused_weights import fused_split_dim
 
     stored = node.attr("stored_shape")  # the parts dim is the one before colwise's per-part dim
-    return f", each of its {node.type.shape[fused_split_dim(node, 'colwise') - 1]} parts split" if stored else ""
+    if not stored:
+        return ""
+    k = node.type.shape[fused_split_dim(node, 'colwise') - 1]
+    if node.attr("stored_order"):  # grouped q|k|v: R query parts, the keys, the values
+        return f", its {k - 2} query, key and value parts split by kv group"
+    return f", each of its {k} parts split"
 
 
 def _word_dim(graph, users, node, word):

@@ -68,11 +68,39 @@ def _arange(node):
 
 def source_array(node, x):
     """A feed ``x`` for source ``node`` as the graph holds it: a fused view param's stored
-    tensor reshaped to the view (the global shape on a local program)."""
+    tensor reshaped to the view (the global shape on a local program), its head units
+    reordered first when it has a ``stored_order`` (:func:`stored_to_view`)."""
     x = np.asarray(x)
     if node.attr("stored_shape") and tuple(x.shape) == tuple(node.attr("stored_shape")):
-        return to_shape(x, node.attr("global_shape") or node.type.shape)
+        return stored_to_view(x, node.attr("global_shape") or node.type.shape, node.attr("stored_order"))
     return x
+
+
+def fused_dim(stored, view) -> int:
+    """The dim of the stored shape a fused view cuts into parts: the first that differs."""
+    return next(d for d in range(len(stored)) if d >= len(view) or view[d] != stored[d])
+
+
+def stored_to_view(x, view, order=None):
+    """A fused weight's stored tensor ``x`` as its view of shape ``view``: with ``order``
+    (grouped q|k|v, parcomp/passes/fused_weights.py), the fused dim cut into ``len(order)``
+    equal units (heads) taken in that order first, then reshaped; else :func:`to_shape`."""
+    if not order:
+        return to_shape(x, view)
+    a = fused_dim(x.shape, view)
+    units = x.reshape(x.shape[:a] + (len(order), -1) + x.shape[a + 1:])
+    return np.take(units, list(order), axis=a).reshape(view)
+
+
+def view_to_stored(x, stored, order=None):
+    """The inverse of :func:`stored_to_view` for a view ``x`` of the same size: the stored
+    tensor of shape ``stored``."""
+    stored = tuple(stored)
+    if not order:
+        return x.reshape(stored)
+    a = fused_dim(stored, x.shape)
+    units = x.reshape(stored[:a] + (len(order), -1) + stored[a + 1:])
+    return np.take(units, list(np.argsort(order)), axis=a).reshape(stored)
 
 
 def to_shape(x, shape):

@@ -138,18 +138,40 @@ def format_collectives(recs) -> str:
 
 def format_memory(report) -> str:
     """One line of per-rank memory in human units (:func:`format_bytes`), plus the batch
-    arithmetic when training."""
+    arithmetic when training. A pipeline (``report["pipeline"]``): one line per stage (pp
+    coordinate), what one of its ranks holds, instead of the unpipelined program's line."""
     m = report["memory_bytes_per_rank"]
     line = "memory per rank: " + ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in m.items())
+    if (report.get("pipeline") or {}).get("ranks"):
+        line = "\n".join(
+            f"memory per rank of {_stage_words(r)}: weights {format_bytes(r['weight_bytes'])}, gradients "
+            f"{format_bytes(r['grad_bytes'])}, optimizer state {format_bytes(r['optimizer_state_bytes'])}, "
+            f"stashed activations at peak {format_bytes(r['stash_peak_bytes'])}"
+            for r in report["pipeline"]["ranks"])
     if report.get("training"):
         line += "\n" + report["training"]["batch_note"]
     return line
 
 
-def format_load(load) -> str:
-    """One line: what each rank reads of the checkpoint and the host memory that takes."""
+def _stage_words(rank) -> str:
+    """``stage 1``, or ``pp=0 (stages 0, 2)`` for a rank holding several (interleaved)."""
+    if len(rank["stages"]) == 1:
+        return f"stage {rank['stages'][0]}"
+    return f"pp={rank['pp']} (stages {', '.join(map(str, rank['stages']))})"
+
+
+def format_load(load, pipeline=None) -> str:
+    """One line: what each rank reads of the checkpoint and the host memory that takes.
+    ``pipeline`` (report.json's record of a pp spec): one line per stage, what a rank of it
+    reads (its stages' params only, its tp block of each)."""
     if not load or not load["checkpoint_bytes"]:
         return "checkpoint load per rank: no params"
+    if pipeline and pipeline.get("ranks"):
+        total = load["checkpoint_bytes"]
+        return "\n".join(f"checkpoint load per rank of {_stage_words(r)}: reads "
+                         f"{format_bytes(r['checkpoint_bytes_read'])} of {format_bytes(total)} "
+                         f"({r['checkpoint_bytes_read'] / total:.1%}, its stage's params only)"
+                         for r in pipeline["ranks"])
     share = load["bytes_read"] / load["checkpoint_bytes"]
     return (f"checkpoint load per rank: reads {format_bytes(load['bytes_read'])} of "
             f"{format_bytes(load['checkpoint_bytes'])} ({share:.1%}, its own "

@@ -145,6 +145,10 @@ def test_export_restores_stored_shapes():
     padded = torch.arange(12.0).reshape(6, 2)  # vocab 5 padded to 6 rows
     assert torch.equal(_stored(padded, (5, 2)), padded[:5])
     assert torch.equal(_stored(padded, None), padded)
+    # a grouped q|k|v view [parts, G*hd, in]: its head units (rows of 1 here) back in stored order
+    grouped = torch.arange(8.0).reshape(4, 2, 1)  # q heads 0,2 | 1,3 | keys | values
+    want = torch.tensor([0.0, 2.0, 1.0, 3.0, 4.0, 5.0, 6.0, 7.0]).reshape(8, 1)  # stored: q0 q1 q2 q3 k0 k1 v0 v1
+    assert torch.equal(_stored(grouped, (8, 1), (0, 2, 1, 3, 4, 5, 6, 7)), want)
 
 
 @pytest.mark.slow

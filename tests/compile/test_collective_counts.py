@@ -180,23 +180,23 @@ EXPECTED = {
         "backward all_reduce dp 1, backward all_reduce dp,ep 5")),
     # pipelines, one table per pp coordinate (one microbatch): Megatron's all_reduces inside
     # each stage's programs; one activation sent forward and its gradient back; after the
-    # microbatches every gradient all-reduced over dp one by one (the pipelined program does not
-    # bucket: docs/design/lowering.md "Gradient buckets", so one call per parameter where DDP's minimum
-    # is one bucket), the loss over dp on the last stage.
+    # microbatches the gradients all-reduced over dp in buckets of bucket_cap_mb (25 MiB: one a
+    # stage here, as DDP's; parcomp/passes/pipeline/dp_buckets.py), a tied gradient alone after
+    # its stages' sum; the loss over dp on the last stage.
     # 48 blocks, 24 a stage; stage 0's first block has no input gradient (input_grads=no)
     "mlp_chain_dp2_pp2_tp2_train": ("mlp_chain", [
         c("forward all_reduce tp 24, backward all_reduce tp 23, forward send pp 1,"
-          "backward recv pp 1, optimizer all_reduce dp 96"),
+          "backward recv pp 1, optimizer all_reduce dp 1"),
         c("forward all_reduce tp 24, backward all_reduce tp 24, forward recv pp 1,"
-          "backward send pp 1, optimizer all_reduce dp 96, loss all_reduce dp 1")]),
+          "backward send pp 1, optimizer all_reduce dp 1, loss all_reduce dp 1")]),
     # GPT-2, one block a stage: 2 + 2 over tp each; the tied wte/lm_head gradient summed over
-    # its two stages' ranks (pp) before dp; stage 0 holds 14 params (wpe, block 0, lm_head),
-    # stage 1 15 (block 1, ln_f, lm_head)
+    # its two stages' ranks (pp) before dp, then over dp alone; the other 13 gradients of stage
+    # 0 (wpe, block 0) and 14 of stage 1 (block 1, ln_f) in one bucket each
     "gpt2_lm_dp2_pp2_tp2_train": ("gpt2_lm", [
         c("forward all_reduce tp 2, backward all_reduce tp 2, forward send pp 1,"
-          "backward recv pp 1, optimizer all_reduce pp 1, optimizer all_reduce dp 14"),
+          "backward recv pp 1, optimizer all_reduce pp 1, optimizer all_reduce dp 2"),
         c("forward all_reduce tp 2, backward all_reduce tp 2, forward recv pp 1,"
-          "backward send pp 1, optimizer all_reduce pp 1, optimizer all_reduce dp 15,"
+          "backward send pp 1, optimizer all_reduce pp 1, optimizer all_reduce dp 2,"
           "loss all_reduce dp 1")]),
 }
 
@@ -257,18 +257,18 @@ def test_megatron_transformer_block_is_four_all_reduces(spec_name, blocks):
 @pytest.mark.parametrize("schedule,want", [
     # 2 blocks a stage, 2 microbatches: per microbatch 2 all_reduce over tp forward, 1 backward
     # on stage 0 (its first block has no input gradient: input_grads=no), 2 on stage 1; one
-    # activation each way per microbatch; 8 gradients a stage over dp; the loss over dp
+    # activation each way per microbatch; a stage's 8 gradients in one dp bucket; the loss over dp
     ("1f1b", [c("forward all_reduce tp 4, backward all_reduce tp 2, forward send pp 2,"
-                "backward recv pp 2, optimizer all_reduce dp 8"),
+                "backward recv pp 2, optimizer all_reduce dp 1"),
               c("forward all_reduce tp 4, backward all_reduce tp 4, forward recv pp 2,"
-                "backward send pp 2, optimizer all_reduce dp 8, loss all_reduce dp 1")]),
+                "backward send pp 2, optimizer all_reduce dp 1, loss all_reduce dp 1")]),
     # 4 virtual stages of one block; rank 0 holds blocks 0 and 2, rank 1 blocks 1 and 3: rank 0
     # sends forward from both chunks and receives into block 2, the mirror backward
     ("interleaved virtual=2", [
         c("forward all_reduce tp 4, backward all_reduce tp 2, forward send pp 4,"
-          "forward recv pp 2, backward recv pp 4, backward send pp 2, optimizer all_reduce dp 8"),
+          "forward recv pp 2, backward recv pp 4, backward send pp 2, optimizer all_reduce dp 2"),
         c("forward all_reduce tp 4, backward all_reduce tp 4, forward recv pp 4,"
-          "forward send pp 2, backward send pp 4, backward recv pp 2, optimizer all_reduce dp 8,"
+          "forward send pp 2, backward send pp 4, backward recv pp 2, optimizer all_reduce dp 2,"
           "loss all_reduce dp 1")]),
 ])
 def test_pipeline_counts_scale_with_microbatches_and_chunks(schedule, want):

@@ -46,6 +46,8 @@ def mistral(window=4):
     return MistralForCausalLM(cfg).eval(), (torch.randint(0, 64, (2, 8)),), ["input_ids"]
 def mistral_window8():
     return mistral(8)
+def gpt2_with_cache():
+    return _gpt2(use_cache=True)
 '''
 MLP_TP2 = "mesh tp=2\n0.weight colwise\n2.weight rowwise\n"
 GPT2_TP2 = ("mesh tp=2\ntransformer.h.*.attn.c_attn.weight colwise\ntransformer.h.*.attn.c_proj.weight rowwise\n"
@@ -201,3 +203,13 @@ def test_sequence_longer_than_the_positions_is_a_located_error(play, capsys):
     _fails(["check", f"{play}/hf_models.py:gpt2_too_long", "--spec", spec], capsys,
            "param transformer.arange holds 16 id(s) outside the 64 rows", "transformer.wpe.weight",
            "sequence longer")
+
+
+# 7: a config left with use_cache=True (transformers' default) stopped at import with torch's
+# pytree message about DynamicCache; now a located error naming config.use_cache, and no spec
+# written.
+def test_a_model_returning_its_kv_cache_names_config_use_cache(play, capsys):
+    out = play / "p.pcs"
+    _fails(["plan", f"{play}/hf_models.py:gpt2_with_cache", "--mesh", "tp=2", "-o", str(out)], capsys,
+           "GPT2LMHeadModel.config.use_cache is True", "DynamicCache", "use_cache=False")
+    assert not out.exists()

@@ -47,19 +47,24 @@ ZOO = {
     # parallel residual: attention and MLP partial sums added first, one all_reduce a block
     # forward; backward the two branches' input gradients each
     "gpt_neox_lm": {("all_reduce", "forward"): 2, ("all_reduce", "backward"): 4},
-    # fused qkv_proj / gate_up_proj: the plan gathers the attention and MLP inputs' parts
-    "phi3_lm": {("all_gather", "forward"): 4, ("all_reduce", "forward"): 2, ("all_reduce", "backward"): 2},
+    # fused qkv_proj (4 query | 2 key | 2 value heads) split per part and per kv group, fused
+    # gate_up_proj per part (before: qkv_proj and o_proj's weights gathered every block)
+    "phi3_lm": MEGATRON,
     # multi-query attention in one fused query_key_value (1 kv head: the fused weight may stay
     # replicated, nothing gathered forward); parallel attention and MLP: one all_reduce a block
     "falcon_lm": {("all_reduce", "forward"): 2, ("all_gather", "backward"): 2, ("all_reduce", "backward"): 2},
     # experts split over tp (each rank 2 of 4); the router's logits gathered for its softmax
     "mixtral_lm": {("all_reduce", "forward"): 2, ("all_gather", "forward"): 4, ("all_reduce", "backward"): 4},
     "qwen2_moe_lm": {("all_reduce", "forward"): 4, ("all_gather", "forward"): 6, ("all_reduce", "backward"): 4},
-    # MLA's low-rank projections and the group-limited sigmoid router
-    "deepseek_v3_lm": {("all_gather", "forward"): 12, ("all_reduce", "forward"): 2, ("all_gather", "backward"): 1,
+    # MLA: the low-rank q_a_proj / kv_a_proj_with_mqa stay replicated (before, split and
+    # gathered: 12 all_gather forward); at this size (16 tokens, hidden 64) gathering q_b_proj,
+    # kv_b_proj and o_proj's weights costs less than splitting the heads, whose backward
+    # all-reduces each latent's gradient (test_mla_splits_heads_after_the_low_rank_projections);
+    # the group-limited sigmoid router's scores gathered
+    "deepseek_v3_lm": {("all_gather", "forward"): 8, ("all_reduce", "forward"): 2, ("all_gather", "backward"): 1,
                        ("all_reduce", "backward"): 2},
     # the same with a complex rotary embedding (real arithmetic) and a softmax router
-    "deepseek_v2_lm": {("all_gather", "forward"): 12, ("all_reduce", "forward"): 2, ("all_gather", "backward"): 1,
+    "deepseek_v2_lm": {("all_gather", "forward"): 8, ("all_reduce", "forward"): 2, ("all_gather", "backward"): 1,
                        ("all_reduce", "backward"): 2},
 }
 
@@ -105,6 +110,31 @@ def test_kv_projections_of_multi_query_attention_stay_replicated_never_gathered(
     # k_proj / v_proj split, 4 all_gather a block)
     assert dict(counts) == {("all_gather", "forward"): 4, ("all_reduce", "forward"): 2,
                             ("all_reduce", "backward"): 2}
+    feeds = train_feeds(compiled, module, example, 0, feeds_for)
+    ls = lockstep(compiled, module, example, feeds, 2)
+    assert verdict(*[ls["vs_unsharded"]] + [ls[k] for k in ("native", "vs_torch") if ls[k] is not None]) == "OK"
+
+
+def test_mla_splits_heads_after_the_low_rank_projections():
+    """DeepSeek-V3's MLA at tp=2: the planner keeps the low-rank q_a_proj and
+    kv_a_proj_with_mqa replicated (no rule; before, both split and their latents gathered
+    every block) and splits q_b_proj / kv_b_proj by heads, o_proj by rows. Compiled with the
+    attention split by heads, each block's attention is one all_reduce forward and, backward,
+    one per latent whose norm needs the whole row (q's, kv's) and one for the rotary key shared
+    by every head: MLA's floor, 3 more than Megatron's MHA block (docs/design/plan.md)."""
+    module, example, names = models.deepseek_v3_lm()
+    graph = import_torch(module, example, names)
+    text, _ = plan(graph, "tp=2", train=TRAIN, seconds=5.0)
+    rules = dict(ln.split()[:2] for ln in text.splitlines() if ln and not ln.startswith(("#", " ", "mesh",
+                                                                                       "input", "output", "train")))
+    attn = {k.rsplit(".", 2)[-2]: v for k, v in rules.items() if ".self_attn." in k and k.endswith("_proj.weight")}
+    assert attn == {"q_b_proj": "colwise", "kv_b_proj": "colwise", "o_proj": "rowwise"}, rules
+    heads = "".join(f"activation {n.name} [S(1)]\n" for n in graph.nodes if n.op == "sdpa")
+    compiled = compile_graph(graph, parse_spec(text + heads, "mla_plan.pcs"))
+    counts = collections.Counter((r["kind"], r["phase"]) for r in compiled.report["collectives"])
+    # + the router's scores gathered for its group-limited top-k, forward and backward
+    assert dict(counts) == {("all_reduce", "forward"): 4, ("all_gather", "forward"): 1,
+                            ("all_reduce", "backward"): 8, ("all_gather", "backward"): 1}
     feeds = train_feeds(compiled, module, example, 0, feeds_for)
     ls = lockstep(compiled, module, example, feeds, 2)
     assert verdict(*[ls["vs_unsharded"]] + [ls[k] for k in ("native", "vs_torch") if ls[k] is not None]) == "OK"

@@ -287,7 +287,7 @@ def chain_case(draw):
     pp = draw(st.sampled_from([p for p in range(1, max(1, nlin // virtual) + 1)
                                if name != "interleaved" or 8 % p == 0]))
     micro = pp * draw(st.sampled_from([1, 2])) if name == "interleaved" else draw(st.sampled_from([1, 2, 4]))
-    dp = draw(st.sampled_from([1, 2]))
+    dp = draw(st.sampled_from([d for d in (1, 2) if 8 % (micro * d) == 0]))  # micro x dp splits 8
     opt = draw(st.sampled_from(["sgd(lr=0.1, momentum=0.9)", "adamw(lr=0.01)"]))
     mesh = f"mesh {'dp=2 ' if dp == 2 else ''}pp={pp}\n"
     train = f"train optimizer={opt} input_grads=no microbatches={micro} schedule={name}" + \

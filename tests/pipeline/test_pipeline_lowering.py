@@ -54,8 +54,8 @@ def test_every_collective_of_a_pp_tp_program_has_its_reason_above(pipelined):
             assert "bytes/rank" in head and ":" in head.split("bytes/rank", 1)[1]
     # the reductions step() runs between the stage functions: the dp gradient and loss sums
     text = " ".join(line.strip("# ") for line in lines if line.startswith("#"))
-    assert "all_reduce over dp of each of stage 0's 8 gradients (GRADS), bytes/rank" in text
-    assert "all_reduce over dp of each of stage 1's 8 gradients (GRADS), bytes/rank" in text
+    assert "all_reduce over dp of stage 0's 8 gradients (GRADS), in the buckets of DP_BUCKETS, bytes/rank" in text
+    assert "all_reduce over dp of stage 1's 8 gradients (GRADS), in the buckets of DP_BUCKETS, bytes/rank" in text
     assert "all_reduce over dp of the loss" in text
 
 

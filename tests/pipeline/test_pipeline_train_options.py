@@ -88,7 +88,7 @@ def test_accumulate_multiplies_the_microbatches():
     assert "accumulate=2" in str(e.value) and "equal parts" in str(e.value)
 
 
-@pytest.mark.parametrize("key,value", [("zero", "1"), ("recompute", "all")])
+@pytest.mark.parametrize("key,value", [("zero", "2"), ("recompute", "all")])
 def test_options_not_pipelined_yet_are_refused_at_their_column(key, value):
     with pytest.raises(SpecError) as e:
         plan_pipeline(chain_graph(blocks=4), spec(f"mesh dp=2 pp=2\n{OPT} {key}={value}\n"))

@@ -36,6 +36,7 @@ from parcomp.ir.types import layout_str
 from .attention import attention_sections, joint_grads, joint_targets
 from .cp_ring import ring_comment, ring_sections
 from .moe import moe_sections
+from .moe_dropless import DROPLESS_EXCHANGE, dropless_plan
 from .norms import runtime_sections
 from .reduce import reduce_sections
 # the per-node text and the other sections (re-exported: callers import them from here)
@@ -111,9 +112,11 @@ def _emit(compiled, profile, model, steps, functional, constants) -> str:
     if model and model.endswith(".onnx"):
         runtime += "\n\n\n" + ONNX_READER
     head = header_section(prog, model, train) + "\n" + IMPORTS
-    model_part = [constants_section(prog, train), loaders_section(prog, train, constants), _forward(prog, names, train)]
+    dropless = dropless_plan(prog, names)  # MoE layers on the routed tokens only (emit/moe_dropless.py)
+    model_part = [constants_section(prog, train), loaders_section(prog, train, constants),
+                  _forward(prog, names, train, dropless)]
     runtime_part = [profile_block(prof), runtime, *runtime_sections(program), *reduce_sections(program),
-                    *moe_sections(program), *ring_sections(program), *attention_sections(program),
+                    *moe_sections(program, dropless.active), *ring_sections(program), *attention_sections(program),
                     *([FUNCTIONAL] if functional else []),
                     *([CONSTANT_LOADER] if constants else []),
                     *([TIED_LOADER] if any(n.attr("aliases") for n in program.params) else []),
@@ -122,15 +125,17 @@ def _emit(compiled, profile, model, steps, functional, constants) -> str:
     return "\n\n\n".join(p.strip("\n") for p in [head, *model_part, RUNTIME_MARK, *runtime_part]) + "\n"
 
 
-def _forward(prog, names, train) -> str:
+def _forward(prog, names, train, dropless=None) -> str:
     """The step function: one statement per node of the lowered program, in its order,
-    then ``del`` of the values the node ``frees`` (parcomp/passes/lowering/lower.py)."""
+    then ``del`` of the values the node ``frees`` (parcomp/passes/lowering/lower.py);
+    ``dropless``: the MoE statements on packed routed tokens (emit/moe_dropless.py)."""
     fn, doc = ("train_step", "One training step (forward, backward, update)") if train else (
         "forward", "One forward step on this rank")
-    return step_function(prog, fn, f"{doc}: local slices in, {{output name: local value}} out.", names)
+    return step_function(prog, fn, f"{doc}: local slices in, {{output name: local value}} out.", names,
+                         dropless=dropless)
 
 
-def step_function(prog, fn: str, doc: str, names=None, pop_inputs: bool = False) -> str:
+def step_function(prog, fn: str, doc: str, names=None, pop_inputs: bool = False, dropless=None) -> str:
     """``def fn(p, inp)`` computing ``prog``'s lowered graph: one statement per node, in its
     order, each ending in its layout, type and the spec rule that caused it; above each
     collective the comment saying why it is there and its bytes per rank; ``del`` of the
@@ -138,9 +143,13 @@ def step_function(prog, fn: str, doc: str, names=None, pop_inputs: bool = False)
     (:mod:`.pipeline`) are printed by it. ``names``: value -> Python name (default
     :func:`python_names`); ``pop_inputs``: inputs are taken out of ``inp`` (the caller's
     dict) and deleted after their last reader, so a stage function frees a received
-    activation or a stashed value as soon as it is read for the last time."""
+    activation or a stashed value as soon as it is read for the last time; ``dropless``: the
+    MoE statements on packed routed tokens (emit/moe_dropless.py)."""
     names = python_names(prog) if names is None else names
     lines = [f"def {fn}(p, inp):", f'    """{doc}"""']
+    packed = dropless.lines if dropless is not None else {}
+    if dropless is not None and (dropless.active or dropless.why):
+        lines += comment_lines(dropless.comment(), "    ")
     program, provenance, var_of = prog.graph, prog.provenance, names.__getitem__
     popped = _popped_inputs(program) if pop_inputs else {}
     block = program if program.stage == "local" else None  # per-rank: block offsets read COORD
@@ -161,13 +170,15 @@ def step_function(prog, fn: str, doc: str, names=None, pop_inputs: bool = False)
             lines.append(f"    {var} = {take}{tail}")
             continue
         if op in _LAYOUT_OPS:
-            lines += _layout_comment(program, n, prog.collective(n.name), names)
+            lines += _layout_comment(program, n, prog.collective(n.name), names, n.name in packed)
         first, parts = joint_grads(program).get(n.name, (None, None))
         if first is not None and first != n.name:
             lines.append(f"    # {var}: computed above with {names[first]} (one backward of the attention)")
         else:
             lines += [c for text in ring_comment(prog, n) for c in comment_lines(text, "    ")]
-        if first == n.name:  # one attention's gradients in one statement (emit/attention.py)
+        if packed.get(n.name) is not None:  # an MoE statement on the routed tokens only
+            lines += [f"    {text}" for text in packed[n.name][:-1]] + [f"    {packed[n.name][-1]}{tail}"]
+        elif first == n.name:  # one attention's gradients in one statement (emit/attention.py)
             lines.append(f"    {joint_targets(program, first, names)} = "
                          f"{node_code(n, list(map(var_of, n.inputs)), block, parts)}{tail}")
         elif first is None:
@@ -195,13 +206,15 @@ def _popped_inputs(program) -> dict:
     return out
 
 
-def _layout_comment(program, n, record, names) -> list:
+def _layout_comment(program, n, record, names, dropless=False) -> list:
     """The comment above a layout change: kind, axis, layouts, bytes, the reason (whose spec
     references are basenames: no machine path reaches a program), a value it names written
     as the program's variable (``%linear_1_mm`` -> ``_2_dense``) where the program has it."""
     src = program[n.inputs[0]]
     reason = record.reason if record else n.attr("reason", "")
     reason = re.sub(r"%([\w.]+)", lambda m: names.get(m.group(1), m.group(0)), reason)
+    if dropless:  # the packed exchange of emit/moe_dropless.py
+        reason = reason.split("; ragged:")[0] + DROPLESS_EXCHANGE
     change = f"{layout_str(src.layout)} -> {layout_str(n.layout)}"
     if n.op in LOCAL_LAYOUT_OPS:
         head = f"{n.op} over {n.attr('axis')} {change} (local, no communication):"

@@ -14,7 +14,9 @@ MOE_FORMATS = {
 }
 MOE_DEFAULTS = {"moe_route": {"capacity": 0}, "moe_route_grad": {"capacity": 0},
                 "moe_dispatch": {"weighted": False}, "moe_combine": {"weighted": True}}
-HELPER_NAMES = ("moe_top_mask", "moe_weights", "moe_slots") + tuple(MOE_FORMATS)
+DROPLESS_HELPERS = ("moe_route_plan", "moe_pack", "moe_unpack", "moe_pack_grad_c", "moe_grouped_mm",
+                    "moe_grouped_wgrad", "moe_expert_plan", "moe_to_experts", "moe_to_rows")
+HELPER_NAMES = ("moe_top_mask", "moe_weights", "moe_slots") + tuple(MOE_FORMATS) + DROPLESS_HELPERS
 
 
 def moe_key(n, key: str) -> str:
@@ -22,8 +24,10 @@ def moe_key(n, key: str) -> str:
     return "all_to_all_ragged" if n.op == "all_to_all" and n.attr("ragged") else key
 
 
-def moe_sections(program) -> list:
-    """The ``moe`` (and ``moe_ragged``) runtime sections ``program`` uses."""
+def moe_sections(program, dropless: bool = False) -> list:
+    """The ``moe`` (and ``moe_ragged``, ``moe_dropless``) runtime sections ``program`` uses
+    (``dropless``: its MoE layers run on the routed tokens only, emit/moe_dropless.py)."""
     got = sections("program_moe")
     return ([got["moe"]] if any(n.op in MOE_FORMATS for n in program.nodes) else []) + \
-        ([got["moe_ragged"]] if any(n.attr("ragged") for n in program.nodes) else [])
+        ([got["moe_ragged"]] if any(n.attr("ragged") for n in program.nodes) else []) + \
+        ([got["moe_dropless"]] if dropless else [])

@@ -189,6 +189,10 @@ def _load_facts(plan) -> tuple:
     for st in plan.stages:
         for g in (st.forward, st.backward, st.optimizer):
             for n in g.params:
+                if n.attr("stored_order"):  # its loader only reshapes
+                    raise PipelineEmitError(f"param {n.name}: a grouped q|k|v fused weight (its heads reordered "
+                                    f"on load) is not built for pipeline stages, whose loader only reshapes; "
+                                    f"compile it without a pp axis (tp splits it by kv group)")
                 if n.attr("stored_shape"):
                     stored[n.name] = list(n.attr("stored_shape"))
                 if n.attr("aliases"):
@@ -228,21 +232,25 @@ def _p2p_reason(plan, ops) -> str:
 
 def _reductions(plan) -> list:
     """The comments saying why ``step()`` all_reduces over dp (and over the tied weights'
-    stages): the collectives of a pipelined step that no stage program holds."""
+    stages, and the stats over pp): the collectives of a pipelined step that no stage program
+    holds."""
     out = []
     if plan.dp > 1:
-        ring = 2 * (plan.dp - 1) / plan.dp
+        zero = bool(plan.local and plan.local[0].axes)
+        kind, ring = ("reduce_scatter", (plan.dp - 1) / plan.dp) if zero else ("all_reduce", 2 * (plan.dp - 1) / plan.dp)
         for st in plan.stages:
-            prog = plan.lowered[st.index].optimizer if plan.lowered else st.optimizer
-            size = sum(prog[f"grad.{q}"].type.nbytes for q in st.params if f"grad.{q}" in prog)
+            bw = plan.lowered[st.index].backward if plan.lowered else st.backward
+            size = sum(bw[v].type.nbytes for pub, v in bw.named_outputs() if pub.startswith("grad.")
+                       and pub[len("grad."):] in st.params)
             out += comment_lines(
-                f"all_reduce over dp of each of stage {st.index}'s {len(st.params)} gradients (GRADS), "
-                f"bytes/rank {round(ring * size)} in all, once per step before the update: each dp replica "
-                f"summed its own microbatches' gradients, and the update needs the gradient of the global "
-                f"batch, the sum over dp (then scaled by SCALE)", "")
+                f"{kind} over dp of stage {st.index}'s {len(st.params)} gradients (GRADS), in the buckets of "
+                f"DP_BUCKETS, bytes/rank {round(ring * size)} in all, once per step, each bucket started after "
+                f"the last backward adding to it: each dp replica summed its own microbatches' gradients, and "
+                f"the update needs the gradient of the global batch, the sum over dp (then scaled by SCALE)"
+                + ("; zero=1: each rank updates its part, so it needs only its part of the sum" if zero else ""), "")
         out += comment_lines(f"all_reduce over dp of the loss on the last stage, bytes/rank "
-                             f"{round(ring * 4)}: the loss printed is the mean over the global batch, every "
-                             f"replica's share summed", "")
+                             f"{round(2 * (plan.dp - 1) / plan.dp * 4)}: the loss printed is the mean over the "
+                             f"global batch, every replica's share summed", "")
     if any(st.stats is not None for st in plan.stages):
         out += comment_lines("all_reduce over pp of the stages' STATS (clip_grad_norm's sum of squares, an fp16 "
                              "overflow count), bytes/rank a few scalars: every stage's update reads the total "
@@ -306,14 +314,19 @@ def emit_pipeline_program(program, model, code, profile="cpu", constants=()) -> 
     table = placement_table(mesh)
     dp_groups = table["groups"].get("dp", [])
     inner = [a for a, _ in mesh.axes if a not in ("pp", "dp")]
+    if plan.local and plan.local[0].axes:  # zero=1: the update runs on the mesh less pp (dp too)
+        inner = list(plan.local[0].axes)
+    joint = sorted({n.attr("axis") for st in plan.local for g in (st.optimizer, st.stats) if g is not None
+                    for n in g.nodes if n.op in COLLECTIVES and "," in n.attr("axis")})
     head = _header(program, model, plan, mesh, table)
     groups = {a: table["groups"][a] for a in inner if a in table["groups"]}
+    groups.update({j: mesh.groups(tuple(j.split(","))) for j in joint})  # "dp,tp": one group of both
     sizes = dict(mesh.axes)
     launch = getattr(program, "launch", None) or {}
     topology = launch.get("topology")
     consts = [f"MESH = {sizes!r}",
               f"GROUP_RANKS = {groups!r}  # the groups of the axes inside a stage",
-              f"COMM_AXES = {tuple(a for a in inner if sizes[a] > 1)!r}",
+              f"COMM_AXES = {tuple(a for a in inner if sizes[a] > 1) + tuple(joint)!r}",
               f"HOST_AXES = {tuple(a for a in inner if a == HOST_AXIS and sizes[a] > 1)!r}"
               "  # axes whose groups must sit on one host (checked at start)",
               f"PLACEMENT = {launch.get('placement', DEFAULT_PLACEMENT)!r}"
@@ -375,6 +388,9 @@ def emit_pipeline_program(program, model, code, profile="cpu", constants=()) -> 
                "# coordinates) whose gradient contributions are summed before the dp all_reduce",
                f"TIED_SETS = {[_tied_groups(mesh, held) for held in sets]!r}",
                f"TIED = {({s: v for s, v in tied.items() if v})!r}", "TIED_GROUP = {}",
+               "# per pp coordinate, the dp gradient buckets (bucket_cap_mb): (stages whose last backward",
+               "# starts it, all_reduce | reduce_scatter (zero=1), gradients); a tied gradient is reduced alone",
+               f"DP_BUCKETS = {({r: [list(b) for b in bs] for r, bs in enumerate(plan.dp_buckets)})!r}",
                "STEP = [1.0]  # the step counter k of main()'s loop (AdamW's bias corrections)"]
     acts = _actions(plan, mesh, table)
     fns, graphs = [], []

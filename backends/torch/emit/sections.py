@@ -262,7 +262,8 @@ def loaders_section(prog, train, constants=()) -> str:
             src = f"{take}({arg}, {key}, {full!r}, {TORCH_DTYPES[n.type.dtype]})"
             if n.attr("stored_shape"):  # a fused weight: stored whole, viewed per part
                 src = _view_of(f"{take}({arg}, {key}, {tuple(n.attr('stored_shape'))!r}, "
-                               f"{TORCH_DTYPES[n.type.dtype]})", n.attr("stored_shape"), full)
+                               f"{TORCH_DTYPES[n.type.dtype]})", n.attr("stored_shape"), full,
+                               n.attr("stored_order"))
                 head += f"stored {_ty(n.type.dtype, n.attr('stored_shape'))}, viewed per part; "
             sliced, what = _slice_expr(program, n, balance_src(program, n, src))
             expr = f"place({sliced})"
@@ -291,9 +292,15 @@ def comment_lines(text: str, indent: str) -> list:
     return wrap(text, COMMENT_WIDTH, indent + "# ", indent + "#   ")  # textwrap.wrap's lines
 
 
-def _view_of(take: str, stored, full) -> str:
-    """A stored tensor as the graph holds it: a fused weight's ``.reshape(view)``, or a
+def _view_of(take: str, stored, full, order=None) -> str:
+    """A stored tensor as the graph holds it: a fused weight's ``.reshape(view)`` (a grouped
+    q|k|v's head units taken in its ``order`` first: parcomp/passes/fused_weights.py), or a
     padded vocab table's zero rows appended (parcomp/passes/vocab_pad.py)."""
+    if order:
+        a = next(d for d in range(len(stored)) if d >= len(full) or full[d] != stored[d])
+        units = tuple(stored[:a]) + (len(order), stored[a] // len(order)) + tuple(stored[a + 1:])
+        return (f"{take}.reshape({units!r}).index_select({a}, torch.tensor({list(order)!r}))"
+                f".reshape({tuple(full)!r})")
     if math.prod(stored) == math.prod(full):
         return f"{take}.reshape({tuple(full)!r})"
     pad = [x for s, f in zip(reversed(stored), reversed(full)) for x in (0, f - s)]

@@ -18,13 +18,13 @@ a peer that exited or hung makes every rank stop with a line naming that wait an
 """
 
 CHECKPOINT = '''
-DEVICE_MESH = {}  # the stages' inner mesh (tp), made by every rank when a value is split
+DEVICE_MESH = {}  # the stages' inner mesh (tp; dp too under zero=1), made by every rank when a value is split
 
 
 def inner_mesh():
     """The device mesh of the axes inside a stage (COMM_AXES), made once by every rank."""
     if "mesh" not in DEVICE_MESH:
-        DEVICE_MESH["mesh"] = device_mesh(COMM_AXES)
+        DEVICE_MESH["mesh"] = device_mesh(tuple(a for a in COMM_AXES if "," not in a))
     return DEVICE_MESH["mesh"]
 
 
@@ -38,7 +38,7 @@ def as_global(local, splits):
     for dim, axis in splits:
         shape[dim] *= MESH[axis]
     by_axis = dict((axis, dim) for dim, axis in splits)
-    placements = [Shard(by_axis[a]) if a in by_axis else Replicate() for a in COMM_AXES]
+    placements = [Shard(by_axis[a]) if a in by_axis else Replicate() for a in COMM_AXES if "," not in a]
     return DTensor.from_local(local, inner_mesh(), placements, run_check=False, shape=torch.Size(shape),
                               stride=torch.empty(shape, device="meta").stride())
 

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from .program_cluster import *
 from .program_common import *
-from .program_train import check_save, step_count
+from .program_train import check_save, saved_steps, step_count
 
 # ---- stand-ins for what the emitter generates (never pasted): a one-stage, one-rank program ----
 STAGE_PARAMS = {0: []}
@@ -50,6 +50,7 @@ PP_GROUPS = [[0]]
 TIED_SETS = []
 TIED = {}
 TIED_GROUP = {}
+DP_BUCKETS = {}
 STEP = [1.0]
 MICROBATCHES = 1
 MICRO_BATCH = 1
@@ -249,6 +250,69 @@ def reduce_over(t, group, k, what, lines):
     dist.all_reduce(t, group=group)
 
 
+def dp_split(name):
+    """The dim ``zero=1`` splits gradient ``name`` along over dp (``SPLITS``), or None: a
+    gradient all_reduced whole over dp."""
+    return next((dim for dim, axis in SPLITS.get(name, ()) if axis == "dp"), None)
+
+
+def scatter_over(t, dim, k):
+    """``zero=1``: the sum over the dp group of ``t`` (float32), this rank's chunk of ``dim``
+    kept (reduce_scatter, the SPMD program's), for the update of this rank's part."""
+    ranks = next(r for r in DP_GROUPS if RANK in r)
+    FAULT["where"] = f"step {k}: the dp reduce_scatter with ranks {ranks}"
+    return reduce_scatter(t, dim, "dp")
+
+
+def bucket_starts():
+    """``{index in ACTIONS[RANK]: [bucket, ...]}``: each of this rank's DP_BUCKETS at the last
+    backward (or ZB-H1 backward_weight) of the stages holding its gradients."""
+    last = {}
+    for i, (kind, _, _, s) in enumerate(ACTIONS[RANK]):
+        if kind in ("backward", "backward_weight"):
+            last[s] = i
+    out = {}
+    for stages, kind, names in DP_BUCKETS.get(coords(RANK)["pp"], []):
+        out.setdefault(max(last[s] for s in stages), []).append((kind, names))
+    return out
+
+
+def start_bucket(bucket, sums, dp_group):
+    """Start one bucket's dp reduction (async): its gradients (taken out of ``sums``) copied
+    into one flat buffer, all_reduce-d, or with zero=1 reduce_scatter-ed (the buffer holds
+    chunk j of every gradient, along the dim SPLITS names, before chunk j + 1: rank j gets
+    its chunks); ``finish_bucket`` waits and gives them back."""
+    kind, names = bucket
+    grads = [sums.pop(n) for n in names]
+    if kind == "all_reduce":
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=dp_group, async_op=True)
+        return kind, names, [g.shape for g in grads], flat, work
+    n = MESH["dp"]
+    chunks = [g.chunk(n, dp_split(name)) for g, name in zip(grads, names)]
+    flat = torch.cat([c[j].reshape(-1) for j in range(n) for c in chunks])
+    out = flat.new_empty(flat.numel() // n)
+    work = collective("reduce_scatter_single", "reduce_scatter_tensor")(
+        out, flat, op=dist.ReduceOp.SUM, group=dp_group, async_op=True)
+    return kind, names, [c[0].shape for c in chunks], out, work
+
+
+def finish_bucket(started, sums, k, i):
+    """Wait for a bucket started by start_bucket; each gradient (this rank's part with
+    zero=1) back in ``sums`` as a view of the reduced buffer, scaled once."""
+    kind, names, shapes, flat, work = started
+    ranks = next(r for r in DP_GROUPS if RANK in r)
+    FAULT["where"] = f"step {k}: the dp {kind} of gradient bucket {i} ({len(names)} gradients) with ranks {ranks}"
+    work.wait()
+    flat.mul_(SCALE)
+    at = 0
+    for name, shape in zip(names, shapes):
+        size = math.prod(shape)
+        sums[name] = flat.narrow(0, at, size).view(shape)
+        at += size
+    return set(names)
+
+
 def step(k, state, p, data):
     """Training step ``k`` of this rank: its ACTIONS in order; the updated state (and the loss
     on the last stage).  An action names its virtual stage (the pp coordinate unless
@@ -262,7 +326,8 @@ def step(k, state, p, data):
         return {name: data[name][lo:lo + MICRO_BATCH] for name in BATCH_INPUTS[s]}
 
     stash, got, grads_in, grads_out, wstash, sums, losses, result = {}, {}, {}, {}, {}, {}, [], {}
-    for kind, m, peer, s in ACTIONS[RANK]:
+    starts, started = (bucket_starts() if dp_group is not None else {}), []
+    for i, (kind, m, peer, s) in enumerate(ACTIONS[RANK]):
         FAULT["where"] = f"step {k}"
         if kind == "p2p":  # m: the slot's sends and receives
             exchange(m, k, pp_group, stash, grads_out, got, grads_in)
@@ -288,14 +353,22 @@ def step(k, state, p, data):
         elif kind == "backward_weight":
             del stash[s, m]
             add_grads(sums, s, BACKWARD_WEIGHT[s](p, wstash.pop((s, m))))
+        if i in starts:  # the last backward adding to these gradients: their dp buckets start
+            started += [start_bucket(b, sums, dp_group) for b in starts[i]]
         elif kind == "optimizer":
-            mine = sorted(sums)  # this rank's gradients, every chunk's (a param twice here: one sum)
+            done = set()  # the buckets' gradients: reduced over dp and scaled
+            for j, bucket in enumerate(started):
+                done |= finish_bucket(bucket, sums, k, j)
+            started.clear()
+            mine = sorted(set(sums) - done)  # the others (tied) of every chunk (a param twice: one sum)
             for n in mine:  # collectives reduce in place: a strided sum (a transpose's) is copied
                 sums[n] = sums[n].contiguous()
-            for n, i in TIED.get(coord, []):  # a tied weight: its stages' sum, before dp
-                reduce_over(sums[n], TIED_GROUP[i], k, "tied-weight", TIED_SETS[i])
+            for n, j in TIED.get(coord, []):  # a tied weight: its stages' sum, before dp
+                reduce_over(sums[n], TIED_GROUP[j], k, "tied-weight", TIED_SETS[j])
             for n in mine:  # the gradient of the global batch: sum, then scale once
-                if dp_group is not None:
+                if dp_group is not None and dp_split(n) is not None:  # zero=1: this rank's part
+                    sums[n] = scatter_over(sums[n], dp_split(n), k)
+                elif dp_group is not None:
                     reduce_over(sums[n], dp_group, k, "dp", DP_GROUPS)
                 sums[n].mul_(SCALE)
             number, held = torch.tensor(STEP[0], device=DEVICE), STAGES[coord]
@@ -335,15 +408,24 @@ def parse_args(argv):
     ap.add_argument("--bench", type=bench_count, default=0, metavar="N",
                     help="then N warm-up + N timed steps from the trained state (not applied); "
                          "rank 0 prints {\"step_ms\": [...]}")
+    ap.add_argument("--log-every", type=step_count, default=1, metavar="N",
+                    help="the last stage's first rank prints the loss of every N-th step and the last "
+                         "(default 1)")
     ap.add_argument("--save", metavar="DIR",
                     help="after the last step, save every stage's params and optimizer state and the "
                          "step number as a torch.distributed.checkpoint in DIR/step-K (atomic: "
                          "DIR/latest names it; DIR/step-K/stages.json names each stage's ranks)")
+    ap.add_argument("--save-every", type=step_count, metavar="N",
+                    help="with --save: also save after every step whose number is a multiple of N (resumed "
+                         "runs count on from the saved step), so a run that dies resumes from the last one")
     ap.add_argument("--resume", metavar="DIR",
                     help="start from the checkpoint DIR/latest names: its params, optimizer state "
                          "and step; --steps more steps follow")
     add_cluster_args(ap)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.save_every and not args.save:
+        ap.error("--save-every N needs --save DIR (where the checkpoints go)")
+    return args
 
 
 def load(args):
@@ -352,17 +434,29 @@ def load(args):
     return load_checkpoint(args.checkpoint, args.key_map, args.load_report), load_batch(args.input)
 
 
-def train(args, state, p, data, first):
+def first_of_stage():
+    """Whether this rank is its stage's first (dp and tp coordinates 0): it prints and writes."""
+    return all(c == 0 for a, c in coords(RANK).items() if a != "pp")
+
+
+def train(args, state, p, data, first, after_step=None):
     """``--steps`` steps numbered from ``first`` (updated params and state carry over in
-    ``p``); the last step's result, with "losses"; rank 0 prints each step's loss."""
+    ``p``); the last step's result, with "losses". The last stage's first rank prints the loss
+    of every ``--log-every``-th step and the last (the only reads of a loss to the host);
+    ``after_step(k)``, when given, runs after step k has updated ``p`` (--save-every)."""
     losses, run_step, result = [], compiled_step(step, args), {}
-    for k in range(first, first + args.steps):
+    last, printer = first + args.steps - 1, first_of_stage()
+    for k in range(first, last + 1):
         STEP[0] = float(k)
         result.clear()  # the last step's outputs (its gradients) are not kept through this one
         result = run_step(k, state, p, data)
         if "loss" in result:
             losses.append(result["loss"])
+            if printer and (k % args.log_every == 0 or k == last):
+                print(f"step {k} loss {float(result['loss']):.6g}", flush=True)
         p.update({q: result[q] for q in p if q in result})
+        if after_step is not None:
+            after_step(k)
     if losses:
         result["losses"] = torch.stack(losses)
     return result
@@ -377,20 +471,24 @@ def run(args):
     first = 1
     if args.resume:
         first = agree(lambda: resume_stages(args.resume, p, coord), "reading --resume")
+    last = first + args.steps - 1
+    saves = saved_steps(first, last, args.save_every) if args.save else []
     if args.save:  # before the first step: a save that cannot succeed is found now
-        agree(lambda: check_save(args.save, first + args.steps - 1), "checking --save")
+        agree(lambda: check_save(args.save, saves), "checking --save")
+
+    def save_during(k):  # --save-every: atomic, so a run killed later resumes from step k
+        if k in saves and k != last:
+            FAULT["where"] = f"saving the checkpoint of step {k}"
+            save_stages(args.save, p, coord, k)
+
     with torch.no_grad():  # the backward pass is explicit in the stage functions
-        result = train(args, state, p, data, first)
+        result = train(args, state, p, data, first, save_during if args.save_every else None)
     if args.save:
         FAULT["where"] = "saving the checkpoint"
-        save_stages(args.save, p, coord, first + args.steps - 1)
+        save_stages(args.save, p, coord, last)
     FAULT["where"] = "writing the outputs"
     result = {n: whole_value(v, SPLITS.get(n, [])) for n, v in result.items()}
-    first_of_stage = all(c == 0 for a, c in coords(RANK).items() if a != "pp")
-    if "losses" in result and first_of_stage:  # the last stage's first rank
-        for i, loss in enumerate(result["losses"].tolist(), start=first):
-            print(f"step {i} loss {loss:.6g}", flush=True)
-    if args.output and first_of_stage:
+    if args.output and first_of_stage():
         for t in STAGES[coord]:  # one rank per stage writes each (virtual) stage's file
             torch.save({n: v.detach().cpu().clone() for n, v in result.items()}, f"{args.output}.stage{t}")
     if args.bench:  # every step from the same state: the time of one step, not a trajectory

@@ -100,3 +100,86 @@ def all_to_all_ragged(x, src_dim, dim, axis):
     out[got] = recv
     return torch.cat(out.reshape(send.shape).unbind(0), dim=src_dim)
 # <<< program.py
+
+
+# >>> program.py: moe_dropless
+def moe_route_plan(c):
+    """The routed (token, expert) pairs of weights c[B, S, E], sorted by expert, then row,
+    then token (the slot order): (b, s, e, counts per expert on the device, the same as ints).
+    Every pair is kept (no capacity); the counts reach the host in one copy."""
+    e, b, s = torch.nonzero(c.permute(2, 0, 1) != 0, as_tuple=True)
+    counts = torch.bincount(e, minlength=c.shape[2])
+    return b, s, e, counts, counts.tolist()
+
+
+def moe_pack(x, c, plan, weighted):
+    """The routed tokens of x[B, S, H], one row per pair in the plan's order (times c if
+    weighted): the dispatch buffer without its empty slots."""
+    b, s, e = plan[:3]
+    rows = x[b, s]
+    return rows * c[b, s, e].unsqueeze(-1) if weighted else rows
+
+
+def moe_unpack(y, c, plan, weighted):
+    """[B, S, H]: each token's rows of y summed (times c if weighted): moe_combine of the packed rows."""
+    b, s, e = plan[:3]
+    rows = y * c[b, s, e].unsqueeze(-1) if weighted else y
+    return y.new_zeros((c.shape[0], c.shape[1]) + tuple(y.shape[1:])).index_put_((b, s), rows, accumulate=True)
+
+
+def moe_pack_grad_c(g, y, c, plan):
+    """[B, S, E]: g[b, s] . y[row] on the routed pairs, 0 elsewhere (moe_combine_grad_c, packed)."""
+    b, s, e = plan[:3]
+    out = torch.zeros_like(c)
+    out[b, s, e] = torch.sum(g[b, s] * y, dim=-1)
+    return out
+
+
+def moe_grouped_mm(x, w, plan):
+    """Rows x[N, K] sorted by expert times w[E, K, F]: each expert's rows by its own weight,
+    exactly its count of rows (no empty slot is multiplied)."""
+    parts = x.split(plan[-1])
+    return torch.cat([part @ w[i] for i, part in enumerate(parts)]) if parts else x.new_zeros((0, w.shape[2]))
+
+
+def moe_grouped_wgrad(x, g, plan):
+    """[E, K, F]: x_e^T @ g_e per expert over its rows (the weight gradient of moe_grouped_mm)."""
+    counts = plan[-1]
+    return torch.stack([a.t() @ b for a, b in zip(x.split(counts), g.split(counts))])
+
+
+def moe_expert_plan(plan, axis):
+    """The experts-side plan of a rows-side plan over ``axis``: how many rows each peer sends
+    each of this rank's experts, by one all_to_all of the per-expert counts (one host copy);
+    (counts per local expert, [peer][local expert] counts, rows per peer)."""
+    n = MESH[axis]
+    send = plan[3].reshape(n, -1).contiguous()
+    got = torch.empty_like(send)
+    dist.all_to_all_single(got, send, group=GROUPS[axis])
+    mat = got.tolist()
+    return mat, [sum(row) for row in mat], [sum(col) for col in zip(*mat)]
+
+
+def moe_to_experts(x, rows_plan, plan, axis):
+    """Packed rows (sorted by expert) to the ranks of their experts: peer j gets the rows of
+    its experts; received rows sorted by local expert, then peer (= row), then token."""
+    n, (mat, from_peer, counts) = MESH[axis], plan
+    local = len(counts)
+    send_sizes = [sum(rows_plan[-1][j * local:(j + 1) * local]) for j in range(n)]
+    recv = x.new_empty((sum(from_peer),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(recv, x.contiguous(), from_peer, send_sizes, group=GROUPS[axis])
+    blocks = recv.split([k for row in mat for k in row])  # peer-major
+    return torch.cat([blocks[p * local + e] for e in range(local) for p in range(n)])
+
+
+def moe_to_rows(x, plan, rows_plan, axis):
+    """The inverse of moe_to_experts: each peer's rows back to it, in its expert order."""
+    n, (mat, from_peer, counts) = MESH[axis], plan
+    local = len(counts)
+    blocks = x.split([mat[p][e] for e in range(local) for p in range(n)])  # expert-major
+    send = torch.cat([blocks[e * n + p] for p in range(n) for e in range(local)])
+    recv_sizes = [sum(rows_plan[-1][j * local:(j + 1) * local]) for j in range(n)]
+    recv = x.new_empty((sum(recv_sizes),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(recv, send, recv_sizes, from_peer, group=GROUPS[axis])
+    return recv
+# <<< program.py

@@ -227,6 +227,23 @@ def _no_partial_graph_dump():
     real.write(buf.getvalue())
 
 
+def _returned_cache(module, exc) -> str | None:
+    """What to say when torch.export failed on a transformers KV cache in the output: the
+    model's config has ``use_cache=True``, so ``forward`` returns a ``DynamicCache`` (the keys
+    and values kept for generating the next token), which torch's pytree cannot flatten.
+    parcomp compiles a forward or training step and never feeds a cache back, so the user
+    turns it off (docs/design/frontends.md says why parcomp does not do it for them)."""
+    config = getattr(module, "config", None)
+    found = re.search(r"<class '(transformers\.cache_utils\.\w+|[\w.]*Cache)'>", str(exc))
+    if found is None or not getattr(config, "use_cache", False):
+        return None
+    return (f"{type(module).__name__}.config.use_cache is True: forward returns a "
+            f"{found.group(1).rsplit('.', 1)[-1]} (the KV cache for generating the next token), "
+            f"which torch.export cannot return; parcomp compiles a forward or training step, which "
+            f"never reads a cache: set config.use_cache = False before building the model (or "
+            f"{type(config).__name__}(..., use_cache=False))")
+
+
 def _export(module, example_inputs: tuple):
     try:
         # traced in the mode it is given (not switched to eval: the user's module is not
@@ -240,6 +257,9 @@ def _export(module, example_inputs: tuple):
                     raise
                 ep = torch.export.export(module, tuple(example_inputs), strict=False)
     except Exception as e:  # torch raises many types; the user needs the summary
+        cache = _returned_cache(module, e)
+        if cache:
+            raise FrontendError(cache, where=f"{type(module).__name__}.config.use_cache") from None
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         shapes = ", ".join(str(tuple(getattr(x, "shape", ()))) for x in example_inputs)
         what = f"{type(e).__name__}: {first}"

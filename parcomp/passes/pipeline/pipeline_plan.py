@@ -9,13 +9,14 @@ over ``dp``) and scaled once by ``1 / (microbatches * dp)`` before the update.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from parcomp.errors import SpecError
 from parcomp.ir.graph import Graph
 from parcomp.spec.option_loc import option_loc
-from parcomp.spec.train_config import train_config
+from parcomp.spec.train_config import BUCKET_KEY, bucket_cap_bytes, train_config
 from ..verify import verify
+from .dp_buckets import dp_buckets
 from .schedule import Simulation, analytic, build, rank_actions, simulate
 from .split_stages import (assign_stages, balanced_rules, node_flops, param_stages, rebatch,
                            split_stages)
@@ -48,6 +49,8 @@ class PipelinePlan:
         split: ZB-H1: per virtual stage its backward cut into input- and weight-gradient
             programs (:class:`~parcomp.passes.pipeline.zb_split.SplitBackward`; of ``local``'s
             per-rank backward when tp is inside the stages), else ().
+        dp_buckets: per pp coordinate the dp gradient buckets (``bucket_cap_mb``; see
+            :mod:`.dp_buckets`), () when dp is 1.
     """
 
     pp: int
@@ -65,6 +68,7 @@ class PipelinePlan:
     tied: tuple = ()
     virtual: int = 1
     split: tuple = ()
+    dp_buckets: tuple = ()
     lowered: tuple = ()
 
     @property
@@ -106,7 +110,31 @@ class PipelinePlan:
                 "makespan": sim.makespan,
                 "tied": {p: list(held) for p, held in self.tied},
                 "actions": [[str(a) for a in acts] for acts in self.actions],
-                "collectives": self.collective_counts()}
+                "collectives": self.collective_counts(), "ranks": self.rank_memory()}
+
+    def rank_memory(self) -> list:
+        """Per pp coordinate, what one of its ranks holds (its chunks' together; a param two
+        of them hold counted once): ``{"pp", "stages", "weight_bytes", "grad_bytes",
+        "optimizer_state_bytes", "stash_peak_bytes", "checkpoint_bytes_read"}``, the last the
+        bytes it reads of the checkpoint (every param its stages' programs read, frozen ones
+        too, as this rank's tp block)."""
+        out = []
+        for r in range(self.pp):
+            chunks = list(range(r, len(self.stages), self.pp))
+            held, trained, state = {}, {}, {}
+            for t in chunks:
+                st, local = self.stages[t], (self.local[t] if self.local else None)
+                progs = local or st
+                for g in (progs.forward, progs.backward, progs.optimizer):
+                    for n in g.params:
+                        (state if n.phase == "optimizer" else held)[n.name] = n.type.nbytes
+                trained.update({p: held[p] for p in st.params if p in held})
+            peak = self.simulation.peak_inflight[r]
+            out.append({"pp": r, "stages": chunks, "weight_bytes": sum(trained.values()),
+                        "grad_bytes": sum(trained.values()), "optimizer_state_bytes": sum(state.values()),
+                        "stash_peak_bytes": max(peak * self.stages[t].saved_bytes for t in chunks),
+                        "checkpoint_bytes_read": sum(held.values())})
+        return out
 
     def collective_counts(self) -> list:
         """What one rank of each pp coordinate communicates in one training step: per pp
@@ -119,7 +147,8 @@ class PipelinePlan:
         the cut (phase ``forward`` for activations, ``backward`` for their gradients); then in
         phase ``optimizer`` one ``all_reduce`` over ``pp`` per tied gradient the rank holds (its
         group: the ranks of the stages holding the tied weight, same dp and tp coordinates),
-        one over ``dp`` per gradient (not bucketed); and the loss's
+        one over ``dp`` per gradient bucket (:mod:`.dp_buckets`; a ``reduce_scatter`` of the
+        gradients ``zero=1`` splits), and one per tied gradient (not bucketed); and the loss's
         ``all_reduce`` over ``dp`` (phase ``loss``) on the rank holding the last stage."""
         from collections import Counter
 
@@ -147,8 +176,14 @@ class PipelinePlan:
             tied = sum(1 for held in ranks_of if r in held and len(held) > 1)
             if tied:
                 n["all_reduce", "pp", "optimizer"] += tied
-            if self.dp > 1:
-                n["all_reduce", "dp", "optimizer"] += len({p for t in chunks for p in self.stages[t].params})
+            if self.dp > 1:  # one call per bucket (zero=1: a reduce_scatter), tied gradients alone
+                held = {p for t in chunks for p in self.stages[t].params}
+                bucketed = set()
+                for _, kind, names in self.dp_buckets[r]:
+                    n[kind, "dp", "optimizer"] += 1
+                    bucketed |= {g[len("grad."):] for g in names}
+                if held - bucketed:
+                    n["all_reduce", "dp", "optimizer"] += len(held - bucketed)
                 if len(self.stages) - 1 in chunks:
                     n["all_reduce", "dp", "loss"] += 1
             out.append([{"kind": k, "axis": x, "phase": ph, "count": c}
@@ -216,8 +251,10 @@ def make_plan(graph: Graph, spec, bound: Graph, shard) -> PipelinePlan:
                  if len(held) > 1 and p in trained)
     local = _local(bound, spec, progs, cfg, shard)
     split = _split(progs, local) if cfg.schedule == "zb-h1" else ()
-    return PipelinePlan(pp, dp, count, cfg.schedule, batch // parts, batch, stage_of,
+    plan = PipelinePlan(pp, dp, count, cfg.schedule, batch // parts, batch, stage_of,
                         progs, acts, sim, flops, local, tied, cfg.virtual, split)
+    cap = bucket_cap_bytes(spec, option_loc(spec.train.loc, BUCKET_KEY))
+    return replace(plan, dp_buckets=dp_buckets(plan, cap))
 
 
 #: train options the pipelined step does not implement: ``(key, its value in cfg, the default)``
@@ -225,8 +262,7 @@ def make_plan(graph: Graph, spec, bound: Graph, shard) -> PipelinePlan:
 #: they are refused (``precision=bf16`` under pp would otherwise check OK while the program
 #: ran float32)
 _NOT_PIPELINED = (
-    ("zero", lambda c: c.zero, 0),
-    ("bucket_cap_mb", lambda c: None, None),
+    ("zero", lambda c: 0 if c.zero == 1 else c.zero, 0),  # zero=1 is run (inside each stage)
     ("recompute", lambda c: c.options.recompute, "none"),
     ("grad_reduce", lambda c: c.options.grad_reduce, "fp32"),
 )
@@ -234,7 +270,7 @@ _NOT_PIPELINED = (
 
 def refuse_unpipelined_options(t, cfg) -> None:
     """Raise SpecError at the option's column for a train option of :data:`_NOT_PIPELINED`
-    given with a non-default value (``bucket_cap_mb`` whenever written), or a cross_entropy ``ignore_index``/``label_smoothing``, on a spec with a
+    given with a non-default value, or a cross_entropy ``ignore_index``/``label_smoothing``, on a spec with a
     ``pp`` axis: the pipelined step would run without it."""
     given = {k for k, _ in t.options}
     for key, read, default in _NOT_PIPELINED:
@@ -243,7 +279,7 @@ def refuse_unpipelined_options(t, cfg) -> None:
                             f"step does not implement it and would run without it; remove it (pipelines "
                             f"take loss, optimizer, batch, steps, microbatches, schedule, stages, "
                             f"virtual, trainable, input_grads, output, clip_grad_norm, lr_schedule, "
-                            f"accumulate, precision, loss_scale and growth_interval)", option_loc(t.loc, key))
+                            f"accumulate, precision, loss_scale, growth_interval, bucket_cap_mb and zero=1)", option_loc(t.loc, key))
     if cfg.loss_args:
         raise SpecError(f"loss={cfg.loss}({', '.join(f'{k}=' for k, _ in cfg.loss_args)}...) is not "
                         f"supported with a pp mesh axis: the pipelined loss is the plain mean cross "
@@ -262,12 +298,14 @@ def _split(progs, local) -> tuple:
 
 def _local(bound, spec, progs, cfg, shard) -> tuple:
     """The stages' programs sharded over the mesh less pp and dp (:mod:`.stage_shard`), or ()
-    when that mesh has one rank."""
+    when that mesh has one rank; with ``zero=1`` over dp > 1 the update and stats programs
+    sharded over the mesh less pp as well."""
     from .stage_shard import inner_mesh, shard_stages
 
-    if inner_mesh(spec.mesh).size == 1:
+    zero = bool(cfg.zero) and "dp" in spec.mesh.names and spec.mesh.sizes[spec.mesh.axis_index("dp")] > 1
+    if inner_mesh(spec.mesh).size == 1 and not zero:
         return ()
-    return shard_stages(progs, bound, spec.mesh, cfg.loc, shard)
+    return shard_stages(progs, bound, spec.mesh, cfg.loc, shard, zero)
 
 
 def attach_pipeline(plan: PipelinePlan, spec, program, report: dict) -> tuple:

@@ -140,7 +140,8 @@ def stage_programs(stage, cfg, last: bool, reaching=None, owned=None, parts: int
                      g.stage, tuple(k for k, _ in b_outs))
     saved_bytes = sum(nodes[v].type.nbytes for v in saved)
     owned = params if owned is None else [p for p in params if p in owned]
-    return StagePrograms(stage.index, forward, bw_graph, _optimizer_graph(g, params, cfg, parts),
+    unsplit = replace(cfg, zero=0)  # the global update: zero=1's state split is stage_shard's
+    return StagePrograms(stage.index, forward, bw_graph, _optimizer_graph(g, params, unsplit, parts),
                          stage.recv, stage.send, saved, tuple(params), saved_bytes,
                          _stats_graph(g, params, owned, cfg, parts))
 
