@@ -8,8 +8,11 @@ Specs: ``specs/gpt2_lm_tp2_train.pcs`` (Megatron TP=2 training) and
 
 Columns (seconds, median of ``REPS`` in one process, 1 thread):
 
-  torch.export   ``torch.export.export(model, (input_ids,), strict=False)`` alone
-  import         ``import_torch`` (export + lowering to parcomp IR)
+  torch.export   ``export_module(model, (input_ids,))``: ``torch.export.export(strict=False)`` as
+                 the frontend runs it
+  import         ``import_exported(model, exported_program)``: that exported program turned
+                 into parcomp IR (folding, lowering, output names, fused-weight split); the two
+                 together are ``import_torch``
   compile        ``compile_graph(graph, spec, reuse=False)`` with a per-pass timer: every pass on
                  the whole graph, the Program and the report
   emit           ``emit_program(compiled, "cpu")``: program.py's text
@@ -20,12 +23,17 @@ Columns (seconds, median of ``REPS`` in one process, 1 thread):
   reuse CPU      the same, CPU seconds of this process (``time.process_time``), the best of
                  ``REPS``: on a shared, loaded machine wall time counts other processes' turns
 
+Before the table: per depth, export and import wall and CPU seconds (median of ``REPS``,
+``gc.collect()`` before each), import / export, and the slope of each (seconds per block
+between the last two depths): the import must not exceed the export and must grow linearly.
+
 The slowest passes at the deepest model are listed with their share. ``per block`` is the
 growth between the last two depths divided by their block difference (linear if it matches
 the total divided by depth).
 
-Run:  .venv/bin/python bench/lm_compile_time.py [--quick] [--depths 1,12,48] [--json out.json]
-(``--quick``: depths 1 and 12, one repetition; growth is taken between the last two depths)
+Run:  .venv/bin/python bench/lm_compile_time.py [--quick] [--depths 1,12,48] [--import-only] [--json out.json]
+(``--quick``: depths 1 and 12, one repetition; growth is taken between the last two depths;
+``--import-only``: export and import only, no compile)
 """
 from __future__ import annotations
 
@@ -36,6 +44,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import _common as C  # noqa: E402,I001  (sets the thread environment before torch is imported)
 
+import gc  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402
@@ -47,6 +56,7 @@ DEPTHS = [1, 12] if QUICK else [1, 12, 48]
 if C.arg_value("--depths"):
     DEPTHS = [int(d) for d in C.arg_value("--depths").split(",")]
 REPS = 1 if QUICK else 3
+IMPORT_ONLY = "--import-only" in sys.argv
 SPECS = ["gpt2_lm_tp2_train.pcs", "gpt2_lm_tp2_sp_train.pcs"]
 
 
@@ -60,25 +70,66 @@ def gpt2(n_layer: int):
     return GPT2LMHeadModel(config).eval(), (torch.randint(0, 101, (2, 8)),), ["input_ids"]
 
 
-def measure(depth: int) -> list:
-    from parcomp.frontends.torch.export import import_torch
-    from parcomp.spec import load_spec
+def timed(fn):
+    """(result, wall s, CPU s) of ``fn()``, garbage collected before (a pending full
+    collection of an earlier step's garbage is not charged to it)."""
+    gc.collect()
+    t0, c0 = time.perf_counter(), time.process_time()
+    out = fn()
+    return out, time.perf_counter() - t0, time.process_time() - c0
+
+
+def measure_import(depth: int) -> dict:
+    """Export and import of the ``depth``-block model, ``REPS`` times each (the import
+    changes its exported program's fx graph, so every import gets a fresh export)."""
+    from parcomp.frontends.torch.export import export_module, import_exported
 
     module, inputs, names = gpt2(depth)
-    export = med([C.median_s(lambda: torch.export.export(module, tuple(inputs), strict=False), 1)[0]
-                  for _ in range(REPS)])
-    ts = []
+    t = {"export": [], "export_cpu": [], "import": [], "import_cpu": []}
+    graph = None
     for _ in range(REPS):
-        t0 = time.perf_counter()
-        graph = import_torch(module, inputs, names)
-        ts.append(time.perf_counter() - t0)
+        ep, wall, cpu = timed(lambda: export_module(module, tuple(inputs)))
+        t["export"].append(wall)
+        t["export_cpu"].append(cpu)
+        graph, wall, cpu = timed(lambda: import_exported(module, ep, names))
+        t["import"].append(wall)
+        t["import_cpu"].append(cpu)
+    return {"blocks": depth, "graph": graph, "ir_nodes": len(graph.nodes), **{k: med(v) for k, v in t.items()}}
+
+
+def print_import(found: list) -> None:
+    """Export vs import per depth, their ratio, and the per-block slope of each."""
+    print("export vs import (s, median; wall | CPU):")
+    for r in found:
+        e, i = r["export"]["median"], r["import"]["median"]
+        ec, ic = r["export_cpu"]["median"], r["import_cpu"]["median"]
+        print(f"  {r['blocks']:3d} blocks, {r['ir_nodes']:5d} IR nodes: torch.export {e:.3f} | {ec:.3f}, "
+              f"import {i:.3f} | {ic:.3f}, import / export {i / e:.3f} | {ic / ec:.3f}")
+    if len(found) >= 2:
+        a, b = found[-2], found[-1]
+        db = b["blocks"] - a["blocks"]
+
+        def slope(key):
+            return (b[key]["median"] - a[key]["median"]) / db * 1e3
+
+        print(f"  per block between {a['blocks']} and {b['blocks']} (ms, wall | CPU): torch.export "
+              f"{slope('export'):.1f} | {slope('export_cpu'):.1f}, import {slope('import'):.1f} | "
+              f"{slope('import_cpu'):.1f}; import per block at {b['blocks']} (total / blocks) "
+              f"{b['import']['median'] / b['blocks'] * 1e3:.1f} | {b['import_cpu']['median'] / b['blocks'] * 1e3:.1f}")
+
+
+def measure(found: dict) -> list:
+    from parcomp.spec import load_spec
+
+    depth, graph = found["blocks"], found["graph"]
+    export, imp = found["export"], found["import"]
     rows = []
     for spec_name in SPECS:
         spec = load_spec(os.path.join(os.path.dirname(HERE), "specs", spec_name))
         comp, passes, compiled = measure_compile(graph, spec, REPS)
         emit, _ = measure_emit(compiled, REPS)
         reuse, reuse_cpu, reused = measure_reuse(graph, spec)
-        rows.append({"reuse": reuse, "reuse_cpu": reuse_cpu, "reused": reused, "blocks": depth, "spec": spec_name, "export": export, "import": med(ts),
+        rows.append({"reuse": reuse, "reuse_cpu": reuse_cpu, "reused": reused, "blocks": depth, "spec": spec_name, "export": export, "import": imp,
                      "compile": comp, "emit": emit, "ir_to_py": comp["median"] + emit.get("median", 0.0),
                      "passes": passes, "nodes": len(compiled.logical.nodes),
                      "collectives": len(compiled.report["collectives"]),
@@ -110,8 +161,16 @@ def main():
     print(C.env_line())
     load_factories()  # the shipped factories import (a broken models.py fails here, first)
     gpt2(1)[0](torch.zeros(1, 2, dtype=torch.long))  # warm transformers' lazy imports
-    torch.export.export(gpt2(1)[0], (torch.zeros(2, 8, dtype=torch.long),), strict=False)  # cold export
-    rows = [r for d in DEPTHS for r in measure(d)]
+    from parcomp.frontends.torch.export import export_module, import_exported
+
+    cold, inputs, names = gpt2(1)  # cold export and import: lazy imports, not charged to depth 1
+    import_exported(cold, export_module(cold, inputs), names)
+    found = [measure_import(d) for d in DEPTHS]
+    print_import(found)
+    if IMPORT_ONLY:
+        C.dump_json([{k: v for k, v in r.items() if k != "graph"} for r in found])
+        return
+    rows = [r for f in found for r in measure(f)]
     cols = [("blocks", "blocks"), ("spec", "spec"), ("nodes", "nodes"), ("colls", "collectives"),
             ("search", "search"), ("export", "torch.export"), ("import", "import"), ("compile", "compile"),
             ("emit", "emit"), ("ir_to_py", "IR->py"), ("reused", "reused"), ("reuse", "reuse IR->py"),

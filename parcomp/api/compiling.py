@@ -227,3 +227,28 @@ def _store(folder: Path, progs: Programs) -> None:
             tmp.rmdir()
     except OSError:  # a read-only home: compile every time, say nothing
         pass
+
+
+def compile_train_program(graph: Graph, spec, *, profile: str = "cpu", model_name: str = "parcomp.parallelize",
+                          cache=None, use_cache: bool = True) -> tuple:
+    """The spec's whole training step (its ``train`` line: loss, backward, optimizer update,
+    precision, recompute, accumulation, clipping) as program.py text, as ``parcomp compile``
+    emits it; ``(text, key, cached)``, from the cache when a compile with the same fingerprint
+    wrote it. The spec must have a ``train`` line."""
+    from parcomp_backends.torch import emit_program
+
+    options = {"train_step": True, "profile": profile}
+    key = fingerprint(graph, spec, options)
+    path = cache_dir(cache) / key / "train.py"
+    if use_cache and path.is_file():
+        return path.read_text(), key, True
+    text = emit_program(compile_graph(graph, spec), profile, model=model_name)
+    if use_cache:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".train.{os.getpid()}.py")
+            tmp.write_text(text)
+            os.replace(tmp, path)
+        except OSError:  # a read-only home: compile every time
+            pass
+    return text, key, False

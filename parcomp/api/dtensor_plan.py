@@ -18,6 +18,11 @@ paths; ``*`` matches one path part, as in torch's plan keys):
   ``output_layouts`` on the module that makes the model's output: the inputs' and outputs'
   layouts. Elsewhere they only move the boundaries parcomp's search places itself.
 
+- ``loss_parallel`` (the key ``"loss_parallel": True``, or torch's ``loss_parallel`` function as
+  a value): the model's first output (the logits) stays split over its last dim
+  (``Shard(-1)`` over ``tp``, unless a style's ``output_layouts`` says otherwise), and
+  ``ParallelModule.cross_entropy`` computes the loss without gathering it (:mod:`.loss`).
+
 The mesh is a ``DeviceMesh`` (its dim names; a 1-D mesh without names is ``tp``) or a dict
 ``{"tp": 2}`` / ``{"dp": 2, "tp": 2}``. The plan applies over ``tp`` (the only axis, or the
 one named ``tp``); a ``dp`` axis splits the inputs' batch (dim 0), as FSDP/DDP over the rest of
@@ -123,8 +128,12 @@ def plan_text(plan: dict, mesh: dict, module, graph=None, train: str | None = No
     lines = ["mesh " + " ".join(f"{a}={s}" for a, s in mesh.items())]
     seq_parallel = False
     inputs, outputs = {}, {}
+    loss_parallel = False
     for key, style in plan.items():
         kind = _kind(style)
+        if is_loss_parallel(key, style):
+            loss_parallel = True
+            continue
         if key == "" and kind in ("PrepareModuleInput", "PrepareModuleInputOutput"):
             for i, p in enumerate(_placements(getattr(style, "desired_input_layouts", None))):
                 if p is not None:
@@ -159,6 +168,10 @@ def plan_text(plan: dict, mesh: dict, module, graph=None, train: str | None = No
                 outputs.setdefault(0, outs[0])
     if seq_parallel:
         lines.append(f"sequence-parallel over {tp}" if len(axes) > 1 else "sequence-parallel")
+    if loss_parallel:  # the logits stay split over the vocabulary (the last dim)
+        from torch.distributed.tensor import Shard
+
+        outputs.setdefault(0, Shard(-1))
     if graph is not None:
         for i, n in enumerate(graph.inputs):
             if i in inputs or "dp" in mesh:
@@ -170,6 +183,23 @@ def plan_text(plan: dict, mesh: dict, module, graph=None, train: str | None = No
     if train:
         lines.append(train.strip())
     return "\n".join(lines) + "\n"
+
+
+def is_loss_parallel(key, style) -> bool:
+    """A plan entry asking for DTensor's ``loss_parallel``: the key ``"loss_parallel"`` (value
+    True or the ``loss_parallel`` function), or the function itself as a value."""
+    named = getattr(style, "__name__", None) == "loss_parallel"
+    if key == "loss_parallel":
+        if style is True or named:
+            return True
+        raise ParcompError(f"plan key 'loss_parallel': give True or "
+                           f"torch.distributed.tensor.parallel.loss_parallel; got {style!r}", where=key)
+    return named
+
+
+def plan_asks_loss_parallel(plan: dict) -> bool:
+    """Whether the plan dict has a ``loss_parallel`` entry."""
+    return any(is_loss_parallel(k, v) for k, v in plan.items())
 
 
 def _quote(name: str) -> str:

@@ -26,8 +26,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import ParcompError
+from ..ir.types import Replicate as PReplicate
 from ..ir.types import Shard, parse_layout
-from .compiling import Programs, compile_programs
+from .compiling import Programs, compile_programs, compile_train_program
 from .runtime import call, load_program
 from .specs import mesh_text, resolve_spec
 
@@ -43,12 +44,17 @@ def _broadcast(obj, group=None):
 def _compile_on_rank0(module, example_inputs, spec, *, gather, input_grads, cache, use_cache, profile):
     """Rank 0 compiles (or reads the cache) and broadcasts; every rank gets the same result or the
     same error."""
+    return _on_rank0(lambda: compile_for(module, example_inputs, spec, gather=gather, input_grads=input_grads,
+                                         cache=cache, use_cache=use_cache, profile=profile))
+
+
+def _on_rank0(work):
+    """``work()`` on rank 0, its result broadcast; a ParcompError (or a crash) there is raised on
+    every rank alike, so no rank waits for one that failed."""
     payload, err = None, None
     if dist.get_rank() == 0:
         try:
-            progs = compile_for(module, example_inputs, spec, gather=gather, input_grads=input_grads,
-                                cache=cache, use_cache=use_cache, profile=profile)
-            payload = ("ok", progs)
+            payload = ("ok", work())
         except ParcompError as e:
             payload, err = ("error", type(e), e.message, e.loc, e.where), e
         except Exception as e:  # noqa: BLE001 - the other ranks must not wait for a rank that failed
@@ -84,9 +90,23 @@ def compile_for(module, example_inputs, spec, *, gather=False, input_grads=False
     return progs
 
 
+def compile_train_for(module, example_inputs, spec, *, cache=None, use_cache=True, profile="cpu") -> tuple:
+    """Import ``module`` and compile the spec's training step (its ``train`` line):
+    ``(program text, key, cached)``; one process, no torch.distributed."""
+    from ..frontends.torch.export import import_torch
+
+    graph = import_torch(module, tuple(example_inputs))
+    spec = resolve_spec(spec, module, graph)
+    if spec.train is None:
+        raise ParcompError(f"train_step runs the spec's training step, and this spec has no train line "
+                           f"(in {spec.file}): add one such as 'train loss=mse optimizer=adamw(lr=1e-3)', "
+                           f"or train from your own loop (forward and loss.backward())", where=spec.file)
+    return compile_train_program(graph, spec, cache=cache, use_cache=use_cache, profile=profile)
+
+
 def parallelize(module: nn.Module, example_inputs, spec, *, gather_outputs: bool = False,
                 grad_reduction: str = "mean", input_grads: bool = False, cache_dir=None, use_cache: bool = True,
-                sync_module_states: bool = True, timeout: int = 600) -> "ParallelModule":
+                sync_module_states: bool = True, timeout: int = 600, dtensor=False) -> "ParallelModule":
     """``module`` compiled under ``spec`` for this rank; call it on every rank.
 
     Args:
@@ -94,8 +114,9 @@ def parallelize(module: nn.Module, example_inputs, spec, *, gather_outputs: bool
         example_inputs: a tuple of tensors, the *global* shapes (every rank's local batch put
             together, as the spec's layouts split them).
         spec: a :class:`parcomp.spec.Spec`, a ``.pcs`` path, its text, or a DTensor plan
-            (``(plan dict, DeviceMesh)``, :mod:`parcomp.api.dtensor_plan`). A ``train`` line is
-            ignored: the user's loop trains.
+            (``(plan dict, DeviceMesh)``, :mod:`parcomp.api.dtensor_plan`). Its ``train`` line,
+            if any, is what :meth:`ParallelModule.train_step` runs; ``forward`` and
+            ``loss.backward()`` serve the user's own loop either way.
         gather_outputs: return every output whole on every rank (the program gathers it).
         grad_reduction: ``"mean"`` (DDP's) or ``"sum"``: see the module docstring.
         input_grads: also compute gradients of the float inputs (a module inside a larger model).
@@ -103,6 +124,14 @@ def parallelize(module: nn.Module, example_inputs, spec, *, gather_outputs: bool
             ``~/.cache/parcomp``); ``use_cache=False`` compiles every time.
         sync_module_states: start from rank 0's weights (broadcast), as DDP does.
         timeout: seconds a collective may wait.
+        dtensor: ``True``: the parameters (and buffers) are ``DTensor``s on the spec's mesh (a
+            ``DeviceMesh`` over the program's own process groups), placed as the spec's layouts
+            say (``Shard(d)`` / ``Replicate()`` per mesh axis), so ``torch.optim``,
+            ``torch.nn.utils.clip_grad_norm_``, ``state_dict()`` and
+            ``torch.distributed.checkpoint`` see whole tensors. A ``DeviceMesh`` instead of
+            ``True`` is used as that mesh (its dim names and sizes the spec's, its ranks laid
+            out row-major as the spec's mesh). ``False`` (the default): plain tensors holding
+            this rank's slice.
 
     Raises:
         ParcompError: the spec does not fit the model (on every rank alike), torch.distributed is
@@ -117,8 +146,10 @@ def parallelize(module: nn.Module, example_inputs, spec, *, gather_outputs: bool
                               cache=cache_dir, use_cache=use_cache, profile="cpu")
     if sync_module_states:
         progs.constants = _broadcast(progs.constants if dist.get_rank() == 0 else None)
-    return ParallelModule(module, progs, grad_reduction=grad_reduction, sync_module_states=sync_module_states,
-                          timeout=timeout)
+    par = ParallelModule(module, progs, grad_reduction=grad_reduction, sync_module_states=sync_module_states,
+                         timeout=timeout, dtensor=dtensor)
+    par._source = (module, tuple(example_inputs), spec, cache_dir, use_cache, timeout)
+    return par
 
 
 def _tree(root: nn.Module, name: str):
@@ -145,7 +176,7 @@ class ParallelModule(nn.Module):
     """
 
     def __init__(self, module: nn.Module, progs: Programs, *, grad_reduction="mean", sync_module_states=True,
-                 timeout=600):
+                 timeout=600, dtensor=False):
         super().__init__()
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
         self._meta, self._key, self._cached = progs.meta, progs.key, progs.cached
@@ -167,14 +198,20 @@ class ParallelModule(nn.Module):
         self._param_names = [p["name"] for p in self._meta["params"]]
         self._trainable = {p["name"]: p["trainable"] and _requires_grad(module, p["name"])
                            for p in self._meta["params"]}
-        for name in self._param_names:
+        self.device_mesh = None if dtensor is False else _device_mesh(self._fwd, dtensor)
+        for p in self._meta["params"]:
+            name = p["name"]
+            value = local[name]
+            if self.device_mesh is not None:
+                value = _as_dtensor(value, self.device_mesh, p)
             owner, leaf = _tree(self, name)
             if self._trainable[name]:
-                owner.register_parameter(leaf, nn.Parameter(local[name], requires_grad=True))
+                owner.register_parameter(leaf, nn.Parameter(value, requires_grad=True))
             else:
-                owner.register_buffer(leaf, local[name], persistent=name in module.state_dict())
+                owner.register_buffer(leaf, value, persistent=name in module.state_dict())
         self._input_names = [i["name"] for i in self._meta["inputs"]]
         self._outputs = self._meta["outputs"]
+        self._device, self._source, self._train, self._train_held, self._steps_run = device, None, None, {}, 0
         self.grad_reduction = grad_reduction
         self._scales = [_batch_scale(o["layout"], self._meta["mesh"]) if grad_reduction == "mean" else 1.0
                         for o in self._outputs]
@@ -221,7 +258,7 @@ class ParallelModule(nn.Module):
                 and not any(f"{n}.grad" in self._meta["grads"] for n in self._input_names):
             raise ParcompError("an input requires grad, but the module was compiled without input "
                                "gradients: parallelize(..., input_grads=True)")
-        params = [self._local(n) for n in self._param_names]
+        params = [_plain(self._local(n)) for n in self._param_names]  # DTensor.to_local: grads come back as DTensors
         outs = _Step.apply(self, len(params), *params, *inputs)
         names = [o["name"] for o in self._outputs]
         if names == ["output"]:
@@ -229,6 +266,119 @@ class ParallelModule(nn.Module):
         if names == [f"output_{i}" for i in range(len(names))]:
             return tuple(outs)
         return dict(zip(names, outs))
+
+    # ---- the spec's own training step ----
+    def train_step(self, *inputs, **named) -> torch.Tensor:
+        """One step of the spec's ``train`` line, as ``parcomp compile``'s program.py runs it:
+        forward, the loss the line names, backward, gradient collectives, clipping and the
+        optimizer update (with its learning-rate schedule, precision, recompute, accumulation),
+        all in one compiled program; returns the step's loss (replicated, the global batch's).
+
+        ``inputs`` are this rank's local slices of the model's inputs, in order; the loss's
+        other inputs by name (``target=`` for ``loss=mse`` / ``cross_entropy``), local slices
+        too. The parameters are updated in place (``torch.optim`` is not used); the optimizer's
+        state is kept here (``train_state()``). The first call compiles the step (rank 0, cached
+        on disk as the other programs) on every rank at once, as ``parallelize`` did.
+
+        Raises:
+            ParcompError: the spec has no ``train`` line (naming the spec), an input is missing
+                or unknown, or the step's program lays out a parameter otherwise than the
+                forward program (pin it in the spec).
+        """
+        prog = self._train_program()
+        feeds = dict(zip(self._input_names, inputs))
+        if len(inputs) > len(self._input_names):
+            raise ParcompError(f"train_step takes the model's {len(self._input_names)} inputs "
+                               f"({', '.join(self._input_names)}) in order; got {len(inputs)}")
+        feeds.update(named)
+        wanted = [n for n in prog.INPUTS if n != prog.STEP_INPUT]
+        missing, unknown = [n for n in wanted if n not in feeds], [n for n in feeds if n not in wanted]
+        if missing or unknown:
+            raise ParcompError(f"train_step: the spec's training step reads inputs {', '.join(wanted)}"
+                               + (f"; missing {', '.join(missing)}" if missing else "")
+                               + (f"; no input named {', '.join(unknown)}" if unknown else "")
+                               + " (give the model's inputs in order and the others by name, e.g. target=...)")
+        self._steps_run += 1
+        if prog.STEP_INPUT is not None:
+            feeds[prog.STEP_INPUT] = torch.tensor(float(self._steps_run), dtype=torch.float32)
+        params = {n: _plain(self._local(n)).detach() for n in self._param_names if n in prog.PARAMS}
+        params.update(self._train_held)
+        with torch.no_grad():
+            out = call(prog, "train_step", params, feeds)
+            for name in prog.CARRIED:
+                held, new = params[name], out[name]
+                if new is not held and new.data_ptr() != held.data_ptr():
+                    held.copy_(new)
+        return out["loss"]
+
+    def train_state(self) -> dict:
+        """``{name: this rank's slice}`` of what the training step keeps besides the parameters
+        (the optimizer's moments, ...); empty before the first ``train_step``."""
+        return dict(self._train_held)
+
+    def _train_program(self):
+        if self._train is not None:
+            return self._train
+        module, example, spec, cache, use_cache, timeout = self._source
+        text, _key, _cached = _on_rank0(lambda: compile_train_for(module, example, spec, cache=cache,
+                                                                  use_cache=use_cache))
+        prog = load_program(text, f"parcomp_train_{id(self)}", self._device, self._fwd.LINE_GROUPS, timeout)
+        mine = self.layouts()
+        for name in self._param_names:
+            theirs = prog.OUTPUT_LAYOUTS.get(name)
+            if name in prog.CARRIED and theirs is not None and theirs != mine[name]:
+                raise ParcompError(f"train_step: the training step lays parameter {name} out {theirs}, the "
+                                   f"forward program {mine[name]}: pin it in the spec (e.g. '{name} {mine[name]}')",
+                                   where=name)
+        local = call(prog, "load_params", self.full_state_dict())
+        self._train_held = {k: v for k, v in local.items() if k not in self._param_names}
+        self._train = prog
+        return prog
+
+    # ---- the loss of vocab-split logits ----
+    def cross_entropy(self, logits, labels, *, output: str | None = None, ignore_index: int = -100,
+                      reduction: str = "mean") -> torch.Tensor:
+        """``torch.nn.functional.cross_entropy`` of this rank's ``logits`` (an output of
+        :meth:`forward`, the class dim last) against ``labels`` (its shape less that dim).
+
+        When the output is split over its last dim (a DTensor plan's ``loss_parallel`` with
+        ``Shard(-1)`` logits, or a spec's ``output logits [S(2)]``), the loss is computed
+        without gathering the logits (:mod:`parcomp.api.loss`: three all_reduces of one value
+        per token); otherwise it is torch's own. ``reduction="mean"`` is the mean over this
+        rank's counted tokens (labels not ``ignore_index``): with the default
+        ``grad_reduction="mean"`` it trains as the global mean when every dp rank counts as many
+        tokens, as with DDP.
+        """
+        out = self._output_named(output)
+        rank, names = len(out["shape"]), self._meta["mesh"]["names"]
+        axes = [a for a, pl in zip(names, parse_layout(out["layout"])) if pl == Shard(rank - 1)]
+        if not axes:
+            return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                                     ignore_index=ignore_index, reduction=reduction)
+        if len(axes) > 1:
+            raise ParcompError(f"cross_entropy: output {out['name']} is split over its last dim by "
+                               f"{' and '.join(axes)}; vocab-parallel cross entropy takes one axis",
+                               where=out["name"])
+        from .loss import vocab_parallel_cross_entropy
+
+        axis = axes[0]
+        start = self.coords[axis] * logits.shape[-1]
+        return vocab_parallel_cross_entropy(logits, labels, _group(self._fwd, axis), start,
+                                            ignore_index=ignore_index, reduction=reduction)
+
+    def _output_named(self, name):
+        floats = [o for o in self._outputs if o["dtype"].startswith("float")]
+        if name is None:
+            pick = [o for o in floats if o["name"] == "logits"] or floats
+            if len(pick) != 1:
+                raise ParcompError(f"cross_entropy: say which output holds the logits: output= one of "
+                                   f"{', '.join(o['name'] for o in floats)}")
+            return pick[0]
+        for o in self._outputs:
+            if o["name"] == name:
+                return o
+        raise ParcompError(f"cross_entropy: no output named {name!r} (outputs: "
+                           f"{', '.join(o['name'] for o in self._outputs)})", where=name)
 
     # ---- collectives the user's loop needs ----
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -240,7 +390,8 @@ class ParallelModule(nn.Module):
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for p in self.parameters():
             if p.grad is not None:
-                p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))
+                g = _plain(p.grad)
+                g.mul_(coef.to(g.device, g.dtype))
         return total
 
     def grad_norm(self) -> torch.Tensor:
@@ -252,6 +403,7 @@ class ParallelModule(nn.Module):
             g = self._local(p["name"]).grad
             if g is None:
                 continue
+            g = _plain(g)
             axes = tuple(a for a, pl in zip(self._meta["mesh"]["names"], parse_layout(p["layout"]))
                          if isinstance(pl, Shard))
             sq = g.detach().float().pow(2).sum()
@@ -280,6 +432,7 @@ class ParallelModule(nn.Module):
             t = pick(self._local(p["name"]))
             if t is None:
                 continue
+            t = _plain(t)
             for a, pl in reversed(list(zip(self._meta["mesh"]["names"], parse_layout(p["layout"])))):
                 if isinstance(pl, Shard):
                     t = _all_gather(t, pl.dim, self._fwd, a)
@@ -287,6 +440,58 @@ class ParallelModule(nn.Module):
                 t = _stored_order(t, self._shapes[p["name"]], p["stored_order"])
             out[p["name"]] = t.reshape(self._shapes.get(p["name"], t.shape))
         return out
+
+
+def _plain(t):
+    """This rank's local tensor of ``t`` (a DTensor's ``to_local()``, differentiable)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _device_mesh(prog, given):
+    """The DeviceMesh the parameters live on: the program's own (``given is True``: one
+    DeviceMesh over its process groups, no new communicator), or ``given`` checked against the
+    spec's mesh (dim names, sizes, and this rank's coordinate)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    names, sizes = list(prog.MESH), list(prog.MESH.values())
+    if given is True:
+        return call(prog, "device_mesh", tuple(names))
+    if not isinstance(given, DeviceMesh):
+        raise ParcompError(f"dtensor= takes True or a DeviceMesh; got {type(given).__name__}")
+    got_names = list(given.mesh_dim_names or ())
+    if got_names != names or list(given.mesh.shape) != sizes:
+        raise ParcompError(f"dtensor=: the DeviceMesh has dims {got_names or '(unnamed)'} of sizes "
+                           f"{list(given.mesh.shape)}, the spec's mesh is {prog.MESH_TEXT}: give a DeviceMesh "
+                           f"with mesh_dim_names={tuple(names)} and shape {tuple(sizes)}, or dtensor=True")
+    coord = given.get_coordinate()
+    if coord is None or tuple(coord) != tuple(prog.COORD):
+        raise ParcompError(f"dtensor=: rank {prog.RANK} is at {coord} on the DeviceMesh but at "
+                           f"{tuple(prog.COORD)} on the spec's mesh (row-major, the last axis varying fastest): "
+                           f"lay the DeviceMesh's ranks out as torch.arange(world).reshape{tuple(sizes)}, as "
+                           f"init_device_mesh does")
+    return given
+
+
+def _as_dtensor(local, mesh, param):
+    """``local`` (this rank's slice of ``param``) as a DTensor of the parameter's global shape,
+    placed per mesh axis as its layout says."""
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor import Shard as TShard
+
+    placements = []
+    for axis, pl in zip(mesh.mesh_dim_names, parse_layout(param["layout"])):
+        if isinstance(pl, Shard):
+            placements.append(TShard(pl.dim))
+        elif isinstance(pl, PReplicate):
+            placements.append(Replicate())
+        else:
+            raise ParcompError(f"parameter {param['name']} is laid out {param['layout']}: a DTensor holds a "
+                               f"split or a replicated parameter, not {pl} over {axis}", where=param["name"])
+    shape = torch.Size(param["shape"])
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape,
+                              stride=torch.empty(shape, device="meta").stride())
 
 
 def _stored_order(t, stored, order):

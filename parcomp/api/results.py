@@ -144,6 +144,9 @@ class Explanation:
         memory_bytes_per_rank: weights, gradients, optimizer state, saved activations, peak.
         totals: bytes, counts and seconds per axis and phase; estimated_comm_seconds.
         raw: the CLI's JSON object (``{"explain": ..., ...}``).
+        dtensor: for a DTensor plan, DTensor's own collectives on it against these, per block
+            (:class:`parcomp.api.dtensor_compare.DTensorComparison`; ``str()`` of it is the
+            text); None for a parcomp spec.
     """
 
     mesh: dict
@@ -155,6 +158,7 @@ class Explanation:
     totals: dict
     estimated_comm_seconds: float
     raw: dict
+    dtensor: object = None
 
     def count(self, kind: str | None = None, phase: str | None = None) -> int:
         """How many collectives (of ``kind``, in ``phase``) the step runs."""
@@ -215,8 +219,13 @@ def check(module, example_inputs, spec, *, steps: int | None = None, seed: int =
     return CheckResult.from_json(json.loads(json.dumps({"ok": raw.get("ok", True), **raw}, sort_keys=True)))
 
 
-def explain(module, example_inputs, spec, *, input_names=None) -> Explanation:
+def explain(module, example_inputs, spec, *, input_names=None, train: str | None = None,
+            compare_dtensor: bool = True) -> Explanation:
     """``parcomp explain`` of ``module`` under ``spec``: each collective, why, its cost.
+
+    For a DTensor plan (``(plan dict, mesh)``), ``train`` is a ``train ...`` line to add to its
+    translation, and (``compare_dtensor``) ``.dtensor`` says where DTensor running the plan
+    itself would issue more collectives than parcomp's program (:mod:`.dtensor_compare`).
 
     Raises:
         ParcompError: the spec does not fit the model (located).
@@ -226,7 +235,14 @@ def explain(module, example_inputs, spec, *, input_names=None) -> Explanation:
     from ..report.explain_pipeline import pipeline_record
 
     graph = _import(module, example_inputs, input_names)
-    compiled = compile_graph(graph, resolve_spec(spec, module, graph))
+    plan = _plan_of(spec)
+    if plan is not None:
+        from .dtensor_plan import mesh_axes, plan_spec
+
+        parsed = plan_spec(plan, module, graph, train=train)
+    else:
+        parsed = resolve_spec(spec, module, graph)
+    compiled = compile_graph(graph, parsed)
     raw = {"ok": True, "explain": explain_compiled(compiled), "plots": None}
     pipe = pipeline_record(compiled)
     if pipe:
@@ -234,7 +250,23 @@ def explain(module, example_inputs, spec, *, input_names=None) -> Explanation:
     spcp = compiled.report.get("sp_vs_cp")
     if spcp:
         raw["sp_vs_cp"] = spcp
-    return Explanation.from_json(json.loads(json.dumps(raw, sort_keys=True)))
+    x = Explanation.from_json(json.loads(json.dumps(raw, sort_keys=True)))
+    if plan is not None and compare_dtensor:
+        from dataclasses import asdict, replace
+
+        from .dtensor_compare import compare
+
+        cmp = compare(module, tuple(example_inputs), plan[0], mesh_axes(plan[1]), x)
+        raw["dtensor_comparison"] = {**asdict(cmp), "lines": cmp.lines()}
+        x = replace(x, dtensor=cmp, raw=raw)
+    return x
+
+
+def _plan_of(spec):
+    """``(plan dict, mesh)`` when ``spec`` is a DTensor plan with its mesh, else None."""
+    if isinstance(spec, tuple) and len(spec) == 2 and any(isinstance(s, dict) for s in spec):
+        return spec if isinstance(spec[0], dict) else spec[::-1]
+    return None
 
 
 def spec_from_plan(plan: dict, mesh, module, example_inputs=None, *, train: str | None = None,

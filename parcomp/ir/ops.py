@@ -513,7 +513,7 @@ _def("relayout", 1, "relayout", same_type, {"origin": Attr("str"),  # origin: th
 # lowered ops: made by parcomp/passes/lowering/lower.py from the ops above, only in local programs
 # (their layout rules were checked on the ops they replace). Lowering annotates nodes with
 # ``inplace`` (the result is written into the first operand's buffer, dead afterwards),
-# ``async_op`` (an all_reduce that a ``wait`` completes) and ``frees`` (values dying after it)
+# ``async_op`` (a collective that a ``wait`` completes) and ``frees`` (values dying after it)
 _INPLACE = {"inplace": Attr("bool", default=False)}
 _def("dense", -1, "lowered", _own)  # (a, w[, b]) -> a @ w.T (+ b), w stored [out, in]: F.linear
 _def("addmm", 3, "lowered", _own)  # (b, a, w) -> b + a @ w, 2-D a and w, 1-D b
@@ -522,7 +522,7 @@ _def("add_scaled", 2, "lowered", _own, {"b": _NUM, **_INPLACE})  # x + b * y (SG
 _def("axpby", 2, "lowered", _own, {"a": _NUM, "b": _NUM, **_INPLACE})  # a x + b y (momentum)
 _def("mse_sum", 2, "lowered", _own)  # (y, t) -> sum((y - t)**2) over all dims (0-d)
 _def("mse_grad", 3, "lowered", _own)  # (dl, y, t) -> dl * 2 * (y - t), dl broadcast
-_def("wait", 1, "lowered", same_type)  # the value of an all_reduce started with async_op=true
+_def("wait", 1, "lowered", same_type)  # the value of a collective started with async_op=true
 # norms + embedding part, parcomp/passes/lowering/bucket.py: (a, b, ...) -> their
 # flattened concatenation; (flat) -> flat[offset:offset+numel] reshaped to its type (a view)
 _def("bucket_cat", -1, "lowered", _own)

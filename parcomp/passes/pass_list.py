@@ -238,7 +238,7 @@ PASSES = (
     Pass("moe-ragged", _graph_pass(moe_ragged), "lower",
          "expert parallel all_to_alls send only the routed rows"),
     Pass("overlap-collectives", _graph_pass(overlap_collectives), "lower",
-         "an all_reduce started early, waited for at its first use"),
+         "all_reduce, all_gather, reduce_scatter started early, waited for at first use"),
     Pass("in-place", _graph_pass(in_place), "lower", "updates and reductions into their operand's buffer"),
     Pass("free-dead", _graph_pass(free_dead), "lower", "`frees` where values die"),
     Pass("split-stages", _split_stages, "pipeline",

@@ -4,8 +4,8 @@ It runs a *local* program (after ``localize``) on all ranks of the mesh in
 lockstep, node by node.  Compute ops use :data:`NUMPY_OPS`; collectives combine
 the group's local arrays in coordinate order and are logged, so tests can pin
 the exact collectives that ran. It runs the lowered program (parcomp/passes/lowering/lower.py):
-the same op sequence, frees and in-place writes as the emitted program.py. An
-``all_reduce{async_op=true}`` completes at once; its ``wait`` passes the value on.
+the same op sequence, frees and in-place writes as the emitted program.py. A
+collective with ``async_op=true`` completes at once; its ``wait`` passes the value on.
 """
 from __future__ import annotations
 

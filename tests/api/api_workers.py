@@ -207,3 +207,159 @@ def options(rank, world, cache_dir=None):
             "whole_err": (got_whole - want).abs().max().item(),
             "local_err": (got_local - want.chunk(2, -1)[rank]).abs().max().item(), "refused": refused,
             "plan_err": plan_err, "plan_layouts": planned.layouts()}
+
+
+def train_dtensor_equal(rank, world, spec="tp", steps=3, cache_dir=None, clip=0.05, ckpt_dir=None):
+    """parallelize(..., dtensor=True): stock AdamW and torch.nn.utils.clip_grad_norm_ on the
+    DTensor parameters for 3 steps, against the unsharded loop; then a torch.distributed.checkpoint
+    save of the model's and the optimizer's state, the parameters overwritten, and a load back."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.tensor import DTensor
+
+    text = SPECS[spec]
+    model = small_mlp()
+    ref = copy.deepcopy(model)
+    batches = _batches(steps)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_losses, ref_norms = [], []
+    for x, t in batches:
+        loss = nn.functional.mse_loss(ref(x), t)
+        loss.backward()
+        ref_norms.append(nn.utils.clip_grad_norm_(ref.parameters(), clip).item())
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(loss.item())
+
+    par = parcomp.parallelize(model, (batches[0][0],), text, cache_dir=cache_dir, dtensor=True)
+    placements = {k: [str(p) for p in v.placements] for k, v in par.named_parameters()}
+    all_dtensors = all(isinstance(v, DTensor) for v in par.state_dict().values())
+    opt = torch.optim.AdamW(par.parameters(), lr=1e-2, weight_decay=0.1)
+    dp, coord = _dp_coord(text, rank)
+    losses, norms = [], []
+    for x, t in batches:
+        loss = nn.functional.mse_loss(par(x.chunk(dp)[coord]), t.chunk(dp)[coord])
+        loss.backward()
+        grads_are_dtensors = all(isinstance(p.grad, DTensor) for p in par.parameters())
+        norms.append(nn.utils.clip_grad_norm_(par.parameters(), clip).item())
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world)
+    full = {k: v.full_tensor() for k, v in par.state_dict().items()}
+    param_err = max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+
+    # checkpoint round trip: model and optimizer state through torch.distributed.checkpoint
+    model_sd, optim_sd = get_state_dict(par, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=ckpt_dir)
+    saved_exp_avg = {k: v.full_tensor().clone() for k, v in opt.state_dict()["state"][0].items()
+                     if isinstance(v, DTensor)}
+    with torch.no_grad():
+        for p in par.parameters():
+            p.zero_()
+        for st in opt.state.values():
+            for v in st.values():
+                if isinstance(v, torch.Tensor) and v.is_floating_point():
+                    v.zero_()
+    zeroed = max(p.full_tensor().abs().max().item() for p in par.parameters())
+    model_sd, optim_sd = get_state_dict(par, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=ckpt_dir)
+    set_state_dict(par, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    loaded = {k: v.full_tensor() for k, v in par.state_dict().items()}
+    load_err = max((loaded[k] - full[k]).abs().max().item() for k in full)
+    state_err = max((opt.state_dict()["state"][0][k].full_tensor() - v).abs().max().item()
+                    for k, v in saved_exp_avg.items())
+    from torch.distributed.device_mesh import init_device_mesh
+
+    try:  # a DeviceMesh whose dims are not the spec's
+        parcomp.parallelize(model, (batches[0][0],), text, cache_dir=cache_dir,
+                            dtensor=init_device_mesh("cpu", (world,), mesh_dim_names=("x",)))
+        wrong_mesh = ""
+    except parcomp.errors.ParcompError as e:
+        wrong_mesh = str(e)
+    return {"ref_losses": ref_losses, "losses": losses, "param_err": param_err,
+            "loss_err": max(abs(a - b) for a, b in zip(ref_losses, losses)),
+            "norm_err": max(abs(a - b) / a for a, b in zip(ref_norms, norms)), "norms": norms,
+            "placements": placements, "all_dtensors": all_dtensors, "grads_are_dtensors": grads_are_dtensors,
+            "zeroed": zeroed, "load_err": load_err, "state_err": state_err, "state_keys": sorted(saved_exp_avg),
+            "wrong_mesh": wrong_mesh}
+
+
+TRAIN_LINE = "train loss=mse optimizer=adamw(lr=1e-2, weight_decay=0.1) clip_grad_norm=0.05\n"
+
+
+def train_step_equal(rank, world, spec="tp", steps=3, cache_dir=None):
+    """par.train_step: the spec's train line (mse, AdamW, clipping) run as one compiled step for 3
+    steps, against torch's unsharded loop; and a spec without a train line refused."""
+    text = SPECS[spec] + TRAIN_LINE
+    model = small_mlp()
+    ref = copy.deepcopy(model)
+    batches = _batches(steps)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_losses = []
+    for x, t in batches:
+        loss = nn.functional.mse_loss(ref(x), t)
+        loss.backward()
+        nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(loss.item())
+    par = parcomp.parallelize(model, (batches[0][0],), text, cache_dir=cache_dir)
+    dp, coord = _dp_coord(text, rank)
+    losses = [par.train_step(x.chunk(dp)[coord], target=t.chunk(dp)[coord]).item() for x, t in batches]
+    full = par.full_state_dict()
+    param_err = max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+    with torch.no_grad():  # the module's forward sees the trained parameters
+        fwd_err = (par(batches[0][0].chunk(dp)[coord]) - ref(batches[0][0]).chunk(dp)[coord]).abs().max().item()
+    try:
+        par.train_step(batches[0][0].chunk(dp)[coord])
+        missing = ""
+    except parcomp.errors.ParcompError as e:
+        missing = str(e)
+    plain = parcomp.parallelize(model, (batches[0][0],), SPECS[spec], cache_dir=cache_dir)
+    try:
+        plain.train_step(batches[0][0].chunk(dp)[coord], target=batches[0][1].chunk(dp)[coord])
+        no_line = ""
+    except parcomp.errors.ParcompError as e:
+        no_line = str(e)
+    return {"ref_losses": ref_losses, "losses": losses, "param_err": param_err, "fwd_err": fwd_err,
+            "loss_err": max(abs(a - b) for a, b in zip(ref_losses, losses)),
+            "state": sorted(par.train_state()), "missing": missing, "no_line": no_line}
+
+
+def loss_parallel_equal(rank, world, cache_dir=None):
+    """The DTensor tutorial's Llama plan with lm_head ColwiseParallel(Shard(-1)) and loss_parallel:
+    the logits come back split over the vocabulary, par.cross_entropy (no gather) equals torch's
+    cross entropy of the unsharded model, and so do the gradients."""
+    import sys
+    from pathlib import Path
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "specs"))
+    from models import llama_lm
+    from test_dtensor_plan import TP_PLAN
+
+    model, (ids,), _ = llama_lm()
+    labels = torch.randint(0, 128, ids.shape, generator=torch.Generator().manual_seed(3))
+    labels[0, :3] = -100  # ignored tokens
+    ref = copy.deepcopy(model)
+    want = nn.functional.cross_entropy(ref(ids).logits.flatten(0, 1), labels.flatten())
+    want.backward()
+    plan = {**TP_PLAN, "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+            "loss_parallel": loss_parallel}
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    par = parcomp.parallelize(model, (ids,), (plan, mesh), cache_dir=cache_dir)
+    logits = par(ids)["logits"]
+    loss = par.cross_entropy(logits, labels)
+    loss.backward()
+    grads = par.full_grads()
+    grad_err = max(((grads[k] - p.grad).abs().max() / p.grad.abs().max()).item()
+                   for k, p in ref.named_parameters() if k in grads)
+    return {"layout": par.output_layouts()["logits"], "local_shape": list(logits.shape),
+            "loss": loss.item(), "want": want.item(), "grad_err": grad_err,
+            "compared": len([k for k, _ in ref.named_parameters() if k in grads])}

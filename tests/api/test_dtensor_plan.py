@@ -70,3 +70,60 @@ def test_a_plan_key_naming_no_module_is_an_error():
     m, ex, names = gpt2_mlp()
     with pytest.raises(ParcompError, match="plan key 'c_fcc' names no module"):
         parcomp.check(m, ex, ({"c_fcc": ColwiseParallel()}, {"tp": 2}), input_names=names)
+
+
+def test_explain_of_a_plan_says_where_dtensor_would_issue_more_collectives():
+    """DTensor run on the tutorial's plan (a fake process group of 2) reduces the gradient of
+    each ColwiseParallel input by itself: 5 backward all_reduces per block (q, k, v, gate, up)
+    where parcomp's program issues 2; forward they agree (o_proj and down_proj)."""
+    m, ex, names = llama_lm()
+    x = parcomp.explain(m, ex, (TP_PLAN, {"tp": 2}), input_names=names, train=TRAIN)
+    cmp = x.dtensor
+    assert cmp.ran and cmp.blocks == ("model.layers.0", "model.layers.1"), cmp
+    blocks = {"model.layers.0": 2, "model.layers.1": 2}
+    assert cmp.per_block("forward", "all_reduce") == cmp.per_block("forward", "all_reduce", "parcomp") == blocks
+    assert cmp.per_block("backward", "all_reduce") == {b: 5 for b in blocks}
+    assert cmp.per_block("backward", "all_reduce", "parcomp") == blocks
+    assert [(c.block, c.phase, c.kind, c.dtensor, c.parcomp) for c in cmp.more] == [
+        ("model.layers.0", "backward", "all_reduce", 5, 2), ("model.layers.1", "backward", "all_reduce", 5, 2)]
+    assert str(cmp) == ("DTensor's plan issues more: model.layers.* (2 blocks), backward: 5 all_reduce over tp "
+                        "each where parcomp's program issues 2")
+    assert x.raw["dtensor_comparison"]["lines"] == [str(cmp)]
+    assert _kinds(x) == _kinds(parcomp.explain(m, ex, str(ROOT / "specs/llama_lm_tp2_train.pcs"), input_names=names))
+
+
+def test_a_plan_dtensor_cannot_run_is_said_so():
+    m, ex, names = gpt2_mlp()  # transformers' Conv1D: DTensor's ColwiseParallel takes nn.Linear only
+    x = parcomp.explain(m, ex, ({"c_fc": ColwiseParallel(), "c_proj": RowwiseParallel()}, {"tp": 2}),
+                        input_names=names)
+    assert not x.dtensor.ran and "nn.Linear" in x.dtensor.why
+    assert str(x.dtensor).startswith("DTensor's plan: not run (NotImplementedError")
+
+
+def test_loss_parallel_keeps_the_logits_split_over_the_vocabulary():
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    m, ex, names = llama_lm()
+    lm_head = {"lm_head": ColwiseParallel()}
+    for entry in ({"loss_parallel": True}, {"loss_parallel": loss_parallel}):
+        text = parcomp.spec_from_plan({**TP_PLAN, **lm_head, **entry}, {"tp": 2}, m, ex, input_names=names)
+        assert "output logits [S(2)]" in text and "lm_head.weight [S(0)]" in text, text
+    # without lm_head in the plan, loss_parallel alone keeps the logits split
+    assert "output logits" not in parcomp.spec_from_plan(TP_PLAN, {"tp": 2}, m, ex, input_names=names)
+    text = parcomp.spec_from_plan({**TP_PLAN, "loss_parallel": True}, {"tp": 2}, m, ex, input_names=names)
+    assert "output logits [S(2)]" in text
+    with pytest.raises(ParcompError, match="plan key 'loss_parallel': give True"):
+        parcomp.spec_from_plan({**TP_PLAN, "loss_parallel": "yes"}, {"tp": 2}, m, ex, input_names=names)
+
+
+@pytest.mark.slow
+def test_loss_parallel_cross_entropy_equals_the_unsharded_loss_and_gradients(tmp_path):
+    """The tutorial's Llama plan, lm_head ColwiseParallel(Shard(-1)) and loss_parallel on 2 gloo
+    ranks: the logits come back split ([2, 8, 64] of vocab 128), par.cross_entropy (some labels
+    ignored) equals torch's loss of the unsharded model, and every gradient equals torch's."""
+    from gloo_ranks import run_ranks
+
+    for r in run_ranks("api_workers:loss_parallel_equal", 2, cache_dir=str(tmp_path)):
+        assert r["layout"] == "[S(2)]" and r["local_shape"] == [2, 8, 64], r
+        assert abs(r["loss"] - r["want"]) <= 1e-5 * abs(r["want"]), r
+        assert r["grad_err"] <= 1e-5 and r["compared"] == 21, r

@@ -89,50 +89,89 @@ def test_attention_grads_equal_torch_autograd_with_one_forward(parts):
         torch.testing.assert_close(t, leaves["qkv".index(c)].grad, rtol=1e-5, atol=1e-6)
 
 
-def _ring_rank(rank, port, out_dir):
-    """One of 2 gloo ranks: ring attention's gradients of this rank's rows, jointly and one
-    gradient at a time, with the ring shifts each made."""
+def _ring_rank(rank, port, out_dir, n=2, causal=True):
+    """One of ``n`` gloo ranks: ring attention's gradients of this rank's rows, jointly and one
+    gradient at a time, with the ring steps each posted (``ring_start``) and, for the joint
+    one, the order of posts, waits and block computations."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=n)
     try:
-        program_ring.GROUPS, program_ring.GROUP_RANKS = {"cp": torch.distributed.group.WORLD}, {"cp": [[0, 1]]}
+        program_ring.GROUPS, program_ring.GROUP_RANKS = {"cp": torch.distributed.group.WORLD}, {"cp": [list(range(n))]}
         program_ring.RANK = rank
         g = torch.Generator().manual_seed(0)
-        full = [torch.randn(1, 2, 8, 4, generator=g) for _ in range(4)]  # dy, q, k, v
+        full = [torch.randn(1, 2, 4 * n, 4, generator=g, dtype=torch.float64) for _ in range(4)]  # dy, q, k, v
         dy, q, k, v = (t[:, :, 4 * rank:4 * rank + 4] for t in full)  # contiguous chunks
-        shifts, real = [0], program_ring.ring_shift
+        events, real = [], (program_ring.ring_start, program_ring.ring_finish, program_ring.ring_scores)
 
-        def counting(tensors, axis):
-            shifts[0] += 1
-            return real(tensors, axis)
+        def start(*args):
+            events.append("post")
+            return real[0](*args)
 
-        program_ring.ring_shift = counting
-        joint = program_ring.ring_sdpa_grads(dy, q, k, v, 0.5, True, "cp", "contiguous", "qkv")
-        together, shifts[0] = shifts[0], 0
-        single = [program_ring.ring_sdpa_grad(dy, q, k, v, 0.5, True, "cp", "contiguous", w) for w in "qkv"]
-        torch.save({"joint": joint, "single": single, "shifts": (together, shifts[0])},
+        def finish(started):
+            events.append("wait")
+            return real[1](started)
+
+        def scores(*args):
+            events.append("compute")
+            return real[2](*args)
+
+        program_ring.ring_start, program_ring.ring_finish, program_ring.ring_scores = start, finish, scores
+        try:
+            joint = program_ring.ring_sdpa_grads(dy, q, k, v, 0.5, causal, "cp", "contiguous", "qkv")
+            order, events[:] = list(events), []
+            single = [program_ring.ring_sdpa_grad(dy, q, k, v, 0.5, causal, "cp", "contiguous", w) for w in "qkv"]
+        finally:
+            program_ring.ring_start, program_ring.ring_finish, program_ring.ring_scores = real
+        torch.save({"joint": joint, "single": single, "order": order,
+                    "shifts": (order.count("post"), events.count("post"))},
                    os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         torch.distributed.destroy_process_group()
 
 
-def test_ring_backward_runs_one_ring_for_the_three_gradients(tmp_path):
-    """cp=2 (two gloo processes): ring_sdpa_grads gives dq, dk, dv with 3 ring shifts (the
-    statistics pass, one pass of K/V with their partial dK/dV, dK/dV home), where one
-    ring_sdpa_grad per gradient made 8; both equal torch's autograd of the whole sequence."""
+def _ring_grads(tmp_path, n, causal):
+    """Every rank's results of :func:`_ring_rank` on ``n`` processes, and torch's autograd
+    gradients of q, k, v over the whole sequence."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_ring_rank, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_ring_rank, args=(free_port(), str(tmp_path), n, causal), nprocs=n, join=True)
     g = torch.Generator().manual_seed(0)
-    dy, q, k, v = (torch.randn(1, 2, 8, 4, generator=g) for _ in range(4))
+    dy, q, k, v = (torch.randn(1, 2, 4 * n, 4, generator=g, dtype=torch.float64) for _ in range(4))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True, scale=0.5).backward(dy)
-    got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal, scale=0.5).backward(dy)
+    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(n)], [t.grad for t in leaves]
+
+
+def test_ring_backward_runs_one_ring_for_the_three_gradients(tmp_path):
+    """cp=2 (two gloo processes): ring_sdpa_grads gives dq, dk, dv with 3 ring steps (the
+    statistics pass, K/V to the next rank, dK/dV home), where one ring_sdpa_grad per gradient
+    made 8; both equal torch's autograd of the whole sequence. Each K/V transfer is posted
+    before the computation on the block this rank holds and waited for after it (overlap)."""
+    got, grads = _ring_grads(tmp_path, 2, True)
     assert [r["shifts"] for r in got] == [(3, 8), (3, 8)]
-    for i, leaf in enumerate(leaves):
+    for r in got:  # statistics pass; gradient pass; dK/dV home
+        assert r["order"] == ["post", "compute", "wait", "compute",
+                              "post", "compute", "wait", "compute", "post", "wait"], r["order"]
+    for i, grad in enumerate(grads):
         for key in ("joint", "single"):
             whole = torch.cat([r[key][i] for r in got], dim=2)
-            torch.testing.assert_close(whole, leaf.grad, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(whole, grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("n,causal", [(3, True), (4, False)])
+def test_ring_backward_on_more_ranks_passes_partials_on_and_equals_autograd(tmp_path, n, causal):
+    """cp=3 and cp=4: the partial dK/dV of a block starts at the rank after its owner, goes on
+    with the block (sent in the same post as the next K/V) and home after the last step; every
+    step's post comes before its block's computation. dq, dk, dv equal torch's autograd of the
+    whole sequence in float64."""
+    got, grads = _ring_grads(tmp_path, n, causal)
+    for r in got:
+        assert r["shifts"][0] == 2 * (n - 1) + 2  # statistics, K/V: n-1 each; the last partial on; home
+        back = r["order"][3 * (n - 1) + 1:]  # after the statistics pass
+        assert back[:3] == ["post", "compute", "wait"] and back[-2:] == ["post", "wait"], back
+    for i, grad in enumerate(grads):
+        whole = torch.cat([r["joint"][i] for r in got], dim=2)
+        torch.testing.assert_close(whole, grad, rtol=1e-12, atol=1e-12)
 
 
 def test_attention_grads_compile_as_one_graph():

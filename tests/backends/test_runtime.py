@@ -40,6 +40,10 @@ def test_collectives_on_one_rank_are_identities_and_keep_their_input(one_rank_gl
     assert torch.equal(x, keep)  # nothing but all_reduce_ writes its operand
     fresh = x * 1
     assert rt.all_reduce_(fresh, "x") is fresh
+    for dim in (0, 1):  # started, then waited for: the same values as the blocking forms
+        assert torch.equal(rt.wait(rt.all_gather_start(x, dim, "x")), rt.all_gather(x, dim, "x"))
+        assert torch.equal(rt.wait(rt.reduce_scatter_start(x, dim, "x")), rt.reduce_scatter(x, dim, "x"))
+    assert torch.equal(x, keep)
 
 
 def test_mesh_coords_are_row_major(monkeypatch):
@@ -159,3 +163,36 @@ def test_ragged_all_to_all_reads_its_split_sizes_in_one_copy(one_rank_gloo, monk
     with Reads():
         y = program_moe.all_to_all_ragged(x, 0, 1, "x")
     assert torch.equal(y, x) and Reads.scalars == 0
+
+
+def test_a_sigterm_ends_the_loop_after_the_next_step_on_every_rank(one_rank_gloo):
+    """A SIGTERM (its handler's ``ask_stop``) during step 2 of a loop that saves: the flag is
+    combined over the ranks by an all_reduce that runs during step 3, so the loop ends after
+    step 3; with no loop that saves (not armed), the handler leaves the stop to the fault path."""
+    from parcomp_backends.torch.runtime import program_cluster
+
+    stop = program_cluster.STOP
+    assert stop is program_train.STOP  # program.py is one namespace
+    seen = []
+
+    def step(params, inputs):
+        if len(seen) == 1:  # step 2
+            assert program_cluster.ask_stop() is True
+        return {"loss": params["w"].sum(), "w": params["w"] + 1}
+
+    def after(k, params):
+        seen.append(k)
+        return program_train.stop_after(k)
+
+    old = program_train.CARRIED
+    program_train.CARRIED = ("w",)
+    stop.update(armed=True, asked=False, flag=None)
+    try:
+        out, losses = program_train.train({"w": torch.zeros(2)}, [{}] * 6, step=step, after_step=after)
+        assert seen == [1, 2, 3] and losses == [0.0, 2.0, 4.0] and float(out["w"][0]) == 3.0
+        assert stop["flag"] is None  # nothing left in flight
+        stop.update(armed=False, asked=False)
+        assert program_cluster.ask_stop() is False and stop["asked"] is False
+    finally:
+        program_train.CARRIED = old
+        stop.update(armed=False, asked=False, flag=None)

@@ -241,3 +241,65 @@ def test_run_killed_after_step_3_of_6_with_save_every_1_resumes_equal_to_the_unk
     for k in keys:
         assert np.array_equal(resumed[k], whole[k]), k
     assert r_losses[-1] == w_losses[-1] and len(r_losses) == 3
+
+
+# a launcher of program.py whose rank 0, in step 2, sends SIGTERM to torchrun (as SLURM or
+# Kubernetes does before killing a job; torchrun passes it on to every rank) and waits, at most
+# 60 s, until its own handler has seen it: every rank then stops after step 2 or 3 (rank 1 may
+# still be ending step 1 when its SIGTERM comes)
+SIGNALLED = """\
+import importlib.util, os, signal, sys, time
+spec = importlib.util.spec_from_file_location("program", "program.py")
+program = importlib.util.module_from_spec(spec)
+sys.argv[0] = "program.py"
+spec.loader.exec_module(program)
+real, calls = program.train_step, []
+def step(params, inputs):
+    calls.append(1)
+    if len(calls) == 2 and os.environ["RANK"] == "0":
+        os.kill(os.getppid(), signal.SIGTERM)
+        end = time.monotonic() + 60
+        while not getattr(program, "STOP", {}).get("asked") and time.monotonic() < end:
+            time.sleep(0.01)
+    return real(params, inputs)
+program.train_step = step
+try:
+    program.main()
+except SystemExit as e:
+    program.exit_now(e.code if isinstance(e.code, int) else 1)
+program.exit_now(0)
+"""
+
+
+@pytest.mark.slow
+def test_run_stopped_by_sigterm_saves_its_step_and_resumes_equal_to_the_unstopped_run(tmp_path):
+    """6 AdamW steps on tp=2 with ``--save`` (no --save-every); torchrun gets SIGTERM in rank 0's
+    step 2: every rank ends the same step K (2 or 3: the step each rank's signal came in, at most
+    one more), saves it (``latest`` names step-K), rank 0 says how to go on and each exits 143
+    without --output or a rank's error. Resumed for steps K+1..6, the run ends bit-equal to 6
+    steps never stopped (params, optimizer state, every later loss)."""
+    tp, module, example = _compile(tmp_path, TP2, "tp2")
+    feeds = commands.training_feeds(tp, module, example, 0)
+    ckpt = tmp_path / "ckpt"
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "signalled.py").write_text(SIGNALLED)
+    res = _launch(tmp_path / "s", tp, module, feeds, ("--steps", "6", "--save", str(ckpt), "--timeout", "60"),
+                  program="signalled.py", ok=False)
+    latest = (ckpt / "latest").read_text().strip()
+    assert latest in ("step-2", "step-3"), res.stdout[-2000:] + res.stderr[-4000:]
+    k = int(latest[5:])
+    assert f"stopped by SIGTERM after step {k}: saved {ckpt / latest}; go on with --resume {ckpt}" in res.stdout, \
+        res.stdout[-2000:] + res.stderr[-4000:]
+    assert f"step {k + 1} loss" not in res.stdout and not (tmp_path / "s" / "out.pt").exists()
+    assert "program.py (rank" not in res.stderr, res.stderr[-4000:]  # no rank reports a failure
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", latest]
+    res = _launch(tmp_path / "r", tp, module, feeds, ("--steps", str(6 - k), "--resume", str(ckpt)))
+    assert f"step {k + 1} loss" in res.stdout and f"step {k} loss" not in res.stdout
+    _launch(tmp_path / "u", tp, module, feeds, ("--steps", "6"))
+    resumed, r_losses = assemble_training_outputs(tmp_path / "r" / "out.pt", tp.program)
+    whole, w_losses = assemble_training_outputs(tmp_path / "u" / "out.pt", tp.program)
+    keys = [name for name in whole if name.endswith(("weight", "bias", "exp_avg", "exp_avg_sq"))]
+    assert len(keys) == 12
+    for name in keys:
+        assert np.array_equal(resumed[name], whole[name]), name
+    assert r_losses == w_losses[k:]

@@ -17,7 +17,7 @@ CausalLMOutputWithPast = pytest.importorskip("transformers.modeling_outputs").Ca
 
 from parcomp.cli.main import main  # noqa: E402
 from parcomp.errors import FrontendError  # noqa: E402
-from parcomp.frontends.torch.export import _bind, _export, folded_constants, import_torch  # noqa: E402
+from parcomp.frontends.torch.export import _bind, export_module, folded_constants, import_torch  # noqa: E402
 from parcomp.frontends.torch.fold import causal_attention, fold, module_sources  # noqa: E402
 from parcomp.ir.text import parse_graph, print_graph  # noqa: E402
 from parcomp.reference.numpy_ops import run_unsharded  # noqa: E402
@@ -155,7 +155,7 @@ class RandomConst(nn.Module):
 
 
 def test_random_ops_are_not_folded():
-    ep = _export(RandomConst(), (torch.randn(2, 4),))
+    ep = export_module(RandomConst(), (torch.randn(2, 4),))
     consts = fold(ep)
     (drop,) = [n for n in ep.graph.nodes if "dropout" in str(n.target)]
     assert drop not in consts and drop.args[0] in consts  # ones(4) is folded, its dropout not
@@ -194,7 +194,7 @@ def test_sdpa_causal_mask_rewritten_to_is_causal(case):  # causal: True, False, 
     make, causal = MASKS[case]
     lq = 3 if "lq < lk" in case else 5
     q, k, v = torch.randn(2, 4, lq, 8), torch.randn(2, 4, 5, 8), torch.randn(2, 4, 5, 8)
-    ep = _export(Attention(make), (q, k, v))
+    ep = export_module(Attention(make), (q, k, v))
     consts = fold(ep)
     assert causal_attention(ep, consts, _bind) == int(causal is not False)
     (n,) = [n for n in ep.graph.nodes if "scaled_dot_product" in str(n.target)]

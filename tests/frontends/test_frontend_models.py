@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 
 from parcomp.cli.main import main  # noqa: E402
 from parcomp.errors import FrontendError  # noqa: E402
-from parcomp.frontends.torch.export import (_bind, _export, _module_path, import_torch,  # noqa: E402
+from parcomp.frontends.torch.export import (_bind, export_module, _module_path, import_torch,  # noqa: E402
                                             op_inventory, supported_ops)
 from parcomp.frontends.torch.fold import (causal_attention, defining, fold, materialized,  # noqa: E402
                                           module_sources)
@@ -101,7 +101,7 @@ def test_exact_op_inventory(made):
 
 
 def _folded(module, inputs):
-    ep = _export(module, inputs)
+    ep = export_module(module, inputs)
     consts = fold(ep)
     causal_attention(ep, consts, _bind)
     sdpa = [_bind(n) for n in ep.graph.nodes if "scaled_dot_product" in str(n.target)]

@@ -244,7 +244,10 @@ def collective(new, old):
 
 def group_size(axis):
     """Ranks in one group of ``axis``: a mesh axis, or a joint group such as ``"dp,tp"``."""
-    return math.prod(MESH[a] for a in axis.split(","))
+    size = 1
+    for a in axis.split(","):  # a loop, not math.prod of a generator: torch.compile traces it
+        size *= MESH[a]
+    return size
 
 
 def all_reduce(x, axis):
@@ -266,15 +269,22 @@ def all_reduce_start(x, axis):
 
 
 def all_reduce_start_(x, axis):
-    """Start an in-place all_reduce of a fresh contiguous value nothing else reads."""
+    """Start an in-place all_reduce of a fresh contiguous value nothing else reads. Under
+    torch.compile (``--compile``) the functional all_reduce instead: the compiler cannot trace
+    ``async_op=True`` (a graph break), and places the wait where :func:`wait` is."""
+    if torch.compiler.is_compiling():
+        return dist._functional_collectives.all_reduce(x, "sum", GROUPS[axis])
     return x, dist.all_reduce(x, op=dist.ReduceOp.SUM, group=GROUPS[axis], async_op=True)
 
 
 def wait(handle):
-    """The value of a started collective, once it has arrived."""
-    x, work = handle
+    """The value of a started collective, once it has arrived (a gather along a dim other
+    than 0 interleaves its shards then: one copy)."""
+    if torch.compiler.is_compiling() and isinstance(handle, torch.Tensor):
+        return dist._functional_collectives.wait_tensor(handle)  # a functional collective's tensor
+    x, work = handle[:2]
     work.wait()
-    return x
+    return handle[2](x) if len(handle) > 2 else x
 
 
 def all_gather(x, dim, axis):
@@ -288,6 +298,34 @@ def all_gather(x, dim, axis):
     if dim == 0:
         return out
     return out.view((n,) + tuple(x.shape)).movedim(0, dim).flatten(dim, dim + 1)
+
+
+def all_gather_start(x, dim, axis):
+    """Start all_gather(x, dim, axis) without waiting; ``wait(handle)`` returns the gathered value
+    (under torch.compile the functional all_gather, as :func:`all_reduce_start_`)."""
+    if torch.compiler.is_compiling():
+        return dist._functional_collectives.all_gather_tensor(x.contiguous(), dim, GROUPS[axis])
+    n = group_size(axis)
+    x = x.contiguous()
+    out = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]))
+    work = collective("all_gather_single", "all_gather_into_tensor")(out, x, group=GROUPS[axis], async_op=True)
+    if dim == 0:
+        return out, work
+    shape = tuple(x.shape)
+    return out, work, lambda o: o.view((n,) + shape).movedim(0, dim).flatten(dim, dim + 1)
+
+
+def reduce_scatter_start(x, dim, axis):
+    """Start reduce_scatter(x, dim, axis) without waiting; ``wait(handle)`` returns this rank's chunk
+    (under torch.compile the functional reduce_scatter, as :func:`all_reduce_start_`)."""
+    if torch.compiler.is_compiling():
+        return dist._functional_collectives.reduce_scatter_tensor(x.contiguous(), "sum", dim, GROUPS[axis])
+    n = group_size(axis)
+    x0 = x.contiguous() if dim == 0 else x.unflatten(dim, (n, x.shape[dim] // n)).movedim(dim, 0).contiguous()
+    out = x.new_empty(tuple(x.shape[:dim]) + (x.shape[dim] // n,) + tuple(x.shape[dim + 1:]))
+    x0 = x0.view((n * out.shape[0],) + tuple(out.shape[1:]))
+    return out, collective("reduce_scatter_single", "reduce_scatter_tensor")(
+        out, x0, op=dist.ReduceOp.SUM, group=GROUPS[axis], async_op=True)
 
 
 def reduce_scatter(x, dim, axis):
@@ -896,15 +934,42 @@ def watch_faults(timeout):
     FAULT.update(store=dist.distributed_c10d._get_default_store(), timeout=timeout)
     read, write = os.pipe()
     os.set_blocking(write, False)
-    signal.signal(signal.SIGTERM, lambda *_: None)  # the thread below acts on it
+    signal.signal(signal.SIGTERM, lambda *_: ask_stop())  # the main thread, when it is free
     signal.set_wakeup_fd(write)  # the signal's number is written here, whatever the main thread does
 
     def watch():
         while True:
             if signal.SIGTERM in os.read(read, 64):
-                report_fault("stopped by the launcher (SIGTERM)")
+                if not ask_stop() or peer_failed():
+                    report_fault("stopped by the launcher (SIGTERM)")
+                late = threading.Timer(timeout + FAULT_WAIT_S, report_fault,  # every wait is bounded
+                                       ["stopped by SIGTERM; the step and its checkpoint did not end in time"])
+                late.daemon = True
+                late.start()
 
     threading.Thread(target=watch, name="faults", daemon=True).start()
+
+
+# SIGTERM (what SLURM and Kubernetes send before they kill a job) while a training loop that
+# saves runs: every rank ends the step, saves it and exits (program_train's stop_after)
+STOP = {"armed": False, "asked": False, "flag": None}
+
+
+def ask_stop():
+    """Note this rank's SIGTERM for the training loop; whether one runs that can act on it
+    (``STOP["armed"]``: training with --save), else the fault path stops this rank."""
+    if STOP["armed"]:
+        STOP["asked"] = True
+    return STOP["armed"]
+
+
+def peer_failed():
+    """Whether another rank has posted a failure (its SIGTERM is then torchrun stopping the
+    survivors, not a request to save): those go the fault path, naming it."""
+    try:
+        return FAULT["store"].check([f"{FAULT_KEY}ranks"])
+    except Exception:  # noqa: BLE001 - the store is gone: the launcher is stopping everything
+        return True
 
 
 def collective_error(error):
@@ -1012,8 +1077,13 @@ MAX_TIMEOUT_S = 10_000_000  # ~116 days; datetime.timedelta and c10d's milliseco
 
 
 def compiled_step(step, args):
-    """``step`` under torch.compile with ``--compile`` (fullgraph on a functional program), else ``step``."""
-    return torch.compile(step, fullgraph="funcol" in globals()) if args.compile else step
+    """``step`` under torch.compile with ``--compile`` (fullgraph on a functional program), else ``step``.
+    The started collectives trace as ``torch.distributed._functional_collectives`` (imported here,
+    so the compiler finds it as ``dist._functional_collectives``): a tensor-parallel step is one graph."""
+    if not args.compile:
+        return step
+    importlib.import_module("torch.distributed._functional_collectives")
+    return torch.compile(step, fullgraph="funcol" in globals())
 
 
 def set_tf32(on):

@@ -105,13 +105,17 @@ IN_PLACE_FORMATS = {
     "add": "{0}.add_({1})",
     "add_scaled": "{0}.add_({1}, alpha={b})",
     "axpby": "{0}.mul_({a}).add_({1}, alpha={b})",
-    "adamw_param": ("{0}.mul_(1 - {lr} * {weight_decay}).sub_({lr} / (1 - {beta1} ** {3}) * {1} "
-                    "/ (torch.sqrt({2}) / torch.sqrt(1 - {beta2} ** {3}) + {eps}))"),
+    # torch.optim.AdamW's capturable single-tensor form: one temporary (the denominator,
+    # divided by -step_size in place), then one addcdiv_ into the param
+    "adamw_param": ("{0}.mul_(1 - {lr} * {weight_decay}).addcdiv_({1}, torch.sqrt({2}).div_("
+                    "torch.sqrt(1 - {beta2} ** {3}) * (-{lr} / (1 - {beta1} ** {3})))"
+                    ".add_({eps} / (-{lr} / (1 - {beta1} ** {3}))))"),
     **IN_PLACE_REDUCE,
 }
 # ``async_op=true``: start the collective, ``wait`` returns its value (key + "_": in place)
 ASYNC_FORMATS = {"all_reduce": "all_reduce_start({0}, {axis})", "all_reduce_": "all_reduce_start_({0}, {axis})",
-                 **ASYNC_REDUCE}
+                 "all_gather": "all_gather_start({0}, {dim}, {axis})",
+                 "reduce_scatter": "reduce_scatter_start({0}, {dim}, {axis})", **ASYNC_REDUCE}
 ATTR_DEFAULTS = {"gelu": {"approximate": "none"}, "gelu_grad": {"approximate": "none"},
                  # attention part
                  **{op: {"causal": False} for op in ("sdpa", "sdpa_grad")},

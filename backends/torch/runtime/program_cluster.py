@@ -71,15 +71,42 @@ def watch_faults(timeout):
     FAULT.update(store=dist.distributed_c10d._get_default_store(), timeout=timeout)
     read, write = os.pipe()
     os.set_blocking(write, False)
-    signal.signal(signal.SIGTERM, lambda *_: None)  # the thread below acts on it
+    signal.signal(signal.SIGTERM, lambda *_: ask_stop())  # the main thread, when it is free
     signal.set_wakeup_fd(write)  # the signal's number is written here, whatever the main thread does
 
     def watch():
         while True:
             if signal.SIGTERM in os.read(read, 64):
-                report_fault("stopped by the launcher (SIGTERM)")
+                if not ask_stop() or peer_failed():
+                    report_fault("stopped by the launcher (SIGTERM)")
+                late = threading.Timer(timeout + FAULT_WAIT_S, report_fault,  # every wait is bounded
+                                       ["stopped by SIGTERM; the step and its checkpoint did not end in time"])
+                late.daemon = True
+                late.start()
 
     threading.Thread(target=watch, name="faults", daemon=True).start()
+
+
+# SIGTERM (what SLURM and Kubernetes send before they kill a job) while a training loop that
+# saves runs: every rank ends the step, saves it and exits (program_train's stop_after)
+STOP = {"armed": False, "asked": False, "flag": None}
+
+
+def ask_stop():
+    """Note this rank's SIGTERM for the training loop; whether one runs that can act on it
+    (``STOP["armed"]``: training with --save), else the fault path stops this rank."""
+    if STOP["armed"]:
+        STOP["asked"] = True
+    return STOP["armed"]
+
+
+def peer_failed():
+    """Whether another rank has posted a failure (its SIGTERM is then torchrun stopping the
+    survivors, not a request to save): those go the fault path, naming it."""
+    try:
+        return FAULT["store"].check([f"{FAULT_KEY}ranks"])
+    except Exception:  # noqa: BLE001 - the store is gone: the launcher is stopping everything
+        return True
 
 
 def collective_error(error):
@@ -191,8 +218,13 @@ MAX_TIMEOUT_S = 10_000_000  # ~116 days; datetime.timedelta and c10d's milliseco
 
 # >>> program.py: cluster_run
 def compiled_step(step, args):
-    """``step`` under torch.compile with ``--compile`` (fullgraph on a functional program), else ``step``."""
-    return torch.compile(step, fullgraph="funcol" in globals()) if args.compile else step
+    """``step`` under torch.compile with ``--compile`` (fullgraph on a functional program), else ``step``.
+    The started collectives trace as ``torch.distributed._functional_collectives`` (imported here,
+    so the compiler finds it as ``dist._functional_collectives``): a tensor-parallel step is one graph."""
+    if not args.compile:
+        return step
+    importlib.import_module("torch.distributed._functional_collectives")
+    return torch.compile(step, fullgraph="funcol" in globals())
 
 
 def set_tf32(on):

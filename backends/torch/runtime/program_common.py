@@ -158,7 +158,10 @@ def collective(new, old):
 
 def group_size(axis):
     """Ranks in one group of ``axis``: a mesh axis, or a joint group such as ``"dp,tp"``."""
-    return math.prod(MESH[a] for a in axis.split(","))
+    size = 1
+    for a in axis.split(","):  # a loop, not math.prod of a generator: torch.compile traces it
+        size *= MESH[a]
+    return size
 
 
 def all_reduce(x, axis):
@@ -180,15 +183,22 @@ def all_reduce_start(x, axis):
 
 
 def all_reduce_start_(x, axis):
-    """Start an in-place all_reduce of a fresh contiguous value nothing else reads."""
+    """Start an in-place all_reduce of a fresh contiguous value nothing else reads. Under
+    torch.compile (``--compile``) the functional all_reduce instead: the compiler cannot trace
+    ``async_op=True`` (a graph break), and places the wait where :func:`wait` is."""
+    if torch.compiler.is_compiling():
+        return dist._functional_collectives.all_reduce(x, "sum", GROUPS[axis])
     return x, dist.all_reduce(x, op=dist.ReduceOp.SUM, group=GROUPS[axis], async_op=True)
 
 
 def wait(handle):
-    """The value of a started collective, once it has arrived."""
-    x, work = handle
+    """The value of a started collective, once it has arrived (a gather along a dim other
+    than 0 interleaves its shards then: one copy)."""
+    if torch.compiler.is_compiling() and isinstance(handle, torch.Tensor):
+        return dist._functional_collectives.wait_tensor(handle)  # a functional collective's tensor
+    x, work = handle[:2]
     work.wait()
-    return x
+    return handle[2](x) if len(handle) > 2 else x
 
 
 def all_gather(x, dim, axis):
@@ -202,6 +212,34 @@ def all_gather(x, dim, axis):
     if dim == 0:
         return out
     return out.view((n,) + tuple(x.shape)).movedim(0, dim).flatten(dim, dim + 1)
+
+
+def all_gather_start(x, dim, axis):
+    """Start all_gather(x, dim, axis) without waiting; ``wait(handle)`` returns the gathered value
+    (under torch.compile the functional all_gather, as :func:`all_reduce_start_`)."""
+    if torch.compiler.is_compiling():
+        return dist._functional_collectives.all_gather_tensor(x.contiguous(), dim, GROUPS[axis])
+    n = group_size(axis)
+    x = x.contiguous()
+    out = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]))
+    work = collective("all_gather_single", "all_gather_into_tensor")(out, x, group=GROUPS[axis], async_op=True)
+    if dim == 0:
+        return out, work
+    shape = tuple(x.shape)
+    return out, work, lambda o: o.view((n,) + shape).movedim(0, dim).flatten(dim, dim + 1)
+
+
+def reduce_scatter_start(x, dim, axis):
+    """Start reduce_scatter(x, dim, axis) without waiting; ``wait(handle)`` returns this rank's chunk
+    (under torch.compile the functional reduce_scatter, as :func:`all_reduce_start_`)."""
+    if torch.compiler.is_compiling():
+        return dist._functional_collectives.reduce_scatter_tensor(x.contiguous(), "sum", dim, GROUPS[axis])
+    n = group_size(axis)
+    x0 = x.contiguous() if dim == 0 else x.unflatten(dim, (n, x.shape[dim] // n)).movedim(dim, 0).contiguous()
+    out = x.new_empty(tuple(x.shape[:dim]) + (x.shape[dim] // n,) + tuple(x.shape[dim + 1:]))
+    x0 = x0.view((n * out.shape[0],) + tuple(out.shape[1:]))
+    return out, collective("reduce_scatter_single", "reduce_scatter_tensor")(
+        out, x0, op=dist.ReduceOp.SUM, group=GROUPS[axis], async_op=True)
 
 
 def reduce_scatter(x, dim, axis):

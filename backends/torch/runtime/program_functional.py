@@ -43,7 +43,10 @@ all_reduce_start_ = all_reduce_start
 
 
 def wait(handle):
-    """The value of a started collective, once it has arrived."""
+    """The value of a started collective, once it has arrived (a gather or scatter along a dim
+    other than 0 is moved back to it)."""
+    if isinstance(handle, tuple):
+        return funcol.wait_tensor(handle[0]).movedim(0, handle[1]).contiguous()
     return funcol.wait_tensor(handle)
 
 
@@ -64,6 +67,19 @@ def all_gather(x, dim, axis):
     """S(dim) -> R: concatenate the group's shards along ``dim``, in coordinate order."""
     out = functional("all_gather_single", "all_gather_tensor")(x.movedim(dim, 0).contiguous(), 0, GROUPS[axis])
     return funcol.wait_tensor(out).movedim(0, dim).contiguous()
+
+
+def all_gather_start(x, dim, axis):
+    """Start all_gather(x, dim, axis); ``wait(handle)`` returns the gathered value."""
+    out = functional("all_gather_single", "all_gather_tensor")(x.movedim(dim, 0).contiguous(), 0, GROUPS[axis])
+    return out if dim == 0 else (out, dim)
+
+
+def reduce_scatter_start(x, dim, axis):
+    """Start reduce_scatter(x, dim, axis); ``wait(handle)`` returns this rank's chunk."""
+    out = functional("reduce_scatter_single", "reduce_scatter_tensor")(
+        x.movedim(dim, 0).contiguous(), "sum", 0, GROUPS[axis])
+    return out if dim == 0 else (out, dim)
 
 
 def reduce_scatter(x, dim, axis):

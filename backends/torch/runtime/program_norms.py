@@ -71,10 +71,12 @@ def embedding_rows(ids, table, start):
 def embedding_grad_rows(dy, ids, rows, start, padding_idx=None):
     """Scatter-add of dy into this rank's ``rows`` table rows from ``start`` (others skipped;
     so are the ids equal to the global ``padding_idx``: torch's padding row gets no gradient)."""
-    local = ids - start
+    local = (ids - start).reshape(-1)
     ok = (local >= 0) & (local < rows)
     if padding_idx is not None:
-        ok = ok & (ids != padding_idx)
-    out = torch.zeros((rows, dy.shape[-1]), dtype=dy.dtype, device=dy.device)
-    return out.index_add_(0, local[ok], dy[ok])
+        ok = ok & (ids.reshape(-1) != padding_idx)
+    # the skipped ids add into one spare row past the table (no boolean indexing: its
+    # data-dependent shape would split a torch.compile graph), which the result leaves out
+    out = torch.zeros((rows + 1, dy.shape[-1]), dtype=dy.dtype, device=dy.device)
+    return out.index_add_(0, torch.where(ok, local, rows), dy.reshape(-1, dy.shape[-1]))[:rows]
 # <<< program.py

@@ -32,7 +32,10 @@ def all_reduce_max_start(x, axis):
 
 
 def all_reduce_max_start_(x, axis):
-    """Start an in-place all_reduce_max of a fresh contiguous value."""
+    """Start an in-place all_reduce_max of a fresh contiguous value (functional under
+    torch.compile, as :func:`all_reduce_start_`)."""
+    if torch.compiler.is_compiling():
+        return dist._functional_collectives.all_reduce(x, "max", GROUPS[axis])
     return x, dist.all_reduce(x, op=dist.ReduceOp.MAX, group=GROUPS[axis], async_op=True)
 
 

@@ -19,16 +19,30 @@ def ring_line(axis):
     return line.index(RANK), line
 
 
-def ring_shift(tensors, axis):
-    """One ring step: send each tensor to coordinate c+1, return what coordinate c-1 sent."""
+def ring_start(tensors, axis, receive=None):
+    """Post one ring step without waiting: send each of ``tensors`` to coordinate c+1 and
+    receive, from coordinate c-1, one tensor like each of ``receive`` (default: like
+    ``tensors``); :func:`ring_finish` waits and returns what arrived. Compute that does not
+    write the sent tensors may run in between (the transfer overlaps it)."""
     c, line = ring_line(axis)
     nxt, prv = line[(c + 1) % len(line)], line[(c - 1) % len(line)]
-    got = [torch.empty_like(t) for t in tensors]
+    got = [torch.empty_like(t) for t in (tensors if receive is None else receive)]
     ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, GROUPS[axis]) for t in tensors]
     ops += [dist.P2POp(dist.irecv, g, prv, GROUPS[axis]) for g in got]
-    for work in dist.batch_isend_irecv(ops):
+    return got, dist.batch_isend_irecv(ops) if ops else []
+
+
+def ring_finish(started):
+    """What a :func:`ring_start` received, once its sends and receives are done."""
+    got, works = started
+    for work in works:
         work.wait()
     return got
+
+
+def ring_shift(tensors, axis):
+    """One ring step: send each tensor to coordinate c+1, return what coordinate c-1 sent."""
+    return ring_finish(ring_start(tensors, axis))
 
 
 def ring_positions(chunking, n, coord, rows):
@@ -62,6 +76,7 @@ def ring_stats(q, k, v, scale, causal, axis, chunking, window=0):
     acc = torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)
     for step in range(n):
         owner = (c - step) % n
+        nxt = ring_start([k, v], axis) if step < n - 1 else None  # the next block moves meanwhile
         s, empty = ring_scores(q, k, scale, causal, qpos, ring_positions(chunking, n, owner, rows), window)
         if not empty:  # a block whose keys all follow this rank's queries is skipped
             m_new = torch.maximum(m, torch.amax(s, dim=-1, keepdim=True))
@@ -69,8 +84,8 @@ def ring_stats(q, k, v, scale, causal, axis, chunking, window=0):
             l = l * alpha + torch.sum(p, dim=-1, keepdim=True)
             acc = acc * alpha + torch.matmul(p, v)
             m = m_new
-        if step < n - 1:
-            k, v = ring_shift([k, v], axis)
+        if nxt is not None:
+            k, v = ring_finish(nxt)
     return acc / l, m + torch.log(l)
 
 
@@ -113,32 +128,49 @@ def ring_sdpa_grad(dy, q, k, v, scale, causal, axis, chunking, wrt, window=0):
 def ring_sdpa_grads(dy, q, k, v, scale, causal, axis, chunking, parts, window=0):
     """The gradients ``parts`` (a string of ``q``, ``k``, ``v``, in that order) of ring
     attention in one backward ring: the statistics recomputed by one forward ring pass, then
-    one pass in which each step uses its K/V block and the block's partial dK and dV travel
-    with it (one shift of [K, V, dK, dV] per step), and a last shift returns dK and dV to the
-    block's owner. At cp=2: 3 shifts for all three gradients (:func:`ring_sdpa_grad`: 8)."""
+    one pass over the K/V blocks in which every transfer overlaps compute. At step s this rank
+    posts, before computing on the block it holds: that block's K/V to coordinate c+1 (its
+    step s+1), the partial dK/dV of the block it held at step s-1 (sent on with it; the
+    owner's own part, of step 0, stays home) and the receive of the partial of the block it
+    holds now; after the last step the partial goes home to the block's owner, c+1. Per rank:
+    n-1 shifts of K/V and n-1 of dK/dV (at cp=2: the statistics pass, K/V, dK/dV home: 3;
+    :func:`ring_sdpa_grad`, one gradient at a time: 8)."""
     out, lse = ring_stats(q, k, v, scale, causal, axis, chunking, window)
     c, line = ring_line(axis)
     n, rows = len(line), q.shape[2]
     qpos, d = ring_positions(chunking, n, c, rows), torch.sum(dy * out, dim=-1, keepdim=True)
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dq, own, held = torch.zeros_like(q), None, None  # own: dK/dV of this rank's block; held: a partial
     travel = "k" in parts or "v" in parts  # partial dK / dV go round with their block
     for step in range(n):
         owner = (c - step) % n
+        moves = [k, v] if step < n - 1 else []  # this block, for coordinate c+1's next step
+        passes = travel and step >= 2  # the partial of the block held at step s-1, on with it
+        posted = ring_start(moves + (held if passes else []), axis, moves + ([k, v] if passes else [])) \
+            if moves or passes else None
         s, empty = ring_scores(q, k, scale, causal, qpos, ring_positions(chunking, n, owner, rows), window)
+        dk = dv = None  # this step's part of the block's gradients
         if not empty:
             p = torch.exp(s - lse)  # this step's block of the global probabilities
             ds = p * (torch.matmul(dy, v.transpose(-1, -2)) - d)
             if "q" in parts:
                 dq = dq + torch.matmul(ds, k) * scale
             if "k" in parts:
-                dk = dk + torch.matmul(ds.transpose(-1, -2), q) * scale
+                dk = torch.matmul(ds.transpose(-1, -2), q) * scale
             if "v" in parts:
-                dv = dv + torch.matmul(p.transpose(-1, -2), dy)
-        if step < n - 1:
-            k, v, dk, dv = ring_shift([k, v, dk, dv], axis) if travel else (*ring_shift([k, v], axis), dk, dv)
-        elif travel:  # a last shift returns them to the block's owner
-            dk, dv = ring_shift([dk, dv], axis)
-    got = {"q": dq, "k": dk, "v": dv}
+                dv = torch.matmul(p.transpose(-1, -2), dy)
+        dk = torch.zeros_like(k) if dk is None else dk
+        dv = torch.zeros_like(v) if dv is None else dv
+        got = ring_finish(posted) if posted is not None else []
+        if moves:
+            k, v = got[:2]
+        if step == 0:
+            own = [dk, dv]
+        else:  # the first rank after the owner starts the partial; the others add to it
+            held = [got[-2] + dk, got[-1] + dv] if passes else [dk, dv]
+    if travel and n > 1:  # the last partial goes home to its block's owner, c+1
+        home = ring_finish(ring_start(held, axis))
+        own = [own[0] + home[0], own[1] + home[1]]
+    got = {"q": dq, "k": own[0], "v": own[1]}
     grads = tuple(got[c] for c in parts)
     return grads if len(parts) > 1 else grads[0]
 # <<< program.py

@@ -10,6 +10,7 @@ import torch
 
 from .program_cluster import *
 from .program_common import *
+from .program_loading import Checkpoint, Slice
 
 # ---- stand-ins for what the emitter generates (never pasted) ----
 MAX_STEPS = 1_000_000  # parcomp.compile.program.MAX_STEPS, emitted as a constant
@@ -58,8 +59,11 @@ def parse_args(argv):
                     help=".safetensors, .pt state_dict, or a sharded checkpoint (directory or index.json)")
     ap.add_argument("--key-map", type=key_map_arg, default=(), metavar="RULES", help=KEY_MAP_HELP)
     ap.add_argument("--load-report", metavar="FILE", help=LOAD_REPORT_HELP)
-    ap.add_argument("--input", required=bool(INPUTS),
-                    help=".pt dict of inputs for every step, or a list of one dict per step")
+    ap.add_argument("--input", help=".pt dict of inputs for every step, or a list of one dict per step")
+    ap.add_argument("--data", metavar="MODULE:FUNCTION",
+                    help="the inputs from a dataset instead of --input: FUNCTION() a map-style dataset of samples "
+                         "(each rank reads only its share of each step's batch), or FUNCTION(shard=, num_shards=) "
+                         "an iterable of one share's samples")
     ap.add_argument("--output", help="where to write the last step's outputs and the losses (.pt)")
     ap.add_argument("--steps", type=step_count, default=TRAIN_STEPS, metavar="K",
                     help=f"training steps (default {TRAIN_STEPS})")
@@ -84,7 +88,149 @@ def parse_args(argv):
     args = ap.parse_args(argv)
     if args.save_every and not args.save:
         ap.error("--save-every N needs --save DIR (where the checkpoints go)")
+    if INPUTS and not (args.input or args.data):
+        ap.error(f"give the inputs ({', '.join(INPUTS)}): --input FILE.pt or --data MODULE:FUNCTION")
+    if args.input and args.data:
+        ap.error("--input and --data both give the inputs: give one")
     return args
+# <<< program.py
+
+
+# >>> program.py: data
+class SampleSlice(Slice):
+    """Input ``name`` of one step's global batch from a --data source, as the block ``ranges``
+    (``(start, length)`` per dim) that load_inputs narrows it to; nothing read until ``read()``,
+    which fetches only the samples of its dim-0 range (this rank's dp share)."""
+
+    def __init__(self, batch, name, shape, dtype, ranges):
+        self.batch, self.name, self.shape, self.dtype, self.ranges = batch, name, shape, dtype, ranges
+
+    def narrow(self, dim, start, length):
+        ranges = list(self.ranges)
+        ranges[dim] = (ranges[dim][0] + start, length)
+        return SampleSlice(self.batch, self.name, self.shape, self.dtype, ranges)
+
+    def read(self):
+        start, length = self.ranges[0]
+        parts = [self.batch.source.field(sample, self.name, self.shape[1:], self.dtype)
+                 for sample in self.batch.source.samples(self.batch.step, start, length, self.shape[0])]
+        out = torch.stack(parts) if parts else torch.empty((0, *self.shape[1:]), dtype=self.dtype)
+        for d, (first, size) in list(enumerate(self.ranges))[1:]:
+            out = out.narrow(d, first, size)
+        return torch.empty(out.shape, dtype=out.dtype).copy_(out)
+
+
+class DataBatch(Checkpoint):
+    """Step ``step``'s global batch in a --data source, read by load_inputs as a checkpoint is:
+    each input a SampleSlice, so each rank reads only the samples its slice holds."""
+
+    def __init__(self, source, step):
+        self.source, self.step = source, step
+
+    def take(self, name, shape, dtype):
+        if not shape:
+            fail(f"--data: input {name!r} is a scalar; a dataset's samples stack along dim 0 of every input")
+        return SampleSlice(self, name, tuple(shape), dtype, [(0, n) for n in shape])
+
+
+class DataSource:
+    """The samples a --data MODULE:FUNCTION gives: ``FUNCTION()`` a map-style dataset
+    (``len`` and ``[i]``: step k's global batch is samples (k-1)*B .. k*B-1, of which each rank
+    reads only its share), or, when FUNCTION takes ``shard`` and ``num_shards``,
+    ``FUNCTION(shard=i, num_shards=n)`` an iterable of shard i's samples alone (B/n a step).
+    A sample is a dict {input name: tensor}, a tuple in INPUTS order, or one tensor."""
+
+    def __init__(self, target):
+        self.target, self.fn, self.dataset, self.iterator, self.cache = target, None, None, None, {}
+        module, sep, name = target.rpartition(":")
+        if not sep or not module or not name:
+            fail(f"--data {target}: give MODULE:FUNCTION (a file.py or an importable module, and the "
+                 f"function returning the dataset)")
+        import importlib.util
+        import inspect
+
+        try:
+            if module.endswith(".py"):
+                spec = importlib.util.spec_from_file_location(f"parcomp_data_{abs(hash(module))}", module)
+                if spec is None or not os.path.isfile(module):
+                    fail(f"--data {target}: {module} does not exist")
+                mod = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(mod)
+            else:
+                mod = importlib.import_module(module)
+        except ImportError as e:
+            fail(f"--data {target}: cannot import {module}: {e}")
+        self.fn = getattr(mod, name, None)
+        if not callable(self.fn):
+            fail(f"--data {target}: {module} has no function {name}")
+        params = inspect.signature(self.fn).parameters
+        self.sharded = "shard" in params and "num_shards" in params
+        if not self.sharded:
+            self.dataset = self.fn()
+            if not (hasattr(self.dataset, "__getitem__") and hasattr(self.dataset, "__len__")):
+                fail(f"--data {target}: {name}() returned a {type(self.dataset).__name__}, not a map-style "
+                     f"dataset (len and [i]); for an iterable, let {name} take shard= and num_shards= "
+                     f"and return that shard's samples")
+
+    def samples(self, step, start, length, batch):
+        """The samples start .. start+length-1 of step ``step``'s global batch of ``batch``."""
+        key = (step, start, length)
+        if key in self.cache:
+            return self.cache[key]
+        if self.sharded:
+            if batch % length or start % length:
+                fail(f"--data {self.target}: this rank's share of the batch ({start}..{start + length - 1} of "
+                     f"{batch}) is not one of equal shards")
+            if self.iterator is None:
+                self.iterator = (iter(self.fn(shard=start // length, num_shards=batch // length)), (start, length))
+            elif self.iterator[1] != (start, length):
+                fail(f"--data {self.target}: the inputs split the batch differently; a sharded iterable "
+                     f"serves one share")
+            got = [s for _, s in zip(range(length), self.iterator[0])]
+            if len(got) < length:
+                fail(f"--data {self.target}: shard {start // length} ran out of samples at step {step}")
+        else:
+            first = (step - 1) * batch + start
+            if first + length > len(self.dataset):
+                fail(f"--data {self.target}: step {step} needs samples {(step - 1) * batch}..{step * batch - 1} "
+                     f"but the dataset has {len(self.dataset)}")
+            got = [self.dataset[i] for i in range(first, first + length)]
+        self.cache = {key: got}  # one step's samples kept: the next step's replace them
+        return got
+
+    def field(self, sample, name, shape, dtype):
+        """Input ``name`` of one sample, checked against its shape less the batch dim."""
+        if isinstance(sample, dict):
+            if name not in sample:
+                fail(f"--data {self.target}: a sample has no {name!r} (it has {', '.join(map(str, sample))})")
+            t = sample[name]
+        elif isinstance(sample, (tuple, list)):
+            if len(sample) != len(INPUTS):
+                fail(f"--data {self.target}: a sample of {len(sample)} values for inputs {', '.join(INPUTS)}")
+            t = sample[INPUTS.index(name)]
+        else:
+            t = sample
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+            got = f"{t.dtype}{list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            fail(f"--data {self.target}: input {name!r} of a sample is {got}; the program takes "
+                 f"{dtype}{list(shape)} per sample (the batch dim is the stacking)")
+        return t
+
+
+class StepData:
+    """Every step's inputs from a --data source, read when its step comes (``batches[i]``: step
+    ``offset + i + 1``): one step's batch on the device at a time."""
+
+    def __init__(self, source, steps):
+        self.source, self.steps, self.offset = source, steps, 0
+
+    def __len__(self):
+        return self.steps
+
+    def __getitem__(self, i):
+        if not -self.steps <= i < self.steps:
+            raise IndexError(i)
+        return load_inputs(DataBatch(self.source, self.offset + (i % self.steps) + 1))
 # <<< program.py
 
 
@@ -384,7 +530,8 @@ def train(params, batches, starts=None, step=None, log_every=1, first=1, after_s
     ``after_step(k, params)``, when given, runs after step k with its result (--save-every).
 
     Losses stay on the device: rank 0 prints every ``log_every``-th step's loss and the last
-    (the only reads to the host). Returns the last step's outputs and every loss (floats).
+    (the only reads to the host). Returns the last step's outputs and every loss (floats);
+    ``after_step`` returning True ends the loop after that step (a SIGTERM: :func:`stop_after`).
     """
     step, outputs, losses = step or train_step, {}, []
     numbers = torch.arange(1, first + len(batches), dtype=torch.float32, device=DEVICE)
@@ -401,9 +548,32 @@ def train(params, batches, starts=None, step=None, log_every=1, first=1, after_s
         losses.append(outputs["loss"])
         if RANK == 0 and (k % log_every == 0 or k == last):
             print(f"step {k} loss {outputs['loss'].item():.6g}", flush=True)
-        if after_step is not None:
-            after_step(k, params)
+        if after_step is not None and after_step(k, params):
+            break
     return outputs, torch.stack(losses).tolist() if losses else []
+
+
+def stop_after(k):
+    """Whether every rank stops after step ``k`` (a SIGTERM on some rank): the flags every rank
+    posted after step k-1 (``STOP["asked"]``, set by SIGTERM's handler), combined by one
+    all_reduce of one int that ran during step k, so no rank waits for it; then, unless
+    stopping, this step's flag is posted for the next. Every rank reads the same maximum, so
+    all stop after the same step: each ends the step its SIGTERM came in and at most one more."""
+    if stop_wait():
+        return True
+    flag = torch.tensor([int(STOP["asked"])], dtype=torch.int32, device=DEVICE)
+    STOP["flag"] = (flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True))
+    return False
+
+
+def stop_wait():
+    """The posted stop flag's maximum over the ranks (False when none is posted); waits for it
+    (at most --timeout, as every collective)."""
+    if STOP["flag"] is None:
+        return False
+    (flag, work), STOP["flag"] = STOP["flag"], None
+    work.wait()
+    return bool(flag.item())
 
 
 def load(args):
@@ -411,7 +581,11 @@ def load(args):
     directory checked first); under agree()."""
     check_output(args)
     params = load_checkpoint(args.checkpoint, args.key_map, args.load_report)
-    batches = read_batches(args.input, args.steps) if INPUTS else [{}] * args.steps
+    if INPUTS and args.data:
+        batches = StepData(DataSource(args.data), args.steps)
+        batches[0]  # the first step's batch read (and checked) now, under agree(); read again at its step
+    else:
+        batches = read_batches(args.input, args.steps) if INPUTS else [{}] * args.steps
     with torch.no_grad():
         starts = read_replay(args.replay, args.steps) if args.replay else None
     return params, batches, starts
@@ -425,19 +599,29 @@ def run(args):
     first = 1
     if args.resume:  # sharded checkpoint of any mesh's program
         params, first = resume_checkpoint(args.resume, params)
+    if isinstance(batches, StepData):  # a resumed run reads on from the saved step's next batch
+        batches.offset = first - 1
     last = first + args.steps - 1
     saves = saved_steps(first, last, args.save_every) if args.save else []
     if args.save:  # before training: a save that cannot succeed is found now, not after the last step
         agree(lambda: check_save(args.save, saves), "checking --save")
 
+    done = []  # the steps run
+
     def save_during(k, now):  # --save-every: atomic, so a run killed later resumes from step k
+        done.append(k)
         if k in saves and k != last:
             FAULT["where"] = f"saving the checkpoint of step {k}"
             save_checkpoint(args.save, now, k)
+        return k != last and stop_after(k)  # a SIGTERM: save step k (below) and exit
 
+    STOP["armed"] = bool(args.save)  # from here a SIGTERM ends the step and saves it
     with torch.no_grad():  # the backward pass is explicit in train_step: no autograd state
         outputs, losses = train(params, batches, starts, compiled_step(train_step, args), args.log_every,
-                                first, save_during if args.save_every else None)
+                                first, save_during if args.save else None)
+        stop_wait()  # the last step's flag: the run has ended anyway
+        if done and done[-1] != last:
+            stopped(args, {**params, **outputs}, done[-1], done[-1] in saves)
         if args.bench > 0:
             # on copies: train_step updates params and state in place
             copies = {k: v.clone() for k, v in params.items()}
@@ -448,4 +632,17 @@ def run(args):
     if args.output:
         FAULT["where"] = "writing the outputs"
         agree(lambda: write_outputs(outputs, losses, args.output), "writing the outputs")
+
+
+def stopped(args, now, k, saved):
+    """The end of a run stopped by SIGTERM after step ``k``: its checkpoint (unless --save-every
+    saved it), rank 0's line saying how to go on, and exit 143 on every rank (128 + SIGTERM:
+    the run did not reach its last step; --output is not written)."""
+    if not saved:
+        FAULT["where"] = f"saving the checkpoint of step {k} (stopped by SIGTERM)"
+        save_checkpoint(args.save, now, k)
+    if RANK == 0:
+        print(f"stopped by SIGTERM after step {k}: saved {os.path.join(args.save, f'step-{k}')}; "
+              f"go on with --resume {args.save}", flush=True)
+    raise SystemExit(143)
 # <<< program.py

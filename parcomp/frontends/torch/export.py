@@ -55,6 +55,7 @@ class _Builder:
         self.cur = None  # fx node being lowered, for error messages
         self.folded = set()  # fx nodes evaluated at import, not lowered (attention masks)
         self.fused = {}  # fx node -> lowering(builder, fx node) of a fused pattern (norms part)
+        self.dropout_sites = 0  # dropout nodes emitted so far (the next one's seed)
 
     def fresh(self, base: str) -> str:
         return self.taken.fresh(re.sub(r"[^A-Za-z0-9_.]", "_", base) or "v")
@@ -119,6 +120,23 @@ def _type_of(fx, b: _Builder) -> TensorType:
     if not all(isinstance(s, int) for s in val.shape):
         raise b.fail(f"%{fx.name} has a dynamic shape {tuple(val.shape)}; only static shapes work")
     return TensorType(tuple(int(s) for s in val.shape), DTYPES[val.dtype])
+
+
+def _batch_size(inputs) -> int | None:
+    """The batch: dim 0 shared by every user input fx node that is a tensor of rank 1 or
+    more; None when there is none or they differ."""
+    sizes = {int(v.shape[0]) for v in (n.meta.get("val") for n in inputs)
+             if isinstance(v, torch.Tensor) and v.dim() and isinstance(v.shape[0], int)}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def _repeats_over_batch(value: torch.Tensor, batch: int | None) -> bool:
+    """Whether folded ``value`` is one row repeated over the batch: dim 0 is the batch
+    (more than 1) and every row equals the first (a mask built for each sequence of the batch,
+    ``expand``-ed from the example input's shape)."""
+    if batch is None or batch < 2 or value.dim() == 0 or value.shape[0] != batch:
+        return False
+    return all(same_value(value[0], value[i]) for i in range(1, batch))
 
 
 def _bind(fx) -> dict:
@@ -244,7 +262,13 @@ def _returned_cache(module, exc) -> str | None:
             f"{type(config).__name__}(..., use_cache=False))")
 
 
-def _export(module, example_inputs: tuple):
+def export_module(module, example_inputs: tuple):
+    """``torch.export.export(module, example_inputs, strict=False)`` as the frontend runs it:
+    torch's own tracebacks quiet, a dataclass output registered, in-place ops functionalized.
+
+    Raises:
+        FrontendError: torch.export fails (the user's line that raised, when known).
+    """
     try:
         # traced in the mode it is given (not switched to eval: the user's module is not
         # changed); dropout with p > 0 in training mode becomes parcomp's dropout
@@ -308,12 +332,13 @@ def _tied(tied: dict, name: str) -> dict:
     return {"aliases": ",".join(sorted(tied[name]))} if tied.get(name) else {}
 
 
-def _frozen(module, sig, fx_name: str) -> dict:
-    """``{"trainable": False}`` for a buffer or a ``requires_grad=False`` parameter, else ``{}``."""
-    if fx_name in sig.inputs_to_buffers:
+def _frozen(frozen_params: set, buffers, params, fx_name: str) -> dict:
+    """``{"trainable": False}`` for a buffer or a ``requires_grad=False`` parameter, else
+    ``{}``; ``buffers``/``params``: the signature's placeholder -> state_dict key maps, read
+    once per import (torch builds them anew on each access, a walk over every input)."""
+    if fx_name in buffers or params[fx_name] in frozen_params:
         return {"trainable": False}
-    param = module.get_parameter(sig.inputs_to_parameters[fx_name])
-    return {} if param.requires_grad else {"trainable": False}
+    return {}
 
 
 def op_inventory(module: torch.nn.Module, example_inputs: tuple) -> dict:
@@ -326,7 +351,7 @@ def op_inventory(module: torch.nn.Module, example_inputs: tuple) -> dict:
     Raises:
         FrontendError: torch.export fails.
     """
-    ep = _export(module, example_inputs)
+    ep = export_module(module, example_inputs)
 
     def count(nodes) -> dict:
         names = [str(n.target) for n in nodes if n.op == "call_function" and n.target not in SKIP
@@ -369,11 +394,21 @@ def import_torch(module: torch.nn.Module, example_inputs: tuple,
             related supported op or rewrite: :mod:`.hints`), a shape is dynamic, or a
             dtype is unknown (complex: the real-arithmetic RoPE rewrite).
     """
-    ep = _export(module, example_inputs)
+    return import_exported(module, export_module(module, example_inputs), input_names)
+
+
+def import_exported(module: torch.nn.Module, ep, input_names: list | None = None) -> Graph:
+    """:func:`import_torch` past its torch.export step: ``ep`` (what :func:`export_module`
+    gave for ``module``; its fx graph is changed in place: causal masks are dropped) lowered
+    to a parcomp Graph. The work is linear in the exported graph's size: every fx node and
+    every input spec is visited a bounded number of times."""
     consts = fold(ep)  # fx node -> value, for what depends on constants and buffers only
     causal_attention(ep, consts, _bind)
     sig, b = ep.graph_signature, _Builder()
-    sources = {**sig.inputs_to_parameters, **sig.inputs_to_buffers}
+    params, buffers = dict(sig.inputs_to_parameters), dict(sig.inputs_to_buffers)
+    sources = {**params, **buffers}
+    frozen_params = {name for name, p in module.named_parameters(remove_duplicate=False)
+                     if not p.requires_grad}
     users = dict(zip(sig.user_inputs, _input_names(module, len(sig.user_inputs), input_names)))
     fx_nodes = list(ep.graph.nodes)
     tied = tied_aliases(module)
@@ -383,7 +418,7 @@ def import_torch(module: torch.nn.Module, example_inputs: tuple,
         if n.op != "placeholder":
             continue
         if n.name in sources:
-            b.env[n] = b.source("param", sources[n.name], n, **_frozen(module, sig, n.name),
+            b.env[n] = b.source("param", sources[n.name], n, **_frozen(frozen_params, buffers, params, n.name),
                                 **_tied(tied, sources[n.name]))
         elif n.name in users:
             b.env[n] = b.source("input", users[n.name], n)
@@ -391,12 +426,13 @@ def import_torch(module: torch.nn.Module, example_inputs: tuple,
             raise FrontendError(f"model input %{n.name} is a token or an opaque object; only "
                                 "parameters, buffers, constants and tensor inputs are supported")
     values = {}
+    batch = _batch_size([n for n in fx_nodes if n.name in users])
 
-    def frozen(n, value, suffix=""):  # one param per distinct value (each layer's RoPE cos is one)
+    def frozen(n, value, suffix="", own_shape=False):  # one param per distinct value (each layer's RoPE cos is one)
         found = next((k for k, v in values.items() if same_value(v, value)), None)
         if found is None:
             at = defining(n)
-            ty = TensorType(tuple(value.shape), DTYPES[value.dtype]) if suffix else _type_of(n, b)
+            ty = TensorType(tuple(value.shape), DTYPES[value.dtype]) if suffix or own_shape else _type_of(n, b)
             found = b.add(Node(b.fresh(".".join(filter(None, (_module_path(at), at.name))) + suffix),
                                "param", (), ty, make_attrs(trainable=False), source=_module_path(at)))
             values[found] = value.clone()
@@ -406,6 +442,9 @@ def import_torch(module: torch.nn.Module, example_inputs: tuple,
         b.cur, value = n, consts[n].detach()
         if value.dtype.is_complex and value.dtype in REAL:  # complex part: its two real parts
             b.env[n] = Complex(frozen(n, value.real.contiguous(), ".real"), frozen(n, value.imag.contiguous(), ".imag"))
+        elif _repeats_over_batch(value, batch):  # one row, expanded over the batch (ir.md)
+            b.env[n] = b.emit("expand", [frozen(n, value[0].contiguous(), own_shape=True)], "_batch",
+                              ty=_type_of(n, b), dims=(0,))
         else:
             b.env[n] = frozen(n, value)
     remember(module, values)

@@ -117,10 +117,10 @@ def materialized(ep, vals: dict) -> list:
     """The folded call_function nodes (and lifted-constant placeholders) that a computed
     node or the output uses: those become ``param`` nodes.  Buffers used directly keep
     their own ``param`` (they are not copied)."""
-    sig = ep.graph_signature
+    buffers = ep.graph_signature.inputs_to_buffers  # built anew on each access: read once
     out = []
     for n in ep.graph.nodes:
-        if n not in vals or (n.op == "placeholder" and n.name in sig.inputs_to_buffers):
+        if n not in vals or (n.op == "placeholder" and n.name in buffers):
             continue
         if isinstance(vals[n], torch.Tensor) and any(u not in vals for u in n.users):
             out.append(n)

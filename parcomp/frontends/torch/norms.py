@@ -57,7 +57,8 @@ def _dropout(b, n, a):
         return x
     if not 0 <= p <= 1:
         raise b.fail(f"dropout probability p={p} is outside [0, 1]")
-    seed = sum(1 for m in b.nodes if m.op == "dropout")  # this site's number
+    seed = b.dropout_sites  # this site's number: dropout nodes emitted before it
+    b.dropout_sites += 1
     return b.emit("dropout", [x], p=p, seed=seed)
 
 

@@ -97,6 +97,7 @@ def name_outputs(nodes: list, outs: list, wanted: list) -> tuple:
     for v, w in zip(outs, wanted):
         if ops[v] not in ("input", "param"):
             ren.setdefault(v, w)
-    nodes = [replace(n, name=ren.get(n.name, n.name), inputs=tuple(ren.get(i, i) for i in n.inputs))
-             for n in nodes]
+    if ren:  # nodes that neither are renamed nor use a renamed value stay as they are
+        nodes = [replace(n, name=ren.get(n.name, n.name), inputs=tuple(ren.get(i, i) for i in n.inputs))
+                 if n.name in ren or any(i in ren for i in n.inputs) else n for n in nodes]
     return nodes, [ren.get(v, v) for v in outs]

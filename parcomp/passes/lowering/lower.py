@@ -13,9 +13,12 @@ the statements an emitter prints (one statement per node, plus ``del``):
   ``pow_grad(expand(dl), y - t)`` -> ``mse_grad(dl, y, t)``;
 - ``fuse-updates``: the optimizer's ``p - scale(g)``, ``scale(m) + g``, ``scale(m) + scale(g)``
   -> ``add_scaled`` / ``axpby`` (only nodes of the optimizer phase, ``Node.phase``);
-- ``overlap-collectives``: an ``all_reduce`` with independent work after it becomes
-  ``all_reduce{async_op=true}`` (started as early as its operand allows) plus a ``wait``
-  placed just before the first use (program order otherwise kept: deterministic);
+- ``overlap-collectives``: an ``all_reduce``, ``all_gather`` or ``reduce_scatter`` with
+  independent work after it becomes ``OP{async_op=true}`` (started as early as its operand
+  allows) plus a ``wait`` placed just before the first use (program order otherwise kept:
+  deterministic): DDP's and tensor parallel's sums, ZeRO's gradient reduce_scatters during the
+  backward and its param all_gathers during the next params' update, sequence parallel's
+  gathers and scatters where independent work follows;
 - ``in-place``: ``inplace=true`` on an ``all_reduce`` of a fresh buffer, and on an ``add`` or
   update whose first operand (a parameter, optimizer state or a fresh value) nothing reads
   afterwards: the result is written into that operand's buffer, as ``torch.optim`` does
@@ -134,12 +137,19 @@ def fuse_updates(graph: Graph) -> Graph:
     return _rebuild(graph, new, dead)
 
 
+# the collectives overlap-collectives starts early: the dp and tp sums, sequence parallel's
+# and ZeRO's gathers (the next bucket's params gathered while the update goes on), the
+# reduce_scatters of sequence parallel and of ZeRO's gradients
+OVERLAPPED = ("all_reduce", "all_gather", "reduce_scatter")
+
+
 def overlap_collectives(graph: Graph) -> Graph:
-    """Start each ``all_reduce`` right after its operand (and every other reader of it) and
-    wait for it just before its first use, when independent nodes lie in between."""
+    """Start each collective of :data:`OVERLAPPED` right after its operand (and every other
+    reader of it) and wait for it just before its first use, when independent nodes lie in
+    between."""
     users, outs = graph.users(), set(graph.outputs)
     order, waits = [n.name for n in graph.nodes], {}
-    for n in graph.by_op("all_reduce"):
+    for n in [m for m in graph.nodes if m.op in OVERLAPPED]:
         rest = order.copy()
         rest.remove(n.name)  # names are unique: order without n
         x = waits.get(n.inputs[0], n.inputs[0])

@@ -294,14 +294,15 @@ def split_stages(graph: Graph, stage: dict, pp: int) -> tuple:
 
 def rebatch(graph: Graph, batch: int) -> Graph:
     """``graph`` with dim 0 of every input set to ``batch`` (a microbatch) and every
-    other type inferred again (a reshape whose operand shrank shrinks its dim 0 alike:
-    GPT-2's ``[2,8,32] -> [16,32]`` becomes ``[1,8,32] -> [8,32]``).
+    other type inferred again; the entries of shape attributes that carry the batch rescale
+    (:func:`_rebatch_reshape`: GPT-2's ``[2,8,32] -> [16,32]`` becomes ``[1,8,32] -> [8,32]``).
 
     Raises:
         ParcompError: an input has no batch dim, or an op's inferred type fails (an op
             with a fixed shape attribute that names the batch).
     """
     types, nodes = {}, []
+    full = {n.type.shape[0] for n in graph.nodes if n.op == "input" and n.type.rank}  # the batch
     for n in graph.nodes:
         if n.op == "input":
             if not n.type.rank:
@@ -311,7 +312,7 @@ def rebatch(graph: Graph, batch: int) -> Graph:
         elif n.op == "param":
             ty = n.type
         else:
-            n = _rebatch_reshape(n, graph, types)
+            n = _rebatch_reshape(n, graph, types, full, batch)
             try:
                 ty = OPS[n.op].infer([types[i] for i in n.inputs], n)
             except Exception as e:  # noqa: BLE001 - any inference failure is the same user error
@@ -324,26 +325,73 @@ def rebatch(graph: Graph, batch: int) -> Graph:
     return graph.with_nodes(nodes)
 
 
-def _rebatch_reshape(node: Node, graph: Graph, types: dict) -> Node:
-    """A reshape whose operand's element count changed gets its dim 0 scaled alike (the
-    batch leads both shapes); a node whose type is its own attribute (an ``expand`` not along
-    dim 0, a ``cast``, a ``slice`` of another dim) and whose dim 0 followed its operand's
-    batch takes the new batch (GQA's ``expand`` of the kv heads); any other node is returned
-    as is."""
-    if node.op != "reshape" and node.inputs and node.type.rank:
-        old, new = graph[node.inputs[0]].type, types[node.inputs[0]]
-        if (old.rank and new.rank and old.shape[0] != new.shape[0] and node.type.shape[0] == old.shape[0]
-                and not (node.op == "expand" and 0 in node.attr("dims"))
-                and not (node.op in ("slice", "slice_grad") and node.attr("dim") == 0)):
-            return Node(node.name, node.op, node.inputs, node.type.with_shape((new.shape[0], *node.type.shape[1:])),
-                        node.attrs, node.layout, node.in_layouts, node.phase, node.source, node.spec_loc)
+def _rebatch_reshape(node: Node, graph: Graph, types: dict, full: set = frozenset(), batch: int = 0) -> Node:
+    """``node`` with the entries of its type that carry the batch rescaled, where its type is
+    its own attribute (``reshape``, ``expand``, ``cast``, ``slice_grad``...; for other ops the
+    type is inferred again anyway). One rule per kind of shape, wherever the batch dim went:
+
+    - a ``reshape``: its operand's dims and its own are matched in groups of equal element count
+      (``[2,8,32] -> [16,32]``: ``(2,8)->(16)``, ``(32)->(32)``); a group whose operand dims
+      changed scales the first of its own dims that takes the ratio (``[1,8,32] -> [8,32]``;
+      an MoE's ``[E,T,1,H] -> [E,T,H]`` keeps ``E`` and scales the tokens ``T``);
+    - any other node: each dim that equalled a changed operand dim follows it (GQA's ``expand``
+      of the kv heads, a ``cast``; an expand's operand dims are its dims outside ``dims``; a
+      ``slice``'s sliced dim keeps its own size);
+    - an ``expand`` that inserts dim 0 at the full batch (``full``: the inputs' dim 0)
+      broadcasts over the batch and takes ``batch`` (a folded mask's row, a ViT's class token).
+
+    Any other node is returned as is (its inference then says what does not fit)."""
+    if not node.inputs or not node.type.rank:
         return node
-    if node.op != "reshape" or not node.type.rank:
+    old, new = graph[node.inputs[0]].type, types[node.inputs[0]]
+    shape = list(node.type.shape)
+    if node.op == "reshape":
+        if old.numel != new.numel:
+            shape = _regroup(old.shape, new.shape, node.type.shape) or shape
+    elif old.rank == new.rank:
+        inserted = node.attr("dims") if node.op == "expand" else ()
+        outer = [d for d in range(node.type.rank) if d not in inserted]  # the operand's dims, in order
+        fixed = node.attr("dim") if node.op in ("slice", "slice_grad") else None
+        if len(outer) == old.rank:
+            for d, (was, now) in enumerate(zip(old.shape, new.shape)):
+                if was != now and shape[outer[d]] == was and outer[d] != fixed:
+                    shape[outer[d]] = now
+        if (node.op == "expand" and 0 in inserted and shape[0] in full and batch
+                and shape[0] != batch):
+            shape[0] = batch
+    if tuple(shape) == node.type.shape:
         return node
-    old, new = graph[node.inputs[0]].type.numel, types[node.inputs[0]].numel
-    lead = node.type.shape[0] * new
-    if old == new or lead % old:
-        return node
-    shape = (lead // old, *node.type.shape[1:])
-    return Node(node.name, node.op, node.inputs, node.type.with_shape(shape), node.attrs, node.layout,
+    return Node(node.name, node.op, node.inputs, node.type.with_shape(tuple(shape)), node.attrs, node.layout,
                 node.in_layouts, node.phase, node.source, node.spec_loc)
+
+
+def _regroup(was: tuple, now: tuple, out: tuple) -> tuple | None:
+    """``out`` (a reshape of shape ``was``) as the reshape of ``now`` (``was`` with some dims
+    changed): ``was`` and ``out`` split into consecutive groups of equal element count; a
+    group whose dims changed scales the first of its ``out`` dims that the ratio divides
+    evenly. None where no such grouping or dim exists."""
+    import math
+
+    res, i, j = list(out), 0, 0
+    while i < len(was) and j < len(out):
+        gi, gj = [i], [j]
+        pi, pj = was[i], out[j]
+        i, j = i + 1, j + 1
+        while pi != pj:
+            if pi < pj and i < len(was):
+                pi, gi = pi * was[i], gi + [i]
+                i += 1
+            elif pj < pi and j < len(out):
+                pj, gj = pj * out[j], gj + [j]
+                j += 1
+            else:
+                return None
+        before, after = pi, math.prod(now[k] for k in gi)
+        if before != after:
+            k = next((k for k in gj if (out[k] * after) % before == 0 and out[k] * after // before >= 1), None)
+            if k is None:
+                return None
+            res[k] = out[k] * after // before
+    if any(now[k] != 1 for k in range(i, len(was))) or any(out[k] != 1 for k in range(j, len(out))):
+        return None
+    return tuple(res)
