@@ -32,8 +32,11 @@ def _slices(feeds, names, plan):
 
 def _run(plan, s: int, kind: str, feeds: dict) -> dict:
     """Stage ``s``'s ``kind`` program (forward / backward / optimizer, or ZB-H1's
-    backward_input / backward_weight of ``plan.split``) on full arrays."""
-    if kind.startswith("backward_"):
+    backward_input / backward_weight of ``plan.split``) on full arrays: the lowered program
+    (``plan.lowered``, what program.py prints) once ``lower-stages`` ran."""
+    if plan.lowered:
+        local = plan.lowered[s].programs[kind]
+    elif kind.startswith("backward_"):
         local = getattr(plan.split[s], kind)
     elif not plan.local:
         return run_unsharded(getattr(plan.stages[s], kind), feeds)

@@ -4,6 +4,7 @@ collective with its provenance and cost, the training loop (:mod:`parcomp.compil
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 from ..cost.topology import axis_groups, joint_groups
 from ..ir.graph import Graph
@@ -36,6 +37,45 @@ def build_program(sharded: Graph, local: Graph, spec) -> Program:
     return Program(local, groups, getattr(spec, "file", None), {n.name: n.phase for n in local.nodes},
                    prov, _collectives(sharded, local, prov), _train_loop(local, spec), sharded.search,
                    {"topology": getattr(spec, "topology", None), **dict(getattr(spec, "launch", ()))})
+
+
+def stage_programs(plan, spec) -> tuple:
+    """Per virtual stage of a pipeline ``plan`` (after ``lower-stages``), ``{kind: Program}`` of
+    each of its lowered programs (forward, backward, optimizer, ...): the facts the SPMD
+    program's step is printed from (provenance, each collective's bytes and reason), so a stage
+    function is printed by the same code; ``train`` is None (the pipeline runtime runs the loop)."""
+    return tuple({k: _stage_program(st.sharded.get(k), g, spec) for k, g in st.programs.items()}
+                 for st in plan.lowered)
+
+
+def _stage_program(sharded: Graph | None, local: Graph, spec) -> Program:
+    """One stage program's :class:`Program`; ``sharded``: the global graph it was localized from
+    (None: a stage's own unsharded graph, which has no collectives)."""
+    phases, prov = {n.name: n.phase for n in local.nodes}, _provenances(local.nodes)
+    if sharded is None or local.mesh is None:
+        return Program(local, {}, getattr(spec, "file", None), phases, prov, (), None)
+    prog = build_program(_restricted(sharded, local), local, spec)
+    return replace(prog, train=None)
+
+
+def _restricted(sharded: Graph, local: Graph) -> Graph:
+    """``sharded`` cut to what ``local`` computes (a ZB-H1 half of a backward): a value ``local``
+    takes as an input is an input here, and only the nodes ``local``'s values depend on stay
+    (with those its lowering fused away, which their readers still name here)."""
+    cut = {n.name: replace(n, op="input", inputs=()) for n in sharded.nodes
+           if n.name in local and local[n.name].op == "input" and n.op != "input"}
+    todo, keep = [n.name for n in local.nodes if n.name in sharded], set()
+    while todo:
+        v = todo.pop()
+        if v not in keep:
+            keep.add(v)
+            todo.extend(cut[v].inputs if v in cut else sharded[v].inputs)
+    if len(keep) == len(sharded.nodes) and not cut:
+        return sharded
+    nodes = [cut.get(n.name, n) for n in sharded.nodes if n.name in keep]
+    outs = [(k, v) for k, v in sharded.named_outputs() if v in keep]
+    return replace(sharded, nodes=tuple(nodes), outputs=tuple(v for _, v in outs),
+                   output_names=tuple(k for k, _ in outs), search=None)
 
 
 def _provenances(nodes) -> dict:

@@ -1,7 +1,7 @@
 """The compiler's front door: graph + spec -> sharded graph, per-rank program, report."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from ..cost.memory import check_peak
@@ -14,7 +14,7 @@ from ..passes.pipeline.pipeline_plan import attach_pipeline
 from ..passes.train.accumulate import accumulate_warnings, loss_accumulation
 from ..report.cp_report import sp_cp_record  # SP vs CP
 from ..report.report import build_report
-from .build import build_program
+from .build import build_program, stage_programs
 from .gcpause import no_cycle_collection
 from .moe_warnings import moe_gather_warnings
 from .pinned_gathers import pinned_gather_warnings
@@ -100,6 +100,8 @@ def _compile(graph: Graph, spec, after, reuse=True) -> Compiled:
     report["warnings"] += accumulate_warnings(graph, spec)  # a per-microbatch token mean, averaged
     if loss_accumulation(graph, spec):  # accumulate=K, loss=output: token mean or mean of K losses
         report["training"]["loss_accumulation"] = loss_accumulation(graph, spec)
-    if "split-stages" in stages:  # a pp mesh axis and a train line: the pipeline's plan
-        prog, report = attach_pipeline(stages["split-stages"], spec, prog, report)
+    if "split-stages" in stages:  # a pp mesh axis and a train line: the pipeline's plan, its
+        plan = stages["lower-stages"]  # stages' programs lowered as the SPMD program
+        prog, report = attach_pipeline(plan, spec, prog, report)
+        prog = replace(prog, stages=stage_programs(plan, spec))
     return Compiled(graph, logical, sharded, program, report, spec, prog, reused)

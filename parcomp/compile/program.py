@@ -142,6 +142,9 @@ class Program:
             simulation), or None.
         launch: how program.py runs on a cluster: the spec's ``topology`` (nodes, devices
             per node) or None, and its ``placement`` / ``timeout`` keys where given.
+        stages: with ``pipeline``, per virtual stage ``{kind: Program}`` of its lowered
+            programs (``forward``, ``backward``, ``optimizer``, ...; ``train`` None): what the
+            stage functions are printed from, as the SPMD step is from this Program; else ().
     """
 
     graph: Graph
@@ -154,6 +157,7 @@ class Program:
     search: dict | None = None
     launch: dict | None = None  # {topology: (nodes, per node) | None, placement=, timeout=}
     pipeline: object = None
+    stages: tuple = ()
 
     @property
     def mesh(self):

@@ -12,7 +12,7 @@ group it belongs to. A *check* returns its input unchanged or raises a located e
 contract) and hands each graph to ``after`` (``--print-ir-after-all``). Everything that runs
 passes runs this list, or a part of it picked by name or group: ``compile_graph``, block
 reuse (the same list on a few blocks, :mod:`parcomp.compile.repeat_compile`), the pipeline's
-per-stage sharding (group ``shard``), :func:`bind_layouts` (group ``bind``) and
+per-stage sharding (group ``shard``) and lowering (group ``lower``), :func:`bind_layouts` (group ``bind``) and
 :func:`plan_pipeline`. ``docs/ARCHITECTURE.md``'s table is :func:`pass_table`'s text.
 
 The list lives in ``passes/`` (not ``compile/``) because the pipeline's per-stage sharding and
@@ -43,6 +43,7 @@ from .lowering.lower import fuse_matmuls, fuse_mse, fuse_updates, free_dead, in_
 from .lowering.moe_ragged import moe_ragged
 from .moe_capacity import apply_moe_spec
 from .pipeline.pipeline_plan import PipelinePlan, make_plan
+from .pipeline.stage_lower import lower_stages
 from .shard_prop import shard_prop
 from .verify import check_model_mesh, verify
 from .vocab_pad import pad_vocab_tables
@@ -150,6 +151,20 @@ def _shard_stage(graph: Graph) -> tuple:
     return stages["insert-collectives"], stages["localize"]
 
 
+@_doing(lower_stages)
+def _lower_stages(graph, ctx) -> PipelinePlan:
+    """The pipeline's plan with each stage's programs (per-rank with tp inside the stages)
+    through group ``lower`` of the list, as the SPMD program: ``graph`` (the SPMD program) is
+    not read."""
+    return lower_stages(ctx.stages["split-stages"], _lower_stage)
+
+
+def _lower_stage(graph: Graph) -> Graph:
+    """A pipeline stage's program through group ``lower`` (no spec: a stage program has no dp
+    axis, so ``bucket-dp-grads`` finds nothing to bucket)."""
+    return program_stage(run_passes(graph, None, group("lower")))
+
+
 def _has_moe(spec):
     return getattr(spec, "moe", None) is not None
 
@@ -229,6 +244,9 @@ PASSES = (
     Pass("split-stages", _split_stages, "pipeline",
          "the model cut into stages; each stage's forward, backward and optimizer programs, sharded "
          "inside the stage by group `shard`", _pipelined, "a `pp` mesh axis and a `train` line"),
+    Pass("lower-stages", _lower_stages, "pipeline",
+         "each stage's forward, backward and optimizer programs through group `lower`, as the SPMD "
+         "program", _pipelined, "a `pp` mesh axis and a `train` line"),
 )
 
 
@@ -289,6 +307,8 @@ def run_passes(graph: Graph, spec, passes=None, after: Callable | None = None, *
 def _plan_graphs(plan) -> list:
     """A pipeline plan's graphs: each stage's forward, backward and optimizer programs (the
     per-rank ones when the stages are sharded inside)."""
+    if plan.lowered:
+        return [g for st in plan.lowered for g in st.programs.values()]
     return [getattr(st, kind) for st in (plan.local or plan.stages) for kind in ("forward", "backward", "optimizer")]
 
 
@@ -327,13 +347,14 @@ def bind_layouts(graph: Graph, spec) -> Graph:
 
 def plan_pipeline(graph: Graph, spec) -> PipelinePlan:
     """The pipeline plan of a model ``graph`` (after group ``model``) under a spec with a ``pp``
-    axis and a ``train`` line: ``decompose-reductions``, group ``bind`` and ``split-stages``.
+    axis and a ``train`` line: ``decompose-reductions``, group ``bind`` and group ``pipeline``
+    (``split-stages``, then ``lower-stages``).
 
     Raises:
         SpecError: as :func:`parcomp.passes.pipeline.pipeline_plan.make_plan`.
     """
     passes = [p for p in passes_for(spec) if p.group in ("forward", "bind", "pipeline")]
-    return run_passes(graph, spec, passes, check=False)["split-stages"]
+    return run_passes(graph, spec, passes, check=False)["lower-stages"]
 
 
 def pass_table() -> str:

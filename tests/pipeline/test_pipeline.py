@@ -13,7 +13,7 @@ from parcomp.check.training import data_for, initial_state
 from parcomp.cost.placement import format_placement, placement_table
 from parcomp.errors import ParcompError, SpecError
 from parcomp.passes.autodiff import add_training_step
-from parcomp.passes.pass_list import bind_layouts, plan_pipeline
+from parcomp.passes.pass_list import bind_layouts, group, plan_pipeline, program_stage, run_passes
 from parcomp.passes.pipeline.pipeline_plan import format_pipeline
 from parcomp.passes.pipeline.schedule import (Action, ScheduleError, analytic_bubble, rank_actions,
                                      schedule, simulate)
@@ -51,11 +51,15 @@ def assert_detects_a_wrong_scale(got, want):
     assert not compare_all(wrong, want, None, rtol_of(*want.values()))["ok"]
 
 
-def reference(g, train=TRAIN, seed=0):
-    """The unsharded training step of ``g`` (no pp), its feeds and its outputs."""
+def reference(g, train=TRAIN, seed=0, lowered=False):
+    """The unsharded training step of ``g`` (no pp), its feeds and its outputs; ``lowered``: the
+    step through the list's group ``lower`` as the SPMD program computes it (in bf16/fp16 a fused
+    linear rounds its bias add once, as the pipeline's lowered stages do)."""
     pipe = ("microbatches=", "schedule=", "stages=", "virtual=")
     s = spec("mesh tp=1\n" + " ".join(w for w in train.split() if not w.startswith(pipe)) + "\n")
     ref = add_training_step(bind_layouts(g, s), s)
+    if lowered:
+        ref = program_stage(run_passes(ref, None, group("lower")))
     feeds = {k: v for k, v in random_feeds(ref, seed, scale=0.15).items()  # O(1) activations
              if ref[k].phase != "optimizer"}
     feeds = initial_state(ref, {**feeds, **data_for(ref, seed)})  # zero optimizer state

@@ -125,7 +125,8 @@ def test_low_precision_equals_the_unsharded_step_accumulating_the_same_microbatc
     microbatches, then dp); fp16 seeds the last stage's backward with the loss scale and unscales
     the summed gradients in every stage's update. The unsharded reference that sums the same microbatches is
     ``accumulate=K`` (torch: K autocast forward/backward into fp32 .grad, as
-    tests/training/test_precision_accumulate.py shows): equal within float32's tolerance (the
+    tests/training/test_precision_accumulate.py shows), lowered as the SPMD program is (the
+    stages are: a fused linear rounds its bias add once): equal within float32's tolerance (the
     unsharded full-batch bf16 step differs by bf16 rounding: its gradient sums over the batch
     in bf16)."""
     from parcomp.check.differential import compare_all, tolerance_for
@@ -134,7 +135,7 @@ def test_low_precision_equals_the_unsharded_step_accumulating_the_same_microbatc
     dp = 2 if "dp=2" in head else 1
     train = f"{OPT} precision={precision} {CLIP}"
     ref, feeds, want = reference(chain_graph(blocks=4, batch=8 // (2 * dp)),
-                                 f"{train} accumulate={2 * dp}")
+                                 f"{train} accumulate={2 * dp}", lowered=True)
     plan = plan_pipeline(chain_graph(blocks=4, batch=8), spec(f"{head}{train}\n"))
     low = {"bf16": "bfloat16", "fp16": "float16"}[precision]
     assert plan.stages[1].forward[plan.stages[1].recv[0]].type.dtype == low  # p2p in 2 bytes
@@ -157,7 +158,7 @@ def test_fp16_overflow_skips_the_step_on_every_stage(head):
     train = f"{OPT} precision=fp16 loss_scale=1e19"
     plan = plan_pipeline(chain_graph(blocks=4, batch=8), spec(f"{head}{train}\n"))
     with np.errstate(all="ignore"):  # the overflow is the point
-        ref, feeds, want = reference(chain_graph(blocks=4, batch=2), f"{train} accumulate=4")
+        ref, feeds, want = reference(chain_graph(blocks=4, batch=2), f"{train} accumulate=4", lowered=True)
         got = run_pipeline_step(plan, feeds)
     assert (float(got["amp.skipped"]), float(got["amp.scale_ratio"])) == (1.0, -0.5)
     for p in ("0.weight", "11.weight"):  # the first and the last stage both skipped
@@ -201,7 +202,7 @@ def test_every_schedule_takes_every_option(schedule):
 
     train = (f"train optimizer=adamw(lr=0.01) input_grads=no microbatches=2 schedule={schedule} "
              f"precision=fp16 {CLIP} lr_schedule=linear(total_iters=4)")
-    ref, feeds, want = reference(chain_graph(blocks=4, batch=4), f"{train} accumulate=2")
+    ref, feeds, want = reference(chain_graph(blocks=4, batch=4), f"{train} accumulate=2", lowered=True)
     plan = plan_pipeline(chain_graph(blocks=4, batch=8), spec(f"mesh pp=2\n{train}\n"))
     assert all(st.stats is not None for st in plan.stages)
     assert_all_equivalent(run_pipeline_step(plan, feeds), want)

@@ -103,7 +103,7 @@ def _emit(compiled, profile, model, steps, functional, constants) -> str:
 
         if pipeline_emittable(prog):  # else (tp inside a stage) the SPMD program, pp replicated
             check_pipeline_profile(prof)
-            return emit_pipeline_program(prog, model, node_code, prof, constants)
+            return emit_pipeline_program(prog, model, step_function, prof, constants)
     program, train = prog.graph, prog.train
     if train is not None and steps:
         train = replace(train, steps=int(steps))
@@ -131,24 +131,43 @@ def _forward(prog, names, train, dropless=None) -> str:
     ``dropless``: the MoE statements on packed routed tokens (emit/moe_dropless.py)."""
     fn, doc = ("train_step", "One training step (forward, backward, update)") if train else (
         "forward", "One forward step on this rank")
-    lines = [f"def {fn}(p, inp):", f'    """{doc}: local slices in, {{output name: local value}} out."""']
+    return step_function(prog, fn, f"{doc}: local slices in, {{output name: local value}} out.", names,
+                         dropless=dropless)
+
+
+def step_function(prog, fn: str, doc: str, names=None, pop_inputs: bool = False, dropless=None) -> str:
+    """``def fn(p, inp)`` computing ``prog``'s lowered graph: one statement per node, in its
+    order, each ending in its layout, type and the spec rule that caused it; above each
+    collective the comment saying why it is there and its bytes per rank; ``del`` of the
+    values a node ``frees``. The SPMD program's step and each pipeline stage's functions
+    (:mod:`.pipeline`) are printed by it. ``names``: value -> Python name (default
+    :func:`python_names`); ``pop_inputs``: inputs are taken out of ``inp`` (the caller's
+    dict) and deleted after their last reader, so a stage function frees a received
+    activation or a stashed value as soon as it is read for the last time; ``dropless``: the
+    MoE statements on packed routed tokens (emit/moe_dropless.py)."""
+    names = python_names(prog) if names is None else names
+    lines = [f"def {fn}(p, inp):", f'    """{doc}"""']
     packed = dropless.lines if dropless is not None else {}
     if dropless is not None and (dropless.active or dropless.why):
         lines += comment_lines(dropless.comment(), "    ")
     program, provenance, var_of = prog.graph, prog.provenance, names.__getitem__
+    popped = _popped_inputs(program) if pop_inputs else {}
+    block = program if program.stage == "local" else None  # per-rank: block offsets read COORD
     tails = {}  # (id(layout), id(type)) -> "  # [S(0), R] f32[8,32]": nodes share these objects
     for n in program.nodes:
         op = n.op
         tail = tails.get((id(n.layout), id(n.type)))
         if tail is None:
-            tail = tails[id(n.layout), id(n.type)] = f"  # {layout_str(n.layout)} {n.type}"
+            tail = tails[id(n.layout), id(n.type)] = (f"  # {layout_str(n.layout)} {n.type}"
+                                                      if n.layout is not None else f"  # {n.type}")
         ref = provenance[n.name].spec_ref
         if ref:  # as _spec_ref, after a "; "
             tail += f"; {ref}"
         var = names[n.name]
         if op == "input" or op == "param":
-            src = "p" if op == "param" else "inp"
-            lines.append(f"    {var} = {src}[{_json_str(n.name)}]{tail}")
+            key = _json_str(n.name)
+            take = f"p[{key}]" if op == "param" else f"inp.pop({key})" if pop_inputs else f"inp[{key}]"
+            lines.append(f"    {var} = {take}{tail}")
             continue
         if op in _LAYOUT_OPS:
             lines += _layout_comment(program, n, prog.collective(n.name), names, n.name in packed)
@@ -161,15 +180,30 @@ def _forward(prog, names, train, dropless=None) -> str:
             lines += [f"    {text}" for text in packed[n.name][:-1]] + [f"    {packed[n.name][-1]}{tail}"]
         elif first == n.name:  # one attention's gradients in one statement (emit/attention.py)
             lines.append(f"    {joint_targets(program, first, names)} = "
-                         f"{node_code(n, list(map(var_of, n.inputs)), program, parts)}{tail}")
+                         f"{node_code(n, list(map(var_of, n.inputs)), block, parts)}{tail}")
         elif first is None:
-            lines.append(f"    {var} = {node_code(n, list(map(var_of, n.inputs)), program)}{tail}")
-        frees = n.attr("frees")
+            lines.append(f"    {var} = {node_code(n, list(map(var_of, n.inputs)), block)}{tail}")
+        frees = n.attr("frees").split() if n.attr("frees") else []
+        frees += popped.get(n.name, [])
         if frees:
-            lines.append("    del " + ", ".join(map(var_of, frees.split())))
+            lines.append("    del " + ", ".join(map(var_of, frees)))
     ret = ", ".join(f"{json.dumps(pub)}: {names[v]}" for pub, v in program.named_outputs())
     lines.append(f"    return {{{ret}}}")
     return "\n".join(lines)
+
+
+def _popped_inputs(program) -> dict:
+    """``{node: [inputs whose last reader it is]}`` (inputs that are no output)."""
+    outs, last = set(program.outputs), {}
+    inputs = {n.name for n in program.inputs} - outs
+    for n in program.nodes:
+        for v in n.inputs:
+            if v in inputs:
+                last[v] = n.name
+    out = {}
+    for v, reader in last.items():
+        out.setdefault(reader, []).append(v)
+    return out
 
 
 def _layout_comment(program, n, record, names, dropless=False) -> list:

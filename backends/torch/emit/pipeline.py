@@ -4,8 +4,11 @@ The program holds, as plain Python: the PROFILE block (the SPMD program's, for e
 profile), the placement table, every rank's actions (``ACTIONS``: the schedule parcomp simulated,
 each run of sends and receives one slot, a ``batch_isend_irecv`` whose order on both ranks
 :func:`parcomp.passes.pipeline.schedule.p2p_slots` checked), and per stage three functions printed
-from the stage's graphs (``stage0_forward``, ``stage0_backward``, ``stage0_optimizer``, one
-statement per node, with the same op table as :mod:`parcomp_backends.torch.emit`).  The runtime is
+from the stage's lowered programs (``stage0_forward``, ``stage0_backward``, ``stage0_optimizer``:
+``plan.lowered``, printed from ``Program.stages`` by the SPMD step's printer,
+:func:`parcomp_backends.torch.emit.step_function`: one statement per node, its layout, type and
+spec rule, a reason above each collective, ``del`` where values die); each point-to-point slot
+and each all_reduce ``step()`` runs has its reason in a comment too.  The runtime is
 the SPMD program's (:mod:`parcomp_backends.torch.runtime`: ``--device``, ``--key-map``,
 ``--load-report``, ``--compile``, ``--placement``, ``--print-launch``, ``--timeout`` on every
 group, failures agreed by every rank, checkpoint loading where each rank reads only its stages'
@@ -22,22 +25,26 @@ stages' ranks (``TIED_SETS``) before ``dp``.  ``--save`` and ``--resume`` are
 from __future__ import annotations
 
 import json
-import re
+import math
 from dataclasses import replace
 
 from parcomp.compile.program import MAX_STEPS, ParcompError, format_placement, placement_table
 
-from parcomp.ir.types import Replicate
+from parcomp.ir.types import DTYPE_BYTES, Replicate
 
 from parcomp.ir.ops import COLLECTIVES
 
 from ..profiles import get_profile
 from ..runtime import CLUSTER_HELP, IMPORTS, TRAIN_HELP, sections
 from ..runtime.pipeline_checkpoint import CHECKPOINT as _CHECKPOINT
+from .attention import attention_sections
 from .cluster import DEFAULT_PLACEMENT, DEFAULT_TIMEOUT_S, HOST_AXIS
+from .moe import moe_sections
 from .norms import runtime_sections
 from .reduce import reduce_sections
-from .sections import PARCOMP_VERSION, RUNTIME_MARK, profile_block
+from .sections import PARCOMP_VERSION, RUNTIME_MARK, comment_lines, profile_block
+
+KINDS = ("forward", "backward", "backward_input", "backward_weight", "stats", "optimizer")
 
 __all__ = ["check_pipeline_profile", "emit_pipeline_program", "pipeline_emittable", "PipelineEmitError"]
 
@@ -53,17 +60,6 @@ _COMMON, _TRAIN = sections("program_common"), sections("program_train")
 _LOADING = sections("program_loading")["loading"]
 _CLUSTER = "\n\n\n".join(sections("program_cluster").values())
 _PIPELINE = sections("pipeline_main")["pipeline"]  # the step and the loop of a pipelined program
-
-
-def _ident(name: str, taken: set) -> str:
-    base = re.sub(r"\W", "_", name)
-    base = base if re.match(r"[A-Za-z_]", base) else "v" + base
-    out, k = base, 1
-    while out in taken:
-        k += 1
-        out = f"{base}_{k}"
-    taken.add(out)
-    return out
 
 
 def _on_full_mesh(graph, mesh):
@@ -82,30 +78,13 @@ def _on_full_mesh(graph, mesh):
     return replace(graph, nodes=tuple(replace(n, layout=full(n.layout)) for n in graph.nodes), mesh=mesh)
 
 
-def _function(fn: str, graph, doc: str, code) -> str:
-    """A function computing ``graph``: params from ``p``, inputs taken out of ``inp``, one line
-    per node (``code(node, operand variables, graph)``: :func:`parcomp_backends.torch.emit.node_code`,
-    the torch op table), each value ``del``-ed after its last reader unless it is an output."""
-    taken = {"p", "inp", "torch", "dist"}
-    local = graph if graph.stage == "local" else None  # per-rank: block offsets read COORD
-    names = {n.name: _ident(n.name, taken) for n in graph.nodes}
-    last = {v: i for i, n in enumerate(graph.nodes) for v in n.inputs}  # a value's last reader
-    keep = {v for _, v in graph.named_outputs()} | {n.name for n in graph.params}
-    lines = [f"def {fn}(p, inp):", f'    """{doc}"""']
-    for i, n in enumerate(graph.nodes):
-        var = names[n.name]
-        if n.op == "param":
-            lines.append(f"    {var} = p[{json.dumps(n.name)}]  # {n.type}")
-        elif n.op == "input":  # taken out of ``inp`` (the caller's dict), so ``del`` frees it
-            lines.append(f"    {var} = inp.pop({json.dumps(n.name)})  # {n.type}")
-        else:
-            lines.append(f"    {var} = {code(n, [names[i] for i in n.inputs], local)}  # {n.type}")
-        dead = [names[v] for v in dict.fromkeys(n.inputs) if last[v] == i and v not in keep]
-        if dead:  # the last reader of these values: free them now
-            lines.append(f"    del {', '.join(dead)}")
-    ret = ", ".join(f"{json.dumps(pub)}: {names[v]}" for pub, v in graph.named_outputs())
-    lines.append(f"    return {{{ret}}}")
-    return "\n".join(lines)
+#: the docstring of each stage function (the programs of :data:`KINDS`)
+_DOCS = {"forward": "Stage {s}: forward of one microbatch.",
+         "backward": "Stage {s}: backward of one microbatch.",
+         "backward_input": "Stage {s}: input gradients of one microbatch (ZB-H1's B), and what W reads (wstash.*).",
+         "backward_weight": "Stage {s}: parameter gradients of one microbatch (ZB-H1's W).",
+         "stats": "Stage {s}: its share of the sums every stage's update reads (summed over pp).",
+         "optimizer": "Stage {s}: the update."}
 
 
 def _specs(stage, values) -> list:
@@ -221,6 +200,68 @@ def _load_facts(plan) -> tuple:
     return dict(sorted(stored.items())), dict(sorted(aliases.items()))
 
 
+def _nbytes(specs) -> int:
+    return sum(math.prod(shape) * DTYPE_BYTES[dtype] for _, shape, dtype in specs)
+
+
+def _p2p_reason(plan, ops) -> str:
+    """The comment above a point-to-point slot: its bytes and why each send or receive is there."""
+    sent, why = 0, []
+    for kind, m, peer, s in ops:
+        st = plan.stages[s]
+        if kind in ("send_fwd", "recv_bwd"):
+            names, size = ", ".join(v for v in st.send), _nbytes(_specs(st, st.send))
+        else:
+            names, size = ", ".join(v for v in st.recv), _nbytes(_specs(st, st.recv))
+        if kind == "send_fwd":
+            sent += size
+            why.append(f"send_fwd m={m} -> rank {peer}: stage {s + 1}'s forward of microbatch {m} starts "
+                       f"from stage {s}'s output {names}")
+        elif kind == "recv_fwd":
+            why.append(f"recv_fwd m={m} <- rank {peer}: this stage's forward of microbatch {m} starts from "
+                       f"stage {s - 1}'s output {names}")
+        elif kind == "send_bwd":
+            sent += size
+            why.append(f"send_bwd m={m} -> rank {peer}: stage {s - 1}'s backward of microbatch {m} starts "
+                       f"from the loss's gradient with respect to {names}, which stage {s}'s backward made")
+        else:
+            why.append(f"recv_bwd m={m} <- rank {peer}: this stage's backward of microbatch {m} starts from "
+                       f"the loss's gradient with respect to its output {names}")
+    return f"send/recv over pp, bytes/rank {sent}: " + "; ".join(why)
+
+
+def _reductions(plan) -> list:
+    """The comments saying why ``step()`` all_reduces over dp (and over the tied weights'
+    stages, and the stats over pp): the collectives of a pipelined step that no stage program
+    holds."""
+    out = []
+    if plan.dp > 1:
+        zero = bool(plan.local and plan.local[0].axes)
+        kind, ring = ("reduce_scatter", (plan.dp - 1) / plan.dp) if zero else ("all_reduce", 2 * (plan.dp - 1) / plan.dp)
+        for st in plan.stages:
+            bw = plan.lowered[st.index].backward if plan.lowered else st.backward
+            size = sum(bw[v].type.nbytes for pub, v in bw.named_outputs() if pub.startswith("grad.")
+                       and pub[len("grad."):] in st.params)
+            out += comment_lines(
+                f"{kind} over dp of stage {st.index}'s {len(st.params)} gradients (GRADS), in the buckets of "
+                f"DP_BUCKETS, bytes/rank {round(ring * size)} in all, once per step, each bucket started after "
+                f"the last backward adding to it: each dp replica summed its own microbatches' gradients, and "
+                f"the update needs the gradient of the global batch, the sum over dp (then scaled by SCALE)"
+                + ("; zero=1: each rank updates its part, so it needs only its part of the sum" if zero else ""), "")
+        out += comment_lines(f"all_reduce over dp of the loss on the last stage, bytes/rank "
+                             f"{round(2 * (plan.dp - 1) / plan.dp * 4)}: the loss printed is the mean over the "
+                             f"global batch, every replica's share summed", "")
+    if any(st.stats is not None for st in plan.stages):
+        out += comment_lines("all_reduce over pp of the stages' STATS (clip_grad_norm's sum of squares, an fp16 "
+                             "overflow count), bytes/rank a few scalars: every stage's update reads the total "
+                             "over all stages (one global gradient norm)", "")
+    if plan.tied:
+        out += comment_lines("all_reduce of each tied weight's gradient over the ranks of the stages holding "
+                             "a copy (TIED_SETS), before dp: each copy's update needs the gradient of every "
+                             "use of the weight, the sum of its stages' shares", "")
+    return out
+
+
 def _actions(plan, mesh, table) -> list:
     """``ACTIONS``: every rank's list, each point-to-point slot of
     ``plan.simulation.slots`` (the order the schedule's simulator checked) one entry
@@ -240,6 +281,8 @@ def _actions(plan, mesh, table) -> list:
         acts.append(f"    {r}: [  # stage {coord}")
         for e in slots[coord]:
             row = ("p2p", tuple(one(mine[k]) for k in e), None, None) if isinstance(e, tuple) else one(mine[e])
+            if isinstance(e, tuple):  # why each send and receive is there, as above a collective
+                acts += comment_lines(_p2p_reason(plan, row[1]), "        ")
             acts.append(f"        {row!r},")
         acts.append("    ],")
     acts.append("}")
@@ -295,7 +338,7 @@ def emit_pipeline_program(program, model, code, profile="cpu", constants=()) -> 
               f"COLLECTIVE_DTYPES = {_collective_dtypes(plan)!r}  # what the collectives and p2p carry",
               f"MICROBATCHES = {plan.microbatches}", f"MICRO_BATCH = {plan.micro_batch}",
               f"SCALE = 1.0 / {plan.microbatches * plan.dp}  # 1 / (microbatches x dp)",
-              f"DP_GROUPS = {dp_groups!r}",
+              *_reductions(plan), f"DP_GROUPS = {dp_groups!r}",
               f"PP_GROUPS = {table['groups'].get('pp', [list(range(mesh.size))])!r}"
               "  # the point-to-point groups: one rank per stage",
               f"STAGES = {({r: list(range(r, len(plan.stages), plan.pp)) for r in range(plan.pp)})!r}"
@@ -351,29 +394,18 @@ def emit_pipeline_program(program, model, code, profile="cpu", constants=()) -> 
                "STEP = [1.0]  # the step counter k of main()'s loop (AdamW's bias corrections)"]
     acts = _actions(plan, mesh, table)
     fns, graphs = [], []
-    for st in plan.stages:
+    for st in plan.stages:  # each stage program printed as the SPMD step is (emit.step_function)
         s = st.index
-        g = plan.local[s] if plan.local else st
-        f, b, o = (_on_full_mesh(x, mesh) if plan.local else x
-                   for x in (g.forward, g.backward, g.optimizer))
-        graphs += [f, b, o]
-        fns += [_function(f"stage{s}_forward", f, f"Stage {s}: forward of one microbatch.", code),
-                _function(f"stage{s}_backward", b, f"Stage {s}: backward of one microbatch.", code),
-                _function(f"stage{s}_optimizer", o, f"Stage {s}: the update.", code)]
-        if st.stats is not None:  # what every stage agrees on before the update (clip_grad_norm)
-            x = _on_full_mesh(g.stats, mesh) if plan.local else g.stats
-            graphs.append(x)
-            fns.append(_function(f"stage{s}_stats", x, f"Stage {s}: its share of the sums every "
-                                 f"stage's update reads (summed over pp).", code))
-        if plan.split:  # ZB-H1: the backward cut into input- and weight-gradient programs
-            bi, bw = (_on_full_mesh(x, mesh) if plan.local else x
-                      for x in (plan.split[s].backward_input, plan.split[s].backward_weight))
-            graphs += [bi, bw]
-            fns += [_function(f"stage{s}_backward_input", bi, f"Stage {s}: input gradients of one "
-                              f"microbatch (ZB-H1's B), and what W reads (wstash.*).", code),
-                    _function(f"stage{s}_backward_weight", bw, f"Stage {s}: parameter gradients of "
-                              f"one microbatch (ZB-H1's W).", code)]
-    helpers = {text for x in graphs for text in runtime_sections(x) + reduce_sections(x)}
+        for kind in KINDS:
+            if kind not in program.stages[s]:
+                continue
+            prog = program.stages[s][kind]
+            if plan.local:  # per-rank: layouts on the program's whole mesh (block offsets read COORD)
+                prog = replace(prog, graph=_on_full_mesh(prog.graph, mesh))
+            graphs.append(prog.graph)
+            fns.append(code(prog, f"stage{s}_{kind}", _DOCS[kind].format(s=s), pop_inputs=True))
+    helpers = {text for x in graphs  # the runtime helpers the printed statements call, as the SPMD program's
+               for text in runtime_sections(x) + reduce_sections(x) + attention_sections(x) + moe_sections(x)}
     runtime = "\n\n\n".join(["# ---- the SPMD program's runtime: process facts, collectives, loading ----",
                               _COMMON["process"], _COMMON["take_place"], _LOADING, _COMMON["constants"],
                               _COMMON["tied"], *sorted(helpers)])

@@ -144,7 +144,7 @@ def plan(graph: Graph, cap: int) -> list:
     """``[(members, reason, bucketed)]``: every run of dp gradient reductions and the decision
     (a run of one gradient, or one not bucketed, says why in ``reason``)."""
     out = []
-    if DP_AXIS not in graph.mesh.names:
+    if graph.mesh is None or DP_AXIS not in graph.mesh.names:  # no mesh: no dp axis
         return out
     dp = graph.mesh.sizes[graph.mesh.names.index(DP_AXIS)]
     for key, members in candidates(graph).items():

@@ -69,6 +69,7 @@ class PipelinePlan:
     virtual: int = 1
     split: tuple = ()
     dp_buckets: tuple = ()
+    lowered: tuple = ()
 
     @property
     def analytic_bubble(self) -> float:

@@ -43,6 +43,10 @@ class StageLocal:
             less ``pp`` (``dp`` included: the update and the stats run on it, see
             :func:`shard_stages`). Without tp the forward and backward are then the stage's
             global programs (no axis inside the stage to shard them over).
+        sharded: ``{kind: global sharded graph}`` of the per-rank programs above (``forward``,
+            ``backward``, ``optimizer``, ``stats``; a global program has none): every
+            collective with its global types, what its bytes are computed from
+            (:mod:`parcomp.compile.build`).
     """
 
     forward: Graph
@@ -51,6 +55,7 @@ class StageLocal:
     layouts: dict
     stats: Graph | None = None
     axes: tuple = ()
+    sharded: dict | None = None
 
 
 def inner_mesh(mesh: Mesh) -> Mesh:
@@ -116,11 +121,13 @@ def shard_stages(stages, bound: Graph, mesh: Mesh, loc, shard, zero: bool = Fals
                                     f"a param may split only over {', '.join(inner.names)}",
                                     bound[p].spec_loc or loc)
             lay[p] = _project(full, mesh)
+        rules = {p: bound[p].spec_loc for p in lay if p in bound and bound[p].spec_loc is not None}
+        bound_shard = _bound_rules(shard, rules)
         if zero:
-            st_local = _shard_stage(st, lay, inner, shard, forward=inner.size > 1)
-            out.append(_zero_update(st, st_local, inner, update, shard))
+            st_local = _shard_stage(st, lay, inner, bound_shard, forward=inner.size > 1)
+            out.append(_zero_update(st, st_local, inner, update, bound_shard))
         else:
-            out.append(_shard_stage(st, lay, inner, shard))
+            out.append(_shard_stage(st, lay, inner, bound_shard))
     return tuple(out)
 
 
@@ -143,13 +150,15 @@ def _zero_update(st, local: StageLocal, inner: Mesh, mesh: Mesh, shard) -> Stage
             outs[pub] = split[pub[:-len(".grad")]]  # the reduced gradient: this rank's part
         else:
             outs[pub] = sources.get(pub, sources.get(v, rep))
-    opt = _shard(shard, st.optimizer, mesh, sources, rep, outs)[1]
+    opt = _shard(shard, st.optimizer, mesh, sources, rep, outs)
     stats = None
     if st.stats is not None:  # a scalar every rank of the stage holds whole (dp's, tp's partials reduced)
-        stats = _shard(shard, st.stats, mesh, sources, rep, {k: rep for k in st.stats.output_names})[1]
+        stats = _shard(shard, st.stats, mesh, sources, rep, {k: rep for k in st.stats.output_names})
     layouts = {k: _lift(v, inner, mesh) for k, v in local.layouts.items()}
     layouts.update({**sources, **outs})
-    return replace(local, optimizer=opt, stats=stats, layouts=layouts, axes=mesh.names)
+    sharded = {**(local.sharded or {}), "optimizer": opt[0], **({"stats": stats[0]} if stats else {})}
+    return replace(local, optimizer=opt[1], stats=stats[1] if stats else None, layouts=layouts,
+                   axes=mesh.names, sharded=sharded)
 
 
 def _shard_stage(st, params: dict, inner: Mesh, shard, forward: bool = True) -> StageLocal:
@@ -179,8 +188,24 @@ def _shard_stage(st, params: dict, inner: Mesh, shard, forward: bool = True) -> 
     layouts = {**opt_lay, **saved, **{k: v for k, v in opt_out.items()}}
     stats = None
     if st.stats is not None:  # a scalar every rank of the stage holds whole (tp's partials reduced)
-        stats = _shard(shard, st.stats, inner, fixed, rep, {k: rep for k in st.stats.output_names})[1]
-    return StageLocal(fwd[1], bwd[1], opt[1], layouts, stats)
+        stats = _shard(shard, st.stats, inner, fixed, rep, {k: rep for k in st.stats.output_names})
+    sharded = {"forward": fwd[0], "backward": bwd[0], "optimizer": opt[0],
+               **({"stats": stats[0]} if stats else {})}
+    return StageLocal(fwd[1], bwd[1], opt[1], layouts, stats[1] if stats else None, sharded=sharded)
+
+
+def _bound_rules(shard, rules: dict):
+    """``shard`` run on a graph whose params carry their spec rule (:func:`_with_rules`)."""
+    return lambda graph: shard(_with_rules(graph, rules))
+
+
+def _with_rules(graph: Graph, rules: dict) -> Graph:
+    """``graph`` with each param's spec rule (``spec_loc``, from the bound model graph) set, so
+    the collectives its layout causes name that rule, as in the SPMD program."""
+    if not any(n.name in rules and n.op == "param" for n in graph.nodes):
+        return graph
+    return graph.with_nodes([replace(n, spec_loc=rules[n.name]) if n.op == "param" and n.name in rules
+                             else n for n in graph.nodes])
 
 
 def _shard(shard, graph: Graph, inner: Mesh, sources: dict, default, outputs: dict) -> tuple:
