@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import threading
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -142,6 +143,8 @@ def parallelize(module: nn.Module, example_inputs, spec, *, gather_outputs: bool
     if not dist.is_available() or not dist.is_initialized():
         raise ParcompError("parcomp.parallelize needs torch.distributed initialised (run under torchrun "
                            "and call torch.distributed.init_process_group first)")
+    if isinstance(example_inputs, torch.Tensor):  # one input given bare, as torch.export's args would not take it
+        example_inputs = (example_inputs,)
     progs = _compile_on_rank0(module, example_inputs, spec, gather=gather_outputs, input_grads=input_grads,
                               cache=cache_dir, use_cache=use_cache, profile="cpu")
     if sync_module_states:
@@ -212,6 +215,8 @@ class ParallelModule(nn.Module):
         self._input_names = [i["name"] for i in self._meta["inputs"]]
         self._outputs = self._meta["outputs"]
         self._device, self._source, self._train, self._train_held, self._steps_run = device, None, None, {}, 0
+        self._compiled_training = module.training
+        self.training = module.training
         self.grad_reduction = grad_reduction
         self._scales = [_batch_scale(o["layout"], self._meta["mesh"]) if grad_reduction == "mean" else 1.0
                         for o in self._outputs]
@@ -250,10 +255,34 @@ class ParallelModule(nn.Module):
         owner, leaf = _tree(self, name)
         return getattr(owner, leaf)
 
+    def train(self, mode: bool = True):
+        """As ``nn.Module.train``; the compiled program keeps the mode the module was compiled in
+        (dropout on or off), so switching is warned about: parallelize a copy in the other mode."""
+        if bool(mode) != self._compiled_training:
+            warnings.warn(f"parcomp.parallelize compiled the module in {'train' if self._compiled_training else 'eval'}"
+                          f" mode; .{'train' if mode else 'eval'}() does not recompile it (dropout and other "
+                          f"mode-dependent ops stay as compiled): parallelize a copy in "
+                          f"{'train' if mode else 'eval'} mode for that", stacklevel=2)
+        return super().train(mode)
+
+    def _check_inputs(self, inputs, what):
+        """Each input's local shape and dtype are the compiled ones, else a ParcompError naming it."""
+        for meta, x in zip(self._meta["inputs"], inputs):
+            if not isinstance(x, torch.Tensor):
+                raise ParcompError(f"{what}: input {meta['name']} must be a tensor; got {type(x).__name__}")
+            want = _local_shape(meta, self)
+            if tuple(x.shape) != want or str(x.dtype).removeprefix("torch.") != meta["dtype"]:
+                raise ParcompError(
+                    f"{what}: input {meta['name']} was compiled as this rank's {meta['dtype']} {list(want)} "
+                    f"(global {meta['shape']}, laid out {meta['layout']}); got "
+                    f"{str(x.dtype).removeprefix('torch.')} {list(x.shape)}: parallelize again with example "
+                    f"inputs of the new shape")
+
     def forward(self, *inputs):
         if len(inputs) != len(self._input_names):
             raise ParcompError(f"the module was compiled with {len(self._input_names)} inputs "
                                f"({', '.join(self._input_names)}); got {len(inputs)}")
+        self._check_inputs(inputs, "forward")
         if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs) \
                 and not any(f"{n}.grad" in self._meta["grads"] for n in self._input_names):
             raise ParcompError("an input requires grad, but the module was compiled without input "
@@ -290,6 +319,7 @@ class ParallelModule(nn.Module):
         if len(inputs) > len(self._input_names):
             raise ParcompError(f"train_step takes the model's {len(self._input_names)} inputs "
                                f"({', '.join(self._input_names)}) in order; got {len(inputs)}")
+        self._check_inputs(inputs, "train_step")
         feeds.update(named)
         wanted = [n for n in prog.INPUTS if n != prog.STEP_INPUT]
         missing, unknown = [n for n in wanted if n not in feeds], [n for n in feeds if n not in wanted]

@@ -202,7 +202,17 @@ def options(rank, world, cache_dir=None):
         refused = ""
     except parcomp.errors.ParcompError as e:
         refused = str(e)
-    return {"x_grad_err": (xp.grad - xr.grad).abs().max().item(),
+    try:  # another batch size than compiled: a located error, not the program's reshape error
+        local(x[:2])
+        other_batch = ""
+    except parcomp.errors.ParcompError as e:
+        other_batch = str(e)
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        local.eval()
+    return {"x_grad_err": (xp.grad - xr.grad).abs().max().item(), "other_batch": other_batch,
+            "eval_warned": [str(w.message) for w in caught],
             "local_shape": list(got_local.shape), "layouts": [local.output_layouts(), whole.output_layouts()],
             "whole_err": (got_whole - want).abs().max().item(),
             "local_err": (got_local - want.chunk(2, -1)[rank]).abs().max().item(), "refused": refused,

@@ -133,6 +133,11 @@ def test_input_gradients_gathered_outputs_and_a_dtensor_plan(tmp_path):
         assert r["layouts"] == [{"output": "[S(2)]"}, {"output": "[R]"}], r
         assert r["local_shape"] == [4, 3, 8] and r["local_err"] <= 1e-6 and r["whole_err"] <= 1e-6, r
         assert "input_grads=True" in r["refused"], r
+        # another batch than compiled names the input and both shapes; eval() of a module
+        # compiled in train mode says it does not recompile
+        assert "input input was compiled as this rank's float32 [4, 3, 16]" in r["other_batch"], r
+        assert "got float32 [2, 3, 16]" in r["other_batch"], r
+        assert any("does not recompile" in w for w in r["eval_warned"]), r
         # a DTensor plan over a DeviceMesh
         assert r["plan_err"] <= 1e-6 and r["plan_layouts"]["0.weight"] == "[S(0)]", r
         assert r["plan_layouts"]["2.weight"] == "[S(1)]", r
