@@ -28,6 +28,8 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 
+from .dtensor_plan import is_loss_parallel
+
 #: DTensor's functional collectives -> parcomp's collective names
 KINDS = {"all_reduce": "all_reduce", "all_reduce_": "all_reduce", "all_gather_into_tensor": "all_gather",
          "all_gather_into_tensor_out": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
@@ -171,7 +173,8 @@ def dtensor_counts(module, example_inputs, plan: dict, size: int, regex, backwar
     dist.init_process_group("fake", rank=0, world_size=size, store=FakeStore())
     try:
         mesh = init_device_mesh("cpu", (size,), mesh_dim_names=("tp",))
-        model = parallelize_module(copy.deepcopy(module), mesh, plan)
+        styles = {k: v for k, v in plan.items() if not is_loss_parallel(k, v)}  # a loss choice, no module
+        model = parallelize_module(copy.deepcopy(module), mesh, styles)
         hooks = []
         for name, mod in model.named_modules():
             if regex is None or not name or block_of(name, regex) != name:

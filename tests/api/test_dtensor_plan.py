@@ -92,6 +92,19 @@ def test_explain_of_a_plan_says_where_dtensor_would_issue_more_collectives():
     assert _kinds(x) == _kinds(parcomp.explain(m, ex, str(ROOT / "specs/llama_lm_tp2_train.pcs"), input_names=names))
 
 
+def test_explain_of_a_plan_with_loss_parallel_runs_dtensor_on_its_module_styles_only():
+    """"loss_parallel" names no module: DTensor is run on the other entries (torch's
+    parallelize_module warned that the key could not be resolved, printing the whole model)."""
+    import warnings
+
+    m, ex, names = llama_lm()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        x = parcomp.explain(m, ex, ({**TP_PLAN, "loss_parallel": True}, {"tp": 2}), input_names=names)
+    assert x.dtensor.ran, x.dtensor
+    assert not [w for w in caught if "could not be resolved" in str(w.message)]
+
+
 def test_a_plan_dtensor_cannot_run_is_said_so():
     m, ex, names = gpt2_mlp()  # transformers' Conv1D: DTensor's ColwiseParallel takes nn.Linear only
     x = parcomp.explain(m, ex, ({"c_fc": ColwiseParallel(), "c_proj": RowwiseParallel()}, {"tp": 2}),
