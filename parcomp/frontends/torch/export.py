@@ -464,6 +464,11 @@ def import_exported(module: torch.nn.Module, ep, input_names: list | None = None
     if None in outs:
         raise FrontendError("forward() must return only tensors")
     nodes, outs = name_outputs(b.nodes, outs, wanted)
+    used = set(outs) | {i for n in nodes for i in n.inputs}
+    params = {n.name for n in nodes if n.op == "param"}
+    # a folded constant repeated over the batch is a param row + expand: drop both when unread
+    # (a zeros_like that scatter_add only names as its base)
+    nodes = [n for n in nodes if n.name in used or not (n.op == "expand" and n.inputs[0] in params)]
     used = set(outs) | {i for n in nodes for i in n.inputs}  # drop unused params/buffers
     names = tuple(wanted) if len(set(outs)) < len(outs) else None  # `return y, y`: two names, one value
     graph = Graph(tuple(n for n in nodes if n.op != "param" or n.name in used), tuple(outs),
