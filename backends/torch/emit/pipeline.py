@@ -184,20 +184,20 @@ def _collective_dtypes(plan) -> tuple:
 
 
 def _load_facts(plan) -> tuple:
-    """``(STORED_SHAPES, ALIASES)``: fused weights' stored shapes, tied weights' other names."""
-    stored, aliases = {}, {}
+    """``(STORED_SHAPES, STORED_ORDER, ALIASES)``: fused weights' stored shapes, a grouped
+    q|k|v weight's head units in the order its view takes them (parcomp/passes/fused_weights.py,
+    as the SPMD loader applies it), tied weights' other names."""
+    stored, order, aliases = {}, {}, {}
     for st in plan.stages:
         for g in (st.forward, st.backward, st.optimizer):
             for n in g.params:
-                if n.attr("stored_order"):  # its loader only reshapes
-                    raise PipelineEmitError(f"param {n.name}: a grouped q|k|v fused weight (its heads reordered "
-                                    f"on load) is not built for pipeline stages, whose loader only reshapes; "
-                                    f"compile it without a pp axis (tp splits it by kv group)")
                 if n.attr("stored_shape"):
                     stored[n.name] = list(n.attr("stored_shape"))
+                if n.attr("stored_order"):
+                    order[n.name] = list(n.attr("stored_order"))
                 if n.attr("aliases"):
                     aliases[n.name] = tuple(n.attr("aliases").split(","))
-    return dict(sorted(stored.items())), dict(sorted(aliases.items()))
+    return dict(sorted(stored.items())), dict(sorted(order.items())), dict(sorted(aliases.items()))
 
 
 def _nbytes(specs) -> int:
@@ -360,7 +360,7 @@ def emit_pipeline_program(program, model, code, profile="cpu", constants=()) -> 
             splits.update({k: _splits(v, inner) for k, v in plan.local[st.index].layouts.items()
                            if _splits(v, inner)})
     full_params, full_inputs = _file_shapes(plan)
-    stored, aliases = _load_facts(plan)
+    stored, order, aliases = _load_facts(plan)
     consts += [f"PARAMS = {tuple(full_params) + tuple(sorted(state))!r}"
                "  # every stage's params and optimizer state (a rank loads its stages' only)",
                f"INPUTS = {tuple(full_inputs)!r}", "OUTPUT_LAYOUTS = {}", "OUTPUT_GLOBAL_SHAPES = {}",
@@ -377,7 +377,7 @@ def emit_pipeline_program(program, model, code, profile="cpu", constants=()) -> 
                f"CARRIED = {carried!r}",
                "# fused weights (stored whole, viewed per part), tied weights' other names, and the",
                "# params parcomp computed at import (constants.safetensors beside program.py)",
-               f"STORED_SHAPES = {stored!r}", f"ALIASES = {aliases!r}",
+               f"STORED_SHAPES = {stored!r}", f"STORED_ORDER = {order!r}", f"ALIASES = {aliases!r}",
                f"CONSTANT_PARAMS = {tuple(sorted(set(constants) & set(full_params)))!r}"]
     ranks_of = [(q, tuple(sorted({plan.rank_of_stage(t) for t in held}))) for q, held in plan.tied]
     ranks_of = [(q, held) for q, held in ranks_of if len(held) > 1]  # one rank's chunks: one sum
