@@ -84,15 +84,57 @@ def test_phi3_grouped_qkv_in_a_tp_stage_equals_the_unsharded_step_and_loads_in_i
     np.testing.assert_array_equal(view.numpy(), stored_to_view(w, g[qkv].type.shape, order))
 
 
-def test_phi3_pp2_tp2_on_four_gloo_ranks_equals_the_unsharded_step(tmp_path, capsys):
-    """``parcomp run`` of the grouped q|k|v model, pp=2 x tp=2: each rank loads transformers'
-    ``state_dict()`` (qkv_proj stored [128, 64]) and takes its kv group's heads."""
+def test_phi3_pp2_on_two_gloo_ranks_equals_the_unsharded_step(tmp_path, capsys):
+    """``parcomp run`` of the grouped q|k|v model, 2 stages of 2 microbatches: each rank loads
+    transformers' ``state_dict()`` (qkv_proj stored [128, 64]) in the view's head order."""
     from parcomp.cli.main import main
 
-    (tmp_path / "s.pcs").write_text(f"{PHI3_TP}{TRAIN}\n")
+    (tmp_path / "s.pcs").write_text(f"mesh pp=2\n{TRAIN}\n")
     rc = main(["run", str(ROOT / "specs" / "models.py") + ":phi3_lm", "--spec", str(tmp_path / "s.pcs"),
-               "--nproc", "4", "--keep", str(tmp_path / "work")])
+               "--nproc", "2", "--keep", str(tmp_path / "work")])
     out = capsys.readouterr().out
     assert rc == 0, out
     line = next(x for x in out.splitlines() if "1 pipelined step " in x)
-    assert "4 gloo ranks" in line and line.endswith("OK")
+    assert "2 gloo ranks" in line and "2 microbatches" in line and line.endswith("OK")
+    assert "STORED_ORDER = {'model.layers.0.self_attn.qkv_proj.weight': [" in (tmp_path / "work" / "program.py").read_text()
+
+
+def test_mixtral_stage_runs_its_experts_on_the_routed_tokens_as_the_dense_stage():
+    """Each stage's MoE layer in program.py is dropless, as in the SPMD program: the forward
+    stashes the packed rows (one per routed pair) and the weights they follow, the backward
+    computes the route plan again from them; stage 0's forward and backward of one microbatch
+    equal the dense slot buffer's statements (printed from the same stage programs) on the
+    model's weights. Before, both kept the [B, E, C, H] buffer."""
+    from parcomp.compile.compiler import compile_graph
+    from parcomp.frontends.loader import load_model
+    from parcomp.frontends.torch.fold import module_sources
+    from parcomp_backends.torch.emit import emit_program, step_function
+
+    g, module, _ = load_model(str(ROOT / "specs" / "models.py") + ":mixtral_lm")
+    c = compile_graph(g, spec(f"mesh pp=2\n{TRAIN}\n"))
+    text = emit_program(c)
+    stage0 = text[text.index("def stage0_forward"):text.index("def stage0_optimizer")]
+    assert stage0.count("moe_grouped_mm(") == 4 and stage0.count("moe_grouped_wgrad(") == 2
+    assert "moe_dispatch(" not in stage0 and "moe_pack(" in stage0
+    ns = {"__name__": "program"}
+    exec(text, ns)  # noqa: S102 - the emitted program's functions and runtime, run on this process
+    stages = c.program_.stages[0]
+    for kind in ("forward", "backward"):
+        exec(step_function(stages[kind], f"dense_{kind}", "the dense slot buffer", pop_inputs=True), ns)
+    state = module_sources(module)
+    p = {k: state[k].detach().float() for k in ns["STAGE_PARAMS"][0] if k in state}
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    out, want = ns["stage0_forward"](p, {"input_ids": ids}), ns["dense_forward"](p, {"input_ids": ids})
+    torch.testing.assert_close(out["add_8"], want["add_8"], rtol=0, atol=1e-5 * float(want["add_8"].abs().max()))
+    grad = torch.randn(want["add_8"].shape, generator=torch.Generator().manual_seed(1))
+
+    def backward(fn, fwd):
+        saved = {k[len("saved."):]: v for k, v in fwd.items() if k.startswith("saved.")}
+        return ns[fn](p, {"grad.add_8": grad, "input_ids": ids, **saved})
+
+    got, dense = backward("stage0_backward", out), backward("dense_backward", want)
+    assert sorted(got) == sorted(dense) and any("experts" in k for k in got)
+    for k in dense:  # float32, summed in another order: within 1e-5 of each value's scale
+        torch.testing.assert_close(got[k], dense[k], rtol=0, atol=1e-5 * float(dense[k].abs().max()))
+    # the stash holds the routed rows, not the slot buffer: 16 tokens x top-2 rows, not 16 x 4 experts
+    assert out["saved.view_7"].shape == (32, 16) and want["saved.view_7"].shape == (4, 16, 16)

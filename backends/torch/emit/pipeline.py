@@ -40,9 +40,10 @@ from ..runtime.pipeline_checkpoint import CHECKPOINT as _CHECKPOINT
 from .attention import attention_sections
 from .cluster import DEFAULT_PLACEMENT, DEFAULT_TIMEOUT_S, HOST_AXIS
 from .moe import moe_sections
+from .moe_dropless import DroplessPlan, dropless_plan
 from .norms import runtime_sections
 from .reduce import reduce_sections
-from .sections import PARCOMP_VERSION, RUNTIME_MARK, comment_lines, profile_block
+from .sections import PARCOMP_VERSION, RUNTIME_MARK, comment_lines, profile_block, python_names
 
 KINDS = ("forward", "backward", "backward_input", "backward_weight", "stats", "optimizer")
 
@@ -181,6 +182,27 @@ def _collective_dtypes(plan) -> tuple:
     out = {g[n.inputs[0]].type.dtype for g in graphs for n in g.nodes if n.op in COLLECTIVES}
     out |= {dt for st in plan.stages for _, _, dt in _specs(st, st.send)}
     return tuple(sorted(out))
+
+
+def _dropless_plans(progs: dict, split: bool) -> list:
+    """``[(kind, program, python names, DroplessPlan)]`` of one stage's programs: MoE layers on
+    the routed tokens only (emit/moe_dropless.py), as in the SPMD program. The forward's slot
+    values stashed for the backward stay packed when the backward's statements on them are
+    packed too, else both programs keep the dense slot buffer (and so does a stage whose
+    backward is split in two, zero-bubble: its slot values cross three programs)."""
+    names = {k: python_names(p) for k, p in progs.items()}
+    plans = {k: dropless_plan(p, names[k]) for k, p in progs.items()}
+    if not split and "forward" in progs and "backward" in progs:
+        fwd = dropless_plan(progs["forward"], names["forward"], stash_out=True)
+        if fwd.active and fwd.stash:
+            bwd = dropless_plan(progs["backward"], names["backward"], stash_in=fwd.stash)
+            if bwd.active:
+                plans["forward"], plans["backward"] = fwd, bwd
+            else:
+                plans["forward"] = plans["backward"] = DroplessPlan(why=bwd.why)
+        elif fwd.active:
+            plans["forward"] = fwd
+    return [(k, p, names[k], plans[k]) for k, p in progs.items()]
 
 
 def _load_facts(plan) -> tuple:
@@ -396,16 +418,20 @@ def emit_pipeline_program(program, model, code, profile="cpu", constants=()) -> 
     fns, graphs = [], []
     for st in plan.stages:  # each stage program printed as the SPMD step is (emit.step_function)
         s = st.index
+        progs = {}
         for kind in KINDS:
             if kind not in program.stages[s]:
                 continue
             prog = program.stages[s][kind]
             if plan.local:  # per-rank: layouts on the program's whole mesh (block offsets read COORD)
                 prog = replace(prog, graph=_on_full_mesh(prog.graph, mesh))
-            graphs.append(prog.graph)
-            fns.append(code(prog, f"stage{s}_{kind}", _DOCS[kind].format(s=s), pop_inputs=True))
-    helpers = {text for x in graphs  # the runtime helpers the printed statements call, as the SPMD program's
-               for text in runtime_sections(x) + reduce_sections(x) + attention_sections(x) + moe_sections(x)}
+            progs[kind] = prog
+        for kind, prog, names, dropless in _dropless_plans(progs, plan.split):
+            graphs.append((prog.graph, dropless.active))
+            fns.append(code(prog, f"stage{s}_{kind}", _DOCS[kind].format(s=s), names=names, pop_inputs=True,
+                            dropless=dropless))
+    helpers = {text for x, packed in graphs  # the runtime helpers the printed statements call, as the SPMD program's
+               for text in runtime_sections(x) + reduce_sections(x) + attention_sections(x) + moe_sections(x, packed)}
     runtime = "\n\n\n".join(["# ---- the SPMD program's runtime: process facts, collectives, loading ----",
                               _COMMON["process"], _COMMON["take_place"], _LOADING, _COMMON["constants"],
                               _COMMON["tied"], *sorted(helpers)])
