@@ -314,7 +314,9 @@ def split_stages(graph: Graph, stage: dict, pp: int) -> tuple:
 def rebatch(graph: Graph, batch: int) -> Graph:
     """``graph`` with dim 0 of every input set to ``batch`` (a microbatch) and every
     other type inferred again; the entries of shape attributes that carry the batch rescale
-    (:func:`_rebatch_reshape`: GPT-2's ``[2,8,32] -> [16,32]`` becomes ``[1,8,32] -> [8,32]``).
+    (:func:`_rebatch_reshape`: GPT-2's ``[2,8,32] -> [16,32]`` becomes ``[1,8,32] -> [8,32]``);
+    a constant made from nothing (``ones``) takes the changed dims of the operand it pairs with
+    in its first user (:func:`_follow_operand`).
 
     Raises:
         ParcompError: an input has no batch dim, or an op's inferred type fails (an op
