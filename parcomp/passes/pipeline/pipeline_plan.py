@@ -263,7 +263,6 @@ def make_plan(graph: Graph, spec, bound: Graph, shard) -> PipelinePlan:
 #: ran float32)
 _NOT_PIPELINED = (
     ("zero", lambda c: 0 if c.zero == 1 else c.zero, 0),  # zero=1 is run (inside each stage)
-    ("recompute", lambda c: c.options.recompute, "none"),
     ("grad_reduce", lambda c: c.options.grad_reduce, "fp32"),
 )
 
@@ -279,7 +278,7 @@ def refuse_unpipelined_options(t, cfg) -> None:
                             f"step does not implement it and would run without it; remove it (pipelines "
                             f"take loss, optimizer, batch, steps, microbatches, schedule, stages, "
                             f"virtual, trainable, input_grads, output, clip_grad_norm, lr_schedule, "
-                            f"accumulate, precision, loss_scale, growth_interval, bucket_cap_mb and zero=1)", option_loc(t.loc, key))
+                            f"accumulate, precision, loss_scale, growth_interval, bucket_cap_mb, recompute and zero=1)", option_loc(t.loc, key))
     if cfg.loss_args:
         raise SpecError(f"loss={cfg.loss}({', '.join(f'{k}=' for k, _ in cfg.loss_args)}...) is not "
                         f"supported with a pp mesh axis: the pipelined loss is the plain mean cross "
