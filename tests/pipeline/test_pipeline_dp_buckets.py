@@ -48,6 +48,57 @@ def test_a_tied_gradient_is_reduced_alone_after_its_stages_sum():
     assert all(c[("all_reduce", "dp")] == 2 for c in counts)  # one bucket + the tied gradient
 
 
+def _program(extra, g=None):
+    from parcomp.compile.compiler import compile_graph
+    from parcomp_backends.torch.emit import emit_program
+
+    pipe = PIPE.replace(" schedule=1f1b", "") if "schedule=" in extra else PIPE
+    c = compile_graph(g or chain_graph(blocks=4), spec(f"{HEAD}{pipe} {extra}\n"))
+    return c.program_.pipeline, emit_program(c)
+
+
+def _function(text, name):
+    return (f"def {name}(" + text.split(f"\ndef {name}(")[1].split("\ndef ")[0]).split("\n")
+
+
+@pytest.mark.parametrize("extra,fn", [("", "backward"), ("zero=1", "backward"),
+                                      ("schedule=zb-h1", "backward_weight")],
+                         ids=["1f1b", "zero1", "zb-h1"])
+def test_each_gradient_is_handed_over_once_final_and_buckets_follow_that_order(extra, fn):
+    """The stage's parameter-gradient program hands each gradient to ``ready`` on the line
+    after the statement making it final, in the order the buckets are filled, so a bucket
+    starts inside the backward of the last microbatch while the layers before it are still
+    differentiated (DDP's per-gradient hooks): the first bucket's last gradient is ready
+    before the backward's last matmul."""
+    plan, text = _program(f"bucket_cap_mb=0.0003 {extra}")
+    for s in range(2):
+        lines = _function(text, f"stage{s}_{fn}")
+        assert lines[0].endswith("(p, inp, ready):")
+        ready = [x.split('"')[1] for x in lines if x.startswith("    ready(")]
+        buckets = plan.dp_buckets[s]
+        assert ready == [n for b in buckets for n in b[2]]  # every gradient, in the buckets' order
+        first = max(ready.index(n) for n in buckets[0][2])
+        at = [i for i, x in enumerate(lines) if x.startswith("    ready(")][first]
+        assert any("matmul(" in x or "linear(" in x for x in lines[at:]), lines
+    for kind in ("forward", "optimizer") + (("backward_input",) if "zb" in extra else ()):
+        assert _function(text, f"stage0_{kind}")[0].endswith("(p, inp):")
+
+
+def test_dp_buckets_print_one_bucket_a_line():
+    """DP_BUCKETS in program.py: one bucket a line, a long bucket's gradients wrapped, no line
+    over 100 characters; the text is the plan's buckets."""
+    import ast
+
+    plan, text = _program("bucket_cap_mb=0.0003")
+    block = text.split("\nDP_BUCKETS = {\n")[1].split("\n}\n")[0].split("\n")
+    assert len(block) == sum(len(bs) + 2 for bs in plan.dp_buckets)  # "r: [", its buckets, "],"
+    assert all(len(x) <= 100 for x in block)
+    value = ast.literal_eval("{" + "\n".join(block) + "\n}")
+    assert value == {r: [[list(st), k, list(n)] for st, k, n in bs] for r, bs in enumerate(plan.dp_buckets)}
+    whole = _program("")[1].split("\nDP_BUCKETS = {\n")[1].split("\n}\n")[0].split("\n")
+    assert all(len(x) <= 100 for x in whole) and len(whole) > 5  # one bucket of 8 gradients: wrapped
+
+
 def test_a_bad_cap_is_an_error_at_its_column():
     from parcomp.errors import SpecError
 
@@ -56,9 +107,11 @@ def test_a_bad_cap_is_an_error_at_its_column():
     assert "bucket_cap_mb=-1" in str(e.value) and "test.pcs:2:" in str(e.value)
 
 
-# a launcher that logs, per rank, every dp collective started and every point-to-point slot
+# a launcher that logs, per rank, every dp collective started, every point-to-point slot and
+# every matmul (a backward's compute)
 LOGGING = """\
 import os, runpy, sys
+import torch
 import torch.distributed as dist
 log = open(os.environ["LOG"] + "." + os.environ["RANK"], "w")
 def wrap(name, f):
@@ -69,6 +122,8 @@ def wrap(name, f):
     return inner
 for name in ("all_reduce", "reduce_scatter_tensor", "batch_isend_irecv"):
     setattr(dist, name, wrap(name, getattr(dist, name)))
+torch.matmul = wrap("matmul", torch.matmul)
+torch.nn.functional.linear = wrap("matmul", torch.nn.functional.linear)
 sys.argv[0] = "program.py"
 runpy.run_path("program.py", run_name="__main__")
 """
@@ -79,7 +134,8 @@ runpy.run_path("program.py", run_name="__main__")
 def test_buckets_start_before_the_last_slot_and_the_step_equals_the_unsharded_one(tmp_path, extra):
     """dp=2 x pp=2 on 4 gloo ranks, several buckets a stage: on the last stage (1F1B: its last
     backward, then the slot sending that microbatch's input gradient, then the optimizer) every
-    bucket's dp reduction starts asynchronously before that slot; the step equals the
+    bucket's dp reduction starts asynchronously before that slot, the first one inside the
+    last backward (matmuls of the layers before it still to run); the step equals the
     unsharded step."""
     torch = pytest.importorskip("torch")
     from parcomp.compile.compiler import compile_graph
@@ -109,3 +165,5 @@ def test_buckets_start_before_the_last_slot_and_the_step_equals_the_unsharded_on
         last_slot = max(i for i, x in enumerate(lines) if x.startswith("batch_isend_irecv"))
         early = [x for x in lines[:last_slot] if x == f"{kind} async=True"]
         assert len(early) == nbuckets > 1, lines
+        first = lines.index(f"{kind} async=True")
+        assert "matmul async=False" in lines[first:last_slot], lines  # overlapped by backward

@@ -234,13 +234,31 @@ def exchange(ops, k, pp_group, stash, grads_out, got, grads_in):
         where[key] = bufs
 
 
-def add_grads(sums, s, out):
-    """Add stage ``s``'s parameter gradients of one microbatch to the step's sums."""
-    for k in GRADS[s]:  # in place: the sum is this step's own tensor (the first microbatch's)
-        if k in sums:
-            sums[k].add_(out.pop(k))
-        else:
-            sums[k] = out.pop(k)
+def add_grad(sums, k, g):
+    """Add one microbatch's gradient ``g`` of ``k`` to the step's sum (in place: the sum is
+    this step's own tensor, the first microbatch's)."""
+    if k in sums:
+        sums[k].add_(g)
+    else:
+        sums[k] = g
+
+
+def grad_ready(sums, buckets, started, dp_group):
+    """``(ready, done)``: the ``ready(name, value)`` a stage's parameter-gradient program
+    calls with each gradient the moment it is final (the statement after the one computing
+    it), and the names it was called with. ``ready`` adds the gradient to the step's sums;
+    ``buckets``: the DP_BUCKETS this backward is the last to add to, each started (async,
+    appended to ``started``) as soon as its last gradient is ready, while the backward goes
+    on (DDP's per-gradient hooks)."""
+    pending, done = list(buckets), set()
+
+    def ready(name, value):
+        add_grad(sums, name, value)
+        done.add(name)
+        for b in [b for b in pending if done.issuperset(b[1])]:
+            pending.remove(b)
+            started.append(start_bucket(b, sums, dp_group))
+    return ready, done
 
 
 def reduce_over(t, group, k, what, lines):
@@ -266,7 +284,8 @@ def scatter_over(t, dim, k):
 
 def bucket_starts():
     """``{index in ACTIONS[RANK]: [bucket, ...]}``: each of this rank's DP_BUCKETS at the last
-    backward (or ZB-H1 backward_weight) of the stages holding its gradients."""
+    backward (or ZB-H1 backward_weight) of the stages holding its gradients; it starts inside
+    that backward, when its last gradient is final (:func:`grad_ready`)."""
     last = {}
     for i, (kind, _, _, s) in enumerate(ACTIONS[RANK]):
         if kind in ("backward", "backward_weight"):
@@ -341,8 +360,10 @@ def step(k, state, p, data):
             del saved
             if kind == "backward":
                 del stash[s, m]
-                out = BACKWARD[s](p, inp)
-                add_grads(sums, s, out)
+                ready, readied = grad_ready(sums, starts.pop(i, ()), started, dp_group)
+                out = BACKWARD[s](p, inp, ready)
+                for n in readied:  # already in the sums
+                    del out[n]
             else:  # ZB-H1: the input gradient now; W reads the stash and the output gradients
                 out = BACKWARD_INPUT[s](p, dict(inp))  # W reads inp too
                 wstash[s, m] = {**inp, **{n[len("wstash."):]: v for n, v in out.items()
@@ -352,9 +373,8 @@ def step(k, state, p, data):
             del inp, out
         elif kind == "backward_weight":
             del stash[s, m]
-            add_grads(sums, s, BACKWARD_WEIGHT[s](p, wstash.pop((s, m))))
-        if i in starts:  # the last backward adding to these gradients: their dp buckets start
-            started += [start_bucket(b, sums, dp_group) for b in starts[i]]
+            ready = grad_ready(sums, starts.pop(i, ()), started, dp_group)[0]
+            BACKWARD_WEIGHT[s](p, wstash.pop((s, m)), ready)
         elif kind == "optimizer":
             done = set()  # the buckets' gradients: reduced over dp and scaled
             for j, bucket in enumerate(started):
