@@ -180,6 +180,7 @@ def _collective_dtypes(plan) -> tuple:
     graphs = [g for st in (plan.local or plan.stages) for g in (st.forward, st.backward, st.optimizer)]
     out = {g[n.inputs[0]].type.dtype for g in graphs for n in g.nodes if n.op in COLLECTIVES}
     out |= {dt for st in plan.stages for _, _, dt in _specs(st, st.send)}
+    out |= {plan.dp_reduce_dtype} - {None}
     return tuple(sorted(out))
 
 
@@ -240,8 +241,9 @@ def _reductions(plan) -> list:
         kind, ring = ("reduce_scatter", (plan.dp - 1) / plan.dp) if zero else ("all_reduce", 2 * (plan.dp - 1) / plan.dp)
         for st in plan.stages:
             bw = plan.lowered[st.index].backward if plan.lowered else st.backward
-            size = sum(bw[v].type.nbytes for pub, v in bw.named_outputs() if pub.startswith("grad.")
-                       and pub[len("grad."):] in st.params)
+            size = sum(bw[v].type.numel * DTYPE_BYTES[plan.dp_reduce_dtype or bw[v].type.dtype]
+                       for pub, v in bw.named_outputs()
+                       if pub.startswith("grad.") and pub[len("grad."):] in st.params)
             out += comment_lines(
                 f"{kind} over dp of stage {st.index}'s {len(st.params)} gradients (GRADS), in the buckets of "
                 f"DP_BUCKETS, bytes/rank {round(ring * size)} in all, once per step, each bucket started inside "
@@ -417,6 +419,8 @@ def emit_pipeline_program(program, model, code, profile="cpu", constants=()) -> 
                f"TIED_SETS = {[_tied_groups(mesh, held) for held in sets]!r}",
                f"TIED = {({s: v for s, v in tied.items() if v})!r}", "TIED_GROUP = {}",
                *_dp_buckets(plan),
+               f"DP_REDUCE_DTYPE = {plan.dp_reduce_dtype!r}  # grad_reduce=compute: the dtype the dp "
+               "reduction sends (cast, summed, widened back); None: the gradient sums' own",
                "STEP = [1.0]  # the step counter k of main()'s loop (AdamW's bias corrections)"]
     acts = _actions(plan, mesh, table)
     fns, graphs = [], []

@@ -51,6 +51,7 @@ TIED_SETS = []
 TIED = {}
 TIED_GROUP = {}
 DP_BUCKETS = {}
+DP_REDUCE_DTYPE = None
 STEP = [1.0]
 MICROBATCHES = 1
 MICRO_BATCH = 1
@@ -304,25 +305,32 @@ def start_bucket(bucket, sums, dp_group):
     kind, names = bucket
     grads = [sums.pop(n) for n in names]
     if kind == "all_reduce":
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat = narrowed(torch.cat([g.reshape(-1) for g in grads]))
         work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=dp_group, async_op=True)
-        return kind, names, [g.shape for g in grads], flat, work
+        return kind, names, [g.shape for g in grads], flat, work, grads[0].dtype
     n = MESH["dp"]
     chunks = [g.chunk(n, dp_split(name)) for g, name in zip(grads, names)]
-    flat = torch.cat([c[j].reshape(-1) for j in range(n) for c in chunks])
+    flat = narrowed(torch.cat([c[j].reshape(-1) for j in range(n) for c in chunks]))
     out = flat.new_empty(flat.numel() // n)
     work = collective("reduce_scatter_single", "reduce_scatter_tensor")(
         out, flat, op=dist.ReduceOp.SUM, group=dp_group, async_op=True)
-    return kind, names, [c[0].shape for c in chunks], out, work
+    return kind, names, [c[0].shape for c in chunks], out, work, grads[0].dtype
+
+
+def narrowed(t):
+    """``t`` as the dp reduction sends it: in DP_REDUCE_DTYPE (grad_reduce=compute: the
+    compute dtype, half the bytes; widened back after) or ``t`` itself."""
+    return t.to(getattr(torch, DP_REDUCE_DTYPE)) if DP_REDUCE_DTYPE else t
 
 
 def finish_bucket(started, sums, k, i):
     """Wait for a bucket started by start_bucket; each gradient (this rank's part with
     zero=1) back in ``sums`` as a view of the reduced buffer, scaled once."""
-    kind, names, shapes, flat, work = started
+    kind, names, shapes, flat, work, dtype = started
     ranks = next(r for r in DP_GROUPS if RANK in r)
     FAULT["where"] = f"step {k}: the dp {kind} of gradient bucket {i} ({len(names)} gradients) with ranks {ranks}"
     work.wait()
+    flat = flat.to(dtype)  # the sums' dtype again (a copy only after a narrowed reduction)
     flat.mul_(SCALE)
     at = 0
     for name, shape in zip(names, shapes):
@@ -387,9 +395,11 @@ def step(k, state, p, data):
                 reduce_over(sums[n], TIED_GROUP[j], k, "tied-weight", TIED_SETS[j])
             for n in mine:  # the gradient of the global batch: sum, then scale once
                 if dp_group is not None and dp_split(n) is not None:  # zero=1: this rank's part
-                    sums[n] = scatter_over(sums[n], dp_split(n), k)
+                    sums[n] = scatter_over(narrowed(sums[n]), dp_split(n), k).to(sums[n].dtype)
                 elif dp_group is not None:
-                    reduce_over(sums[n], dp_group, k, "dp", DP_GROUPS)
+                    sent = narrowed(sums[n])
+                    reduce_over(sent, dp_group, k, "dp", DP_GROUPS)
+                    sums[n] = sent.to(sums[n].dtype)
                 sums[n].mul_(SCALE)
             number, held = torch.tensor(STEP[0], device=DEVICE), STAGES[coord]
             agreed = {}  # clip_grad_norm's sum of squares, fp16's overflow count: every stage's
