@@ -20,7 +20,8 @@ stage's outputs of the last step to ``OUTPUT.stageK``.  Nothing in it imports pa
 (:mod:`parcomp.passes.pipeline.stage_shard`); tied weights' gradients are summed over their
 stages' ranks (``TIED_SETS``) before ``dp``.  ``--save`` and ``--resume`` are
 :mod:`parcomp_backends.torch.runtime.pipeline_checkpoint`'s (with the SPMD program's checks);
-``CARRIED`` lists per stage what they write and read.
+``CARRIED`` lists per stage what they write and read.  ``--data``, ``--replay`` and the stop
+on SIGTERM with ``--save`` are the SPMD training program's (:mod:`parcomp_backends.torch.runtime.program_train`).
 """
 from __future__ import annotations
 
@@ -451,5 +452,6 @@ def emit_pipeline_program(program, model, code, profile="cpu", constants=()) -> 
     body = ["\n".join(head) + "\n" + IMPORTS, "\n".join(consts), "\n".join(acts), "\n\n\n".join(fns),
             RUNTIME_MARK, profile_block(prof), runtime, _CHECKPOINT.strip("\n"), _TRAIN["checkpoint_checks"],
             _CLUSTER, _COMMON["rank_path"], _COMMON["sync"], _COMMON["bench"], _COMMON["world"],
-            _TRAIN["step_count"], _COMMON["main"], _PIPELINE, _COMMON["entry"]]
+            _TRAIN["step_count"], _TRAIN["input_args"], _TRAIN["data"], _TRAIN["replay"], _TRAIN["stop"],
+            _COMMON["main"], _PIPELINE, _COMMON["entry"]]
     return "\n\n\n".join(body) + "\n"
