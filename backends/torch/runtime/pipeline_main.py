@@ -56,6 +56,7 @@ TIED_SETS = []
 TIED = {}
 TIED_GROUP = {}
 DP_BUCKETS = {}
+DP_REDUCE_DTYPE = None
 STEP = [1.0]
 MICROBATCHES = 1
 MICRO_BATCH = 1
@@ -259,13 +260,31 @@ def exchange(ops, k, pp_group, stash, grads_out, got, grads_in):
         where[key] = bufs
 
 
-def add_grads(sums, s, out):
-    """Add stage ``s``'s parameter gradients of one microbatch to the step's sums."""
-    for k in GRADS[s]:  # in place: the sum is this step's own tensor (the first microbatch's)
-        if k in sums:
-            sums[k].add_(out.pop(k))
-        else:
-            sums[k] = out.pop(k)
+def add_grad(sums, k, g):
+    """Add one microbatch's gradient ``g`` of ``k`` to the step's sum (in place: the sum is
+    this step's own tensor, the first microbatch's)."""
+    if k in sums:
+        sums[k].add_(g)
+    else:
+        sums[k] = g
+
+
+def grad_ready(sums, buckets, started, dp_group):
+    """``(ready, done)``: the ``ready(name, value)`` a stage's parameter-gradient program
+    calls with each gradient the moment it is final (the statement after the one computing
+    it), and the names it was called with. ``ready`` adds the gradient to the step's sums;
+    ``buckets``: the DP_BUCKETS this backward is the last to add to, each started (async,
+    appended to ``started``) as soon as its last gradient is ready, while the backward goes
+    on (DDP's per-gradient hooks)."""
+    pending, done = list(buckets), set()
+
+    def ready(name, value):
+        add_grad(sums, name, value)
+        done.add(name)
+        for b in [b for b in pending if done.issuperset(b[1])]:
+            pending.remove(b)
+            started.append(start_bucket(b, sums, dp_group))
+    return ready, done
 
 
 def reduce_over(t, group, k, what, lines):
@@ -291,7 +310,8 @@ def scatter_over(t, dim, k):
 
 def bucket_starts():
     """``{index in ACTIONS[RANK]: [bucket, ...]}``: each of this rank's DP_BUCKETS at the last
-    backward (or ZB-H1 backward_weight) of the stages holding its gradients."""
+    backward (or ZB-H1 backward_weight) of the stages holding its gradients; it starts inside
+    that backward, when its last gradient is final (:func:`grad_ready`)."""
     last = {}
     for i, (kind, _, _, s) in enumerate(ACTIONS[RANK]):
         if kind in ("backward", "backward_weight"):
@@ -310,25 +330,32 @@ def start_bucket(bucket, sums, dp_group):
     kind, names = bucket
     grads = [sums.pop(n) for n in names]
     if kind == "all_reduce":
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat = narrowed(torch.cat([g.reshape(-1) for g in grads]))
         work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=dp_group, async_op=True)
-        return kind, names, [g.shape for g in grads], flat, work
+        return kind, names, [g.shape for g in grads], flat, work, grads[0].dtype
     n = MESH["dp"]
     chunks = [g.chunk(n, dp_split(name)) for g, name in zip(grads, names)]
-    flat = torch.cat([c[j].reshape(-1) for j in range(n) for c in chunks])
+    flat = narrowed(torch.cat([c[j].reshape(-1) for j in range(n) for c in chunks]))
     out = flat.new_empty(flat.numel() // n)
     work = collective("reduce_scatter_single", "reduce_scatter_tensor")(
         out, flat, op=dist.ReduceOp.SUM, group=dp_group, async_op=True)
-    return kind, names, [c[0].shape for c in chunks], out, work
+    return kind, names, [c[0].shape for c in chunks], out, work, grads[0].dtype
+
+
+def narrowed(t):
+    """``t`` as the dp reduction sends it: in DP_REDUCE_DTYPE (grad_reduce=compute: the
+    compute dtype, half the bytes; widened back after) or ``t`` itself."""
+    return t.to(getattr(torch, DP_REDUCE_DTYPE)) if DP_REDUCE_DTYPE else t
 
 
 def finish_bucket(started, sums, k, i):
     """Wait for a bucket started by start_bucket; each gradient (this rank's part with
     zero=1) back in ``sums`` as a view of the reduced buffer, scaled once."""
-    kind, names, shapes, flat, work = started
+    kind, names, shapes, flat, work, dtype = started
     ranks = next(r for r in DP_GROUPS if RANK in r)
     FAULT["where"] = f"step {k}: the dp {kind} of gradient bucket {i} ({len(names)} gradients) with ranks {ranks}"
     work.wait()
+    flat = flat.to(dtype)  # the sums' dtype again (a copy only after a narrowed reduction)
     flat.mul_(SCALE)
     at = 0
     for name, shape in zip(names, shapes):
@@ -365,8 +392,10 @@ def step(k, state, p, data):
             del saved
             if kind == "backward":
                 del stash[s, m]
-                out = BACKWARD[s](p, inp)
-                add_grads(sums, s, out)
+                ready, readied = grad_ready(sums, starts.pop(i, ()), started, dp_group)
+                out = BACKWARD[s](p, inp, ready)
+                for n in readied:  # already in the sums
+                    del out[n]
             else:  # ZB-H1: the input gradient now; W reads the stash and the output gradients
                 out = BACKWARD_INPUT[s](p, dict(inp))  # W reads inp too
                 wstash[s, m] = {**inp, **{n[len("wstash."):]: v for n, v in out.items()
@@ -376,9 +405,8 @@ def step(k, state, p, data):
             del inp, out
         elif kind == "backward_weight":
             del stash[s, m]
-            add_grads(sums, s, BACKWARD_WEIGHT[s](p, wstash.pop((s, m))))
-        if i in starts:  # the last backward adding to these gradients: their dp buckets start
-            started += [start_bucket(b, sums, dp_group) for b in starts[i]]
+            ready = grad_ready(sums, starts.pop(i, ()), started, dp_group)[0]
+            BACKWARD_WEIGHT[s](p, wstash.pop((s, m)), ready)
         elif kind == "optimizer":
             done = set()  # the buckets' gradients: reduced over dp and scaled
             for j, bucket in enumerate(started):
@@ -391,9 +419,11 @@ def step(k, state, p, data):
                 reduce_over(sums[n], TIED_GROUP[j], k, "tied-weight", TIED_SETS[j])
             for n in mine:  # the gradient of the global batch: sum, then scale once
                 if dp_group is not None and dp_split(n) is not None:  # zero=1: this rank's part
-                    sums[n] = scatter_over(sums[n], dp_split(n), k)
+                    sums[n] = scatter_over(narrowed(sums[n]), dp_split(n), k).to(sums[n].dtype)
                 elif dp_group is not None:
-                    reduce_over(sums[n], dp_group, k, "dp", DP_GROUPS)
+                    sent = narrowed(sums[n])
+                    reduce_over(sent, dp_group, k, "dp", DP_GROUPS)
+                    sums[n] = sent.to(sums[n].dtype)
                 sums[n].mul_(SCALE)
             number, held = torch.tensor(STEP[0], device=DEVICE), STAGES[coord]
             agreed = {}  # clip_grad_norm's sum of squares, fp16's overflow count: every stage's
