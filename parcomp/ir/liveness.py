@@ -94,15 +94,16 @@ def _attention_key(inputs, n) -> tuple:
 
 
 def saved_attention(graph: Graph) -> dict:
-    """``{sdpa name: sdpa_grad name}``: each (non-ring) forward ``sdpa`` whose gradients
+    """``{sdpa name: sdpa_grad name}``: each forward ``sdpa`` whose gradients
     ``graph`` also computes (``sdpa_grad`` nodes after it on the same operands and attributes,
     at most one per operand), with the first of those nodes. A backend may keep, from such a
     forward to that node, what its fused kernel's backward needs instead of computing the
-    forward again: the output and a float32 logsumexp per query row
-    (:func:`attention_saved_bytes`)."""
+    forward again: the output and a logsumexp per query row (:func:`attention_saved_bytes`;
+    ring attention: its forward ring's output and row logsumexp, so that its backward ring
+    needs no statistics pass)."""
     fwd, grads = {}, {}
     for n in graph.nodes:
-        if n.op == "sdpa" and n.attr("cp") != "ring":
+        if n.op == "sdpa":
             fwd.setdefault(_attention_key(n.inputs, n), n.name)
         elif n.op == "sdpa_grad":
             src = fwd.get(_attention_key(n.inputs[1:], n))

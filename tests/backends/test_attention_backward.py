@@ -111,6 +111,29 @@ def test_cuda_program_keeps_the_kernel_tensors_and_its_runtime_falls_back(tmp_pa
         assert op in runtime, op
 
 
+@pytest.mark.parametrize("lowering", ["all_gather", "ring"])
+def test_context_parallel_programs_keep_the_forward_for_the_backward(lowering):
+    """cp=2: the all_gather lowering's attention (a mask at the rank's rows) keeps the kernel's
+    tensors like any other; the ring's forward keeps its output and row logsumexp
+    (ring_sdpa_saved) and its one backward ring reads them (no statistics pass)."""
+    from parcomp.compile.compiler import compile_graph
+    from parcomp.ir import parse_graph
+
+    from graphs import spec
+    from test_context_parallel import _attn
+
+    c = compile_graph(parse_graph(_attn(8)), spec(f"mesh cp=2\ncontext-parallel lowering={lowering}\n"
+                                                  "input x split-seq\noutput output split-seq\n"
+                                                  "train loss=mse optimizer=sgd(lr=0.1)\n"))
+    step = emit_program(c, "cpu").split("def train_step")[1].split(RUNTIME_MARK)[0]
+    if lowering == "ring":
+        assert step.count("= ring_sdpa_saved(") == 1 and step.count("ring_sdpa_grads(") == 1
+        assert "saved=o_saved)" in step and "del o_saved" in step
+    else:
+        assert step.count("= attention_forward(") == 1 and step.count("= attention_backward(") == 1
+        assert step.count(".tril(COORD[0] * 4)") == 2 and "attention_grads(" not in step
+
+
 def _sdpa_case(case, dtype=torch.float64):
     """``(q, k, v, dy, sdpa keyword arguments)`` of a test attention: causal, non-causal,
     a boolean mask (a causal block of rows at an offset, as context parallel's), fewer
@@ -225,10 +248,14 @@ def _ring_rank(rank, port, out_dir, n=2, causal=True):
             joint = program_ring.ring_sdpa_grads(dy, q, k, v, 0.5, causal, "cp", "contiguous", "qkv")
             order, events[:] = list(events), []
             single = [program_ring.ring_sdpa_grad(dy, q, k, v, 0.5, causal, "cp", "contiguous", w) for w in "qkv"]
+            singles, events[:] = events.count("post"), []
+            out, saved = program_ring.ring_sdpa_saved(q, k, v, 0.5, causal, "cp", "contiguous")
+            forward, events[:] = events.count("post"), []
+            kept = program_ring.ring_sdpa_grads(dy, q, k, v, 0.5, causal, "cp", "contiguous", "qkv", saved=saved)
         finally:
             program_ring.ring_start, program_ring.ring_finish, program_ring.ring_scores = real
-        torch.save({"joint": joint, "single": single, "order": order,
-                    "shifts": (order.count("post"), events.count("post"))},
+        torch.save({"joint": joint, "single": single, "order": order, "kept": kept, "out": out,
+                    "shifts": (order.count("post"), singles), "kept_shifts": (forward, events.count("post"))},
                    os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         torch.distributed.destroy_process_group()
@@ -243,22 +270,28 @@ def _ring_grads(tmp_path, n, causal):
     g = torch.Generator().manual_seed(0)
     dy, q, k, v = (torch.randn(1, 2, 4 * n, 4, generator=g, dtype=torch.float64) for _ in range(4))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal, scale=0.5).backward(dy)
-    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(n)], [t.grad for t in leaves]
+    y = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal, scale=0.5)
+    y.backward(dy)
+    got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(n)]
+    torch.testing.assert_close(torch.cat([r["out"] for r in got], dim=2), y.detach(), rtol=1e-12, atol=1e-12)
+    return got, [t.grad for t in leaves]
 
 
 def test_ring_backward_runs_one_ring_for_the_three_gradients(tmp_path):
     """cp=2 (two gloo processes): ring_sdpa_grads gives dq, dk, dv with 3 ring steps (the
     statistics pass, K/V to the next rank, dK/dV home), where one ring_sdpa_grad per gradient
     made 8; both equal torch's autograd of the whole sequence. Each K/V transfer is posted
-    before the computation on the block this rank holds and waited for after it (overlap)."""
+    before the computation on the block this rank holds and waited for after it (overlap).
+    Given the output and row logsumexp the forward ring kept (ring_sdpa_saved, one K/V shift),
+    the backward skips the statistics pass: 2 ring steps; every result equals autograd."""
     got, grads = _ring_grads(tmp_path, 2, True)
-    assert [r["shifts"] for r in got] == [(3, 8), (3, 8)]
+    assert [r["shifts"] for r in got] == [(3, 8), (3, 8)]  # without the forward's statistics
+    assert [r["kept_shifts"] for r in got] == [(1, 2), (1, 2)]  # forward; backward on its statistics
     for r in got:  # statistics pass; gradient pass; dK/dV home
         assert r["order"] == ["post", "compute", "wait", "compute",
                               "post", "compute", "wait", "compute", "post", "wait"], r["order"]
     for i, grad in enumerate(grads):
-        for key in ("joint", "single"):
+        for key in ("joint", "single", "kept"):
             whole = torch.cat([r[key][i] for r in got], dim=2)
             torch.testing.assert_close(whole, grad, rtol=1e-12, atol=1e-12)
 
@@ -274,9 +307,12 @@ def test_ring_backward_on_more_ranks_passes_partials_on_and_equals_autograd(tmp_
         assert r["shifts"][0] == 2 * (n - 1) + 2  # statistics, K/V: n-1 each; the last partial on; home
         back = r["order"][3 * (n - 1) + 1:]  # after the statistics pass
         assert back[:3] == ["post", "compute", "wait"] and back[-2:] == ["post", "wait"], back
+    for r in got:  # the forward's statistics kept: the backward's n-1 statistics shifts go
+        assert r["kept_shifts"] == (n - 1, n + 1)
     for i, grad in enumerate(grads):
-        whole = torch.cat([r["joint"][i] for r in got], dim=2)
-        torch.testing.assert_close(whole, grad, rtol=1e-12, atol=1e-12)
+        for key in ("joint", "kept"):
+            whole = torch.cat([r[key][i] for r in got], dim=2)
+            torch.testing.assert_close(whole, grad, rtol=1e-12, atol=1e-12)
 
 
 def test_attention_forward_and_backward_compile_as_one_graph():

@@ -13,6 +13,8 @@ forward prints ``y, y_saved = attention_forward(...)`` (the fused kernel, keepin
 and logsumexp) and the joint statement ``attention_backward(..., y_saved, ...)`` (the kernel's
 backward on them, no forward again), then ``del y_saved``; the runtime falls back to
 ``attention_grads`` where no fused kernel with a known backward runs (program_attention.py).
+Ring attention likewise: ``ring_sdpa_saved`` keeps the output and row logsumexp of its forward
+ring, and ``ring_sdpa_grads(..., saved=y_saved)`` skips the statistics pass (program_ring.py).
 """
 from __future__ import annotations
 
@@ -26,8 +28,12 @@ JOINT_FORMATS = {
                              "{parts}{window_arg})"),
     # the forward kept what its kernel's backward needs: that backward, no forward again
     "sdpa_grad_saved_joint": "attention_backward({0}, {1}, {2}, {3}, {saved}, {parts}, {mask_args}, scale={scale})",
+    "sdpa_grad_ring_saved_joint": ("ring_sdpa_grads({0}, {1}, {2}, {3}, {scale}, {causal}, {cp_axis}, {chunking}, "
+                                   "{parts}{window_arg}, saved={saved})"),
 }
-SAVED_FORMATS = {"sdpa": "attention_forward({0}, {1}, {2}, {mask_args}, scale={scale})"}
+# the forward of an attention whose joint backward reads what it keeps
+SAVED_FORMATS = {"sdpa": "attention_forward({0}, {1}, {2}, {mask_args}, scale={scale})",
+                 "sdpa_ring": "ring_sdpa_saved({0}, {1}, {2}, {scale}, {causal}, {cp_axis}, {chunking}{window_arg})"}
 HELPER_NAMES = ("attention_grads", "attention_kernel", "attention_forward", "attention_backward", "_FUSED",
                 "_float_mask")
 _PER_NODE = ("wrt", "frees", "inplace", "async_op")  # attributes that differ between the parts

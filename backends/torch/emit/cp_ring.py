@@ -17,7 +17,7 @@ RING_FORMATS = {
     "sdpa_grad_ring": "ring_sdpa_grad({0}, {1}, {2}, {3}, {scale}, {causal}, {cp_axis}, {chunking}, {wrt}{window_arg})",
 }
 HELPER_NAMES = ("ring_line", "ring_start", "ring_finish", "ring_shift", "ring_positions", "ring_scores", "ring_stats",
-                "ring_sdpa", "ring_sdpa_grad", "ring_sdpa_grads", "balance_order", "balance_rows", "balanced_keep")
+                "ring_sdpa", "ring_sdpa_saved", "ring_sdpa_grad", "ring_sdpa_grads", "balance_order", "balance_rows", "balanced_keep")
 
 
 def is_ring(n) -> bool:
