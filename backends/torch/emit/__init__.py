@@ -179,7 +179,7 @@ def step_function(prog, fn: str, doc: str, names=None, pop_inputs: bool = False,
         if first is not None and first != n.name:
             lines.append(f"    # {var}: computed above with {names[first]} (one backward of the attention)")
         else:
-            lines += [c for text in ring_comment(prog, n) for c in comment_lines(text, "    ")]
+            lines += [c for text in ring_comment(prog, n, n.name in kept) for c in comment_lines(text, "    ")]
         if packed.get(n.name) is not None:  # an MoE statement on the routed tokens only
             lines += [f"    {text}" for text in packed[n.name][:-1]] + [f"    {packed[n.name][-1]}{tail}"]
         elif first == n.name:  # one attention's gradients in one statement (emit/attention.py)

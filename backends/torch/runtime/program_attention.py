@@ -53,8 +53,10 @@ def attention_kernel(q, k, v, attn_mask, is_causal, scale):
     ``"efficient"``, or None (the vjp fallback; the module docstring says when)."""
     device = q.device.type
     if device == "cpu":
-        if torch.compiler.is_compiling():  # the CPU flash kernel's own conditions (4-D, one dtype)
-            return "flash_cpu" if q.dim() == 4 and q.dtype in _FUSED and q.dtype == k.dtype == v.dtype else None
+        if torch.compiler.is_compiling():  # the CPU flash kernel's own conditions, as torch checks them
+            fits = q.dim() == 4 and q.dtype in _FUSED and q.dtype == k.dtype == v.dtype and \
+                q.shape[-1] == k.shape[-1] == v.shape[-1] and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+            return "flash_cpu" if fits else None
         choice = torch._fused_sdp_choice(q, k, v, attn_mask, 0.0, is_causal, scale=scale)
         return "flash_cpu" if choice == int(torch.nn.attention.SDPBackend.FLASH_ATTENTION) else None
     if device != "cuda" or torch.compiler.is_compiling():
