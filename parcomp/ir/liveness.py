@@ -96,7 +96,8 @@ def _attention_key(inputs, n) -> tuple:
 def saved_attention(graph: Graph) -> dict:
     """``{sdpa name: sdpa_grad name}``: each forward ``sdpa`` whose gradients
     ``graph`` also computes (``sdpa_grad`` nodes after it on the same operands and attributes,
-    at most one per operand), with the first of those nodes. A backend may keep, from such a
+    at most one per operand; of two such forwards, the later: a recomputation), with the
+    first of those nodes. A backend may keep, from such a
     forward to that node, what its fused kernel's backward needs instead of computing the
     forward again: the output and a logsumexp per query row (:func:`attention_saved_bytes`;
     ring attention: its forward ring's output and row logsumexp, so that its backward ring
@@ -104,7 +105,7 @@ def saved_attention(graph: Graph) -> dict:
     fwd, grads = {}, {}
     for n in graph.nodes:
         if n.op == "sdpa":
-            fwd.setdefault(_attention_key(n.inputs, n), n.name)
+            fwd[_attention_key(n.inputs, n)] = n.name  # the last before the gradients: a recomputed one
         elif n.op == "sdpa_grad":
             src = fwd.get(_attention_key(n.inputs[1:], n))
             if src is not None:

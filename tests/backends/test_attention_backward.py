@@ -135,6 +135,24 @@ def test_context_parallel_programs_keep_the_forward_for_the_backward(lowering):
         assert step.count(".tril(COORD[0] * 4)") == 2 and "attention_grads(" not in step
 
 
+def test_memory_estimates_count_the_kernels_logsumexp():
+    """The resident estimate and the report's saved activations count the float32 logsumexp
+    (one per query row) the forward keeps for its attention's backward: 1 x 1 x 8 rows, 32 B."""
+    from parcomp.compile.compiler import compile_graph
+    from parcomp.cost.memory import local_bytes, resident_bytes, resident_values
+    from parcomp.ir import parse_graph
+    from parcomp.ir.liveness import saved_attention
+
+    from graphs import spec
+    from test_context_parallel import _attn
+
+    c = compile_graph(parse_graph(_attn(8)), spec("mesh dp=1\ntrain loss=mse optimizer=sgd(lr=0.1)\n"))
+    g = c.program  # the lowered local graph
+    assert [g[v].op for v in saved_attention(g)] == ["sdpa"]
+    plain = sum(local_bytes(g[v].type, g[v].layout, g.mesh) for v in resident_values(g))
+    assert resident_bytes(g, {}) - plain == 32
+
+
 def _sdpa_case(case, dtype=torch.float64):
     """``(q, k, v, dy, sdpa keyword arguments)`` of a test attention: causal, non-causal,
     a boolean mask (a causal block of rows at an offset, as context parallel's), fewer
