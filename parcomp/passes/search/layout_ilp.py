@@ -39,7 +39,8 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from parcomp.cost.memory import MemoryLimitError, local_bytes, over_limit, resident_values
+from parcomp.cost.memory import (MemoryLimitError, kernel_saved, kernel_saved_bytes, local_bytes, over_limit,
+                                 resident_values)
 from parcomp.errors import ParcompError
 from parcomp.units import format_bytes
 
@@ -153,10 +154,15 @@ class MemoryLimit:
 
     def __init__(self, prob, limit: int, loc=None):
         g, self.limit, self.loc = prob.g, limit, loc
-        counted = resident_values(g)
-        self.fixed = sum(local_bytes(g[v].type, g[v].layout, g.mesh) for v in counted if v not in prob.options)
+        counted, saved = resident_values(g), kernel_saved(g)  # saved: an attention kernel's logsumexp
+        self.fixed = sum(local_bytes(g[v].type, g[v].layout, g.mesh) for v in counted if v not in prob.options) + \
+            sum(kernel_saved_bytes(g, v, g[v].layout) for v in saved if v not in prob.options)
         self.per = {v: [local_bytes(g[v].type, o, g.mesh) for _, _, o in prob.options[v]]
                     for v in counted if v in prob.options}
+        for v in saved:
+            if v in prob.options:
+                got = [kernel_saved_bytes(g, v, o) for _, _, o in prob.options[v]]
+                self.per[v] = [a + b for a, b in zip(self.per.get(v, [0] * len(got)), got)]
         self.index = {v: {opt[1:]: k for k, opt in enumerate(prob.options[v])} for v in self.per}
         least = self.fixed + sum(min(b) for b in self.per.values())
         if least > limit:
