@@ -50,9 +50,11 @@ ZOO = {
     # fused qkv_proj (4 query | 2 key | 2 value heads) split per part and per kv group, fused
     # gate_up_proj per part (before: qkv_proj and o_proj's weights gathered every block)
     "phi3_lm": MEGATRON,
-    # multi-query attention in one fused query_key_value (1 kv head: the fused weight may stay
-    # replicated, nothing gathered forward); parallel attention and MLP: one all_reduce a block
-    "falcon_lm": {("all_reduce", "forward"): 2, ("all_gather", "backward"): 2, ("all_reduce", "backward"): 2},
+    # multi-query attention in one fused query_key_value, cut into its query rows (colwise,
+    # per head) and its one kv head's rows (replicated); parallel attention and MLP: one
+    # all_reduce a block forward, backward the kv heads' gradient and the block input's
+    # (before: the fused weight whole, the attention output's gradient gathered every block)
+    "falcon_lm": {("all_reduce", "forward"): 2, ("all_reduce", "backward"): 4},
     # experts split over tp (each rank 2 of 4); the router's logits gathered for its softmax
     "mixtral_lm": {("all_reduce", "forward"): 2, ("all_gather", "forward"): 4, ("all_reduce", "backward"): 4},
     "qwen2_moe_lm": {("all_reduce", "forward"): 4, ("all_gather", "forward"): 6, ("all_reduce", "backward"): 4},
