@@ -135,3 +135,38 @@ def test_a_pipeline_stage_refuses_it_naming_the_weight(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and "Traceback" not in err and "multi-query fused weight" in err, err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_parallelize_trains_it_and_gives_the_weight_back_in_its_stored_rows(tmp_path):
+    """parcomp.parallelize in a user's loop (2 gloo ranks): the steps equal the unsharded
+    model's, and ``full_state_dict`` gives query_key_value back whole, as the checkpoint stores it."""
+    from gloo_ranks import run_ranks
+    for r in run_ranks("api_grouped_workers:train_falcon_equal", 2, cache_dir=str(tmp_path)):
+        assert r["qkv_shape"] == [96, 64] and not r["kv_part_named"], r
+        assert r["loss_err"] <= 1e-5 and r["param_err"] <= 1e-3, r
+
+
+def test_export_joins_the_parts_into_the_stored_rows(tmp_path):
+    """A saved TP=2 training checkpoint (one step in the interpreter, keyed by the program's
+    params: the query rows and ``NAME_kv``) exported as the model stores it: one
+    ``query_key_value.weight`` [96, 64], the query rows over the kv rows."""
+    import torch.distributed.checkpoint as dcp
+    from types import SimpleNamespace
+
+    from parcomp.check.training import train_steps
+    from parcomp.cli import commands
+    from parcomp.cli.export import full_tensors
+
+    (tmp_path / "s.pcs").write_text(TP + "train loss=cross_entropy optimizer=sgd(lr=0.1) steps=1\n")
+    c, module, example = commands.compile_model(SimpleNamespace(model=MODEL, spec=str(tmp_path / "s.pcs")))
+    feeds = commands.training_feeds(c, module, example, 0)
+    state = train_steps(lambda s: run_spmd(c.program, s).outputs(c.program), c.logical, feeds, 1)["state"]
+    sd = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in state.items()}
+    sd["step"] = torch.tensor(1)
+    dcp.save(sd, checkpoint_id=str(tmp_path / "ckpt" / "step-1"), no_dist=True)
+    (tmp_path / "ckpt" / "latest").write_text("step-1\n")
+    full = full_tensors(c, str(tmp_path / "ckpt"), module)
+    assert KV not in full and tuple(full[QKV].shape) == (96, 64)
+    np.testing.assert_array_equal(full[QKV].numpy(), np.concatenate([state[QKV], state[KV]]))
+    assert not np.array_equal(full[QKV].numpy(), module.state_dict()[QKV].numpy())  # trained
