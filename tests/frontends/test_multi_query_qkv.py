@@ -170,3 +170,11 @@ def test_export_joins_the_parts_into_the_stored_rows(tmp_path):
     assert KV not in full and tuple(full[QKV].shape) == (96, 64)
     np.testing.assert_array_equal(full[QKV].numpy(), np.concatenate([state[QKV], state[KV]]))
     assert not np.array_equal(full[QKV].numpy(), module.state_dict()[QKV].numpy())  # trained
+
+
+@pytest.mark.slow
+def test_the_split_trains_under_torchrun_like_torch(tmp_path, capsys):
+    (tmp_path / "s.pcs").write_text(TP + TRAIN + "\n")
+    rc = main(["run", MODEL, "--spec", str(tmp_path / "s.pcs"), "--nproc", "2", "--json"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and out["ok"], out
