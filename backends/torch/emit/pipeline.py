@@ -195,6 +195,10 @@ def _load_facts(plan) -> tuple:
                     raise PipelineEmitError(f"param {n.name}: a grouped q|k|v fused weight (its heads reordered "
                                     f"on load) is not built for pipeline stages, whose loader only reshapes; "
                                     f"compile it without a pp axis (tp splits it by kv group)")
+                if n.attr("part_of"):  # its loader reads params by their own names
+                    raise PipelineEmitError(f"param {n.name}: a part of the multi-query fused weight "
+                                            f"{n.attr('part_of')} (its rows read on load) is not built for "
+                                            f"pipeline stages; compile it without a pp axis (tp splits its query rows)")
                 if n.attr("stored_shape"):
                     stored[n.name] = list(n.attr("stored_shape"))
                 if n.attr("aliases"):
