@@ -99,12 +99,13 @@ def test_the_emitted_loader_reorders_the_heads(phi3, tmp_path):
     assert "index_select(0, torch.tensor([0, 2, 1, 3, 4, 5, 6, 7]))" in text
 
 
-def test_multi_query_keeps_the_fused_weight_whole():
-    """One kv head: no split per head exists (the kv part is shared by every query head), so
-    the weight is left as stored."""
+def test_multi_query_is_cut_into_part_params_not_viewed():
+    """One kv head: no view splits it per head (the kv part is shared by every query head), so
+    the weight becomes its query rows and its kv rows (tests/frontends/test_multi_query_qkv.py)."""
     module, example, names = _phi3(kv=1)
     g = import_torch(module, example, names)
-    assert g[QKV].type.shape == (96, 64) and not g[QKV].attr("stored_shape")
+    assert g[QKV].type.shape == (64, 64) and not g[QKV].attr("stored_shape")
+    assert g[QKV + "_kv"].attr("part_of") == QKV
 
 
 @pytest.mark.slow

@@ -215,6 +215,10 @@ def _load_facts(plan) -> tuple:
     for st in plan.stages:
         for g in (st.forward, st.backward, st.optimizer):
             for n in g.params:
+                if n.attr("part_of"):  # its loader reads params by their own names
+                    raise PipelineEmitError(f"param {n.name}: a part of the multi-query fused weight "
+                                            f"{n.attr('part_of')} (its rows read on load) is not built for "
+                                            f"pipeline stages; compile it without a pp axis (tp splits its query rows)")
                 if n.attr("stored_shape"):
                     stored[n.name] = list(n.attr("stored_shape"))
                 if n.attr("stored_order"):
