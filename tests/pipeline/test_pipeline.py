@@ -384,3 +384,22 @@ def test_shipped_dp2_pp2_tp2_spec_plans_the_8_device_example():
     assert t["groups"]["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert [str(a) for a in plan.rank_actions(s.mesh, 5)] == [
         "forward m=0", "send_fwd m=0 -> 7", "recv_bwd m=0 <- 7", "backward m=0", "optimizer"]
+
+
+@pytest.mark.parametrize("mesh,rule,msg", [
+    ("pp=2 tp=2", "l0.weight pp=S(0)", "param l0.weight is split over pp (pp=S(0)): inside a pipeline "
+                                       "(mesh pp=2 tp=2) a param may split only over tp"),
+    ("dp=2 pp=2", "l*.weight dp=S(1)", "param l0.weight is split over dp (dp=S(1))"),
+])
+def test_cli_param_split_over_pp_or_dp_is_an_error_at_its_rule(tmp_path, capsys, mesh, rule, msg):
+    from parcomp.cli.main import main
+
+    from graphs import mlp_text
+
+    (tmp_path / "m.pcir").write_text(mlp_text((8,), [4, 8, 4], [False] * 2, ["relu", "none"]))
+    (tmp_path / "s.pcs").write_text(f"mesh {mesh}\n{rule}\n{TRAIN} microbatches=2\n")
+    rc = main(["compile", str(tmp_path / "m.pcir"), "--spec", str(tmp_path / "s.pcs"),
+               "-o", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "s.pcs:2:1" in err and msg in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
