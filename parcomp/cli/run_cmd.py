@@ -127,12 +127,19 @@ def run(args):
     return {**result, "collectives": collective_summary(compiled.report["collectives"]), "world_size": size}
 
 
+def input_feeds(compiled, feeds) -> dict:
+    """What ``inputs.pt`` holds: the program's inputs in ``feeds`` less a training program's step
+    number (program.py feeds it 1..K itself, so a kept inputs.pt has no key it does not use)."""
+    train = getattr(compiled.program_, "train", None)
+    step = train.step if train is not None else None
+    return {n.name: feeds[n.name] for n in compiled.program.inputs if n.name in feeds and n.name != step}
+
+
 def launch_run(compiled, work, feeds, nproc, extra, module=None):
     from parcomp_backends.torch.launch import run_torchrun, write_inputs
 
     ckpt = checkpoint_file(work, compiled.unsharded, feeds, module)
-    data = {n.name: feeds[n.name] for n in compiled.program.inputs if n.name in feeds}
-    write_inputs(data, os.path.join(work, "inputs.pt"))
+    write_inputs(input_feeds(compiled, feeds), os.path.join(work, "inputs.pt"))
     out_path = os.path.join(work, "outputs.pt")
     for attempt in (1, 2):  # exit 2: program.py's own located error; other codes may be the
         # launcher's (a free port taken before torchrun bound it): one retry on a new port
