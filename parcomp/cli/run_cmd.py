@@ -127,12 +127,14 @@ def run(args):
     return {**result, "collectives": collective_summary(compiled.report["collectives"]), "world_size": size}
 
 
-def input_feeds(compiled, feeds) -> dict:
-    """What ``inputs.pt`` holds: the program's inputs in ``feeds`` less a training program's step
-    number (program.py feeds it 1..K itself, so a kept inputs.pt has no key it does not use)."""
+def input_feeds(compiled, feeds, graph=None) -> dict:
+    """What ``inputs.pt`` holds: the inputs of ``graph`` (default: the program) in ``feeds`` less
+    a training program's step number (program.py, SPMD or pipelined, feeds it 1..K itself, so a
+    kept inputs.pt has no key it does not use)."""
     train = getattr(compiled.program_, "train", None)
     step = train.step if train is not None else None
-    return {n.name: feeds[n.name] for n in compiled.program.inputs if n.name in feeds and n.name != step}
+    graph = compiled.program if graph is None else graph
+    return {n.name: feeds[n.name] for n in graph.inputs if n.name in feeds and n.name != step}
 
 
 def launch_run(compiled, work, feeds, nproc, extra, module=None):

@@ -84,8 +84,9 @@ def _launch(args, compiled, work_fns, state, size, steps: int = 1) -> dict:
         work_fns[0](work)
         ckpt = {k: torch.from_numpy(np.asarray(v)) for k, v in state.items()
                 if k in logical and logical[k].op == "param"}
-        data = {n.name: torch.from_numpy(np.asarray(state[n.name])) for n in logical.inputs
-                if n.name in state}
+        from .run_cmd import input_feeds  # the step number is program.py's own
+
+        data = {k: torch.from_numpy(np.asarray(v)) for k, v in input_feeds(compiled, state, logical).items()}
         out = os.path.join(work, "outputs.pt")
         proc = run_torchrun(work, size, ckpt, data, out, extra_args=("--steps", steps), timeout=300)
         if proc.returncode != 0:

@@ -23,3 +23,4 @@ def test_inputs_file_has_no_step_number(head):
     feeds = {"x": np.zeros((8, 4), "float32"), "target": np.zeros((8, 4), "float32"),
              "step": np.array(1.0, "float32")}
     assert sorted(input_feeds(c, feeds)) == ["target", "x"]
+    assert sorted(input_feeds(c, feeds, c.logical)) == ["target", "x"]
