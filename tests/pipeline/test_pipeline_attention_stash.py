@@ -74,3 +74,15 @@ def test_gloo_run_equals_the_unsharded_step(tmp_path, gpt2):
     assert "attention_backward(" in stage_function(text, "stage0_backward")
     assert_all_equivalent(got, want)
     assert_detects_a_wrong_scale(got, want)
+
+
+def test_zb_h1_split_backward_reads_the_stash_where_it_differentiates_the_attention(gpt2):
+    """ZB-H1: stage 0 (no input gradient) differentiates its attention in W, stage 1 in B; the
+    whole backward (also printed) reads the stash too."""
+    c = compile_graph(gpt2, spec(f"{HEAD}{TRAIN.replace('schedule=1f1b', 'schedule=zb-h1')}\n"))
+    text = emit_program(c)
+    for s, half in ((0, "backward_weight"), (1, "backward_input")):
+        for fn in (f"stage{s}_backward", f"stage{s}_{half}"):
+            body = stage_function(text, fn)
+            assert ':kernel")' in body and "= attention_backward(" in body, fn
+            assert "attention_grads(" not in body, fn

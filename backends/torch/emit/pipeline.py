@@ -173,11 +173,12 @@ def _header(program, model, plan, mesh, table) -> list:
 
 def _attention_stash(progs) -> dict:
     """``{kind: {node: stash key}}`` for a stage's programs ``progs`` (``{kind: Program}``): each
-    forward attention whose backward (or ZB-H1's B) differentiates it keeps its kernel's output
-    and logsumexp in the microbatch's stash (emit/attention.py), so the backward runs the
-    kernel's own backward on them instead of computing the forward again."""
+    forward attention whose backward (or ZB-H1's B or W, whichever differentiates it: W's
+    inputs hold B's, the stash's entries too) keeps its kernel's output and logsumexp in the
+    microbatch's stash (emit/attention.py), so the backward runs the kernel's own backward on
+    them instead of computing the forward again."""
     out, fwd = {}, progs["forward"].graph
-    for kind in ("backward", "backward_input"):
+    for kind in ("backward", "backward_input", "backward_weight"):
         if kind in progs:
             pairs = stashed_forwards(fwd, progs[kind].graph)
             out.setdefault("forward", {}).update({src: stash_key(src) for src in pairs})
