@@ -25,7 +25,7 @@ from types import SimpleNamespace
 
 from parcomp.errors import SpecError
 from parcomp.ir.graph import Graph, Node
-from parcomp.ir.liveness import attention_saved_bytes, stashed_attention
+from parcomp.ir.liveness import attention_saved_bytes, stashed_attention, storage_roots
 from parcomp.ir.types import Mesh, TensorType
 from parcomp.spec.model import pattern_regex
 from parcomp.spec.train_options import start_recompute
@@ -157,12 +157,14 @@ def stage_programs(stage, cfg, last: bool, reaching=None, owned=None, parts: int
 def _kernel_stash_bytes(forward: Graph, backward: Graph, saved) -> int:
     """Bytes one microbatch's stash holds beside ``saved`` for the attentions whose forward
     kernel keeps, for the stage's backward, its output and a logsumexp per query row
-    (:func:`parcomp.ir.liveness.stashed_attention`): the logsumexp, and the output where it is
-    not a stashed value already."""
-    out = 0
+    (:func:`parcomp.ir.liveness.stashed_attention`): the logsumexp, and the output where no
+    stashed value holds its buffer already (the output projection's input, a view of it in the
+    usual block: :func:`parcomp.ir.liveness.storage_roots`)."""
+    out, roots = 0, storage_roots(forward)
+    held = {roots[v] for v in saved}
     for src in stashed_attention(forward, backward):
         ty = forward[src].type
-        out += attention_saved_bytes(ty, ty.nbytes) + (0 if src in saved else ty.nbytes)
+        out += attention_saved_bytes(ty, ty.nbytes) + (0 if src in held else ty.nbytes)
     return out
 
 
