@@ -87,3 +87,14 @@ def test_zb_h1_split_backward_reads_the_stash_where_it_differentiates_the_attent
             body = stage_function(text, fn)
             assert ':kernel")' in body and "= attention_backward(" in body, fn
             assert "attention_grads(" not in body, fn
+
+
+def test_a_stage_program_printed_again_without_the_stash_recomputes(gpt2):
+    """The stash is the pipeline printer's argument, not a fact of the program: the same stage
+    backward printed on its own (no stash) differentiates with the vjp over sdpa."""
+    from parcomp_backends.torch.emit import step_function
+
+    c = compile_graph(gpt2, spec(f"{HEAD}{TRAIN}\n"))
+    emit_program(c)
+    alone = step_function(c.program_.stages[0]["backward"], "backward", "alone", pop_inputs=True)
+    assert "= attention_grads(" in alone and ":kernel" not in alone

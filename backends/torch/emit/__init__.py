@@ -168,9 +168,9 @@ def step_function(prog, fn: str, doc: str, names=None, pop_inputs: bool = False,
         taken = set(names.values())
         kept = {n: saved_name(names[n if program[n].op == "sdpa" else kept[n]], taken) for n in kept}
     stash = stash or {}
-    if stash:
+    if stash:  # a new dict: saved_forwards' is the program's memo
         taken = set(names.values()) | set(kept.values())
-        kept.update({n: saved_name(names[n], taken) for n in stash})
+        kept = {**kept, **{n: saved_name(names[n], taken) for n in stash}}
     block = program if program.stage == "local" else None  # per-rank: block offsets read COORD
     tails = {}  # (id(layout), id(type)) -> "  # [S(0), R] f32[8,32]": nodes share these objects
     for n in program.nodes:
