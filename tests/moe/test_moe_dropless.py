@@ -166,6 +166,8 @@ def test_ep_programs_exchange_counts_once_per_layer_and_only_routed_rows(factory
         text = emit_program(compile_graph(graph, parse_spec(f.read(), spec)), "cpu")
     step = text.split("def train_step")[1].split("\ndef ")[0]
     assert len(re.findall(r"= moe_expert_plan\(", step)) == layers
+    # the counts cross ep before the rows plan's one host copy, which carries both
+    assert len(re.findall(r"= moe_route_plan\(\w+, 'ep'\)", step)) == layers
     assert len(re.findall(r"= moe_to_experts\(", step)) == 2 * layers  # tokens, their gradients
     assert len(re.findall(r"= moe_to_rows\(", step)) == 2 * layers
     assert "all_to_all_ragged(" not in step and "moe_dispatch(" not in step
