@@ -5,7 +5,8 @@
 backward needs, ``send_*`` / ``recv_*`` move values through a mailbox keyed by
 (receiving stage, direction, microbatch), a ``backward`` adds the microbatch's parameter
 gradients to the stage's sums.  After every microbatch of every dp replica, the sums are
-scaled once by ``1 / (microbatches * dp)`` (the dp all-reduce is the sum over replicas)
+scaled once by ``1 / (microbatches * dp)`` (the dp all-reduce is the sum over replicas; with
+``grad_reduce=compute`` each replica's sums rounded to the compute dtype and summed in it)
 and each stage's optimizer program runs, after the stages' ``stats`` programs (clip_grad_norm's
 sum of squares) are summed over every stage and given to it.  With tp inside a stage (``plan.local``) each
 program is the stage's per-rank program run on every rank of the inner mesh
@@ -64,16 +65,20 @@ def run_pipeline_step(plan, feeds: dict) -> dict:
                    for n in g.inputs} - {v for st in plan.stages for v in st.recv} \
         - {grad_name(v) for st in plan.stages for v in st.send} - {"step"}
     pieces = _slices(feeds, batch_names, plan)
-    sums = [dict() for _ in plan.stages]
+    low = plan.dp_reduce_dtype
+    replicas = [[dict() for _ in plan.stages] for _ in range(plan.dp if low else 1)]
     losses = []
-    for d in range(plan.dp):
-        _replica(plan, feeds, pieces, d, sums, losses)
-    for p, held in plan.tied:  # tied weights: one sum over the stages holding a copy
-        total = sums[held[0]][grad_name(p)]
-        for s in held[1:]:
-            total = total + sums[s][grad_name(p)]
-        for s in held:
-            sums[s][grad_name(p)] = total
+    for d in range(plan.dp):  # without a compute-dtype reduction the replicas add into one sum
+        _replica(plan, feeds, pieces, d, replicas[d if low else 0], losses)
+    for sums in replicas:  # tied weights: one sum over the stages holding a copy (before dp)
+        for p, held in plan.tied:
+            total = sums[held[0]][grad_name(p)]
+            for s in held[1:]:
+                total = total + sums[s][grad_name(p)]
+            for s in held:
+                sums[s][grad_name(p)] = total
+    sums = replicas[0] if not low else [_reduced_in(low, [r[s] for r in replicas])
+                                        for s in range(len(plan.stages))]
     scale = np.float32(1.0 / (plan.microbatches * plan.dp))
     arr = np.asarray(losses)  # the model's float dtype (float64 in check)
     out = {"loss": (np.sum(arr, dtype=arr.dtype) * arr.dtype.type(scale)).astype(arr.dtype)}
@@ -85,6 +90,19 @@ def run_pipeline_step(plan, feeds: dict) -> dict:
                 agreed[k] = v if k not in agreed else agreed[k] + v
     for s in range(len(plan.stages)):
         out.update(_run(plan, s, "optimizer", {**scaled[s], **agreed}))
+    return out
+
+
+def _reduced_in(dtype: str, parts: list) -> dict:
+    """``grad_reduce=compute``'s dp reduction of one stage's gradient sums (one dict per
+    replica): each rounded to ``dtype``, summed in it, widened back (program.py's
+    ``DP_REDUCE_DTYPE``)."""
+    out = {}
+    for k, first in parts[0].items():
+        total = first.astype(dtype)
+        for part in parts[1:]:
+            total = (total + part[k].astype(dtype)).astype(dtype)
+        out[k] = total.astype(first.dtype)
     return out
 
 

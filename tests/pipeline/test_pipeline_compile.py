@@ -102,7 +102,7 @@ def test_the_batch_line_of_a_pipeline_counts_the_microbatches(mesh, micro, line)
 
 
 @pytest.mark.parametrize("option", [
-    "zero=2", "recompute=all", "precision=bf16 grad_reduce=compute",
+    "zero=2",
 ])
 def test_a_train_option_the_pipeline_does_not_run_is_refused_at_the_option(option):
     """Every option the pipelined step does not implement is a SpecError at its own column,

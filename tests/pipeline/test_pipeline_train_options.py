@@ -1,4 +1,5 @@
-"""Training options with a ``pp`` axis: clip_grad_norm (one global norm over every stage and tp
+"""Training options with a ``pp`` axis: recompute (each stage's forward stashes only what the
+policy keeps, its backward recomputes the rest), clip_grad_norm (one global norm over every stage and tp
 shard: each stage's sum of squares, summed over pp before any update), lr schedules (the
 optimizer programs read the step counter), accumulate=K (the microbatches are the
 accumulation: K x microbatches of the same size, the model's batch one of K as unpipelined).
@@ -88,11 +89,107 @@ def test_accumulate_multiplies_the_microbatches():
     assert "accumulate=2" in str(e.value) and "equal parts" in str(e.value)
 
 
-@pytest.mark.parametrize("key,value", [("zero", "2"), ("recompute", "all")])
+@pytest.mark.parametrize("key,value", [("zero", "2")])
 def test_options_not_pipelined_yet_are_refused_at_their_column(key, value):
     with pytest.raises(SpecError) as e:
         plan_pipeline(chain_graph(blocks=4), spec(f"mesh dp=2 pp=2\n{OPT} {key}={value}\n"))
     assert f"{key}=" in str(e.value) and "test.pcs:2:" in str(e.value)
+
+
+#: a 4-linear GELU MLP (pcir, no module paths: a node's layer is its param's ``l<k>``):
+#: 2 layers a stage, each a matmul, a bias add and a GELU
+RC_WIDTHS = [8, 16, 16, 16, 8]
+RC_OPT = "train loss=mse optimizer=adamw(lr=0.01) input_grads=no microbatches=2 schedule=1f1b"
+
+
+def _rc_graph():
+    from graphs import mlp_graph
+
+    return mlp_graph((8, 8), RC_WIDTHS, [True] * 4, ["gelu"] * 3)
+
+
+@pytest.mark.parametrize("head", MESHES[:2] + ["mesh pp=2 tp=2\nl0.weight colwise\nl1.weight rowwise\n"],
+                         ids=["pp2", "dp2pp2", "pp2tp2"])
+@pytest.mark.parametrize("mode", ["selective", "all"])
+def test_recompute_equals_the_unsharded_step_and_stashes_less(head, mode):
+    """Each stage's backward recomputes what the policy drops (``rc.*`` values, as the SPMD
+    step's), so the stage's forward stashes less per microbatch and the memory model's
+    per-stage peak drops; the step equals the unsharded step without recomputation."""
+    g = _rc_graph()
+    got, want, plan = pipelined(g, head, f"{RC_OPT} recompute={mode}")
+    assert_all_equivalent(got, want)
+    plain = pipelined(g, head, RC_OPT)[2]
+    for st, base in zip(plan.stages, plain.stages):
+        assert any(n.name.startswith("rc.") for n in st.backward.nodes)
+        assert not any(n.name.startswith("rc.") for n in st.forward.nodes)
+        assert st.saved_bytes < base.saved_bytes or (mode, st.index) == ("all", 1)
+    peak = [[s["peak_inflight_bytes"] for s in p.report()["stages"]] for p in (plain, plan)]
+    assert sum(peak[1]) < sum(peak[0]) and all(a <= b for a, b in zip(peak[1], peak[0]))
+
+
+def test_recompute_all_keeps_the_layer_boundaries_only():
+    """recompute=all: stage 0 (l0, l1) stashes l0's output activation alone (x is the
+    microbatch's data, l1's activation is sent), matmul outputs and bias sums recomputed;
+    the last stage stashes what it received, l2's activation and the loss's difference."""
+    plan = pipelined(_rc_graph(), "mesh pp=2\n", f"{RC_OPT} recompute=all")[2]
+    assert [st.saved for st in plan.stages] == [("l0.act",), ("l1.act", "l2.act", "loss.sub")]
+    rc = sorted(n.name for n in plan.stages[0].backward.nodes if n.name.startswith("rc."))
+    assert rc == ["rc.l0.mm", "rc.l0.out", "rc.l1.mm", "rc.l1.out"]
+
+
+@pytest.mark.parametrize("opts", ["microbatches=2 schedule=zb-h1", "microbatches=4 schedule=interleaved virtual=2",
+                                  "microbatches=2 schedule=1f1b precision=bf16 zero=1 clip_grad_norm=0.05"])
+def test_recompute_changes_no_value_of_other_pipeline_options(opts):
+    """With ZB-H1's split backward, an interleaved schedule, bf16 with zero=1 and clipping: the
+    step with recompute=all is the step without it, bit for bit (the same ops on the same
+    operands)."""
+    from parcomp.check.pipeline import run_pipeline_step
+    from graphs import mlp_graph
+
+    g = mlp_graph((8, 8), RC_WIDTHS + [8], [True] * 5, ["gelu"] * 4)
+    _, feeds, _ = reference(g, "train loss=mse optimizer=adamw(lr=0.01) input_grads=no")
+    base = f"mesh dp=2 pp=2\ntrain loss=mse optimizer=adamw(lr=0.01) input_grads=no {opts}"
+    plain, full = (plan_pipeline(g, spec(f"{base} recompute={m}\n")) for m in ("none", "all"))
+    assert sum(st.saved_bytes for st in full.stages) < sum(st.saved_bytes for st in plain.stages)
+    a, b = run_pipeline_step(plain, feeds), run_pipeline_step(full, feeds)
+    assert sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_cli_check_of_a_pipeline_with_recompute(tmp_path, capsys):
+    """parcomp check: the pipelined step with recompute=all on the float64 interpreter equals
+    the unsharded step."""
+    from parcomp.cli.main import main
+
+    from graphs import mlp_text
+
+    (tmp_path / "m.pcir").write_text(mlp_text((8, 8), RC_WIDTHS, [True] * 4, ["gelu"] * 3))
+    (tmp_path / "s.pcs").write_text(f"mesh pp=2\n{RC_OPT} recompute=all\n")
+    rc = main(["check", str(tmp_path / "m.pcir"), "--spec", str(tmp_path / "s.pcs")])
+    out = capsys.readouterr().out
+    line = out.split("pipelined step on the numpy interpreter vs unsharded step")[1].split("\n")[0]
+    assert rc == 0 and "in float64" in line and line.endswith("OK"), out
+
+
+@pytest.mark.slow
+def test_program_with_recompute_on_two_gloo_ranks_equals_the_unsharded_steps(tmp_path, capsys):
+    """program.py on 2 gloo ranks (pp=2), recompute=all: each stage's backward recomputes its
+    layers from the stash (``rc_`` statements), 2 steps equal to the unsharded steps."""
+    pytest.importorskip("torch")
+    from parcomp.cli.main import main
+
+    from graphs import mlp_text
+
+    (tmp_path / "m.pcir").write_text(mlp_text((8, 8), RC_WIDTHS, [True] * 4, ["gelu"] * 3))
+    (tmp_path / "s.pcs").write_text(f"mesh pp=2\n{RC_OPT} recompute=all\n")
+    rc = main(["run", str(tmp_path / "m.pcir"), "--spec", str(tmp_path / "s.pcs"), "--nproc", "2",
+               "--keep", str(tmp_path / "work"), "--steps", "2", "--json"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    res = json.loads(out.strip().splitlines()[-1])
+    assert res["ok"] and len(res["losses"]) == 2
+    text = (tmp_path / "work" / "program.py").read_text()
+    backward = text.split("def stage0_backward")[1].split("\ndef ")[0]
+    assert "rc_l0_mm = torch.matmul(x, l0_weight)" in backward
 
 
 @pytest.mark.slow

@@ -135,7 +135,8 @@ def _forward(prog, names, train, dropless=None) -> str:
                          dropless=dropless)
 
 
-def step_function(prog, fn: str, doc: str, names=None, pop_inputs: bool = False, dropless=None) -> str:
+def step_function(prog, fn: str, doc: str, names=None, pop_inputs: bool = False, dropless=None,
+                  ready=()) -> str:
     """``def fn(p, inp)`` computing ``prog``'s lowered graph: one statement per node, in its
     order, each ending in its layout, type and the spec rule that caused it; above each
     collective the comment saying why it is there and its bytes per rank; ``del`` of the
@@ -144,9 +145,16 @@ def step_function(prog, fn: str, doc: str, names=None, pop_inputs: bool = False,
     :func:`python_names`); ``pop_inputs``: inputs are taken out of ``inp`` (the caller's
     dict) and deleted after their last reader, so a stage function frees a received
     activation or a stashed value as soon as it is read for the last time; ``dropless``: the
-    MoE statements on packed routed tokens (emit/moe_dropless.py)."""
+    MoE statements on packed routed tokens (emit/moe_dropless.py); ``ready``: public output
+    names handed, each right after the statement making it final, to a third argument
+    ``ready(name, value)`` (a pipeline stage's parameter gradients: their dp buckets start inside
+    the backward)."""
     names = python_names(prog) if names is None else names
-    lines = [f"def {fn}(p, inp):", f'    """{doc}"""']
+    lines = [f"def {fn}(p, inp{', ready' if ready else ''}):", f'    """{doc}"""']
+    final = {}  # value -> its public names of ``ready``
+    for pub, v in prog.graph.named_outputs():
+        if pub in ready:
+            final.setdefault(v, []).append(pub)
     packed = dropless.lines if dropless is not None else {}
     if dropless is not None and (dropless.active or dropless.why):
         lines += comment_lines(dropless.comment(), "    ")
@@ -168,6 +176,7 @@ def step_function(prog, fn: str, doc: str, names=None, pop_inputs: bool = False,
             key = _json_str(n.name)
             take = f"p[{key}]" if op == "param" else f"inp.pop({key})" if pop_inputs else f"inp[{key}]"
             lines.append(f"    {var} = {take}{tail}")
+            lines += [f"    ready({_json_str(pub)}, {var})" for pub in final.get(n.name, ())]
             continue
         if op in _LAYOUT_OPS:
             lines += _layout_comment(program, n, prog.collective(n.name), names, n.name in packed)
@@ -187,6 +196,7 @@ def step_function(prog, fn: str, doc: str, names=None, pop_inputs: bool = False,
         frees += popped.get(n.name, [])
         if frees:
             lines.append("    del " + ", ".join(map(var_of, frees)))
+        lines += [f"    ready({_json_str(pub)}, {var})" for pub in final.get(n.name, ())]
     ret = ", ".join(f"{json.dumps(pub)}: {names[v]}" for pub, v in program.named_outputs())
     lines.append(f"    return {{{ret}}}")
     return "\n".join(lines)

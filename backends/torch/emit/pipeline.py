@@ -20,7 +20,8 @@ stage's outputs of the last step to ``OUTPUT.stageK``.  Nothing in it imports pa
 (:mod:`parcomp.passes.pipeline.stage_shard`); tied weights' gradients are summed over their
 stages' ranks (``TIED_SETS``) before ``dp``.  ``--save`` and ``--resume`` are
 :mod:`parcomp_backends.torch.runtime.pipeline_checkpoint`'s (with the SPMD program's checks);
-``CARRIED`` lists per stage what they write and read.
+``CARRIED`` lists per stage what they write and read.  ``--data``, ``--replay`` and the stop
+on SIGTERM with ``--save`` are the SPMD training program's (:mod:`parcomp_backends.torch.runtime.program_train`).
 """
 from __future__ import annotations
 
@@ -80,9 +81,9 @@ def _on_full_mesh(graph, mesh):
 
 #: the docstring of each stage function (the programs of :data:`KINDS`)
 _DOCS = {"forward": "Stage {s}: forward of one microbatch.",
-         "backward": "Stage {s}: backward of one microbatch.",
+         "backward": "Stage {s}: backward of one microbatch; ready(name, value): each parameter gradient once final.",
          "backward_input": "Stage {s}: input gradients of one microbatch (ZB-H1's B), and what W reads (wstash.*).",
-         "backward_weight": "Stage {s}: parameter gradients of one microbatch (ZB-H1's W).",
+         "backward_weight": "Stage {s}: parameter gradients of one microbatch (ZB-H1's W), each to ready() once final.",
          "stats": "Stage {s}: its share of the sums every stage's update reads (summed over pp).",
          "optimizer": "Stage {s}: the update."}
 
@@ -180,6 +181,7 @@ def _collective_dtypes(plan) -> tuple:
     graphs = [g for st in (plan.local or plan.stages) for g in (st.forward, st.backward, st.optimizer)]
     out = {g[n.inputs[0]].type.dtype for g in graphs for n in g.nodes if n.op in COLLECTIVES}
     out |= {dt for st in plan.stages for _, _, dt in _specs(st, st.send)}
+    out |= {plan.dp_reduce_dtype} - {None}
     return tuple(sorted(out))
 
 
@@ -240,12 +242,13 @@ def _reductions(plan) -> list:
         kind, ring = ("reduce_scatter", (plan.dp - 1) / plan.dp) if zero else ("all_reduce", 2 * (plan.dp - 1) / plan.dp)
         for st in plan.stages:
             bw = plan.lowered[st.index].backward if plan.lowered else st.backward
-            size = sum(bw[v].type.nbytes for pub, v in bw.named_outputs() if pub.startswith("grad.")
-                       and pub[len("grad."):] in st.params)
+            size = sum(bw[v].type.numel * DTYPE_BYTES[plan.dp_reduce_dtype or bw[v].type.dtype]
+                       for pub, v in bw.named_outputs()
+                       if pub.startswith("grad.") and pub[len("grad."):] in st.params)
             out += comment_lines(
                 f"{kind} over dp of stage {st.index}'s {len(st.params)} gradients (GRADS), in the buckets of "
-                f"DP_BUCKETS, bytes/rank {round(ring * size)} in all, once per step, each bucket started after "
-                f"the last backward adding to it: each dp replica summed its own microbatches' gradients, and "
+                f"DP_BUCKETS, bytes/rank {round(ring * size)} in all, once per step, each bucket started inside "
+                f"the last backward adding to it, once its last gradient is final (ready): each dp replica summed its own microbatches' gradients, and "
                 f"the update needs the gradient of the global batch, the sum over dp (then scaled by SCALE)"
                 + ("; zero=1: each rank updates its part, so it needs only its part of the sum" if zero else ""), "")
         out += comment_lines(f"all_reduce over dp of the loss on the last stage, bytes/rank "
@@ -260,6 +263,34 @@ def _reductions(plan) -> list:
                              "a copy (TIED_SETS), before dp: each copy's update needs the gradient of every "
                              "use of the weight, the sum of its stages' shares", "")
     return out
+
+
+def _dp_buckets(plan) -> list:
+    """``DP_BUCKETS``, one bucket a line: per pp coordinate ``[stages, kind, [gradient, ...]]``."""
+    out = ["# per pp coordinate, the dp gradient buckets (bucket_cap_mb): [stages whose last backward",
+           "# starts it, all_reduce | reduce_scatter (zero=1), gradients in the order that backward makes",
+           "# them final]; it starts inside that backward once its last gradient is (a tied gradient is",
+           "# reduced alone, at the optimizer)",
+           "DP_BUCKETS = {"]
+    if not plan.dp_buckets:
+        return out[:-1] + ["DP_BUCKETS = {}"]
+    for r, buckets in enumerate(plan.dp_buckets):
+        out.append(f"    {r}: [")
+        for stages, kind, names in buckets:
+            one = f"        [{list(stages)!r}, {kind!r}, {list(names)!r}],"
+            if len(one) <= 100:
+                out.append(one)
+                continue
+            out.append(f"        [{list(stages)!r}, {kind!r}, [")  # a long bucket: its gradients wrapped
+            line = "           "
+            for name in names:
+                if len(line) + len(repr(name)) + 2 > 100 and line.strip():
+                    out.append(line.rstrip())
+                    line = "           "
+                line += f" {name!r},"
+            out += [line.rstrip(), "        ]],"]
+        out.append("    ],")
+    return out + ["}"]
 
 
 def _actions(plan, mesh, table) -> list:
@@ -388,9 +419,9 @@ def emit_pipeline_program(program, model, code, profile="cpu", constants=()) -> 
                "# coordinates) whose gradient contributions are summed before the dp all_reduce",
                f"TIED_SETS = {[_tied_groups(mesh, held) for held in sets]!r}",
                f"TIED = {({s: v for s, v in tied.items() if v})!r}", "TIED_GROUP = {}",
-               "# per pp coordinate, the dp gradient buckets (bucket_cap_mb): (stages whose last backward",
-               "# starts it, all_reduce | reduce_scatter (zero=1), gradients); a tied gradient is reduced alone",
-               f"DP_BUCKETS = {({r: [list(b) for b in bs] for r, bs in enumerate(plan.dp_buckets)})!r}",
+               *_dp_buckets(plan),
+               f"DP_REDUCE_DTYPE = {plan.dp_reduce_dtype!r}  # grad_reduce=compute: the dtype the dp "
+               "reduction sends (cast, summed, widened back); None: the gradient sums' own",
                "STEP = [1.0]  # the step counter k of main()'s loop (AdamW's bias corrections)"]
     acts = _actions(plan, mesh, table)
     fns, graphs = [], []
@@ -403,7 +434,8 @@ def emit_pipeline_program(program, model, code, profile="cpu", constants=()) -> 
             if plan.local:  # per-rank: layouts on the program's whole mesh (block offsets read COORD)
                 prog = replace(prog, graph=_on_full_mesh(prog.graph, mesh))
             graphs.append(prog.graph)
-            fns.append(code(prog, f"stage{s}_{kind}", _DOCS[kind].format(s=s), pop_inputs=True))
+            ready = grads[s] if kind == ("backward_weight" if plan.split else "backward") else ()
+            fns.append(code(prog, f"stage{s}_{kind}", _DOCS[kind].format(s=s), pop_inputs=True, ready=ready))
     helpers = {text for x in graphs  # the runtime helpers the printed statements call, as the SPMD program's
                for text in runtime_sections(x) + reduce_sections(x) + attention_sections(x) + moe_sections(x)}
     runtime = "\n\n\n".join(["# ---- the SPMD program's runtime: process facts, collectives, loading ----",
@@ -420,5 +452,6 @@ def emit_pipeline_program(program, model, code, profile="cpu", constants=()) -> 
     body = ["\n".join(head) + "\n" + IMPORTS, "\n".join(consts), "\n".join(acts), "\n\n\n".join(fns),
             RUNTIME_MARK, profile_block(prof), runtime, _CHECKPOINT.strip("\n"), _TRAIN["checkpoint_checks"],
             _CLUSTER, _COMMON["rank_path"], _COMMON["sync"], _COMMON["bench"], _COMMON["world"],
-            _TRAIN["step_count"], _COMMON["main"], _PIPELINE, _COMMON["entry"]]
+            _TRAIN["step_count"], _TRAIN["input_args"], _TRAIN["data"], _TRAIN["replay"], _TRAIN["stop"],
+            _COMMON["main"], _PIPELINE, _COMMON["entry"]]
     return "\n\n\n".join(body) + "\n"

@@ -111,6 +111,7 @@ CONSTANT_LOADER = _COMMON["constants"]  # a program with params computed at impo
 TIED_LOADER = _COMMON["tied"]  # a program with tied weights (param attr ``aliases``)
 ONNX_READER = _COMMON["onnx"]  # appended to the runtime of a program compiled from an .onnx file
 TRAIN_MAIN = _join(_COMMON["rank_path"], _TRAIN["write_outputs"], _COMMON["sync"], _COMMON["bench"],
-                   _TRAIN["step_count"], _TRAIN["parse_args"], _COMMON["world"], _CLUSTER, _TRAIN["data"],
-                   _TRAIN["checkpoint"], _TRAIN["checkpoint_checks"], _TRAIN["resume"], _TRAIN["loop"],
-                   _COMMON["main"], _COMMON["entry"])
+                   _TRAIN["step_count"], _TRAIN["input_args"], _TRAIN["parse_args"], _COMMON["world"], _CLUSTER,
+                   _TRAIN["data"], _TRAIN["checkpoint"], _TRAIN["checkpoint_checks"], _TRAIN["resume"],
+                   _TRAIN["loop"], _TRAIN["replay"], _TRAIN["stop"], _TRAIN["run"], _COMMON["main"],
+                   _COMMON["entry"])

@@ -15,7 +15,11 @@ the SPMD program's step and loop:
   waits for all of them, so a boundary tensor lives until its slot ends and no ``Work`` handle
   outlives its slot; what the schedule no longer needs (sent activations, a stash after its
   backward) is dropped at once;
-- ``parse_args`` / ``run``: the SPMD training program's options, run under ``main``.
+- ``load_inputs``: this rank's dp rows of the inputs its stages read (the first stage's inputs,
+  the last stage's labels), from ``--input``'s global batch or a ``--data`` step's samples
+  (the SPMD program's DataSource, StepData: only those samples are read);
+- ``parse_args`` / ``run``: the SPMD training program's options, run under ``main``, with its
+  ``--replay`` (read_replay) and its stop on SIGTERM with ``--save`` (stop_after, stopped).
 
 Real, importable Python; it runs with the stand-ins below for what the emitter generates.
 """
@@ -28,7 +32,8 @@ import torch.distributed as dist
 
 from .program_cluster import *
 from .program_common import *
-from .program_train import check_save, saved_steps, step_count
+from .program_train import (DATA_HELP, REPLAY_HELP, DataSource, StepData, check_input_args, check_save,
+                            read_replay, saved_steps, step_count, stop_after, stop_wait, stopped)
 
 # ---- stand-ins for what the emitter generates (never pasted): a one-stage, one-rank program ----
 STAGE_PARAMS = {0: []}
@@ -51,6 +56,7 @@ TIED_SETS = []
 TIED = {}
 TIED_GROUP = {}
 DP_BUCKETS = {}
+DP_REDUCE_DTYPE = None
 STEP = [1.0]
 MICROBATCHES = 1
 MICRO_BATCH = 1
@@ -139,7 +145,7 @@ def load_params(ckpt):
 
 def load_batch(path):
     """The input file, every batch input checked against its global shape and dtype (never
-    cast), on DEVICE; exit 2 naming what is wrong."""
+    cast), on the host; exit 2 naming what is wrong."""
     feeds = read_tensors(path, "input")
     if not isinstance(feeds, dict):
         fail(f"input file {path} holds a {type(feeds).__name__}, not a dict {{input name: tensor}} "
@@ -157,7 +163,27 @@ def load_batch(path):
         if t.dtype != getattr(torch, dtype):
             fail(f"input {name!r} in {path} is {str(t.dtype).replace('torch.', '')}, compiled for "
                  f"{dtype}; convert the file (program.py never casts)")
-        out[name] = t.to(DEVICE)
+        out[name] = t
+    return out
+
+
+def stage_inputs(coord):
+    """The batch inputs the stages of pp coordinate ``coord`` read (the first stage's inputs,
+    the last stage's labels; none in between)."""
+    return sorted({name for t in STAGES[coord] for name in BATCH_INPUTS[t]})
+
+
+def load_inputs(feeds):
+    """This rank's rows of one step's global batch ``feeds`` (a dict from load_batch, or a
+    --data step's DataBatch, whose samples outside those rows are never read): the inputs its
+    stages read, rows d*R .. (d+1)*R-1 for dp coordinate d (R = MICROBATCHES x MICRO_BATCH:
+    its microbatches, cut by step()), on DEVICE."""
+    c, rows = coords(RANK), MICRO_BATCH * MICROBATCHES
+    out = {}
+    for name in stage_inputs(c["pp"]):
+        shape, dtype = INPUT_SHAPES[name]
+        full = take(feeds, name, tuple(shape), getattr(torch, dtype))  # a SampleSlice: nothing read yet
+        out[name] = place(full.narrow(0, c.get("dp", 0) * rows, rows))
     return out
 
 
@@ -169,7 +195,7 @@ def check_stage_outputs(args):
     if not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
         fail(f"--output {args.output}: its directory does not exist")
     reads = {os.path.realpath(f): flag for f, flag in ((args.checkpoint, "--checkpoint"),
-             (args.input, "--input"), (__file__, "program.py")) if f}
+             (args.input, "--input"), (args.replay, "--replay"), (__file__, "program.py")) if f}
     for t in range(len(FORWARD)):
         target = os.path.realpath(f"{args.output}.stage{t}")
         if target in reads:
@@ -234,13 +260,31 @@ def exchange(ops, k, pp_group, stash, grads_out, got, grads_in):
         where[key] = bufs
 
 
-def add_grads(sums, s, out):
-    """Add stage ``s``'s parameter gradients of one microbatch to the step's sums."""
-    for k in GRADS[s]:  # in place: the sum is this step's own tensor (the first microbatch's)
-        if k in sums:
-            sums[k].add_(out.pop(k))
-        else:
-            sums[k] = out.pop(k)
+def add_grad(sums, k, g):
+    """Add one microbatch's gradient ``g`` of ``k`` to the step's sum (in place: the sum is
+    this step's own tensor, the first microbatch's)."""
+    if k in sums:
+        sums[k].add_(g)
+    else:
+        sums[k] = g
+
+
+def grad_ready(sums, buckets, started, dp_group):
+    """``(ready, done)``: the ``ready(name, value)`` a stage's parameter-gradient program
+    calls with each gradient the moment it is final (the statement after the one computing
+    it), and the names it was called with. ``ready`` adds the gradient to the step's sums;
+    ``buckets``: the DP_BUCKETS this backward is the last to add to, each started (async,
+    appended to ``started``) as soon as its last gradient is ready, while the backward goes
+    on (DDP's per-gradient hooks)."""
+    pending, done = list(buckets), set()
+
+    def ready(name, value):
+        add_grad(sums, name, value)
+        done.add(name)
+        for b in [b for b in pending if done.issuperset(b[1])]:
+            pending.remove(b)
+            started.append(start_bucket(b, sums, dp_group))
+    return ready, done
 
 
 def reduce_over(t, group, k, what, lines):
@@ -266,7 +310,8 @@ def scatter_over(t, dim, k):
 
 def bucket_starts():
     """``{index in ACTIONS[RANK]: [bucket, ...]}``: each of this rank's DP_BUCKETS at the last
-    backward (or ZB-H1 backward_weight) of the stages holding its gradients."""
+    backward (or ZB-H1 backward_weight) of the stages holding its gradients; it starts inside
+    that backward, when its last gradient is final (:func:`grad_ready`)."""
     last = {}
     for i, (kind, _, _, s) in enumerate(ACTIONS[RANK]):
         if kind in ("backward", "backward_weight"):
@@ -285,25 +330,32 @@ def start_bucket(bucket, sums, dp_group):
     kind, names = bucket
     grads = [sums.pop(n) for n in names]
     if kind == "all_reduce":
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat = narrowed(torch.cat([g.reshape(-1) for g in grads]))
         work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=dp_group, async_op=True)
-        return kind, names, [g.shape for g in grads], flat, work
+        return kind, names, [g.shape for g in grads], flat, work, grads[0].dtype
     n = MESH["dp"]
     chunks = [g.chunk(n, dp_split(name)) for g, name in zip(grads, names)]
-    flat = torch.cat([c[j].reshape(-1) for j in range(n) for c in chunks])
+    flat = narrowed(torch.cat([c[j].reshape(-1) for j in range(n) for c in chunks]))
     out = flat.new_empty(flat.numel() // n)
     work = collective("reduce_scatter_single", "reduce_scatter_tensor")(
         out, flat, op=dist.ReduceOp.SUM, group=dp_group, async_op=True)
-    return kind, names, [c[0].shape for c in chunks], out, work
+    return kind, names, [c[0].shape for c in chunks], out, work, grads[0].dtype
+
+
+def narrowed(t):
+    """``t`` as the dp reduction sends it: in DP_REDUCE_DTYPE (grad_reduce=compute: the
+    compute dtype, half the bytes; widened back after) or ``t`` itself."""
+    return t.to(getattr(torch, DP_REDUCE_DTYPE)) if DP_REDUCE_DTYPE else t
 
 
 def finish_bucket(started, sums, k, i):
     """Wait for a bucket started by start_bucket; each gradient (this rank's part with
     zero=1) back in ``sums`` as a view of the reduced buffer, scaled once."""
-    kind, names, shapes, flat, work = started
+    kind, names, shapes, flat, work, dtype = started
     ranks = next(r for r in DP_GROUPS if RANK in r)
     FAULT["where"] = f"step {k}: the dp {kind} of gradient bucket {i} ({len(names)} gradients) with ranks {ranks}"
     work.wait()
+    flat = flat.to(dtype)  # the sums' dtype again (a copy only after a narrowed reduction)
     flat.mul_(SCALE)
     at = 0
     for name, shape in zip(names, shapes):
@@ -317,12 +369,11 @@ def step(k, state, p, data):
     """Training step ``k`` of this rank: its ACTIONS in order; the updated state (and the loss
     on the last stage).  An action names its virtual stage (the pp coordinate unless
     interleaved: STAGES[coord], the model chunks this rank holds).  ``state``: what setup()
-    returned."""
+    returned; ``data``: this rank's rows of the step's batch (load_inputs)."""
     coord, d, dp_group, pp_group = state
-    rows = MICRO_BATCH * MICROBATCHES
 
     def micro(m, s):
-        lo = d * rows + m * MICRO_BATCH
+        lo = m * MICRO_BATCH
         return {name: data[name][lo:lo + MICRO_BATCH] for name in BATCH_INPUTS[s]}
 
     stash, got, grads_in, grads_out, wstash, sums, losses, result = {}, {}, {}, {}, {}, {}, [], {}
@@ -341,8 +392,10 @@ def step(k, state, p, data):
             del saved
             if kind == "backward":
                 del stash[s, m]
-                out = BACKWARD[s](p, inp)
-                add_grads(sums, s, out)
+                ready, readied = grad_ready(sums, starts.pop(i, ()), started, dp_group)
+                out = BACKWARD[s](p, inp, ready)
+                for n in readied:  # already in the sums
+                    del out[n]
             else:  # ZB-H1: the input gradient now; W reads the stash and the output gradients
                 out = BACKWARD_INPUT[s](p, dict(inp))  # W reads inp too
                 wstash[s, m] = {**inp, **{n[len("wstash."):]: v for n, v in out.items()
@@ -352,9 +405,8 @@ def step(k, state, p, data):
             del inp, out
         elif kind == "backward_weight":
             del stash[s, m]
-            add_grads(sums, s, BACKWARD_WEIGHT[s](p, wstash.pop((s, m))))
-        if i in starts:  # the last backward adding to these gradients: their dp buckets start
-            started += [start_bucket(b, sums, dp_group) for b in starts[i]]
+            ready = grad_ready(sums, starts.pop(i, ()), started, dp_group)[0]
+            BACKWARD_WEIGHT[s](p, wstash.pop((s, m)), ready)
         elif kind == "optimizer":
             done = set()  # the buckets' gradients: reduced over dp and scaled
             for j, bucket in enumerate(started):
@@ -367,9 +419,11 @@ def step(k, state, p, data):
                 reduce_over(sums[n], TIED_GROUP[j], k, "tied-weight", TIED_SETS[j])
             for n in mine:  # the gradient of the global batch: sum, then scale once
                 if dp_group is not None and dp_split(n) is not None:  # zero=1: this rank's part
-                    sums[n] = scatter_over(sums[n], dp_split(n), k)
+                    sums[n] = scatter_over(narrowed(sums[n]), dp_split(n), k).to(sums[n].dtype)
                 elif dp_group is not None:
-                    reduce_over(sums[n], dp_group, k, "dp", DP_GROUPS)
+                    sent = narrowed(sums[n])
+                    reduce_over(sent, dp_group, k, "dp", DP_GROUPS)
+                    sums[n] = sent.to(sums[n].dtype)
                 sums[n].mul_(SCALE)
             number, held = torch.tensor(STEP[0], device=DEVICE), STAGES[coord]
             agreed = {}  # clip_grad_norm's sum of squares, fp16's overflow count: every stage's
@@ -399,7 +453,8 @@ def parse_args(argv):
                     help=".safetensors, .pt state_dict, or a sharded checkpoint (directory or index.json)")
     ap.add_argument("--key-map", type=key_map_arg, default=(), metavar="RULES", help=KEY_MAP_HELP)
     ap.add_argument("--load-report", metavar="FILE", help=LOAD_REPORT_HELP)
-    ap.add_argument("--input", required=True, help=".pt or .safetensors dict {input name: the global batch}")
+    ap.add_argument("--input", help=".pt or .safetensors dict {input name: the global batch}")
+    ap.add_argument("--data", metavar="MODULE:FUNCTION", help=DATA_HELP)
     ap.add_argument("--output", help="each stage's outputs of the last step (and its losses) go to "
                                      "OUTPUT.stageK, written by the stage's first rank")
     ap.add_argument("--steps", type=step_count, default=TRAIN_STEPS, metavar="K",
@@ -421,17 +476,28 @@ def parse_args(argv):
     ap.add_argument("--resume", metavar="DIR",
                     help="start from the checkpoint DIR/latest names: its params, optimizer state "
                          "and step; --steps more steps follow")
+    ap.add_argument("--replay", metavar="FILE", help=REPLAY_HELP)
     add_cluster_args(ap)
     args = ap.parse_args(argv)
     if args.save_every and not args.save:
         ap.error("--save-every N needs --save DIR (where the checkpoints go)")
+    check_input_args(ap, args)
     return args
 
 
 def load(args):
-    """This rank's params and the input batch (``--output`` checked first); under agree()."""
+    """This rank's params, every step's inputs (its rows of them: load_inputs) and the --replay
+    starts (``--output`` checked first); under agree()."""
     check_stage_outputs(args)
-    return load_checkpoint(args.checkpoint, args.key_map, args.load_report), load_batch(args.input)
+    params = load_checkpoint(args.checkpoint, args.key_map, args.load_report)
+    if args.data:
+        batches = StepData(DataSource(args.data), args.steps)
+        batches[0]  # the first step's batch read (and checked) now, under agree(); read again at its step
+    else:
+        batches = [load_inputs(load_batch(args.input))] * args.steps
+    with torch.no_grad():
+        starts = read_replay(args.replay, args.steps) if args.replay else None
+    return params, batches, starts
 
 
 def first_of_stage():
@@ -439,24 +505,28 @@ def first_of_stage():
     return all(c == 0 for a, c in coords(RANK).items() if a != "pp")
 
 
-def train(args, state, p, data, first, after_step=None):
+def train(args, state, p, batches, first, starts=None, after_step=None):
     """``--steps`` steps numbered from ``first`` (updated params and state carry over in
-    ``p``); the last step's result, with "losses". The last stage's first rank prints the loss
-    of every ``--log-every``-th step and the last (the only reads of a loss to the host);
-    ``after_step(k)``, when given, runs after step k has updated ``p`` (--save-every)."""
+    ``p``; with ``starts`` (--replay), step k starts from ``starts[k-first]``), step k on
+    ``batches[k-first]``; the last step's result, with "losses". The last stage's first rank
+    prints the loss of every ``--log-every``-th step and the last (the only reads of a loss to
+    the host); ``after_step(k)``, when given, runs after step k has updated ``p`` (--save,
+    --save-every), and its True ends the loop after that step (a SIGTERM: stop_after)."""
     losses, run_step, result = [], compiled_step(step, args), {}
     last, printer = first + args.steps - 1, first_of_stage()
     for k in range(first, last + 1):
         STEP[0] = float(k)
+        if starts is not None:
+            p.update(starts[k - first])
         result.clear()  # the last step's outputs (its gradients) are not kept through this one
-        result = run_step(k, state, p, data)
+        result = run_step(k, state, p, batches[k - first])
         if "loss" in result:
             losses.append(result["loss"])
             if printer and (k % args.log_every == 0 or k == last):
                 print(f"step {k} loss {float(result['loss']):.6g}", flush=True)
         p.update({q: result[q] for q in p if q in result})
-        if after_step is not None:
-            after_step(k)
+        if after_step is not None and after_step(k):
+            break
     if losses:
         result["losses"] = torch.stack(losses)
     return result
@@ -467,22 +537,33 @@ def run(args):
     FAULT["where"] = "loading"
     state = setup(args.timeout)
     coord = state[0]
-    p, data = agree(lambda: load(args), "loading")
+    p, batches, starts = agree(lambda: load(args), "loading")
     first = 1
     if args.resume:
         first = agree(lambda: resume_stages(args.resume, p, coord), "reading --resume")
+    if isinstance(batches, StepData):  # a resumed run reads on from the saved step's next batch
+        batches.offset = first - 1
     last = first + args.steps - 1
     saves = saved_steps(first, last, args.save_every) if args.save else []
     if args.save:  # before the first step: a save that cannot succeed is found now
         agree(lambda: check_save(args.save, saves), "checking --save")
 
+    done = []  # the steps run
+
     def save_during(k):  # --save-every: atomic, so a run killed later resumes from step k
+        done.append(k)
         if k in saves and k != last:
             FAULT["where"] = f"saving the checkpoint of step {k}"
             save_stages(args.save, p, coord, k)
+        return k != last and stop_after(k)  # a SIGTERM: save step k (below) and exit
 
+    STOP["armed"] = bool(args.save)  # from here a SIGTERM ends the step and saves it
     with torch.no_grad():  # the backward pass is explicit in the stage functions
-        result = train(args, state, p, data, first, save_during if args.save_every else None)
+        result = train(args, state, p, batches, first, starts, save_during if args.save else None)
+        stop_wait()  # the last step's flag: the run has ended anyway
+    if done and done[-1] != last:
+        k = done[-1]
+        stopped(args.save, k, None if k in saves else lambda: save_stages(args.save, p, coord, k))
     if args.save:
         FAULT["where"] = "saving the checkpoint"
         save_stages(args.save, p, coord, last)
@@ -493,6 +574,6 @@ def run(args):
             torch.save({n: v.detach().cpu().clone() for n, v in result.items()}, f"{args.output}.stage{t}")
     if args.bench:  # every step from the same state: the time of one step, not a trajectory
         with torch.no_grad():
-            bench(lambda params, inputs: step(first, state, params, inputs), p, data, args.bench)
+            bench(lambda params, inputs: step(first, state, params, inputs), p, batches[0], args.bench)
     dist.barrier()
 # <<< program.py

@@ -51,6 +51,23 @@ def step_count(text):
 # <<< program.py
 
 
+# >>> program.py: input_args
+DATA_HELP = ("the inputs from a dataset instead of --input: FUNCTION() a map-style dataset of samples "
+             "(each rank reads only its share of each step's batch), or FUNCTION(shard=, num_shards=) "
+             "an iterable of one share's samples")
+REPLAY_HELP = ("a .pt list of K full checkpoints (optimizer state included): step k starts "
+               "from the k-th instead of step k-1's result (parcomp run's step-by-step check)")
+
+
+def check_input_args(ap, args):
+    """An argparse error unless the inputs are given once: --input FILE or --data MODULE:FUNCTION."""
+    if INPUTS and not (args.input or args.data):
+        ap.error(f"give the inputs ({', '.join(INPUTS)}): --input FILE.pt or --data MODULE:FUNCTION")
+    if args.input and args.data:
+        ap.error("--input and --data both give the inputs: give one")
+# <<< program.py
+
+
 # >>> program.py: parse_args
 def parse_args(argv):
     """Command line (see the module docstring)."""
@@ -60,10 +77,7 @@ def parse_args(argv):
     ap.add_argument("--key-map", type=key_map_arg, default=(), metavar="RULES", help=KEY_MAP_HELP)
     ap.add_argument("--load-report", metavar="FILE", help=LOAD_REPORT_HELP)
     ap.add_argument("--input", help=".pt dict of inputs for every step, or a list of one dict per step")
-    ap.add_argument("--data", metavar="MODULE:FUNCTION",
-                    help="the inputs from a dataset instead of --input: FUNCTION() a map-style dataset of samples "
-                         "(each rank reads only its share of each step's batch), or FUNCTION(shard=, num_shards=) "
-                         "an iterable of one share's samples")
+    ap.add_argument("--data", metavar="MODULE:FUNCTION", help=DATA_HELP)
     ap.add_argument("--output", help="where to write the last step's outputs and the losses (.pt)")
     ap.add_argument("--steps", type=step_count, default=TRAIN_STEPS, metavar="K",
                     help=f"training steps (default {TRAIN_STEPS})")
@@ -81,17 +95,12 @@ def parse_args(argv):
     ap.add_argument("--resume", metavar="DIR",
                     help="start from the checkpoint DIR/latest names (saved by any mesh's program of this "
                          "model): its params, optimizer state and step; --steps more steps follow")
-    ap.add_argument("--replay", metavar="FILE",
-                    help="a .pt list of K full checkpoints (optimizer state included): step k starts "
-                         "from the k-th instead of step k-1's result (parcomp run's step-by-step check)")
+    ap.add_argument("--replay", metavar="FILE", help=REPLAY_HELP)
     add_cluster_args(ap)
     args = ap.parse_args(argv)
     if args.save_every and not args.save:
         ap.error("--save-every N needs --save DIR (where the checkpoints go)")
-    if INPUTS and not (args.input or args.data):
-        ap.error(f"give the inputs ({', '.join(INPUTS)}): --input FILE.pt or --data MODULE:FUNCTION")
-    if args.input and args.data:
-        ap.error("--input and --data both give the inputs: give one")
+    check_input_args(ap, args)
     return args
 # <<< program.py
 
@@ -514,16 +523,6 @@ def with_step(inputs, k, numbers=None):
     return {**inputs, STEP_INPUT: torch.tensor(float(k), dtype=torch.float32, device=DEVICE)}
 
 
-def read_replay(path, steps):
-    """This rank's slices of the K checkpoints of a --replay file (a list, K = --steps)."""
-    states = read_tensors(path, "replay")
-    if not isinstance(states, (list, tuple)) or not all(isinstance(s, dict) for s in states):
-        fail(f"replay file {path} must hold a list of one checkpoint dict per step")
-    if len(states) != steps:
-        fail(f"replay file {path} holds {len(states)} checkpoints but --steps is {steps}")
-    return [load_params(s) for s in states]
-
-
 def train(params, batches, starts=None, step=None, log_every=1, first=1, after_step=None):
     """One ``step`` (default train_step) per batch, numbered from ``first``; the CARRIED outputs
     are the next step's params and state (with ``starts``, step k starts from ``starts[k-first]``);
@@ -551,8 +550,22 @@ def train(params, batches, starts=None, step=None, log_every=1, first=1, after_s
         if after_step is not None and after_step(k, params):
             break
     return outputs, torch.stack(losses).tolist() if losses else []
+# <<< program.py
 
 
+# >>> program.py: replay
+def read_replay(path, steps):
+    """This rank's slices of the K checkpoints of a --replay file (a list, K = --steps)."""
+    states = read_tensors(path, "replay")
+    if not isinstance(states, (list, tuple)) or not all(isinstance(s, dict) for s in states):
+        fail(f"replay file {path} must hold a list of one checkpoint dict per step")
+    if len(states) != steps:
+        fail(f"replay file {path} holds {len(states)} checkpoints but --steps is {steps}")
+    return [load_params(s) for s in states]
+# <<< program.py
+
+
+# >>> program.py: stop
 def stop_after(k):
     """Whether every rank stops after step ``k`` (a SIGTERM on some rank): the flags every rank
     posted after step k-1 (``STOP["asked"]``, set by SIGTERM's handler), combined by one
@@ -576,6 +589,22 @@ def stop_wait():
     return bool(flag.item())
 
 
+def stopped(path, k, save=None):
+    """The end of a run stopped by SIGTERM after step ``k``: ``save()`` saves step k into the
+    --save directory ``path`` (None: --save-every saved it), rank 0's line says how to go on,
+    and every rank exits 143 (128 + SIGTERM: the run did not reach its last step; --output is
+    not written)."""
+    if save is not None:
+        FAULT["where"] = f"saving the checkpoint of step {k} (stopped by SIGTERM)"
+        save()
+    if RANK == 0:
+        print(f"stopped by SIGTERM after step {k}: saved {os.path.join(path, f'step-{k}')}; "
+              f"go on with --resume {path}", flush=True)
+    raise SystemExit(143)
+# <<< program.py
+
+
+# >>> program.py: run
 def load(args):
     """This rank's params, every step's inputs and the --replay starts (``--output``'s
     directory checked first); under agree()."""
@@ -621,7 +650,8 @@ def run(args):
                                 first, save_during if args.save else None)
         stop_wait()  # the last step's flag: the run has ended anyway
         if done and done[-1] != last:
-            stopped(args, {**params, **outputs}, done[-1], done[-1] in saves)
+            now, k = {**params, **outputs}, done[-1]
+            stopped(args.save, k, None if k in saves else lambda: save_checkpoint(args.save, now, k))
         if args.bench > 0:
             # on copies: train_step updates params and state in place
             copies = {k: v.clone() for k, v in params.items()}
@@ -632,17 +662,4 @@ def run(args):
     if args.output:
         FAULT["where"] = "writing the outputs"
         agree(lambda: write_outputs(outputs, losses, args.output), "writing the outputs")
-
-
-def stopped(args, now, k, saved):
-    """The end of a run stopped by SIGTERM after step ``k``: its checkpoint (unless --save-every
-    saved it), rank 0's line saying how to go on, and exit 143 on every rank (128 + SIGTERM:
-    the run did not reach its last step; --output is not written)."""
-    if not saved:
-        FAULT["where"] = f"saving the checkpoint of step {k} (stopped by SIGTERM)"
-        save_checkpoint(args.save, now, k)
-    if RANK == 0:
-        print(f"stopped by SIGTERM after step {k}: saved {os.path.join(args.save, f'step-{k}')}; "
-              f"go on with --resume {args.save}", flush=True)
-    raise SystemExit(143)
 # <<< program.py

@@ -5,28 +5,36 @@ its microbatches; the dp replicas of the stage then sum them (``all_reduce``, or
 ``zero=1`` a ``reduce_scatter`` of the gradients the state split divides). As torch's
 DistributedDataParallel, the runtime (``pipeline_main``) does that in buckets: flat buffers of
 at most ``bucket_cap_mb`` MiB (DDP's name and default 25; ``0``: one call per gradient), one
-collective each, started asynchronously right after the backward of the last microbatch that
-adds to its gradients (the rank's last ``backward`` / ZB-H1 ``backward_weight`` of the stages
-holding them), so the reduction overlaps the rest of the schedule (the last gradient sends,
-the drain of the other chunks, the stats program); the optimizer action waits for them.
+collective each, started asynchronously inside the backward of the last microbatch that adds
+to its gradients (the rank's last ``backward`` / ZB-H1 ``backward_weight`` of the stages
+holding them) as soon as the last of them is final: the stage's parameter-gradient program
+hands each gradient to ``ready(name, value)`` on the line after the statement computing it
+(DDP's per-gradient hooks), so the first buckets' reductions overlap the rest of that backward
+(the layers before theirs), then the rest of the schedule (the last gradient sends, the drain
+of the other chunks, the stats program); the optimizer action waits for them.
 
 :func:`dp_buckets` chooses the buckets, per pp coordinate: gradients held by the same stages
-of the rank, reduced the same way and of one dtype share a bucket, filled in the reverse of
-the stage's param order (DDP's: the order a backward produces them) up to the cap. A tied
-weight's gradient, summed over its stages' ranks before dp, is not bucketed (the runtime
-reduces it after that sum, at the optimizer).
+of the rank, reduced the same way and of one dtype share a bucket, filled in the order the
+stage's parameter-gradient program makes them final (DDP's: the order a backward produces
+them) up to the cap. A tied weight's gradient, summed over its stages' ranks before dp, is not
+bucketed (the runtime reduces it after that sum, at the optimizer).
 """
 from __future__ import annotations
 
 __all__ = ["dp_buckets"]
 
 
-def _grad_types(plan, t) -> dict:
-    """``{param: local type of its gradient}`` on one rank of virtual stage ``t``: the
-    backward's output (this rank's tp shard; whole over dp)."""
+def _grads(plan, t) -> dict:
+    """``{param: local type of its gradient}`` on one rank of virtual stage ``t``, in the order
+    the stage's parameter-gradient program (``backward``, ZB-H1's ``backward_weight``) makes
+    them final: the outputs (this rank's tp shard; whole over dp) by the position of the node
+    computing each."""
     st = plan.stages[t]
-    bw = plan.local[t].backward if plan.local else st.backward
-    return {p: bw[v].type for p in st.params for pub, v in bw.named_outputs() if pub == f"grad.{p}"}
+    bw = plan.split[t].backward_weight if plan.split else (plan.local[t].backward if plan.local else st.backward)
+    at = {n.name: i for i, n in enumerate(bw.nodes)}
+    outs = dict(bw.named_outputs())
+    mine = [p for p in st.params if f"grad.{p}" in outs]
+    return {p: bw[outs[f"grad.{p}"]].type for p in sorted(mine, key=lambda p: at[outs[f"grad.{p}"]])}
 
 
 def _split_over_dp(plan, t, p) -> bool:
@@ -50,8 +58,9 @@ def dp_buckets(plan, cap_bytes: int) -> tuple:
         chunks = list(range(r, len(plan.stages), plan.pp))
         holders, types, order = {}, {}, []
         for t in chunks:
-            types.update(_grad_types(plan, t))
-            for p in reversed(plan.stages[t].params):
+            made = _grads(plan, t)
+            types.update(made)
+            for p in made:
                 if p in tied:
                     continue
                 if p not in holders:

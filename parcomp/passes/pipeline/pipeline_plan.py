@@ -15,6 +15,7 @@ from parcomp.errors import SpecError
 from parcomp.ir.graph import Graph
 from parcomp.spec.option_loc import option_loc
 from parcomp.spec.train_config import BUCKET_KEY, bucket_cap_bytes, train_config
+from ..train.precision import compute_dtype
 from ..verify import verify
 from .dp_buckets import dp_buckets
 from .schedule import Simulation, analytic, build, rank_actions, simulate
@@ -51,6 +52,9 @@ class PipelinePlan:
             per-rank backward when tp is inside the stages), else ().
         dp_buckets: per pp coordinate the dp gradient buckets (``bucket_cap_mb``; see
             :mod:`.dp_buckets`), () when dp is 1.
+        dp_reduce_dtype: ``grad_reduce=compute``: the compute dtype the dp reduction sends
+            (each rank's float32 gradient sums rounded to it, summed in it, widened back);
+            None: the sums' own dtype (float32).
     """
 
     pp: int
@@ -70,6 +74,7 @@ class PipelinePlan:
     split: tuple = ()
     dp_buckets: tuple = ()
     lowered: tuple = ()
+    dp_reduce_dtype: str | None = None
 
     @property
     def analytic_bubble(self) -> float:
@@ -254,7 +259,19 @@ def make_plan(graph: Graph, spec, bound: Graph, shard) -> PipelinePlan:
     plan = PipelinePlan(pp, dp, count, cfg.schedule, batch // parts, batch, stage_of,
                         progs, acts, sim, flops, local, tied, cfg.virtual, split)
     cap = bucket_cap_bytes(spec, option_loc(spec.train.loc, BUCKET_KEY))
-    return replace(plan, dp_buckets=dp_buckets(plan, cap))
+    return replace(plan, dp_buckets=dp_buckets(plan, cap), dp_reduce_dtype=dp_reduce_dtype(graph, cfg, dp))
+
+
+def dp_reduce_dtype(graph: Graph, cfg, dp: int) -> str | None:
+    """The dtype the dp reduction of the summed gradients sends: with ``grad_reduce=compute``
+    and float32 master params, ``precision=``'s compute dtype (torch DDP's
+    ``bf16_compress_hook`` / ``fp16_compress_hook``: cast, all_reduce, widen back), else None.
+    A pipeline sums each microbatch's widened gradient in float32 before dp (the runtime's
+    accumulation), so this is where the compute dtype can apply; a float64 model (``check``'s
+    promotion) keeps its own dtype, as every compute-dtype cast it skips."""
+    if cfg.options.grad_reduce != "compute" or dp < 2 or not any(p.type.dtype == "float32" for p in graph.params):
+        return None
+    return compute_dtype(cfg.options)
 
 
 #: train options the pipelined step does not implement: ``(key, its value in cfg, the default)``
@@ -263,8 +280,6 @@ def make_plan(graph: Graph, spec, bound: Graph, shard) -> PipelinePlan:
 #: ran float32)
 _NOT_PIPELINED = (
     ("zero", lambda c: 0 if c.zero == 1 else c.zero, 0),  # zero=1 is run (inside each stage)
-    ("recompute", lambda c: c.options.recompute, "none"),
-    ("grad_reduce", lambda c: c.options.grad_reduce, "fp32"),
 )
 
 
@@ -279,7 +294,7 @@ def refuse_unpipelined_options(t, cfg) -> None:
                             f"step does not implement it and would run without it; remove it (pipelines "
                             f"take loss, optimizer, batch, steps, microbatches, schedule, stages, "
                             f"virtual, trainable, input_grads, output, clip_grad_norm, lr_schedule, "
-                            f"accumulate, precision, loss_scale, growth_interval, bucket_cap_mb and zero=1)", option_loc(t.loc, key))
+                            f"accumulate, precision, loss_scale, growth_interval, grad_reduce, bucket_cap_mb, recompute and zero=1)", option_loc(t.loc, key))
     if cfg.loss_args:
         raise SpecError(f"loss={cfg.loss}({', '.join(f'{k}=' for k, _ in cfg.loss_args)}...) is not "
                         f"supported with a pp mesh axis: the pipelined loss is the plain mean cross "

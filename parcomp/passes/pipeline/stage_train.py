@@ -13,7 +13,10 @@ From a :class:`~parcomp.passes.pipeline.split_stages.StageGraph` this builds thr
   unsharded training step's: ``<p>`` updated, ``<p>.grad``, the state.
 
 The gradient arithmetic is :func:`parcomp.passes.autodiff.backward`, the same code the
-unsharded step uses.
+unsharded step uses, and so is ``recompute=``: the backward is built with the SPMD step's
+recomputation armed (:func:`parcomp.spec.train_options.start_recompute` on the stage's graph),
+so a value the policy drops is recomputed in ``backward`` (``rc.<v>``, from the values it
+keeps) and is not stashed: ``saved`` holds only what the policy keeps and the gradients read.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from parcomp.errors import SpecError
 from parcomp.ir.graph import Graph, Node
 from parcomp.ir.types import Mesh, TensorType
 from parcomp.spec.model import pattern_regex
+from parcomp.spec.train_options import start_recompute
 from ..autodiff import Builder, optimizer_update, backward
 from ..train import amp
 from ..train.precision import compute_dtype, lower_forward, wrt_names
@@ -100,6 +104,7 @@ def stage_programs(stage, cfg, last: bool, reaching=None, owned=None, parts: int
     """
     g, cast = _lower(stage, cfg, last)
     b = Builder(g)
+    start_recompute(b, g, cfg.options)  # recompute=: backward recomputes what the policy drops
     seeds = {}
     if last:
         loss = _stage_loss(b, g, cfg)
