@@ -159,3 +159,42 @@ def moe_blocks(records: list) -> list:
                     ["way", "collective", "bytes/rank", "load/rank", "max/mean", "comm us", "experts us",
                      "step us"], rows))
     return out
+
+
+_SLOT_ENDS = ("moe_combine", "moe_combine_grad_c")
+
+
+def moe_exchange(graph, recs: list) -> list:
+    """report.json's ``moe_exchange``: per MoE layer whose routing has no capacity (program.py
+    runs it dropless, on the routed rows only), the ``all_to_all`` records that move its slot
+    buffer (from each ``moe_dispatch``, forward and backward, up to the combine) with the
+    program's form beside them: the records' ``bytes`` are the dense ``[B, E, C, H]`` buffer's
+    (a bound fixed at compile time); program.py sends the routed rows only (``top_k / E`` of
+    the buffer's slots when C is the row's tokens and the routing is even; the routing of
+    given inputs: ``parcomp explain``), after one all_to_all of the int64 per-expert counts per
+    layer and step."""
+    by_name, users, out = {n.name: n for n in graph.nodes}, graph.users(), []
+    kinds = {r["name"]: r for r in recs if r["kind"] == "all_to_all"}
+    routes = [n for n in graph.nodes if n.op == "moe_route"]
+    for route in routes:
+        if route.attr("capacity", 0):
+            continue
+        found, todo, seen = [], [u for u in users.get(route.name, ()) if by_name[u].op == "moe_dispatch"], set()
+        while todo:
+            v = todo.pop()
+            if v in seen:
+                continue
+            seen.add(v)
+            if v in kinds:
+                found.append(v)
+            todo += [u for u in users.get(v, ()) if by_name[u].op not in _SLOT_ENDS]
+        if not found:
+            continue
+        experts, top_k = route.type.shape[-1], route.attr("top_k")
+        dense = sum(kinds[v]["bytes"] for v in found)
+        out.append({"route": route.name, "form": "dropless", "collectives": sorted(found),
+                    "dense_bytes": dense, "even_routing_bytes": dense * top_k // experts,
+                    "note": "the records' bytes are the dense slot buffer's; program.py sends the routed rows "
+                            "only, after one all_to_all of the per-expert counts per layer and step"})
+    return out
+
