@@ -87,7 +87,7 @@ def layer_compare(x, c, capacity: int, n: int, link, inter: int = 0, dropless: b
         "tokens": bsz * seq, "experts": experts, "ranks": n,
         "tokens_per_expert": [int(t) for t in (moe_ops.slots(c, capacity)[2][:, None]
                                                == np.arange(experts)).sum(0)],
-        "ep": {"collective": "all_to_all (counts, then routed rows)" if dropless else "all_to_all (ragged)",
+        "ep": {"collective": "all_to_all (dropless)" if dropless else "all_to_all (ragged)",
                "bytes_per_rank": [int(v) for v in ep_bytes],
                "padded_bytes": int(4 * (n - 1) * (bsz // n) * experts * capacity * h * isz // n),
                "load_per_rank": [int(v) for v in load],
@@ -144,8 +144,8 @@ def moe_blocks(records: list) -> list:
     for r in records:
         out.append(("text", [f"MoE layer {r['layer']}: {r['tokens']} tokens, {r['ranks']} ranks over {r['axis']}",
                              f"  tokens per expert {r['tokens_per_expert']}",
-                             f"  dropless: no capacity, the experts compute the routed rows only, and EP "
-                             f"exchanges those rows after the per-expert counts" if r.get("dropless") else
+                             "  dropless (no capacity): the experts compute the routed rows only; EP sends them "
+                             "after the per-expert counts" if r.get("dropless") else
                              f"  capacity {r['capacity']} slots per expert per row; {r['dropped']} (token, expert) "
                              f"pairs dropped past it"]))
         rows = []

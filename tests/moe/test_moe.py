@@ -247,7 +247,7 @@ def test_explain_compares_tp_inside_experts_with_ep_from_the_routing(capsys):
     assert len(sent) == 2
     # program.py runs the layer dropless: the routed rows only (the interpreter's ragged
     # exchange less its mask byte per slot), after one all_to_all of the int64 counts
-    assert rec["dropless"] and rec["ep"]["collective"].startswith("all_to_all (counts")
+    assert rec["dropless"] and rec["ep"]["collective"] == "all_to_all (dropless)"
     slots = 2 * 2 * rec["capacity"]  # (n-1) peers x 2 rows each x 2 experts there x capacity
     counts = 1 * 2 * 8  # (n-1) peers x 2 experts there, int64
     assert rec["ep"]["bytes_per_rank"] == [2 * (sent[0][r] - slots + sent[1][r] - slots) + counts for r in range(2)]
