@@ -1,23 +1,29 @@
 """Attention's backward in program.py against one autograd backward, one process, 1 thread.
 
-program.py computes one attention's dq, dk, dv with ``attention_grads`` (runtime
+program.py's training step runs an attention's forward as ``attention_forward`` (runtime
 ``program_attention.py``, pasted into every program whose training step differentiates an
-``sdpa``): one ``torch.func.vjp`` over ``scaled_dot_product_attention``, i.e. the forward
-once more and one backward. Variants, timed interleaved (``_common.interleaved`` rounds,
-order reversed every other round), causal, fp32, B x heads x S x head_dim:
+``sdpa``): the fused kernel torch's sdpa would pick, called directly, keeping its output and
+logsumexp; the backward is ``attention_backward``, that kernel's own backward on them (no
+forward again). Where no such kernel runs, the backward falls back to ``attention_grads``: one
+``torch.func.vjp`` over ``scaled_dot_product_attention``, i.e. the forward once more and one
+backward. Variants, timed interleaved (``_common.interleaved`` rounds, order reversed every
+other round), causal, fp32, B x heads x S x head_dim:
 
   autograd-bwd      ``torch.autograd.grad(y, (q, k, v), dy, retain_graph=True)`` on a forward
                     done once, outside the timing: what one autograd backward costs when
                     the forward saved what it needs (the target's denominator)
   autograd-fwd+bwd  the forward and that backward: what a step pays for attention
-  parcomp           ``attention_grads(dy, q, k, v, "qkv", is_causal=True)``: program.py's
-                    backward of one attention (the forward is recomputed inside)
+  parcomp           ``attention_backward(dy, q, k, v, saved, "qkv", is_causal=True)`` on what
+                    ``attention_forward`` kept (done once, outside the timing): program.py's
+                    backward of one attention
+  parcomp-vjp       ``attention_grads(dy, q, k, v, "qkv", is_causal=True)``: the fallback (the
+                    forward is recomputed inside)
   kernel-bwd        the CPU flash kernel's own backward given the saved output and
-                    logsumexp (``aten._scaled_dot_product_flash_attention_for_cpu_backward``):
-                    the floor a recompute-free backward would reach
+                    logsumexp (``aten._scaled_dot_product_flash_attention_for_cpu_backward``)
+                    called directly: the floor
 
-Ratios printed: parcomp / autograd-bwd (target <= 1.2) and parcomp / autograd-fwd+bwd.
-Gradients of parcomp and kernel-bwd are compared with autograd's (max |err|).
+Ratios printed: parcomp / autograd-bwd (target <= 1.2), parcomp / autograd-fwd+bwd and
+parcomp-vjp / autograd-bwd. Gradients of every variant are compared with autograd's (max |err|).
 
 Run:  .venv/bin/python bench/attention_backward.py [--quick] [--json out.json] [--plain]
 """
@@ -42,11 +48,11 @@ SHAPES = [(8, 4, 128, 64)] if QUICK else [(8, 4, 128, 64), (8, 4, 128, 256), (2,
 ROUNDS, PER_ROUND, WARMUP = (3, 3, 2) if QUICK else (8, 5, 3)
 
 
-def attention_grads():
-    """program.py's attention_grads (the runtime module's function, the text program.py holds)."""
-    from parcomp_backends.torch.runtime.program_attention import attention_grads as fn
+def runtime():
+    """program.py's attention helpers (the runtime module, the text program.py holds)."""
+    from parcomp_backends.torch.runtime import program_attention
 
-    return fn
+    return program_attention
 
 
 def variants(b, nh, s, hd):
@@ -54,8 +60,10 @@ def variants(b, nh, s, hd):
     q, k, v, dy = (torch.randn(b, nh, s, hd, generator=g) for _ in range(4))
     qr, kr, vr = (t.clone().requires_grad_(True) for t in (q, k, v))
     y = F.scaled_dot_product_attention(qr, kr, vr, is_causal=True)
-    grads = attention_grads()
+    rt = runtime()
     scale = hd ** -0.5
+    with torch.no_grad():
+        saved = rt.attention_forward(q, k, v, is_causal=True)[1]
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=True, scale=scale)[:2]
     res = {}
 
@@ -68,14 +76,18 @@ def variants(b, nh, s, hd):
 
     def parcomp():
         with torch.no_grad():
-            res["parcomp"] = grads(dy, q, k, v, "qkv", is_causal=True)
+            res["parcomp"] = rt.attention_backward(dy, q, k, v, saved, "qkv", is_causal=True)
+
+    def parcomp_vjp():
+        with torch.no_grad():
+            res["parcomp-vjp"] = rt.attention_grads(dy, q, k, v, "qkv", is_causal=True)
 
     def kernel_bwd():
         res["kernel-bwd"] = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dy, q, k, v, out, lse, 0.0, True, scale=scale)
 
     return [("autograd-bwd", autograd_bwd), ("autograd-fwd+bwd", autograd_fwd_bwd), ("parcomp", parcomp),
-            ("kernel-bwd", kernel_bwd)], res
+            ("parcomp-vjp", parcomp_vjp), ("kernel-bwd", kernel_bwd)], res
 
 
 def timed(fns):
@@ -112,6 +124,7 @@ def main():
         results["x".join(map(str, shape))] = {"cpu_ms": med, "ratios": {
             "parcomp/autograd-bwd": med["parcomp"] / med["autograd-bwd"],
             "parcomp/autograd-fwd+bwd": med["parcomp"] / med["autograd-fwd+bwd"],
+            "parcomp-vjp/autograd-bwd": med["parcomp-vjp"] / med["autograd-bwd"],
             "kernel-bwd/autograd-bwd": med["kernel-bwd"] / med["autograd-bwd"]}}
     C.print_table("attention backward (ms per call; CPU = process time, the column the ratios use)",
                   [("shape", "B x heads x S x hd"), ("variant", "variant"), ("wall", "wall median"),

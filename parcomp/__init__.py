@@ -10,7 +10,8 @@ import types as _types
 from .version import __version__  # noqa: F401 (the package's version)
 
 #: the names ``parcomp`` exports from :mod:`parcomp.api`, loaded on first use
-API = ("parallelize", "ParallelModule", "check", "explain", "CheckResult", "Explanation", "spec_from_plan")
+API = ("parallelize", "ParallelModule", "check", "explain", "CheckResult", "Explanation", "Collective",
+       "spec_from_plan")
 
 
 def __getattr__(name):

@@ -9,7 +9,8 @@ backward of the sum of the outputs. Every functional collective DTensor issues i
 ``TorchDispatchMode``), by phase and by block: the modules a plan key's ``*`` names
 (``model.layers.*`` -> ``model.layers.0``, ``model.layers.1``), found by module hooks (forward)
 and full backward hooks (backward). parcomp's collectives over ``tp`` are counted the same way
-from its explanation. The result says, per block and phase, which collective DTensor issues more
+from its explanation, one per call the program makes (a gradient bucket's members after its
+first are steps of 0 bytes there, carried by the bucket's one all_reduce: not counted). The result says, per block and phase, which collective DTensor issues more
 often than parcomp (DTensor's ``ColwiseParallel`` reduces the gradient of each projection's
 input by itself: q, k and v three all_reduces where parcomp's program sums them first and
 reduces once).
@@ -132,11 +133,14 @@ def block_of(path: str | None, regex) -> str:
 
 
 def parcomp_counts(explanation, axis: str, regex) -> Counter:
-    """``{(block, phase, kind): n}`` of parcomp's collectives over ``axis``."""
+    """``{(block, phase, kind): n}`` of parcomp's collectives over ``axis`` that the program
+    runs: a step of 0 bytes is a member of a bucket whose first member's all_reduce carries it
+    (``explain`` lists it, priced at nothing), so it is not counted; DTensor's side counts the
+    calls it issues, so both sides count calls."""
     out = Counter()
     for change in explanation.changes:
         for s in change.steps:
-            if s.axis == axis:
+            if s.axis == axis and s.bytes > 0:
                 out[(block_of(change.module, regex), s.phase, s.kind)] += 1
     return out
 

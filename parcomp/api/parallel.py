@@ -145,6 +145,7 @@ def parallelize(module: nn.Module, example_inputs, spec, *, gather_outputs: bool
                            "and call torch.distributed.init_process_group first)")
     if isinstance(example_inputs, torch.Tensor):  # one input given bare, as torch.export's args would not take it
         example_inputs = (example_inputs,)
+    _check_world(spec)
     progs = _compile_on_rank0(module, example_inputs, spec, gather=gather_outputs, input_grads=input_grads,
                               cache=cache_dir, use_cache=use_cache, profile="cpu")
     if sync_module_states:
@@ -153,6 +154,35 @@ def parallelize(module: nn.Module, example_inputs, spec, *, gather_outputs: bool
                          timeout=timeout, dtensor=dtensor)
     par._source = (module, tuple(example_inputs), spec, cache_dir, use_cache, timeout)
     return par
+
+
+def _spec_mesh_size(spec) -> int | None:
+    """The rank count of ``spec``'s mesh where it is known without importing the module (a Spec,
+    a ``.pcs`` path or text, a DTensor plan with its mesh); None otherwise, or where the spec
+    does not parse here (rank 0's compile then reports that, on every rank alike)."""
+    from math import prod
+
+    from .specs import resolve_spec
+
+    try:
+        if isinstance(spec, tuple) and len(spec) == 2 and any(isinstance(s, dict) for s in spec):
+            from .dtensor_plan import mesh_axes
+
+            return prod(mesh_axes(spec[1] if isinstance(spec[0], dict) else spec[0]).values())
+        if isinstance(spec, dict):  # a plan dict alone: its mesh comes from the module's import
+            return None
+        return prod(resolve_spec(spec).mesh.sizes)
+    except ParcompError:
+        return None
+
+
+def _check_world(spec) -> None:
+    """A ParcompError, before any compile, where the spec's mesh does not have the process
+    group's size (each rank finds it alike: no rank waits for another)."""
+    size, world = _spec_mesh_size(spec), dist.get_world_size()
+    if size is not None and size != world:
+        raise ParcompError(f"the spec's mesh has {size} ranks but the process group has {world}; start {size} "
+                           f"processes (torchrun --nproc-per-node {size}) or change the mesh", where="spec")
 
 
 def _tree(root: nn.Module, name: str):
@@ -199,7 +229,7 @@ class ParallelModule(nn.Module):
                 full[name] = t
         local = call(self._fwd, "load_params", full)
         self._param_names = [p["name"] for p in self._meta["params"]]
-        self._trainable = {p["name"]: p["trainable"] and _requires_grad(module, p["name"])
+        self._trainable = {p["name"]: p["trainable"] and _requires_grad(module, p.get("part_of") or p["name"])
                            for p in self._meta["params"]}
         self.device_mesh = None if dtensor is False else _device_mesh(self._fwd, dtensor)
         for p in self._meta["params"]:
@@ -265,6 +295,26 @@ class ParallelModule(nn.Module):
                           f"{'train' if mode else 'eval'} mode for that", stacklevel=2)
         return super().train(mode)
 
+    def _bind(self, inputs, named) -> tuple:
+        """``inputs`` then ``named`` as the compiled inputs' tuple, in order; a ParcompError
+        naming the inputs where one is missing, unknown or given twice."""
+        names = self._input_names
+        compiled = f"the module was compiled with {len(names)} inputs ({', '.join(names)})"
+        if len(inputs) > len(names):
+            raise ParcompError(f"{compiled}; got {len(inputs)} in order")
+        if not named:
+            if len(inputs) != len(names):
+                raise ParcompError(f"{compiled}; got {len(inputs)}")
+            return inputs
+        unknown = [k for k in named if k not in names]
+        twice = [k for k in named if k in names[:len(inputs)]]
+        missing = [n for n in names[len(inputs):] if n not in named]
+        if unknown or twice or missing:
+            raise ParcompError(compiled + "".join(
+                f"; {what} {', '.join(which)}" for what, which in
+                (("no input named", unknown), ("given in order and by name", twice), ("missing", missing)) if which))
+        return tuple(inputs) + tuple(named[n] for n in names[len(inputs):])
+
     def _check_inputs(self, inputs, what):
         """Each input's local shape and dtype are the compiled ones, else a ParcompError naming it."""
         for meta, x in zip(self._meta["inputs"], inputs):
@@ -278,10 +328,11 @@ class ParallelModule(nn.Module):
                     f"{str(x.dtype).removeprefix('torch.')} {list(x.shape)}: parallelize again with example "
                     f"inputs of the new shape")
 
-    def forward(self, *inputs):
-        if len(inputs) != len(self._input_names):
-            raise ParcompError(f"the module was compiled with {len(self._input_names)} inputs "
-                               f"({', '.join(self._input_names)}); got {len(inputs)}")
+    def forward(self, *inputs, **named):
+        """This rank's local outputs of this rank's local ``inputs``: in the compiled forward's
+        order, or by its parameter names (``par(input_ids=ids)``), or the first ones in order and
+        the rest by name, as a call of the original module would take them."""
+        inputs = self._bind(inputs, named)
         self._check_inputs(inputs, "forward")
         if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs) \
                 and not any(f"{n}.grad" in self._meta["grads"] for n in self._input_names):
@@ -468,7 +519,14 @@ class ParallelModule(nn.Module):
                     t = _all_gather(t, pl.dim, self._fwd, a)
             if p.get("stored_order"):  # a grouped q|k|v: its heads back in the stored order
                 t = _stored_order(t, self._shapes[p["name"]], p["stored_order"])
+            if p.get("part_of"):  # a multi-query weight's part: joined below, in row order
+                out[p["name"]] = t
+                continue
             out[p["name"]] = t.reshape(self._shapes.get(p["name"], t.shape))
+        for stored in dict.fromkeys(p["part_of"] for p in self._meta["params"] if p.get("part_of")):
+            rows = [out.pop(p["name"]) for p in self._meta["params"] if p.get("part_of") == stored and p["name"] in out]
+            if rows:  # the query rows (named as the weight) come first, then the kv rows
+                out[stored] = torch.cat(rows)
         return out
 
 

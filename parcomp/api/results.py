@@ -22,7 +22,12 @@ from .specs import resolve_spec
 @dataclass(frozen=True)
 class Collective:
     """One collective of the compiled step: what, over which mesh axis, in which phase, how many
-    bytes each rank sends, on which local shape, and why it is there."""
+    bytes each rank sends, on which local shape (its operand's per-rank shape), and why it is
+    there. ``check(...).collectives`` and ``explain(...).collectives`` (and each
+    ``LayoutChange.steps``) are both tuples of it; ``explain`` also fills ``seconds`` (the
+    cost model's estimate) and ``spec_line`` (the spec line that caused it), which ``check``
+    leaves None. A member of a gradient bucket after its first is a step of ``explain`` with
+    0 bytes (the bucket's one all_reduce carries them all), as in ``parcomp explain``."""
 
     kind: str
     axis: str
@@ -31,11 +36,18 @@ class Collective:
     local_shape: tuple
     dim: int | None
     reason: str
+    seconds: float | None = None
+    spec_line: str | None = None
 
     @classmethod
     def from_json(cls, d: dict) -> "Collective":
+        seconds = d.get("seconds")
         return cls(d["kind"], d["axis"], d["phase"], int(d["bytes"]), tuple(d.get("local_shape") or ()),
-                   d.get("dim"), d.get("reason", ""))
+                   d.get("dim"), d.get("reason", ""), None if seconds is None else float(seconds), d.get("spec_line"))
+
+
+#: the name ``explain``'s collectives had before they were :class:`Collective` (the same type now)
+Step = Collective
 
 
 @dataclass(frozen=True)
@@ -103,20 +115,6 @@ class CheckResult:
 
 
 @dataclass(frozen=True)
-class Step:
-    """One collective of a layout change, as ``explain`` shows it (with its estimated time)."""
-
-    kind: str
-    axis: str
-    phase: str
-    bytes: int
-    dim: int | None
-    seconds: float
-    reason: str
-    spec_line: str | None
-
-
-@dataclass(frozen=True)
 class LayoutChange:
     """A value that changes layout between its producer and its consumers, the collectives
     that do it, their cost, and the alternatives the search weighed."""
@@ -140,7 +138,8 @@ class Explanation:
     Attributes:
         mesh: ``{axis: size}``; world_size; training: the spec has a train line.
         changes: every layout change (:class:`LayoutChange`), in program order.
-        collectives: every collective of every change, flattened (:class:`Step`).
+        collectives: every collective of every change, flattened (:class:`Collective`, as
+            ``check``'s, with ``seconds`` and ``spec_line``).
         memory_bytes_per_rank: weights, gradients, optimizer state, saved activations, peak.
         totals: bytes, counts and seconds per axis and phase; estimated_comm_seconds.
         raw: the CLI's JSON object (``{"explain": ..., ...}``).
@@ -167,11 +166,15 @@ class Explanation:
 
     @classmethod
     def from_json(cls, raw: dict) -> "Explanation":
+        """``raw``: ``parcomp explain --json``'s object; a step's ``local_shape`` is read from
+        ``raw["local_shapes"]`` (collective name -> per-rank shape) where ``explain`` put it."""
         x = raw["explain"]
+        shapes = raw.get("local_shapes") or {}
         changes = []
         for e in x["edges"]:
-            steps = tuple(Step(s["kind"], s["axis"], s.get("phase", e["phase"]), int(s["bytes"]), s.get("dim"),
-                               float(s["seconds"]), s.get("reason", ""), s.get("spec_line")) for s in e["steps"])
+            steps = tuple(Collective(s["kind"], s["axis"], s.get("phase", e["phase"]), int(s["bytes"]),
+                                     tuple(shapes.get(s.get("name"), ())), s.get("dim"), s.get("reason", ""),
+                                     float(s["seconds"]), s.get("spec_line")) for s in e["steps"])
             changes.append(LayoutChange(e["value"], e.get("module"), e["phase"], e["from"], e["to"], e["kinds"],
                                         int(e["bytes"]), float(e["seconds"]), steps, tuple(e.get("alternatives", ()))))
         return cls(x["mesh"], int(x["world_size"]), bool(x.get("training")), tuple(changes),
@@ -244,6 +247,8 @@ def explain(module, example_inputs, spec, *, input_names=None, train: str | None
         parsed = resolve_spec(spec, module, graph)
     compiled = compile_graph(graph, parsed)
     raw = {"ok": True, "explain": explain_compiled(compiled), "plots": None}
+    prog = compiled.program_  # each step's per-rank operand shape, as check's collectives have it
+    raw["local_shapes"] = {c.name: list(c.local_shape) for c in prog.collectives} if prog is not None else {}
     pipe = pipeline_record(compiled)
     if pipe:
         raw["pipeline"] = pipe

@@ -5,7 +5,11 @@ Two estimates, both per rank, in bytes:
 - **resident** (what the search constrains, linear in the layout choice): the sources
   (weights, optimizer state, inputs) and, in a training step, the saved activations
   (values of the forward or loss phase that a backward node reads: what autograd keeps
-  between the passes), each at its local size under its layout (a partial sum is whole).
+  between the passes), each at its local size under its layout (a partial sum is whole),
+  plus, for an attention whose gradients the step computes, the float32 logsumexp per query
+  row its fused kernel keeps for its backward (:func:`parcomp.ir.liveness.saved_attention`;
+  the output it keeps too is the buffer the output projection's weight gradient reads
+  through views, already counted there).
 - **peak** (what the compiled plan is checked against): the Program's liveness peak,
   ``report["memory_bytes_per_rank"]["peak_live"]`` (:func:`parcomp.ir.liveness.peak_bytes`),
   the same model the interpreter and program.py's ``del`` lines follow.
@@ -21,6 +25,7 @@ import re
 import numpy as np
 
 from ..errors import ParcompError
+from ..ir.liveness import attention_saved_bytes, saved_attention
 from ..ir.types import DTYPE_BYTES, local_shape
 from ..units import format_bytes
 
@@ -67,11 +72,25 @@ def resident_values(graph) -> list:
             or (n.phase in ("forward", "loss") and any(graph[u].phase in late for u in users[n.name]))]
 
 
+def kernel_saved(graph) -> list:
+    """Names of the ``sdpa`` values whose fused kernel keeps a logsumexp for the backward
+    (:func:`kernel_saved_bytes`)."""
+    return list(saved_attention(graph))
+
+
+def kernel_saved_bytes(graph, name, layout) -> int:
+    """Bytes per rank of the logsumexp the kernel of ``sdpa`` ``name`` keeps, its output in
+    ``layout``: float32, one per query row."""
+    ty = graph[name].type
+    return attention_saved_bytes(ty, local_bytes(ty, layout, graph.mesh))
+
+
 def resident_bytes(graph, layouts: dict) -> int:
     """Resident bytes per rank of ``graph`` with ``layouts`` (name -> layout; a name not in
     it keeps ``graph[name].layout``)."""
     return sum(local_bytes(graph[v].type, layouts.get(v, graph[v].layout), graph.mesh)
-               for v in resident_values(graph))
+               for v in resident_values(graph)) + \
+        sum(kernel_saved_bytes(graph, v, layouts.get(v, graph[v].layout)) for v in kernel_saved(graph))
 
 
 class MemoryLimitError(ParcompError):

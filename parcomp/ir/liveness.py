@@ -8,6 +8,7 @@ temporaries inside one statement are not counted.
 from __future__ import annotations
 
 from .graph import Graph, Node
+from .types import DTYPE_BYTES
 
 
 SOURCES = ("input", "param")
@@ -81,3 +82,40 @@ def broadcast_view(graph, x, root) -> str | None:
             return x
         x = graph[x].inputs[0]
     return None
+
+
+
+# attributes that say which part of an attention a node is or how it is run, not which attention
+_NOT_ATTENTION = ("wrt", "frees", "inplace", "async_op")
+
+
+def _attention_key(inputs, n) -> tuple:
+    return inputs, tuple((k, v) for k, v in n.attrs if k not in _NOT_ATTENTION)
+
+
+def saved_attention(graph: Graph) -> dict:
+    """``{sdpa name: sdpa_grad name}``: each forward ``sdpa`` whose gradients
+    ``graph`` also computes (``sdpa_grad`` nodes after it on the same operands and attributes,
+    at most one per operand; of two such forwards, the later: a recomputation), with the
+    first of those nodes. A backend may keep, from such a
+    forward to that node, what its fused kernel's backward needs instead of computing the
+    forward again: the output and a logsumexp per query row (:func:`attention_saved_bytes`;
+    ring attention: its forward ring's output and row logsumexp, so that its backward ring
+    needs no statistics pass)."""
+    fwd, grads = {}, {}
+    for n in graph.nodes:
+        if n.op == "sdpa":
+            fwd[_attention_key(n.inputs, n)] = n.name  # the last before the gradients: a recomputed one
+        elif n.op == "sdpa_grad":
+            src = fwd.get(_attention_key(n.inputs[1:], n))
+            if src is not None:
+                grads.setdefault(src, []).append(n)
+    return {src: nodes[0].name for src, nodes in grads.items()
+            if len({g.attr("wrt") for g in nodes}) == len(nodes)}
+
+
+def attention_saved_bytes(ty, nbytes: int) -> int:
+    """The bytes of the logsumexp a fused attention kernel keeps beside an sdpa output of
+    type ``ty`` (``[batch, heads, seq, head_dim]``) of which a rank holds ``nbytes``: float32,
+    one per query row."""
+    return nbytes // (ty.shape[-1] * DTYPE_BYTES[ty.dtype]) * 4

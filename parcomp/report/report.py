@@ -18,11 +18,13 @@ def memory(program, model_params) -> dict:
     ``program`` is a :class:`parcomp.compile.program.Program`.  Saved activations are
     values computed before the backward pass (phase ``forward`` or ``loss``, not
     params) that a backward node reads: what autograd would keep alive between
-    forward and backward. ``peak_live`` is the most bytes live at once while the
+    forward and backward, plus the float32 logsumexp per query row an attention's fused
+    kernel keeps for its backward (:func:`parcomp.ir.liveness.saved_attention`; not in
+    ``peak_live``, which counts graph values only). ``peak_live`` is the most bytes live at once while the
     (lowered) program runs, by the liveness the interpreter and program.py's ``del``
     lines follow (:func:`parcomp.ir.liveness.peak_bytes`).
     """
-    from ..ir.liveness import peak_bytes
+    from ..ir.liveness import attention_saved_bytes, peak_bytes, saved_attention
 
     graph, phase = program.graph, program.phases
     # the values some backward node reads (what read_by_backward asked of each value's users)
@@ -35,10 +37,12 @@ def memory(program, model_params) -> dict:
     saved = [n.name for n in graph.nodes if n.op not in ("input", "param")
              and phase[n.name] in ("forward", "loss") and n.name in read_by_backward]
     saved += [n.name for n in graph.inputs if n.name in read_by_backward]
+    # an attention's fused kernel keeps its logsumexp for the backward (program.py's attention_forward)
+    kernel = sum(attention_saved_bytes(graph[v].type, graph[v].type.nbytes) for v in saved_attention(graph))
     return {"weights": nbytes(p for p in model_params if p in graph),
             "gradients": nbytes(grads),
             "optimizer_state": nbytes(n.name for n in graph.params if n.name not in model_params),
-            "saved_activations": nbytes(saved), "peak_live": peak_bytes(graph)}
+            "saved_activations": nbytes(saved) + kernel, "peak_live": peak_bytes(graph)}
 
 
 def options_record(opts) -> dict:

@@ -123,6 +123,9 @@ def syntax_error(e: UnexpectedInput, file: str, lines: list) -> SpecError:
             start -= 1
         name = text[start:col - 1] + str(tok)
         msg += f" (a name with a number after a dot is written quoted: \"{name}\")"
+    listed = _list_over(text, col) if tok is not None and tok.type == "OVER" else None
+    if listed:  # '[S(0)] over dp': a per-axis list already names every axis
+        msg = listed
     size = _memory_value(text, col)
     if size:  # 'memory 80 GiB', 'memory 80GiBs': the whole value, not its first token
         col, msg = size[0], f"expected {WORDS['MEMSIZE']}; got {show_token(size[1])}"
@@ -133,6 +136,22 @@ def syntax_error(e: UnexpectedInput, file: str, lines: list) -> SpecError:
         msg = f"'{word[0]}' is not a statement; did you mean '{near}'? (read as a rule, {msg})"
     return SpecError(msg, source_loc(file, lines, line, col))
 
+
+
+def _list_over(text: str, col: int) -> str | None:
+    """The message for ``over AXIS`` after a per-axis list (``[S(0)] over dp``), which gives
+    every mesh axis's placement and so takes no axis; None when ``over`` at ``col`` follows
+    no list."""
+    before = text[:col - 1].rstrip()
+    if not before.endswith("]") or "[" not in before:
+        return None
+    inner = before[before.rindex("[") + 1:-1].strip()
+    after = text[col - 1:].split("#", 1)[0].split()
+    axis = after[1] if len(after) > 1 else "AXIS"
+    one = inner if inner and "," not in inner else "S(0)"
+    return (f"a per-axis list such as [{inner}] gives the placement on every mesh axis, in the mesh's order, "
+            f"and takes no 'over {axis}'; for one axis write '{one} over {axis}' or '{axis}={one}' (no "
+            f"brackets), or list every axis of the mesh, e.g. [{one}, R] on a mesh of two axes")
 
 
 def _memory_value(text: str, col: int):

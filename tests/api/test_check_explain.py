@@ -49,3 +49,18 @@ def test_explain_from_python_is_the_cli_explain():
     assert got.count("all_reduce") == 2 and got.count("all_reduce", phase="backward") == 1
     assert got.changes[0].from_layout == "[P]" and got.changes[0].to_layout == "[R]"
     assert got.memory_bytes_per_rank == cli["explain"]["memory_bytes_per_rank"]
+
+
+def test_check_and_explain_collectives_are_one_type_with_the_same_fields():
+    """``check(...).collectives`` and ``explain(...).collectives`` are both
+    :class:`parcomp.Collective`; on a spec without gradient buckets they list the same
+    collectives, local shapes included; explain adds the estimated seconds."""
+    module, example, names = gpt2_mlp()
+    spec = str(ROOT / "specs/gpt2_mlp_tp2_train.pcs")
+    checked = parcomp.check(module, example, spec, input_names=names).collectives
+    explained = parcomp.explain(module, example, spec, input_names=names).collectives
+    assert all(type(c) is parcomp.Collective for c in checked + explained)
+    key = lambda c: (c.kind, c.axis, c.phase, c.bytes, c.local_shape, c.dim)  # noqa: E731
+    assert sorted(map(key, explained)) == sorted(map(key, checked))
+    assert all(c.local_shape for c in explained)
+    assert all(c.seconds > 0 for c in explained) and all(c.seconds is None for c in checked)

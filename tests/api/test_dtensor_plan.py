@@ -140,3 +140,20 @@ def test_loss_parallel_cross_entropy_equals_the_unsharded_loss_and_gradients(tmp
         assert r["layout"] == "[S(2)]" and r["local_shape"] == [2, 8, 64], r
         assert abs(r["loss"] - r["want"]) <= 1e-5 * abs(r["want"]), r
         assert r["grad_err"] <= 1e-5 and r["compared"] == 21, r
+
+
+def test_parcomps_count_is_of_the_calls_its_program_makes():
+    """A bucket's members after its first are steps of 0 bytes in the explanation (its one
+    all_reduce carries them): the comparison counts the calls, 2 here, not the 4 steps."""
+    from parcomp.api.dtensor_compare import block_regex, parcomp_counts
+    from parcomp.api.results import Collective, LayoutChange
+
+    def change(module, nbytes):
+        step = Collective("all_reduce", "tp", "backward", nbytes, (8, 32), None, "gradient", 1e-4)
+        return LayoutChange("g", module, "backward", "[P]", "[R]", "all_reduce", nbytes, 1e-4, (step,), ())
+
+    changes = (change("model.layers.0.mlp", 4096), change("model.layers.0.mlp", 0),
+               change("model.layers.0.self_attn", 4096), change("model.layers.0.self_attn", 0))
+    x = type("Explanation", (), {"changes": changes})()
+    counts = parcomp_counts(x, "tp", block_regex(TP_PLAN))
+    assert counts == {("model.layers.0", "backward", "all_reduce"): 2}

@@ -80,6 +80,9 @@ def _statements(text, program):
             assert len(st.targets) == 1, ast.unparse(st)
             target = st.targets[0]
             names = [e.id for e in target.elts] if isinstance(target, ast.Tuple) else [target.id]
+            # an attention's forward keeps its kernel's tensors beside its output (``y, y_saved =
+            # attention_forward(...)``): no node of their own, deleted after the backward reads them
+            names = [v for v in names if v in var_to_node or not v.endswith("_saved")]
             if not any(v in var_to_node for v in names):
                 # the dropless MoE program's routing plans (``X_route_plan = moe_route_plan(X)``):
                 # no node of their own, computed just before the statement that reads them
@@ -89,7 +92,7 @@ def _statements(text, program):
             assert len(here) == 1, ast.unparse(st)
             out.append((var_to_node[here[0]], []))
         elif isinstance(st, ast.Delete):
-            out[-1][1].extend(var_to_node[t.id] for t in st.targets)
+            out[-1][1].extend(var_to_node[t.id] for t in st.targets if t.id in var_to_node or not t.id.endswith("_saved"))
         else:
             assert isinstance(st, ast.Return), f"unexpected statement {ast.unparse(st)}"
     return out

@@ -211,6 +211,15 @@ def test_error_trailing_junk():
               "expected 'over AXIS' or the end of the line; got 'extra'")
 
 
+def test_error_per_axis_list_over_an_axis_names_the_one_axis_syntax():
+    """``[S(0)] over dp``: a per-axis list already gives every axis; the error says how to
+    write one axis's placement (as ``rowwise over dp`` is written)."""
+    assert_at(spec_error("mesh dp=2 tp=2\nc_fc.weight [S(0)] over dp\n"), 2, 20,
+              "takes no 'over dp'", "'S(0) over dp' or 'dp=S(0)'", "[S(0), R]")
+    assert parse_spec("mesh dp=2 tp=2\nc_fc.weight S(0) over dp\n", "t.pcs").rules[0].layout == \
+        LayoutSpec(None, (Shard(0), R), "dp")
+
+
 def test_error_bad_statement_start():
     assert_at(spec_error("mesh tp=2\n= x\n"), 2, 1, "expected a statement", "got '='")
     assert_at(spec_error("mesh tp=2\ninput\n"), 2, 6, "expected a name pattern")

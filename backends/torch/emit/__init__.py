@@ -33,7 +33,7 @@ from parcomp.compile.program import Program, TrainLoop, no_cycle_collection
 from parcomp.ir.ops import LAYOUT_OPS
 from parcomp.ir.types import layout_str
 
-from .attention import attention_sections, joint_grads, joint_targets
+from .attention import attention_sections, joint_grads, joint_targets, saved_forwards, saved_name
 from .cp_ring import ring_comment, ring_sections
 from .moe import moe_sections
 from .moe_dropless import DROPLESS_EXCHANGE, dropless_plan
@@ -160,6 +160,10 @@ def step_function(prog, fn: str, doc: str, names=None, pop_inputs: bool = False,
         lines += comment_lines(dropless.comment(), "    ")
     program, provenance, var_of = prog.graph, prog.provenance, names.__getitem__
     popped = _popped_inputs(program) if pop_inputs else {}
+    kept = saved_forwards(program)  # attentions whose forward keeps its kernel's tensors (emit/attention.py)
+    if kept:
+        taken = set(names.values())
+        kept = {n: saved_name(names[n if program[n].op == "sdpa" else kept[n]], taken) for n in kept}
     block = program if program.stage == "local" else None  # per-rank: block offsets read COORD
     tails = {}  # (id(layout), id(type)) -> "  # [S(0), R] f32[8,32]": nodes share these objects
     for n in program.nodes:
@@ -176,6 +180,7 @@ def step_function(prog, fn: str, doc: str, names=None, pop_inputs: bool = False,
             key = _json_str(n.name)
             take = f"p[{key}]" if op == "param" else f"inp.pop({key})" if pop_inputs else f"inp[{key}]"
             lines.append(f"    {var} = {take}{tail}")
+            lines += [f"    {text}" for text in packed.get(n.name) or ()]  # a stashed MoE's route plan
             lines += [f"    ready({_json_str(pub)}, {var})" for pub in final.get(n.name, ())]
             continue
         if op in _LAYOUT_OPS:
@@ -184,18 +189,23 @@ def step_function(prog, fn: str, doc: str, names=None, pop_inputs: bool = False,
         if first is not None and first != n.name:
             lines.append(f"    # {var}: computed above with {names[first]} (one backward of the attention)")
         else:
-            lines += [c for text in ring_comment(prog, n) for c in comment_lines(text, "    ")]
+            lines += [c for text in ring_comment(prog, n, n.name in kept) for c in comment_lines(text, "    ")]
         if packed.get(n.name) is not None:  # an MoE statement on the routed tokens only
             lines += [f"    {text}" for text in packed[n.name][:-1]] + [f"    {packed[n.name][-1]}{tail}"]
         elif first == n.name:  # one attention's gradients in one statement (emit/attention.py)
             lines.append(f"    {joint_targets(program, first, names)} = "
-                         f"{node_code(n, list(map(var_of, n.inputs)), block, parts)}{tail}")
+                         f"{node_code(n, list(map(var_of, n.inputs)), block, parts, kept.get(n.name))}{tail}")
+        elif n.name in kept:  # a forward attention keeping what its backward reads
+            lines.append(f"    {var}, {kept[n.name]} = "
+                         f"{node_code(n, list(map(var_of, n.inputs)), block, saved=kept[n.name])}{tail}")
         elif first is None:
             lines.append(f"    {var} = {node_code(n, list(map(var_of, n.inputs)), block)}{tail}")
-        frees = n.attr("frees").split() if n.attr("frees") else []
-        frees += popped.get(n.name, [])
+        frees = list(map(var_of, n.attr("frees").split())) if n.attr("frees") else []
+        frees += map(var_of, popped.get(n.name, []))
+        if first == n.name and n.name in kept:  # the kernel's saved tensors, read
+            frees.append(kept[n.name])
         if frees:
-            lines.append("    del " + ", ".join(map(var_of, frees)))
+            lines.append("    del " + ", ".join(frees))
         lines += [f"    ready({_json_str(pub)}, {var})" for pub in final.get(n.name, ())]
     ret = ", ".join(f"{json.dumps(pub)}: {names[v]}" for pub, v in program.named_outputs())
     lines.append(f"    return {{{ret}}}")

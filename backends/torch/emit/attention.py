@@ -7,8 +7,18 @@ attention, and the step function assigns all of them where the first one stands,
 (:func:`parcomp_backends.torch.runtime.program_attention.attention_grads`, or
 ``ring_sdpa_grads`` for ring attention: one backward ring). The later nodes print nothing but
 their ``del``; their values exist from the first node on.
+
+When the step computes the attention's forward too (parcomp.ir.liveness.saved_attention), the
+forward prints ``y, y_saved = attention_forward(...)`` (the fused kernel, keeping its output
+and logsumexp) and the joint statement ``attention_backward(..., y_saved, ...)`` (the kernel's
+backward on them, no forward again), then ``del y_saved``; the runtime falls back to
+``attention_grads`` where no fused kernel with a known backward runs (program_attention.py).
+Ring attention likewise: ``ring_sdpa_saved`` keeps the output and row logsumexp of its forward
+ring, and ``ring_sdpa_grads(..., saved=y_saved)`` skips the statistics pass (program_ring.py).
 """
 from __future__ import annotations
+
+from parcomp.ir.liveness import saved_attention
 
 from ..runtime import sections
 
@@ -16,8 +26,16 @@ JOINT_FORMATS = {
     "sdpa_grad_joint": "attention_grads({0}, {1}, {2}, {3}, {parts}, {mask_args}, scale={scale})",
     "sdpa_grad_ring_joint": ("ring_sdpa_grads({0}, {1}, {2}, {3}, {scale}, {causal}, {cp_axis}, {chunking}, "
                              "{parts}{window_arg})"),
+    # the forward kept what its kernel's backward needs: that backward, no forward again
+    "sdpa_grad_saved_joint": "attention_backward({0}, {1}, {2}, {3}, {saved}, {parts}, {mask_args}, scale={scale})",
+    "sdpa_grad_ring_saved_joint": ("ring_sdpa_grads({0}, {1}, {2}, {3}, {scale}, {causal}, {cp_axis}, {chunking}, "
+                                   "{parts}{window_arg}, saved={saved})"),
 }
-HELPER_NAMES = ("attention_grads",)
+# the forward of an attention whose joint backward reads what it keeps
+SAVED_FORMATS = {"sdpa": "attention_forward({0}, {1}, {2}, {mask_args}, scale={scale})",
+                 "sdpa_ring": "ring_sdpa_saved({0}, {1}, {2}, {scale}, {causal}, {cp_axis}, {chunking}{window_arg})"}
+HELPER_NAMES = ("attention_grads", "attention_kernel", "attention_forward", "attention_backward", "_FUSED",
+                "_float_mask")
 _PER_NODE = ("wrt", "frees", "inplace", "async_op")  # attributes that differ between the parts
 
 
@@ -50,6 +68,31 @@ def joint_targets(program, first: str, names) -> str:
     nodes = sorted((n for n in program.nodes if joint_grads(program).get(n.name, (None,))[0] == first),
                    key=lambda n: "qkv".index(n.attr("wrt")))
     return ", ".join(names[n.name] for n in nodes)
+
+
+def saved_forwards(program) -> dict:
+    """``{sdpa name: first sdpa_grad name}`` and back: the attentions of ``program`` whose forward
+    keeps its kernel's saved tensors for its joint backward statement (both in ``program``;
+    a pipeline stage's forward and backward functions are two programs: they recompute)."""
+    return program.memo("emit_attention.saved_forwards", _saved_forwards)
+
+
+def _saved_forwards(program):
+    joint, out = joint_grads(program), {}
+    for fwd, grad in saved_attention(program).items():
+        first, parts = joint.get(grad, (None, ""))
+        grads = [n for n in program.nodes if joint.get(n.name, (None,))[0] == grad]
+        if first == grad and len(grads) == len(parts):
+            out[fwd], out[grad] = grad, fwd
+    return out
+
+
+def saved_name(var: str, taken) -> str:
+    """The variable of an attention's saved tensors beside its output's ``var``."""
+    cand = var + "_saved"
+    while cand in taken:
+        cand += "_"
+    return cand
 
 
 def attention_sections(program) -> list:

@@ -17,7 +17,7 @@ RING_FORMATS = {
     "sdpa_grad_ring": "ring_sdpa_grad({0}, {1}, {2}, {3}, {scale}, {causal}, {cp_axis}, {chunking}, {wrt}{window_arg})",
 }
 HELPER_NAMES = ("ring_line", "ring_start", "ring_finish", "ring_shift", "ring_positions", "ring_scores", "ring_stats",
-                "ring_sdpa", "ring_sdpa_grad", "ring_sdpa_grads", "balance_order", "balance_rows", "balanced_keep")
+                "ring_sdpa", "ring_sdpa_saved", "ring_sdpa_grad", "ring_sdpa_grads", "balance_order", "balance_rows", "balanced_keep")
 
 
 def is_ring(n) -> bool:
@@ -81,9 +81,16 @@ def ring_axes(graph) -> set:
     return {n.attr("cp_axis") for n in graph.nodes if is_ring(n)}
 
 
-def ring_comment(prog, n) -> list:
-    """The comment texts above ring node ``n``: one per ``send_recv`` record of it."""
+def ring_comment(prog, n, kept: bool = False) -> list:
+    """The comment texts above ring node ``n``: one per ``send_recv`` record of it;
+    ``kept``: an ``sdpa_grad`` whose backward ring reads the statistics its forward ring kept
+    (emit/attention.py), whose statistics pass (its first record, ``.ring0``:
+    parcomp/reference/cp_ring.py's ring_steps) does not run."""
     if not is_ring(n):
         return []
     recs = [c for c in prog.collectives if c.kind == "send_recv" and c.producer == n.name]
-    return [f"send_recv over {c.axis} {c.src_layout}, bytes/rank {c.bytes}: {c.reason}" for c in recs]
+    if kept and n.op == "sdpa_grad":
+        recs = [c for c in recs if not c.name.endswith(".ring0")]
+    out = [f"send_recv over {c.axis} {c.src_layout}, bytes/rank {c.bytes}: {c.reason}" for c in recs]
+    return out + (["no statistics pass: the forward ring's output and row logsumexp are kept (saved=)"]
+                  if kept and n.op == "sdpa_grad" else [])

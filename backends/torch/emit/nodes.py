@@ -16,7 +16,7 @@ from json.encoder import encode_basestring_ascii as _json_str  # json.dumps of a
 from parcomp.compile.program import ParcompError
 
 from .cp import Q_OPERAND, cp_kw  # context parallel; Q_OPERAND: sdpa, sdpa_grad
-from .attention import JOINT_FORMATS  # one attention's gradients together
+from .attention import JOINT_FORMATS, SAVED_FORMATS  # one attention's gradients together
 from .cp_ring import RING_FORMATS, ring_key, ring_kw
 from .moe import MOE_DEFAULTS, MOE_FORMATS, moe_key
 from .norms import NORM_FORMATS, norm_kw
@@ -146,17 +146,21 @@ def py_literal(v) -> str:
 
 
 
-def node_code(n, args, program=None, parts=None) -> str:
+def node_code(n, args, program=None, parts=None, saved=None) -> str:
     """The right-hand side computing node ``n`` from operand variables ``args``
     (``inplace``: :data:`IN_PLACE_FORMATS`; ``async_op``: :data:`ASYNC_FORMATS`; ``parts``: an
-    ``sdpa_grad``'s attention's gradients wanted together, emit/attention.py)."""
+    ``sdpa_grad``'s attention's gradients wanted together; ``saved``: the variable of the
+    attention's saved kernel tensors, an ``sdpa`` that keeps them or the joint ``sdpa_grad``
+    that reads them, emit/attention.py)."""
     op, attr = n.op, n.attr
     async_op, inplace = attr("async_op"), attr("inplace")
     table = (ASYNC_FORMATS if async_op else IN_PLACE_FORMATS if inplace else OP_FORMATS)
     rkey = reduce_key(n)
     key = ring_key(n, moe_key(n, rkey + ("_" if async_op and inplace else "")))
     if op == "sdpa_grad" and parts:  # the gradients ``parts`` of one attention together
-        table, key = JOINT_FORMATS, key + "_joint"
+        table, key = JOINT_FORMATS, key + ("_saved_joint" if saved else "_joint")
+    elif op == "sdpa" and saved:  # the forward keeping its kernel's saved tensors
+        table = SAVED_FORMATS
     if key not in table:
         raise EmitError(f"op {n.op!r} (%{n.name}) has no torch mapping; the torch backend "
                         f"knows: {', '.join(sorted(OP_FORMATS))}")
@@ -189,4 +193,6 @@ def node_code(n, args, program=None, parts=None) -> str:
         kw["wrt_index"] = "qkv".index(attr("wrt"))
         if parts:
             kw["parts"] = py_literal(parts)
+    if saved:
+        kw["saved"] = saved
     return table[key].format(*args, **kw)

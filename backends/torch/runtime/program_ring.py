@@ -119,6 +119,13 @@ def ring_sdpa(q, k, v, scale, causal, axis, chunking, window=0):
     return ring_stats(q, k, v, scale, causal, axis, chunking, window)[0]
 
 
+def ring_sdpa_saved(q, k, v, scale, causal, axis, chunking, window=0):
+    """Ring attention forward and what its backward reads: ``(output, (output, row
+    logsumexp))``; :func:`ring_sdpa_grads` given the second needs no statistics pass."""
+    out, lse = ring_stats(q, k, v, scale, causal, axis, chunking, window)
+    return out, (out, lse)
+
+
 def ring_sdpa_grad(dy, q, k, v, scale, causal, axis, chunking, wrt, window=0):
     """The gradient ``wrt`` (q, k or v) of ring attention: statistics recomputed by one ring
     pass, then a second in which each step uses its own K/V block; partial dK/dV travel with
@@ -150,17 +157,18 @@ def ring_sdpa_grad(dy, q, k, v, scale, causal, axis, chunking, wrt, window=0):
     return dq if wrt == "q" else part
 
 
-def ring_sdpa_grads(dy, q, k, v, scale, causal, axis, chunking, parts, window=0):
+def ring_sdpa_grads(dy, q, k, v, scale, causal, axis, chunking, parts, window=0, saved=None):
     """The gradients ``parts`` (a string of ``q``, ``k``, ``v``, in that order) of ring
-    attention in one backward ring: the statistics recomputed by one forward ring pass, then
-    one pass over the K/V blocks in which every transfer overlaps compute. At step s this rank
+    attention in one backward ring: the statistics (``saved``: the output and row logsumexp
+    :func:`ring_sdpa_saved` kept; else recomputed by one forward ring pass), then one pass
+    over the K/V blocks in which every transfer overlaps compute. At step s this rank
     posts, before computing on the block it holds: that block's K/V to coordinate c+1 (its
     step s+1), the partial dK/dV of the block it held at step s-1 (sent on with it; the
     owner's own part, of step 0, stays home) and the receive of the partial of the block it
     holds now; after the last step the partial goes home to the block's owner, c+1. Per rank:
-    n-1 shifts of K/V and n-1 of dK/dV (at cp=2: the statistics pass, K/V, dK/dV home: 3;
-    :func:`ring_sdpa_grad`, one gradient at a time: 8)."""
-    out, lse = ring_stats(q, k, v, scale, causal, axis, chunking, window)
+    n-1 shifts of K/V and n-1 of dK/dV (at cp=2: K/V, dK/dV home: 2, and the statistics pass
+    without ``saved``: 3; :func:`ring_sdpa_grad`, one gradient at a time: 8)."""
+    out, lse = ring_stats(q, k, v, scale, causal, axis, chunking, window) if saved is None else saved
     c, line = ring_line(axis)
     n, rows = len(line), q.shape[2]
     qpos, d = ring_positions(chunking, n, c, rows), torch.sum(dy * out, dim=-1, keepdim=True)
