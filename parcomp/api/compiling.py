@@ -136,7 +136,8 @@ def _meta(graph: Graph, fwd, bwd, cots: dict) -> dict:
     sharded = fwd.sharded
     params = [{"name": n.name, "layout": layout_str(n.layout), "shape": list(n.type.shape),
                "dtype": n.type.dtype, "trainable": bool(n.attr("trainable", True)),
-               **({"stored_order": list(n.attr("stored_order"))} if n.attr("stored_order") else {})}
+               **({"stored_order": list(n.attr("stored_order"))} if n.attr("stored_order") else {}),
+               **({"part_of": n.attr("part_of")} if n.attr("part_of") else {})}
               for n in sharded.params]
     inputs = [{"name": n.name, "layout": layout_str(n.layout), "shape": list(n.type.shape), "dtype": n.type.dtype}
               for n in sharded.inputs]

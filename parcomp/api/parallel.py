@@ -229,7 +229,7 @@ class ParallelModule(nn.Module):
                 full[name] = t
         local = call(self._fwd, "load_params", full)
         self._param_names = [p["name"] for p in self._meta["params"]]
-        self._trainable = {p["name"]: p["trainable"] and _requires_grad(module, p["name"])
+        self._trainable = {p["name"]: p["trainable"] and _requires_grad(module, p.get("part_of") or p["name"])
                            for p in self._meta["params"]}
         self.device_mesh = None if dtensor is False else _device_mesh(self._fwd, dtensor)
         for p in self._meta["params"]:
@@ -519,7 +519,14 @@ class ParallelModule(nn.Module):
                     t = _all_gather(t, pl.dim, self._fwd, a)
             if p.get("stored_order"):  # a grouped q|k|v: its heads back in the stored order
                 t = _stored_order(t, self._shapes[p["name"]], p["stored_order"])
+            if p.get("part_of"):  # a multi-query weight's part: joined below, in row order
+                out[p["name"]] = t
+                continue
             out[p["name"]] = t.reshape(self._shapes.get(p["name"], t.shape))
+        for stored in dict.fromkeys(p["part_of"] for p in self._meta["params"] if p.get("part_of")):
+            rows = [out.pop(p["name"]) for p in self._meta["params"] if p.get("part_of") == stored and p["name"] in out]
+            if rows:  # the query rows (named as the weight) come first, then the kv rows
+                out[stored] = torch.cat(rows)
         return out
 
 

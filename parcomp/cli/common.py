@@ -15,6 +15,7 @@ from ..frontends.loader import load_model, pointing_into
 from ..frontends.model_file import ModelFile
 from ..ir.text import print_graph
 from ..passes.moe_capacity import capacity_notes, spec_changes_capacity  # the spec's MoE capacity
+from ..passes.fused_weights import stored_to_parts  # multi-query part params
 from ..reference.numpy_ops import run_unsharded
 from ..report.report import format_collectives
 from ..spec import load_spec
@@ -150,7 +151,8 @@ def feeds_for(graph, module, example, seed=0) -> dict:
 
     tensors = module_sources(module)  # non-persistent buffers and folded constants too
     state = {k: v.detach().cpu().numpy() for k, v in tensors.items()}
-    feeds = {n.name: state[n.name] for n in graph.params}
+    # a multi-query weight's kv part param: its rows of the stored tensor
+    feeds = stored_to_parts({n.name: state[n.attr("part_of") or n.name] for n in graph.params}, graph)
     for node, x in zip(graph.inputs, example):
         feeds[node.name] = x.detach().cpu().numpy()
     return feeds

@@ -33,6 +33,7 @@ import tempfile
 
 from ..errors import ParcompError
 from ..outdir import check_target, write_dir_atomic
+from ..passes.fused_weights import parts_to_stored
 from ..reference.numpy_attn import view_to_stored
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
@@ -107,6 +108,7 @@ def full_tensors(compiled, checkpoint: str, module=None) -> dict:
                                where=k)
     alias = tied_names(module)
     trained = {alias.get(k, k): _stored(saved[k], graph[k].attr("stored_shape"), graph[k].attr("stored_order")) for k in names}
+    trained = parts_to_stored(trained, graph, derived=False)  # a multi-query weight's parts joined
     return {**trained, **untrained_tensors(module, trained)}
 
 

@@ -16,7 +16,7 @@ from ..check.training import numpy_train
 from ..errors import ParcompError
 from ..frontends.model_file import ModelFile
 from ..outdir import record_written, write_dir_atomic
-from ..passes.fused_weights import in_stored_indices, to_view_shapes  # attention part
+from ..passes.fused_weights import in_stored_indices, parts_to_stored, to_view_shapes  # attention part
 from ..report.report import format_collectives
 from ..spec.train_config import check_steps, train_config
 from ..units import plural
@@ -74,7 +74,7 @@ def checkpoint_file(work: str, graph, feeds: dict, module) -> str:
         tensors[n.name] = torch.from_numpy(np.ascontiguousarray(value).reshape(np.shape(value)))
         for alias in filter(None, (n.attr("aliases") or "").split(",")):
             tensors.setdefault(alias, tensors[n.name])
-    torch.save(tensors, path)
+    torch.save(parts_to_stored(tensors, graph, derived=False), path)  # a multi-query weight whole
     return path
 
 

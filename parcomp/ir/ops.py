@@ -485,6 +485,10 @@ _def("param", 0, "source", _own, {**_SOURCE, "trainable": Attr("bool", default=T
                                   "stored_shape": Attr("ints"),
                                   # grouped q|k|v: the stored head units in the view's order
                                   "stored_order": Attr("ints"),
+                                  # multi-query q|k|v: a part param, rows [start, stop) of the
+                                  # stored tensor ``part_of`` of shape ``part_of_shape``
+                                  "part_of": Attr("str"), "part_rows": Attr("ints"),
+                                  "part_of_shape": Attr("ints"),
                                   # a tied weight's other names, comma-separated (spec rules match them)
                                   "aliases": Attr("str")})
 # layout changes inserted by insert-collectives (see parcomp/ir/redistribute.py); ``dim``:

@@ -25,6 +25,16 @@ Grouped-query q|k|v in one weight (Phi-3's ``qkv_proj``: parts of unequal width,
 heads than query heads; :func:`_grouped`) is viewed per kv group instead: R + 2 parts of G
 heads each, its stored head units reordered (``stored_order``) so that ``colwise`` gives each
 rank whole groups (:func:`_grouped_parts`).
+
+Multi-query q|k|v in one weight (Falcon's ``query_key_value`` [(H+2)*hd, in]: H query heads
+and one key and one value head, cut by a reshape to heads and slices of the heads dim) cannot
+be viewed: Megatron splits the query rows per head and keeps the kv rows replicated, two
+layouts, and a view is one param with one layout. So the weight becomes two *part params*
+(:func:`_multi_query_parts`): the query rows keep the weight's name, the kv rows take
+``NAME_kv``; each carries ``part_of`` (the stored tensor's name), ``part_rows`` (its rows of
+it, [start, stop)) and ``part_of_shape`` (the stored shape). Every loader slices its rows
+from the stored tensor (:func:`stored_to_parts`) and every writer joins them back
+(:func:`parts_to_stored`), so checkpoints, torch and the user keep the fused weight.
 """
 from __future__ import annotations
 
@@ -201,15 +211,120 @@ def _grouped_parts(graph, m, grouped, names):
     return out + grown + [cat, qn], wv, bv
 
 
+def _multi_query(graph, users, value):
+    """Multi-query q|k|v fused in one Linear weight, cut by step-1 slices into the query
+    features ``[0:Q]`` and fewer kv features after them (``[Q:F]``, in pieces: key, value)
+    either of the matmul product itself (bias optional; Phi-3's ``qkv_proj`` with one kv head:
+    each piece then reshaped to heads of one head dim, so MLA's latent | rotary key cut of
+    ``kv_a_proj_with_mqa`` is none) or, as Falcon's ``query_key_value``, of its reshape ``[.., F] -> [.., N, hd]`` to heads
+    (the slices then cut the heads dim). Returns ``(match, Q, F, unit, q slice, kv slices)``
+    with ``unit`` the rows one sliced index holds (``hd`` for heads, else 1), or None."""
+    node = graph[value]
+    unit = 1
+    if node.op == "reshape" and node.inputs:  # cut per head
+        src, ty = graph[node.inputs[0]].type, node.type
+        if ty.rank != src.rank + 1 or ty.shape[:src.rank - 1] != src.shape[:-1] \
+                or ty.shape[-2] * ty.shape[-1] != src.shape[-1]:
+            return None
+        unit, dim, base = ty.shape[-1], ty.rank - 2, node.inputs[0]
+    elif node.op in ("matmul", "add") and node.type.rank:
+        dim, base = node.type.rank - 1, value
+    else:
+        return None
+    us = [graph[u] for u in users[value]]
+    if len(us) < 2 or any(u.op != "slice" or u.attr("dim") != dim or u.attr("step", 1) != 1 for u in us):
+        return None
+    cuts = sorted((u.attr("start"), u.attr("stop"), u.name) for u in us)
+    n = node.type.shape[dim]
+    if cuts[0][0] != 0 or cuts[-1][1] != n or any(a[1] != b[0] for a, b in zip(cuts, cuts[1:])):
+        return None
+    q = cuts[0][1]
+    if q < 2 or n - q >= q:
+        return None
+    if unit == 1:  # features: each piece reshaped to heads of one head dim, fewer kv than query heads
+        heads = [_heads(graph, users, c[2]) for c in cuts]
+        if any(h is None for h in heads) or len({h[1] for h in heads}) != 1 or heads[0][0] < 2 \
+                or sum(h[0] for h in heads[1:]) >= heads[0][0]:
+            return None
+    m = _match(graph, users, base)
+    if m is None or m["wt"] is None or m["chain"] or (base == value and m["add"] is None and node.op == "add"):
+        return None
+    return m, q, n, unit, cuts[0][2], [graph[c[2]] for c in cuts[1:]]
+
+
+def kv_part_name(name: str) -> str:
+    """The name of the kv rows' part param of multi-query weight ``name`` (the query rows
+    keep ``name``)."""
+    return f"{name}_kv"
+
+
+def _part(node, name, rows):
+    size = (rows[1] - rows[0],) + tuple(node.type.shape[1:])
+    return replace(node, name=name, type=TensorType(size, node.type.dtype)).with_attrs(
+        part_of=node.name, part_rows=tuple(rows), part_of_shape=tuple(node.type.shape))
+
+
+def _multi_query_parts(graph, found, names):
+    """The nodes of a multi-query q|k|v (:func:`_multi_query`) as two part params and two
+    matmuls: the query rows ``[0, Q*unit)`` (named as the weight) giving the query slice's
+    value (reshaped to its heads when the model cut heads), the kv rows ``[Q*unit, F*unit)``
+    (``NAME_kv``) giving the kv features (reshaped to the kv heads), which the model's kv
+    slices (shifted by Q) cut as before. Returns the nodes replacing the matmul, the kv slices
+    and the new params (with their biases)."""
+    m, q, n, unit, qslice, kvslices = found
+    w, src = graph[m["w"]], m["mm"].source
+    lead = graph[m["x"]].type.shape[:-1]
+    dt = w.type.dtype
+    params, out = [], []
+    for part, (a, b) in (("q", (0, q * unit)), ("kv", (q * unit, n * unit))):
+        wname = w.name if part == "q" else names.fresh(kv_part_name(w.name))
+        params.append(_part(w, wname, (a, b)))
+        width = b - a
+        last = part == "q" and unit == 1  # the query slice's value itself
+        wt = Node(names.fresh(f"{m['mm'].name}_{part}_wt"), "permute", (wname,),
+                  TensorType((w.type.shape[1], width), dt), make_attrs(perm=(1, 0)), source=src)
+        mm = Node(qslice if last and not m["bias"] else names.fresh(f"{m['mm'].name}_{part}"), "matmul",
+                  (m["x"], wt.name), TensorType(lead + (width,), dt), make_attrs(), source=src)
+        out += [wt, mm]
+        cur = mm.name
+        if m["bias"]:
+            bias = graph[m["bias"]]
+            bname = bias.name if part == "q" else names.fresh(kv_part_name(bias.name))
+            params.append(_part(bias, bname, (a, b)))
+            add = Node(qslice if last else names.fresh(f"{m['mm'].name}_{part}_bias"), "add", (cur, bname),
+                       TensorType(lead + (width,), dt), make_attrs(), source=src)
+            out.append(add)
+            cur = add.name
+        if unit > 1:
+            heads = Node(qslice if part == "q" else names.fresh(f"{m['mm'].name}_kv_heads"), "reshape", (cur,),
+                         TensorType(lead + (width // unit, unit), dt), make_attrs(), source=src)
+            out.append(heads)
+            cur = heads.name
+    kv = out[-1].name
+    moved = {s.name: replace(s, inputs=(kv,)).with_attrs(start=s.attr("start") - q, stop=s.attr("stop") - q)
+             for s in kvslices}
+    return out, moved, params
+
+
 def split_fused_weights(graph: Graph) -> Graph:
     """Rewrite every fused weight of ``graph`` (see the module docstring); others unchanged.
     One pass: the patterns of different weights share no node."""
     users = graph.users()
     names = NameGen(n.name for n in graph.nodes)
     at, views, gone = {}, {}, set()  # mm name -> part nodes; param name -> view; nodes dropped
+    moved, parts = {}, {}  # kv slices re-pointed; param name -> its part params (multi-query)
     for n in graph.nodes:
         slices = _equal_parts(graph, users, n.name)
         grouped = None if slices else _grouped(graph, users, n.name)
+        mq = None if slices or grouped else _multi_query(graph, users, n.name)
+        if mq is not None:
+            m = mq[0]
+            at[m["mm"].name], kv, params = _multi_query_parts(graph, mq, names)
+            moved.update(kv)
+            for p in params:
+                parts.setdefault(p.attr("part_of"), []).append(p)
+            gone |= {n.name, mq[4], *(x.name for x in (m["add"], m["wt"]) if x is not None)}
+            continue
         m = _match(graph, users, n.name) if slices or grouped else None
         if m is None:
             continue
@@ -227,8 +342,10 @@ def split_fused_weights(graph: Graph) -> Graph:
     for x in graph.nodes:
         if x.name in at:
             nodes += at[x.name]
+        elif x.name in parts:
+            nodes += parts[x.name]
         elif x.name not in gone:
-            nodes.append(views.get(x.name, x))
+            nodes.append(moved.get(x.name) or views.get(x.name, x))
     return graph.with_nodes(nodes)
 
 
@@ -254,9 +371,62 @@ def fused_bias_follows(graph, layouts, bound_by):
         bound_by[b.name] = rule
 
 
+def part_params(graph) -> dict:
+    """``{stored name: [its part params in row order]}`` of ``graph``'s multi-query weights."""
+    out = {}
+    for n in graph.params:
+        if n.attr("part_of"):
+            out.setdefault(n.attr("part_of"), []).append(n)
+    return {k: sorted(v, key=lambda n: n.attr("part_rows")[0]) for k, v in out.items()}
+
+
+def _suffixes(values, name, shape, derived=True):
+    """The suffixes ``s`` (``""``, ``.grad``, ``.exp_avg``, ...) of the keys ``name + s`` of
+    ``values`` whose value has ``shape``."""
+    return [k[len(name):] for k, v in values.items()
+            if (k == name or (derived and k.startswith(name + "."))) and tuple(np.shape(v)) == tuple(shape)]
+
+
+def stored_to_parts(values: dict, graph, derived: bool = True) -> dict:
+    """``values`` with each multi-query weight's entries in the stored shape (``NAME``,
+    ``NAME.grad``, ...) cut into its part params' rows (``NAME`` the query rows, ``NAME_kv``
+    the kv rows, same suffix). Values of other names pass unchanged."""
+    out = dict(values)
+    for stored, parts in part_params(graph).items():
+        for suffix in _suffixes(values, stored, parts[0].attr("part_of_shape"), derived):
+            whole = values[stored + suffix]
+            for p in parts:
+                a, b = p.attr("part_rows")
+                out[p.name + suffix] = whole[a:b]
+    return out
+
+
+def parts_to_stored(values: dict, graph, derived: bool = True) -> dict:
+    """The inverse of :func:`stored_to_parts`: each multi-query weight's part entries joined
+    back into the stored tensor's rows (the kv part's keys dropped)."""
+    out = dict(values)
+    for stored, parts in part_params(graph).items():
+        for suffix in _suffixes(values, parts[0].name, parts[0].type.shape, derived):
+            keys = [p.name + suffix for p in parts]
+            if all(k in values for k in keys):
+                rows = [values[k] for k in keys]
+                for k in keys:
+                    out.pop(k, None)
+                out[stored + suffix] = (np.concatenate([np.asarray(r) for r in rows]) if isinstance(rows[0], np.ndarray)
+                                        else _cat(rows))
+    return out
+
+
+def _cat(rows):
+    import torch  # a torch tensor's parts (export, the Python API's gather)
+    return torch.cat([r if isinstance(r, torch.Tensor) else torch.as_tensor(np.asarray(r)) for r in rows])
+
+
 def to_view_shapes(values: dict, graph) -> dict:
     """``values`` keyed by param names (and ``name.grad``, ``name.exp_avg``, ...) with each
-    fused view param's entries in the stored shape reshaped to the view."""
+    fused view param's entries in the stored shape reshaped to the view, and each multi-query
+    weight's cut into its part params (:func:`stored_to_parts`)."""
+    values = stored_to_parts(values, graph)
     views = {n.name: n for n in graph.params if n.attr("stored_shape")}
     out = dict(values)
     for key, v in values.items():
@@ -271,14 +441,15 @@ def to_stored_shapes(values: dict, graph, derived: bool = True) -> dict:
     """The inverse of :func:`to_view_shapes`: each fused view param's entry in the view shape
     reshaped to the stored (checkpoint) shape, and with ``derived`` its ``name.exp_avg``, ...
     too: torch.optim holds those in the param's shape (torch starts), program.py's loader
-    reads them per part (``--replay`` states: ``derived=False``)."""
+    reads them per part (``--replay`` states: ``derived=False``). Multi-query part params are
+    joined into their stored tensor (:func:`parts_to_stored`)."""
     views = {n.name: n for n in graph.params if n.attr("stored_shape")}
     out = dict(values)
     for key, v in values.items():
         base = next((p for p in views if key == p or (derived and key.startswith(p + "."))), None)
         if base is not None and tuple(np.shape(v)) == tuple(views[base].type.shape):
             out[key] = _stored(np.asarray(v), views[base].attr("stored_shape"), views[base].attr("stored_order"))
-    return out
+    return parts_to_stored(out, graph, derived)
 
 
 def _stored(x, shape, order=None):

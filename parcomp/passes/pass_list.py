@@ -216,7 +216,8 @@ PASSES = (
     Pass("pin-outputs", _spec_pass(bind.pin_outputs), "bind",
          "a `relayout` to each output's layout (replicated if no rule)"),
     Pass("pin-sequence-parallel", _spec_pass(pin_sequence_parallel), "bind",
-         "norms' inputs and outputs split along the sequence", _sequence_parallel, "`sequence-parallel`"),
+         "norms' inputs and outputs split along the sequence (padded to a multiple of the axis at "
+         "the norm)", _sequence_parallel, "`sequence-parallel`"),
     Pass("pin-context-parallel", _spec_pass(pin_context_parallel), "bind",
          "sdpa's q, k, v and output split along the sequence, the sdpa marked", _context_parallel,
          "`context-parallel`"),

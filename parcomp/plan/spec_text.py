@@ -146,6 +146,9 @@ def _what(node, layout, mesh) -> str:
     """``f32[32,128]: dim 1 (128) split over tp`` (the view of a fused weight named)."""
     stored = node.attr("stored_shape")
     view = f" (view of the fused [{','.join(map(str, stored))}])" if stored else ""
+    if node.attr("part_of"):  # a multi-query weight's query or kv rows
+        a, b = node.attr("part_rows")
+        view = f" (rows {a}:{b} of the fused [{','.join(map(str, node.attr('part_of_shape')))}])"
     names = mesh.names
     parts = [f"dim {p.dim} ({node.type.shape[p.dim]}) split over {a}"
              for a, p in zip(names, layout) if isinstance(p, Shard)]

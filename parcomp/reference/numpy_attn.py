@@ -71,6 +71,9 @@ def source_array(node, x):
     tensor reshaped to the view (the global shape on a local program), its head units
     reordered first when it has a ``stored_order`` (:func:`stored_to_view`)."""
     x = np.asarray(x)
+    if node.attr("part_of_shape") and tuple(x.shape) == tuple(node.attr("part_of_shape")):
+        a, b = node.attr("part_rows")  # a multi-query part param: its rows of the stored tensor
+        return x[a:b]
     if node.attr("stored_shape") and tuple(x.shape) == tuple(node.attr("stored_shape")):
         return stored_to_view(x, node.attr("global_shape") or node.type.shape, node.attr("stored_order"))
     return x

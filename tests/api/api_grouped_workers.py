@@ -67,3 +67,55 @@ def train_phi3_equal(rank, world, steps=3, cache_dir=None):
     return {"loss_err": max(abs(a - b) for a, b in zip(ref_losses, losses)),
             "param_err": max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items() if k in full),
             "qkv_shape": list(full[qkv].shape)}
+
+
+FALCON_TP = """mesh tp=2
+transformer.h.*.self_attention.query_key_value.weight  colwise
+transformer.h.*.self_attention.dense.weight            rowwise
+transformer.h.*.mlp.dense_h_to_4h.weight               colwise
+transformer.h.*.mlp.dense_4h_to_h.weight               rowwise
+"""
+
+
+def train_falcon_equal(rank, world, steps=3, cache_dir=None):
+    """3 AdamW steps of the sharded and the unsharded Falcon (multi-query: query_key_value cut
+    into its query rows and its kv rows on load) on the same batches: the largest differences of
+    the losses and of the full parameters (``full_state_dict``: the two parts joined back into
+    the stored rows) after them."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "specs"))
+    import models
+
+    model = models.falcon_lm()[0]
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 128, (2, 8), generator=g), torch.randint(0, 128, (2, 8), generator=g))
+               for _ in range(steps)]
+
+    def loss_of(logits, labels):
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_losses = []
+    for ids, labels in batches:
+        loss = loss_of(ref(ids).logits, labels)
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(loss.item())
+    par = parcomp.parallelize(model, (batches[0][0],), FALCON_TP, cache_dir=cache_dir)
+    opt = torch.optim.AdamW(par.parameters(), lr=1e-2)
+    losses = []
+    for ids, labels in batches:
+        loss = loss_of(par(ids)["logits"], labels)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    full = par.full_state_dict()
+    qkv = "transformer.h.0.self_attention.query_key_value.weight"
+    dist.barrier()
+    return {"loss_err": max(abs(a - b) for a, b in zip(ref_losses, losses)),
+            "param_err": max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items() if k in full),
+            "qkv_shape": list(full[qkv].shape), "kv_part_named": qkv + "_kv" in full}

@@ -50,9 +50,11 @@ ZOO = {
     # fused qkv_proj (4 query | 2 key | 2 value heads) split per part and per kv group, fused
     # gate_up_proj per part (before: qkv_proj and o_proj's weights gathered every block)
     "phi3_lm": MEGATRON,
-    # multi-query attention in one fused query_key_value (1 kv head: the fused weight may stay
-    # replicated, nothing gathered forward); parallel attention and MLP: one all_reduce a block
-    "falcon_lm": {("all_reduce", "forward"): 2, ("all_gather", "backward"): 2, ("all_reduce", "backward"): 2},
+    # multi-query attention in one fused query_key_value, cut into its query rows (colwise,
+    # per head) and its one kv head's rows (replicated); parallel attention and MLP: one
+    # all_reduce a block forward, backward the kv heads' gradient and the block input's
+    # (before: the fused weight whole, the attention output's gradient gathered every block)
+    "falcon_lm": {("all_reduce", "forward"): 2, ("all_reduce", "backward"): 4},
     # experts split over tp (each rank 2 of 4); the router's logits gathered for its softmax
     "mixtral_lm": {("all_reduce", "forward"): 2, ("all_gather", "forward"): 4, ("all_reduce", "backward"): 4},
     "qwen2_moe_lm": {("all_reduce", "forward"): 4, ("all_gather", "forward"): 6, ("all_reduce", "backward"): 4},
@@ -138,3 +140,66 @@ def test_mla_splits_heads_after_the_low_rank_projections():
     feeds = train_feeds(compiled, module, example, 0, feeds_for)
     ls = lockstep(compiled, module, example, feeds, 2)
     assert verdict(*[ls["vs_unsharded"]] + [ls[k] for k in ("native", "vs_torch") if ls[k] is not None]) == "OK"
+
+
+def _deepseek_v3(hidden, seq, batch):
+    """:func:`models.deepseek_v3_lm` scaled with ``hidden``: hidden/16 heads, q rank hidden/2,
+    kv rank hidden/4 (the zoo's proportions), ``batch`` x ``seq`` tokens."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    import torch
+
+    torch.manual_seed(0)
+    s = hidden // 64
+    config = DeepseekV3Config(vocab_size=128, hidden_size=hidden, intermediate_size=2 * hidden,
+                              moe_intermediate_size=hidden // 2, num_hidden_layers=2, first_k_dense_replace=1,
+                              num_attention_heads=4 * s, num_key_value_heads=4 * s, n_routed_experts=4,
+                              num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+                              q_lora_rank=32 * s, kv_lora_rank=16 * s, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                              v_head_dim=16, max_position_embeddings=max(64, seq), bos_token_id=0, eos_token_id=1,
+                              pad_token_id=None, use_cache=False, attn_implementation="sdpa")
+    module = models._draw_moe(DeepseekV3ForCausalLM(config).eval())
+    return module, (torch.randint(0, 128, (batch, seq)),), ["input_ids"]
+
+
+def _attention_weights_gathered(graph, compiled):
+    """The MLA weights (``q_b_proj``, ``kv_b_proj``, ``o_proj``) whose all_gather the step runs."""
+    out = []
+    for r in compiled.report["collectives"]:
+        n = graph[r["producer"]] if r["producer"] in graph else None
+        if r["kind"] == "all_gather" and n is not None and n.op == "permute" and graph[n.inputs[0]].op == "param" \
+                and ".self_attn." in n.inputs[0]:
+            out.append(n.inputs[0])
+    return out
+
+
+@pytest.mark.parametrize("hidden,seq,batch", [(64, 8, 2), (128, 64, 2), (1024, 512, 1)])
+def test_mla_heads_stay_split_at_a_realistic_size_without_pins(hidden, seq, batch):
+    """Plan and compile only (no run). At the zoo's size (hidden 64, 16 tokens) the training
+    step gathers q_b_proj, kv_b_proj and o_proj's weights every block (3 all_gather, 11.9 us
+    each under the cost model's NVLink latency at tp=2) rather than keep the heads split (one
+    all_reduce forward and three backward, 13.8 us each): the bytes are a few KB either way and
+    the replicated attention costs well under a microsecond, so the call latencies decide, and
+    3 calls beat 4 (docs/design/plan.md, "MLA"). From 128 tokens at hidden 128 on, the
+    attention split by heads wins with no pin: none of those weights is gathered; at 128 tokens
+    the step is exactly the pinned per-head plan's (test_mla_splits_heads_after_the_low_rank_projections),
+    and at hidden 1024 and 512 tokens each block's attention keeps o_proj's one all_reduce forward."""
+    module, example, names = _deepseek_v3(hidden, seq, batch)
+    graph = import_torch(module, example, names)
+    text, _ = plan(graph, "tp=2", train=TRAIN, seconds=5.0)
+    rules = dict(ln.split()[:2] for ln in text.splitlines() if ".self_attn." in ln and not ln.startswith(("#", " ")))
+    heads = ("q_b_proj", "kv_b_proj", "o_proj")  # (the low-rank projections: the cost model's choice)
+    attn = {k.rsplit(".", 2)[-2]: v for k, v in rules.items() if k.rsplit(".", 2)[-2] in heads}
+    assert attn == {"q_b_proj": "colwise", "kv_b_proj": "colwise", "o_proj": "rowwise"}, rules
+    compiled = compile_graph(graph, parse_spec(text, "mla_plan.pcs"))
+    gathered = _attention_weights_gathered(graph, compiled)
+    if hidden == 64:  # the zoo's size: the three weights of each block gathered, nothing else in it
+        assert [w.rsplit(".", 2)[-2] for w in gathered] == list(heads) * 2, gathered
+        return
+    assert gathered == []
+    counts = collections.Counter((r["kind"], r["phase"]) for r in compiled.report["collectives"])
+    if hidden == 128:
+        assert dict(counts) == {("all_reduce", "forward"): 4, ("all_gather", "forward"): 1,
+                                ("all_reduce", "backward"): 8, ("all_gather", "backward"): 1}
+    o_proj = [r for r in compiled.report["collectives"] if r["producer"] in graph
+              and (graph[r["producer"]].source or "").endswith("self_attn.o_proj")]
+    assert [(r["kind"], r["phase"]) for r in o_proj] == [("all_reduce", "forward")] * 2

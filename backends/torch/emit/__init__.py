@@ -180,6 +180,7 @@ def step_function(prog, fn: str, doc: str, names=None, pop_inputs: bool = False,
             key = _json_str(n.name)
             take = f"p[{key}]" if op == "param" else f"inp.pop({key})" if pop_inputs else f"inp[{key}]"
             lines.append(f"    {var} = {take}{tail}")
+            lines += [f"    {text}" for text in packed.get(n.name) or ()]  # a stashed MoE's route plan
             lines += [f"    ready({_json_str(pub)}, {var})" for pub in final.get(n.name, ())]
             continue
         if op in _LAYOUT_OPS:

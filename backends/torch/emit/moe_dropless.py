@@ -78,6 +78,7 @@ class DroplessPlan:
     (``lines``), or why the program stays dense (``why``)."""
     lines: dict = field(default_factory=dict)
     why: str = ""
+    stash: dict = field(default_factory=dict)  # saved value -> (Packed, c): a stage forward's packed stash
 
     @property
     def active(self) -> bool:
@@ -131,21 +132,28 @@ def _regroup(dims, shape):
     return tuple(out)
 
 
-def dropless_plan(prog, names) -> DroplessPlan:
+def dropless_plan(prog, names, stash_out: bool = False, stash_in=None) -> DroplessPlan:
     """The packed statements of ``prog``'s MoE layers (empty where there is none, or where the
-    program keeps its dense slot buffers: ``why`` says which statement)."""
+    program keeps its dense slot buffers: ``why`` says which statement).
+
+    A pipeline stage's forward and backward are two programs, the values the backward needs
+    stashed between them (``saved.V`` outputs, read back as inputs ``V``): with ``stash_out``
+    a saved output may stay packed, and the plan's ``stash`` says how (``{V: (Packed, c)}``,
+    rows following the route plan of the weights ``c``, saved too); ``stash_in`` (the forward
+    plan's ``stash``) starts those inputs of the backward packed, the route plan computed again
+    from ``c`` right where it is read in (the same weights: the same pairs, in the same order)."""
     program = prog.graph
-    if not any(n.op == "moe_dispatch" for n in program.nodes):
+    if not any(n.op in ("moe_dispatch", "moe_combine", "moe_combine_grad_c") for n in program.nodes):
         return DroplessPlan()
     if any(n.op == "moe_route" and n.attr("capacity", 0) for n in program.nodes):
         return DroplessPlan(why="a capacity is set (the spec's moe capacity_factor, or the model's)")
     try:
-        return _plan(program, names)
+        return _plan(program, names, stash_out, stash_in or {})
     except NotDropless as e:
         return DroplessPlan(why=str(e))
 
 
-def _plan(program, names) -> DroplessPlan:
+def _plan(program, names, stash_out=False, stash_in=None) -> DroplessPlan:
     packed: dict = {}
     plans: dict = {}  # c value name -> plan variable (rows side)
     expert_plans: dict = {}  # (rows plan, axis) -> experts-side plan variable
@@ -166,8 +174,23 @@ def _plan(program, names) -> DroplessPlan:
             return plans[c], [f"{plans[c]} = moe_route_plan({names[c]})"]
         return plans[c], []
 
-    outputs = {v for _, v in program.named_outputs()}
+    inputs = {n.name for n in program.inputs}
+    at_input = {}  # c input -> its route plan's statement, printed after c is read in
+    for v, (p, c) in stash_in.items():
+        if v not in inputs or c not in inputs:
+            raise NotDropless(f"%{v}: stashed slots without their routing weights %{c} beside them")
+        if c not in plans:
+            plans[c] = fresh(f"{names[c]}_route_plan")
+            at_input[c] = [f"{plans[c]} = moe_route_plan({names[c]})"]
+        packed[v] = Packed(p.dims, plans[c], "rows")
+    named = program.named_outputs()
+    saved = {v for pub, v in named if stash_out and pub == f"saved.{v}"}
+    outputs = {v for pub, v in named if pub != f"saved.{v}" or v not in saved}
     for n in program.nodes:
+        if n.op == "input":
+            if n.name in at_input:
+                lines[n.name] = at_input[n.name]
+            continue
         ins = [packed.get(i) for i in n.inputs]
         if n.op == "moe_dispatch":
             if ins[0] is not None or ins[1] is not None:
@@ -190,7 +213,13 @@ def _plan(program, names) -> DroplessPlan:
             if n.name in outputs:
                 raise NotDropless(f"%{n.name}: slots as a program output")
             packed[n.name] = out
-    return DroplessPlan(lines=lines)
+    stash, of_plan = {}, {v: c for c, v in plans.items()}
+    for v in sorted(saved & set(packed)):
+        p = packed[v]
+        if p.side != "rows" or p.plan not in of_plan or of_plan[p.plan] not in saved:
+            raise NotDropless(f"%{v}: slots stashed for the backward without their routing weights")
+        stash[v] = (p, of_plan[p.plan])
+    return DroplessPlan(lines=lines, stash=stash)
 
 
 def _statement(program, n, ins, names, expert_plans, back, fresh, route_plan):

@@ -41,9 +41,10 @@ from ..runtime.pipeline_checkpoint import CHECKPOINT as _CHECKPOINT
 from .attention import attention_sections
 from .cluster import DEFAULT_PLACEMENT, DEFAULT_TIMEOUT_S, HOST_AXIS
 from .moe import moe_sections
+from .moe_dropless import DroplessPlan, dropless_plan
 from .norms import runtime_sections
 from .reduce import reduce_sections
-from .sections import PARCOMP_VERSION, RUNTIME_MARK, comment_lines, profile_block
+from .sections import PARCOMP_VERSION, RUNTIME_MARK, comment_lines, profile_block, python_names
 
 KINDS = ("forward", "backward", "backward_input", "backward_weight", "stats", "optimizer")
 
@@ -185,21 +186,46 @@ def _collective_dtypes(plan) -> tuple:
     return tuple(sorted(out))
 
 
+def _dropless_plans(progs: dict, split: bool) -> list:
+    """``[(kind, program, python names, DroplessPlan)]`` of one stage's programs: MoE layers on
+    the routed tokens only (emit/moe_dropless.py), as in the SPMD program. The forward's slot
+    values stashed for the backward stay packed when the backward's statements on them are
+    packed too, else both programs keep the dense slot buffer (and so does a stage whose
+    backward is split in two, zero-bubble: its slot values cross three programs)."""
+    names = {k: python_names(p) for k, p in progs.items()}
+    plans = {k: dropless_plan(p, names[k]) for k, p in progs.items()}
+    if not split and "forward" in progs and "backward" in progs:
+        fwd = dropless_plan(progs["forward"], names["forward"], stash_out=True)
+        if fwd.active and fwd.stash:
+            bwd = dropless_plan(progs["backward"], names["backward"], stash_in=fwd.stash)
+            if bwd.active:
+                plans["forward"], plans["backward"] = fwd, bwd
+            else:
+                plans["forward"] = plans["backward"] = DroplessPlan(why=bwd.why)
+        elif fwd.active:
+            plans["forward"] = fwd
+    return [(k, p, names[k], plans[k]) for k, p in progs.items()]
+
+
 def _load_facts(plan) -> tuple:
-    """``(STORED_SHAPES, ALIASES)``: fused weights' stored shapes, tied weights' other names."""
-    stored, aliases = {}, {}
+    """``(STORED_SHAPES, STORED_ORDER, ALIASES)``: fused weights' stored shapes, a grouped
+    q|k|v weight's head units in the order its view takes them (parcomp/passes/fused_weights.py,
+    as the SPMD loader applies it), tied weights' other names."""
+    stored, order, aliases = {}, {}, {}
     for st in plan.stages:
         for g in (st.forward, st.backward, st.optimizer):
             for n in g.params:
-                if n.attr("stored_order"):  # its loader only reshapes
-                    raise PipelineEmitError(f"param {n.name}: a grouped q|k|v fused weight (its heads reordered "
-                                    f"on load) is not built for pipeline stages, whose loader only reshapes; "
-                                    f"compile it without a pp axis (tp splits it by kv group)")
+                if n.attr("part_of"):  # its loader reads params by their own names
+                    raise PipelineEmitError(f"param {n.name}: a part of the multi-query fused weight "
+                                            f"{n.attr('part_of')} (its rows read on load) is not built for "
+                                            f"pipeline stages; compile it without a pp axis (tp splits its query rows)")
                 if n.attr("stored_shape"):
                     stored[n.name] = list(n.attr("stored_shape"))
+                if n.attr("stored_order"):
+                    order[n.name] = list(n.attr("stored_order"))
                 if n.attr("aliases"):
                     aliases[n.name] = tuple(n.attr("aliases").split(","))
-    return dict(sorted(stored.items())), dict(sorted(aliases.items()))
+    return dict(sorted(stored.items())), dict(sorted(order.items())), dict(sorted(aliases.items()))
 
 
 def _nbytes(specs) -> int:
@@ -391,7 +417,7 @@ def emit_pipeline_program(program, model, code, profile="cpu", constants=()) -> 
             splits.update({k: _splits(v, inner) for k, v in plan.local[st.index].layouts.items()
                            if _splits(v, inner)})
     full_params, full_inputs = _file_shapes(plan)
-    stored, aliases = _load_facts(plan)
+    stored, order, aliases = _load_facts(plan)
     consts += [f"PARAMS = {tuple(full_params) + tuple(sorted(state))!r}"
                "  # every stage's params and optimizer state (a rank loads its stages' only)",
                f"INPUTS = {tuple(full_inputs)!r}", "OUTPUT_LAYOUTS = {}", "OUTPUT_GLOBAL_SHAPES = {}",
@@ -408,7 +434,7 @@ def emit_pipeline_program(program, model, code, profile="cpu", constants=()) -> 
                f"CARRIED = {carried!r}",
                "# fused weights (stored whole, viewed per part), tied weights' other names, and the",
                "# params parcomp computed at import (constants.safetensors beside program.py)",
-               f"STORED_SHAPES = {stored!r}", f"ALIASES = {aliases!r}",
+               f"STORED_SHAPES = {stored!r}", f"STORED_ORDER = {order!r}", f"ALIASES = {aliases!r}",
                f"CONSTANT_PARAMS = {tuple(sorted(set(constants) & set(full_params)))!r}"]
     ranks_of = [(q, tuple(sorted({plan.rank_of_stage(t) for t in held}))) for q, held in plan.tied]
     ranks_of = [(q, held) for q, held in ranks_of if len(held) > 1]  # one rank's chunks: one sum
@@ -427,17 +453,21 @@ def emit_pipeline_program(program, model, code, profile="cpu", constants=()) -> 
     fns, graphs = [], []
     for st in plan.stages:  # each stage program printed as the SPMD step is (emit.step_function)
         s = st.index
+        progs = {}
         for kind in KINDS:
             if kind not in program.stages[s]:
                 continue
             prog = program.stages[s][kind]
             if plan.local:  # per-rank: layouts on the program's whole mesh (block offsets read COORD)
                 prog = replace(prog, graph=_on_full_mesh(prog.graph, mesh))
-            graphs.append(prog.graph)
+            progs[kind] = prog
+        for kind, prog, names, dropless in _dropless_plans(progs, plan.split):
+            graphs.append((prog.graph, dropless.active))
             ready = grads[s] if kind == ("backward_weight" if plan.split else "backward") else ()
-            fns.append(code(prog, f"stage{s}_{kind}", _DOCS[kind].format(s=s), pop_inputs=True, ready=ready))
-    helpers = {text for x in graphs  # the runtime helpers the printed statements call, as the SPMD program's
-               for text in runtime_sections(x) + reduce_sections(x) + attention_sections(x) + moe_sections(x)}
+            fns.append(code(prog, f"stage{s}_{kind}", _DOCS[kind].format(s=s), names=names, pop_inputs=True,
+                            ready=ready, dropless=dropless))
+    helpers = {text for x, packed in graphs  # the runtime helpers the printed statements call, as the SPMD program's
+               for text in runtime_sections(x) + reduce_sections(x) + attention_sections(x) + moe_sections(x, packed)}
     runtime = "\n\n\n".join(["# ---- the SPMD program's runtime: process facts, collectives, loading ----",
                               _COMMON["process"], _COMMON["take_place"], _LOADING, _COMMON["constants"],
                               _COMMON["tied"], *sorted(helpers)])

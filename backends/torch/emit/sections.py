@@ -265,6 +265,11 @@ def loaders_section(prog, train, constants=()) -> str:
                                f"{TORCH_DTYPES[n.type.dtype]})", n.attr("stored_shape"), full,
                                n.attr("stored_order"))
                 head += f"stored {_ty(n.type.dtype, n.attr('stored_shape'))}, viewed per part; "
+            elif n.attr("part_of"):  # a multi-query weight's part: its rows of the stored tensor
+                a, b = n.attr("part_rows")
+                src = (f"{take}({arg}, {json.dumps(n.attr('part_of'))}, {tuple(n.attr('part_of_shape'))!r}, "
+                       f"{TORCH_DTYPES[n.type.dtype]}).narrow(0, {a}, {b - a})")
+                head += f"rows {a}:{b} of {n.attr('part_of')} {_ty(n.type.dtype, n.attr('part_of_shape'))}; "
             sliced, what = _slice_expr(program, n, balance_src(program, n, src))
             expr = f"place({sliced})"
             for a, p in enumerate(n.layout):

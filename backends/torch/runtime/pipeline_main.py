@@ -42,6 +42,7 @@ BATCH_INPUTS = {0: []}
 PARAM_SHAPES = {}
 INPUT_SHAPES = {}
 STORED_SHAPES = {}
+STORED_ORDER = {}
 ALIASES = {}
 CONSTANT_PARAMS = ()
 GRADS = {0: []}
@@ -134,13 +135,24 @@ def load_params(ckpt):
                 src = take_tied(ckpt, (name, *ALIASES[name]), tuple(shape), dtype)
             elif name in STORED_SHAPES and held_shape(ckpt, name) != tuple(shape):
                 # a fused weight as the model stores it (c_attn's [96]), viewed per part ([3, 32])
-                src = take(ckpt, name, tuple(STORED_SHAPES[name]), dtype).reshape(tuple(shape))
+                src = stored_view(take(ckpt, name, tuple(STORED_SHAPES[name]), dtype), STORED_SHAPES[name],
+                                  shape, STORED_ORDER.get(name))
             elif name in CONSTANT_PARAMS:
                 src = take_constant(ckpt, name, tuple(shape), dtype)
             else:
                 src = take(ckpt, name, tuple(shape), dtype)
             out[name] = place(block(src, SPLITS.get(name, []), shape))
     return out
+
+
+def stored_view(t, stored, view, order=None):
+    """A fused weight read whole in its stored shape, as the program's view of it: a grouped
+    q|k|v's head units taken in ``order`` first (the SPMD loader's reorder), then reshaped."""
+    if order:
+        a = next(d for d in range(len(stored)) if d >= len(view) or view[d] != stored[d])
+        units = t.reshape(tuple(stored[:a]) + (len(order), stored[a] // len(order)) + tuple(stored[a + 1:]))
+        t = units.index_select(a, torch.tensor(order))
+    return t.reshape(tuple(view))
 
 
 def load_batch(path):

@@ -37,6 +37,7 @@ import os
 import numpy as np
 
 from parcomp.errors import FrontendError
+from parcomp.passes.fused_weights import stored_to_parts  # multi-query part params
 from ..model_file import ModelFile
 from .graph import OnnxImport, import_onnx, ir_name  # noqa: F401 - the frontend's API
 
@@ -59,12 +60,13 @@ class OnnxModel(ModelFile):
         base, rng, out = os.path.dirname(os.path.abspath(self.path)), np.random.default_rng(seed), {}
         for n in graph.nodes:
             if n.op == "param":
-                out[n.name] = numpy_helper.to_array(inits[self.params[n.name]], base)
+                # a multi-query weight's part: the stored tensor, cut below
+                out[n.name] = numpy_helper.to_array(inits[self.params[n.attr("part_of") or n.name]], base)
             elif n.op == "input":
                 x = rng.standard_normal(n.type.shape) if "float" in n.type.dtype else \
                     rng.integers(0, 2, n.type.shape)
                 out[n.name] = np.asarray(x).astype(n.type.dtype)
-        return out
+        return stored_to_parts(out, graph)
 
     def reference_outputs(self, graph, feeds: dict) -> dict:
         """``onnx.reference.ReferenceEvaluator``'s outputs on ``feeds``' inputs."""

@@ -15,6 +15,16 @@ reduce_scatter than to all_reduce, so the residual stream, dropout and residual 
 on the split sequence, and the colwise matmuls gather it (see docs/design/context_parallel.md, "Sequence
 parallel"). On the other mesh axes the pin takes ``S(0)`` where a model input's dim 0 (the
 batch) is split over that axis (data parallel), else ``R``.
+
+A sequence the axis does not divide (a ViT's 17 tokens, class token and 16 patches, at tp=2) is
+padded at each norm, as Megatron pads its sequence: the norm's input gets zero positions at
+the end (``pad``) up to a multiple of the axis, the norm runs on the split padded sequence, and
+its output is cut back (``slice``) before anything else reads it. So the padding never reaches
+attention (no key mask is needed: the pad positions are not there) nor the loss, and a pad
+position's gradient is zero (the slice's VJP pads the gradient with zeros; a norm's weight
+gradient sums rows of zero). Unlike Megatron, the residual stream between the norms keeps the
+unpadded length, so it is not split along the sequence (the search keeps it a partial sum or
+replicated): the padded plan saves the norms' activations only.
 """
 from __future__ import annotations
 
@@ -23,7 +33,7 @@ from dataclasses import replace
 from parcomp.errors import SpecError
 from parcomp.ir.graph import Graph, Node, make_attrs
 from parcomp.ir.names import NameGen
-from parcomp.ir.types import Replicate, Shard, divisibility_problem, shard_axes
+from parcomp.ir.types import Replicate, Shard, TensorType, divisibility_problem, shard_axes
 
 #: ops whose output the statement pins (the norm regions' entry points)
 NORM_OPS = ("layer_norm", "rms_norm")
@@ -57,29 +67,29 @@ def pin_sequence_parallel(graph: Graph, spec) -> Graph:
     for n in norms:
         lay = tuple(Shard(n.type.rank - 2) if i == a else Shard(0) if i in batch else Replicate()
                     for i in range(len(graph.mesh.axes)))
-        problem = divisibility_problem(n.type, lay, graph.mesh)
+        seq, size = n.type.shape[n.type.rank - 2], graph.mesh.sizes[a]
+        pad = -seq % size
+        padded = TensorType(n.type.shape[:-2] + (seq + pad,) + n.type.shape[-1:], n.type.dtype)
+        problem = divisibility_problem(padded, lay, graph.mesh)
         if problem:
-            seq, size = n.type.shape[n.type.rank - 2], graph.mesh.sizes[a]
-            pad = -seq % size
-            hint = (f"; the sequence must divide by {axis}={size}: feed {seq + pad} positions ({pad} "
-                    f"padding token{'s' if pad > 1 else ''} at the end, masked out of attention and "
-                    f"the loss, as Megatron pads), or drop sequence-parallel") if pad else ""
             raise SpecError(f"sequence-parallel over {axis}: {n.op} %{n.name} {n.type} "
-                            f"(module {n.source or '?'}): {problem}{hint}", loc)
-        pins[n.name] = lay
+                            f"(module {n.source or '?'}): {problem}", loc)
+        pins[n.name] = (lay, pad)
     return _pin_all(graph, pins, where, loc)
 
 
 def _pin_all(graph, pins, origin, loc):
     """Insert ``relayout {grad=true}`` on each pinned norm's input (for the norm only) and on
-    its output (for every consumer): DTensor's SequenceParallel, input and output ``S(seq)``.
-    One pass over the graph (a 48-block model has ~100 norms among ~16k nodes)."""
+    its output (for every consumer): DTensor's SequenceParallel, input and output ``S(seq)``;
+    a norm with padding (``pins``: name -> (layout, pad)) runs on its input padded with zero
+    positions and its output is cut back (module docstring). One pass over the graph (a
+    48-block model has ~100 norms among ~16k nodes)."""
     fresh = NameGen(n.name for n in graph.nodes).fresh
     out_of = {name: fresh(f"{name}.seq_out") for name in pins}
 
-    def relayout(name, operand, norm):
-        return Node(name, "relayout", (operand,), norm.type, make_attrs(origin=origin, grad=True),
-                    pins[norm.name], source=norm.source, spec_loc=loc)
+    def relayout(name, operand, norm, ty):
+        return Node(name, "relayout", (operand,), ty, make_attrs(origin=origin, grad=True),
+                    pins[norm.name][0], source=norm.source, spec_loc=loc)
 
     nodes = []
     for n in graph.nodes:
@@ -88,7 +98,21 @@ def _pin_all(graph, pins, origin, loc):
         if n.name not in pins:
             nodes.append(n)
             continue
-        pin_in = fresh(f"{n.name}.seq_in")
-        nodes += [relayout(pin_in, n.inputs[0], n), replace(n, inputs=(pin_in,) + n.inputs[1:]),
-                  relayout(out_of[n.name], n.name, n)]
+        pad, seq = pins[n.name][1], n.type.rank - 2
+        pin_in, src = fresh(f"{n.name}.seq_in"), n.inputs[0]
+        ty = n.type
+        if pad:  # zero positions at the end, up to a multiple of the axis
+            ty = TensorType(n.type.shape[:seq] + (n.type.shape[seq] + pad,) + n.type.shape[seq + 1:], n.type.dtype)
+            src = fresh(f"{n.name}.seq_pad")
+            nodes.append(Node(src, "pad", (n.inputs[0],), ty, make_attrs(dim=seq, before=0, after=pad, value=0.0),
+                              source=n.source, spec_loc=loc))
+        nodes += [relayout(pin_in, src, n, ty), replace(n, inputs=(pin_in,) + n.inputs[1:], type=ty)]
+        if pad:  # cut back to the model's positions before any consumer reads it
+            split = fresh(f"{n.name}.seq_split")
+            nodes += [relayout(split, n.name, n, ty),
+                      Node(out_of[n.name], "slice", (split,), n.type,
+                           make_attrs(dim=seq, start=0, stop=n.type.shape[seq], step=1), source=n.source,
+                           spec_loc=loc)]
+        else:
+            nodes.append(relayout(out_of[n.name], n.name, n, ty))
     return graph.with_nodes(nodes, [out_of.get(o, o) for o in graph.outputs])

@@ -207,11 +207,30 @@ def _above_numbered(paths) -> frozenset:
 
 
 def module_units(graph: Graph) -> dict:
-    """``{node name: balancing unit}`` (:func:`_unit`) of every op node with a module path, in
-    graph order (params and inputs follow their users, so they are not listed)."""
+    """``{node name: balancing unit}`` (:func:`_unit`) of every op node with a module path
+    (params and inputs follow their users, so they are not listed), the units in data-flow
+    order: a unit stands where its first node that reads a model input (through any chain of
+    nodes) stands in the graph, and a unit with no such node where its first node stands; within
+    a unit, graph order. A node computed from params alone may stand anywhere before its users
+    (DeepSeek's attention fills a ``new_empty`` buffer expanded over the batch: the tracer puts
+    both layers' expands before the embedding), so graph order alone would put ``layers.1``
+    before ``embed_tokens`` and a balanced cut would give stage 1 the embedding that stage 0's
+    layer reads."""
     paths = {n.name: module_path(n, graph) for n in graph.nodes if n.op not in ("input", "param")}
     above = _above_numbered(p for p in paths.values() if p)
-    return {name: _unit(p, above) for name, p in paths.items() if p}
+    of = {name: _unit(p, above) for name, p in paths.items() if p}
+    data, first, seen = set(), {}, {}
+    for i, n in enumerate(graph.nodes):
+        if n.op == "input" or any(x in data for x in n.inputs):
+            data.add(n.name)
+        u = of.get(n.name)
+        if u is not None:
+            seen.setdefault(u, i)
+            if n.name in data:
+                first.setdefault(u, i)
+    rank = {u: first.get(u, seen[u]) for u in seen}
+    order = sorted(of, key=lambda name: rank[of[name]])  # stable: graph order within a unit
+    return {name: of[name] for name in order}
 
 
 def balanced_rules(graph: Graph, pp: int, virtual=None) -> tuple:
@@ -295,7 +314,9 @@ def split_stages(graph: Graph, stage: dict, pp: int) -> tuple:
 def rebatch(graph: Graph, batch: int) -> Graph:
     """``graph`` with dim 0 of every input set to ``batch`` (a microbatch) and every
     other type inferred again; the entries of shape attributes that carry the batch rescale
-    (:func:`_rebatch_reshape`: GPT-2's ``[2,8,32] -> [16,32]`` becomes ``[1,8,32] -> [8,32]``).
+    (:func:`_rebatch_reshape`: GPT-2's ``[2,8,32] -> [16,32]`` becomes ``[1,8,32] -> [8,32]``);
+    a constant made from nothing (``ones``) takes the changed dims of the operand it pairs with
+    in its first user (:func:`_follow_operand`).
 
     Raises:
         ParcompError: an input has no batch dim, or an op's inferred type fails (an op
@@ -312,6 +333,7 @@ def rebatch(graph: Graph, batch: int) -> Graph:
         elif n.op == "param":
             ty = n.type
         else:
+            _follow_operand(n, graph, types, nodes)
             n = _rebatch_reshape(n, graph, types, full, batch)
             try:
                 ty = OPS[n.op].infer([types[i] for i in n.inputs], n)
@@ -323,6 +345,30 @@ def rebatch(graph: Graph, batch: int) -> Graph:
         nodes.append(Node(n.name, n.op, n.inputs, ty, n.attrs, n.layout, n.in_layouts, n.phase,
                           n.source, n.spec_loc))
     return graph.with_nodes(nodes)
+
+
+def _follow_operand(node: Node, graph: Graph, types: dict, nodes: list) -> None:
+    """Retype, in ``types`` and ``nodes``, each operand of ``node`` that is a constant made
+    from nothing (``ones`` of the frontend: the value a ``scatter`` writes at topk indices,
+    shaped as the indices) so that each of its dims that equalled a changed dim of another
+    operand of the same rank follows that dim, as :func:`_rebatch_reshape` does for a node's
+    own type (DeepSeek-V3's group mask: ``put_along(ones [tokens, 1], indices [tokens, 1])``)."""
+    changed = [i for i in node.inputs if graph[i].inputs and types[i].shape != graph[i].type.shape]
+    for i in node.inputs:
+        c = graph[i]
+        if c.inputs or c.op in ("input", "param") or not c.type.rank or types[i] != c.type:
+            continue
+        other = next((j for j in changed if graph[j].type.rank == c.type.rank), None)
+        if other is None:
+            continue
+        shape = tuple(now if was != now and mine == was else mine
+                      for mine, was, now in zip(c.type.shape, graph[other].type.shape, types[other].shape))
+        if shape != c.type.shape:
+            types[i] = c.type.with_shape(shape)
+            k = next(k for k, m in enumerate(nodes) if m.name == i)
+            m = nodes[k]
+            nodes[k] = Node(m.name, m.op, m.inputs, types[i], m.attrs, m.layout, m.in_layouts, m.phase,
+                            m.source, m.spec_loc)
 
 
 def _rebatch_reshape(node: Node, graph: Graph, types: dict, full: set = frozenset(), batch: int = 0) -> Node:
