@@ -20,7 +20,7 @@ from ..passes.fused_weights import in_stored_indices, parts_to_stored, to_view_s
 from ..report.report import format_collectives
 from ..spec.train_config import check_steps, train_config
 from ..units import plural
-from .common import (compile_model, feeds_for, is_torch_module, print_kept, print_result, program_files, reference_module,
+from .common import (compile_model, feeds_for, input_feeds, is_torch_module, print_kept, print_result, program_files, reference_module,
                               require_ids_in_tables,
                               reference_outputs, short_losses, collective_summary, training_feeds, vs_tolerance)
 
@@ -125,16 +125,6 @@ def run(args):
     result["note"] = RUN_NOTE.format(dtype=dtype, rtol=tolerance_for(dtype))
     print_result(args, compiled, result, f"torchrun, {plural(size, 'gloo rank')}")
     return {**result, "collectives": collective_summary(compiled.report["collectives"]), "world_size": size}
-
-
-def input_feeds(compiled, feeds, graph=None) -> dict:
-    """What ``inputs.pt`` holds: the inputs of ``graph`` (default: the program) in ``feeds`` less
-    a training program's step number (program.py, SPMD or pipelined, feeds it 1..K itself, so a
-    kept inputs.pt has no key it does not use)."""
-    train = getattr(compiled.program_, "train", None)
-    step = train.step if train is not None else None
-    graph = compiled.program if graph is None else graph
-    return {n.name: feeds[n.name] for n in graph.inputs if n.name in feeds and n.name != step}
 
 
 def launch_run(compiled, work, feeds, nproc, extra, module=None):

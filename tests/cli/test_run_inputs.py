@@ -7,7 +7,7 @@ import pytest
 
 from graphs import mlp_text
 
-from parcomp.cli.run_cmd import input_feeds
+from parcomp.cli.common import input_feeds
 from parcomp.compile.compiler import compile_graph
 from parcomp.ir.text import parse_graph
 from parcomp.spec import parse_spec
