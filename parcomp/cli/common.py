@@ -264,6 +264,16 @@ def training_feeds(compiled, module, example, seed):
     return train_feeds(compiled, module, example, seed, feeds_for)
 
 
+def input_feeds(compiled, feeds, graph=None) -> dict:
+    """What ``inputs.pt`` holds: the inputs of ``graph`` (default: the program) in ``feeds`` less
+    a training program's step number (program.py, SPMD or pipelined, feeds it 1..K itself, so a
+    kept inputs.pt has no key it does not use)."""
+    train = getattr(compiled.program_, "train", None)
+    step = train.step if train is not None else None
+    graph = compiled.program if graph is None else graph
+    return {n.name: feeds[n.name] for n in graph.inputs if n.name in feeds and n.name != step}
+
+
 def short_losses(losses) -> str:
     """The per-step losses, the first and last five when there are more than twelve."""
     xs = [f"{x:.6f}" for x in losses]

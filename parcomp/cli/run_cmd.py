@@ -20,7 +20,7 @@ from ..passes.fused_weights import in_stored_indices, parts_to_stored, to_view_s
 from ..report.report import format_collectives
 from ..spec.train_config import check_steps, train_config
 from ..units import plural
-from .common import (compile_model, feeds_for, is_torch_module, print_kept, print_result, program_files, reference_module,
+from .common import (compile_model, feeds_for, input_feeds, is_torch_module, print_kept, print_result, program_files, reference_module,
                               require_ids_in_tables,
                               reference_outputs, short_losses, collective_summary, training_feeds, vs_tolerance)
 
@@ -131,8 +131,7 @@ def launch_run(compiled, work, feeds, nproc, extra, module=None):
     from parcomp_backends.torch.launch import run_torchrun, write_inputs
 
     ckpt = checkpoint_file(work, compiled.unsharded, feeds, module)
-    data = {n.name: feeds[n.name] for n in compiled.program.inputs if n.name in feeds}
-    write_inputs(data, os.path.join(work, "inputs.pt"))
+    write_inputs(input_feeds(compiled, feeds), os.path.join(work, "inputs.pt"))
     out_path = os.path.join(work, "outputs.pt")
     for attempt in (1, 2):  # exit 2: program.py's own located error; other codes may be the
         # launcher's (a free port taken before torchrun bound it): one retry on a new port

@@ -18,6 +18,7 @@ import numpy as np
 from ..errors import ParcompError
 from ..spec.train_config import check_steps, train_config
 from ..units import plural
+from .common import input_feeds
 
 
 def run_pipeline(args, compiled, feeds: dict, write_work, end_work) -> dict:
@@ -84,8 +85,7 @@ def _launch(args, compiled, work_fns, state, size, steps: int = 1) -> dict:
         work_fns[0](work)
         ckpt = {k: torch.from_numpy(np.asarray(v)) for k, v in state.items()
                 if k in logical and logical[k].op == "param"}
-        data = {n.name: torch.from_numpy(np.asarray(state[n.name])) for n in logical.inputs
-                if n.name in state}
+        data = {k: torch.from_numpy(np.asarray(v)) for k, v in input_feeds(compiled, state, logical).items()}
         out = os.path.join(work, "outputs.pt")
         proc = run_torchrun(work, size, ckpt, data, out, extra_args=("--steps", steps), timeout=300)
         if proc.returncode != 0:

@@ -136,15 +136,37 @@ def pad_vocab(graph: Graph, spec: Spec) -> Graph:
 def check_even(graph: Graph, spec: Spec) -> Graph:
     """The check ``check-even``: every param's and input's layout splits its dims evenly.
 
+    On a mesh with a ``pp`` axis, also: no param splits over ``pp`` or ``dp`` (a pipeline
+    stage holds its params whole over both; ``zero=1`` splits only their optimizer state).
+
     Raises:
-        SpecError: the message names tensor, dim, sizes and mesh axis, at the rule's line.
+        SpecError: the message names tensor, dim, sizes and mesh axis, at the rule's line; a
+            param split over ``pp`` or ``dp`` under pp, at its rule.
     """
     _, bound_by = bound_rules(graph, spec)
+    if "pp" in spec.mesh.names:
+        _check_whole_over_pipeline(graph, spec, bound_by)
     for n in graph.nodes:
         if n.name in bound_by:
             with _tied_note(n, _rule_of(spec, n)[1]):
                 _check_even(n, n.layout, spec, bound_by[n.name])
     return graph
+
+
+def _check_whole_over_pipeline(graph: Graph, spec: Spec, bound_by: dict) -> None:
+    """A SpecError at its rule for the first param whose layout splits over ``pp`` or ``dp``."""
+    inner = [a for a in spec.mesh.names if a not in ("pp", "dp")]
+    for n in graph.params:
+        outer = [(a, pl) for a, pl in zip(spec.mesh.names, n.layout) if a in ("pp", "dp") and pl != R]
+        if outer:
+            a, pl = outer[0]
+            rule = bound_by.get(n.name)
+            may = f"a param may split only over {', '.join(inner)}" if inner else "no param may split"
+            raise SpecError(f"param {n.name} is split over {a} ({a}={pl}): inside a pipeline (mesh "
+                            f"{spec.mesh}) {may} (pp cuts the model into stages, not tensors; a "
+                            f"stage holds its params whole over dp, zero=1 splits their optimizer "
+                            f"state)",
+                            rule.loc if rule else n.spec_loc)
 
 
 def pin_activations(graph: Graph, spec: Spec) -> Graph:

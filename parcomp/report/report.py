@@ -88,23 +88,36 @@ def build_report(program, model_params=()) -> dict:
         "memory_bytes_per_rank": memory(program, set(model_params)),
         "checkpoint_load": checkpoint_load(program, set(model_params)),
         "training": training_summary(program),
-        "search": (_with_note(program.search, recs)
+        "search": (_with_note(program.search, recs, weight_values(program.graph))
                    if program.train or (program.search or {}).get("data_parallel") is False else program.search),
         "grad_buckets": grad_buckets(program),  # passes/lowering/dp_buckets.py
         **({"moe_exchange": moe} if (moe := moe_exchange(program.graph, recs)) else {}),
     }
 
 
-def _with_note(search, recs):
+def weight_values(graph) -> frozenset:
+    """The names of the values of ``graph`` computed from params and constants alone (no model
+    input among their ancestors): a param, its low-precision copy, its transpose. Gathering one
+    over dp is ZeRO's (or a dp-split rule's) parameter gather, not an activation's."""
+    data = set()
+    for n in graph.nodes:
+        if n.op == "input" or any(i in data for i in n.inputs):
+            data.add(n.name)
+    return frozenset(n.name for n in graph.nodes if n.name not in data)
+
+
+def _with_note(search, recs, weights=frozenset()):
     """The search record, with a note when activations are gathered over a batch axis (``dp``,
     or ``ep`` where it splits the batch: parcomp/passes/search/keep_dp.py) or no plan keeps the batch
     split: a reader of "data parallel" expects gradient all_reduce, so the report says why it
-    is not, naming the op that forces it where the search found one (``batch_gathered_by``)."""
+    is not, naming the op that forces it where the search found one (``batch_gathered_by``).
+    A gather of one of ``weights`` (:func:`weight_values`: ZeRO's parameter gathers) is no
+    activation's and is not counted."""
     if search is None:
         return search
     axes = search.get("batch_axes") or ["dp"]
     gathers = [r for r in recs if set(axes) & set(r["axis"].split(",")) and r["kind"] == "all_gather"
-               and r["phase"] in ("forward", "loss")]
+               and r["phase"] in ("forward", "loss") and r["producer"] not in weights]
     kept = search.get("data_parallel") is not False
     if kept and not gathers:
         return search

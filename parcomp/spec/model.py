@@ -181,13 +181,16 @@ class StageRule:
 
     ``items`` are module paths (a node belongs to the first item that equals its
     module path or is a dotted prefix of it); a range ``h.0-5`` is expanded here to
-    ``h.0 ... h.5``.  ``raw`` keeps the items as written, for messages.
+    ``h.0 ... h.5``.  ``raw`` keeps the items as written, for messages; ``locs`` is the
+    place of each of ``items`` (the item as written that names it), ``()`` for rules the
+    cost model made.
     """
 
     index: int
     items: tuple
     raw: tuple
     loc: SourceLoc
+    locs: tuple = ()
 
 
 @dataclass(frozen=True)

@@ -30,12 +30,37 @@ def expand_item(item: str) -> tuple | None:
     return tuple(f"{prefix}.{i}" if prefix else str(i) for i in range(lo, hi + 1))
 
 
+def open_range(item: str):
+    """``(prefix, first)`` of an open range item ``h.12-end`` (the numbered modules
+    ``h.12``, ``h.13``, ... to the model's last), else None."""
+    head, sep, tail = item.rpartition("-")
+    if not sep or tail != "end":
+        return None
+    prefix, _, first = head.rpartition(".")
+    return (prefix, int(first)) if first.isdigit() else None
+
+
+def _claims(a: str, b: str) -> str | None:
+    """The module both items ``a`` and ``b`` name when one is an open range (``h.2-end``)
+    and the other a numbered path at or after its start (``h.2``) or an open range with the
+    same prefix (``h.4-end``); else None (two plain paths are compared as equal strings)."""
+    ra, rb = open_range(a), open_range(b)
+    if ra is None and rb is None:
+        return None
+    if ra is not None and rb is not None:
+        return f"{ra[0]}.{max(ra[1], rb[1])}" if ra[0] == rb[0] else None
+    (prefix, first), path = (ra, b) if ra is not None else (rb, a)
+    head, _, last = path.rpartition(".")
+    return path if head == prefix and last.isdigit() and int(last) >= first else None
+
+
 def make_stage(builder, tok, payload, earlier) -> StageRule:
     """One ``stage`` statement, checked against the mesh and the earlier stage statements.
 
     Raises:
-        SpecError: no ``pp`` mesh axis, a stage index outside ``0 .. pp-1`` or given
-            twice, a reversed or too long range, an item given twice.
+        SpecError: no ``pp`` mesh axis, a stage index outside ``0 .. pp-1`` or given twice;
+            at the item: a reversed or too long range, a module two items name (the same path
+            twice, or a path inside an open range ``h.2-end`` of this or an earlier statement).
     """
     index_tok, items = payload[0], payload[1:]
     if "pp" not in builder.mesh.names:
@@ -50,7 +75,8 @@ def make_stage(builder, tok, payload, earlier) -> StageRule:
         if other.index == index:
             raise builder.err(index_tok, f"stage {index} is given twice (first on line "
                                          f"{other.loc.line})")
-    paths, seen = [], {p: o.index for o in earlier for p in o.items}
+    paths, locs, seen = [], [], {p: o.index for o in earlier for p in o.items}
+    opened = [(q, f"stage {o.index}") for o in earlier for q in o.items if open_range(q)]
     for it in items:
         name = str(it)
         expanded = expand_item(name)
@@ -64,8 +90,19 @@ def make_stage(builder, tok, payload, earlier) -> StageRule:
                 where = f"stage {seen[p]}" if p in seen else "this stage"
                 raise builder.err(it, f"module {p} is already in {where}; a module belongs to "
                                       f"one stage")
+            named = [*((q, f"stage {o.index}") for o in earlier for q in o.items),
+                     *((q, "this stage") for q in paths)] if open_range(p) else opened
+            for q, where in named:  # an open range against every item, a path against open ones
+                both = _claims(p, q)
+                if both is not None:
+                    raise builder.err(it, f"module {both} is already in {where}; a module "
+                                          f"belongs to one stage")
             paths.append(p)
-    return StageRule(index, tuple(paths), tuple(str(i) for i in items), builder.loc(tok))
+            locs.append(builder.loc(it))
+            if open_range(p):
+                opened.append((p, "this stage"))
+    return StageRule(index, tuple(paths), tuple(str(i) for i in items), builder.loc(tok),
+                     tuple(locs))
 
 
 def check_stages(builder, stages: list, train) -> tuple:

@@ -91,6 +91,10 @@ def test_stage_statements_and_pipeline_options_parse():
     ("mesh pp=2\nstage 0: 0\nstage 0: 1\n", "3:7", "stage 0 is given twice"),
     ("mesh pp=2\nstage 0: 0-5\nstage 1: 5\n", "3:10", "module 5 is already in stage 0"),
     ("mesh pp=2\nstage 0: 5-1\nstage 1: 6\n", "2:10", "ends below its start"),
+    ("mesh pp=2\nstage 0: h.0-2\nstage 1: h.2-end\n", "3:10", "module h.2 is already in stage 0"),
+    ("mesh pp=2\nstage 1: h.2-end\nstage 0: h.0-3\n", "3:10", "module h.2 is already in stage 1"),
+    ("mesh pp=2\nstage 0: h.0 h.1-end\nstage 1: h.3-end\n", "3:10", "module h.3 is already in stage 0"),
+    ("mesh pp=2\nstage 0: h.4-end h.0-5\nstage 1: x\n", "2:18", "module h.4 is already in this stage"),
     ("mesh pp=2\nstage 0 0-5\n", "2:9", "expected ':'"),
     ("mesh pp=2\ntrain schedule=gpip\n", "2:7", "did you mean 'gpipe'"),
     ("mesh tp=2\ntrain microbatches=2\n", "2:7", "no 'pp' axis"),
@@ -104,9 +108,10 @@ def test_bad_stage_rules_are_located(text, where, msg):
 
 
 @pytest.mark.parametrize("stages,where,msg", [
-    ("stage 0: l0 l9\nstage 1: l1 l2\n", "2:1", "l9 matches no module"),
+    ("stage 0: l0 l9\nstage 1: l1 l2\n", "2:13", "l9 matches no module"),
+    ("stage 0: l00\nstage 1: l1 l2\n", "2:10", "stage 0: l00 matches no module of the model; did you mean l0?"),
     ("stage 0: l1 l2\nstage 1: l0\n", "2:1", "stages must follow the data flow"),
-    ("stage 0: l0 l1 l2\nstage 1: l3\n", "3:1", "stage 1: l3 matches no module"),
+    ("stage 0: l0 l1 l2\nstage 1: l3\n", "3:10", "stage 1: l3 matches no module"),
 ])
 def test_stage_rules_checked_against_the_model(stages, where, msg):
     g = mlp_graph((4,), [4, 8, 8, 4], [True] * 3, ["relu", "relu", "none"])
@@ -335,7 +340,8 @@ def test_cli_bad_stage_rule_exits_2_at_its_line(tmp_path, capsys):
     (tmp_path / "s.pcs").write_text(f"mesh pp=2\nstage 0: l0\nstage 1: l1 l7\n{TRAIN}\n")
     rc = main(["check", str(tmp_path / "m.pcir"), "--spec", str(tmp_path / "s.pcs")])
     err = capsys.readouterr().err
-    assert rc == 2 and "s.pcs:3:1" in err and "l7 matches no module" in err
+    assert rc == 2 and "s.pcs:3:13" in err and "l7 matches no module" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
     assert "Traceback" not in err
 
 
@@ -378,3 +384,22 @@ def test_shipped_dp2_pp2_tp2_spec_plans_the_8_device_example():
     assert t["groups"]["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert [str(a) for a in plan.rank_actions(s.mesh, 5)] == [
         "forward m=0", "send_fwd m=0 -> 7", "recv_bwd m=0 <- 7", "backward m=0", "optimizer"]
+
+
+@pytest.mark.parametrize("mesh,rule,msg", [
+    ("pp=2 tp=2", "l0.weight pp=S(0)", "param l0.weight is split over pp (pp=S(0)): inside a pipeline "
+                                       "(mesh pp=2 tp=2) a param may split only over tp"),
+    ("dp=2 pp=2", "l*.weight dp=S(1)", "param l0.weight is split over dp (dp=S(1))"),
+])
+def test_cli_param_split_over_pp_or_dp_is_an_error_at_its_rule(tmp_path, capsys, mesh, rule, msg):
+    from parcomp.cli.main import main
+
+    from graphs import mlp_text
+
+    (tmp_path / "m.pcir").write_text(mlp_text((8,), [4, 8, 4], [False] * 2, ["relu", "none"]))
+    (tmp_path / "s.pcs").write_text(f"mesh {mesh}\n{rule}\n{TRAIN} microbatches=2\n")
+    rc = main(["compile", str(tmp_path / "m.pcir"), "--spec", str(tmp_path / "s.pcs"),
+               "-o", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "s.pcs:2:1" in err and msg in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()

@@ -46,14 +46,40 @@ def test_stage_lines_need_not_name_the_rotary_module_and_may_end_open():
     assert "model.norm.weight" in plan.stages[1].params
 
 
-def test_an_open_range_past_the_last_layer_leaves_a_layer_in_no_stage():
+def test_an_open_range_past_the_last_layer_is_an_error_at_the_range():
     from parcomp.errors import SpecError
 
     head = ("mesh pp=2\nstage 0: model.embed_tokens model.layers.0\n"
             "stage 1: model.layers.3-end model.norm lm_head\n")
     with pytest.raises(SpecError) as e:
         plan_pipeline(model64("llama_lm"), spec(f"{head}{TRAIN}\n"))
+    assert "test.pcs:3:10" in str(e.value) and "model.layers.3-end matches no module" in str(e.value)
+    assert "model.layers.0 to model.layers.1" in str(e.value)
+
+
+def test_a_module_no_stage_names_is_an_error_at_the_last_stage():
+    from parcomp.errors import SpecError
+
+    head = ("mesh pp=2\nstage 0: model.embed_tokens model.layers.0\n"
+            "stage 1: model.norm lm_head\n")
+    with pytest.raises(SpecError) as e:
+        plan_pipeline(model64("llama_lm"), spec(f"{head}{TRAIN}\n"))
     assert "test.pcs:3:1" in str(e.value) and "model.layers.1" in str(e.value) and "in no stage" in str(e.value)
+
+
+@pytest.mark.parametrize("head,where,msg", [
+    ("stage 0: model.embed_tokens model.layer.0-1\nstage 1: model.layers.2-end model.norm lm_head\n",
+     "2:29", "model.layer.0 (of model.layer.0-1) matches no module of the model; did you mean model.layers.0?"),
+    ("stage 0: model.embed_tokens model.layers.0-1\nstage 1: model.layers.2-5 model.norm lm_head\n",
+     "3:10", "model.layers.2 (of model.layers.2-5) matches no module of the model; the model's "
+             "model.layers modules are model.layers.0 to model.layers.1"),
+])
+def test_a_stage_item_that_names_no_module_is_an_error_at_the_item(head, where, msg):
+    from parcomp.errors import SpecError
+
+    with pytest.raises(SpecError) as e:
+        plan_pipeline(model64("llama_lm"), spec(f"mesh pp=2\n{head}{TRAIN}\n"))
+    assert f"test.pcs:{where}" in str(e.value) and msg in str(e.value)
 
 
 def test_open_range_parses_as_one_item():

@@ -127,7 +127,8 @@ def test_tp_inside_stages_saves_full_tensors_and_resumes_exactly(tmp_path):
     g = chain_graph(blocks=4)
     d = tmp_path / "pp2tp2"
     d.mkdir()
-    (d / "program.py").write_text(emit_program(compile_graph(g, spec(f"mesh pp=2 tp=2\n{TP_LAYOUTS}{ADAMW}\n"))))
+    compiled = compile_graph(g, spec(f"mesh pp=2 tp=2\n{TP_LAYOUTS}{ADAMW}\n"))
+    (d / "program.py").write_text(emit_program(compiled))
     ref, feeds, _ = reference(g, ADAMW)
     torch.save({k: torch.from_numpy(np.asarray(v)) for k, v in feeds.items() if ref[k].op == "param"}, d / "model.pt")
     torch.save({k: torch.from_numpy(np.asarray(feeds[k])) for k in ("x", "target")}, d / "inputs.pt")
@@ -148,6 +149,17 @@ def test_tp_inside_stages_saves_full_tensors_and_resumes_exactly(tmp_path):
     assert int(full["step"]) == 2 and len(saved) == 48 and "0.weight.exp_avg" in saved  # 16 params, 2 moments each
     for k in saved:
         assert torch.equal(full[k], two[k]), k
+    # parcomp export reads the pipelined checkpoint as the SPMD program's: every param, whole
+    from safetensors.torch import load_file
+
+    from parcomp.cli.export import export_pretrained
+    from test_pipeline import _models
+
+    export_pretrained(compiled, str(ck), str(tmp_path / "export"), _models().mlp_chain(blocks=4, hidden=4)[0])
+    exported = load_file(str(tmp_path / "export" / "model.safetensors"))
+    assert sorted(exported) == sorted(k for k in saved if not k.endswith(("exp_avg", "exp_avg_sq"))) and len(exported) == 16
+    for k in exported:
+        assert torch.equal(exported[k], full[k]), k
     resumed = run("resumed.pt", "--steps", "1", "--resume", str(ck))
     for k in sorted(k for k in three if k != "losses"):
         assert torch.equal(resumed[k], three[k]), k

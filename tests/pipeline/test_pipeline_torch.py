@@ -65,3 +65,5 @@ def test_cli_run_launches_the_pipelined_step(tmp_path, capsys):
                  "--keep", str(tmp_path / "work"), "--steps", "3", "--json"]) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert res["ok"] and len(res["losses"]) == 3 and res["losses"][2] < res["losses"][0]
+    # the kept inputs.pt holds the batch only (program.py feeds AdamW's step number itself)
+    assert sorted(torch.load(tmp_path / "work" / "inputs.pt")) == ["target", "x"]

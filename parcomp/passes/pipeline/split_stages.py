@@ -19,11 +19,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parcomp.errors import ParcompError, SpecError
+from parcomp.errors import ParcompError, SpecError, closest
 from parcomp.ir.graph import Graph, Node
 from parcomp.ir.ops import OPS
 from parcomp.ir.types import TensorType
 from parcomp.spec.model import StageRule
+from parcomp.spec.stages import expand_item, open_range
 
 __all__ = ["StageGraph", "assign_stages", "balanced_rules", "split_stages", "rebatch", "node_path",
            "node_flops", "param_stages"]
@@ -99,6 +100,10 @@ def assign_stages(graph: Graph, rules: tuple, pp: int) -> dict:
     owner = {p: r for r in rules for p in r.items if open_range(p) is None}
     opened = [(open_range(p), p, r) for r in rules for p in r.items if open_range(p) is not None]
     hit, stage = set(), {}
+    for n in graph.nodes:  # every item must name a module before any module is blamed
+        if n.op != "input":
+            _rule_of(module_path(n, graph), owner, hit, opened)
+    _check_items(graph, rules, hit)
     for n in graph.nodes:
         if n.op == "input":
             continue
@@ -120,16 +125,6 @@ def assign_stages(graph: Graph, rules: tuple, pp: int) -> dict:
     _place_params(graph, stage, rules)
     _check_cover(graph, rules, hit, stage, pp)
     return stage
-
-
-def open_range(item: str):
-    """``(prefix, first)`` of an open range item ``h.12-end`` (the numbered modules
-    ``h.12``, ``h.13``, ... to the model's last), else None."""
-    head, sep, tail = item.rpartition("-")
-    if not sep or tail != "end":
-        return None
-    prefix, _, first = head.rpartition(".")
-    return (prefix, int(first)) if first.isdigit() else None
 
 
 def _rule_of(path, owner, hit, opened=()):
@@ -164,11 +159,30 @@ def param_stages(graph: Graph, stage: dict) -> dict:
             for p in graph.params}
 
 
+def _check_items(graph, rules, hit) -> None:
+    """A SpecError at the first item (in file order) of a stage statement that names no
+    module of the model, with the closest module path as a hint."""
+    missed = [(r.locs[k] if k < len(r.locs) else r.loc, r, p)
+              for r in rules for k, p in enumerate(r.items) if p not in hit]
+    if not missed:
+        return
+    loc, r, item = min(missed, key=lambda m: (m[0].line, m[0].col) if m[0] else (0, 0))
+    known = sorted({q for n in graph.nodes if n.op != "input" and module_path(n, graph)
+                    for q in _prefixes(module_path(n, graph))})
+    written = next((w for w in r.raw if w != item and item in (expand_item(w) or ())), None)
+    prefix, _, last = (open_range(item)[0] + ".0" if open_range(item) else item).rpartition(".")
+    numbered = sorted(int(q.rpartition(".")[2]) for q in known
+                      if q.rpartition(".")[0] == prefix and q.rpartition(".")[2].isdigit())
+    if last.isdigit() and numbered:
+        hint = f"; the model's {prefix} modules are {prefix}.{numbered[0]} to {prefix}.{numbered[-1]}"
+    else:
+        near = closest(item, known)
+        hint = f"; did you mean {near}?" if near else ""
+    raise SpecError(f"stage {r.index}: {item}{f' (of {written})' if written else ''} matches no "
+                    f"module of the model{hint}", loc)
+
+
 def _check_cover(graph, rules, hit, stage, pp) -> None:
-    for r in rules:
-        missed = [p for p in r.items if p not in hit]
-        if missed:
-            raise SpecError(f"stage {r.index}: {missed[0]} matches no module of the model", r.loc)
     compute = [n for n in graph.nodes if n.op not in ("input", "param")]
     empty = sorted(set(range(pp)) - {stage[n.name] for n in compute})
     if empty:
