@@ -102,8 +102,24 @@ def saved_attention(graph: Graph) -> dict:
     forward again: the output and a logsumexp per query row (:func:`attention_saved_bytes`;
     ring attention: its forward ring's output and row logsumexp, so that its backward ring
     needs no statistics pass)."""
+    return _paired_attention(graph.nodes)
+
+
+def stashed_attention(forward: Graph, backward: Graph) -> dict:
+    """``{sdpa name: sdpa_grad name}`` as :func:`saved_attention`, across two programs: each
+    ``sdpa`` of ``forward`` whose gradients ``backward`` computes on the same operands (a
+    pipeline stage's forward and backward, whose stashed values keep their names), unless
+    ``backward`` computes that attention again (a recomputation: it pairs with its own
+    gradients there). What the forward's kernel keeps for that backward travels with the
+    microbatch's stash (:func:`attention_saved_bytes`)."""
+    own = {n.name for n in forward.nodes}
+    return {src: grad for src, grad in _paired_attention(forward.nodes + backward.nodes).items()
+            if src in own and grad not in own}
+
+
+def _paired_attention(nodes) -> dict:
     fwd, grads = {}, {}
-    for n in graph.nodes:
+    for n in nodes:
         if n.op == "sdpa":
             fwd[_attention_key(n.inputs, n)] = n.name  # the last before the gradients: a recomputed one
         elif n.op == "sdpa_grad":

@@ -9,11 +9,12 @@ the model's example inputs and weights give (:func:`moe_compare`):
   layer's output ``[B, S, H]`` forward and one of ``dx`` backward; bytes ``2 (n-1)/n B S H``
   per rank, the same on every rank; each rank computes 1/n of every routed (token, expert)
   pair.
-- **EP**: experts split n ways, rows split n ways; the ragged ``all_to_all`` sends each routed
-  pair's row to its expert's rank and the expert's output back (forward; the same again for
-  the gradients backward). Bytes per rank from the routing: the rows it sends to other ranks
-  and the rows it returns, plus one mask byte per slot; load per rank = the pairs its experts
-  process. The slowest rank sets the time; ``padded_bytes`` is what the dense all_to_all of
+- **EP**: experts split n ways, rows split n ways; each routed pair's row goes to its
+  expert's rank and the expert's output back (forward; the same again for the gradients
+  backward). Bytes per rank from the routing: the rows it sends to other ranks and the rows it
+  returns; without a capacity (program.py's dropless form, what it runs) plus the per-expert
+  counts (one int64 all_to_all per step), with one (the ragged ``all_to_all`` of the slot
+  buffer) plus one mask byte per slot; load per rank = the pairs its experts process. The slowest rank sets the time; ``padded_bytes`` is what the dense all_to_all of
   the whole ``[B, E, C, H]`` buffer would send (report.json's static count).
 
 Times: :func:`parcomp.cost.links.collective_seconds` on the axis's link (alpha-beta, per call);
@@ -55,18 +56,29 @@ def _pairs_matrix(c, capacity: int, n: int) -> np.ndarray:
     return m
 
 
-def layer_compare(x, c, capacity: int, n: int, link, inter: int = 0) -> dict:
+def layer_compare(x, c, capacity: int, n: int, link, inter: int = 0, dropless: bool = False) -> dict:
     """The two alternatives for one layer: tokens ``x[B, S, H]``, weights ``c[B, S, E]``,
-    each expert's intermediate size ``inter`` (0: no compute time)."""
+    each expert's intermediate size ``inter`` (0: no compute time). ``dropless``: the program
+    runs the layer without a capacity on the routed rows only (program.py's dropless form):
+    EP's exchange is one all_to_all of the per-expert counts (int64) per step, then the routed
+    rows alone, there and back, forward and backward; else the ragged all_to_all of the slot
+    buffer, a mask byte per slot with the rows."""
     bsz, seq, h = x.shape
     experts, isz = c.shape[2], x.dtype.itemsize
     m = _pairs_matrix(c, capacity, n)
     off = m * (1 - np.eye(n, dtype=np.int64))
-    masks = (n - 1) * (bsz // n) * (experts // n) * capacity  # one byte per slot sent elsewhere
-    there, back = off.sum(1) * h * isz + masks, off.sum(0) * h * isz + masks
-    ep_bytes = 2 * (there + back)  # forward, and the gradients backward
-    ep_s = 2 * (collective_seconds("all_to_all", n, int(there.max()), link)
-                + collective_seconds("all_to_all", n, int(back.max()), link))
+    if dropless:
+        counts = (n - 1) * (experts // n) * 8  # this rank's counts of each other rank's experts
+        there, back = off.sum(1) * h * isz, off.sum(0) * h * isz
+        ep_bytes = 2 * (there + back) + counts  # forward, and the gradients backward
+        ep_s = collective_seconds("all_to_all", n, counts, link)
+    else:
+        masks = (n - 1) * (bsz // n) * (experts // n) * capacity  # one byte per slot sent elsewhere
+        there, back = off.sum(1) * h * isz + masks, off.sum(0) * h * isz + masks
+        ep_bytes = 2 * (there + back)  # forward, and the gradients backward
+        ep_s = 0.0
+    ep_s += 2 * (collective_seconds("all_to_all", n, int(there.max()), link)
+                 + collective_seconds("all_to_all", n, int(back.max()), link))
     tp_bytes = 2 * (n - 1) * bsz * seq * h * isz // n
     load = m.sum(0)
     pair_s = 3 * 3 * 2 * h * inter * SECONDS_PER_FLOP  # 3 matmuls, 2HF FLOPs each, forward + 2x backward
@@ -75,7 +87,8 @@ def layer_compare(x, c, capacity: int, n: int, link, inter: int = 0) -> dict:
         "tokens": bsz * seq, "experts": experts, "ranks": n,
         "tokens_per_expert": [int(t) for t in (moe_ops.slots(c, capacity)[2][:, None]
                                                == np.arange(experts)).sum(0)],
-        "ep": {"collective": "all_to_all (ragged)", "bytes_per_rank": [int(v) for v in ep_bytes],
+        "ep": {"collective": "all_to_all (dropless)" if dropless else "all_to_all (ragged)",
+               "bytes_per_rank": [int(v) for v in ep_bytes],
                "padded_bytes": int(4 * (n - 1) * (bsz // n) * experts * capacity * h * isz // n),
                "load_per_rank": [int(v) for v in load],
                "imbalance": float(load.max() / max(load.mean(), 1e-12)), "seconds": ep_s},
@@ -100,10 +113,12 @@ def moe_compare(compiled, feeds: dict, links: dict) -> list:
     env = _values(graph, feeds, {i for d in layers for i in d.inputs})
     out = []
     for d in layers:
+        route = graph[d.inputs[1]]
+        dropless = route.op == "moe_route" and not route.attr("capacity", 0)  # program.py's dropless form
         rec = layer_compare(env[d.inputs[0]], env[d.inputs[1]], d.attr("capacity"), n, links[axis],
-                            _inter(graph, d))
-        wanted = rec["tokens"] * graph[d.inputs[1]].attr("top_k")  # (token, expert) pairs routed
-        out.append({"layer": d.name, "axis": axis, "capacity": d.attr("capacity"),
+                            _inter(graph, d), dropless)
+        wanted = rec["tokens"] * route.attr("top_k")  # (token, expert) pairs routed
+        out.append({"layer": d.name, "axis": axis, "capacity": d.attr("capacity"), "dropless": dropless,
                     "dropped": wanted - sum(rec["tokens_per_expert"]), **rec})
     return out
 
@@ -129,6 +144,8 @@ def moe_blocks(records: list) -> list:
     for r in records:
         out.append(("text", [f"MoE layer {r['layer']}: {r['tokens']} tokens, {r['ranks']} ranks over {r['axis']}",
                              f"  tokens per expert {r['tokens_per_expert']}",
+                             "  dropless (no capacity): the experts compute the routed rows only; EP sends them "
+                             "after the per-expert counts" if r.get("dropless") else
                              f"  capacity {r['capacity']} slots per expert per row; {r['dropped']} (token, expert) "
                              f"pairs dropped past it"]))
         rows = []
@@ -142,3 +159,42 @@ def moe_blocks(records: list) -> list:
                     ["way", "collective", "bytes/rank", "load/rank", "max/mean", "comm us", "experts us",
                      "step us"], rows))
     return out
+
+
+_SLOT_ENDS = ("moe_combine", "moe_combine_grad_c")
+
+
+def moe_exchange(graph, recs: list) -> list:
+    """report.json's ``moe_exchange``: per MoE layer whose routing has no capacity (program.py
+    runs it dropless, on the routed rows only), the ``all_to_all`` records that move its slot
+    buffer (from each ``moe_dispatch``, forward and backward, up to the combine) with the
+    program's form beside them: the records' ``bytes`` are the dense ``[B, E, C, H]`` buffer's
+    (a bound fixed at compile time); program.py sends the routed rows only (``top_k / E`` of
+    the buffer's slots when C is the row's tokens and the routing is even; the routing of
+    given inputs: ``parcomp explain``), after one all_to_all of the int64 per-expert counts per
+    layer and step."""
+    by_name, users, out = {n.name: n for n in graph.nodes}, graph.users(), []
+    kinds = {r["name"]: r for r in recs if r["kind"] == "all_to_all"}
+    routes = [n for n in graph.nodes if n.op == "moe_route"]
+    for route in routes:
+        if route.attr("capacity", 0):
+            continue
+        found, todo, seen = [], [u for u in users.get(route.name, ()) if by_name[u].op == "moe_dispatch"], set()
+        while todo:
+            v = todo.pop()
+            if v in seen:
+                continue
+            seen.add(v)
+            if v in kinds:
+                found.append(v)
+            todo += [u for u in users.get(v, ()) if by_name[u].op not in _SLOT_ENDS]
+        if not found:
+            continue
+        experts, top_k = route.type.shape[-1], route.attr("top_k")
+        dense = sum(kinds[v]["bytes"] for v in found)
+        out.append({"route": route.name, "form": "dropless", "collectives": sorted(found),
+                    "dense_bytes": dense, "even_routing_bytes": dense * top_k // experts,
+                    "note": "the records' bytes are the dense slot buffer's; program.py sends the routed rows "
+                            "only, after one all_to_all of the per-expert counts per layer and step"})
+    return out
+

@@ -9,6 +9,7 @@ from __future__ import annotations
 from ..cost.load_plan import checkpoint_load
 from ..passes.lowering.dp_buckets import grad_buckets
 from ..units import format_bytes, plural
+from .moe_report import moe_exchange
 
 
 def memory(program, model_params) -> dict:
@@ -90,6 +91,7 @@ def build_report(program, model_params=()) -> dict:
         "search": (_with_note(program.search, recs)
                    if program.train or (program.search or {}).get("data_parallel") is False else program.search),
         "grad_buckets": grad_buckets(program),  # passes/lowering/dp_buckets.py
+        **({"moe_exchange": moe} if (moe := moe_exchange(program.graph, recs)) else {}),
     }
 
 

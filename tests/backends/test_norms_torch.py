@@ -46,6 +46,49 @@ def test_dropout_mask_numpy_equals_torch_bit_for_bit():
     np.testing.assert_array_equal(got, norm_ops.NORM_NUMPY_OPS["dropout"]([x, np.float32(2)], n))
 
 
+
+def _aten_ops(fn, *args):
+    """(result, [aten overload names]) of ``fn(*args)``: every aten op it dispatches."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    with Record() as rec:
+        out = fn(*args)
+    return out, rec.ops
+
+
+def test_layer_norm_grad_helper_runs_torch_fused_backward_kernel():
+    """program.py's layer_norm dx: native_layer_norm (its mean, rstd) + the fused backward,
+    as autograd runs it, not an elementwise chain over the tokens; equal to autograd's dx."""
+    from parcomp_backends.torch.emit.norms import NORM_RUNTIME
+
+    env = {"torch": torch}
+    exec(NORM_RUNTIME, env)  # noqa: S102 - the helpers program.py pastes
+    g = torch.Generator().manual_seed(0)
+    x, dy, w = torch.randn(2, 5, 16, generator=g), torch.randn(2, 5, 16, generator=g), torch.randn(16, generator=g)
+    dx, ops = _aten_ops(env["norm_grad"], dy, x, w, 1e-5, False)
+    assert ops == ["aten.native_layer_norm", "aten.native_layer_norm_backward"], ops
+    xr = x.clone().requires_grad_(True)
+    torch.nn.functional.layer_norm(xr, (16,), w, None, 1e-5).backward(dy)
+    torch.testing.assert_close(dx, xr.grad, rtol=1e-5, atol=1e-5)
+    dx_plain, _ = _aten_ops(env["norm_grad"], dy, x, None, 1e-5, False)  # no weight
+    xr.grad = None
+    torch.nn.functional.layer_norm(xr, (16,), None, None, 1e-5).backward(dy)
+    torch.testing.assert_close(dx_plain, xr.grad, rtol=1e-5, atol=1e-5)
+    dr, _ = _aten_ops(env["norm_grad"], dy, x, w, 1e-6, True)  # rms_norm keeps its formula
+    xr.grad = None
+    torch.nn.functional.rms_norm(xr, (16,), w, 1e-6).backward(dy)
+    torch.testing.assert_close(dr, xr.grad, rtol=1e-5, atol=1e-5)
+
+
 # --- tied input/output embeddings (GPT-2's lm_head.weight is wte.weight) -------------------
 
 def _tied_module():

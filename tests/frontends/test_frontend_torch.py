@@ -96,7 +96,7 @@ def test_gpt2_conv1d_is_reshape_matmul_add_reshape():
     ops = [n.op for n in graph.nodes if n.op not in ("param", "input")]
     assert ops[:4] == ["reshape", "matmul", "add", "reshape"]
     assert graph[graph.users()["c_fc.weight"][0]].op == "matmul"
-    assert {n.op for n in graph.nodes} >= {"pow", "scale", "tanh", "add_scalar", "mul"}
+    assert "gelu" in {n.op for n in graph.nodes}  # gelu_new's eight ops, as one (frontends/torch/activations.py)
 
 
 def test_gelu_tanh_attr_and_identity_ops():

@@ -1065,7 +1065,16 @@ def compiled_step(step, args):
     if not args.compile:
         return step
     importlib.import_module("torch.distributed._functional_collectives")
+    compile_settings()
     return torch.compile(step, fullgraph="funcol" in globals())
+
+
+def compile_settings():
+    """The torch.compile settings this program needs: a dropless MoE layer reads its expert
+    counts to the host once (``moe_route_plan``), and those ints are captured in the graph
+    (unbacked sizes) instead of ending it."""
+    if "moe_route_plan" in globals():
+        torch._dynamo.config.capture_scalar_outputs = True
 
 
 def set_tf32(on):

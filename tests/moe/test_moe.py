@@ -229,8 +229,9 @@ def test_moe_trains_under_torchrun_like_unsharded(capsys, spec, nproc):
 
 def test_explain_compares_tp_inside_experts_with_ep_from_the_routing(capsys):
     """explain's MoE comparison for the skewed routing: tokens per expert as routed, EP's
-    bytes per rank those the interpreter's ragged all_to_all sends (forward, x2 for the
-    backward), TP's the all_reduce ring bytes; EP's load is imbalanced, TP's is not."""
+    bytes per rank those program.py's dropless exchange sends (the routed rows the
+    interpreter's ragged all_to_all sends, without its masks, forward and x2 for the backward,
+    plus the counts), TP's the all_reduce ring bytes; EP's load is imbalanced, TP's is not."""
     rc = main(["explain", f"{MODELS}:moe_block_skewed", "--spec", os.path.join(SPECS, "moe_ep2_train.pcs"),
                "--json"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -244,7 +245,12 @@ def test_explain_compares_tp_inside_experts_with_ep_from_the_routing(capsys):
     run = run_spmd(c.program, feeds_for(c.unsharded, module, example))
     sent = [e["sent_bytes"] for e in run.log if e.get("sent_bytes") is not None]
     assert len(sent) == 2
-    assert rec["ep"]["bytes_per_rank"] == [2 * (sent[0][r] + sent[1][r]) for r in range(2)]
+    # program.py runs the layer dropless: the routed rows only (the interpreter's ragged
+    # exchange less its mask byte per slot), after one all_to_all of the int64 counts
+    assert rec["dropless"] and rec["ep"]["collective"] == "all_to_all (dropless)"
+    slots = 2 * 2 * rec["capacity"]  # (n-1) peers x 2 rows each x 2 experts there x capacity
+    counts = 1 * 2 * 8  # (n-1) peers x 2 experts there, int64
+    assert rec["ep"]["bytes_per_rank"] == [2 * (sent[0][r] - slots + sent[1][r] - slots) + counts for r in range(2)]
     assert rec["tp"]["bytes_per_rank"] == [2 * 2 * (2 - 1) * rec["tokens"] * 16 * 4 // 2] * 2
     assert rec["ep"]["imbalance"] > 1.2 and rec["tp"]["imbalance"] == 1.0
     assert sum(rec["ep"]["load_per_rank"]) == 2 * rec["tokens"]

@@ -166,9 +166,27 @@ def test_ep_programs_exchange_counts_once_per_layer_and_only_routed_rows(factory
         text = emit_program(compile_graph(graph, parse_spec(f.read(), spec)), "cpu")
     step = text.split("def train_step")[1].split("\ndef ")[0]
     assert len(re.findall(r"= moe_expert_plan\(", step)) == layers
+    # the counts cross ep before the rows plan's one host copy, which carries both
+    assert len(re.findall(r"= moe_route_plan\(\w+, 'ep'\)", step)) == layers
     assert len(re.findall(r"= moe_to_experts\(", step)) == 2 * layers  # tokens, their gradients
     assert len(re.findall(r"= moe_to_rows\(", step)) == 2 * layers
     assert "all_to_all_ragged(" not in step and "moe_dispatch(" not in step
+
+
+def test_report_names_the_dropless_exchange_and_its_routed_bytes():
+    """report.json's all_to_all records of the slot buffer keep the dense buffer's bytes (a
+    compile-time bound); ``moe_exchange`` names them as the dropless exchange program.py runs,
+    with the even routing's bytes (top_k / E of them); with a capacity there is none."""
+    graph, _, _ = load_model(f"{MODELS}:moe_block")
+    with open(os.path.join(SPECS, "moe_ep2_train.pcs")) as f:
+        text = f.read()
+    report = compile_graph(graph, parse_spec(text, "moe_ep2_train.pcs")).report
+    (rec,) = report["moe_exchange"]
+    a2a = {r["name"]: r["bytes"] for r in report["collectives"] if r["kind"] == "all_to_all"}
+    assert rec["form"] == "dropless" and sorted(rec["collectives"]) == sorted(a2a)  # 2 forward, 2 backward
+    assert rec["dense_bytes"] == sum(a2a.values()) and rec["even_routing_bytes"] * 4 == rec["dense_bytes"] * 2
+    capped = compile_graph(graph, parse_spec(text + "moe capacity_factor=1.0\n", "c.pcs")).report
+    assert "moe_exchange" not in capped
 
 
 @pytest.mark.slow

@@ -204,6 +204,30 @@ return %r, %t, %u, %q
     assert not g["q"].attr("inplace")  # %u is an output
 
 
+
+def test_all_reduce_in_place_into_a_sum_built_in_place():
+    """The dx of q, k and v summed in place (``a.add_(b).add_(c)``) is the fresh buffer of
+    the first: its all_reduce runs in place too (no clone); through a view it does not."""
+    text = """\
+mesh tp=2
+stage local
+%a: f32[4] [P] = input() {global_shape=(4,)}
+%b: f32[4] [P] = input() {global_shape=(4,)}
+%m: f32[4] [P] = mul(%a, %b)
+%n: f32[4] [P] = mul(%a, %a)
+%s: f32[4] [P] = add(%m, %n)
+%s2: f32[4] [P] = add(%s, %b)
+%r: f32[4] [R] = all_reduce(%s2) {axis="tp"}
+%v: f32[2,2] [P] = reshape(%n) {shape=(2,2)}
+%q: f32[2,2] [R] = all_reduce(%v) {axis="tp"}
+return %r, %q
+"""
+    g = in_place(parse_graph(text))
+    assert g["s"].attr("inplace") and g["s2"].attr("inplace")
+    assert g["r"].attr("inplace")  # %s2 is %m's tensor itself
+    assert not g["q"].attr("inplace")  # a view: maybe not contiguous
+
+
 ZERO_TRAIN = """\
 mesh dp=2
 input x [S(0)]

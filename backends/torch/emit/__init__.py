@@ -136,7 +136,7 @@ def _forward(prog, names, train, dropless=None) -> str:
 
 
 def step_function(prog, fn: str, doc: str, names=None, pop_inputs: bool = False, dropless=None,
-                  ready=()) -> str:
+                  ready=(), stash=None) -> str:
     """``def fn(p, inp)`` computing ``prog``'s lowered graph: one statement per node, in its
     order, each ending in its layout, type and the spec rule that caused it; above each
     collective the comment saying why it is there and its bytes per rank; ``del`` of the
@@ -148,7 +148,10 @@ def step_function(prog, fn: str, doc: str, names=None, pop_inputs: bool = False,
     MoE statements on packed routed tokens (emit/moe_dropless.py); ``ready``: public output
     names handed, each right after the statement making it final, to a third argument
     ``ready(name, value)`` (a pipeline stage's parameter gradients: their dp buckets start inside
-    the backward)."""
+    the backward); ``stash``: ``{node: key}``, attentions whose forward and backward are two
+    stage functions (:func:`.attention.stashed_forwards`): a forward ``sdpa`` returns its kernel's
+    saved tensors as output ``saved.<key>`` (stashed per microbatch), the first ``sdpa_grad``
+    reads them as input ``<key>`` and deletes them once read."""
     names = python_names(prog) if names is None else names
     lines = [f"def {fn}(p, inp{', ready' if ready else ''}):", f'    """{doc}"""']
     final = {}  # value -> its public names of ``ready``
@@ -164,6 +167,10 @@ def step_function(prog, fn: str, doc: str, names=None, pop_inputs: bool = False,
     if kept:
         taken = set(names.values())
         kept = {n: saved_name(names[n if program[n].op == "sdpa" else kept[n]], taken) for n in kept}
+    stash = stash or {}
+    if stash:  # a new dict: saved_forwards' is the program's memo
+        taken = set(names.values()) | set(kept.values())
+        kept = {**kept, **{n: saved_name(names[n], taken) for n in stash}}
     block = program if program.stage == "local" else None  # per-rank: block offsets read COORD
     tails = {}  # (id(layout), id(type)) -> "  # [S(0), R] f32[8,32]": nodes share these objects
     for n in program.nodes:
@@ -193,6 +200,9 @@ def step_function(prog, fn: str, doc: str, names=None, pop_inputs: bool = False,
         if packed.get(n.name) is not None:  # an MoE statement on the routed tokens only
             lines += [f"    {text}" for text in packed[n.name][:-1]] + [f"    {packed[n.name][-1]}{tail}"]
         elif first == n.name:  # one attention's gradients in one statement (emit/attention.py)
+            if n.name in stash:  # its forward's kernel tensors, from the microbatch's stash
+                lines.append(f"    {kept[n.name]} = inp.pop({_json_str(stash[n.name])})"
+                             "  # the forward kernel's output and logsumexp")
             lines.append(f"    {joint_targets(program, first, names)} = "
                          f"{node_code(n, list(map(var_of, n.inputs)), block, parts, kept.get(n.name))}{tail}")
         elif n.name in kept:  # a forward attention keeping what its backward reads
@@ -207,7 +217,9 @@ def step_function(prog, fn: str, doc: str, names=None, pop_inputs: bool = False,
         if frees:
             lines.append("    del " + ", ".join(frees))
         lines += [f"    ready({_json_str(pub)}, {var})" for pub in final.get(n.name, ())]
-    ret = ", ".join(f"{json.dumps(pub)}: {names[v]}" for pub, v in program.named_outputs())
+    ret = ", ".join([f"{json.dumps(pub)}: {names[v]}" for pub, v in program.named_outputs()]
+                    + [f"{_json_str('saved.' + key)}: {kept[v]}" for v, key in stash.items()
+                       if program[v].op == "sdpa"])
     lines.append(f"    return {{{ret}}}")
     return "\n".join(lines)
 

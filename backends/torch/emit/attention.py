@@ -15,10 +15,16 @@ backward on them, no forward again), then ``del y_saved``; the runtime falls bac
 ``attention_grads`` where no fused kernel with a known backward runs (program_attention.py).
 Ring attention likewise: ``ring_sdpa_saved`` keeps the output and row logsumexp of its forward
 ring, and ``ring_sdpa_grads(..., saved=y_saved)`` skips the statistics pass (program_ring.py).
+
+A pipeline stage's forward and backward are two functions (emit/pipeline.py): the forward
+returns the kept tuple as one more stashed value, ``saved.<sdpa>:kernel`` (:func:`stash_key`),
+which the runtime keeps with the microbatch's other stashed values and hands to the backward
+(``inp.pop("<sdpa>:kernel")``, deleted once read); :func:`stashed_forwards` pairs them
+(parcomp.ir.liveness.stashed_attention, whose bytes the stage's stash counts).
 """
 from __future__ import annotations
 
-from parcomp.ir.liveness import saved_attention
+from parcomp.ir.liveness import saved_attention, stashed_attention
 
 from ..runtime import sections
 
@@ -84,6 +90,25 @@ def _saved_forwards(program):
         grads = [n for n in program.nodes if joint.get(n.name, (None,))[0] == grad]
         if first == grad and len(grads) == len(parts):
             out[fwd], out[grad] = grad, fwd
+    return out
+
+
+def stash_key(sdpa: str) -> str:
+    """The stash entry of the kernel tensors of forward attention ``sdpa`` (``:`` is in no
+    value name, so no stashed value has it)."""
+    return f"{sdpa}:kernel"
+
+
+def stashed_forwards(forward, backward) -> dict:
+    """``{sdpa name: first sdpa_grad name}``: the attentions whose forward (in program
+    ``forward``) keeps its kernel's saved tensors in the stash for their joint backward
+    statement in program ``backward`` (a pipeline stage's two functions)."""
+    joint, out = joint_grads(backward), {}
+    for fwd, grad in stashed_attention(forward, backward).items():
+        first, parts = joint.get(grad, (None, ""))
+        grads = [n for n in backward.nodes if joint.get(n.name, (None,))[0] == grad]
+        if first == grad and len(grads) == len(parts):
+            out[fwd] = grad
     return out
 
 

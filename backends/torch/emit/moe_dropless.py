@@ -10,7 +10,9 @@ and a ``moe_combine`` (forward and backward) to a *packed* form: only the routed
 
 - ``moe_dispatch`` gathers the routed tokens (``moe_pack``); ``moe_combine`` /
   ``moe_combine_grad_c`` read them back by the same plan (``moe_route_plan`` of the weights
-  ``c``: the pairs and the count of each expert, read to the host once);
+  ``c``: the pairs and the count of each expert, read to the host once: the layer's one
+  device sync, after which the pairs are a ``nonzero_static`` of known size, so that under
+  torch.compile with scalar outputs captured the layer is no graph break);
 - a matmul of the slots with the expert weights ``[E, K, N]`` is one matmul per expert over
   exactly its rows (``moe_grouped_mm``); the weight gradient ``slots^T @ grad`` likewise
   (``moe_grouped_wgrad``);
@@ -19,7 +21,8 @@ and a ``moe_combine`` (forward and backward) to a *packed* form: only the routed
   the packed rows as they are, with the dim renumbered;
 - an ``all_to_all`` from rows-split to experts-split sends each peer the rows of its experts:
   the per-expert counts are exchanged once per layer by one ``all_to_all`` of counts
-  (``moe_expert_plan``), the rows by one ``all_to_all_single`` with split sizes; the way back
+  (``moe_route_plan(c, axis)``, before its host copy, which then carries both; read by
+  ``moe_expert_plan``), the rows by one ``all_to_all_single`` with split sizes; the way back
   (and the backward's two) reuse those counts.
 
 The values are the dense program's, row for row (a dense buffer's empty slots hold zeros,
@@ -213,6 +216,10 @@ def _plan(program, names, stash_out=False, stash_in=None) -> DroplessPlan:
             if n.name in outputs:
                 raise NotDropless(f"%{n.name}: slots as a program output")
             packed[n.name] = out
+    for plan, axis in expert_plans:  # its counts cross ``axis`` in the rows plan's one host copy
+        for key, ls in lines.items():
+            lines[key] = [f"{ln[:-1]}, {axis!r})" if ln.startswith(f"{plan} = moe_route_plan(") else ln
+                          for ln in ls] if ls is not None else None
     stash, of_plan = {}, {v: c for c, v in plans.items()}
     for v in sorted(saved & set(packed)):
         p = packed[v]

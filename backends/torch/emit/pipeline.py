@@ -39,7 +39,7 @@ from parcomp.ir.ops import COLLECTIVES
 from ..profiles import get_profile
 from ..runtime import CLUSTER_HELP, IMPORTS, TRAIN_HELP, sections
 from ..runtime.pipeline_checkpoint import CHECKPOINT as _CHECKPOINT
-from .attention import attention_sections
+from .attention import attention_sections, stash_key, stashed_forwards
 from .cluster import DEFAULT_PLACEMENT, DEFAULT_TIMEOUT_S, HOST_AXIS
 from .moe import moe_sections
 from .moe_dropless import DroplessPlan, dropless_plan
@@ -171,6 +171,21 @@ def _header(program, model, plan, mesh, table) -> list:
                                steps=program.train.steps if program.train else 1, step="",
                                cluster=CLUSTER_HELP).split("\n"),
             '"""']
+
+
+def _attention_stash(progs) -> dict:
+    """``{kind: {node: stash key}}`` for a stage's programs ``progs`` (``{kind: Program}``): each
+    forward attention whose backward (or ZB-H1's B or W, whichever differentiates it: W's
+    inputs hold B's, the stash's entries too) keeps its kernel's output and logsumexp in the
+    microbatch's stash (emit/attention.py), so the backward runs the kernel's own backward on
+    them instead of computing the forward again."""
+    out, fwd = {}, progs["forward"].graph
+    for kind in ("backward", "backward_input", "backward_weight"):
+        if kind in progs:
+            pairs = stashed_forwards(fwd, progs[kind].graph)
+            out.setdefault("forward", {}).update({src: stash_key(src) for src in pairs})
+            out[kind] = {grad: stash_key(src) for src, grad in pairs.items()}
+    return out
 
 
 def _run_hint(mesh) -> str:
@@ -456,7 +471,7 @@ def emit_pipeline_program(program, model, code, profile="cpu", constants=()) -> 
     fns, graphs = [], []
     for st in plan.stages:  # each stage program printed as the SPMD step is (emit.step_function)
         s = st.index
-        progs = {}
+        stash, progs = _attention_stash(program.stages[s]), {}
         for kind in KINDS:
             if kind not in program.stages[s]:
                 continue
@@ -468,7 +483,7 @@ def emit_pipeline_program(program, model, code, profile="cpu", constants=()) -> 
             graphs.append((prog.graph, dropless.active))
             ready = grads[s] if kind == ("backward_weight" if plan.split else "backward") else ()
             fns.append(code(prog, f"stage{s}_{kind}", _DOCS[kind].format(s=s), names=names, pop_inputs=True,
-                            ready=ready, dropless=dropless))
+                            ready=ready, dropless=dropless, stash=stash.get(kind)))
     helpers = {text for x, packed in graphs  # the runtime helpers the printed statements call, as the SPMD program's
                for text in runtime_sections(x) + reduce_sections(x) + attention_sections(x) + moe_sections(x, packed)}
     runtime = "\n\n\n".join(["# ---- the SPMD program's runtime: process facts, collectives, loading ----",

@@ -103,13 +103,31 @@ def all_to_all_ragged(x, src_dim, dim, axis):
 
 
 # >>> program.py: moe_dropless
-def moe_route_plan(c):
+def moe_route_plan(c, axis=None):
     """The routed (token, expert) pairs of weights c[B, S, E], sorted by expert, then row,
-    then token (the slot order): (b, s, e, counts per expert on the device, the same as ints).
-    Every pair is kept (no capacity); the counts reach the host in one copy."""
-    e, b, s = torch.nonzero(c.permute(2, 0, 1) != 0, as_tuple=True)
-    counts = torch.bincount(e, minlength=c.shape[2])
-    return b, s, e, counts, counts.tolist()
+    then token (the slot order): (b, s, e, counts per expert on the device, [peer][local
+    expert] counts received over ``axis`` or None, the counts as ints). Every pair is kept (no
+    capacity). The layer's one device sync: the counts reach the host in one copy (under
+    ``axis``, the experts' ranks first exchange them by one ``all_to_all`` and both cross in
+    that copy); the pairs are then the first ``sum(counts)`` nonzeros (``nonzero_static``,
+    whose size is known), so under torch.compile (scalar outputs captured) the layer stays
+    in one graph."""
+    routed = c.permute(2, 0, 1) != 0  # [E, B, S]: expert-major, as the slots are ordered
+    counts = routed.sum((1, 2))
+    experts = counts.shape[0]
+    if axis is None:
+        sizes, mat = counts.tolist(), None
+    else:
+        n = MESH[axis]
+        got = torch.empty_like(counts)
+        dist.all_to_all_single(got, counts, group=GROUPS[axis])
+        both = torch.cat([counts, got]).tolist()
+        sizes, local = both[:experts], experts // n
+        mat = [both[experts + p * local:experts + (p + 1) * local] for p in range(n)]
+    flat = torch.nonzero_static(routed.reshape(-1), size=sum(sizes)).reshape(-1)
+    rows, tokens = c.shape[0], c.shape[1]
+    e, b, s = flat // (rows * tokens), flat // tokens % rows, flat % tokens
+    return b, s, e, counts, mat, sizes
 
 
 def moe_pack(x, c, plan, weighted):
@@ -150,13 +168,16 @@ def moe_grouped_wgrad(x, g, plan):
 
 def moe_expert_plan(plan, axis):
     """The experts-side plan of a rows-side plan over ``axis``: how many rows each peer sends
-    each of this rank's experts, by one all_to_all of the per-expert counts (one host copy);
+    each of this rank's experts (exchanged by the rows-side plan's ``moe_route_plan(c, axis)``,
+    else here by one all_to_all of the per-expert counts and one host copy);
     (counts per local expert, [peer][local expert] counts, rows per peer)."""
-    n = MESH[axis]
-    send = plan[3].reshape(n, -1).contiguous()
-    got = torch.empty_like(send)
-    dist.all_to_all_single(got, send, group=GROUPS[axis])
-    mat = got.tolist()
+    mat = plan[4]
+    if mat is None:
+        n = MESH[axis]
+        send = plan[3].reshape(n, -1).contiguous()
+        got = torch.empty_like(send)
+        dist.all_to_all_single(got, send, group=GROUPS[axis])
+        mat = got.tolist()
     return mat, [sum(row) for row in mat], [sum(col) for col in zip(*mat)]
 
 

@@ -4,6 +4,8 @@ for step: ``parcomp/reference/cp_ring.py`` (the numpy simulation the interpreter
 
 Blocks move by point-to-point ``isend`` / ``irecv`` (``torch.distributed.batch_isend_irecv``,
 gloo and NCCL alike): coordinate c of the axis's group sends to c+1 and receives from c-1.
+Under torch.compile (``--compile``) each shift is a functional ``all_to_all_single`` instead
+(:func:`ring_start_functional`), which the compiler traces: the ring step is one graph.
 """
 # flake8: noqa: E402
 import torch
@@ -25,6 +27,8 @@ def ring_start(tensors, axis, receive=None):
     ``tensors``); :func:`ring_finish` waits and returns what arrived. Compute that does not
     write the sent tensors may run in between (the transfer overlaps it)."""
     c, line = ring_line(axis)
+    if torch.compiler.is_compiling():
+        return ring_start_functional(tensors, c, len(line), axis, receive), None
     nxt, prv = line[(c + 1) % len(line)], line[(c - 1) % len(line)]
     got = [torch.empty_like(t) for t in (tensors if receive is None else receive)]
     ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, GROUPS[axis]) for t in tensors]
@@ -32,9 +36,28 @@ def ring_start(tensors, axis, receive=None):
     return got, dist.batch_isend_irecv(ops) if ops else []
 
 
+def ring_start_functional(tensors, c, n, axis, receive):
+    """:func:`ring_start` under torch.compile (``--compile``), which cannot trace
+    ``batch_isend_irecv`` (a graph break at every ring step): the same shift as one functional
+    ``all_to_all_single`` per tensor, flattened, in which coordinate c sends all of it to
+    c+1 and receives all of c-1's (the other split sizes 0); :func:`ring_finish` waits."""
+    sizes = [t.numel() for t in tensors]
+    if receive is not None and [t.numel() for t in receive] != sizes:
+        raise ValueError("a ring step under torch.compile receives tensors as large as it sends")
+    out = []
+    for t, numel in zip(tensors, sizes):
+        send, recv = [0] * n, [0] * n
+        send[(c + 1) % n], recv[(c - 1) % n] = numel, numel
+        moved = dist._functional_collectives.all_to_all_single(t.contiguous().reshape(-1), recv, send, GROUPS[axis])
+        out.append((moved, t.shape))
+    return out
+
+
 def ring_finish(started):
     """What a :func:`ring_start` received, once its sends and receives are done."""
     got, works = started
+    if works is None:  # started by ring_start_functional
+        return [dist._functional_collectives.wait_tensor(t).reshape(shape) for t, shape in got]
     for work in works:
         work.wait()
     return got
@@ -63,6 +86,8 @@ def ring_scores(q, k, scale, causal, qpos, kpos, window=0):
     keep = kpos[None, :] <= qpos[:, None]
     if window:
         keep = keep & (kpos[None, :] > qpos[:, None] - window)
+    if torch.compiler.is_compiling():  # no host read of the mask (a graph break): a fully
+        return s.masked_fill(~keep, float("-inf")), False  # masked block adds exact zeros
     return s.masked_fill(~keep, float("-inf")), not bool(keep.any())
 
 

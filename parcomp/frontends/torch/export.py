@@ -35,6 +35,7 @@ from .fold import (causal_attention, defining, fold, folded_constants,  # noqa: 
 from .hints import (COMPLEX, DATA_DEPENDENT, is_data_dependent, module_path as _module_path,
                           raising_frame, unsupported, user_frame, where_of)
 from .complex import REAL, Complex, lower_complex, touches_complex
+from .activations import gelu_patterns
 from .norms import NORM_TABLE, fused_patterns
 from .outputs import name_outputs, output_names, register_output_dataclasses
 
@@ -413,7 +414,7 @@ def import_exported(module: torch.nn.Module, ep, input_names: list | None = None
     fx_nodes = list(ep.graph.nodes)
     tied = tied_aliases(module)
     b.folded = mask_only_nodes(fx_nodes, SKIP)  # attention part
-    b.fused = {**fused_patterns(fx_nodes), **mask_patterns(fx_nodes)}
+    b.fused = {**fused_patterns(fx_nodes), **mask_patterns(fx_nodes), **gelu_patterns(fx_nodes)}
     for n in fx_nodes:
         if n.op != "placeholder":
             continue

@@ -173,7 +173,19 @@ def overlap_collectives(graph: Graph) -> Graph:
     return graph.with_nodes([nodes[m] for m in order], outputs=[waits.get(o, o) for o in graph.outputs])
 
 
-def _mutable(graph, n, roots, pos, users, outs, members) -> bool:
+def _same_tensor(done, x, root) -> bool:
+    """Is ``x`` the tensor ``root`` itself: ``root``, or reached from it through in-place
+    updates only (``a.add_(b)`` returns ``a``: the same shape, strides and buffer), no view?
+    ``done``: the nodes before the one asking, as the in-place pass rewrote them."""
+    while x != root:
+        n = done[x]
+        if n.op not in IN_PLACE_OPS or not n.attr("inplace") or n.attr("async_op"):  # async: a handle
+            return False
+        x = n.inputs[0]
+    return True
+
+
+def _mutable(graph, n, roots, pos, users, outs, members, done) -> bool:
     """May ``n`` write into its first operand's buffer? Nothing reads the buffer after ``n``,
     no output lives in it, no other operand shares it, and it is the optimizer's own
     (a param or state updated in the optimizer phase) or a fresh contiguous value."""
@@ -184,7 +196,7 @@ def _mutable(graph, n, roots, pos, users, outs, members) -> bool:
         return False
     if src.op == "input" or src.op in MAYBE_VIEW_OPS or (src.op == "param" and n.phase != "optimizer"):
         return False
-    if n.op == "all_reduce" and (r != x or src.op in SOURCES):  # a fresh contiguous buffer
+    if n.op == "all_reduce" and (not _same_tensor(done, x, r) or src.op in SOURCES):  # a fresh contiguous buffer
         return False
     sharing = members[r]  # the values before n living in r's buffer
     if any(v in outs for v in sharing):
@@ -196,14 +208,15 @@ def in_place(graph: Graph) -> Graph:
     """``inplace=true`` on every collective and update that may reuse its operand's buffer."""
     outs, pos = set(graph.outputs), {n.name: i for i, n in enumerate(graph.nodes)}
     users, nodes, roots = graph.users(), [], {}  # roots: of the nodes before n (a later
-    members = {}                                    # alias reads the buffer after n anyway)
+    members, done = {}, {}                          # alias reads the buffer after n anyway)
     for n in graph.nodes:
         if n.op in IN_PLACE_OPS and not n.attr("inplace") and _mutable(graph, n, roots, pos, users, outs,
-                                                                        members):
+                                                                        members, done):
             n = n.with_attrs(inplace=True)
         roots[n.name] = roots[n.inputs[0]] if n.inputs and is_view(n) else n.name
         members.setdefault(roots[n.name], []).append(n.name)
         nodes.append(n)
+        done[n.name] = n
     return graph.with_nodes(nodes)
 
 

@@ -25,6 +25,7 @@ from types import SimpleNamespace
 
 from parcomp.errors import SpecError
 from parcomp.ir.graph import Graph, Node
+from parcomp.ir.liveness import attention_saved_bytes, stashed_attention, storage_roots
 from parcomp.ir.types import Mesh, TensorType
 from parcomp.spec.model import pattern_regex
 from parcomp.spec.train_options import start_recompute
@@ -50,7 +51,9 @@ class StagePrograms:
         recv, send: activation values received from / sent to the neighbouring stages.
         saved: values ``forward`` outputs for ``backward`` (stashed per microbatch).
         params: the trainable params of the stage (``grad.<p>`` accumulated over microbatches).
-        saved_bytes: bytes one microbatch's stash holds.
+        saved_bytes: bytes one microbatch's stash holds: ``saved``, and what an attention's
+            forward kernel keeps for the backward (its output and logsumexp,
+            :func:`_kernel_stash_bytes`).
         stats: with ``clip_grad_norm``, the program from the stage's summed, scaled gradients
             to its share of what every stage must agree on before the update: ``clip.norm_sq``,
             the sum of squares of the gradients it owns (a tied weight counted by the first
@@ -143,12 +146,26 @@ def stage_programs(stage, cfg, last: bool, reaching=None, owned=None, parts: int
     forward = Graph(tuple(fwd), tuple(f_outs), g.mesh, g.stage, tuple(f_names))
     bw_graph = Graph(tuple(_dedupe(sources + stash) + bwd), tuple(v for _, v in b_outs), g.mesh,
                      g.stage, tuple(k for k, _ in b_outs))
-    saved_bytes = sum(nodes[v].type.nbytes for v in saved)
+    saved_bytes = sum(nodes[v].type.nbytes for v in saved) + _kernel_stash_bytes(forward, bw_graph, saved)
     owned = params if owned is None else [p for p in params if p in owned]
     unsplit = replace(cfg, zero=0)  # the global update: zero=1's state split is stage_shard's
     return StagePrograms(stage.index, forward, bw_graph, _optimizer_graph(g, params, unsplit, parts),
                          stage.recv, stage.send, saved, tuple(params), saved_bytes,
                          _stats_graph(g, params, owned, cfg, parts))
+
+
+def _kernel_stash_bytes(forward: Graph, backward: Graph, saved) -> int:
+    """Bytes one microbatch's stash holds beside ``saved`` for the attentions whose forward
+    kernel keeps, for the stage's backward, its output and a logsumexp per query row
+    (:func:`parcomp.ir.liveness.stashed_attention`): the logsumexp, and the output where no
+    stashed value holds its buffer already (the output projection's input, a view of it in the
+    usual block: :func:`parcomp.ir.liveness.storage_roots`)."""
+    out, roots = 0, storage_roots(forward)
+    held = {roots[v] for v in saved}
+    for src in stashed_attention(forward, backward):
+        ty = forward[src].type
+        out += attention_saved_bytes(ty, ty.nbytes) + (0 if src in held else ty.nbytes)
+    return out
 
 
 def _lower(stage, cfg, last: bool) -> tuple:
