@@ -130,8 +130,9 @@ def test_mixtral_stage_runs_its_experts_on_the_routed_tokens_as_the_dense_stage(
 
     def backward(fn, fwd):
         saved = {k[len("saved."):]: v for k, v in fwd.items() if k.startswith("saved.")}
-        marks = (lambda name, value: None,) if fn.startswith("stage") else ()  # the dp buckets' hook
-        return ns[fn](p, {"grad.add_8": grad, "input_ids": ids, **saved}, *marks)
+        handed = {}  # the parameter gradients the stage's backward hands to ready (not returned)
+        marks = (handed.__setitem__,) if fn.startswith("stage") else ()  # the dp buckets' hook
+        return {**ns[fn](p, {"grad.add_8": grad, "input_ids": ids, **saved}, *marks), **handed}
 
     got, dense = backward("stage0_backward", out), backward("dense_backward", want)
     assert sorted(got) == sorted(dense) and any("experts" in k for k in got)

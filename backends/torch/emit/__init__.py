@@ -148,7 +148,8 @@ def step_function(prog, fn: str, doc: str, names=None, pop_inputs: bool = False,
     MoE statements on packed routed tokens (emit/moe_dropless.py); ``ready``: public output
     names handed, each right after the statement making it final, to a third argument
     ``ready(name, value)`` (a pipeline stage's parameter gradients: their dp buckets start inside
-    the backward); ``stash``: ``{node: key}``, attentions whose forward and backward are two
+    the backward); one no later statement reads is deleted after the call and not returned
+    (:func:`_handed_over`); ``stash``: ``{node: key}``, attentions whose forward and backward are two
     stage functions (:func:`.attention.stashed_forwards`): a forward ``sdpa`` returns its kernel's
     saved tensors as output ``saved.<key>`` (stashed per microbatch), the first ``sdpa_grad``
     reads them as input ``<key>`` and deletes them once read."""
@@ -158,6 +159,7 @@ def step_function(prog, fn: str, doc: str, names=None, pop_inputs: bool = False,
     for pub, v in prog.graph.named_outputs():
         if pub in ready:
             final.setdefault(v, []).append(pub)
+    handed = _handed_over(prog.graph, final)
     packed = dropless.lines if dropless is not None else {}
     if dropless is not None and (dropless.active or dropless.why):
         lines += comment_lines(dropless.comment(), "    ")
@@ -189,6 +191,8 @@ def step_function(prog, fn: str, doc: str, names=None, pop_inputs: bool = False,
             lines.append(f"    {var} = {take}{tail}")
             lines += [f"    {text}" for text in packed.get(n.name) or ()]  # a stashed MoE's route plan
             lines += [f"    ready({_json_str(pub)}, {var})" for pub in final.get(n.name, ())]
+            if n.name in handed:
+                lines.append(f"    del {var}")
             continue
         if op in _LAYOUT_OPS:
             lines += _layout_comment(program, n, prog.collective(n.name), names, n.name in packed)
@@ -217,11 +221,31 @@ def step_function(prog, fn: str, doc: str, names=None, pop_inputs: bool = False,
         if frees:
             lines.append("    del " + ", ".join(frees))
         lines += [f"    ready({_json_str(pub)}, {var})" for pub in final.get(n.name, ())]
-    ret = ", ".join([f"{json.dumps(pub)}: {names[v]}" for pub, v in program.named_outputs()]
+        if n.name in handed:
+            lines.append(f"    del {var}")
+    ret = ", ".join([f"{json.dumps(pub)}: {names[v]}" for pub, v in program.named_outputs() if v not in handed]
                     + [f"{_json_str('saved.' + key)}: {kept[v]}" for v, key in stash.items()
                        if program[v].op == "sdpa"])
     lines.append(f"    return {{{ret}}}")
     return "\n".join(lines)
+
+
+def _handed_over(program, final) -> set:
+    """The values of ``final`` (value -> its public names handed to ``ready``) that ``ready``
+    takes for good: every public name of the value is handed over and no statement after the
+    one making it reads it. The function deletes each after its ``ready`` and leaves it out of
+    its returned dict, so a microbatch's gradient, once added to the step's sums, is freed at
+    once rather than held until the backward returns (a third set of gradients at the peak)."""
+    if not final:
+        return set()
+    publics, made, last = {}, {}, {}
+    for _, v in program.named_outputs():
+        publics[v] = publics.get(v, 0) + 1
+    for i, n in enumerate(program.nodes):
+        made[n.name] = i
+        for v in n.inputs:
+            last[v] = i
+    return {v for v, pubs in final.items() if len(pubs) == publics[v] and last.get(v, -1) <= made[v]}
 
 
 def _popped_inputs(program) -> dict:

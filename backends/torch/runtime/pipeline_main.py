@@ -405,9 +405,9 @@ def step(k, state, p, data):
             if kind == "backward":
                 del stash[s, m]
                 ready, readied = grad_ready(sums, starts.pop(i, ()), started, dp_group)
-                out = BACKWARD[s](p, inp, ready)
-                for n in readied:  # already in the sums
-                    del out[n]
+                out = BACKWARD[s](p, inp, ready)  # what it handed to ready it does not return, but
+                for n in readied:  # a gradient a later statement reads: already in the sums
+                    out.pop(n, None)
             else:  # ZB-H1: the input gradient now; W reads the stash and the output gradients
                 out = BACKWARD_INPUT[s](p, dict(inp))  # W reads inp too
                 wstash[s, m] = {**inp, **{n[len("wstash."):]: v for n, v in out.items()
@@ -456,6 +456,15 @@ def step(k, state, p, data):
             reduce_over(loss, dp_group, k, "dp", DP_GROUPS)
         result["loss"] = loss * SCALE
     return result
+
+
+def host_copy(t):
+    """``t`` as ``--output`` writes it: on the host, copied only where it is a view of a larger
+    storage (torch.save writes a view's whole storage), so writing the outputs (the params and
+    gradients) does not hold a second copy of them all."""
+    t = t.detach().cpu()
+    whole = t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    return t if whole else t.clone()
 
 
 def parse_args(argv):
@@ -583,7 +592,7 @@ def run(args):
     result = {n: whole_value(v, SPLITS.get(n, [])) for n, v in result.items()}
     if args.output and first_of_stage():
         for t in STAGES[coord]:  # one rank per stage writes each (virtual) stage's file
-            torch.save({n: v.detach().cpu().clone() for n, v in result.items()}, f"{args.output}.stage{t}")
+            torch.save({n: host_copy(v) for n, v in result.items()}, f"{args.output}.stage{t}")
     if args.bench:  # every step from the same state: the time of one step, not a trajectory
         with torch.no_grad():
             bench(lambda params, inputs: step(first, state, params, inputs), p, batches[0], args.bench)
