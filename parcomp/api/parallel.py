@@ -223,10 +223,7 @@ class ParallelModule(nn.Module):
         full = {**_full_tensors(module), **progs.constants}
         self._shapes = {k: tuple(v.shape) for k, v in full.items()}  # the module's own (a fused weight's view differs)
         if sync_module_states:
-            for name in sorted(full):
-                t = full[name].detach().clone()
-                dist.broadcast(t, src=0)
-                full[name] = t
+            _sync_from_rank0(full, device)
         local = call(self._fwd, "load_params", full)
         self._param_names = [p["name"] for p in self._meta["params"]]
         self._trainable = {p["name"]: p["trainable"] and _requires_grad(module, p.get("part_of") or p["name"])
@@ -614,9 +611,32 @@ def _requires_grad(module, name):
 
 
 def _full_tensors(module) -> dict:
-    from ..frontends.torch.fold import module_sources
+    """The module's whole tensors that every rank holds alike: its ``state_dict`` and buffers.
+    The constants an import folded are left out: only rank 0 imports, and the program's own
+    come with the compiled programs (``Programs.constants``)."""
+    return {k: v.detach() for k, v in {**dict(module.named_buffers()), **module.state_dict()}.items()}
 
-    return {k: v.detach() for k, v in module_sources(module).items()}
+
+def _sync_from_rank0(full: dict, device) -> None:
+    """Replace each tensor of ``full`` (whole tensors, by name) with rank 0's, in place. The
+    names, shapes and dtypes are checked to agree first, so a rank whose module differs gets a
+    ParcompError (on every rank alike) instead of a mismatched broadcast."""
+    mine = {k: (tuple(v.shape), str(v.dtype)) for k, v in full.items()}
+    theirs = _broadcast(mine if dist.get_rank() == 0 else None)
+    diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+    bad = torch.tensor([dist.get_rank() + 1 if diff else 0], device=device)
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    if bad.item():
+        rank = bad.item() - 1
+        where = f"{diff[0]}: rank 0 holds {theirs.get(diff[0])}, rank {dist.get_rank()} {mine.get(diff[0])}" \
+            if diff else f"rank {rank}'s tensors differ from rank 0's"
+        raise ParcompError(f"sync_module_states: the module's tensors are not the same on every rank "
+                           f"({where}); build the same module on every rank, or pass "
+                           f"sync_module_states=False", where="module")
+    for name in sorted(full):
+        t = full[name].detach().clone()
+        dist.broadcast(t, src=0)
+        full[name] = t
 
 
 def _batch_scale(layout: str, mesh: dict) -> float:

@@ -13,6 +13,7 @@ from ..compile.compiler import compile_graph
 from ..errors import ParcompError, VerifyError
 from ..frontends.loader import load_model, pointing_into
 from ..frontends.model_file import ModelFile
+from ..ir.index_inputs import index_inputs
 from ..ir.text import print_graph
 from ..passes.moe_capacity import capacity_notes, spec_changes_capacity  # the spec's MoE capacity
 from ..passes.fused_weights import stored_to_parts  # multi-query part params
@@ -195,6 +196,19 @@ def require_ids_in_tables(graph, feeds: dict) -> None:
             raise ParcompError(f"{kind} {ids} holds {int(bad.sum())} id(s) outside the {rows} rows of "
                                f"embedding table {table} (the first, {int(x[tuple(at)])}, at {at}): {fix}",
                                where=ids)
+    # the inputs that reach a lookup through views or collectives, and cross-entropy labels
+    # (ignore_index allowed): the bounds program.py checks at load (parcomp.ir.index_inputs)
+    for name, (size, ignore, what) in index_inputs(graph).items():
+        if name not in feeds:
+            continue
+        x = np.asarray(feeds[name])
+        bad = ((x < 0) | (x >= size)) & (x != ignore if ignore is not None else True)
+        if bad.any():
+            at = [int(i) for i in np.argwhere(bad)[0]]
+            allowed = f"[0, {size})" + (f" or {ignore} (ignore_index)" if ignore is not None else "")
+            raise ParcompError(f"input {name} holds {int(bad.sum())} value(s) outside the {what} of size "
+                               f"{size} (the first, {int(x[tuple(at)])}, at {at}): give values in {allowed}",
+                               where=name)
 
 
 def reference_outputs(graph, module, example, feeds) -> dict:

@@ -373,3 +373,38 @@ def loss_parallel_equal(rank, world, cache_dir=None):
     return {"layout": par.output_layouts()["logits"], "local_shape": list(logits.shape),
             "loss": loss.item(), "want": want.item(), "grad_err": grad_err,
             "compared": len([k for k, _ in ref.named_parameters() if k in grads])}
+
+
+def moe_lm_synced_equal(rank, world, cache_dir=None):
+    """transformers' Mixtral (specs/models.py:mixtral_lm) under specs/mixtral_lm_ep2_train.pcs
+    with the default ``sync_module_states=True``: rank 1 starts from other weights, so the
+    logits and gradients equal the unsharded model's only if rank 0's weights reach it."""
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(root / "specs"))
+    import models
+
+    model, (ids,), _ = models.mixtral_lm()
+    ref = copy.deepcopy(model)
+    if rank != 0:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+    labels = torch.randint(0, 64, ids.shape, generator=torch.Generator().manual_seed(1))
+
+    def loss_of(logits, labels):
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+    ref_logits = ref(ids).logits
+    loss_of(ref_logits, labels).backward()
+    ref_grads = {k: p.grad for k, p in ref.named_parameters()}
+    par = parcomp.parallelize(model, (ids,), str(root / "specs" / "mixtral_lm_ep2_train.pcs"), cache_dir=cache_dir)
+    logits = par(ids.chunk(world)[rank])["logits"]  # the spec names no output: [R], every row
+    loss_of(logits, labels).backward()
+    full = par.full_grads()
+    return {"logits_err": (logits - ref_logits).abs().max().item(), "layouts": par.output_layouts(),
+            "grad_err": max(((full[k] - g).abs().max() / g.abs().max()).item() for k, g in ref_grads.items()
+                            if k in full),
+            "compared": len([k for k in ref_grads if k in full]), "params": len(ref_grads)}

@@ -149,3 +149,12 @@ def test_a_pipeline_spec_is_refused_with_the_way_out(tmp_path):
     spec = "mesh pp=2\ntrain loss=mse optimizer=sgd(lr=0.1) microbatches=2\n"
     with pytest.raises(ParcompError, match=r"pp axis \(pp=2\).*parcomp compile"):
         compile_for(small_mlp(), (torch.randn(4, 3, 16),), spec, cache=tmp_path)
+
+
+@pytest.mark.slow
+def test_an_expert_parallel_moe_lm_starts_from_rank_0s_weights(tmp_path):
+    # the default sync_module_states=True: rank 1's own weights differ, rank 0's are broadcast
+    results = run_ranks("api_workers:moe_lm_synced_equal", 2, cache_dir=str(tmp_path))
+    for r in results:
+        assert r["compared"] == r["params"], r
+        assert r["logits_err"] <= 1e-5 and r["grad_err"] <= 1e-5, r

@@ -46,6 +46,9 @@ MESH = {"tp": 2}  # mesh axes in order; ranks are row-major
 GROUP_RANKS = {"tp": [[0, 1]]}  # each axis's rank groups, in coordinate order
 PARAMS = ("c_fc.weight", "c_fc.bias", "c_proj.weight", "c_proj.bias")
 INPUTS = ("x",)
+# inputs that index a table: {name: [size, ignore_index or None, what]}; values outside
+# 0..size-1 are refused at load (take, SampleSlice.read) as torch would raise
+INDEX_BOUNDS = {}
 OUTPUT_LAYOUTS = {"output": "[R]"}
 OUTPUT_GLOBAL_SHAPES = {"output": [2, 8, 32]}
 SHARDED_OUTPUT = False  # True: every rank writes its own slices
@@ -390,7 +393,28 @@ def take(tensors, name, shape, dtype):
         fail(f"{what} {name!r} in {source} has dtype {t.dtype}, but the program was compiled for "
              f"{dtype}; nothing is cast: save it as {dtype} (tensor.to({dtype})) or compile a "
              f"model whose {what} is {t.dtype}")
+    if what == "input":
+        check_index_range(name, t, FILES.get("input", "the input file"))
     return t
+
+
+def check_index_range(name, t, source):
+    """Exit 2 where input ``name`` indexes a table (INDEX_BOUNDS: token ids of an embedding,
+    cross-entropy labels) and a value of ``t`` (a host tensor) lies outside it: torch raises
+    there, a vocab-split lookup would give zero rows. One min/max on the host, no device sync."""
+    bound = INDEX_BOUNDS.get(name)
+    if bound is None or t.numel() == 0:
+        return
+    size, ignore, what = bound
+    kept = t if ignore is None else t[t != ignore]
+    if kept.numel() == 0:
+        return
+    low, high = int(kept.min()), int(kept.max())
+    if low < 0 or high >= size:
+        bad = low if low < 0 else high
+        allowed = f"0..{size - 1}" + (f" or {ignore} (ignore_index)" if ignore is not None else "")
+        fail(f"input {name!r} in {source} holds {bad}, outside the {what} of size {size} "
+             f"(allowed: {allowed})")
 
 
 def whole(t):

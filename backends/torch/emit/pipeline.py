@@ -31,6 +31,7 @@ from dataclasses import replace
 
 from parcomp.compile.program import MAX_STEPS, ParcompError, format_placement, placement_table
 
+from parcomp.ir.index_inputs import index_inputs
 from parcomp.ir.types import DTYPE_BYTES, Replicate
 
 from parcomp.ir.ops import COLLECTIVES
@@ -435,7 +436,9 @@ def emit_pipeline_program(program, model, code, profile="cpu", constants=()) -> 
     stored, order, aliases = _load_facts(plan)
     consts += [f"PARAMS = {tuple(full_params) + tuple(sorted(state))!r}"
                "  # every stage's params and optimizer state (a rank loads its stages' only)",
-               f"INPUTS = {tuple(full_inputs)!r}", "OUTPUT_LAYOUTS = {}", "OUTPUT_GLOBAL_SHAPES = {}",
+               f"INPUTS = {tuple(full_inputs)!r}", f"INDEX_BOUNDS = {_index_bounds(plan)!r}"
+               "  # inputs that index a table: [size, ignore_index or None, what]",
+               "OUTPUT_LAYOUTS = {}", "OUTPUT_GLOBAL_SHAPES = {}",
                "SHARDED_OUTPUT = False", f"RUN_HINT = {_run_hint(mesh)!r}",
                f"STAGE_PARAMS = {params!r}", f"STATE_SHAPES = {state!r}", f"BATCH_INPUTS = {batch!r}",
                "# what --checkpoint and --input must hold: full (unsharded) shapes and dtypes;",
@@ -500,3 +503,16 @@ def emit_pipeline_program(program, model, code, profile="cpu", constants=()) -> 
             _TRAIN["step_count"], _TRAIN["input_args"], _TRAIN["data"], _TRAIN["replay"], _TRAIN["stop"],
             _COMMON["main"], _PIPELINE, _COMMON["entry"]]
     return "\n\n\n".join(body) + "\n"
+
+
+def _index_bounds(plan) -> dict:
+    """{input name: [size, ignore_index or None, what]} over every stage's graphs (the ids at
+    the first stage's embedding, the labels at the last stage's loss); the smallest bound wins."""
+    found = {}
+    for st in plan.stages:
+        for g in (st.forward, st.backward):
+            for name, bound in index_inputs(g).items():
+                if name not in found or bound[0] < found[name][0]:
+                    found[name] = list(bound)
+    return found
+

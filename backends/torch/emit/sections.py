@@ -14,6 +14,7 @@ import textwrap
 
 from parcomp.version import __version__ as PARCOMP_VERSION
 from parcomp.compile.program import MAX_STEPS, plural
+from parcomp.ir.index_inputs import index_inputs
 from parcomp.ir.ops import LAYOUT_OPS
 from parcomp.ir.types import DTYPE_SHORT, Partial, Replicate, layout_str, shard_axes
 
@@ -186,6 +187,9 @@ def constants_section(prog, train) -> str:
         f"GROUP_RANKS = {json.dumps(groups)}  # each axis's rank groups, in coordinate order",
         f"PARAMS = {_py_tuple(n.name for n in program.params)}",
         f"INPUTS = {_py_tuple(n.name for n in _data_inputs(program, train))}",
+        "# inputs that index a table: {name: [size, ignore_index or None, what]}; values outside",
+        "# 0..size-1 are refused at load (take, SampleSlice.read) as torch would raise",
+        f"INDEX_BOUNDS = {({k: list(v) for k, v in index_inputs(program).items()})!r}",
         f"OUTPUT_LAYOUTS = {json.dumps({pub: layout_str(program[v].layout) for pub, v in outs})}",
         "OUTPUT_GLOBAL_SHAPES = " + json.dumps(
             {pub: list(_global_shape(program, program[v])) for pub, v in outs}),

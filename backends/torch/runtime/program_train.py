@@ -126,6 +126,7 @@ class SampleSlice(Slice):
         out = torch.stack(parts) if parts else torch.empty((0, *self.shape[1:]), dtype=self.dtype)
         for d, (first, size) in list(enumerate(self.ranges))[1:]:
             out = out.narrow(d, first, size)
+        check_index_range(self.name, out, f"--data {self.batch.source.target} (step {self.batch.step})")
         return torch.empty(out.shape, dtype=out.dtype).copy_(out)
 
 
