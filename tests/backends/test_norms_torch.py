@@ -105,9 +105,10 @@ return %y as output
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_layer_norm_gradients_are_one_fused_backward_in_the_step_and_equal_autograd(tmp_path, dtype):
     """A training step of LayerNorm -> Linear: the layer norm's dx, dweight and dbias come from
-    one ``layer_norm_grads`` statement (one native_layer_norm for mean/rstd, one
-    native_layer_norm_backward with its output mask, as autograd runs it), not dx alone plus
-    a layer_norm of x, a mul and two sums; every gradient equals torch's autograd."""
+    one ``layer_norm_grads`` statement (one native_layer_norm_backward with its output mask, as
+    autograd runs it, on the mean and rstd the forward's kernel kept), not dx alone plus a
+    layer_norm of x, a mul and two sums; the memory report counts the kept mean and rstd;
+    every gradient equals torch's autograd."""
     import importlib.util
 
     from parcomp_backends.torch.emit import RUNTIME_MARK, emit_program
@@ -116,8 +117,15 @@ def test_layer_norm_gradients_are_one_fused_backward_in_the_step_and_equal_autog
     c = compile_graph(parse_graph(LN_MODEL.format(t=short)), spec("mesh tp=1\ntrain loss=mse optimizer=sgd(lr=0.1)\n"))
     text = emit_program(c, "cpu")
     step = text.split("def train_step")[1].split(RUNTIME_MARK)[0]
-    assert step.count(" = layer_norm_grads(") == 1, step
-    assert step.count("torch.nn.functional.layer_norm(") == 1 and "norm_grad(" not in step  # the forward's
+    assert step.count(" = layer_norm_grads(") == 1 and step.count("saved=h_saved)") == 1, step
+    assert step.count("h, h_saved = layer_norm_forward(") == 1 and "del h_saved" in step
+    assert "torch.nn.functional.layer_norm(" not in step and "norm_grad(" not in step
+    from parcomp.ir.liveness import layer_norm_saved_bytes, saved_layer_norm
+
+    forward = c.program_.graph
+    assert list(saved_layer_norm(forward)) == ["h"]
+    width = {"float64": 8, "float32": 4}[dtype]
+    assert layer_norm_saved_bytes(forward["h"].type, forward["h"].type.nbytes) == 4 * 6 * 2 * width
     (tmp_path / "program.py").write_text(text)
     mod_spec = importlib.util.spec_from_file_location("parcomp_layer_norm_program", tmp_path / "program.py")
     program = importlib.util.module_from_spec(mod_spec)
@@ -136,8 +144,8 @@ def test_layer_norm_gradients_are_one_fused_backward_in_the_step_and_equal_autog
 
     with Record(), torch.no_grad():
         out = program.train_step(params, inputs)
-    # the forward's layer_norm and the backward's native_layer_norm (mean, rstd) + its backward
-    assert ops.count("native_layer_norm") == 2 and ops.count("native_layer_norm_backward") == 1, ops
+    # the forward's layer_norm and its backward: mean and rstd not computed again
+    assert ops.count("native_layer_norm") == 1 and ops.count("native_layer_norm_backward") == 1, ops
     x = feeds["x"].clone().requires_grad_(True)
     w, b, fw = (feeds[k].clone().requires_grad_(True) for k in ("ln.weight", "ln.bias", "fc.weight"))
     y = torch.nn.functional.layer_norm(x, (16,), w, b, 1e-5) @ fw.T

@@ -7,6 +7,7 @@ of ``COORD``); :func:`runtime_sections` the helpers (``program_norms.py``) a pro
 """
 from __future__ import annotations
 
+from parcomp.ir.liveness import saved_layer_norm
 from parcomp.ir.types import shard_axes
 
 from ..runtime import sections
@@ -26,8 +27,8 @@ NORM_FORMATS = {
 NEEDS_RUNTIME = ("layer_norm_grad", "rms_norm_grad", "dropout", "embedding", "embedding_grad")
 NORM_RUNTIME = sections("program_norms")["norms"]
 HELPER_NAMES = ("M32", "mul32", "mix32", "dropout_keep", "dropout_by_index", "norm_grad",
-                "layer_norm_grads", "embedding_rows", "embedding_grad_rows")
-_JOINT_FORMAT = "layer_norm_grads({0}, {1}, {2}, {eps}, {mask})"
+                "layer_norm_forward", "layer_norm_grads", "embedding_rows", "embedding_grad_rows")
+_JOINT_FORMAT = "layer_norm_grads({0}, {1}, {2}, {eps}, {mask}{saved})"
 _PER_NODE = ("frees", "bucket")  # attributes that leave a node's value as it is
 
 
@@ -95,11 +96,40 @@ class NormJoint:
     def __init__(self, at, grads, skipped, inputs, eps):
         self.at, self.grads, self.skipped, self.inputs, self.eps = at, grads, skipped, inputs, eps
 
-    def code(self, var_of) -> str:
-        """The statement ``dx, dw, db = layer_norm_grads(...)`` (only the wanted targets)."""
+    def code(self, var_of, saved=None) -> str:
+        """The statement ``dx, dw, db = layer_norm_grads(...)`` (only the wanted targets);
+        ``saved``: the variable of the forward's kept (mean, rstd), or None."""
         targets = ", ".join(var_of(g) for g in self.grads if g is not None)
         mask = "(" + ", ".join(str(g is not None) for g in self.grads) + ")"
-        return f"{targets} = " + _JOINT_FORMAT.format(*map(var_of, self.inputs), eps=repr(self.eps), mask=mask)
+        return f"{targets} = " + _JOINT_FORMAT.format(*map(var_of, self.inputs), eps=repr(self.eps), mask=mask,
+                                                      saved="" if saved is None else f", saved={saved}")
+
+
+def kept_norm_stats(program) -> dict:
+    """``{layer_norm name: joint first node}`` and back: the forward layer norms of ``program``
+    whose kernel's mean and rstd the step keeps for their gradients' joint statement
+    (:func:`parcomp.ir.liveness.saved_layer_norm`, :func:`joint_norm_grads`). The forward prints
+    ``y, y_saved = layer_norm_forward(...)``, the joint statement reads ``saved=y_saved`` and
+    deletes it; elsewhere (a pipeline stage's backward function, a dx alone) the backward
+    computes them again."""
+    return program.memo("emit_norms.kept_norm_stats", _kept_norm_stats)
+
+
+def _kept_norm_stats(program):
+    joint, out = joint_norm_grads(program), {}
+    index = {n.name: i for i, n in enumerate(program.nodes)}
+    for fwd, grad in saved_layer_norm(program).items():
+        j = joint.get(grad)
+        if j is not None and j.grads[0] == grad and index[fwd] < index[j.at] and _plain(program[fwd]) \
+                and fwd not in joint:
+            out[fwd], out[j.at] = j.at, fwd
+    return out
+
+
+def layer_norm_forward_code(n, args, saved) -> str:
+    """The statement of forward ``layer_norm`` ``n`` keeping its kernel's (mean, rstd) in ``saved``."""
+    w, b = (list(args[1:]) + ["None", "None"])[:2]
+    return f"{saved} = layer_norm_forward({args[0]}, {w}, {b}, {float(n.attr('eps'))!r})"
 
 
 def joint_norm_grads(program) -> dict:
