@@ -20,6 +20,7 @@ from ..passes.fused_weights import stored_to_parts  # multi-query part params
 from ..reference.numpy_ops import run_unsharded
 from ..report.report import format_collectives
 from ..spec import load_spec
+from ..units import plural
 
 
 def compile_model(args, after=None, numeric: str | None = None):
@@ -28,8 +29,14 @@ def compile_model(args, after=None, numeric: str | None = None):
     dtypes numpy cannot compute in (:func:`require_numpy_dtypes`)."""
     # args.model / args.spec: a reference and a path, or (parcomp.check from Python) the model
     # already imported, (graph, module, example), and a parsed Spec
-    graph, module, example = load_model(args.model) if isinstance(args.model, str) else args.model
+    # the spec first: its errors (a missing file, a bad line, --nproc against its mesh) come
+    # before the model's import, which can take a while
     spec = load_spec(args.spec) if isinstance(args.spec, str) else args.spec
+    nproc = getattr(args, "nproc", None)
+    if isinstance(nproc, int) and nproc != spec.mesh.size:
+        raise ParcompError(f"--nproc {nproc} but the spec's mesh {spec.mesh} has "
+                           f"{plural(spec.mesh.size, 'rank')}", where="--nproc")
+    graph, module, example = load_model(args.model) if isinstance(args.model, str) else args.model
     with pointing_into(args.model if isinstance(args.model, str) else "<module>"):  # a .pcir model: at its line
         if numeric:
             require_numpy_dtypes(graph, numeric)

@@ -480,3 +480,20 @@ def test_package_module_in_the_current_directory_needs_no_pythonpath(tmp_path, m
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
     assert main(["check", "cwd_models_pkg.zoo:relu", "--spec", "s.pcs"]) == 0, capsys.readouterr().err
     assert str(tmp_path) not in sys.path  # only for that import
+
+
+def test_spec_errors_come_before_the_model_is_imported(tmp_path, capsys):
+    """A missing spec file and ``--nproc`` against the spec's mesh are found before the model's
+    import (which can take a while on a real model)."""
+    model = write(tmp_path, "m.py", (
+        "import sys, torch\n"
+        "sys.stderr.write('model imported\\n')\n"
+        "def make():\n"
+        "    return torch.nn.Linear(4, 4), (torch.ones(2, 4),)\n"))
+    spec = write(tmp_path, "s.pcs", "mesh tp=2\nweight colwise\n")
+    assert main(["run", f"{model}:make", "--spec", spec, "--nproc", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "--nproc 3 but the spec's mesh tp=2 has 2 ranks" in err and "model imported" not in err
+    assert main(["check", f"{model}:make", "--spec", str(tmp_path / "none.pcs")]) == 2
+    err = capsys.readouterr().err
+    assert "none.pcs" in err and "does not exist" in err and "model imported" not in err
