@@ -9,7 +9,8 @@ Two estimates, both per rank, in bytes:
   plus, for an attention whose gradients the step computes, the float32 logsumexp per query
   row its fused kernel keeps for its backward (:func:`parcomp.ir.liveness.saved_attention`;
   the output it keeps too is the buffer the output projection's weight gradient reads
-  through views, already counted there).
+  through views, already counted there), and for a layer norm whose dx it computes, the mean
+  and rstd per row its kernel keeps (:func:`parcomp.ir.liveness.saved_layer_norm`).
 - **peak** (what the compiled plan is checked against): the Program's liveness peak,
   ``report["memory_bytes_per_rank"]["peak_live"]`` (:func:`parcomp.ir.liveness.peak_bytes`),
   the same model the interpreter and program.py's ``del`` lines follow.
@@ -25,7 +26,7 @@ import re
 import numpy as np
 
 from ..errors import ParcompError
-from ..ir.liveness import attention_saved_bytes, saved_attention
+from ..ir.liveness import attention_saved_bytes, layer_norm_saved_bytes, saved_attention, saved_layer_norm
 from ..ir.types import DTYPE_BYTES, local_shape
 from ..units import format_bytes
 
@@ -73,16 +74,17 @@ def resident_values(graph) -> list:
 
 
 def kernel_saved(graph) -> list:
-    """Names of the ``sdpa`` values whose fused kernel keeps a logsumexp for the backward
-    (:func:`kernel_saved_bytes`)."""
-    return list(saved_attention(graph))
+    """Names of the ``sdpa`` values whose fused kernel keeps a logsumexp for the backward, and of
+    the ``layer_norm`` values whose kernel keeps a mean and rstd per row (:func:`kernel_saved_bytes`)."""
+    return list(saved_attention(graph)) + list(saved_layer_norm(graph))
 
 
 def kernel_saved_bytes(graph, name, layout) -> int:
-    """Bytes per rank of the logsumexp the kernel of ``sdpa`` ``name`` keeps, its output in
-    ``layout``: float32, one per query row."""
+    """Bytes per rank of what the kernel of ``sdpa`` / ``layer_norm`` ``name`` keeps, its output in
+    ``layout``: a float32 logsumexp per query row; a mean and rstd per row."""
     ty = graph[name].type
-    return attention_saved_bytes(ty, local_bytes(ty, layout, graph.mesh))
+    saved = layer_norm_saved_bytes if graph[name].op == "layer_norm" else attention_saved_bytes
+    return saved(ty, local_bytes(ty, layout, graph.mesh))
 
 
 def resident_bytes(graph, layouts: dict) -> int:

@@ -130,6 +130,31 @@ def _paired_attention(nodes) -> dict:
             if len({g.attr("wrt") for g in nodes}) == len(nodes)}
 
 
+def saved_layer_norm(graph: Graph) -> dict:
+    """``{layer_norm name: layer_norm_grad name}``: each forward ``layer_norm`` with a weight
+    whose dx ``graph`` also computes (a ``layer_norm_grad`` with a weight after it on the same x
+    and eps; of two such forwards, the later: a recomputation), with that node. A backend may keep,
+    from such a forward to that node, the mean and rstd per row its kernel computes instead of
+    computing them again (:func:`layer_norm_saved_bytes`)."""
+    fwd, out = {}, {}
+    for n in graph.nodes:
+        if n.op == "layer_norm" and len(n.inputs) > 1:
+            fwd[n.inputs[0], n.attr("eps")] = n.name  # the last before the gradient: a recomputed one
+        elif n.op == "layer_norm_grad" and len(n.inputs) == 3:
+            src = fwd.get((n.inputs[1], n.attr("eps")))
+            if src is not None and src not in out:
+                out[src] = n.name
+    return out
+
+
+def layer_norm_saved_bytes(ty, nbytes: int) -> int:
+    """The bytes of the mean and rstd a layer norm kernel keeps beside an output of type ``ty``
+    of which a rank holds ``nbytes``: two per row (each row: the last dim), in float32 or the
+    wider dtype of ``ty`` (torch's accumulation type)."""
+    width = DTYPE_BYTES[ty.dtype]
+    return nbytes // (ty.shape[-1] * width) * 2 * max(4, width)
+
+
 def attention_saved_bytes(ty, nbytes: int) -> int:
     """The bytes of the logsumexp a fused attention kernel keeps beside an sdpa output of
     type ``ty`` (``[batch, heads, seq, head_dim]``) of which a rank holds ``nbytes``: float32,

@@ -19,12 +19,14 @@ def memory(program, model_params) -> dict:
     values computed before the backward pass (phase ``forward`` or ``loss``, not
     params) that a backward node reads: what autograd would keep alive between
     forward and backward, plus the float32 logsumexp per query row an attention's fused
-    kernel keeps for its backward (:func:`parcomp.ir.liveness.saved_attention`; not in
+    kernel keeps for its backward (:func:`parcomp.ir.liveness.saved_attention`) and the mean and
+    rstd per row of a layer norm's (:func:`parcomp.ir.liveness.saved_layer_norm`; not in
     ``peak_live``, which counts graph values only). ``peak_live`` is the most bytes live at once while the
     (lowered) program runs, by the liveness the interpreter and program.py's ``del``
     lines follow (:func:`parcomp.ir.liveness.peak_bytes`).
     """
-    from ..ir.liveness import attention_saved_bytes, peak_bytes, saved_attention
+    from ..ir.liveness import (attention_saved_bytes, layer_norm_saved_bytes, peak_bytes, saved_attention,
+                               saved_layer_norm)
 
     graph, phase = program.graph, program.phases
     # the values some backward node reads (what read_by_backward asked of each value's users)
@@ -39,6 +41,8 @@ def memory(program, model_params) -> dict:
     saved += [n.name for n in graph.inputs if n.name in read_by_backward]
     # an attention's fused kernel keeps its logsumexp for the backward (program.py's attention_forward)
     kernel = sum(attention_saved_bytes(graph[v].type, graph[v].type.nbytes) for v in saved_attention(graph))
+    # a layer norm's kernel keeps its mean and rstd per row (program.py's layer_norm_forward)
+    kernel += sum(layer_norm_saved_bytes(graph[v].type, graph[v].type.nbytes) for v in saved_layer_norm(graph))
     return {"weights": nbytes(p for p in model_params if p in graph),
             "gradients": nbytes(grads),
             "optimizer_state": nbytes(n.name for n in graph.params if n.name not in model_params),

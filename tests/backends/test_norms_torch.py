@@ -89,6 +89,72 @@ def test_layer_norm_grad_helper_runs_torch_fused_backward_kernel():
     torch.testing.assert_close(dr, xr.grad, rtol=1e-5, atol=1e-5)
 
 
+
+LN_MODEL = """\
+%x: {t}[4,6,16] = input()
+%ln.weight: {t}[16] = param()
+%ln.bias: {t}[16] = param()
+%h: {t}[4,6,16] = layer_norm(%x, %ln.weight, %ln.bias) {{eps=1e-05}}
+%fc.weight: {t}[8,16] = param()
+%fc.wt: {t}[16,8] = permute(%fc.weight) {{perm=(1, 0)}}
+%y: {t}[4,6,8] = matmul(%h, %fc.wt)
+return %y as output
+"""
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_layer_norm_gradients_are_one_fused_backward_in_the_step_and_equal_autograd(tmp_path, dtype):
+    """A training step of LayerNorm -> Linear: the layer norm's dx, dweight and dbias come from
+    one ``layer_norm_grads`` statement (one native_layer_norm_backward with its output mask, as
+    autograd runs it, on the mean and rstd the forward's kernel kept), not dx alone plus a
+    layer_norm of x, a mul and two sums; the memory report counts the kept mean and rstd;
+    every gradient equals torch's autograd."""
+    import importlib.util
+
+    from parcomp_backends.torch.emit import RUNTIME_MARK, emit_program
+
+    short = {"float64": "f64", "float32": "f32"}[dtype]
+    c = compile_graph(parse_graph(LN_MODEL.format(t=short)), spec("mesh tp=1\ntrain loss=mse optimizer=sgd(lr=0.1)\n"))
+    text = emit_program(c, "cpu")
+    step = text.split("def train_step")[1].split(RUNTIME_MARK)[0]
+    assert step.count(" = layer_norm_grads(") == 1 and step.count("saved=h_saved)") == 1, step
+    assert step.count("h, h_saved = layer_norm_forward(") == 1 and "del h_saved" in step
+    assert "torch.nn.functional.layer_norm(" not in step and "norm_grad(" not in step
+    from parcomp.ir.liveness import layer_norm_saved_bytes, saved_layer_norm
+
+    forward = c.program_.graph
+    assert list(saved_layer_norm(forward)) == ["h"]
+    width = {"float64": 8, "float32": 4}[dtype]
+    assert layer_norm_saved_bytes(forward["h"].type, forward["h"].type.nbytes) == 4 * 6 * 2 * width
+    (tmp_path / "program.py").write_text(text)
+    mod_spec = importlib.util.spec_from_file_location("parcomp_layer_norm_program", tmp_path / "program.py")
+    program = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(program)
+    rng = np.random.default_rng(0)
+    feeds = {n.name: torch.from_numpy(rng.standard_normal(n.type.shape).astype(dtype))
+             for n in c.logical.nodes if n.op in ("input", "param")}
+    params = {n.name: feeds[n.name].clone() for n in c.logical.params}
+    inputs = {n.name: feeds[n.name].clone() for n in c.logical.inputs}
+    ops = []
+
+    class Record(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Record(), torch.no_grad():
+        out = program.train_step(params, inputs)
+    # the forward's layer_norm and its backward: mean and rstd not computed again
+    assert ops.count("native_layer_norm") == 1 and ops.count("native_layer_norm_backward") == 1, ops
+    x = feeds["x"].clone().requires_grad_(True)
+    w, b, fw = (feeds[k].clone().requires_grad_(True) for k in ("ln.weight", "ln.bias", "fc.weight"))
+    y = torch.nn.functional.layer_norm(x, (16,), w, b, 1e-5) @ fw.T
+    torch.nn.functional.mse_loss(y, feeds["target"]).backward()
+    tol = {"float64": 1e-12, "float32": 1e-5}[dtype]
+    for name, t in (("x", x), ("ln.weight", w), ("ln.bias", b), ("fc.weight", fw)):
+        torch.testing.assert_close(out[name + ".grad"], t.grad, rtol=tol, atol=tol * float(t.grad.abs().max()))
+
+
 # --- tied input/output embeddings (GPT-2's lm_head.weight is wte.weight) -------------------
 
 def _tied_module():

@@ -146,7 +146,17 @@ def _plain_saved(program) -> int:
     saved = [n.name for n in graph.nodes if n.op not in ("input", "param")
              and phase[n.name] in ("forward", "loss") and read_by_backward(n.name)]
     saved += [n.name for n in graph.inputs if read_by_backward(n.name)]
-    return int(sum(graph[n].type.nbytes for n in set(saved)))
+    # and what fused kernels keep for the backward: an attention's float32 logsumexp per query
+    # row, a layer norm's mean and rstd per row (float32 or wider)
+    from parcomp.ir.liveness import saved_attention, saved_layer_norm
+    from parcomp.ir.types import DTYPE_BYTES
+
+    def rows(t):
+        return int(t.nbytes) // t.shape[-1] // DTYPE_BYTES[t.dtype]
+
+    kernel = sum(rows(graph[v].type) * 4 for v in saved_attention(graph))
+    kernel += sum(rows(graph[v].type) * 2 * max(4, DTYPE_BYTES[graph[v].type.dtype]) for v in saved_layer_norm(graph))
+    return int(sum(graph[n].type.nbytes for n in set(saved))) + kernel
 
 
 def test_program_and_report_facts_are_the_plain_ones(compiled):

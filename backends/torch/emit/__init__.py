@@ -37,7 +37,7 @@ from .attention import attention_sections, joint_grads, joint_targets, saved_for
 from .cp_ring import ring_comment, ring_sections
 from .moe import moe_sections
 from .moe_dropless import DROPLESS_EXCHANGE, dropless_plan
-from .norms import runtime_sections
+from .norms import joint_norm_grads, kept_norm_stats, layer_norm_forward_code, runtime_sections
 from .reduce import reduce_sections
 # the per-node text and the other sections (re-exported: callers import them from here)
 from ..profiles import get_profile
@@ -174,6 +174,13 @@ def step_function(prog, fn: str, doc: str, names=None, pop_inputs: bool = False,
         taken = set(names.values()) | set(kept.values())
         kept = {**kept, **{n: saved_name(names[n], taken) for n in stash}}
     block = program if program.stage == "local" else None  # per-rank: block offsets read COORD
+    norm_joint = joint_norm_grads(program)  # a layer norm's gradients in one statement (emit/norms.py)
+    unmade = {names[s] for j in norm_joint.values() for s in j.skipped}  # values no statement makes
+    norm_stats = kept_norm_stats(program)  # forward layer norms keeping (mean, rstd) for that statement
+    if norm_stats:
+        taken = set(names.values()) | set(kept.values())
+        norm_stats = {n: saved_name(names[n if program[n].op == "layer_norm" else norm_stats[n]], taken)
+                      for n in norm_stats}
     tails = {}  # (id(layout), id(type)) -> "  # [S(0), R] f32[8,32]": nodes share these objects
     for n in program.nodes:
         op = n.op
@@ -197,8 +204,14 @@ def step_function(prog, fn: str, doc: str, names=None, pop_inputs: bool = False,
         if op in _LAYOUT_OPS:
             lines += _layout_comment(program, n, prog.collective(n.name), names, n.name in packed)
         first, parts = joint_grads(program).get(n.name, (None, None))
+        joint = norm_joint.get(n.name)
         if first is not None and first != n.name:
             lines.append(f"    # {var}: computed above with {names[first]} (one backward of the attention)")
+        elif joint is not None and n.name in joint.skipped:
+            lines.append(f"    # {var}: not needed (the layer norm's backward at {names[joint.at]} "
+                         "gives its weight gradient)")
+        elif joint is not None and joint.at != n.name:
+            lines.append(f"    # {var}: computed above with {names[joint.at]} (one backward of the layer norm)")
         else:
             lines += [c for text in ring_comment(prog, n, n.name in kept) for c in comment_lines(text, "    ")]
         if packed.get(n.name) is not None:  # an MoE statement on the routed tokens only
@@ -212,10 +225,20 @@ def step_function(prog, fn: str, doc: str, names=None, pop_inputs: bool = False,
         elif n.name in kept:  # a forward attention keeping what its backward reads
             lines.append(f"    {var}, {kept[n.name]} = "
                          f"{node_code(n, list(map(var_of, n.inputs)), block, saved=kept[n.name])}{tail}")
+        elif joint is not None:  # one layer norm's gradients in one statement, at the first
+            if joint.at == n.name:
+                lines.append(f"    {joint.code(var_of, norm_stats.get(n.name))}{tail}")
+        elif n.name in norm_stats:  # a forward layer norm keeping its kernel's mean and rstd
+            lines.append(f"    {var}, {layer_norm_forward_code(n, list(map(var_of, n.inputs)), norm_stats[n.name])}"
+                         f"{tail}")
         elif first is None:
             lines.append(f"    {var} = {node_code(n, list(map(var_of, n.inputs)), block)}{tail}")
         frees = list(map(var_of, n.attr("frees").split())) if n.attr("frees") else []
         frees += map(var_of, popped.get(n.name, []))
+        if unmade:
+            frees = [v for v in frees if v not in unmade]
+        if joint is not None and joint.at == n.name and n.name in norm_stats:  # the kept mean, rstd, read
+            frees.append(norm_stats[n.name])
         if first == n.name and n.name in kept:  # the kernel's saved tensors, read
             frees.append(kept[n.name])
         if frees:

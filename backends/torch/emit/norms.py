@@ -7,6 +7,7 @@ of ``COORD``); :func:`runtime_sections` the helpers (``program_norms.py``) a pro
 """
 from __future__ import annotations
 
+from parcomp.ir.liveness import saved_layer_norm
 from parcomp.ir.types import shard_axes
 
 from ..runtime import sections
@@ -26,7 +27,9 @@ NORM_FORMATS = {
 NEEDS_RUNTIME = ("layer_norm_grad", "rms_norm_grad", "dropout", "embedding", "embedding_grad")
 NORM_RUNTIME = sections("program_norms")["norms"]
 HELPER_NAMES = ("M32", "mul32", "mix32", "dropout_keep", "dropout_by_index", "norm_grad",
-                "embedding_rows", "embedding_grad_rows")
+                "layer_norm_forward", "layer_norm_grads", "embedding_rows", "embedding_grad_rows")
+_JOINT_FORMAT = "layer_norm_grads({0}, {1}, {2}, {eps}, {mask}{saved})"
+_PER_NODE = ("frees", "bucket")  # attributes that leave a node's value as it is
 
 
 def _global_shape(program, node) -> tuple:
@@ -80,3 +83,116 @@ def norm_kw(program, n, args) -> dict:
 def runtime_sections(program) -> list:
     """``[helpers text]`` if ``program`` uses an op whose format calls them, else ``[]``."""
     return [NORM_RUNTIME] if any(n.op in NEEDS_RUNTIME for n in program.nodes) else []
+
+
+class NormJoint:
+    """One layer norm's gradients printed as one statement (:func:`joint_norm_grads`).
+
+    ``at``: the node where the statement stands (the first of ``grads`` in program order);
+    ``grads``: ``(dx, dweight, dbias)`` node names, None where the program asks for no such
+    value; ``skipped``: the nodes that only served dweight (``layer_norm(x)``, its ``mul`` by
+    dy), which print nothing; ``inputs``: ``(dy, x, weight)``; ``eps``."""
+
+    def __init__(self, at, grads, skipped, inputs, eps):
+        self.at, self.grads, self.skipped, self.inputs, self.eps = at, grads, skipped, inputs, eps
+
+    def code(self, var_of, saved=None) -> str:
+        """The statement ``dx, dw, db = layer_norm_grads(...)`` (only the wanted targets);
+        ``saved``: the variable of the forward's kept (mean, rstd), or None."""
+        targets = ", ".join(var_of(g) for g in self.grads if g is not None)
+        mask = "(" + ", ".join(str(g is not None) for g in self.grads) + ")"
+        return f"{targets} = " + _JOINT_FORMAT.format(*map(var_of, self.inputs), eps=repr(self.eps), mask=mask,
+                                                      saved="" if saved is None else f", saved={saved}")
+
+
+def kept_norm_stats(program) -> dict:
+    """``{layer_norm name: joint first node}`` and back: the forward layer norms of ``program``
+    whose kernel's mean and rstd the step keeps for their gradients' joint statement
+    (:func:`parcomp.ir.liveness.saved_layer_norm`, :func:`joint_norm_grads`). The forward prints
+    ``y, y_saved = layer_norm_forward(...)``, the joint statement reads ``saved=y_saved`` and
+    deletes it; elsewhere (a pipeline stage's backward function, a dx alone) the backward
+    computes them again."""
+    return program.memo("emit_norms.kept_norm_stats", _kept_norm_stats)
+
+
+def _kept_norm_stats(program):
+    joint, out = joint_norm_grads(program), {}
+    index = {n.name: i for i, n in enumerate(program.nodes)}
+    for fwd, grad in saved_layer_norm(program).items():
+        j = joint.get(grad)
+        if j is not None and j.grads[0] == grad and index[fwd] < index[j.at] and _plain(program[fwd]) \
+                and fwd not in joint:
+            out[fwd], out[j.at] = j.at, fwd
+    return out
+
+
+def layer_norm_forward_code(n, args, saved) -> str:
+    """The statement of forward ``layer_norm`` ``n`` keeping its kernel's (mean, rstd) in ``saved``."""
+    w, b = (list(args[1:]) + ["None", "None"])[:2]
+    return f"{saved} = layer_norm_forward({args[0]}, {w}, {b}, {float(n.attr('eps'))!r})"
+
+
+def joint_norm_grads(program) -> dict:
+    """``{node name: NormJoint}`` for the nodes of every layer norm of ``program`` whose dx and
+    at least one of dweight / dbias it computes: ``layer_norm_grad(dy, x, w)`` (dx),
+    ``sum(mul(dy, layer_norm(x)), dims=tokens)`` (dweight, parcomp/rules/norms.py) and
+    ``sum(dy, dims=tokens)`` (dbias). The step prints them as one call of torch's fused
+    ``native_layer_norm_backward`` with an output mask (the kernel autograd runs), at the first
+    of them; ``layer_norm(x)`` and the ``mul`` print nothing. A partial sum (dy split over
+    tokens: sequence parallel) stays one: the kernel sums over this rank's tokens, as ``sum``
+    does, and the collectives reading it are unchanged."""
+    return program.memo("emit_norms.joint_norm_grads", _joint_norm_grads)
+
+
+def _plain(n) -> bool:
+    return not n.attr("inplace") and not n.attr("async_op")
+
+
+def _joint_norm_grads(program):
+    nodes = program.nodes
+    index = {n.name: i for i, n in enumerate(nodes)}
+    readers = {}
+    for n in nodes:
+        for v in n.inputs:
+            readers.setdefault(v, []).append(n)
+    outs = set(program.outputs)
+
+    def only_reader(v):  # the one node reading value v (no program output), else None
+        rs = readers.get(v, [])
+        return rs[0] if len(rs) == 1 and v not in outs else None
+
+    def token_sum(n, lead, ty):
+        return (n.op == "sum" and _plain(n) and tuple(n.attr("dims") or ()) == lead and n.type == ty
+                and not set(dict(n.attrs)) - {"dims", *_PER_NODE})
+
+    out = {}
+    for n in nodes:
+        if n.op != "layer_norm_grad" or len(n.inputs) != 3 or not _plain(n):
+            continue
+        g, x, w = n.inputs
+        eps, xt, wt = n.attr("eps"), program[x].type, program[w].type
+        if program[g].type.dtype != xt.dtype or wt.dtype != xt.dtype:
+            continue
+        lead = tuple(range(xt.rank - 1))
+        dw = db = None
+        skipped = []
+        for r in readers.get(g, []):
+            if db is None and token_sum(r, lead, wt):
+                db = r.name
+            elif dw is None and r.op == "mul" and _plain(r) and len(r.inputs) == 2 and g in r.inputs:
+                xhat = program[r.inputs[1] if r.inputs[0] == g else r.inputs[0]]
+                s = only_reader(r.name)
+                if (xhat.op == "layer_norm" and xhat.inputs == (x,) and xhat.attr("eps") == eps
+                        and _plain(xhat) and only_reader(xhat.name) is r and s is not None
+                        and token_sum(s, lead, wt)):
+                    dw, skipped = s.name, [xhat.name, r.name]
+        if dw is None and db is None:
+            continue
+        grads = (n.name, dw, db)
+        at = min((gr for gr in grads if gr is not None), key=index.__getitem__)
+        if max(index[x], index[w]) > index[at]:  # x or w made after the first gradient
+            continue
+        joint = NormJoint(at, grads, tuple(skipped), (g, x, w), float(eps))
+        for name in [gr for gr in grads if gr is not None] + skipped:
+            out[name] = joint
+    return out

@@ -1,6 +1,7 @@
 """Runtime helpers of the norms + embedding part for the emitted ``program.py``.
 
-Pasted (the ``norms`` section) only into programs that use ``layer_norm_grad``,
+Pasted (the ``norms`` section) only into programs that use ``layer_norm_grad`` (``norm_grad``,
+or ``layer_norm_grads`` for a layer norm's gradients in one statement),
 ``rms_norm_grad``, ``dropout``, ``embedding`` or ``embedding_grad``
 (:func:`parcomp_backends.torch.emit.norms.runtime_sections`). The formulas are those of
 ``parcomp/reference/norm_ops.py``; the dropout hash is the same int64 arithmetic (no
@@ -63,6 +64,28 @@ def norm_grad(dy, x, w, eps, rms):
     xhat = x * rstd
     g = dy if w is None else dy * w
     return rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))
+
+
+def layer_norm_forward(x, w, b, eps):
+    """layer_norm(x, w, b) over the last dim, and the (mean, rstd) its kernel computed, kept
+    for the backward's layer_norm_grads."""
+    y, mean, rstd = torch.ops.aten.native_layer_norm(x, (x.shape[-1],), w, b, eps)
+    return y, (mean, rstd)
+
+
+def layer_norm_grads(dy, x, w, eps, mask, saved=None):
+    """The gradients of layer_norm(x, w, b) over the last dim that ``mask`` (dx, dweight, dbias)
+    asks for, in that order: one fused backward kernel with an output mask (the one autograd
+    runs), on the forward's ``saved`` (mean, rstd) (None: one native_layer_norm computes them).
+    dweight and dbias sum over this rank's tokens. The kernel reads the bias only for its shape
+    and dtype, those of ``w``."""
+    shape = (x.shape[-1],)
+    if saved is None:
+        _, mean, rstd = torch.ops.aten.native_layer_norm(x, shape, None, None, eps)
+    else:
+        mean, rstd = saved
+    grads = torch.ops.aten.native_layer_norm_backward(dy, x, shape, mean, rstd, w, w, list(mask))
+    return tuple(g for g, wanted in zip(grads, mask) if wanted)
 
 
 def embedding_rows(ids, table, start):
