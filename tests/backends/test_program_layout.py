@@ -39,7 +39,8 @@ def layout(text: str) -> tuple:
 
 def check_top_down(text: str, step: str, shared=()) -> None:
     """``shared``: step-like functions the runtime defines for every model (the pipelined
-    program's ``load_params`` is the SPMD runtime's loader, driven by the constants above)."""
+    program's ``load_params`` and ``load_inputs`` are runtime loaders, driven by the constants
+    above)."""
     header, model, runtime = layout(text)
     assert f"parcomp {parcomp.__version__}" in header, header
     assert "torchrun --nproc-per-node" in header  # how to run it
@@ -69,7 +70,8 @@ def test_training_program_reads_top_down():
 def test_pipelined_program_reads_top_down():
     g = chain_graph(blocks=4)
     text = emit_program(compile_graph(g, spec("mesh pp=2\ntrain optimizer=adamw(lr=0.01) microbatches=2\n")))
-    check_top_down(text, "stage0_forward", shared=("load_params",))
+    # load_params / load_inputs: the pipelined runtime's loaders, driven by the constants above
+    check_top_down(text, "stage0_forward", shared=("load_params", "load_inputs"))
     _, model, _ = layout(text)
     assert model[0] == "stage0_forward"
     compile(text, "program.py", "exec")

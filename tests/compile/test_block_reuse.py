@@ -3,8 +3,11 @@ from a 5-block compile stamped to every block gives, byte for byte, the whole-gr
 program.py, report and logical/sharded/program IR; where the stamp does not fit, the whole
 graph is compiled.
 
-The depth (12) is one where the whole graph's own search is the heuristic too (over
-MAX_STRATEGIES), as at 48 blocks, where the bench (bench/lm_compile_time.py) measures it.
+The depth (14) is one where the whole graph's own search is the heuristic too (over
+MAX_STRATEGIES), as at 48 blocks, where the bench (bench/lm_compile_time.py) measures it. At 12
+blocks GPT-2's training step (its spelt-out GELU imported as one op) has 11,634
+strategies, under MAX_STRATEGIES (12,000): its whole graph is solved by the ILP, so reuse rightly
+declines there; 14 blocks keep a margin over it.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 SPECS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "specs")
-DEPTH = 12
+DEPTH = 14
 
 
 @lru_cache(maxsize=None)
@@ -91,7 +94,7 @@ def test_an_after_callback_or_reuse_false_compiles_the_whole_graph():
 
 
 @pytest.mark.parametrize("rule", ["transformer.h.7.mlp.c_fc.bias  replicated",
-                                  "transformer.h.1*.mlp.c_fc.bias  replicated"])  # blocks 10, 11
+                                  "transformer.h.1*.mlp.c_fc.bias  replicated"])  # blocks 1, 10-13
 def test_a_spec_rule_telling_blocks_apart_falls_back(rule):
     graph = _model("gpt2", DEPTH)
     text = open(os.path.join(SPECS, "gpt2_lm_tp2_train.pcs")).read().replace(
