@@ -140,4 +140,6 @@ def test_gpt2_every_schedule_equals_the_unsharded_step_and_each_other(tmp_path, 
         assert_detects_a_wrong_scale(got, want)
         assert torch.equal(files[0]["lm_head.weight"], torch.from_numpy(got["lm_head.weight"]))
         outs[name] = got
-    assert_same_numbers(outs)
+    # ZB-H1's W program has a LayerNorm's weight and bias gradients without its dx, so it
+    # sums them itself; the other schedules take all three from torch's fused kernel
+    assert_same_numbers(outs, rounding=("zb-h1",))

@@ -24,13 +24,17 @@ def head(name, mesh="mesh pp=2\n"):
     return mesh if name == "interleaved" else mesh + STAGED
 
 
-def assert_same_numbers(outs: dict) -> None:
-    """Every schedule's outputs equal the first's bit for bit (same sums, same order)."""
+def assert_same_numbers(outs: dict, rounding=()) -> None:
+    """Every schedule's outputs equal the first's bit for bit (same sums, same order); the
+    schedules named in ``rounding`` to the last bits of float64 (another kernel's sums)."""
     first = next(iter(outs.values()))
     for name, got in outs.items():
         assert sorted(got) == sorted(first), name
         for k in first:
-            np.testing.assert_array_equal(got[k], first[k], err_msg=f"{name}: {k}")
+            if name in rounding:
+                np.testing.assert_allclose(got[k], first[k], rtol=1e-13, atol=1e-17, err_msg=f"{name}: {k}")
+            else:
+                np.testing.assert_array_equal(got[k], first[k], err_msg=f"{name}: {k}")
 
 
 @pytest.mark.parametrize("name", ALL)
