@@ -15,6 +15,8 @@ the SPMD program's step and loop:
   waits for all of them, so a boundary tensor lives until its slot ends and no ``Work`` handle
   outlives its slot; what the schedule no longer needs (sent activations, a stash after its
   backward) is dropped at once;
+- ``stage_programs``: with ``--compile``, each stage program one ``torch.compile(fullgraph=True)``
+  graph, compiled once and run by every microbatch, the loop and its slots eager around them;
 - ``load_inputs``: this rank's dp rows of the inputs its stages read (the first stage's inputs,
   the last stage's labels), from ``--input``'s global batch or a ``--data`` step's samples
   (the SPMD program's DataSource, StepData: only those samples are read);
