@@ -494,9 +494,8 @@ def emit_pipeline_program(program, model, code, profile="cpu", constants=()) -> 
             f"BACKWARD = {{{', '.join(f'{s}: stage{s}_backward' for s in range(n))}}}",
             f"OPTIMIZER = {{{', '.join(f'{s}: stage{s}_optimizer' for s in range(n))}}}",
             f"STATS = {{{', '.join(f'{s}: stage{s}_stats' for s in range(n) if plan.stages[s].stats is not None)}}}"]
-    if plan.split:
-        fns += [f"BACKWARD_{k.upper()} = {{{', '.join(f'{s}: stage{s}_backward_{k}' for s in range(n))}}}"
-                for k in ("input", "weight")]
+    fns += [f"BACKWARD_{k.upper()} = {{{', '.join(f'{s}: stage{s}_backward_{k}' for s in range(n) if plan.split)}}}"
+            for k in ("input", "weight")]  # ZB-H1's B and W; empty for the other schedules
     body = ["\n".join(head) + "\n" + IMPORTS, "\n".join(consts), "\n".join(acts), "\n\n\n".join(fns),
             RUNTIME_MARK, profile_block(prof), runtime, _CHECKPOINT.strip("\n"), _TRAIN["checkpoint_checks"],
             _CLUSTER, _COMMON["rank_path"], _COMMON["sync"], _COMMON["bench"], _COMMON["world"],
