@@ -43,7 +43,7 @@ from .attention import attention_sections, stash_key, stashed_forwards
 from .cluster import DEFAULT_PLACEMENT, DEFAULT_TIMEOUT_S, HOST_AXIS
 from .moe import moe_sections
 from .moe_dropless import DroplessPlan, dropless_plan
-from .norms import runtime_sections
+from .norms import runtime_sections, stash_key as norm_stash_key, stashed_norms
 from .reduce import reduce_sections
 from .sections import PARCOMP_VERSION, RUNTIME_MARK, comment_lines, profile_block, python_names
 
@@ -178,13 +178,17 @@ def _attention_stash(progs) -> dict:
     forward attention whose backward (or ZB-H1's B or W, whichever differentiates it: W's
     inputs hold B's, the stash's entries too) keeps its kernel's output and logsumexp in the
     microbatch's stash (emit/attention.py), so the backward runs the kernel's own backward on
-    them instead of computing the forward again."""
+    them instead of computing the forward again; likewise each forward layer norm's mean and
+    rstd (emit/norms.py), read by the statement of its gradients in each program computing some."""
     out, fwd = {}, progs["forward"].graph
     for kind in ("backward", "backward_input", "backward_weight"):
         if kind in progs:
             pairs = stashed_forwards(fwd, progs[kind].graph)
             out.setdefault("forward", {}).update({src: stash_key(src) for src in pairs})
             out[kind] = {grad: stash_key(src) for src, grad in pairs.items()}
+            norms = stashed_norms(fwd, progs[kind].graph)
+            out["forward"].update({src: norm_stash_key(src) for src in norms})
+            out[kind].update({at: norm_stash_key(src) for src, at in norms.items()})
     return out
 
 
