@@ -210,18 +210,30 @@ def _dropless_plans(progs: dict, split: bool) -> list:
     """``[(kind, program, python names, DroplessPlan)]`` of one stage's programs: MoE layers on
     the routed tokens only (emit/moe_dropless.py), as in the SPMD program. The forward's slot
     values stashed for the backward stay packed when the backward's statements on them are
-    packed too, else both programs keep the dense slot buffer (and so does a stage whose
-    backward is split in two, zero-bubble: its slot values cross three programs)."""
+    packed too, else both programs keep the dense slot buffer. A backward split in two
+    (ZB-H1) chains three programs: the input half reads the forward's packed stash and hands
+    its packed slot values (``wstash.*``) to the weight half, which reads both; all packed or
+    all dense."""
     names = {k: python_names(p) for k, p in progs.items()}
     plans = {k: dropless_plan(p, names[k]) for k, p in progs.items()}
-    if not split and "forward" in progs and "backward" in progs:
+    if "forward" in progs and "backward" in progs:
         fwd = dropless_plan(progs["forward"], names["forward"], stash_out=True)
         if fwd.active and fwd.stash:
-            bwd = dropless_plan(progs["backward"], names["backward"], stash_in=fwd.stash)
-            if bwd.active:
-                plans["forward"], plans["backward"] = fwd, bwd
+            later = {"backward": dropless_plan(progs["backward"], names["backward"], stash_in=fwd.stash)}
+            if split:
+                routes = {c for _, c in fwd.stash.values()}
+                half = dropless_plan(progs["backward_input"], names["backward_input"], stash_out=True,
+                                     stash_in=fwd.stash, prefix="wstash.", kept_routes=routes)
+                later["backward_input"] = half
+                later["backward_weight"] = dropless_plan(progs["backward_weight"], names["backward_weight"],
+                                                         stash_in={**fwd.stash, **half.stash})
+            dense = next((q for q in later.values() if q.why), None)
+            if not later["backward"].active:
+                dense = dense or later["backward"]
+            if dense is None:
+                plans.update({"forward": fwd, **later})
             else:
-                plans["forward"] = plans["backward"] = DroplessPlan(why=bwd.why)
+                plans.update({k: DroplessPlan(why=dense.why) for k in ("forward", *later)})
         elif fwd.active:
             plans["forward"] = fwd
     return [(k, p, names[k], plans[k]) for k, p in progs.items()]
