@@ -39,7 +39,7 @@ def test_stage_backward_reads_the_forward_kernels_stash(gpt2):
     text = emit_program(c)
     for s in (0, 1):
         fwd, bwd = stage_function(text, f"stage{s}_forward"), stage_function(text, f"stage{s}_backward")
-        assert "= attention_forward(" in fwd and re.search(r'"saved\.[\w.]+:kernel": \w+_saved}', fwd)
+        assert "= attention_forward(" in fwd and re.search(r'"saved\.[\w.]+:kernel": \w+_saved[,}]', fwd)
         key = re.search(r'"saved\.([\w.]+:kernel)"', fwd).group(1)
         took = re.search(rf'^    (\w+) = inp.pop\("{re.escape(key)}"\)', bwd, re.M).group(1)
         assert re.search(rf"= attention_backward\([^\n]*, {took}, \"qkv\"", bwd)
