@@ -220,3 +220,20 @@ def test_mixtral_zb_h1_stage_halves_run_the_experts_on_the_routed_tokens_as_the_
     assert got["s0.saved.view_7"].shape == (32, 16) and want["s0.saved.view_7"].shape == (4, 16, 16)
     slots = [k for k, v in want.items() if k.startswith("w1.") and v.dim() == 3 and v.shape[:2] == (4, 16)]
     assert len(slots) == 2 and all(got[k].shape == (32, want[k].shape[2]) for k in slots)
+
+
+def test_mixtral_zb_h1_on_two_gloo_ranks_equals_the_unsharded_step(tmp_path, capsys):
+    """``parcomp run`` of the MoE model under ZB-H1, 2 stages of 2 microbatches: the dropless
+    stage halves (each rank's expert matmuls over its routed rows only) give the unsharded step."""
+    from parcomp.cli.main import main
+
+    (tmp_path / "s.pcs").write_text(f"mesh pp=2\n{TRAIN.replace('schedule=1f1b', 'schedule=zb-h1')}\n")
+    rc = main(["run", str(ROOT / "specs" / "models.py") + ":mixtral_lm", "--spec", str(tmp_path / "s.pcs"),
+               "--nproc", "2", "--keep", str(tmp_path / "work")])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    line = next(x for x in out.splitlines() if "1 pipelined step " in x)
+    assert "2 gloo ranks" in line and "2 microbatches" in line and line.endswith("OK")
+    text = (tmp_path / "work" / "program.py").read_text()
+    weight = text[text.index("def stage1_backward_weight("):].split("\n\n\n")[0]
+    assert "moe_grouped_wgrad(" in weight and "moe_dispatch(" not in text[:text.index("def profile_device(")]
