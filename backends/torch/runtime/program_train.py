@@ -127,8 +127,30 @@ class SampleSlice(Slice):
         out = torch.stack(parts) if parts else torch.empty((0, *self.shape[1:]), dtype=self.dtype)
         for d, (first, size) in list(enumerate(self.ranges))[1:]:
             out = out.narrow(d, first, size)
-        check_index_range(self.name, out, f"--data {self.batch.source.target} (step {self.batch.step})")
+        self.check_range(out, start)
         return torch.empty(out.shape, dtype=out.dtype).copy_(out)
+
+    def check_range(self, out, start):
+        """Exit 2 where this input indexes a table (INDEX_BOUNDS) and a value of ``out`` (this
+        rank's samples ``start``.. of the step's batch) lies outside it, naming the first such
+        sample (its index in the dataset, or in its shard), the value and where in the sample
+        it is. A min and a max on the host first; the search only when one is out of range."""
+        bound = INDEX_BOUNDS.get(self.name)
+        if bound is None or out.numel() == 0:
+            return
+        size, ignore, what = bound
+        bad = (out < 0) | (out >= size)
+        if ignore is not None:
+            bad &= out != ignore
+        if not bool(bad.any()):
+            return
+        at = [int(i) for i in bad.nonzero()[0]]
+        inner = [first + i for (first, _), i in zip(self.ranges[1:], at[1:])]
+        allowed = f"0..{size - 1}" + (f" or {ignore} (ignore_index)" if ignore is not None else "")
+        source = self.batch.source
+        fail(f"input {self.name!r} of {source.sample_name(self.batch.step, start + at[0], self.shape[0])} "
+             f"in --data {source.target} (step {self.batch.step}) holds {int(out[tuple(at)])}"
+             f"{' at ' + str(inner) if inner else ''}, outside the {what} of size {size} (allowed: {allowed})")
 
 
 class DataBatch(Checkpoint):
@@ -208,6 +230,14 @@ class DataSource:
             got = [self.dataset[i] for i in range(first, first + length)]
         self.cache = {key: got}  # one step's samples kept: the next step's replace them
         return got
+
+    def sample_name(self, step, index, batch):
+        """``sample N`` (its index in the dataset) for sample ``index`` of step ``step``'s global
+        batch of ``batch``, or ``sample N of shard S`` for a sharded iterable."""
+        if not self.sharded:
+            return f"sample {(step - 1) * batch + index}"
+        length = self.iterator[1][1]
+        return f"sample {(step - 1) * length + index % length} of shard {index // length}"
 
     def field(self, sample, name, shape, dtype):
         """Input ``name`` of one sample, checked against its shape less the batch dim."""
