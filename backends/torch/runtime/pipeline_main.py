@@ -36,7 +36,8 @@ import torch.distributed as dist
 from .program_cluster import *
 from .program_common import *
 from .program_train import (DATA_HELP, REPLAY_HELP, DataSource, StepData, check_input_args, check_save,
-                            read_replay, saved_steps, step_count, stop_after, stop_wait, stopped)
+                            read_replay, resume_location, saved_steps, step_count, stop_after, stop_wait,
+                            stopped)
 
 # ---- stand-ins for what the emitter generates (never pasted): a one-stage, one-rank program ----
 STAGE_PARAMS = {0: []}
@@ -70,7 +71,7 @@ ACTIONS = {0: [("optimizer", None, None, 0)]}
 FORWARD, BACKWARD, OPTIMIZER, BACKWARD_INPUT, BACKWARD_WEIGHT, STATS = {}, {}, {}, {}, {}, {}
 
 
-def resume_stages(path, p, coord):
+def resume_stages(path, where, p, coord):
     """Stand-in: :mod:`.pipeline_checkpoint`'s."""
     raise NotImplementedError
 
@@ -550,8 +551,8 @@ def parse_args(argv):
                     help="with --save: also save after every step whose number is a multiple of N (resumed "
                          "runs count on from the saved step), so a run that dies resumes from the last one")
     ap.add_argument("--resume", metavar="DIR",
-                    help="start from the checkpoint DIR/latest names: its params, optimizer state "
-                         "and step; --steps more steps follow")
+                    help="start from the checkpoint DIR/latest names, or DIR itself if it is a step-K "
+                         "directory: its params, optimizer state and step; --steps more steps follow")
     ap.add_argument("--replay", metavar="FILE", help=REPLAY_HELP)
     add_cluster_args(ap)
     args = ap.parse_args(argv)
@@ -618,7 +619,8 @@ def run(args):
     p, batches, starts = agree(lambda: load(args), "loading")
     first = 1
     if args.resume:
-        first = agree(lambda: resume_stages(args.resume, p, coord), "reading --resume")
+        where = agree(lambda: resume_location(args.resume), "reading --resume")  # every rank exits 2 on damage
+        first = agree(lambda: resume_stages(args.resume, where, p, coord), "loading --resume")
     if isinstance(batches, StepData):  # a resumed run reads on from the saved step's next batch
         batches.offset = first - 1
     last = first + args.steps - 1
