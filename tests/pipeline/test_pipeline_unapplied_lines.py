@@ -51,7 +51,7 @@ def test_sequence_parallel_in_a_pipeline_is_refused_at_its_line(llama):
 @pytest.mark.parametrize("mesh,rule,what", [
     ("pp=2 tp=2", "input x [R, S(1)]", "input rule x lays out x [R, S(1)] (tp=S(1))"),
     ("pp=2 tp=2", "activation linear_1 [R, S(2)]", "activation rule linear_1 lays out"),
-    ("pp=2 tp=2", "output output [R, S(1)]", "output rule output lays out"),
+    ("pp=2 tp=2", "output output [R, S(1)]", "output rule output lays out output [R, S(1)] (tp=S(1))"),
     ("dp=2 pp=2", "input x [S(1), R]", "(dp=S(1))"),
 ])
 def test_a_rule_splitting_a_value_inside_a_stage_is_refused_at_the_rule(mesh, rule, what):

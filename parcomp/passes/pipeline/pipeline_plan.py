@@ -339,9 +339,10 @@ def refuse_unpipelined_statements(spec, bound: Graph) -> None:
                if str(pl) != "R" and not (a == "dp" and str(pl) == "S(0)")]
         if bad:
             a, pl = bad[0]
+            value = n.inputs[0] if n.op == "relayout" else n.name  # the pinned value, not its pin
             what = ("the batch is split over dp along dim 0 by the runtime, whatever the rule says"
                     if a == "dp" else f"values other than params are whole over {a} inside a stage")
-            raise SpecError(f"{rule.target} rule {rule.pattern} lays out {n.name} {layout_str(n.layout)} "
+            raise SpecError(f"{rule.target} rule {rule.pattern} lays out {value} {layout_str(n.layout)} "
                             f"({a}={pl}), which pipeline stages do not apply (mesh {mesh}): {what}, so "
                             f"the rule would be ignored. Remove it or make it replicated"
                             f"{' (S(0) over dp is the batch split)' if 'dp' in mesh.names else ''}", rule.loc)
