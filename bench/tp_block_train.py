@@ -10,7 +10,10 @@ sgd`` (default) or ``adamw``, lr=0: the update runs in full but leaves the weigh
 so every step does the same work): parcomp's is the spec's ``train`` line, hand-written and
 DTensor's the ``torch.optim`` optimizer a user would write, ``foreach=True`` (torch's default on
 GPU; on CPU torch's default is the per-tensor loop, which is slower). Every variant computes
-``x.grad`` and no ``dy.grad`` (parcomp: ``input_grads=x``; torch: only ``x`` requires grad).
+``x.grad`` and no ``dy.grad`` (parcomp: ``input_grads=x``; torch: only ``x`` requires grad),
+and the step's loss: under SP each rank's ``(y * dy).sum()`` covers its sequence slice, so
+parcomp's step all_reduces the scalar (its ``loss`` output), and hand-sp / dtensor-sp do the
+same (``--local-loss``: they keep their rank's partial loss, as the anchor's step did).
 
 Variants:
   parcomp-tp    program.py's ``train_step`` for ``mesh tp=2`` + q,k,v,fc1 colwise, o,fc2
@@ -21,17 +24,16 @@ Variants:
   dtensor-sp    torchtitan's plan: SequenceParallel norms, PrepareModuleInput, Rowwise(Shard(1))
   hand-tp       Megatron f/g autograd functions (all_reduce), local heads
   hand-sp       Megatron-SP: all_gather / reduce_scatter of the sequence, one coalesced
-                all_reduce of the replicated params' gradients
+                all_reduce of the replicated params' gradients, one of the loss
   ref-1t        the unsharded block, one process, 1 thread
 
-Each variant's output, x.grad and weight gradients are compared with the unsharded block
-(max |err|). Times: interleaved rounds (``_common.interleaved``), wall = max over ranks. Ratios
+Each variant's x.grad and loss are compared with the unsharded block's (max |err|). Times: interleaved rounds (``_common.interleaved``), wall = max over ranks. Ratios
 printed: parcomp / hand and parcomp / dtensor, TP and SP, of the wall median and of the CPU
 time median (summed over the ranks; the trustworthy one on a shared machine), and the CPU
 time's spread (25th-75th percentile) per variant.
 
 Run:  .venv/bin/python bench/tp_block_train.py [--quick] [--hidden 256,1024] [--optimizer sgd|adamw]
-      [--rounds R] [--input-grads x|yes] [--json out.json] [--plain]
+      [--rounds R] [--input-grads x|yes] [--local-loss] [--json out.json] [--plain]
 """
 from __future__ import annotations
 
@@ -60,6 +62,8 @@ ROUNDS = {256: (1, 2), 1024: (1, 1)} if QUICK else {256: (6, 4), 1024: (3, 3)}
 if C.arg_value("--rounds"):
     ROUNDS = {h: (int(C.arg_value("--rounds")), per) for h, (_, per) in ROUNDS.items()}
 OPTIMIZER = C.arg_value("--optimizer", "sgd")
+# hand-sp / dtensor-sp all_reduce their loss as parcomp does (the step's loss); --local-loss: not
+REDUCE_LOSS = "--local-loss" not in sys.argv
 # parcomp's input_grads: x (as torch: only x requires grad); "yes" also computes dy.grad
 INPUT_GRADS = C.arg_value("--input-grads", "x")
 if OPTIMIZER not in ("sgd", "adamw"):
@@ -181,19 +185,28 @@ def torch_optimizer(params):
     return cls([{"params": g} for g in groups if g], lr=0.0, foreach=True)
 
 
-def make_step(model, x, dy, finalize=None):
+def make_step(model, x, dy, finalize=None, partial_loss=False):
+    """One training step of ``model``; ``step.loss`` is the step's loss. ``partial_loss``: each
+    rank's ``(y * dy).sum()`` covers its sequence slice (SP), so the loss, as parcomp's step
+    returns it, is their sum: one all_reduce of the scalar, started after the forward and
+    waited for at the end (as program.py does; Megatron reduces its reported loss each step)."""
     opt = torch_optimizer(list(model.parameters()))
 
     def step():
         opt.zero_grad(set_to_none=True)
         x.grad = None
         y = model(x)
-        (y * dy).sum().backward()
+        loss = (y * dy).sum()
+        total = loss.detach().clone() if partial_loss and REDUCE_LOSS else loss.detach()
+        work = dist.all_reduce(total, async_op=True) if partial_loss and REDUCE_LOSS else None
+        loss.backward()
         if finalize is not None:
             finalize()
         opt.step()
+        if work is not None:
+            work.wait()
         x.grad.reshape(-1)[0].item()
-        step.y = y
+        step.y, step.loss = y, total
 
     return step
 
@@ -221,13 +234,15 @@ def worker(rank, world, h, directory, rounds, per_round, warmup):
             step = ParcompStep(os.path.join(directory, f"program_{name[-2:]}.py"), f"pc_{name}_{h}", sd, x0, dy0)
         elif name.startswith("dtensor"):
             model = parallelize_module(build_ref(h), mesh, dtensor_plan(name[-2:]))
-            step = make_step(model, x, dy, (lambda m=model: dtensor_finalize(m.parameters())) if sp else None)
+            step = make_step(model, x, dy, (lambda m=model: dtensor_finalize(m.parameters())) if sp else None, sp)
         else:
             model = HandBlock(build_ref(h), rank, world, sp)
-            step = make_step(model, x, dy, model.finalize_grads if sp else None)
+            step = make_step(model, x, dy, model.finalize_grads if sp else None, sp)
         step()
         dx = step.out["x.grad"] if name.startswith("parcomp") else local(x.grad)
+        loss = step.out["loss"] if name.startswith("parcomp") else local(step.loss)
         errs[name] = {"err_dx": C.max_abs(dx, xr.grad[:, ss] if sp else xr.grad),
+                      "err_loss": C.max_abs(loss, (yr * dy0).sum()) if REDUCE_LOSS or not sp else "-",
                       "coll": C.count_collectives(step)}
         steps[name] = step
     ref_step = make_step(copy.deepcopy(build_ref(h)), x0.clone().requires_grad_(True), dy0)
@@ -251,7 +266,8 @@ def round_ratios(a, b, per_round):
 def main():
     print(f"tp_block_train: GPT-2-style block, tokens {B}x{S}, {NH} heads, fp32, fwd+bwd+{OPTIMIZER} update "
           f"(lr=0), TP=2 on gloo; {C.env_line()}", flush=True)
-    print(f"every variant: loss (block(x) * dy).sum(), backward, x.grad (no dy.grad), {OPTIMIZER} update of every "
+    print(f"every variant: loss (block(x) * dy).sum() (SP: summed over the ranks{'' if REDUCE_LOSS else ', parcomp only'}), "
+          f"backward, x.grad (no dy.grad), {OPTIMIZER} update of every "
           f"param (parcomp: the spec's train line; hand / dtensor / ref-1t: torch.optim."
           f"{'AdamW' if OPTIMIZER == 'adamw' else 'SGD'}(lr=0, foreach=True))", flush=True)
     rows, results = [], {}
@@ -271,6 +287,7 @@ def main():
                          "cpu_iqr": "{:.1f}-{:.1f}".format(*quartiles(res["times"][n]["cpu"])),
                          "vs_ref": t["median"] / med["ref-1t"],
                          "err_dx": max((pr["errs"][n]["err_dx"] for pr in per_rank), default=0.0) if e else "-",
+                         "err_loss": e["err_loss"] if e else "-",
                          "c10d": C.fmt_counts(e.get("coll", {}).get("c10d", {})) if e else "-"})
         cpu = {n: C.stats_ms(res["times"][n]["cpu"])["median"] for n in VARIANTS}
         results[h]["ratios"] = {f"parcomp/{peer}-{k}": med[f"parcomp-{k}"] / med[f"{peer}-{k}"]
@@ -286,7 +303,7 @@ def main():
     C.print_table("GPT-2 block fwd+bwd step (ms; wall = max over ranks)",
                   [("h", "hidden"), ("variant", "variant"), ("median", "median ms"), ("min", "min"),
                    ("max", "max"), ("cpu", "CPU ms (sum of ranks)"),
-                   ("cpu_iqr", "CPU p25-p75"), ("vs_ref", "x ref-1t"), ("err_dx", "max|err| dx"), ("c10d", "c10d ops/step")],
+                   ("cpu_iqr", "CPU p25-p75"), ("vs_ref", "x ref-1t"), ("err_dx", "max|err| dx"), ("err_loss", "|err| loss"), ("c10d", "c10d ops/step")],
                   rows)
     for h in HIDDENS:
         r = results[h]
