@@ -165,9 +165,12 @@ class ParcompStep:
         self.prog.make_groups(C.PG_TIMEOUT_S)
         self.params = self.prog.load_params({f"block.{k}": v for k, v in sd.items()})
         self.inputs = self.prog.load_inputs({"x": x, "dy": dy})
-        self.out = None
+        self.out, self.k = None, 0
 
     def __call__(self):
+        self.k += 1
+        if self.prog.STEP_INPUT:  # adamw's step number k (0-d float32), as program.py's main feeds it
+            self.inputs[self.prog.STEP_INPUT] = torch.tensor(float(self.k))
         with torch.no_grad():
             self.out = self.prog.train_step(self.params, self.inputs)
             self.params = {**self.params, **{n: self.out[n] for n in self.prog.CARRIED}}
