@@ -75,17 +75,21 @@ def layer_norm_forward(x, w, b, eps):
 
 def layer_norm_grads(dy, x, w, eps, mask, saved=None):
     """The gradients of layer_norm(x, w, b) over the last dim that ``mask`` (dx, dweight, dbias)
-    asks for, in that order: one fused backward kernel with an output mask (the one autograd
+    asks for, in that order (one alone: that tensor): one fused backward kernel with an output mask (the one autograd
     runs), on the forward's ``saved`` (mean, rstd) (None: one native_layer_norm computes them).
     dweight and dbias sum over this rank's tokens. The kernel reads the bias only for its shape
-    and dtype, those of ``w``."""
+    and dtype, those of ``w``, and the weight for dx only: ``w`` None (no dx asked) stands for
+    zeros of that shape, in x's dtype."""
     shape = (x.shape[-1],)
+    if w is None:
+        w = x.new_zeros(shape)
     if saved is None:
         _, mean, rstd = torch.ops.aten.native_layer_norm(x, shape, None, None, eps)
     else:
         mean, rstd = saved
     grads = torch.ops.aten.native_layer_norm_backward(dy, x, shape, mean, rstd, w, w, list(mask))
-    return tuple(g for g, wanted in zip(grads, mask) if wanted)
+    got = tuple(g for g, wanted in zip(grads, mask) if wanted)
+    return got[0] if len(got) == 1 else got
 
 
 def rms_norm_grads(dy, x, w, eps, mask):
