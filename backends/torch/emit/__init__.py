@@ -213,10 +213,10 @@ def step_function(prog, fn: str, doc: str, names=None, pop_inputs: bool = False,
         if first is not None and first != n.name:
             lines.append(f"    # {var}: computed above with {names[first]} (one backward of the attention)")
         elif joint is not None and n.name in joint.skipped and joint.at != n.name:
-            lines.append(f"    # {var}: not needed (the layer norm's backward at {names[joint.at]} "
+            lines.append(f"    # {var}: not needed (the {joint.words}'s backward at {names[joint.at]} "
                          "gives its weight gradient)")
         elif joint is not None and joint.at != n.name:
-            lines.append(f"    # {var}: computed above with {names[joint.at]} (one backward of the layer norm)")
+            lines.append(f"    # {var}: computed above with {names[joint.at]} (one backward of the {joint.words})")
         else:
             lines += [c for text in ring_comment(prog, n, n.name in kept) for c in comment_lines(text, "    ")]
         if packed.get(n.name) is not None:  # an MoE statement on the routed tokens only

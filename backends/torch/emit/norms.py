@@ -27,8 +27,12 @@ NORM_FORMATS = {
 NEEDS_RUNTIME = ("layer_norm_grad", "rms_norm_grad", "dropout", "embedding", "embedding_grad")
 NORM_RUNTIME = sections("program_norms")["norms"]
 HELPER_NAMES = ("M32", "mul32", "mix32", "dropout_keep", "dropout_by_index", "norm_grad",
-                "layer_norm_forward", "layer_norm_grads", "embedding_rows", "embedding_grad_rows")
-_JOINT_FORMAT = "layer_norm_grads({0}, {1}, {2}, {eps}, {mask}{saved})"
+                "layer_norm_forward", "layer_norm_grads", "rms_norm_grads", "embedding_rows",
+                "embedding_grad_rows")
+_JOINT_FORMAT = {"layer_norm": "layer_norm_grads({0}, {1}, {2}, {eps}, {mask}{saved})",
+                 "rms_norm": "rms_norm_grads({0}, {1}, {2}, {eps}, {mask})"}
+#: the words a skipped node's comment names the joint statement by
+NORM_WORDS = {"layer_norm": "layer norm", "rms_norm": "RMS norm"}
 _PER_NODE = ("frees", "bucket")  # attributes that leave a node's value as it is
 
 
@@ -86,15 +90,17 @@ def runtime_sections(program) -> list:
 
 
 class NormJoint:
-    """One layer norm's gradients printed as one statement (:func:`joint_norm_grads`).
+    """One norm's gradients printed as one statement (:func:`joint_norm_grads`).
 
     ``at``: the node where the statement stands (the first of ``grads`` in program order);
-    ``grads``: ``(dx, dweight, dbias)`` node names, None where the program asks for no such
-    value; ``skipped``: the nodes that only served dweight (``layer_norm(x)``, its ``mul`` by
-    dy), which print nothing; ``inputs``: ``(dy, x, weight)``; ``eps``."""
+    ``grads``: ``(dx, dweight, dbias)`` node names (an RMS norm: ``(dx, dweight)``), None
+    where the program asks for no such value; ``skipped``: the nodes that only served dweight
+    (``layer_norm(x)`` / ``rms_norm(x)``, its ``mul`` by dy), which print nothing; ``inputs``:
+    ``(dy, x, weight)``; ``eps``; ``norm``: ``layer_norm`` or ``rms_norm``."""
 
-    def __init__(self, at, grads, skipped, inputs, eps):
+    def __init__(self, at, grads, skipped, inputs, eps, norm="layer_norm"):
         self.at, self.grads, self.skipped, self.inputs, self.eps = at, grads, skipped, inputs, eps
+        self.norm, self.words = norm, NORM_WORDS[norm]
 
     def code(self, var_of, saved=None) -> str:
         """The statement ``dx, dw, db = layer_norm_grads(...)`` (only the wanted targets);
@@ -103,7 +109,7 @@ class NormJoint:
         targets = ", ".join(var_of(g) for g in self.grads if g is not None)
         mask = "(" + ", ".join(str(g is not None) for g in self.grads) + ")"
         args = ["None" if v is None else var_of(v) for v in self.inputs]
-        return f"{targets} = " + _JOINT_FORMAT.format(*args, eps=repr(self.eps), mask=mask,
+        return f"{targets} = " + _JOINT_FORMAT[self.norm].format(*args, eps=repr(self.eps), mask=mask,
                                                       saved="" if saved is None else f", saved={saved}")
 
 
@@ -184,7 +190,9 @@ def joint_norm_grads(program) -> dict:
     ``sum(mul(dy, layer_norm(x)), dims=tokens)`` (dweight, parcomp/rules/norms.py) and
     ``sum(dy, dims=tokens)`` (dbias). The step prints them as one call of torch's fused
     ``native_layer_norm_backward`` with an output mask (the kernel autograd runs), at the first
-    of them; ``layer_norm(x)`` and the ``mul`` print nothing. A partial sum (dy split over
+    of them; ``layer_norm(x)`` and the ``mul`` print nothing. An RMS norm's dx and dweight
+    (``rms_norm_grad``, ``sum(mul(dy, rms_norm(x)))``) likewise print one ``rms_norm_grads``
+    (one rstd and one normalised x for both). A partial sum (dy split over
     tokens: sequence parallel) stays one: the kernel sums over this rank's tokens, as ``sum``
     does, and the collectives reading it are unchanged."""
     return program.memo("emit_norms.joint_norm_grads", _joint_norm_grads)
@@ -265,8 +273,9 @@ def _joint_norm_grads(program):
 
     out = {}
     for n in nodes:
-        if n.op != "layer_norm_grad" or len(n.inputs) != 3 or not _plain(n):
+        if n.op not in ("layer_norm_grad", "rms_norm_grad") or len(n.inputs) != 3 or not _plain(n):
             continue
+        norm = n.op[:-len("_grad")]
         g, x, w = n.inputs
         eps, xt, wt = n.attr("eps"), program[x].type, program[w].type
         if program[g].type.dtype != xt.dtype or wt.dtype != xt.dtype:
@@ -275,22 +284,22 @@ def _joint_norm_grads(program):
         dw = db = None
         skipped = []
         for r in readers.get(g, []):
-            if db is None and token_sum(r, lead, wt):
+            if db is None and norm == "layer_norm" and token_sum(r, lead, wt):  # an RMS norm has no bias
                 db = r.name
             elif dw is None and r.op == "mul" and _plain(r) and len(r.inputs) == 2 and g in r.inputs:
                 xhat = program[r.inputs[1] if r.inputs[0] == g else r.inputs[0]]
                 s = only_reader(r.name)
-                if (xhat.op == "layer_norm" and xhat.inputs == (x,) and xhat.attr("eps") == eps
+                if (xhat.op == norm and xhat.inputs == (x,) and xhat.attr("eps") == eps
                         and _plain(xhat) and only_reader(xhat.name) is r and s is not None
                         and token_sum(s, lead, wt)):
                     dw, skipped = s.name, [xhat.name, r.name]
         if dw is None and db is None:
             continue
-        grads = (n.name, dw, db)
+        grads = (n.name, dw, db) if norm == "layer_norm" else (n.name, dw)
         at = min((gr for gr in grads if gr is not None), key=index.__getitem__)
         if max(index[x], index[w]) > index[at]:  # x or w made after the first gradient
             continue
-        joint = NormJoint(at, grads, tuple(skipped), (g, x, w), float(eps))
+        joint = NormJoint(at, grads, tuple(skipped), (g, x, w), float(eps), norm)
         for name in [gr for gr in grads if gr is not None] + skipped:
             out[name] = joint
     return out
