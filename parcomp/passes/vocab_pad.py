@@ -8,8 +8,10 @@ dim the mesh does not divide, when that dim is a vocab:
 - the parameter is an ``embedding`` table (the split dim its rows), and/or
 - it reaches a matmul as the right operand (through a permute) whose output's last dim is
   the split dim and which is a model output (the LM head; a tied table is both). An untied
-  LM head counts only in a ``train loss=cross_entropy`` step (its output is then logits);
-  any other uneven split stays a located error.
+  LM head counts when its output is logits: in a ``train loss=cross_entropy`` step, or
+  when it makes as many classes as an embedding table of the model has rows (the same
+  vocab: an untied head at inference, or under the model's own loss, ``loss=output``).
+  Any other uneven split stays a located error.
 
 The parameter becomes ``V_pad`` rows (the next multiple of the ranks splitting it), the
 padded rows zero: ``stored_shape`` keeps the checkpoint's shape, and every loader (program.py,
@@ -19,7 +21,9 @@ makes the padded ones the lowest finite number (they never win a max or argmax, 
 0, and their gradient is 0, so the padded rows stay 0 under any optimizer), and a ``slice``
 back to ``V`` gives the model's logits their own shape under their own name. A training loss
 on those logits is taken on the masked, padded ones (autodiff's ``model_output``), so the
-cross-entropy stays vocab-parallel. Ids and labels index the real vocab only.
+cross-entropy stays vocab-parallel. A loss the model computes itself (``loss=output``) is
+decomposed before this pass and reads the sliced logits: correct, but the slice of the
+split vocab dim gathers them. Ids and labels index the real vocab only.
 """
 from __future__ import annotations
 
@@ -76,7 +80,19 @@ def _vocab_uses(graph, name, d, logits_loss):
                 heads.append((n, mms))
                 continue
         return None
-    return heads if embedded or (heads and logits_loss) else None
+    logits = heads and (logits_loss or any(_logits(graph, m) for _, ms in heads for m in ms))
+    return heads if embedded or logits else None
+
+
+def _logits(graph, mm) -> bool:
+    """Whether matmul ``mm`` makes logits: as many classes as an embedding table has rows."""
+    v = mm.type.shape[-1]
+    return any(n.op == "embedding" and _rows(graph[n.inputs[1]]) == v for n in graph.nodes)
+
+
+def _rows(table) -> int:
+    """The rows of an embedding table, as the checkpoint has them (before any padding)."""
+    return (table.attr("stored_shape") or table.type.shape)[0]
 
 
 def _is_output(graph, mm, outputs) -> bool:
