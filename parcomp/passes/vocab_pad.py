@@ -7,7 +7,9 @@ dim the mesh does not divide, when that dim is a vocab:
 
 - the parameter is an ``embedding`` table (the split dim its rows), and/or
 - it reaches a matmul as the right operand (through a permute) whose output's last dim is
-  the split dim and which is a model output (the LM head; a tied table is both). An untied
+  the split dim and which is a model output, directly or through the add of a bias ``[V]``
+  (the LM head, ``nn.Linear`` with or without a bias, padded with it; a tied table is
+  both). An untied
   LM head counts when its output is logits: in a ``train loss=cross_entropy`` step, or
   when it makes as many classes as an embedding table of the model has rows (the same
   vocab: an untied head at inference, or under the model's own loss, ``loss=output``).
@@ -75,12 +77,13 @@ def _vocab_uses(graph, name, d, logits_loss):
         if n.op == "permute" and n.type.rank == 2:
             dim = list(n.attr("perm")).index(d)
             mms = [graph[m] for m in users[u]]
-            if dim == 1 and mms and all(m.op == "matmul" and m.inputs[1] == u and _is_output(graph, m, outputs)
-                                        for m in mms):
-                heads.append((n, mms))
+            ends = [_head_end(graph, users, m, outputs) if m.op == "matmul" and m.inputs[1] == u else None
+                    for m in mms]
+            if dim == 1 and mms and None not in ends:
+                heads.append((n, list(zip(mms, ends))))
                 continue
         return None
-    logits = heads and (logits_loss or any(_logits(graph, m) for _, ms in heads for m in ms))
+    logits = heads and (logits_loss or any(_logits(graph, m) for _, ms in heads for m, _ in ms))
     return heads if embedded or logits else None
 
 
@@ -95,13 +98,28 @@ def _rows(table) -> int:
     return (table.attr("stored_shape") or table.type.shape)[0]
 
 
-def _is_output(graph, mm, outputs) -> bool:
-    """Whether matmul ``mm`` is a model output (directly or through the output's relayout)."""
-    return mm.name in outputs or any(graph[u].op == "relayout" and u in outputs for u in graph.users()[mm.name])
+def _is_output(graph, users, node, outputs) -> bool:
+    """Whether ``node`` is a model output (directly or through the output's relayout)."""
+    return node.name in outputs or any(graph[u].op == "relayout" and u in outputs for u in users[node.name])
+
+
+def _head_end(graph, users, mm, outputs):
+    """The node making the model output of head matmul ``mm``: ``mm``, or the ``add`` of its
+    bias (a param ``[V]``, ``nn.Linear(bias=True)``) when only that add reads ``mm``; None
+    when ``mm`` makes no model output."""
+    if _is_output(graph, users, mm, outputs):
+        return mm
+    (add,) = users[mm.name] if len(users[mm.name]) == 1 else (None,)
+    if add is None or graph[add].op != "add" or not _is_output(graph, users, graph[add], outputs):
+        return None
+    (bias,) = [i for i in graph[add].inputs if i != mm.name] or [None]
+    ok = bias is not None and graph[bias].op == "param" and graph[bias].type.shape == mm.type.shape[-1:]
+    return graph[add] if ok and graph[add].type == mm.type else None
 
 
 def _pad(graph, node, d, vp, heads):
-    """Pad ``node`` to ``vp`` rows on dim ``d``; each head matmul gets mask_pad + slice."""
+    """Pad ``node`` to ``vp`` rows on dim ``d``; each head (its matmul, or the add of its bias,
+    padded too) gets mask_pad + slice."""
     v, fresh = node.type.shape[d], NameGen(n.name for n in graph.nodes).fresh
     shape = list(node.type.shape)
     shape[d] = vp
@@ -112,14 +130,19 @@ def _pad(graph, node, d, vp, heads):
         pshape = list(perm.type.shape)
         pshape[1] = vp
         new[perm.name] = replace(perm, type=TensorType(tuple(pshape), perm.type.dtype))
-        for mm in mms:
-            padded, masked = fresh(f"{mm.name}.padded"), fresh(f"{mm.name}.masked")
+        for mm, end in mms:
+            padded, masked = fresh(f"{end.name}.padded"), fresh(f"{end.name}.masked")
             last = mm.type.rank - 1
             ty = TensorType(mm.type.shape[:-1] + (vp,), mm.type.dtype)
-            new[mm.name] = replace(mm, name=padded, type=ty)
-            after[mm.name] = [Node(masked, "mask_pad", (padded,), ty, make_attrs(size=v), source=mm.source),
-                              Node(mm.name, "slice", (masked,), mm.type,
-                                   make_attrs(dim=last, start=0, stop=v, step=1), source=mm.source)]
+            if end is not mm:  # the bias add: the matmul and the bias [V] are padded too
+                new[mm.name] = replace(mm, type=ty)
+                bias = graph[next(i for i in end.inputs if i != mm.name)]
+                new[bias.name] = replace(bias, type=TensorType((vp,), bias.type.dtype),
+                                         attrs=make_attrs(**dict(bias.attrs), stored_shape=bias.type.shape))
+            new[end.name] = replace(end, name=padded, type=ty)
+            after[end.name] = [Node(masked, "mask_pad", (padded,), ty, make_attrs(size=v), source=end.source),
+                               Node(end.name, "slice", (masked,), end.type,
+                                    make_attrs(dim=last, start=0, stop=v, step=1), source=end.source)]
     nodes = []
     for n in graph.nodes:
         nodes.append(new.get(n.name, n))

@@ -175,3 +175,43 @@ def test_untied_llama_head_with_odd_vocab_under_torchrun(capsys, tmp_path):
     assert rc == 0 and out.get("verdict") == "OK", out
     assert ('torch.nn.functional.pad(whole(take(ckpt, "lm_head.weight", (97, 32)'
             in (tmp_path / "out" / "program.py").read_text())
+
+
+BIASED = '''
+import torch
+from torch import nn
+
+
+class BiasedHead(nn.Module):
+    """An embedding (7 rows) and an untied nn.Linear LM head with a bias: 7 classes."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(7, 8)
+        self.head = nn.Linear(8, 7)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.emb(ids)))
+
+
+def biased_head():
+    torch.manual_seed(0)
+    return BiasedHead(), (torch.randint(0, 7, (2, 4)),), ["ids"]
+'''
+
+
+@pytest.mark.parametrize("train", ["train loss=cross_entropy optimizer=adamw(lr=0.01) steps=2\n", ""])
+def test_an_untied_head_with_a_bias_pads_its_bias_too(capsys, tmp_path, train):
+    (tmp_path / "biased.py").write_text(BIASED)
+    (tmp_path / "head.pcs").write_text("mesh tp=2\nhead.weight colwise\n" + train)
+    model, spec_path = f"{tmp_path / 'biased.py'}:biased_head", str(tmp_path / "head.pcs")
+    from parcomp.frontends.loader import load_model
+    from parcomp.spec import load_spec
+
+    g = compile_graph(load_model(model)[0], load_spec(spec_path)).logical
+    assert g["head.weight"].type.shape == (8, 8) and g["head.weight"].attr("stored_shape") == (7, 8)
+    assert g["head.bias"].type.shape == (8,) and g["head.bias"].attr("stored_shape") == (7,)
+    rc = main(["check", model, "--spec", spec_path, "--json"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0
+    assert_check_ok(out)
