@@ -9,8 +9,7 @@ dim the mesh does not divide, when that dim is a vocab:
 - it reaches a matmul as the right operand (through a permute) whose output's last dim is
   the split dim and which is a model output, directly or through the add of a bias ``[V]``
   (the LM head, ``nn.Linear`` with or without a bias, padded with it; a tied table is
-  both). An untied
-  LM head counts when its output is logits: in a ``train loss=cross_entropy`` step, or
+  both). An untied LM head counts when its output is logits: in a ``train loss=cross_entropy`` step, or
   when it makes as many classes as an embedding table of the model has rows (the same
   vocab: an untied head at inference, or under the model's own loss, ``loss=output``).
   Any other uneven split stays a located error.
@@ -66,8 +65,10 @@ def pad_vocab_tables(graph: Graph, mesh, layouts: dict, logits_loss: bool = Fals
 def _vocab_uses(graph, name, d, logits_loss):
     """The LM-head matmuls of table ``name`` split on dim ``d`` (and the permutes on the
     way), or None when it is no vocab table: some use is neither an embedding lookup of rows
-    ``d == 0`` nor such a matmul making a model output, or it has no embedding use and the
-    step has no cross-entropy on its output."""
+    ``d == 0`` nor such a matmul (making a model output, or as many classes as an embedding
+    table has rows: a gradient program reads the logits, it does not return them), or it has
+    no embedding use and neither has the step a cross-entropy on its output nor has the
+    matmul an embedding's vocab."""
     users, heads, embedded, outputs = graph.users(), [], False, set(graph.outputs)
     for u in users[name]:
         n = graph[u]
@@ -77,9 +78,9 @@ def _vocab_uses(graph, name, d, logits_loss):
         if n.op == "permute" and n.type.rank == 2:
             dim = list(n.attr("perm")).index(d)
             mms = [graph[m] for m in users[u]]
-            ends = [_head_end(graph, users, m, outputs) if m.op == "matmul" and m.inputs[1] == u else None
-                    for m in mms]
-            if dim == 1 and mms and None not in ends:
+            ends = [_head_end(graph, users, m, outputs) for m in mms if m.op == "matmul" and m.inputs[1] == u]
+            if dim == 1 and mms and len(ends) == len(mms) and all(
+                    _is_output(graph, users, e, outputs) or _logits(graph, m) for m, e in zip(mms, ends)):
                 heads.append((n, list(zip(mms, ends))))
                 continue
         return None
@@ -104,17 +105,14 @@ def _is_output(graph, users, node, outputs) -> bool:
 
 
 def _head_end(graph, users, mm, outputs):
-    """The node making the model output of head matmul ``mm``: ``mm``, or the ``add`` of its
-    bias (a param ``[V]``, ``nn.Linear(bias=True)``) when only that add reads ``mm``; None
-    when ``mm`` makes no model output."""
-    if _is_output(graph, users, mm, outputs):
+    """The node that ends head matmul ``mm``: the ``add`` of its bias (a param ``[V]``,
+    ``nn.Linear(bias=True)``) when only that add reads ``mm`` (and ``mm`` is no output), else ``mm``."""
+    if _is_output(graph, users, mm, outputs) or len(users[mm.name]) != 1 or graph[users[mm.name][0]].op != "add":
         return mm
-    (add,) = users[mm.name] if len(users[mm.name]) == 1 else (None,)
-    if add is None or graph[add].op != "add" or not _is_output(graph, users, graph[add], outputs):
-        return None
-    (bias,) = [i for i in graph[add].inputs if i != mm.name] or [None]
-    ok = bias is not None and graph[bias].op == "param" and graph[bias].type.shape == mm.type.shape[-1:]
-    return graph[add] if ok and graph[add].type == mm.type else None
+    add = graph[users[mm.name][0]]
+    bias = [graph[i] for i in add.inputs if i != mm.name]
+    ok = len(bias) == 1 and bias[0].op == "param" and bias[0].type.shape == mm.type.shape[-1:]
+    return add if ok and add.type == mm.type else mm
 
 
 def _pad(graph, node, d, vp, heads):
