@@ -15,8 +15,9 @@ Search:
    produce ``v`` in ``O``) and a reverse pass fixing each strategy given what
    its consumers ask — exact where every value is read once (chains, trees),
    and then the answer;
-2. otherwise the integer program of :mod:`.search.layout_ilp` (HiGHS), exact, started
-   from the best of the DP, a forward greedy pass (DTensor-style propagation)
+2. otherwise the integer program of :mod:`.search.layout_ilp` (HiGHS), exact: its LP
+   relaxation first, whose point is the proven optimum on most graphs; else the integer
+   program started from the best of the DP, a forward greedy pass (DTensor-style propagation)
    and local moves (:mod:`.search.shard_moves`: a node re-picks its strategy, operands
    computed only for it follow), which is also kept if the solver's time budget runs out first.
 
@@ -112,17 +113,31 @@ def shard_prop(graph: Graph, seconds: float = DEFAULT_SECONDS, memory: int | Non
 
 
 def _search(prob, limit, seconds, heuristic=False) -> tuple:
-    """``(plan, search, proven)`` of ``prob``: the DP where exact, else the heuristic and
-    (below MAX_STRATEGIES or under a memory limit) the ILP started from it."""
-    dp = prob.dp_solution()
-    if all(len(u) <= 1 for u in prob.users.values()) and (limit is None or limit.fits(dp)):
-        return dp, "dp", True
-    sol = prob.improve(min((dp, prob.greedy_solution()), key=prob.total))
+    """``(plan, search, proven)`` of ``prob``: the DP where exact, else (below MAX_STRATEGIES
+    or under a memory limit) the ILP, whose LP relaxation settles most plans alone
+    (:func:`.search.layout_ilp.solve_ilp`), else started from the heuristic's plan; the
+    heuristic's plan alone above MAX_STRATEGIES. The heuristic is made only where it is used."""
+    dp = None
+    if all(len(u) <= 1 for u in prob.users.values()):
+        dp = prob.dp_solution()
+        if limit is None or limit.fits(dp):
+            return dp, "dp", True
+    made = []
+
+    def heuristic_plan():
+        if not made:
+            start = dp if dp is not None else prob.dp_solution()
+            made.append(prob.improve(min((start, prob.greedy_solution()), key=prob.total)))
+        return made[0]
+
     if limit is None and (heuristic or too_large(prob)):  # the solver would stop at its root with this plan
-        return sol, "heuristic", False
-    ilp, proven = solve_ilp(prob, sol, seconds, limit)
+        return heuristic_plan(), "heuristic", False
+    ilp, proven = solve_ilp(prob, heuristic_plan, seconds, limit)
     if proven is None:  # over MAX_COLUMNS: the solver was not called
-        return sol, "heuristic", False
+        return ilp, "heuristic", False
+    if not made:  # settled by the LP relaxation: proven optimal, no heuristic plan made
+        return ilp, "ilp", True
+    sol = made[0]
     fits = [s for s in (ilp, sol) if limit is None or limit.fits(s)]
     if not fits:
         raise limit.not_found(seconds)
@@ -149,6 +164,7 @@ class ShardProblem(LocalMoves):
             if n.op == "relayout":
                 self.pinned.setdefault(n.inputs[0], set()).add(n.layout)
         self._gathers = {}
+        self._value_ctx = {}  # value -> plan_cost's context of it (_context)
         self.options = {}  # name -> [(compute cost, ins, out)]
         self._canon, self._costs, self._computes, self._types, self._reads = {}, {}, {}, {}, {}
         self._fit = {}  # (option list id, layout id) -> the options producing that layout
@@ -185,9 +201,11 @@ class ShardProblem(LocalMoves):
         """:func:`parcomp.ir.redistribute.plan_cost` on this mesh, cached by object identity
         (layouts are interned; types and fixed layouts live as long as the graph); infinity
         for a conversion of ``value`` that data parallel forbids (see the class)."""
-        if value in self.batch and tgt not in self.pinned.get(value, ()):
-            fwd = self.g[value].phase == "forward"
-            held = tuple(fwd and value not in self.unbatched[a] for a in self.batch_axes)
+        ctx = self._value_ctx.get(value)
+        if ctx is None or ctx[0] is not ty:
+            ctx = self._context(value, ty)
+        _, tid, held, pinned = ctx
+        if held is not None and not (pinned and tgt in pinned):
             key = (id(src), id(tgt), ty.rank, held)
             gathers = self._gathers.get(key)
             if gathers is None:
@@ -196,14 +214,29 @@ class ShardProblem(LocalMoves):
                     for a, h in zip(self.batch_axes, held))
             if gathers:
                 return math.inf
-        tid = self._types.get(id(ty))
-        if tid is None:  # equal types share their costs
-            tid = self._types[id(ty)] = id(self._canon.setdefault(ty, ty))
         key = (id(src), id(tgt), tid)
         cost = self._costs.get(key)
         if cost is None:
             cost = self._costs[key] = plan_cost(src, tgt, ty, self.mesh)
         return cost
+
+    def _context(self, value, ty) -> tuple:
+        """``(ty, type id, held, pinned)`` of ``value`` for :meth:`plan_cost`: the id its costs
+        are cached under (equal types share their costs); ``held``, for one of the batch's
+        values, whether each batch axis forbids its all_reduce too (a forward value that
+        still holds the batch), else None (nothing forbidden); the layouts a spec pin reads
+        it in (a gather into those is allowed)."""
+        tid = self._types.get(id(ty))
+        if tid is None:  # equal types share their costs
+            tid = self._types[id(ty)] = id(self._canon.setdefault(ty, ty))
+        held = None
+        if value in self.batch:
+            fwd = self.g[value].phase == "forward"
+            held = tuple(fwd and value not in self.unbatched[a] for a in self.batch_axes)
+        ctx = (ty, tid, held, self.pinned.get(value, ()))
+        if value is not None:
+            self._value_ctx[value] = ctx
+        return ctx
 
     def layout(self, sol, name):
         return sol[name][1] if name in sol else self.g[name].layout
