@@ -15,9 +15,8 @@ Search:
    produce ``v`` in ``O``) and a reverse pass fixing each strategy given what
    its consumers ask — exact where every value is read once (chains, trees),
    and then the answer;
-2. otherwise the integer program of :mod:`.search.layout_ilp` (HiGHS), exact: its LP
-   relaxation first, whose point is the proven optimum on most graphs; else the integer
-   program started from the best of the DP, a forward greedy pass (DTensor-style propagation)
+2. otherwise the integer program of :mod:`.search.layout_ilp` (HiGHS), exact, started
+   from the best of the DP, a forward greedy pass (DTensor-style propagation)
    and local moves (:mod:`.search.shard_moves`: a node re-picks its strategy, operands
    computed only for it follow), which is also kept if the solver's time budget runs out first.
 
@@ -113,31 +112,17 @@ def shard_prop(graph: Graph, seconds: float = DEFAULT_SECONDS, memory: int | Non
 
 
 def _search(prob, limit, seconds, heuristic=False) -> tuple:
-    """``(plan, search, proven)`` of ``prob``: the DP where exact, else (below MAX_STRATEGIES
-    or under a memory limit) the ILP, whose LP relaxation settles most plans alone
-    (:func:`.search.layout_ilp.solve_ilp`), else started from the heuristic's plan; the
-    heuristic's plan alone above MAX_STRATEGIES. The heuristic is made only where it is used."""
-    dp = None
-    if all(len(u) <= 1 for u in prob.users.values()):
-        dp = prob.dp_solution()
-        if limit is None or limit.fits(dp):
-            return dp, "dp", True
-    made = []
-
-    def heuristic_plan():
-        if not made:
-            start = dp if dp is not None else prob.dp_solution()
-            made.append(prob.improve(min((start, prob.greedy_solution()), key=prob.total)))
-        return made[0]
-
+    """``(plan, search, proven)`` of ``prob``: the DP where exact, else the heuristic and
+    (below MAX_STRATEGIES or under a memory limit) the ILP started from it."""
+    dp = prob.dp_solution()
+    if all(len(u) <= 1 for u in prob.users.values()) and (limit is None or limit.fits(dp)):
+        return dp, "dp", True
+    sol = prob.improve(min((dp, prob.greedy_solution()), key=prob.total))
     if limit is None and (heuristic or too_large(prob)):  # the solver would stop at its root with this plan
-        return heuristic_plan(), "heuristic", False
-    ilp, proven = solve_ilp(prob, heuristic_plan, seconds, limit)
+        return sol, "heuristic", False
+    ilp, proven = solve_ilp(prob, sol, seconds, limit)
     if proven is None:  # over MAX_COLUMNS: the solver was not called
-        return ilp, "heuristic", False
-    if not made:  # settled by the LP relaxation: proven optimal, no heuristic plan made
-        return ilp, "ilp", True
-    sol = made[0]
+        return sol, "heuristic", False
     fits = [s for s in (ilp, sol) if limit is None or limit.fits(s)]
     if not fits:
         raise limit.not_found(seconds)
@@ -221,11 +206,11 @@ class ShardProblem(LocalMoves):
         return cost
 
     def _context(self, value, ty) -> tuple:
-        """``(ty, type id, held, pinned)`` of ``value`` for :meth:`plan_cost`: the id its costs
-        are cached under (equal types share their costs); ``held``, for one of the batch's
-        values, whether each batch axis forbids its all_reduce too (a forward value that
-        still holds the batch), else None (nothing forbidden); the layouts a spec pin reads
-        it in (a gather into those is allowed)."""
+        """``(ty, type id, held, pinned)`` of ``value`` for :meth:`plan_cost`, found once per
+        value: the id its costs are cached under (equal types share their costs); ``held``, for
+        one of the batch's values, whether each batch axis forbids its all_reduce too (a forward
+        value that still holds the batch), else None (nothing forbidden); the layouts a spec pin
+        reads it in (a gather into those is allowed)."""
         tid = self._types.get(id(ty))
         if tid is None:  # equal types share their costs
             tid = self._types[id(ty)] = id(self._canon.setdefault(ty, ty))

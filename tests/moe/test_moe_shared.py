@@ -75,21 +75,18 @@ def _collectives(spec):
 
 # dp=2 x ep=2: the tokens' all_to_all over ep both ways (forward, and their gradients backward);
 # the loss summed over every rank; one dp bucket of the routed experts' gradients; the router's
-# (linear_4) and the shared expert's (linear_1..3) and its gate's (linear) over dp,ep. Where the
-# ILP's equal-cost optima differ only in where a call sits (the tokens exchanged in the
-# dispatch buffer or in its permute; a weight's gradient reduced before or after its transpose;
-# the loss's sum or its mean), this is the one the LP relaxation's vertex gives.
-DP2_EP2 = [("all_to_all", "ep", "forward", "permute.all_to_all_ep"),
-           ("all_to_all", "ep", "forward", "permute_1.all_to_all_ep"),
-           ("all_to_all", "ep", "backward", "bw.reshape_1.reshape.all_to_all_ep"),
+# (linear_4) and the shared expert's (linear_1..3) and its gate's (linear) over dp,ep
+DP2_EP2 = [("all_to_all", "ep", "forward", "moe_dispatch.all_to_all_ep"),
+           ("all_to_all", "ep", "forward", "reshape_1.all_to_all_ep"),
+           ("all_reduce", "dp,ep", "loss", "loss.sum.all_reduce_dp_ep"),
+           ("all_to_all", "ep", "backward", "bw.moe_combine.moe_dispatch.all_to_all_ep"),
            ("all_reduce", "dp", "backward", "bw.grad_bucket0.dp.all_reduce"),
-           ("all_to_all", "ep", "backward", "bw.permute.permute.all_to_all_ep"),
+           ("all_to_all", "ep", "backward", "bw.reshape.reshape.all_to_all_ep"),
+           ("all_reduce", "dp,ep", "backward", "bw.linear_4.matmul_2.all_reduce_dp_ep"),
            ("all_reduce", "dp,ep", "backward", "bw.linear_3.matmul_2.all_reduce_dp_ep"),
            ("all_reduce", "dp,ep", "backward", "bw.linear_2.matmul_2.all_reduce_dp_ep"),
-           ("all_reduce", "dp,ep", "loss", "loss.all_reduce_dp_ep"),
-           ("all_reduce", "dp,ep", "backward", "bw.linear_4_wt.permute.all_reduce_dp_ep"),
-           ("all_reduce", "dp,ep", "backward", "bw.linear_1_wt.permute.all_reduce_dp_ep"),
-           ("all_reduce", "dp,ep", "backward", "bw.linear_wt.permute.all_reduce_dp_ep")]
+           ("all_reduce", "dp,ep", "backward", "bw.linear_1.matmul_2.all_reduce_dp_ep"),
+           ("all_reduce", "dp,ep", "backward", "bw.linear.matmul_2.all_reduce_dp_ep")]
 
 
 def test_dp2_ep2_collectives_pinned():
@@ -102,7 +99,7 @@ def test_dp2_ep2_collectives_pinned():
     assert bucket["axis"] == "dp" and sorted(bucket["members"]) == ["experts.down_proj", "experts.gate_proj",
                                                                      "experts.up_proj"]
     reduced = {n.inputs[0]: n.attr("axis") for n in c.sharded.nodes if n.op == "all_reduce"}
-    grads = {p: next((ax for v, ax in reduced.items() if v.startswith((f"bw.{w}.", f"bw.{w}_wt."))), None)
+    grads = {p: next((ax for v, ax in reduced.items() if v.startswith(f"bw.{w}.")), None)
              for p, w in (("gate.weight", "linear_4"), ("shared_expert_gate.weight", "linear"),
                           ("shared_expert.gate_proj.weight", "linear_1"), ("shared_expert.up_proj.weight", "linear_2"),
                           ("shared_expert.down_proj.weight", "linear_3"))}

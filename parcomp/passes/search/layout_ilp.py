@@ -74,117 +74,78 @@ def too_large(prob) -> bool:
     return sum(len(o) for o in prob.options.values()) > MAX_STRATEGIES
 
 
-def solve_ilp(prob, warm, seconds: float = DEFAULT_SECONDS, limit=None) -> tuple:
+def solve_ilp(prob, warm: dict, seconds: float = DEFAULT_SECONDS, limit=None) -> tuple:
     """The least-cost plan of ``prob`` (a :class:`parcomp.passes.shard_prop.ShardProblem`), within ``seconds``.
-
-    The LP relaxation is solved first (a fraction of the integer program's time: HiGHS's MIP
-    set-up and root work on a 2-block Qwen2 forward on dp x tp was ~8x its LP). Where the
-    relaxation's point, each node's largest ``x`` taken, is a plan whose exact cost equals the
-    relaxation's optimum (:func:`_proves`), that plan is the optimum, proven by the bound: no
-    integer program is solved and no heuristic plan is made. Otherwise (a fractional point
-    that rounds to a dearer plan) the integer program is solved from the heuristic's plan, as
-    a fresh solver, exactly as without the relaxation.
 
     Args:
         prob: the problem (options per node, users, fixed source layouts).
-        warm: a function making a feasible plan ``{node: (in layouts, out layout)}`` (the
-            heuristic's): the solver's start, and what it improves on when time runs out;
-            called only where the relaxation does not settle the plan.
+        warm: a feasible plan ``{node: (in layouts, out layout)}`` (the heuristic's):
+            the solver's start, and what it improves on when time runs out.
         seconds: wall-clock budget of the solver.
         limit: a :class:`MemoryLimit` (one more row), or None.
 
     Returns:
-        ``(plan, proven)``: the best plan found and whether it is proven optimal; proven is
+        ``(plan, proven)``: the best plan found and whether HiGHS proved it optimal; proven is
         None where the problem has over MAX_COLUMNS columns and the solver was not called
-        (``prob.ilp_skipped_columns`` says how many; ``plan`` is then ``warm()``).
+        (``prob.ilp_skipped_columns`` says how many).
     """
     import highspy
 
     model = _Model(prob)
     if model.base_columns > MAX_COLUMNS and limit is None:  # its root LP alone would outrun the budget
         prob.ilp_skipped_columns = model.base_columns
-        return dict(warm()), None
+        return dict(warm), None
     model.tighten()
     if limit is not None:
         model.rows.append(limit.row(model.x))
-    plan, _ = _relaxed_plan(model, highspy, seconds)
-    if plan is not None and (limit is None or limit.fits(plan)):
-        return plan, True
-    start_plan = warm()
-    h = _highs(highspy, seconds)
+    with _quiet_stdout():
+        h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("time_limit", float(seconds))  # a safety net: the node budget decides first
     # a deterministic budget (branch-and-bound nodes, not seconds): a cut-off plan is then the
-    # same on every machine
+    # same on every machine; the shipped specs solve at the root node
     h.setOptionValue("mip_max_nodes", MAX_NODES)
     h.setOptionValue("mip_rel_gap", 0.0)
     h.setOptionValue("mip_abs_gap", 1e-6)
+    h.setOptionValue("presolve", "off")  # the rows are already minimal; presolve cost more than it saved
+    h.setOptionValue("threads", 1)  # a compile is one process among many (tests, CI)
+    # no feasibility-jump heuristic and no symmetry detection before the root: the warm start
+    # is the incumbent and the root LP decides (every shipped spec solves at its root node);
+    # on a plain dp=2 x tp=2 spec on a 2-block Qwen2 (59,300 columns) they were 40% of the
+    # solve (1.2 -> 0.7 s CPU), and the plans are the same
+    h.setOptionValue("mip_heuristic_run_feasibility_jump", False)
+    h.setOptionValue("mip_detect_symmetry", False)
     model.load(h, highspy)
     start = highspy.HighsSolution()
-    start.col_value = list(model.values(start_plan))
+    start.col_value = list(model.values(warm))
     start.value_valid = True
     h.setSolution(start)
     h.run()
     status = h.getModelStatus()
     if h.getInfo().primal_solution_status != 2:  # no feasible point: keep the warm start
-        return dict(start_plan), False
+        return dict(warm), False
     plan = model.plan(h.getSolution().col_value)
     return plan, status == highspy.HighsModelStatus.kOptimal
-
-
-def _highs(highspy, seconds: float):
-    """A quiet single-threaded HiGHS solver with ``seconds`` of budget."""
-    with _quiet_stdout():
-        h = highspy.Highs()
-    h.setOptionValue("output_flag", False)
-    h.setOptionValue("time_limit", float(seconds))  # a safety net: the node budget decides first
-    h.setOptionValue("presolve", "off")  # the rows are already minimal; presolve cost more than it saved
-    h.setOptionValue("threads", 1)  # a compile is one process among many (tests, CI)
-    return h
-
-
-def _relaxed_plan(model, highspy, seconds: float = DEFAULT_SECONDS) -> tuple:
-    """``(plan, bound)``: the LP relaxation of ``model`` (every ``x`` in [0, 1]) solved, its
-    optimum ``bound`` (seconds; None where HiGHS did not reach it) and the plan of its point
-    (each node's largest ``x``) where that plan's exact cost is the bound (:func:`_proves`),
-    else None."""
-    h = _highs(highspy, seconds)
-    model.load(h, highspy, integer=False)
-    h.run()
-    if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
-        return None, None
-    bound = h.getInfo().objective_function_value
-    plan = model.plan(h.getSolution().col_value)
-    return (plan if _proves(model.prob.total(plan), bound) else None), bound / SCALE
-
-
-def _proves(cost: float, bound: float) -> bool:
-    """Whether a plan of exact ``cost`` (seconds) is optimal by the relaxation's optimum
-    ``bound`` (nanoseconds, the objective's unit): equal within the integer program's absolute
-    gap (1e-6 ns) plus 1e-9 of the bound (the relaxation's point satisfies its rows within
-    HiGHS's feasibility tolerance, so its objective and the exact sum differ in the last
-    digits)."""
-    return cost * SCALE <= bound + 1e-6 + 1e-9 * abs(bound)
 
 
 def lp_bound(prob) -> float:
     """The optimum of the integer program's LP relaxation (every ``x`` in [0, 1]), in seconds:
     a lower bound on the cost of every plan of ``prob``, and the bound HiGHS starts its
-    branch-and-bound from. Where it equals the least plan's cost, :func:`solve_ilp` takes
-    the relaxation's plan and solves no integer program."""
+    branch-and-bound from. Where it equals the least plan's cost, the solver proves that plan
+    optimal at its root node without cuts or branching."""
     import highspy
 
     model = _Model(prob)
     model.tighten()
-    return _relaxed_plan(model, highspy)[1]
-
-
-def relaxation_settles(prob) -> bool:
-    """Whether :func:`solve_ilp` settles ``prob`` by its LP relaxation alone (the relaxation's
-    point rounds to a plan of the relaxation's cost: no integer program solved)."""
-    import highspy
-
-    model = _Model(prob)
-    model.tighten()
-    return _relaxed_plan(model, highspy)[0] is not None
+    model.binary = [False] * len(model.binary)
+    with _quiet_stdout():
+        h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("presolve", "off")
+    h.setOptionValue("threads", 1)
+    model.load(h, highspy)
+    h.run()
+    return h.getInfo().objective_function_value / SCALE
 
 
 class MemoryLimit:
@@ -385,15 +346,13 @@ class _Model:
         for c in cols:
             self.ub[c] = 0.0
 
-    def load(self, h, highspy, integer: bool = True):
-        """Pass the columns, integrality (``integer``: the ``x`` binary, else the LP
-        relaxation) and rows to the solver ``h``."""
+    def load(self, h, highspy):
+        """Pass the columns, integrality and rows to the solver ``h``."""
         n = len(self.cost)
         h.addCols(n, np.array(self.cost), np.zeros(n), np.array(self.ub), 0,
                   np.array([], dtype=np.int32), np.array([], dtype=np.int32), np.array([]))
-        if integer:
-            ints = np.array([i for i, b in enumerate(self.binary) if b], dtype=np.int32)
-            h.changeColsIntegrality(len(ints), ints, np.array([highspy.HighsVarType.kInteger] * len(ints)))
+        ints = np.array([i for i, b in enumerate(self.binary) if b], dtype=np.int32)
+        h.changeColsIntegrality(len(ints), ints, np.array([highspy.HighsVarType.kInteger] * len(ints)))
         starts, index, value = [], [], []
         for _, _, coefs in self.rows:
             starts.append(len(index))
