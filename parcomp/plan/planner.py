@@ -113,10 +113,9 @@ def may_stay_replicated(graph, ranks: int | None = None) -> set:
     ``embedding`` tables, weights of a matmul making a model output (reached through
     permutes and reshapes, as ``colwise`` follows them), non-trainable buffers; with
     ``ranks`` (the smallest model-parallel axis), the kv projections of multi-query /
-    grouped-query attention whose kv heads ``ranks`` does not divide (:func:`_shared_kv`) and
-    the weight of a matmul whose output features ``ranks`` does not divide (a gate of one
-    feature, Qwen2-MoE's ``shared_expert_gate``: no column split exists, a row split is
-    all-reduced); low-rank (down) projections such as MLA's (:func:`_low_rank`); MoE routers
+    grouped-query attention whose kv heads ``ranks`` does not divide (:func:`_shared_kv`); the
+    weight of a matmul with one output feature (a gate, Qwen2-MoE's ``shared_expert_gate``: no
+    column split exists, a row split is all-reduced); low-rank (down) projections such as MLA's (:func:`_low_rank`); MoE routers
     (:func:`_router`)."""
     users, outputs = graph.users(), set(graph.outputs)
     out = {n.inputs[1] for n in graph.nodes if n.op == "embedding"}
@@ -133,8 +132,8 @@ def may_stay_replicated(graph, ranks: int | None = None) -> set:
                 elif node.op == "matmul" and node.inputs[1] == cur and (
                         _reaches_output(graph, users, u, outputs) or _low_rank(graph, users, u)
                         or _router(graph, users, u)
-                        or (ranks and ((_shared_kv(graph, users, u) or ranks) % ranks
-                                       or node.type.shape[-1] % ranks))):
+                        or node.type.shape[-1] == 1  # a one-feature gate: no column split exists
+                        or (ranks and (_shared_kv(graph, users, u) or ranks) % ranks)):
                     out.add(p.name)
     return out
 
