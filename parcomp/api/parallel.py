@@ -519,7 +519,10 @@ class ParallelModule(nn.Module):
             if p.get("part_of"):  # a multi-query weight's part: joined below, in row order
                 out[p["name"]] = t
                 continue
-            out[p["name"]] = t.reshape(self._shapes.get(p["name"], t.shape))
+            shape = self._shapes.get(p["name"], t.shape)
+            if t.dim() and len(shape) and t.shape[0] > shape[0] and t.numel() > math.prod(shape):
+                t = t[:shape[0]]  # a padded vocab (vocab_pad.py): the first rows are the real ones
+            out[p["name"]] = t.reshape(shape)
         for stored in dict.fromkeys(p["part_of"] for p in self._meta["params"] if p.get("part_of")):
             rows = [out.pop(p["name"]) for p in self._meta["params"] if p.get("part_of") == stored and p["name"] in out]
             if rows:  # the query rows (named as the weight) come first, then the kv rows

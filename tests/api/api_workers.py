@@ -40,7 +40,17 @@ input input_ids [S(0), R]
 output logits [S(0), R]
 """
 
-SPECS = {"tp": MLP_TP, "dp_tp": MLP_DP_TP, "gpt2_tp": GPT2_TP, "gpt2_dp_tp": GPT2_DP_TP}
+LLAMA_HEAD_TP = """mesh tp=2
+model.embed_tokens.weight  [S(0)]
+model.layers.*.self_attn.q_proj.weight  colwise
+model.layers.*.self_attn.k_proj.weight  colwise
+model.layers.*.self_attn.v_proj.weight  colwise
+model.layers.*.self_attn.o_proj.weight  rowwise
+lm_head.weight  colwise
+"""
+
+SPECS = {"tp": MLP_TP, "dp_tp": MLP_DP_TP, "gpt2_tp": GPT2_TP, "gpt2_dp_tp": GPT2_DP_TP,
+         "llama_head_tp": LLAMA_HEAD_TP}
 
 
 def tiny_gpt2():
@@ -54,18 +64,34 @@ def tiny_gpt2():
     return GPT2LMHeadModel(config).eval()
 
 
+def tiny_llama_odd_vocab():
+    """transformers' LlamaForCausalLM, 1 block, hidden 32, vocab 97 (tp=2 pads it to 98), untied lm_head."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         bos_token_id=0, eos_token_id=1, pad_token_id=None, use_cache=False,
+                         attn_implementation="sdpa", tie_word_embeddings=False)
+    return LlamaForCausalLM(config).eval()
+
+
+LMS = {"gpt2": (tiny_gpt2, 101), "llama_odd_vocab": (tiny_llama_odd_vocab, 97)}
+
+
 def _lm_batches(steps, batch=4, seq=8, vocab=101):
     g = torch.Generator().manual_seed(1)
     return [(torch.randint(0, vocab, (batch, seq), generator=g), torch.randint(0, vocab, (batch, seq), generator=g))
             for _ in range(steps)]
 
 
-def train_lm_equal(rank, world, spec="gpt2_tp", steps=3, cache_dir=None, clip=None):
-    """train_equal for the tiny GPT-2 LM: cross-entropy on its logits, AdamW, 3 steps."""
+def train_lm_equal(rank, world, spec="gpt2_tp", steps=3, cache_dir=None, clip=None, lm="gpt2"):
+    """train_equal for a tiny LM (``LMS``): cross-entropy on its logits, AdamW, 3 steps."""
     text = SPECS[spec]
-    model = tiny_gpt2()
+    make, vocab = LMS[lm]
+    model = make()
     ref = copy.deepcopy(model)
-    batches = _lm_batches(steps)
+    batches = _lm_batches(steps, vocab=vocab)
 
     def loss_of(logits, labels):
         return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
@@ -105,7 +131,8 @@ def train_lm_equal(rank, world, spec="gpt2_tp", steps=3, cache_dir=None, clip=No
             "loss_err": max(abs(a - b) for a, b in zip(ref_losses, losses)),
             "grad_err": grad_err, "norm_err": max((abs(a - b) / a for a, b in zip(ref_norms, norms)), default=0.0), "norms": norms,
             "compared": len([k for k in ref.state_dict() if k in full]), "params": len(ref.state_dict()),
-            "output_layouts": par.output_layouts()}
+            "output_layouts": par.output_layouts(),
+            "shapes": {k: list(v.shape) for k, v in full.items()}}
 
 
 def small_mlp():

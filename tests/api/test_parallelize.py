@@ -118,6 +118,19 @@ def test_tiny_gpt2_tp2_adamw_steps_equal_the_unsharded_loop(tmp_path):
 
 
 @pytest.mark.slow
+def test_untied_llama_head_with_odd_vocab_trains_and_gives_back_its_real_rows(tmp_path):
+    """lm_head colwise and the embedding [S(0)] on 97 rows: padded to 98 inside the program;
+    full_state_dict and full_grads give the module's own 97 rows."""
+    pytest.importorskip("transformers")
+    results = run_ranks("api_workers:train_lm_equal", 2, spec="llama_head_tp", lm="llama_odd_vocab",
+                        cache_dir=str(tmp_path))
+    for r in results:
+        assert r["shapes"]["lm_head.weight"] == [97, 32] and r["shapes"]["model.embed_tokens.weight"] == [97, 32], r
+        assert r["loss_err"] <= 1e-5 * max(map(abs, r["ref_losses"])), r
+        assert r["param_err"] <= LM_PARAM_TOL and r["grad_err"] <= 1e-4, r
+
+
+@pytest.mark.slow
 def test_tiny_gpt2_dp2_tp2_adamw_steps_equal_the_unsharded_loop(tmp_path):
     results = run_ranks("api_workers:train_lm_equal", 4, spec="gpt2_dp_tp", cache_dir=str(tmp_path), clip=0.5)
     for r in results:
