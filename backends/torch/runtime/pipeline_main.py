@@ -597,18 +597,17 @@ def load(args):
     starts (``--output`` checked first); under agree()."""
     check_stage_outputs(args)
     params = load_checkpoint(args.checkpoint, args.key_map, args.load_report)
-    steps = planned_steps(args)
+    steps, flag = planned_steps(args)
     if args.data:
         batches = StepData(DataSource(args.data), steps)
         batches[0]  # the first step's batch read (and checked) now, under agree(); read again at its step
     else:
         feeds = load_batch(args.input)
         if isinstance(feeds, list) and len(feeds) != steps:
-            fail(f"input file {args.input} holds the inputs of {len(feeds)} steps but the run has {steps} "
-                 f"(--steps or --train-steps)")
+            fail(f"input file {args.input} holds the inputs of {len(feeds)} steps but {flag} is {steps}")
         batches = StepFeeds(feeds) if isinstance(feeds, list) else [load_inputs(feeds)] * steps
     with torch.no_grad():
-        starts = read_replay(args.replay, steps) if args.replay else None
+        starts = read_replay(args.replay, steps, flag) if args.replay else None
     return params, batches, starts
 
 

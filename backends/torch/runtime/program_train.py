@@ -64,9 +64,9 @@ def check_step_args(ap, args):
 
 
 def planned_steps(args):
-    """How many steps' inputs (and --replay starts) to read: --steps K, or --train-steps N (the
-    whole run's steps 1..N: a resumed run takes those after its saved step)."""
-    return args.steps if args.train_steps is None else args.train_steps
+    """``(how many steps' inputs and --replay starts to read, the flag giving it)``: --steps K,
+    or --train-steps N (the whole run's steps 1..N: a resumed run takes those after its step)."""
+    return (args.steps, "--steps") if args.train_steps is None else (args.train_steps, "--train-steps")
 
 
 def last_step(args, first):
@@ -706,7 +706,7 @@ class StepBatches:
         return load_inputs(self.feeds[k])
 
 
-def read_batches(path, steps):
+def read_batches(path, steps, flag="--steps"):
     """This rank's slices of every step's inputs: one dict {input name: tensor} serves
     every step (placed once); a list holds one such dict per step, every one checked now
     (names, shapes, dtypes: under agree()) and placed on the device at its step."""
@@ -720,7 +720,7 @@ def read_batches(path, steps):
         fail(f"input file {path} must hold a dict {{input name: tensor}} for inputs {list(INPUTS)} "
              f"or a list of one such dict per step")
     if len(feeds) != steps:
-        fail(f"input file {path} holds the inputs of {len(feeds)} steps but the run has {steps} (--steps or --train-steps)")
+        fail(f"input file {path} holds the inputs of {len(feeds)} steps but {flag} is {steps}")
     note_unused(feeds[0] if feeds else {}, INPUTS, "input")
     CHECK_ONLY["on"] = True
     try:
@@ -772,13 +772,14 @@ def train(params, batches, starts=None, step=None, log_every=1, first=1, after_s
 
 
 # >>> program.py: replay
-def read_replay(path, steps):
-    """This rank's slices of the K checkpoints of a --replay file (a list, K = --steps)."""
+def read_replay(path, steps, flag="--steps"):
+    """This rank's slices of the K checkpoints of a --replay file (a list, K = --steps, or N =
+    --train-steps: ``flag``)."""
     states = read_tensors(path, "replay")
     if not isinstance(states, (list, tuple)) or not all(isinstance(s, dict) for s in states):
         fail(f"replay file {path} must hold a list of one checkpoint dict per step")
     if len(states) != steps:
-        fail(f"replay file {path} holds {len(states)} checkpoints but the run has {steps} steps (--steps or --train-steps)")
+        fail(f"replay file {path} holds {len(states)} checkpoints but {flag} is {steps}")
     return [load_params(s) for s in states]
 # <<< program.py
 
@@ -828,14 +829,14 @@ def load(args):
     directory checked first); under agree()."""
     check_output(args)
     params = load_checkpoint(args.checkpoint, args.key_map, args.load_report)
-    steps = planned_steps(args)
+    steps, flag = planned_steps(args)
     if INPUTS and args.data:
         batches = StepData(DataSource(args.data), steps)
         batches[0]  # the first step's batch read (and checked) now, under agree(); read again at its step
     else:
-        batches = read_batches(args.input, steps) if INPUTS else [{}] * steps
+        batches = read_batches(args.input, steps, flag) if INPUTS else [{}] * steps
     with torch.no_grad():
-        starts = read_replay(args.replay, steps) if args.replay else None
+        starts = read_replay(args.replay, steps, flag) if args.replay else None
     return params, batches, starts
 
 
