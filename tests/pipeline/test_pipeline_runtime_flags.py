@@ -141,14 +141,14 @@ program = importlib.util.module_from_spec(spec)
 sys.argv[0] = "program.py"
 spec.loader.exec_module(program)
 real, calls = program.step, []
-def step(k, state, p, data):
+def step(k, state, p, data, *rest):
     calls.append(1)
     if len(calls) == 2 and os.environ["RANK"] == "0":
         os.kill(os.getppid(), signal.SIGTERM)
         end = time.monotonic() + 60
         while not program.STOP["asked"] and time.monotonic() < end:
             time.sleep(0.01)
-    return real(k, state, p, data)
+    return real(k, state, p, data, *rest)
 program.step = step
 try:
     program.main()
