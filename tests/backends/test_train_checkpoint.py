@@ -3,6 +3,7 @@ resume, on the same or another mesh; atomic saves."""
 from __future__ import annotations
 
 import copy
+import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -303,3 +304,45 @@ def test_run_stopped_by_sigterm_saves_its_step_and_resumes_equal_to_the_unstoppe
     for name in keys:
         assert np.array_equal(resumed[name], whole[name]), name
     assert r_losses == w_losses[k:]
+
+
+# a launcher that runs program.py with rank 1 dying when the 3rd save starts (after step 3)
+DIES_AT_THIRD_SAVE = DIES_AT_FOURTH_SAVE.replace("len(calls) == 4", "len(calls) == 3")
+
+
+@pytest.mark.slow
+def test_train_steps_run_killed_at_step_2_of_4_rerun_with_the_same_command_ends_at_step_4(tmp_path):
+    """``--train-steps 4 --save-every 1``, rank 1 killed as step 3's save starts (steps 1-2
+    committed); the same command again resumes from step 2 for steps 3-4 (not 4 more), ends
+    bit-equal to 4 steps never killed, and removes the unfinished saves parcomp marked as its
+    own (a directory step-K.partial without the mark stays); a third time it exits 0 at once."""
+    tp, module, example = _compile(tmp_path, TP2, "tp2")
+    feeds = commands.training_feeds(tp, module, example, 0)
+    ckpt = tmp_path / "ckpt"
+    command = ("--train-steps", "4", "--save", str(ckpt), "--save-every", "1")
+    (tmp_path / "k").mkdir()
+    (tmp_path / "k" / "dies.py").write_text(DIES_AT_THIRD_SAVE)
+    res = _launch(tmp_path / "k", tp, module, feeds, command, program="dies.py", ok=False)
+    assert "saved step 2" in res.stdout and "saved step 3" not in res.stdout
+    assert (ckpt / "latest").read_text().strip() == "step-2"
+    assert (ckpt / "step-3.partial" / "PARCOMP_SAVING").is_file()
+    (ckpt / "step-3.partial").rename(ckpt / "step-9.partial")  # a step this run never saves again
+    (ckpt / "step-8.partial").mkdir()  # not parcomp's: no mark
+    res = _launch(tmp_path / "r", tp, module, feeds, command + ("--resume", str(ckpt)))
+    assert f"resumed from {ckpt / 'step-2'} (step 2)" in res.stdout
+    assert [int(k) for k in re.findall(r"step (\d+) loss", res.stdout)] == [3, 4]
+    assert (ckpt / "latest").read_text().strip() == "step-4"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step-1", "step-2", "step-3", "step-4",
+                                                      "step-8.partial"]
+    assert not list(ckpt.glob("step-*/PARCOMP_SAVING"))
+    _launch(tmp_path / "u", tp, module, feeds, ("--train-steps", "4"))
+    resumed, r_losses = assemble_training_outputs(tmp_path / "r" / "out.pt", tp.program)
+    whole, w_losses = assemble_training_outputs(tmp_path / "u" / "out.pt", tp.program)
+    keys = [k for k in whole if k.endswith(("weight", "bias", "exp_avg", "exp_avg_sq"))]
+    assert len(keys) == 12
+    for k in keys:
+        assert np.array_equal(resumed[k], whole[k]), k
+    assert r_losses == w_losses[2:] and len(w_losses) == 4
+    res = _launch(tmp_path / "again", tp, module, feeds, command + ("--resume", str(ckpt)))
+    assert "step 4 is saved, --train-steps is 4: nothing left to train" in res.stdout
+    assert "loss" not in res.stdout

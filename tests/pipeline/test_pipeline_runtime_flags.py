@@ -141,14 +141,14 @@ program = importlib.util.module_from_spec(spec)
 sys.argv[0] = "program.py"
 spec.loader.exec_module(program)
 real, calls = program.step, []
-def step(k, state, p, data):
+def step(k, state, p, data, *rest):
     calls.append(1)
     if len(calls) == 2 and os.environ["RANK"] == "0":
         os.kill(os.getppid(), signal.SIGTERM)
         end = time.monotonic() + 60
         while not program.STOP["asked"] and time.monotonic() < end:
             time.sleep(0.01)
-    return real(k, state, p, data)
+    return real(k, state, p, data, *rest)
 program.step = step
 try:
     program.main()
@@ -206,7 +206,61 @@ def test_inputs_are_given_by_one_of_input_and_data(tmp_path):
     d = _program(tmp_path / "args", chain_graph(blocks=2), "mesh pp=2\n")
     env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
     for extra, words in (((), "give the inputs (target, x): --input FILE.pt or --data MODULE:FUNCTION"),
-                         (("--input", "i.pt", "--data", "data.py:dataset"), "--input and --data both give the inputs")):
+                         (("--input", "i.pt", "--data", "data.py:dataset"), "--input and --data both give the inputs"),
+                         (("--input", "i.pt", "--steps", "2", "--train-steps", "4"),
+                          "--steps K (K more steps) and --train-steps N (until step N, resumed steps counted) both")):
         res = subprocess.run([sys.executable, "program.py", "--checkpoint", "model.pt", *extra], cwd=d, env=env,
                              text=True, capture_output=True, timeout=60)
         assert res.returncode == 2 and "Traceback" not in res.stderr and words in res.stderr, res.stderr[-2000:]
+
+
+# a launcher whose rank 0 dies (exit 9, as a killed process) once DIR/latest names step-1
+KILLED_AFTER_STEP_1 = """\
+import os, runpy, sys
+real = os.replace
+def replace(src, dst, *args, **kw):
+    real(src, dst, *args, **kw)
+    if os.path.basename(dst) == "latest" and open(dst).read().strip() == "step-1":
+        os._exit(9)
+os.replace = replace
+sys.argv[0] = "program.py"
+runpy.run_path("program.py", run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_train_steps_run_killed_and_rerun_with_the_same_command_ends_at_step_n_on_a_list_input(tmp_path):
+    # --input holds one global batch per step; --train-steps 2 --save-every 1, killed after step 1's
+    # save; the same command with --resume for step 2 only (on the list's 2nd batch) and ends as the
+    # unsharded step run twice; a third time it has nothing left to train and exits 0
+    g = chain_graph(blocks=2)
+    ref, feeds, _ = reference(g)
+    rng = np.random.default_rng(5)
+    x, t = (rng.standard_normal((16, 8, 4)).astype("float32") * 0.5 for _ in range(2))
+    want = _two_steps(ref, feeds, [(x[:8], t[:8]), (x[8:], t[8:])])
+    d = _program(tmp_path / "p", g, "mesh pp=2\n")
+    (d / "killed.py").write_text(KILLED_AFTER_STEP_1)
+    torch.save([{"x": torch.from_numpy(x[8 * k:8 * k + 8]), "target": torch.from_numpy(t[8 * k:8 * k + 8])}
+                for k in range(2)], d / "inputs.pt")
+    ck = {k: torch.from_numpy(np.asarray(v)) for k, v in feeds.items() if ref[k].op == "param"}
+    save = d / "ckpt"
+    command = ("--train-steps", "2", "--save", str(save), "--save-every", "1")
+
+    def run(*resume, program="program.py"):
+        return run_torchrun(d, 2, ck, str(d / "inputs.pt"), str(d / "out.pt"), command + resume, timeout=300,
+                            program=program)
+
+    killed = run(program="killed.py")
+    assert killed.returncode != 0 and (save / "latest").read_text().strip() == "step-1", killed.stderr[-3000:]
+    resumed = run("--resume", str(save))
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+    assert f"resumed from {save / 'step-1'} (step 1)" in resumed.stdout
+    assert re.findall(r"step (\d+) loss", resumed.stdout) == ["2"]
+    assert (save / "latest").read_text().strip() == "step-2"
+    got = _stages(d / "out.pt")
+    assert_all_equivalent({k: v for k, v in got.items() if k != "losses"}, want[1])
+    assert_all_equivalent({"losses": got["losses"]}, {"losses": np.array([want[1]["loss"]])})
+    again = run("--resume", str(save))
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
+    assert "step 2 is saved, --train-steps is 2: nothing left to train" in again.stdout
+    assert not re.findall(r"step (\d+) loss", again.stdout)

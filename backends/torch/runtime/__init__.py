@@ -76,6 +76,8 @@ TRAIN_HELP = """\
 --input       .pt dict {{input name: full tensor}} used by every step, or a list of one such
               dict per step (.safetensors: one dict)
 --steps K     train steps k = 1..K (default {steps}){step}; rank 0 prints "step k loss L"
+--train-steps N  train until step N, a resumed run's saved steps counted: a requeued job's same
+              command with --resume ends at step N (at or past it: exits 0)
 --output      the last step's outputs, and "losses": [loss of every step] in the file(s):
               {out}
 --device cpu  run on CPU with gloo whatever the profile (see the PROFILE block)

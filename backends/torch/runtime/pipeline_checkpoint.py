@@ -68,17 +68,20 @@ def save_stages(path, p, coord, step):
     import torch.distributed.checkpoint as dcp
 
     final = os.path.join(path, f"step-{step}")
+    start_save(final)
     dcp.save(carried_state(p, coord, step), checkpoint_id=final + ".partial")
     dist.barrier()
     write_checksums(final + ".partial")  # before the rename: a committed step always has them
     if RANK == 0:
         with open(os.path.join(final + ".partial", "stages.json"), "w") as f:
             f.write(json.dumps({**stage_table(), "step": step}, indent=1) + "\\n")
+        os.remove(os.path.join(final + ".partial", SAVE_MARK))
         os.rename(final + ".partial", final)
         with open(os.path.join(path, "latest.partial"), "w") as f:
             f.write(f"step-{step}\\n")
         os.replace(os.path.join(path, "latest.partial"), os.path.join(path, "latest"))
         print(f"saved step {step} to {final}", flush=True)
+        remove_unfinished_saves(path)
     dist.barrier()
 
 

@@ -35,9 +35,9 @@ import torch.distributed as dist
 
 from .program_cluster import *
 from .program_common import *
-from .program_train import (DATA_HELP, REPLAY_HELP, DataSource, StepData, check_input_args, check_save,
-                            read_replay, resume_location, saved_steps, step_count, stop_after, stop_wait,
-                            stopped)
+from .program_train import (DATA_HELP, REPLAY_HELP, TRAIN_STEPS_HELP, DataSource, StepData, check_input_args,
+                            check_save, check_step_args, last_step, planned_steps, read_replay, resume_location,
+                            saved_steps, step_count, stop_after, stop_wait, stopped)
 
 # ---- stand-ins for what the emitter generates (never pasted): a one-stage, one-rank program ----
 STAGE_PARAMS = {0: []}
@@ -160,27 +160,52 @@ def stored_view(t, stored, view, order=None):
 
 
 def load_batch(path):
-    """The input file, every batch input checked against its global shape and dtype (never
-    cast), on the host; exit 2 naming what is wrong."""
+    """The input file: one dict {input name: the global batch} serving every step, or a list of
+    one such dict per step (as the SPMD program's --input); every batch input checked against its
+    global shape and dtype (never cast), on the host; exit 2 naming what is wrong."""
     feeds = read_tensors(path, "input")
+    if isinstance(feeds, (list, tuple)) and feeds and all(isinstance(f, dict) for f in feeds):
+        note_unused(feeds[0], INPUTS, "input")
+        return [checked_batch(f, path, f" (step {i + 1})") for i, f in enumerate(feeds)]
     if not isinstance(feeds, dict):
         fail(f"input file {path} holds a {type(feeds).__name__}, not a dict {{input name: tensor}} "
-             f"for inputs {list(INPUTS)}")
+             f"for inputs {list(INPUTS)} or a list of one such dict per step")
     note_unused(feeds, INPUTS, "input")
+    return checked_batch(feeds, path, "")
+
+
+def checked_batch(feeds, path, which):
+    """The batch inputs of one dict of the input file, checked (``which``: the step it is, or "")."""
     out = {}
     for name, (shape, dtype) in INPUT_SHAPES.items():
         t = feeds.get(name)
         if not isinstance(t, torch.Tensor):
-            fail(f"input {name!r} (global shape {shape}) is missing from {path}; it has: "
+            fail(f"input {name!r} (global shape {shape}) is missing from {path}{which}; it has: "
                  f"{', '.join(sorted(map(str, feeds))[:8]) or 'nothing'}")
         if list(t.shape) != shape:
-            fail(f"input {name!r} in {path} has shape {list(t.shape)}, expected the global batch's "
+            fail(f"input {name!r} in {path}{which} has shape {list(t.shape)}, expected the global batch's "
                  f"shape {shape} (microbatches x dp x the micro batch along dim 0)")
         if t.dtype != getattr(torch, dtype):
-            fail(f"input {name!r} in {path} is {str(t.dtype).replace('torch.', '')}, compiled for "
+            fail(f"input {name!r} in {path}{which} is {str(t.dtype).replace('torch.', '')}, compiled for "
                  f"{dtype}; convert the file (program.py never casts)")
         out[name] = t
     return out
+
+
+class StepFeeds:
+    """Every step's global batch (``feeds``, checked, on the host) of a list input file: step
+    ``i``'s rows of this rank (load_inputs) put on the device when its step reads ``[i]``."""
+
+    def __init__(self, feeds):
+        self.feeds = feeds
+
+    def __len__(self):
+        return len(self.feeds)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return StepFeeds(self.feeds[i])
+        return load_inputs(self.feeds[i])
 
 
 def stage_inputs(coord):
@@ -530,12 +555,15 @@ def parse_args(argv):
                     help=".safetensors, .pt state_dict, or a sharded checkpoint (directory or index.json)")
     ap.add_argument("--key-map", type=key_map_arg, default=(), metavar="RULES", help=KEY_MAP_HELP)
     ap.add_argument("--load-report", metavar="FILE", help=LOAD_REPORT_HELP)
-    ap.add_argument("--input", help=".pt or .safetensors dict {input name: the global batch}")
+    ap.add_argument("--input", help=".pt or .safetensors dict {input name: the global batch} for every "
+                                    "step, or a .pt list of one such dict per step")
     ap.add_argument("--data", metavar="MODULE:FUNCTION", help=DATA_HELP)
     ap.add_argument("--output", help="each stage's outputs of the last step (and its losses) go to "
                                      "OUTPUT.stageK, written by the stage's first rank")
-    ap.add_argument("--steps", type=step_count, default=TRAIN_STEPS, metavar="K",
-                    help="training steps, each from the last one's state")
+    ap.add_argument("--steps", type=step_count, metavar="K",
+                    help=f"training steps, each from the last one's state (default {TRAIN_STEPS}); with "
+                         "--resume, this many more")
+    ap.add_argument("--train-steps", type=step_count, metavar="N", help=TRAIN_STEPS_HELP)
     ap.add_argument("--device", choices=sorted({"cpu", PROFILE}), default=PROFILE)
     ap.add_argument("--bench", type=bench_count, default=0, metavar="N",
                     help="then N warm-up + N timed steps from the trained state (not applied); "
@@ -552,10 +580,12 @@ def parse_args(argv):
                          "runs count on from the saved step), so a run that dies resumes from the last one")
     ap.add_argument("--resume", metavar="DIR",
                     help="start from the checkpoint DIR/latest names, or DIR itself if it is a step-K "
-                         "directory: its params, optimizer state and step; --steps more steps follow")
+                         "directory: its params, optimizer state and step; --steps more steps follow, or those up to "
+                         "--train-steps")
     ap.add_argument("--replay", metavar="FILE", help=REPLAY_HELP)
     add_cluster_args(ap)
     args = ap.parse_args(argv)
+    check_step_args(ap, args)
     if args.save_every and not args.save:
         ap.error("--save-every N needs --save DIR (where the checkpoints go)")
     check_input_args(ap, args)
@@ -567,13 +597,17 @@ def load(args):
     starts (``--output`` checked first); under agree()."""
     check_stage_outputs(args)
     params = load_checkpoint(args.checkpoint, args.key_map, args.load_report)
+    steps, flag = planned_steps(args)
     if args.data:
-        batches = StepData(DataSource(args.data), args.steps)
+        batches = StepData(DataSource(args.data), steps)
         batches[0]  # the first step's batch read (and checked) now, under agree(); read again at its step
     else:
-        batches = [load_inputs(load_batch(args.input))] * args.steps
+        feeds = load_batch(args.input)
+        if isinstance(feeds, list) and len(feeds) != steps:
+            fail(f"input file {args.input} holds the inputs of {len(feeds)} steps but {flag} is {steps}")
+        batches = StepFeeds(feeds) if isinstance(feeds, list) else [load_inputs(feeds)] * steps
     with torch.no_grad():
-        starts = read_replay(args.replay, args.steps) if args.replay else None
+        starts = read_replay(args.replay, steps, flag) if args.replay else None
     return params, batches, starts
 
 
@@ -582,8 +616,8 @@ def first_of_stage():
     return all(c == 0 for a, c in coords(RANK).items() if a != "pp")
 
 
-def train(args, state, p, batches, first, starts=None, after_step=None, progs=None):
-    """``--steps`` steps numbered from ``first`` (updated params and state carry over in
+def train(args, state, p, batches, first, starts=None, after_step=None, progs=None, last=None):
+    """Steps ``first``..``last`` (default: one per batch) (updated params and state carry over in
     ``p``; with ``starts`` (--replay), step k starts from ``starts[k-first]``), step k on
     ``batches[k-first]``; the last step's result, with "losses". The last stage's first rank
     prints the loss of every ``--log-every``-th step and the last (the only reads of a loss to
@@ -592,7 +626,7 @@ def train(args, state, p, batches, first, starts=None, after_step=None, progs=No
     ``progs``: the stage programs (:func:`stage_programs`; None: compiled with ``--compile``)."""
     losses, result = [], {}
     progs = progs or stage_programs(args.compile)
-    last, printer = first + args.steps - 1, first_of_stage()
+    last, printer = first + len(batches) - 1 if last is None else last, first_of_stage()
     for k in range(first, last + 1):
         STEP[0] = float(k)
         if starts is not None:
@@ -621,9 +655,17 @@ def run(args):
     if args.resume:
         where = agree(lambda: resume_location(args.resume), "reading --resume")  # every rank exits 2 on damage
         first = agree(lambda: resume_stages(args.resume, where, p, coord), "loading --resume")
+        if RANK == 0:
+            print(f"resumed from {where} (step {first - 1})", flush=True)
+    last = last_step(args, first)
+    if last is None:  # --train-steps reached already
+        return
     if isinstance(batches, StepData):  # a resumed run reads on from the saved step's next batch
-        batches.offset = first - 1
-    last = first + args.steps - 1
+        batches.offset, batches.steps = first - 1, last - first + 1
+    elif args.train_steps is not None:  # steps first..N of the whole run's 1..N
+        batches = batches[first - 1:]
+    if args.train_steps is not None and starts is not None:
+        starts = starts[first - 1:]
     saves = saved_steps(first, last, args.save_every) if args.save else []
     if args.save:  # before the first step: a save that cannot succeed is found now
         agree(lambda: check_save(args.save, saves), "checking --save")
@@ -640,7 +682,7 @@ def run(args):
     STOP["armed"] = bool(args.save)  # from here a SIGTERM ends the step and saves it
     with torch.no_grad():  # the backward pass is explicit in the stage functions
         progs = stage_programs(args.compile)  # --compile: one graph per stage function, kept for --bench
-        result = train(args, state, p, batches, first, starts, save_during if args.save else None, progs)
+        result = train(args, state, p, batches, first, starts, save_during if args.save else None, progs, last)
         stop_wait()  # the last step's flag: the run has ended anyway
     if done and done[-1] != last:
         k = done[-1]

@@ -48,6 +48,38 @@ def step_count(text):
     if not 1 <= steps <= MAX_STEPS:
         raise argparse.ArgumentTypeError(f"{text}: give 1 to {MAX_STEPS:_} training steps")
     return steps
+
+
+TRAIN_STEPS_HELP = ("train until step N, the steps of the run --resume goes on from counted: a job requeued "
+                    "with the same command ends at step N (a run resumed at step N or past it exits 0)")
+
+
+def check_step_args(ap, args):
+    """--steps K (K more steps) or --train-steps N (up to step N), not both; neither: --steps TRAIN_STEPS."""
+    if args.steps is not None and args.train_steps is not None:
+        ap.error("--steps K (K more steps) and --train-steps N (until step N, resumed steps counted) "
+                 "both give the run's length: give one")
+    if args.steps is None and args.train_steps is None:
+        args.steps = TRAIN_STEPS
+
+
+def planned_steps(args):
+    """``(how many steps' inputs and --replay starts to read, the flag giving it)``: --steps K,
+    or --train-steps N (the whole run's steps 1..N: a resumed run takes those after its step)."""
+    return (args.steps, "--steps") if args.train_steps is None else (args.train_steps, "--train-steps")
+
+
+def last_step(args, first):
+    """The last step of a run starting at step ``first``: first + K - 1 (--steps K) or N
+    (--train-steps N); None when a resumed run is at step N or past it (rank 0 says so)."""
+    if args.train_steps is None:
+        return first + args.steps - 1
+    if first > args.train_steps:
+        if RANK == 0:
+            print(f"--resume {args.resume}: step {first - 1} is saved, --train-steps is {args.train_steps}: "
+                  f"nothing left to train", flush=True)
+        return None
+    return args.train_steps
 # <<< program.py
 
 
@@ -79,8 +111,9 @@ def parse_args(argv):
     ap.add_argument("--input", help=".pt dict of inputs for every step, or a list of one dict per step")
     ap.add_argument("--data", metavar="MODULE:FUNCTION", help=DATA_HELP)
     ap.add_argument("--output", help="where to write the last step's outputs and the losses (.pt)")
-    ap.add_argument("--steps", type=step_count, default=TRAIN_STEPS, metavar="K",
-                    help=f"training steps (default {TRAIN_STEPS})")
+    ap.add_argument("--steps", type=step_count, metavar="K",
+                    help=f"training steps (default {TRAIN_STEPS}); with --resume, this many more")
+    ap.add_argument("--train-steps", type=step_count, metavar="N", help=TRAIN_STEPS_HELP)
     ap.add_argument("--device", choices=sorted({"cpu", PROFILE}), default=PROFILE)
     ap.add_argument("--bench", type=bench_count, default=0, metavar="N",
                     help="time N training steps from the loaded parameters (not applied)")
@@ -95,10 +128,11 @@ def parse_args(argv):
     ap.add_argument("--resume", metavar="DIR",
                     help="start from the checkpoint DIR/latest names, or DIR itself if it is a step-K directory "
                          "(saved by any mesh's program of this model): its params, optimizer state and step; "
-                         "--steps more steps follow")
+                         "--steps more steps follow, or those up to --train-steps")
     ap.add_argument("--replay", metavar="FILE", help=REPLAY_HELP)
     add_cluster_args(ap)
     args = ap.parse_args(argv)
+    check_step_args(ap, args)
     if args.save_every and not args.save:
         ap.error("--save-every N needs --save DIR (where the checkpoints go)")
     check_input_args(ap, args)
@@ -316,25 +350,57 @@ def save_checkpoint(path, params, step):
     if os.path.exists(final):
         fail(f"--save {path}: {final} exists; parcomp's program never replaces a checkpoint")
     state = {**as_dtensors({name: params[name] for name in CARRIED}), "step": torch.tensor(step)}
-    import shutil
-
-    if RANK == 0 and os.path.isdir(final + ".partial"):  # left by a run that died while saving this step
-        shutil.rmtree(final + ".partial")
-    dist.barrier()
+    start_save(final)
     dcp.save(state, checkpoint_id=final + ".partial")
     dist.barrier()
     write_checksums(final + ".partial")  # before the rename: a committed step always has them
     if RANK == 0:
+        os.remove(os.path.join(final + ".partial", SAVE_MARK))
         os.rename(final + ".partial", final)
         with open(os.path.join(path, "latest.partial"), "w") as f:
             f.write(f"step-{step}\n")
         os.replace(os.path.join(path, "latest.partial"), os.path.join(path, "latest"))
         print(f"saved step {step} to {final}", flush=True)
+        remove_unfinished_saves(path)
     dist.barrier()
 # <<< program.py
 
 
 # >>> program.py: checkpoint_checks
+SAVE_MARK = "PARCOMP_SAVING"  # in a step-K.partial from the start of its save until its rename
+
+
+def start_save(final):
+    """Rank 0 makes ``final``.partial afresh, holding SAVE_MARK (a step-K.partial left by a run
+    that died while saving this step is removed first: a resumed run saves that step again);
+    every rank waits for it."""
+    import shutil
+
+    partial = final + ".partial"
+    if RANK == 0:
+        if os.path.isdir(partial):
+            shutil.rmtree(partial)
+        os.makedirs(partial)
+        with open(os.path.join(partial, SAVE_MARK), "w") as f:
+            f.write("a parcomp program is saving this step; left here, the save did not finish, and "
+                    "the program's next save in this directory removes it\n")
+    dist.barrier()
+
+
+def remove_unfinished_saves(path):
+    """Rank 0, after a save in ``path`` committed: remove every step-K.partial there that holds
+    SAVE_MARK (a save a killed run left; none is running now). One without the mark is not
+    parcomp's and stays."""
+    import shutil
+
+    for name in sorted(os.listdir(path)):
+        partial = os.path.join(path, name)
+        if (name.startswith("step-") and name.endswith(".partial") and name[5:-8].isdigit()
+                and os.path.isfile(os.path.join(partial, SAVE_MARK))):
+            shutil.rmtree(partial, ignore_errors=True)
+            print(f"removed {partial}: a save that did not finish", flush=True)
+
+
 def latest_checkpoint(path):
     """``(step directory, None)``: the one ``path``/latest names; or ``(None, what is wrong)``,
     naming the file: no ``latest``, one that is not a step name, or one naming a step that is
@@ -617,6 +683,8 @@ def resume_checkpoint(path, params):
         dcp.load(state, checkpoint_id=where)
     except (Exception, dcp.api.CheckpointException) as e:  # BaseException: not an Exception
         fail(f"--resume {path}: cannot load {where} into this program: {dcp_failure(e)}")
+    if RANK == 0:
+        print(f"resumed from {where} (step {int(state['step'])})", flush=True)
     return {**params, **{name: state[name].to_local() for name in CARRIED}}, int(state["step"]) + 1
 # <<< program.py
 
@@ -638,7 +706,7 @@ class StepBatches:
         return load_inputs(self.feeds[k])
 
 
-def read_batches(path, steps):
+def read_batches(path, steps, flag="--steps"):
     """This rank's slices of every step's inputs: one dict {input name: tensor} serves
     every step (placed once); a list holds one such dict per step, every one checked now
     (names, shapes, dtypes: under agree()) and placed on the device at its step."""
@@ -652,7 +720,7 @@ def read_batches(path, steps):
         fail(f"input file {path} must hold a dict {{input name: tensor}} for inputs {list(INPUTS)} "
              f"or a list of one such dict per step")
     if len(feeds) != steps:
-        fail(f"input file {path} holds the inputs of {len(feeds)} steps but --steps is {steps}")
+        fail(f"input file {path} holds the inputs of {len(feeds)} steps but {flag} is {steps}")
     note_unused(feeds[0] if feeds else {}, INPUTS, "input")
     CHECK_ONLY["on"] = True
     try:
@@ -704,13 +772,14 @@ def train(params, batches, starts=None, step=None, log_every=1, first=1, after_s
 
 
 # >>> program.py: replay
-def read_replay(path, steps):
-    """This rank's slices of the K checkpoints of a --replay file (a list, K = --steps)."""
+def read_replay(path, steps, flag="--steps"):
+    """This rank's slices of the K checkpoints of a --replay file (a list, K = --steps, or N =
+    --train-steps: ``flag``)."""
     states = read_tensors(path, "replay")
     if not isinstance(states, (list, tuple)) or not all(isinstance(s, dict) for s in states):
         fail(f"replay file {path} must hold a list of one checkpoint dict per step")
     if len(states) != steps:
-        fail(f"replay file {path} holds {len(states)} checkpoints but --steps is {steps}")
+        fail(f"replay file {path} holds {len(states)} checkpoints but {flag} is {steps}")
     return [load_params(s) for s in states]
 # <<< program.py
 
@@ -760,13 +829,14 @@ def load(args):
     directory checked first); under agree()."""
     check_output(args)
     params = load_checkpoint(args.checkpoint, args.key_map, args.load_report)
+    steps, flag = planned_steps(args)
     if INPUTS and args.data:
-        batches = StepData(DataSource(args.data), args.steps)
+        batches = StepData(DataSource(args.data), steps)
         batches[0]  # the first step's batch read (and checked) now, under agree(); read again at its step
     else:
-        batches = read_batches(args.input, args.steps) if INPUTS else [{}] * args.steps
+        batches = read_batches(args.input, steps, flag) if INPUTS else [{}] * steps
     with torch.no_grad():
-        starts = read_replay(args.replay, args.steps) if args.replay else None
+        starts = read_replay(args.replay, steps, flag) if args.replay else None
     return params, batches, starts
 
 
@@ -778,9 +848,15 @@ def run(args):
     first = 1
     if args.resume:  # sharded checkpoint of any mesh's program
         params, first = resume_checkpoint(args.resume, params)
+    last = last_step(args, first)
+    if last is None:  # --train-steps reached already
+        return
     if isinstance(batches, StepData):  # a resumed run reads on from the saved step's next batch
-        batches.offset = first - 1
-    last = first + args.steps - 1
+        batches.offset, batches.steps = first - 1, last - first + 1
+    elif args.train_steps is not None:  # steps first..N of the whole run's 1..N
+        batches = StepBatches(batches.feeds[first - 1:]) if isinstance(batches, StepBatches) else batches[first - 1:]
+    if args.train_steps is not None and starts is not None:
+        starts = starts[first - 1:]
     saves = saved_steps(first, last, args.save_every) if args.save else []
     if args.save:  # before training: a save that cannot succeed is found now, not after the last step
         agree(lambda: check_save(args.save, saves), "checking --save")
