@@ -3,9 +3,10 @@ WORLD and each mesh axis's, has it) and names that rank in one line, instead of 
 collective or printing gloo's tracebacks; and each mesh axis's process group is made by one
 call per rank, however large the mesh.
 
-Two torchrun runs (slow) on the dp=2 x tp=2 training program (GPT2MLP): rank 3 hangs in its
-first ``all_reduce`` (a tp collective of step 1), or kills itself there with SIGKILL. The rest
-runs in this process against the runtime modules program.py is pasted from.
+Three torchrun runs (slow) on the dp=2 x tp=2 training program (GPT2MLP): rank 3 hangs in its
+first ``all_reduce`` (a tp collective of step 1), kills itself there with SIGKILL, or stops
+itself (SIGSTOP) in the middle of step 3. The rest runs in this process against the runtime
+modules program.py is pasted from.
 """
 from __future__ import annotations
 
@@ -34,16 +35,27 @@ TIMEOUT_S = 10  # the program's --timeout in the torchrun runs
 STARTUP_S = 120  # torchrun, 4 imports of torch and the first step on a busy 2-core machine (~20 s idle)
 
 # runs program.py with rank 3 hanging (MODE=hang) or killed by SIGKILL (MODE=kill) at its
-# first all_reduce: a tp all_reduce of step 1's forward
+# first all_reduce: a tp all_reduce of step 1's forward; or stopped by SIGSTOP (MODE=stop) at its
+# 5th dp all_reduce: the first of step 3's two started gradient reductions over dp, so its dp
+# peer (rank 1) has two collectives in flight with it: the first to time out closes the pair,
+# and the one rank 1 waits on fails with gloo's "Application timeout caused pair closure"
 FAULTY = """\
 import os, runpy, signal, sys, time
 import torch.distributed as dist
+real_all_reduce, dp_calls = dist.all_reduce, [0]
 def faulty(*args, **kwargs):
     if os.environ["MODE"] == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(3600)
+def stop_in_step_3(*args, **kwargs):
+    group = kwargs.get("group")
+    if group is not None and dist.get_process_group_ranks(group) == [1, 3]:
+        dp_calls[0] += 1
+        if dp_calls[0] == 5:
+            os.kill(os.getpid(), signal.SIGSTOP)
+    return real_all_reduce(*args, **kwargs)
 if os.environ["RANK"] == "3":
-    dist.all_reduce = faulty
+    dist.all_reduce = stop_in_step_3 if os.environ["MODE"] == "stop" else faulty
 sys.argv[0] = "program.py"
 runpy.run_path("program.py", run_name="__main__")
 """
@@ -76,12 +88,19 @@ def assert_no_raw_gloo_errors(stderr):
     assert "Traceback" not in workers.split("program.py (rank")[0], workers[-4000:]
 
 
-def _run(d, mode):
+def _run(d, mode, extra=(), grace=0):
     """The faulty run; the launcher's limit bounds it (a subprocess.TimeoutExpired fails the
-    test): startup, then --timeout, then 30 s for every rank to report and exit."""
+    test): startup, then --timeout, then 30 s for every rank to report and exit (and ``grace``
+    for the launcher to end a stopped rank)."""
     return run_torchrun(d, 4, str(d / "model.pt"), str(d / "inputs.pt"), str(d / "out.pt"),
-                        ("--timeout", str(TIMEOUT_S)), timeout=STARTUP_S + TIMEOUT_S + 30,
+                        ("--timeout", str(TIMEOUT_S), *extra), timeout=STARTUP_S + TIMEOUT_S + 30 + grace,
                         program="faulty.py", env={"MODE": mode})
+
+
+def exit_codes(text) -> dict:
+    """{rank: exit code} from torchrun's report of the failed workers."""
+    return {int(m.group(1)): int(m.group(2))
+            for m in re.finditer(r"rank\s*: (\d+) \(local_rank.*\n\s*exitcode\s*: (-?\d+)", text)}
 
 
 @pytest.mark.slow
@@ -112,6 +131,28 @@ def test_a_rank_killed_with_sigkill_is_named_by_every_survivor(dp2tp2):
     assert sorted(errors) == [0, 1, 2], res.stderr[-4000:]
     for line in errors.values():
         assert line.startswith("step 1: rank 3 (on ") and "stopped answering" in line, line
+    assert_no_raw_gloo_errors(res.stderr)
+
+
+@pytest.mark.slow
+def test_a_rank_stopped_mid_step_is_named_by_every_survivor_and_no_healthy_rank_is_blamed(dp2tp2):
+    """Rank 3 stops (SIGSTOP) in step 3's backward, with its dp peer's two started gradient
+    reductions in flight: gloo fails the one rank 1 waits on with "Application timeout caused
+    pair closure", a peer's loss like any timeout, not rank 1's own error. Every survivor prints
+    one line naming rank 3 and exits 2 by itself (not stopped by the launcher: within 30 s of the
+    first survivor's exit); none is named as failed, and no traceback is printed. The launcher
+    ends the stopped rank with SIGKILL, 30 s after its SIGTERM."""
+    res = _run(dp2tp2, "stop", ("--steps", "20"), grace=30)
+    assert res.returncode != 0
+    errors = rank_errors(res.stderr)
+    assert sorted(errors) == [0, 1, 2], res.stderr[-6000:]
+    for line in errors.values():
+        assert re.match(r"step \d+: rank 3 \(on [^)]*\) stopped answering", line), line
+        assert "failed on" not in line and "this rank stopped" not in line, line
+    codes = exit_codes(res.stderr)
+    assert [codes.get(r) for r in (0, 1, 2)] == [2, 2, 2], res.stderr[-6000:]
+    workers = res.stderr.split("failed (exitcode:")[0]  # before the launcher's own traceback
+    assert "Traceback" not in workers, workers[-6000:]
     assert_no_raw_gloo_errors(res.stderr)
 
 
@@ -240,6 +281,39 @@ def test_collective_errors_are_told_from_a_ranks_own():
     assert cl.collective_error(RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer"))
     assert cl.collective_error(torch.distributed.DistBackendError("NCCL watchdog timeout"))
     assert not cl.collective_error(KeyError("w")) and not cl.collective_error(RuntimeError("shape mismatch"))
+
+
+@pytest.mark.parametrize("error", [
+    RuntimeError("Application timeout caused pair closure"),  # gloo: a started collective's wait
+    RuntimeError("Timed out waiting 20000ms for send operation to complete"),
+    RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:4242: "
+                 "Connection reset by peer"),
+    RuntimeError("Connection refused"),
+    torch.distributed.DistBackendError("[Rank 1] Watchdog caught collective operation timeout: "
+                                       "WorkNCCL(SeqNum=9, OpType=ALLREDUCE) ran for 600000 milliseconds"),
+    torch.distributed.DistNetworkError("failed to recv, got 0 bytes"),
+    torch.distributed.DistStoreError("wait timeout after 20000ms"),
+])
+def test_a_peers_loss_is_a_collective_error_whatever_gloo_or_nccl_says(error):
+    assert cl.collective_error(error)
+
+
+def test_any_error_raised_inside_a_synchronous_collective_is_a_collective_error():
+    """Whatever its message: a synchronous collective's own call raised it (a peer's failure,
+    told in words this process does not know)."""
+    from torch.distributed import distributed_c10d
+
+    namespace = {}
+    exec(compile("def all_reduce():\n    raise RuntimeError('a new way to say the peer is gone')\n",
+                 distributed_c10d.__file__, "exec"), namespace)
+    try:
+        namespace["all_reduce"]()
+    except RuntimeError as e:
+        assert cl.collective_error(e)
+    try:
+        raise RuntimeError("a new way to say the peer is gone")
+    except RuntimeError as e:
+        assert not cl.collective_error(e)  # raised by this rank's own code
 
 
 class CountingDist:

@@ -1011,11 +1011,38 @@ def peer_reported():
 
 
 def collective_error(error):
-    """Whether ``error`` is a collective's failure (it timed out, or a peer closed the
-    connection) rather than an error of this rank's own."""
-    text = str(error)
-    return isinstance(error, dist.DistError) or any(
-        word in text for word in ("gloo", "NCCL", "HCCL", "Timed out", "Connection closed", "Connection reset"))
+    """Whether ``error`` is a collective's failure (it timed out, or a peer stopped, closed the
+    connection or left) rather than an error of this rank's own. A rank whose collective failed
+    because of a peer must never name itself the failed rank. Told by, in order: torch's types
+    (``DistError``: ``DistBackendError`` for NCCL/HCCL errors and the NCCL watchdog's timeout,
+    ``DistNetworkError``, ``DistStoreError``); where it was raised (inside torch.distributed's
+    collective API: a synchronous collective, whatever its message); and, for a started
+    collective's ``work.wait()`` (gloo raises a plain RuntimeError there), the messages gloo,
+    NCCL and HCCL give for a timeout or a lost peer."""
+    if isinstance(error, dist.DistError) or raised_in_collective(error):
+        return True
+    text = str(error).lower()
+    return any(word in text for word in COLLECTIVE_WORDS)
+
+
+COLLECTIVE_WORDS = (  # lower case; gloo: "[../gloo/transport/tcp/pair.cc:N] ..." and the rest
+    "gloo", "nccl", "hccl", "timed out", "application timeout", "pair closure",
+    "connection closed", "connection reset", "connection refused", "closed the connection",
+    "broken pipe", "socket timeout", "watchdog")
+COLLECTIVE_FILES = ("distributed_c10d.py", "c10d_logger.py", "_functional_collectives.py",
+                    "_functional_collectives_impl.py")  # torch.distributed's collective API
+
+
+def raised_in_collective(error):
+    """Whether ``error`` was raised inside one of torch.distributed's collective calls (the
+    innermost frame of its traceback is in COLLECTIVE_FILES, in torch/distributed itself)."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return False
+    path = tb.tb_frame.f_code.co_filename.replace(os.sep, "/")
+    return path.rsplit("/", 1)[-1] in COLLECTIVE_FILES and path.rsplit("/", 2)[-2:-1] == ["distributed"]
 
 
 def first_line(error):

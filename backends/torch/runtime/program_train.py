@@ -678,7 +678,9 @@ def resume_checkpoint(path, params):
 
     where = agree(lambda: resume_location(path), "reading --resume")  # every rank exits 2 on damage
     state = {**as_dtensors({name: params[name] for name in CARRIED}), "step": torch.tensor(0)}
-    check_resume(path, where, state)
+    # agreed: every rank exits 2 on its own message (a watch thread would otherwise find a
+    # faster rank's failure first and print that instead)
+    agree(lambda: check_resume(path, where, state), "checking --resume")
     try:
         dcp.load(state, checkpoint_id=where)
     except (Exception, dcp.api.CheckpointException) as e:  # BaseException: not an Exception
