@@ -1,0 +1,139 @@
+"""The optimizer phase as torch.optim's multi-tensor kernels: each group of per-parameter
+updates (:func:`parcomp.ir.update_groups.update_groups`, made contiguous by the pass
+``group-updates``) printed as one call over the group's tensor lists:
+
+- AdamW: one ``torch._fused_adamw_`` (the kernel of ``torch.optim.AdamW(fused=True)``);
+- SGD: ``torch._foreach_add`` (weight decay), ``torch._foreach_mul_`` / ``torch._foreach_add_``
+  (momentum), ``torch._foreach_add_`` (the step): ``torch.optim.SGD(foreach=True)``'s ops.
+
+Both write each parameter and its state in place, so a unit is printed so only where the
+per-node program writes them in place too (``inplace=true`` on its nodes), or where the
+parameter is a ZeRO shard read by nothing else (the kernel writes the shard, which the
+all_gather after it reads). Any other unit, and a group whose nodes are not contiguous, is
+printed one statement per node (:func:`parcomp_backends.torch.emit.nodes.node_code`).
+The values each unit's nodes make are the param's and state's variables themselves (the
+kernel wrote them), so the step's returned dict names those.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from parcomp.ir.update_groups import param_of, update_groups
+
+from .nodes import py_literal
+from .sections import comment_lines
+
+
+@dataclass
+class UpdatePlan:
+    """``lines``: node -> the statements printed in its place (the group's call, at its first
+    fused node); ``skipped``: nodes no statement of their own prints; ``alias``: node -> the
+    variable holding its value; ``unmade``: values no statement makes (never deleted);
+    ``kept``: values whose buffer a fused value took over (their ``del`` is left to it)."""
+    lines: dict = field(default_factory=dict)
+    skipped: set = field(default_factory=set)
+    alias: dict = field(default_factory=dict)
+    unmade: set = field(default_factory=set)
+    kept: set = field(default_factory=set)
+
+
+def update_plan(program, names) -> UpdatePlan:
+    """The multi-tensor calls of ``program``'s optimizer phase (module docstring)."""
+    plan = UpdatePlan()
+    if not any(n.op in ("adamw_param", "add_scaled") for n in program.nodes):
+        return plan
+    pos = {n.name: i for i, n in enumerate(program.nodes)}
+    users = program.users()
+    taken = set(names.values())
+    for units in update_groups(program):
+        members = sorted((pos[m] for u in units for m in u.nodes))
+        if members[-1] - members[0] + 1 != len(members):
+            continue  # not contiguous: per node
+        fused = [u for u in units if _in_place(program, u, pos, users)]
+        if not fused:
+            continue
+        first = min(pos[u.nodes[0]] for u in fused)
+        var = names.__getitem__
+        if fused[0].kind == "adamw":
+            code = _adamw_lines(program, fused, var)
+        else:
+            code = _sgd_lines(program, fused, var, taken)
+        plan.lines[program.nodes[first].name] = code
+        for u in fused:
+            plan.skipped.update(u.nodes)
+            plan.alias.update({node: var(value) for node, value in u.made})
+            plan.unmade.update(m for m in u.nodes if m not in dict(u.made))
+            plan.kept.add(u.param)
+    return plan
+
+
+def _in_place(program, u, pos, users) -> bool:
+    """May the kernel write ``u``'s param and state? Where the per-node program does (every node
+    writing one is ``inplace=true``), or the param is a ZeRO shard only this update reads and
+    whose param no later node reads."""
+    for node, value in u.made:
+        if not program[node].attr("inplace") and value != u.param:
+            return False
+    final = next(node for node, value in u.made if value == u.param)
+    if program[final].attr("inplace"):
+        return True
+    shard = program[u.param]
+    if shard.op != "shard_slice" or users[u.param] != [final] or u.param in program.outputs:
+        return False
+    return all(pos[r] < pos[final] for r in users[shard.inputs[0]])
+
+
+def _names(program, units) -> str:
+    return ", ".join(param_of(program, u) for u in units)
+
+
+def _list(values) -> str:
+    return "[" + ", ".join(values) + "]"
+
+
+def _adamw_lines(program, units, var) -> list:
+    h, step = units[0].hyper(), units[0].key[3]
+    ps, gs = _list(var(u.param) for u in units), _list(var(u.grad) for u in units)
+    ms, vs = _list(var(u.state[0]) for u in units), _list(var(u.state[1]) for u in units)
+    n = len(units)
+    head = (f"torch's fused AdamW (the kernel of torch.optim.AdamW(fused=True)) over {n} "
+            f"parameter{'s' if n != 1 else ''}, in place on each and its exp_avg, exp_avg_sq: "
+            f"{_names(program, units)}")
+    kw = ", ".join(f"{k}={py_literal(h[k])}" for k in ("lr", "beta1", "beta2", "weight_decay", "eps"))
+    return [*comment_lines(head, "    "),
+            f"    torch._fused_adamw_({ps}, {gs}, {ms}, {vs}, [], [{var(step)}] * {n}, {kw}, "
+            "amsgrad=False, maximize=False)"]
+
+
+def _sgd_lines(program, units, var, taken) -> list:
+    h, n = units[0].hyper(), len(units)
+    ps, gs = _list(var(u.param) for u in units), _list(var(u.grad) for u in units)
+    head = (f"torch.optim.SGD(foreach=True)'s update over {n} parameter{'s' if n != 1 else ''}, in "
+            f"place on each{' and its momentum_buffer' if 'momentum' in h else ''}: {_names(program, units)}")
+    out = comment_lines(head, "    ")
+    step = gs
+    if "weight_decay" in h:
+        decayed = _fresh("sgd_decayed", taken)
+        out.append(f"    {decayed} = torch._foreach_add({gs}, {ps}, alpha={py_literal(h['weight_decay'])})"
+                   "  # the gradients plus weight decay (new tensors)")
+        step = decayed
+    if "momentum" in h:
+        bufs = _list(var(u.state[0]) for u in units)
+        out += [f"    torch._foreach_mul_({bufs}, {py_literal(h['momentum'])})",
+                f"    torch._foreach_add_({bufs}, {step}, alpha=1.0)"]
+        if step != gs:
+            out.append(f"    del {step}")
+        step = bufs
+    out.append(f"    torch._foreach_add_({ps}, {step}, alpha={py_literal(-h['lr'])})")
+    if step not in (gs,) and "momentum" not in h:
+        out.append(f"    del {step}")
+    return out
+
+
+def _fresh(base, taken) -> str:
+    name, k = base, 1
+    while name in taken:
+        k += 1
+        name = f"{base}_{k}"
+    taken.add(name)
+    return name
