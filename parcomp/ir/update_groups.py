@@ -17,7 +17,7 @@ emitter then prints one group as one multi-tensor call (the torch backend:
 numpy reference runs the nodes one by one: same numbers to rounding.
 
 A unit's intermediate values (``g2``, SGD's decayed gradient, the new moments) are read by
-nothing outside the unit but the step's outputs; a pattern that does not match (fp16 loss
+nothing outside the unit but the step's outputs (and their ``relayout`` pins); a pattern that does not match (fp16 loss
 scaling, which reads the old values again; an LR schedule's rescaled AdamW update) stays
 per node.
 """
@@ -56,9 +56,10 @@ def _only_read_by(users, outs, v, reader) -> bool:
     return v not in outs and users[v] == [reader]
 
 
-def _read_by(users, outs, v, reader) -> bool:
-    """``v`` is read by ``reader`` and nothing else (a step output may name it)."""
-    return users[v] == [reader]
+def _read_by(graph, users, v, reader) -> bool:
+    """``v`` is read by ``reader`` and nothing else but ``relayout`` nodes (in a local program
+    an identity: a pipeline stage's output pin) and the step's outputs."""
+    return [u for u in users[v] if graph[u].op != "relayout"] == [reader]
 
 
 def _adamw(graph, users, outs, a) -> Update | None:
@@ -73,7 +74,7 @@ def _adamw(graph, users, outs, a) -> Update | None:
     if (sqn.op != "mul" or sqn.inputs != (g, g) or graph[m].op != "param" or graph[v].op != "param"
             or (mn.attr("a"), mn.attr("b")) != (b1, 1 - b1) or (vn.attr("a"), vn.attr("b")) != (b2, 1 - b2)):
         return None
-    if not (_read_by(users, outs, m_new, a.name) and _read_by(users, outs, v_new, a.name)
+    if not (_read_by(graph, users, m_new, a.name) and _read_by(graph, users, v_new, a.name)
             and _only_read_by(users, outs, sq, v_new)):
         return None
     if len({graph[x].type for x in (p, g, m, v)}) != 1:
@@ -91,7 +92,7 @@ def _sgd(graph, users, outs, f) -> Update | None:
     hyper = [("lr", -f.attr("b"))]
     dn = graph[d]
     if dn.op == "axpby" and dn.attr("b") == 1.0 and graph[dn.inputs[0]].op == "param" \
-            and dn.phase == "optimizer" and _read_by(users, outs, d, f.name):
+            and dn.phase == "optimizer" and _read_by(graph, users, d, f.name):
         buf, d = dn.inputs
         nodes.insert(0, dn.name)
         made.insert(0, (dn.name, buf))

@@ -185,6 +185,7 @@ def step_function(prog, fn: str, doc: str, names=None, pop_inputs: bool = False,
         taken = set(names.values()) | set(kept.values())
         norm_stats = {n: saved_name(names[n if program[n].op == "layer_norm" else norm_stats[n]], taken)
                       for n in norm_stats}
+    pending = []  # the dead values of a multi-tensor update group, deleted after its last node
     tails = {}  # (id(layout), id(type)) -> "  # [S(0), R] f32[8,32]": nodes share these objects
     for n in program.nodes:
         op = n.op
@@ -250,6 +251,10 @@ def step_function(prog, fn: str, doc: str, names=None, pop_inputs: bool = False,
             frees.append(norm_stats[n.name])
         if first == n.name and n.name in kept:  # the kernel's saved tensors, read
             frees.append(kept[n.name])
+        if n.name in updates.skipped:  # a multi-tensor call's dead values: one del after its group
+            pending, frees = pending + frees, []
+            if n.name in updates.ends:
+                frees, pending = pending, []
         if frees:
             lines.append("    del " + ", ".join(frees))
         lines += [f"    ready({_json_str(pub)}, {var})" for pub in final.get(n.name, ())]

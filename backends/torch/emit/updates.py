@@ -29,12 +29,14 @@ class UpdatePlan:
     """``lines``: node -> the statements printed in its place (the group's call, at its first
     fused node); ``skipped``: nodes no statement of their own prints; ``alias``: node -> the
     variable holding its value; ``unmade``: values no statement makes (never deleted);
-    ``kept``: values whose buffer a fused value took over (their ``del`` is left to it)."""
+    ``kept``: values whose buffer a fused value took over (their ``del`` is left to it);
+    ``ends``: the last fused node of each group (the group's ``del`` follows it)."""
     lines: dict = field(default_factory=dict)
     skipped: set = field(default_factory=set)
     alias: dict = field(default_factory=dict)
     unmade: set = field(default_factory=set)
     kept: set = field(default_factory=set)
+    ends: set = field(default_factory=set)
 
 
 def update_plan(program, names) -> UpdatePlan:
@@ -59,6 +61,7 @@ def update_plan(program, names) -> UpdatePlan:
         else:
             code = _sgd_lines(program, fused, var, taken)
         plan.lines[program.nodes[first].name] = code
+        plan.ends.add(program.nodes[max(pos[m] for u in fused for m in u.nodes)].name)
         for u in fused:
             plan.skipped.update(u.nodes)
             plan.alias.update({node: var(value) for node, value in u.made})
