@@ -22,8 +22,8 @@ from graphs import mlp_text, random_feeds, spec as parse  # noqa: E402
 DIMS, BATCH = [8, 16, 16, 4], (6,)
 
 
-def _compiled(train, dtype="f64", mesh="tp=1"):
-    text = mlp_text(BATCH, DIMS, [True] * 3, ["gelu", "tanh"]).replace("f32[", f"{dtype}[")
+def _compiled(train, dtype="f64", mesh="tp=1", torch_layout=False):
+    text = mlp_text(BATCH, DIMS, [True] * 3, ["gelu", "tanh"], torch_layout).replace("f32[", f"{dtype}[")
     return compile_graph(parse_graph(text), parse(f"mesh {mesh}\n{train} input_grads=no\n"))
 
 
@@ -69,11 +69,13 @@ def _state(opt, t, key):
     return opt.state[t][key]
 
 
+@pytest.mark.parametrize("torch_layout", [False, True])
 @pytest.mark.parametrize("kind", ["fused", "foreach"])
-def test_adamw_step_equals_torch_optim_adamw(tmp_path, kind):
+def test_adamw_step_equals_torch_optim_adamw(tmp_path, kind, torch_layout):
     """3 AdamW steps of the emitted program (float64) equal torch.optim.AdamW's on the same
-    gradients: params, exp_avg and exp_avg_sq (fused: the same kernel; foreach: to rounding)."""
-    c = _compiled("train loss=mse optimizer=adamw(lr=0.05, weight_decay=0.1)")
+    gradients: params, exp_avg and exp_avg_sq (fused: the same kernel; foreach: to rounding).
+    ``torch_layout``: weights stored [out, in] as torch's Linear does."""
+    c = _compiled("train loss=mse optimizer=adamw(lr=0.05, weight_decay=0.1)", torch_layout=torch_layout)
     mod, _ = _module(c, tmp_path, "adamw")
     out, ref, opt = _train_with_torch(c, mod, lambda ps: torch.optim.AdamW(
         ps, lr=0.05, weight_decay=0.1, **{kind: True}))
@@ -139,3 +141,27 @@ def test_fused_step_equals_the_reference_interpreter_in_float32(tmp_path):
         state.update({key: np.asarray(got[key]) for key in state if key in got})
     for k in names:
         np.testing.assert_allclose(p[k].numpy(), state[k], rtol=2e-5, atol=2e-6, err_msg=k)
+
+
+def test_a_strided_gradient_reaches_the_fused_kernel_contiguous():
+    """The fused kernel reads raw buffers (strides ignored, CPU and CUDA): a gradient the program
+    makes as a transposed view (a dp bucket's part, permuted to the weight's [out, in]) is handed
+    over as ``.contiguous()``; one made contiguous (a bucket's part, a sum) as it is. (Without it,
+    a dp=2 x tp=2 torch MLP trained wrong from step 2: tests/training/test_program_data.py.)"""
+    pytest.importorskip("torch.export")
+    from api_workers import MLP_DP_TP, _batches, small_mlp
+    from parcomp.api.specs import resolve_spec
+    from parcomp.frontends.torch.export import import_torch
+
+    model, batches = small_mlp(), _batches(1)
+    graph = import_torch(model, (batches[0][0],))
+    c = compile_graph(graph, resolve_spec(MLP_DP_TP + "train loss=mse optimizer=adamw(lr=1e-2)\n", model, graph))
+    call = next(ln for ln in emit_program(c, "cpu").splitlines() if "torch._fused_adamw_(" in ln)
+    grads = call.split("], [", 2)[1].split(", ")
+    prog = c.program_.graph
+    units = update_groups(prog)[0]
+    assert len(grads) == len(units) == 4
+    for u, text in zip(units, grads):
+        strided = prog[u.grad].op == "permute"
+        assert text.endswith(".contiguous()") == strided, (u.grad, text)
+    assert any(prog[u.grad].op == "permute" for u in units)

@@ -94,9 +94,29 @@ def _list(values) -> str:
     return "[" + ", ".join(values) + "]"
 
 
+# ops whose value is a fresh contiguous tensor (or, a collective, its contiguous operand's buffer)
+_CONTIGUOUS = frozenset({"matmul", "matmul_t", "dense", "addmm", "bucket_part", "bucket_cat", "all_reduce",
+                         "reduce_scatter", "shard_slice"})
+
+
+def _contiguous(program, v) -> bool:
+    """Is ``v`` surely contiguous in program.py? (An elementwise op keeps its operand's strides:
+    only the ops above, a reduction over dims, and the identities of them are sure.)"""
+    n = program[v]
+    while n.op in ("wait", "relayout"):
+        n = program[n.inputs[0]]
+    return n.op in _CONTIGUOUS or (n.op == "sum" and bool(n.attr("dims")))
+
+
+def _grad(program, u, var) -> str:
+    """The gradient as the fused kernel reads it: in its param's (contiguous) memory order, as
+    autograd's are; the CPU and CUDA kernels read the raw buffer, ignoring strides."""
+    return var(u.grad) if _contiguous(program, u.grad) else f"{var(u.grad)}.contiguous()"
+
+
 def _adamw_lines(program, units, var) -> list:
     h, step = units[0].hyper(), units[0].key[3]
-    ps, gs = _list(var(u.param) for u in units), _list(var(u.grad) for u in units)
+    ps, gs = _list(var(u.param) for u in units), _list(_grad(program, u, var) for u in units)
     ms, vs = _list(var(u.state[0]) for u in units), _list(var(u.state[1]) for u in units)
     n = len(units)
     head = (f"torch's fused AdamW (the kernel of torch.optim.AdamW(fused=True)) over {n} "
