@@ -13,7 +13,7 @@ autodiff builds the update of each parameter as its own few nodes (parcomp/passe
 kind, hyperparameters, step value, dtype. The pass ``group-updates``
 (parcomp/passes/lowering/group_updates.py) puts each group's nodes next to each other; an
 emitter then prints one group as one multi-tensor call (the torch backend:
-``torch._fused_adamw_``, ``torch._foreach_*``, as torch.optim's fused and foreach forms). The
+``torch._fused_adamw_``, ``torch._fused_sgd_``, torch.optim's fused kernels). The
 numpy reference runs the nodes one by one: same numbers to rounding.
 
 A unit's intermediate values (``g2``, SGD's decayed gradient, the new moments) are read by

@@ -77,14 +77,13 @@ def _multi_tensor_runs(program, names) -> tuple:
 
 def _statements(text, program):
     """``[(node name, [variables deleted after it])]`` of the emitted step function, in order.
-    An optimizer group's multi-tensor call (``torch._fused_adamw_(...)``, ``torch._foreach_*``)
+    An optimizer group's multi-tensor call (``torch._fused_adamw_(...)``, ``torch._fused_sgd_(...)``)
     counts as its nodes' statements, its one ``del`` as the last one's."""
     from parcomp_backends.torch.emit import python_names
 
     pynames = python_names(program)
     var_to_node = {v: k for k, v in pynames.items()}
     runs, plan = _multi_tensor_runs(program, pynames)
-    in_run = False
     # one attention's gradients are one statement at the first of them (``a, b, c =
     # attention_grads(...)``); the others keep their place as a comment "X: computed above with
     # A", read here as the statement ``X = X``
@@ -104,12 +103,9 @@ def _statements(text, program):
         if isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant):
             continue  # the docstring
         call = st.value if isinstance(st, (ast.Expr, ast.Assign)) else None
-        if isinstance(call, ast.Call) and re.match(r"torch\._(fused_adamw_|foreach_)", ast.unparse(call.func)):
-            if not in_run:  # the group's first call: its nodes, in order
-                out += [(m, []) for m in runs.pop(0)]
-            in_run = True
+        if isinstance(call, ast.Call) and re.match(r"torch\._fused_(adamw|sgd)_$", ast.unparse(call.func)):
+            out += [(m, []) for m in runs.pop(0)]  # the group's nodes, in order
             continue
-        in_run = in_run and isinstance(st, ast.Delete)
         if isinstance(st, ast.Assign):
             assert len(st.targets) == 1, ast.unparse(st)
             target = st.targets[0]
@@ -126,8 +122,7 @@ def _statements(text, program):
             assert len(here) == 1, ast.unparse(st)
             out.append((var_to_node[here[0]], []))
         elif isinstance(st, ast.Delete):
-            out[-1][1].extend(t.id for t in st.targets if t.id in var_to_node or not t.id.endswith("_saved")
-                              and not t.id.startswith("sgd_decayed"))
+            out[-1][1].extend(t.id for t in st.targets if t.id in var_to_node or not t.id.endswith("_saved"))
         else:
             assert isinstance(st, ast.Return), f"unexpected statement {ast.unparse(st)}"
     assert not runs, runs

@@ -1,6 +1,7 @@
 """The emitted optimizer phase as torch.optim's multi-tensor kernels: AdamW as one
-``torch._fused_adamw_`` call per group, SGD as ``torch._foreach_*`` ops, with the numbers of
-``torch.optim.AdamW(fused=True)`` / ``(foreach=True)`` and ``torch.optim.SGD(foreach=True)`` on
+``torch._fused_adamw_`` call per group, SGD as one ``torch._fused_sgd_``, with the numbers of
+``torch.optim.AdamW(fused=True)`` / ``(foreach=True)`` and ``torch.optim.SGD(fused=True)`` /
+``(foreach=True)`` on
 the same gradients (a world-size-1 program.py imported as a module, no process group)."""
 from __future__ import annotations
 
@@ -87,22 +88,24 @@ def test_adamw_step_equals_torch_optim_adamw(tmp_path, kind, torch_layout):
         torch.testing.assert_close(out[f"{name}.exp_avg_sq"], _state(opt, t, "exp_avg_sq"), **tol)
 
 
+@pytest.mark.parametrize("kind", ["fused", "foreach"])
 @pytest.mark.parametrize("hyper", ["momentum=0.9", "momentum=0.9, weight_decay=0.01", "weight_decay=0.01", ""])
-def test_sgd_step_equals_torch_optim_sgd(tmp_path, hyper):
-    """3 SGD steps of the emitted program equal torch.optim.SGD(foreach=True)'s bit for bit
-    (the same ops), with and without momentum and weight decay."""
+def test_sgd_step_equals_torch_optim_sgd(tmp_path, hyper, kind):
+    """3 SGD steps of the emitted program (float64) equal torch.optim.SGD's, with and without
+    momentum and weight decay (fused: the same kernel, bit for bit; foreach: to rounding); the
+    step is one torch._fused_sgd_ call over the six parameters."""
     c = _compiled(f"train loss=mse optimizer=sgd(lr=0.1{', ' if hyper else ''}{hyper})")
     mod, text = _module(c, tmp_path, "sgd")
     kw = dict(h.strip().split("=") for h in hyper.split(",") if h.strip())
     out, ref, opt = _train_with_torch(c, mod, lambda ps: torch.optim.SGD(
-        ps, lr=0.1, foreach=True, **{k: float(v) for k, v in kw.items()}))
+        ps, lr=0.1, **{kind: True}, **{k: float(v) for k, v in kw.items()}))
+    tol = dict(rtol=0, atol=0) if kind == "fused" else dict(rtol=1e-13, atol=1e-15)
     for name, t in ref.items():
-        torch.testing.assert_close(out[name], t, rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(out[name], t, **tol, msg=name)
         if "momentum" in kw:
-            torch.testing.assert_close(out[f"{name}.momentum_buffer"], _state(opt, t, "momentum_buffer"),
-                                       rtol=0, atol=0)
-    step = [line for line in text.splitlines() if "torch._foreach_add_([l0_weight, " in line]
-    assert len(step) == 1, step  # the params' step: one call over all six
+            torch.testing.assert_close(out[f"{name}.momentum_buffer"], _state(opt, t, "momentum_buffer"), **tol)
+    step = [line for line in _step_text(text).splitlines() if "torch._fused_sgd_([l0_weight, " in line]
+    assert len(step) == 1 and "alpha=" not in _step_text(text), step  # one call, no per-node add_
 
 
 def _step_text(text):

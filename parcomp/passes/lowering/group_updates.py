@@ -1,7 +1,7 @@
 """The pass ``group-updates``: each group of per-parameter optimizer updates that one
 multi-tensor call can run (:func:`parcomp.ir.update_groups.update_groups`: AdamW, SGD with the
 same hyperparameters and dtype) made contiguous, so an emitter prints the group as one call
-(torch's ``_fused_adamw_`` / ``_foreach_*``, as torch.optim's fused and foreach forms).
+(torch's ``_fused_adamw_`` / ``_fused_sgd_``, torch.optim's fused kernels).
 
 The group's nodes move to where its last one was (every gradient it reads is there by then),
 in their order; a node between them that reads one of them (ZeRO's all_gather of an updated
