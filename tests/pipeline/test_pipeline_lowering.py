@@ -22,7 +22,7 @@ COMMUNICATES = re.compile(r"= (all_reduce_?|all_reduce_start_?|all_gather|reduce
                           r"shard_slice|partial_mask)\(|\('p2p', ")
 
 #: statements of the lowered SPMD program's forms: fused linears, collectives and updates in place
-FORMS = ("torch.nn.functional.linear(", "torch.matmul(", "all_reduce_(", ".add_(", "torch._fused_sgd_(")
+FORMS = ("torch.nn.functional.linear(", "torch.matmul(", "all_reduce_(", ".add_(", "    fused_sgd_(")
 
 
 def _program(head: str, train: str) -> str:
@@ -69,7 +69,7 @@ def test_stage_functions_hold_the_spmd_programs_lowered_forms(pipelined):
     for form in FORMS:
         assert form in stages, f"the SPMD program has {form!r}, the stage functions do not"
     update = stages.split("def stage0_optimizer", 1)[1].split("\ndef ", 1)[0]
-    assert update.count("torch._fused_sgd_(") == 1 and "momentum=0.9, lr=0.1" in update
+    assert update.count("fused_sgd_(") == 1 and "momentum=0.9, lr=0.1" in update
     assert re.search(r"all_reduce_\(.*\)  # \[R, R, R\] f32\[\d+,8,4\]; test\.pcs:\d+", stages)
 
 

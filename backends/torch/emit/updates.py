@@ -2,8 +2,10 @@
 updates (:func:`parcomp.ir.update_groups.update_groups`, made contiguous by the pass
 ``group-updates``) printed as one call over the group's tensor lists:
 
-- AdamW: one ``torch._fused_adamw_`` (the kernel of ``torch.optim.AdamW(fused=True)``);
-- SGD: one ``torch._fused_sgd_`` (the kernel of ``torch.optim.SGD(fused=True)``): weight decay,
+- AdamW: one ``fused_adamw_(...)``: ``torch._fused_adamw_``, the kernel of
+  ``torch.optim.AdamW(fused=True)`` (the runtime's helper, :mod:`..runtime.program_train`, runs
+  the same update per tensor under torch.compile, which cannot functionalize the fused kernel);
+- SGD: one ``fused_sgd_(...)``: ``torch._fused_sgd_`` (``torch.optim.SGD(fused=True)``): weight decay,
   momentum and step in one pass over each tensor. (``torch._foreach_*`` ops, torch.optim's
   foreach form, pass over every tensor once per op: on CPU 6x slower than the fused kernel and
   3x slower than one statement per parameter, whose tensors stay in cache; docs/design.)
@@ -117,25 +119,19 @@ def _adamw_lines(program, units, var) -> list:
     ps, gs = _list(var(u.param) for u in units), _list(_grad(program, u, var) for u in units)
     ms, vs = _list(var(u.state[0]) for u in units), _list(var(u.state[1]) for u in units)
     n = len(units)
-    head = (f"torch's fused AdamW (the kernel of torch.optim.AdamW(fused=True)) over {n} "
+    head = (f"torch's fused AdamW (torch.optim.AdamW(fused=True)'s kernel, fused_adamw_ below) over {n} "
             f"parameter{'s' if n != 1 else ''}, in place on each and its exp_avg, exp_avg_sq: "
             f"{_names(program, units)}")
     kw = ", ".join(f"{k}={py_literal(h[k])}" for k in ("lr", "beta1", "beta2", "weight_decay", "eps"))
-    return [*comment_lines(head, "    "),
-            f"    torch._fused_adamw_({ps}, {gs}, {ms}, {vs}, [], [{var(step)}] * {n}, {kw}, "
-            "amsgrad=False, maximize=False)"]
+    return [*comment_lines(head, "    "), f"    fused_adamw_({ps}, {gs}, {ms}, {vs}, {var(step)}, {kw})"]
 
 
 def _sgd_lines(program, units, var) -> list:
     h, n = units[0].hyper(), len(units)
     ps, gs = _list(var(u.param) for u in units), _list(_grad(program, u, var) for u in units)
     bufs = _list(var(u.state[0]) for u in units) if "momentum" in h else "[]"
-    head = (f"torch's fused SGD (the kernel of torch.optim.SGD(fused=True)) over {n} parameter"
+    head = (f"torch's fused SGD (torch.optim.SGD(fused=True)'s kernel, fused_sgd_ below) over {n} parameter"
             f"{'s' if n != 1 else ''}, in place on each{' and its momentum_buffer' if 'momentum' in h else ''}: "
             f"{_names(program, units)}")
     kw = ", ".join(f"{k}={py_literal(float(h.get(k, 0.0)))}" for k in ("weight_decay", "momentum", "lr"))
-    # is_first_step=False: the momentum buffer starts at zeros, so step 1's momentum * 0 + g is g,
-    # as torch.optim's first step (buf = g) makes it
-    return [*comment_lines(head, "    "),
-            f"    torch._fused_sgd_({ps}, {gs}, {bufs}, {kw}, dampening=0.0, nesterov=False, maximize=False, "
-            "is_first_step=False)"]
+    return [*comment_lines(head, "    "), f"    fused_sgd_({ps}, {gs}, {bufs}, {kw})"]
