@@ -67,7 +67,7 @@ def torch_reference(compiled, module, example, feeds, steps, start=None, first=1
     want = {"loss": np.array(ref["losses"][-1], "float32"), "losses": np.array(ref["losses"], "float32"),
             **{n.name: ref["sources"][n.name] for n in graph.params if n.name in ref["sources"]},
             **ref["state"],
-            **(ref["input_grads"] if cfg.input_grads else {}),
+            **{k: v for k, v in ref["input_grads"].items() if cfg.wants_input_grad(k[:-len(".grad")])},
             **{f"{k}.grad": v for k, v in ref["grads"].items()}}
     # fused weights per part, padded vocab tables padded: as the logical graph holds them
     return ref["losses"], to_view_shapes(want, compiled.logical)

@@ -147,6 +147,30 @@ def saved_layer_norm(graph: Graph) -> dict:
     return out
 
 
+def stashed_layer_norm(forward: Graph, backward: Graph) -> dict:
+    """``{layer_norm name: backward node name}`` across two programs (a pipeline stage's forward
+    and a backward program, whose stashed values keep their names): each forward ``layer_norm``
+    with a weight whose gradients ``backward`` computes on the same x and eps, with the first
+    node there that needs the kernel's mean and rstd: the ``layer_norm_grad`` (dx) or the
+    weight-free ``layer_norm(x)`` of the dweight (ZB-H1's weight half holds that alone);
+    unless ``backward`` computes that layer norm again (a recomputation keeps its own). The
+    mean and rstd travel with the microbatch's stash (:func:`layer_norm_saved_bytes`)."""
+    fwd, again, out = {}, set(), {}
+    for n in forward.nodes:
+        if n.op == "layer_norm" and len(n.inputs) > 1:
+            fwd[n.inputs[0], n.attr("eps")] = n.name
+    for n in backward.nodes:
+        x = n.inputs[1] if n.op == "layer_norm_grad" and len(n.inputs) == 3 else n.inputs[0] if n.inputs else None
+        key = (x, n.attr("eps"))
+        if n.op == "layer_norm" and len(n.inputs) > 1:
+            again.add(key)
+        elif key in fwd and key not in again and fwd[key] not in out and (
+                (n.op == "layer_norm_grad" and len(n.inputs) == 3)
+                or (n.op == "layer_norm" and len(n.inputs) == 1)):
+            out[fwd[key]] = n.name
+    return out
+
+
 def layer_norm_saved_bytes(ty, nbytes: int) -> int:
     """The bytes of the mean and rstd a layer norm kernel keeps beside an output of type ``ty``
     of which a rank holds ``nbytes``: two per row (each row: the last dim), in float32 or the

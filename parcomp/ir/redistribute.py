@@ -22,10 +22,10 @@ bytes) and saves a call's alpha, so the search prices and chooses it.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-import numpy as np
 
 from .transitions import JOINT_KINDS, TRANSITIONS
 from .types import DTYPE_BYTES, Layout, Mesh, Partial, Replicate, Shard, TensorType, local_shape, shard_axes
@@ -74,7 +74,7 @@ class Step:
 
     def ranks(self, mesh: Mesh) -> int:
         """How many ranks one of the step's groups holds."""
-        return int(np.prod([mesh.sizes[a] for a in self.axes]))
+        return math.prod([mesh.sizes[a] for a in self.axes])
 
     @property
     def is_collective(self) -> bool:
@@ -84,8 +84,8 @@ class Step:
 def step_bytes(step: Step, ty: TensorType, mesh: Mesh) -> int:
     """Bytes one rank sends for ``step`` on a tensor of global type ``ty`` (ring algorithms)."""
     itemsize = DTYPE_BYTES[ty.dtype]
-    before = int(np.prod(local_shape(ty, step.before, mesh))) * itemsize
-    after = int(np.prod(local_shape(ty, step.after, mesh))) * itemsize
+    before = math.prod(local_shape(ty, step.before, mesh)) * itemsize
+    after = math.prod(local_shape(ty, step.after, mesh)) * itemsize
     return TRANSITIONS[step.kind].sent(step.ranks(mesh), before, after)
 
 
@@ -221,7 +221,7 @@ def compute_cost(node, in_types, ins, out, mesh) -> float:
     Matmul: 2*M*N*K of the local shapes; every other op: one flop per local
     output element.
     """
-    local_out = int(np.prod(local_shape(node.type, out, mesh))) if node.type.rank else 1
+    local_out = math.prod(local_shape(node.type, out, mesh)) if node.type.rank else 1
     if node.op == "matmul":
         k = in_types[0].shape[-1]
         for a in shard_axes(ins[0], in_types[0].rank - 1):

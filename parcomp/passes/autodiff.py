@@ -137,7 +137,7 @@ def add_training_step(graph: Graph, spec) -> Graph:
         params = reached_params(b, loss, params, cfg)
         b.prefix, b.phase = "bw", "backward"
         seed = amp.scaled_seed(b, b.op("ones", [], type=b.type(loss), name="bw.loss"), cfg, spec)  # fp16
-        finputs = [n.name for n in graph.inputs if n.type.dtype.startswith("float")] if cfg.input_grads else []
+        finputs = input_grad_names(graph, cfg)
         grads = backward(b, Graph(tuple(b.nodes), (loss,)), {loss: seed}, wrt_names(params, cast) + finputs)
         grads.update(upcast_grads(b, graph, grads, cast, cfg))  # mixed precision
         grads = amp.unscale(b, {k: grads[k] for k in params + finputs}, cfg)
@@ -153,6 +153,27 @@ def add_training_step(graph: Graph, spec) -> Graph:
     dropout_steps(b, spec)
     return dead_code_elimination(Graph(tuple(b.nodes), tuple(v for _, v in outs), graph.mesh,
                                        graph.stage, tuple(k for k, _ in outs)))
+
+
+def input_grad_names(graph, cfg) -> list:
+    """The float inputs whose gradient the step returns: every one for ``input_grads=yes``,
+    those the pattern names for ``input_grads=PATTERN`` (as torch computes only the gradients
+    of inputs that require grad: ``input_grads=x`` leaves a loss input ``dy`` without one, and
+    its backward without the work), none for ``no``.
+
+    Raises:
+        SpecError: a pattern that names no float input of the model (at the option).
+    """
+    if not cfg.input_grads:
+        return []
+    floats = [n.name for n in graph.inputs if n.type.dtype.startswith("float")]
+    names = [x for x in floats if cfg.wants_input_grad(x)]
+    if not names and cfg.input_grad_names != "**":
+        hint = closest(cfg.input_grad_names, floats)
+        raise SpecError(f"input_grads={cfg.input_grad_names!r} names no float input of the model"
+                        + (f"; did you mean {hint!r}?" if hint else f"; its float inputs: {', '.join(floats) or 'none'}"),
+                        option_loc(cfg.loc, "input_grads"))
+    return names
 
 
 def dropout_steps(b, spec) -> None:

@@ -149,6 +149,7 @@ class ShardProblem(LocalMoves):
             if n.op == "relayout":
                 self.pinned.setdefault(n.inputs[0], set()).add(n.layout)
         self._gathers = {}
+        self._value_ctx = {}  # value -> plan_cost's context of it (_context)
         self.options = {}  # name -> [(compute cost, ins, out)]
         self._canon, self._costs, self._computes, self._types, self._reads = {}, {}, {}, {}, {}
         self._fit = {}  # (option list id, layout id) -> the options producing that layout
@@ -185,9 +186,11 @@ class ShardProblem(LocalMoves):
         """:func:`parcomp.ir.redistribute.plan_cost` on this mesh, cached by object identity
         (layouts are interned; types and fixed layouts live as long as the graph); infinity
         for a conversion of ``value`` that data parallel forbids (see the class)."""
-        if value in self.batch and tgt not in self.pinned.get(value, ()):
-            fwd = self.g[value].phase == "forward"
-            held = tuple(fwd and value not in self.unbatched[a] for a in self.batch_axes)
+        ctx = self._value_ctx.get(value)
+        if ctx is None or ctx[0] is not ty:
+            ctx = self._context(value, ty)
+        _, tid, held, pinned = ctx
+        if held is not None and not (pinned and tgt in pinned):
             key = (id(src), id(tgt), ty.rank, held)
             gathers = self._gathers.get(key)
             if gathers is None:
@@ -196,14 +199,29 @@ class ShardProblem(LocalMoves):
                     for a, h in zip(self.batch_axes, held))
             if gathers:
                 return math.inf
-        tid = self._types.get(id(ty))
-        if tid is None:  # equal types share their costs
-            tid = self._types[id(ty)] = id(self._canon.setdefault(ty, ty))
         key = (id(src), id(tgt), tid)
         cost = self._costs.get(key)
         if cost is None:
             cost = self._costs[key] = plan_cost(src, tgt, ty, self.mesh)
         return cost
+
+    def _context(self, value, ty) -> tuple:
+        """``(ty, type id, held, pinned)`` of ``value`` for :meth:`plan_cost`, found once per
+        value: the id its costs are cached under (equal types share their costs); ``held``, for
+        one of the batch's values, whether each batch axis forbids its all_reduce too (a forward
+        value that still holds the batch), else None (nothing forbidden); the layouts a spec pin
+        reads it in (a gather into those is allowed)."""
+        tid = self._types.get(id(ty))
+        if tid is None:  # equal types share their costs
+            tid = self._types[id(ty)] = id(self._canon.setdefault(ty, ty))
+        held = None
+        if value in self.batch:
+            fwd = self.g[value].phase == "forward"
+            held = tuple(fwd and value not in self.unbatched[a] for a in self.batch_axes)
+        ctx = (ty, tid, held, self.pinned.get(value, ()))
+        if value is not None:
+            self._value_ctx[value] = ctx
+        return ctx
 
     def layout(self, sol, name):
         return sol[name][1] if name in sol else self.g[name].layout

@@ -14,8 +14,9 @@ axis names mean to a user:
   by an ``embedding`` lookup (a lookup does no arithmetic to split; Megatron keeps its
   position embeddings replicated), the weight of a matmul whose product is a model
   output (the LM head: no next layer for its split to pair with), and non-trainable
-  buffers (RoPE tables).  Splitting those saves only memory, which a ``memory`` limit
-  prices.  Inputs and outputs are replicated over a model-parallel axis.
+  buffers (RoPE tables); so may an MoE router (:func:`_router`), as in Megatron.
+  Splitting those saves only memory, which a ``memory`` limit prices.  Inputs and
+  outputs are replicated over a model-parallel axis.
 
 With a memory limit, Megatron's ``sequence-parallel`` statement is one more candidate
 (:mod:`parcomp.plan.seqpar`): written when the compiled plan without it misses the
@@ -112,8 +113,10 @@ def may_stay_replicated(graph, ranks: int | None = None) -> set:
     ``embedding`` tables, weights of a matmul making a model output (reached through
     permutes and reshapes, as ``colwise`` follows them), non-trainable buffers; with
     ``ranks`` (the smallest model-parallel axis), the kv projections of multi-query /
-    grouped-query attention whose kv heads ``ranks`` does not divide (:func:`_shared_kv`);
-    low-rank (down) projections such as MLA's (:func:`_low_rank`)."""
+    grouped-query attention whose kv heads ``ranks`` does not divide (:func:`_shared_kv`); the
+    weight of a matmul with one output feature (a gate, Qwen2-MoE's ``shared_expert_gate``: no
+    column split exists, a row split is all-reduced); low-rank (down) projections such as MLA's (:func:`_low_rank`); MoE routers
+    (:func:`_router`)."""
     users, outputs = graph.users(), set(graph.outputs)
     out = {n.inputs[1] for n in graph.nodes if n.op == "embedding"}
     for p in graph.params:
@@ -128,9 +131,35 @@ def may_stay_replicated(graph, ranks: int | None = None) -> set:
                     frontier.append(u)
                 elif node.op == "matmul" and node.inputs[1] == cur and (
                         _reaches_output(graph, users, u, outputs) or _low_rank(graph, users, u)
+                        or _router(graph, users, u)
+                        or node.type.shape[-1] == 1  # a one-feature gate: no column split exists
                         or (ranks and (_shared_kv(graph, users, u) or ranks) % ranks)):
                     out.add(p.name)
     return out
+
+
+def _router(graph, users, name, depth: int = 12) -> bool:
+    """Whether matmul ``name`` is an MoE router: its product (each token's expert logits)
+    reaches a ``topk`` / ``topk_index`` before any other matmul (Mixtral's and Qwen2-MoE's
+    softmax then top-k, DeepSeek's sigmoid, bias and group-limited top-k). Megatron keeps the
+    router replicated, computed on the replicated hidden input: split by experts (colwise),
+    its logits are gathered for the softmax over all experts; split by rows (rowwise), its
+    partial sums are reduced: one collective a block either way, where the replicated router
+    costs ``2 * tokens * hidden * experts`` FLOPs, a small part of one expert's matmul."""
+    frontier, seen = [name], {name}
+    while frontier and depth:
+        depth -= 1
+        nxt = []
+        for cur in frontier:
+            for u in users[cur]:
+                op = graph[u].op
+                if op in ("topk", "topk_index"):
+                    return True
+                if op not in ("matmul", "sdpa", "embedding") and u not in seen:
+                    seen.add(u)
+                    nxt.append(u)
+        frontier = nxt
+    return False
 
 
 #: ops a low-rank projection's product passes through on its way to the up projection

@@ -17,9 +17,10 @@ receives from c-1, ``n - 1`` shifts), so at step s rank c holds the K/V block of
   dK/dV of block j travel with the block and, after the last step, one more shift returns them
   to their owner (rank j).
 
-:func:`ring_steps` lists these point-to-point steps (what the report and program.py's comments
-say); :func:`run_ring` runs one node on every group of the mesh, shifting buffers exactly as
-program.py's ``ring_shift`` does.
+:func:`ring_steps` lists these point-to-point steps of one node (program.py runs the
+``sdpa_grad`` nodes of one attention as one backward ring: its records are
+parcomp/passes/attention/cp_ring.py's ``program_ring_steps``); :func:`run_ring` runs one node on
+every group of the mesh, shifting buffers as program.py's ``ring_shift`` does.
 """
 from __future__ import annotations
 

@@ -6,6 +6,9 @@ the group's local arrays in coordinate order and are logged, so tests can pin
 the exact collectives that ran. It runs the lowered program (parcomp/passes/lowering/lower.py):
 the same op sequence, frees and in-place writes as the emitted program.py. A
 collective with ``async_op=true`` completes at once; its ``wait`` passes the value on.
+MoE layers run dropless: the values between a ``moe_dispatch`` and its ``moe_combine`` are held
+as the routed rows only (parcomp/reference/moe_packed.py), or, where a statement on them is not
+covered, the whole program runs again on the dense slot buffers.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from ..ir.types import Partial, Replicate, TensorType, shard_offsets
 from .assemble import assemble
 from .cp_ring import is_ring, run_ring
 from .cp_storage import feed as cp_feed, outputs as cp_outputs
+from . import moe_packed
 from .moe_ops import ragged_all_to_all
 from .numpy_attn import source_array
 from .numpy_ops import NUMPY_OPS
@@ -99,13 +103,19 @@ def _split_max(locs, full, layout, mesh, a, rng):
 class SPMDRun:
     """Result of :func:`run_spmd`: per-rank values, the collective log, the executed op
     sequence (node names, in order), each rank's peak live bytes, and the point-to-point
-    shifts of ring attention nodes (``p2p``: parcomp/reference/cp_ring.py)."""
+    shifts of ring attention nodes (``p2p``: parcomp/reference/cp_ring.py). ``moe``: per rank,
+    ``{"expert_rows", "expert_flops"}``: the rows its MoE experts multiplied by their weights
+    (forward and backward, each matmul counted) and the FLOPs of those matmuls; empty where the
+    program has no MoE layer, or where it ran on the dense slot buffers (``moe_dense``: why).
+    A value between a dispatch and its combine is a :class:`~.moe_packed.SlotRows` in ``env``."""
 
     env: list
     log: list = field(default_factory=list)
     p2p: list = field(default_factory=list)
     ops: list = field(default_factory=list)
     peak_bytes: list = field(default_factory=list)
+    moe: list = field(default_factory=list)
+    moe_dense: str = ""
 
     def outputs(self, program: Graph) -> dict:
         """Full output arrays, assembled from the ranks' local values."""
@@ -139,9 +149,24 @@ def run_spmd(program: Graph, feeds: dict, partial_rng=None) -> SPMDRun:
     Raises:
         VerifyError: an ``inplace`` node writes into a broadcast view (:func:`check_in_place`).
     """
+    if moe_packed.MODE.packed and any(n.op == "moe_dispatch" for n in program.nodes):
+        state = partial_rng.bit_generator.state if partial_rng is not None else None
+        try:
+            return _run(program, feeds, partial_rng)
+        except moe_packed.NotPacked as e:  # a statement on slots not covered: the dense buffers
+            if partial_rng is not None:  # the same split of the inputs again
+                partial_rng.bit_generator.state = state
+            with moe_packed.DENSE:
+                run = _run(program, feeds, partial_rng)
+            run.moe_dense = str(e)
+            return run
+    return _run(program, feeds, partial_rng)
+
+
+def _run(program, feeds, partial_rng):
     mesh = program.mesh
     ranks = range(mesh.size)
-    run = SPMDRun([{} for _ in ranks], peak_bytes=[0] * mesh.size)
+    run = SPMDRun([{} for _ in ranks], peak_bytes=[0] * mesh.size, moe=[{} for _ in ranks])
     live, roots, size = [{} for _ in ranks], storage_roots(program), [{} for _ in ranks]
     check_in_place(program, roots)
     for n in program.nodes:
@@ -156,10 +181,14 @@ def run_spmd(program: Graph, feeds: dict, partial_rng=None) -> SPMDRun:
         elif is_ring(n):  # context parallel ring attention: K/V blocks around the ring
             run.p2p.append(run_ring(program, n, live))
         else:
-            for r in ranks:  # at_rank: where this rank's block lies (ranked.py)
-                live[r][n.name] = NUMPY_OPS[n.op]([live[r][i] for i in n.inputs], at_rank(program, n, r))
+            for r in ranks:  # at_rank: where this rank's block lies (ranked.py); MoE slots packed
+                live[r][n.name] = moe_packed.apply(NUMPY_OPS[n.op], at_rank(program, n, r),
+                                                   [live[r][i] for i in n.inputs], run.moe[r])
         for r in ranks:
             _account(n, live[r], roots, size[r], run, r)
+    for public, value in program.named_outputs():
+        if isinstance(run.env[0][value], moe_packed.SlotRows):
+            raise moe_packed.NotPacked(f"%{value}: slots as a program output ({public})")
     return run
 
 
@@ -195,7 +224,7 @@ def check_in_place(program: Graph, roots: dict) -> None:
 def _account(n, live, roots, size, run, r):
     """Record ``n``'s value, drop what it overwrote or freed, update rank r's peak."""
     run.env[r][n.name] = live[n.name]
-    size.setdefault(roots[n.name], int(np.asarray(live[n.name]).nbytes))
+    size.setdefault(roots[n.name], moe_packed.nbytes(live[n.name]))
     if n.attr("inplace"):
         del live[n.inputs[0]]  # its buffer now holds n's value
     held = sum(size[b] for b in {roots[v] for v in live})
@@ -211,9 +240,12 @@ def _layout_op(program, n, run, live):
     sent = {}  # ragged all_to_all: rank -> bytes it sent
     for group in mesh.groups(axes):
         xs = [live[r][n.inputs[0]] for r in group]
-        ys = _LAYOUT_OPS[n.op](xs, n) if not n.attr("ragged") else ragged_all_to_all(xs, n, sent, group)
+        if any(isinstance(x, moe_packed.SlotRows) for x in xs):
+            ys = _packed_layout_op(xs, n, sent, group)
+        else:
+            ys = _LAYOUT_OPS[n.op](xs, n) if not n.attr("ragged") else ragged_all_to_all(xs, n, sent, group)
         for r, y in zip(group, ys):
-            live[r][n.name] = _contig(y)
+            live[r][n.name] = y if isinstance(y, moe_packed.SlotRows) else _contig(y)
     if TRANSITIONS[n.op].collective:  # local ops send nothing and are not logged
         gty = TensorType(_global_shape(program, n.name), n.type.dtype)
         step = Step(n.op, axes[0], n.attr("dim"), n.attr("src_dim"), src.layout, n.layout,
@@ -222,6 +254,18 @@ def _layout_op(program, n, run, live):
                         "name": n.name, "local_shape": tuple(src.type.shape),
                         "bytes": step_bytes(step, gty, mesh),
                         **({"sent_bytes": sent} if n.attr("ragged") else {})})
+
+
+def _packed_layout_op(xs, n, sent, group):
+    """A layout op of MoE slots held packed (parcomp/reference/moe_packed.py): the exchange
+    between rows-split and experts-split, a sum over tp inside the experts, a partial mask."""
+    if n.op == "all_to_all":
+        return moe_packed.exchange(xs, n, sent if n.attr("ragged") else None, group)
+    if n.op == "all_reduce":
+        return moe_packed.summed(xs, n)
+    if n.op == "partial_mask":
+        return moe_packed.masked(xs, n)
+    raise moe_packed.NotPacked(f"%{n.name}: {n.op} of slots")
 
 
 def _sum(xs):

@@ -167,9 +167,22 @@ def run_unsharded(graph, feeds: dict, overrides: dict | None = None, env: dict |
     (the optimizer run on given gradients, parcomp/check/train_check.py). ``env``: a dict that
     receives every value computed. Returns ``{public output name: array}``. Raises KeyError
     naming a missing feed.
+
+    MoE layers run dropless (parcomp/reference/moe_packed.py): ``env`` holds the values between
+    a dispatch and its combine as the routed rows (``SlotRows``), or, where a statement on them
+    is not covered, the whole graph is evaluated again on the dense slot buffers.
     """
     env = {} if env is None else env
     overrides = overrides or {}
+    try:
+        return _evaluate(graph, feeds, overrides, env)
+    except moe_packed.NotPacked:
+        env.clear()
+        with moe_packed.DENSE:
+            return _evaluate(graph, feeds, overrides, env)
+
+
+def _evaluate(graph, feeds, overrides, env):
     for n in graph.nodes:
         if n.name in overrides:
             env[n.name] = overrides[n.name]
@@ -178,8 +191,11 @@ def run_unsharded(graph, feeds: dict, overrides: dict | None = None, env: dict |
                 raise KeyError(f"no value given for {n.op} {n.name!r}")
             env[n.name] = source_array(n, feeds[n.name])  # a fused weight's view
         else:
-            env[n.name] = NUMPY_OPS[n.op]([env[i] for i in n.inputs], n)
-    return {name: env[v] for name, v in graph.named_outputs()}
+            env[n.name] = moe_packed.apply(NUMPY_OPS[n.op], n, [env[i] for i in n.inputs])
+    out = {name: env[v] for name, v in graph.named_outputs()}
+    if any(isinstance(v, moe_packed.SlotRows) for v in out.values()):
+        raise moe_packed.NotPacked("slots as an output")
+    return out
 
 
 def rerun_with(graph, env: dict, overrides: dict) -> dict:
@@ -189,9 +205,10 @@ def rerun_with(graph, env: dict, overrides: dict) -> dict:
     new, dirty = {**env, **overrides}, set(overrides)
     for n in graph.nodes:
         if n.name not in overrides and any(i in dirty for i in n.inputs):
-            new[n.name] = NUMPY_OPS[n.op]([new[i] for i in n.inputs], n)
+            new[n.name] = moe_packed.apply(NUMPY_OPS[n.op], n, [new[i] for i in n.inputs])
             dirty.add(n.name)
     return {name: new[v] for name, v in graph.named_outputs()}
+from . import moe_packed  # noqa: E402  dropless MoE: the routed rows only
 from .moe_ops import MOE_NUMPY_OPS  # noqa: E402  expert parallel MoE
 
 NUMPY_OPS.update(MOE_NUMPY_OPS)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from ..errors import ParcompError, SpecError, closest
 from ..errors import SpecError
+from .model import pattern_regex
 from .option_loc import option_loc
 from .train_options import OPTION_KEYS, train_options
 
@@ -77,6 +78,9 @@ class TrainConfig:
         trainable: name pattern of the trained parameters.
         input_grads: whether float model inputs get gradients (``x.grad``): yes for a
             layer inside a larger model (Megatron's dx all_reduce), no for data inputs.
+        input_grad_names: the name pattern of the float inputs that get one (``input_grads=x``:
+            only ``x.grad``, as torch computes the gradients of the inputs that require grad;
+            ``**`` for ``yes``); :meth:`wants_input_grad` reads it.
         output: public name of the model output the loss is computed on, or None
             (the model's only output; several outputs need it).
     """
@@ -97,9 +101,14 @@ class TrainConfig:
     schedule: str = "1f1b"
     stages: str | None = None
     virtual: int = 1  # interleaved 1F1B: model chunks per rank (virtual stages pp x virtual)
+    input_grad_names: str = "**"
 
     def h(self, key):
         return dict(self.hyper)[key]
+
+    def wants_input_grad(self, name: str) -> bool:
+        """Whether the step returns ``<name>.grad`` for float input ``name``."""
+        return self.input_grads and bool(pattern_regex(self.input_grad_names).fullmatch(name))
 
 
 def train_config(spec) -> TrainConfig:
@@ -137,8 +146,10 @@ def train_config(spec) -> TrainConfig:
     batch = None if batch is None else _count(batch, "batch", MAX_BATCH, option_loc(t.loc, "batch"))
     steps = _count(t.get("steps", 1), "steps", MAX_STEPS, option_loc(t.loc, "steps"))
     input_grads = t.get("input_grads", "yes")
-    if input_grads not in ("yes", "no"):
-        raise SpecError(f"input_grads={input_grads!r}: say yes or no", option_loc(t.loc, "input_grads"))
+    if not isinstance(input_grads, str) or not input_grads:
+        raise SpecError(f"input_grads={input_grads!r}: say yes, no, or a pattern of input names "
+                        f'(input_grads=x, input_grads="h*")', option_loc(t.loc, "input_grads"))
+    grad_names = "**" if input_grads in ("yes", "no") else input_grads
     output = t.get("output")
     if output is not None and not isinstance(output, str):
         raise SpecError(f"output={output!r}: name a model output (quote a name with dots: "
@@ -146,8 +157,8 @@ def train_config(spec) -> TrainConfig:
     options = train_options(t, hyper, _number, _check_range)
     bucket_cap_bytes(spec, option_loc(t.loc, BUCKET_KEY))  # checked here, read by the bucket-dp-grads lowering
     return TrainConfig(loss, name, tuple(sorted(hyper.items())), batch, steps, zero,
-                       str(t.get("trainable", "**")), t.loc, input_grads == "yes", output, loss_args,
-                       options, *_pipeline_options(spec, t))
+                       str(t.get("trainable", "**")), t.loc, input_grads != "no", output, loss_args,
+                       options, *_pipeline_options(spec, t), input_grad_names=grad_names)
 
 
 # reductions part: loss=cross_entropy(ignore_index=-100, label_smoothing=0.0), torch's

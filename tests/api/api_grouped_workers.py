@@ -31,42 +31,45 @@ def tiny_phi3():
     return Phi3ForCausalLM(config).eval()
 
 
-def train_phi3_equal(rank, world, steps=3, cache_dir=None):
-    """3 AdamW steps of the sharded and the unsharded Phi-3 on the same batches: the largest
-    differences of the losses and of the full parameters (``full_state_dict``: the qkv_proj's
-    heads back in the stored order) after them."""
-    model = tiny_phi3()
+def _train_equal(model, vocab, spec, steps, cache_dir):
+    """``steps`` AdamW steps of ``model`` sharded by ``spec`` and of its unsharded copy on the
+    same batches (token ids below ``vocab``): the sharded module and the largest difference of
+    the losses."""
     ref = copy.deepcopy(model)
     g = torch.Generator().manual_seed(1)
-    batches = [(torch.randint(0, 101, (2, 8), generator=g), torch.randint(0, 101, (2, 8), generator=g))
+    batches = [(torch.randint(0, vocab, (2, 8), generator=g), torch.randint(0, vocab, (2, 8), generator=g))
                for _ in range(steps)]
 
     def loss_of(logits, labels):
         return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    ref_losses = []
-    for ids, labels in batches:
-        loss = loss_of(ref(ids).logits, labels)
-        loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        ref_losses.append(loss.item())
-    par = parcomp.parallelize(model, (batches[0][0],), PHI3_TP, cache_dir=cache_dir)
-    opt = torch.optim.AdamW(par.parameters(), lr=1e-2)
-    losses = []
-    for ids, labels in batches:
-        loss = loss_of(par(ids)["logits"], labels)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    def train(module, logits_of):
+        opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
+        losses = []
+        for ids, labels in batches:
+            loss = loss_of(logits_of(module(ids)), labels)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    ref_losses = train(ref, lambda out: out.logits)
+    par = parcomp.parallelize(model, (batches[0][0],), spec, cache_dir=cache_dir)
+    losses = train(par, lambda out: out["logits"])
     full = par.full_state_dict()
-    qkv = "model.layers.0.self_attn.qkv_proj.weight"
     dist.barrier()
-    return {"loss_err": max(abs(a - b) for a, b in zip(ref_losses, losses)),
-            "param_err": max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items() if k in full),
-            "qkv_shape": list(full[qkv].shape)}
+    return full, {"loss_err": max(abs(a - b) for a, b in zip(ref_losses, losses)),
+                  "param_err": max((full[k] - v).abs().max().item()
+                                   for k, v in ref.state_dict().items() if k in full)}
+
+
+def train_phi3_equal(rank, world, steps=3, cache_dir=None):
+    """3 AdamW steps of the sharded and the unsharded Phi-3 on the same batches: the largest
+    differences of the losses and of the full parameters (``full_state_dict``: the qkv_proj's
+    heads back in the stored order) after them."""
+    full, result = _train_equal(tiny_phi3(), 101, PHI3_TP, steps, cache_dir)
+    return {**result, "qkv_shape": list(full["model.layers.0.self_attn.qkv_proj.weight"].shape)}
 
 
 FALCON_TP = """mesh tp=2
@@ -87,35 +90,6 @@ def train_falcon_equal(rank, world, steps=3, cache_dir=None):
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "specs"))
     import models
 
-    model = models.falcon_lm()[0]
-    ref = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(1)
-    batches = [(torch.randint(0, 128, (2, 8), generator=g), torch.randint(0, 128, (2, 8), generator=g))
-               for _ in range(steps)]
-
-    def loss_of(logits, labels):
-        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    ref_losses = []
-    for ids, labels in batches:
-        loss = loss_of(ref(ids).logits, labels)
-        loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        ref_losses.append(loss.item())
-    par = parcomp.parallelize(model, (batches[0][0],), FALCON_TP, cache_dir=cache_dir)
-    opt = torch.optim.AdamW(par.parameters(), lr=1e-2)
-    losses = []
-    for ids, labels in batches:
-        loss = loss_of(par(ids)["logits"], labels)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    full = par.full_state_dict()
+    full, result = _train_equal(models.falcon_lm()[0], 128, FALCON_TP, steps, cache_dir)
     qkv = "transformer.h.0.self_attention.query_key_value.weight"
-    dist.barrier()
-    return {"loss_err": max(abs(a - b) for a, b in zip(ref_losses, losses)),
-            "param_err": max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items() if k in full),
-            "qkv_shape": list(full[qkv].shape), "kv_part_named": qkv + "_kv" in full}
+    return {**result, "qkv_shape": list(full[qkv].shape), "kv_part_named": qkv + "_kv" in full}

@@ -2,7 +2,8 @@
 and the training program's ``--resume`` both stop with exit 2 and one message naming the
 damaged file and what is wrong with it, never DCP's traceback. The damage kinds: a truncated
 ``.distcp`` data file, ``latest`` naming a step that is not there, a missing ``.metadata``, a
-truncated ``.metadata`` and a missing ``.distcp``.
+truncated ``.metadata``, a missing ``.distcp`` and a ``.distcp`` with bytes flipped in a tensor's
+data (found by the crc32 of every value the save wrote into the step's ``checksums.json``).
 
 The checkpoint is a real one: a 1-rank training program.py, started as torchrun starts its
 rank (``RANK`` / ``WORLD_SIZE`` / ``MASTER_*`` in the environment), trains a step and saves."""
@@ -33,6 +34,21 @@ def _halve(path):
         f.truncate(os.path.getsize(path) // 2)
 
 
+def _flip(file, value):
+    """Flip 16 bytes in the middle of ``value``'s bytes in the DCP data ``file`` (where its
+    directory's .metadata places them): the file keeps its size."""
+    import torch.distributed.checkpoint as dcp
+
+    index = dcp.FileSystemReader(os.path.dirname(file)).read_metadata()
+    item = next(v for k, v in index.storage_data.items()
+                if k.fqn == value and v.relative_path == os.path.basename(file))
+    data = bytearray(file.read_bytes())
+    middle = item.offset + item.length // 2
+    for i in range(middle - 8, middle + 8):
+        data[i] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
 def _damage(ck, kind):
     """Damage the checkpoint directory ``ck`` (latest -> step-1) in place; the file the message
     must name, relative to ``ck``, and words it must hold."""
@@ -49,6 +65,10 @@ def _damage(ck, kind):
     if kind == "truncated-metadata":
         _halve(step / ".metadata")
         return "step-1/.metadata", ("cannot be read, truncated or corrupt",)
+    if kind == "flipped-distcp":
+        _flip(step / "__0_0.distcp", "fc2.weight")
+        return "step-1/__0_0.distcp", ("(written by rank 0) is corrupt", "the bytes of fc2.weight",
+                                       "crc32", "checksums.json")
     if kind == "missing-distcp":
         (step / "__0_0.distcp").unlink()
         return "step-1/__0_0.distcp", ("is missing", "fc1.weight")
@@ -56,7 +76,7 @@ def _damage(ck, kind):
 
 
 KINDS = ["truncated-distcp", "latest-names-a-missing-step", "missing-metadata", "truncated-metadata",
-         "missing-distcp"]
+         "missing-distcp", "flipped-distcp"]
 
 
 def _program(d, *args):
@@ -79,7 +99,7 @@ def saved(tmp_path_factory):
     torch.save({"x": torch.randn(1, 2), "target": torch.randn(1, 2)}, d / "inputs.pt")
     res = _program(d, "--save", "ck")
     assert res.returncode == 0 and "saved step 1" in res.stdout, res.stderr[-3000:]
-    assert sorted(os.listdir(d / "ck" / "step-1")) == [".metadata", "__0_0.distcp"]
+    assert sorted(os.listdir(d / "ck" / "step-1")) == [".metadata", "__0_0.distcp", "checksums.json"]
     return d
 
 
@@ -128,10 +148,58 @@ def test_resume_from_the_undamaged_checkpoint_runs_step_2(saved):
     assert res.returncode == 0 and "step 2 loss" in res.stdout, res.stderr[-3000:]
 
 
+TP2 = "mesh tp=2\nfc1.weight colwise\nfc2.weight rowwise\ntrain loss=mse optimizer=adamw(lr=0.01) input_grads=no steps=1\n"
+
+
+def _exit_codes(stderr):
+    """Every failed rank's exit code in torchrun's failure report, by rank order."""
+    import re
+
+    found = re.findall(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)", stderr)
+    return [code for _, code in sorted((int(r), int(c)) for r, c in found)]
+
+
 @pytest.mark.slow
-def test_pipelined_resume_from_a_truncated_checkpoint_names_the_file(tmp_path):
+def test_resume_from_a_corrupt_latest_step_stops_every_rank_naming_the_file_and_the_step_before(tmp_path):
+    """tp=2 on 2 gloo ranks saves steps 1 and 2 (--save-every 1); bytes of fc1.weight flipped in
+    rank 1's file of step 2 (the step ``latest`` names): --resume stops both ranks with exit 2
+    within the bound, each naming the file, the rank that wrote it, the value and the earlier
+    step; resuming from that step (as the message says) runs step 2 again."""
+    from parcomp_backends.torch.launch import run_torchrun
+
+    with open(MODEL) as f:
+        compiled = compile_graph(parse_graph(f.read(), MODEL), parse_spec(TP2, "tp2.pcs"))
+    (tmp_path / "program.py").write_text(emit_program(compiled))
+    torch.save({"fc1.weight": torch.randn(4, 2), "fc2.weight": torch.randn(2, 4)}, tmp_path / "model.pt")
+    torch.save({"x": torch.randn(1, 2), "target": torch.randn(1, 2)}, tmp_path / "inputs.pt")
+
+    def run(*extra):
+        return run_torchrun(tmp_path, 2, str(tmp_path / "model.pt"), str(tmp_path / "inputs.pt"), None,
+                            ("--device", "cpu", "--timeout", "60", *extra), timeout=240)
+
+    res = run("--steps", "2", "--save", "ck", "--save-every", "1")
+    assert res.returncode == 0 and "saved step 2" in res.stdout, res.stderr[-3000:]
+    ck = tmp_path / "ck"
+    _flip(ck / "step-2" / "__1_0.distcp", "fc1.weight")
+    res = run("--steps", "1", "--resume", "ck")
+    assert _exit_codes(res.stderr) == [2, 2], res.stderr[-3000:]
+    assert 'program.py", line' not in res.stderr, res.stderr[-3000:]
+    for rank in (0, 1):
+        line = next(s for s in res.stderr.splitlines() if s.startswith(f"program.py (rank {rank}): error: reading"))
+        assert (f"ck/step-2/__1_0.distcp (written by rank 1) is corrupt: the bytes of fc1.weight differ from the "
+                f"crc32 written when it was saved") in line, line
+        assert "the newest earlier step is ck/step-1" in line and "--resume ck/step-1" in line, line
+    (ck / "step-2").rename(tmp_path / "step-2.corrupt")
+    res = run("--steps", "1", "--resume", "ck/step-1")
+    assert res.returncode == 0 and "step 2 loss" in res.stdout, res.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["truncated", "flipped"])
+def test_pipelined_resume_from_a_damaged_checkpoint_names_the_file(tmp_path, damage):
     """The pipelined program.py (pp=2 on 2 gloo ranks) reads its --resume with the same checks:
-    its checkpoint of one step with a rank's .distcp file cut in half stops with the file named."""
+    its checkpoint of one step with a rank's .distcp file cut in half, or with bytes flipped,
+    stops with the file named."""
     import numpy as np
 
     from parcomp_backends.torch.launch import run_torchrun
@@ -154,8 +222,16 @@ def test_pipelined_resume_from_a_truncated_checkpoint_names_the_file(tmp_path):
     res = run("--save", "ck")
     assert res.returncode == 0 and "saved step 1" in res.stdout, res.stderr[-3000:]
     shard = tmp_path / "ck" / "step-1" / "__1_0.distcp"
-    _halve(shard)
+    if damage == "truncated":
+        _halve(shard)
+    else:
+        import torch.distributed.checkpoint as dcp
+
+        _flip(shard, next(k.fqn for k, v in dcp.FileSystemReader(str(shard.parent)).read_metadata().storage_data.items()
+                          if v.relative_path == shard.name and k.fqn != "step"))
     res = run("--resume", "ck")
     assert res.returncode != 0 and 'program.py", line' not in res.stderr, res.stderr[-3000:]
+    assert _exit_codes(res.stderr) == [2, 2], res.stderr[-3000:]
     line = next(s for s in res.stderr.splitlines() if "error: --resume ck:" in s)
-    assert "ck/step-1/__1_0.distcp is truncated" in line, line
+    assert f"ck/step-1/__1_0.distcp {'is truncated' if damage == 'truncated' else '(written by rank 1) is corrupt'}" \
+        in line, line

@@ -201,6 +201,31 @@ def test_a_rank_that_fails_with_a_message_is_named_with_it(monkeypatch, capsys, 
         "rank 1: --save ck: cannot write there (step 2); this rank: stopped by the launcher (SIGTERM)")
 
 
+def test_a_ranks_own_failure_is_seen_by_the_others_watch_but_a_timeout_report_is_not(monkeypatch, four_ranks):
+    """The watch thread of a rank blocked in a collective ends it when another rank posts its own
+    failure (fail() through note_exit, or an error of its own): where the collective would wait
+    for that rank until --timeout (NCCL, or a rank whose exit hangs). A stopped collective's
+    report (a timeout) does not count: a hung rank would otherwise report itself present. Nor
+    does anything while this rank agrees on a step, or once it has failed itself."""
+    store = FakeStore()
+    monkeypatch.setattr(cl, "FAULT", {**cl.FAULT, "store": store, "lock": cl.threading.Lock()})
+    monkeypatch.setattr(cl, "FAILED", [])
+    _posted(store, 2, "stopped RuntimeError: Timed out (step 2)")
+    assert not cl.peer_reported()
+    monkeypatch.setattr(cl, "RANK", 1)
+    monkeypatch.setattr(cl, "FAILED", ["input 'input_ids' of sample 3 in --data d.py:f (step 2) holds -7"])
+    cl.note_exit(2)
+    monkeypatch.setattr(cl, "RANK", 0)
+    assert not cl.peer_reported()  # this process played rank 1, which has failed
+    monkeypatch.setattr(cl, "FAILED", [])
+    assert cl.peer_reported()
+    cl.FAULT["agreeing"] = True
+    assert not cl.peer_reported()
+    cl.FAULT["agreeing"] = False
+    cl.FAULT["store"] = None  # the store gone (the run has ended): no report
+    assert not cl.peer_reported()
+
+
 def test_sigterm_with_every_rank_present_exits_143_naming_nobody(monkeypatch, capsys, four_ranks):
     """A plain stop (torchrun's SIGTERM to every rank, none hung or failed): exit 143."""
     store = FakeStore()

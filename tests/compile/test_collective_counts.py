@@ -127,12 +127,12 @@ EXPECTED = {
     # Ulysses: all_to_all of Q, K, V and the output forward, the 4 mirrored backward
     "attention_cp2_a2a_train": ("causal_attention", plus(CP_WEIGHT_GRAD_GATHERS, c(
         "forward all_to_all cp 4, backward all_to_all cp 4"))),
-    # ring, cp=2: one K/V pass forward; backward 3 sdpa_grads (dq, dk, dv) x (statistics pass,
-    # gradient pass) + dK and dV home
+    # ring, cp=2: one K/V pass forward; backward one ring for dq, dk, dv on the statistics the
+    # forward kept: a K/V pass and the partial dK/dV's pass home
     "attention_cp2_ring_train": ("causal_attention", plus(CP_WEIGHT_GRAD_GATHERS, c(
-        "forward send_recv cp 1, backward send_recv cp 8"))),
+        "forward send_recv cp 1, backward send_recv cp 2"))),
     "attention_cp2_ring_balanced_train": ("causal_attention", plus(CP_WEIGHT_GRAD_GATHERS, c(
-        "forward send_recv cp 1, backward send_recv cp 8"))),
+        "forward send_recv cp 1, backward send_recv cp 2"))),
     # expert parallel: each ep rank keeps its own rows (ep splits the batch as dp does); tokens
     # to their experts' ranks and back (2 all_to_all forward, their transposes backward), the
     # scalar loss summed over ep, the router's gradient summed (it ran on split rows): the

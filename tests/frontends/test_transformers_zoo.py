@@ -55,18 +55,21 @@ ZOO = {
     # all_reduce a block forward, backward the kv heads' gradient and the block input's
     # (before: the fused weight whole, the attention output's gradient gathered every block)
     "falcon_lm": {("all_reduce", "forward"): 2, ("all_reduce", "backward"): 4},
-    # experts split over tp (each rank 2 of 4); the router's logits gathered for its softmax
-    "mixtral_lm": {("all_reduce", "forward"): 2, ("all_gather", "forward"): 4, ("all_reduce", "backward"): 4},
-    "qwen2_moe_lm": {("all_reduce", "forward"): 4, ("all_gather", "forward"): 6, ("all_reduce", "backward"): 4},
+    # experts split over tp (each rank 2 of 4), the router replicated (planner._router, as
+    # Megatron: before, split and its logits gathered for the softmax every block); the experts'
+    # outputs gathered for the combine
+    "mixtral_lm": {("all_reduce", "forward"): 2, ("all_gather", "forward"): 2, ("all_reduce", "backward"): 4},
+    # the same, and the one-feature shared_expert_gate replicated (before, rowwise and gathered)
+    "qwen2_moe_lm": {("all_reduce", "forward"): 4, ("all_gather", "forward"): 2, ("all_reduce", "backward"): 4},
     # MLA: the low-rank q_a_proj / kv_a_proj_with_mqa stay replicated (before, split and
     # gathered: 12 all_gather forward); at this size (16 tokens, hidden 64) gathering q_b_proj,
     # kv_b_proj and o_proj's weights costs less than splitting the heads, whose backward
     # all-reduces each latent's gradient (test_mla_splits_heads_after_the_low_rank_projections);
-    # the group-limited sigmoid router's scores gathered
-    "deepseek_v3_lm": {("all_gather", "forward"): 8, ("all_reduce", "forward"): 2, ("all_gather", "backward"): 1,
+    # the group-limited sigmoid router replicated (planner._router)
+    "deepseek_v3_lm": {("all_gather", "forward"): 7, ("all_reduce", "forward"): 2, ("all_gather", "backward"): 1,
                        ("all_reduce", "backward"): 2},
     # the same with a complex rotary embedding (real arithmetic) and a softmax router
-    "deepseek_v2_lm": {("all_gather", "forward"): 8, ("all_reduce", "forward"): 2, ("all_gather", "backward"): 1,
+    "deepseek_v2_lm": {("all_gather", "forward"): 7, ("all_reduce", "forward"): 2, ("all_gather", "backward"): 1,
                        ("all_reduce", "backward"): 2},
 }
 
@@ -134,9 +137,11 @@ def test_mla_splits_heads_after_the_low_rank_projections():
     heads = "".join(f"activation {n.name} [S(1)]\n" for n in graph.nodes if n.op == "sdpa")
     compiled = compile_graph(graph, parse_spec(text + heads, "mla_plan.pcs"))
     counts = collections.Counter((r["kind"], r["phase"]) for r in compiled.report["collectives"])
-    # + the router's scores gathered for its group-limited top-k, forward and backward
-    assert dict(counts) == {("all_reduce", "forward"): 4, ("all_gather", "forward"): 1,
-                            ("all_reduce", "backward"): 8, ("all_gather", "backward"): 1}
+    # + backward, the routing weights' gradient (split with the experts) gathered for the top-k's
+    # take_along; the router itself replicated (planner._router: before, its scores were gathered
+    # for the group-limited top-k, one all_gather forward)
+    assert dict(counts) == {("all_reduce", "forward"): 4, ("all_reduce", "backward"): 8,
+                            ("all_gather", "backward"): 1}
     feeds = train_feeds(compiled, module, example, 0, feeds_for)
     ls = lockstep(compiled, module, example, feeds, 2)
     assert verdict(*[ls["vs_unsharded"]] + [ls[k] for k in ("native", "vs_torch") if ls[k] is not None]) == "OK"
@@ -198,8 +203,49 @@ def test_mla_heads_stay_split_at_a_realistic_size_without_pins(hidden, seq, batc
     assert gathered == []
     counts = collections.Counter((r["kind"], r["phase"]) for r in compiled.report["collectives"])
     if hidden == 128:
-        assert dict(counts) == {("all_reduce", "forward"): 4, ("all_gather", "forward"): 1,
-                                ("all_reduce", "backward"): 8, ("all_gather", "backward"): 1}
+        assert dict(counts) == {("all_reduce", "forward"): 4, ("all_reduce", "backward"): 8,
+                                ("all_gather", "backward"): 1}
     o_proj = [r for r in compiled.report["collectives"] if r["producer"] in graph
               and (graph[r["producer"]].source or "").endswith("self_attn.o_proj")]
     assert [(r["kind"], r["phase"]) for r in o_proj] == [("all_reduce", "forward")] * 2
+
+
+def _mixtral(hidden, seq, batch, experts):
+    """:func:`models.mixtral_lm` scaled: ``hidden`` wide (hidden/64 kv heads, 2x query heads, head
+    dim 32 from hidden 64 on), ``experts`` experts top-2 of intermediate ``hidden``, ``batch`` x
+    ``seq`` tokens, 2 blocks."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+    import torch
+
+    torch.manual_seed(0)
+    heads = max(4, hidden // 32)
+    config = MixtralConfig(vocab_size=128, hidden_size=hidden, intermediate_size=hidden, num_hidden_layers=2,
+                           num_attention_heads=heads, num_key_value_heads=heads // 2, num_local_experts=experts,
+                           num_experts_per_tok=2, max_position_embeddings=max(64, seq), router_jitter_noise=0.0,
+                           bos_token_id=0, eos_token_id=1, pad_token_id=None, use_cache=False,
+                           attn_implementation="sdpa")
+    module = models._draw_moe(MixtralForCausalLM(config).eval())
+    return module, (torch.randint(0, 128, (batch, seq)),), ["input_ids"]
+
+
+@pytest.mark.parametrize("hidden,seq,batch,experts", [(16, 8, 4, 4), (1024, 512, 1, 8)])
+def test_moe_router_stays_replicated_at_a_realistic_size_without_pins(hidden, seq, batch, experts):
+    """Plan and compile only (no run). The planner lets an MoE router (a matmul whose logits
+    reach a top-k: planner._router) stay replicated, and the search keeps it so at the zoo's size
+    and at hidden 1024 with 512 tokens and 8 experts: no rule for it, and neither its logits nor
+    its weight is gathered or reduced. Split, either way costs a collective a block (colwise:
+    the logits gathered for the softmax over all experts; rowwise: their partial sums reduced),
+    one call's latency (100 us under the cost model) against the replicated router's extra
+    compute, 2 x 512 x 1024 x 8 FLOPs (84 us at 1e-11 s a FLOP) of which a split saves half.
+    Before, the planner had to split every matrix on tp and the plan gathered the logits every
+    block (docs/design/plan.md, "MoE routers")."""
+    module, example, names = _mixtral(hidden, seq, batch, experts)
+    graph = import_torch(module, example, names)
+    text, _ = plan(graph, "tp=2", train=TRAIN, seconds=5.0)
+    rules = [ln.split()[0] for ln in text.splitlines() if ln and not ln.startswith(("#", " "))]
+    assert not [r for r in rules if r.endswith("mlp.gate.weight")], rules
+    assert [r for r in rules if "mlp.experts" in r], rules  # the experts split (each rank half of them)
+    compiled = compile_graph(graph, parse_spec(text, "router_plan.pcs"))
+    router = [r for r in compiled.report["collectives"] if r["producer"] in graph
+              and (graph[r["producer"]].source or "").endswith("mlp.gate")]
+    assert router == [], router

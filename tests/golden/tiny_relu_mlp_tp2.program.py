@@ -903,16 +903,21 @@ def add_cluster_args(ap):
 
 
 FAULT_WAIT_S = 10  # after a collective failed here, how long to wait for the other ranks' reports
+FAULT_POLL_S = 5  # how often each rank looks for another rank's report in the launcher's store
 FAULT_KEY = "parcomp/fault/"  # the reports' keys in the launcher's store
-FAULT = {"store": None, "timeout": None, "where": "starting", "lock": threading.Lock()}
+FAULT = {"store": None, "timeout": None, "where": "starting", "lock": threading.Lock(), "agreeing": False}
 
 
 def watch_faults(timeout):
     """Make a failure during the run end with one line on every rank naming the ranks that
-    failed or stopped answering (:func:`report_fault`). Two paths lead there: main's handler of
-    an exception (a collective that timed out after ``timeout`` seconds or lost a peer, or this
-    rank's own error), and the launcher's SIGTERM (torchrun stops every rank once one has
-    exited), taken on a thread: the main thread may be blocked in a collective."""
+    failed or stopped answering (:func:`report_fault`). Three paths lead there: main's handler
+    of an exception (a collective that timed out after ``timeout`` seconds or lost a peer, or
+    this rank's own error), the launcher's SIGTERM (torchrun stops every rank once one has
+    exited), and another rank's report found in the launcher's store (every FAULT_POLL_S
+    seconds: a rank that failed on its own, such as on a bad --data sample, ends the others
+    within seconds even where their collective would wait for it until ``timeout``: NCCL, or a
+    rank whose exit hangs). The last two run on a thread: the main thread may be blocked in a
+    collective."""
     FAULT.update(store=dist.distributed_c10d._get_default_store(), timeout=timeout)
     read, write = os.pipe()
     os.set_blocking(write, False)
@@ -920,7 +925,13 @@ def watch_faults(timeout):
     signal.set_wakeup_fd(write)  # the signal's number is written here, whatever the main thread does
 
     def watch():
+        import select
+
         while True:
+            if not select.select([read], [], [], FAULT_POLL_S)[0]:
+                if peer_reported():
+                    report_fault("stopped, since another rank's failure ended the run")
+                continue
             if signal.SIGTERM in os.read(read, 64):
                 if not ask_stop() or peer_failed():
                     report_fault("stopped by the launcher (SIGTERM)")
@@ -952,6 +963,21 @@ def peer_failed():
         return FAULT["store"].check([f"{FAULT_KEY}ranks"])
     except Exception:  # noqa: BLE001 - the store is gone: the launcher is stopping everything
         return True
+
+
+def peer_reported():
+    """Whether a rank has posted its own failure (an error, not a collective that stopped: a
+    hung rank must not take its peers' timeouts for a failure and so report itself present)
+    while this rank runs on: not while this rank agrees with the others on a step (agree():
+    every rank learns that outcome itself), nor once it has failed itself (its own path exits).
+    A store that does not answer (the run has ended, the launcher is stopping everything) is no
+    report."""
+    if FAILED or FAULT["agreeing"]:
+        return False
+    try:
+        return FAULT["store"].check([f"{FAULT_KEY}error"])
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def collective_error(error):
@@ -1016,7 +1042,10 @@ def post_fault(kind, text):
     store = FAULT["store"]
     store.set(f"{FAULT_KEY}rank{RANK}", f"{kind} {text} ({FAULT['where']})")
     store.append(f"{FAULT_KEY}ranks", f"{RANK} ")
-    return store.add(f"{FAULT_KEY}count", 1)
+    count = store.add(f"{FAULT_KEY}count", 1)
+    if kind == "error":  # what the other ranks' watch threads look for (peer_reported)
+        store.set(f"{FAULT_KEY}error", str(RANK))
+    return count
 
 
 def note_exit(code):
@@ -1178,7 +1207,7 @@ def agree(step, what):
     and messages go through the launcher's key-value store, not the device communicator: it
     works when that is broken, and no collective is in flight when a rank exits.
     """
-    error = None
+    error, FAULT["agreeing"] = None, True
     try:
         result = step()
     except SystemExit as e:
@@ -1196,6 +1225,7 @@ def agree(step, what):
         store.set(f"{key}done", "1")
     store.wait([f"{key}done"])  # at most the store's timeout (--timeout)
     if not store.check([f"{key}failed"]):
+        FAULT["agreeing"] = False
         return result
     failed = sorted(int(r) for r in store.get(f"{key}failed").decode().split())
     messages = {r: store.get(f"{key}error{r}").decode(errors="replace") for r in failed[:64]}

@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from parcomp.compile.compiler import compile_graph  # noqa: E402
-from parcomp.ir.liveness import attention_saved_bytes, storage_roots  # noqa: E402
+from parcomp.ir.liveness import attention_saved_bytes, layer_norm_saved_bytes, storage_roots  # noqa: E402
 from parcomp_backends.torch.emit import emit_program  # noqa: E402
 
 from graphs import spec  # noqa: E402
@@ -39,7 +39,7 @@ def test_stage_backward_reads_the_forward_kernels_stash(gpt2):
     text = emit_program(c)
     for s in (0, 1):
         fwd, bwd = stage_function(text, f"stage{s}_forward"), stage_function(text, f"stage{s}_backward")
-        assert "= attention_forward(" in fwd and re.search(r'"saved\.[\w.]+:kernel": \w+_saved}', fwd)
+        assert "= attention_forward(" in fwd and re.search(r'"saved\.[\w.]+:kernel": \w+_saved[,}]', fwd)
         key = re.search(r'"saved\.([\w.]+:kernel)"', fwd).group(1)
         took = re.search(rf'^    (\w+) = inp.pop\("{re.escape(key)}"\)', bwd, re.M).group(1)
         assert re.search(rf"= attention_backward\([^\n]*, {took}, \"qkv\"", bwd)
@@ -57,7 +57,9 @@ def test_stash_bytes_count_the_kernels_logsumexp(gpt2):
         ty = sdpa[0].type
         assert sdpa[0].name not in st.saved  # its output is stashed through a view (c_proj's input)
         assert any(storage_roots(g)[v] == sdpa[0].name for v in st.saved)
-        assert st.saved_bytes == sum(g[v].type.nbytes for v in st.saved) + attention_saved_bytes(ty, ty.nbytes)
+        norms = sum(layer_norm_saved_bytes(n.type, n.type.nbytes) for n in g.nodes if n.op == "layer_norm")
+        assert st.saved_bytes == (sum(g[v].type.nbytes for v in st.saved) + attention_saved_bytes(ty, ty.nbytes)
+                                  + norms)  # and each layer norm's mean and rstd
         assert rec["peak_inflight_bytes"] == rec["peak_inflight_microbatches"] * st.saved_bytes
 
 

@@ -140,3 +140,100 @@ def test_mixtral_stage_runs_its_experts_on_the_routed_tokens_as_the_dense_stage(
         torch.testing.assert_close(got[k], dense[k], rtol=0, atol=1e-5 * float(dense[k].abs().max()))
     # the stash holds the routed rows, not the slot buffer: 16 tokens x top-2 rows, not 16 x 4 experts
     assert out["saved.view_7"].shape == (32, 16) and want["saved.view_7"].shape == (4, 16, 16)
+
+
+def _microbatch_chain(ns, fn, p, ids, labels, zb):
+    """One microbatch through both stages' functions named ``fn(stage, kind)`` as the runtime's
+    step() calls them (ZB-H1: the input half on a copy of inp, the weight half on inp and the
+    ``wstash.*`` it handed over): {"loss", "saved.*" of each stage, "wstash.*", every gradient}."""
+    def backward(s, fwd, grads_in):
+        saved = {k[len("saved."):]: v for k, v in fwd.items() if k.startswith("saved.")}
+        inp = {**({"input_ids": ids} if s == 0 else {"labels": labels}), **saved, **grads_in}
+        handed, marks = {}, ()
+        if not zb:
+            marks = (handed.__setitem__,) if fn(s, "backward").startswith("stage") else ()
+            return {**ns[fn(s, "backward")](p, inp, *marks), **handed}, {}
+        out = ns[fn(s, "backward_input")](p, dict(inp))
+        wst = {k[len("wstash."):]: v for k, v in out.items() if k.startswith("wstash.")}
+        marks = (handed.__setitem__,) if fn(s, "backward_weight").startswith("stage") else ()
+        w = ns[fn(s, "backward_weight")](p, {**inp, **wst}, *marks)
+        return {**{k: v for k, v in out.items() if not k.startswith("wstash.")}, **w, **handed}, wst
+
+    f0 = ns[fn(0, "forward")](p, {"input_ids": ids})
+    f1 = ns[fn(1, "forward")](p, {"add_8": f0["add_8"], "labels": labels})
+    b1, w1 = backward(1, f1, {})
+    b0, w0 = backward(0, f0, {"grad.add_8": b1["grad.add_8"]})
+    return {"loss": f1["loss"], **{f"s0.{k}": v for k, v in f0.items()}, **{f"s1.{k}": v for k, v in f1.items()},
+            **{f"w1.{k}": v for k, v in w1.items()}, **{f"w0.{k}": v for k, v in w0.items()}, **b1, **b0}
+
+
+def test_mixtral_zb_h1_stage_halves_run_the_experts_on_the_routed_tokens_as_the_dense_stage():
+    """ZB-H1 (the backward in an input half and a weight half): every stage function of the MoE
+    layers is dropless, as under 1F1B: the forward stashes the packed rows, the input half reads
+    them and hands its packed slot gradients to the weight half (``wstash.*``), whose expert
+    weight gradients are grouped matmuls over exact counts. No [B, E, C, H] buffer is left: the
+    experts' FLOPs (FlopCounterMode: the dense program's expert matmuls are its only bmm) are
+    top_k / experts (2 / 4) of the dense buffer's; one microbatch through both stages' functions
+    equals the dense statements printed from the same stage programs. Before, every function of
+    a ZB-H1 stage kept the dense buffer."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from parcomp.compile.compiler import compile_graph
+    from parcomp.frontends.loader import load_model
+    from parcomp.frontends.torch.fold import module_sources
+    from parcomp_backends.torch.emit import emit_program, step_function
+
+    g, module, _ = load_model(str(ROOT / "specs" / "models.py") + ":mixtral_lm")
+    c = compile_graph(g, spec(f"mesh pp=2\n{TRAIN.replace('schedule=1f1b', 'schedule=zb-h1')}\n"))
+    text = emit_program(c)
+    for s in (0, 1):
+        for kind in ("forward", "backward", "backward_input", "backward_weight"):
+            body = text[text.index(f"def stage{s}_{kind}("):].split("\n\n\n")[0]
+            assert "moe_dispatch(" not in body and "moe_combine(" not in body, (s, kind)
+        weight = text[text.index(f"def stage{s}_backward_weight("):].split("\n\n\n")[0]
+        assert weight.count("moe_grouped_wgrad(") == 2 and "MoE: dropless" in weight
+    assert "moe_route_plan(" in text[text.index("def stage1_backward_input("):].split("\n\n\n")[0]
+    ns = {"__name__": "program"}
+    exec(text, ns)  # noqa: S102 - the emitted program's functions and runtime, run on this process
+    for s in (0, 1):
+        for kind in ("forward", "backward", "backward_input", "backward_weight"):
+            exec(step_function(c.program_.stages[s][kind], f"dense{s}_{kind}", "the dense slot buffer",
+                               pop_inputs=True), ns)
+    state = module_sources(module)
+    p = {k: state[k].detach().float() for s in (0, 1) for k in ns["STAGE_PARAMS"][s] if k in state}
+    gen = torch.Generator().manual_seed(0)
+    ids, labels = torch.randint(0, 64, (2, 8), generator=gen), torch.randint(0, 64, (2, 8), generator=gen)
+    flops = {}
+    for name, fn in (("packed", lambda s, k: f"stage{s}_{k}"), ("dense", lambda s, k: f"dense{s}_{k}")):
+        with FlopCounterMode(display=False) as count:
+            flops[name] = (_microbatch_chain(ns, fn, p, ids, labels, True), count.get_flop_counts()["Global"])
+    (got, packed), (want, dense) = flops["packed"], flops["dense"]
+    mm, bmm = torch.ops.aten.mm, torch.ops.aten.bmm
+    assert dense[bmm] > 0 and packed.get(bmm, 0) == 0  # the dense buffer's expert matmuls are gone
+    assert packed[mm] - dense[mm] == dense[bmm] * 2 // 4  # replaced by the routed rows' alone: top-2 of 4
+    grads = [k for k in want if k.startswith("grad.")]
+    assert sorted(k for k in got if k.startswith("grad.")) == sorted(grads)
+    assert any("experts" in k for k in grads) and any("gate" in k for k in grads)
+    for k in grads + ["loss"]:  # float32, summed in another order: within 1e-5 of each value's scale
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-5 * float(want[k].abs().max()))
+    # the stash and the halves' hand-over hold the routed rows, not the slot buffer: 16 tokens x top-2
+    assert got["s0.saved.view_7"].shape == (32, 16) and want["s0.saved.view_7"].shape == (4, 16, 16)
+    slots = [k for k, v in want.items() if k.startswith("w1.") and v.dim() == 3 and v.shape[:2] == (4, 16)]
+    assert len(slots) == 2 and all(got[k].shape == (32, want[k].shape[2]) for k in slots)
+
+
+def test_mixtral_zb_h1_on_two_gloo_ranks_equals_the_unsharded_step(tmp_path, capsys):
+    """``parcomp run`` of the MoE model under ZB-H1, 2 stages of 2 microbatches: the dropless
+    stage halves (each rank's expert matmuls over its routed rows only) give the unsharded step."""
+    from parcomp.cli.main import main
+
+    (tmp_path / "s.pcs").write_text(f"mesh pp=2\n{TRAIN.replace('schedule=1f1b', 'schedule=zb-h1')}\n")
+    rc = main(["run", str(ROOT / "specs" / "models.py") + ":mixtral_lm", "--spec", str(tmp_path / "s.pcs"),
+               "--nproc", "2", "--keep", str(tmp_path / "work")])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    line = next(x for x in out.splitlines() if "1 pipelined step " in x)
+    assert "2 gloo ranks" in line and "2 microbatches" in line and line.endswith("OK")
+    text = (tmp_path / "work" / "program.py").read_text()
+    weight = text[text.index("def stage1_backward_weight("):].split("\n\n\n")[0]
+    assert "moe_grouped_wgrad(" in weight and "moe_dispatch(" not in text[:text.index("def profile_device(")]

@@ -37,7 +37,7 @@ from .attention import attention_sections, joint_grads, joint_targets, saved_for
 from .cp_ring import ring_comment, ring_sections
 from .moe import moe_sections
 from .moe_dropless import DROPLESS_EXCHANGE, dropless_plan
-from .norms import joint_norm_grads, kept_norm_stats, layer_norm_forward_code, runtime_sections
+from .norms import kept_norm_stats, layer_norm_forward_code, runtime_sections, stash_norm_joints
 from .reduce import reduce_sections
 from .updates import update_plan
 # the per-node text and the other sections (re-exported: callers import them from here)
@@ -150,10 +150,11 @@ def step_function(prog, fn: str, doc: str, names=None, pop_inputs: bool = False,
     names handed, each right after the statement making it final, to a third argument
     ``ready(name, value)`` (a pipeline stage's parameter gradients: their dp buckets start inside
     the backward); one no later statement reads is deleted after the call and not returned
-    (:func:`_handed_over`); ``stash``: ``{node: key}``, attentions whose forward and backward are two
-    stage functions (:func:`.attention.stashed_forwards`): a forward ``sdpa`` returns its kernel's
-    saved tensors as output ``saved.<key>`` (stashed per microbatch), the first ``sdpa_grad``
-    reads them as input ``<key>`` and deletes them once read."""
+    (:func:`_handed_over`); ``stash``: ``{node: key}``, attentions and layer norms whose forward and
+    backward are two stage functions (:func:`.attention.stashed_forwards`,
+    :func:`.norms.stashed_norms`): a forward ``sdpa`` or ``layer_norm`` returns its kernel's saved
+    tensors as output ``saved.<key>`` (stashed per microbatch), the first ``sdpa_grad`` or the layer
+    norm's gradient statement reads them as input ``<key>`` and deletes them once read."""
     names = python_names(prog) if names is None else names
     lines = [f"def {fn}(p, inp{', ready' if ready else ''}):", f'    """{doc}"""']
     final = {}  # value -> its public names of ``ready``
@@ -174,17 +175,21 @@ def step_function(prog, fn: str, doc: str, names=None, pop_inputs: bool = False,
         taken = set(names.values())
         kept = {n: saved_name(names[n if program[n].op == "sdpa" else kept[n]], taken) for n in kept}
     stash = stash or {}
+    norm_stash = {n: k for n, k in stash.items() if program[n].op not in ("sdpa", "sdpa_grad")}
+    stash = {n: k for n, k in stash.items() if n not in norm_stash}
     if stash:  # a new dict: saved_forwards' is the program's memo
         taken = set(names.values()) | set(kept.values())
         kept = {**kept, **{n: saved_name(names[n], taken) for n in stash}}
     block = program if program.stage == "local" else None  # per-rank: block offsets read COORD
-    norm_joint = joint_norm_grads(program)  # a layer norm's gradients in one statement (emit/norms.py)
+    norm_joint = stash_norm_joints(program, norm_stash)  # a layer norm's gradients in one statement (emit/norms.py)
     unmade = {names[s] for j in norm_joint.values() for s in j.skipped}  # values no statement makes
     norm_stats = kept_norm_stats(program)  # forward layer norms keeping (mean, rstd) for that statement
-    if norm_stats:
+    if norm_stats or norm_stash:
         taken = set(names.values()) | set(kept.values())
         norm_stats = {n: saved_name(names[n if program[n].op == "layer_norm" else norm_stats[n]], taken)
                       for n in norm_stats}
+        taken |= set(norm_stats.values())
+        norm_stats.update({n: saved_name(names[n], taken) for n in norm_stash})
     pending = []  # the dead values of a multi-tensor update group, deleted after its last node
     tails = {}  # (id(layout), id(type)) -> "  # [S(0), R] f32[8,32]": nodes share these objects
     for n in program.nodes:
@@ -212,11 +217,11 @@ def step_function(prog, fn: str, doc: str, names=None, pop_inputs: bool = False,
         joint = norm_joint.get(n.name)
         if first is not None and first != n.name:
             lines.append(f"    # {var}: computed above with {names[first]} (one backward of the attention)")
-        elif joint is not None and n.name in joint.skipped:
-            lines.append(f"    # {var}: not needed (the layer norm's backward at {names[joint.at]} "
+        elif joint is not None and n.name in joint.skipped and joint.at != n.name:
+            lines.append(f"    # {var}: not needed (the {joint.words}'s backward at {names[joint.at]} "
                          "gives its weight gradient)")
         elif joint is not None and joint.at != n.name:
-            lines.append(f"    # {var}: computed above with {names[joint.at]} (one backward of the layer norm)")
+            lines.append(f"    # {var}: computed above with {names[joint.at]} (one backward of the {joint.words})")
         else:
             lines += [c for text in ring_comment(prog, n, n.name in kept) for c in comment_lines(text, "    ")]
         if n.name in updates.skipped:  # one multi-tensor call for its group, at the first
@@ -233,6 +238,9 @@ def step_function(prog, fn: str, doc: str, names=None, pop_inputs: bool = False,
             lines.append(f"    {var}, {kept[n.name]} = "
                          f"{node_code(n, list(map(var_of, n.inputs)), block, saved=kept[n.name])}{tail}")
         elif joint is not None:  # one layer norm's gradients in one statement, at the first
+            if joint.at == n.name and n.name in norm_stash:  # its forward's mean and rstd, from the stash
+                lines.append(f"    {norm_stats[n.name]} = inp.pop({_json_str(norm_stash[n.name])})"
+                             "  # the forward kernel's mean and rstd")
             if joint.at == n.name:
                 lines.append(f"    {joint.code(var_of, norm_stats.get(n.name))}{tail}")
         elif n.name in norm_stats:  # a forward layer norm keeping its kernel's mean and rstd
@@ -262,7 +270,9 @@ def step_function(prog, fn: str, doc: str, names=None, pop_inputs: bool = False,
             lines.append(f"    del {var}")
     ret = ", ".join([f"{json.dumps(pub)}: {names[v]}" for pub, v in program.named_outputs() if v not in handed]
                     + [f"{_json_str('saved.' + key)}: {kept[v]}" for v, key in stash.items()
-                       if program[v].op == "sdpa"])
+                       if program[v].op == "sdpa"]
+                    + [f"{_json_str('saved.' + key)}: {norm_stats[v]}" for v, key in norm_stash.items()
+                       if v not in norm_joint])  # a forward layer norm's, not a gradient statement's
     lines.append(f"    return {{{ret}}}")
     return "\n".join(lines)
 

@@ -82,15 +82,13 @@ def ring_axes(graph) -> set:
 
 
 def ring_comment(prog, n, kept: bool = False) -> list:
-    """The comment texts above ring node ``n``: one per ``send_recv`` record of it;
+    """The comment texts above ring node ``n``: one per ``send_recv`` record of it (the records
+    are the passes the program runs: parcomp/passes/attention/cp_ring.py's program_ring_steps);
     ``kept``: an ``sdpa_grad`` whose backward ring reads the statistics its forward ring kept
-    (emit/attention.py), whose statistics pass (its first record, ``.ring0``:
-    parcomp/reference/cp_ring.py's ring_steps) does not run."""
+    (emit/attention.py)."""
     if not is_ring(n):
         return []
     recs = [c for c in prog.collectives if c.kind == "send_recv" and c.producer == n.name]
-    if kept and n.op == "sdpa_grad":
-        recs = [c for c in recs if not c.name.endswith(".ring0")]
     out = [f"send_recv over {c.axis} {c.src_layout}, bytes/rank {c.bytes}: {c.reason}" for c in recs]
     return out + (["no statistics pass: the forward ring's output and row logsumexp are kept (saved=)"]
                   if kept and n.op == "sdpa_grad" else [])

@@ -34,6 +34,7 @@ the whole program dense, and :func:`dropless_plan` says which.
 from __future__ import annotations
 
 import itertools
+import json
 from dataclasses import dataclass, field
 
 SLOT_ATOMS = ("B", "E", "C")
@@ -135,7 +136,8 @@ def _regroup(dims, shape):
     return tuple(out)
 
 
-def dropless_plan(prog, names, stash_out: bool = False, stash_in=None) -> DroplessPlan:
+def dropless_plan(prog, names, stash_out: bool = False, stash_in=None, prefix: str = "saved.",
+                  kept_routes=()) -> DroplessPlan:
     """The packed statements of ``prog``'s MoE layers (empty where there is none, or where the
     program keeps its dense slot buffers: ``why`` says which statement).
 
@@ -144,19 +146,25 @@ def dropless_plan(prog, names, stash_out: bool = False, stash_in=None) -> Drople
     a saved output may stay packed, and the plan's ``stash`` says how (``{V: (Packed, c)}``,
     rows following the route plan of the weights ``c``, saved too); ``stash_in`` (the forward
     plan's ``stash``) starts those inputs of the backward packed, the route plan computed again
-    from ``c`` right where it is read in (the same weights: the same pairs, in the same order)."""
+    from ``c`` right where it is read in (the same weights: the same pairs, in the same order).
+    ZB-H1's halves of the backward chain a third program: the input half's outputs ``wstash.V``
+    (``prefix``) may stay packed for the weight half, following weights ``c`` it saves or the
+    forward stashed (``kept_routes``: the microbatch's stash, which the weight half's ``inp``
+    holds too); a program given ``c`` by the stash but not reading it takes it from ``inp``."""
     program = prog.graph
-    if not any(n.op in ("moe_dispatch", "moe_combine", "moe_combine_grad_c") for n in program.nodes):
+    inputs = {n.name for n in program.inputs}
+    if not any(n.op in ("moe_dispatch", "moe_combine", "moe_combine_grad_c") for n in program.nodes) \
+            and not inputs & set(stash_in or ()):
         return DroplessPlan()
     if any(n.op == "moe_route" and n.attr("capacity", 0) for n in program.nodes):
         return DroplessPlan(why="a capacity is set (the spec's moe capacity_factor, or the model's)")
     try:
-        return _plan(program, names, stash_out, stash_in or {})
+        return _plan(program, names, stash_out, stash_in or {}, prefix, set(kept_routes))
     except NotDropless as e:
         return DroplessPlan(why=str(e))
 
 
-def _plan(program, names, stash_out=False, stash_in=None) -> DroplessPlan:
+def _plan(program, names, stash_out=False, stash_in=None, prefix="saved.", kept_routes=frozenset()) -> DroplessPlan:
     packed: dict = {}
     plans: dict = {}  # c value name -> plan variable (rows side)
     expert_plans: dict = {}  # (rows plan, axis) -> experts-side plan variable
@@ -178,17 +186,22 @@ def _plan(program, names, stash_out=False, stash_in=None) -> DroplessPlan:
         return plans[c], []
 
     inputs = {n.name for n in program.inputs}
+    order = {n.name: i for i, n in enumerate(program.nodes)}
     at_input = {}  # c input -> its route plan's statement, printed after c is read in
     for v, (p, c) in stash_in.items():
-        if v not in inputs or c not in inputs:
-            raise NotDropless(f"%{v}: stashed slots without their routing weights %{c} beside them")
+        if v not in inputs:  # a stashed value another program reads
+            continue
         if c not in plans:
-            plans[c] = fresh(f"{names[c]}_route_plan")
-            at_input[c] = [f"{plans[c]} = moe_route_plan({names[c]})"]
+            plans[c] = fresh(f"{names[c] if c in names else _identifier(c)}_route_plan")
+            if c in inputs:
+                at_input[c] = [f"{plans[c]} = moe_route_plan({names[c]})"]
+            else:  # the weights stay in the microbatch's stash, which inp holds: at the first reader
+                first = min((u for u, (_, d) in stash_in.items() if d == c and u in inputs), key=order.__getitem__)
+                at_input[first] = [f"{plans[c]} = moe_route_plan(inp[{json.dumps(c)}])"]
         packed[v] = Packed(p.dims, plans[c], "rows")
     named = program.named_outputs()
-    saved = {v for pub, v in named if stash_out and pub == f"saved.{v}"}
-    outputs = {v for pub, v in named if pub != f"saved.{v}" or v not in saved}
+    saved = {v for pub, v in named if stash_out and pub == f"{prefix}{v}"}
+    outputs = {v for pub, v in named if pub != f"{prefix}{v}" or v not in saved}
     for n in program.nodes:
         if n.op == "input":
             if n.name in at_input:
@@ -223,10 +236,16 @@ def _plan(program, names, stash_out=False, stash_in=None) -> DroplessPlan:
     stash, of_plan = {}, {v: c for c, v in plans.items()}
     for v in sorted(saved & set(packed)):
         p = packed[v]
-        if p.side != "rows" or p.plan not in of_plan or of_plan[p.plan] not in saved:
+        if p.side != "rows" or p.plan not in of_plan or of_plan[p.plan] not in saved | kept_routes:
             raise NotDropless(f"%{v}: slots stashed for the backward without their routing weights")
         stash[v] = (p, of_plan[p.plan])
     return DroplessPlan(lines=lines, stash=stash)
+
+
+def _identifier(name: str) -> str:
+    """A Python identifier made of value name ``name`` (one the program's names leave out)."""
+    out = "".join(ch if ch.isalnum() or ch == "_" else "_" for ch in name)
+    return out if out[:1].isalpha() or out[:1] == "_" else f"_{out}"
 
 
 def _statement(program, n, ins, names, expert_plans, back, fresh, route_plan):

@@ -7,7 +7,7 @@ of ``COORD``); :func:`runtime_sections` the helpers (``program_norms.py``) a pro
 """
 from __future__ import annotations
 
-from parcomp.ir.liveness import saved_layer_norm
+from parcomp.ir.liveness import saved_layer_norm, stashed_layer_norm
 from parcomp.ir.types import shard_axes
 
 from ..runtime import sections
@@ -27,8 +27,12 @@ NORM_FORMATS = {
 NEEDS_RUNTIME = ("layer_norm_grad", "rms_norm_grad", "dropout", "embedding", "embedding_grad")
 NORM_RUNTIME = sections("program_norms")["norms"]
 HELPER_NAMES = ("M32", "mul32", "mix32", "dropout_keep", "dropout_by_index", "norm_grad",
-                "layer_norm_forward", "layer_norm_grads", "embedding_rows", "embedding_grad_rows")
-_JOINT_FORMAT = "layer_norm_grads({0}, {1}, {2}, {eps}, {mask}{saved})"
+                "layer_norm_forward", "layer_norm_grads", "rms_norm_grads", "embedding_rows",
+                "embedding_grad_rows")
+_JOINT_FORMAT = {"layer_norm": "layer_norm_grads({0}, {1}, {2}, {eps}, {mask}{saved})",
+                 "rms_norm": "rms_norm_grads({0}, {1}, {2}, {eps}, {mask})"}
+#: the words a skipped node's comment names the joint statement by
+NORM_WORDS = {"layer_norm": "layer norm", "rms_norm": "RMS norm"}
 _PER_NODE = ("frees", "bucket")  # attributes that leave a node's value as it is
 
 
@@ -86,22 +90,26 @@ def runtime_sections(program) -> list:
 
 
 class NormJoint:
-    """One layer norm's gradients printed as one statement (:func:`joint_norm_grads`).
+    """One norm's gradients printed as one statement (:func:`joint_norm_grads`).
 
     ``at``: the node where the statement stands (the first of ``grads`` in program order);
-    ``grads``: ``(dx, dweight, dbias)`` node names, None where the program asks for no such
-    value; ``skipped``: the nodes that only served dweight (``layer_norm(x)``, its ``mul`` by
-    dy), which print nothing; ``inputs``: ``(dy, x, weight)``; ``eps``."""
+    ``grads``: ``(dx, dweight, dbias)`` node names (an RMS norm: ``(dx, dweight)``), None
+    where the program asks for no such value; ``skipped``: the nodes that only served dweight
+    (``layer_norm(x)`` / ``rms_norm(x)``, its ``mul`` by dy), which print nothing; ``inputs``:
+    ``(dy, x, weight)``; ``eps``; ``norm``: ``layer_norm`` or ``rms_norm``."""
 
-    def __init__(self, at, grads, skipped, inputs, eps):
+    def __init__(self, at, grads, skipped, inputs, eps, norm="layer_norm"):
         self.at, self.grads, self.skipped, self.inputs, self.eps = at, grads, skipped, inputs, eps
+        self.norm, self.words = norm, NORM_WORDS[norm]
 
     def code(self, var_of, saved=None) -> str:
         """The statement ``dx, dw, db = layer_norm_grads(...)`` (only the wanted targets);
-        ``saved``: the variable of the forward's kept (mean, rstd), or None."""
+        ``saved``: the variable of the forward's kept (mean, rstd), or None. A weight None
+        (a weight half without dx: the kernel reads the weight for dx only) prints ``None``."""
         targets = ", ".join(var_of(g) for g in self.grads if g is not None)
         mask = "(" + ", ".join(str(g is not None) for g in self.grads) + ")"
-        return f"{targets} = " + _JOINT_FORMAT.format(*map(var_of, self.inputs), eps=repr(self.eps), mask=mask,
+        args = ["None" if v is None else var_of(v) for v in self.inputs]
+        return f"{targets} = " + _JOINT_FORMAT[self.norm].format(*args, eps=repr(self.eps), mask=mask,
                                                       saved="" if saved is None else f", saved={saved}")
 
 
@@ -126,6 +134,50 @@ def _kept_norm_stats(program):
     return out
 
 
+def stash_key(layer_norm: str) -> str:
+    """The stash entry of forward layer norm ``layer_norm``'s kernel (mean, rstd) (``:`` is in
+    no value name, so no stashed value has it)."""
+    return f"{layer_norm}:stats"
+
+
+def stashed_norms(forward, backward) -> dict:
+    """``{layer_norm name: joint first node}``: the forward layer norms of program ``forward``
+    whose kernel's (mean, rstd) the stash keeps for their gradients' statement in program
+    ``backward`` (a pipeline stage's two functions: :func:`parcomp.ir.liveness.stashed_layer_norm`).
+    That statement is the joint one of :func:`joint_norm_grads`, or where ``backward`` holds a
+    part only (ZB-H1's halves: dx alone in the input half, dweight and dbias alone in the
+    weight half) the part's (:func:`part_norm_grads`): with the mean and rstd at hand, each
+    part is one ``native_layer_norm_backward`` with its output mask."""
+    joint = {**part_norm_grads(backward), **joint_norm_grads(backward)}
+    out = {}
+    for fwd, first in stashed_layer_norm(forward, backward).items():
+        j = joint.get(first)
+        x = forward[fwd].inputs[0]
+        if j is not None and j.inputs[1] == x and j.eps == float(forward[fwd].attr("eps")):
+            out[fwd] = j.at
+    return out
+
+
+def stash_norm_joints(program, at) -> dict:
+    """:func:`joint_norm_grads` of ``program`` with the parts (:func:`part_norm_grads`) whose
+    statement stands at a node of ``at`` (those reading a stashed mean and rstd)."""
+    joint = joint_norm_grads(program)
+    if not at:
+        return joint
+    parts = {k: j for k, j in part_norm_grads(program).items() if j.at in at}
+    return {**joint, **parts} if parts else joint
+
+
+def part_norm_grads(program) -> dict:
+    """``{node name: NormJoint}`` of the layer norms whose gradients ``program`` computes in
+    part, which :func:`joint_norm_grads` leaves: dx alone (``layer_norm_grad(dy, x, w)``, no
+    dweight or dbias beside it), or dweight (``sum(mul(dy, layer_norm(x)))``) with dbias
+    (``sum(dy)``) where present and no dx (the weight ``None``: the kernel reads it for dx
+    only). Printed only where the forward's mean and rstd are at hand (:func:`stashed_norms`):
+    alone, dx is ``norm_grad`` and dweight sums the normalised x as written."""
+    return program.memo("emit_norms.part_norm_grads", _part_norm_grads)
+
+
 def layer_norm_forward_code(n, args, saved) -> str:
     """The statement of forward ``layer_norm`` ``n`` keeping its kernel's (mean, rstd) in ``saved``."""
     w, b = (list(args[1:]) + ["None", "None"])[:2]
@@ -138,7 +190,9 @@ def joint_norm_grads(program) -> dict:
     ``sum(mul(dy, layer_norm(x)), dims=tokens)`` (dweight, parcomp/rules/norms.py) and
     ``sum(dy, dims=tokens)`` (dbias). The step prints them as one call of torch's fused
     ``native_layer_norm_backward`` with an output mask (the kernel autograd runs), at the first
-    of them; ``layer_norm(x)`` and the ``mul`` print nothing. A partial sum (dy split over
+    of them; ``layer_norm(x)`` and the ``mul`` print nothing. An RMS norm's dx and dweight
+    (``rms_norm_grad``, ``sum(mul(dy, rms_norm(x)))``) likewise print one ``rms_norm_grads``
+    (one rstd and one normalised x for both). A partial sum (dy split over
     tokens: sequence parallel) stays one: the kernel sums over this rank's tokens, as ``sum``
     does, and the collectives reading it are unchanged."""
     return program.memo("emit_norms.joint_norm_grads", _joint_norm_grads)
@@ -146,6 +200,58 @@ def joint_norm_grads(program) -> dict:
 
 def _plain(n) -> bool:
     return not n.attr("inplace") and not n.attr("async_op")
+
+
+def _part_norm_grads(program):
+    nodes, joint, out = program.nodes, joint_norm_grads(program), {}
+    readers, index = _readers(program), {n.name: i for i, n in enumerate(nodes)}
+    outs = set(program.outputs)
+
+    def only_reader(v):
+        rs = readers.get(v, [])
+        return rs[0] if len(rs) == 1 and v not in outs else None
+
+    for n in nodes:
+        if n.name in joint or not _plain(n):
+            continue
+        if n.op == "layer_norm_grad" and len(n.inputs) == 3:  # dx alone
+            g, x, w = n.inputs
+            xt = program[x].type
+            if program[g].type.dtype == xt.dtype == program[w].type.dtype:
+                out[n.name] = NormJoint(n.name, (n.name, None, None), (), (g, x, w), float(n.attr("eps")))
+        elif n.op == "layer_norm" and len(n.inputs) == 1:  # the normalised x of a dweight alone
+            x, xt = n.inputs[0], n.type
+            mul = only_reader(n.name)
+            if mul is None or mul.op != "mul" or not _plain(mul) or len(mul.inputs) != 2:
+                continue
+            g = mul.inputs[0] if mul.inputs[1] == n.name else mul.inputs[1]
+            s = only_reader(mul.name)
+            lead, wt = tuple(range(xt.rank - 1)), None
+            if s is not None and s.op == "sum" and _plain(s) and tuple(s.attr("dims") or ()) == lead \
+                    and s.type.shape == xt.shape[-1:] and s.type.dtype == xt.dtype == program[g].type.dtype \
+                    and not set(dict(s.attrs)) - {"dims", *_PER_NODE}:
+                wt = s.type
+            if wt is None or g == n.name:
+                continue
+            db = next((r.name for r in readers.get(g, []) if r.op == "sum" and _plain(r) and r.type == wt
+                       and tuple(r.attr("dims") or ()) == lead and r.name not in joint
+                       and not set(dict(r.attrs)) - {"dims", *_PER_NODE}), None)
+            grads = (None, s.name, db)  # the statement stands first: where x may die (the normalised x's)
+            at = min([v for v in grads if v is not None] + [n.name, mul.name], key=index.__getitem__)
+            if max(index[x], index[g]) > index[at]:
+                continue
+            joint_ = NormJoint(at, grads, (n.name, mul.name), (g, x, None), float(n.attr("eps")))
+            for name in [v for v in grads if v is not None] + [n.name, mul.name]:
+                out[name] = joint_
+    return out
+
+
+def _readers(program) -> dict:
+    readers = {}
+    for n in program.nodes:
+        for v in n.inputs:
+            readers.setdefault(v, []).append(n)
+    return readers
 
 
 def _joint_norm_grads(program):
@@ -167,8 +273,9 @@ def _joint_norm_grads(program):
 
     out = {}
     for n in nodes:
-        if n.op != "layer_norm_grad" or len(n.inputs) != 3 or not _plain(n):
+        if n.op not in ("layer_norm_grad", "rms_norm_grad") or len(n.inputs) != 3 or not _plain(n):
             continue
+        norm = n.op[:-len("_grad")]
         g, x, w = n.inputs
         eps, xt, wt = n.attr("eps"), program[x].type, program[w].type
         if program[g].type.dtype != xt.dtype or wt.dtype != xt.dtype:
@@ -177,22 +284,22 @@ def _joint_norm_grads(program):
         dw = db = None
         skipped = []
         for r in readers.get(g, []):
-            if db is None and token_sum(r, lead, wt):
+            if db is None and norm == "layer_norm" and token_sum(r, lead, wt):  # an RMS norm has no bias
                 db = r.name
             elif dw is None and r.op == "mul" and _plain(r) and len(r.inputs) == 2 and g in r.inputs:
                 xhat = program[r.inputs[1] if r.inputs[0] == g else r.inputs[0]]
                 s = only_reader(r.name)
-                if (xhat.op == "layer_norm" and xhat.inputs == (x,) and xhat.attr("eps") == eps
+                if (xhat.op == norm and xhat.inputs == (x,) and xhat.attr("eps") == eps
                         and _plain(xhat) and only_reader(xhat.name) is r and s is not None
                         and token_sum(s, lead, wt)):
                     dw, skipped = s.name, [xhat.name, r.name]
         if dw is None and db is None:
             continue
-        grads = (n.name, dw, db)
+        grads = (n.name, dw, db) if norm == "layer_norm" else (n.name, dw)
         at = min((gr for gr in grads if gr is not None), key=index.__getitem__)
         if max(index[x], index[w]) > index[at]:  # x or w made after the first gradient
             continue
-        joint = NormJoint(at, grads, tuple(skipped), (g, x, w), float(eps))
+        joint = NormJoint(at, grads, tuple(skipped), (g, x, w), float(eps), norm)
         for name in [gr for gr in grads if gr is not None] + skipped:
             out[name] = joint
     return out

@@ -43,7 +43,7 @@ from .attention import attention_sections, stash_key, stashed_forwards
 from .cluster import DEFAULT_PLACEMENT, DEFAULT_TIMEOUT_S, HOST_AXIS
 from .moe import moe_sections
 from .moe_dropless import DroplessPlan, dropless_plan
-from .norms import runtime_sections
+from .norms import runtime_sections, stash_key as norm_stash_key, stashed_norms
 from .reduce import reduce_sections
 from .sections import PARCOMP_VERSION, RUNTIME_MARK, comment_lines, profile_block, python_names
 
@@ -178,13 +178,17 @@ def _attention_stash(progs) -> dict:
     forward attention whose backward (or ZB-H1's B or W, whichever differentiates it: W's
     inputs hold B's, the stash's entries too) keeps its kernel's output and logsumexp in the
     microbatch's stash (emit/attention.py), so the backward runs the kernel's own backward on
-    them instead of computing the forward again."""
+    them instead of computing the forward again; likewise each forward layer norm's mean and
+    rstd (emit/norms.py), read by the statement of its gradients in each program computing some."""
     out, fwd = {}, progs["forward"].graph
     for kind in ("backward", "backward_input", "backward_weight"):
         if kind in progs:
             pairs = stashed_forwards(fwd, progs[kind].graph)
             out.setdefault("forward", {}).update({src: stash_key(src) for src in pairs})
             out[kind] = {grad: stash_key(src) for src, grad in pairs.items()}
+            norms = stashed_norms(fwd, progs[kind].graph)
+            out["forward"].update({src: norm_stash_key(src) for src in norms})
+            out[kind].update({at: norm_stash_key(src) for src, at in norms.items()})
     return out
 
 
@@ -206,18 +210,30 @@ def _dropless_plans(progs: dict, split: bool) -> list:
     """``[(kind, program, python names, DroplessPlan)]`` of one stage's programs: MoE layers on
     the routed tokens only (emit/moe_dropless.py), as in the SPMD program. The forward's slot
     values stashed for the backward stay packed when the backward's statements on them are
-    packed too, else both programs keep the dense slot buffer (and so does a stage whose
-    backward is split in two, zero-bubble: its slot values cross three programs)."""
+    packed too, else both programs keep the dense slot buffer. A backward split in two
+    (ZB-H1) chains three programs: the input half reads the forward's packed stash and hands
+    its packed slot values (``wstash.*``) to the weight half, which reads both; all packed or
+    all dense."""
     names = {k: python_names(p) for k, p in progs.items()}
     plans = {k: dropless_plan(p, names[k]) for k, p in progs.items()}
-    if not split and "forward" in progs and "backward" in progs:
+    if "forward" in progs and "backward" in progs:
         fwd = dropless_plan(progs["forward"], names["forward"], stash_out=True)
         if fwd.active and fwd.stash:
-            bwd = dropless_plan(progs["backward"], names["backward"], stash_in=fwd.stash)
-            if bwd.active:
-                plans["forward"], plans["backward"] = fwd, bwd
+            later = {"backward": dropless_plan(progs["backward"], names["backward"], stash_in=fwd.stash)}
+            if split:
+                routes = {c for _, c in fwd.stash.values()}
+                half = dropless_plan(progs["backward_input"], names["backward_input"], stash_out=True,
+                                     stash_in=fwd.stash, prefix="wstash.", kept_routes=routes)
+                later["backward_input"] = half
+                later["backward_weight"] = dropless_plan(progs["backward_weight"], names["backward_weight"],
+                                                         stash_in={**fwd.stash, **half.stash})
+            dense = next((q for q in later.values() if q.why), None)
+            if not later["backward"].active:
+                dense = dense or later["backward"]
+            if dense is None:
+                plans.update({"forward": fwd, **later})
             else:
-                plans["forward"] = plans["backward"] = DroplessPlan(why=bwd.why)
+                plans.update({k: DroplessPlan(why=dense.why) for k in ("forward", *later)})
         elif fwd.active:
             plans["forward"] = fwd
     return [(k, p, names[k], plans[k]) for k, p in progs.items()]
@@ -494,9 +510,8 @@ def emit_pipeline_program(program, model, code, profile="cpu", constants=()) -> 
             f"BACKWARD = {{{', '.join(f'{s}: stage{s}_backward' for s in range(n))}}}",
             f"OPTIMIZER = {{{', '.join(f'{s}: stage{s}_optimizer' for s in range(n))}}}",
             f"STATS = {{{', '.join(f'{s}: stage{s}_stats' for s in range(n) if plan.stages[s].stats is not None)}}}"]
-    if plan.split:
-        fns += [f"BACKWARD_{k.upper()} = {{{', '.join(f'{s}: stage{s}_backward_{k}' for s in range(n))}}}"
-                for k in ("input", "weight")]
+    fns += [f"BACKWARD_{k.upper()} = {{{', '.join(f'{s}: stage{s}_backward_{k}' for s in range(n) if plan.split)}}}"
+            for k in ("input", "weight")]  # ZB-H1's B and W; empty for the other schedules
     body = ["\n".join(head) + "\n" + IMPORTS, "\n".join(consts), "\n".join(acts), "\n\n\n".join(fns),
             RUNTIME_MARK, profile_block(prof), runtime, _CHECKPOINT.strip("\n"), _TRAIN["checkpoint_checks"],
             _CLUSTER, _COMMON["rank_path"], _COMMON["sync"], _COMMON["bench"], _COMMON["world"],

@@ -61,7 +61,8 @@ def stage_table():
 
 def save_stages(path, p, coord, step):
     """Save this rank's CARRIED values and ``step`` to ``path``/step-<step> (atomic: written as
-    step-<step>.partial, renamed by rank 0 once every rank has written, then ``latest`` replaced)."""
+    step-<step>.partial with the checksums of its data files, renamed by rank 0 once every rank
+    has written, then ``latest`` replaced)."""
     import json
 
     import torch.distributed.checkpoint as dcp
@@ -69,6 +70,7 @@ def save_stages(path, p, coord, step):
     final = os.path.join(path, f"step-{step}")
     dcp.save(carried_state(p, coord, step), checkpoint_id=final + ".partial")
     dist.barrier()
+    write_checksums(final + ".partial")  # before the rename: a committed step always has them
     if RANK == 0:
         with open(os.path.join(final + ".partial", "stages.json"), "w") as f:
             f.write(json.dumps({**stage_table(), "step": step}, indent=1) + "\\n")
@@ -80,12 +82,12 @@ def save_stages(path, p, coord, step):
     dist.barrier()
 
 
-def resume_stages(path, p, coord):
-    """Load this rank's CARRIED values from the checkpoint ``path``/latest names (any mesh's
+def resume_stages(path, where, p, coord):
+    """Load this rank's CARRIED values from the checkpoint ``where`` (the step directory of the
+    --resume ``path``, checked by every rank first: program_train's resume_location; any mesh's
     program of this model may have saved it) into ``p``; the first step to run (saved step + 1)."""
     import torch.distributed.checkpoint as dcp
 
-    where = resume_location(path)  # exit 2 naming a damaged file (program_train's checks)
     state = carried_state(p, coord, 0)
     check_resume(path, where, state)
     try:

@@ -15,6 +15,8 @@ the SPMD program's step and loop:
   waits for all of them, so a boundary tensor lives until its slot ends and no ``Work`` handle
   outlives its slot; what the schedule no longer needs (sent activations, a stash after its
   backward) is dropped at once;
+- ``stage_programs``: with ``--compile``, each stage program one ``torch.compile(fullgraph=True)``
+  graph, compiled once and run by every microbatch, the loop and its slots eager around them;
 - ``load_inputs``: this rank's dp rows of the inputs its stages read (the first stage's inputs,
   the last stage's labels), from ``--input``'s global batch or a ``--data`` step's samples
   (the SPMD program's DataSource, StepData: only those samples are read);
@@ -25,6 +27,7 @@ Real, importable Python; it runs with the stand-ins below for what the emitter g
 """
 # flake8: noqa: E402,F403,F405 (program.py is one namespace: the common sections are in it)
 import argparse
+import importlib
 import os
 
 import torch
@@ -33,7 +36,8 @@ import torch.distributed as dist
 from .program_cluster import *
 from .program_common import *
 from .program_train import (DATA_HELP, REPLAY_HELP, DataSource, StepData, check_input_args, check_save,
-                            read_replay, saved_steps, step_count, stop_after, stop_wait, stopped)
+                            read_replay, resume_location, saved_steps, step_count, stop_after, stop_wait,
+                            stopped)
 
 # ---- stand-ins for what the emitter generates (never pasted): a one-stage, one-rank program ----
 STAGE_PARAMS = {0: []}
@@ -67,7 +71,7 @@ ACTIONS = {0: [("optimizer", None, None, 0)]}
 FORWARD, BACKWARD, OPTIMIZER, BACKWARD_INPUT, BACKWARD_WEIGHT, STATS = {}, {}, {}, {}, {}, {}
 
 
-def resume_stages(path, p, coord):
+def resume_stages(path, where, p, coord):
     """Stand-in: :mod:`.pipeline_checkpoint`'s."""
     raise NotImplementedError
 
@@ -377,12 +381,64 @@ def finish_bucket(started, sums, k, i):
     return set(names)
 
 
-def step(k, state, p, data):
+def stage_programs(compile_them=False):
+    """``{kind: {stage: function}}``: the stage programs step() runs (FORWARD, BACKWARD,
+    BACKWARD_INPUT, BACKWARD_WEIGHT, STATS, OPTIMIZER).  With ``compile_them`` (``--compile``)
+    each is its own ``torch.compile(fullgraph=True)`` graph, compiled at its first call and
+    reused by every microbatch and step (one graph per stage function, no graph break); the
+    schedule loop, the point-to-point slots (``batch_isend_irecv``, which the compiler cannot
+    trace) and the dp buckets stay eager around them (:func:`compiled_stage`)."""
+    tables = {"forward": FORWARD, "backward": BACKWARD, "backward_input": BACKWARD_INPUT,
+              "backward_weight": BACKWARD_WEIGHT, "stats": STATS, "optimizer": OPTIMIZER}
+    if not compile_them:
+        return tables
+    importlib.import_module("torch.distributed._functional_collectives")  # tp collectives trace as these
+    compile_settings()
+    return {kind: {s: compiled_stage(fn, kind in ("backward", "backward_weight")) for s, fn in table.items()}
+            for kind, table in tables.items()}
+
+
+READY = {}  # a compiled backward's gradients, in the order it made them final (collect_ready)
+
+
+def collect_ready(name, value):
+    """The ``ready`` a compiled stage backward is traced with: it records the gradient (the
+    graph returns it) instead of adding it to the sums and starting dp buckets, which the
+    compiler cannot trace (an async collective)."""
+    READY[name] = value
+
+
+def compiled_stage(fn, takes_ready):
+    """Stage program ``fn`` under ``torch.compile(fullgraph=True)``: one graph, an error (not a
+    silent break) if any statement cannot be traced.  A backward that hands each gradient to
+    ``ready`` is traced with :func:`collect_ready` (one function, so one guard and no
+    recompile per call); its gradients are then handed to the caller's ``ready`` in the same
+    order, right after the graph (dp buckets start at the end of that backward, not inside it)."""
+    graph = torch.compile(fn, fullgraph=True)
+    if not takes_ready:
+        return graph
+
+    def run(p, inp, ready):
+        READY.clear()
+        try:
+            out = graph(p, inp, collect_ready)
+            made = list(READY.items())
+        finally:
+            READY.clear()
+        for name, value in made:
+            ready(name, value)
+        return out
+    return run
+
+
+def step(k, state, p, data, progs=None):
     """Training step ``k`` of this rank: its ACTIONS in order; the updated state (and the loss
     on the last stage).  An action names its virtual stage (the pp coordinate unless
     interleaved: STAGES[coord], the model chunks this rank holds).  ``state``: what setup()
-    returned; ``data``: this rank's rows of the step's batch (load_inputs)."""
+    returned; ``data``: this rank's rows of the step's batch (load_inputs); ``progs``: the
+    stage programs (:func:`stage_programs`; None: the plain functions)."""
     coord, d, dp_group, pp_group = state
+    progs = progs or stage_programs()
 
     def micro(m, s):
         lo = m * MICRO_BATCH
@@ -395,7 +451,7 @@ def step(k, state, p, data):
         if kind == "p2p":  # m: the slot's sends and receives
             exchange(m, k, pp_group, stash, grads_out, got, grads_in)
         elif kind == "forward":
-            stash[s, m] = FORWARD[s](p, {**micro(m, s), **got.pop((s, m), {})})
+            stash[s, m] = progs["forward"][s](p, {**micro(m, s), **got.pop((s, m), {})})
             if "loss" in stash[s, m]:
                 losses.append(stash[s, m].pop("loss"))
         elif kind in ("backward", "backward_input"):
@@ -405,11 +461,11 @@ def step(k, state, p, data):
             if kind == "backward":
                 del stash[s, m]
                 ready, readied = grad_ready(sums, starts.pop(i, ()), started, dp_group)
-                out = BACKWARD[s](p, inp, ready)  # what it handed to ready it does not return, but
+                out = progs["backward"][s](p, inp, ready)  # what it handed to ready it does not return, but
                 for n in readied:  # a gradient a later statement reads: already in the sums
                     out.pop(n, None)
             else:  # ZB-H1: the input gradient now; W reads the stash and the output gradients
-                out = BACKWARD_INPUT[s](p, dict(inp))  # W reads inp too
+                out = progs["backward_input"][s](p, dict(inp))  # W reads inp too
                 wstash[s, m] = {**inp, **{n[len("wstash."):]: v for n, v in out.items()
                                           if n.startswith("wstash.")}}
             if RECV[s]:
@@ -418,7 +474,7 @@ def step(k, state, p, data):
         elif kind == "backward_weight":
             del stash[s, m]
             ready = grad_ready(sums, starts.pop(i, ()), started, dp_group)[0]
-            BACKWARD_WEIGHT[s](p, wstash.pop((s, m)), ready)
+            progs["backward_weight"][s](p, wstash.pop((s, m)), ready)
         elif kind == "optimizer":
             done = set()  # the buckets' gradients: reduced over dp and scaled
             for j, bucket in enumerate(started):
@@ -440,14 +496,14 @@ def step(k, state, p, data):
             number, held = torch.tensor(STEP[0], device=DEVICE), STAGES[coord]
             agreed = {}  # clip_grad_norm's sum of squares, fp16's overflow count: every stage's
             for t in held:  # share (this rank's chunks', then summed over pp), read by every update
-                for n, v in (STATS[t](p, dict(sums)).items() if t in STATS else ()):  # (it pops inp)
+                for n, v in (progs["stats"][t](p, dict(sums)).items() if t in STATS else ()):  # (it pops inp)
                     agreed[n] = v if n not in agreed else agreed[n] + v
             for n in sorted(agreed):
                 reduce_over(agreed[n], pp_group, k, "pp", PP_GROUPS)
             for i, t in enumerate(held):  # each update takes its gradients out of sums (and frees
                 later = {n for u in held[i + 1:] for n in GRADS[u]}  # them) but a later chunk's
                 grads = {n: sums[n] if n in later else sums.pop(n) for n in GRADS[t] if n in sums}
-                result.update(OPTIMIZER[t](p, {**grads, **agreed, "step": number}))
+                result.update(progs["optimizer"][t](p, {**grads, **agreed, "step": number}))
                 del grads
             sums.clear()
     if losses:
@@ -495,8 +551,8 @@ def parse_args(argv):
                     help="with --save: also save after every step whose number is a multiple of N (resumed "
                          "runs count on from the saved step), so a run that dies resumes from the last one")
     ap.add_argument("--resume", metavar="DIR",
-                    help="start from the checkpoint DIR/latest names: its params, optimizer state "
-                         "and step; --steps more steps follow")
+                    help="start from the checkpoint DIR/latest names, or DIR itself if it is a step-K "
+                         "directory: its params, optimizer state and step; --steps more steps follow")
     ap.add_argument("--replay", metavar="FILE", help=REPLAY_HELP)
     add_cluster_args(ap)
     args = ap.parse_args(argv)
@@ -526,21 +582,23 @@ def first_of_stage():
     return all(c == 0 for a, c in coords(RANK).items() if a != "pp")
 
 
-def train(args, state, p, batches, first, starts=None, after_step=None):
+def train(args, state, p, batches, first, starts=None, after_step=None, progs=None):
     """``--steps`` steps numbered from ``first`` (updated params and state carry over in
     ``p``; with ``starts`` (--replay), step k starts from ``starts[k-first]``), step k on
     ``batches[k-first]``; the last step's result, with "losses". The last stage's first rank
     prints the loss of every ``--log-every``-th step and the last (the only reads of a loss to
     the host); ``after_step(k)``, when given, runs after step k has updated ``p`` (--save,
-    --save-every), and its True ends the loop after that step (a SIGTERM: stop_after)."""
-    losses, run_step, result = [], compiled_step(step, args), {}
+    --save-every), and its True ends the loop after that step (a SIGTERM: stop_after).
+    ``progs``: the stage programs (:func:`stage_programs`; None: compiled with ``--compile``)."""
+    losses, result = [], {}
+    progs = progs or stage_programs(args.compile)
     last, printer = first + args.steps - 1, first_of_stage()
     for k in range(first, last + 1):
         STEP[0] = float(k)
         if starts is not None:
             p.update(starts[k - first])
         result.clear()  # the last step's outputs (its gradients) are not kept through this one
-        result = run_step(k, state, p, batches[k - first])
+        result = step(k, state, p, batches[k - first], progs)
         if "loss" in result:
             losses.append(result["loss"])
             if printer and (k % args.log_every == 0 or k == last):
@@ -561,7 +619,8 @@ def run(args):
     p, batches, starts = agree(lambda: load(args), "loading")
     first = 1
     if args.resume:
-        first = agree(lambda: resume_stages(args.resume, p, coord), "reading --resume")
+        where = agree(lambda: resume_location(args.resume), "reading --resume")  # every rank exits 2 on damage
+        first = agree(lambda: resume_stages(args.resume, where, p, coord), "loading --resume")
     if isinstance(batches, StepData):  # a resumed run reads on from the saved step's next batch
         batches.offset = first - 1
     last = first + args.steps - 1
@@ -580,7 +639,8 @@ def run(args):
 
     STOP["armed"] = bool(args.save)  # from here a SIGTERM ends the step and saves it
     with torch.no_grad():  # the backward pass is explicit in the stage functions
-        result = train(args, state, p, batches, first, starts, save_during if args.save else None)
+        progs = stage_programs(args.compile)  # --compile: one graph per stage function, kept for --bench
+        result = train(args, state, p, batches, first, starts, save_during if args.save else None, progs)
         stop_wait()  # the last step's flag: the run has ended anyway
     if done and done[-1] != last:
         k = done[-1]
@@ -595,6 +655,6 @@ def run(args):
             torch.save({n: host_copy(v) for n, v in result.items()}, f"{args.output}.stage{t}")
     if args.bench:  # every step from the same state: the time of one step, not a trajectory
         with torch.no_grad():
-            bench(lambda params, inputs: step(first, state, params, inputs), p, batches[0], args.bench)
+            bench(lambda params, inputs: step(first, state, params, inputs, progs), p, batches[0], args.bench)
     dist.barrier()
 # <<< program.py

@@ -2,7 +2,7 @@
 
 Pasted (the ``norms`` section) only into programs that use ``layer_norm_grad`` (``norm_grad``,
 or ``layer_norm_grads`` for a layer norm's gradients in one statement),
-``rms_norm_grad``, ``dropout``, ``embedding`` or ``embedding_grad``
+``rms_norm_grad`` (``rms_norm_grads`` for dx and dweight in one), ``dropout``, ``embedding`` or ``embedding_grad``
 (:func:`parcomp_backends.torch.emit.norms.runtime_sections`). The formulas are those of
 ``parcomp/reference/norm_ops.py``; the dropout hash is the same int64 arithmetic (no
 product reaches 2**63), so the masks equal numpy's bit for bit. ``start`` arguments say
@@ -75,17 +75,38 @@ def layer_norm_forward(x, w, b, eps):
 
 def layer_norm_grads(dy, x, w, eps, mask, saved=None):
     """The gradients of layer_norm(x, w, b) over the last dim that ``mask`` (dx, dweight, dbias)
-    asks for, in that order: one fused backward kernel with an output mask (the one autograd
+    asks for, in that order (one alone: that tensor): one fused backward kernel with an output mask (the one autograd
     runs), on the forward's ``saved`` (mean, rstd) (None: one native_layer_norm computes them).
     dweight and dbias sum over this rank's tokens. The kernel reads the bias only for its shape
-    and dtype, those of ``w``."""
+    and dtype, those of ``w``, and the weight for dx only: ``w`` None (no dx asked) stands for
+    zeros of that shape, in x's dtype."""
     shape = (x.shape[-1],)
+    if w is None:
+        w = x.new_zeros(shape)
     if saved is None:
         _, mean, rstd = torch.ops.aten.native_layer_norm(x, shape, None, None, eps)
     else:
         mean, rstd = saved
     grads = torch.ops.aten.native_layer_norm_backward(dy, x, shape, mean, rstd, w, w, list(mask))
-    return tuple(g for g, wanted in zip(grads, mask) if wanted)
+    got = tuple(g for g, wanted in zip(grads, mask) if wanted)
+    return got[0] if len(got) == 1 else got
+
+
+def rms_norm_grads(dy, x, w, eps, mask):
+    """The gradients of rms_norm(x, w) over the last dim that ``mask`` (dx, dweight) asks for,
+    in that order, on one rstd and one normalised x (``norm_grad``'s formula for dx; dweight
+    sums dy * x * rstd over this rank's tokens) instead of dx alone plus an rms_norm of x and a
+    mul for dweight. torch 2.13 has no fused rms_norm backward on CPU
+    (``aten._fused_rms_norm_backward`` is a CUDA kernel; autograd runs the decomposition)."""
+    rstd = 1 / torch.sqrt((x * x).mean(-1, keepdim=True) + eps)
+    xhat = x * rstd
+    out = []
+    if mask[0]:
+        g = dy * w
+        out.append(rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True)))
+    if mask[1]:
+        out.append((dy * xhat).sum(tuple(range(x.dim() - 1))))
+    return tuple(out)
 
 
 def embedding_rows(ids, table, start):

@@ -129,8 +129,9 @@ def parse_args(argv):
                     help="with --save: also save after every step whose number is a multiple of N (resumed "
                          "runs count on from the saved step), so a run that dies resumes from the last one")
     ap.add_argument("--resume", metavar="DIR",
-                    help="start from the checkpoint DIR/latest names (saved by any mesh's program of this "
-                         "model): its params, optimizer state and step; --steps more steps follow")
+                    help="start from the checkpoint DIR/latest names, or DIR itself if it is a step-K directory "
+                         "(saved by any mesh's program of this model): its params, optimizer state and step; "
+                         "--steps more steps follow")
     ap.add_argument("--replay", metavar="FILE", help=REPLAY_HELP)
     add_cluster_args(ap)
     args = ap.parse_args(argv)
@@ -162,8 +163,30 @@ class SampleSlice(Slice):
         out = torch.stack(parts) if parts else torch.empty((0, *self.shape[1:]), dtype=self.dtype)
         for d, (first, size) in list(enumerate(self.ranges))[1:]:
             out = out.narrow(d, first, size)
-        check_index_range(self.name, out, f"--data {self.batch.source.target} (step {self.batch.step})")
+        self.check_range(out, start)
         return torch.empty(out.shape, dtype=out.dtype).copy_(out)
+
+    def check_range(self, out, start):
+        """Exit 2 where this input indexes a table (INDEX_BOUNDS) and a value of ``out`` (this
+        rank's samples ``start``.. of the step's batch) lies outside it, naming the first such
+        sample (its index in the dataset, or in its shard), the value and where in the sample
+        it is. A min and a max on the host first; the search only when one is out of range."""
+        bound = INDEX_BOUNDS.get(self.name)
+        if bound is None or out.numel() == 0:
+            return
+        size, ignore, what = bound
+        bad = (out < 0) | (out >= size)
+        if ignore is not None:
+            bad &= out != ignore
+        if not bool(bad.any()):
+            return
+        at = [int(i) for i in bad.nonzero()[0]]
+        inner = [first + i for (first, _), i in zip(self.ranges[1:], at[1:])]
+        allowed = f"0..{size - 1}" + (f" or {ignore} (ignore_index)" if ignore is not None else "")
+        source = self.batch.source
+        fail(f"input {self.name!r} of {source.sample_name(self.batch.step, start + at[0], self.shape[0])} "
+             f"in --data {source.target} (step {self.batch.step}) holds {int(out[tuple(at)])}"
+             f"{' at ' + str(inner) if inner else ''}, outside the {what} of size {size} (allowed: {allowed})")
 
 
 class DataBatch(Checkpoint):
@@ -244,6 +267,14 @@ class DataSource:
         self.cache = {key: got}  # one step's samples kept: the next step's replace them
         return got
 
+    def sample_name(self, step, index, batch):
+        """``sample N`` (its index in the dataset) for sample ``index`` of step ``step``'s global
+        batch of ``batch``, or ``sample N of shard S`` for a sharded iterable."""
+        if not self.sharded:
+            return f"sample {(step - 1) * batch + index}"
+        length = self.iterator[1][1]
+        return f"sample {(step - 1) * length + index % length} of shard {index // length}"
+
     def field(self, sample, name, shape, dtype):
         """Input ``name`` of one sample, checked against its shape less the batch dim."""
         if isinstance(sample, dict):
@@ -310,7 +341,8 @@ DEVICE_MESH = {}
 
 def save_checkpoint(path, params, step):
     """Save the CARRIED values and ``step`` to ``path``/step-<step> with torch.distributed.checkpoint.
-    Atomic: every rank writes into step-<step>.partial; after all have finished, rank 0 renames
+    Atomic: every rank writes into step-<step>.partial, then the checksums of what they wrote
+    (:func:`write_checksums`); after all have finished, rank 0 renames
     it and then replaces ``path``/latest (a one-line file naming it), so an interrupted save
     leaves the previous checkpoint the one ``--resume`` loads (a step-<step>.partial such a save
     left is removed first: a resumed run saves that step again)."""
@@ -327,6 +359,7 @@ def save_checkpoint(path, params, step):
     dist.barrier()
     dcp.save(state, checkpoint_id=final + ".partial")
     dist.barrier()
+    write_checksums(final + ".partial")  # before the rename: a committed step always has them
     if RANK == 0:
         os.rename(final + ".partial", final)
         with open(os.path.join(path, "latest.partial"), "w") as f:
@@ -364,11 +397,111 @@ def latest_checkpoint(path):
     return where, None
 
 
-def checkpoint_damage(where):
+CHECKSUMS = "checksums.json"  # in a step directory: the crc32 of each saved value's bytes
+CRC_CHUNK = 16 << 20  # bytes read at a time while checksumming
+
+
+def data_items(index):
+    """``{data file: [(offset, length, value name), ...]}`` of a checkpoint's index (the file
+    system writer's ``storage_data``), or None for an index of another storage writer."""
+    files = {}
+    for key, item in (getattr(index, "storage_data", None) or {}).items():
+        if not hasattr(item, "relative_path"):
+            return None
+        files.setdefault(item.relative_path, []).append((item.offset, item.length, getattr(key, "fqn", str(key))))
+    return files
+
+
+def file_crcs(file, items):
+    """``[[value name, offset, length, crc32], ...]``: the crc32 of each ``(offset, length,
+    name)`` byte range of ``file`` (read in CRC_CHUNK pieces)."""
+    import zlib
+
+    out = []
+    with open(file, "rb") as f:
+        for offset, length, name in sorted(items):
+            f.seek(offset)
+            crc, left = 0, length
+            while left > 0:
+                chunk = f.read(min(left, CRC_CHUNK))
+                if not chunk:
+                    break
+                crc, left = zlib.crc32(chunk, crc), left - len(chunk)
+            out.append([name, offset, length, crc])
+    return out
+
+
+def write_checksums(partial):
+    """After dcp.save into ``partial`` (every rank): each rank reads back its share of the data
+    files (the sorted files ``RANK::WORLD_SIZE``) and takes the crc32 of every value's bytes in
+    them; rank 0 gathers them and writes ``partial``/CHECKSUMS (with the crc32 of ``.metadata``)
+    before the rename that commits the step, so the checksums are part of the same atomic save.
+    ``--resume`` and ``parcomp export`` compare them (:func:`checkpoint_damage`)."""
+    import json
+    import zlib
+
+    import torch.distributed.checkpoint as dcp
+
+    files = data_items(dcp.FileSystemReader(partial).read_metadata()) or {}
+    mine = {name: file_crcs(os.path.join(partial, name), files[name]) for name in sorted(files)[RANK::WORLD_SIZE]}
+    everyone = [None] * WORLD_SIZE if RANK == 0 else None
+    dist.gather_object(mine, everyone, dst=0)
+    if RANK == 0:
+        with open(os.path.join(partial, ".metadata"), "rb") as f:
+            meta = zlib.crc32(f.read())
+        table = {"algorithm": "crc32", "metadata": meta,
+                 "files": {name: crcs for part in everyone for name, crcs in sorted(part.items())}}
+        with open(os.path.join(partial, CHECKSUMS), "w", encoding="utf-8") as f:
+            f.write(json.dumps(table) + "\n")
+
+
+def writer_of(name):
+    """`` (written by rank R)`` for a data file DCP's file system writer named ``__R_K.distcp``."""
+    parts = name.split("_")
+    return f" (written by rank {parts[2]})" if name.startswith("__") and len(parts) > 3 and parts[2].isdigit() else ""
+
+
+def checksum_damage(where, files, share):
+    """``(file, message)`` for the first data file of ``share`` (names of ``files``) whose bytes
+    differ from ``where``/CHECKSUMS (naming every value whose crc32 differs), ``.metadata``'s
+    own bytes changed, or CHECKSUMS unreadable; None when all match or no CHECKSUMS is there
+    (a checkpoint saved before checksums were written)."""
+    import json
+    import zlib
+
+    table_file = os.path.join(where, CHECKSUMS)
+    if not os.path.isfile(table_file):
+        return None
+    try:
+        with open(table_file, encoding="utf-8") as f:
+            table = json.load(f)
+        saved, meta = table["files"], table["metadata"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return table_file, f"{table_file} cannot be read, truncated or corrupt ({type(e).__name__}: {str(e)[:200]})"
+    meta_file = os.path.join(where, ".metadata")
+    with open(meta_file, "rb") as f:
+        if zlib.crc32(f.read()) != meta:
+            return meta_file, (f"{meta_file} is corrupt: its bytes differ from the crc32 written when it was "
+                               f"saved ({CHECKSUMS})")
+    for name in share:
+        want = {(offset, length): (value, crc) for value, offset, length, crc in saved.get(name, [])}
+        bad = [value for value, offset, length, crc in file_crcs(os.path.join(where, name), files[name])
+               if (offset, length) in want and want[offset, length][1] != crc]
+        if bad:
+            file = os.path.join(where, name)
+            return file, (f"{file}{writer_of(name)} is corrupt: the bytes of {', '.join(bad[:4])}"
+                          f"{', ...' if len(bad) > 4 else ''} differ from the crc32 written when it was saved "
+                          f"({CHECKSUMS}); this copy of the checkpoint cannot be trusted")
+    return None
+
+
+def checkpoint_damage(where, share=None):
     """``(file, message naming it)``: what is wrong with the torch.distributed.checkpoint
     directory ``where``, or None. Its ``.metadata`` (the index, written once every rank has
     saved) missing, empty or unreadable; a data file the index lists missing, or shorter than
-    the bytes the index places in it (a truncated copy). Reads only the index and file sizes."""
+    the bytes the index places in it (a truncated copy); then the bytes of the data files,
+    ``share`` ``(i, n)`` of them (the sorted files ``i::n``; default all), against the crc32
+    of every value written at save (:func:`checksum_damage`)."""
     import torch.distributed.checkpoint as dcp
 
     if not os.path.isdir(where):
@@ -385,24 +518,22 @@ def checkpoint_damage(where):
         index = dcp.FileSystemReader(where).read_metadata()
     except Exception as e:  # noqa: BLE001 - a truncated or corrupt pickle
         return meta, f"{meta} cannot be read, truncated or corrupt ({type(e).__name__}: {str(e)[:200]})"
-    files = {}
-    for key, item in (getattr(index, "storage_data", None) or {}).items():
-        if not hasattr(item, "relative_path"):
-            return None  # not the file system writer's index: nothing here to check
-        ends = files.setdefault(item.relative_path, [])
-        ends.append((item.offset + item.length, getattr(key, "fqn", str(key))))
-    for name, ends in sorted(files.items()):
+    files = data_items(index)
+    if files is None:
+        return None  # not the file system writer's index: nothing here to check
+    for name, items in sorted(files.items()):
         file = os.path.join(where, name)
         if not os.path.isfile(file):
-            values = sorted({fqn for _, fqn in ends})
+            values = sorted({fqn for _, _, fqn in items})
             return file, (f"{file} is missing: the checkpoint's .metadata places {len(values)} value(s) "
                           f"in it ({', '.join(values[:4])}{', ...' if len(values) > 4 else ''})")
-        size, need = os.path.getsize(file), max(end for end, _ in ends)
+        size, need = os.path.getsize(file), max(offset + length for offset, length, _ in items)
         if size < need:
-            cut = sorted({fqn for end, fqn in ends if end > size})
+            cut = sorted({fqn for offset, length, fqn in items if offset + length > size})
             return file, (f"{file} is truncated: it has {size} bytes, the checkpoint's .metadata places "
                           f"{need} bytes in it; lost: {', '.join(cut[:4])}{', ...' if len(cut) > 4 else ''}")
-    return None
+    i, n = share or (0, 1)
+    return checksum_damage(where, files, sorted(files)[i::n])
 
 
 def dcp_failure(error):
@@ -416,14 +547,32 @@ def dcp_failure(error):
 
 
 def resume_location(path):
-    """The step directory ``path``/latest names, its index and files checked; exit 2 naming
-    the damaged file (:func:`latest_checkpoint`, :func:`checkpoint_damage`)."""
-    where, problem = latest_checkpoint(path)
-    if problem is None and checkpoint_damage(where) is not None:
-        problem = checkpoint_damage(where)[1]
+    """The step directory ``path``/latest names (or ``path`` itself, a step directory: an
+    earlier step chosen by hand), its index, file sizes and this rank's share of the data
+    files' checksums checked; exit 2 naming the damaged file (:func:`latest_checkpoint`,
+    :func:`checkpoint_damage`) and, where ``latest`` named it, the step before it. A damaged
+    step is never skipped silently: resuming from an earlier one is the user's choice."""
+    step_dir = os.path.isfile(os.path.join(path, ".metadata")) and not os.path.exists(os.path.join(path, "latest"))
+    where, problem = (path, None) if step_dir else latest_checkpoint(path)
+    damage = checkpoint_damage(where, (RANK, WORLD_SIZE)) if problem is None else None
+    if damage is not None:
+        problem = damage[1] + ("" if step_dir else earlier_step(path, where))
     if problem:
         fail(f"--resume {path}: {problem}")
     return where
+
+
+def earlier_step(path, where):
+    """``; the step before it ...``: how to resume from the newest complete step in ``path``
+    older than the damaged ``where`` (none: nothing to say)."""
+    step = int(os.path.basename(where)[5:])
+    older = sorted((int(d[5:]) for d in os.listdir(path) if d.startswith("step-") and d[5:].isdigit()
+                    and int(d[5:]) < step and os.path.isfile(os.path.join(path, d, ".metadata"))), reverse=True)
+    if not older:
+        return "; no earlier step is saved there"
+    before = os.path.join(path, f"step-{older[0]}")
+    return (f"; the newest earlier step is {before}: to go on from it (steps {older[0] + 1}..{step} run "
+            f"again), move {where} aside and resume with --resume {before}")
 
 
 def saved_latest(path):

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 from parcomp.errors import SpecError
 from parcomp.ir.graph import Graph
+from parcomp.ir.types import layout_str
 from parcomp.spec.option_loc import option_loc
 from parcomp.spec.train_config import BUCKET_KEY, bucket_cap_bytes, train_config
 from ..train.precision import compute_dtype
@@ -23,7 +24,7 @@ from .split_stages import (assign_stages, balanced_rules, node_flops, param_stag
                            split_stages)
 from .stage_train import reaching_params, stage_programs
 
-__all__ = ["PipelinePlan", "make_plan", "attach_pipeline", "format_pipeline"]
+__all__ = ["PipelinePlan", "make_plan", "attach_pipeline", "format_pipeline", "refuse_unpipelined_statements"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -218,10 +219,13 @@ def make_plan(graph: Graph, spec, bound: Graph, shard) -> PipelinePlan:
     Raises:
         SpecError: bad stage statements (see :func:`.split_stages.assign_stages`), a batch
             that does not split into ``microbatches * dp`` equal parts, a hand-made
-            schedule that cannot run (:class:`~parcomp.passes.pipeline.schedule.ScheduleError`).
+            schedule that cannot run (:class:`~parcomp.passes.pipeline.schedule.ScheduleError`),
+            a spec statement or rule the stage programs would not apply
+            (:func:`refuse_unpipelined_statements`).
     """
     cfg = train_config(spec)
     refuse_unpipelined_options(spec.train, cfg)
+    refuse_unpipelined_statements(spec, bound)
     mesh = spec.mesh
     pp = mesh.sizes[mesh.axis_index("pp")]
     dp = mesh.sizes[mesh.axis_index("dp")] if "dp" in mesh.names else 1
@@ -299,6 +303,49 @@ def refuse_unpipelined_options(t, cfg) -> None:
         raise SpecError(f"loss={cfg.loss}({', '.join(f'{k}=' for k, _ in cfg.loss_args)}...) is not "
                         f"supported with a pp mesh axis: the pipelined loss is the plain mean cross "
                         f"entropy; remove the loss's options", option_loc(t.loc, "loss"))
+
+
+def refuse_unpipelined_statements(spec, bound: Graph) -> None:
+    """Raise SpecError at the statement or rule for a spec line the pipeline's stage programs
+    would not apply: the stage programs are built from the model as given (before the binding
+    passes) and take only the params' layouts from ``bound``; every other value of a stage
+    (its batch inputs, the values crossing a cut, activations, the loss) is whole over the
+    axes inside the stage. So ``context-parallel`` (attention would run on the whole sequence
+    on every rank of its axis), ``sequence-parallel`` (norms on the whole sequence), and an
+    ``input``/``activation``/``output`` rule that splits a value over an axis other than
+    ``dp`` (or over ``dp`` other than the batch dim the runtime splits) would be dropped
+    silently: the step would still equal the unsharded one, with the ranks of that axis
+    repeating each other's work (docs/design/pipeline.md, "What a stage does not run")."""
+    mesh = spec.mesh
+    why = ("the stage programs of a pipeline take only the params' layouts inside a stage, so "
+           "this line would be ignored (every rank of the axis would compute the same values)")
+    cp = getattr(spec, "context_parallel", None)
+    if cp is not None:
+        raise SpecError(f"context-parallel over {cp.axis} is not supported inside pipeline stages yet "
+                        f"(mesh {mesh}): {why}; attention would run on the whole sequence on every "
+                        f"{cp.axis} rank. Remove the context-parallel line, or the pp axis", cp.loc)
+    sp = getattr(spec, "sequence_parallel", None)
+    if sp is not None:
+        raise SpecError(f"sequence-parallel over {sp[0]} is not supported inside pipeline stages yet "
+                        f"(mesh {mesh}): {why}; the norms would run on the whole sequence. Remove the "
+                        f"sequence-parallel line (tensor parallel inside a stage runs without it), or "
+                        f"the pp axis", sp[1])
+    rules = {id(r.loc): r for r in spec.rules if r.target in ("input", "activation", "output")}
+    for n in bound.nodes:
+        rule = rules.get(id(n.spec_loc)) if n.spec_loc is not None and n.op in ("input", "relayout") else None
+        if rule is None or n.layout is None:
+            continue
+        bad = [(a, pl) for a, pl in zip(mesh.names, n.layout)
+               if str(pl) != "R" and not (a == "dp" and str(pl) == "S(0)")]
+        if bad:
+            a, pl = bad[0]
+            value = n.inputs[0] if n.op == "relayout" else n.name  # the pinned value, not its pin
+            what = ("the batch is split over dp along dim 0 by the runtime, whatever the rule says"
+                    if a == "dp" else f"values other than params are whole over {a} inside a stage")
+            raise SpecError(f"{rule.target} rule {rule.pattern} lays out {value} {layout_str(n.layout)} "
+                            f"({a}={pl}), which pipeline stages do not apply (mesh {mesh}): {what}, so "
+                            f"the rule would be ignored. Remove it or make it replicated"
+                            f"{' (S(0) over dp is the batch split)' if 'dp' in mesh.names else ''}", rule.loc)
 
 
 def _split(progs, local) -> tuple:

@@ -25,7 +25,8 @@ from types import SimpleNamespace
 
 from parcomp.errors import SpecError
 from parcomp.ir.graph import Graph, Node
-from parcomp.ir.liveness import attention_saved_bytes, stashed_attention, storage_roots
+from parcomp.ir.liveness import (attention_saved_bytes, layer_norm_saved_bytes, stashed_attention,
+                                 stashed_layer_norm, storage_roots)
 from parcomp.ir.types import Mesh, TensorType
 from parcomp.spec.model import pattern_regex
 from parcomp.spec.train_options import start_recompute
@@ -52,8 +53,8 @@ class StagePrograms:
         saved: values ``forward`` outputs for ``backward`` (stashed per microbatch).
         params: the trainable params of the stage (``grad.<p>`` accumulated over microbatches).
         saved_bytes: bytes one microbatch's stash holds: ``saved``, and what an attention's
-            forward kernel keeps for the backward (its output and logsumexp,
-            :func:`_kernel_stash_bytes`).
+            forward kernel keeps for the backward (its output and logsumexp) and a layer
+            norm's (its mean and rstd per row) (:func:`_kernel_stash_bytes`).
         stats: with ``clip_grad_norm``, the program from the stage's summed, scaled gradients
             to its share of what every stage must agree on before the update: ``clip.norm_sq``,
             the sum of squares of the gradients it owns (a tied weight counted by the first
@@ -159,12 +160,17 @@ def _kernel_stash_bytes(forward: Graph, backward: Graph, saved) -> int:
     kernel keeps, for the stage's backward, its output and a logsumexp per query row
     (:func:`parcomp.ir.liveness.stashed_attention`): the logsumexp, and the output where no
     stashed value holds its buffer already (the output projection's input, a view of it in the
-    usual block: :func:`parcomp.ir.liveness.storage_roots`)."""
+    usual block: :func:`parcomp.ir.liveness.storage_roots`); and for the layer norms whose
+    forward kernel keeps its mean and rstd per row for the backward
+    (:func:`parcomp.ir.liveness.stashed_layer_norm`), those."""
     out, roots = 0, storage_roots(forward)
     held = {roots[v] for v in saved}
     for src in stashed_attention(forward, backward):
         ty = forward[src].type
         out += attention_saved_bytes(ty, ty.nbytes) + (0 if src in held else ty.nbytes)
+    for src in stashed_layer_norm(forward, backward):
+        ty = forward[src].type
+        out += layer_norm_saved_bytes(ty, ty.nbytes)
     return out
 
 

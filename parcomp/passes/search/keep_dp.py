@@ -157,15 +157,21 @@ class _Pass:
     """Memoised feasibility questions within one pass (options shrink between passes)."""
 
     def __init__(self, prob):
-        self.prob, self.memo = prob, {}
+        self.prob, self.memo, self.made_in = prob, {}, {}
         self.axes = " and ".join(batch_axes(prob.g))
 
     def made(self, name) -> list:
-        """The layouts ``name`` can still be made in."""
-        prob = self.prob
-        if name in prob.options:
-            return list(dict.fromkeys(o for _, _, o in prob.options[name]))
-        return [prob.g[name].layout]
+        """The layouts ``name`` can still be made in (options' layouts are interned: one
+        object per distinct layout)."""
+        got = self.made_in.get(name)
+        if got is None:
+            prob = self.prob
+            if name in prob.options:
+                got = list({id(o): o for _, _, o in prob.options[name]}.values())
+            else:
+                got = [prob.g[name].layout]
+            self.made_in[name] = got
+        return got
 
     def reachable(self, name, layout) -> bool:
         """Whether some remaining layout of ``name`` converts to ``layout`` at a finite cost."""

@@ -80,10 +80,11 @@ def accumulated_step(b, graph: Graph, cfg, spec, params: list, ad, cast=None) ->
     inf/NaN once for the step (:mod:`parcomp.passes.train.amp`).
 
     Raises SpecError: an input with no batch dim, a batch not divisible into K chunks per
-    rank, ``input_grads=yes``."""
+    rank, ``input_grads=yes`` (or a pattern of inputs)."""
     K, mesh = cfg.options.accumulate, graph.mesh
-    if dict(spec.train.options).get("input_grads") == "yes":
-        raise SpecError(f"accumulate={K} with input_grads=yes: an input's gradient is per microbatch; "
+    asked = dict(spec.train.options).get("input_grads")
+    if asked not in (None, "no"):
+        raise SpecError(f"accumulate={K} with input_grads={asked}: an input's gradient is per microbatch; "
                         f"drop input_grads (accumulation trains on data inputs)", cfg.loc)
     y, lay = ad.model_output(graph, cfg)
     stacked = {n.name: _stacked_input(b, n, K, mesh, cfg) for n in graph.inputs}
