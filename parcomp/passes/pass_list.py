@@ -39,6 +39,7 @@ from .localize import localize
 from .lowering.bucket import bucket_norm_grads
 from .lowering.dp_buckets import bucket_dp_grads
 from .lowering.fuse_reductions import fuse_reductions
+from .lowering.group_updates import group_updates
 from .lowering.lower import fuse_matmuls, fuse_mse, fuse_updates, free_dead, in_place, overlap_collectives
 from .lowering.moe_ragged import moe_ragged
 from .moe_capacity import apply_moe_spec
@@ -240,6 +241,8 @@ PASSES = (
          "expert parallel all_to_alls send only the routed rows"),
     Pass("overlap-collectives", _graph_pass(overlap_collectives), "lower",
          "all_reduce, all_gather, reduce_scatter started early, waited for at first use"),
+    Pass("group-updates", _graph_pass(group_updates), "lower",
+         "each group of per-parameter optimizer updates one multi-tensor call runs made contiguous"),
     Pass("in-place", _graph_pass(in_place), "lower", "updates and reductions into their operand's buffer"),
     Pass("free-dead", _graph_pass(free_dead), "lower", "`frees` where values die"),
     Pass("split-stages", _split_stages, "pipeline",

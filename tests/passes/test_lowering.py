@@ -61,11 +61,30 @@ def _feeds(c):
     return feeds
 
 
+def _multi_tensor_runs(program, names) -> tuple:
+    """The optimizer's multi-tensor calls (emit/updates.py): ``(runs, plan)``, ``runs`` the node
+    names each group's call computes, in program order (a group's nodes are contiguous)."""
+    from parcomp_backends.torch.emit.updates import update_plan
+
+    plan = update_plan(program.graph, names)
+    runs = []
+    for n in program.graph.nodes:
+        if n.name in plan.skipped:
+            if n.name in plan.lines or not runs:
+                runs.append([])
+            runs[-1].append(n.name)
+    return runs, plan
+
+
 def _statements(text, program):
-    """``[(node name, [names deleted after it])]`` of the emitted step function, in order."""
+    """``[(node name, [variables deleted after it])]`` of the emitted step function, in order.
+    An optimizer group's multi-tensor call (``fused_adamw_(...)``, ``fused_sgd_(...)``)
+    counts as its nodes' statements, its one ``del`` as the last one's."""
     from parcomp_backends.torch.emit import python_names
 
-    var_to_node = {v: k for k, v in python_names(program).items()}
+    pynames = python_names(program)
+    var_to_node = {v: k for k, v in pynames.items()}
+    runs, plan = _multi_tensor_runs(program, pynames)
     # one attention's gradients are one statement at the first of them (``a, b, c =
     # attention_grads(...)``); the others keep their place as a comment "X: computed above with
     # A", read here as the statement ``X = X``
@@ -84,6 +103,10 @@ def _statements(text, program):
     for st in fn.body:
         if isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant):
             continue  # the docstring
+        call = st.value if isinstance(st, (ast.Expr, ast.Assign)) else None
+        if isinstance(call, ast.Call) and re.match(r"fused_(adamw|sgd)_$", ast.unparse(call.func)):
+            out += [(m, []) for m in runs.pop(0)]  # the group's nodes, in order
+            continue
         if isinstance(st, ast.Assign):
             assert len(st.targets) == 1, ast.unparse(st)
             target = st.targets[0]
@@ -100,10 +123,11 @@ def _statements(text, program):
             assert len(here) == 1, ast.unparse(st)
             out.append((var_to_node[here[0]], []))
         elif isinstance(st, ast.Delete):
-            out[-1][1].extend(var_to_node[t.id] for t in st.targets if t.id in var_to_node or not t.id.endswith("_saved"))
+            out[-1][1].extend(t.id for t in st.targets if t.id in var_to_node or not t.id.endswith("_saved"))
         else:
             assert isinstance(st, ast.Return), f"unexpected statement {ast.unparse(st)}"
-    return out, skipped
+    assert not runs, runs
+    return out, skipped | plan.unmade | plan.kept, {**pynames, **plan.alias}
 
 
 @pytest.mark.parametrize("spec_name", [s for s in SHIPPED if "_pp" not in s])  # a pp spec emits the
@@ -112,10 +136,17 @@ def test_interpreter_runs_the_emitted_statements_in_order(spec_name):  # pipelin
 
     c = _compiled(spec_name)
     run = run_spmd(c.program, _feeds(c))
-    stmts, unmade = _statements(emit_program(c, "cpu"), c.program_)
+    stmts, unmade, var = _statements(emit_program(c, "cpu"), c.program_)
     assert [s for s, _ in stmts] == run.ops == [n.name for n in c.program.nodes]
-    assert [sorted(d) for _, d in stmts] == [sorted(v for v in frees_of(c.program[s]) if v not in unmade)
-                                             for s, _ in stmts]
+    want = [[var[v] for v in frees_of(c.program[s]) if v not in unmade] for s, _ in stmts]
+    runs, _ = _multi_tensor_runs(c.program_, var)
+    at = {s: i for i, (s, _) in enumerate(stmts)}
+    for run_nodes in runs:  # a group's values die in one del after its call
+        last = at[run_nodes[-1]]
+        for m in run_nodes[:-1]:
+            want[last] += want[at[m]]
+            want[at[m]] = []
+    assert [sorted(d) for _, d in stmts] == [sorted(w) for w in want]
     peak = c.report["memory_bytes_per_rank"]["peak_live"]
     if any(run.moe):  # MoE slots held as routed rows: below the memory model's dense slot buffers,
         assert all(p <= peak for p in run.peak_bytes)  # which the reference's dense form holds
@@ -249,10 +280,10 @@ train loss=mse optimizer=adamw(lr=0.01) zero=1
 """
 
 
-def test_zero_gathers_overlap_the_next_update_and_reduce_scatters_the_backward():
-    """ZeRO: each updated param shard's all_gather is started at once and waited for after
-    another param's update (the next bucket's gather during the update); the gradients'
-    reduce_scatters are started where the gradient is made and waited for after other
+def test_zero_gathers_overlap_each_other_and_reduce_scatters_the_backward():
+    """ZeRO: the param shards are updated together (one fused AdamW group, group-updates), then
+    their all_gathers are all started at once, each waited for after the others started; the
+    gradients' reduce_scatters are started where the gradient is made and waited for after other
     backward work. The interpreter's float64 run still equals the unsharded steps."""
     g = mlp_graph((4, 8), [16, 32, 16], [True, True], ["relu"])
     c = compile_graph(g, parse_spec(ZERO_TRAIN, "z.pcs"))
@@ -260,11 +291,13 @@ def test_zero_gathers_overlap_the_next_update_and_reduce_scatters_the_backward()
 
     def between(start):
         wait = c.program[f"{start.name}.wait"]
-        assert order.index(start.name) == order.index(start.inputs[0]) + 1  # started at once
         return [c.program[m] for m in order[order.index(start.name) + 1:order.index(wait.name)]]
 
     gathers = [n for n in c.program.by_op("all_gather") if n.attr("async_op")]
-    assert any(any(m.op == "adamw_param" for m in between(n)) for n in gathers), gathers
+    last_update = max(order.index(n.name) for n in c.program.by_op("adamw_param"))
+    assert len(gathers) >= 2 and all(order.index(n.name) > last_update for n in gathers)
+    assert [order.index(n.name) for n in gathers] == list(range(last_update + 1, last_update + 1 + len(gathers)))
+    assert all(any(m.op == "all_gather" for m in between(n)) for n in gathers[:-1]), gathers
     scatters = [n for n in c.program.by_op("reduce_scatter") if n.attr("async_op")]
     assert any(any(m.phase == "backward" and m.op in ("matmul", "matmul_t", "dense") for m in between(n))
                for n in scatters), scatters
@@ -273,9 +306,10 @@ def test_zero_gathers_overlap_the_next_update_and_reduce_scatters_the_backward()
     lines = [ln.strip() for ln in emit_program(c, "cpu").split("def train_step", 1)[1].splitlines()]
     started = [i for i, ln in enumerate(lines) if "= all_gather_start(" in ln]
     assert started and any("= reduce_scatter_start(" in ln for ln in lines)
-    var = lines[started[0]].split(" = ")[0]  # program.py: started, another param's update, waited
+    var = lines[started[0]].split(" = ")[0]  # program.py: the update, the gathers started, waited
     waited = next(i for i, ln in enumerate(lines) if f"= wait({var})" in ln)
-    assert any("torch.sqrt(" in ln for ln in lines[started[0] + 1:waited])
+    assert len([i for i in started if i < waited]) == len(started) >= 2
+    assert sum(ln.startswith("fused_adamw_(") for ln in lines[:started[0]]) == 1
     feeds = random_feeds(c.logical, 0)
     feeds["step"] = np.array(3.0, "f4")
     for n in c.logical.params:

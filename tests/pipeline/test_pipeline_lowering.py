@@ -22,7 +22,7 @@ COMMUNICATES = re.compile(r"= (all_reduce_?|all_reduce_start_?|all_gather|reduce
                           r"shard_slice|partial_mask)\(|\('p2p', ")
 
 #: statements of the lowered SPMD program's forms: fused linears, collectives and updates in place
-FORMS = ("torch.nn.functional.linear(", "torch.matmul(", "all_reduce_(", ".add_(", ".mul_(")
+FORMS = ("torch.nn.functional.linear(", "torch.matmul(", "all_reduce_(", ".add_(", "    fused_sgd_(")
 
 
 def _program(head: str, train: str) -> str:
@@ -61,15 +61,15 @@ def test_every_collective_of_a_pp_tp_program_has_its_reason_above(pipelined):
 
 def test_stage_functions_hold_the_spmd_programs_lowered_forms(pipelined):
     """The SPMD program of the same layouts (no pp) and the stages: the same fused linears,
-    in-place all_reduces and in-place momentum updates; each statement a spec rule caused
-    names that rule, as in the SPMD program."""
+    in-place all_reduces and one fused SGD update (momentum and param in place); each statement
+    a spec rule caused names that rule, as in the SPMD program."""
     spmd = _program(f"mesh dp=2 tp=2\n{TP_LAYOUTS}", TRAIN)
     assert all(form in spmd for form in FORMS)
     stages = pipelined.split("def stage0_forward", 1)[1]
     for form in FORMS:
         assert form in stages, f"the SPMD program has {form!r}, the stage functions do not"
     update = stages.split("def stage0_optimizer", 1)[1].split("\ndef ", 1)[0]
-    assert ".mul_(0.9).add_(" in update and ", alpha=-0.1)" in update  # momentum, then the param
+    assert update.count("fused_sgd_(") == 1 and "momentum=0.9, lr=0.1" in update
     assert re.search(r"all_reduce_\(.*\)  # \[R, R, R\] f32\[\d+,8,4\]; test\.pcs:\d+", stages)
 
 

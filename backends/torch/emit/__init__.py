@@ -39,6 +39,7 @@ from .moe import moe_sections
 from .moe_dropless import DROPLESS_EXCHANGE, dropless_plan
 from .norms import kept_norm_stats, layer_norm_forward_code, runtime_sections, stash_norm_joints
 from .reduce import reduce_sections
+from .updates import update_plan
 # the per-node text and the other sections (re-exported: callers import them from here)
 from ..profiles import get_profile
 from ..runtime import (CONSTANT_LOADER, FUNCTIONAL, IMPORTS, MAIN, ONNX_READER, RUNTIME, TIED_LOADER, TRAIN_MAIN,
@@ -164,6 +165,9 @@ def step_function(prog, fn: str, doc: str, names=None, pop_inputs: bool = False,
     packed = dropless.lines if dropless is not None else {}
     if dropless is not None and (dropless.active or dropless.why):
         lines += comment_lines(dropless.comment(), "    ")
+    updates = update_plan(prog.graph, names)  # the optimizer's multi-tensor calls (emit/updates.py)
+    if updates.alias:  # a fused update's values are its param's and state's variables
+        names = {**names, **updates.alias}
     program, provenance, var_of = prog.graph, prog.provenance, names.__getitem__
     popped = _popped_inputs(program) if pop_inputs else {}
     kept = saved_forwards(program)  # attentions whose forward keeps its kernel's tensors (emit/attention.py)
@@ -186,6 +190,7 @@ def step_function(prog, fn: str, doc: str, names=None, pop_inputs: bool = False,
                       for n in norm_stats}
         taken |= set(norm_stats.values())
         norm_stats.update({n: saved_name(names[n], taken) for n in norm_stash})
+    pending = []  # the dead values of a multi-tensor update group, deleted after its last node
     tails = {}  # (id(layout), id(type)) -> "  # [S(0), R] f32[8,32]": nodes share these objects
     for n in program.nodes:
         op = n.op
@@ -219,7 +224,9 @@ def step_function(prog, fn: str, doc: str, names=None, pop_inputs: bool = False,
             lines.append(f"    # {var}: computed above with {names[joint.at]} (one backward of the {joint.words})")
         else:
             lines += [c for text in ring_comment(prog, n, n.name in kept) for c in comment_lines(text, "    ")]
-        if packed.get(n.name) is not None:  # an MoE statement on the routed tokens only
+        if n.name in updates.skipped:  # one multi-tensor call for its group, at the first
+            lines += updates.lines.get(n.name, ())
+        elif packed.get(n.name) is not None:  # an MoE statement on the routed tokens only
             lines += [f"    {text}" for text in packed[n.name][:-1]] + [f"    {packed[n.name][-1]}{tail}"]
         elif first == n.name:  # one attention's gradients in one statement (emit/attention.py)
             if n.name in stash:  # its forward's kernel tensors, from the microbatch's stash
@@ -241,7 +248,10 @@ def step_function(prog, fn: str, doc: str, names=None, pop_inputs: bool = False,
                          f"{tail}")
         elif first is None:
             lines.append(f"    {var} = {node_code(n, list(map(var_of, n.inputs)), block)}{tail}")
-        frees = list(map(var_of, n.attr("frees").split())) if n.attr("frees") else []
+        frees = n.attr("frees").split() if n.attr("frees") else []
+        if frees and updates.skipped:  # values no statement made; buffers a fused value took over
+            frees = [v for v in frees if v not in updates.unmade and v not in updates.kept]
+        frees = list(map(var_of, frees))
         frees += map(var_of, popped.get(n.name, []))
         if unmade:
             frees = [v for v in frees if v not in unmade]
@@ -249,6 +259,10 @@ def step_function(prog, fn: str, doc: str, names=None, pop_inputs: bool = False,
             frees.append(norm_stats[n.name])
         if first == n.name and n.name in kept:  # the kernel's saved tensors, read
             frees.append(kept[n.name])
+        if n.name in updates.skipped:  # a multi-tensor call's dead values: one del after its group
+            pending, frees = pending + frees, []
+            if n.name in updates.ends:
+                frees, pending = pending, []
         if frees:
             lines.append("    del " + ", ".join(frees))
         lines += [f"    ready({_json_str(pub)}, {var})" for pub in final.get(n.name, ())]

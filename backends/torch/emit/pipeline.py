@@ -515,7 +515,7 @@ def emit_pipeline_program(program, model, code, profile="cpu", constants=()) -> 
     body = ["\n".join(head) + "\n" + IMPORTS, "\n".join(consts), "\n".join(acts), "\n\n\n".join(fns),
             RUNTIME_MARK, profile_block(prof), runtime, _CHECKPOINT.strip("\n"), _TRAIN["checkpoint_checks"],
             _CLUSTER, _COMMON["rank_path"], _COMMON["sync"], _COMMON["bench"], _COMMON["world"],
-            _TRAIN["step_count"], _TRAIN["input_args"], _TRAIN["data"], _TRAIN["replay"], _TRAIN["stop"],
+            _TRAIN["updates"], _TRAIN["step_count"], _TRAIN["input_args"], _TRAIN["data"], _TRAIN["replay"], _TRAIN["stop"],
             _COMMON["main"], _PIPELINE, _COMMON["entry"]]
     return "\n\n\n".join(body) + "\n"
 

@@ -107,7 +107,7 @@ RUNTIME = _join(_COMMON["process"], _COMMON["read_inputs"], _COMMON["take_place"
 MAIN = _join(_COMMON["rank_path"], _FORWARD["write_outputs"], _COMMON["sync"], _COMMON["bench"],
              _FORWARD["parse_args"], _COMMON["world"], _CLUSTER, _FORWARD["run"], _COMMON["main"],
              _COMMON["entry"])
-TRAIN_RUNTIME = _join(_COMMON["process"], _COMMON["take_place"], _LOADING)
+TRAIN_RUNTIME = _join(_COMMON["process"], _COMMON["take_place"], _LOADING, _TRAIN["updates"])
 FUNCTIONAL = sections("program_functional")["functional"]  # emit_program(functional=True)
 CONSTANT_LOADER = _COMMON["constants"]  # a program with params computed at import (constants.safetensors)
 TIED_LOADER = _COMMON["tied"]  # a program with tied weights (param attr ``aliases``)

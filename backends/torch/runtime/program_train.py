@@ -27,6 +27,42 @@ def train_step(params, inputs):
     return {"loss": torch.zeros(())}
 
 
+# >>> program.py: updates
+def fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, step, lr, beta1, beta2, weight_decay, eps):
+    """torch.optim.AdamW(fused=True)'s update of every tensor of the lists, in place: its kernel,
+    ``torch._fused_adamw_`` (``step``: the step count, one tensor for all). Under torch.compile
+    (``--compile``) the same update per tensor, which the compiler fuses: it cannot functionalize
+    the fused kernel on the step's inputs (torch 2.13)."""
+    if not torch.compiler.is_compiling():
+        torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], [step] * len(params), lr=lr, beta1=beta1,
+                            beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+        return
+    size = -lr / (1 - beta1 ** step)
+    root = torch.sqrt(1 - beta2 ** step)
+    for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
+        m.mul_(beta1).add_(g, alpha=1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        p.mul_(1 - lr * weight_decay).addcdiv_(m, torch.sqrt(v).div_(root * size).add_(eps / size))
+
+
+def fused_sgd_(params, grads, momentum_buffers, weight_decay, momentum, lr):
+    """torch.optim.SGD(fused=True)'s update of every tensor of the lists, in place: its kernel,
+    ``torch._fused_sgd_`` (``momentum_buffers``: empty without momentum; they start at zeros, so
+    step 1's ``momentum * 0 + g`` is torch's first step). Under torch.compile the same update per
+    tensor, as :func:`fused_adamw_`."""
+    if not torch.compiler.is_compiling():
+        torch._fused_sgd_(params, grads, momentum_buffers, weight_decay=weight_decay, momentum=momentum, lr=lr,
+                          dampening=0.0, nesterov=False, maximize=False, is_first_step=False)
+        return
+    for i, (p, g) in enumerate(zip(params, grads)):
+        if weight_decay:
+            g = g.add(p, alpha=weight_decay)
+        if momentum_buffers:
+            g = momentum_buffers[i].mul_(momentum).add_(g)
+        p.add_(g, alpha=-lr)
+# <<< program.py
+
+
 # >>> program.py: write_outputs
 def write_outputs(outputs, losses, path):
     """The last step's outputs, written as a forward program writes its outputs, plus
