@@ -88,12 +88,12 @@ def _statements(text, program):
     # one attention's gradients are one statement at the first of them (``a, b, c =
     # attention_grads(...)``); the others keep their place as a comment "X: computed above with
     # A", read here as the statement ``X = X``
-    above = re.compile(r"^(\s+)# (\w+): computed above with \w+ \(one backward of the (?:attention|layer norm)\)$",
+    above = re.compile(r"^(\s+)# (\w+): computed above with \w+ \(one backward of the (?:attention|layer norm|RMS norm)\)$",
                        re.M)
-    # a layer norm's gradients likewise (``dx, dw, db = layer_norm_grads(...)``); the nodes that only
+    # a layer or RMS norm's gradients likewise (``dx, dw, db = layer_norm_grads(...)``); the nodes that only
     # served its weight gradient (``layer_norm(x)``, the ``mul``) keep their place as a comment
     # "X: not needed (...)", read as ``X = X``, and their values are never made, so never deleted
-    unmade = re.compile(r"^(\s+)# (\w+): not needed \(the layer norm's backward at \w+ gives its weight gradient\)$",
+    unmade = re.compile(r"^(\s+)# (\w+): not needed \(the (?:layer norm|RMS norm)'s backward at \w+ gives its weight gradient\)$",
                         re.M)
     later = {v for _, v in above.findall(text)}
     skipped = {var_to_node[v] for _, v in unmade.findall(text)}
