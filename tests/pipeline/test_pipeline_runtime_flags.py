@@ -264,3 +264,22 @@ def test_train_steps_run_killed_and_rerun_with_the_same_command_ends_at_step_n_o
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
     assert "step 2 is saved, --train-steps is 2: nothing left to train" in again.stdout
     assert not re.findall(r"step (\d+) loss", again.stdout)
+
+
+def _flags(d):
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "program.py", "--help"], cwd=d, text=True, capture_output=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", res.stdout))
+
+
+def test_the_pipelined_program_takes_the_same_flags_as_the_spmd_program(tmp_path):
+    # one runtime: every flag of the SPMD program.py is a flag of the pipelined one, and no other
+    pipelined = _flags(_program(tmp_path / "pp", chain_graph(blocks=2), "mesh pp=2\n"))
+    spmd = tmp_path / "spmd"
+    spmd.mkdir()
+    (spmd / "program.py").write_text(emit_program(compile_graph(chain_graph(blocks=2), spec(f"mesh dp=2\n{TRAIN}\n"))))
+    assert "--train-steps" in pipelined and "--save-every" in pipelined
+    assert pipelined == _flags(spmd)
