@@ -22,6 +22,7 @@ import numpy as np
 from parcomp.ir.transitions import TRANSITIONS
 from parcomp.ir.types import Shard
 from parcomp.reference import interpreter
+from parcomp.reference.moe_packed import SlotRows
 
 FACTOR = 1 + 1e-6
 KINDS = ("scale", "bias", "drop", "swap")
@@ -69,18 +70,25 @@ def target(program, kind: str) -> str:
     return (reductions(program) or collectives(program))[0]
 
 
+def _on_rows(f, x):
+    """``f`` applied to an array, or to the routed rows of MoE slots held packed."""
+    return x.with_rows(f(x.rows)) if isinstance(x, SlotRows) else f(np.asarray(x))
+
+
 def _faulty(f, kind, name):
     def op(xs, n, *rest):
         if n.name != name:
             return f(xs, n, *rest)
         if kind == "scale":
-            return [np.asarray(y) * np.asarray(FACTOR, np.asarray(y).dtype) for y in f(xs, n, *rest)]
+            return [_on_rows(lambda y: y * np.asarray(FACTOR, y.dtype), y) for y in f(xs, n, *rest)]
         xs = list(xs)
         if kind == "bias":
-            bias = np.random.default_rng(0).standard_normal(np.shape(xs[0])[-1:])
-            xs = [x + (1e-6 * float(np.abs(x).max() or 1.0) * bias).astype(x.dtype) for x in xs]
+            last = (xs[0].rows if isinstance(xs[0], SlotRows) else np.asarray(xs[0])).shape[-1:]
+            bias = np.random.default_rng(0).standard_normal(last)
+            xs = [_on_rows(lambda x: x + (1e-6 * float(np.abs(x).max() or 1.0) * bias).astype(x.dtype), x)
+                  for x in xs]
         elif kind == "drop":
-            xs[-1] = np.zeros_like(xs[-1])
+            xs[-1] = _on_rows(np.zeros_like, xs[-1])
         return f(xs, n, *rest)
     return op
 
@@ -118,11 +126,14 @@ def injected(kind: str, name: str):
             interpreter.split_for_ranks, interpreter.source_array = real, real_source
         return
     saved, ragged = dict(interpreter._LAYOUT_OPS), interpreter.ragged_all_to_all
+    packed = interpreter._packed_layout_op
     for op, f in saved.items():
         interpreter._LAYOUT_OPS[op] = _faulty(f, kind, name)
     interpreter.ragged_all_to_all = _faulty(ragged, kind, name)  # MoE's token exchange
+    interpreter._packed_layout_op = _faulty(packed, kind, name)  # collectives of MoE slots held packed
     try:
         yield
     finally:
         interpreter._LAYOUT_OPS.update(saved)
         interpreter.ragged_all_to_all = ragged
+        interpreter._packed_layout_op = packed
