@@ -28,19 +28,20 @@ each row to the rank of its expert chunk and renumbers its coordinates (:func:`e
 """
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import numpy as np
 
+from ..ir.moe_slots import SLOT_ATOMS, SlotLayoutError, feature_atom, regroup
+from ..ir.moe_slots import feature_dims as slot_feature_dims
+from ..ir.moe_slots import is_slot_dim
+from ..ir.moe_slots import signature as slot_signature
 from .moe_ops import slots
 
-SLOT_ATOMS = ("B", "E", "C")
 ELEMENTWISE = frozenset({
     "relu", "gelu", "tanh", "exp", "sigmoid", "silu", "pow", "add_scalar", "neg", "scale", "cast",
     "add", "sub", "mul", "div", "add_scaled", "axpby", "relu_grad", "tanh_grad", "sigmoid_grad",
     "silu_grad", "pow_grad", "gelu_grad", "grad_upcast", "wait"})
-_FEATURE_IDS = itertools.count()
 
 
 class NotPacked(Exception):
@@ -111,13 +112,13 @@ class SlotRows:
         return int(self.rows.nbytes)
 
     def slot_dim(self, d) -> bool:
-        return all(a[0] in SLOT_ATOMS for a in self.dims[d])
+        return is_slot_dim(self.dims, d)
 
     def feature_dims(self) -> list:
-        return [d for d in range(len(self.dims)) if not self.slot_dim(d)]
+        return slot_feature_dims(self.dims)
 
     def signature(self) -> tuple:
-        return tuple(tuple(a if a[0] in SLOT_ATOMS else ("f", a[1]) for a in d) for d in self.dims)
+        return slot_signature(self.dims)
 
     def dense(self) -> np.ndarray:
         """The dense value (zeros on the empty slots; only what it is where ``zero_empty``)."""
@@ -145,17 +146,13 @@ def nbytes(x) -> int:
     return x.nbytes if isinstance(x, SlotRows) else int(np.asarray(x).nbytes)
 
 
-def _feature(size):
-    return (("f", next(_FEATURE_IDS)), size)
-
-
 def _dispatch(x, c, node):
     b, s, e, pos = slots(c, node.attr("capacity"))
     route, order = _route(b, e, pos)
     b, s, e = b[order], s[order], e[order]
     rows = x[b, s] * c[b, s, e][:, None] if node.attr("weighted", False) else x[b, s]
     dims = (((("B", c.shape[0]),), (("E", c.shape[2]),), (("C", node.attr("capacity")),))
-            + (((_feature(x.shape[2])),),))
+            + (((feature_atom(x.shape[2])),),))
     return SlotRows(np.ascontiguousarray(rows), dims, route, True), (b, s, e)
 
 
@@ -180,31 +177,6 @@ def _combine_grad_c(g, y, c):
     out = np.zeros(c.shape, c.dtype)
     out[b, s, e] = np.sum(g[b, s] * y.rows, axis=-1)
     return out
-
-
-def _regroup(dims, shape):
-    """The atoms of ``dims`` regrouped, in order, into ``shape`` (a reshape), or NotPacked."""
-    atoms = [a for d in dims for a in d]
-    out, i = [], 0
-    for k, size in enumerate(shape):
-        group, prod = [], 1
-        while i < len(atoms) and (prod < size or (atoms[i][1] == 1 and prod == size and not group)):
-            group.append(atoms[i])
-            prod *= atoms[i][1]
-            i += 1
-        last = k + 1 == len(shape) or shape[k + 1] != 1
-        while i < len(atoms) and atoms[i][1] == 1 and prod == size and atoms[i][0] in SLOT_ATOMS and last:
-            group.append(atoms[i])
-            i += 1
-        if prod != size:
-            raise NotPacked(f"a reshape to {tuple(shape)} cuts an atom")
-        out.append(tuple(group) if group else (_feature(1),))
-    if i != len(atoms):
-        raise NotPacked(f"a reshape to {tuple(shape)} leaves atoms")
-    for d in out:
-        if len({a[0] in SLOT_ATOMS for a in d if a[1] != 1}) > 1:
-            raise NotPacked(f"a reshape to {tuple(shape)} mixes slots and features in one dim")
-    return tuple(out)
 
 
 def _relaid(p, dims):
@@ -233,10 +205,10 @@ def _matmul(node, a, w, stats):
             parts = np.split(a.rows, np.cumsum(a.route.counts(w.shape[0]))[:-1])  # by expert
             rows = np.concatenate([part @ w[i] for i, part in enumerate(parts)])
             _count(stats, a.rows.shape[0], w.shape[1] * w.shape[2])
-            return a.with_rows(rows.astype(a.dtype, copy=False), a.dims[:2] + ((_feature(w.shape[2]),),))
+            return a.with_rows(rows.astype(a.dtype, copy=False), a.dims[:2] + ((feature_atom(w.shape[2]),),))
         if w.ndim == 2 and not a.slot_dim(len(a.dims) - 1):
             _count(stats, a.rows.shape[0], w.shape[0] * w.shape[1])
-            return a.with_rows(a.rows @ w, a.dims[:-1] + ((_feature(w.shape[1]),),))
+            return a.with_rows(a.rows @ w, a.dims[:-1] + ((feature_atom(w.shape[1]),),))
     if isinstance(a, SlotRows) and isinstance(w, SlotRows) and len(a.dims) == 3 and len(w.dims) == 3:
         ok = (a.route.same(w.route) and a.dims[0] == w.dims[0] and len(a.dims[0]) == 1
               and a.dims[0][0][0] == "E" and a.slot_dim(2) and a.dims[2] == w.dims[1]
@@ -274,7 +246,7 @@ def apply(fn, node, args, stats=None):
     if op == "permute":
         return _relaid(p, tuple(p.dims[i] for i in node.attr("perm")))
     if op == "reshape":
-        return _relaid(p, _regroup(p.dims, node.type.shape))
+        return _relaid(p, _regrouped(p.dims, node.type.shape))
     if op in ELEMENTWISE:
         if len(packed) != len(args) or any(q.signature() != p.signature() or not q.route.same(p.route)
                                            for q in packed):
@@ -293,7 +265,7 @@ def _feature_op(node, p, packed, args):
     if p.slot_dim(d) or len(packed) != len(args) or any(not q.route.same(p.route) for q in packed):
         raise NotPacked(f"%{node.name}: a {node.op} of the slot dims or with non-slots")
     pd = 1 + p.feature_dims().index(d)
-    dims = p.dims[:d] + ((_feature(node.type.shape[d]),),) + p.dims[d + 1:]
+    dims = p.dims[:d] + ((feature_atom(node.type.shape[d]),),) + p.dims[d + 1:]
     if node.op == "cat":
         return p.with_rows(np.concatenate([q.rows for q in packed], axis=pd), dims,
                            all(q.zero_empty for q in packed))
@@ -374,3 +346,11 @@ def masked(xs, node):
     if node.attr("reduce_op") == "max":
         return list(xs)
     return [x if c == 0 else x.with_rows(np.zeros_like(x.rows)) for c, x in enumerate(xs)]
+
+
+def _regrouped(dims, shape):
+    """The atoms of ``dims`` regrouped into ``shape`` (parcomp/ir/moe_slots.py), or NotPacked."""
+    try:
+        return regroup(dims, shape)
+    except SlotLayoutError as e:
+        raise NotPacked(str(e)) from None

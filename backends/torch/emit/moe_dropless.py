@@ -33,11 +33,14 @@ the whole program dense, and :func:`dropless_plan` says which.
 """
 from __future__ import annotations
 
-import itertools
 import json
 from dataclasses import dataclass, field
 
-SLOT_ATOMS = ("B", "E", "C")
+from parcomp.ir.moe_slots import SLOT_ATOMS, SlotLayoutError, feature_atom, regroup
+from parcomp.ir.moe_slots import feature_dims as slot_feature_dims
+from parcomp.ir.moe_slots import is_slot_dim
+from parcomp.ir.moe_slots import signature as slot_signature
+
 DROPLESS_EXCHANGE = ("; dropless: only the routed tokens' rows travel, packed by expert, after the "
                      "per-expert counts (one all_to_all per layer and step); bytes here: the padded "
                      "buffer's, an upper bound")
@@ -58,14 +61,14 @@ class Packed:
     side: str
 
     def slot_dim(self, d) -> bool:
-        return all(a[0] in SLOT_ATOMS for a in self.dims[d])
+        return is_slot_dim(self.dims, d)
 
     def signature(self) -> tuple:
         """The layout with feature atoms by size only: what element-wise operands must share."""
-        return tuple(tuple(a if a[0] in SLOT_ATOMS else ("f", a[1]) for a in d) for d in self.dims)
+        return slot_signature(self.dims)
 
     def feature_dims(self) -> list:
-        return [d for d in range(len(self.dims)) if not self.slot_dim(d)]
+        return slot_feature_dims(self.dims)
 
     def physical(self, d) -> int:
         """The dim of the packed tensor ([N, *feature dims]) that dense feature dim d is."""
@@ -99,41 +102,6 @@ class DroplessPlan:
 
 def _atoms_dims(shape, names) -> tuple:
     return tuple(((a, s),) for a, s in zip(names, shape))
-
-
-_FEATURE_IDS = itertools.count()  # a feature atom's identity: only compared, never printed
-
-
-def _feature(size):
-    return (("f", next(_FEATURE_IDS)), size)
-
-
-def _regroup(dims, shape):
-    """The atoms of ``dims`` regrouped, in order, into ``shape`` (a reshape), or NotDropless."""
-    atoms = [a for d in dims for a in d]
-    out, i = [], 0
-    for k, size in enumerate(shape):
-        group, prod = [], 1
-        while i < len(atoms) and (prod < size or (atoms[i][1] == 1 and prod == size and not group)):
-            group.append(atoms[i])
-            prod *= atoms[i][1]
-            i += 1
-        last = k + 1 == len(shape) or shape[k + 1] != 1  # no size-1 dim follows to take them
-        while i < len(atoms) and atoms[i][1] == 1 and prod == size and atoms[i][0] in SLOT_ATOMS and last:
-            group.append(atoms[i])  # a size-1 slot atom rides with the group before it
-            i += 1
-        if prod != size:
-            raise NotDropless(f"a reshape to {tuple(shape)} cuts an atom of {dims}")
-        if not group:
-            group = [_feature(1)]
-        out.append(tuple(group))
-    if i != len(atoms):
-        raise NotDropless(f"a reshape to {tuple(shape)} leaves atoms of {dims}")
-    for d in out:
-        kinds = {a[0] in SLOT_ATOMS for a in d if a[1] != 1}
-        if len(kinds) > 1:
-            raise NotDropless(f"a reshape to {tuple(shape)} mixes slots and features in one dim")
-    return tuple(out)
 
 
 def dropless_plan(prog, names, stash_out: bool = False, stash_in=None, prefix: str = "saved.",
@@ -218,7 +186,7 @@ def _plan(program, names, stash_out=False, stash_in=None, prefix="saved.", kept_
                 raise NotDropless(f"%{n.name}: capacity {n.attr('capacity')} below the row's tokens")
             plan, pre = route_plan(n.inputs[1])
             b, e, cap, h = n.type.shape
-            packed[n.name] = Packed(_atoms_dims((b, e, cap), SLOT_ATOMS) + ((_feature(h),),), plan, "rows")
+            packed[n.name] = Packed(_atoms_dims((b, e, cap), SLOT_ATOMS) + ((feature_atom(h),),), plan, "rows")
             args = ", ".join(names[i] for i in n.inputs)
             lines[n.name] = pre + [f"{names[n.name]} = moe_pack({args}, {plan}, {n.attr('weighted', False)})"]
             continue
@@ -268,7 +236,7 @@ def _statement(program, n, ins, names, expert_plans, back, fresh, route_plan):
         if op == "permute":
             dims = tuple(p.dims[i] for i in n.attr("perm"))
         else:
-            dims = _regroup(p.dims, n.type.shape)
+            dims = _regrouped(p.dims, n.type.shape)
         out = Packed(dims, p.plan, p.side)
         old = [p.dims[d] for d in p.feature_dims()]
         new = [out.dims[d] for d in out.feature_dims()]
@@ -289,7 +257,7 @@ def _statement(program, n, ins, names, expert_plans, back, fresh, route_plan):
         if a is not None and w is None and program[n.inputs[1]].type.rank == 3 and len(a.dims) == 3:
             if a.dims[0] != (a.dims[0][0],) or a.dims[0][0][0] != "E" or not a.slot_dim(1) or a.slot_dim(2):
                 raise NotDropless(f"%{n.name}: a matmul of slots not batched over the experts")
-            out = Packed((a.dims[0], a.dims[1], (_feature(n.type.shape[2]),)), a.plan, a.side)
+            out = Packed((a.dims[0], a.dims[1], (feature_atom(n.type.shape[2]),)), a.plan, a.side)
             return [f"{var} = moe_grouped_mm({args[0]}, {args[1]}, {a.plan})"], out
         if a is not None and w is not None and len(a.dims) == 3 and len(w.dims) == 3:
             ok = (a.plan == w.plan and a.dims[0] == w.dims[0] and a.dims[0][0][0] == "E" and len(a.dims[0]) == 1
@@ -299,14 +267,14 @@ def _statement(program, n, ins, names, expert_plans, back, fresh, route_plan):
                 raise NotDropless(f"%{n.name}: a matmul of two slot values that is no weight gradient")
             return [f"{var} = moe_grouped_wgrad({args[0]}, {args[1]}, {a.plan})"], None
         if a is not None and w is None and program[n.inputs[1]].type.rank == 2 and not a.slot_dim(len(a.dims) - 1):
-            out = Packed(a.dims[:-1] + ((_feature(n.type.shape[-1]),),), a.plan, a.side)
+            out = Packed(a.dims[:-1] + ((feature_atom(n.type.shape[-1]),),), a.plan, a.side)
             return None, out  # one weight for every expert: a plain matmul of the rows
         raise NotDropless(f"%{n.name}: a matmul of slots the packed form does not cover")
     if op in ("slice", "slice_grad"):
         d = n.attr("dim")
         if p.slot_dim(d):
             raise NotDropless(f"%{n.name}: a {op} of the slot dims")
-        out = Packed(p.dims[:d] + ((_feature(n.type.shape[d]),),) + p.dims[d + 1:], p.plan, p.side)
+        out = Packed(p.dims[:d] + ((feature_atom(n.type.shape[d]),),) + p.dims[d + 1:], p.plan, p.side)
         pd = p.physical(d)
         a = n.attr
         if op == "slice":
@@ -318,7 +286,7 @@ def _statement(program, n, ins, names, expert_plans, back, fresh, route_plan):
         d = n.attr("dim")
         if any(q is None or q.plan != p.plan for q in ins) or p.slot_dim(d):
             raise NotDropless(f"%{n.name}: a cat of slots along the slots or with non-slots")
-        out = Packed(p.dims[:d] + ((_feature(n.type.shape[d]),),) + p.dims[d + 1:], p.plan, p.side)
+        out = Packed(p.dims[:d] + ((feature_atom(n.type.shape[d]),),) + p.dims[d + 1:], p.plan, p.side)
         return [f"{var} = torch.cat(({', '.join(args)},), dim={p.physical(d)})"], out
     if op == "all_to_all":
         return _exchange(n, p, names, expert_plans, back, fresh)
@@ -357,3 +325,11 @@ def _resize(dims, shape):
             rest *= a[1]
         out.append(((d[0][0], size // rest),) + d[1:])
     return tuple(out)
+
+
+def _regrouped(dims, shape):
+    """The atoms of ``dims`` regrouped into ``shape`` (parcomp/ir/moe_slots.py), or NotDropless."""
+    try:
+        return regroup(dims, shape)
+    except SlotLayoutError as e:
+        raise NotDropless(str(e)) from None
