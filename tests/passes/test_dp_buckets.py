@@ -116,13 +116,16 @@ def test_small_cap_buckets_start_while_backward_runs_and_wait_before_the_optimiz
     grad_l0 = next(i for i, n in enumerate(c.program.nodes) if n.op == "bucket_cat" and n.name in
                    c.program[last].inputs)
     assert order.index(first) < grad_l0 < wait  # started before the last gradients exist
-    for b in buckets:  # each bucket is waited for just before the optimizer reads it
+    # the SGD updates are one fused call (group-updates): every bucket is waited for after the
+    # backward's last matmul and before that call, which reads them all
+    update = min(i for i, n in enumerate(c.program.nodes) if n.phase == "optimizer")
+    assert all(n.phase == "optimizer" for n in c.program.nodes[update:])
+    for b in buckets:
         at = order.index(f"{b['all_reduce']}.wait")
         reads = [i for i, n in enumerate(c.program.nodes) if n.phase == "optimizer"
                  and any(c.program[x].op == "bucket_part" and c.program[c.program[x].inputs[0]].inputs[0]
                          == b["all_reduce"] for x in n.inputs)]
-        assert reads and at < min(reads) and all(c.program.nodes[i].phase != "optimizer" for i in
-                                                   range(at, min(reads)))
+        assert reads and grad_l0 < at < update
     equal_to_unsharded(c)
 
 
