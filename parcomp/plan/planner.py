@@ -146,16 +146,22 @@ def _router(graph, users, name, depth: int = 12) -> bool:
     its logits are gathered for the softmax over all experts; split by rows (rowwise), its
     partial sums are reduced: one collective a block either way, where the replicated router
     costs ``2 * tokens * hidden * experts`` FLOPs, a small part of one expert's matmul."""
+    return _reaches(users, name, depth, lambda cur, u: graph[u].op in ("topk", "topk_index"),
+                    lambda cur, u: graph[u].op not in ("matmul", "sdpa", "embedding"))
+
+
+def _reaches(users, name, depth, found, through) -> bool:
+    """Whether a walk from ``name`` along ``users``, at most ``depth`` steps, meets a user ``u``
+    of a node ``cur`` with ``found(cur, u)``, going on only through users with ``through(cur, u)``."""
     frontier, seen = [name], {name}
     while frontier and depth:
         depth -= 1
         nxt = []
         for cur in frontier:
             for u in users[cur]:
-                op = graph[u].op
-                if op in ("topk", "topk_index"):
+                if found(cur, u):
                     return True
-                if op not in ("matmul", "sdpa", "embedding") and u not in seen:
+                if through(cur, u) and u not in seen:
                     seen.add(u)
                     nxt.append(u)
         frontier = nxt
@@ -178,20 +184,10 @@ def _low_rank(graph, users, name, depth: int = 12) -> bool:
     x = graph[node.inputs[0]].type
     if not x.rank or node.type.shape[-1] >= x.shape[-1]:
         return False
-    frontier, seen = [name], {name}
-    while frontier and depth:
-        depth -= 1
-        nxt = []
-        for cur in frontier:
-            for u in users[cur]:
-                n = graph[u]
-                if n.op == "matmul" and n.inputs[0] == cur and graph[n.inputs[1]].op in ("param", "permute"):
-                    return True
-                if n.op in _TO_UP and n.inputs[0] == cur and u not in seen:
-                    seen.add(u)
-                    nxt.append(u)
-        frontier = nxt
-    return False
+    return _reaches(users, name, depth,
+                    lambda cur, u: (graph[u].op == "matmul" and graph[u].inputs[0] == cur
+                                    and graph[graph[u].inputs[1]].op in ("param", "permute")),
+                    lambda cur, u: graph[u].op in _TO_UP and graph[u].inputs[0] == cur)
 
 
 def _shared_kv(graph, users, name, depth: int = 40) -> int | None:
